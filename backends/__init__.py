@@ -1,0 +1,25 @@
+"""Storage backends for bcp: one small interface, a registry keyed by URI scheme.
+
+Knows nothing of tensors or of the checkpoint engine (DESIGN.md layering).
+"""
+
+from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
+from .errors import ObjectExistsError, ObjectNotFoundError, StorageError
+from .registry import backend_for, get_backend_class, register_backend, registered_backends, split_scheme
+
+__all__ = [
+    "Backend",
+    "Buffer",
+    "Capability",
+    "IOHints",
+    "ObjectExistsError",
+    "ObjectNotFoundError",
+    "ObjectWriter",
+    "StorageError",
+    "backend_for",
+    "check_key",
+    "get_backend_class",
+    "register_backend",
+    "registered_backends",
+    "split_scheme",
+]

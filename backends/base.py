@@ -1,0 +1,222 @@
+"""The storage backend interface.
+
+A backend stores opaque objects under string keys relative to a root URI, with the
+smallest set of semantics that local filesystems, object stores and distributed
+filesystems all share (DESIGN.md, "Backend contract"). It knows nothing of tensors
+or checkpoints.
+
+Notes for implementers
+----------------------
+* Subclass :class:`Backend` and implement every abstract method; a backend that
+  misses one fails when it is constructed, not at the first call.
+* Keys are ``/``-separated relative paths: no leading ``/``, no empty, ``.`` or
+  ``..`` components. Unicode is allowed. :func:`check_key` enforces this; call it.
+* Raise :class:`~bcp.backends.errors.ObjectNotFoundError` (a ``FileNotFoundError``)
+  for a missing object, and wrap every other failure once in
+  :class:`~bcp.backends.errors.StorageError` (``errors.annotate`` does both).
+* Declare what the store can do in ``capabilities``; the engine picks its commit
+  protocol from it and the conformance suite picks what to test.
+* Everything not abstract has a default built on the abstract methods; override it
+  only to make it faster.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+from collections.abc import Iterator
+from typing import ClassVar, Self
+
+from .errors import ObjectExistsError
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Capability(enum.Flag):
+    """What a store guarantees beyond the base contract."""
+
+    NONE = 0
+    #: ``write_if_absent`` is atomic: of writers racing for one key exactly one wins
+    #: (O_EXCL/link locally, ``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS).
+    CREATE_ONLY = enum.auto()
+    #: ``read_into`` at an offset costs about the bytes read, not the whole object.
+    RANGED_READ = enum.auto()
+    #: ``ObjectWriter.write_at`` may be called from several threads at once.
+    PARALLEL_WRITES = enum.auto()
+    #: Objects are files on a local or mounted POSIX filesystem (rename is atomic).
+    POSIX = enum.auto()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IOHints:
+    """How to drive a backend fast. Advice, not contract, except ``part_size``."""
+
+    #: When set, every ``write_at`` except the one that ends the object must start at a
+    #: multiple of ``part_size`` and be a multiple of it long (object-store multipart
+    #: uploads need this). ``None``: any non-overlapping ranges.
+    part_size: int | None = None
+    #: Concurrent streams worth using per process.
+    concurrency: int = 4
+
+
+class ObjectWriter(abc.ABC):
+    """Writes one object, possibly in parts, and makes it visible atomically.
+
+    Call order: ``write_at`` any number of times (ranges must not overlap and must
+    cover ``[0, size)`` with no gaps), then exactly one of ``commit`` or ``abort``.
+    Until ``commit`` returns, readers see the previous object under the key, or none.
+    Used as a context manager, leaving the block without ``commit`` aborts.
+    """
+
+    key: str
+
+    @abc.abstractmethod
+    def write_at(self, offset: int, data: Buffer) -> None:
+        """Write ``data`` at ``offset`` of the new object. Must not keep a reference
+        to ``data`` after returning (the caller reuses its buffers)."""
+
+    @abc.abstractmethod
+    def commit(self) -> None:
+        """Make the object durable and visible, replacing any object under the key.
+        After an exception here, nothing new is visible (the old object, if any, stays)."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Discard everything written. Idempotent; never raises for a missing part."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not getattr(self, "_finished", False):
+            self.abort()
+
+
+class Backend(abc.ABC):
+    """A store rooted at a URI. Thread-safe: one instance serves many threads.
+
+    Not guaranteed by the contract: the order of ``list``; atomicity of anything
+    spanning several keys (``delete_prefix`` may stop halfway); read-after-write
+    visibility across processes before ``commit`` returns.
+    """
+
+    #: URI scheme this class serves by default ("file", "memory", "s3", ...).
+    scheme: ClassVar[str]
+    capabilities: ClassVar[Capability] = Capability.NONE
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+
+    @classmethod
+    @abc.abstractmethod
+    def from_uri(cls, uri: str, **options: str) -> Self:
+        """Build a backend rooted at ``uri`` (query string already removed). Options
+        come from the URI query (strings) and keyword arguments (any type); reject
+        unknown ones with TypeError naming them. Never accept credentials here that
+        the store's standard configuration already provides."""
+
+    @property
+    def hints(self) -> IOHints:
+        return IOHints()
+
+    # -- the contract ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def open_writer(self, key: str, *, size: int | None = None) -> ObjectWriter:
+        """Start writing ``key``. ``size``, when given, is the final size: a hint to
+        preallocate. Nothing is visible until the writer commits."""
+
+    @abc.abstractmethod
+    def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
+        """Read up to ``len(buffer)`` bytes of ``key`` starting at ``offset`` into
+        ``buffer``; return how many were read (fewer only at the end of the object,
+        0 at or past it). Missing key: ObjectNotFoundError."""
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int:
+        """Size in bytes of ``key``. Missing key: ObjectNotFoundError."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[str]:
+        """Every committed key that starts with ``prefix`` (a plain string prefix, not
+        a directory), in no particular order. Unfinished writes are never listed."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``. Deleting a missing key is not an error."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` is a committed object."""
+
+    # -- derived; override for speed -------------------------------------------------
+
+    def write(self, key: str, data: Buffer) -> None:
+        """Write a whole object atomically (replacing any old one)."""
+        with self.open_writer(key, size=len(data)) as writer:
+            if len(data):
+                writer.write_at(0, data)
+            writer.commit()
+
+    def write_if_absent(self, key: str, data: Buffer) -> None:
+        """Create ``key`` only if it does not exist; else ObjectExistsError.
+
+        Note for implementers: this default checks, then writes, so two racing writers
+        can both succeed. Stores that can do better override it and declare
+        ``Capability.CREATE_ONLY``; the engine relies on that flag, not on this method.
+        """
+        if self.exists(key):
+            raise ObjectExistsError("object already exists", uri=self.uri, key=key, action="creating")
+        self.write(key, data)
+
+    def read(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Read ``length`` bytes from ``offset`` (to the end when None) as bytes."""
+        if length is None:
+            length = max(self.size(key) - offset, 0)
+        buf = bytearray(length)
+        view = memoryview(buf)
+        got = 0
+        while got < length:
+            n = self.read_into(key, offset + got, view[got:])
+            if n == 0:
+                break
+            got += n
+        return bytes(view[:got])
+
+    def read_exact(self, key: str, offset: int, buffer: memoryview) -> None:
+        """Fill ``buffer`` entirely from ``offset``; EOFError naming key and offset if the
+        object ends first."""
+        got = 0
+        while got < len(buffer):
+            n = self.read_into(key, offset + got, buffer[got:])
+            if n == 0:
+                raise EOFError(
+                    f"{key!r} in {self.uri} ended at byte {offset + got}; "
+                    f"expected {len(buffer)} bytes from offset {offset}"
+                )
+            got += n
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every key under ``prefix``. Not atomic: a failure may stop halfway."""
+        for key in list(self.list(prefix)):
+            self.delete(key)
+
+    def close(self) -> None:
+        """Release connections or handles. The default holds none."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+
+def check_key(key: str) -> str:
+    """Validate an object key (see module notes); return it unchanged."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"invalid object key {key!r}: must be a non-empty string")
+    parts = key.split("/")
+    if key.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in key or "\0" in key:
+        raise ValueError(
+            f"invalid object key {key!r}: use '/'-separated relative names without "
+            "empty, '.' or '..' parts, backslashes or NUL"
+        )
+    return key

@@ -1,0 +1,249 @@
+"""Local and mounted POSIX filesystems (NVMe, NFS, Lustre, ...).
+
+Writes go to a hidden partial file beside the target, with positional writes
+(``os.pwrite``) straight from the caller's buffer, then ``fsync``, an atomic
+``rename`` and an ``fsync`` of the directory, so an object is either complete and
+durable or not there. Create-only writes use ``link(2)``, which fails atomically when
+the name exists. Reads use ``os.preadv`` into the caller's buffer: no Python copies.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Self
+from urllib.parse import unquote, urlsplit
+
+from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
+from .errors import ObjectExistsError, StorageError, annotate
+
+#: Marks an unfinished write. Keys may not contain it; ``list`` never shows such files.
+PARTIAL_MARKER = ".bcp-partial-"
+
+
+def _parse_bool(name: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"option {name}={value!r} is not a boolean")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FileBackend(Backend):
+    """Objects are files under a root directory; keys are relative paths."""
+
+    scheme = "file"
+    capabilities = Capability.CREATE_ONLY | Capability.RANGED_READ | Capability.PARALLEL_WRITES | Capability.POSIX
+
+    def __init__(self, root: str, *, fsync: bool = True) -> None:
+        root = os.path.abspath(os.path.expanduser(root))
+        super().__init__(root)
+        self.root = root
+        self.fsync = fsync
+
+    @classmethod
+    def from_uri(cls, uri: str, **options) -> Self:
+        if "://" in uri:
+            parts = urlsplit(uri)
+            if parts.scheme != "file" or parts.netloc not in ("", "localhost"):
+                raise ValueError(f"not a local file URI: {uri!r} (use file:///absolute/path or a plain path)")
+            path = unquote(parts.path)
+        else:
+            path = uri
+        fsync = _parse_bool("fsync", options.pop("fsync", True))
+        if options:
+            raise TypeError(f"unknown option(s) for file backend {uri!r}: {', '.join(sorted(options))}")
+        return cls(path, fsync=fsync)
+
+    @property
+    def hints(self) -> IOHints:
+        return IOHints(part_size=None, concurrency=4)
+
+    def _path(self, key: str) -> str:
+        check_key(key)
+        if PARTIAL_MARKER in key:
+            raise ValueError(f"invalid object key {key!r}: contains the reserved {PARTIAL_MARKER!r}")
+        return os.path.join(self.root, *key.split("/"))
+
+    def _make_dirs(self, path: str) -> None:
+        """Create missing directories and make their entries durable."""
+        missing = []
+        while not os.path.isdir(path):
+            missing.append(path)
+            path = os.path.dirname(path)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                continue
+            if self.fsync:
+                _fsync_dir(os.path.dirname(d))
+
+    # -- writing -----------------------------------------------------------------------
+
+    def open_writer(self, key: str, *, size: int | None = None) -> ObjectWriter:
+        return _FileWriter(self, key, size)
+
+    def write_if_absent(self, key: str, data: Buffer) -> None:
+        final = self._path(key)
+        writer = _FileWriter(self, key, len(data))
+        try:
+            if len(data):
+                writer.write_at(0, data)
+            writer.flush_and_close()
+            with annotate(self.uri, key, "creating"):
+                try:
+                    os.link(writer.tmp, final)
+                except OSError as e:
+                    if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                        raise
+                    # No hard links on this filesystem: fall back to check-then-rename (racy).
+                    if os.path.exists(final):
+                        raise FileExistsError(final) from e
+                    os.rename(writer.tmp, final)
+                if self.fsync:
+                    _fsync_dir(os.path.dirname(final))
+        finally:
+            writer.abort()
+
+    # -- reading -----------------------------------------------------------------------
+
+    def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
+        path = self._path(key)
+        with annotate(self.uri, key, "reading"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                view = memoryview(buffer).cast("B")
+                got = 0
+                while got < len(view):
+                    n = os.preadv(fd, [view[got:]], offset + got)
+                    if n == 0:
+                        break
+                    got += n
+                return got
+            finally:
+                os.close(fd)
+
+    def size(self, key: str) -> int:
+        path = self._path(key)
+        with annotate(self.uri, key, "sizing"):
+            st = os.stat(path)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(path)
+            return st.st_size
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self._path(key))
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        # Walk only the deepest directory the prefix names, then filter by string prefix.
+        head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = os.path.join(self.root, *head.split("/")) if head else self.root
+        if not os.path.isdir(base):
+            return
+        with annotate(self.uri, prefix, "listing"):
+            for dirpath, _dirs, files in os.walk(base):
+                rel = os.path.relpath(dirpath, self.root)
+                rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+                for name in files:
+                    key = rel + name
+                    if PARTIAL_MARKER not in name and key.startswith(prefix):
+                        yield key
+
+    # -- deleting ----------------------------------------------------------------------
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        with annotate(self.uri, key, "deleting"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                return
+            # Directories are not objects: drop the ones this delete emptied.
+            parent = os.path.dirname(path)
+            while parent != self.root and parent.startswith(self.root):
+                try:
+                    os.rmdir(parent)
+                except OSError:
+                    break
+                parent = os.path.dirname(parent)
+
+
+class _FileWriter(ObjectWriter):
+    def __init__(self, backend: FileBackend, key: str, size: int | None) -> None:
+        self.backend = backend
+        self.key = key
+        self.final = backend._path(key)
+        self.tmp = f"{self.final}{PARTIAL_MARKER}{uuid.uuid4().hex[:12]}"
+        self._finished = False
+        self._lock = threading.Lock()
+        with annotate(backend.uri, key, "opening for write"):
+            backend._make_dirs(os.path.dirname(self.final))
+            self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            if size:
+                try:
+                    os.posix_fallocate(self.fd, 0, size)
+                except OSError as e:  # tmpfs, some network filesystems
+                    if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
+                        raise
+
+    def write_at(self, offset: int, data: Buffer) -> None:
+        if self.fd is None:
+            raise StorageError("writer already finished", uri=self.backend.uri, key=self.key, action="writing")
+        view = memoryview(data).cast("B")
+        with annotate(self.backend.uri, self.key, "writing"):
+            done = 0
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def flush_and_close(self) -> None:
+        with annotate(self.backend.uri, self.key, "flushing"):
+            if self.fd is not None:
+                fd, self.fd = self.fd, None
+                try:
+                    if self.backend.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+    def commit(self) -> None:
+        with self._lock:
+            if self._finished:
+                raise StorageError("writer already finished", uri=self.backend.uri, key=self.key, action="committing")
+            try:
+                self.flush_and_close()
+                with annotate(self.backend.uri, self.key, "committing"):
+                    os.rename(self.tmp, self.final)
+                    if self.backend.fsync:
+                        _fsync_dir(os.path.dirname(self.final))
+                self._finished = True
+            except BaseException:
+                self.abort()
+                raise
+
+    def abort(self) -> None:
+        self._finished = True
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+
+__all__ = ["FileBackend", "ObjectExistsError", "PARTIAL_MARKER"]

@@ -1,0 +1,130 @@
+"""Which backend class serves which URI scheme.
+
+Three sources, consulted in this order: classes registered at run time with
+:func:`register_backend`; the built-in table below (imported on first use, so an
+optional dependency is needed only when its scheme is used); and the ``bcp.backends``
+entry-point group, read once, lazily, the first time a scheme is not found in the
+first two. A plain path (no ``scheme://``) means ``file``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import re
+import threading
+from collections.abc import Mapping
+from types import MappingProxyType
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
+
+from .base import Backend
+
+log = logging.getLogger(__name__)
+
+#: scheme -> (dotted class path, install hint shown when its import fails). Keep sorted.
+_BUILTIN: dict[str, tuple[str, str | None]] = {
+    "file": ("bcp.backends.file.FileBackend", None),
+    "memory": ("bcp.backends.memory.MemoryBackend", None),
+}
+
+_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+_lock = threading.Lock()
+_registered: dict[str, type[Backend] | str] = {}
+_entry_points: dict[str, importlib.metadata.EntryPoint] | None = None
+
+
+def split_scheme(uri: str) -> tuple[str, str]:
+    """``("s3", "s3://b/k")`` for a URI, ``("file", path)`` for a plain path."""
+    m = _SCHEME_RE.match(uri)
+    if not m:
+        return "file", uri
+    return m.group(1).lower(), uri
+
+
+def register_backend(scheme: str, backend: type[Backend] | str, *, clobber: bool = False) -> None:
+    """Serve ``scheme://`` URIs with ``backend`` (a class or a dotted path to one).
+
+    Refuses to replace a scheme that is already served unless ``clobber=True``.
+    """
+    scheme = scheme.lower()
+    if not _SCHEME_RE.match(scheme + "://"):
+        raise ValueError(f"invalid URI scheme {scheme!r}")
+    with _lock:
+        if not clobber and (scheme in _registered or scheme in _BUILTIN):
+            raise ValueError(f"a backend for {scheme}:// is already registered; pass clobber=True to replace it")
+        _registered[scheme] = backend
+
+
+def _load_entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    global _entry_points
+    with _lock:
+        if _entry_points is None:
+            found = {}
+            for ep in importlib.metadata.entry_points(group="bcp.backends"):
+                found.setdefault(ep.name.lower(), ep)
+            _entry_points = found
+        return _entry_points
+
+
+def registered_backends() -> Mapping[str, str]:
+    """Read-only view: every known scheme -> where its class comes from."""
+    view: dict[str, str] = {s: path for s, (path, _hint) in _BUILTIN.items()}
+    for ep_scheme, ep in _load_entry_points().items():
+        view.setdefault(ep_scheme, f"{ep.value} (entry point)")
+    for scheme, target in _registered.items():
+        view[scheme] = target if isinstance(target, str) else f"{target.__module__}.{target.__qualname__}"
+    return MappingProxyType(dict(sorted(view.items())))
+
+
+def _import_dotted(path: str) -> type[Backend]:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def get_backend_class(scheme: str, *, uri: str | None = None) -> type[Backend]:
+    """The class serving ``scheme``; ValueError listing known schemes when none does."""
+    scheme = scheme.lower()
+    target = _registered.get(scheme)
+    if target is not None:
+        return _import_dotted(target) if isinstance(target, str) else target
+    if scheme in _BUILTIN:
+        path, hint = _BUILTIN[scheme]
+        try:
+            return _import_dotted(path)
+        except ImportError as e:
+            raise ImportError(f"the {scheme}:// backend needs extra packages: {hint or e}") from e
+    ep = _load_entry_points().get(scheme)
+    if ep is not None:
+        try:
+            cls = ep.load()
+        except Exception as e:
+            dist = getattr(ep, "dist", None)
+            origin = f" from distribution {dist.name!r}" if dist is not None else ""
+            raise ImportError(
+                f"backend plugin entry point {ep.name!r} = {ep.value!r}{origin} (group bcp.backends) failed to load: {e}"
+            ) from e
+        if not (isinstance(cls, type) and issubclass(cls, Backend)):
+            raise TypeError(f"entry point {ep.name!r} = {ep.value!r} is not a bcp.backends.Backend subclass")
+        return cls
+    known = ", ".join(f"{s}://" for s in registered_backends())
+    where = f" in {uri!r}" if uri else ""
+    raise ValueError(f"unknown storage scheme {scheme!r}{where}; registered schemes: {known}")
+
+
+def backend_for(uri: str, **options) -> Backend:
+    """Build the backend for ``uri``. Query parameters become options; keyword
+    arguments override them."""
+    if not isinstance(uri, str):
+        uri = str(uri)  # os.PathLike
+    scheme, _ = split_scheme(uri)
+    cls = get_backend_class(scheme, uri=uri)
+    base = uri
+    if scheme != "file" or "://" in uri:
+        parts = urlsplit(uri)
+        if parts.query:
+            query = dict(parse_qsl(parts.query, keep_blank_values=True))
+            options = {**query, **options}
+            base = urlunsplit(parts._replace(query=""))
+    log.debug("backend %s for %s", cls.__name__, base)
+    return cls.from_uri(base, **options)

@@ -1,0 +1,46 @@
+"""bcp: parallelism-independent, storage-agnostic checkpoints for PyTorch training.
+
+    import bcp
+    info = bcp.save({"model": model.state_dict(), "step": 100}, "/ckpt/step100")
+    bcp.load(state, "/ckpt/step100")          # fills tensors in place
+    reader = bcp.open("/ckpt/step100")        # no template needed
+"""
+
+from . import backends, metadata
+from ._version import __version__
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatError,
+    IncompleteCheckpointError,
+    StateMismatchError,
+    StorageError,
+    UnsupportedStateError,
+)
+from .load import load
+from .reader import CheckpointReader, TensorMeta
+from .reader import open_checkpoint as open  # noqa: A001 - the public name is bcp.open
+from .save import SaveInfo, save
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CheckpointReader",
+    "CorruptCheckpointError",
+    "FormatError",
+    "IncompleteCheckpointError",
+    "SaveInfo",
+    "StateMismatchError",
+    "StorageError",
+    "TensorMeta",
+    "UnsupportedStateError",
+    "__version__",
+    "backends",
+    "load",
+    "metadata",
+    "open",
+    "save",
+]

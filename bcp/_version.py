@@ -1,0 +1,6 @@
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("bcp")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"

@@ -1,0 +1,155 @@
+"""Flatten a nested training state into tensor and object leaves, and put values back.
+
+Rules (FORMAT.md, "Keys"):
+* The root is a mapping; its top-level keys are always entries.
+* A dict, list or tuple that contains a tensor somewhere below is traversed; its
+  keys must be ``str`` or ``int``. A container with no tensor below it is one object
+  leaf (so optimizer ``param_groups`` or a scheduler's state is one entry).
+* Every tensor is a leaf. Everything else is an object leaf.
+* A leaf's FQN joins its keys with "."; its key path keeps the keys' types and the
+  containers' kinds, so a state can be rebuilt without a template.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from .errors import FormatError, UnsupportedStateError
+
+#: ("d", key) dict entry, ("l", i) list item, ("t", i) tuple item
+PathElem = tuple[str, str | int]
+KeyPath = tuple[PathElem, ...]
+
+
+def fqn_of(path: KeyPath) -> str:
+    return ".".join(str(k) for _kind, k in path)
+
+
+def path_to_json(path: KeyPath) -> list:
+    return [[kind, key] for kind, key in path]
+
+
+def path_from_json(doc: Any, *, fqn: str) -> KeyPath:
+    try:
+        path = tuple((str(kind), key) for kind, key in doc)
+    except (TypeError, ValueError):
+        raise FormatError(f"malformed key path for {fqn!r}: {doc!r}") from None
+    for kind, key in path:
+        if kind not in ("d", "l", "t") or not isinstance(key, (str, int)) or (kind != "d" and not isinstance(key, int)):
+            raise FormatError(f"malformed key path for {fqn!r}: {doc!r}")
+    return path
+
+
+def path_to_str(path: KeyPath) -> str:
+    return json.dumps(path_to_json(path), ensure_ascii=True, separators=(",", ":"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Leaf:
+    fqn: str
+    path: KeyPath
+    value: Any
+
+    @property
+    def is_tensor(self) -> bool:
+        return isinstance(self.value, torch.Tensor)
+
+
+def _contains_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_contains_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_contains_tensor(v) for v in value)
+    return False
+
+
+def flatten_state(state: Mapping) -> dict[str, Leaf]:
+    """FQN -> leaf for every tensor and object leaf of ``state``, in traversal order."""
+    if not isinstance(state, Mapping):
+        raise UnsupportedStateError(f"the state must be a mapping (a dict of named entries), got {type(state).__name__}")
+    leaves: dict[str, Leaf] = {}
+    _walk_children(state, (), leaves)
+    return leaves
+
+
+def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf]) -> None:
+    if isinstance(container, Mapping):
+        seen: dict[str, Any] = {}
+        for key, value in container.items():
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise UnsupportedStateError(
+                    f"key {key!r} under {fqn_of(path) or '<root>'!r} is a {type(key).__name__}; containers that "
+                    "hold tensors need str or int keys"
+                )
+            if str(key) in seen:
+                raise UnsupportedStateError(
+                    f"keys {seen[str(key)]!r} and {key!r} under {fqn_of(path) or '<root>'!r} both flatten to {str(key)!r}"
+                )
+            seen[str(key)] = key
+            _walk(value, path + (("d", key),), leaves)
+    else:
+        kind = "t" if isinstance(container, tuple) else "l"
+        for i, value in enumerate(container):
+            _walk(value, path + ((kind, i),), leaves)
+
+
+def _walk(value: Any, path: KeyPath, leaves: dict[str, Leaf]) -> None:
+    if isinstance(value, (Mapping, list, tuple)) and not isinstance(value, torch.Size) and _contains_tensor(value):
+        _walk_children(value, path, leaves)
+        return
+    fqn = fqn_of(path)
+    if fqn in leaves:
+        raise UnsupportedStateError(
+            f"two entries flatten to the same key {fqn!r}: {path_to_str(leaves[fqn].path)} and {path_to_str(path)} "
+            "(a '.' inside a key collides with nesting; rename one)"
+        )
+    leaves[fqn] = Leaf(fqn, path, value)
+
+
+def replace_at(root: Any, path: KeyPath, value: Any) -> Any:
+    """Put ``value`` at ``path`` inside ``root``; dicts and lists change in place,
+    tuples are rebuilt. Returns the (possibly new) root."""
+    if not path:
+        return value
+    (kind, key), rest = path[0], path[1:]
+    if isinstance(root, tuple):
+        items = list(root)
+        items[key] = replace_at(items[key], rest, value)
+        return type(root)._make(items) if hasattr(type(root), "_make") else type(root)(items)
+    root[key] = replace_at(root[key], rest, value)
+    return root
+
+
+def build_nested(entries: Iterable[tuple[KeyPath, Any]]) -> dict:
+    """Rebuild a nested state from (key path, value) pairs, without a template."""
+    tree: dict = {}
+    kinds: dict[int, str] = {}
+    for path, value in entries:
+        node = tree
+        for i, (kind, key) in enumerate(path):
+            kinds.setdefault(id(node), kind)
+            if i == len(path) - 1:
+                node[key] = value
+            else:
+                node = node.setdefault(key, {})
+    return _materialize(tree, kinds, root=True)
+
+
+def _materialize(node: Any, kinds: dict[int, str], root: bool = False) -> Any:
+    if not isinstance(node, dict) or (id(node) not in kinds and not root):
+        return node
+    kind = kinds.get(id(node), "d")
+    items = {k: _materialize(v, kinds) for k, v in node.items()}
+    if kind == "d":
+        return items
+    ordered = [items[i] for i in sorted(items)]
+    if sorted(items) != list(range(len(items))):
+        raise FormatError(f"list entries with indices {sorted(items)} are not contiguous from 0")
+    return ordered if kind == "l" else tuple(ordered)

@@ -1,0 +1,41 @@
+"""Getting at tensor bytes without extra copies."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import UnsupportedStateError
+
+
+def check_saveable(t: torch.Tensor, fqn: str) -> None:
+    """Refuse tensors whose values cannot be stored as dense row-major bytes."""
+    if t.layout != torch.strided:
+        raise UnsupportedStateError(f"tensor at key {fqn!r} has layout {t.layout}; convert it with .to_dense() first")
+    if t.is_meta:
+        raise UnsupportedStateError(f"tensor at key {fqn!r} is on the meta device and has no values to save")
+    if t.is_quantized:
+        raise UnsupportedStateError(f"tensor at key {fqn!r} is quantized; save int_repr() and its scales instead")
+
+
+def host_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as a dense CPU tensor (the tensor itself when it already is one)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous()
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """Writable view of the bytes of a dense CPU tensor (no copy)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("byte_view needs a contiguous CPU tensor")
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def storage_identity(t: torch.Tensor) -> tuple:
+    """Equal for two tensors that are the same view of the same memory (tied weights)."""
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)

@@ -1,0 +1,34 @@
+"""The checkpoint catalog and manifest: which fragments of which tensors live where.
+
+Pure format code (FORMAT.md is the spec). Knows nothing of torch.distributed, of
+storage, or of the engine.
+"""
+
+from .catalog import CATALOG_SCHEMA, Catalog, Fragment, TensorEntry, boxes_cover_exactly, validate_fragment
+from .checksum import ALGORITHM, DEFAULT_BLOCK_BYTES, block_checksums, crc32c, digest_of_checksums
+from .dtypes import DTYPE_ITEMSIZE, itemsize
+from .errors import FormatError
+from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY, FileEntry, Manifest, ObjectEntry
+
+__all__ = [
+    "ALGORITHM",
+    "CATALOG_SCHEMA",
+    "Catalog",
+    "DEFAULT_BLOCK_BYTES",
+    "DTYPE_ITEMSIZE",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "FileEntry",
+    "FormatError",
+    "Fragment",
+    "MANIFEST_KEY",
+    "Manifest",
+    "ObjectEntry",
+    "TensorEntry",
+    "block_checksums",
+    "boxes_cover_exactly",
+    "crc32c",
+    "digest_of_checksums",
+    "itemsize",
+    "validate_fragment",
+]
