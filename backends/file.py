@@ -135,6 +135,8 @@ class FileBackend(Backend):
                         break
                     got += n
                 return got
+            except IsADirectoryError as e:  # open(2) accepts a directory; it is not an object
+                raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", path) from e
             finally:
                 os.close(fd)
 

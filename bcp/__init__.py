@@ -6,7 +6,7 @@
     reader = bcp.open("/ckpt/step100")        # no template needed
 """
 
-from . import backends, metadata
+from . import backends, metadata, tensor_io
 from ._version import __version__
 from .errors import (
     CheckpointError,
@@ -19,10 +19,10 @@ from .errors import (
     StorageError,
     UnsupportedStateError,
 )
-from .load import load
+from .loader import load
 from .reader import CheckpointReader, TensorMeta
 from .reader import open_checkpoint as open  # noqa: A001 - the public name is bcp.open
-from .save import SaveInfo, save
+from .saver import SaveInfo, save
 
 __all__ = [
     "CheckpointError",

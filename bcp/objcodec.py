@@ -19,6 +19,7 @@ import torch
 
 from .dtypes import dtype_name, torch_dtype
 from .errors import FormatError, UnsupportedStateError
+from .tensor_io import byte_view, host_contiguous
 
 TAG = "$bcp"
 _NP_KINDS = "biufcmMSU"
@@ -72,12 +73,12 @@ class _Encoder:
         if t is complex:
             return {TAG: "complex", "v": [repr(v.real), repr(v.imag)]}
         if isinstance(v, torch.Tensor) and t in (torch.Tensor, torch.nn.Parameter):
-            c = v.detach().cpu().resolve_conj().resolve_neg().contiguous()
+            c = host_contiguous(v)
             return {
                 TAG: "tensor",
                 "dtype": dtype_name(c.dtype, fqn=self.fqn + where),
                 "shape": list(c.shape),
-                "v": _b64(c.reshape(-1).view(torch.uint8).numpy().tobytes()),
+                "v": _b64(byte_view(c)),
             }
         if t is torch.dtype:
             return {TAG: "dtype", "v": dtype_name(v, fqn=self.fqn + where)}
@@ -86,7 +87,7 @@ class _Encoder:
         if t is torch.device:
             return {TAG: "device", "v": str(v)}
         if isinstance(v, (np.ndarray, np.generic)) and v.dtype.kind in _NP_KINDS:
-            arr = np.ascontiguousarray(v)
+            arr = np.asarray(v)  # tobytes() is C-order for any layout
             return {
                 TAG: "ndarray" if t is np.ndarray else "npscalar",
                 "dtype": arr.dtype.str,

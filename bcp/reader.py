@@ -20,7 +20,7 @@ from . import objcodec
 from .dtypes import torch_dtype
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from .state import KeyPath, build_nested, path_from_json
-from .tensor_io import byte_view
+from .tensor_io import byte_view, copy_values
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,7 @@ class CheckpointReader:
             tmp = torch.empty(frag.lengths, dtype=dtype)
             self._read_fragment(frag, byte_view(tmp))
             region = tuple(slice(o, o + n) for o, n in zip(frag.offsets, frag.lengths))
-            with torch.no_grad():
-                dest[region].copy_(tmp)
+            copy_values(dest[region], tmp)
 
     def _read_fragment(self, frag: Fragment, view: memoryview) -> None:
         """Read one whole fragment into ``view`` and verify every checksum block."""

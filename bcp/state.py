@@ -2,9 +2,10 @@
 
 Rules (FORMAT.md, "Keys"):
 * The root is a mapping; its top-level keys are always entries.
-* A dict, list or tuple that contains a tensor somewhere below is traversed; its
-  keys must be ``str`` or ``int``. A container with no tensor below it is one object
-  leaf (so optimizer ``param_groups`` or a scheduler's state is one entry).
+* A dict, list or tuple that contains a tensor somewhere below is traversed when its
+  keys are ``str`` or ``int``. Any other container is one object leaf: one with no
+  tensor below it (optimizer ``param_groups``, a scheduler's state), and a dict with
+  other keys (its tensors are then stored inline in the object encoding).
 * Every tensor is a leaf. Everything else is an object leaf.
 * A leaf's FQN joins its keys with "."; its key path keeps the keys' types and the
   containers' kinds, so a state can be rebuilt without a template.
@@ -79,14 +80,17 @@ def flatten_state(state: Mapping) -> dict[str, Leaf]:
     return leaves
 
 
+def _plain_key(key: Any) -> bool:
+    return isinstance(key, (str, int)) and not isinstance(key, bool)
+
+
 def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf]) -> None:
     if isinstance(container, Mapping):
         seen: dict[str, Any] = {}
         for key, value in container.items():
-            if isinstance(key, bool) or not isinstance(key, (str, int)):
+            if not _plain_key(key):
                 raise UnsupportedStateError(
-                    f"key {key!r} under {fqn_of(path) or '<root>'!r} is a {type(key).__name__}; containers that "
-                    "hold tensors need str or int keys"
+                    f"key {key!r} at the top of the state is a {type(key).__name__}; top-level keys must be str or int"
                 )
             if str(key) in seen:
                 raise UnsupportedStateError(
@@ -101,7 +105,9 @@ def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf]) -> No
 
 
 def _walk(value: Any, path: KeyPath, leaves: dict[str, Leaf]) -> None:
-    if isinstance(value, (Mapping, list, tuple)) and not isinstance(value, torch.Size) and _contains_tensor(value):
+    traversable = isinstance(value, (list, tuple)) and not isinstance(value, torch.Size)
+    traversable |= isinstance(value, Mapping) and all(_plain_key(k) for k in value)
+    if traversable and _contains_tensor(value):
         _walk_children(value, path, leaves)
         return
     fqn = fqn_of(path)

@@ -17,6 +17,25 @@ def check_saveable(t: torch.Tensor, fqn: str) -> None:
         raise UnsupportedStateError(f"tensor at key {fqn!r} is quantized; save int_repr() and its scales instead")
 
 
+_RAW_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """The same memory viewed as plain integers of the same width, so copies work for
+    every dtype (torch has no copy kernels for int1..int7, uint1..uint7)."""
+    target = _RAW_BY_SIZE.get(t.element_size())
+    return t if target is None or t.dtype == target else t.view(target)
+
+
+def copy_values(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src, bit-exact when dtypes match, cast otherwise."""
+    with torch.no_grad():
+        if dst.dtype == src.dtype:
+            raw(dst).copy_(raw(src))
+        else:
+            dst.copy_(src)
+
+
 def host_contiguous(t: torch.Tensor) -> torch.Tensor:
     """The tensor's values as a dense CPU tensor (the tensor itself when it already is one)."""
     t = t.detach()
@@ -26,14 +45,18 @@ def host_contiguous(t: torch.Tensor) -> torch.Tensor:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    return t.contiguous()
+    if t.is_contiguous():
+        return t
+    return raw(t).contiguous().view(t.dtype)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """Writable view of the bytes of a dense CPU tensor (no copy)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("byte_view needs a contiguous CPU tensor")
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    # as_strided, not reshape: a contiguous tensor may carry odd strides on size-1 dims.
+    flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
 def storage_identity(t: torch.Tensor) -> tuple:

@@ -1,0 +1,48 @@
+"""Comparison helpers shared by tests."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def tensor_bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaNs with equal payloads compare equal)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    from bcp.tensor_io import byte_view, host_contiguous
+
+    return bytes(byte_view(host_contiguous(a))) == bytes(byte_view(host_contiguous(b)))
+
+
+def assert_same(a: Any, b: Any, where: str = "", *, ordered: bool = True) -> None:
+    """Deep equality for states: tensors bitwise, floats with NaN == NaN, exact types;
+    dict key order too unless ordered=False."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{where}: tensor vs {type(b)}"
+        assert tensor_bytes_equal(a, b), f"{where}: tensors differ ({a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)})"
+        return
+    if isinstance(a, np.ndarray):
+        assert type(b) is np.ndarray and a.dtype == b.dtype and a.shape == b.shape, f"{where}: ndarray differs"
+        assert a.tobytes() == b.tobytes(), f"{where}: ndarray values differ"
+        return
+    assert type(a) is type(b), f"{where}: type {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, Mapping):
+        if ordered:
+            assert list(a.keys()) == list(b.keys()), f"{where}: keys {list(a)} vs {list(b)}"
+        else:
+            assert set(a.keys()) == set(b.keys()), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}", ordered=ordered)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: length {len(a)} vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]", ordered=ordered)
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), f"{where}: nan vs {b}"
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
