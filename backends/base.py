@@ -98,7 +98,9 @@ class Backend(abc.ABC):
 
     Not guaranteed by the contract: the order of ``list``; atomicity of anything
     spanning several keys (``delete_prefix`` may stop halfway); read-after-write
-    visibility across processes before ``commit`` returns.
+    visibility across processes before ``commit`` returns; a key that is also a
+    prefix directory of other keys (``p`` and ``p/q``: filesystems cannot hold both,
+    and bcp never creates such pairs).
     """
 
     #: URI scheme this class serves by default ("file", "memory", "s3", ...).

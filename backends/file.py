@@ -193,14 +193,23 @@ class _FileWriter(ObjectWriter):
         self.tmp = f"{self.final}{PARTIAL_MARKER}{uuid.uuid4().hex[:12]}"
         self._finished = False
         self._lock = threading.Lock()
+        self.fd: int | None = None
         with annotate(backend.uri, key, "opening for write"):
-            backend._make_dirs(os.path.dirname(self.final))
-            self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            for attempt in range(3):
+                backend._make_dirs(os.path.dirname(self.final))
+                try:
+                    self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    break
+                except FileNotFoundError:
+                    # A concurrent delete pruned the directory we just made: make it again.
+                    if attempt == 2:
+                        raise
             if size:
                 try:
                     os.posix_fallocate(self.fd, 0, size)
-                except OSError as e:  # tmpfs, some network filesystems
+                except OSError as e:  # tmpfs, some network filesystems cannot preallocate
                     if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
+                        self.abort()
                         raise
 
     def write_at(self, offset: int, data: Buffer) -> None:

@@ -519,7 +519,8 @@ class BackendContractTests:
 
     def test_size_of_directory_like_prefix_raises_not_found(self, backend: Backend) -> None:
         self.seed(backend, "dir/obj", b"x")
-        expect_raises(ObjectNotFoundError, "size('dir') of a mere prefix of 'dir/obj' did not raise ObjectNotFoundError",
+        expect_raises(ObjectNotFoundError,
+                      "size('dir') of a mere prefix of 'dir/obj' did not raise ObjectNotFoundError",
                       lambda: backend.size("dir"))
 
     def test_read_into_directory_like_prefix_raises_not_found(self, backend: Backend) -> None:
@@ -659,7 +660,8 @@ class BackendContractTests:
     def test_overwrite_replaces_content(self, backend: Backend) -> None:
         self.seed(backend, "ow", payload(50_000, seed=12))
         backend.write("ow", b"short")
-        check_bytes(self.fetch(backend, "ow"), b"short", "overwriting with a shorter object did not replace the content")
+        check_bytes(self.fetch(backend, "ow"), b"short",
+                    "overwriting with a shorter object did not replace the content")
 
     def test_overwrite_updates_size(self, backend: Backend) -> None:
         self.seed(backend, "ow", payload(50_000, seed=12))
@@ -747,7 +749,9 @@ class BackendContractTests:
 
     def test_write_if_absent_race_has_exactly_one_winner(self, backend: Backend) -> None:
         winners, _ = self._race_write_if_absent(backend)
-        assert len(winners) == 1, f"{THREADS} threads raced write_if_absent on one key and {len(winners)} won, expected 1"
+        assert len(winners) == 1, (
+            f"{THREADS} threads raced write_if_absent on one key and {len(winners)} won, expected 1"
+        )
 
     def test_write_if_absent_race_stores_winner_payload(self, backend: Backend) -> None:
         winners, payloads = self._race_write_if_absent(backend)

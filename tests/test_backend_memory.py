@@ -69,7 +69,9 @@ def test_clear_memory_store_by_name(store: str) -> None:
         backend_for(f"memory://{store}/root").write("k", b"x")
         backend_for(f"memory://{other}/root").write("k", b"y")
         clear_memory_store(store)
-        assert not backend_for(f"memory://{store}/root").exists("k"), "clear_memory_store(name) kept the store's objects"
+        assert not backend_for(f"memory://{store}/root").exists("k"), (
+            "clear_memory_store(name) kept the store's objects"
+        )
         assert backend_for(f"memory://{other}/root").exists("k"), "clear_memory_store(name) cleared another store"
     finally:
         clear_memory_store(other)

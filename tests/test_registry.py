@@ -11,7 +11,6 @@ import pytest
 
 import bcp.backends.registry as registry
 from bcp.backends import (
-    Backend,
     backend_for,
     get_backend_class,
     register_backend,
