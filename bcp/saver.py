@@ -1,10 +1,17 @@
-"""The save path: flatten, lay fragments out, write data, write catalog, commit.
+"""The save path (all ranks call ``save``; one process is a world of one).
+
+1. (all ranks) flatten the state, find each tensor's local boxes, encode objects.
+2. (coordinator) gather local plans, refuse an existing checkpoint, validate that
+   shards tile every tensor, deduplicate replicas and balance bytes over ranks.
+3. (all ranks) write the assigned boxes into one data file per rank, checksummed.
+4. (coordinator) gather fragment rows, write fragments.arrow, then commit
+   manifest.json; any rank's failure in any phase means no commit and an error on
+   every rank.
 
 Commit protocol (FORMAT.md, "Commit"): every object of a save lives under a fresh
 generation prefix ``gen-<id>/``; ``manifest.json`` is written last, create-only
-unless ``overwrite=True`` (then an atomic replace), and only after the data and
-catalog are durable. A save that fails or is killed leaves at most an unreferenced
-generation behind, never a visible checkpoint, and never touches the previous one.
+unless ``overwrite=True`` (then an atomic replace). A save that fails or is killed
+leaves at most an unreferenced generation behind and never touches the previous one.
 """
 
 from __future__ import annotations
@@ -36,9 +43,13 @@ from bcp.metadata import (
 
 from . import objcodec
 from ._version import __version__
-from .errors import CheckpointExistsError, UnsupportedStateError
+from .boxes import Box
+from .collectives import coordinator_for, run_phase, share_result
 from .dtypes import dtype_name
-from .state import Leaf, flatten_state, path_to_json, path_to_str
+from .errors import CheckpointExistsError, UnsupportedStateError
+from .save_plan import GlobalPlan, LocalPlan, TensorPlan, plan_save
+from .shards import PerRank, Piece, local_pieces
+from .state import flatten_state, path_to_json, path_to_str
 from .tensor_io import byte_view, check_saveable, host_contiguous, storage_identity
 
 log = logging.getLogger(__name__)
@@ -50,7 +61,7 @@ _PAGE_ALIGN_FROM = 64 << 10
 
 @dataclasses.dataclass(frozen=True)
 class SaveInfo:
-    """What a save wrote."""
+    """What a save wrote (job-wide totals, plus this rank's share)."""
 
     uri: str
     save_id: str
@@ -60,6 +71,9 @@ class SaveInfo:
     tensor_bytes: int
     bytes_written: int
     seconds: float
+    world_size: int = 1
+    rank: int = 0
+    rank_bytes_written: int = 0
 
     @property
     def gbps(self) -> float:
@@ -67,55 +81,165 @@ class SaveInfo:
         return self.tensor_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
     def __str__(self) -> str:
+        ranks = f" from {self.world_size} ranks" if self.world_size > 1 else ""
         return (
-            f"saved {self.tensors} tensors ({self.tensor_bytes / 2**20:.1f} MiB) and {self.objects} objects "
+            f"saved {self.tensors} tensors ({self.tensor_bytes / 2**20:.1f} MiB) and {self.objects} objects{ranks} "
             f"to {self.uri} in {self.seconds:.3f} s ({self.gbps:.2f} GB/s)"
         )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _WriteItem:
-    leaf: Leaf
-    byte_offset: int
-    nbytes: int
-    #: Index of the item whose bytes this one shares (tied weights), or -1.
-    same_as: int
+@dataclasses.dataclass
+class _Prepared:
+    """Step 1's result on one rank."""
+
+    plan: LocalPlan
+    pieces: dict[tuple[str, Box], tuple[TensorPlan, Piece]]
+    #: fqn -> (key path JSON, encoded value, saved per rank?)
+    objects: dict[str, tuple[list, Any, bool]]
 
 
-def _align(offset: int, nbytes: int) -> int:
-    a = 4096 if nbytes >= _PAGE_ALIGN_FROM else 64
-    return -(-offset // a) * a
-
-
-def _layout(tensor_leaves: list[Leaf]) -> tuple[list[_WriteItem], int]:
-    """Place each tensor's bytes in one data file, back to back (aligned)."""
-    items: list[_WriteItem] = []
-    first_of: dict[tuple, int] = {}
-    end = 0
-    for leaf in tensor_leaves:
-        t: torch.Tensor = leaf.value
-        nbytes = t.numel() * t.element_size()
-        ident = storage_identity(t)
-        if ident in first_of:
-            prior = items[first_of[ident]]
-            items.append(_WriteItem(leaf, prior.byte_offset, nbytes, first_of[ident]))
+def _prepare(state: Mapping[str, Any], rank: int, allow_pickle: bool) -> _Prepared:
+    leaves = flatten_state(state)
+    tensors: list[TensorPlan] = []
+    pieces: dict[tuple[str, Box], tuple[TensorPlan, Piece]] = {}
+    objects: dict[str, tuple[list, Any, bool]] = {}
+    first_fqn_of: dict[tuple, str] = {}
+    for leaf in leaves.values():
+        if not leaf.is_tensor:
+            per_rank = isinstance(leaf.value, PerRank)
+            value = leaf.value.value if per_rank else leaf.value
+            encoded = objcodec.encode(value, fqn=leaf.fqn, allow_pickle=allow_pickle)
+            objects[leaf.fqn] = (path_to_json(leaf.path), encoded, per_rank)
             continue
-        first_of[ident] = len(items)
-        start = _align(end, nbytes)
-        items.append(_WriteItem(leaf, start, nbytes, -1))
-        end = start + nbytes
-    return items, end
-
-
-def _validate_tensor(leaf: Leaf) -> None:
-    t = leaf.value
-    if type(t).__name__ == "DTensor":
-        raise UnsupportedStateError(
-            f"tensor at key {leaf.fqn!r} is a DTensor; saving distributed tensors needs the distributed save, "
-            "which this version of bcp does not have yet"
+        shape, dtype, local, _replicated = local_pieces(leaf.value, leaf.fqn)
+        for piece in local:
+            check_saveable(piece.tensor, leaf.fqn)
+        ident = tuple(storage_identity(p.tensor) for p in local)
+        alias = first_fqn_of.setdefault(ident, leaf.fqn)
+        tensor_plan = TensorPlan(
+            fqn=leaf.fqn,
+            key_path=path_to_str(leaf.path),
+            dtype=dtype_name(dtype, fqn=leaf.fqn),
+            global_shape=tuple(shape),
+            boxes=tuple(p.box for p in local),
+            alias_of=None if alias == leaf.fqn else alias,
         )
-    check_saveable(t, leaf.fqn)
-    dtype_name(t.dtype, fqn=leaf.fqn)
+        tensors.append(tensor_plan)
+        for piece in local:
+            pieces[(leaf.fqn, piece.box)] = (tensor_plan, piece)
+    return _Prepared(LocalPlan(rank, tuple(tensors)), pieces, objects)
+
+
+def _decide_objects(all_objects: list[dict[str, tuple[list, Any, bool]]]) -> dict[str, list[ObjectEntry]]:
+    """One job-wide entry when every rank saved the same value; else one per rank."""
+    out: dict[str, list[ObjectEntry]] = {}
+    order: list[str] = []
+    for objs in all_objects:
+        order += [f for f in objs if f not in order]
+    for fqn in order:
+        holders = [(r, objs[fqn]) for r, objs in enumerate(all_objects) if fqn in objs]
+        encodings = {json.dumps(enc, sort_keys=True) for _r, (_p, enc, _pr) in holders}
+        per_rank = any(pr for _r, (_p, _e, pr) in holders) or len(encodings) > 1 or len(holders) < len(all_objects)
+        if per_rank and len(all_objects) > 1:
+            out[fqn] = [ObjectEntry(path, enc, r) for r, (path, enc, _pr) in holders]
+        else:
+            path, enc, _pr = holders[0][1]
+            out[fqn] = [ObjectEntry(path, enc, None)]
+    return out
+
+
+def save(
+    state: Mapping[str, Any],
+    uri: str,
+    *,
+    overwrite: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+    allow_pickle: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    checksum_block_bytes: int = DEFAULT_BLOCK_BYTES,
+    process_group: Any = None,
+) -> SaveInfo:
+    """Save ``state`` (a nested dict of tensors, shards and plain objects) to ``uri``.
+
+    Collective when torch.distributed is initialised: every rank of ``process_group``
+    (default: the whole job) calls it with its own local state. Refuses
+    (CheckpointExistsError) when a committed checkpoint is already there, unless
+    ``overwrite=True``; an overwrite replaces it atomically. ``metadata`` is stored as
+    user metadata (JSON). ``allow_pickle`` lets objects without a safe encoding be
+    pickled; loading them then needs ``allow_pickle=True`` too.
+    """
+    started = time.perf_counter()
+    coord = coordinator_for(process_group)
+    backend = backend_for(str(uri), **dict(storage_options or {}))
+    user_metadata = dict(metadata or {})
+
+    prepared: _Prepared = run_phase(coord, "preparing the save", _prepare, state, coord.rank, allow_pickle)
+    gathered = coord.gather((prepared.plan, prepared.objects))
+
+    decision: Any = None
+    if coord.is_coordinator:
+        try:
+            decision = _coordinate(backend, gathered, overwrite, user_metadata)
+        except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
+            decision = e
+    decision = share_result(coord, decision, "planning the save")
+    plan, save_id, objects, old = decision
+    generation = f"gen-{save_id}"
+    data_key = f"{generation}/data/rank{coord.rank:05d}-0.bin"
+    catalog_key = f"{generation}/fragments.arrow"
+
+    try:
+        mine = [prepared.pieces[w] for w in plan.writes.get(coord.rank, [])]  # (TensorPlan, Piece) pairs
+        written = run_phase(
+            coord, "writing data", _write_rank_data, backend, data_key, coord.rank, mine, checksum_block_bytes
+        )
+        fragments, file_entry = written
+        reports = coord.gather((fragments, file_entry))
+        outcome: Any = None
+        if coord.is_coordinator:
+            try:
+                order: dict[str, int] = {}
+                for local_plan, _objs in gathered:
+                    for t in local_plan.tensors:
+                        order.setdefault(t.fqn, len(order))
+                all_fragments = sorted(
+                    (f for frags, _e in reports for f in frags), key=lambda f: (order[f.fqn], f.offsets, f.writer_rank)
+                )
+                files = tuple(e for _f, e in reports if e is not None)
+                manifest = _commit(
+                    backend, save_id, catalog_key, all_fragments, files, objects, coord.world_size,
+                    user_metadata, checksum_block_bytes, overwrite,
+                )
+                outcome = manifest.stats
+            except Exception as e:  # noqa: BLE001
+                outcome = e
+        stats = share_result(coord, outcome, "committing the checkpoint")
+    except BaseException:
+        if coord.is_coordinator:
+            _discard(backend, generation)
+        raise
+
+    if coord.is_coordinator and isinstance(old, Manifest) and old.generation != generation:
+        try:
+            backend.delete_prefix(old.generation + "/")
+        except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; leftovers are only space
+            log.warning("could not delete the replaced generation %s at %s: %s", old.generation, backend.uri, e)
+
+    info = SaveInfo(
+        uri=backend.uri,
+        save_id=save_id,
+        tensors=stats["tensors"],
+        fragments=stats["fragments"],
+        objects=len(objects),
+        tensor_bytes=stats["tensor_bytes"],
+        bytes_written=stats["data_bytes"],
+        seconds=time.perf_counter() - started,
+        world_size=coord.world_size,
+        rank=coord.rank,
+        rank_bytes_written=file_entry.nbytes if file_entry is not None else 0,
+    )
+    log.info("%s", info)
+    return info
 
 
 def read_manifest_if_any(backend: Backend) -> Manifest | None | bool:
@@ -129,146 +253,124 @@ def read_manifest_if_any(backend: Backend) -> Manifest | None | bool:
         return False
 
 
-def save(
-    state: Mapping[str, Any],
-    uri: str,
-    *,
-    overwrite: bool = False,
-    metadata: Mapping[str, Any] | None = None,
-    allow_pickle: bool = False,
-    storage_options: Mapping[str, Any] | None = None,
-    checksum_block_bytes: int = DEFAULT_BLOCK_BYTES,
-) -> SaveInfo:
-    """Save ``state`` (a nested dict of tensors and plain objects) to ``uri``.
-
-    Refuses (CheckpointExistsError) when a committed checkpoint is already there,
-    unless ``overwrite=True``; an overwrite replaces it atomically. ``metadata`` is
-    stored as user metadata (JSON types). ``allow_pickle`` lets objects without a
-    safe encoding be pickled; loading them then needs ``allow_pickle=True`` too.
-    """
-    started = time.perf_counter()
-    backend = backend_for(str(uri), **dict(storage_options or {}))
+def _coordinate(backend: Backend, gathered: list, overwrite: bool, user_metadata: dict) -> tuple:
+    """(coordinator) Check the target, plan the writes, settle the objects."""
     old = read_manifest_if_any(backend)
     if old is not None and not overwrite:
         raise CheckpointExistsError(f"a committed checkpoint already exists at {backend.uri}; pass overwrite=True to replace it")
-
-    leaves = flatten_state(state)
-    tensor_leaves = [leaf for leaf in leaves.values() if leaf.is_tensor]
-    for leaf in tensor_leaves:
-        _validate_tensor(leaf)
-    objects = {
-        leaf.fqn: [ObjectEntry(path_to_json(leaf.path), objcodec.encode(leaf.value, fqn=leaf.fqn, allow_pickle=allow_pickle))]
-        for leaf in leaves.values()
-        if not leaf.is_tensor
-    }
-    user_metadata = dict(metadata or {})
     try:
         json.dumps(user_metadata, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise UnsupportedStateError(f"metadata must be JSON-serialisable: {e}") from None
-
-    save_id = uuid.uuid4().hex[:16]
-    generation = f"gen-{save_id}"
-    data_key = f"{generation}/data/rank00000-0.bin"
-    catalog_key = f"{generation}/fragments.arrow"
-    items, data_size = _layout(tensor_leaves)
-
-    try:
-        fragments, file_checksums = _write_data(backend, data_key, items, data_size, checksum_block_bytes)
-        catalog_bytes = Catalog(fragments).to_arrow()
-        backend.write(catalog_key, catalog_bytes)
-        manifest = Manifest(
-            save_id=save_id,
-            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
-            world_size=1,
-            catalog=FileEntry(catalog_key, len(catalog_bytes), crc32c(catalog_bytes)),
-            data_files=(FileEntry(data_key, data_size, digest_of_checksums(file_checksums)),),
-            objects=objects,
-            checksum_block_bytes=checksum_block_bytes,
-            bcp_version=__version__,
-            torch_version=torch.__version__,
-            user_metadata=user_metadata,
-            stats={
-                "tensors": len(tensor_leaves),
-                "fragments": len(fragments),
-                "tensor_bytes": sum(i.nbytes for i in items),
-            },
-        )
-        _commit(backend, manifest, overwrite=overwrite)
-    except BaseException:
-        _discard(backend, generation)
-        raise
-
-    if isinstance(old, Manifest) and old.generation != generation:
-        try:
-            backend.delete_prefix(old.generation + "/")
-        except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; leftovers are only space
-            log.warning("could not delete the replaced generation %s at %s: %s", old.generation, backend.uri, e)
-
-    info = SaveInfo(
-        uri=backend.uri,
-        save_id=save_id,
-        tensors=len(tensor_leaves),
-        fragments=len(fragments),
-        objects=len(objects),
-        tensor_bytes=manifest.stats["tensor_bytes"],
-        bytes_written=data_size,
-        seconds=time.perf_counter() - started,
-    )
-    log.info("%s", info)
-    return info
+    plans = [p for p, _objs in gathered]
+    plan: GlobalPlan = plan_save(plans)
+    objects = _decide_objects([objs for _p, objs in gathered])
+    if len(plans) > 1:
+        share = ", ".join(f"{r}: {b / 2**20:.1f} MiB" for r, b in sorted(plan.bytes_per_rank.items()))
+        log.info("save plan: %d tensors, %.1f MiB, bytes per rank {%s}", plan.tensors, plan.total_bytes / 2**20, share)
+    return plan, uuid.uuid4().hex[:16], objects, old
 
 
-def _write_data(
-    backend: Backend, data_key: str, items: list[_WriteItem], size: int, block: int
-) -> tuple[list[Fragment], list[int]]:
+def _align(offset: int, nbytes: int) -> int:
+    a = 4096 if nbytes >= _PAGE_ALIGN_FROM else 64
+    return -(-offset // a) * a
+
+
+def _write_rank_data(
+    backend: Backend, data_key: str, rank: int, items: list[tuple[TensorPlan, Piece]], block: int
+) -> tuple[list[Fragment], FileEntry | None]:
+    """Write this rank's assigned boxes back to back into one data file; a box whose
+    memory was already written (tied weights) points at the same bytes."""
+    if not items:
+        return [], None
+    offsets: list[int] = []
+    first_at: dict[tuple, int] = {}
+    end = 0
+    for _t, piece in items:
+        ident = storage_identity(piece.tensor)
+        if ident in first_at:
+            offsets.append(-1 - first_at[ident])
+            continue
+        nbytes = piece.tensor.numel() * piece.tensor.element_size()
+        first_at[ident] = len(offsets)
+        start = _align(end, nbytes)
+        offsets.append(start)
+        end = start + nbytes
     fragments: list[Fragment] = []
-    checksums_of: dict[int, tuple[int, ...]] = {}
     file_checksums: list[int] = []
-    with backend.open_writer(data_key, size=size) as writer:
-        for index, item in enumerate(items):
-            t: torch.Tensor = item.leaf.value
-            if item.same_as < 0:
-                host = host_contiguous(t)
-                view = byte_view(host)
+    sums_of: dict[int, tuple[int, ...]] = {}
+    with backend.open_writer(data_key, size=end) as writer:
+        for index, ((t, piece), offset) in enumerate(zip(items, offsets)):
+            nbytes = piece.tensor.numel() * piece.tensor.element_size()
+            if offset >= 0:
+                view = byte_view(host_contiguous(piece.tensor))
                 sums = tuple(block_checksums(view, block))
-                if item.nbytes:
-                    writer.write_at(item.byte_offset, view)
-                checksums_of[index] = sums
+                if nbytes:
+                    writer.write_at(offset, view)
+                sums_of[index] = sums
                 file_checksums.extend(sums)
             else:
-                sums = checksums_of[item.same_as]
+                index_of_first = -1 - offset
+                offset, sums = fragments[index_of_first].byte_offset, sums_of[index_of_first]
             fragments.append(
                 Fragment(
-                    fqn=item.leaf.fqn,
-                    key_path=path_to_str(item.leaf.path),
-                    dtype=dtype_name(t.dtype),
-                    global_shape=tuple(t.shape),
-                    offsets=(0,) * t.dim(),
-                    lengths=tuple(t.shape),
-                    file=data_key,
-                    byte_offset=item.byte_offset,
-                    nbytes=item.nbytes,
-                    checksums=sums,
+                    fqn=t.fqn, key_path=t.key_path, dtype=t.dtype, global_shape=t.global_shape,
+                    offsets=piece.box[0], lengths=piece.box[1], file=data_key, byte_offset=offset,
+                    nbytes=nbytes, checksums=sums, writer_rank=rank,
                 )
             )
-        if size == 0:
+        if end == 0:
             writer.write_at(0, b"")
         writer.commit()
-    return fragments, file_checksums
+    return fragments, FileEntry(data_key, end, digest_of_checksums(file_checksums))
 
 
-def _commit(backend: Backend, manifest: Manifest, *, overwrite: bool) -> None:
+def _commit(
+    backend: Backend,
+    save_id: str,
+    catalog_key: str,
+    fragments: list[Fragment],
+    files: tuple[FileEntry, ...],
+    objects: dict[str, list[ObjectEntry]],
+    world_size: int,
+    user_metadata: dict,
+    block: int,
+    overwrite: bool,
+) -> Manifest:
+    """(coordinator) Write the catalog, then the manifest: the commit."""
+    catalog_bytes = Catalog(fragments).to_arrow()
+    backend.write(catalog_key, catalog_bytes)
+    unique = {(f.file, f.byte_offset, f.offsets, f.lengths) for f in fragments}
+    logical = {(f.fqn, f.offsets, f.lengths): f.nbytes for f in fragments}
+    manifest = Manifest(
+        save_id=save_id,
+        created=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
+        world_size=world_size,
+        catalog=FileEntry(catalog_key, len(catalog_bytes), crc32c(catalog_bytes)),
+        data_files=files,
+        objects=objects,
+        checksum_block_bytes=block,
+        bcp_version=__version__,
+        torch_version=torch.__version__,
+        user_metadata=user_metadata,
+        stats={
+            "tensors": len({f.fqn for f in fragments}),
+            "fragments": len(unique),
+            "tensor_bytes": sum(logical.values()),
+            "data_bytes": sum(f.nbytes for f in files),
+        },
+    )
     data = manifest.to_json()
     if overwrite:
         backend.write(MANIFEST_KEY, data)
-        return
-    try:
-        backend.write_if_absent(MANIFEST_KEY, data)
-    except ObjectExistsError as e:
-        raise CheckpointExistsError(
-            f"another save committed a checkpoint at {backend.uri} while this one was writing; this save was discarded"
-        ) from e
+    else:
+        try:
+            backend.write_if_absent(MANIFEST_KEY, data)
+        except ObjectExistsError as e:
+            raise CheckpointExistsError(
+                f"another save committed a checkpoint at {backend.uri} while this one was writing; this save was discarded"
+            ) from e
+    return manifest
 
 
 def _discard(backend: Backend, generation: str) -> None:

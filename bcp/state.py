@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .errors import FormatError, UnsupportedStateError
+from .shards import is_tensor_like
 
 #: ("d", key) dict entry, ("l", i) list item, ("t", i) tuple item
 PathElem = tuple[str, str | int]
@@ -58,11 +59,11 @@ class Leaf:
 
     @property
     def is_tensor(self) -> bool:
-        return isinstance(self.value, torch.Tensor)
+        return is_tensor_like(self.value)
 
 
 def _contains_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
+    if is_tensor_like(value):
         return True
     if isinstance(value, Mapping):
         return any(_contains_tensor(v) for v in value.values())

@@ -56,7 +56,7 @@ def test_failed_save_leaves_previous_checkpoint_and_no_commit(uri, monkeypatch):
     def failing_write_data(*args, **kwargs):
         raise _Boom("disk on fire")
 
-    monkeypatch.setattr(save_mod, "_write_data", failing_write_data)
+    monkeypatch.setattr(save_mod, "_write_rank_data", failing_write_data)
     with pytest.raises(_Boom):
         bcp.save(small_state(2), uri, overwrite=True)
     assert backend_for(uri).read(MANIFEST_KEY) == manifest_before

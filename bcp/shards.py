@@ -1,0 +1,124 @@
+"""Shard specs: how a rank says where its local tensor sits in the global tensor.
+
+* a plain ``torch.Tensor``: the whole tensor, replicated on every rank (DDP);
+* a ``DTensor``: its box comes from torch's own DTensor chunk metadata (FSDP2, TP,
+  2-D meshes, uneven shards);
+* :class:`TensorShard`: an explicit box (Megatron-style TP/PP/EP layouts);
+* :class:`FlatShard`: a contiguous range of the row-major flattening (FSDP1 flat
+  parameters, ZeRO partitions), cut into at most 2*ndim-1 boxes.
+
+Objects (non-tensors) wrapped in :class:`PerRank` are saved once per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from .boxes import Box, flat_range_to_boxes
+from .errors import UnsupportedStateError
+
+
+@dataclasses.dataclass
+class TensorShard:
+    """``local`` is the box ``offsets .. offsets + local.shape`` of a tensor of ``global_shape``."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        self.global_shape, self.offsets = tuple(self.global_shape), tuple(self.offsets)
+        if not (len(self.global_shape) == len(self.offsets) == self.local.dim()):
+            raise ValueError(
+                f"TensorShard: local has {self.local.dim()} dims, global_shape {len(self.global_shape)}, "
+                f"offsets {len(self.offsets)}"
+            )
+        for o, n, s in zip(self.offsets, self.local.shape, self.global_shape):
+            if o < 0 or o + n > s:
+                raise ValueError(f"TensorShard: box offsets={list(self.offsets)} shape={list(self.local.shape)} "
+                                 f"does not fit in {list(self.global_shape)}")
+
+
+@dataclasses.dataclass
+class FlatShard:
+    """``local`` (1-D) holds elements ``start .. start + local.numel()`` of the row-major
+    flattening of a tensor of ``global_shape``."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    start: int
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(self.global_shape)
+        if self.local.dim() != 1:
+            raise ValueError(f"FlatShard: local must be 1-D, got shape {list(self.local.shape)}")
+        if self.start < 0 or self.start + self.local.numel() > math.prod(self.global_shape):
+            raise ValueError(f"FlatShard: range [{self.start}, {self.start + self.local.numel()}) is outside "
+                             f"{list(self.global_shape)}")
+
+
+@dataclasses.dataclass
+class PerRank:
+    """Save this object once per rank (dataloader position, RNG state). Loading at
+    the same world size gives each rank its own; at another world size the caller's
+    ``reshard_objects`` hook decides."""
+
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A box of the global tensor and the local memory (a view shaped like the box) holding it."""
+
+    box: Box
+    tensor: torch.Tensor
+
+
+def is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(value, DTensor)
+
+
+def is_tensor_like(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, TensorShard, FlatShard))
+
+
+def local_pieces(value: Any, fqn: str) -> tuple[tuple[int, ...], torch.dtype, list[Piece], bool]:
+    """(global shape, dtype, pieces, replicated-by-construction) for a tensor-like leaf."""
+    if isinstance(value, TensorShard):
+        t = value.local
+        return value.global_shape, t.dtype, [Piece((value.offsets, tuple(t.shape)), t)], False
+    if isinstance(value, FlatShard):
+        t = value.local
+        if not t.is_contiguous():
+            raise UnsupportedStateError(f"FlatShard at key {fqn!r}: the local tensor must be contiguous")
+        pieces = []
+        for (off, lens), pos in flat_range_to_boxes(value.global_shape, value.start, t.numel()):
+            n = math.prod(lens)
+            pieces.append(Piece((off, lens), t[pos : pos + n].view(lens)))
+        return value.global_shape, t.dtype, pieces, False
+    if is_dtensor(value):
+        from torch.distributed.tensor import Partial
+
+        if any(isinstance(p, Partial) for p in value.placements):
+            raise UnsupportedStateError(
+                f"DTensor at key {fqn!r} has a Partial placement (pending reduction); reduce it before saving"
+            )
+        local = value.to_local()
+        chunks = value.__create_chunk_list__()  # public DTensor hook that DCP uses for the same purpose
+        if len(chunks) != 1:
+            raise UnsupportedStateError(f"DTensor at key {fqn!r} reports {len(chunks)} local chunks; expected 1")
+        off, sizes = tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+        if tuple(local.shape) != sizes:
+            raise UnsupportedStateError(f"DTensor at key {fqn!r}: local shape {list(local.shape)} != chunk {list(sizes)}")
+        return tuple(value.shape), value.dtype, [Piece((off, sizes), local)], False
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype, [Piece(((0,) * value.dim(), tuple(value.shape)), value)], True
+    raise TypeError(f"not a tensor-like value at {fqn!r}: {type(value).__name__}")
