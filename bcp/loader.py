@@ -1,22 +1,40 @@
-"""The load path: match a template state against a checkpoint, then fill it.
+"""The load path (all ranks call ``load``; one process is a world of one).
 
-Tensors are filled in place (their memory, device and dtype stay the caller's);
-objects are replaced. A template object that is a container where the checkpoint
-holds a subtree (an optimizer's empty ``state`` before its first step) is replaced by
-that subtree, tensors allocated on CPU.
+1. (coordinator) read manifest.json and fragments.arrow once; every rank gets the bytes.
+2. (all ranks) match the template: each tensor-like leaf gives the boxes this rank
+   holds (plain tensor: all of it; DTensor, TensorShard, FlatShard: their shards),
+   whatever layout saved the checkpoint. Mismatches are collected into one error.
+3. (all ranks) read only the byte runs that overlap those boxes, straight into the
+   destination memory where its layout allows, and verify their checksums.
+4. (all ranks) objects: job-wide ones are replaced; per-rank ones go to the same rank
+   when the world size is unchanged, else through the caller's ``reshard_objects``.
+5. (all ranks) agree that every rank succeeded.
+
+A template object that is a container where the checkpoint holds a subtree (an
+optimizer's empty ``state`` before its first step) is replaced by that subtree,
+tensors allocated on CPU.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import StateMismatchError
-from .reader import CheckpointReader, open_checkpoint
+from bcp.backends import backend_for
+
+from .collectives import Coordinator, coordinator_for, run_phase, share_result
+from .dtypes import dtype_name
+from .errors import StateMismatchError, UnsupportedStateError
+from .reader import CheckpointReader, fetch_metadata, reader_from_bytes
+from .read_exec import ReadStats
+from .shards import local_pieces
 from .state import KeyPath, Leaf, build_nested, flatten_state, replace_at
 
 log = logging.getLogger(__name__)
+
+#: ``reshard_objects(fqn, values_by_saved_rank, rank, world_size) -> value for this rank``
+ReshardObjects = Callable[[str, dict[int, Any], int, int], Any]
 
 
 def _keys(path: KeyPath) -> tuple:
@@ -30,42 +48,73 @@ def load(
     strict: bool = True,
     allow_pickle: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    process_group: Any = None,
+    reshard_objects: ReshardObjects | None = None,
+    verify: bool = True,
 ) -> Mapping[str, Any]:
     """Fill ``state`` from the checkpoint at ``uri`` and return it.
 
-    strict=True: any missing key, unexpected key, shape or dtype mismatch raises one
-    StateMismatchError listing them all, before anything is read. strict=False: keys
-    on one side only are skipped, dtypes are cast; shapes must still match.
+    Collective when torch.distributed is initialised. The checkpoint may have been
+    saved by any number of ranks in any layout. strict=True: any missing key,
+    unexpected key, shape or dtype mismatch raises one StateMismatchError listing
+    them all, before anything is read. strict=False: keys on one side only are
+    skipped, dtypes are cast; shapes must still match. Objects saved per rank at a
+    different world size are handed to ``reshard_objects`` (see docs/distributed.md).
     """
-    with open_checkpoint(uri, allow_pickle=allow_pickle, storage_options=dict(storage_options or {})) as reader:
-        return _load_with(reader, state, strict=strict)
+    coord = coordinator_for(process_group)
+    backend = backend_for(str(uri), **dict(storage_options or {}))
+    fetched: Any = None
+    if coord.is_coordinator:
+        try:
+            fetched = fetch_metadata(backend)
+        except Exception as e:  # noqa: BLE001 - shared with every rank, raised there
+            fetched = e
+    manifest_bytes, catalog_bytes = share_result(coord, fetched, "reading the checkpoint metadata")
+    reader = reader_from_bytes(backend, manifest_bytes, catalog_bytes, allow_pickle=allow_pickle, verify=verify)
+    try:
+        plan = run_phase(coord, "matching the state", _match, reader, state, strict, coord, reshard_objects)
+        stats = run_phase(coord, "reading tensors", _read, reader, plan, coord)
+        state = run_phase(coord, "placing objects", _place_objects, reader, state, plan, coord, reshard_objects)
+    finally:
+        reader.close()
+    log.info("loaded %s: %d bytes in %d reads (+%d to verify)", reader.uri, stats.bytes_read, stats.requests, stats.verify_bytes)
+    return state
 
 
-def _load_with(reader: CheckpointReader, state: Mapping[str, Any], *, strict: bool) -> Mapping[str, Any]:
+class _Plan:
+    def __init__(self) -> None:
+        self.tensor_requests: list[tuple[str, tuple, Any]] = []
+        self.object_loads: list[Leaf] = []
+        self.subtree_loads: list[tuple[Leaf, list[str]]] = []
+
+
+def _match(
+    reader: CheckpointReader, state: Mapping[str, Any], strict: bool, coord: Coordinator, hook: ReshardObjects | None
+) -> _Plan:
     leaves = flatten_state(state)
     stored_tensors = reader.catalog.tensors
     stored_objects = reader.manifest.objects
     stored_paths = {fqn: _keys(reader.key_path(fqn)) for fqn in reader.keys()}
-
-    tensor_loads: list[Leaf] = []
-    object_loads: list[Leaf] = []
-    subtree_loads: list[tuple[Leaf, list[str]]] = []
+    plan = _Plan()
     consumed: set[str] = set()
-    missing, shape_mm, dtype_mm, kind_mm = [], [], [], []
+    missing: list[str] = []
+    shape_mm: list[tuple] = []
+    dtype_mm: list[tuple] = []
+    kind_mm: list[tuple] = []
 
     for leaf in leaves.values():
         fqn = leaf.fqn
         if leaf.is_tensor:
             if fqn in stored_tensors:
                 consumed.add(fqn)
-                meta = reader.meta(fqn)
-                if tuple(leaf.value.shape) != tuple(meta.shape):
-                    shape_mm.append((fqn, tuple(leaf.value.shape), tuple(meta.shape)))
-                elif leaf.value.dtype != meta.dtype:
-                    dtype_mm.append((fqn, str(leaf.value.dtype).removeprefix("torch."), str(meta.dtype).removeprefix("torch.")))
-                    tensor_loads.append(leaf)
-                else:
-                    tensor_loads.append(leaf)
+                entry = stored_tensors[fqn]
+                shape, dtype, pieces, _replicated = local_pieces(leaf.value, fqn)
+                if tuple(shape) != entry.global_shape:
+                    shape_mm.append((fqn, tuple(shape), entry.global_shape))
+                    continue
+                if dtype_name(dtype, fqn=fqn) != entry.dtype:
+                    dtype_mm.append((fqn, dtype_name(dtype, fqn=fqn), entry.dtype))
+                plan.tensor_requests += [(fqn, p.box, p.tensor) for p in pieces]
             elif fqn in stored_objects:
                 consumed.add(fqn)
                 kind_mm.append((fqn, "a tensor", "an object"))
@@ -74,7 +123,7 @@ def _load_with(reader: CheckpointReader, state: Mapping[str, Any], *, strict: bo
             continue
         if fqn in stored_objects:
             consumed.add(fqn)
-            object_loads.append(leaf)
+            plan.object_loads.append(leaf)
         elif fqn in stored_tensors:
             consumed.add(fqn)
             kind_mm.append((fqn, "an object", "a tensor"))
@@ -83,7 +132,7 @@ def _load_with(reader: CheckpointReader, state: Mapping[str, Any], *, strict: bo
             below = [f for f, p in stored_paths.items() if len(p) > len(prefix) and p[: len(prefix)] == prefix]
             if below and isinstance(leaf.value, (Mapping, list, tuple)):
                 consumed.update(below)
-                subtree_loads.append((leaf, below))
+                plan.subtree_loads.append((leaf, below))
             else:
                 missing.append(fqn)
     unexpected = [f for f in reader.keys() if f not in consumed]
@@ -94,24 +143,41 @@ def _load_with(reader: CheckpointReader, state: Mapping[str, Any], *, strict: bo
             shape_mismatch=shape_mm, dtype_mismatch=dtype_mm, kind_mismatch=kind_mm,
         )
     if shape_mm:
-        raise StateMismatchError(
-            reader.uri, missing=[], unexpected=[], shape_mismatch=shape_mm, dtype_mismatch=[], kind_mismatch=[]
-        )
+        raise StateMismatchError(reader.uri, missing=[], unexpected=[], shape_mismatch=shape_mm, dtype_mismatch=[], kind_mismatch=[])
     if missing or unexpected or dtype_mm or kind_mm:
         log.info(
             "non-strict load from %s: %d missing, %d unexpected, %d cast, %d kind mismatches skipped",
             reader.uri, len(missing), len(unexpected), len(dtype_mm), len(kind_mm),
         )
+    resized = reader.manifest.world_size != coord.world_size
+    per_rank = [leaf.fqn for leaf in plan.object_loads if reader.is_per_rank(leaf.fqn)]
+    if per_rank and resized and hook is None:
+        raise UnsupportedStateError(
+            f"{reader.uri} was saved by {reader.manifest.world_size} ranks and is loaded by {coord.world_size}; "
+            f"these objects were saved per rank and need a reshard_objects hook to decide what each rank gets: "
+            f"{', '.join(per_rank)} (see docs/distributed.md)"
+        )
+    return plan
 
-    for leaf in tensor_loads:
-        reader.read_into(leaf.fqn, leaf.value)
-    for leaf in object_loads:
-        state = replace_at(state, leaf.path, reader.read_object(leaf.fqn))
-    for leaf, below in subtree_loads:
+
+def _read(reader: CheckpointReader, plan: _Plan, coord: Coordinator) -> ReadStats:
+    return reader.fill(plan.tensor_requests, prefer_rank=coord.rank)
+
+
+def _place_objects(
+    reader: CheckpointReader, state: Mapping[str, Any], plan: _Plan, coord: Coordinator, hook: ReshardObjects | None
+) -> Mapping[str, Any]:
+    resized = reader.manifest.world_size != coord.world_size
+    for leaf in plan.object_loads:
+        if not reader.is_per_rank(leaf.fqn):
+            value = reader.read_object(leaf.fqn)
+        elif not resized:
+            value = reader.read_object(leaf.fqn, rank=coord.rank)
+        else:
+            value = hook(leaf.fqn, reader.per_rank_objects(leaf.fqn), coord.rank, coord.world_size)
+        state = replace_at(state, leaf.path, value)
+    for leaf, below in plan.subtree_loads:
         depth = len(leaf.path)
         subtree = build_nested((reader.key_path(f)[depth:], reader.read(f)) for f in below)
         state = replace_at(state, leaf.path, subtree)
     return state
-
-
-__all__ = ["load"]

@@ -14,11 +14,14 @@ from typing import Any
 import torch
 
 from bcp.backends import Backend, ObjectNotFoundError, backend_for
-from bcp.metadata import MANIFEST_KEY, Catalog, Fragment, Manifest, TensorEntry, block_checksums, crc32c
+from bcp.metadata import MANIFEST_KEY, Catalog, Fragment, Manifest, TensorEntry, crc32c
 
 from . import objcodec
 from .dtypes import torch_dtype
+from .boxes import Box
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from .read_exec import ReadStats, execute_reads
+from .read_plan import RunSet, plan_tensor_reads
 from .state import KeyPath, build_nested, path_from_json
 from .tensor_io import byte_view, copy_values
 
@@ -40,11 +43,15 @@ class CheckpointReader:
     """A committed checkpoint, opened for reading. Cheap to create: reads the
     manifest and the catalog, no tensor data."""
 
-    def __init__(self, backend: Backend, manifest: Manifest, catalog: Catalog, *, allow_pickle: bool = False) -> None:
+    def __init__(
+        self, backend: Backend, manifest: Manifest, catalog: Catalog, *, allow_pickle: bool = False, verify: bool = True
+    ) -> None:
         self.backend = backend
         self.manifest = manifest
         self.catalog = catalog
         self.allow_pickle = allow_pickle
+        #: verify CRC32C of every checksum block a read touches (reads the rest of partly read blocks)
+        self.verify = verify
 
     @property
     def uri(self) -> str:
@@ -83,17 +90,20 @@ class CheckpointReader:
 
     # -- reading ------------------------------------------------------------------------
 
-    def read(self, fqn: str) -> Any:
-        """One stored entry: a new CPU tensor (reading only its bytes), or an object."""
-        if fqn in self.manifest.objects:
+    def read(self, fqn: str, box: Box | None = None) -> Any:
+        """One stored entry: a new CPU tensor (reading only its bytes, or only those of
+        ``box`` = (offsets, lengths)), or an object."""
+        if fqn in self.manifest.objects and box is None:
             return self.read_object(fqn)
         meta = self.meta(fqn)
-        out = torch.empty(meta.shape, dtype=meta.dtype)
-        self.read_into(fqn, out)
+        shape = meta.shape if box is None else torch.Size(box[1])
+        out = torch.empty(shape, dtype=meta.dtype)
+        self.read_into(fqn, out, box=box)
         return out
 
-    def read_object(self, fqn: str) -> Any:
-        entry = self._object_entry(fqn)
+    def read_object(self, fqn: str, rank: int | None = None) -> Any:
+        """A stored object; for one saved per rank, pass the saving ``rank``."""
+        entry = self._object_entry(fqn, rank)
         return objcodec.decode(entry.value, fqn=fqn, allow_pickle=self.allow_pickle)
 
     def objects(self) -> dict[str, Any]:
@@ -105,53 +115,42 @@ class CheckpointReader:
         entries = [(self.key_path(fqn), self.read(fqn)) for fqn in self.keys()]
         return build_nested(entries)
 
-    def read_into(self, fqn: str, dest: torch.Tensor) -> None:
-        """Fill ``dest`` (global shape; dtype cast if it differs) with the stored tensor."""
+    def read_into(self, fqn: str, dest: torch.Tensor, *, box: Box | None = None) -> ReadStats:
+        """Fill ``dest`` with the stored tensor, or with the part ``box`` = (offsets,
+        lengths) of it (``dest`` then has the box's shape). Casts if dtypes differ."""
         entry = self._tensor_entry(fqn)
-        if tuple(dest.shape) != entry.global_shape:
-            raise ValueError(f"{fqn!r}: destination shape {list(dest.shape)} != stored {list(entry.global_shape)}")
-        if dest.is_meta:
-            raise ValueError(f"{fqn!r}: cannot load into a meta tensor; allocate it first (module.to_empty(device=...))")
-        dtype = torch_dtype(entry.dtype, fqn=fqn)
-        frags = entry.fragments
-        direct = dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype
-        full = len(frags) == 1 and frags[0].lengths == entry.global_shape
-        if direct and full:
-            with torch.no_grad():
-                self._read_fragment(frags[0], byte_view(dest.detach()))
-            return
-        for frag in _unique_boxes(frags):
-            tmp = torch.empty(frag.lengths, dtype=dtype)
-            self._read_fragment(frag, byte_view(tmp))
-            region = tuple(slice(o, o + n) for o, n in zip(frag.offsets, frag.lengths))
-            copy_values(dest[region], tmp)
+        box = box if box is not None else ((0,) * len(entry.global_shape), entry.global_shape)
+        if tuple(dest.shape) != tuple(box[1]):
+            raise ValueError(f"{fqn!r}: destination shape {list(dest.shape)} != requested box {list(box[1])}")
+        return self.fill([(fqn, box, dest)])
 
-    def _read_fragment(self, frag: Fragment, view: memoryview) -> None:
-        """Read one whole fragment into ``view`` and verify every checksum block."""
-        if frag.nbytes == 0:
-            return
-        try:
-            self.backend.read_exact(frag.file, frag.byte_offset, view)
-        except ObjectNotFoundError as e:
-            raise CorruptCheckpointError(
-                f"tensor {frag.fqn!r}: data file {frag.file!r} of {self.uri} is missing",
-                fqn=frag.fqn, file=frag.file, offset=frag.byte_offset,
-            ) from e
-        except EOFError as e:
-            raise CorruptCheckpointError(
-                f"tensor {frag.fqn!r}: data file {frag.file!r} of {self.uri} is truncated: {e}",
-                fqn=frag.fqn, file=frag.file, offset=frag.byte_offset,
-            ) from e
-        block = self.manifest.checksum_block_bytes
-        for i, (got, want) in enumerate(zip(block_checksums(view, block), frag.checksums)):
-            if got != want:
-                start = frag.byte_offset + i * block
-                end = min(start + block, frag.byte_offset + frag.nbytes)
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in tensor {frag.fqn!r}: file {frag.file!r} of {self.uri}, "
-                    f"bytes [{start}, {end}) (crc32c {got:#010x}, expected {want:#010x})",
-                    fqn=frag.fqn, file=frag.file, offset=start,
-                )
+    def fill(self, requests: list[tuple[str, Box, torch.Tensor]], *, prefer_rank: int = 0) -> ReadStats:
+        """Fill each destination tensor with box ``box`` of tensor ``fqn``, reading only
+        the bytes needed, straight into destination memory where its layout allows."""
+        views: list[memoryview] = []
+        plans: list[RunSet] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for fqn, box, dest in requests:
+            entry = self._tensor_entry(fqn)
+            for d, (o, n, s) in enumerate(zip(box[0], box[1], entry.global_shape)):
+                if o < 0 or o + n > s:
+                    raise ValueError(f"{fqn!r}: box offsets={list(box[0])} lengths={list(box[1])} is outside {list(entry.global_shape)}")
+            if dest.is_meta:
+                raise ValueError(f"{fqn!r}: cannot load into a meta tensor; allocate it first (module.to_empty(device=...))")
+            dtype = torch_dtype(entry.dtype, fqn=fqn)
+            if dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
+                landing = dest.detach()
+            else:
+                landing = torch.empty(tuple(box[1]), dtype=dtype)
+                copies.append((dest, landing))
+            index = len(views)
+            views.append(byte_view(landing))
+            for plan in plan_tensor_reads(entry, [box], prefer_rank=prefer_rank):
+                plans.append(dataclasses.replace(plan, dest=index))
+        stats = execute_reads(self.backend, plans, views, block_bytes=self.manifest.checksum_block_bytes, verify=self.verify)
+        for dest, landing in copies:
+            copy_values(dest, landing)
+        return stats
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -162,12 +161,29 @@ class CheckpointReader:
             kind = "an object, not a tensor" if fqn in self.manifest.objects else "not in the checkpoint"
             raise KeyError(f"{fqn!r} is {kind} ({self.uri})") from None
 
-    def _object_entry(self, fqn: str):
+    def _object_entry(self, fqn: str, rank: int | None = None):
         entries = self.manifest.objects.get(fqn)
         if not entries:
             kind = "a tensor, not an object" if fqn in self.catalog.tensors else "not in the checkpoint"
             raise KeyError(f"{fqn!r} is {kind} ({self.uri})")
-        return entries[0]
+        if rank is None:
+            return entries[0]
+        for e in entries:
+            if e.rank == rank:
+                return e
+        raise KeyError(f"object {fqn!r} has no value saved by rank {rank} ({self.uri})")
+
+    def per_rank_objects(self, fqn: str) -> dict[int, Any]:
+        """rank -> value for an object saved per rank ({} for a job-wide object)."""
+        return {
+            e.rank: objcodec.decode(e.value, fqn=fqn, allow_pickle=self.allow_pickle)
+            for e in self.manifest.objects.get(fqn, [])
+            if e.rank is not None
+        }
+
+    def is_per_rank(self, fqn: str) -> bool:
+        entries = self.manifest.objects.get(fqn, [])
+        return bool(entries) and entries[0].rank is not None
 
     def close(self) -> None:
         self.backend.close()
@@ -182,21 +198,10 @@ class CheckpointReader:
         return f"CheckpointReader({self.uri!r}, tensors={len(self.catalog.tensors)}, objects={len(self.manifest.objects)})"
 
 
-def _unique_boxes(frags: tuple[Fragment, ...]) -> list[Fragment]:
-    seen, out = set(), []
-    for f in frags:
-        if (f.offsets, f.lengths) not in seen:
-            seen.add((f.offsets, f.lengths))
-            out.append(f)
-    return out
-
-
-def open_checkpoint(uri: str, *, allow_pickle: bool = False, storage_options: dict | None = None) -> CheckpointReader:
-    """Open the committed checkpoint at ``uri`` (``bcp.open``)."""
-    backend = backend_for(str(uri), **dict(storage_options or {}))
-    where = f"{backend.uri}/{MANIFEST_KEY}"
+def fetch_metadata(backend: Backend) -> tuple[bytes, bytes]:
+    """Read manifest.json and the catalog it names (one rank does this and shares)."""
     try:
-        manifest = Manifest.from_json(backend.read(MANIFEST_KEY), where=where)
+        manifest_bytes = backend.read(MANIFEST_KEY)
     except ObjectNotFoundError:
         if next(iter(backend.list("")), None) is not None:
             raise IncompleteCheckpointError(
@@ -204,6 +209,7 @@ def open_checkpoint(uri: str, *, allow_pickle: bool = False, storage_options: di
                 "(it failed, was killed, or is still running), so there is no checkpoint to load"
             ) from None
         raise CheckpointNotFoundError(f"no checkpoint at {backend.uri}") from None
+    manifest = Manifest.from_json(manifest_bytes, where=f"{backend.uri}/{MANIFEST_KEY}")
     cat = manifest.catalog
     try:
         data = backend.read(cat.path)
@@ -215,5 +221,23 @@ def open_checkpoint(uri: str, *, allow_pickle: bool = False, storage_options: di
             f"({len(data)} bytes, crc32c {crc32c(data):#010x}; expected {cat.nbytes} bytes, {cat.crc32c:#010x})",
             file=cat.path,
         )
-    catalog = Catalog.from_arrow(data, where=f"{backend.uri}/{cat.path}", checksum_block_bytes=manifest.checksum_block_bytes)
-    return CheckpointReader(backend, manifest, catalog, allow_pickle=allow_pickle)
+    return manifest_bytes, data
+
+
+def reader_from_bytes(
+    backend: Backend, manifest_bytes: bytes, catalog_bytes: bytes, *, allow_pickle: bool = False, verify: bool = True
+) -> CheckpointReader:
+    manifest = Manifest.from_json(manifest_bytes, where=f"{backend.uri}/{MANIFEST_KEY}")
+    catalog = Catalog.from_arrow(
+        catalog_bytes, where=f"{backend.uri}/{manifest.catalog.path}", checksum_block_bytes=manifest.checksum_block_bytes
+    )
+    return CheckpointReader(backend, manifest, catalog, allow_pickle=allow_pickle, verify=verify)
+
+
+def open_checkpoint(
+    uri: str, *, allow_pickle: bool = False, verify: bool = True, storage_options: dict | None = None
+) -> CheckpointReader:
+    """Open the committed checkpoint at ``uri`` (``bcp.open``). Reads manifest and catalog only."""
+    backend = backend_for(str(uri), **dict(storage_options or {}))
+    manifest_bytes, catalog_bytes = fetch_metadata(backend)
+    return reader_from_bytes(backend, manifest_bytes, catalog_bytes, allow_pickle=allow_pickle, verify=verify)
