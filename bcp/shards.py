@@ -99,6 +99,8 @@ def local_pieces(value: Any, fqn: str) -> tuple[tuple[int, ...], torch.dtype, li
         t = value.local
         if not t.is_contiguous():
             raise UnsupportedStateError(f"FlatShard at key {fqn!r}: the local tensor must be contiguous")
+        if math.prod(value.global_shape) == 0:  # an empty tensor still needs its (empty) box
+            return value.global_shape, t.dtype, [Piece(((0,) * len(value.global_shape), value.global_shape), t.view(value.global_shape))], False
         pieces = []
         for (off, lens), pos in flat_range_to_boxes(value.global_shape, value.start, t.numel()):
             n = math.prod(lens)
