@@ -23,6 +23,9 @@ from .loader import load
 from .reader import CheckpointReader, TensorMeta
 from .reader import open_checkpoint as open  # noqa: A001 - the public name is bcp.open
 from .saver import SaveInfo, save
+from .shards import FlatShard, PerRank, TensorShard
+from .collectives import RankFailedError
+from .save_plan import ShardingError
 
 __all__ = [
     "CheckpointError",
@@ -30,6 +33,11 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointReader",
     "CorruptCheckpointError",
+    "FlatShard",
+    "PerRank",
+    "RankFailedError",
+    "ShardingError",
+    "TensorShard",
     "FormatError",
     "IncompleteCheckpointError",
     "SaveInfo",

@@ -9,6 +9,7 @@ initialised process group the same code runs with a single-rank coordinator.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from typing import Any
@@ -96,20 +97,41 @@ def collective_timeout() -> datetime.timedelta:
 
 def coordinator_for(process_group: Any = None) -> Coordinator:
     """The coordinator for this call: single-rank without torch.distributed, else a
-    gloo group (created once per process group, collectively, on first use)."""
+    gloo group with bcp's timeout (created once per job and process group,
+    collectively, on first use)."""
     try:
         import torch.distributed as dist
     except ImportError:
         return Coordinator()
     if not (dist.is_available() and dist.is_initialized()):
         return Coordinator()
-    key = process_group if process_group is not None else "default"
+    # Keyed by the job's default group too, so a re-initialised job gets fresh groups.
+    key = (id(dist.group.WORLD), id(process_group) if process_group is not None else None)
     group = _GROUPS.get(key)
     if group is None:
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         group = dist.new_group(ranks=ranks, backend="gloo", timeout=collective_timeout())
         _GROUPS[key] = group
+        if len(_GROUPS) == 1:
+            atexit.register(release_groups)
     return GroupCoordinator(group)
+
+
+def release_groups() -> None:
+    """Destroy bcp's gloo groups. Runs at exit: a process group left to interpreter
+    finalisation can abort the process while gloo threads are still running."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    groups = list(_GROUPS.values())
+    _GROUPS.clear()
+    if dist.is_available() and dist.is_initialized():
+        for group in groups:
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):  # already destroyed with the default group
+                pass
 
 
 def run_phase(coord: Coordinator, phase: str, fn, *args, **kwargs):

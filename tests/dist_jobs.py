@@ -1,0 +1,220 @@
+"""Multi-process jobs for tests/test_distributed.py (gloo on CPU, started with
+torch.multiprocessing.spawn). Every job asserts inside the workers; a failure
+propagates to the test with the worker's traceback."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+import bcp
+
+HIDDEN = 34  # odd over 4 ranks (uneven FSDP shards); even over 2 (DTensor TP needs that)
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(job, world: int, *args) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_entry, args=(world, free_port(), job, args), nprocs=world, join=True)
+
+
+def _entry(rank: int, world: int, port: int, job, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), BCP_COLLECTIVE_TIMEOUT="120")
+    torch.set_num_threads(1)
+    import faulthandler
+
+    faulthandler.enable()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    job(rank, world, *args)
+    dist.barrier()  # no rank tears down gloo while another still talks to it
+    dist.destroy_process_group()
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(10, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 6))
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(8, 10, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def train(model, opt, steps: range, rank: int) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = model(batch(step, rank)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# -- FSDP2 and 2-D (FSDP x TP) ---------------------------------------------------------
+
+
+def sharded_model(world: int, layout: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    if layout == "2d":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return model, opt
+
+
+def sharded_state(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def restore(model, opt, state) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def full_reference(model, opt) -> dict:
+    """Full (unsharded) model and optimizer state, for comparisons."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    # clone: some entries (optimizer 'step') are the live tensors, which training mutates
+    return _clone({"model": msd, "optim": osd})
+
+
+def _clone(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_clone(v) for v in tree]
+    return tree
+
+
+def flatten_tensors(d, prefix="") -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten_tensors(v, key + "."))
+        elif isinstance(v, torch.Tensor):
+            out[key] = v
+    return out
+
+
+def assert_equal_to_reference(got: dict, ref: dict, where: str) -> None:
+    a, b = flatten_tensors(got), flatten_tensors(ref)
+    assert a.keys() == b.keys(), f"{where}: keys differ: {sorted(a.keys() ^ b.keys())}"
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{where}: {k} differs from the reference"
+
+
+def save_sharded_job(rank: int, world: int, layout: str, uri: str, ref_path: str) -> None:
+    """Train, save with bcp, write the full reference; then check that a same-layout
+    reload continues training bitwise identically."""
+    model, opt = sharded_model(world, layout)
+    train(model, opt, range(3), rank)
+    info = bcp.save(sharded_state(model, opt), uri)
+    assert info.world_size == world and info.rank_bytes_written > 0, f"rank {rank} wrote nothing: {info}"
+    ref = full_reference(model, opt)
+    if rank == 0:
+        torch.save(ref, ref_path)
+    expected = train(model, opt, range(3, 6), rank)
+
+    model2, opt2 = sharded_model(world, layout)
+    state = sharded_state(model2, opt2)
+    bcp.load(state, uri)
+    restore(model2, opt2, state)
+    assert_equal_to_reference(full_reference(model2, opt2), ref, f"rank {rank} same-layout reload")
+    resumed = train(model2, opt2, range(3, 6), rank)
+    assert resumed == expected, f"rank {rank}: losses after reload {resumed} != {expected}"
+
+
+def load_sharded_job(rank: int, world: int, layout: str, uri: str, ref_path: str) -> None:
+    """Load a checkpoint saved at another world size/layout; compare with the reference."""
+    model, opt = sharded_model(world, layout)
+    state = sharded_state(model, opt)
+    bcp.load(state, uri)
+    restore(model, opt, state)
+    ref = torch.load(ref_path, weights_only=True)
+    assert_equal_to_reference(full_reference(model, opt), ref, f"rank {rank} of {world} after reshard")
+    train(model, opt, range(3, 4), rank)  # and it trains
+
+
+# -- DDP (replicated) with per-rank dataloader state -----------------------------------
+
+
+def ddp_save_job(rank: int, world: int, uri: str, ref_path: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = make_model()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+    train(ddp, opt, range(3), rank)
+    loader = {"epoch": 0, "consumed": [rank + world * i for i in range(5)]}  # this rank's sample ids so far
+    state = {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "loader": bcp.PerRank(loader),
+        "rng": bcp.PerRank(torch.get_rng_state()),
+        "step": 3,
+    }
+    info = bcp.save(state, uri)
+    share = info.rank_bytes_written / info.bytes_written
+    assert abs(share - 1 / world) < 0.25, f"rank {rank} wrote {share:.2f} of the bytes (expected about 1/{world})"
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, ref_path)
+
+
+def redistribute_consumed(fqn: str, values: dict[int, object], rank: int, world: int):
+    """The worked example of docs/distributed.md: pool every saved rank's consumed
+    sample ids and deal them to the new ranks, so no sample is replayed or skipped."""
+    if fqn == "loader":
+        pooled = sorted(i for v in values.values() for i in v["consumed"])
+        return {"epoch": values[0]["epoch"], "consumed": pooled[rank::world]}
+    if fqn == "rng":
+        return values[min(rank, max(values))]  # new ranks reuse an old rank's generator state
+    raise KeyError(fqn)
+
+
+def ddp_load_job(rank: int, world: int, uri: str, ref_path: str, saved_world: int) -> None:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "loader": None, "rng": None, "step": 0}
+    if world != saved_world:
+        try:
+            bcp.load(state, uri)
+        except bcp.UnsupportedStateError as e:
+            assert "reshard_objects" in str(e) and "loader" in str(e)
+        else:
+            raise AssertionError("per-rank objects were silently given to a different world size")
+    state = bcp.load(state, uri, reshard_objects=redistribute_consumed)
+    opt.load_state_dict(state["optim"])
+    ref = torch.load(ref_path, weights_only=True)
+    assert_equal_to_reference({"model": model.state_dict(), "optim": opt.state_dict()}, ref, f"DDP rank {rank}")
+    assert state["step"] == 3
+    everyone = [None] * world
+    dist.all_gather_object(everyone, state["loader"]["consumed"])
+    pooled = sorted(i for ids in everyone for i in ids)
+    assert pooled == list(range(saved_world * 5)), f"samples lost or duplicated: {pooled}"
