@@ -21,7 +21,9 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from bcp.backends import backend_for
+import torch
+
+from bcp.backends import Capability, backend_for
 
 from .collectives import Coordinator, coordinator_for, run_phase, share_result
 from .dtypes import dtype_name
@@ -51,6 +53,7 @@ def load(
     process_group: Any = None,
     reshard_objects: ReshardObjects | None = None,
     verify: bool = True,
+    share_reads: bool | None = None,
 ) -> Mapping[str, Any]:
     """Fill ``state`` from the checkpoint at ``uri`` and return it.
 
@@ -60,6 +63,9 @@ def load(
     them all, before anything is read. strict=False: keys on one side only are
     skipped, dtypes are cast; shapes must still match. Objects saved per rank at a
     different world size are handed to ``reshard_objects`` (see docs/distributed.md).
+    ``share_reads``: read a fragment several ranks need once and send it to the
+    others (zero-redundant load); default on for object stores, off for POSIX
+    filesystems, where measurements favour every rank reading (docs/distributed.md).
     """
     coord = coordinator_for(process_group)
     backend = backend_for(str(uri), **dict(storage_options or {}))
@@ -73,12 +79,20 @@ def load(
     reader = reader_from_bytes(backend, manifest_bytes, catalog_bytes, allow_pickle=allow_pickle, verify=verify)
     try:
         plan = run_phase(coord, "matching the state", _match, reader, state, strict, coord, reshard_objects)
-        stats = run_phase(coord, "reading tensors", _read, reader, plan, coord)
+        if share_reads is None:
+            share_reads = not (backend.capabilities & Capability.POSIX)
+        stats = run_phase(coord, "reading tensors", _read, reader, plan, coord, share_reads)
         state = run_phase(coord, "placing objects", _place_objects, reader, state, plan, coord, reshard_objects)
     finally:
         reader.close()
     log.info("loaded %s: %d bytes in %d reads (+%d to verify)", reader.uri, stats.bytes_read, stats.requests, stats.verify_bytes)
+    last_load_stats.update(bytes_read=stats.bytes_read, requests=stats.requests, verify_bytes=stats.verify_bytes)
     return state
+
+
+#: This process's storage traffic during its last ``load`` (bytes_read, requests,
+#: verify_bytes): for benchmarks and tests.
+last_load_stats: dict[str, int] = {}
 
 
 class _Plan:
@@ -86,6 +100,8 @@ class _Plan:
         self.tensor_requests: list[tuple[str, tuple, Any]] = []
         self.object_loads: list[Leaf] = []
         self.subtree_loads: list[tuple[Leaf, list[str]]] = []
+        #: tensors allocated for subtree loads, filled with the other requests
+        self.subtree_tensors: dict[str, Any] = {}
 
 
 def _match(
@@ -133,6 +149,11 @@ def _match(
             if below and isinstance(leaf.value, (Mapping, list, tuple)):
                 consumed.update(below)
                 plan.subtree_loads.append((leaf, below))
+                for f in below:
+                    if f in stored_tensors:
+                        meta = reader.meta(f)
+                        plan.subtree_tensors[f] = torch.empty(meta.shape, dtype=meta.dtype)
+                        plan.tensor_requests.append((f, ((0,) * len(meta.shape), tuple(meta.shape)), plan.subtree_tensors[f]))
             else:
                 missing.append(fqn)
     unexpected = [f for f in reader.keys() if f not in consumed]
@@ -160,8 +181,14 @@ def _match(
     return plan
 
 
-def _read(reader: CheckpointReader, plan: _Plan, coord: Coordinator) -> ReadStats:
-    return reader.fill(plan.tensor_requests, prefer_rank=coord.rank)
+def _read(reader: CheckpointReader, plan: _Plan, coord: Coordinator, share_reads: bool) -> ReadStats:
+    if not share_reads or coord.world_size == 1:
+        return reader.fill(plan.tensor_requests, prefer_rank=coord.rank)
+    from .shared_read import fetch_shared
+
+    held, stats = fetch_shared(reader, coord, [(fqn, box) for fqn, box, _t in plan.tensor_requests])
+    stats.add(reader.fill(plan.tensor_requests, prefer_rank=coord.rank, in_memory=held))
+    return stats
 
 
 def _place_objects(
@@ -178,6 +205,7 @@ def _place_objects(
         state = replace_at(state, leaf.path, value)
     for leaf, below in plan.subtree_loads:
         depth = len(leaf.path)
-        subtree = build_nested((reader.key_path(f)[depth:], reader.read(f)) for f in below)
+        values = ((f, plan.subtree_tensors[f] if f in plan.subtree_tensors else reader.read_object(f)) for f in below)
+        subtree = build_nested((reader.key_path(f)[depth:], v) for f, v in values)
         state = replace_at(state, leaf.path, subtree)
     return state

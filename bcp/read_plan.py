@@ -46,8 +46,11 @@ def choose_replicas(entry: TensorEntry, prefer_rank: int = 0) -> list[Fragment]:
     return [frags[prefer_rank % len(frags)] for frags in by_box.values()]
 
 
-def plan_tensor_reads(entry: TensorEntry, dest_boxes: list[Box], *, prefer_rank: int = 0) -> list[RunSet]:
-    """Runs filling each of ``dest_boxes`` (boxes of ``entry``'s global tensor)."""
+def plan_tensor_reads(
+    entry: TensorEntry, dest_boxes: list[Box], *, prefer_rank: int = 0, in_memory: frozenset[Box] = frozenset()
+) -> list[RunSet]:
+    """Runs filling each of ``dest_boxes`` (boxes of ``entry``'s global tensor).
+    Stored boxes listed in ``in_memory`` are already at hand and get no runs."""
     size = itemsize(entry.dtype)
     fragments = choose_replicas(entry, prefer_rank)
     plans: list[RunSet] = []
@@ -60,6 +63,8 @@ def plan_tensor_reads(entry: TensorEntry, dest_boxes: list[Box], *, prefer_rank:
                 continue
             r_off, r_len = region
             covered += math.prod(r_len)
+            if (frag.offsets, frag.lengths) in in_memory:
+                continue
             src, dst, run = common_runs(r_off, r_len, frag.offsets, frag.lengths, d_off, d_len)
             if run:
                 plans.append(RunSet(frag, index, src * size, dst * size, run * size))

@@ -18,7 +18,7 @@ from bcp.metadata import MANIFEST_KEY, Catalog, Fragment, Manifest, TensorEntry,
 
 from . import objcodec
 from .dtypes import torch_dtype
-from .boxes import Box
+from .boxes import Box, intersect
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from .read_exec import ReadStats, execute_reads
 from .read_plan import RunSet, plan_tensor_reads
@@ -124,9 +124,21 @@ class CheckpointReader:
             raise ValueError(f"{fqn!r}: destination shape {list(dest.shape)} != requested box {list(box[1])}")
         return self.fill([(fqn, box, dest)])
 
-    def fill(self, requests: list[tuple[str, Box, torch.Tensor]], *, prefer_rank: int = 0) -> ReadStats:
+    def fill(
+        self,
+        requests: list[tuple[str, Box, torch.Tensor]],
+        *,
+        prefer_rank: int = 0,
+        in_memory: dict[tuple[str, Box], torch.Tensor] | None = None,
+    ) -> ReadStats:
         """Fill each destination tensor with box ``box`` of tensor ``fqn``, reading only
-        the bytes needed, straight into destination memory where its layout allows."""
+        the bytes needed, straight into destination memory where its layout allows.
+        ``in_memory`` maps (fqn, stored box) to that fragment's values, already at
+        hand (shared by another rank): those parts are copied, not read."""
+        in_memory = in_memory or {}
+        held: dict[str, dict[Box, torch.Tensor]] = {}
+        for (fqn, fbox), values in in_memory.items():
+            held.setdefault(fqn, {})[fbox] = values
         views: list[memoryview] = []
         plans: list[RunSet] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -145,7 +157,14 @@ class CheckpointReader:
                 copies.append((dest, landing))
             index = len(views)
             views.append(byte_view(landing))
-            for plan in plan_tensor_reads(entry, [box], prefer_rank=prefer_rank):
+            mine = held.get(fqn, {})
+            for (f_off, f_len), values in mine.items():
+                region = intersect(box[0], box[1], f_off, f_len)
+                if region is not None:
+                    r_off, r_len = region
+                    src = values[tuple(slice(o - fo, o - fo + n) for o, fo, n in zip(r_off, f_off, r_len))]
+                    copy_values(landing[tuple(slice(o - bo, o - bo + n) for o, bo, n in zip(r_off, box[0], r_len))], src)
+            for plan in plan_tensor_reads(entry, [box], prefer_rank=prefer_rank, in_memory=frozenset(mine)):
                 plans.append(dataclasses.replace(plan, dest=index))
         stats = execute_reads(self.backend, plans, views, block_bytes=self.manifest.checksum_block_bytes, verify=self.verify)
         for dest, landing in copies:

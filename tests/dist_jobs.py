@@ -8,10 +8,16 @@ import contextlib
 import os
 import socket
 
+import pathlib
+import sys
+
 import torch
 import torch.distributed as dist
 
 import bcp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from dataloader_reshard import ShardedSampler, consumed_ids, reshard_sampler_state  # noqa: E402
 
 HIDDEN = 34  # odd over 4 ranks (uneven FSDP shards); even over 2 (DTensor TP needs that)
 
@@ -172,11 +178,12 @@ def ddp_save_job(rank: int, world: int, uri: str, ref_path: str) -> None:
     ddp = DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
     train(ddp, opt, range(3), rank)
-    loader = {"epoch": 0, "consumed": [rank + world * i for i in range(5)]}  # this rank's sample ids so far
+    sampler = ShardedSampler(64, rank, world, seed=3)
+    sampler.take(5 + rank)  # ranks progress unevenly
     state = {
         "model": model.state_dict(),
         "optim": opt.state_dict(),
-        "loader": bcp.PerRank(loader),
+        "loader": bcp.PerRank(sampler.state_dict()),
         "rng": bcp.PerRank(torch.get_rng_state()),
         "step": 3,
     }
@@ -185,17 +192,6 @@ def ddp_save_job(rank: int, world: int, uri: str, ref_path: str) -> None:
     assert abs(share - 1 / world) < 0.25, f"rank {rank} wrote {share:.2f} of the bytes (expected about 1/{world})"
     if rank == 0:
         torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, ref_path)
-
-
-def redistribute_consumed(fqn: str, values: dict[int, object], rank: int, world: int):
-    """The worked example of docs/distributed.md: pool every saved rank's consumed
-    sample ids and deal them to the new ranks, so no sample is replayed or skipped."""
-    if fqn == "loader":
-        pooled = sorted(i for v in values.values() for i in v["consumed"])
-        return {"epoch": values[0]["epoch"], "consumed": pooled[rank::world]}
-    if fqn == "rng":
-        return values[min(rank, max(values))]  # new ranks reuse an old rank's generator state
-    raise KeyError(fqn)
 
 
 def ddp_load_job(rank: int, world: int, uri: str, ref_path: str, saved_world: int) -> None:
@@ -209,12 +205,40 @@ def ddp_load_job(rank: int, world: int, uri: str, ref_path: str, saved_world: in
             assert "reshard_objects" in str(e) and "loader" in str(e)
         else:
             raise AssertionError("per-rank objects were silently given to a different world size")
-    state = bcp.load(state, uri, reshard_objects=redistribute_consumed)
+    state = bcp.load(state, uri, reshard_objects=reshard_sampler_state)
     opt.load_state_dict(state["optim"])
     ref = torch.load(ref_path, weights_only=True)
     assert_equal_to_reference({"model": model.state_dict(), "optim": opt.state_dict()}, ref, f"DDP rank {rank}")
     assert state["step"] == 3
+    if world == saved_world:
+        assert state["loader"]["rank"] == rank, "same world size: each rank must get its own loader state"
+    sampler = ShardedSampler(64, rank, world)
+    sampler.load_state_dict(state["loader"])
+    already = consumed_ids(state["loader"]) if world == saved_world else []
     everyone = [None] * world
-    dist.all_gather_object(everyone, state["loader"]["consumed"])
-    pooled = sorted(i for ids in everyone for i in ids)
-    assert pooled == list(range(saved_world * 5)), f"samples lost or duplicated: {pooled}"
+    dist.all_gather_object(everyone, (already, sampler.take(1000)))
+    seen = sorted(i for before, after in everyone for i in before + after)
+    if world != saved_world:  # the consumed ids live in the saved states, not the new ones
+        reader = bcp.open(uri)
+        seen = sorted(seen + [i for st in reader.per_rank_objects("loader").values() for i in consumed_ids(st)])
+    assert seen == list(range(64)), f"samples lost or repeated after {saved_world} -> {world} ranks: {seen}"
+
+
+def shared_read_job(rank: int, world: int, uri: str, ref_path: str, share: bool) -> None:
+    """Every rank loads full (replicated) tensors; with sharing, storage is read once."""
+    from bcp.loader import last_load_stats
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "loader": None, "rng": None, "step": 0}
+    bcp.load(state, uri, share_reads=share, reshard_objects=reshard_sampler_state)
+    opt.load_state_dict(state["optim"])
+    ref = torch.load(ref_path, weights_only=True)
+    assert_equal_to_reference({"model": model.state_dict(), "optim": opt.state_dict()}, ref, f"shared-read rank {rank}")
+    everyone = [None] * world
+    dist.all_gather_object(everyone, last_load_stats["bytes_read"])
+    total = bcp.open(uri).manifest.stats["tensor_bytes"]
+    if share:
+        assert sum(everyone) == total, f"with sharing, storage bytes {everyone} should add up to {total} once"
+    else:
+        assert everyone == [total] * world, f"without sharing every rank reads everything: {everyone}"

@@ -57,3 +57,10 @@ def test_ddp_two_to_three_ranks_with_per_rank_dataloader_state(tmp_path):
     assert not reader.is_per_rank("step")
     dist_jobs.spawn(dist_jobs.ddp_load_job, 3, uri, ref, 2)
     dist_jobs.spawn(dist_jobs.ddp_load_job, 2, uri, ref, 2)  # same world size: each rank its own
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_zero_redundant_load_reads_each_byte_once(tmp_path, share):
+    uri, ref = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
+    dist_jobs.spawn(dist_jobs.ddp_save_job, 2, uri, ref)
+    dist_jobs.spawn(dist_jobs.shared_read_job, 3, uri, ref, share)

@@ -1,0 +1,83 @@
+"""Zero-redundant load: a stored fragment that several ranks need is read from
+storage once, by one of them, and sent to the others over the process group.
+
+Every rank gathers every rank's requested boxes and computes the same plan: for
+each stored fragment (one replica per box) the ranks whose boxes overlap it; where
+that is more than one rank, the one with the fewest bytes to fetch so far reads the
+whole fragment (verifying every checksum block) and sends it point-to-point. The
+receivers then copy their parts from memory. Costs memory for the shared fragments
+in flight; saves storage bandwidth and request count, which is what object stores
+charge for.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bcp.metadata import itemsize
+
+from .boxes import Box, intersect
+from .collectives import GroupCoordinator
+from .dtypes import torch_dtype
+from .read_exec import ReadStats
+from .read_plan import choose_replicas
+from .reader import CheckpointReader
+
+SharedKey = tuple[str, Box]
+
+
+def plan_sharing(reader: CheckpointReader, wanted_by_rank: list[list[tuple[str, Box]]]) -> dict[SharedKey, tuple[int, list[int]]]:
+    """(fqn, stored box) -> (owner rank, receiving ranks) for fragments wanted by 2+ ranks."""
+    needers: dict[SharedKey, list[int]] = {}
+    for rank, wanted in enumerate(wanted_by_rank):
+        for fqn, (b_off, b_len) in wanted:
+            for frag in choose_replicas(reader.catalog.tensors[fqn]):
+                key = (fqn, (frag.offsets, frag.lengths))
+                if intersect(b_off, b_len, frag.offsets, frag.lengths) is not None and math.prod(frag.lengths):
+                    ranks = needers.setdefault(key, [])
+                    if not ranks or ranks[-1] != rank:
+                        ranks.append(rank)
+    load = [0] * len(wanted_by_rank)
+    plan: dict[SharedKey, tuple[int, list[int]]] = {}
+    for key in sorted(k for k, ranks in needers.items() if len(ranks) > 1):
+        ranks = needers[key]
+        owner = min(ranks, key=lambda r: (load[r], r))
+        entry = reader.catalog.tensors[key[0]]
+        load[owner] += math.prod(key[1][1]) * itemsize(entry.dtype)
+        plan[key] = (owner, [r for r in ranks if r != owner])
+    return plan
+
+
+def fetch_shared(
+    reader: CheckpointReader, coord: GroupCoordinator, wanted: list[tuple[str, Box]]
+) -> tuple[dict[SharedKey, torch.Tensor], ReadStats]:
+    """(all ranks) Read the shared fragments this rank owns, exchange them, and return
+    every shared fragment this rank needs, as tensors shaped like their boxes."""
+    dist = coord.dist
+    plan = plan_sharing(reader, coord.all_gather(wanted))
+    stats = ReadStats()
+    held: dict[SharedKey, torch.Tensor] = {}
+    owned = [(k, receivers) for k, (owner, receivers) in plan.items() if owner == coord.rank]
+    for key, _receivers in owned:
+        fqn, (f_off, f_len) = key
+        dtype = torch_dtype(reader.catalog.tensors[fqn].dtype, fqn=fqn)
+        held[key] = torch.empty(f_len, dtype=dtype)
+        stats.add(reader.fill([(fqn, (f_off, f_len), held[key])]))
+    works = []
+    ranks = dist.get_process_group_ranks(coord.group)
+    for tag, (key, (owner, receivers)) in enumerate(sorted(plan.items())):
+        if owner == coord.rank:
+            wire = held[key].reshape(-1).view(torch.uint8) if held[key].numel() else None
+            if wire is not None:
+                works += [dist.isend(wire, dst=ranks[r], group=coord.group, tag=tag) for r in receivers]
+        elif coord.rank in receivers:
+            fqn, (_f_off, f_len) = key
+            dtype = torch_dtype(reader.catalog.tensors[fqn].dtype, fqn=fqn)
+            held[key] = torch.empty(f_len, dtype=dtype)
+            if held[key].numel():
+                works.append(dist.irecv(held[key].reshape(-1).view(torch.uint8), src=ranks[owner], group=coord.group, tag=tag))
+    for work in works:
+        work.wait()
+    return held, stats
