@@ -29,19 +29,25 @@ SharedKey = tuple[str, Box]
 
 
 def plan_sharing(reader: CheckpointReader, wanted_by_rank: list[list[tuple[str, Box]]]) -> dict[SharedKey, tuple[int, list[int]]]:
-    """(fqn, stored box) -> (owner rank, receiving ranks) for fragments wanted by 2+ ranks."""
+    """(fqn, stored box) -> (owner rank, receiving ranks) for fragments some of whose
+    bytes several ranks want. Fragments that ranks split between them (a reshard
+    cutting a fragment into disjoint parts) are not shared: nothing would be saved."""
     needers: dict[SharedKey, list[int]] = {}
+    wanted_elems: dict[SharedKey, int] = {}
     for rank, wanted in enumerate(wanted_by_rank):
         for fqn, (b_off, b_len) in wanted:
             for frag in choose_replicas(reader.catalog.tensors[fqn]):
                 key = (fqn, (frag.offsets, frag.lengths))
-                if intersect(b_off, b_len, frag.offsets, frag.lengths) is not None and math.prod(frag.lengths):
+                region = intersect(b_off, b_len, frag.offsets, frag.lengths)
+                if region is not None and math.prod(frag.lengths):
+                    wanted_elems[key] = wanted_elems.get(key, 0) + math.prod(region[1])
                     ranks = needers.setdefault(key, [])
                     if not ranks or ranks[-1] != rank:
                         ranks.append(rank)
+    redundant = [k for k, ranks in needers.items() if len(ranks) > 1 and wanted_elems[k] > math.prod(k[1][1])]
     load = [0] * len(wanted_by_rank)
     plan: dict[SharedKey, tuple[int, list[int]]] = {}
-    for key in sorted(k for k, ranks in needers.items() if len(ranks) > 1):
+    for key in sorted(redundant):
         ranks = needers[key]
         owner = min(ranks, key=lambda r: (load[r], r))
         entry = reader.catalog.tensors[key[0]]

@@ -1,12 +1,14 @@
 """bcp demo: train, checkpoint mid-run, resume in a fresh model, and check the
-resumed run is bit-for-bit the same as the uninterrupted one.
+resumed run is bit-for-bit the same as the uninterrupted one; then the same with
+FSDP2 on 2 processes resumed on 3 (load-time resharding).
 
-    python examples/demo.py [--dir DIR] [--steps N] [--hidden H]
+    python examples/demo.py [--dir DIR] [--steps N] [--hidden H] [--no-distributed]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
 import sys
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", help="where to write the checkpoint (default: a temporary directory)")
     p.add_argument("--steps", type=int, default=20, help="training steps in all (checkpoint at half)")
     p.add_argument("--hidden", type=int, default=1024, help="hidden width of the MLP")
+    p.add_argument("--no-distributed", action="store_true", help="skip the 2 -> 3 process FSDP2 part")
     args = p.parse_args(argv)
     workdir = args.dir or tempfile.mkdtemp(prefix="bcp-demo-")
     uri = f"{workdir.rstrip('/')}/step{args.steps // 2}"
@@ -119,9 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"uninterrupted run:   {' '.join(f'{v:.5f}' for v in reference[:5])} ...")
     print(f"training continues identically: {'yes' if same_losses and same_params else 'NO'} "
           f"(losses equal: {same_losses}, final parameters equal: {same_params})")
+    ok = same_losses and same_params
+    if not args.no_distributed:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import demo_distributed
+
+        ok = demo_distributed.run(f"{workdir.rstrip('/')}/fsdp-step", steps=args.steps // 2 * 2) and ok
     if not args.dir:
         shutil.rmtree(workdir, ignore_errors=True)
-    return 0 if same_losses and same_params else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import crc32c as _crc32c
 
 ALGORITHM = "crc32c"
 #: Default block size. Each fragment is split into blocks from its first byte.
-DEFAULT_BLOCK_BYTES = 1 << 20
+DEFAULT_BLOCK_BYTES = 64 << 10
 
 
 def crc32c(data, value: int = 0) -> int:

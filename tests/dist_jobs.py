@@ -35,7 +35,8 @@ def spawn(job, world: int, *args) -> None:
 
 
 def _entry(rank: int, world: int, port: int, job, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), BCP_COLLECTIVE_TIMEOUT="120")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("BCP_COLLECTIVE_TIMEOUT", "120")
     torch.set_num_threads(1)
     import faulthandler
 
@@ -242,3 +243,72 @@ def shared_read_job(rank: int, world: int, uri: str, ref_path: str, share: bool)
         assert sum(everyone) == total, f"with sharing, storage bytes {everyone} should add up to {total} once"
     else:
         assert everyone == [total] * world, f"without sharing every rank reads everything: {everyone}"
+
+
+def failing_rank_job(rank: int, world: int, uri: str) -> None:
+    """Rank 1's storage fails while writing: no commit, and every rank raises."""
+    import os as _os
+
+    state = {"w": bcp.TensorShard(torch.full((4, 3), float(rank)), (4 * world, 3), (4 * rank, 0)), "step": 1}
+    real = _os.pwrite
+    if rank == 1:
+        def broken(fd, data, offset):
+            raise OSError(5, "Input/output error")
+        _os.pwrite = broken
+    try:
+        bcp.save(state, uri)
+    except Exception as e:  # noqa: BLE001
+        message = str(e) + "".join(getattr(e, "__notes__", []))
+        assert "rank 1" in message and "Input/output error" in message, f"rank {rank}: unclear error: {message}"
+    else:
+        raise AssertionError(f"rank {rank}: save succeeded although rank 1 failed")
+    finally:
+        _os.pwrite = real
+    dist.barrier()
+    assert not _os.path.exists(_os.path.join(uri, "manifest.json")), "a failed save committed"
+    leftovers = [f for _d, _s, fs in _os.walk(uri) for f in fs]
+    assert leftovers == [], f"failed save left files: {leftovers}"
+
+
+def missing_rank_job(rank: int, world: int, uri: str) -> None:
+    """Rank 1 never calls save: rank 0 must fail within the collective timeout, not hang."""
+    import time as _time
+
+    if rank == 0:
+        started = _time.monotonic()
+        try:
+            bcp.save({"w": torch.zeros(3)}, uri)
+        except Exception as e:  # noqa: BLE001 - gloo reports the timeout as a RuntimeError
+            elapsed = _time.monotonic() - started
+            assert elapsed < 60, f"took {elapsed:.0f} s to notice"
+        else:
+            raise AssertionError("save returned although rank 1 never joined")
+        assert not os.path.exists(os.path.join(uri, "manifest.json"))
+
+
+def load_as_flat_shards_job(rank: int, world: int, uri: str, ref_path: str) -> None:
+    """DTensor (FSDP2) checkpoint -> FlatShard templates (FSDP1 / ZeRO style)."""
+    ref = torch.load(ref_path, weights_only=True)
+
+    def flat(t: torch.Tensor):
+        per = -(-t.numel() // world)
+        start = min(rank * per, t.numel())
+        n = max(0, min(per, t.numel() - start))
+        return bcp.FlatShard(torch.zeros(n, dtype=t.dtype), tuple(t.shape), start), start, n
+
+    state: dict = {"model": {}, "optim": {"state": {}, "param_groups": None}}
+    expect = []
+    for k, t in ref["model"].items():
+        shard, start, n = flat(t)
+        state["model"][k] = shard
+        expect.append((shard, t.reshape(-1)[start : start + n]))
+    for p, entry in ref["optim"]["state"].items():
+        state["optim"]["state"][p] = {}
+        for name, t in entry.items():
+            shard, start, n = flat(t)
+            state["optim"]["state"][p][name] = shard
+            expect.append((shard, t.reshape(-1)[start : start + n]))
+    bcp.load(state, uri)
+    for shard, want in expect:
+        assert torch.equal(shard.local, want), f"rank {rank}: flat shard at {shard.start} differs"
+    assert state["optim"]["param_groups"] == ref["optim"]["param_groups"]

@@ -16,3 +16,5 @@ def test_demo_resumes_training_identically(tmp_path):
     assert "training continues identically: yes" in out.stdout
     assert "GB/s" in out.stdout and "tensors" in out.stdout
     assert (tmp_path / "step4" / "manifest.json").exists()
+    assert "loss continues after resharding 2 -> 3: yes" in out.stdout, out.stdout
+    assert (tmp_path / "fsdp-step" / "manifest.json").exists()

@@ -64,3 +64,17 @@ def test_zero_redundant_load_reads_each_byte_once(tmp_path, share):
     uri, ref = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
     dist_jobs.spawn(dist_jobs.ddp_save_job, 2, uri, ref)
     dist_jobs.spawn(dist_jobs.shared_read_job, 3, uri, ref, share)
+
+
+def test_a_failing_rank_means_no_commit_and_an_error_on_every_rank(tmp_path):
+    dist_jobs.spawn(dist_jobs.failing_rank_job, 2, str(tmp_path / "ck"))
+
+
+def test_a_rank_that_never_joins_times_out_instead_of_hanging(tmp_path, monkeypatch):
+    monkeypatch.setenv("BCP_COLLECTIVE_TIMEOUT", "5")
+    dist_jobs.spawn(dist_jobs.missing_rank_job, 2, str(tmp_path / "ck"))
+
+
+def test_dtensor_checkpoint_loads_into_flat_shards(fsdp2):
+    uri, ref = fsdp2
+    dist_jobs.spawn(dist_jobs.load_as_flat_shards_job, 3, uri, ref)

@@ -1,0 +1,86 @@
+"""fragments.arrow: round trips and row validation."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow as pa
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bcp.metadata import CATALOG_SCHEMA, Catalog, FormatError, Fragment, itemsize
+
+BLOCK = 1024
+
+
+@st.composite
+def fragments(draw):
+    shape = tuple(draw(st.lists(st.integers(0, 6), max_size=4)))
+    offs = tuple(draw(st.integers(0, s)) for s in shape)
+    lens = tuple(draw(st.integers(0, s - o)) for s, o in zip(shape, offs))
+    dtype = draw(st.sampled_from(["float32", "bfloat16", "int8", "complex128", "bool"]))
+    nbytes = math.prod(lens) * itemsize(dtype)
+    sums = tuple(draw(st.integers(0, 2**32 - 1)) for _ in range(-(-nbytes // BLOCK)))
+    return Fragment(
+        fqn=draw(st.text(min_size=1, max_size=6)), key_path='[["d","x"]]', dtype=dtype, global_shape=shape,
+        offsets=offs, lengths=lens, file=draw(st.sampled_from(["a.bin", "gen-1/data/ränk.bin"])),
+        byte_offset=draw(st.integers(0, 2**40)), nbytes=nbytes, checksums=sums, writer_rank=draw(st.integers(0, 4095)),
+    )
+
+
+@given(st.lists(fragments(), max_size=12))
+def test_catalog_round_trip(frags):
+    # one dtype/shape per fqn, as the writer guarantees
+    first = {}
+    frags = [f for f in frags if first.setdefault(f.fqn, (f.dtype, f.global_shape)) == (f.dtype, f.global_shape)]
+    back = Catalog.from_arrow(Catalog(frags).to_arrow(), where="t", checksum_block_bytes=BLOCK)
+    assert back.fragments == frags
+
+
+def _one(**changes) -> bytes:
+    good = dict(fqn="w", key_path='[["d","w"]]', dtype="float32", global_shape=(4, 4), offsets=(0, 0), lengths=(2, 4),
+                file="f.bin", byte_offset=0, nbytes=32, checksums=(1,), writer_rank=0)
+    good.update(changes)
+    cols = {k: [list(v) if isinstance(v, tuple) else v] for k, v in good.items()}
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, CATALOG_SCHEMA) as w:
+        w.write_table(pa.table(cols, schema=CATALOG_SCHEMA))
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"offsets": (3, 0)}, r"dim 0 box \[3, 5\) is outside size 4"),
+        ({"lengths": (2,)}, "box has 2/1 dims, tensor has 2"),
+        ({"nbytes": 31}, "nbytes 31 does not match box"),
+        ({"checksums": (1, 2)}, "2 checksums for 1 blocks"),
+        ({"dtype": "float12"}, "unknown dtype 'float12'"),
+        ({"byte_offset": -5}, "negative byte offset"),
+    ],
+)
+def test_bad_rows_are_rejected_naming_the_row(changes, message):
+    with pytest.raises(FormatError, match=r"cat row 0 \('w'\).*" + message):
+        Catalog.from_arrow(_one(**changes), where="cat", checksum_block_bytes=BLOCK)
+
+
+def test_missing_column_and_garbage_are_format_errors():
+    table = pa.ipc.open_file(pa.BufferReader(_one())).read_all().drop_columns(["checksums"])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    with pytest.raises(FormatError, match="missing column"):
+        Catalog.from_arrow(sink.getvalue().to_pybytes(), where="cat", checksum_block_bytes=BLOCK)
+    with pytest.raises(FormatError, match="not a readable Arrow IPC file"):
+        Catalog.from_arrow(b"nonsense", where="cat", checksum_block_bytes=BLOCK)
+
+
+def test_catalog_is_compact():
+    frags = [
+        Fragment(f"model.layers.{i // 8}.w{i % 8}", f'[["d","model"],["d","layers"],["d",{i // 8}],["d","w{i % 8}"]]',
+                 "bfloat16", (4096, 1024), (r * 16, 0), (16, 1024), f"gen-x/data/rank{r:05d}-0.bin", i * 32768, 32768, (7,), r)
+        for i in range(200) for r in range(64)
+    ]
+    size = len(Catalog(frags).to_arrow())
+    assert size / len(frags) < 40, f"{size / len(frags):.1f} bytes per fragment"
