@@ -221,3 +221,15 @@ def test_save_info_reports_what_was_written(uri):
     r = bcp.open(uri)
     assert r.manifest.user_metadata == {"run": "x"}
     assert r.manifest.world_size == 1 and r.manifest.stats["tensor_bytes"] == info.tensor_bytes
+
+
+def test_read_a_box_of_one_tensor_reads_only_its_bytes(uri):
+    w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32)
+    bcp.save({"w": w, "other": torch.zeros(1000)}, uri)
+    reader = bcp.open(uri, verify=False)
+    part = reader.read("w", box=((10, 4), (3, 5)))
+    assert torch.equal(part, w[10:13, 4:9])
+    stats = reader.read_into("w", torch.empty(3, 5), box=((10, 4), (3, 5)))
+    assert stats.bytes_read == 3 * 5 * 4 and stats.requests == 3, stats
+    with pytest.raises(ValueError, match="outside"):
+        reader.read("w", box=((60, 0), (5, 32)))
