@@ -6,7 +6,7 @@
     reader = bcp.open("/ckpt/step100")        # no template needed
 """
 
-from . import backends, metadata, tensor_io
+from . import backends, metadata
 from ._version import __version__
 from .errors import (
     CheckpointError,

@@ -51,6 +51,10 @@ class Coordinator:
     def broadcast(self, obj: Any) -> Any:
         return obj
 
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """(coordinator passes one object per rank) -> this rank's object."""
+        return objs[0]
+
     def check(self, error: BaseException | None, phase: str) -> None:
         """Raise on every rank if any rank failed ``phase``; a rank's own error is chained."""
         statuses = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
@@ -89,6 +93,11 @@ class GroupCoordinator(Coordinator):
         box = [obj]
         self.dist.broadcast_object_list(box, src=self._root, group=self.group)
         return box[0]
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        out: list[Any] = [None]
+        self.dist.scatter_object_list(out, objs if self.rank == 0 else None, src=self._root, group=self.group)
+        return out[0]
 
 
 def collective_timeout() -> datetime.timedelta:

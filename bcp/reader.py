@@ -144,7 +144,7 @@ class CheckpointReader:
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for fqn, box, dest in requests:
             entry = self._tensor_entry(fqn)
-            for d, (o, n, s) in enumerate(zip(box[0], box[1], entry.global_shape)):
+            for o, n, s in zip(box[0], box[1], entry.global_shape):
                 if o < 0 or o + n > s:
                     raise ValueError(f"{fqn!r}: box offsets={list(box[0])} lengths={list(box[1])} is outside {list(entry.global_shape)}")
             if dest.is_meta:

@@ -182,14 +182,17 @@ def save(
             decision = _coordinate(backend, gathered, overwrite, user_metadata)
         except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
             decision = e
-    decision = share_result(coord, decision, "planning the save")
-    plan, save_id, objects, old = decision
+    shared = decision if not isinstance(decision, tuple) else decision[1]  # an exception, the save id, or None
+    save_id = share_result(coord, shared, "planning the save")
+    plan, _id, objects, old = decision if coord.is_coordinator else (None, save_id, {}, None)
+    # each rank receives only its own list of boxes to write
+    my_writes = coord.scatter([plan.writes[r] for r in range(coord.world_size)] if coord.is_coordinator else None)
     generation = f"gen-{save_id}"
     data_key = f"{generation}/data/rank{coord.rank:05d}-0.bin"
     catalog_key = f"{generation}/fragments.arrow"
 
     try:
-        mine = [prepared.pieces[w] for w in plan.writes.get(coord.rank, [])]  # (TensorPlan, Piece) pairs
+        mine = [prepared.pieces[w] for w in my_writes]  # (TensorPlan, Piece) pairs
         written = run_phase(
             coord, "writing data", _write_rank_data, backend, data_key, coord.rank, mine, checksum_block_bytes
         )
@@ -230,7 +233,7 @@ def save(
         save_id=save_id,
         tensors=stats["tensors"],
         fragments=stats["fragments"],
-        objects=len(objects),
+        objects=stats["objects"],
         tensor_bytes=stats["tensor_bytes"],
         bytes_written=stats["data_bytes"],
         seconds=time.perf_counter() - started,
@@ -358,6 +361,7 @@ def _commit(
             "fragments": len(unique),
             "tensor_bytes": sum(logical.values()),
             "data_bytes": sum(f.nbytes for f in files),
+            "objects": len(objects),
         },
     )
     data = manifest.to_json()

@@ -125,7 +125,7 @@ def replace_at(root: Any, path: KeyPath, value: Any) -> Any:
     tuples are rebuilt. Returns the (possibly new) root."""
     if not path:
         return value
-    (kind, key), rest = path[0], path[1:]
+    (_kind, key), rest = path[0], path[1:]
     if isinstance(root, tuple):
         items = list(root)
         items[key] = replace_at(items[key], rest, value)

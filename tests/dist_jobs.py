@@ -278,7 +278,7 @@ def missing_rank_job(rank: int, world: int, uri: str) -> None:
         started = _time.monotonic()
         try:
             bcp.save({"w": torch.zeros(3)}, uri)
-        except Exception as e:  # noqa: BLE001 - gloo reports the timeout as a RuntimeError
+        except Exception:  # noqa: BLE001 - gloo reports the timeout as a RuntimeError
             elapsed = _time.monotonic() - started
             assert elapsed < 60, f"took {elapsed:.0f} s to notice"
         else:

@@ -103,7 +103,9 @@ def _has_tensor(x):
 def canonical(state):
     """What a round trip yields: views become their contiguous values."""
     if isinstance(state, torch.Tensor):
-        return bcp.tensor_io.host_contiguous(state)
+        from bcp.tensor_io import host_contiguous
+
+        return host_contiguous(state)
     if isinstance(state, dict):
         return {k: canonical(v) for k, v in state.items()}
     if isinstance(state, list):
