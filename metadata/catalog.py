@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 
 from .dtypes import itemsize
 from .errors import FormatError
@@ -76,27 +77,81 @@ class TensorEntry:
         return math.prod(self.global_shape) * itemsize(self.dtype)
 
 
-class Catalog:
-    """All fragments of a checkpoint, indexed by tensor."""
+def _entry(fqn: str, frags: list[Fragment]) -> TensorEntry:
+    first = frags[0]
+    for f in frags[1:]:
+        if (f.dtype, f.global_shape, f.key_path) != (first.dtype, first.global_shape, first.key_path):
+            raise FormatError(
+                f"catalog: fragments of {fqn!r} disagree on dtype/shape/path: "
+                f"{first.dtype}{list(first.global_shape)} vs {f.dtype}{list(f.global_shape)}"
+            )
+    return TensorEntry(fqn, first.key_path, first.dtype, first.global_shape, tuple(frags))
 
-    def __init__(self, fragments: Iterable[Fragment]) -> None:
-        self.fragments: list[Fragment] = list(fragments)
-        grouped: dict[str, list[Fragment]] = {}
-        for f in self.fragments:
-            grouped.setdefault(f.fqn, []).append(f)
-        self.tensors: dict[str, TensorEntry] = {}
-        for fqn, frags in grouped.items():
-            first = frags[0]
-            for f in frags[1:]:
-                if (f.dtype, f.global_shape, f.key_path) != (first.dtype, first.global_shape, first.key_path):
-                    raise FormatError(
-                        f"catalog: fragments of {fqn!r} disagree on dtype/shape/path: "
-                        f"{first.dtype}{list(first.global_shape)} vs {f.dtype}{list(f.global_shape)}"
-                    )
-            self.tensors[fqn] = TensorEntry(fqn, first.key_path, first.dtype, first.global_shape, tuple(frags))
+
+class _LazyTensors(Mapping):
+    """fqn -> TensorEntry over an Arrow table: rows become Python objects only for the
+    tensors a reader asks for (a rank loading its shards of a 4,096-rank checkpoint
+    touches a small part of the catalog)."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self._table = table
+        fqn = table.column("fqn").combine_chunks()
+        if not isinstance(fqn.type, pa.DictionaryType):
+            fqn = fqn.dictionary_encode()
+        codes = fqn.indices.to_numpy(zero_copy_only=False)
+        names = fqn.dictionary.to_pylist()
+        order = np.argsort(codes, kind="stable")
+        starts = np.searchsorted(codes[order], np.arange(len(names) + 1))
+        first_row = {int(c): int(order[starts[c]]) for c in range(len(names)) if starts[c] < starts[c + 1]}
+        # fqn -> row indices, in the order tensors first appear in the file
+        self._rows = {
+            names[c]: order[starts[c] : starts[c + 1]] for c in sorted(first_row, key=first_row.__getitem__)
+        }
+        self._cache: dict[str, TensorEntry] = {}
+
+    def __getitem__(self, fqn: str) -> TensorEntry:
+        entry = self._cache.get(fqn)
+        if entry is None:
+            rows = self._rows[fqn]  # KeyError for an unknown tensor, as a dict would
+            entry = self._cache[fqn] = _entry(fqn, _fragments(self._table.take(pa.array(rows))))
+        return entry
+
+    def __iter__(self):
+        return iter(self._rows)
 
     def __len__(self) -> int:
-        return len(self.fragments)
+        return len(self._rows)
+
+    def __contains__(self, fqn: object) -> bool:
+        return fqn in self._rows
+
+
+class Catalog:
+    """All fragments of a checkpoint, indexed by tensor (``tensors``: fqn -> TensorEntry)."""
+
+    def __init__(self, fragments: Iterable[Fragment]) -> None:
+        self._fragments: list[Fragment] | None = list(fragments)
+        self._table: pa.Table | None = None
+        grouped: dict[str, list[Fragment]] = {}
+        for f in self._fragments:
+            grouped.setdefault(f.fqn, []).append(f)
+        self.tensors: Mapping[str, TensorEntry] = {fqn: _entry(fqn, frags) for fqn, frags in grouped.items()}
+
+    @classmethod
+    def _from_table(cls, table: pa.Table) -> Catalog:
+        self = cls.__new__(cls)
+        self._fragments, self._table = None, table
+        self.tensors = _LazyTensors(table)
+        return self
+
+    @property
+    def fragments(self) -> list[Fragment]:
+        if self._fragments is None:
+            self._fragments = _fragments(self._table)
+        return self._fragments
+
+    def __len__(self) -> int:
+        return self._table.num_rows if self._fragments is None else len(self._fragments)
 
     # -- Arrow IPC -----------------------------------------------------------------------
 
@@ -135,11 +190,34 @@ class Catalog:
         if table.num_rows and any(table.column(n).null_count for n in CATALOG_SCHEMA.names):
             raise FormatError(f"{where}: null values in the catalog")
         _validate_table(table, where=where, checksum_block_bytes=checksum_block_bytes)
-        cols = [table.column(name).to_pylist() for name in CATALOG_SCHEMA.names]
-        for i, name in enumerate(CATALOG_SCHEMA.names):
-            if name in _TUPLE_COLUMNS:
-                cols[i] = [tuple(v) for v in cols[i]]
-        return cls(Fragment(*row) for row in zip(*cols))
+        catalog = cls._from_table(table)
+        _check_consistent(table, where)
+        return catalog
+
+
+def _fragments(table: pa.Table) -> list[Fragment]:
+    cols = [table.column(name).to_pylist() for name in CATALOG_SCHEMA.names]
+    for i, name in enumerate(CATALOG_SCHEMA.names):
+        if name in _TUPLE_COLUMNS:
+            cols[i] = [tuple(v) for v in cols[i]]
+    return [Fragment(*row) for row in zip(*cols)]
+
+
+def _check_consistent(table: pa.Table, where: str) -> None:
+    """Every fragment of one tensor agrees on dtype, shape and key path (vectorised)."""
+    if table.num_rows == 0:
+        return
+    keys = pa.table({
+        "fqn": table.column("fqn"),
+        "dtype": table.column("dtype"),
+        "key_path": table.column("key_path"),
+        "shape": pa.compute.binary_join(pa.compute.cast(table.column("global_shape"), pa.list_(pa.string())), ","),
+    })
+    distinct = keys.group_by(["fqn", "dtype", "key_path", "shape"]).aggregate([])
+    if distinct.num_rows != keys.group_by(["fqn"]).aggregate([]).num_rows:
+        counts = distinct.group_by(["fqn"]).aggregate([([], "count_all")])
+        fqn = counts.filter(pa.compute.greater(counts.column("count_all"), 1)).column("fqn")[0].as_py()
+        raise FormatError(f"{where}: fragments of {fqn!r} disagree on dtype/shape/path")
 
 
 _DICTIONARY_COLUMNS = frozenset({"fqn", "key_path", "dtype", "file"})
