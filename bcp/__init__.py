@@ -23,11 +23,13 @@ from .loader import load
 from .reader import CheckpointReader, TensorMeta
 from .reader import open_checkpoint as open  # noqa: A001 - the public name is bcp.open
 from .saver import SaveInfo, save
+from .async_save import AsyncSaveHandle, async_save
 from .shards import FlatShard, PerRank, TensorShard
 from .collectives import RankFailedError
 from .save_plan import ShardingError
 
 __all__ = [
+    "AsyncSaveHandle",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
@@ -46,6 +48,7 @@ __all__ = [
     "TensorMeta",
     "UnsupportedStateError",
     "__version__",
+    "async_save",
     "backends",
     "load",
     "metadata",

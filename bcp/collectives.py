@@ -104,10 +104,11 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("BCP_COLLECTIVE_TIMEOUT", "600")))
 
 
-def coordinator_for(process_group: Any = None) -> Coordinator:
+def coordinator_for(process_group: Any = None, slot: int = 0) -> Coordinator:
     """The coordinator for this call: single-rank without torch.distributed, else a
-    gloo group with bcp's timeout (created once per job and process group,
-    collectively, on first use)."""
+    gloo group with bcp's timeout (created once per job, process group and slot,
+    collectively, on first use). Async saves alternate between two slots so one
+    save's background commit never shares a group with the next save's planning."""
     try:
         import torch.distributed as dist
     except ImportError:
@@ -115,7 +116,7 @@ def coordinator_for(process_group: Any = None) -> Coordinator:
     if not (dist.is_available() and dist.is_initialized()):
         return Coordinator()
     # Keyed by the job's default group too, so a re-initialised job gets fresh groups.
-    key = (id(dist.group.WORLD), id(process_group) if process_group is not None else None)
+    key = (id(dist.group.WORLD), id(process_group) if process_group is not None else None, slot)
     group = _GROUPS.get(key)
     if group is None:
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)

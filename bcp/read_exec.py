@@ -9,7 +9,9 @@ data itself is never copied to check it.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import Fragment, crc32c
@@ -45,6 +47,10 @@ def _read(backend: Backend, frag: Fragment, start: int, view: memoryview, uri: s
         ) from e
 
 
+#: Reads are cut into pieces of at most this many bytes so several streams share a big run.
+READ_PIECE_BYTES = 32 << 20
+
+
 def execute_reads(
     backend: Backend,
     plans: list[RunSet],
@@ -52,27 +58,76 @@ def execute_reads(
     *,
     block_bytes: int,
     verify: bool = True,
+    streams: int | None = None,
 ) -> ReadStats:
-    """Fill ``dest_views[plan.dest]`` for every plan; verify checksums if asked."""
+    """Fill ``dest_views[plan.dest]`` for every plan, with ``streams`` concurrent
+    reads; each fragment is verified as soon as its last read has landed."""
     stats = ReadStats()
-    landed: dict[int, list[tuple[int, int, memoryview]]] = defaultdict(list)
+    spans: dict[int, list[list[int]]] = defaultdict(list)  # fragment -> [start, dest, dest offset, nbytes]
     fragments: dict[int, Fragment] = {}
     for plan in plans:
-        view = dest_views[plan.dest]
-        n = plan.run_bytes
         key = id(plan.fragment)
         fragments[key] = plan.fragment
-        for s, d in zip(plan.src.tolist(), plan.dst.tolist()):
-            target = view[d : d + n]
-            _read(backend, plan.fragment, s, target, backend.uri)
-            stats.requests += 1
-            stats.bytes_read += n
-            if verify:
-                landed[key].append((s, s + n, target))
+        spans[key] += [[s, plan.dest, d, plan.run_bytes] for s, d in zip(plan.src.tolist(), plan.dst.tolist())]
+    by_fragment: dict[int, list[tuple[int, memoryview]]] = {}
+    tasks: list[tuple[int, int, memoryview]] = []  # (fragment key, start in fragment, target)
+    for key, runs in spans.items():
+        runs.sort()
+        merged: list[list[int]] = []
+        for run in runs:  # coalesce runs adjacent both in the fragment and in one destination
+            last = merged[-1] if merged else None
+            if last and last[0] + last[3] == run[0] and last[1] == run[1] and last[2] + last[3] == run[2]:
+                last[3] += run[3]
+            else:
+                merged.append(list(run))
+        by_fragment[key] = [(s, dest_views[dest][d : d + n]) for s, dest, d, n in merged]
+        for s, target in by_fragment[key]:
+            for off in range(0, len(target), READ_PIECE_BYTES):
+                tasks.append((key, s + off, target[off : off + READ_PIECE_BYTES]))
+    streams = streams or backend.hints.concurrency
+    if streams <= 1 or len(tasks) <= 1:
+        for key, start, target in tasks:
+            _read(backend, fragments[key], start, target, backend.uri)
+        pieces_done = by_fragment
+    else:
+        remaining = defaultdict(int)
+        for key, _s, _t in tasks:
+            remaining[key] += 1
+        lock = threading.Lock()
+        verify_errors: list[BaseException] = []
+        extra = [0]
+
+        def run(task) -> None:
+            key, start, target = task
+            _read(backend, fragments[key], start, target, backend.uri)
+            with lock:
+                remaining[key] -= 1
+                last = remaining[key] == 0
+            if last and verify:
+                n = _verify_fragment(backend, fragments[key], _pieces(by_fragment[key]), block_bytes)
+                with lock:
+                    extra[0] += n
+
+        with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="bcp-reader") as pool:
+            for future in [pool.submit(run, t) for t in tasks]:
+                try:
+                    future.result()
+                except BaseException as e:  # noqa: BLE001 - first error wins, after all reads stop
+                    verify_errors.append(e)
+        if verify_errors:
+            raise verify_errors[0]
+        stats.verify_bytes += extra[0]
+        pieces_done = {}
+    stats.requests = len(tasks)
+    stats.bytes_read = sum(len(t) for _k, _s, t in tasks)
     if verify:
-        for key, pieces in landed.items():
-            stats.verify_bytes += _verify_fragment(backend, fragments[key], pieces, block_bytes)
+        for key, runs in pieces_done.items():
+            stats.verify_bytes += _verify_fragment(backend, fragments[key], _pieces(runs), block_bytes)
     return stats
+
+
+def _pieces(runs: list[tuple[int, memoryview]]) -> list[tuple[int, int, memoryview]]:
+    return [(s, s + len(v), v) for s, v in runs]
 
 
 def _verify_fragment(backend: Backend, frag: Fragment, pieces: list[tuple[int, int, memoryview]], block: int) -> int:

@@ -44,20 +44,17 @@ from bcp.metadata import (
 from . import objcodec
 from ._version import __version__
 from .boxes import Box
-from .collectives import coordinator_for, run_phase, share_result
+from .collectives import Coordinator, coordinator_for, run_phase, share_result
 from .dtypes import dtype_name
 from .errors import CheckpointExistsError, UnsupportedStateError
 from .save_plan import GlobalPlan, LocalPlan, TensorPlan, plan_save
 from .shards import PerRank, Piece, local_pieces
 from .state import flatten_state, path_to_json, path_to_str
-from .tensor_io import byte_view, check_saveable, host_contiguous, storage_identity
+from .staging import StagingPool, default_pool
+from .tensor_io import check_saveable, storage_identity
+from .write_pipeline import WritePipeline
 
 log = logging.getLogger(__name__)
-
-#: Fragments of at least this many bytes start at a multiple of 4096 (direct I/O,
-#: page-aligned reads); smaller ones at a multiple of 64.
-_PAGE_ALIGN_FROM = 64 << 10
-
 
 @dataclasses.dataclass(frozen=True)
 class SaveInfo:
@@ -158,6 +155,8 @@ def save(
     storage_options: Mapping[str, Any] | None = None,
     checksum_block_bytes: int = DEFAULT_BLOCK_BYTES,
     process_group: Any = None,
+    streams: int | None = None,
+    pool: StagingPool | None = None,
 ) -> SaveInfo:
     """Save ``state`` (a nested dict of tensors, shards and plain objects) to ``uri``.
 
@@ -166,83 +165,131 @@ def save(
     (CheckpointExistsError) when a committed checkpoint is already there, unless
     ``overwrite=True``; an overwrite replaces it atomically. ``metadata`` is stored as
     user metadata (JSON). ``allow_pickle`` lets objects without a safe encoding be
-    pickled; loading them then needs ``allow_pickle=True`` too.
+    pickled; loading them then needs ``allow_pickle=True`` too. ``streams``: concurrent
+    writes per rank (default: the backend's hint); ``pool``: staging memory (default:
+    the process-wide pool, whose capacity is the memory budget).
     """
-    started = time.perf_counter()
-    coord = coordinator_for(process_group)
-    backend = backend_for(str(uri), **dict(storage_options or {}))
-    user_metadata = dict(metadata or {})
+    job = SaveJob.start(
+        state, uri, coordinator_for(process_group), overwrite=overwrite, metadata=metadata, allow_pickle=allow_pickle,
+        storage_options=storage_options, block=checksum_block_bytes, streams=streams, pool=pool, stage_all=False,
+    )
+    job.stage()
+    return job.complete()
 
-    prepared: _Prepared = run_phase(coord, "preparing the save", _prepare, state, coord.rank, allow_pickle)
-    gathered = coord.gather((prepared.plan, prepared.objects))
 
-    decision: Any = None
-    if coord.is_coordinator:
-        try:
-            decision = _coordinate(backend, gathered, overwrite, user_metadata)
-        except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
-            decision = e
-    shared = decision if not isinstance(decision, tuple) else decision[1]  # an exception, the save id, or None
-    save_id = share_result(coord, shared, "planning the save")
-    plan, _id, objects, old = decision if coord.is_coordinator else (None, save_id, {}, None)
-    # each rank receives only its own list of boxes to write
-    my_writes = coord.scatter([plan.writes[r] for r in range(coord.world_size)] if coord.is_coordinator else None)
-    generation = f"gen-{save_id}"
-    data_key = f"{generation}/data/rank{coord.rank:05d}-0.bin"
-    catalog_key = f"{generation}/fragments.arrow"
+class SaveJob:
+    """One save, in the steps a synchronous and an asynchronous save share.
 
-    try:
-        mine = [prepared.pieces[w] for w in my_writes]  # (TensorPlan, Piece) pairs
-        written = run_phase(
-            coord, "writing data", _write_rank_data, backend, data_key, coord.rank, mine, checksum_block_bytes
-        )
-        fragments, file_entry = written
-        reports = coord.gather((fragments, file_entry))
-        outcome: Any = None
+    1. ``start`` (all ranks, collective): prepare, plan, agree on the generation.
+    2. ``stage`` (all ranks, local): hand this rank's chunks to the write pipeline;
+       with ``stage_all`` the state may change once it returns.
+    3. ``complete`` (all ranks, collective): finish writing, gather fragment rows,
+       commit (coordinator), return SaveInfo. An async save runs it in a thread.
+    """
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.error: BaseException | None = None
+
+    @classmethod
+    def start(
+        cls, state, uri, coord: Coordinator, *, overwrite, metadata, allow_pickle, storage_options, block, streams,
+        pool, stage_all,
+    ) -> SaveJob:
+        self = cls()
+        self.coord, self.overwrite, self.block = coord, overwrite, block
+        self.backend = backend_for(str(uri), **dict(storage_options or {}))
+        self.user_metadata = dict(metadata or {})
+        prepared: _Prepared = run_phase(coord, "preparing the save", _prepare, state, coord.rank, allow_pickle)
+        self.gathered = coord.gather((prepared.plan, prepared.objects))
+        decision: Any = None
         if coord.is_coordinator:
             try:
-                order: dict[str, int] = {}
-                for local_plan, _objs in gathered:
-                    for t in local_plan.tensors:
-                        order.setdefault(t.fqn, len(order))
-                all_fragments = sorted(
-                    (f for frags, _e in reports for f in frags), key=lambda f: (order[f.fqn], f.offsets, f.writer_rank)
-                )
-                files = tuple(e for _f, e in reports if e is not None)
-                manifest = _commit(
-                    backend, save_id, catalog_key, all_fragments, files, objects, coord.world_size,
-                    user_metadata, checksum_block_bytes, overwrite,
-                )
-                outcome = manifest.stats
-            except Exception as e:  # noqa: BLE001
-                outcome = e
-        stats = share_result(coord, outcome, "committing the checkpoint")
-    except BaseException:
-        if coord.is_coordinator:
-            _discard(backend, generation)
-        raise
+                decision = _coordinate(self.backend, self.gathered, overwrite, self.user_metadata)
+            except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
+                decision = e
+        shared = decision if not isinstance(decision, tuple) else decision[1]  # an exception, the save id, or None
+        self.save_id = share_result(coord, shared, "planning the save")
+        plan, _id, self.objects, self.old = decision if coord.is_coordinator else (None, self.save_id, {}, None)
+        # each rank receives only its own list of boxes to write
+        my_writes = coord.scatter([plan.writes[r] for r in range(coord.world_size)] if coord.is_coordinator else None)
+        self.generation = f"gen-{self.save_id}"
+        self.data_key = f"{self.generation}/data/rank{coord.rank:05d}-0.bin"
+        items = [prepared.pieces[w] for w in my_writes]  # (TensorPlan, Piece) pairs
+        self.pipeline = make_pipeline(
+            self.backend, self.data_key, coord.rank, items, block, pool=pool, streams=streams, stage_all=stage_all
+        )
+        return self
 
-    if coord.is_coordinator and isinstance(old, Manifest) and old.generation != generation:
+    def stage(self, select=None, last: bool = True) -> None:
+        """Hand chunks to the writers (those ``select`` accepts; all when None)."""
         try:
-            backend.delete_prefix(old.generation + "/")
-        except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; leftovers are only space
-            log.warning("could not delete the replaced generation %s at %s: %s", old.generation, backend.uri, e)
+            self.pipeline.stage(select=select, last=last)
+        except BaseException as e:  # noqa: BLE001 - reported collectively by complete()
+            self.pipeline.error = self.pipeline.error or e
+            if last:
+                self.pipeline.close_queue()
 
-    info = SaveInfo(
-        uri=backend.uri,
-        save_id=save_id,
-        tensors=stats["tensors"],
-        fragments=stats["fragments"],
-        objects=stats["objects"],
-        tensor_bytes=stats["tensor_bytes"],
-        bytes_written=stats["data_bytes"],
-        seconds=time.perf_counter() - started,
-        world_size=coord.world_size,
-        rank=coord.rank,
-        rank_bytes_written=file_entry.nbytes if file_entry is not None else 0,
+    def complete(self) -> SaveInfo:
+        coord, backend = self.coord, self.backend
+        try:
+            fragments, file_entry = run_phase(coord, "writing data", self.pipeline.finish)
+            reports = coord.gather((fragments, file_entry))
+            outcome: Any = None
+            if coord.is_coordinator:
+                try:
+                    order: dict[str, int] = {}
+                    for local_plan, _objs in self.gathered:
+                        for t in local_plan.tensors:
+                            order.setdefault(t.fqn, len(order))
+                    all_fragments = sorted(
+                        (f for frags, _e in reports for f in frags), key=lambda f: (order[f.fqn], f.offsets, f.writer_rank)
+                    )
+                    files = tuple(e for _f, e in reports if e is not None)
+                    manifest = _commit(
+                        backend, self.save_id, f"{self.generation}/fragments.arrow", all_fragments, files, self.objects,
+                        coord.world_size, self.user_metadata, self.block, self.overwrite,
+                    )
+                    outcome = manifest.stats
+                except Exception as e:  # noqa: BLE001
+                    outcome = e
+            stats = share_result(coord, outcome, "committing the checkpoint")
+        except BaseException:
+            if coord.is_coordinator:
+                _discard(backend, self.generation)
+            raise
+
+        if coord.is_coordinator and isinstance(self.old, Manifest) and self.old.generation != self.generation:
+            try:
+                backend.delete_prefix(self.old.generation + "/")
+            except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; leftovers are only space
+                log.warning("could not delete the replaced generation %s at %s: %s", self.old.generation, backend.uri, e)
+
+        info = SaveInfo(
+            uri=backend.uri,
+            save_id=self.save_id,
+            tensors=stats["tensors"],
+            fragments=stats["fragments"],
+            objects=stats["objects"],
+            tensor_bytes=stats["tensor_bytes"],
+            bytes_written=stats["data_bytes"],
+            seconds=time.perf_counter() - self.started,
+            world_size=coord.world_size,
+            rank=coord.rank,
+            rank_bytes_written=file_entry.nbytes if file_entry is not None else 0,
+        )
+        log.info("%s", info)
+        return info
+
+
+def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=None, stage_all=False) -> WritePipeline:
+    pool = pool or default_pool()
+    if pool.slab_bytes % block:
+        raise ValueError(f"staging slab size {pool.slab_bytes} must be a multiple of the checksum block {block}")
+    return WritePipeline(
+        backend, data_key, rank, items, block=block, pool=pool, streams=streams or backend.hints.concurrency,
+        stage_all=stage_all,
     )
-    log.info("%s", info)
-    return info
 
 
 def read_manifest_if_any(backend: Backend) -> Manifest | None | bool:
@@ -274,58 +321,17 @@ def _coordinate(backend: Backend, gathered: list, overwrite: bool, user_metadata
     return plan, uuid.uuid4().hex[:16], objects, old
 
 
-def _align(offset: int, nbytes: int) -> int:
-    a = 4096 if nbytes >= _PAGE_ALIGN_FROM else 64
-    return -(-offset // a) * a
-
-
 def _write_rank_data(
     backend: Backend, data_key: str, rank: int, items: list[tuple[TensorPlan, Piece]], block: int
 ) -> tuple[list[Fragment], FileEntry | None]:
-    """Write this rank's assigned boxes back to back into one data file; a box whose
-    memory was already written (tied weights) points at the same bytes."""
-    if not items:
-        return [], None
-    offsets: list[int] = []
-    first_at: dict[tuple, int] = {}
-    end = 0
-    for _t, piece in items:
-        ident = storage_identity(piece.tensor)
-        if ident in first_at:
-            offsets.append(-1 - first_at[ident])
-            continue
-        nbytes = piece.tensor.numel() * piece.tensor.element_size()
-        first_at[ident] = len(offsets)
-        start = _align(end, nbytes)
-        offsets.append(start)
-        end = start + nbytes
-    fragments: list[Fragment] = []
-    file_checksums: list[int] = []
-    sums_of: dict[int, tuple[int, ...]] = {}
-    with backend.open_writer(data_key, size=end) as writer:
-        for index, ((t, piece), offset) in enumerate(zip(items, offsets)):
-            nbytes = piece.tensor.numel() * piece.tensor.element_size()
-            if offset >= 0:
-                view = byte_view(host_contiguous(piece.tensor))
-                sums = tuple(block_checksums(view, block))
-                if nbytes:
-                    writer.write_at(offset, view)
-                sums_of[index] = sums
-                file_checksums.extend(sums)
-            else:
-                index_of_first = -1 - offset
-                offset, sums = fragments[index_of_first].byte_offset, sums_of[index_of_first]
-            fragments.append(
-                Fragment(
-                    fqn=t.fqn, key_path=t.key_path, dtype=t.dtype, global_shape=t.global_shape,
-                    offsets=piece.box[0], lengths=piece.box[1], file=data_key, byte_offset=offset,
-                    nbytes=nbytes, checksums=sums, writer_rank=rank,
-                )
-            )
-        if end == 0:
-            writer.write_at(0, b"")
-        writer.commit()
-    return fragments, FileEntry(data_key, end, digest_of_checksums(file_checksums))
+    """Write this rank's assigned boxes into one data file (synchronously)."""
+    pipeline = make_pipeline(backend, data_key, rank, items, block)
+    try:
+        pipeline.stage()
+    except BaseException as e:
+        pipeline.error = pipeline.error or e
+        pipeline.close_queue()
+    return pipeline.finish()
 
 
 def _commit(

@@ -50,13 +50,18 @@ def host_contiguous(t: torch.Tensor) -> torch.Tensor:
     return raw(t).contiguous().view(t.dtype)
 
 
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (same device, no copy)."""
+    # as_strided, not reshape: a contiguous tensor may carry odd strides on size-1 dims.
+    flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
+    return flat.view(torch.uint8)
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """Writable view of the bytes of a dense CPU tensor (no copy)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("byte_view needs a contiguous CPU tensor")
-    # as_strided, not reshape: a contiguous tensor may carry odd strides on size-1 dims.
-    flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return memoryview(flat_bytes(t).numpy()).cast("B")
 
 
 def storage_identity(t: torch.Tensor) -> tuple:

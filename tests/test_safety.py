@@ -51,12 +51,13 @@ class _Boom(RuntimeError):
 def test_failed_save_leaves_previous_checkpoint_and_no_commit(uri, monkeypatch):
     bcp.save(small_state(1), uri)
     manifest_before = backend_for(uri).read(MANIFEST_KEY)
-    import bcp.saver as save_mod
+    from bcp.write_pipeline import WritePipeline
 
-    def failing_write_data(*args, **kwargs):
+    def failing_finish(self):
+        self.abort()
         raise _Boom("disk on fire")
 
-    monkeypatch.setattr(save_mod, "_write_rank_data", failing_write_data)
+    monkeypatch.setattr(WritePipeline, "finish", failing_finish)
     with pytest.raises(_Boom):
         bcp.save(small_state(2), uri, overwrite=True)
     assert backend_for(uri).read(MANIFEST_KEY) == manifest_before

@@ -1,0 +1,291 @@
+"""One rank's data file, written as a pipeline: stage -> checksum -> write -> durable.
+
+The file layout (each box back to back, aligned) is cut into chunks of the staging
+slab size: a large fragment is split at multiples of the chunk size (a multiple of
+the checksum block, so each chunk's block checksums are the fragment's), small
+fragments are packed into one chunk. A producer (the calling thread) stages chunks
+into pool slabs, or, in a synchronous save of contiguous CPU tensors, hands the
+tensor memory itself to the writers (no copy at all). ``streams`` writer threads
+checksum and write chunks concurrently at their file offsets. The pool's capacity
+bounds the bytes in flight; the file is made durable once, at commit.
+
+Call order: ``stage()`` (calling thread; returns when every chunk has been handed
+to the writers, i.e. when the sources may change if ``stage_all``), then ``finish()``
+(any thread) which waits for the writers and commits the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+
+import torch
+
+from bcp.backends import Backend
+from bcp.metadata import FileEntry, Fragment, block_checksums, digest_of_checksums
+
+from .save_plan import TensorPlan
+from .shards import Piece
+from .staging import StagingPool
+from .tensor_io import flat_bytes, host_contiguous, storage_identity
+
+#: Fragments of at least this many bytes start at a multiple of 4096 (direct I/O,
+#: page-aligned reads); smaller ones at a multiple of 64.
+PAGE_ALIGN_FROM = 64 << 10
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Segment:
+    item: int  # index of the unique source
+    start: int  # byte offset within that source
+    nbytes: int
+    at: int  # byte offset within the chunk
+
+
+@dataclasses.dataclass(slots=True)
+class Chunk:
+    offset: int  # file offset
+    nbytes: int
+    segments: list[Segment]
+
+
+def _align(offset: int, nbytes: int) -> int:
+    a = 4096 if nbytes >= PAGE_ALIGN_FROM else 64
+    return -(-offset // a) * a
+
+
+def layout(items: list[tuple[TensorPlan, Piece]]) -> tuple[list[int], list[int], int]:
+    """File offset of each item (an alias of an earlier item gets ``-1 - index`` of
+    it), the unique items' indices, and the file size."""
+    offsets: list[int] = []
+    unique: list[int] = []
+    first_at: dict[tuple, int] = {}
+    end = 0
+    for index, (_t, piece) in enumerate(items):
+        ident = storage_identity(piece.tensor)
+        if ident in first_at:
+            offsets.append(-1 - first_at[ident])
+            continue
+        nbytes = piece.tensor.numel() * piece.tensor.element_size()
+        first_at[ident] = index
+        start = _align(end, nbytes)
+        offsets.append(start)
+        unique.append(index)
+        end = start + nbytes
+    return offsets, unique, end
+
+
+def plan_chunks(spans: list[tuple[int, int, int]], chunk_bytes: int) -> list[Chunk]:
+    """Chunks for (item, file offset, nbytes) spans given in file order."""
+    chunks: list[Chunk] = []
+    current: Chunk | None = None
+    for item, offset, nbytes in spans:
+        if nbytes == 0:
+            continue
+        if nbytes >= chunk_bytes:
+            current = None
+            for s in range(0, nbytes, chunk_bytes):
+                n = min(chunk_bytes, nbytes - s)
+                chunks.append(Chunk(offset + s, n, [Segment(item, s, n, 0)]))
+            continue
+        if current is not None and offset + nbytes - current.offset <= chunk_bytes:
+            current.segments.append(Segment(item, 0, nbytes, offset - current.offset))
+            current.nbytes = offset + nbytes - current.offset
+        else:
+            current = Chunk(offset, nbytes, [Segment(item, 0, nbytes, 0)])
+            chunks.append(current)
+    return chunks
+
+
+class WritePipeline:
+    """Writes the given (TensorPlan, Piece) items of one rank into ``data_key``."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        data_key: str,
+        rank: int,
+        items: list[tuple[TensorPlan, Piece]],
+        *,
+        block: int,
+        pool: StagingPool,
+        streams: int,
+        stage_all: bool,
+    ) -> None:
+        self.backend, self.data_key, self.rank, self.items = backend, data_key, rank, items
+        self.block, self.pool, self.streams, self.stage_all = block, pool, max(1, streams), stage_all
+        self.offsets, self.unique, self.size = layout(items)
+        self.sources: dict[int, torch.Tensor] = {}
+        self.checksums: dict[tuple[int, int], list[int]] = {}
+        self.error: BaseException | None = None
+        self.bytes_staged = 0
+        # Staged chunks are bounded by the pool; only zero-copy chunks need a bounded queue.
+        self._queue: queue.Queue = queue.Queue(maxsize=0 if stage_all else 2 * self.streams)
+        self._threads: list[threading.Thread] = []
+        self._writer = None
+        self._pending: list[Chunk] = []
+        self._copy_stream = None
+
+    # -- calling thread ---------------------------------------------------------------------
+
+    def _flat_source(self, index: int) -> torch.Tensor:
+        """The item's bytes as a flat uint8 tensor (on its device)."""
+        t = self.items[index][1].tensor.detach()
+        if t.device.type == "cpu":
+            t = host_contiguous(t)
+        elif not t.is_contiguous() or t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg().contiguous()
+        return flat_bytes(t) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+
+    def chunks(self) -> list[Chunk]:
+        spans = [(i, self.offsets[i], self.items[i][1].tensor.numel() * self.items[i][1].tensor.element_size())
+                 for i in self.unique]
+        return plan_chunks(spans, self.pool.slab_bytes)
+
+    def stage(self, select=None, last: bool = True) -> None:
+        """Produce the chunks ``select(chunk)`` accepts (every chunk when None) that
+        were not produced yet; ``last`` closes the queue afterwards."""
+        if not self.items:
+            return
+        if self._writer is None:
+            self._writer = self.backend.open_writer(self.data_key, size=self.size)
+            self._pending = self.chunks()
+            if not self.stage_all:
+                self._start_writers()
+        try:
+            keep = []
+            for chunk in self._pending:
+                if self.error is not None:
+                    break
+                if select is None or select(chunk):
+                    self._produce(chunk)
+                else:
+                    keep.append(chunk)
+            self._pending = keep
+        finally:
+            if last:
+                self.close_queue()
+
+    def _start_writers(self) -> None:
+        """Writers start at once for a synchronous save; an asynchronous one stages
+        first (the copy is what blocks training, so it gets the CPU) and starts them
+        when staging ends or when the pool runs out of slabs."""
+        if self._threads:
+            return
+        for _ in range(self.streams):
+            thread = threading.Thread(target=self._write_loop, name="bcp-writer", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def close_queue(self) -> None:
+        self._start_writers()
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def _produce(self, chunk: Chunk) -> None:
+        for seg in chunk.segments:
+            if seg.item not in self.sources:
+                self.sources[seg.item] = self._flat_source(seg.item)
+        first = self.sources[chunk.segments[0].item]
+        if not self.stage_all and len(chunk.segments) == 1 and first.device.type == "cpu":
+            seg = chunk.segments[0]
+            self._queue.put((chunk, None, first[seg.start : seg.start + seg.nbytes], None))
+            return
+        if not self._threads and self.pool.would_block():
+            self._start_writers()  # only writing frees slabs
+        slab = self.pool.acquire()
+        out = slab.view(chunk.nbytes)
+        cursor, event = 0, None
+        for seg in chunk.segments:
+            if seg.at > cursor:
+                out[cursor : seg.at].zero_()  # padding: never leak an earlier save's bytes
+            src = self.sources[seg.item][seg.start : seg.start + seg.nbytes]
+            if src.device.type == "cuda":
+                event = self._copy_from_device(out[seg.at : seg.at + seg.nbytes], src)
+            else:
+                out[seg.at : seg.at + seg.nbytes].copy_(src)
+            cursor = seg.at + seg.nbytes
+        self.bytes_staged += chunk.nbytes
+        self._queue.put((chunk, slab, out, event))
+
+    def _copy_from_device(self, dst: torch.Tensor, src: torch.Tensor):
+        """Asynchronous device-to-host copy on a side stream into pinned memory."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=src.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(self._copy_stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        return event
+
+    # -- writer threads ---------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            chunk, slab, data, event = task
+            try:
+                if self.error is None:
+                    if event is not None:
+                        event.synchronize()
+                    view = memoryview(data.numpy()).cast("B")
+                    for seg in chunk.segments:
+                        sums = block_checksums(view[seg.at : seg.at + seg.nbytes], self.block)
+                        self.checksums[(seg.item, seg.start)] = sums
+                    self._writer.write_at(chunk.offset, view[: chunk.nbytes])
+            except BaseException as e:  # noqa: BLE001 - reported by finish()
+                self.error = self.error or e
+            finally:
+                if slab is not None:
+                    self.pool.release(slab)
+
+    # -- any thread ---------------------------------------------------------------------------
+
+    def finish(self) -> tuple[list[Fragment], FileEntry | None]:
+        """Wait for the writers, make the file durable, return its fragment rows."""
+        if not self.items:
+            return [], None
+        for thread in self._threads:
+            thread.join()
+        self.sources.clear()
+        if self.error is not None:
+            self._writer.abort()
+            raise self.error
+        try:
+            if self.size == 0:
+                self._writer.write_at(0, b"")
+            fragments, file_sums = self._fragments()
+            self._writer.commit()
+        except BaseException:
+            self._writer.abort()
+            raise
+        return fragments, FileEntry(self.data_key, self.size, digest_of_checksums(file_sums))
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+
+    def _fragments(self) -> tuple[list[Fragment], list[int]]:
+        sums_of: dict[int, tuple[int, ...]] = {}
+        for item in self.unique:
+            t = self.items[item][1].tensor
+            nbytes = t.numel() * t.element_size()
+            parts = [self.checksums[(item, s)] for s in range(0, nbytes, self.pool.slab_bytes) if nbytes]
+            sums_of[item] = tuple(c for part in parts for c in part)
+        file_sums = [c for item in sorted(self.unique, key=lambda i: self.offsets[i]) for c in sums_of[item]]
+        fragments = []
+        for index, ((t, piece), offset) in enumerate(zip(self.items, self.offsets)):
+            source = index if offset >= 0 else -1 - offset
+            nbytes = piece.tensor.numel() * piece.tensor.element_size()
+            fragments.append(
+                Fragment(
+                    fqn=t.fqn, key_path=t.key_path, dtype=t.dtype, global_shape=t.global_shape,
+                    offsets=piece.box[0], lengths=piece.box[1], file=self.data_key,
+                    byte_offset=self.offsets[source], nbytes=nbytes, checksums=sums_of[source], writer_rank=self.rank,
+                )
+            )
+        return fragments, file_sums
