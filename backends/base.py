@@ -58,6 +58,9 @@ class IOHints:
     part_size: int | None = None
     #: Concurrent streams worth using per process.
     concurrency: int = 4
+    #: Writes from page-aligned memory in multiples of 4096 bytes are faster (O_DIRECT):
+    #: writers should stage unaligned buffers rather than hand them over directly.
+    aligned_writes: bool = False
 
 
 class ObjectWriter(abc.ABC):

@@ -3,7 +3,9 @@
 Writes go to a hidden partial file beside the target, with positional writes
 (``os.pwrite``) straight from the caller's buffer, then ``fsync``, an atomic
 ``rename`` and an ``fsync`` of the directory, so an object is either complete and
-durable or not there. Create-only writes use ``link(2)``, which fails atomically when
+durable or not there. Page-aligned writes of whole pages use ``O_DIRECT`` (option
+``direct``, on by default where the filesystem accepts it): it skips the page cache,
+whose first-touch cost made buffered writes 3-4x slower here (docs/benchmarks.md). Create-only writes use ``link(2)``, which fails atomically when
 the name exists. Reads use ``os.preadv`` into the caller's buffer: no Python copies.
 """
 
@@ -49,11 +51,13 @@ class FileBackend(Backend):
     scheme = "file"
     capabilities = Capability.CREATE_ONLY | Capability.RANGED_READ | Capability.PARALLEL_WRITES | Capability.POSIX
 
-    def __init__(self, root: str, *, fsync: bool = True) -> None:
+    def __init__(self, root: str, *, fsync: bool = True, direct: bool = True) -> None:
         root = os.path.abspath(os.path.expanduser(root))
         super().__init__(root)
         self.root = root
         self.fsync = fsync
+        #: write page-aligned parts with O_DIRECT (bypassing the page cache) where supported
+        self.direct = direct and hasattr(os, "O_DIRECT")
 
     @classmethod
     def from_uri(cls, uri: str, **options) -> Self:
@@ -65,13 +69,14 @@ class FileBackend(Backend):
         else:
             path = uri
         fsync = _parse_bool("fsync", options.pop("fsync", True))
+        direct = _parse_bool("direct", options.pop("direct", True))
         if options:
             raise TypeError(f"unknown option(s) for file backend {uri!r}: {', '.join(sorted(options))}")
-        return cls(path, fsync=fsync)
+        return cls(path, fsync=fsync, direct=direct)
 
     @property
     def hints(self) -> IOHints:
-        return IOHints(part_size=None, concurrency=4)
+        return IOHints(part_size=None, concurrency=4, aligned_writes=self.direct)
 
     def _path(self, key: str) -> str:
         check_key(key)
@@ -185,6 +190,22 @@ class FileBackend(Backend):
                 parent = os.path.dirname(parent)
 
 
+_DIRECT_ALIGN = 4096
+
+
+def _direct_ok(view: memoryview, offset: int) -> bool:
+    """O_DIRECT needs offset, length and memory address aligned to the block size."""
+    if offset % _DIRECT_ALIGN or len(view) % _DIRECT_ALIGN or not len(view):
+        return False
+    try:
+        import ctypes
+
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except TypeError:  # read-only buffer: let the page cache take it
+        return False
+    return address % _DIRECT_ALIGN == 0
+
+
 class _FileWriter(ObjectWriter):
     def __init__(self, backend: FileBackend, key: str, size: int | None) -> None:
         self.backend = backend
@@ -204,6 +225,14 @@ class _FileWriter(ObjectWriter):
                     # A concurrent delete pruned the directory we just made: make it again.
                     if attempt == 2:
                         raise
+            self.dfd: int | None = None
+            if backend.direct:
+                try:
+                    self.dfd = os.open(self.tmp, os.O_WRONLY | os.O_DIRECT)
+                except OSError as e:  # tmpfs and some network filesystems refuse O_DIRECT
+                    if e.errno != errno.EINVAL:
+                        self.abort()
+                        raise
             if size:
                 try:
                     os.posix_fallocate(self.fd, 0, size)
@@ -216,13 +245,19 @@ class _FileWriter(ObjectWriter):
         if self.fd is None:
             raise StorageError("writer already finished", uri=self.backend.uri, key=self.key, action="writing")
         view = memoryview(data).cast("B")
+        fd = self.fd
+        if self.dfd is not None and _direct_ok(view, offset):
+            fd = self.dfd
         with annotate(self.backend.uri, self.key, "writing"):
             done = 0
             while done < len(view):
-                done += os.pwrite(self.fd, view[done:], offset + done)
+                done += os.pwrite(fd, view[done:], offset + done)
 
     def flush_and_close(self) -> None:
         with annotate(self.backend.uri, self.key, "flushing"):
+            if self.dfd is not None:
+                dfd, self.dfd = self.dfd, None
+                os.close(dfd)
             if self.fd is not None:
                 fd, self.fd = self.fd, None
                 try:
@@ -248,6 +283,9 @@ class _FileWriter(ObjectWriter):
 
     def abort(self) -> None:
         self._finished = True
+        if getattr(self, "dfd", None) is not None:
+            dfd, self.dfd = self.dfd, None
+            os.close(dfd)
         if self.fd is not None:
             fd, self.fd = self.fd, None
             os.close(fd)

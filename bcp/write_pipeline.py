@@ -116,6 +116,7 @@ class WritePipeline:
         self.backend, self.data_key, self.rank, self.items = backend, data_key, rank, items
         self.block, self.pool, self.streams, self.stage_all = block, pool, max(1, streams), stage_all
         self.offsets, self.unique, self.size = layout(items)
+        self.aligned_writes = backend.hints.aligned_writes
         self.sources: dict[int, torch.Tensor] = {}
         self.checksums: dict[tuple[int, int], list[int]] = {}
         self.error: BaseException | None = None
@@ -190,8 +191,10 @@ class WritePipeline:
         first = self.sources[chunk.segments[0].item]
         if not self.stage_all and len(chunk.segments) == 1 and first.device.type == "cpu":
             seg = chunk.segments[0]
-            self._queue.put((chunk, None, first[seg.start : seg.start + seg.nbytes], None))
-            return
+            data = first[seg.start : seg.start + seg.nbytes]
+            if not self.aligned_writes or (data.data_ptr() % 4096 == 0):
+                self._queue.put((chunk, None, data, None))  # zero-copy: the tensor's own memory
+                return
         if not self._threads and self.pool.would_block():
             self._start_writers()  # only writing frees slabs
         slab = self.pool.acquire()
