@@ -51,13 +51,15 @@ class FileBackend(Backend):
     scheme = "file"
     capabilities = Capability.CREATE_ONLY | Capability.RANGED_READ | Capability.PARALLEL_WRITES | Capability.POSIX
 
-    def __init__(self, root: str, *, fsync: bool = True, direct: bool = True) -> None:
+    def __init__(self, root: str, *, fsync: bool = True, direct: bool = True, direct_reads: bool = True) -> None:
         root = os.path.abspath(os.path.expanduser(root))
         super().__init__(root)
         self.root = root
         self.fsync = fsync
         #: write page-aligned parts with O_DIRECT (bypassing the page cache) where supported
         self.direct = direct and hasattr(os, "O_DIRECT")
+        #: large reads take what the page cache holds, and read the rest with O_DIRECT
+        self.direct_reads = direct_reads and hasattr(os, "O_DIRECT")
 
     @classmethod
     def from_uri(cls, uri: str, **options) -> Self:
@@ -70,9 +72,10 @@ class FileBackend(Backend):
             path = uri
         fsync = _parse_bool("fsync", options.pop("fsync", True))
         direct = _parse_bool("direct", options.pop("direct", True))
+        direct_reads = _parse_bool("direct_reads", options.pop("direct_reads", True))
         if options:
             raise TypeError(f"unknown option(s) for file backend {uri!r}: {', '.join(sorted(options))}")
-        return cls(path, fsync=fsync, direct=direct)
+        return cls(path, fsync=fsync, direct=direct, direct_reads=direct_reads)
 
     @property
     def hints(self) -> IOHints:
@@ -133,13 +136,21 @@ class FileBackend(Backend):
             fd = os.open(path, os.O_RDONLY)
             try:
                 view = memoryview(buffer).cast("B")
-                got = 0
-                while got < len(view):
-                    n = os.preadv(fd, [view[got:]], offset + got)
-                    if n == 0:
-                        break
-                    got += n
-                return got
+                if not self.direct_reads or len(view) < _DIRECT_READ_FROM:
+                    return _pread(fd, view, offset)
+                if _is_cached(path, view, offset):  # someone read it through the page cache: use that
+                    return _pread(fd, view, offset)
+                rest, at, cached = view, offset, 0
+                split = direct_split(rest, at)
+                if split is None:
+                    return _pread(fd, rest, at)
+                head, middle = split
+                got = _pread(fd, rest[:head], at)
+                if got == head:
+                    got += _pread_direct(path, rest[head : head + middle], at + head)
+                    if got == head + middle:
+                        got += _pread(fd, rest[head + middle :], at + got)
+                return cached + got
             except IsADirectoryError as e:  # open(2) accepts a directory; it is not an object
                 raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", path) from e
             finally:
@@ -193,17 +204,80 @@ class FileBackend(Backend):
 _DIRECT_ALIGN = 4096
 
 
-def _direct_ok(view: memoryview, offset: int) -> bool:
-    """O_DIRECT needs offset, length and memory address aligned to the block size."""
-    if offset % _DIRECT_ALIGN or len(view) % _DIRECT_ALIGN or not len(view):
-        return False
+def _address(view: memoryview) -> int | None:
     try:
         import ctypes
 
-        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    except TypeError:  # read-only buffer: let the page cache take it
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except TypeError:  # read-only buffer
+        return None
+
+
+#: Reads at least this large use O_DIRECT for their whole pages when ``direct_reads``.
+_DIRECT_READ_FROM = 4 << 20
+
+
+def _pread(fd: int, view: memoryview, offset: int) -> int:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _is_cached(path: str, view: memoryview, offset: int) -> bool:
+    """Whether a page in the middle of the range is in the page cache (the edges may
+    be, from the buffered head and tail of an earlier direct read): a one-page
+    preadv2 with RWF_NOWAIT on its own descriptor with readahead off, because a
+    probe that starts readahead pulls the file through the cache and halved cold loads."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None:
         return False
-    return address % _DIRECT_ALIGN == 0
+    probe_at = (offset + len(view) // 2) // 4096 * 4096
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        scratch = bytearray(4096)
+        return os.preadv(fd, [scratch], probe_at, flag) > 0
+    except BlockingIOError:
+        return False
+    except OSError as e:  # kernels or filesystems without RWF_NOWAIT
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+            return False
+        raise
+    finally:
+        os.close(fd)
+
+
+def _pread_direct(path: str, view: memoryview, offset: int) -> int:
+    """Read whole pages bypassing the page cache (falls back to a buffered read where
+    O_DIRECT is refused); a short read at end of file is returned as such."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        return _pread(fd, view, offset)
+    finally:
+        os.close(fd)
+
+
+def direct_split(view: memoryview, offset: int) -> tuple[int, int] | None:
+    """(head, middle) byte counts when the middle of the write can go O_DIRECT: it needs
+    file offset and memory address aligned to 4096 together, so they must agree
+    modulo 4096. None when they do not (or when there is no whole page)."""
+    if not len(view):
+        return None
+    address = _address(view)
+    if address is None or (address - offset) % _DIRECT_ALIGN:
+        return None
+    head = (-offset) % _DIRECT_ALIGN
+    middle = (len(view) - head) // _DIRECT_ALIGN * _DIRECT_ALIGN if len(view) > head else 0
+    return (head, middle) if middle else None
 
 
 class _FileWriter(ObjectWriter):
@@ -245,13 +319,21 @@ class _FileWriter(ObjectWriter):
         if self.fd is None:
             raise StorageError("writer already finished", uri=self.backend.uri, key=self.key, action="writing")
         view = memoryview(data).cast("B")
-        fd = self.fd
-        if self.dfd is not None and _direct_ok(view, offset):
-            fd = self.dfd
+        split = direct_split(view, offset) if self.dfd is not None else None
         with annotate(self.backend.uri, self.key, "writing"):
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], offset + done)
+            if split is None:
+                self._pwrite(self.fd, view, offset)
+                return
+            head, middle = split
+            self._pwrite(self.fd, view[:head], offset)  # partial pages go through the page cache
+            self._pwrite(self.dfd, view[head : head + middle], offset + head)
+            self._pwrite(self.fd, view[head + middle :], offset + head + middle)
+
+    @staticmethod
+    def _pwrite(fd: int, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
 
     def flush_and_close(self) -> None:
         with annotate(self.backend.uri, self.key, "flushing"):

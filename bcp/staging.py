@@ -48,8 +48,10 @@ class Slab:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
 
-    def view(self, nbytes: int) -> torch.Tensor:
-        return self.tensor[:nbytes]
+    def view(self, nbytes: int, shift: int = 0) -> torch.Tensor:
+        """``nbytes`` of the slab starting ``shift`` (< 4096) bytes in, so the data's
+        address modulo 4096 can match its file offset's (O_DIRECT)."""
+        return self.tensor[shift : shift + nbytes]
 
 
 class StagingPool:
@@ -72,9 +74,9 @@ class StagingPool:
         return self._allocated * self.slab_bytes
 
     def _new_slab(self) -> Slab:
-        raw = torch.empty(self.slab_bytes + _ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
-        skip = (-raw.data_ptr()) % _ALIGN  # page-aligned start: O_DIRECT writes need it
-        return Slab(raw[skip : skip + self.slab_bytes])
+        raw = torch.empty(self.slab_bytes + 2 * _ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
+        skip = (-raw.data_ptr()) % _ALIGN  # page-aligned start, and room to shift by < 4096
+        return Slab(raw[skip : skip + self.slab_bytes + _ALIGN])
 
     def acquire(self) -> Slab:
         with self._cond:

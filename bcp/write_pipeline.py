@@ -50,14 +50,19 @@ class Chunk:
     segments: list[Segment]
 
 
-def _align(offset: int, nbytes: int) -> int:
-    a = 4096 if nbytes >= PAGE_ALIGN_FROM else 64
-    return -(-offset // a) * a
+def _align(offset: int, nbytes: int, phase: int = 0) -> int:
+    """The first offset >= ``offset`` that is ``phase`` modulo 4096 (large fragments)
+    or a multiple of 64 (small ones)."""
+    if nbytes < PAGE_ALIGN_FROM:
+        return -(-offset // 64) * 64
+    return offset + (phase - offset) % 4096
 
 
-def layout(items: list[tuple[TensorPlan, Piece]]) -> tuple[list[int], list[int], int]:
+def layout(items: list[tuple[TensorPlan, Piece]], *, match_memory: bool = False) -> tuple[list[int], list[int], int]:
     """File offset of each item (an alias of an earlier item gets ``-1 - index`` of
-    it), the unique items' indices, and the file size."""
+    it), the unique items' indices, and the file size. With ``match_memory`` a large
+    CPU tensor is placed at an offset congruent to its address modulo 4096, so its
+    whole pages can be written with O_DIRECT straight from its memory."""
     offsets: list[int] = []
     unique: list[int] = []
     first_at: dict[tuple, int] = {}
@@ -69,11 +74,19 @@ def layout(items: list[tuple[TensorPlan, Piece]]) -> tuple[list[int], list[int],
             continue
         nbytes = piece.tensor.numel() * piece.tensor.element_size()
         first_at[ident] = index
-        start = _align(end, nbytes)
+        t = piece.tensor
+        phase = t.data_ptr() % 4096 if match_memory and t.device.type == "cpu" and t.is_contiguous() else 0
+        start = _align(end, nbytes, phase)
         offsets.append(start)
         unique.append(index)
         end = start + nbytes
     return offsets, unique, end
+
+
+#: Fragments smaller than this are packed together into one staged chunk (one write
+#: instead of many small ones); larger ones get chunks of their own, written from
+#: their own memory when the save is synchronous.
+PACK_BELOW = 1 << 20
 
 
 def plan_chunks(spans: list[tuple[int, int, int]], chunk_bytes: int) -> list[Chunk]:
@@ -83,7 +96,7 @@ def plan_chunks(spans: list[tuple[int, int, int]], chunk_bytes: int) -> list[Chu
     for item, offset, nbytes in spans:
         if nbytes == 0:
             continue
-        if nbytes >= chunk_bytes:
+        if nbytes >= min(chunk_bytes, PACK_BELOW):
             current = None
             for s in range(0, nbytes, chunk_bytes):
                 n = min(chunk_bytes, nbytes - s)
@@ -115,8 +128,8 @@ class WritePipeline:
     ) -> None:
         self.backend, self.data_key, self.rank, self.items = backend, data_key, rank, items
         self.block, self.pool, self.streams, self.stage_all = block, pool, max(1, streams), stage_all
-        self.offsets, self.unique, self.size = layout(items)
         self.aligned_writes = backend.hints.aligned_writes
+        self.offsets, self.unique, self.size = layout(items, match_memory=self.aligned_writes and not stage_all)
         self.sources: dict[int, torch.Tensor] = {}
         self.checksums: dict[tuple[int, int], list[int]] = {}
         self.error: BaseException | None = None
@@ -192,13 +205,13 @@ class WritePipeline:
         if not self.stage_all and len(chunk.segments) == 1 and first.device.type == "cpu":
             seg = chunk.segments[0]
             data = first[seg.start : seg.start + seg.nbytes]
-            if not self.aligned_writes or (data.data_ptr() % 4096 == 0):
+            if not self.aligned_writes or (data.data_ptr() - chunk.offset) % 4096 == 0:
                 self._queue.put((chunk, None, data, None))  # zero-copy: the tensor's own memory
                 return
         if not self._threads and self.pool.would_block():
             self._start_writers()  # only writing frees slabs
         slab = self.pool.acquire()
-        out = slab.view(chunk.nbytes)
+        out = slab.view(chunk.nbytes, shift=chunk.offset % 4096)  # same phase as the file: O_DIRECT-able
         cursor, event = 0, None
         for seg in chunk.segments:
             if seg.at > cursor:
