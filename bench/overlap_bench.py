@@ -43,7 +43,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--saves", type=int, default=5)
     p.add_argument("--dir", default="/tmp/bcp-overlap")
+    p.add_argument("--train-threads", type=int, default=0,
+                   help="torch threads for training (1 leaves a core to bcp's background work, as a GPU job would)")
     args = p.parse_args()
+    if args.train_threads:
+        torch.set_num_threads(args.train_threads)
     model, opt = build(args.hidden, args.layers)
     x = torch.randn(args.batch, args.hidden)
     for _ in range(3):

@@ -134,6 +134,8 @@ def case_raw(path, state, _args):
 
 
 def case_bcp(path, state, args):
+    import torch
+
     import bcp
 
     uri = os.path.join(path, "bcp")
@@ -146,6 +148,16 @@ def case_bcp(path, state, args):
     out["bcp load (cold cache)"] = timed(lambda: bcp.load(dst, uri))
     warm_cache(uri)
     out["bcp load (warm cache)"] = timed(lambda: bcp.load(dst, uri))
+    # reshard: what rank 1 of 3 reads when this checkpoint is loaded row-sharded over 3 ranks
+    part = {}
+    for k, t in state.items():
+        rows = t.shape[0]
+        lo, hi = rows // 3, 2 * rows // 3
+        part[k] = bcp.TensorShard(torch.zeros(hi - lo, t.shape[1]), tuple(t.shape), (lo, 0))
+    part_bytes = sum(p.local.numel() * 4 for p in part.values())
+    drop_cache(uri)
+    seconds = timed(lambda: bcp.load(part, uri))
+    out["bcp reshard load, 1 of 3 row shards (cold cache)"] = seconds * nbytes(state) / part_bytes  # per state byte
     # async: the first call in a process allocates the staging pool; later calls reuse it
     for label in ("first call", "steady state"):
         h = bcp.async_save(state, uri + "-async", overwrite=True)
