@@ -12,6 +12,7 @@ the name exists. Reads use ``os.preadv`` into the caller's buffer: no Python cop
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
 import uuid
@@ -142,8 +143,8 @@ class FileBackend(Backend):
                     return _pread(fd, view, offset)
                 rest, at, cached = view, offset, 0
                 split = direct_split(rest, at)
-                if split is None:
-                    return _pread(fd, rest, at)
+                if split is None:  # memory and file disagree modulo 4096: bounce through aligned memory
+                    return _pread_bounced(path, rest, at)
                 head, middle = split
                 got = _pread(fd, rest[:head], at)
                 if got == head:
@@ -262,6 +263,48 @@ def _pread_direct(path: str, view: memoryview, offset: int) -> int:
         fd = os.open(path, os.O_RDONLY)
     try:
         return _pread(fd, view, offset)
+    finally:
+        os.close(fd)
+
+
+_BOUNCE_BYTES = 8 << 20
+_bounce = threading.local()
+
+
+def _pread_bounced(path: str, view: memoryview, offset: int) -> int:
+    """O_DIRECT reads of the aligned pages covering the range into a reusable
+    page-aligned per-thread buffer, copied into ``view`` (a memcpy is several times
+    faster than the disk; a buffered read of a cold file here was 2-3x slower)."""
+    buf = getattr(_bounce, "buf", None)
+    if buf is None:
+        buf = _bounce.buf = mmap.mmap(-1, _BOUNCE_BYTES)  # page-aligned, reused by this thread
+    mv = memoryview(buf)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return _pread(fd, view, offset)
+        finally:
+            os.close(fd)
+    try:
+        got, end = 0, offset + len(view)
+        start = offset // _DIRECT_ALIGN * _DIRECT_ALIGN
+        while start < end:
+            want = min(_BOUNCE_BYTES, -(-(end - start) // _DIRECT_ALIGN) * _DIRECT_ALIGN)
+            n = _pread(fd, mv[:want], start)
+            lo = max(offset, start)
+            hi = min(end, start + n)
+            if hi <= lo:
+                break
+            view[lo - offset : hi - offset] = mv[lo - start : hi - start]
+            got = hi - offset
+            if n < want:
+                break
+            start += want
+        return got
     finally:
         os.close(fd)
 

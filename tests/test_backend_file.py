@@ -243,3 +243,29 @@ def test_write_error_is_wrapped(fb: FileBackend) -> None:
     with pytest.raises(StorageError) as info:
         fb.write("taken/child", b"y")
     assert "'taken/child'" in str(info.value) and info.value.__cause__ is not None
+
+
+@pytest.mark.parametrize("cold", [True, False])
+def test_large_reads_at_any_alignment_return_the_right_bytes(tmp_path, cold):
+    """Reads of 4 MiB and more take the O_DIRECT paths (split when memory and file
+    agree modulo 4096, bounced otherwise) or the page cache; all must agree."""
+    import mmap as _mmap
+    import os as _os
+
+    from bcp.backends import backend_for as _backend_for
+
+    backend = _backend_for(str(tmp_path / "store"))
+    data = _os.urandom(12 << 20)
+    backend.write("big.bin", data)
+    path = tmp_path / "store" / "big.bin"
+    arena = _mmap.mmap(-1, 16 << 20)  # page-aligned, so we can pick the memory phase
+    for offset, phase, length in [(0, 0, 5 << 20), (4096 * 3 + 64, 64, 6 << 20), (12345, 777, 5 << 20),
+                                  (100, 0, (12 << 20) - 100), ((12 << 20) - (4 << 20) - 5, 4091, 4 << 20)]:
+        if cold:
+            fd = _os.open(path, _os.O_RDONLY)
+            _os.posix_fadvise(fd, 0, 0, _os.POSIX_FADV_DONTNEED)
+            _os.close(fd)
+        target = memoryview(arena)[phase : phase + length]
+        got = backend.read_into("big.bin", offset, target)
+        assert got == min(length, len(data) - offset)
+        assert bytes(target[:got]) == data[offset : offset + got], f"wrong bytes at offset {offset}, phase {phase}"
