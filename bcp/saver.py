@@ -36,9 +36,7 @@ from bcp.metadata import (
     Fragment,
     Manifest,
     ObjectEntry,
-    block_checksums,
     crc32c,
-    digest_of_checksums,
 )
 
 from . import objcodec

@@ -80,16 +80,14 @@ def main() -> None:
                 handle = bcp.async_save(state(), uri, overwrite=True, overlap=opt)
             returned = time.perf_counter() - t0
             step(model, opt, x)
-            t1 = time.perf_counter()
             step(model, opt, x)
             t2 = time.perf_counter()
             if handle is not None:
                 handle.wait()
             blocking.append(returned)
             stalls.append((t2 - t0) - 2 * base)
-            _ = t1
         rows.append((mode, statistics.median(blocking), statistics.median(stalls)))
-    print(f"\n| mode | call returns after (s) | stall per save (s) | stall / plain step |")
+    print("\n| mode | call returns after (s) | stall per save (s) | stall / plain step |")
     print("|---|---:|---:|---:|")
     for mode, b, s in rows:
         print(f"| {mode} | {b:.3f} | {s:.3f} | {s / base:.2f} |")
