@@ -312,3 +312,26 @@ def load_as_flat_shards_job(rank: int, world: int, uri: str, ref_path: str) -> N
     for shard, want in expect:
         assert torch.equal(shard.local, want), f"rank {rank}: flat shard at {shard.start} differs"
     assert state["optim"]["param_groups"] == ref["optim"]["param_groups"]
+
+
+def async_ping_pong_job(rank: int, world: int, uri: str) -> None:
+    """Two async saves in flight at once across ranks (they use the two group slots),
+    each rank mutating its shard right after each call returns."""
+    shard = torch.full((4, 8), float(rank))
+    state = {"w": bcp.TensorShard(shard, (4 * world, 8), (4 * rank, 0)), "step": 1}
+    first = bcp.async_save(state, f"{uri}/a")
+    shard.add_(10)
+    state["step"] = 2
+    second = bcp.async_save(state, f"{uri}/b")
+    shard.add_(10)
+    third = bcp.async_save(state, f"{uri}/c")  # waits for the first (same slot)
+    shard.fill_(-1)
+    for handle in (first, second, third):
+        info = handle.wait()
+        assert info.world_size == world
+    dist.barrier()
+    for name, add, step in (("a", 0, 1), ("b", 10, 2), ("c", 20, 2)):
+        reader = bcp.open(f"{uri}/{name}")
+        expected = torch.cat([torch.full((4, 8), float(r + add)) for r in range(world)])
+        assert torch.equal(reader.read("w"), expected), f"checkpoint {name} holds the wrong values"
+        assert reader.read("step") == step

@@ -78,3 +78,7 @@ def test_a_rank_that_never_joins_times_out_instead_of_hanging(tmp_path, monkeypa
 def test_dtensor_checkpoint_loads_into_flat_shards(fsdp2):
     uri, ref = fsdp2
     dist_jobs.spawn(dist_jobs.load_as_flat_shards_job, 3, uri, ref)
+
+
+def test_async_saves_in_flight_across_ranks(tmp_path):
+    dist_jobs.spawn(dist_jobs.async_ping_pong_job, 2, str(tmp_path / "ck"))
