@@ -252,15 +252,20 @@ def _is_cached(path: str, view: memoryview, offset: int) -> bool:
         os.close(fd)
 
 
-def _pread_direct(path: str, view: memoryview, offset: int) -> int:
-    """Read whole pages bypassing the page cache (falls back to a buffered read where
-    O_DIRECT is refused); a short read at end of file is returned as such."""
+def _open_direct(path: str) -> tuple[int, bool]:
+    """A read descriptor with O_DIRECT, or a buffered one where the filesystem refuses it."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        return os.open(path, os.O_RDONLY | os.O_DIRECT), True
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        fd = os.open(path, os.O_RDONLY)
+        return os.open(path, os.O_RDONLY), False
+
+
+def _pread_direct(path: str, view: memoryview, offset: int) -> int:
+    """Read whole pages bypassing the page cache; a short read at end of file is
+    returned as such."""
+    fd, _direct = _open_direct(path)
     try:
         return _pread(fd, view, offset)
     finally:
@@ -279,17 +284,10 @@ def _pread_bounced(path: str, view: memoryview, offset: int) -> int:
     if buf is None:
         buf = _bounce.buf = mmap.mmap(-1, _BOUNCE_BYTES)  # page-aligned, reused by this thread
     mv = memoryview(buf)
+    fd, direct = _open_direct(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        fd = os.open(path, os.O_RDONLY)
-        try:
+        if not direct:
             return _pread(fd, view, offset)
-        finally:
-            os.close(fd)
-    try:
         got, end = 0, offset + len(view)
         start = offset // _DIRECT_ALIGN * _DIRECT_ALIGN
         while start < end:
