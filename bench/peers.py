@@ -300,6 +300,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default="/tmp/bcp-peers")
     p.add_argument("--only", default="")
+    p.add_argument("--settle", type=float, default=3.0, help="seconds of quiet between cases")
     p.add_argument("--case", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.case:
@@ -311,6 +312,8 @@ def main() -> None:
     size = None
     for rep in range(args.repeats):
         for name in names:
+            os.sync()
+            time.sleep(args.settle)  # the disk keeps working after a big write or delete: let it settle
             cmd = [sys.executable, __file__, "--case", name, "--gib", str(args.gib), "--dir", args.dir]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
