@@ -110,7 +110,8 @@ def _match(
     leaves = flatten_state(state)
     stored_tensors = reader.catalog.tensors
     stored_objects = reader.manifest.objects
-    stored_paths = {fqn: _keys(reader.key_path(fqn)) for fqn in reader.keys()}
+    stored_paths: dict[str, tuple] = {}  # built only if a template object needs the subtree rule:
+    # it touches every catalog entry, which a lazy catalog otherwise never materialises
     plan = _Plan()
     consumed: set[str] = set()
     missing: list[str] = []
@@ -144,9 +145,13 @@ def _match(
             consumed.add(fqn)
             kind_mm.append((fqn, "an object", "a tensor"))
         else:
-            prefix = _keys(leaf.path)
-            below = [f for f, p in stored_paths.items() if len(p) > len(prefix) and p[: len(prefix)] == prefix]
-            if below and isinstance(leaf.value, (Mapping, list, tuple)):
+            below: list[str] = []
+            if isinstance(leaf.value, (Mapping, list, tuple)):
+                prefix = _keys(leaf.path)
+                if not stored_paths:
+                    stored_paths.update((f, _keys(reader.key_path(f))) for f in reader.keys())
+                below = [f for f, p in stored_paths.items() if len(p) > len(prefix) and p[: len(prefix)] == prefix]
+            if below:
                 consumed.update(below)
                 plan.subtree_loads.append((leaf, below))
                 for f in below:
