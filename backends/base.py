@@ -109,6 +109,10 @@ class Backend(abc.ABC):
     #: URI scheme this class serves by default ("file", "memory", "s3", ...).
     scheme: ClassVar[str]
     capabilities: ClassVar[Capability] = Capability.NONE
+    #: A network store: :func:`~bcp.backends.backend_for` wraps it in a
+    #: :class:`~bcp.backends.wrappers.RetryingBackend` built from the ``retries``,
+    #: ``retry_base_delay``, ``retry_max_delay`` and ``retry_deadline`` options.
+    network: ClassVar[bool] = False
 
     def __init__(self, uri: str) -> None:
         self.uri = uri

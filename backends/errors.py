@@ -9,7 +9,20 @@ underneath. A missing object is an :class:`ObjectNotFoundError`, which is also a
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
+
+#: Secrets that SDK messages can carry (signed URLs, bearer tokens, keys in query
+#: strings). Every StorageError message passes through :func:`redact`.
+_SECRET_RE = re.compile(
+    r"(?i)((?:x-amz-(?:signature|credential|security-token)|signature|access_token|token|"
+    r"aws_secret_access_key|secret(?:_access)?_key|password|key_secret)[=:]\s*)[^&\s'\"]+"
+)
+
+
+def redact(text: str) -> str:
+    """``text`` with credential-looking values replaced by ``***``."""
+    return _SECRET_RE.sub(r"\1***", text)
 
 
 class StorageError(OSError):
@@ -21,6 +34,7 @@ class StorageError(OSError):
     """
 
     def __init__(self, reason: str, *, uri: str, key: str, action: str) -> None:
+        reason = redact(reason)
         self.reason = reason
         self.uri = uri
         self.key = key

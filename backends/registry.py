@@ -25,8 +25,16 @@ log = logging.getLogger(__name__)
 #: scheme -> (dotted class path, install hint shown when its import fails). Keep sorted.
 _BUILTIN: dict[str, tuple[str, str | None]] = {
     "file": ("bcp.backends.file.FileBackend", None),
+    "gcs": ("bcp.backends.gcs.GCSBackend", "pip install 'bcp[gcs]' (gcsfs)"),
+    "gs": ("bcp.backends.gcs.GCSBackend", "pip install 'bcp[gcs]' (gcsfs)"),
+    "hdfs": ("bcp.backends.hdfs.HDFSBackend", "pyarrow with libhdfs (a Hadoop client install; see docs/backends.md)"),
     "memory": ("bcp.backends.memory.MemoryBackend", None),
+    "s3": ("bcp.backends.s3.S3Backend", "pip install 'bcp[s3]' (s3fs)"),
+    "webhdfs": ("bcp.backends.fsspec_backend.FsspecBackend", "fsspec's webhdfs needs requests"),
 }
+
+#: ``fsspec+<protocol>://`` selects the generic fsspec backend for any protocol.
+FSSPEC_PREFIX = "fsspec+"
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 _lock = threading.Lock()
@@ -86,6 +94,10 @@ def get_backend_class(scheme: str, *, uri: str | None = None) -> type[Backend]:
     """The class serving ``scheme``; ValueError listing known schemes when none does."""
     scheme = scheme.lower()
     target = _registered.get(scheme)
+    if target is None and scheme.startswith(FSSPEC_PREFIX) and scheme not in _registered:
+        from .fsspec_backend import FsspecBackend
+
+        return FsspecBackend
     if target is not None:
         return _import_dotted(target) if isinstance(target, str) else target
     if scheme in _BUILTIN:
@@ -127,4 +139,10 @@ def backend_for(uri: str, **options) -> Backend:
             options = {**query, **options}
             base = urlunsplit(parts._replace(query=""))
     log.debug("backend %s for %s", cls.__name__, base)
+    if getattr(cls, "network", False):
+        from .retry import policy_from_options
+        from .wrappers import RetryingBackend
+
+        policy = policy_from_options(options, default_attempts=getattr(cls, "default_retry_attempts", None))
+        return RetryingBackend(cls.from_uri(base, **options), policy)
     return cls.from_uri(base, **options)

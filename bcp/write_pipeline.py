@@ -58,11 +58,14 @@ def _align(offset: int, nbytes: int, phase: int = 0) -> int:
     return offset + (phase - offset) % 4096
 
 
-def layout(items: list[tuple[TensorPlan, Piece]], *, match_memory: bool = False) -> tuple[list[int], list[int], int]:
+def layout(items: list[tuple[TensorPlan, Piece]], *, match_memory: bool = False, part_size: int | None = None,
+           block: int = 64 << 10) -> tuple[list[int], list[int], int]:
     """File offset of each item (an alias of an earlier item gets ``-1 - index`` of
     it), the unique items' indices, and the file size. With ``match_memory`` a large
     CPU tensor is placed at an offset congruent to its address modulo 4096, so its
-    whole pages can be written with O_DIRECT straight from its memory."""
+    whole pages can be written with O_DIRECT straight from its memory. With
+    ``part_size`` (object stores) a fragment that crosses a part boundary starts at a
+    multiple of ``block``, so every part boundary cuts it between checksum blocks."""
     offsets: list[int] = []
     unique: list[int] = []
     first_at: dict[tuple, int] = {}
@@ -77,6 +80,8 @@ def layout(items: list[tuple[TensorPlan, Piece]], *, match_memory: bool = False)
         t = piece.tensor
         phase = t.data_ptr() % 4096 if match_memory and t.device.type == "cpu" and t.is_contiguous() else 0
         start = _align(end, nbytes, phase)
+        if part_size and nbytes and start // part_size != (start + nbytes - 1) // part_size:
+            start = -(-start // block) * block
         offsets.append(start)
         unique.append(index)
         end = start + nbytes
@@ -111,6 +116,21 @@ def plan_chunks(spans: list[tuple[int, int, int]], chunk_bytes: int) -> list[Chu
     return chunks
 
 
+def plan_part_chunks(spans: list[tuple[int, int, int]], part_size: int, size: int) -> list[Chunk]:
+    """One chunk per part of ``[0, size)`` (the last one shorter): what a multipart
+    upload needs. Items are cut at part boundaries; bytes no item covers are padding."""
+    chunks = [Chunk(k, min(part_size, size - k), []) for k in range(0, size, part_size)]
+    for item, offset, nbytes in spans:
+        pos = 0
+        while pos < nbytes:
+            at = offset + pos
+            chunk = chunks[at // part_size]
+            n = min(nbytes - pos, chunk.offset + chunk.nbytes - at)
+            chunk.segments.append(Segment(item, pos, n, at - chunk.offset))
+            pos += n
+    return chunks
+
+
 class WritePipeline:
     """Writes the given (TensorPlan, Piece) items of one rank into ``data_key``."""
 
@@ -129,7 +149,15 @@ class WritePipeline:
         self.backend, self.data_key, self.rank, self.items = backend, data_key, rank, items
         self.block, self.pool, self.streams, self.stage_all = block, pool, max(1, streams), stage_all
         self.aligned_writes = backend.hints.aligned_writes
-        self.offsets, self.unique, self.size = layout(items, match_memory=self.aligned_writes and not stage_all)
+        self.part_size = backend.hints.part_size
+        if self.part_size is not None and (self.part_size > pool.slab_bytes or self.part_size % block):
+            raise ValueError(
+                f"{backend.uri}: part_size {self.part_size} must be at most the staging slab size "
+                f"{pool.slab_bytes} and a multiple of the checksum block {block}"
+            )
+        self.offsets, self.unique, self.size = layout(
+            items, match_memory=self.aligned_writes and not stage_all, part_size=self.part_size, block=block
+        )
         self.sources: dict[int, torch.Tensor] = {}
         self.checksums: dict[tuple[int, int], list[int]] = {}
         self.error: BaseException | None = None
@@ -155,6 +183,8 @@ class WritePipeline:
     def chunks(self) -> list[Chunk]:
         spans = [(i, self.offsets[i], self.items[i][1].tensor.numel() * self.items[i][1].tensor.element_size())
                  for i in self.unique]
+        if self.part_size is not None:
+            return plan_part_chunks(spans, self.part_size, self.size)
         return plan_chunks(spans, self.pool.slab_bytes)
 
     def stage(self, select=None, last: bool = True) -> None:
@@ -201,8 +231,9 @@ class WritePipeline:
         for seg in chunk.segments:
             if seg.item not in self.sources:
                 self.sources[seg.item] = self._flat_source(seg.item)
-        first = self.sources[chunk.segments[0].item]
-        if not self.stage_all and len(chunk.segments) == 1 and first.device.type == "cpu":
+        first = self.sources[chunk.segments[0].item] if chunk.segments else None
+        whole = len(chunk.segments) == 1 and chunk.segments[0].at == 0 and chunk.segments[0].nbytes == chunk.nbytes
+        if not self.stage_all and whole and first.device.type == "cpu":
             seg = chunk.segments[0]
             data = first[seg.start : seg.start + seg.nbytes]
             if not self.aligned_writes or (data.data_ptr() - chunk.offset) % 4096 == 0:
@@ -222,6 +253,8 @@ class WritePipeline:
             else:
                 out[seg.at : seg.at + seg.nbytes].copy_(src)
             cursor = seg.at + seg.nbytes
+        if cursor < chunk.nbytes:
+            out[cursor : chunk.nbytes].zero_()
         self.bytes_staged += chunk.nbytes
         self._queue.put((chunk, slab, out, event))
 
@@ -286,12 +319,13 @@ class WritePipeline:
             self._writer.abort()
 
     def _fragments(self) -> tuple[list[Fragment], list[int]]:
+        pieces: dict[int, list[tuple[int, list[int]]]] = {item: [] for item in self.unique}
+        for (item, start), sums in self.checksums.items():
+            pieces[item].append((start, sums))
         sums_of: dict[int, tuple[int, ...]] = {}
-        for item in self.unique:
-            t = self.items[item][1].tensor
-            nbytes = t.numel() * t.element_size()
-            parts = [self.checksums[(item, s)] for s in range(0, nbytes, self.pool.slab_bytes) if nbytes]
-            sums_of[item] = tuple(c for part in parts for c in part)
+        for item, parts in pieces.items():
+            parts.sort()
+            sums_of[item] = tuple(c for _start, part in parts for c in part)
         file_sums = [c for item in sorted(self.unique, key=lambda i: self.offsets[i]) for c in sums_of[item]]
         fragments = []
         for index, ((t, piece), offset) in enumerate(zip(self.items, self.offsets)):

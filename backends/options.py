@@ -1,0 +1,46 @@
+"""Typed backend options from URI query strings (always text) or keyword arguments."""
+
+from __future__ import annotations
+
+import re
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def as_size(name: str, value) -> int:
+    """Bytes from an int or a string such as ``"64MiB"``, ``"8M"`` or ``"1048576"``
+    (binary units either way)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise ValueError(f"option {name}={value!r} is not a size (examples: 1048576, 64MiB, 8M)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def as_bool(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"option {name}={value!r} is not a boolean (true/false)")
+
+
+def as_int(name: str, value, *, minimum: int = 0) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"option {name}={value!r} is not an integer") from None
+    if n < minimum:
+        raise ValueError(f"option {name}={value!r} must be >= {minimum}")
+    return n
+
+
+def reject_unknown(kind: str, uri: str, options: dict) -> None:
+    """TypeError naming every option nobody consumed (values are not shown: they may be secrets)."""
+    if options:
+        raise TypeError(f"unknown option(s) for the {kind} backend ({uri}): {', '.join(sorted(options))}")

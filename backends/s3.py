@@ -1,0 +1,351 @@
+"""Amazon S3 and S3-compatible stores (MinIO, Ceph RGW, rclone serve s3, moto), via s3fs.
+
+``s3://bucket/prefix`` roots a backend at a key prefix. Large objects are multipart
+uploads: the write pipeline sends parts of exactly ``part_size`` bytes from several
+threads at once, each part numbered by its offset, so parts go up in parallel and a
+retried part simply replaces itself. The object becomes visible only when the upload
+completes (S3 has no rename; the checkpoint's commit is its manifest, written last
+with ``If-None-Match: *``). A writer that fails or is aborted aborts its multipart
+upload, so no parts are left billed and invisible. Every PUT and part carries its
+CRC32C (``x-amz-checksum-crc32c``), which AWS checks on arrival.
+
+Credentials come only from the standard AWS sources (environment, shared config and
+credentials files, ``profile=``, instance/container roles); they are never options,
+never stored, never logged. s3fs's and botocore's own retry loops are switched off:
+:class:`~bcp.backends.wrappers.RetryingBackend` is the one loop.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Self
+from urllib.parse import unquote, urlsplit
+
+import crc32c
+import s3fs
+
+from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
+from .errors import ObjectExistsError, ObjectNotFoundError, StorageError, annotate
+from .options import as_bool, as_int, as_size, reject_unknown
+
+log = logging.getLogger(__name__)
+
+MIN_PART = 5 << 20  # S3's smallest part (all but the last)
+MAX_PARTS = 10_000
+DEFAULT_PART = 32 << 20
+#: A single PUT up to this size; larger whole-object writes go multipart.
+SINGLE_PUT_MAX = 64 << 20
+
+_CREDENTIAL_OPTIONS = {"key", "secret", "token", "aws_access_key_id", "aws_secret_access_key",
+                       "aws_session_token", "access_key", "secret_key"}
+
+
+def _crc32c_b64(data: Buffer) -> str:
+    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+
+
+class S3Backend(Backend):
+    """Options (URI query or keyword): ``endpoint_url``, ``region``, ``profile``,
+    ``anon``, ``part_size`` (default 32MiB, 5MiB..32MiB, a multiple of 64KiB),
+    ``concurrency`` (parallel requests per process, default 8), ``checksum``
+    (``crc32c`` or ``none``), ``conditional_writes`` (default true: the store honours
+    ``If-None-Match: *``; set false for stores that ignore it, such as rclone, and
+    the commit falls back to check-then-write), plus the retry options of
+    :func:`~bcp.backends.retry.policy_from_options`."""
+
+    scheme = "s3"
+    network = True
+    capabilities = Capability.RANGED_READ | Capability.PARALLEL_WRITES | Capability.CREATE_ONLY
+
+    def __init__(self, uri: str, bucket: str, root: str, fs: s3fs.S3FileSystem, *, part_size: int,
+                 concurrency: int, checksum: bool, conditional_writes: bool) -> None:
+        super().__init__(uri)
+        self.bucket, self.root, self.fs = bucket, root, fs
+        self.part_size, self.concurrency, self.checksum = part_size, concurrency, checksum
+        self.conditional_writes = conditional_writes
+        if not conditional_writes:
+            self.capabilities = type(self).capabilities & ~Capability.CREATE_ONLY
+
+    @classmethod
+    def from_uri(cls, uri: str, **options) -> Self:
+        bad = _CREDENTIAL_OPTIONS & set(options)
+        if bad:
+            raise TypeError(
+                f"credentials are not accepted as options ({', '.join(sorted(bad))}); use the standard AWS sources: "
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials with profile=..., or an instance role"
+            )
+        parts = urlsplit(uri)
+        bucket = parts.netloc
+        if not bucket:
+            raise ValueError(f"S3 URI needs a bucket: s3://BUCKET[/prefix], got {uri!r}")
+        root = unquote(parts.path).strip("/")
+        endpoint = options.pop("endpoint_url", None)
+        region = options.pop("region", None)
+        profile = options.pop("profile", None)
+        anon = as_bool("anon", options.pop("anon", False))
+        part_size = as_size("part_size", options.pop("part_size", DEFAULT_PART))
+        concurrency = as_int("concurrency", options.pop("concurrency", 8), minimum=1)
+        checksum = str(options.pop("checksum", "crc32c")).lower()
+        conditional = as_bool("conditional_writes", options.pop("conditional_writes", True))
+        reject_unknown("s3", uri, options)
+        if checksum not in ("crc32c", "none"):
+            raise ValueError(f"option checksum={checksum!r}: choose crc32c or none")
+        if not (MIN_PART <= part_size <= DEFAULT_PART) or part_size % (64 << 10):
+            raise ValueError(f"option part_size={part_size}: must be 5MiB..32MiB and a multiple of 64KiB")
+        client_kwargs = {}
+        if endpoint:
+            client_kwargs["endpoint_url"] = endpoint
+        if region:
+            client_kwargs["region_name"] = region
+        config = {
+            "retries": {"total_max_attempts": 1},  # RetryingBackend is the one retry loop
+            "max_pool_connections": max(10, 2 * concurrency),
+            # We send CRC32C ourselves; botocore's default would add a CRC32 pass.
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+        }
+        fs = s3fs.S3FileSystem(anon=anon, profile=profile, client_kwargs=client_kwargs, config_kwargs=config,
+                               use_listings_cache=False, max_concurrency=concurrency)  # instances are cached per options
+        fs.retries = 1
+        clean = f"s3://{bucket}/{root}".rstrip("/")
+        return cls(clean, bucket, root, fs, part_size=part_size, concurrency=concurrency,
+                   checksum=checksum == "crc32c", conditional_writes=conditional)
+
+    @property
+    def hints(self) -> IOHints:
+        return IOHints(part_size=self.part_size, concurrency=self.concurrency)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.root}/{key}" if self.root else key
+
+    def call(self, method: str, **kwargs):
+        """One S3 API call on s3fs's event loop (errors translated to OSError by s3fs)."""
+        return self.fs.call_s3(method, **kwargs)
+
+    def put(self, key: str, data: Buffer, *, if_absent: bool = False) -> None:
+        kwargs = {"Bucket": self.bucket, "Key": self._key(key), "Body": bytes(data)}
+        if self.checksum:
+            kwargs["ChecksumCRC32C"] = _crc32c_b64(data)
+        if if_absent:
+            kwargs["IfNoneMatch"] = "*"
+        self.call("put_object", **kwargs)
+
+    # -- the contract --------------------------------------------------------------------
+
+    def open_writer(self, key: str, *, size: int | None = None) -> ObjectWriter:
+        check_key(key)
+        return _S3Writer(self, key, size)
+
+    def write(self, key: str, data: Buffer) -> None:
+        if len(data) > SINGLE_PUT_MAX:
+            return super().write(key, data)
+        with annotate(self.uri, key, "writing"):
+            self.put(key, data)
+
+    def write_if_absent(self, key: str, data: Buffer) -> None:
+        if not self.conditional_writes:
+            return super().write_if_absent(key, data)
+        with annotate(self.uri, key, "creating"):
+            try:
+                self.put(key, data, if_absent=True)
+            except OSError as e:
+                if isinstance(e, FileExistsError) or "PreconditionFailed" in str(e) or "pre-condition" in str(e):
+                    raise ObjectExistsError("object already exists", uri=self.uri, key=key, action="creating") from e
+                raise
+
+    def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
+        view = memoryview(buffer).cast("B")
+        if len(view) == 0:
+            self.size(key)  # a missing key still raises
+            return 0
+        with annotate(self.uri, key, "reading"):
+            try:
+                data = self.fs.cat_file(f"{self.bucket}/{self._key(key)}", start=offset, end=offset + len(view))
+            except OSError as e:
+                if isinstance(e, FileNotFoundError) or "range" not in str(e).lower():
+                    raise
+                self.size(key)  # InvalidRange: at or past the end (or missing)
+                return 0
+        view[: len(data)] = data
+        return len(data)
+
+    def size(self, key: str) -> int:
+        with annotate(self.uri, key, "sizing"):
+            head = self.call("head_object", Bucket=self.bucket, Key=self._key(key))
+        return int(head["ContentLength"])
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        full = (self.root + "/" if self.root else "") + prefix
+        strip = len(self.root) + 1 if self.root else 0
+        token = None
+        while True:
+            kwargs = {"Bucket": self.bucket, "Prefix": full}
+            if token:
+                kwargs["ContinuationToken"] = token
+            with annotate(self.uri, prefix, "listing"):
+                page = self.call("list_objects_v2", **kwargs)
+            for item in page.get("Contents", []):
+                yield item["Key"][strip:]
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    def delete(self, key: str) -> None:
+        with annotate(self.uri, key, "deleting"):
+            try:
+                self.call("delete_object", Bucket=self.bucket, Key=self._key(key))
+            except FileNotFoundError:
+                pass
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+        except ObjectNotFoundError:
+            return False
+        return True
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Batched deletes (1000 keys a request), then aborts multipart uploads left
+        under the prefix by killed writers."""
+        keys = list(self.list(prefix))
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": self._key(k)} for k in keys[start : start + 1000]]
+            with annotate(self.uri, prefix, "deleting"):
+                out = self.call("delete_objects", Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+            errors = out.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise StorageError(f"{len(errors)} object(s) not deleted; first: {first.get('Code')} "
+                                   f"{first.get('Message')}", uri=self.uri, key=first.get("Key", prefix),
+                                   action="deleting")
+        self.abort_uploads(prefix)
+
+    def abort_uploads(self, prefix: str = "") -> int:
+        """Abort unfinished multipart uploads under ``prefix``; how many were aborted."""
+        full = (self.root + "/" if self.root else "") + prefix
+        with annotate(self.uri, prefix, "listing uploads"):
+            uploads = self.call("list_multipart_uploads", Bucket=self.bucket, Prefix=full).get("Uploads") or []
+        for up in uploads:
+            with annotate(self.uri, up["Key"], "aborting upload of"):
+                try:
+                    self.call("abort_multipart_upload", Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                except FileNotFoundError:
+                    pass
+        return len(uploads)
+
+    def pending_uploads(self, prefix: str = "") -> list[str]:
+        """Keys with unfinished multipart uploads (for tests and ``bcp gc``)."""
+        full = (self.root + "/" if self.root else "") + prefix
+        uploads = self.call("list_multipart_uploads", Bucket=self.bucket, Prefix=full).get("Uploads") or []
+        return [u["Key"] for u in uploads]
+
+
+class _S3Writer(ObjectWriter):
+    """A small object is one PUT at commit; anything of a full part or more is a
+    multipart upload started by the first part and completed at commit."""
+
+    def __init__(self, backend: S3Backend, key: str, size: int | None) -> None:
+        self.backend, self.key, self.size = backend, key, size
+        self.part = backend.part_size
+        self._lock = threading.Lock()
+        self._upload_id: str | None = None
+        self._parts: dict[int, dict] = {}  # part number -> Complete's entry
+        self._ends: dict[int, int] = {}  # part number -> end offset
+        self._single: bytes | None = None
+        self._finished = False
+
+    def _start(self) -> str:
+        with self._lock:
+            if self._upload_id is None:
+                b = self.backend
+                kwargs = {"Bucket": b.bucket, "Key": b._key(self.key)}
+                if b.checksum:
+                    kwargs["ChecksumAlgorithm"] = "CRC32C"
+                with annotate(b.uri, self.key, "starting upload of"):
+                    self._upload_id = b.call("create_multipart_upload", **kwargs)["UploadId"]
+            return self._upload_id
+
+    def write_at(self, offset: int, data: Buffer) -> None:
+        if self._finished:
+            raise ValueError(f"writer for {self.key!r} is already committed or aborted")
+        n = len(data)
+        if offset % self.part or (n % self.part and self.size is not None and offset + n != self.size):
+            raise ValueError(
+                f"S3 writes of {self.key!r} must start at multiples of part_size={self.part} and be whole parts "
+                f"except the last; got {n} bytes at offset {offset}"
+            )
+        if offset == 0 and n < self.part:
+            self._single = bytes(data)  # the whole object: one PUT at commit
+            self._ends[0] = n
+            return
+        number = offset // self.part + 1
+        if number > MAX_PARTS:
+            raise ValueError(f"{self.key!r} needs more than {MAX_PARTS} parts of {self.part} bytes; raise part_size")
+        b = self.backend
+        upload_id = self._start()
+        kwargs = {"Bucket": b.bucket, "Key": b._key(self.key), "UploadId": upload_id, "PartNumber": number,
+                  "Body": bytes(data)}
+        if b.checksum:
+            kwargs["ChecksumCRC32C"] = _crc32c_b64(data)
+            kwargs["ChecksumAlgorithm"] = "CRC32C"
+        with annotate(b.uri, self.key, f"uploading part {number} of"):
+            out = b.call("upload_part", **kwargs)
+        entry = {"PartNumber": number, "ETag": out["ETag"]}
+        if b.checksum:
+            entry["ChecksumCRC32C"] = out.get("ChecksumCRC32C") or kwargs["ChecksumCRC32C"]
+        with self._lock:
+            self._parts[number] = entry
+            self._ends[number] = offset + n
+
+    def commit(self) -> None:
+        if self._finished:
+            raise ValueError(f"writer for {self.key!r} is already committed or aborted")
+        b = self.backend
+        if self._upload_id is None:
+            if self._single is None and self._ends:
+                raise ValueError(f"{self.key!r}: nothing to commit")
+            with annotate(b.uri, self.key, "writing"):
+                b.put(self.key, self._single or b"")
+            self._single = None
+            self._finished = True
+            return
+        numbers = sorted(self._parts)
+        end = self._ends[numbers[-1]] if numbers else 0
+        if numbers != list(range(1, len(numbers) + 1)) or (self.size is not None and end != self.size):
+            self.abort()
+            raise StorageError(f"parts do not cover the object (have parts {numbers[:5]}..., end {end}, "
+                               f"expected size {self.size})", uri=b.uri, key=self.key, action="committing")
+        with annotate(b.uri, self.key, "committing"):
+            try:
+                b.call("complete_multipart_upload", Bucket=b.bucket, Key=b._key(self.key), UploadId=self._upload_id,
+                       MultipartUpload={"Parts": [self._parts[n] for n in numbers]})
+            except FileNotFoundError:
+                # NoSuchUpload: a retried complete whose first attempt succeeded.
+                if b.size(self.key) != end:
+                    raise
+        self._finished = True
+
+    def abort(self) -> None:
+        self._finished = True
+        self._single = None
+        if self._upload_id is None:
+            return
+        b = self.backend
+        upload_id, self._upload_id = self._upload_id, None
+        try:
+            b.call("abort_multipart_upload", Bucket=b.bucket, Key=b._key(self.key), UploadId=upload_id)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            # One more try; if it still fails the upload is orphaned: say so (bcp gc / delete_prefix clean it).
+            try:
+                b.call("abort_multipart_upload", Bucket=b.bucket, Key=b._key(self.key), UploadId=upload_id)
+            except OSError as e:
+                log.warning("could not abort multipart upload of %r in %s: %s",
+                                                    self.key, b.uri, e)
