@@ -5,7 +5,13 @@ Knows nothing of tensors or of the checkpoint engine (DESIGN.md layering).
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
 from .errors import ObjectExistsError, ObjectNotFoundError, StorageError
-from .registry import backend_for, get_backend_class, register_backend, registered_backends, split_scheme
+from .registry import (
+    backend_for,
+    get_backend_class,
+    register_backend,
+    registered_backends,
+    split_scheme,
+)
 
 __all__ = [
     "Backend",

@@ -82,7 +82,10 @@ class ObjectWriter(abc.ABC):
     @abc.abstractmethod
     def commit(self) -> None:
         """Make the object durable and visible, replacing any object under the key.
-        After an exception here, nothing new is visible (the old object, if any, stays)."""
+        After an exception here, nothing new is visible (the old object, if any, stays),
+        unless the commit took effect and only its answer was lost: so network
+        backends make a second ``commit`` after a successful one a no-op, which
+        lets a retry loop repeat it."""
 
     @abc.abstractmethod
     def abort(self) -> None:

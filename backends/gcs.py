@@ -283,6 +283,8 @@ class _ComposeWriter(ObjectWriter):
             self._parts[index] = offset + n
 
     def commit(self) -> None:
+        if getattr(self, "_committed", False):
+            return  # a retried commit whose first answer was lost
         if self._finished:
             raise ValueError(f"writer for {self.key!r} is already committed or aborted")
         b = self.backend
@@ -290,7 +292,7 @@ class _ComposeWriter(ObjectWriter):
         if self._single is not None or not self._parts:
             with annotate(b.uri, self.key, "writing"):
                 b.upload(target, self._single or b"")
-            self._finished = True
+            self._finished = self._committed = True
             return
         indices = sorted(self._parts)
         end = self._parts[indices[-1]]
@@ -309,7 +311,7 @@ class _ComposeWriter(ObjectWriter):
                     merged.append(name)
                 names, round_no = merged, round_no + 1
             b.compose(target, names)
-        self._finished = True
+        self._finished = self._committed = True
         self._parts = {}
         self._cleanup()
 

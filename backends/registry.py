@@ -16,7 +16,7 @@ import re
 import threading
 from collections.abc import Mapping
 from types import MappingProxyType
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from .base import Backend
 
@@ -137,7 +137,7 @@ def backend_for(uri: str, **options) -> Backend:
         if parts.query:
             query = dict(parse_qsl(parts.query, keep_blank_values=True))
             options = {**query, **options}
-            base = urlunsplit(parts._replace(query=""))
+            base = uri[: uri.index("?")]  # not urlunsplit: it turns "x:///p" into "x:/p"
     log.debug("backend %s for %s", cls.__name__, base)
     if getattr(cls, "network", False):
         from .retry import policy_from_options

@@ -304,6 +304,8 @@ class _S3Writer(ObjectWriter):
             self._ends[number] = offset + n
 
     def commit(self) -> None:
+        if getattr(self, "_committed", False):
+            return  # a retried commit whose first answer was lost
         if self._finished:
             raise ValueError(f"writer for {self.key!r} is already committed or aborted")
         b = self.backend
@@ -313,7 +315,7 @@ class _S3Writer(ObjectWriter):
             with annotate(b.uri, self.key, "writing"):
                 b.put(self.key, self._single or b"")
             self._single = None
-            self._finished = True
+            self._finished = self._committed = True
             return
         numbers = sorted(self._parts)
         end = self._ends[numbers[-1]] if numbers else 0
@@ -329,7 +331,7 @@ class _S3Writer(ObjectWriter):
                 # NoSuchUpload: a retried complete whose first attempt succeeded.
                 if b.size(self.key) != end:
                     raise
-        self._finished = True
+        self._finished = self._committed = True
 
     def abort(self) -> None:
         self._finished = True

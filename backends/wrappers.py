@@ -89,7 +89,7 @@ class RetryingBackend(_Forwarding):
             except ObjectExistsError:
                 # An earlier attempt may have succeeded with its answer lost: if the
                 # object holds exactly our bytes, that attempt won.
-                if failed_before and self.inner.read(key) == bytes(data):
+                if failed_before and self._call("reading", key, lambda: self.inner.read(key)) == bytes(data):
                     return None
                 raise
             except Exception:
@@ -145,6 +145,9 @@ class FaultInjectingBackend(_Forwarding):
         self.reads = 0
         self.injected = 0
         self.truncated = 0
+        self.in_flight = 0
+        #: Most calls of any kind that were running at once (shows parallel requests).
+        self.max_in_flight = 0
 
     def _fault(self, action: str, key: str) -> Exception | None:
         if self.latency:
@@ -162,10 +165,17 @@ class FaultInjectingBackend(_Forwarding):
         return TransientError(reason, uri=self.uri, key=key, action=action)
 
     def _run(self, action: str, key: str, fn):
-        fault = self._fault(action, key)
-        if fault is not None and not self.fail_after:
-            raise fault
-        result = fn()
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            fault = self._fault(action, key)
+            if fault is not None and not self.fail_after:
+                raise fault
+            result = fn()
+        finally:
+            with self._lock:
+                self.in_flight -= 1
         if fault is not None:
             raise fault
         return result

@@ -8,6 +8,8 @@
 
 from . import backends, metadata
 from ._version import __version__
+from .async_save import AsyncSaveHandle, async_save
+from .collectives import RankFailedError
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -22,11 +24,9 @@ from .errors import (
 from .loader import load
 from .reader import CheckpointReader, TensorMeta
 from .reader import open_checkpoint as open  # noqa: A001 - the public name is bcp.open
-from .saver import SaveInfo, save
-from .async_save import AsyncSaveHandle, async_save
-from .shards import FlatShard, PerRank, TensorShard
-from .collectives import RankFailedError
 from .save_plan import ShardingError
+from .saver import SaveInfo, save
+from .shards import FlatShard, PerRank, TensorShard
 
 __all__ = [
     "AsyncSaveHandle",

@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 
-from bcp.backends import Capability, backend_for
+from bcp.backends import Capability
+from bcp.storage import resolve_backend
 
 from .collectives import Coordinator, coordinator_for, run_phase, share_result
 from .dtypes import dtype_name
 from .errors import StateMismatchError, UnsupportedStateError
-from .reader import CheckpointReader, fetch_metadata, reader_from_bytes
 from .read_exec import ReadStats
+from .reader import CheckpointReader, fetch_metadata, reader_from_bytes
 from .shards import local_pieces
 from .state import KeyPath, Leaf, build_nested, flatten_state, replace_at
 
@@ -68,7 +69,7 @@ def load(
     filesystems, where measurements favour every rank reading (docs/distributed.md).
     """
     coord = coordinator_for(process_group)
-    backend = backend_for(str(uri), **dict(storage_options or {}))
+    backend = resolve_backend(uri, storage_options)
     fetched: Any = None
     if coord.is_coordinator:
         try:

@@ -13,13 +13,18 @@ from typing import Any
 
 import torch
 
-from bcp.backends import Backend, ObjectNotFoundError, backend_for
+from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import MANIFEST_KEY, Catalog, Fragment, Manifest, TensorEntry, crc32c
+from bcp.storage import resolve_backend
 
 from . import objcodec
-from .dtypes import torch_dtype
 from .boxes import Box, intersect
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from .dtypes import torch_dtype
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 from .read_exec import ReadStats, execute_reads
 from .read_plan import RunSet, plan_tensor_reads
 from .state import KeyPath, build_nested, path_from_json
@@ -257,6 +262,6 @@ def open_checkpoint(
     uri: str, *, allow_pickle: bool = False, verify: bool = True, storage_options: dict | None = None
 ) -> CheckpointReader:
     """Open the committed checkpoint at ``uri`` (``bcp.open``). Reads manifest and catalog only."""
-    backend = backend_for(str(uri), **dict(storage_options or {}))
+    backend = resolve_backend(uri, storage_options)
     manifest_bytes, catalog_bytes = fetch_metadata(backend)
     return reader_from_bytes(backend, manifest_bytes, catalog_bytes, allow_pickle=allow_pickle, verify=verify)

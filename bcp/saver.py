@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bcp.backends import Backend, ObjectExistsError, backend_for
+from bcp.backends import Backend, ObjectExistsError
 from bcp.metadata import (
     DEFAULT_BLOCK_BYTES,
     MANIFEST_KEY,
@@ -38,6 +38,7 @@ from bcp.metadata import (
     ObjectEntry,
     crc32c,
 )
+from bcp.storage import resolve_backend
 
 from . import objcodec
 from ._version import __version__
@@ -47,8 +48,8 @@ from .dtypes import dtype_name
 from .errors import CheckpointExistsError, UnsupportedStateError
 from .save_plan import GlobalPlan, LocalPlan, TensorPlan, plan_save
 from .shards import PerRank, Piece, local_pieces
-from .state import flatten_state, path_to_json, path_to_str
 from .staging import StagingPool, default_pool
+from .state import flatten_state, path_to_json, path_to_str
 from .tensor_io import check_saveable, storage_identity
 from .write_pipeline import WritePipeline
 
@@ -196,7 +197,7 @@ class SaveJob:
     ) -> SaveJob:
         self = cls()
         self.coord, self.overwrite, self.block = coord, overwrite, block
-        self.backend = backend_for(str(uri), **dict(storage_options or {}))
+        self.backend = resolve_backend(uri, storage_options)
         self.user_metadata = dict(metadata or {})
         prepared: _Prepared = run_phase(coord, "preparing the save", _prepare, state, coord.rank, allow_pickle)
         self.gathered = coord.gather((prepared.plan, prepared.objects))
