@@ -217,6 +217,11 @@ class Backend(abc.ABC):
     def close(self) -> None:
         """Release connections or handles. The default holds none."""
 
+    def unwrap(self) -> Backend:
+        """The backend that talks to the store (wrappers such as the retry loop
+        return what they wrap)."""
+        return self
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
 

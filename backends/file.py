@@ -418,4 +418,4 @@ class _FileWriter(ObjectWriter):
             pass
 
 
-__all__ = ["FileBackend", "ObjectExistsError", "PARTIAL_MARKER"]
+__all__ = ["PARTIAL_MARKER", "FileBackend", "ObjectExistsError"]

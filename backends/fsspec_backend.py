@@ -43,7 +43,7 @@ class FsspecBackend(Backend):
     @classmethod
     def from_uri(cls, uri: str, **options) -> Self:
         scheme, _, rest = uri.partition("://")
-        protocol = scheme[len("fsspec+"):] if scheme.startswith("fsspec+") else scheme
+        protocol = scheme.removeprefix("fsspec+")
         if not protocol:
             raise ValueError(f"generic fsspec URI needs a protocol: fsspec+PROTOCOL://path, got {uri!r}")
         part_size = as_size("part_size", options.pop("part_size", DEFAULT_PART))

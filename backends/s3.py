@@ -228,9 +228,7 @@ class S3Backend(Backend):
 
     def abort_uploads(self, prefix: str = "") -> int:
         """Abort unfinished multipart uploads under ``prefix``; how many were aborted."""
-        full = (self.root + "/" if self.root else "") + prefix
-        with annotate(self.uri, prefix, "listing uploads"):
-            uploads = self.call("list_multipart_uploads", Bucket=self.bucket, Prefix=full).get("Uploads") or []
+        uploads = self._uploads(prefix)
         for up in uploads:
             with annotate(self.uri, up["Key"], "aborting upload of"):
                 try:
@@ -241,9 +239,15 @@ class S3Backend(Backend):
 
     def pending_uploads(self, prefix: str = "") -> list[str]:
         """Keys with unfinished multipart uploads (for tests and ``bcp gc``)."""
+        return [u["Key"] for u in self._uploads(prefix)]
+
+    def _uploads(self, prefix: str) -> list[dict]:
         full = (self.root + "/" if self.root else "") + prefix
-        uploads = self.call("list_multipart_uploads", Bucket=self.bucket, Prefix=full).get("Uploads") or []
-        return [u["Key"] for u in uploads]
+        with annotate(self.uri, prefix, "listing uploads"):
+            try:
+                return self.call("list_multipart_uploads", Bucket=self.bucket, Prefix=full).get("Uploads") or []
+            except FileNotFoundError:  # rclone answers 404 for a prefix with nothing under it
+                return []
 
 
 class _S3Writer(ObjectWriter):

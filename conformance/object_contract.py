@@ -40,7 +40,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import pytest
-
 from bcp.backends import Backend, Capability, ObjectExistsError, ObjectNotFoundError
 
 T = TypeVar("T")
@@ -82,7 +81,7 @@ def expect_raises(exc_type: type[BaseException] | tuple[type[BaseException], ...
         fn()
     except exc_type as e:
         return e
-    except BaseException as e:  # noqa: BLE001 - reported, not swallowed
+    except BaseException as e:
         raise AssertionError(f"{guarantee} (raised {type(e).__name__}: {e})") from e
     raise AssertionError(f"{guarantee} (nothing was raised)")
 
@@ -473,7 +472,7 @@ class BackendContractTests:
     def test_delete_missing_key_is_not_an_error(self, backend: Backend) -> None:
         try:
             backend.delete("never/was")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise AssertionError(f"deleting a missing key raised {type(e).__name__}: {e}") from e
 
     def test_delete_keeps_siblings(self, backend: Backend) -> None:
@@ -623,7 +622,7 @@ class BackendContractTests:
         writer.abort()
         try:
             writer.abort()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise AssertionError(f"a second abort raised {type(e).__name__}: {e}") from e
 
     def test_abort_without_writes(self, backend: Backend) -> None:
@@ -634,10 +633,9 @@ class BackendContractTests:
         class Boom(Exception):
             pass
 
-        with pytest.raises(Boom):
-            with backend.open_writer("ex/k", size=4) as writer:
-                writer.write_at(0, b"data")
-                raise Boom
+        with pytest.raises(Boom), backend.open_writer("ex/k", size=4) as writer:
+            writer.write_at(0, b"data")
+            raise Boom
         assert not backend.exists("ex/k") and list(backend.list("")) == [], (
             "a writer whose with-block raised left something visible"
         )

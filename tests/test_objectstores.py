@@ -8,13 +8,18 @@ from __future__ import annotations
 import logging
 import uuid
 
+import dist_jobs
 import pyarrow.fs as pafs
 import pytest
 import torch
-
-import bcp
-import dist_jobs
-from bcp.backends import Backend, Capability, StorageError, backend_for, register_backend, registered_backends
+from bcp.backends import (
+    Backend,
+    Capability,
+    StorageError,
+    backend_for,
+    register_backend,
+    registered_backends,
+)
 from bcp.backends.gcs import GCSBackend
 from bcp.backends.hdfs import ArrowFsBackend, HDFSBackend, hdfs_connection
 from bcp.backends.retry import RetryPolicy, is_transient
@@ -23,6 +28,8 @@ from bcp.backends.wrappers import FaultInjectingBackend, RetryingBackend
 from bcp.conformance import BackendContractTests
 from conftest import new_bucket, store_uri
 from servers import SECRET_KEY
+
+import bcp
 
 MiB = 1 << 20
 
@@ -160,7 +167,7 @@ def _state() -> dict:
     return {
         "big": torch.randn(1536, 1024, generator=g),  # 6 MiB: crosses 5 MiB parts
         "half": torch.randn(700, 300, generator=g).to(torch.bfloat16),
-        "small": [torch.arange(n, dtype=torch.int32) for n in range(0, 40)],
+        "small": [torch.arange(n, dtype=torch.int32) for n in range(40)],
         "meta": {"step": 12, "name": "run-a"},
     }
 
@@ -457,3 +464,25 @@ def memory_backend() -> Backend:
     name = f"m{uuid.uuid4().hex}"
     yield backend_for(f"memory://{name}/r")
     clear_memory_store(name)
+
+
+# -- streamed writers: any arrival order ----------------------------------------------------------
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+
+@given(st.integers(0, 300_000), st.integers(1, 9), st.randoms(use_true_random=False))
+def test_streaming_writer_accepts_parts_in_any_order(size, cut_count, rnd):
+    """The fsspec/HDFS writer streams front to back; parts may arrive in any order."""
+    backend = backend_for(f"fsspec+memory://sw-{uuid.uuid4().hex}/r?part_size=64KiB")
+    data = rnd.randbytes(size)
+    cuts = sorted({0, size, *(rnd.randrange(0, size + 1) for _ in range(cut_count))})
+    parts = list(zip(cuts, cuts[1:]))
+    rnd.shuffle(parts)
+    with backend.open_writer("obj", size=size) as writer:
+        for lo, hi in parts:
+            writer.write_at(lo, memoryview(data)[lo:hi])
+        writer.commit()
+    assert backend.read("obj") == data
+    assert list(backend.list("")) == ["obj"], "the temporary file is visible"

@@ -1,0 +1,256 @@
+"""The checkpoint contract: whole checkpoints through a backend, as pytest tests.
+
+Where :class:`~bcp.conformance.BackendContractTests` checks single objects, these
+tests check what a training job relies on: a realistic multi-tensor state saves,
+loads and reshards bit-exactly; a save killed with SIGKILL midway leaves no
+committed checkpoint and the previous one loads intact; checksums catch a corrupted
+or truncated object; checkpoints side by side under one prefix do not interfere.
+
+Use it like the object contract: subclass :class:`CheckpointContractTests` and
+override the ``store_uri`` fixture to return a URI (with any query options) of an
+empty location in your store; each test works in its own sub-prefix of it.
+Cross-process tests need a store that other processes can see (they skip for
+``memory://``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+from bcp.backends import Backend, backend_for, split_scheme
+
+import bcp
+
+#: How long the killed-save tests wait for the child to start writing.
+CHILD_TIMEOUT = 120.0
+
+
+def child_uri(uri: str, name: str) -> str:
+    """``uri`` with ``/name`` appended to its path (before any query string)."""
+    base, sep, query = uri.partition("?")
+    return f"{base.rstrip('/')}/{name}{sep}{query}"
+
+
+def realistic_state(seed: int = 0, scale: int = 1) -> dict:
+    """A small model-and-optimizer-like state: several dtypes and shapes, nested
+    containers, a tied weight, scalars, per-step objects. ``scale`` multiplies the
+    big matrices (``scale=8`` is about 40 MiB)."""
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(512 * scale, 256, generator=g)
+    model = {
+        "embed.weight": emb,
+        "blocks.0.attn.qkv.weight": torch.randn(768, 256, generator=g).to(torch.bfloat16),
+        "blocks.0.attn.qkv.bias": torch.randn(768, generator=g).to(torch.bfloat16),
+        "blocks.0.mlp.fc.weight": torch.randn(1024 * scale, 256, generator=g).half(),
+        "blocks.0.norm.weight": torch.ones(256),
+        "lm_head.weight": emb,  # tied: stored once
+        "position_ids": torch.arange(0, 2048, dtype=torch.int64),
+        "mask": torch.rand(64, 64, generator=g) > 0.5,
+    }
+    optim = {
+        "state": {i: {"step": torch.tensor(float(100 + i)), "exp_avg": torch.randn(64, 33, generator=g),
+                      "exp_avg_sq": torch.rand(64, 33, generator=g)} for i in range(5)},
+        "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "params": list(range(5))}],
+    }
+    return {"model": model, "optim": optim, "step": 1234, "scaler": {"scale": 65536.0, "growth": 2000},
+            "empty": torch.empty(0, 7), "scalar": torch.tensor(3.5, dtype=torch.float64)}
+
+
+def template_like(state):
+    """Same structure, tensors zeroed, objects blanked: what a resuming job passes."""
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    if isinstance(state, dict):
+        return {k: template_like(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [template_like(v) for v in state]
+    return None
+
+
+def assert_same(got, want, where: str = "state") -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape, (
+            f"{where}: expected a {want.dtype} tensor of shape {tuple(want.shape)}, got {got!r:.80}"
+        )
+        assert torch.equal(got, want), f"{where}: tensor values differ after the round trip"
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and set(map(str, got)) == set(map(str, want)), f"{where}: keys differ"
+        lookup = {str(k): v for k, v in got.items()}
+        for k, v in want.items():
+            assert_same(lookup[str(k)], v, f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{where}: length differs"
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_same(a, b, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+class CheckpointContractTests:
+    """Base class of a store's checkpoint tests. Not collected itself."""
+
+    #: Multiplier for the state size in the round-trip tests.
+    state_scale: int = 1
+
+    @pytest.fixture
+    def store_uri(self) -> str:
+        """URI of an empty location in the store under test."""
+        raise NotImplementedError("override the `store_uri` fixture to point the suite at your store")
+
+    @pytest.fixture
+    def root(self, store_uri: str) -> Iterator[str]:
+        uri = child_uri(store_uri, f"ckpt-contract-{uuid.uuid4().hex[:12]}")
+        yield uri
+        try:
+            backend_for(uri).delete_prefix("")
+        except Exception:  # noqa: BLE001 - cleanup must not hide the test's own result
+            pass
+
+    def _cross_process(self, uri: str) -> None:
+        if split_scheme(uri)[0] == "memory":
+            pytest.skip("memory:// stores live inside one process; a killed process cannot leave anything there")
+
+    # -- round trips ----------------------------------------------------------------------
+
+    def test_save_load_round_trip(self, root: str) -> None:
+        state = realistic_state(scale=self.state_scale)
+        info = bcp.save(state, child_uri(root, "ck"))
+        assert info.tensors > 0
+        got = bcp.load(template_like(state), child_uri(root, "ck"))
+        assert_same(got, state)
+
+    def test_open_reads_tensors_slices_and_objects_without_a_template(self, root: str) -> None:
+        state = realistic_state(scale=self.state_scale)
+        bcp.save(state, child_uri(root, "ck"))
+        reader = bcp.open(child_uri(root, "ck"))
+        want = state["model"]["blocks.0.mlp.fc.weight"]
+        got = reader.read("model.blocks.0.mlp.fc.weight", box=((5, 7), (100, 9)))  # (offsets, lengths)
+        assert torch.equal(got, want[5:105, 7:16]), "a box read returned the wrong slice"
+        assert reader.state()["step"] == 1234 and reader.state()["scaler"] == state["scaler"]
+
+    def test_reshard_on_load(self, root: str) -> None:
+        """Load the checkpoint as 3 row shards (as 3 ranks would) and as column shards."""
+        state = realistic_state(scale=self.state_scale)
+        bcp.save(state, child_uri(root, "ck"))
+        emb = state["model"]["embed.weight"]
+        rows = emb.shape[0]
+        bounds = [0, rows // 3, 2 * rows // 3, rows]
+        for lo, hi in zip(bounds, bounds[1:]):
+            local = torch.empty(hi - lo, emb.shape[1])
+            bcp.load({"model": {"embed.weight": bcp.TensorShard(local, offsets=(lo, 0), global_shape=emb.shape)}},
+                     child_uri(root, "ck"), strict=False)
+            assert torch.equal(local, emb[lo:hi]), f"row shard {lo}:{hi} differs"
+        local = torch.empty(rows, 100)
+        bcp.load({"model": {"embed.weight": bcp.TensorShard(local, offsets=(0, 156), global_shape=emb.shape)}},
+                 child_uri(root, "ck"), strict=False)
+        assert torch.equal(local, emb[:, 156:]), "column shard differs"
+
+    def test_checkpoints_side_by_side_do_not_interfere(self, root: str) -> None:
+        a, b = realistic_state(seed=1), realistic_state(seed=2)
+        bcp.save(a, child_uri(root, "run"))
+        bcp.save(b, child_uri(root, "run2"))  # its name starts with the other's
+        bcp.save({"x": torch.ones(3)}, child_uri(root, "run/nested"))
+        assert_same(bcp.load(template_like(a), child_uri(root, "run")), a, "run")
+        assert_same(bcp.load(template_like(b), child_uri(root, "run2")), b, "run2")
+
+    def test_overwrite_needs_consent_and_replaces(self, root: str) -> None:
+        uri = child_uri(root, "ck")
+        bcp.save({"x": torch.zeros(10)}, uri)
+        with pytest.raises(bcp.CheckpointExistsError):
+            bcp.save({"x": torch.ones(10)}, uri)
+        assert torch.equal(bcp.load({"x": torch.empty(10)}, uri)["x"], torch.zeros(10)), (
+            "a refused save changed the committed checkpoint"
+        )
+        bcp.save({"x": torch.ones(10)}, uri, overwrite=True)
+        assert torch.equal(bcp.load({"x": torch.empty(10)}, uri)["x"], torch.ones(10))
+
+    def test_location_without_manifest_is_not_a_checkpoint(self, root: str) -> None:
+        uri = child_uri(root, "half")
+        backend_for(uri).write("gen-0000/data/rank00000-0.bin", b"\0" * 100)
+        with pytest.raises(bcp.IncompleteCheckpointError):
+            bcp.open(uri)
+        with pytest.raises(bcp.CheckpointNotFoundError):
+            bcp.open(child_uri(root, "never-written"))
+
+    # -- integrity ----------------------------------------------------------------------
+
+    @staticmethod
+    def _data_key(backend: Backend) -> str:
+        keys = sorted(k for k in backend.list("") if k.endswith(".bin"))
+        assert keys, "the checkpoint has no data objects"
+        return keys[0]
+
+    def test_checksum_catches_a_corrupted_object(self, root: str) -> None:
+        uri = child_uri(root, "ck")
+        w = torch.randn(300, 300, generator=torch.Generator().manual_seed(3))
+        bcp.save({"w": w}, uri)
+        backend = backend_for(uri)
+        key = self._data_key(backend)
+        raw = bytearray(backend.read(key))
+        raw[len(raw) // 2] ^= 0x40
+        backend.write(key, raw)
+        with pytest.raises(bcp.CorruptCheckpointError, match="'w'"):
+            bcp.load({"w": torch.empty(300, 300)}, uri)
+
+    def test_truncated_object_is_caught(self, root: str) -> None:
+        uri = child_uri(root, "ck")
+        bcp.save({"w": torch.randn(300, 300)}, uri)
+        backend = backend_for(uri)
+        key = self._data_key(backend)
+        backend.write(key, backend.read(key)[:1000])
+        with pytest.raises(bcp.CorruptCheckpointError, match="truncated|'w'"):
+            bcp.load({"w": torch.empty(300, 300)}, uri)
+
+    # -- killed saves -------------------------------------------------------------------
+
+    def _kill_midway(self, uri: str, *, overwrite: bool) -> None:
+        """Start a save in a child process, SIGKILL it once data is being written."""
+        cmd = [sys.executable, "-m", "bcp.conformance.killed_save", uri, json.dumps({"overwrite": overwrite})]
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + CHILD_TIMEOUT
+            line = ""
+            while time.monotonic() < deadline:
+                line = child.stdout.readline()
+                if line.strip() == "WRITING" or not line:
+                    break
+            if line.strip() != "WRITING":
+                child.kill()
+                _out, err = child.communicate(timeout=30)
+                raise AssertionError(f"the child save never started writing; its stderr:\n{err[-2000:]}")
+            time.sleep(0.2)
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(timeout=30)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=30)
+            child.stdout.close()
+            child.stderr.close()
+        assert child.returncode == -signal.SIGKILL, f"the child save ended by itself ({child.returncode})"
+
+    @pytest.mark.slow
+    def test_killed_save_leaves_no_committed_checkpoint(self, root: str) -> None:
+        self._cross_process(root)
+        uri = child_uri(root, "killed")
+        self._kill_midway(uri, overwrite=False)
+        with pytest.raises((bcp.IncompleteCheckpointError, bcp.CheckpointNotFoundError)):
+            bcp.open(uri)
+
+    @pytest.mark.slow
+    def test_killed_overwrite_keeps_the_previous_checkpoint(self, root: str) -> None:
+        self._cross_process(root)
+        uri = child_uri(root, "ck")
+        previous = realistic_state(seed=5)
+        bcp.save(previous, uri)
+        self._kill_midway(uri, overwrite=True)
+        assert_same(bcp.load(template_like(previous), uri), previous, "the previous checkpoint")

@@ -1,0 +1,80 @@
+"""Child process of the killed-save checks: saves a checkpoint slowly, prints
+``WRITING`` once its data is going out, and waits to be killed.
+
+    python -m bcp.conformance.killed_save URI '{"overwrite": false}'
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+from bcp.backends import ObjectWriter, backend_for
+from bcp.backends.wrappers import _Forwarding
+
+import bcp
+
+
+class _AnnouncingWriter(ObjectWriter):
+    def __init__(self, inner: ObjectWriter) -> None:
+        self.inner, self.key = inner, inner.key
+
+    def write_at(self, offset: int, data) -> None:
+        self.inner.write_at(offset, data)
+        print("WRITING", flush=True)
+        time.sleep(1.0)  # slow enough that the parent's SIGKILL lands mid-save
+
+    def commit(self) -> None:
+        self.inner.commit()
+        self._finished = True
+
+    def abort(self) -> None:
+        self._finished = True
+        self.inner.abort()
+
+
+class _AnnouncingBackend(_Forwarding):
+    """Announces the first data write, then slows every part down."""
+
+    def open_writer(self, key, *, size=None):
+        writer = self.inner.open_writer(key, size=size)
+        return _AnnouncingWriter(writer) if key.endswith(".bin") else writer
+
+    def read_into(self, key, offset, buffer):
+        return self.inner.read_into(key, offset, buffer)
+
+    def size(self, key):
+        return self.inner.size(key)
+
+    def list(self, prefix=""):
+        return self.inner.list(prefix)
+
+    def delete(self, key):
+        self.inner.delete(key)
+
+    def exists(self, key):
+        return self.inner.exists(key)
+
+    def write(self, key, data):
+        self.inner.write(key, data)
+
+    def write_if_absent(self, key, data):
+        self.inner.write_if_absent(key, data)
+
+    def delete_prefix(self, prefix):
+        self.inner.delete_prefix(prefix)
+
+
+def main(argv: list[str]) -> None:
+    uri, options = argv[0], json.loads(argv[1] if len(argv) > 1 else "{}")
+    backend = _AnnouncingBackend(backend_for(uri))
+    g = torch.Generator().manual_seed(11)
+    state = {f"layer{i}": torch.randn(2 << 20, generator=g) for i in range(8)}  # 64 MiB, many parts
+    bcp.save(state, backend, overwrite=bool(options.get("overwrite")))
+    print("FINISHED", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
