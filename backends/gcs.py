@@ -27,7 +27,6 @@ import concurrent.futures
 import json
 import logging
 import os
-import threading
 import uuid
 from collections.abc import Iterator
 from typing import Self
@@ -37,8 +36,9 @@ import crc32c
 import gcsfs
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from .errors import ObjectExistsError, ObjectNotFoundError, StorageError, annotate
+from .errors import ObjectExistsError, ObjectNotFoundError, annotate
 from .options import as_bool, as_int, as_size, reject_unknown
+from .parts import PartWriter
 from .retry import TransientError
 
 log = logging.getLogger(__name__)
@@ -246,87 +246,47 @@ class GCSBackend(Backend):
         return list(self._list_names(base + UPLOADS + "/"))
 
 
-class _ComposeWriter(ObjectWriter):
+class _ComposeWriter(PartWriter):
     """One upload at commit for a single-part object; otherwise parts as temporary
     objects, composed at commit."""
 
+    store = "GCS"
+
     def __init__(self, backend: GCSBackend, key: str, size: int | None) -> None:
-        self.backend, self.key, self.size = backend, key, size
-        self.part = backend.part_size
+        super().__init__(backend, key, size, backend.part_size)
         base = backend.root + "/" if backend.root else ""
         self.parts_prefix = f"{base}{UPLOADS}/{uuid.uuid4().hex}/"
-        self._lock = threading.Lock()
-        self._parts: dict[int, int] = {}  # part index -> end offset
-        self._single: bytes | None = None
-        self._finished = False
+        self._uploaded = False
 
-    def _part_name(self, index: int) -> str:
-        return f"{self.parts_prefix}{index:06d}"
+    def upload_part(self, index: int, data: Buffer) -> str:
+        name = f"{self.parts_prefix}{index:06d}"
+        self._uploaded = True
+        self.backend.upload(name, data)
+        return name
 
-    def write_at(self, offset: int, data: Buffer) -> None:
-        if self._finished:
-            raise ValueError(f"writer for {self.key!r} is already committed or aborted")
-        n = len(data)
-        if offset % self.part or (n % self.part and self.size is not None and offset + n != self.size):
-            raise ValueError(
-                f"GCS writes of {self.key!r} must start at multiples of part_size={self.part} and be whole parts "
-                f"except the last; got {n} bytes at offset {offset}"
-            )
-        if offset == 0 and n < self.part:
-            self._single = bytes(data)
-            self._parts[0] = n
-            return
-        index = offset // self.part
-        with annotate(self.backend.uri, self.key, f"uploading part {index + 1} of"):
-            self.backend.upload(self._part_name(index), data)
-        with self._lock:
-            self._parts[index] = offset + n
+    def put_whole(self, data: bytes) -> None:
+        self.backend.upload(self.backend._key(self.key), data)
 
-    def commit(self) -> None:
-        if getattr(self, "_committed", False):
-            return  # a retried commit whose first answer was lost
-        if self._finished:
-            raise ValueError(f"writer for {self.key!r} is already committed or aborted")
+    def complete(self, names: list[str], size: int) -> None:
         b = self.backend
-        target = b._key(self.key)
-        if self._single is not None or not self._parts:
-            with annotate(b.uri, self.key, "writing"):
-                b.upload(target, self._single or b"")
-            self._finished = self._committed = True
-            return
-        indices = sorted(self._parts)
-        end = self._parts[indices[-1]]
-        if indices != list(range(len(indices))) or (self.size is not None and end != self.size):
-            self.abort()
-            raise StorageError(f"parts do not cover the object (parts {indices[:5]}..., end {end}, expected "
-                               f"{self.size})", uri=b.uri, key=self.key, action="committing")
-        names = [self._part_name(i) for i in indices]
-        with annotate(b.uri, self.key, "composing"):
-            round_no = 0
-            while len(names) > COMPOSE_MAX:
-                merged = []
-                for g in range(0, len(names), COMPOSE_MAX):
-                    name = f"{self.parts_prefix}r{round_no}-{g // COMPOSE_MAX:06d}"
-                    b.compose(name, names[g : g + COMPOSE_MAX])
-                    merged.append(name)
-                names, round_no = merged, round_no + 1
-            b.compose(target, names)
-        self._finished = self._committed = True
-        self._parts = {}
-        self._cleanup()
+        round_no = 0
+        while len(names) > COMPOSE_MAX:
+            merged = []
+            for g in range(0, len(names), COMPOSE_MAX):
+                name = f"{self.parts_prefix}r{round_no}-{g // COMPOSE_MAX:06d}"
+                b.compose(name, names[g : g + COMPOSE_MAX])
+                merged.append(name)
+            names, round_no = merged, round_no + 1
+        b.compose(b._key(self.key), names)
 
-    def _cleanup(self) -> None:
+    def discard(self) -> None:
+        if not self._uploaded:
+            return
         b = self.backend
         try:
             names = list(b._list_names(self.parts_prefix))
             with concurrent.futures.ThreadPoolExecutor(b.concurrency) as pool:
                 list(pool.map(b._delete_name, names))
-        except OSError as e:  # the object is committed; leftovers are garbage for abort_uploads
+            self._uploaded = False
+        except OSError as e:  # leftovers are invisible; abort_uploads / bcp gc remove them
             log.warning("could not delete temporary parts under %s in %s: %s", self.parts_prefix, b.uri, e)
-
-    def abort(self) -> None:
-        self._finished = True
-        self._single = None
-        if self._parts:
-            self._parts = {}
-            self._cleanup()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import threading
 from collections.abc import Iterator
 from typing import Self
 from urllib.parse import unquote, urlsplit
@@ -30,6 +29,7 @@ import s3fs
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
 from .errors import ObjectExistsError, ObjectNotFoundError, StorageError, annotate
 from .options import as_bool, as_int, as_size, reject_unknown
+from .parts import PartWriter
 
 log = logging.getLogger(__name__)
 
@@ -250,19 +250,15 @@ class S3Backend(Backend):
                 return []
 
 
-class _S3Writer(ObjectWriter):
+class _S3Writer(PartWriter):
     """A small object is one PUT at commit; anything of a full part or more is a
     multipart upload started by the first part and completed at commit."""
 
+    store = "S3"
+
     def __init__(self, backend: S3Backend, key: str, size: int | None) -> None:
-        self.backend, self.key, self.size = backend, key, size
-        self.part = backend.part_size
-        self._lock = threading.Lock()
+        super().__init__(backend, key, size, backend.part_size)
         self._upload_id: str | None = None
-        self._parts: dict[int, dict] = {}  # part number -> Complete's entry
-        self._ends: dict[int, int] = {}  # part number -> end offset
-        self._single: bytes | None = None
-        self._finished = False
 
     def _start(self) -> str:
         with self._lock:
@@ -275,83 +271,47 @@ class _S3Writer(ObjectWriter):
                     self._upload_id = b.call("create_multipart_upload", **kwargs)["UploadId"]
             return self._upload_id
 
-    def write_at(self, offset: int, data: Buffer) -> None:
-        if self._finished:
-            raise ValueError(f"writer for {self.key!r} is already committed or aborted")
-        n = len(data)
-        if offset % self.part or (n % self.part and self.size is not None and offset + n != self.size):
-            raise ValueError(
-                f"S3 writes of {self.key!r} must start at multiples of part_size={self.part} and be whole parts "
-                f"except the last; got {n} bytes at offset {offset}"
-            )
-        if offset == 0 and n < self.part:
-            self._single = bytes(data)  # the whole object: one PUT at commit
-            self._ends[0] = n
-            return
-        number = offset // self.part + 1
+    def upload_part(self, index: int, data: Buffer) -> dict:
+        number = index + 1
         if number > MAX_PARTS:
             raise ValueError(f"{self.key!r} needs more than {MAX_PARTS} parts of {self.part} bytes; raise part_size")
         b = self.backend
-        upload_id = self._start()
-        kwargs = {"Bucket": b.bucket, "Key": b._key(self.key), "UploadId": upload_id, "PartNumber": number,
+        kwargs = {"Bucket": b.bucket, "Key": b._key(self.key), "UploadId": self._start(), "PartNumber": number,
                   "Body": bytes(data)}
         if b.checksum:
             kwargs["ChecksumCRC32C"] = _crc32c_b64(data)
             kwargs["ChecksumAlgorithm"] = "CRC32C"
-        with annotate(b.uri, self.key, f"uploading part {number} of"):
-            out = b.call("upload_part", **kwargs)
+        out = b.call("upload_part", **kwargs)
         entry = {"PartNumber": number, "ETag": out["ETag"]}
         if b.checksum:
             entry["ChecksumCRC32C"] = out.get("ChecksumCRC32C") or kwargs["ChecksumCRC32C"]
-        with self._lock:
-            self._parts[number] = entry
-            self._ends[number] = offset + n
+        return entry
 
-    def commit(self) -> None:
-        if getattr(self, "_committed", False):
-            return  # a retried commit whose first answer was lost
-        if self._finished:
-            raise ValueError(f"writer for {self.key!r} is already committed or aborted")
+    def put_whole(self, data: bytes) -> None:
+        self.backend.put(self.key, data)
+
+    def complete(self, entries: list[dict], size: int) -> None:
         b = self.backend
-        if self._upload_id is None:
-            if self._single is None and self._ends:
-                raise ValueError(f"{self.key!r}: nothing to commit")
-            with annotate(b.uri, self.key, "writing"):
-                b.put(self.key, self._single or b"")
-            self._single = None
-            self._finished = self._committed = True
-            return
-        numbers = sorted(self._parts)
-        end = self._ends[numbers[-1]] if numbers else 0
-        if numbers != list(range(1, len(numbers) + 1)) or (self.size is not None and end != self.size):
-            self.abort()
-            raise StorageError(f"parts do not cover the object (have parts {numbers[:5]}..., end {end}, "
-                               f"expected size {self.size})", uri=b.uri, key=self.key, action="committing")
-        with annotate(b.uri, self.key, "committing"):
-            try:
-                b.call("complete_multipart_upload", Bucket=b.bucket, Key=b._key(self.key), UploadId=self._upload_id,
-                       MultipartUpload={"Parts": [self._parts[n] for n in numbers]})
-            except FileNotFoundError:
-                # NoSuchUpload: a retried complete whose first attempt succeeded.
-                if b.size(self.key) != end:
-                    raise
-        self._finished = self._committed = True
+        try:
+            b.call("complete_multipart_upload", Bucket=b.bucket, Key=b._key(self.key), UploadId=self._upload_id,
+                   MultipartUpload={"Parts": entries})
+        except FileNotFoundError:
+            # NoSuchUpload: a retried complete whose first attempt succeeded.
+            if b.size(self.key) != size:
+                raise
+        self._upload_id = None  # completed: nothing to abort
 
-    def abort(self) -> None:
-        self._finished = True
-        self._single = None
+    def discard(self) -> None:
         if self._upload_id is None:
             return
         b = self.backend
         upload_id, self._upload_id = self._upload_id, None
-        try:
-            b.call("abort_multipart_upload", Bucket=b.bucket, Key=b._key(self.key), UploadId=upload_id)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            # One more try; if it still fails the upload is orphaned: say so (bcp gc / delete_prefix clean it).
+        for attempt in (1, 2):
             try:
                 b.call("abort_multipart_upload", Bucket=b.bucket, Key=b._key(self.key), UploadId=upload_id)
+                return
+            except FileNotFoundError:
+                return
             except OSError as e:
-                log.warning("could not abort multipart upload of %r in %s: %s",
-                                                    self.key, b.uri, e)
+                if attempt == 2:  # orphaned: delete_prefix / bcp gc abort it later
+                    log.warning("could not abort multipart upload of %r in %s: %s", self.key, b.uri, e)

@@ -1,0 +1,98 @@
+"""What S3 multipart and GCS composite uploads share: a writer that receives whole
+parts (``IOHints.part_size``), uploads each as it arrives, and completes at commit.
+
+An object smaller than one part is kept (copied) and sent in one request at commit.
+Anything larger goes part by part; ``commit`` checks that the parts cover the object
+before asking the store to assemble it. A second ``commit`` after a successful one is
+a no-op (a retry whose first answer was lost).
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from typing import Any
+
+from .base import Backend, Buffer, ObjectWriter
+from .errors import StorageError, annotate
+
+
+class PartWriter(ObjectWriter):
+    """Subclasses implement ``upload_part``, ``complete``, ``put_whole`` and ``discard``."""
+
+    store = "object store"  # for messages
+
+    def __init__(self, backend: Backend, key: str, size: int | None, part_size: int) -> None:
+        self.backend, self.key, self.size, self.part = backend, key, size, part_size
+        self._lock = threading.Lock()
+        self._parts: dict[int, tuple[int, Any]] = {}  # part index -> (end offset, what upload_part returned)
+        self._single: bytes | None = None
+        self._finished = False
+        self._committed = False
+
+    # -- for subclasses ---------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def upload_part(self, index: int, data: Buffer) -> Any:
+        """Upload part ``index`` (0-based); return what ``complete`` needs for it."""
+
+    @abc.abstractmethod
+    def complete(self, entries: list[Any], size: int) -> None:
+        """Assemble the uploaded parts (in order) into the visible object."""
+
+    @abc.abstractmethod
+    def put_whole(self, data: bytes) -> None:
+        """Write a small object in one request."""
+
+    @abc.abstractmethod
+    def discard(self) -> None:
+        """Delete whatever the uploaded parts left on the store. Must not raise."""
+
+    # -- ObjectWriter ----------------------------------------------------------------------------
+
+    def write_at(self, offset: int, data: Buffer) -> None:
+        if self._finished:
+            raise ValueError(f"writer for {self.key!r} is already committed or aborted")
+        n = len(data)
+        if offset % self.part or (n % self.part and self.size is not None and offset + n != self.size):
+            raise ValueError(
+                f"{self.store} writes of {self.key!r} must start at multiples of part_size={self.part} and be "
+                f"whole parts except the last; got {n} bytes at offset {offset}"
+            )
+        if offset == 0 and n < self.part:
+            self._single = bytes(data)  # the whole object: one request at commit
+            return
+        index = offset // self.part
+        with annotate(self.backend.uri, self.key, f"uploading part {index + 1} of"):
+            entry = self.upload_part(index, data)
+        with self._lock:
+            self._parts[index] = (offset + n, entry)
+
+    def commit(self) -> None:
+        if self._committed:
+            return
+        if self._finished:
+            raise ValueError(f"writer for {self.key!r} is already committed or aborted")
+        if not self._parts:
+            with annotate(self.backend.uri, self.key, "writing"):
+                self.put_whole(self._single or b"")
+            self._single = None
+            self._finished = self._committed = True
+            return
+        indices = sorted(self._parts)
+        end = self._parts[indices[-1]][0]
+        if indices != list(range(len(indices))) or (self.size is not None and end != self.size):
+            self.abort()
+            raise StorageError(f"parts do not cover the object (parts {indices[:5]}..., end {end}, expected size "
+                               f"{self.size})", uri=self.backend.uri, key=self.key, action="committing")
+        with annotate(self.backend.uri, self.key, "committing"):
+            self.complete([self._parts[i][1] for i in indices], end)
+        self._finished = self._committed = True
+        self._parts = {}
+        self.discard()
+
+    def abort(self) -> None:
+        self._finished = True
+        self._single = None
+        self._parts = {}
+        self.discard()
