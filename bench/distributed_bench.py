@@ -1,8 +1,9 @@
 """Distributed save balance and resharding load, with and without read sharing.
 
-Real gloo processes on this machine, file backend. Medians of --repeats runs.
+Real gloo processes on this machine, on the file backend or (``--store``) on a local
+S3 server started for the run. Medians of --repeats runs.
 
-    python bench/distributed_bench.py [--mib 512] [--repeats 3] [--dir /tmp/bcp-bench]
+    python bench/distributed_bench.py [--mib 512] [--repeats 3] [--dir /tmp/bcp-bench] [--store rclone|moto]
 """
 
 from __future__ import annotations
@@ -111,9 +112,26 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default="/tmp/bcp-bench")
+    p.add_argument("--store", choices=("file", "rclone", "moto"), default="file")
     args = p.parse_args()
+    if args.store == "file":
+        run(args, os.path.join(args.dir, "ddp"), os.path.join(args.dir, "fsdp"))
+        return
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from servers import make_bucket, running, test_environment
+
+    os.environ.update(test_environment())  # the spawned ranks inherit the test credentials
+    with running(args.store) as server:
+        make_bucket(server, "bench")
+        query = f"?endpoint_url={server.endpoint}" + ("&conditional_writes=false" if args.store == "rclone" else "")
+        run(args, f"s3://bench/ddp{query}", f"s3://bench/fsdp{query}")
+
+
+def run(args, ddp_uri: str, fsdp_uri: str) -> None:
     os.makedirs(args.dir, exist_ok=True)
-    ddp_uri, fsdp_uri = os.path.join(args.dir, "ddp"), os.path.join(args.dir, "fsdp")
+    print(f"store: {args.store}")
     total = sum(t.numel() * 4 for t in make_state(args.mib).values())
     print(f"state: {total / 2**20:.0f} MiB of float32 in {len(make_state(args.mib))} tensors; medians of {args.repeats}")
 
