@@ -486,3 +486,10 @@ def test_streaming_writer_accepts_parts_in_any_order(size, cut_count, rnd):
         writer.commit()
     assert backend.read("obj") == data
     assert list(backend.list("")) == ["obj"], "the temporary file is visible"
+
+
+def test_webhdfs_uri_builds_fsspec_webhdfs_without_connecting():
+    b = backend_for("webhdfs://namenode:9870/ckpts/run1?user=alice&part_size=4MiB")
+    inner = b.unwrap()
+    assert type(inner.fs).__name__ == "WebHDFS" and inner.root == "/ckpts/run1" and b.hints.part_size == 4 * MiB
+    assert isinstance(b, RetryingBackend), "network filesystems get the retry loop"
