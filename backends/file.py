@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import shutil
 import threading
 import uuid
 from collections.abc import Iterator
@@ -184,6 +185,15 @@ class FileBackend(Backend):
                         yield key
 
     # -- deleting ----------------------------------------------------------------------
+
+    def delete_prefix(self, prefix: str) -> None:
+        """A directory prefix goes in one ``rmtree``, which also removes the partial
+        files of writers that were killed (``list`` hides those)."""
+        if prefix.endswith("/") and os.path.isdir(self._path(prefix.rstrip("/"))):
+            with annotate(self.uri, prefix, "deleting"):
+                shutil.rmtree(self._path(prefix.rstrip("/")))
+            return
+        super().delete_prefix(prefix)
 
     def delete(self, key: str) -> None:
         path = self._path(key)

@@ -113,6 +113,16 @@ class FsspecBackend(Backend):
         with annotate(self.uri, key, "checking"):
             return bool(self.fs.isfile(self._path(key)))
 
+    def delete_prefix(self, prefix: str) -> None:
+        """A directory prefix is removed whole, with killed writers' partial files."""
+        if prefix.endswith("/"):
+            path = self._path(prefix.rstrip("/"))
+            with annotate(self.uri, prefix, "deleting"):
+                if self.fs.isdir(path):
+                    self.fs.rm(path, recursive=True)
+                    return
+        super().delete_prefix(prefix)
+
 
 class _FsspecWriter(StreamingWriter):
     def __init__(self, backend: FsspecBackend, key: str, size: int | None) -> None:

@@ -227,11 +227,11 @@ class GCSBackend(Backend):
         return True
 
     def delete_prefix(self, prefix: str) -> None:
-        keys = list(self.list(prefix))
+        """Everything under the prefix, temporary parts of unfinished uploads included."""
+        base = self.root + "/" if self.root else ""
+        names = list(self._list_names(base + prefix))
         with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
-            list(pool.map(self.delete, keys))
-        if not prefix:
-            self.abort_uploads()
+            list(pool.map(self._delete_name, names))
 
     def abort_uploads(self) -> int:
         """Delete temporary parts of unfinished composite uploads; how many."""

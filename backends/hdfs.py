@@ -110,6 +110,16 @@ class ArrowFsBackend(Backend):
         with annotate(self.uri, key, "checking"):
             return self.fs.get_file_info(self._path(key)).type == pafs.FileType.File
 
+    def delete_prefix(self, prefix: str) -> None:
+        """A directory prefix is removed whole, with killed writers' partial files."""
+        if prefix.endswith("/"):
+            path = self._path(prefix.rstrip("/"))
+            with annotate(self.uri, prefix, "deleting"):
+                if self.fs.get_file_info(path).type == pafs.FileType.Directory:
+                    self.fs.delete_dir(path)
+                    return
+        super().delete_prefix(prefix)
+
 
 class _ArrowWriter(StreamingWriter):
     def __init__(self, backend: ArrowFsBackend, key: str, size: int | None) -> None:

@@ -22,6 +22,7 @@ from .errors import (
     UnsupportedStateError,
 )
 from .loader import load
+from .manager import CheckpointManager
 from .reader import CheckpointReader, TensorMeta
 from .reader import open_checkpoint as open  # noqa: A001 - the public name is bcp.open
 from .save_plan import ShardingError
@@ -32,6 +33,7 @@ __all__ = [
     "AsyncSaveHandle",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointReader",
     "CorruptCheckpointError",

@@ -1,10 +1,18 @@
-"""The ``bcp`` command line."""
+"""The ``bcp`` command line: ls, inspect, verify, convert, rm, gc, bench, conformance.
+
+Exit status: 0 success; 1 a check failed (verify, conformance) or an error; 2 usage.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import logging
 import sys
+import time
+
+from .options_cli import parse_size
 
 
 def _conformance(args: argparse.Namespace) -> int:
@@ -12,6 +20,218 @@ def _conformance(args: argparse.Namespace) -> int:
 
     return run_suite(args.uri, level="quick" if args.quick else "full", options=args.option, json_path=args.json,
                      imports=args.imports, keyword=args.k, verbose=args.verbose, probe_mib=args.probe_mib)
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=None, leave=False)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _age(created: str | None) -> str:
+    if not created:
+        return "-"
+    then = datetime.datetime.fromisoformat(created)
+    seconds = (datetime.datetime.now(datetime.UTC) - then).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _ls(args) -> int:
+    from bcp.backends import backend_for
+    from bcp.housekeeping import read_manifest, scan
+
+    backend = backend_for(args.root)
+    found = scan(backend, sizes=True)
+    rows = []
+    steps = sorted(found)
+    committed = [s for s in steps if found[s].committed]
+    for step in steps:
+        info = found[step]
+        manifest = read_manifest(backend, step) if info.committed else None
+        rows.append({"step": step, "status": "committed" if info.committed else "incomplete", "objects": info.objects,
+                     "bytes": info.bytes, "created": manifest.created if manifest else None,
+                     "latest": bool(committed) and step == committed[-1]})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no checkpoints under {args.root}")
+        return 0
+    print(f"{'step':>12}  {'status':<10} {'size':>10} {'objects':>7} {'age':>6}")
+    for r in rows:
+        mark = "  <- latest" if r["latest"] else ""
+        print(f"{r['step']:>12}  {r['status']:<10} {_human(r['bytes']):>10} {r['objects']:>7} {_age(r['created']):>6}{mark}")
+    return 0
+
+
+def _inspect(args) -> int:
+    import bcp
+
+    reader = bcp.open(args.uri, allow_pickle=False)
+    m = reader.manifest
+    tensors = []
+    for fqn in reader.tensor_keys():
+        meta = reader.meta(fqn)
+        tensors.append({"fqn": fqn, "shape": list(meta.shape), "dtype": str(meta.dtype).removeprefix("torch."),
+                        "fragments": len(meta.fragments), "bytes": meta.nbytes})
+    objects = {}
+    for fqn in reader.object_keys():
+        per_rank = reader.is_per_rank(fqn)
+        try:
+            value = reader.read_object(fqn) if not per_rank else f"<per rank: {len(reader.per_rank_objects(fqn))}>"
+            text = repr(value)
+        except bcp.CheckpointError as e:
+            text = f"<{e}>"
+        objects[fqn] = text if len(text) <= 120 else text[:117] + "..."
+    doc = {"uri": reader.uri, "save_id": m.save_id, "created": m.created, "world_size": m.world_size,
+           "bcp_version": m.bcp_version, "torch_version": m.torch_version, "stats": m.stats,
+           "user_metadata": m.user_metadata, "data_files": len(m.data_files), "tensors": tensors, "objects": objects}
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+        return 0
+    print(f"checkpoint {reader.uri}")
+    print(f"  saved {m.created} by {m.world_size} rank(s); bcp {m.bcp_version}, torch {m.torch_version}")
+    print(f"  {len(tensors)} tensors, {_human(m.stats.get('tensor_bytes', 0))}; {len(m.data_files)} data file(s); "
+          f"{len(objects)} objects")
+    if m.user_metadata:
+        print(f"  metadata: {json.dumps(m.user_metadata, default=str)[:200]}")
+    width = max([len(t["fqn"]) for t in tensors] + [3])
+    print(f"\n  {'tensor':<{width}}  {'shape':<20} {'dtype':<14} {'frags':>5} {'bytes':>10}")
+    for t in tensors:
+        print(f"  {t['fqn']:<{width}}  {str(t['shape']):<20} {t['dtype']:<14} {t['fragments']:>5} "
+              f"{_human(t['bytes']):>10}")
+    if objects:
+        print("\n  objects:")
+        for fqn, text in objects.items():
+            print(f"  {fqn} = {text}")
+    return 0
+
+
+def _verify(args) -> int:
+    from bcp.verify import verify_checkpoint
+
+    report = verify_checkpoint(args.uri, progress=_progress)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for problem in report["problems"]:
+            print(f"PROBLEM {problem}")
+        print(f"{'OK' if report['ok'] else 'FAILED'}: {report['tensors']} tensors, {_human(report['bytes_read'])} "
+              f"read and checked in {report['seconds']:.1f} s; {len(report['problems'])} problem(s)")
+    return 0 if report["ok"] else 1
+
+
+def _convert(args) -> int:
+    from bcp import convert
+
+    src_format = args.source_format if args.source_format != "auto" else convert.detect_format(args.src)
+    prefix = args.prefix if args.prefix is not None else ("model." if args.model_only else None)
+    strip = args.strip_prefix or (args.model_only and args.prefix is None)
+    if args.to == "bcp":
+        if src_format == "safetensors":
+            info = convert.from_safetensors(args.src, args.dst, overwrite=args.overwrite)
+        elif src_format == "torch":
+            info = convert.from_torch(args.src, args.dst, overwrite=args.overwrite)
+        elif src_format == "dcp":
+            info, skipped = convert.from_dcp(args.src, args.dst, overwrite=args.overwrite,
+                                             allow_pickle=args.allow_pickle, scratch_dir=args.scratch_dir)
+            if skipped:
+                print(f"skipped {len(skipped)} non-tensor entries (pickles): {', '.join(skipped[:10])}")
+        else:
+            raise SystemExit("the source is already a bcp checkpoint")
+        print(f"wrote {args.dst}: {info.tensors} tensors, {_human(info.tensor_bytes)}")
+        return 0
+    if src_format != "bcp":
+        raise SystemExit(f"--to {args.to} converts from bcp; convert {src_format} to bcp first")
+    import bcp
+
+    reader = bcp.open(args.src)
+    total = sum(reader.meta(k).nbytes for k in reader.tensor_keys())
+    with _progress(total, f"converting to {args.to}") as bar:
+        if args.to == "safetensors":
+            index = convert.to_safetensors(reader, args.dst, prefix=prefix, strip_prefix=strip,
+                                           max_shard_bytes=parse_size(args.max_shard_size), progress=bar.update)
+            print(f"wrote {len(set(index['weight_map'].values()))} safetensors file(s), "
+                  f"{len(index['weight_map'])} tensors, {_human(index['metadata']['total_size'])} to {args.dst}")
+        else:
+            convert.to_torch(reader, args.dst, prefix=prefix, strip_prefix=strip, scratch_dir=args.scratch_dir,
+                             progress=bar.update)
+            print(f"wrote {args.dst}")
+    return 0
+
+
+def _rm(args) -> int:
+    from bcp.backends import backend_for
+    from bcp.metadata import MANIFEST_KEY
+
+    backend = backend_for(args.uri)
+    keys = list(backend.list(""))
+    if not keys:
+        print(f"nothing at {args.uri}")
+        return 0
+    if args.dry_run:
+        print(f"would delete {len(keys)} objects under {args.uri}")
+        return 0
+    backend.delete(MANIFEST_KEY)  # first: a half-finished removal is never a committed checkpoint
+    backend.delete_prefix("")
+    print(f"deleted {len(keys)} objects under {args.uri}")
+    return 0
+
+
+def _gc(args) -> int:
+    from bcp.backends import backend_for
+    from bcp.housekeeping import check_policy, plan_gc, run_gc
+
+    policy = {"keep_last": args.keep_last, "keep_every": args.keep_every}
+    check_policy(args.keep_last, args.keep_every, None)
+    backend = backend_for(args.root)
+    plan = plan_gc(backend, **policy)
+    verb = "would delete" if args.dry_run else "deleting"
+    print(f"{verb}: {len(plan.expired)} expired step(s) {plan.expired}, {len(plan.incomplete)} incomplete "
+          f"step(s) {plan.incomplete}, {len(plan.orphan_generations)} unused generation(s)")
+    if not args.dry_run:
+        run_gc(backend, plan)
+    return 0
+
+
+def _bench(args) -> int:
+    import statistics
+
+    import torch
+
+    import bcp
+    from bcp.storage import join_uri
+
+    n = max(1, int(args.gib * 2**30 / 4 / 16))
+    state = {f"t{i}": torch.rand(n) for i in range(16)}
+    size = 16 * n * 4
+    saves, loads = [], []
+    for rep in range(args.repeats):
+        uri = join_uri(args.uri, f"bcp-bench-{rep}-{int(time.time())}")
+        start = time.perf_counter()
+        bcp.save(state, uri)
+        saves.append(time.perf_counter() - start)
+        template = {k: torch.empty_like(v) for k, v in state.items()}
+        start = time.perf_counter()
+        bcp.load(template, uri)
+        loads.append(time.perf_counter() - start)
+        bcp.backends.backend_for(uri).delete_prefix("")
+        print(f"  run {rep + 1}: save {size / saves[-1] / 1e9:.2f} GB/s, load {size / loads[-1] / 1e9:.2f} GB/s",
+              flush=True)
+    print(f"{_human(size)} through {args.uri.partition('?')[0]}, median of {args.repeats}: "
+          f"save {size / statistics.median(saves) / 1e9:.2f} GB/s, load {size / statistics.median(loads) / 1e9:.2f} GB/s")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +256,53 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("-k", metavar="EXPR", help="only checks matching this pytest -k expression")
     conf.add_argument("--verbose", "-v", action="store_true", help="list every check as it runs")
     conf.set_defaults(func=_conformance)
+
+    p = sub.add_parser("ls", help="steps under a checkpoint root: committed or incomplete, size, age")
+    p.add_argument("root")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_ls)
+
+    p = sub.add_parser("inspect", help="manifest, tensors and objects of one checkpoint")
+    p.add_argument("uri")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("verify", help="re-read every fragment; check checksums, sizes and coverage")
+    p.add_argument("uri")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_verify)
+
+    p = sub.add_parser("convert", help="to safetensors / torch.save from bcp, or from safetensors / torch / DCP to bcp")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--to", required=True, choices=("safetensors", "torch", "bcp"))
+    p.add_argument("--from", dest="source_format", default="auto", choices=("auto", "bcp", "safetensors", "torch", "dcp"))
+    p.add_argument("--model-only", action="store_true", help="only keys under 'model.', with that prefix stripped")
+    p.add_argument("--prefix", help="only keys starting with this")
+    p.add_argument("--strip-prefix", action="store_true", help="drop --prefix from the output names")
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard cap (default 5GB)")
+    p.add_argument("--scratch-dir", help="where file-backed buffers go (default: beside the output / the temp dir)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing bcp checkpoint at DST")
+    p.add_argument("--allow-pickle", action="store_true", help="DCP: also convert non-tensor entries (unpickles them)")
+    p.set_defaults(func=_convert)
+
+    p = sub.add_parser("rm", help="delete one checkpoint (its manifest first)")
+    p.add_argument("uri")
+    p.add_argument("--dry-run", action="store_true")
+    p.set_defaults(func=_rm)
+
+    p = sub.add_parser("gc", help="delete incomplete steps, unused generations and steps a policy drops")
+    p.add_argument("root")
+    p.add_argument("--keep-last", type=int)
+    p.add_argument("--keep-every", type=int)
+    p.add_argument("--dry-run", action="store_true")
+    p.set_defaults(func=_gc)
+
+    p = sub.add_parser("bench", help="save and load a synthetic state through URI; GB/s")
+    p.add_argument("uri", help="a location to write scratch checkpoints under (they are deleted)")
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.set_defaults(func=_bench)
     return parser
 
 
@@ -43,7 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    from bcp.errors import CheckpointError
+
+    try:
+        return args.func(args)
+    except (CheckpointError, OSError, ValueError) as e:
+        print(f"bcp {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from bcp.backends import Backend, backend_for, split_scheme
+from bcp.storage import join_uri
 
 import bcp
 
@@ -36,8 +37,7 @@ CHILD_TIMEOUT = 120.0
 
 def child_uri(uri: str, name: str) -> str:
     """``uri`` with ``/name`` appended to its path (before any query string)."""
-    base, sep, query = uri.partition("?")
-    return f"{base.rstrip('/')}/{name}{sep}{query}"
+    return join_uri(uri, name)
 
 
 def realistic_state(seed: int = 0, scale: int = 1) -> dict:

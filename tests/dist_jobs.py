@@ -335,3 +335,19 @@ def async_ping_pong_job(rank: int, world: int, uri: str) -> None:
         expected = torch.cat([torch.full((4, 8), float(r + add)) for r in range(world)])
         assert torch.equal(reader.read("w"), expected), f"checkpoint {name} holds the wrong values"
         assert reader.read("step") == step
+
+
+def manager_job(rank: int, world: int, root: str) -> None:
+    """Two ranks save replicated state through one CheckpointManager; they agree on
+    the steps and on what load_latest returns."""
+    m = bcp.CheckpointManager(root, keep_last=2)
+    for step in (10, 20, 30):
+        m.save(step, {"w": torch.full((8,), float(step)), "rank_view": bcp.PerRank(rank)})
+    m.wait()
+    dist.barrier()
+    steps = m.steps()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, steps)
+    assert all(s == [20, 30] for s in everyone), f"ranks disagree on the kept steps: {everyone}"
+    step, out = m.load_latest({"w": torch.zeros(8), "rank_view": None})
+    assert step == 30 and torch.equal(out["w"], torch.full((8,), 30.0)) and out["rank_view"] == rank

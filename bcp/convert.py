@@ -1,0 +1,282 @@
+"""Conversion between bcp and the formats people use, tensor by tensor.
+
+* bcp -> Hugging Face-style safetensors: size-capped shards
+  (``model-00001-of-00003.safetensors``) plus ``model.safetensors.index.json`` (one
+  ``model.safetensors`` when everything fits one shard). Memory: one shard.
+* bcp -> one ``torch.save`` file: each tensor is read into a file-backed (mmap)
+  buffer in a scratch directory, so ``torch.save`` streams from the page cache;
+  the file keeps the saved nesting and the checkpoint's (safe) objects.
+* safetensors (a file, or a directory of shards) -> bcp: the files are
+  memory-mapped and their tensors saved without being copied into memory first.
+* ``torch.save`` file -> bcp: ``torch.load(mmap=True, weights_only=True)``.
+* PyTorch DCP checkpoint -> bcp: every tensor is loaded by DCP into a file-backed
+  buffer, then saved. Non-tensor entries of a DCP checkpoint are pickles; they are
+  skipped (and named) unless ``allow_pickle=True``.
+
+Memory stays bounded by the shard size (safetensors out) or is file-backed page
+cache, which the kernel can reclaim (everything else), so a checkpoint larger than
+RAM converts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .reader import CheckpointReader, open_checkpoint
+from .saver import SaveInfo, save
+from .state import build_nested
+
+log = logging.getLogger(__name__)
+
+#: safetensors dtype names (the format's own spelling) <-> torch dtypes.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool, "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+}
+INDEX_NAME = "model.safetensors.index.json"
+
+Progress = Callable[[int], None]  # called with bytes done
+
+
+def select(keys: Iterable[str], prefix: str | None, strip: bool) -> list[tuple[str, str]]:
+    """(stored key, output name) for the keys under ``prefix`` (all when None)."""
+    out = []
+    for key in keys:
+        if prefix and not key.startswith(prefix):
+            continue
+        out.append((key, key[len(prefix):] if prefix and strip else key))
+    return out
+
+
+# -- bcp -> safetensors --------------------------------------------------------------------------
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy, in order: a new shard starts when the next tensor would pass the cap
+    (a tensor larger than the cap gets a shard of its own)."""
+    shards: list[list[str]] = []
+    current, used = [], 0
+    for name, n in sizes:
+        if current and used + n > max_shard_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += n
+    if current:
+        shards.append(current)
+    return shards
+
+
+def to_safetensors(src: str | CheckpointReader, dst_dir: str, *, prefix: str | None = None, strip_prefix: bool = False,
+                   max_shard_bytes: int = 5 * 10**9, progress: Progress | None = None) -> dict:
+    """Write the checkpoint's tensors as safetensors shards in ``dst_dir``; returns the index."""
+    from safetensors.torch import save_file
+
+    reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
+    chosen = select(reader.tensor_keys(), prefix, strip_prefix)
+    if not chosen:
+        raise ValueError(f"no tensors under prefix {prefix!r} in {reader.uri}")
+    names = [name for _k, name in chosen]
+    if len(set(names)) != len(names):
+        raise ValueError("stripping the prefix makes tensor names collide; convert without --strip-prefix")
+    key_of = dict((name, key) for key, name in chosen)
+    for key, _name in chosen:
+        dtype = reader.meta(key).dtype
+        if dtype not in SAFETENSORS_DTYPES.values():
+            raise ValueError(f"tensor {key!r} has dtype {dtype}, which safetensors cannot store")
+    shards = plan_shards([(name, reader.meta(key_of[name]).nbytes) for name in names], max_shard_bytes)
+    os.makedirs(dst_dir, exist_ok=True)
+    files = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for file, shard in zip(files, shards):
+        tensors = {}
+        for name in shard:
+            tensors[name] = reader.read(key_of[name])
+            total += tensors[name].numel() * tensors[name].element_size()
+            weight_map[name] = file
+        tmp = os.path.join(dst_dir, f".{file}.partial")
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(dst_dir, file))
+        if progress:
+            progress(sum(t.numel() * t.element_size() for t in tensors.values()))
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    if len(shards) > 1:
+        with open(os.path.join(dst_dir, INDEX_NAME), "w") as f:
+            json.dump(index, f, indent=2)
+    return index
+
+
+# -- bcp -> torch.save ---------------------------------------------------------------------------
+
+
+def _file_backed(scratch: str, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor whose memory is a file in ``scratch`` (mmap, shared)."""
+    nbytes = max(1, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+    path = os.path.join(scratch, f"{len(os.listdir(scratch)):08d}-{abs(hash(name)) % 10**8}.bin")
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+    storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, torch.Size(shape), torch.empty(shape, device="meta").stride())
+
+
+def to_torch(src: str | CheckpointReader, dst_file: str, *, prefix: str | None = None, strip_prefix: bool = False,
+             scratch_dir: str | None = None, progress: Progress | None = None) -> None:
+    """One ``torch.save`` file with the checkpoint's nesting (or a flat dict of the
+    selected keys when ``prefix`` is given) and its objects."""
+    reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
+    scratch = tempfile.mkdtemp(prefix="bcp-convert-", dir=scratch_dir or os.path.dirname(os.path.abspath(dst_file)))
+    try:
+        if prefix:
+            out: Any = {}
+            for key, name in select(reader.keys(), prefix, strip_prefix):
+                out[name] = _read_file_backed(reader, key, scratch, progress)
+        else:
+            entries = [(reader.key_path(k), _read_file_backed(reader, k, scratch, progress)) for k in reader.keys()]
+            out = build_nested(entries)
+        tmp = dst_file + ".partial"
+        torch.save(out, tmp)
+        os.replace(tmp, dst_file)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _read_file_backed(reader: CheckpointReader, key: str, scratch: str, progress: Progress | None) -> Any:
+    if key not in reader.catalog.tensors:
+        return reader.read_object(key)
+    meta = reader.meta(key)
+    t = _file_backed(scratch, key, meta.shape, meta.dtype)
+    reader.read_into(key, t)
+    if progress:
+        progress(meta.nbytes)
+    return t
+
+
+# -- into bcp ------------------------------------------------------------------------------------
+
+
+def safetensors_files(src: str) -> list[str]:
+    """The shard files of a safetensors checkpoint: a file, or a directory with an
+    index (or a single ``*.safetensors``)."""
+    if os.path.isfile(src):
+        return [src]
+    index = os.path.join(src, INDEX_NAME)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(src, name) for name in files]
+    found = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no .safetensors files in {src}")
+    return [os.path.join(src, n) for n in found]
+
+
+def map_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file as views of a private memory map: nothing
+    is read until used. (The format is an 8-byte header length, a JSON header of
+    {name: {dtype, shape, data_offsets}}, then the data.)"""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    start = 8 + header_len
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which bcp does not know")
+        lo, hi = info["data_offsets"]
+        if hi - lo == 0:
+            out[name] = torch.empty(info["shape"], dtype=dtype)
+            continue
+        flat = torch.frombuffer(mapped, dtype=torch.uint8, count=hi - lo, offset=start + lo)
+        out[name] = flat.view(dtype).reshape(info["shape"])
+    return out
+
+
+def from_safetensors(src: str, dst: str, *, prefix: str = "", overwrite: bool = False,
+                     storage_options: dict | None = None) -> SaveInfo:
+    """Save every tensor of a safetensors checkpoint into bcp as flat keys (``prefix`` prepended)."""
+    state: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(src):
+        for name, t in map_safetensors(path).items():
+            state[prefix + name] = t
+    return save(state, dst, overwrite=overwrite, storage_options=storage_options)
+
+
+def from_torch(src: str, dst: str, *, overwrite: bool = False, storage_options: dict | None = None) -> SaveInfo:
+    """A ``torch.save`` file into bcp, memory-mapped; loaded with ``weights_only=True``."""
+    try:
+        state = torch.load(src, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        log.warning("%s is in torch's legacy format and cannot be memory-mapped: loading it whole", src)
+        state = torch.load(src, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        state = {"state": state}
+    return save(state, dst, overwrite=overwrite, storage_options=storage_options)
+
+
+def from_dcp(src: str, dst: str, *, overwrite: bool = False, allow_pickle: bool = False,
+             scratch_dir: str | None = None, storage_options: dict | None = None) -> tuple[SaveInfo, list[str]]:
+    """A PyTorch DCP checkpoint directory into bcp (flat keys, as DCP stores them).
+    Returns the SaveInfo and the non-tensor keys that were skipped."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(src)
+    metadata = reader.read_metadata()
+    scratch = tempfile.mkdtemp(prefix="bcp-convert-", dir=scratch_dir)
+    try:
+        state: dict[str, Any] = {}
+        skipped = []
+        for fqn, meta in metadata.state_dict_metadata.items():
+            if isinstance(meta, TensorStorageMetadata):
+                state[fqn] = _file_backed(scratch, fqn, meta.size, meta.properties.dtype)
+            elif allow_pickle:
+                state[fqn] = None
+            else:
+                skipped.append(fqn)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+        if skipped:
+            log.warning("skipped %d non-tensor DCP entries (pickles; pass allow_pickle=True to convert them): %s",
+                        len(skipped), ", ".join(skipped[:10]))
+        info = save(state, dst, overwrite=overwrite, allow_pickle=allow_pickle, storage_options=storage_options)
+        return info, skipped
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def detect_format(src: str) -> str:
+    """``bcp``, ``safetensors``, ``dcp`` or ``torch`` for a local source; bcp for URIs."""
+    if "://" in src and not src.startswith("file://"):
+        return "bcp"
+    path = src.removeprefix("file://")
+    if os.path.isdir(path):
+        names = set(os.listdir(path))
+        if "manifest.json" in names:
+            return "bcp"
+        if ".metadata" in names:
+            return "dcp"
+        if INDEX_NAME in names or any(n.endswith(".safetensors") for n in names):
+            return "safetensors"
+        raise ValueError(f"cannot tell the format of directory {src}")
+    if path.endswith(".safetensors"):
+        return "safetensors"
+    return "torch"

@@ -1,0 +1,150 @@
+"""CheckpointManager: save every N steps, keep the right ones, resume from the newest.
+
+Layout under the root URI: one bcp checkpoint per step in ``step_<10 digits>/``,
+and ``latest.json`` (written after each commit, for people and tools). A step is
+committed when its manifest exists; nothing else is trusted, so the manager works
+on every backend (no rename) and a crashed save is never mistaken for a checkpoint.
+
+(all ranks) ``save``, ``wait``, ``load_latest``, ``close`` are collective in a
+multi-process job: every rank calls them. Only the coordinator (rank 0 of the
+group) writes ``latest.json``, applies retention and deletes; ``load_latest``
+broadcasts the coordinator's choice of step so every rank loads the same one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from .async_save import AsyncSaveHandle, async_save
+from .collectives import coordinator_for
+from .housekeeping import (
+    check_policy,
+    committed_steps,
+    plan_gc,
+    run_gc,
+    step_name,
+    write_latest,
+)
+from .loader import load
+from .saver import SaveInfo, save
+from .storage import join_uri, resolve_backend
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """Keeps a training run's checkpoints under ``root_uri``.
+
+    Retention (applied after each commit, only to committed steps; the newest is
+    always kept): ``keep_last=N`` newest steps, ``keep_every=K`` steps that are
+    multiples of K, ``keep_best=(metric, N, "min"|"max")`` best N by a metric passed
+    to :meth:`save`. No policy: keep everything. ``async_save=True``: :meth:`save`
+    returns once the state is staged in memory; the write finishes in the background
+    and is committed (and retention applied) before the next save starts, or at
+    :meth:`wait`. Incomplete steps left by crashed saves are deleted when the manager
+    starts and after each commit.
+    """
+
+    def __init__(self, root_uri: str | os.PathLike, *, keep_last: int | None = None, keep_every: int | None = None,
+                 keep_best: tuple[str, int, str] | None = None, async_save: bool = True,
+                 storage_options: dict | None = None, process_group: Any = None, overlap: Any = None) -> None:
+        check_policy(keep_last, keep_every, keep_best)
+        self.root_uri = os.fspath(root_uri)
+        self.policy = {"keep_last": keep_last, "keep_every": keep_every, "keep_best": keep_best}
+        self.async_save = async_save
+        self.storage_options = dict(storage_options or {})
+        self.process_group = process_group
+        self.overlap = overlap
+        self.backend = resolve_backend(self.root_uri, self.storage_options)
+        self.coord = coordinator_for(process_group)
+        self._pending: tuple[AsyncSaveHandle, int] | None = None
+        if self.coord.is_coordinator:
+            self._housekeeping()
+
+    # -- queries (local, no collectives) --------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first (one listing of the root)."""
+        return committed_steps(self.backend)
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None. Never an uncommitted one."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def uri(self, step: int) -> str:
+        return join_uri(self.root_uri, step_name(step))
+
+    # -- collective operations ----------------------------------------------------------------
+
+    def save(self, step: int, state: Any, metrics: dict[str, float] | None = None, *,
+             overwrite: bool = False) -> SaveInfo | None:
+        """(all ranks) Checkpoint ``state`` as ``step``. ``metrics`` (numbers) are
+        stored in the manifest for ``keep_best``. Returns the SaveInfo when synchronous."""
+        self.wait()
+        meta = {"bcp_manager": {"step": int(step), "metrics": {k: float(v) for k, v in (metrics or {}).items()}}}
+        if self.async_save:
+            handle = async_save(state, self.uri(step), overwrite=overwrite, metadata=meta,
+                                storage_options=self.storage_options or None, process_group=self.process_group,
+                                overlap=self.overlap)
+            self._pending = (handle, step)
+            return None
+        info = save(state, self.uri(step), overwrite=overwrite, metadata=meta,
+                    storage_options=self.storage_options or None, process_group=self.process_group)
+        self._committed(step)
+        return info
+
+    def wait(self) -> SaveInfo | None:
+        """(all ranks) Finish the save in flight, if any: commit, retention, pointer."""
+        if self._pending is None:
+            return None
+        handle, step = self._pending
+        self._pending = None
+        info = handle.wait()
+        self._committed(step)
+        return info
+
+    def load_latest(self, state: Any, **load_options) -> tuple[int | None, Any]:
+        """(all ranks) Load the newest committed step into ``state``; returns
+        ``(step, loaded state)``, or ``(None, state)`` when there is none yet."""
+        self.wait()
+        step = self.coord.broadcast(self.latest() if self.coord.is_coordinator else None)
+        if step is None:
+            return None, state
+        return step, load(state, self.uri(step), storage_options=self.storage_options or None,
+                          process_group=self.process_group, **load_options)
+
+    def close(self) -> None:
+        self.wait()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        elif self._pending is not None:  # an error in training: still finish what was staged
+            try:
+                self.wait()
+            except Exception:  # noqa: BLE001 - the training error is the one to report
+                log.exception("the checkpoint in flight failed while handling another error")
+
+    # -- coordinator only -------------------------------------------------------------------------
+
+    def _committed(self, step: int) -> None:
+        if not self.coord.is_coordinator:
+            return
+        latest = self.latest()
+        if latest is not None:
+            write_latest(self.backend, latest)
+        self._housekeeping()
+
+    def _housekeeping(self) -> None:
+        busy = [self._pending[1]] if self._pending is not None else []
+        plan = plan_gc(self.backend, busy=busy, **self.policy)
+        if not plan.empty:
+            log.info("retention: deleting steps %s, incomplete %s, unused generations %s",
+                     plan.expired, plan.incomplete, plan.orphan_generations)
+        run_gc(self.backend, plan)

@@ -1,0 +1,240 @@
+"""The bcp command line, run as users run it (subprocess), and the conversions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import bcp
+from bcp.housekeeping import step_name
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bcp.cli", *args], capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
+def model_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"embed.weight": torch.randn(300, 64, generator=g), "head.bias": torch.randn(64, generator=g),
+                  "norm.weight": torch.ones(64, dtype=torch.bfloat16), "ids": torch.arange(50)},
+        "optim": {"state": {0: {"exp_avg": torch.randn(300, 64, generator=g)}}, "param_groups": [{"lr": 0.1}]},
+        "step": 42,
+    }
+
+
+def flat_tensors(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, torch.Tensor):
+            out[name] = v
+        elif isinstance(v, dict):
+            out.update(flat_tensors(v, name + "."))
+    return out
+
+
+@pytest.fixture
+def run_root(tmp_path) -> str:
+    root = str(tmp_path / "run")
+    m = bcp.CheckpointManager(root, async_save=False)
+    for step in (10, 20, 30):
+        m.save(step, model_state(step), metrics={"loss": 1.0 / step})
+    bcp.backends.backend_for(root).write(f"{step_name(40)}/gen-x/data/rank00000-0.bin", b"junk")  # crashed save
+    return root
+
+
+# -- ls / inspect / verify ------------------------------------------------------------------------
+
+
+def test_ls_lists_committed_and_incomplete_steps(run_root):
+    proc = cli("ls", run_root)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(line.split()[:2] == ["30", "committed"] and "latest" in line for line in lines), proc.stdout
+    assert any(line.split()[:2] == ["40", "incomplete"] for line in lines), proc.stdout
+    rows = json.loads(cli("ls", run_root, "--json").stdout)
+    assert [r["step"] for r in rows] == [10, 20, 30, 40] and rows[0]["bytes"] > 100_000
+
+
+def test_inspect_shows_tensors_and_objects(run_root):
+    uri = f"{run_root}/{step_name(30)}"
+    proc = cli("inspect", uri)
+    assert proc.returncode == 0 and "model.embed.weight" in proc.stdout and "[300, 64]" in proc.stdout
+    assert "step = 42" in proc.stdout
+    doc = json.loads(cli("inspect", uri, "--json").stdout)
+    tensors = {t["fqn"]: t for t in doc["tensors"]}
+    assert tensors["model.norm.weight"]["dtype"] == "bfloat16" and tensors["model.ids"]["bytes"] == 400
+    assert doc["world_size"] == 1 and doc["user_metadata"]["bcp_manager"]["step"] == 30
+
+
+def test_verify_passes_then_catches_a_flipped_byte(run_root):
+    uri = f"{run_root}/{step_name(20)}"
+    ok = cli("verify", uri)
+    assert ok.returncode == 0 and ok.stdout.startswith("OK"), ok.stdout + ok.stderr
+    backend = bcp.backends.backend_for(uri)
+    (data,) = [k for k in backend.list("") if k.endswith(".bin")]
+    raw = bytearray(backend.read(data))
+    raw[5000] ^= 1
+    backend.write(data, raw)
+    bad = cli("verify", uri, "--json")
+    report = json.loads(bad.stdout)
+    assert bad.returncode == 1 and not report["ok"] and any("CorruptCheckpoint" in p for p in report["problems"])
+
+
+def test_verify_reports_a_missing_data_file(run_root):
+    uri = f"{run_root}/{step_name(10)}"
+    backend = bcp.backends.backend_for(uri)
+    (data,) = [k for k in backend.list("") if k.endswith(".bin")]
+    backend.delete(data)
+    proc = cli("verify", uri)
+    assert proc.returncode == 1 and "missing" in proc.stdout
+
+
+def test_errors_are_one_line_not_a_traceback(tmp_path):
+    proc = cli("inspect", str(tmp_path / "nothing"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "nothing" in proc.stderr
+
+
+# -- rm / gc --------------------------------------------------------------------------------------
+
+
+def test_rm_dry_run_then_rm(run_root):
+    uri = f"{run_root}/{step_name(10)}"
+    assert "would delete" in cli("rm", uri, "--dry-run").stdout
+    assert bcp.open(uri).keys()
+    assert cli("rm", uri).returncode == 0
+    with pytest.raises(bcp.CheckpointNotFoundError):
+        bcp.open(uri)
+
+
+def test_gc_keep_last_with_dry_run(run_root):
+    dry = cli("gc", run_root, "--keep-last", "1", "--dry-run")
+    assert dry.returncode == 0 and "[10, 20]" in dry.stdout and "[40]" in dry.stdout
+    assert len(json.loads(cli("ls", run_root, "--json").stdout)) == 4, "a dry run deleted something"
+    assert cli("gc", run_root, "--keep-last", "1").returncode == 0
+    rows = json.loads(cli("ls", run_root, "--json").stdout)
+    assert [(r["step"], r["status"]) for r in rows] == [(30, "committed")]
+
+
+def test_bench_prints_rates(tmp_path):
+    proc = cli("bench", str(tmp_path / "b"), "--gib", "0.02", "--repeats", "1")
+    assert proc.returncode == 0 and "GB/s" in proc.stdout
+    assert not list((tmp_path / "b").rglob("*.bin")), "bench left its scratch checkpoints"
+
+
+# -- conversion -----------------------------------------------------------------------------------
+
+
+def test_bcp_to_safetensors_and_back_is_bit_exact(tmp_path):
+    from safetensors.torch import load_file
+
+    src = str(tmp_path / "ck")
+    state = model_state()
+    bcp.save(state, src)
+    proc = cli("convert", src, str(tmp_path / "st"), "--to", "safetensors", "--max-shard-size", "50KB")
+    assert proc.returncode == 0, proc.stderr
+    index = json.loads((tmp_path / "st" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and all((tmp_path / "st" / f).stat().st_size < 200_000 for f in files)
+    loaded = {}
+    for f in files:  # the safetensors library's own loader
+        loaded.update(load_file(str(tmp_path / "st" / f)))
+    want = flat_tensors(state)
+    assert set(loaded) == set(want) and all(torch.equal(loaded[k], want[k]) for k in want)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in want.values())
+    back = str(tmp_path / "back")
+    assert cli("convert", str(tmp_path / "st"), back, "--to", "bcp").returncode == 0
+    reader = bcp.open(back)
+    for k, t in want.items():
+        got = reader.read(k)
+        assert got.dtype == t.dtype and torch.equal(got, t), f"{k} changed in bcp -> safetensors -> bcp"
+
+
+def test_model_only_strips_the_prefix(tmp_path):
+    from safetensors.torch import load_file
+
+    src = str(tmp_path / "ck")
+    bcp.save(model_state(), src)
+    assert cli("convert", src, str(tmp_path / "st"), "--to", "safetensors", "--model-only").returncode == 0
+    loaded = load_file(str(tmp_path / "st" / "model.safetensors"))
+    assert sorted(loaded) == ["embed.weight", "head.bias", "ids", "norm.weight"]
+
+
+def test_bcp_to_torch_and_back(tmp_path):
+    src = str(tmp_path / "ck")
+    state = model_state()
+    bcp.save(state, src)
+    assert cli("convert", src, str(tmp_path / "x.pt"), "--to", "torch").returncode == 0
+    loaded = torch.load(tmp_path / "x.pt", weights_only=True)
+    assert loaded["step"] == 42 and loaded["optim"]["param_groups"] == [{"lr": 0.1}]
+    assert torch.equal(loaded["model"]["embed.weight"], state["model"]["embed.weight"])
+    assert cli("convert", str(tmp_path / "x.pt"), str(tmp_path / "back"), "--to", "bcp").returncode == 0
+    assert torch.equal(bcp.open(str(tmp_path / "back")).read("optim.state.0.exp_avg"),
+                       state["optim"]["state"][0]["exp_avg"])
+
+
+def test_dcp_to_bcp(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    proc = cli("convert", str(tmp_path / "dcp"), str(tmp_path / "ck"), "--to", "bcp")
+    assert proc.returncode == 0, proc.stderr
+    reader = bcp.open(str(tmp_path / "ck"))
+    for name, t in model.state_dict().items():
+        assert torch.equal(reader.read(f"model.{name}"), t), f"model.{name} differs after DCP -> bcp"
+    assert torch.equal(reader.read("optim.state.0.exp_avg"), opt.state_dict()["state"][0]["exp_avg"])
+    assert "skipped" in proc.stdout and "param_groups" in proc.stdout  # pickled entries, named
+
+
+_CONVERT_CHILD = """
+import sys
+from bcp.convert import to_safetensors
+import bcp
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+reader = bcp.open(sys.argv[1])
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak (VmHWM) to the current resident size
+before = status("VmRSS")
+to_safetensors(reader, sys.argv[2], max_shard_bytes=int(sys.argv[3]))
+print(before, status("VmHWM"))
+"""
+
+
+@pytest.mark.slow
+def test_conversion_memory_is_bounded_by_the_shard_size(tmp_path):
+    """A 768 MiB checkpoint converts to 32 MiB shards with well under 768 MiB of
+    extra resident memory: the converting process's peak RSS (VmHWM, reset just
+    before converting) minus its RSS then."""
+    src = str(tmp_path / "ck")
+    g = torch.Generator().manual_seed(0)
+    bcp.save({f"layer{i}": torch.rand(4 << 20, generator=g) for i in range(48)}, src)  # 48 x 16 MiB
+    proc = subprocess.run([sys.executable, "-c", _CONVERT_CHILD, src, str(tmp_path / "st"), str(32 << 20)],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr
+    before_kib, after_kib = map(int, proc.stdout.split())
+    extra_mib = (after_kib - before_kib) / 1024
+    assert extra_mib < 128, f"conversion grew the peak RSS by {extra_mib:.0f} MiB for a 768 MiB checkpoint"
+    assert len(list((tmp_path / "st").glob("*.safetensors"))) == 24
+
+
+def test_console_script_lists_every_command():
+    proc = subprocess.run([str(Path(sys.executable).with_name("bcp")), "--help"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    for command in ("ls", "inspect", "verify", "convert", "rm", "gc", "bench", "conformance"):
+        assert command in proc.stdout, f"bcp {command} is missing from --help"
