@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -238,3 +239,67 @@ def test_console_script_lists_every_command():
                           timeout=60, check=False)
     for command in ("ls", "inspect", "verify", "convert", "rm", "gc", "bench", "conformance"):
         assert command in proc.stdout, f"bcp {command} is missing from --help"
+
+
+def _memory_cgroup(limit_bytes: int):
+    """A memory cgroup (v1 or v2) limited to ``limit_bytes``: (dir, procs file), or None."""
+    import uuid
+
+    for base, limit_file in (("/sys/fs/cgroup/memory", "memory.limit_in_bytes"), ("/sys/fs/cgroup", "memory.max")):
+        if not os.path.exists(os.path.join(base, limit_file if base.endswith("memory") else "cgroup.controllers")):
+            continue
+        path = os.path.join(base, f"bcp-test-{uuid.uuid4().hex[:8]}")
+        try:
+            os.mkdir(path)
+            with open(os.path.join(path, limit_file), "w") as f:
+                f.write(str(limit_bytes))
+        except OSError:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+            continue
+        return path
+    return None
+
+
+@pytest.mark.slow
+def test_converting_a_checkpoint_larger_than_the_memory_limit(tmp_path):
+    """1 GiB of tensors converts to safetensors inside a 640 MiB memory cgroup (the
+    interpreter and torch take about 300 MiB of that)."""
+    limit = 640 << 20
+    cgroup = _memory_cgroup(limit)
+    if cgroup is None:
+        pytest.skip("no writable memory cgroup here: the peak-RSS test above bounds conversion memory instead")
+    try:
+        src = str(tmp_path / "ck")
+        g = torch.Generator().manual_seed(0)
+        state = {f"layer{i}": torch.rand(4 << 20, generator=g) for i in range(64)}  # 64 x 16 MiB = 1 GiB
+        bcp.save(state, src)
+        del state
+        procs = os.path.join(cgroup, "cgroup.procs")
+
+        def enter_cgroup():
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        proc = subprocess.run([sys.executable, "-m", "bcp.cli", "convert", src, str(tmp_path / "st"), "--to",
+                               "safetensors", "--max-shard-size", "32MiB"], capture_output=True, text=True,
+                              timeout=600, check=False, preexec_fn=enter_cgroup)
+        assert proc.returncode == 0, f"conversion under a {limit >> 20} MiB limit failed: {proc.stderr[-2000:]}"
+        from safetensors import safe_open
+
+        files = sorted((tmp_path / "st").glob("*.safetensors"))
+        assert len(files) == 32
+        with safe_open(str(files[-1]), "pt") as f:
+            name = sorted(f.keys())[-1]
+            assert f.get_tensor(name).numel() == 4 << 20
+    finally:
+        for _ in range(50):
+            try:
+                os.rmdir(cgroup)
+                break
+            except OSError:
+                import time
+
+                time.sleep(0.1)
