@@ -76,6 +76,44 @@ class Trainer:
         np.random.set_state(state["rng"]["numpy"])
 
 
+def manager_demo(root: str, hidden: int, steps: int) -> bool:
+    """A run under bcp.CheckpointManager: asynchronous saves every 3 steps with
+    keep_last=2, a crash (and a save killed half-way), a restart from the newest
+    committed step; the resumed losses must equal an uninterrupted run's."""
+    from bcp.housekeeping import scan, step_name
+
+    print(f"\n-- CheckpointManager: {root}, save every 3 steps, keep_last=2, async")
+    random.seed(7)
+    np.random.seed(7)
+    reference_run = Trainer(hidden, seed=7)
+    reference = [reference_run.train_step() for _ in range(steps)]
+
+    crash_at = steps - steps // 3
+    random.seed(7)
+    np.random.seed(7)
+    run = Trainer(hidden, seed=7)
+    with bcp.CheckpointManager(root, keep_last=2) as manager:
+        for step in range(1, crash_at + 1):
+            run.train_step()
+            if step % 3 == 0:
+                manager.save(step, run.state())
+    # the job dies after step crash_at; its next save was killed half-way:
+    bcp.backends.backend_for(root).write(f"{step_name(crash_at + 1)}/gen-dead/data/rank00000-0.bin", b"partial")
+    found = scan(bcp.backends.backend_for(root))
+    print(f"after the crash: committed steps {[s for s, i in sorted(found.items()) if i.committed]}, "
+          f"incomplete {[s for s, i in sorted(found.items()) if not i.committed]}")
+
+    resumed = Trainer(hidden, seed=99)
+    manager = bcp.CheckpointManager(root, keep_last=2)  # a restart: collects the incomplete step
+    step, state = manager.load_latest(resumed.state())
+    resumed.restore(state)
+    print(f"restart: resumed from step {step}; steps on storage now {manager.steps()}")
+    continued = [resumed.train_step() for _ in range(steps - step)]
+    same = continued == reference[step:]
+    print(f"losses after restart equal the uninterrupted run: {'yes' if same else 'NO'}")
+    return same
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", help="where to write the checkpoint (default: a temporary directory)")
@@ -123,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"training continues identically: {'yes' if same_losses and same_params else 'NO'} "
           f"(losses equal: {same_losses}, final parameters equal: {same_params})")
     ok = same_losses and same_params
+    ok = manager_demo(f"{workdir.rstrip('/')}/run", args.hidden, steps=args.steps) and ok
     if not args.no_distributed:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import demo_distributed

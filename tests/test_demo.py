@@ -14,6 +14,7 @@ def test_demo_resumes_training_identically(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "training continues identically: yes" in out.stdout
+    assert "losses after restart equal the uninterrupted run: yes" in out.stdout, out.stdout
     assert "GB/s" in out.stdout and "tensors" in out.stdout
     assert (tmp_path / "step4" / "manifest.json").exists()
     assert "loss continues after resharding 2 -> 3: yes" in out.stdout, out.stdout
