@@ -22,7 +22,6 @@ bcp's own retry loop around it defaults to 2 attempts here.
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import json
 import logging
@@ -32,13 +31,12 @@ from collections.abc import Iterator
 from typing import Self
 from urllib.parse import quote, unquote, urlsplit
 
-import crc32c
 import gcsfs
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
 from .errors import ObjectExistsError, ObjectNotFoundError, annotate
 from .options import as_bool, as_int, as_size, reject_unknown
-from .parts import PartWriter
+from .parts import PartWriter, crc32c_b64
 from .retry import TransientError
 
 log = logging.getLogger(__name__)
@@ -47,9 +45,6 @@ DEFAULT_PART = 32 << 20
 COMPOSE_MAX = 32  # sources per compose request
 UPLOADS = ".bcp-uploads"
 
-
-def _crc32c_b64(data: Buffer) -> str:
-    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
 
 
 class GCSBackend(Backend):
@@ -126,7 +121,7 @@ class GCSBackend(Backend):
         format is where emulators go wrong, e.g. gcp-storage-emulator drops a final
         ``\\r``; costs one extra round trip per object.)"""
         payload = data if isinstance(data, (bytes, bytearray)) else bytes(data)
-        expected = _crc32c_b64(payload)
+        expected = crc32c_b64(payload)
         extra = {"ifGenerationMatch": "0"} if if_absent else {}
         headers, _ = self.fs.call(
             "POST", f"{self.api_base}/upload/storage/v1/b/{quote(self.bucket)}/o", uploadType="resumable",

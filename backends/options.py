@@ -5,18 +5,19 @@ from __future__ import annotations
 import re
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 
 
 def as_size(name: str, value) -> int:
-    """Bytes from an int or a string such as ``"64MiB"``, ``"8M"`` or ``"1048576"``
-    (binary units either way)."""
+    """Bytes from an int or a string: ``"64MiB"`` and ``"8M"`` are binary,
+    ``"5GB"`` is decimal (as Hugging Face shard sizes are), ``"1048576"`` bytes."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     m = _SIZE_RE.match(str(value))
     if not m:
-        raise ValueError(f"option {name}={value!r} is not a size (examples: 1048576, 64MiB, 8M)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+        raise ValueError(f"{name}={value!r} is not a size (examples: 1048576, 64MiB, 8M, 5GB)")
+    decimal = (m.group(3) or "").upper() == "B"
+    return int(float(m.group(1)) * (1000 if decimal else 1024) ** _POWERS[m.group(2).upper()])
 
 
 def as_bool(name: str, value) -> bool:

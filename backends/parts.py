@@ -10,11 +10,19 @@ a no-op (a retry whose first answer was lost).
 from __future__ import annotations
 
 import abc
+import base64
 import threading
 from typing import Any
 
+import crc32c
+
 from .base import Backend, Buffer, ObjectWriter
 from .errors import StorageError, annotate
+
+
+def crc32c_b64(data: Buffer) -> str:
+    """CRC32C as S3 and GCS spell it in headers and metadata: base64 of 4 big-endian bytes."""
+    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
 
 
 class PartWriter(ObjectWriter):

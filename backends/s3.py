@@ -17,19 +17,17 @@ never stored, never logged. s3fs's and botocore's own retry loops are switched o
 
 from __future__ import annotations
 
-import base64
 import logging
 from collections.abc import Iterator
 from typing import Self
 from urllib.parse import unquote, urlsplit
 
-import crc32c
 import s3fs
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
 from .errors import ObjectExistsError, ObjectNotFoundError, StorageError, annotate
 from .options import as_bool, as_int, as_size, reject_unknown
-from .parts import PartWriter
+from .parts import PartWriter, crc32c_b64
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +40,6 @@ SINGLE_PUT_MAX = 64 << 20
 _CREDENTIAL_OPTIONS = {"key", "secret", "token", "aws_access_key_id", "aws_secret_access_key",
                        "aws_session_token", "access_key", "secret_key"}
 
-
-def _crc32c_b64(data: Buffer) -> str:
-    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
 
 
 class S3Backend(Backend):
@@ -131,7 +126,7 @@ class S3Backend(Backend):
     def put(self, key: str, data: Buffer, *, if_absent: bool = False) -> None:
         kwargs = {"Bucket": self.bucket, "Key": self._key(key), "Body": bytes(data)}
         if self.checksum:
-            kwargs["ChecksumCRC32C"] = _crc32c_b64(data)
+            kwargs["ChecksumCRC32C"] = crc32c_b64(data)
         if if_absent:
             kwargs["IfNoneMatch"] = "*"
         self.call("put_object", **kwargs)
@@ -279,7 +274,7 @@ class _S3Writer(PartWriter):
         kwargs = {"Bucket": b.bucket, "Key": b._key(self.key), "UploadId": self._start(), "PartNumber": number,
                   "Body": bytes(data)}
         if b.checksum:
-            kwargs["ChecksumCRC32C"] = _crc32c_b64(data)
+            kwargs["ChecksumCRC32C"] = crc32c_b64(data)
             kwargs["ChecksumAlgorithm"] = "CRC32C"
         out = b.call("upload_part", **kwargs)
         entry = {"PartNumber": number, "ETag": out["ETag"]}

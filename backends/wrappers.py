@@ -18,8 +18,9 @@ from .errors import ObjectExistsError
 from .retry import RetryPolicy, TransientError
 
 
-class _Forwarding(Backend):
-    """Forwards the metadata of the wrapped backend (scheme, capabilities, hints)."""
+class ForwardingBackend(Backend):
+    """Passes every call and the metadata (scheme, capabilities, hints) through to
+    the wrapped backend; subclasses override only what they change."""
 
     def __init__(self, inner: Backend) -> None:
         super().__init__(inner.uri)
@@ -37,8 +38,34 @@ class _Forwarding(Backend):
         return self.inner.hints
 
     def unwrap(self) -> Backend:
-        inner = self.inner
-        return inner.unwrap() if isinstance(inner, _Forwarding) else inner
+        return self.inner.unwrap()
+
+    def open_writer(self, key: str, *, size: int | None = None) -> ObjectWriter:
+        return self.inner.open_writer(key, size=size)
+
+    def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
+        return self.inner.read_into(key, offset, buffer)
+
+    def size(self, key: str) -> int:
+        return self.inner.size(key)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def write(self, key: str, data: Buffer) -> None:
+        self.inner.write(key, data)
+
+    def write_if_absent(self, key: str, data: Buffer) -> None:
+        self.inner.write_if_absent(key, data)
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.inner.delete_prefix(prefix)
 
     def close(self) -> None:
         self.inner.close()
@@ -47,7 +74,7 @@ class _Forwarding(Backend):
         return f"{type(self).__name__}({self.inner!r})"
 
 
-class RetryingBackend(_Forwarding):
+class RetryingBackend(ForwardingBackend):
     """Retries transient failures of every call (all bcp requests are idempotent)."""
 
     def __init__(self, inner: Backend, policy: RetryPolicy | None = None) -> None:
@@ -118,7 +145,7 @@ class _RetryingWriter(ObjectWriter):
         self.inner.abort()
 
 
-class FaultInjectingBackend(_Forwarding):
+class FaultInjectingBackend(ForwardingBackend):
     """Makes a working backend misbehave on a schedule, for tests.
 
     ``fail_every=N``: every Nth call among ``actions`` raises :class:`TransientError`
@@ -126,8 +153,10 @@ class FaultInjectingBackend(_Forwarding):
     ``fail_after=True``: the store changed but the caller saw an error). ``latency``
     seconds are added to every call. ``truncate_every=M``: every Mth ``read_into``
     returns only the first half of what it could (a body cut short).
-    ``permanent=True`` makes the failures non-transient. Counters are thread-safe;
-    ``injected`` counts the faults raised.
+    ``permanent=True`` makes the failures non-transient. One count is shared by all
+    threads, but a thread whose previous call failed is not failed again at once
+    (unless ``fail_every=1``), so a retry loop cannot be starved by the interleaving.
+    Counters are thread-safe; ``injected`` counts the faults raised.
     """
 
     ACTIONS = frozenset({"read", "size", "list", "delete", "exists", "write", "commit", "open"})
@@ -141,6 +170,7 @@ class FaultInjectingBackend(_Forwarding):
         self.fail_every, self.actions, self.fail_after = fail_every, frozenset(actions), fail_after
         self.latency, self.truncate_every, self.permanent = latency, truncate_every, permanent
         self._lock = threading.Lock()
+        self._thread = threading.local()
         self.calls = 0
         self.reads = 0
         self.injected = 0
@@ -154,9 +184,14 @@ class FaultInjectingBackend(_Forwarding):
             time.sleep(self.latency)
         if not self.fail_every or action not in self.actions:
             return None
+        last = getattr(self._thread, "faulted", False)
         with self._lock:
             self.calls += 1
-            if self.calls % self.fail_every:
+            # With many threads sharing one count, the same caller could land on the
+            # failing slot on every retry; a store does not single one out like that.
+            hit = self.calls % self.fail_every == 0 and not (last and self.fail_every > 1)
+            self._thread.faulted = hit
+            if not hit:
                 return None
             self.injected += 1
         reason = f"injected fault #{self.injected} ({action})"
@@ -211,6 +246,9 @@ class FaultInjectingBackend(_Forwarding):
 
     def write_if_absent(self, key: str, data: Buffer) -> None:
         self._run("write", key, lambda: self.inner.write_if_absent(key, data))
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._run("delete", prefix, lambda: self.inner.delete_prefix(prefix))
 
 
 class _FaultyWriter(ObjectWriter):

@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 
-from .options_cli import parse_size
+from .backends.options import as_size
 
 
 def _conformance(args: argparse.Namespace) -> int:
@@ -161,7 +161,7 @@ def _convert(args) -> int:
     with _progress(total, f"converting to {args.to}") as bar:
         if args.to == "safetensors":
             index = convert.to_safetensors(reader, args.dst, prefix=prefix, strip_prefix=strip,
-                                           max_shard_bytes=parse_size(args.max_shard_size), progress=bar.update)
+                                           max_shard_bytes=as_size("--max-shard-size", args.max_shard_size), progress=bar.update)
             print(f"wrote {len(set(index['weight_map'].values()))} safetensors file(s), "
                   f"{len(index['weight_map'])} tensors, {_human(index['metadata']['total_size'])} to {args.dst}")
         else:
@@ -173,7 +173,7 @@ def _convert(args) -> int:
 
 def _rm(args) -> int:
     from bcp.backends import backend_for
-    from bcp.metadata import MANIFEST_KEY
+    from bcp.housekeeping import delete_checkpoint
 
     backend = backend_for(args.uri)
     keys = list(backend.list(""))
@@ -183,8 +183,7 @@ def _rm(args) -> int:
     if args.dry_run:
         print(f"would delete {len(keys)} objects under {args.uri}")
         return 0
-    backend.delete(MANIFEST_KEY)  # first: a half-finished removal is never a committed checkpoint
-    backend.delete_prefix("")
+    delete_checkpoint(backend)
     print(f"deleted {len(keys)} objects under {args.uri}")
     return 0
 

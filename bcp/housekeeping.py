@@ -113,11 +113,15 @@ def check_policy(keep_last, keep_every, keep_best) -> None:
             raise ValueError(f"keep_best must be (metric, N >= 1, 'min' or 'max'), got {keep_best!r}")
 
 
+def delete_checkpoint(backend: Backend, prefix: str = "") -> None:
+    """The checkpoint under ``prefix`` (``""`` or ending in ``/``): manifest first, so
+    it stops being committed at once, then everything else."""
+    backend.delete(f"{prefix}{MANIFEST_KEY}")
+    backend.delete_prefix(prefix)
+
+
 def delete_step(backend: Backend, step: int) -> None:
-    """Manifest first (the step stops being committed at once), then everything else."""
-    name = step_name(step)
-    backend.delete(f"{name}/{MANIFEST_KEY}")
-    backend.delete_prefix(f"{name}/")
+    delete_checkpoint(backend, f"{step_name(step)}/")
 
 
 def orphan_generations(backend: Backend, step: int) -> list[str]:
@@ -138,6 +142,7 @@ def write_latest(backend: Backend, step: int) -> None:
 
 @dataclasses.dataclass
 class GcPlan:
+    committed: list[int]  # what the listing found, before anything is deleted
     incomplete: list[int]
     expired: list[int]
     orphan_generations: list[str]
@@ -147,18 +152,23 @@ class GcPlan:
         return not (self.incomplete or self.expired or self.orphan_generations)
 
 
-def plan_gc(backend: Backend, *, busy: Iterable[int] = (), **policy) -> GcPlan:
-    """What ``gc`` would delete: incomplete steps (except ``busy`` ones being written
-    now), committed steps the policy no longer keeps, unused generations."""
+def plan_gc(backend: Backend, *, busy: Iterable[int] = (), generations_of: Iterable[int] | None = None,
+            **policy) -> GcPlan:
+    """What ``gc`` would delete, from one listing: incomplete steps (except ``busy``
+    ones being written now), committed steps the policy no longer keeps, and unused
+    generations in the kept steps of ``generations_of`` (None: every kept step; each
+    costs a manifest read and a listing)."""
     found = scan(backend)
     busy = set(busy)
     committed = sorted(s for s, i in found.items() if i.committed)
     metrics = {s: step_metrics(backend, s) for s in committed} if policy.get("keep_best") else None
     kept = select_kept(committed, metrics=metrics, **policy)
+    check = kept if generations_of is None else kept & set(generations_of)
     return GcPlan(
+        committed=committed,
         incomplete=sorted(s for s, i in found.items() if not i.committed and s not in busy),
         expired=[s for s in committed if s not in kept],
-        orphan_generations=[g for s in committed if s in kept for g in orphan_generations(backend, s)],
+        orphan_generations=[g for s in sorted(check) for g in orphan_generations(backend, s)],
     )
 
 

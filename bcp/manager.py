@@ -61,7 +61,7 @@ class CheckpointManager:
         self.coord = coordinator_for(process_group)
         self._pending: tuple[AsyncSaveHandle, int] | None = None
         if self.coord.is_coordinator:
-            self._housekeeping()
+            self._housekeeping(generations_of=None)  # a restart: check every kept step once
 
     # -- queries (local, no collectives) --------------------------------------------------
 
@@ -134,17 +134,17 @@ class CheckpointManager:
     # -- coordinator only -------------------------------------------------------------------------
 
     def _committed(self, step: int) -> None:
-        if not self.coord.is_coordinator:
-            return
-        latest = self.latest()
-        if latest is not None:
-            write_latest(self.backend, latest)
-        self._housekeeping()
+        if self.coord.is_coordinator:
+            # Only the step just written can have gained an unused generation (an overwrite).
+            self._housekeeping(generations_of=[step])
 
-    def _housekeeping(self) -> None:
+    def _housekeeping(self, *, generations_of) -> None:
+        """One listing: retention, garbage, then the pointer to the newest step."""
         busy = [self._pending[1]] if self._pending is not None else []
-        plan = plan_gc(self.backend, busy=busy, **self.policy)
+        plan = plan_gc(self.backend, busy=busy, generations_of=generations_of, **self.policy)
         if not plan.empty:
             log.info("retention: deleting steps %s, incomplete %s, unused generations %s",
                      plan.expired, plan.incomplete, plan.orphan_generations)
         run_gc(self.backend, plan)
+        if plan.committed:
+            write_latest(self.backend, plan.committed[-1])  # the newest is always kept

@@ -27,9 +27,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 from bcp.backends import Backend, backend_for, split_scheme
-from bcp.storage import join_uri
 
 import bcp
+from bcp.storage import join_uri
 
 #: How long the killed-save tests wait for the child to start writing.
 CHILD_TIMEOUT = 120.0

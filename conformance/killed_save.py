@@ -12,7 +12,7 @@ import time
 
 import torch
 from bcp.backends import ObjectWriter, backend_for
-from bcp.backends.wrappers import _Forwarding
+from bcp.backends.wrappers import ForwardingBackend
 
 import bcp
 
@@ -35,36 +35,12 @@ class _AnnouncingWriter(ObjectWriter):
         self.inner.abort()
 
 
-class _AnnouncingBackend(_Forwarding):
+class _AnnouncingBackend(ForwardingBackend):
     """Announces the first data write, then slows every part down."""
 
     def open_writer(self, key, *, size=None):
         writer = self.inner.open_writer(key, size=size)
         return _AnnouncingWriter(writer) if key.endswith(".bin") else writer
-
-    def read_into(self, key, offset, buffer):
-        return self.inner.read_into(key, offset, buffer)
-
-    def size(self, key):
-        return self.inner.size(key)
-
-    def list(self, prefix=""):
-        return self.inner.list(prefix)
-
-    def delete(self, key):
-        self.inner.delete(key)
-
-    def exists(self, key):
-        return self.inner.exists(key)
-
-    def write(self, key, data):
-        self.inner.write(key, data)
-
-    def write_if_absent(self, key, data):
-        self.inner.write_if_absent(key, data)
-
-    def delete_prefix(self, prefix):
-        self.inner.delete_prefix(prefix)
 
 
 def main(argv: list[str]) -> None:

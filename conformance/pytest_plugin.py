@@ -111,10 +111,7 @@ def _failure_line(report) -> str:
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash is not None else str(report.longrepr)
     first = text.strip().splitlines()[0] if text.strip() else "failed"
-    for prefix in ("AssertionError: ", "assert "):
-        if first.startswith(prefix) and prefix == "AssertionError: ":
-            first = first[len(prefix):]
-    return first[:300]
+    return first.removeprefix("AssertionError: ")[:300]
 
 
 def _public_uri(uri: str) -> str:
