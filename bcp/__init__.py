@@ -8,7 +8,7 @@
 
 from . import backends, metadata
 from ._version import __version__
-from .async_save import AsyncSaveHandle, async_save
+from .async_save import AsyncSaveHandle, async_save, reserve_staging
 from .collectives import RankFailedError
 from .errors import (
     CheckpointError,
@@ -55,5 +55,6 @@ __all__ = [
     "load",
     "metadata",
     "open",
+    "reserve_staging",
     "save",
 ]

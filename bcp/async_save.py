@@ -11,6 +11,13 @@ so it never corrupts k. A third waits for the first.
 state) do not change until ``optimizer.step()``, so they are staged in the
 background during forward and backward, and a step pre-hook waits only for the
 part not yet copied. Everything else (buffers, objects) is copied before returning.
+
+Device (CUDA) tensors: copies run on a side stream ordered after the caller's work
+at the call (``bcp.device_copy``). ``async_save`` returns only once the copies it
+made have completed (a host wait as long as the device-to-host copy itself), so
+nothing the caller does next, on any stream, can reach the checkpoint. The overlap
+pre-hook makes ``step()``'s stream wait for the background copies on the device,
+without blocking the host. docs/io.md, "Device tensors", is the full contract.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ from bcp.metadata import DEFAULT_BLOCK_BYTES
 
 from .collectives import coordinator_for
 from .saver import SaveInfo, SaveJob
-from .staging import StagingPool
+from .shards import local_pieces
+from .staging import StagingPool, StagingReservation, default_pool
+from .state import flatten_state
+from .tensor_io import storage_identity
 from .write_pipeline import Chunk
 
 _slots_lock = threading.Lock()
@@ -106,9 +116,19 @@ def async_save(
 ) -> AsyncSaveHandle:
     """Start saving ``state``; return once it is safe to change the state.
 
-    Same arguments as ``bcp.save`` (collective in the same way). With ``overlap``
-    set to the optimizer, returns before its parameters and state are copied; its
-    next ``step()`` waits for that copy (see the module docstring).
+    Same arguments as ``bcp.save`` (collective in the same way). When it returns, the
+    checkpoint holds exactly the values at the call: every copy of a CPU or CUDA
+    tensor has completed, so in-place kernels on any stream, ``optimizer.step()``,
+    freeing tensors and reusing their memory cannot change what is written. The
+    copies are ordered after the work queued on the calling thread's current stream
+    before the call; work on other streams must be ordered before it by the caller
+    (``torch.cuda.current_stream().wait_stream(side)``), as for any use of a tensor.
+
+    With ``overlap`` set to the optimizer, returns before its parameters and state
+    are copied; its next ``step()`` waits for that copy (on the host for the copy
+    to be queued, on the device for it to run), so ``step()`` cannot change a
+    tensor before it is copied. Changing optimizer-owned tensors other than through
+    ``step()`` before that is the caller's responsibility. docs/io.md has details.
     """
     global _save_count
     started = time.perf_counter()
@@ -126,6 +146,7 @@ def async_save(
     background = None
     if overlap is None:
         job.stage()
+        job.pipeline.copies.wait()  # device copies done: the caller may change or free anything
     else:
         background = True
         owned = _optimizer_storages(overlap)
@@ -137,6 +158,7 @@ def async_save(
             )
 
         job.stage(select=lambda c: not later(c), last=False)  # what forward/backward may change: now
+        job.pipeline.copies.wait()
     handle = AsyncSaveHandle(job, 0.0)
     if overlap is None:
         handle.staged.set()
@@ -144,7 +166,8 @@ def async_save(
         hook_box: list = []
 
         def wait_for_copy(_optimizer, _args, _kwargs):
-            handle.staged.wait()
+            handle.staged.wait()  # every copy is queued (host copies are done)
+            job.pipeline.copies.order_after()  # step()'s kernels run after the device copies
             hook_box[0].remove()
 
         hook_box.append(overlap.register_step_pre_hook(wait_for_copy))
@@ -162,6 +185,38 @@ def async_save(
     handle.blocking_seconds = time.perf_counter() - started
     thread.start()
     return handle
+
+
+def staging_bytes(state: Mapping[str, Any]) -> int:
+    """Bytes of tensors this rank holds in ``state`` (each storage view counted once):
+    the most an async save of it stages on this rank."""
+    seen: set[tuple] = set()
+    total = 0
+    for leaf in flatten_state(state).values():
+        if not leaf.is_tensor:
+            continue
+        _shape, _dtype, pieces, _replicated = local_pieces(leaf.value, leaf.fqn)
+        for piece in pieces:
+            ident = storage_identity(piece.tensor)
+            if ident not in seen:
+                seen.add(ident)
+                total += piece.tensor.numel() * piece.tensor.element_size()
+    return total
+
+
+def reserve_staging(
+    state: Mapping[str, Any], *, pool: StagingPool | None = None, background: bool = True
+) -> StagingReservation:
+    """Allocate the staging memory an async save of ``state`` needs, now, in a
+    background thread (local; not collective).
+
+    Pinned host memory allocates at about 1 GB/s, so without this the first
+    ``async_save`` of a run pays for it while training waits. Call it once the state
+    exists (``CheckpointManager.load_latest`` does); training may go on meanwhile.
+    The pool stays capped by its budget: a state larger than the budget reserves
+    the whole budget, and saves of it block until the rest has been written.
+    """
+    return StagingReservation(pool or default_pool(), staging_bytes(state), background=background)
 
 
 def wait_all() -> None:

@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Any
 
-from .async_save import AsyncSaveHandle, async_save
+from .async_save import AsyncSaveHandle, async_save, reserve_staging
 from .collectives import coordinator_for
 from .housekeeping import (
     check_policy,
@@ -60,6 +60,7 @@ class CheckpointManager:
         self.backend = resolve_backend(self.root_uri, self.storage_options)
         self.coord = coordinator_for(process_group)
         self._pending: tuple[AsyncSaveHandle, int] | None = None
+        self._reservation = None
         if self.coord.is_coordinator:
             self._housekeeping(generations_of=None)  # a restart: check every kept step once
 
@@ -108,13 +109,23 @@ class CheckpointManager:
 
     def load_latest(self, state: Any, **load_options) -> tuple[int | None, Any]:
         """(all ranks) Load the newest committed step into ``state``; returns
-        ``(step, loaded state)``, or ``(None, state)`` when there is none yet."""
+        ``(step, loaded state)``, or ``(None, state)`` when there is none yet.
+        With ``async_save``, it also starts allocating the staging memory saves of
+        ``state`` will need, in the background (``bcp.reserve_staging``), so the
+        first save of the run does not wait for it."""
         self.wait()
+        self.reserve_staging(state)
         step = self.coord.broadcast(self.latest() if self.coord.is_coordinator else None)
         if step is None:
             return None, state
         return step, load(state, self.uri(step), storage_options=self.storage_options or None,
                           process_group=self.process_group, **load_options)
+
+    def reserve_staging(self, state: Any) -> None:
+        """(local) Start allocating staging memory for async saves of ``state`` in the
+        background; done once per manager (``load_latest`` calls it)."""
+        if self.async_save and self._reservation is None:
+            self._reservation = reserve_staging(state)
 
     def close(self) -> None:
         self.wait()

@@ -19,6 +19,8 @@ from bcp.storage import resolve_backend
 
 from . import objcodec
 from .boxes import Box, intersect
+from .device_copy import DeviceCopies, is_device_tensor
+from .device_load import DeviceFill
 from .dtypes import torch_dtype
 from .errors import (
     CheckpointNotFoundError,
@@ -27,6 +29,7 @@ from .errors import (
 )
 from .read_exec import ReadStats, execute_reads
 from .read_plan import RunSet, plan_tensor_reads
+from .staging import StagingPool, default_pool
 from .state import KeyPath, build_nested, path_from_json
 from .tensor_io import byte_view, copy_values
 
@@ -135,12 +138,22 @@ class CheckpointReader:
         *,
         prefer_rank: int = 0,
         in_memory: dict[tuple[str, Box], torch.Tensor] | None = None,
+        pool: StagingPool | None = None,
     ) -> ReadStats:
         """Fill each destination tensor with box ``box`` of tensor ``fqn``, reading only
         the bytes needed, straight into destination memory where its layout allows.
         ``in_memory`` maps (fqn, stored box) to that fragment's values, already at
-        hand (shared by another rank): those parts are copied, not read."""
+        hand (shared by another rank): those parts are copied, not read. CUDA
+        destinations are filled through slabs of ``pool`` (default: the process-wide
+        pool; see ``bcp.device_load``); the call returns once every byte has landed."""
         in_memory = in_memory or {}
+        devices = sorted({dest.device for _f, _b, dest in requests if is_device_tensor(dest)}, key=str)
+        device_fill: DeviceFill | None = None
+        if devices:
+            device_copies = DeviceCopies()
+            device_copies.start(devices)  # after the caller's work on the destinations
+            device_fill = DeviceFill(pool or default_pool(), device_copies, block=self.manifest.checksum_block_bytes,
+                                     prefer_rank=prefer_rank)
         held: dict[str, dict[Box, torch.Tensor]] = {}
         for (fqn, fbox), values in in_memory.items():
             held.setdefault(fqn, {})[fbox] = values
@@ -155,6 +168,18 @@ class CheckpointReader:
             if dest.is_meta:
                 raise ValueError(f"{fqn!r}: cannot load into a meta tensor; allocate it first (module.to_empty(device=...))")
             dtype = torch_dtype(entry.dtype, fqn=fqn)
+            mine = held.get(fqn, {})
+            if device_fill is not None and is_device_tensor(dest):
+                landing = device_fill.landing(dest, dtype, tuple(box[1]))
+                for (f_off, f_len), values in mine.items():
+                    region = intersect(box[0], box[1], f_off, f_len)
+                    if region is not None:
+                        r_off, r_len = region
+                        src = values[tuple(slice(o - fo, o - fo + n) for o, fo, n in zip(r_off, f_off, r_len))]
+                        part = landing[tuple(slice(o - bo, o - bo + n) for o, bo, n in zip(r_off, box[0], r_len))]
+                        device_fill.add_host_part(part, src)
+                device_fill.add(entry, box, landing, frozenset(mine))
+                continue
             if dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
                 landing = dest.detach()
             else:
@@ -162,7 +187,6 @@ class CheckpointReader:
                 copies.append((dest, landing))
             index = len(views)
             views.append(byte_view(landing))
-            mine = held.get(fqn, {})
             for (f_off, f_len), values in mine.items():
                 region = intersect(box[0], box[1], f_off, f_len)
                 if region is not None:
@@ -174,6 +198,8 @@ class CheckpointReader:
         stats = execute_reads(self.backend, plans, views, block_bytes=self.manifest.checksum_block_bytes, verify=self.verify)
         for dest, landing in copies:
             copy_values(dest, landing)
+        if device_fill is not None:
+            stats.add(device_fill.run(self.backend, verify=self.verify, streams=self.backend.hints.concurrency))
         return stats
 
     # -- helpers ------------------------------------------------------------------------

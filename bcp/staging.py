@@ -6,6 +6,13 @@ the process (a pool of equal slabs). With CUDA present the slabs are pinned, so
 device-to-host copies can be asynchronous. The pool's capacity is the memory
 budget: ``acquire`` blocks while every slab is in use, which is what bounds a save's
 in-flight bytes.
+
+Pinned memory is slow to allocate (about 1 GB/s with cudaHostAlloc), so the first
+save of a run would pay for it on the critical path: :meth:`StagingPool.reserve`
+allocates slabs ahead of time in a background thread (``bcp.reserve_staging``).
+Pinned slabs are allocated at exactly the slab size: torch's pinned allocator rounds
+every request up to a power of two, and a slab of 32 MiB plus alignment slack would
+cost 64 MiB of pinned memory.
 """
 
 from __future__ import annotations
@@ -41,16 +48,26 @@ def default_budget() -> int:
 
 
 class Slab:
-    """One page-aligned staging buffer of ``pool.slab_bytes`` bytes."""
+    """One page-aligned staging buffer of at least ``pool.slab_bytes`` bytes."""
 
-    __slots__ = ("tensor", "_owner")
+    __slots__ = ("tensor",)
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
 
+    @property
+    def capacity(self) -> int:
+        return self.tensor.numel()
+
     def view(self, nbytes: int, shift: int = 0) -> torch.Tensor:
         """``nbytes`` of the slab starting ``shift`` (< 4096) bytes in, so the data's
-        address modulo 4096 can match its file offset's (O_DIRECT)."""
+        address modulo 4096 can match its file offset's (O_DIRECT). Where the shifted
+        bytes would not fit (an exactly sized pinned slab) the view starts at 0: the
+        storage then writes those bytes through the page cache, still correctly."""
+        if shift + nbytes > self.capacity:
+            shift = 0
+        if nbytes > self.capacity:
+            raise ValueError(f"a staged chunk of {nbytes} bytes does not fit a slab of {self.capacity}")
         return self.tensor[shift : shift + nbytes]
 
 
@@ -74,12 +91,20 @@ class StagingPool:
         return self._allocated * self.slab_bytes
 
     def _new_slab(self) -> Slab:
-        raw = torch.empty(self.slab_bytes + 2 * _ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
+        if self.pinned:
+            # Exactly slab_bytes (see the module docstring); pinned memory is page-aligned.
+            raw = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=True)
+            if raw.data_ptr() % _ALIGN == 0:
+                raw.zero_()
+                return Slab(raw)
+            raw = torch.empty(self.slab_bytes + _ALIGN, dtype=torch.uint8, pin_memory=True)
+        else:
+            raw = torch.empty(self.slab_bytes + 2 * _ALIGN, dtype=torch.uint8)
         skip = (-raw.data_ptr()) % _ALIGN  # page-aligned start, and room to shift by < 4096
         # Touch every page now: a slab reused for a larger chunk than before would
         # otherwise pay first-touch cost (0.4-1 GB/s here) save after save.
         raw.zero_()
-        return Slab(raw[skip : skip + self.slab_bytes + _ALIGN])
+        return Slab(raw[skip : skip + min(self.slab_bytes + _ALIGN, raw.numel() - skip)])
 
     def acquire(self) -> Slab:
         with self._cond:
@@ -106,11 +131,66 @@ class StagingPool:
             self._free.append(slab)
             self._cond.notify()
 
+    def reserve(self, nbytes: int) -> int:
+        """Allocate free slabs (in this thread) until ``nbytes`` of staging, or the
+        whole capacity, is ready; return the bytes now allocated. Saves running at
+        the same time take slabs as they appear."""
+        want = min(self.max_slabs, -(-max(0, nbytes) // self.slab_bytes))
+        while True:
+            with self._cond:
+                if self._allocated >= want:
+                    return self.allocated_bytes
+                self._allocated += 1
+            try:
+                slab = self._new_slab()
+            except BaseException:
+                with self._cond:
+                    self._allocated -= 1
+                    self._cond.notify()
+                raise
+            self.release(slab)
+
     def trim(self) -> None:
         """Free the slabs not in use (their memory returns to the system)."""
         with self._cond:
             self._allocated -= len(self._free)
             self._free.clear()
+
+
+class StagingReservation:
+    """Slabs being allocated ahead of a save, in a background thread."""
+
+    def __init__(self, pool: StagingPool, nbytes: int, *, background: bool = True) -> None:
+        self.pool = pool
+        #: the bytes asked for (capped by the pool's capacity)
+        self.nbytes = min(nbytes, pool.capacity)
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="bcp-reserve-staging", daemon=True)
+            self._thread.start()
+        else:
+            self._run()
+
+    def _run(self) -> None:
+        try:
+            self.pool.reserve(self.nbytes)
+        except BaseException as e:  # noqa: BLE001 - reported by wait(); a save allocates what is missing
+            self.error = e
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait until the slabs are allocated; return the pool's allocated bytes."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"staging reservation of {self.nbytes} bytes still running after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.pool.allocated_bytes
 
 
 _default: StagingPool | None = None

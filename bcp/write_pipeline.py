@@ -9,9 +9,16 @@ tensor memory itself to the writers (no copy at all). ``streams`` writer threads
 checksum and write chunks concurrently at their file offsets. The pool's capacity
 bounds the bytes in flight; the file is made durable once, at commit.
 
-Call order: ``stage()`` (calling thread; returns when every chunk has been handed
-to the writers, i.e. when the sources may change if ``stage_all``), then ``finish()``
-(any thread) which waits for the writers and commits the file.
+Device (CUDA) tensors are copied into pinned slabs on a side stream ordered after
+the caller's work at the time the pipeline was built (``bcp.device_copy``); a writer
+waits for a chunk's copy events before reading its slab, and a slab goes back to the
+pool only once its copies have completed, also when the save fails.
+
+Call order: the constructor (calling thread: marks "the call" for device copies),
+``stage()`` (calling thread, or a background thread for the rest of an overlapped
+save; returns when every chunk has been handed to the writers: host sources may
+then change if ``stage_all``, device sources once ``copies.wait()`` returns), then
+``finish()`` (any thread) which waits for the writers and commits the file.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 from bcp.backends import Backend
 from bcp.metadata import FileEntry, Fragment, block_checksums, digest_of_checksums
 
+from .device_copy import DeviceCopies, is_device_tensor
 from .save_plan import TensorPlan
 from .shards import Piece
 from .staging import StagingPool
@@ -48,6 +56,18 @@ class Chunk:
     offset: int  # file offset
     nbytes: int
     segments: list[Segment]
+
+
+@dataclasses.dataclass(slots=True)
+class StagedChunk:
+    """A chunk handed to the writers: its bytes, where they live, and what completes them."""
+
+    chunk: Chunk
+    #: the pool slab holding the bytes (None: the bytes are the source tensor's own memory)
+    slab: object | None
+    data: torch.Tensor
+    #: device-to-host copy events the bytes wait for (empty for host sources)
+    events: list
 
 
 def _align(offset: int, nbytes: int, phase: int = 0) -> int:
@@ -167,17 +187,22 @@ class WritePipeline:
         self._threads: list[threading.Thread] = []
         self._writer = None
         self._pending: list[Chunk] = []
-        self._copy_stream = None
+        self._uses_left: dict[int, int] = {}
+        #: device-to-host copies; "the call" is now (this runs in the caller's thread)
+        self.copies = DeviceCopies()
+        self.copies.start(sorted({p.tensor.device for _t, p in items if is_device_tensor(p.tensor)}, key=str))
 
     # -- calling thread ---------------------------------------------------------------------
 
     def _flat_source(self, index: int) -> torch.Tensor:
-        """The item's bytes as a flat uint8 tensor (on its device)."""
+        """The item's bytes as a flat uint8 tensor (on its device). A device tensor
+        that is not dense row-major is made so on the side stream (after the caller's
+        work, before the copies that read it)."""
         t = self.items[index][1].tensor.detach()
-        if t.device.type == "cpu":
+        if not is_device_tensor(t):
             t = host_contiguous(t)
         elif not t.is_contiguous() or t.is_conj() or t.is_neg():
-            t = t.resolve_conj().resolve_neg().contiguous()
+            t = self.copies.contiguous(t)
         return flat_bytes(t) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
     def chunks(self) -> list[Chunk]:
@@ -195,6 +220,9 @@ class WritePipeline:
         if self._writer is None:
             self._writer = self.backend.open_writer(self.data_key, size=self.size)
             self._pending = self.chunks()
+            for chunk in self._pending:
+                for seg in chunk.segments:
+                    self._uses_left[seg.item] = self._uses_left.get(seg.item, 0) + 1
             if not self.stage_all:
                 self._start_writers()
         try:
@@ -231,43 +259,50 @@ class WritePipeline:
         for seg in chunk.segments:
             if seg.item not in self.sources:
                 self.sources[seg.item] = self._flat_source(seg.item)
+        try:
+            self._queue.put(self._stage_chunk(chunk))
+        finally:
+            self._forget_sources(chunk)
+
+    def _stage_chunk(self, chunk: Chunk) -> StagedChunk:
         first = self.sources[chunk.segments[0].item] if chunk.segments else None
         whole = len(chunk.segments) == 1 and chunk.segments[0].at == 0 and chunk.segments[0].nbytes == chunk.nbytes
-        if not self.stage_all and whole and first.device.type == "cpu":
+        if not self.stage_all and whole and not is_device_tensor(first):
             seg = chunk.segments[0]
             data = first[seg.start : seg.start + seg.nbytes]
             if not self.aligned_writes or (data.data_ptr() - chunk.offset) % 4096 == 0:
-                self._queue.put((chunk, None, data, None))  # zero-copy: the tensor's own memory
-                return
+                return StagedChunk(chunk, None, data, [])  # zero-copy: the tensor's own memory
         if not self._threads and self.pool.would_block():
             self._start_writers()  # only writing frees slabs
         slab = self.pool.acquire()
         out = slab.view(chunk.nbytes, shift=chunk.offset % 4096)  # same phase as the file: O_DIRECT-able
-        cursor, event = 0, None
-        for seg in chunk.segments:
-            if seg.at > cursor:
-                out[cursor : seg.at].zero_()  # padding: never leak an earlier save's bytes
-            src = self.sources[seg.item][seg.start : seg.start + seg.nbytes]
-            if src.device.type == "cuda":
-                event = self._copy_from_device(out[seg.at : seg.at + seg.nbytes], src)
-            else:
-                out[seg.at : seg.at + seg.nbytes].copy_(src)
-            cursor = seg.at + seg.nbytes
-        if cursor < chunk.nbytes:
-            out[cursor : chunk.nbytes].zero_()
+        cursor, events = 0, []
+        try:
+            for seg in chunk.segments:
+                if seg.at > cursor:
+                    out[cursor : seg.at].zero_()  # padding: never leak an earlier save's bytes
+                src = self.sources[seg.item][seg.start : seg.start + seg.nbytes]
+                if is_device_tensor(src):
+                    events.append(self.copies.to_host(out[seg.at : seg.at + seg.nbytes], src))
+                else:
+                    out[seg.at : seg.at + seg.nbytes].copy_(src)
+                cursor = seg.at + seg.nbytes
+            if cursor < chunk.nbytes:
+                out[cursor : chunk.nbytes].zero_()
+        except BaseException:
+            _settle(events)
+            self.pool.release(slab)
+            raise
         self.bytes_staged += chunk.nbytes
-        self._queue.put((chunk, slab, out, event))
+        return StagedChunk(chunk, slab, out, events)
 
-    def _copy_from_device(self, dst: torch.Tensor, src: torch.Tensor):
-        """Asynchronous device-to-host copy on a side stream into pinned memory."""
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=src.device)
-        self._copy_stream.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(self._copy_stream):
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._copy_stream)
-        return event
+    def _forget_sources(self, chunk: Chunk) -> None:
+        """Drop a source once its last chunk is staged (a device temporary's memory
+        returns to the allocator, reusable only behind the side stream's copies)."""
+        for seg in chunk.segments:
+            self._uses_left[seg.item] -= 1
+            if self._uses_left[seg.item] == 0:
+                self.sources.pop(seg.item, None)
 
     # -- writer threads ---------------------------------------------------------------------
 
@@ -276,10 +311,11 @@ class WritePipeline:
             task = self._queue.get()
             if task is None:
                 return
-            chunk, slab, data, event = task
+            staged: StagedChunk = task
+            chunk, slab, data = staged.chunk, staged.slab, staged.data
             try:
                 if self.error is None:
-                    if event is not None:
+                    for event in staged.events:
                         event.synchronize()
                     view = memoryview(data.numpy()).cast("B")
                     for seg in chunk.segments:
@@ -290,6 +326,7 @@ class WritePipeline:
                 self.error = self.error or e
             finally:
                 if slab is not None:
+                    _settle(staged.events)  # a copy still landing in the slab must not meet its next use
                     self.pool.release(slab)
 
     # -- any thread ---------------------------------------------------------------------------
@@ -339,3 +376,13 @@ class WritePipeline:
                 )
             )
         return fragments, file_sums
+
+
+def _settle(events: list) -> None:
+    """Wait for copies whose result is no longer wanted (a failed save), so their
+    destination memory may be reused."""
+    for event in events:
+        try:
+            event.synchronize()
+        except Exception:  # noqa: BLE001 - a broken device is reported by the save's own error
+            pass
