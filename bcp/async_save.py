@@ -37,7 +37,7 @@ from .shards import local_pieces
 from .staging import StagingPool, StagingReservation, default_pool
 from .state import flatten_state
 from .tensor_io import storage_identity
-from .write_pipeline import Chunk
+from .write_pipeline import Chunk, align_offset, plan_chunks
 
 _slots_lock = threading.Lock()
 _in_flight: dict[int, AsyncSaveHandle] = {}
@@ -187,11 +187,13 @@ def async_save(
     return handle
 
 
-def staging_bytes(state: Mapping[str, Any]) -> int:
-    """Bytes of tensors this rank holds in ``state`` (each storage view counted once):
-    the most an async save of it stages on this rank."""
+def staging_bytes(state: Mapping[str, Any], slab_bytes: int) -> int:
+    """Staging memory an async save of ``state`` takes on this rank: the slabs its
+    chunks occupy (a fragment of 1 MiB or more fills whole slabs of its own, small
+    ones share), laid out as the write pipeline lays them out."""
     seen: set[tuple] = set()
-    total = 0
+    spans: list[tuple[int, int, int]] = []
+    end = 0
     for leaf in flatten_state(state).values():
         if not leaf.is_tensor:
             continue
@@ -200,8 +202,11 @@ def staging_bytes(state: Mapping[str, Any]) -> int:
             ident = storage_identity(piece.tensor)
             if ident not in seen:
                 seen.add(ident)
-                total += piece.tensor.numel() * piece.tensor.element_size()
-    return total
+                nbytes = piece.tensor.numel() * piece.tensor.element_size()
+                start = align_offset(end, nbytes)
+                spans.append((len(spans), start, nbytes))
+                end = start + nbytes
+    return len(plan_chunks(spans, slab_bytes)) * slab_bytes
 
 
 def reserve_staging(
@@ -216,7 +221,8 @@ def reserve_staging(
     The pool stays capped by its budget: a state larger than the budget reserves
     the whole budget, and saves of it block until the rest has been written.
     """
-    return StagingReservation(pool or default_pool(), staging_bytes(state), background=background)
+    pool = pool or default_pool()
+    return StagingReservation(pool, staging_bytes(state, pool.slab_bytes), background=background)
 
 
 def wait_all() -> None:

@@ -59,8 +59,10 @@ class CudaApi:
         dst.copy_(src, non_blocking=True)
 
     def contiguous(self, t: torch.Tensor) -> torch.Tensor:
-        """A contiguous copy of ``t``, made by a kernel on the current stream."""
-        return t.contiguous()
+        """A dense row-major copy of ``t`` (conjugate and negative bits resolved: a
+        lazily conjugated tensor stays lazy through ``contiguous()``), made by
+        kernels on the current stream."""
+        return t.resolve_conj().resolve_neg().contiguous()
 
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)

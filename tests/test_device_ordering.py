@@ -40,6 +40,7 @@ def device_state(fake: FakeCudaApi, seed: int = 0) -> dict:
         "int8": torch.randint(-100, 100, (1000,), generator=g, dtype=torch.int8),
         "strided": base.t(),  # non-contiguous: made contiguous on the side stream
         "small": torch.randn(7, generator=g),
+        "conj": torch.randn(50, 40, dtype=torch.complex64, generator=g).conj(),  # lazy conjugate: resolved on the side stream
     }
     fake.as_device(base)
     for t in state.values():

@@ -1,0 +1,272 @@
+"""CUDA: async saves capture exactly the values at the call, loads into device memory
+are exact, DTensor and FSDP2 on one GPU. Skipped without CUDA (CI has none); the
+same ordering rules are checked on CPU by tests/test_device_ordering.py.
+
+The corruption these tests guard against is a race, so the async cases use tensors
+large enough (1 GiB in all) that a copy still runs when the caller's next kernel
+is queued, and repeat several trials.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import bcp
+from bcp.dtypes import _BY_NAME
+from helpers import tensor_bytes_equal
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+ALL_DTYPES = sorted(_BY_NAME.values(), key=str)
+TRIALS = 3
+
+
+def big_state(n: int = 16, mib: int = 64, seed: int = 0) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return {f"t{i}": torch.randn(mib << 18, device="cuda", generator=g) for i in range(n)}
+
+
+def cpu_copy(state: dict) -> dict:
+    torch.cuda.synchronize()
+    return {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def assert_checkpoint(uri: str, expected: dict) -> None:
+    reader = bcp.open(uri)
+    bad = [k for k, v in expected.items() if isinstance(v, torch.Tensor) and not torch.equal(reader.read(k), v)]
+    assert not bad, f"{len(bad)} of {len(expected)} tensors hold values from after the call: {bad[:4]}"
+
+
+@pytest.mark.parametrize("trial", range(TRIALS))
+def test_inplace_change_on_the_current_stream_right_after_async_save(tmp_path, trial):
+    state = big_state(seed=trial)
+    expected = cpu_copy(state)
+    handle = bcp.async_save(state, str(tmp_path / "ck"))
+    for t in state.values():
+        t.mul_(-3).add_(1)  # queued at once on the default stream
+    handle.wait()
+    assert_checkpoint(str(tmp_path / "ck"), expected)
+
+
+def test_inplace_change_on_another_stream_right_after_async_save(tmp_path):
+    state = big_state(seed=7)
+    expected = cpu_copy(state)
+    side = torch.cuda.Stream()
+    handle = bcp.async_save(state, str(tmp_path / "ck"))
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for t in state.values():
+            t.fill_(float("nan"))
+    handle.wait()
+    torch.cuda.synchronize()
+    assert_checkpoint(str(tmp_path / "ck"), expected)
+
+
+def test_values_at_the_call_include_work_queued_just_before_it(tmp_path):
+    state = big_state(n=4, seed=3)
+    for t in state.values():
+        t.mul_(2)  # still running when async_save is called
+    expected = cpu_copy(state)
+    bcp.async_save(state, str(tmp_path / "ck")).wait()
+    assert_checkpoint(str(tmp_path / "ck"), expected)
+
+
+def test_freed_tensors_memory_reused_right_after_async_save(tmp_path):
+    state = big_state(seed=11)
+    expected = cpu_copy(state)
+    handle = bcp.async_save(state, str(tmp_path / "ck"))
+    del state
+    gc.collect()
+    garbage = [torch.full((64 << 18,), 123.0, device="cuda") for _ in range(16)]  # likely the same blocks
+    handle.wait()
+    assert_checkpoint(str(tmp_path / "ck"), expected)
+    del garbage
+
+
+def make_training(dim: int = 2048, layers: int = 8):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(64, dim, device="cuda")
+
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    return model, opt, step
+
+
+def flat_cpu(state: dict) -> dict:
+    from bcp.state import flatten_state
+
+    torch.cuda.synchronize()
+    return {leaf.fqn: leaf.value.detach().cpu().clone() for leaf in flatten_state(state).values() if leaf.is_tensor}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_training_step_after_async_save(tmp_path, overlap):
+    model, opt, step = make_training()
+    for trial in range(TRIALS):
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        expected = flat_cpu(state)
+        uri = str(tmp_path / f"ck{trial}")
+        handle = bcp.async_save(state, uri, overlap=opt if overlap else None)
+        step()
+        step()
+        handle.wait()
+        assert_checkpoint(uri, expected)
+
+
+def test_overlap_with_freed_optimizer_state(tmp_path):
+    model, opt, step = make_training(dim=1024, layers=4)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    expected = flat_cpu(state)
+    handle = bcp.async_save(state, str(tmp_path / "ck"), overlap=opt)
+    del state
+    opt.state.clear()  # the moments are freed while their copies may be queued
+    gc.collect()
+    junk = [torch.full((1024, 1024), 5.0, device="cuda") for _ in range(16)]
+    handle.wait()
+    assert_checkpoint(str(tmp_path / "ck"), expected)
+    del junk
+
+
+def test_first_async_save_after_reservation_does_not_allocate(tmp_path):
+    from bcp.staging import StagingPool
+
+    state = big_state(n=8, seed=5)
+    pool = StagingPool(1 << 30)
+    assert pool.pinned
+    bcp.reserve_staging(state, pool=pool).wait()
+    before = pool.allocated_bytes
+    bcp.async_save(state, str(tmp_path / "ck"), pool=pool).wait()
+    assert pool.allocated_bytes == before
+
+
+def device_tensor(dtype: torch.dtype, shape: tuple, seed: int) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)  # compared bitwise
+    return raw.cuda().view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_and_strided_views_round_trip_through_cuda(tmp_path, dtype):
+    base = device_tensor(dtype, (64, 48), 1)
+    state = {"plain": base, "t": device_tensor(dtype, (40, 30), 2).t(), "step": base[::3, 1:], "empty": base[:0]}
+    expected = {k: v.cpu() for k, v in state.items()}
+    bcp.async_save(state, str(tmp_path / "a")).wait()
+    bcp.save(state, str(tmp_path / "s"))
+    for uri in (tmp_path / "a", tmp_path / "s"):
+        template = {k: torch.empty_like(v) for k, v in expected.items()}
+        template = {k: v.cuda() for k, v in template.items()}
+        template["t"] = torch.empty(30, 40, dtype=dtype, device="cuda").t()  # a strided destination
+        out = bcp.load(template, str(uri))
+        for k, v in expected.items():
+            assert out[k].is_cuda and tensor_bytes_equal(out[k].cpu(), v), (uri, k)
+
+
+def test_load_into_cuda_templates_with_reshard_boxes_and_casts(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(1000, 777, generator=g)
+    bcp.save({"w": full, "v": torch.randn(5000, generator=g)}, str(tmp_path / "ck"))
+    reader = bcp.open(str(tmp_path / "ck"))
+    boxes = [((0, 0), (1000, 777)), ((123, 45), (600, 700)), ((999, 0), (1, 777)), ((0, 700), (1000, 77))]
+    dests = [torch.full(n, -1.0, device="cuda") for _o, n in boxes]
+    reader.fill([("w", b, d) for b, d in zip(boxes, dests)])
+    for (o, n), d in zip(boxes, dests):
+        assert torch.equal(d.cpu(), full[o[0] : o[0] + n[0], o[1] : o[1] + n[1]])
+    out = bcp.load({"w": torch.empty(1000, 777, dtype=torch.bfloat16, device="cuda")}, str(tmp_path / "ck"), strict=False)
+    assert torch.equal(out["w"].cpu(), full.to(torch.bfloat16))
+    shard = bcp.TensorShard(torch.empty(250, 777, device="cuda"), (1000, 777), (500, 0))
+    bcp.load({"w": shard}, str(tmp_path / "ck"), strict=False)
+    assert torch.equal(shard.local.cpu(), full[500:750])
+
+
+def test_large_load_into_cuda_is_exact(tmp_path):
+    state = big_state(n=4, mib=64, seed=9)
+    expected = cpu_copy(state)
+    bcp.save(state, str(tmp_path / "ck"))
+    template = {k: torch.empty_like(v) for k, v in state.items()}
+    out = bcp.load(template, str(tmp_path / "ck"))
+    for k, v in expected.items():
+        assert torch.equal(out[k].cpu(), v), k
+
+
+# -- DTensor and FSDP2 on a one-GPU mesh ------------------------------------------------------
+
+
+def _one_gpu_job(rank: int, world: int, root: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.cuda.set_device(0)
+    mesh = init_device_mesh("cuda", (1,))
+    full = torch.randn(96, 40, generator=torch.Generator().manual_seed(1))
+    dt = distribute_tensor(full.cuda(), mesh, [Shard(0)])
+    bcp.save({"dt": dt, "rep": distribute_tensor(full.cuda(), mesh, [Replicate()])}, f"{root}/dt")
+    back = distribute_tensor(torch.zeros(96, 40, device="cuda"), mesh, [Shard(1)])
+    rep = torch.zeros(96, 40, device="cuda")
+    bcp.load({"dt": back, "rep": rep}, f"{root}/dt")
+    assert torch.equal(back.full_tensor().cpu(), full) and torch.equal(rep.cpu(), full)
+
+    def trained(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        model(torch.randn(4, 32, device="cuda")).sum().backward()
+        opt.step()
+        return model, opt
+
+    model, opt = trained(0)
+    msd, osd = get_state_dict(model, opt)
+    bcp.async_save({"model": msd, "optim": osd}, f"{root}/fsdp").wait()
+    other, other_opt = trained(5)
+    m2, o2 = get_state_dict(other, other_opt)
+    loaded = bcp.load({"model": m2, "optim": o2}, f"{root}/fsdp")
+    set_state_dict(other, other_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    for (name, a), (_n, b) in zip(model.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a.full_tensor().cpu(), b.full_tensor().cpu()), name
+    dist.barrier()
+
+
+def test_dtensor_and_fsdp2_on_a_one_gpu_mesh_reshard_into_cpu_layouts(tmp_path):
+    import torch.multiprocessing as mp
+
+    from dist_jobs import free_port
+
+    mp.spawn(_nccl_entry, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
+    reader = bcp.open(str(tmp_path / "fsdp"))
+    assert reader.read("model.0.weight").shape == (64, 32) and reader.read("model.0.weight").device.type == "cpu"
+    # the FSDP2 checkpoint into a plain CPU model, and into two CPU shards of another layout
+    plain = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    bcp.load({"model": plain.state_dict()}, str(tmp_path / "fsdp"), strict=False)
+    assert torch.equal(plain.state_dict()["0.weight"], reader.read("model.0.weight"))
+    top = bcp.TensorShard(torch.empty(32, 32), (64, 32), (32, 0))
+    bcp.load({"model": {"0.weight": top}}, str(tmp_path / "fsdp"), strict=False)
+    assert torch.equal(top.local, reader.read("model.0.weight")[32:])
+
+
+def _nccl_entry(rank: int, port: int, root: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        _one_gpu_job(0, 1, root)
+    finally:
+        dist.destroy_process_group()
