@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from .tensor_io import raw
+
 
 class CudaApi:
     """The CUDA calls bcp makes, and nothing else."""
@@ -61,8 +63,11 @@ class CudaApi:
     def contiguous(self, t: torch.Tensor) -> torch.Tensor:
         """A dense row-major copy of ``t`` (conjugate and negative bits resolved: a
         lazily conjugated tensor stays lazy through ``contiguous()``), made by
-        kernels on the current stream."""
-        return t.resolve_conj().resolve_neg().contiguous()
+        kernels on the current stream. Copied as same-width integers: torch has no
+        CUDA copy kernel for int1..int7/uint1..uint7, and a bool copy would turn
+        every non-zero byte into 1."""
+        t = t.resolve_conj().resolve_neg()
+        return raw(t).contiguous().view(t.dtype)
 
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)
@@ -151,8 +156,12 @@ class DeviceCopies:
             api.record_stream(reads, stream)
             with api.use_stream(stream):
                 api.copy(dst, src)
-            event = api.new_event()
-            event.record(stream)
+            try:
+                event = api.new_event()
+                event.record(stream)
+            except BaseException:
+                stream.synchronize()  # a copy no event covers must not outlive this call
+                raise
             self._last[device] = event
         return event
 
@@ -173,3 +182,13 @@ class DeviceCopies:
             pending = list(self._last.items())
         for device, event in pending:
             api.current_stream(device).wait_event(event)
+
+
+def settle(events: list) -> None:
+    """Wait for copies whose result is no longer wanted (a failed save or load), so
+    their memory may be reused; errors are left to the operation's own report."""
+    for event in events:
+        try:
+            event.synchronize()
+        except Exception:  # noqa: BLE001 - a broken device is reported by the save's own error
+            pass

@@ -25,7 +25,7 @@ import torch
 from bcp.metadata import TensorEntry
 
 from .boxes import Box
-from .device_copy import DeviceCopies
+from .device_copy import DeviceCopies, settle
 from .read_exec import ReadStats, execute_reads
 from .read_plan import RunSet, plan_tensor_reads
 from .staging import StagingPool
@@ -163,16 +163,18 @@ class DeviceFill:
             stats = execute_reads(backend, plans, mem, block_bytes=self.block, verify=verify, streams=1)
             for piece, view in zip(job.pieces, views):
                 events.append(self.copies.to_device(piece.target, view))
-            return stats
-        finally:
             for event in events:  # the slab is reused only once its copies have run
                 event.synchronize()
+            events = []
+            return stats
+        finally:
+            settle(events)  # an error: still wait for what was queued before handing the slab back
             self.pool.release(slab)
 
     def run(self, backend, *, verify: bool, streams: int) -> ReadStats:
         stats = ReadStats()
-        for device_slice, values in self.host_parts:
-            self.copies.on_device(device_slice, values)  # pageable host memory: torch copies synchronously
+        for device_slice, values in self.host_parts:  # pageable host memory: torch copies synchronously
+            self.copies.on_device(*_bitwise(device_slice, values))
         jobs = self._jobs()
         try:
             if streams <= 1 or len(jobs) <= 1:
@@ -190,10 +192,16 @@ class DeviceFill:
                     if errors:
                         raise errors[0]
             for dest, temp in self.finals:
-                if dest.dtype == temp.dtype:
-                    self.copies.on_device(raw(dest), raw(temp))  # bit-exact, also for sub-byte dtypes
-                else:
-                    self.copies.on_device(dest, temp)
+                self.copies.on_device(*_bitwise(dest, temp))
         finally:
             self.copies.wait()  # every byte is on the device before load returns
         return stats
+
+
+def _bitwise(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operands of ``dst[...] = src``: same-width integer views when the dtypes
+    match (bit-exact; torch has no CUDA copy kernel for sub-byte dtypes), the tensors
+    themselves for a cast or a conjugate/negative view (whose bits the copy applies)."""
+    if dst.dtype == src.dtype and not (dst.is_conj() or dst.is_neg() or src.is_conj() or src.is_neg()):
+        return raw(dst), raw(src)
+    return dst, src

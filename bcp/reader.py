@@ -180,7 +180,8 @@ class CheckpointReader:
                         device_fill.add_host_part(part, src)
                 device_fill.add(entry, box, landing, frozenset(mine))
                 continue
-            if dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
+            if (dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype
+                    and not dest.is_conj() and not dest.is_neg()):
                 landing = dest.detach()
             else:
                 landing = torch.empty(tuple(box[1]), dtype=dtype)

@@ -30,7 +30,8 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 def copy_values(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst[...] = src, bit-exact when dtypes match, cast otherwise."""
     with torch.no_grad():
-        if dst.dtype == src.dtype:
+        lazy = dst.is_conj() or dst.is_neg() or src.is_conj() or src.is_neg()
+        if dst.dtype == src.dtype and not lazy:
             raw(dst).copy_(raw(src))
         else:
             dst.copy_(src)

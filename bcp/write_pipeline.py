@@ -32,7 +32,7 @@ import torch
 from bcp.backends import Backend
 from bcp.metadata import FileEntry, Fragment, block_checksums, digest_of_checksums
 
-from .device_copy import DeviceCopies, is_device_tensor
+from .device_copy import DeviceCopies, is_device_tensor, settle
 from .save_plan import TensorPlan
 from .shards import Piece
 from .staging import StagingPool
@@ -290,7 +290,7 @@ class WritePipeline:
             if cursor < chunk.nbytes:
                 out[cursor : chunk.nbytes].zero_()
         except BaseException:
-            _settle(events)
+            settle(events)
             self.pool.release(slab)
             raise
         self.bytes_staged += chunk.nbytes
@@ -326,7 +326,7 @@ class WritePipeline:
                 self.error = self.error or e
             finally:
                 if slab is not None:
-                    _settle(staged.events)  # a copy still landing in the slab must not meet its next use
+                    settle(staged.events)  # a copy still landing in the slab must not meet its next use
                     self.pool.release(slab)
 
     # -- any thread ---------------------------------------------------------------------------
@@ -376,13 +376,3 @@ class WritePipeline:
                 )
             )
         return fragments, file_sums
-
-
-def _settle(events: list) -> None:
-    """Wait for copies whose result is no longer wanted (a failed save), so their
-    destination memory may be reused."""
-    for event in events:
-        try:
-            event.synchronize()
-        except Exception:  # noqa: BLE001 - a broken device is reported by the save's own error
-            pass

@@ -20,6 +20,8 @@ import threading
 
 import torch
 
+from bcp.tensor_io import raw
+
 
 class FakeStream:
     def __init__(self, api: FakeCudaApi, name: str) -> None:
@@ -38,6 +40,9 @@ class FakeStream:
     def pending(self) -> list:
         with self.lock:
             return self.ops[self.done :]
+
+    def synchronize(self) -> None:
+        self.run_until(len(self.ops))
 
     def wait_stream(self, other: FakeStream) -> None:
         self.api.log.append(("wait_stream", self.name, other.name))
@@ -164,7 +169,7 @@ class FakeCudaApi:
         self.as_device(out)
         self.side_allocated.add(out.untyped_storage().data_ptr())
         with stream.lock:
-            stream.ops.append((lambda: out.copy_(t.resolve_conj().resolve_neg()), [_span(out), _span(t)]))
+            stream.ops.append((lambda: raw(out).copy_(raw(t.resolve_conj().resolve_neg())), [_span(out), _span(t)]))
         return out
 
     def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:

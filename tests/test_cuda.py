@@ -67,14 +67,19 @@ def test_inplace_change_on_another_stream_right_after_async_save(tmp_path):
 
 def test_values_at_the_call_include_work_queued_just_before_it(tmp_path):
     state = big_state(n=4, seed=3)
+    expected = {k: v * 2 for k, v in cpu_copy(state).items()}
+    busy = torch.randn(8192, 8192, device="cuda")
+    for _ in range(8):
+        busy = busy @ busy  # about 0.1 s of queued work: the kernels below are still pending at the call
     for t in state.values():
-        t.mul_(2)  # still running when async_save is called
-    expected = cpu_copy(state)
+        t.mul_(2)  # queued, not yet run, when async_save is called (no synchronize in between)
     bcp.async_save(state, str(tmp_path / "ck")).wait()
     assert_checkpoint(str(tmp_path / "ck"), expected)
 
 
 def test_freed_tensors_memory_reused_right_after_async_save(tmp_path):
+    """The contract as a user sees it (what keeps it: the save holds its sources until
+    written, and waits for its copies before returning)."""
     state = big_state(seed=11)
     expected = cpu_copy(state)
     handle = bcp.async_save(state, str(tmp_path / "ck"))
@@ -127,8 +132,9 @@ def test_overlap_with_freed_optimizer_state(tmp_path):
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     expected = flat_cpu(state)
     handle = bcp.async_save(state, str(tmp_path / "ck"), overlap=opt)
+    step()  # the pre-hook orders this step after the background copies
     del state
-    opt.state.clear()  # the moments are freed while their copies may be queued
+    opt.state.clear()  # the moments are dropped by the optimizer while the save may still write them
     gc.collect()
     junk = [torch.full((1024, 1024), 5.0, device="cuda") for _ in range(16)]
     handle.wait()
@@ -148,29 +154,34 @@ def test_first_async_save_after_reservation_does_not_allocate(tmp_path):
     assert pool.allocated_bytes == before
 
 
-def device_tensor(dtype: torch.dtype, shape: tuple, seed: int) -> torch.Tensor:
+def host_tensor(dtype: torch.dtype, shape: tuple, seed: int) -> torch.Tensor:
+    """Random bytes (compared bitwise: NaN payloads and non-0/1 bools included)."""
     n = 1
     for s in shape:
         n *= s
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)  # compared bitwise
-    return raw.cuda().view(dtype).reshape(shape)
+    return torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_every_dtype_and_strided_views_round_trip_through_cuda(tmp_path, dtype):
-    base = device_tensor(dtype, (64, 48), 1)
-    state = {"plain": base, "t": device_tensor(dtype, (40, 30), 2).t(), "step": base[::3, 1:], "empty": base[:0]}
-    expected = {k: v.cpu() for k, v in state.items()}
+    from bcp.tensor_io import host_contiguous, raw
+
+    host = {"plain": host_tensor(dtype, (64, 48), 1), "t": host_tensor(dtype, (40, 30), 2)}
+    base, other = (raw(host[k]).cuda().view(dtype) for k in ("plain", "t"))
+    state = {"plain": base, "t": other.t(), "step": base[::3, 1:], "empty": base[:0]}
+    # expected bytes from the CPU originals: CUDA has no copy kernels for sub-byte dtypes
+    expected = {"plain": host["plain"], "t": host_contiguous(host["t"].t()), "step": host_contiguous(host["plain"][::3, 1:]),
+                "empty": host["plain"][:0]}
     bcp.async_save(state, str(tmp_path / "a")).wait()
     bcp.save(state, str(tmp_path / "s"))
     for uri in (tmp_path / "a", tmp_path / "s"):
-        template = {k: torch.empty_like(v) for k, v in expected.items()}
-        template = {k: v.cuda() for k, v in template.items()}
+        template = {k: torch.empty(v.shape, dtype=dtype, device="cuda") for k, v in expected.items()}
         template["t"] = torch.empty(30, 40, dtype=dtype, device="cuda").t()  # a strided destination
         out = bcp.load(template, str(uri))
         for k, v in expected.items():
-            assert out[k].is_cuda and tensor_bytes_equal(out[k].cpu(), v), (uri, k)
+            got = raw(out[k]).cpu().view(dtype)  # integer views copy for every dtype
+            assert out[k].is_cuda and tensor_bytes_equal(host_contiguous(got), v), (uri, k)
 
 
 def test_load_into_cuda_templates_with_reshard_boxes_and_casts(tmp_path):

@@ -20,6 +20,7 @@ import bcp.device_copy
 import bcp.staging
 from bcp.device_load import contiguous_pieces
 from bcp.staging import Slab, StagingPool
+from helpers import tensor_bytes_equal
 
 SLAB = 128 << 10
 
@@ -41,6 +42,8 @@ def device_state(fake: FakeCudaApi, seed: int = 0) -> dict:
         "strided": base.t(),  # non-contiguous: made contiguous on the side stream
         "small": torch.randn(7, generator=g),
         "conj": torch.randn(50, 40, dtype=torch.complex64, generator=g).conj(),  # lazy conjugate: resolved on the side stream
+        "bool_t": torch.randint(0, 256, (30, 20), dtype=torch.uint8, generator=g).view(torch.bool).t(),  # raw bytes kept
+        "uint4_step": torch.randint(0, 256, (40, 10), dtype=torch.uint8, generator=g).view(torch.uint4)[::2],
     }
     fake.as_device(base)
     for t in state.values():
@@ -49,7 +52,10 @@ def device_state(fake: FakeCudaApi, seed: int = 0) -> dict:
 
 
 def snapshot(state: dict) -> dict:
-    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    from bcp.tensor_io import host_contiguous, raw
+
+    return {k: raw(host_contiguous(v)).clone().view(v.dtype) if isinstance(v, torch.Tensor) else v
+            for k, v in state.items()}
 
 
 def assert_checkpoint_holds(uri: str, expected: dict) -> None:
@@ -57,15 +63,17 @@ def assert_checkpoint_holds(uri: str, expected: dict) -> None:
     for key, value in expected.items():
         got = reader.read(key)
         if isinstance(value, torch.Tensor):
-            assert torch.equal(got, value), f"{key} differs from the values at the call"
+            assert tensor_bytes_equal(got, value), f"{key} differs from the values at the call"
         else:
             assert got == value
 
 
 def mutate(state: dict) -> None:
+    from bcp.tensor_io import raw
+
     for v in state.values():
         if isinstance(v, torch.Tensor):
-            v.fill_(7)
+            raw(v.resolve_conj()).fill_(7) if not v.is_conj() else v.fill_(7)
 
 
 def test_async_save_returns_only_after_its_device_copies_completed(fake, tmp_path):
@@ -219,6 +227,17 @@ def test_control_load_without_the_final_wait_misses_the_cast(fake, saved, monkey
     uri, ref = saved
     out = bcp.load({"h": fake.as_device(torch.zeros(33, 17))}, uri, strict=False)
     assert not torch.equal(out["h"], ref["h"].float())
+
+
+def test_load_into_conjugate_destinations_on_device_and_host(fake, tmp_path):
+    c = torch.randn(30, 20, dtype=torch.complex64)
+    bcp.save({"c": c}, str(tmp_path / "ck"))
+    for dest in (fake.as_device(torch.zeros(30, 20, dtype=torch.complex64)).conj(),
+                 torch.zeros(30, 20, dtype=torch.complex64).conj(),
+                 fake.as_device(torch.zeros(20, 30, dtype=torch.complex64)).t().conj()):
+        out = bcp.load({"c": dest}, str(tmp_path / "ck"))
+        assert torch.equal(out["c"].resolve_conj(), c)
+    assert fake.violations == []
 
 
 def test_load_reshard_boxes_into_device_memory(fake, saved):
