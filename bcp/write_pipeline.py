@@ -108,6 +108,9 @@ def layout(items: list[tuple[TensorPlan, Piece]], *, match_memory: bool = False,
     return offsets, unique, end
 
 
+#: What a released item's piece holds instead of the caller's tensor.
+_RELEASED = torch.empty(0, dtype=torch.uint8)
+
 #: Fragments smaller than this are packed together into one staged chunk (one write
 #: instead of many small ones); larger ones get chunks of their own, written from
 #: their own memory when the save is synchronous.
@@ -167,6 +170,7 @@ class WritePipeline:
         stage_all: bool,
     ) -> None:
         self.backend, self.data_key, self.rank, self.items = backend, data_key, rank, items
+        self.item_nbytes = [p.tensor.numel() * p.tensor.element_size() for _t, p in items]
         self.block, self.pool, self.streams, self.stage_all = block, pool, max(1, streams), stage_all
         self.aligned_writes = backend.hints.aligned_writes
         self.part_size = backend.hints.part_size
@@ -206,8 +210,7 @@ class WritePipeline:
         return flat_bytes(t) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
     def chunks(self) -> list[Chunk]:
-        spans = [(i, self.offsets[i], self.items[i][1].tensor.numel() * self.items[i][1].tensor.element_size())
-                 for i in self.unique]
+        spans = [(i, self.offsets[i], self.item_nbytes[i]) for i in self.unique]
         if self.part_size is not None:
             return plan_part_chunks(spans, self.part_size, self.size)
         return plan_chunks(spans, self.pool.slab_bytes)
@@ -238,6 +241,15 @@ class WritePipeline:
         finally:
             if last:
                 self.close_queue()
+                if self.stage_all:
+                    self._release_sources()
+
+    def _release_sources(self) -> None:
+        """Every chunk is in a slab: let go of the caller's tensors, so memory the
+        caller frees returns at once rather than when the save has written it. Device
+        copies still in flight keep their sources' memory reserved (record_stream)."""
+        self.sources.clear()
+        self.items = [(t, dataclasses.replace(piece, tensor=_RELEASED)) for t, piece in self.items]
 
     def _start_writers(self) -> None:
         """Writers start at once for a synchronous save; an asynchronous one stages
@@ -367,7 +379,7 @@ class WritePipeline:
         fragments = []
         for index, ((t, piece), offset) in enumerate(zip(self.items, self.offsets)):
             source = index if offset >= 0 else -1 - offset
-            nbytes = piece.tensor.numel() * piece.tensor.element_size()
+            nbytes = self.item_nbytes[index]
             fragments.append(
                 Fragment(
                     fqn=t.fqn, key_path=t.key_path, dtype=t.dtype, global_shape=t.global_shape,

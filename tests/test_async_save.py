@@ -116,3 +116,32 @@ def test_overlap_checkpoint_holds_pre_step_values_while_training_runs_on(uri):
             assert torch.equal(r.read(f"optim.state.{p}.{k}"), v), f"optim.state.{p}.{k} is not the pre-step value"
     assert not torch.equal(net.lin.weight, snapshot["model"]["lin.weight"]), "training did not run on"
     assert len(opt._optimizer_step_pre_hooks) == 0, "the step pre-hook was not removed"  # private-ok: test introspection
+
+
+def test_sources_are_released_once_staged_while_the_write_goes_on(tmp_path, monkeypatch):
+    """Memory the caller frees after async_save returns comes back at once, not when
+    the save has written it."""
+    import threading
+    import weakref
+
+    gate = threading.Event()
+    real_pwrite = os.pwrite
+
+    def slow_pwrite(fd, data, offset):
+        gate.wait(timeout=60)
+        return real_pwrite(fd, data, offset)
+
+    state = {f"w{i}": torch.randn(512, 512) for i in range(4)}  # 1 MiB each: chunks of their own
+    expected = {k: v.clone() for k, v in state.items()}
+    monkeypatch.setattr(os, "pwrite", slow_pwrite)
+    handle = bcp.async_save(state, str(tmp_path / "ck"))
+    refs = [weakref.ref(t) for t in state.values()]
+    del state
+    gc.collect()
+    assert not handle.done(), "the write should still be blocked"
+    assert all(r() is None for r in refs), "the save still holds the caller's tensors"
+    gate.set()
+    handle.wait()
+    monkeypatch.undo()
+    r = bcp.open(str(tmp_path / "ck"))
+    assert all(torch.equal(r.read(k), v) for k, v in expected.items())
