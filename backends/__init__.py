@@ -1,6 +1,6 @@
 """Storage backends for bcp: one small interface, a registry keyed by URI scheme.
 
-Knows nothing of tensors or of the checkpoint engine (DESIGN.md layering).
+Knows nothing of tensors or of the checkpoint engine (README, "Layout").
 """
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key

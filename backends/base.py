@@ -2,7 +2,7 @@
 
 A backend stores opaque objects under string keys relative to a root URI, with the
 smallest set of semantics that local filesystems, object stores and distributed
-filesystems all share (DESIGN.md, "Backend contract"). It knows nothing of tensors
+filesystems all share (docs/writing-a-backend.md). It knows nothing of tensors
 or checkpoints.
 
 Notes for implementers

@@ -36,8 +36,7 @@ from .saver import SaveInfo, SaveJob
 from .shards import local_pieces
 from .staging import StagingPool, StagingReservation, default_pool
 from .state import flatten_state
-from .tensor_io import storage_identity
-from .write_pipeline import Chunk, align_offset, plan_chunks
+from .write_pipeline import Chunk, layout, plan_chunks
 
 _slots_lock = threading.Lock()
 _in_flight: dict[int, AsyncSaveHandle] = {}
@@ -191,21 +190,10 @@ def staging_bytes(state: Mapping[str, Any], slab_bytes: int) -> int:
     """Staging memory an async save of ``state`` takes on this rank: the slabs its
     chunks occupy (a fragment of 1 MiB or more fills whole slabs of its own, small
     ones share), laid out as the write pipeline lays them out."""
-    seen: set[tuple] = set()
-    spans: list[tuple[int, int, int]] = []
-    end = 0
-    for leaf in flatten_state(state).values():
-        if not leaf.is_tensor:
-            continue
-        _shape, _dtype, pieces, _replicated = local_pieces(leaf.value, leaf.fqn)
-        for piece in pieces:
-            ident = storage_identity(piece.tensor)
-            if ident not in seen:
-                seen.add(ident)
-                nbytes = piece.tensor.numel() * piece.tensor.element_size()
-                start = align_offset(end, nbytes)
-                spans.append((len(spans), start, nbytes))
-                end = start + nbytes
+    items = [(None, piece) for leaf in flatten_state(state).values() if leaf.is_tensor
+             for piece in local_pieces(leaf.value, leaf.fqn)[2]]
+    offsets, unique, _size = layout(items)
+    spans = [(i, offsets[i], items[i][1].tensor.numel() * items[i][1].tensor.element_size()) for i in unique]
     return len(plan_chunks(spans, slab_bytes)) * slab_bytes
 
 

@@ -92,9 +92,9 @@ class DeviceCopies:
 
     1. ``start(devices)`` in the caller's thread, at the call: side streams wait for
        the caller's current streams.
-    2. ``to_host`` / ``to_device`` (any thread, one at a time): queue a copy, get the
-       event that completes it.
-    3. ``wait()`` (host block) or ``order_after(stream)`` (device-side): release.
+    2. ``to_host`` / ``to_device`` (any thread): queue a copy, get the event that
+       completes it.
+    3. ``wait()`` (host block) or ``order_after()`` (device-side): release.
     """
 
     def __init__(self) -> None:
@@ -111,10 +111,6 @@ class DeviceCopies:
             side = api.new_stream(device)
             side.wait_stream(api.current_stream(device))
             self._side[device] = side
-
-    @property
-    def active(self) -> bool:
-        return bool(self._side)
 
     def _stream_for(self, device: torch.device) -> Any:
         try:
@@ -141,13 +137,9 @@ class DeviceCopies:
         return self._queue(src.device, dst, src, reads=src)
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        """Queue ``dst[...] = src`` (pinned host -> device); return its completion event.
-        ``src`` must not be reused until the event has completed."""
-        return self._queue(dst.device, dst, src, reads=dst)
-
-    def on_device(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        """Queue ``dst[...] = src`` between tensors of one device (a cast or a strided
-        placement), behind the copies already queued; return its completion event."""
+        """Queue ``dst[...] = src`` into device memory, from host memory or the same
+        device (a cast or a strided placement), behind the copies already queued;
+        return its completion event. A host ``src`` must not be reused until then."""
         return self._queue(dst.device, dst, src, reads=dst)
 
     def _queue(self, device: torch.device, dst: torch.Tensor, src: torch.Tensor, *, reads: torch.Tensor) -> Any:

@@ -174,7 +174,7 @@ class DeviceFill:
     def run(self, backend, *, verify: bool, streams: int) -> ReadStats:
         stats = ReadStats()
         for device_slice, values in self.host_parts:  # pageable host memory: torch copies synchronously
-            self.copies.on_device(*_bitwise(device_slice, values))
+            self.copies.to_device(*_bitwise(device_slice, values))
         jobs = self._jobs()
         try:
             if streams <= 1 or len(jobs) <= 1:
@@ -192,7 +192,7 @@ class DeviceFill:
                     if errors:
                         raise errors[0]
             for dest, temp in self.finals:
-                self.copies.on_device(*_bitwise(dest, temp))
+                self.copies.to_device(*_bitwise(dest, temp))
         finally:
             self.copies.wait()  # every byte is on the device before load returns
         return stats

@@ -171,13 +171,8 @@ class CheckpointReader:
             mine = held.get(fqn, {})
             if device_fill is not None and is_device_tensor(dest):
                 landing = device_fill.landing(dest, dtype, tuple(box[1]))
-                for (f_off, f_len), values in mine.items():
-                    region = intersect(box[0], box[1], f_off, f_len)
-                    if region is not None:
-                        r_off, r_len = region
-                        src = values[tuple(slice(o - fo, o - fo + n) for o, fo, n in zip(r_off, f_off, r_len))]
-                        part = landing[tuple(slice(o - bo, o - bo + n) for o, bo, n in zip(r_off, box[0], r_len))]
-                        device_fill.add_host_part(part, src)
+                for part, values in _held_parts(landing, box, mine):
+                    device_fill.add_host_part(part, values)
                 device_fill.add(entry, box, landing, frozenset(mine))
                 continue
             if (dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype
@@ -188,12 +183,8 @@ class CheckpointReader:
                 copies.append((dest, landing))
             index = len(views)
             views.append(byte_view(landing))
-            for (f_off, f_len), values in mine.items():
-                region = intersect(box[0], box[1], f_off, f_len)
-                if region is not None:
-                    r_off, r_len = region
-                    src = values[tuple(slice(o - fo, o - fo + n) for o, fo, n in zip(r_off, f_off, r_len))]
-                    copy_values(landing[tuple(slice(o - bo, o - bo + n) for o, bo, n in zip(r_off, box[0], r_len))], src)
+            for part, values in _held_parts(landing, box, mine):
+                copy_values(part, values)
             for plan in plan_tensor_reads(entry, [box], prefer_rank=prefer_rank, in_memory=frozenset(mine)):
                 plans.append(dataclasses.replace(plan, dest=index))
         stats = execute_reads(self.backend, plans, views, block_bytes=self.manifest.checksum_block_bytes, verify=self.verify)
@@ -247,6 +238,17 @@ class CheckpointReader:
 
     def __repr__(self) -> str:
         return f"CheckpointReader({self.uri!r}, tensors={len(self.catalog.tensors)}, objects={len(self.manifest.objects)})"
+
+
+def _held_parts(landing: torch.Tensor, box: Box, held: dict[Box, torch.Tensor]):
+    """(part of ``landing``, the values for it) for each fragment in ``held`` (stored
+    box -> values already in memory) that overlaps ``box``, the box ``landing`` holds."""
+    for (f_off, f_len), values in held.items():
+        region = intersect(box[0], box[1], f_off, f_len)
+        if region is not None:
+            r_off, r_len = region
+            src = values[tuple(slice(o - fo, o - fo + n) for o, fo, n in zip(r_off, f_off, r_len))]
+            yield landing[tuple(slice(o - bo, o - bo + n) for o, bo, n in zip(r_off, box[0], r_len))], src
 
 
 def fetch_metadata(backend: Backend) -> tuple[bytes, bytes]:

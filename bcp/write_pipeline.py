@@ -70,7 +70,7 @@ class StagedChunk:
     events: list
 
 
-def align_offset(offset: int, nbytes: int, phase: int = 0) -> int:
+def _align(offset: int, nbytes: int, phase: int = 0) -> int:
     """The first offset >= ``offset`` that is ``phase`` modulo 4096 (large fragments)
     or a multiple of 64 (small ones)."""
     if nbytes < PAGE_ALIGN_FROM:
@@ -99,7 +99,7 @@ def layout(items: list[tuple[TensorPlan, Piece]], *, match_memory: bool = False,
         first_at[ident] = index
         t = piece.tensor
         phase = t.data_ptr() % 4096 if match_memory and t.device.type == "cpu" and t.is_contiguous() else 0
-        start = align_offset(end, nbytes, phase)
+        start = _align(end, nbytes, phase)
         if part_size and nbytes and start // part_size != (start + nbytes - 1) // part_size:
             start = -(-start // block) * block
         offsets.append(start)

@@ -34,7 +34,7 @@ def test_wheel_contains_only_the_bcp_namespace(tmp_path):
 
 
 def test_metadata_and_backends_never_import_the_engine():
-    """DESIGN.md layering: the catalog and storage layers stand alone (relative
+    """The layering in the README: the catalog and storage layers stand alone (relative
     imports stay inside a layer by construction, so absolute ones are the risk)."""
     offenders = []
     for layer in ("metadata", "backends"):
