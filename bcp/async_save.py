@@ -13,7 +13,7 @@ background during forward and backward, and a step pre-hook waits only for the
 part not yet copied. Everything else (buffers, objects) is copied before returning.
 
 Device (CUDA) tensors: copies run on a side stream ordered after the caller's work
-at the call (``bcp.device_copy``). ``async_save`` returns only once the copies it
+at the call (``bcp.io_scheduler.device_copy``). ``async_save`` returns only once the copies it
 made have completed (a host wait as long as the device-to-host copy itself), so
 nothing the caller does next, on any stream, can reach the checkpoint. The overlap
 pre-hook makes ``step()``'s stream wait for the background copies on the device,
@@ -34,9 +34,9 @@ from bcp.metadata import DEFAULT_BLOCK_BYTES
 from .collectives import coordinator_for
 from .saver import SaveInfo, SaveJob
 from .shards import local_pieces
-from .staging import StagingPool, StagingReservation, default_pool
+from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
 from .state import flatten_state
-from .write_pipeline import Chunk, layout, plan_chunks
+from .io_scheduler.write_pipeline import Chunk, layout, plan_chunks
 
 _slots_lock = threading.Lock()
 _in_flight: dict[int, AsyncSaveHandle] = {}

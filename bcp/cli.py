@@ -210,7 +210,7 @@ def _bench(args) -> int:
     import torch
 
     import bcp
-    from bcp.storage import join_uri
+    from bcp.target import join_uri
 
     n = max(1, int(args.gib * 2**30 / 4 / 16))
     state = {f"t{i}": torch.rand(n) for i in range(16)}

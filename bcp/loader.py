@@ -24,12 +24,12 @@ from typing import Any
 import torch
 
 from bcp.backends import Capability
-from bcp.storage import resolve_backend
+from bcp.target import resolve_backend
 
 from .collectives import Coordinator, coordinator_for, run_phase, share_result
-from .dtypes import dtype_name
+from .torch_dtypes import dtype_name
 from .errors import StateMismatchError, UnsupportedStateError
-from .read_exec import ReadStats
+from .io_scheduler.read_exec import ReadStats
 from .reader import CheckpointReader, fetch_metadata, reader_from_bytes
 from .shards import local_pieces
 from .state import KeyPath, Leaf, build_nested, flatten_state, replace_at
@@ -190,7 +190,7 @@ def _match(
 def _read(reader: CheckpointReader, plan: _Plan, coord: Coordinator, share_reads: bool) -> ReadStats:
     if not share_reads or coord.world_size == 1:
         return reader.fill(plan.tensor_requests, prefer_rank=coord.rank)
-    from .shared_read import fetch_shared
+    from .io_scheduler.shared_read import fetch_shared
 
     held, stats = fetch_shared(reader, coord, [(fqn, box) for fqn, box, _t in plan.tensor_requests])
     stats.add(reader.fill(plan.tensor_requests, prefer_rank=coord.rank, in_memory=held))

@@ -29,7 +29,7 @@ from .housekeeping import (
 )
 from .loader import load
 from .saver import SaveInfo, save
-from .storage import join_uri, resolve_backend
+from .target import join_uri, resolve_backend
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .dtypes import dtype_name, torch_dtype
+from .torch_dtypes import dtype_name, torch_dtype
 from .errors import FormatError, UnsupportedStateError
 from .tensor_io import byte_view, host_contiguous
 

@@ -15,21 +15,21 @@ import torch
 
 from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import MANIFEST_KEY, Catalog, Fragment, Manifest, TensorEntry, crc32c
-from bcp.storage import resolve_backend
+from bcp.target import resolve_backend
 
 from . import objcodec
 from .boxes import Box, intersect
-from .device_copy import DeviceCopies, is_device_tensor
-from .device_load import DeviceFill
-from .dtypes import torch_dtype
+from .io_scheduler.device_copy import DeviceCopies, is_device_tensor
+from .io_scheduler.device_load import DeviceFill
+from .torch_dtypes import torch_dtype
 from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from .read_exec import ReadStats, execute_reads
-from .read_plan import RunSet, plan_tensor_reads
-from .staging import StagingPool, default_pool
+from .io_scheduler.read_exec import ReadStats, execute_reads
+from .io_scheduler.read_plan import RunSet, plan_tensor_reads
+from .io_scheduler.staging import StagingPool, default_pool
 from .state import KeyPath, build_nested, path_from_json
 from .tensor_io import byte_view, copy_values
 
@@ -145,7 +145,7 @@ class CheckpointReader:
         ``in_memory`` maps (fqn, stored box) to that fragment's values, already at
         hand (shared by another rank): those parts are copied, not read. CUDA
         destinations are filled through slabs of ``pool`` (default: the process-wide
-        pool; see ``bcp.device_load``); the call returns once every byte has landed."""
+        pool; see ``bcp.io_scheduler.device_load``); the call returns once every byte has landed."""
         in_memory = in_memory or {}
         devices = sorted({dest.device for _f, _b, dest in requests if is_device_tensor(dest)}, key=str)
         device_fill: DeviceFill | None = None

@@ -38,20 +38,20 @@ from bcp.metadata import (
     ObjectEntry,
     crc32c,
 )
-from bcp.storage import resolve_backend
+from bcp.target import resolve_backend
 
 from . import objcodec
 from ._version import __version__
 from .boxes import Box
 from .collectives import Coordinator, coordinator_for, run_phase, share_result
-from .dtypes import dtype_name
+from .torch_dtypes import dtype_name
 from .errors import CheckpointExistsError, UnsupportedStateError
 from .save_plan import GlobalPlan, LocalPlan, TensorPlan, plan_save
 from .shards import PerRank, Piece, local_pieces
-from .staging import StagingPool, default_pool
+from .io_scheduler.staging import StagingPool, default_pool
 from .state import flatten_state, path_to_json, path_to_str
 from .tensor_io import check_saveable, storage_identity
-from .write_pipeline import WritePipeline
+from .io_scheduler.write_pipeline import WritePipeline
 
 log = logging.getLogger(__name__)
 

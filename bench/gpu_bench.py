@@ -86,7 +86,7 @@ class Cases:
         for t in self.pageable.values():
             t.zero_()
         self.templates = {k: torch.empty_like(v) for k, v in state.items()}
-        self.pool = bcp.staging.default_pool()
+        self.pool = bcp.io_scheduler.staging.default_pool()
         bcp.reserve_staging(state).wait()
         self.dcp_stager = _pinned_dcp_stager()
 

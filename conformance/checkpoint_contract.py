@@ -29,7 +29,7 @@ import torch
 from bcp.backends import Backend, backend_for, split_scheme
 
 import bcp
-from bcp.storage import join_uri
+from bcp.target import join_uri
 
 #: How long the killed-save tests wait for the child to start writing.
 CHILD_TIMEOUT = 120.0

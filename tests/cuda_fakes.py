@@ -1,6 +1,6 @@
 """A stand-in for CUDA streams and events that makes ordering mistakes visible on CPU.
 
-``FakeCudaApi`` replaces ``bcp.device_copy.api``. CPU tensors registered with
+``FakeCudaApi`` replaces ``bcp.io_scheduler.device_copy.api``. CPU tensors registered with
 ``as_device`` play device tensors. A copy queued on a side stream does not happen
 when it is queued: it runs when an event recorded after it is synchronized (or a
 stream is made to wait for that event), as a real asynchronous copy may. So code

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import bcp
-from bcp.dtypes import _BY_NAME
+from bcp.torch_dtypes import _BY_NAME
 from helpers import tensor_bytes_equal
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -143,7 +143,7 @@ def test_overlap_with_freed_optimizer_state(tmp_path):
 
 
 def test_first_async_save_after_reservation_does_not_allocate(tmp_path):
-    from bcp.staging import StagingPool
+    from bcp.io_scheduler.staging import StagingPool
 
     state = big_state(n=8, seed=5)
     pool = StagingPool(1 << 30)

@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bcp
-import bcp.device_copy
-import bcp.staging
-from bcp.device_load import contiguous_pieces
-from bcp.staging import Slab, StagingPool
+import bcp.io_scheduler.device_copy
+import bcp.io_scheduler.staging
+from bcp.io_scheduler.device_load import contiguous_pieces
+from bcp.io_scheduler.staging import Slab, StagingPool
 from helpers import tensor_bytes_equal
 
 SLAB = 128 << 10
@@ -28,7 +28,7 @@ SLAB = 128 << 10
 @pytest.fixture
 def fake(monkeypatch) -> FakeCudaApi:
     api = FakeCudaApi()
-    monkeypatch.setattr(bcp.device_copy, "api", api)
+    monkeypatch.setattr(bcp.io_scheduler.device_copy, "api", api)
     return api
 
 
@@ -93,7 +93,7 @@ def test_async_save_returns_only_after_its_device_copies_completed(fake, tmp_pat
 
 
 def test_control_without_the_host_wait_the_checkpoint_takes_later_changes(fake, tmp_path, monkeypatch):
-    monkeypatch.setattr(bcp.device_copy.DeviceCopies, "wait", lambda self: None)
+    monkeypatch.setattr(bcp.io_scheduler.device_copy.DeviceCopies, "wait", lambda self: None)
     state = device_state(fake)
     expected = snapshot(state)
     fake.gate.clear()
@@ -172,7 +172,7 @@ def test_overlap_step_runs_only_after_the_background_copies(fake, tmp_path):
 
 
 def test_control_overlap_without_the_device_wait_saves_post_step_values(fake, tmp_path, monkeypatch):
-    monkeypatch.setattr(bcp.device_copy.DeviceCopies, "order_after", lambda self: None)
+    monkeypatch.setattr(bcp.io_scheduler.device_copy.DeviceCopies, "order_after", lambda self: None)
     model, opt, state, step = training_state(fake)
     expected = flat_expected(state)
     fake.gate.clear()
@@ -205,7 +205,7 @@ def saved(tmp_path):
 def test_load_into_device_templates_lands_every_byte_before_returning(fake, saved, monkeypatch):
     uri, ref = saved
     pool = CheckedPool(StagingPool(4 * SLAB, SLAB), fake)
-    monkeypatch.setattr(bcp.staging, "_default", pool)
+    monkeypatch.setattr(bcp.io_scheduler.staging, "_default", pool)
     template = {
         "w": fake.as_device(torch.zeros(300, 257)),
         "v": fake.as_device(torch.zeros(4096)),
@@ -223,7 +223,7 @@ def test_load_into_device_templates_lands_every_byte_before_returning(fake, save
 
 
 def test_control_load_without_the_final_wait_misses_the_cast(fake, saved, monkeypatch):
-    monkeypatch.setattr(bcp.device_copy.DeviceCopies, "wait", lambda self: None)
+    monkeypatch.setattr(bcp.io_scheduler.device_copy.DeviceCopies, "wait", lambda self: None)
     uri, ref = saved
     out = bcp.load({"h": fake.as_device(torch.zeros(33, 17))}, uri, strict=False)
     assert not torch.equal(out["h"], ref["h"].float())

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import bcp
-from bcp.dtypes import _BY_NAME
+from bcp.torch_dtypes import _BY_NAME
 from helpers import assert_same, tensor_bytes_equal
 
 ALL_DTYPES = sorted(_BY_NAME.values(), key=str)

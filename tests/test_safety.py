@@ -51,7 +51,7 @@ class _Boom(RuntimeError):
 def test_failed_save_leaves_previous_checkpoint_and_no_commit(uri, monkeypatch):
     bcp.save(small_state(1), uri)
     manifest_before = backend_for(uri).read(MANIFEST_KEY)
-    from bcp.write_pipeline import WritePipeline
+    from bcp.io_scheduler.write_pipeline import WritePipeline
 
     def failing_finish(self):
         self.abort()

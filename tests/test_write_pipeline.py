@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import bcp
-from bcp.staging import StagingPool
-from bcp.write_pipeline import plan_chunks
+from bcp.io_scheduler.staging import StagingPool
+from bcp.io_scheduler.write_pipeline import plan_chunks
 from helpers import tensor_bytes_equal
 
 SLAB = 64 << 10
@@ -112,7 +112,7 @@ def _piece_items(sizes):
 
 @given(st.lists(st.integers(0, 3 * SLAB), max_size=14), st.sampled_from([SLAB, 2 * SLAB, 4 * SLAB]))
 def test_parts_tile_the_file_and_cut_fragments_between_checksum_blocks(sizes, part):
-    from bcp.write_pipeline import layout, plan_part_chunks
+    from bcp.io_scheduler.write_pipeline import layout, plan_part_chunks
 
     offsets, unique, size = layout(_piece_items(sizes), part_size=part, block=BLOCK)
     spans = [(i, offsets[i], sizes[i]) for i in unique]

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .tensor_io import raw
+from ..tensor_io import raw
 
 
 class CudaApi:

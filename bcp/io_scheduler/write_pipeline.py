@@ -10,7 +10,7 @@ checksum and write chunks concurrently at their file offsets. The pool's capacit
 bounds the bytes in flight; the file is made durable once, at commit.
 
 Device (CUDA) tensors are copied into pinned slabs on a side stream ordered after
-the caller's work at the time the pipeline was built (``bcp.device_copy``); a writer
+the caller's work at the time the pipeline was built (``bcp.io_scheduler.device_copy``); a writer
 waits for a chunk's copy events before reading its slab, and a slab goes back to the
 pool only once its copies have completed, also when the save fails.
 
@@ -33,10 +33,10 @@ from bcp.backends import Backend
 from bcp.metadata import FileEntry, Fragment, block_checksums, digest_of_checksums
 
 from .device_copy import DeviceCopies, is_device_tensor, settle
-from .save_plan import TensorPlan
-from .shards import Piece
+from ..save_plan import TensorPlan
+from ..shards import Piece
 from .staging import StagingPool
-from .tensor_io import flat_bytes, host_contiguous, storage_identity
+from ..tensor_io import flat_bytes, host_contiguous, storage_identity
 
 #: Fragments of at least this many bytes start at a multiple of 4096 (direct I/O,
 #: page-aligned reads); smaller ones at a multiple of 64.

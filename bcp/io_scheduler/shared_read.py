@@ -18,12 +18,12 @@ import torch
 
 from bcp.metadata import itemsize
 
-from .boxes import Box, intersect
-from .collectives import GroupCoordinator
-from .dtypes import torch_dtype
+from ..boxes import Box, intersect
+from ..collectives import GroupCoordinator
+from ..torch_dtypes import torch_dtype
 from .read_exec import ReadStats
 from .read_plan import choose_replicas
-from .reader import CheckpointReader
+from ..reader import CheckpointReader
 
 SharedKey = tuple[str, Box]
 

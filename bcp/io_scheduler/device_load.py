@@ -24,12 +24,12 @@ import torch
 
 from bcp.metadata import TensorEntry
 
-from .boxes import Box
+from ..boxes import Box
 from .device_copy import DeviceCopies, settle
 from .read_exec import ReadStats, execute_reads
 from .read_plan import RunSet, plan_tensor_reads
 from .staging import StagingPool
-from .tensor_io import flat_bytes, raw
+from ..tensor_io import flat_bytes, raw
 
 #: Pieces smaller than this share slabs; larger ones get a slab of their own, placed
 #: so that the memory address and the file offset agree modulo 4096 (O_DIRECT).

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import Fragment, crc32c
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from .read_plan import RunSet
 
 

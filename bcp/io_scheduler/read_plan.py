@@ -15,8 +15,8 @@ import numpy as np
 
 from bcp.metadata import Fragment, TensorEntry, itemsize
 
-from .boxes import Box, common_runs, intersect
-from .errors import CorruptCheckpointError
+from ..boxes import Box, common_runs, intersect
+from ..errors import CorruptCheckpointError
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
