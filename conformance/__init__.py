@@ -4,14 +4,50 @@ It ships inside the package so that a third-party backend proves the same object
 contract as the built-in ones: subclass :class:`BackendContractTests` in a pytest
 module, override its ``backend`` fixture (and, ideally, the ``raw_put``/``raw_get``
 hooks), and every guarantee of :class:`bcp.backends.Backend` is tested;
-:class:`CheckpointContractTests` does the same for whole checkpoints.
+:class:`CheckpointContractTests` does the same for whole checkpoints. The object
+contract is also exported one operation at a time (:data:`OBJECT_CONTRACT_GROUPS`,
+e.g. :class:`RangedReadTests`), to subclass while working on that operation.
 
 It also runs against any URI, with a report: ``bcp conformance URI``,
 ``pytest --pyargs bcp.conformance --bcp-uri URI``, or :func:`run_suite` from Python.
 """
 
 from .checkpoint_contract import CheckpointContractTests
-from .object_contract import BackendContractTests
+from .object_contract import (
+    OBJECT_CONTRACT_GROUPS,
+    AtomicCommitTests,
+    BackendContractTests,
+    ConcurrencyTests,
+    CreateOnlyWriteTests,
+    DeleteTests,
+    ExistsTests,
+    KeyTests,
+    ListingTests,
+    MissingObjectTests,
+    MultipartWriteTests,
+    ObjectContractBase,
+    OverwriteTests,
+    RangedReadTests,
+    RoundTripTests,
+)
 from .runner import run_suite
 
-__all__ = ["BackendContractTests", "CheckpointContractTests", "run_suite"]
+__all__ = [
+    "OBJECT_CONTRACT_GROUPS",
+    "AtomicCommitTests",
+    "BackendContractTests",
+    "CheckpointContractTests",
+    "ConcurrencyTests",
+    "CreateOnlyWriteTests",
+    "DeleteTests",
+    "ExistsTests",
+    "KeyTests",
+    "ListingTests",
+    "MissingObjectTests",
+    "MultipartWriteTests",
+    "ObjectContractBase",
+    "OverwriteTests",
+    "RangedReadTests",
+    "RoundTripTests",
+    "run_suite",
+]

@@ -98,6 +98,9 @@ def assert_same(got, want, where: str = "state") -> None:
 class CheckpointContractTests:
     """Base class of a store's checkpoint tests. Not collected itself."""
 
+    #: The heading the conformance report shows these tests under (see report.heading_of).
+    report_heading = "checkpoints: save, load, reshard, killed saves, corruption"
+
     #: Multiplier for the state size in the round-trip tests.
     state_scale: int = 1
 

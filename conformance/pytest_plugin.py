@@ -58,8 +58,16 @@ class ReportPlugin:
         self.config = config
         self.report = Report(uri=_public_uri(config.getoption("--bcp-uri")), level=config.getoption("--bcp-level"))
         self._checks: dict[str, object] = {}
+        #: nodeid -> heading, taken from each collected test's class (see report.heading_of).
+        self.headings: dict[str, str] = {}
 
     def pytest_collection_modifyitems(self, config, items) -> None:
+        from .report import heading_of
+
+        for item in items:
+            name = getattr(item, "originalname", None) or item.name
+            self.headings[item.nodeid] = heading_of(getattr(item, "cls", None), name)
+        self.report.order = list(dict.fromkeys(self.headings.values()))
         if config.getoption("--bcp-level") != "quick":
             return
         keep, drop = [], []
@@ -70,14 +78,12 @@ class ReportPlugin:
             items[:] = keep
 
     def pytest_runtest_logreport(self, report) -> None:
-        from .report import Check, group_of
+        from .report import OTHER, Check
 
-        parts = report.nodeid.split("::")
-        cls = parts[-2] if len(parts) > 2 else ""
-        name = parts[-1]
+        name = report.nodeid.split("::")[-1]
         check = self._checks.get(report.nodeid)
         if check is None:
-            check = Check(report.nodeid, group_of(cls, name), name, "passed")
+            check = Check(report.nodeid, self.headings.get(report.nodeid, OTHER), name, "passed")
             self._checks[report.nodeid] = check
             self.report.checks.append(check)
         check.seconds += report.duration

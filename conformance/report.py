@@ -1,44 +1,31 @@
-"""The conformance report: every check with its outcome and why, grouped by the
-capability it proves, the probe's figures, and a JSON form for CI."""
+"""The conformance report: every check with its outcome and why, grouped under the
+heading of the class that defines it, the probe's figures, and a JSON form for CI."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
-#: (group, pattern on the test function name), first match wins. Object-contract
-#: groups follow the sections of object_contract.py.
-GROUPS: list[tuple[str, str]] = [
-    ("performance (reported, not judged)", r"test_performance_probe"),
-    ("create-only writes", r"write_if_absent"),
-    ("concurrency", r"concurrent|from_threads"),
-    ("atomic commit: unfinished, failed and aborted writes stay invisible",
-     r"uncommitted|committed_object|abort|exception_in_writer|leaving_writer|overwrite"),
-    ("multi-part writes", r"multipart|writer_does_not_keep"),
-    ("missing objects", r"missing_object"),
-    ("keys: unicode, nesting, invalid names", r"unicode|nested_key|invalid_key"),
-    ("listing", r"test_list"),
-    ("delete", r"delete"),
-    ("exists and size", r"test_exists|test_size|directory_like"),
-    ("ranged reads", r"test_read"),
-    ("round trip", r"round_trip_|test_write_|_raw_object|empty_object"),
-]
-CHECKPOINT_GROUP = "checkpoints: save, load, reshard, killed saves, corruption"
-PERFORMANCE_GROUP = GROUPS[0][0]
-DISPLAY_ORDER = ["round trip", "multi-part writes", "ranged reads", "listing", "delete", "exists and size",
-                 "keys: unicode, nesting, invalid names", "missing objects", GROUPS[3][0], "create-only writes",
-                 "concurrency", CHECKPOINT_GROUP, PERFORMANCE_GROUP]
+#: The class attribute in which a test class declares the heading of the tests it defines.
+HEADING_ATTRIBUTE = "report_heading"
+#: Where a test goes that no class with a heading defines (a subclasser's own extra test).
+OTHER = "other"
 
 
-def group_of(class_name: str, test_name: str) -> str:
-    base = test_name.split("[", 1)[0]
-    if "Checkpoint" in class_name and base != "test_performance_probe":
-        return CHECKPOINT_GROUP
-    for group, pattern in GROUPS:
-        if re.search(pattern, base):
-            return group
-    return "other"
+def heading_of(cls: type | None, test_name: str) -> str:
+    """The heading of the class ``test_name`` belongs to: the first class in ``cls``'s
+    MRO that both defines the test and declares its own heading. Looking the test up
+    by definition, never by name pattern, is what keeps a test from landing under
+    another group's heading; a subclass that overrides a test (to skip it, say)
+    without declaring a heading leaves it under its group's."""
+    if cls is None:
+        return OTHER
+    name = test_name.split("[", 1)[0]
+    for klass in cls.__mro__:
+        own = vars(klass)
+        if name in own and HEADING_ATTRIBUTE in own:
+            return str(own[HEADING_ATTRIBUTE])
+    return OTHER
 
 
 @dataclasses.dataclass
@@ -58,6 +45,8 @@ class Report:
     level: str
     backend: dict = dataclasses.field(default_factory=dict)
     checks: list[Check] = dataclasses.field(default_factory=list)
+    #: Headings in the order to show them (the plugin fills it at collection).
+    order: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -85,9 +74,11 @@ class Report:
         }, indent=2)
 
     def _groups(self) -> list[str]:
-        order = DISPLAY_ORDER + ["other"]
+        """Headings with checks: in ``order`` (the suite's collection order) first,
+        then any others as they first appear."""
         present = {c.group for c in self.checks}
-        return [g for g in order if g in present]
+        ordered = [g for g in dict.fromkeys(self.order) if g in present]
+        return ordered + [g for g in dict.fromkeys(c.group for c in self.checks) if g not in ordered]
 
     def to_text(self) -> str:
         lines = [f"bcp conformance: {self.uri} (level {self.level})"]
@@ -108,10 +99,9 @@ class Report:
                     reasons[c.why] = reasons.get(c.why, 0) + 1
             for why, n in reasons.items():
                 lines.append(f"    skip ({n}): {why}")
-            if group == PERFORMANCE_GROUP:
-                for c in checks:
-                    for k, v in (c.figures or {}).items():
-                        lines.append(f"    {k}: {v}")
+            for c in checks:
+                for k, v in (c.figures or {}).items():
+                    lines.append(f"    {k}: {v}")
         counts = self.counts
         verdict = "PASSED" if self.ok else "FAILED"
         lines.append("")

@@ -51,10 +51,15 @@ class TestCheckpointContract(CheckpointContractTests):
         return bcp_uri
 
 
-def test_performance_probe(bcp_uri, pytestconfig, record_property) -> None:
-    full = pytestconfig.getoption("--bcp-level") == "full"
-    mib = pytestconfig.getoption("--bcp-probe-mib") or (256 if full else 32)
-    figures = probe(backend_for(child_uri(bcp_uri, f"probe-{uuid.uuid4().hex[:12]}")),
-                    total_bytes=mib * MiB, small_reads=50 if full else 10)
-    record_property("figures", figures)
-    assert figures["write_GBps"] > 0 and figures["read_GBps_best"] > 0
+class TestPerformanceProbe:
+    """A class only so the probe declares its report heading like every other check."""
+
+    report_heading = "performance (reported, not judged)"
+
+    def test_performance_probe(self, bcp_uri, pytestconfig, record_property) -> None:
+        full = pytestconfig.getoption("--bcp-level") == "full"
+        mib = pytestconfig.getoption("--bcp-probe-mib") or (256 if full else 32)
+        figures = probe(backend_for(child_uri(bcp_uri, f"probe-{uuid.uuid4().hex[:12]}")),
+                        total_bytes=mib * MiB, small_reads=50 if full else 10)
+        record_property("figures", figures)
+        assert figures["write_GBps"] > 0 and figures["read_GBps_best"] > 0

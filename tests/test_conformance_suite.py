@@ -118,6 +118,94 @@ def test_pytest_pyargs_without_a_uri_skips_and_says_how(tmp_path):
     assert proc.returncode == 0 and "--bcp-uri" in proc.stdout and " passed" not in proc.stdout, proc.stdout[-2000:]
 
 
+_HEADINGS_DUMP = """
+import json, os
+
+def pytest_collection_finish(session):
+    plugin = session.config.pluginmanager.get_plugin("bcp-conformance-report")
+    rows = [{"nodeid": i.nodeid, "cls": i.cls.__name__ if i.cls else None, "name": i.originalname,
+             "heading": plugin.headings[i.nodeid]} for i in session.items]
+    with open(os.environ["BCP_HEADINGS_DUMP"], "w") as f:
+        json.dump({"rows": rows, "order": plugin.report.order}, f)
+"""
+
+
+def test_every_check_reports_under_the_heading_of_its_own_class(tmp_path):
+    """Collect the suite as `bcp conformance` does and take the report plugin's heading of
+    every check: it must be the heading declared by the one class that defines the test,
+    each heading must belong to one class, and every group must have checks."""
+    from bcp.conformance import OBJECT_CONTRACT_GROUPS, BackendContractTests, CheckpointContractTests
+    from bcp.conformance import test_suite as suite
+
+    (tmp_path / "conf_headings_dump.py").write_text(_HEADINGS_DUMP)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    dump = tmp_path / "headings.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "BCP_HEADINGS_DUMP": str(dump)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "bcp.conformance", "--collect-only", "-q", "-c",
+         str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-p",
+         "conf_headings_dump", "--bcp-uri", str(tmp_path / "store")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(dump.read_text())
+    rows = data["rows"]
+    assert len(rows) >= 196, f"the suite lost checks: {len(rows)} collected"
+
+    owners: dict[str, set[type]] = {}
+    for row in rows:
+        cls = getattr(suite, row["cls"])
+        defining = [k for k in cls.__mro__ if row["name"] in vars(k)]
+        assert len(defining) == 1, f"{row['nodeid']} is defined by several classes: {defining}"
+        owner = defining[0]
+        assert "report_heading" in vars(owner), f"{owner.__name__} defines {row['name']} but declares no heading"
+        assert row["heading"] == vars(owner)["report_heading"], (
+            f"{row['nodeid']} is reported under {row['heading']!r}, its class {owner.__name__} declares "
+            f"{vars(owner)['report_heading']!r}"
+        )
+        owners.setdefault(row["heading"], set()).add(owner)
+    assert all(len(classes) == 1 for classes in owners.values()), f"classes share a heading: {owners}"
+    groups = [*OBJECT_CONTRACT_GROUPS, CheckpointContractTests, suite.TestPerformanceProbe]
+    assert {next(iter(c)) for c in owners.values()} == set(groups), "a group has no checks, or a class is no group"
+    assert data["order"] == [g.report_heading for g in groups], "headings are not shown in the groups' order"
+
+    # The composed class is exactly its groups: each test in one group, none of its own.
+    assert BackendContractTests.__bases__ == tuple(reversed(OBJECT_CONTRACT_GROUPS))
+    per_group = [{n for n in vars(g) if n.startswith("test_")} for g in OBJECT_CONTRACT_GROUPS]
+    union = set().union(*per_group)
+    assert sum(map(len, per_group)) == len(union), "two groups define a test of the same name"
+    assert union == {n for n in dir(BackendContractTests) if n.startswith("test_")}
+    assert not [n for n in vars(BackendContractTests) if n.startswith("test_")]
+
+
+def test_a_subclass_keeps_overridden_tests_under_their_group():
+    """What a backend's own subclass does (override a test to skip it, add its own) cannot
+    move a check to another group's heading."""
+    from bcp.conformance import BackendContractTests, ListingTests, RangedReadTests
+    from bcp.conformance.report import OTHER, heading_of
+
+    class TestMine(BackendContractTests):
+        def test_list_many_keys(self, backend):
+            pytest.skip("not on this store")
+
+        def test_my_own_check(self, backend):
+            pass
+
+    class TestMyReads(RangedReadTests):
+        report_heading = "my ranged reads"
+
+        def test_my_own_check(self, backend):
+            pass
+
+    assert heading_of(TestMine, "test_list_many_keys") == ListingTests.report_heading
+    assert heading_of(TestMine, "test_read_into_past_end_returns_zero[1]") == RangedReadTests.report_heading
+    assert heading_of(TestMine, "test_my_own_check") == OTHER
+    assert heading_of(TestMyReads, "test_my_own_check") == "my ranged reads"
+    assert heading_of(TestMyReads, "test_read_whole_object") == RangedReadTests.report_heading
+    assert heading_of(None, "test_anything") == OTHER
+
+
 def test_console_script_is_installed():
     script = Path(sys.executable).with_name("bcp")
     proc = subprocess.run([str(script), "conformance", "--help"], capture_output=True, text=True, timeout=60)
