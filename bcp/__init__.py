@@ -9,7 +9,6 @@
 from . import backends, metadata
 from ._version import __version__
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
-from .collectives import RankFailedError
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -17,15 +16,18 @@ from .errors import (
     CorruptCheckpointError,
     FormatError,
     IncompleteCheckpointError,
+    PickleNotAllowedError,
+    RankFailedError,
+    ShardingError,
     StateMismatchError,
     StorageError,
     UnsupportedStateError,
 )
-from .loader import load
+from .loader import LoadInfo, load, load_with_info
 from .manager import CheckpointManager
 from .reader import CheckpointReader, TensorMeta
 from .reader import open_checkpoint as open  # noqa: A001 - the public name is bcp.open
-from .save_plan import ShardingError
+from .options import SaveOptions
 from .saver import SaveInfo, save
 from .shards import FlatShard, PerRank, TensorShard
 
@@ -44,7 +46,10 @@ __all__ = [
     "TensorShard",
     "FormatError",
     "IncompleteCheckpointError",
+    "LoadInfo",
+    "PickleNotAllowedError",
     "SaveInfo",
+    "SaveOptions",
     "StateMismatchError",
     "StorageError",
     "TensorMeta",
@@ -53,6 +58,7 @@ __all__ = [
     "async_save",
     "backends",
     "load",
+    "load_with_info",
     "metadata",
     "open",
     "reserve_staging",

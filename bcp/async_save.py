@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-from bcp.metadata import DEFAULT_BLOCK_BYTES
-
 from .collectives import coordinator_for
+from .options import SaveOptions
 from .saver import SaveInfo, SaveJob
 from .shards import local_pieces
 from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
 from .state import flatten_state
-from .io_scheduler.write_pipeline import Chunk, layout, plan_chunks
+from .target import Target
+from .io_scheduler.write_pipeline import Chunk, WriteItem, layout, plan_chunks
 
 _slots_lock = threading.Lock()
 _in_flight: dict[int, AsyncSaveHandle] = {}
@@ -101,21 +101,15 @@ def _optimizer_storages(optimizer: torch.optim.Optimizer) -> set[int]:
 
 def async_save(
     state: Mapping[str, Any],
-    uri: str,
+    uri: Target,
+    options: SaveOptions | None = None,
     *,
-    overwrite: bool = False,
-    metadata: Mapping[str, Any] | None = None,
-    allow_pickle: bool = False,
-    storage_options: Mapping[str, Any] | None = None,
-    checksum_block_bytes: int = DEFAULT_BLOCK_BYTES,
-    process_group: Any = None,
-    streams: int | None = None,
-    pool: StagingPool | None = None,
     overlap: torch.optim.Optimizer | None = None,
+    **overrides: Any,
 ) -> AsyncSaveHandle:
     """Start saving ``state``; return once it is safe to change the state.
 
-    Same arguments as ``bcp.save`` (collective in the same way). When it returns, the
+    Same options as ``bcp.save`` (:class:`SaveOptions`; collective in the same way). When it returns, the
     checkpoint holds exactly the values at the call: every copy of a CPU or CUDA
     tensor has completed, so in-place kernels on any stream, ``optimizer.step()``,
     freeing tensors and reusing their memory cannot change what is written. The
@@ -131,17 +125,14 @@ def async_save(
     """
     global _save_count
     started = time.perf_counter()
+    opts = SaveOptions.of(options, overrides)
     with _slots_lock:
         slot = _save_count % 2
         _save_count += 1
         previous = _in_flight.get(slot)
     if previous is not None:
         previous._done.wait()  # the save two back used this slot's group: let it finish
-    job = SaveJob.start(
-        state, uri, coordinator_for(process_group, slot=slot), overwrite=overwrite, metadata=metadata,
-        allow_pickle=allow_pickle, storage_options=storage_options, block=checksum_block_bytes, streams=streams,
-        pool=pool, stage_all=True,
-    )
+    job = SaveJob.start(state, uri, coordinator_for(opts.process_group, slot=slot), opts, stage_all=True)
     background = None
     if overlap is None:
         job.stage()
@@ -153,7 +144,7 @@ def async_save(
 
         def later(chunk: Chunk) -> bool:
             return all(
-                pipeline.items[s.item][1].tensor.untyped_storage().data_ptr() in owned for s in chunk.segments
+                pipeline.items[s.item].piece.tensor.untyped_storage().data_ptr() in owned for s in chunk.segments
             )
 
         job.stage(select=lambda c: not later(c), last=False)  # what forward/backward may change: now
@@ -190,10 +181,10 @@ def staging_bytes(state: Mapping[str, Any], slab_bytes: int) -> int:
     """Staging memory an async save of ``state`` takes on this rank: the slabs its
     chunks occupy (a fragment of 1 MiB or more fills whole slabs of its own, small
     ones share), laid out as the write pipeline lays them out."""
-    items = [(None, piece) for leaf in flatten_state(state).values() if leaf.is_tensor
-             for piece in local_pieces(leaf.value, leaf.fqn)[2]]
-    offsets, unique, _size = layout(items)
-    spans = [(i, offsets[i], items[i][1].tensor.numel() * items[i][1].tensor.element_size()) for i in unique]
+    pieces = [piece for leaf in flatten_state(state).values() if leaf.is_tensor
+              for piece in local_pieces(leaf.value, leaf.fqn)[2]]
+    placed = layout([WriteItem(None, piece) for piece in pieces])  # type: ignore[arg-type]  # plans are not needed to place
+    spans = [(i, placed.offsets[i], pieces[i].tensor.numel() * pieces[i].tensor.element_size()) for i in placed.unique]
     return len(plan_chunks(spans, slab_bytes)) * slab_bytes
 
 

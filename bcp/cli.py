@@ -173,7 +173,7 @@ def _convert(args) -> int:
 
 def _rm(args) -> int:
     from bcp.backends import backend_for
-    from bcp.housekeeping import delete_checkpoint
+    from bcp.commit import delete_checkpoint
 
     backend = backend_for(args.uri)
     keys = list(backend.list(""))

@@ -11,25 +11,28 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import os
-from typing import Any
+import pickle
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from .errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    FormatError,
-    IncompleteCheckpointError,
-    StateMismatchError,
-    UnsupportedStateError,
-)
+from .errors import RankFailedError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _GROUPS: dict[Any, Any] = {}
 
 
-class RankFailedError(CheckpointError):
-    """Another rank (or this one) failed during a collective checkpoint operation."""
+def portable(error: BaseException) -> BaseException:
+    """``error`` itself when it survives a pickle round trip (keeps its type and
+    fields on the other ranks), else a RankFailedError carrying its message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # an error holding a socket, a lock, a lambda...
+        return RankFailedError(f"{type(error).__name__}: {error}")
 
 
 class Coordinator:
@@ -56,17 +59,24 @@ class Coordinator:
         return objs[0]
 
     def check(self, error: BaseException | None, phase: str) -> None:
-        """Raise on every rank if any rank failed ``phase``; a rank's own error is chained."""
-        statuses = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
-        failed = [(r, msg) for r, msg in enumerate(statuses) if msg is not None]
+        """Raise on every rank if any rank failed ``phase``. A failed rank raises its own
+        error (a note names the others); the rest raise RankFailedError whose
+        ``errors`` holds each failed rank's error with its type and fields."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        statuses = self.all_gather(None if error is None else portable(error))
+        failed = {r: e for r, e in enumerate(statuses) if e is not None}
         if not failed:
             return
-        detail = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
-        if error is not None:  # this rank's own error keeps its type; the note tells about the others
-            if self.world_size > 1:
-                error.add_note(f"{phase} failed on {len(failed)} of {self.world_size} ranks: {detail}")
+        detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in failed.items())
+        summary = f"{phase} failed on {len(failed)} of {self.world_size} ranks: {detail}"
+        if error is not None:
+            error.add_note(summary)
             raise error
-        raise RankFailedError(f"{phase} failed on {len(failed)} of {self.world_size} ranks: {detail}")
+        first = next(iter(failed.values()))
+        raise RankFailedError(summary, errors=failed) from first
 
 
 class GroupCoordinator(Coordinator):
@@ -149,42 +159,44 @@ def run_phase(coord: Coordinator, phase: str, fn, *args, **kwargs):
     try:
         result = fn(*args, **kwargs)
         error = None
-    except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
+    except Exception as e:  # reported to every rank, then re-raised
         result, error = None, e
     coord.check(error, phase)
     return result
 
 
-#: Errors a coordinator result may carry to the other ranks with their own type
-#: (their constructors take one message).
-_SHAREABLE_ERRORS = (
-    CheckpointExistsError, CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError,
-    FormatError, UnsupportedStateError, ValueError, TypeError, FileNotFoundError,
-)
-
-
 def share_result(coord: Coordinator, result: Any, phase: str) -> Any:
-    """Send the coordinator's result (or the exception it raised) to every rank; an
-    exception raises on every rank, with its own type where that is one message-only type."""
+    """Send the coordinator's result, or the exception it raised, to every rank; an
+    exception raises on every rank with its own type and fields."""
     if coord.world_size == 1:
         if isinstance(result, BaseException):
             raise result
         return result
     if coord.is_coordinator:
         if isinstance(result, BaseException):
-            if isinstance(result, _SHAREABLE_ERRORS) and not isinstance(result, StateMismatchError):
-                coord.broadcast(("error", type(result), str(result)))
-            else:
-                coord.broadcast(("error", RankFailedError, f"{phase} failed on the coordinator: {type(result).__name__}: {result}"))
+            coord.broadcast(("error", portable(result)))
             raise result
         coord.broadcast(("ok", result))
         return result
-    tag, *payload = coord.broadcast(None)
+    tag, payload = coord.broadcast(None)
     if tag == "ok":
-        return payload[0]
-    cls, message = payload
-    try:
-        error = cls(message)
-    except TypeError:
-        error = RankFailedError(message)
-    raise error
+        return payload
+    payload.add_note(f"raised on the coordinator while {phase}")
+    raise payload
+
+
+def decide(coord: Coordinator, phase: str, fn: Callable[..., Any], *args: Any,
+           share: Callable[[Any], Any] | None = None) -> Any:
+    """The coordinator runs ``fn(*args)``; if it raises, every rank raises that error.
+    Otherwise the coordinator gets the result and the other ranks get ``share(result)``
+    (the whole result when ``share`` is None): what they need, not what they don't."""
+    outcome: Any = None
+    result: Any = None
+    if coord.is_coordinator:
+        try:
+            result = fn(*args)
+            outcome = result if share is None else share(result)
+        except Exception as e:  # shared with every rank, raised there
+            outcome = e
+    shared = share_result(coord, outcome, phase)
+    return result if coord.is_coordinator else shared

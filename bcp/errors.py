@@ -1,14 +1,19 @@
-"""Errors of the checkpoint engine. Storage errors come from bcp.backends, format
-errors from bcp.metadata; all are re-exported here so users import from one place."""
+"""Every error bcp raises, importable from one place (docs/errors.md has the tree).
+
+Two roots: :class:`CheckpointError` for anything about a checkpoint or a state
+(defined in ``bcp.metadata.errors`` so the format layer can raise one), and
+:class:`StorageError`, an ``OSError``, for the store underneath (defined in
+``bcp.backends.errors``). Every error here pickles with its type and fields, so a
+rank's failure reaches the other ranks intact (``bcp.collectives``).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from bcp.backends.errors import ObjectExistsError, ObjectNotFoundError, StorageError
-from bcp.metadata.errors import FormatError
-
-
-class CheckpointError(Exception):
-    """Base of the engine's errors."""
+from bcp.backends.retry import TransientError
+from bcp.metadata.errors import CheckpointError, FormatError
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -35,6 +40,32 @@ class UnsupportedStateError(CheckpointError, TypeError):
     """A value in the state cannot be saved safely (names the key)."""
 
 
+class PickleNotAllowedError(UnsupportedStateError):
+    """A stored object is a pickle and the caller did not pass ``allow_pickle=True``.
+
+    Unpickling runs code chosen by whoever wrote the checkpoint, so it needs the
+    caller's explicit consent. ``fqn`` names the object."""
+
+    def __init__(self, message: str, *, fqn: str | None = None) -> None:
+        super().__init__(message)
+        self.fqn = fqn
+
+
+class ShardingError(UnsupportedStateError):
+    """Ranks disagree about a tensor, or its shards do not tile it exactly."""
+
+
+class RankFailedError(CheckpointError):
+    """Another rank failed during a collective checkpoint operation.
+
+    ``errors`` maps each failed rank to its error, with its own type and fields
+    (or a RankFailedError holding its message, when it could not be sent)."""
+
+    def __init__(self, message: str, *, errors: dict[int, BaseException] | None = None) -> None:
+        super().__init__(message)
+        self.errors = dict(errors or {})
+
+
 class StateMismatchError(CheckpointError, ValueError):
     """The state passed to load does not match the checkpoint. Lists every difference."""
 
@@ -48,6 +79,7 @@ class StateMismatchError(CheckpointError, ValueError):
         dtype_mismatch: list[tuple[str, str, str]],
         kind_mismatch: list[tuple[str, str, str]],
     ) -> None:
+        self.uri = uri
         self.missing, self.unexpected = missing, unexpected
         self.shape_mismatch, self.dtype_mismatch, self.kind_mismatch = shape_mismatch, dtype_mismatch, kind_mismatch
         lines = [f"checkpoint {uri} does not match the state given to load:"]
@@ -66,6 +98,18 @@ class StateMismatchError(CheckpointError, ValueError):
     def __bool__(self) -> bool:
         return True
 
+    def __reduce__(self) -> tuple[Any, ...]:  # keyword-only fields: rebuilt from them, not from the message
+        return (_rebuild_mismatch, (self.uri, self.missing, self.unexpected, self.shape_mismatch,
+                                    self.dtype_mismatch, self.kind_mismatch, self.__notes__ if hasattr(self, "__notes__") else None))
+
+
+def _rebuild_mismatch(uri, missing, unexpected, shapes, dtypes, kinds, notes) -> StateMismatchError:
+    error = StateMismatchError(uri, missing=missing, unexpected=unexpected, shape_mismatch=shapes,
+                               dtype_mismatch=dtypes, kind_mismatch=kinds)
+    for note in notes or ():
+        error.add_note(note)
+    return error
+
 
 __all__ = [
     "CheckpointError",
@@ -76,7 +120,11 @@ __all__ = [
     "IncompleteCheckpointError",
     "ObjectExistsError",
     "ObjectNotFoundError",
+    "PickleNotAllowedError",
+    "RankFailedError",
+    "ShardingError",
     "StateMismatchError",
     "StorageError",
+    "TransientError",
     "UnsupportedStateError",
 ]

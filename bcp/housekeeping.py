@@ -13,21 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Iterable
 
 from bcp.backends import Backend, ObjectNotFoundError
-from bcp.metadata import MANIFEST_KEY, Manifest
+from bcp.metadata import Manifest
+from bcp.metadata.layout import LATEST_KEY, STEP_PREFIX, manifest_key, step_name, step_of
 
-STEP_RE = re.compile(r"^step_(\d+)/")
-#: Written after each commit; for people and tools. bcp itself trusts only manifests.
-LATEST_KEY = "latest.json"
-
-
-def step_name(step: int) -> str:
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"step_{step:010d}"
+from . import commit
 
 
 @dataclasses.dataclass
@@ -43,14 +35,13 @@ class StepInfo:
 def scan(backend: Backend, *, sizes: bool = False) -> dict[int, StepInfo]:
     """Every step directory under the root, committed or not (one listing)."""
     found: dict[int, StepInfo] = {}
-    for key in backend.list("step_"):
-        m = STEP_RE.match(key)
-        if not m:
+    for key in backend.list(STEP_PREFIX):
+        step = step_of(key)
+        if step is None:
             continue
-        step = int(m.group(1))
         info = found.setdefault(step, StepInfo(step, committed=False))
         info.objects += 1
-        if key == f"{step_name(step)}/{MANIFEST_KEY}":
+        if key == manifest_key(f"{step_name(step)}/"):
             info.committed = True
         if sizes:
             try:
@@ -65,11 +56,8 @@ def committed_steps(backend: Backend) -> list[int]:
 
 
 def read_manifest(backend: Backend, step: int) -> Manifest | None:
-    try:
-        key = f"{step_name(step)}/{MANIFEST_KEY}"
-        return Manifest.from_json(backend.read(key), where=f"{backend.uri}/{key}")
-    except ObjectNotFoundError:
-        return None
+    """The manifest of ``step``; None when the step is not committed."""
+    return commit.read_manifest(backend, f"{step_name(step)}/")
 
 
 def step_metrics(backend: Backend, step: int) -> dict:
@@ -113,27 +101,14 @@ def check_policy(keep_last, keep_every, keep_best) -> None:
             raise ValueError(f"keep_best must be (metric, N >= 1, 'min' or 'max'), got {keep_best!r}")
 
 
-def delete_checkpoint(backend: Backend, prefix: str = "") -> None:
-    """The checkpoint under ``prefix`` (``""`` or ending in ``/``): manifest first, so
-    it stops being committed at once, then everything else."""
-    backend.delete(f"{prefix}{MANIFEST_KEY}")
-    backend.delete_prefix(prefix)
-
-
 def delete_step(backend: Backend, step: int) -> None:
-    delete_checkpoint(backend, f"{step_name(step)}/")
+    commit.delete_checkpoint(backend, f"{step_name(step)}/")
 
 
 def orphan_generations(backend: Backend, step: int) -> list[str]:
-    """``gen-*`` prefixes in a committed step that its manifest does not use
+    """Generation prefixes in a committed step that its manifest does not use
     (left by an overwrite that was killed)."""
-    manifest = read_manifest(backend, step)
-    if manifest is None:
-        return []
-    live = manifest.catalog.path.split("/", 1)[0]
-    name = step_name(step)
-    gens = {key.split("/", 2)[1] for key in backend.list(f"{name}/gen-")}
-    return sorted(f"{name}/{g}/" for g in gens if g != live)
+    return commit.unused_generations(backend, f"{step_name(step)}/")
 
 
 def write_latest(backend: Backend, step: int) -> None:

@@ -17,22 +17,26 @@ tensors allocated on CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from bcp.backends import Capability
-from bcp.target import resolve_backend
 
-from .collectives import Coordinator, coordinator_for, run_phase, share_result
-from .torch_dtypes import dtype_name
+from .boxes import Box
+from .collectives import Coordinator, coordinator_for, decide, run_phase
+from .commit import fetch_metadata
 from .errors import StateMismatchError, UnsupportedStateError
 from .io_scheduler.read_exec import ReadStats
-from .reader import CheckpointReader, fetch_metadata, reader_from_bytes
+from .reader import CheckpointReader, reader_from_bytes
 from .shards import local_pieces
 from .state import KeyPath, Leaf, build_nested, flatten_state, replace_at
+from .target import Target, resolve_backend
+from .torch_dtypes import dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +48,40 @@ def _keys(path: KeyPath) -> tuple:
     return tuple(k for _kind, k in path)
 
 
-def load(
+@dataclasses.dataclass(frozen=True)
+class LoadInfo:
+    """What a load did on this rank: the loaded state, its storage traffic and what
+    a non-strict load skipped."""
+
+    uri: str
+    #: the state, filled (containers replaced by stored subtrees where that rule applied)
+    state: Mapping[str, Any]
+    bytes_read: int
+    requests: int
+    #: bytes read only to verify checksum blocks that a partial read touched
+    verify_bytes: int
+    seconds: float
+    #: keys of the state that the checkpoint does not hold (strict=False skipped them)
+    missing: tuple[str, ...] = ()
+    #: stored keys the state does not ask for
+    unexpected: tuple[str, ...] = ()
+    #: tensors whose dtype differs (cast while loading)
+    cast: tuple[str, ...] = ()
+
+
+def load(state: Mapping[str, Any], uri: Target, **options: Any) -> Mapping[str, Any]:
+    """Fill ``state`` from the checkpoint at ``uri`` and return it.
+
+    Collective when torch.distributed is initialised. The checkpoint may have been
+    saved by any number of ranks in any layout. Options are those of
+    :func:`load_with_info`, which also returns what the load read and skipped.
+    """
+    return load_with_info(state, uri, **options).state
+
+
+def load_with_info(
     state: Mapping[str, Any],
-    uri: str,
+    uri: Target,
     *,
     strict: bool = True,
     allow_pickle: bool = False,
@@ -55,31 +90,26 @@ def load(
     reshard_objects: ReshardObjects | None = None,
     verify: bool = True,
     share_reads: bool | None = None,
-) -> Mapping[str, Any]:
-    """Fill ``state`` from the checkpoint at ``uri`` and return it.
+) -> LoadInfo:
+    """``bcp.load``, returning a :class:`LoadInfo` (the state is its ``state``).
 
-    Collective when torch.distributed is initialised. The checkpoint may have been
-    saved by any number of ranks in any layout. strict=True: any missing key,
-    unexpected key, shape or dtype mismatch raises one StateMismatchError listing
-    them all, before anything is read. strict=False: keys on one side only are
-    skipped, dtypes are cast; shapes must still match. Objects saved per rank at a
-    different world size are handed to ``reshard_objects`` (see docs/distributed.md).
-    ``share_reads``: read a fragment several ranks need once and send it to the
-    others (zero-redundant load); default on for object stores, off for POSIX
-    filesystems, where measurements favour every rank reading (docs/distributed.md).
+    strict=True: any missing key, unexpected key, shape or dtype mismatch raises one
+    StateMismatchError listing them all, before anything is read. strict=False: keys
+    on one side only are skipped (listed in the result), dtypes are cast; shapes
+    must still match. Objects saved per rank at a different world size are handed to
+    ``reshard_objects`` (see docs/distributed.md). ``share_reads``: read a fragment
+    several ranks need once and send it to the others (zero-redundant load); default
+    on for object stores, off for POSIX filesystems, where measurements favour every
+    rank reading (docs/distributed.md).
     """
+    started = time.perf_counter()
     coord = coordinator_for(process_group)
     backend = resolve_backend(uri, storage_options)
-    fetched: Any = None
-    if coord.is_coordinator:
-        try:
-            fetched = fetch_metadata(backend)
-        except Exception as e:  # noqa: BLE001 - shared with every rank, raised there
-            fetched = e
-    manifest_bytes, catalog_bytes = share_result(coord, fetched, "reading the checkpoint metadata")
+    manifest_bytes, catalog_bytes = decide(coord, "reading the checkpoint metadata", fetch_metadata, backend)
     reader = reader_from_bytes(backend, manifest_bytes, catalog_bytes, allow_pickle=allow_pickle, verify=verify)
     try:
-        plan = run_phase(coord, "matching the state", _match, reader, state, strict, coord, reshard_objects)
+        plan = run_phase(coord, "matching the state", match_state, reader, state, strict, coord.world_size,
+                         reshard_objects)
         if share_reads is None:
             share_reads = not (backend.capabilities & Capability.POSIX)
         stats = run_phase(coord, "reading tensors", _read, reader, plan, coord, share_reads)
@@ -87,118 +117,155 @@ def load(
     finally:
         reader.close()
     log.info("loaded %s: %d bytes in %d reads (+%d to verify)", reader.uri, stats.bytes_read, stats.requests, stats.verify_bytes)
-    last_load_stats.update(bytes_read=stats.bytes_read, requests=stats.requests, verify_bytes=stats.verify_bytes)
-    return state
+    return LoadInfo(
+        uri=reader.uri, state=state, bytes_read=stats.bytes_read, requests=stats.requests,
+        verify_bytes=stats.verify_bytes, seconds=time.perf_counter() - started,
+        missing=tuple(plan.missing), unexpected=tuple(plan.unexpected), cast=tuple(f for f, _w, _g in plan.dtype_mismatch),
+    )
 
 
-#: This process's storage traffic during its last ``load`` (bytes_read, requests,
-#: verify_bytes): for benchmarks and tests.
-last_load_stats: dict[str, int] = {}
+class TensorRequest(NamedTuple):
+    """Fill ``dest`` with box ``box`` of the stored tensor ``fqn``."""
+
+    fqn: str
+    box: Box
+    dest: torch.Tensor
 
 
-class _Plan:
-    def __init__(self) -> None:
-        self.tensor_requests: list[tuple[str, tuple, Any]] = []
-        self.object_loads: list[Leaf] = []
-        self.subtree_loads: list[tuple[Leaf, list[str]]] = []
-        #: tensors allocated for subtree loads, filled with the other requests
-        self.subtree_tensors: dict[str, Any] = {}
+class SubtreeLoad(NamedTuple):
+    """A template container replaced by the stored subtree under its path."""
+
+    leaf: Leaf
+    #: the stored entries below it
+    fqns: tuple[str, ...]
 
 
-def _match(
-    reader: CheckpointReader, state: Mapping[str, Any], strict: bool, coord: Coordinator, hook: ReshardObjects | None
-) -> _Plan:
-    leaves = flatten_state(state)
-    stored_tensors = reader.catalog.tensors
-    stored_objects = reader.manifest.objects
-    stored_paths: dict[str, tuple] = {}  # built only if a template object needs the subtree rule:
-    # it touches every catalog entry, which a lazy catalog otherwise never materialises
-    plan = _Plan()
-    consumed: set[str] = set()
-    missing: list[str] = []
-    shape_mm: list[tuple] = []
-    dtype_mm: list[tuple] = []
-    kind_mm: list[tuple] = []
+@dataclasses.dataclass
+class LoadPlan:
+    """What one rank loads, decided before any byte is read, and what did not match."""
 
-    for leaf in leaves.values():
-        fqn = leaf.fqn
+    tensor_requests: list[TensorRequest] = dataclasses.field(default_factory=list)
+    object_loads: list[Leaf] = dataclasses.field(default_factory=list)
+    subtree_loads: list[SubtreeLoad] = dataclasses.field(default_factory=list)
+    #: tensors allocated for subtree loads, filled with the other requests
+    subtree_tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    #: stored entries some leaf of the state claimed
+    consumed: set[str] = dataclasses.field(default_factory=set)
+    missing: list[str] = dataclasses.field(default_factory=list)
+    unexpected: list[str] = dataclasses.field(default_factory=list)
+    shape_mismatch: list[tuple[str, tuple, tuple]] = dataclasses.field(default_factory=list)
+    dtype_mismatch: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    kind_mismatch: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+
+    def mismatch_error(self, uri: str, *, shapes_only: bool = False) -> StateMismatchError:
+        if shapes_only:
+            return StateMismatchError(uri, missing=[], unexpected=[], shape_mismatch=self.shape_mismatch,
+                                      dtype_mismatch=[], kind_mismatch=[])
+        return StateMismatchError(uri, missing=self.missing, unexpected=self.unexpected,
+                                  shape_mismatch=self.shape_mismatch, dtype_mismatch=self.dtype_mismatch,
+                                  kind_mismatch=self.kind_mismatch)
+
+
+def match_state(reader: CheckpointReader, state: Mapping[str, Any], strict: bool, world_size: int,
+                hook: ReshardObjects | None) -> LoadPlan:
+    """Match every leaf of ``state`` with the checkpoint: the load plan, or one error
+    listing every mismatch."""
+    plan = LoadPlan()
+    stored_paths: dict[str, tuple] = {}
+    for leaf in flatten_state(state).values():
         if leaf.is_tensor:
-            if fqn in stored_tensors:
-                consumed.add(fqn)
-                entry = stored_tensors[fqn]
-                shape, dtype, pieces, _replicated = local_pieces(leaf.value, fqn)
-                if tuple(shape) != entry.global_shape:
-                    shape_mm.append((fqn, tuple(shape), entry.global_shape))
-                    continue
-                if dtype_name(dtype, fqn=fqn) != entry.dtype:
-                    dtype_mm.append((fqn, dtype_name(dtype, fqn=fqn), entry.dtype))
-                plan.tensor_requests += [(fqn, p.box, p.tensor) for p in pieces]
-            elif fqn in stored_objects:
-                consumed.add(fqn)
-                kind_mm.append((fqn, "a tensor", "an object"))
-            else:
-                missing.append(fqn)
-            continue
-        if fqn in stored_objects:
-            consumed.add(fqn)
+            _match_tensor(reader, leaf, plan)
+        elif leaf.fqn in reader.manifest.objects:
+            plan.consumed.add(leaf.fqn)
             plan.object_loads.append(leaf)
-        elif fqn in stored_tensors:
-            consumed.add(fqn)
-            kind_mm.append((fqn, "an object", "a tensor"))
-        else:
-            below: list[str] = []
-            if isinstance(leaf.value, (Mapping, list, tuple)):
-                prefix = _keys(leaf.path)
-                if not stored_paths:
-                    stored_paths.update((f, _keys(reader.key_path(f))) for f in reader.keys())
-                below = [f for f, p in stored_paths.items() if len(p) > len(prefix) and p[: len(prefix)] == prefix]
-            if below:
-                consumed.update(below)
-                plan.subtree_loads.append((leaf, below))
-                for f in below:
-                    if f in stored_tensors:
-                        meta = reader.meta(f)
-                        plan.subtree_tensors[f] = torch.empty(meta.shape, dtype=meta.dtype)
-                        plan.tensor_requests.append((f, ((0,) * len(meta.shape), tuple(meta.shape)), plan.subtree_tensors[f]))
-            else:
-                missing.append(fqn)
-    unexpected = [f for f in reader.keys() if f not in consumed]
-
-    if strict and (missing or unexpected or shape_mm or dtype_mm or kind_mm):
-        raise StateMismatchError(
-            reader.uri, missing=missing, unexpected=unexpected,
-            shape_mismatch=shape_mm, dtype_mismatch=dtype_mm, kind_mismatch=kind_mm,
-        )
-    if shape_mm:
-        raise StateMismatchError(reader.uri, missing=[], unexpected=[], shape_mismatch=shape_mm, dtype_mismatch=[], kind_mismatch=[])
-    if missing or unexpected or dtype_mm or kind_mm:
+        elif leaf.fqn in reader.catalog.tensors:
+            plan.consumed.add(leaf.fqn)
+            plan.kind_mismatch.append((leaf.fqn, "an object", "a tensor"))
+        elif not _match_subtree(reader, leaf, plan, stored_paths):
+            plan.missing.append(leaf.fqn)
+    plan.unexpected = [f for f in reader.keys() if f not in plan.consumed]
+    if strict and (plan.missing or plan.unexpected or plan.shape_mismatch or plan.dtype_mismatch or plan.kind_mismatch):
+        raise plan.mismatch_error(reader.uri)
+    if plan.shape_mismatch:
+        raise plan.mismatch_error(reader.uri, shapes_only=True)
+    if plan.missing or plan.unexpected or plan.dtype_mismatch or plan.kind_mismatch:
         log.info(
             "non-strict load from %s: %d missing, %d unexpected, %d cast, %d kind mismatches skipped",
-            reader.uri, len(missing), len(unexpected), len(dtype_mm), len(kind_mm),
+            reader.uri, len(plan.missing), len(plan.unexpected), len(plan.dtype_mismatch), len(plan.kind_mismatch),
         )
-    resized = reader.manifest.world_size != coord.world_size
-    per_rank = [leaf.fqn for leaf in plan.object_loads if reader.is_per_rank(leaf.fqn)]
-    if per_rank and resized and hook is None:
-        raise UnsupportedStateError(
-            f"{reader.uri} was saved by {reader.manifest.world_size} ranks and is loaded by {coord.world_size}; "
-            f"these objects were saved per rank and need a reshard_objects hook to decide what each rank gets: "
-            f"{', '.join(per_rank)} (see docs/distributed.md)"
-        )
+    _check_per_rank_objects(reader, plan, world_size, hook)
     return plan
 
 
-def _read(reader: CheckpointReader, plan: _Plan, coord: Coordinator, share_reads: bool) -> ReadStats:
+def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan) -> None:
+    """A tensor-like leaf: the boxes this rank holds, if shape and kind match."""
+    fqn = leaf.fqn
+    entry = reader.catalog.tensors[fqn] if fqn in reader.catalog.tensors else None
+    if entry is None:
+        if fqn in reader.manifest.objects:
+            plan.consumed.add(fqn)
+            plan.kind_mismatch.append((fqn, "a tensor", "an object"))
+        else:
+            plan.missing.append(fqn)
+        return
+    plan.consumed.add(fqn)
+    shape, dtype, pieces, _replicated = local_pieces(leaf.value, fqn)
+    if tuple(shape) != entry.global_shape:
+        plan.shape_mismatch.append((fqn, tuple(shape), entry.global_shape))
+        return
+    if dtype_name(dtype, fqn=fqn) != entry.dtype:
+        plan.dtype_mismatch.append((fqn, dtype_name(dtype, fqn=fqn), entry.dtype))
+    plan.tensor_requests += [TensorRequest(fqn, p.box, p.tensor) for p in pieces]
+
+
+def _match_subtree(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan, stored_paths: dict[str, tuple]) -> bool:
+    """A template container with no stored entry of its own (an optimizer's empty
+    ``state`` before its first step): replaced by the stored subtree below its path,
+    tensors allocated on CPU. False when nothing is stored below it."""
+    if not isinstance(leaf.value, (Mapping, list, tuple)):
+        return False
+    prefix = _keys(leaf.path)
+    if not stored_paths:  # touches every catalog entry, which a lazy catalog otherwise never materialises
+        stored_paths.update((f, _keys(reader.key_path(f))) for f in reader.keys())
+    below = tuple(f for f, p in stored_paths.items() if len(p) > len(prefix) and p[: len(prefix)] == prefix)
+    if not below:
+        return False
+    plan.consumed.update(below)
+    plan.subtree_loads.append(SubtreeLoad(leaf, below))
+    for f in below:
+        if f in reader.catalog.tensors:
+            meta = reader.meta(f)
+            plan.subtree_tensors[f] = torch.empty(meta.shape, dtype=meta.dtype)
+            plan.tensor_requests.append(TensorRequest(f, ((0,) * len(meta.shape), tuple(meta.shape)), plan.subtree_tensors[f]))
+    return True
+
+
+def _check_per_rank_objects(reader: CheckpointReader, plan: LoadPlan, world_size: int, hook: ReshardObjects | None) -> None:
+    """Objects saved per rank at another world size need the caller's hook."""
+    if reader.manifest.world_size == world_size or hook is not None:
+        return
+    per_rank = [leaf.fqn for leaf in plan.object_loads if reader.is_per_rank(leaf.fqn)]
+    if per_rank:
+        raise UnsupportedStateError(
+            f"{reader.uri} was saved by {reader.manifest.world_size} ranks and is loaded by {world_size}; "
+            f"these objects were saved per rank and need a reshard_objects hook to decide what each rank gets: "
+            f"{', '.join(per_rank)} (see docs/distributed.md)"
+        )
+
+
+def _read(reader: CheckpointReader, plan: LoadPlan, coord: Coordinator, share_reads: bool) -> ReadStats:
+    requests: list[tuple[str, Box, torch.Tensor]] = list(plan.tensor_requests)
     if not share_reads or coord.world_size == 1:
-        return reader.fill(plan.tensor_requests, prefer_rank=coord.rank)
+        return reader.fill(requests, prefer_rank=coord.rank)
     from .io_scheduler.shared_read import fetch_shared
 
-    held, stats = fetch_shared(reader, coord, [(fqn, box) for fqn, box, _t in plan.tensor_requests])
-    stats.add(reader.fill(plan.tensor_requests, prefer_rank=coord.rank, in_memory=held))
+    held, stats = fetch_shared(reader, coord, [(r.fqn, r.box) for r in plan.tensor_requests])
+    stats.add(reader.fill(requests, prefer_rank=coord.rank, in_memory=held))
     return stats
 
 
 def _place_objects(
-    reader: CheckpointReader, state: Mapping[str, Any], plan: _Plan, coord: Coordinator, hook: ReshardObjects | None
+    reader: CheckpointReader, state: Mapping[str, Any], plan: LoadPlan, coord: Coordinator, hook: ReshardObjects | None
 ) -> Mapping[str, Any]:
     resized = reader.manifest.world_size != coord.world_size
     for leaf in plan.object_loads:
@@ -207,6 +274,7 @@ def _place_objects(
         elif not resized:
             value = reader.read_object(leaf.fqn, rank=coord.rank)
         else:
+            assert hook is not None  # checked by match_state
             value = hook(leaf.fqn, reader.per_rank_objects(leaf.fqn), coord.rank, coord.world_size)
         state = replace_at(state, leaf.path, value)
     for leaf, below in plan.subtree_loads:

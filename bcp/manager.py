@@ -13,21 +13,18 @@ broadcasts the coordinator's choice of step so every rank loads the same one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
 
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
 from .collectives import coordinator_for
-from .housekeeping import (
-    check_policy,
-    committed_steps,
-    plan_gc,
-    run_gc,
-    step_name,
-    write_latest,
-)
+from bcp.metadata.layout import step_name
+
+from .housekeeping import check_policy, committed_steps, plan_gc, run_gc, write_latest
 from .loader import load
+from .options import SaveOptions
 from .saver import SaveInfo, save
 from .target import join_uri, resolve_backend
 
@@ -80,20 +77,25 @@ class CheckpointManager:
 
     # -- collective operations ----------------------------------------------------------------
 
-    def save(self, step: int, state: Any, metrics: dict[str, float] | None = None, *,
-             overwrite: bool = False) -> SaveInfo | None:
+    def save(self, step: int, state: Any, metrics: dict[str, float] | None = None,
+             options: SaveOptions | None = None, **overrides: Any) -> SaveInfo | None:
         """(all ranks) Checkpoint ``state`` as ``step``. ``metrics`` (numbers) are
-        stored in the manifest for ``keep_best``. Returns the SaveInfo when synchronous."""
+        stored in the manifest for ``keep_best``. ``options`` and keyword arguments
+        are those of ``bcp.save`` (:class:`SaveOptions`), except the ones the manager
+        owns: ``metadata``, ``storage_options`` and ``process_group``. Returns the
+        SaveInfo when synchronous."""
+        owned = sorted({"metadata", "storage_options", "process_group"} & set(overrides))
+        if owned:
+            raise TypeError(f"CheckpointManager.save: {', '.join(owned)} belong to the manager; pass them to its constructor")
+        opts = SaveOptions.of(options, overrides)
         self.wait()
         meta = {"bcp_manager": {"step": int(step), "metrics": {k: float(v) for k, v in (metrics or {}).items()}}}
+        opts = dataclasses.replace(opts, metadata=meta, storage_options=self.storage_options or None,
+                                   process_group=self.process_group)
         if self.async_save:
-            handle = async_save(state, self.uri(step), overwrite=overwrite, metadata=meta,
-                                storage_options=self.storage_options or None, process_group=self.process_group,
-                                overlap=self.overlap)
-            self._pending = (handle, step)
+            self._pending = (async_save(state, self.uri(step), opts, overlap=self.overlap), step)
             return None
-        info = save(state, self.uri(step), overwrite=overwrite, metadata=meta,
-                    storage_options=self.storage_options or None, process_group=self.process_group)
+        info = save(state, self.uri(step), opts)
         self._committed(step)
         return info
 

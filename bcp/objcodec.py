@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .torch_dtypes import dtype_name, torch_dtype
-from .errors import FormatError, UnsupportedStateError
+from .errors import FormatError, PickleNotAllowedError, UnsupportedStateError
 from .tensor_io import byte_view, host_contiguous
 
 TAG = "$bcp"
@@ -155,9 +155,10 @@ def _decode(d: Any, fqn: str, allow_pickle: bool) -> Any:
         return arr if tag == "ndarray" else arr[()]
     if tag == "pickle":
         if not allow_pickle:
-            raise UnsupportedStateError(
+            raise PickleNotAllowedError(
                 f"object {fqn!r} was pickled at save time; loading it runs code from the checkpoint. "
-                "Pass allow_pickle=True only if you trust where this checkpoint came from"
+                "Pass allow_pickle=True only if you trust where this checkpoint came from",
+                fqn=fqn,
             )
         return pickle.loads(_unb64(v))  # allow_pickle: caller opted in explicitly
     raise FormatError(f"object {fqn!r}: unknown tag {tag!r}")

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from bcp.backends import Backend, ObjectNotFoundError
-from bcp.metadata import MANIFEST_KEY, Catalog, Fragment, Manifest, TensorEntry, crc32c
+from bcp.backends import Backend
+from bcp.metadata import Catalog, Fragment, Manifest, TensorEntry
 from bcp.target import resolve_backend
 
 from . import objcodec
@@ -22,11 +22,7 @@ from .boxes import Box, intersect
 from .io_scheduler.device_copy import DeviceCopies, is_device_tensor
 from .io_scheduler.device_load import DeviceFill
 from .torch_dtypes import torch_dtype
-from .errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-)
+from .commit import fetch_metadata, parse_manifest
 from .io_scheduler.read_exec import ReadStats, execute_reads
 from .io_scheduler.read_plan import RunSet, plan_tensor_reads
 from .io_scheduler.staging import StagingPool, default_pool
@@ -251,36 +247,10 @@ def _held_parts(landing: torch.Tensor, box: Box, held: dict[Box, torch.Tensor]):
             yield landing[tuple(slice(o - bo, o - bo + n) for o, bo, n in zip(r_off, box[0], r_len))], src
 
 
-def fetch_metadata(backend: Backend) -> tuple[bytes, bytes]:
-    """Read manifest.json and the catalog it names (one rank does this and shares)."""
-    try:
-        manifest_bytes = backend.read(MANIFEST_KEY)
-    except ObjectNotFoundError:
-        if next(iter(backend.list("")), None) is not None:
-            raise IncompleteCheckpointError(
-                f"{backend.uri} has no {MANIFEST_KEY}: a save started there and never committed "
-                "(it failed, was killed, or is still running), so there is no checkpoint to load"
-            ) from None
-        raise CheckpointNotFoundError(f"no checkpoint at {backend.uri}") from None
-    manifest = Manifest.from_json(manifest_bytes, where=f"{backend.uri}/{MANIFEST_KEY}")
-    cat = manifest.catalog
-    try:
-        data = backend.read(cat.path)
-    except ObjectNotFoundError as e:
-        raise CorruptCheckpointError(f"catalog {cat.path!r} of {backend.uri} is missing", file=cat.path) from e
-    if len(data) != cat.nbytes or crc32c(data) != cat.crc32c:
-        raise CorruptCheckpointError(
-            f"catalog {cat.path!r} of {backend.uri} does not match the manifest "
-            f"({len(data)} bytes, crc32c {crc32c(data):#010x}; expected {cat.nbytes} bytes, {cat.crc32c:#010x})",
-            file=cat.path,
-        )
-    return manifest_bytes, data
-
-
 def reader_from_bytes(
     backend: Backend, manifest_bytes: bytes, catalog_bytes: bytes, *, allow_pickle: bool = False, verify: bool = True
 ) -> CheckpointReader:
-    manifest = Manifest.from_json(manifest_bytes, where=f"{backend.uri}/{MANIFEST_KEY}")
+    manifest = parse_manifest(backend, manifest_bytes)
     catalog = Catalog.from_arrow(
         catalog_bytes, where=f"{backend.uri}/{manifest.catalog.path}", checksum_block_bytes=manifest.checksum_block_bytes
     )

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from bcp.metadata import itemsize
 
 from .boxes import Box
-from .errors import UnsupportedStateError
+from .errors import ShardingError
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,10 +48,6 @@ class GlobalPlan:
     bytes_per_rank: dict[int, int]
     tensors: int
     total_bytes: int
-
-
-class ShardingError(UnsupportedStateError, ValueError):
-    """Ranks disagree about a tensor, or its shards do not tile it exactly."""
 
 
 def _describe(box: Box) -> str:

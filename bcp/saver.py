@@ -8,10 +8,8 @@
    manifest.json; any rank's failure in any phase means no commit and an error on
    every rank.
 
-Commit protocol (FORMAT.md, "Commit"): every object of a save lives under a fresh
-generation prefix ``gen-<id>/``; ``manifest.json`` is written last, create-only
-unless ``overwrite=True`` (then an atomic replace). A save that fails or is killed
-leaves at most an unreferenced generation behind and never touches the previous one.
+The commit protocol itself (generations, create-only manifest, discarding) is
+``bcp.commit``; the key layout is ``bcp.metadata.layout``.
 """
 
 from __future__ import annotations
@@ -23,35 +21,29 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from bcp.backends import Backend, ObjectExistsError
-from bcp.metadata import (
-    DEFAULT_BLOCK_BYTES,
-    MANIFEST_KEY,
-    Catalog,
-    FileEntry,
-    Fragment,
-    Manifest,
-    ObjectEntry,
-    crc32c,
-)
-from bcp.target import resolve_backend
+from bcp.backends import Backend
+from bcp.metadata import DEFAULT_BLOCK_BYTES, Catalog, FileEntry, Fragment, Manifest, ObjectEntry
+from bcp.metadata.layout import catalog_key, data_file_key, generation_name
 
 from . import objcodec
 from ._version import __version__
 from .boxes import Box
-from .collectives import Coordinator, coordinator_for, run_phase, share_result
-from .torch_dtypes import dtype_name
+from .collectives import Coordinator, coordinator_for, decide, run_phase
+from .commit import ExistingCheckpoint, commit, discard_generation, find_existing, live_generation, write_catalog
 from .errors import CheckpointExistsError, UnsupportedStateError
-from .save_plan import GlobalPlan, LocalPlan, TensorPlan, plan_save
-from .shards import PerRank, Piece, local_pieces
 from .io_scheduler.staging import StagingPool, default_pool
+from .io_scheduler.write_pipeline import WriteItem, WritePipeline
+from .options import SaveOptions
+from .save_plan import GlobalPlan, LocalPlan, TensorPlan, plan_save
+from .shards import PerRank, local_pieces
 from .state import flatten_state, path_to_json, path_to_str
+from .target import Target, resolve_backend
 from .tensor_io import check_saveable, storage_identity
-from .io_scheduler.write_pipeline import WritePipeline
+from .torch_dtypes import dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -84,28 +76,36 @@ class SaveInfo:
         )
 
 
-@dataclasses.dataclass
+class LocalObject(NamedTuple):
+    """A non-tensor leaf as one rank prepared it."""
+
+    key_path: list
+    encoded: Any
+    #: wrapped in PerRank: saved per rank even when every rank has the same value
+    per_rank: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class _Prepared:
     """Step 1's result on one rank."""
 
     plan: LocalPlan
-    pieces: dict[tuple[str, Box], tuple[TensorPlan, Piece]]
-    #: fqn -> (key path JSON, encoded value, saved per rank?)
-    objects: dict[str, tuple[list, Any, bool]]
+    pieces: dict[tuple[str, Box], WriteItem]
+    objects: dict[str, LocalObject]
 
 
 def _prepare(state: Mapping[str, Any], rank: int, allow_pickle: bool) -> _Prepared:
     leaves = flatten_state(state)
     tensors: list[TensorPlan] = []
-    pieces: dict[tuple[str, Box], tuple[TensorPlan, Piece]] = {}
-    objects: dict[str, tuple[list, Any, bool]] = {}
+    pieces: dict[tuple[str, Box], WriteItem] = {}
+    objects: dict[str, LocalObject] = {}
     first_fqn_of: dict[tuple, str] = {}
     for leaf in leaves.values():
         if not leaf.is_tensor:
             per_rank = isinstance(leaf.value, PerRank)
             value = leaf.value.value if per_rank else leaf.value
             encoded = objcodec.encode(value, fqn=leaf.fqn, allow_pickle=allow_pickle)
-            objects[leaf.fqn] = (path_to_json(leaf.path), encoded, per_rank)
+            objects[leaf.fqn] = LocalObject(path_to_json(leaf.path), encoded, per_rank)
             continue
         shape, dtype, local, _replicated = local_pieces(leaf.value, leaf.fqn)
         for piece in local:
@@ -122,58 +122,61 @@ def _prepare(state: Mapping[str, Any], rank: int, allow_pickle: bool) -> _Prepar
         )
         tensors.append(tensor_plan)
         for piece in local:
-            pieces[(leaf.fqn, piece.box)] = (tensor_plan, piece)
+            pieces[(leaf.fqn, piece.box)] = WriteItem(tensor_plan, piece)
     return _Prepared(LocalPlan(rank, tuple(tensors)), pieces, objects)
 
 
-def _decide_objects(all_objects: list[dict[str, tuple[list, Any, bool]]]) -> dict[str, list[ObjectEntry]]:
+def _decide_objects(all_objects: list[dict[str, LocalObject]]) -> dict[str, list[ObjectEntry]]:
     """One job-wide entry when every rank saved the same value; else one per rank."""
     out: dict[str, list[ObjectEntry]] = {}
-    order: list[str] = []
+    order: dict[str, None] = {}
     for objs in all_objects:
-        order += [f for f in objs if f not in order]
+        order.update(dict.fromkeys(objs))
     for fqn in order:
         holders = [(r, objs[fqn]) for r, objs in enumerate(all_objects) if fqn in objs]
-        encodings = {json.dumps(enc, sort_keys=True) for _r, (_p, enc, _pr) in holders}
-        per_rank = any(pr for _r, (_p, _e, pr) in holders) or len(encodings) > 1 or len(holders) < len(all_objects)
+        encodings = {json.dumps(obj.encoded, sort_keys=True) for _r, obj in holders}
+        per_rank = any(obj.per_rank for _r, obj in holders) or len(encodings) > 1 or len(holders) < len(all_objects)
         if per_rank and len(all_objects) > 1:
-            out[fqn] = [ObjectEntry(path, enc, r) for r, (path, enc, _pr) in holders]
+            out[fqn] = [ObjectEntry(obj.key_path, obj.encoded, r) for r, obj in holders]
         else:
-            path, enc, _pr = holders[0][1]
-            out[fqn] = [ObjectEntry(path, enc, None)]
+            obj = holders[0][1]
+            out[fqn] = [ObjectEntry(obj.key_path, obj.encoded, None)]
     return out
 
 
-def save(
-    state: Mapping[str, Any],
-    uri: str,
-    *,
-    overwrite: bool = False,
-    metadata: Mapping[str, Any] | None = None,
-    allow_pickle: bool = False,
-    storage_options: Mapping[str, Any] | None = None,
-    checksum_block_bytes: int = DEFAULT_BLOCK_BYTES,
-    process_group: Any = None,
-    streams: int | None = None,
-    pool: StagingPool | None = None,
-) -> SaveInfo:
+def save(state: Mapping[str, Any], uri: Target, options: SaveOptions | None = None, **overrides: Any) -> SaveInfo:
     """Save ``state`` (a nested dict of tensors, shards and plain objects) to ``uri``.
 
-    Collective when torch.distributed is initialised: every rank of ``process_group``
+    Collective when torch.distributed is initialised: every rank of the process group
     (default: the whole job) calls it with its own local state. Refuses
     (CheckpointExistsError) when a committed checkpoint is already there, unless
-    ``overwrite=True``; an overwrite replaces it atomically. ``metadata`` is stored as
-    user metadata (JSON). ``allow_pickle`` lets objects without a safe encoding be
-    pickled; loading them then needs ``allow_pickle=True`` too. ``streams``: concurrent
-    writes per rank (default: the backend's hint); ``pool``: staging memory (default:
-    the process-wide pool, whose capacity is the memory budget).
+    ``overwrite=True``; an overwrite replaces it atomically. ``options`` and keyword
+    arguments are the fields of :class:`SaveOptions` (overwrite, metadata,
+    allow_pickle, storage_options, checksum_block_bytes, process_group, streams, pool).
     """
-    job = SaveJob.start(
-        state, uri, coordinator_for(process_group), overwrite=overwrite, metadata=metadata, allow_pickle=allow_pickle,
-        storage_options=storage_options, block=checksum_block_bytes, streams=streams, pool=pool, stage_all=False,
-    )
+    opts = SaveOptions.of(options, overrides)
+    job = SaveJob.start(state, uri, coordinator_for(opts.process_group), opts, stage_all=False)
     job.stage()
     return job.complete()
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveDecision:
+    """What the coordinator settles before any byte is written."""
+
+    plan: GlobalPlan
+    save_id: str
+    objects: dict[str, list[ObjectEntry]]
+    #: the committed checkpoint this save replaces (overwrite), if any
+    existing: ExistingCheckpoint | None
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterReport:
+    """What one rank wrote: its fragment rows and its data file (None: nothing to write)."""
+
+    fragments: list[Fragment]
+    file: FileEntry | None
 
 
 class SaveJob:
@@ -186,39 +189,41 @@ class SaveJob:
        commit (coordinator), return SaveInfo. An async save runs it in a thread.
     """
 
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.error: BaseException | None = None
+    def __init__(self, coord: Coordinator, backend: Backend, options: SaveOptions, gathered: list[tuple[LocalPlan, dict[str, LocalObject]]] | None,
+                 decision: SaveDecision | None, save_id: str, pipeline: WritePipeline, started: float) -> None:
+        self.coord = coord
+        self.backend = backend
+        self.options = options
+        #: (coordinator) every rank's local plan and objects, in rank order
+        self.gathered = gathered
+        #: (coordinator) the plan and the objects; None on other ranks
+        self.decision = decision
+        self.save_id = save_id
+        self.generation = generation_name(save_id)
+        self.pipeline = pipeline
+        self.started = started
 
     @classmethod
-    def start(
-        cls, state, uri, coord: Coordinator, *, overwrite, metadata, allow_pickle, storage_options, block, streams,
-        pool, stage_all,
-    ) -> SaveJob:
-        self = cls()
-        self.coord, self.overwrite, self.block = coord, overwrite, block
-        self.backend = resolve_backend(uri, storage_options)
-        self.user_metadata = dict(metadata or {})
-        prepared: _Prepared = run_phase(coord, "preparing the save", _prepare, state, coord.rank, allow_pickle)
-        self.gathered = coord.gather((prepared.plan, prepared.objects))
-        decision: Any = None
-        if coord.is_coordinator:
-            try:
-                decision = _coordinate(self.backend, self.gathered, overwrite, self.user_metadata)
-            except Exception as e:  # noqa: BLE001 - sent to every rank, raised there
-                decision = e
-        shared = decision if not isinstance(decision, tuple) else decision[1]  # an exception, the save id, or None
-        self.save_id = share_result(coord, shared, "planning the save")
-        plan, _id, self.objects, self.old = decision if coord.is_coordinator else (None, self.save_id, {}, None)
-        # each rank receives only its own list of boxes to write
-        my_writes = coord.scatter([plan.writes[r] for r in range(coord.world_size)] if coord.is_coordinator else None)
-        self.generation = f"gen-{self.save_id}"
-        self.data_key = f"{self.generation}/data/rank{coord.rank:05d}-0.bin"
-        items = [prepared.pieces[w] for w in my_writes]  # (TensorPlan, Piece) pairs
-        self.pipeline = make_pipeline(
-            self.backend, self.data_key, coord.rank, items, block, pool=pool, streams=streams, stage_all=stage_all
+    def start(cls, state: Mapping[str, Any], uri: Target, coord: Coordinator, options: SaveOptions, *,
+              stage_all: bool) -> SaveJob:
+        started = time.perf_counter()
+        backend = resolve_backend(uri, options.storage_options)
+        prepared: _Prepared = run_phase(coord, "preparing the save", _prepare, state, coord.rank, options.allow_pickle)
+        gathered = coord.gather((prepared.plan, prepared.objects))
+        decision: SaveDecision | str = decide(
+            coord, "planning the save", _coordinate, backend, gathered, options, share=lambda d: d.save_id
         )
-        return self
+        save_id = decision.save_id if isinstance(decision, SaveDecision) else decision
+        # each rank receives only its own list of boxes to write
+        plan = decision.plan if isinstance(decision, SaveDecision) else None
+        my_writes = coord.scatter([plan.writes[r] for r in range(coord.world_size)] if plan is not None else None)
+        items = [prepared.pieces[w] for w in my_writes]
+        pipeline = make_pipeline(
+            backend, data_file_key(generation_name(save_id), coord.rank), coord.rank, items,
+            options.checksum_block_bytes, pool=options.pool, streams=options.streams, stage_all=stage_all,
+        )
+        return cls(coord, backend, options, gathered, decision if isinstance(decision, SaveDecision) else None,
+                   save_id, pipeline, started)
 
     def stage(self, select=None, last: bool = True) -> None:
         """Hand chunks to the writers (those ``select`` accepts; all when None)."""
@@ -233,37 +238,17 @@ class SaveJob:
         coord, backend = self.coord, self.backend
         try:
             fragments, file_entry = run_phase(coord, "writing data", self.pipeline.finish)
-            reports = coord.gather((fragments, file_entry))
-            outcome: Any = None
-            if coord.is_coordinator:
-                try:
-                    order: dict[str, int] = {}
-                    for local_plan, _objs in self.gathered:
-                        for t in local_plan.tensors:
-                            order.setdefault(t.fqn, len(order))
-                    all_fragments = sorted(
-                        (f for frags, _e in reports for f in frags), key=lambda f: (order[f.fqn], f.offsets, f.writer_rank)
-                    )
-                    files = tuple(e for _f, e in reports if e is not None)
-                    manifest = _commit(
-                        backend, self.save_id, f"{self.generation}/fragments.arrow", all_fragments, files, self.objects,
-                        coord.world_size, self.user_metadata, self.block, self.overwrite,
-                    )
-                    outcome = manifest.stats
-                except Exception as e:  # noqa: BLE001
-                    outcome = e
-            stats = share_result(coord, outcome, "committing the checkpoint")
+            reports = coord.gather(WriterReport(fragments, file_entry))
+            stats = decide(coord, "committing the checkpoint", self._commit, reports)
         except BaseException:
             if coord.is_coordinator:
-                _discard(backend, self.generation)
+                discard_generation(backend, self.generation)
             raise
-
-        if coord.is_coordinator and isinstance(self.old, Manifest) and self.old.generation != self.generation:
-            try:
-                backend.delete_prefix(self.old.generation + "/")
-            except Exception as e:  # noqa: BLE001 - the new checkpoint is committed; leftovers are only space
-                log.warning("could not delete the replaced generation %s at %s: %s", self.old.generation, backend.uri, e)
-
+        existing = self.decision.existing if self.decision is not None else None
+        if existing is not None and existing.manifest is not None:
+            old = live_generation(existing.manifest)
+            if old != self.generation:
+                discard_generation(backend, old, why="the replaced generation")
         info = SaveInfo(
             uri=backend.uri,
             save_id=self.save_id,
@@ -280,6 +265,22 @@ class SaveJob:
         log.info("%s", info)
         return info
 
+    def _commit(self, reports: list[WriterReport]) -> dict[str, int]:
+        """(coordinator) Catalog rows in save order, the catalog, then the manifest."""
+        assert self.gathered is not None and self.decision is not None
+        order: dict[str, int] = {}
+        for local_plan, _objs in self.gathered:
+            for t in local_plan.tensors:
+                order.setdefault(t.fqn, len(order))
+        fragments = sorted((f for r in reports for f in r.fragments), key=lambda f: (order[f.fqn], f.offsets, f.writer_rank))
+        catalog = write_catalog(self.backend, catalog_key(self.generation), Catalog(fragments))
+        manifest = build_manifest(
+            self.save_id, catalog, fragments, tuple(r.file for r in reports if r.file is not None),
+            self.decision.objects, self.coord.world_size, self.options,
+        )
+        commit(self.backend, manifest, overwrite=self.options.overwrite)
+        return manifest.stats
+
 
 def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=None, stage_all=False) -> WritePipeline:
     pool = pool or default_pool()
@@ -291,24 +292,13 @@ def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=N
     )
 
 
-def read_manifest_if_any(backend: Backend) -> Manifest | None | bool:
-    """The committed manifest; None when there is none; False when one exists but is unreadable."""
-    if not backend.exists(MANIFEST_KEY):
-        return None
-    try:
-        return Manifest.from_json(backend.read(MANIFEST_KEY), where=f"{backend.uri}/{MANIFEST_KEY}")
-    except Exception as e:  # noqa: BLE001 - an unreadable old manifest still blocks a non-overwrite save
-        log.warning("existing manifest at %s is unreadable: %s", backend.uri, e)
-        return False
-
-
-def _coordinate(backend: Backend, gathered: list, overwrite: bool, user_metadata: dict) -> tuple:
+def _coordinate(backend: Backend, gathered: list[tuple[LocalPlan, dict[str, LocalObject]]], options: SaveOptions) -> SaveDecision:
     """(coordinator) Check the target, plan the writes, settle the objects."""
-    old = read_manifest_if_any(backend)
-    if old is not None and not overwrite:
+    existing = find_existing(backend)
+    if existing is not None and not options.overwrite:
         raise CheckpointExistsError(f"a committed checkpoint already exists at {backend.uri}; pass overwrite=True to replace it")
     try:
-        json.dumps(user_metadata, allow_nan=False)
+        json.dumps(options.user_metadata, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise UnsupportedStateError(f"metadata must be JSON-serialisable: {e}") from None
     plans = [p for p, _objs in gathered]
@@ -317,12 +307,12 @@ def _coordinate(backend: Backend, gathered: list, overwrite: bool, user_metadata
     if len(plans) > 1:
         share = ", ".join(f"{r}: {b / 2**20:.1f} MiB" for r, b in sorted(plan.bytes_per_rank.items()))
         log.info("save plan: %d tensors, %.1f MiB, bytes per rank {%s}", plan.tensors, plan.total_bytes / 2**20, share)
-    return plan, uuid.uuid4().hex[:16], objects, old
+    return SaveDecision(plan, uuid.uuid4().hex[:16], objects, existing)
 
 
-def _write_rank_data(
-    backend: Backend, data_key: str, rank: int, items: list[tuple[TensorPlan, Piece]], block: int
-) -> tuple[list[Fragment], FileEntry | None]:
+def write_rank_data(
+    backend: Backend, data_key: str, rank: int, items: list[WriteItem], block: int
+) -> WriterReport:
     """Write this rank's assigned boxes into one data file (synchronously)."""
     pipeline = make_pipeline(backend, data_key, rank, items, block)
     try:
@@ -330,37 +320,32 @@ def _write_rank_data(
     except BaseException as e:
         pipeline.error = pipeline.error or e
         pipeline.close_queue()
-    return pipeline.finish()
+    return WriterReport(*pipeline.finish())
 
 
-def _commit(
-    backend: Backend,
+def build_manifest(
     save_id: str,
-    catalog_key: str,
+    catalog: FileEntry,
     fragments: list[Fragment],
     files: tuple[FileEntry, ...],
     objects: dict[str, list[ObjectEntry]],
     world_size: int,
-    user_metadata: dict,
-    block: int,
-    overwrite: bool,
+    options: SaveOptions,
 ) -> Manifest:
-    """(coordinator) Write the catalog, then the manifest: the commit."""
-    catalog_bytes = Catalog(fragments).to_arrow()
-    backend.write(catalog_key, catalog_bytes)
+    """The commit record of a save whose data files and catalog are written."""
     unique = {(f.file, f.byte_offset, f.offsets, f.lengths) for f in fragments}
     logical = {(f.fqn, f.offsets, f.lengths): f.nbytes for f in fragments}
-    manifest = Manifest(
+    return Manifest(
         save_id=save_id,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
         world_size=world_size,
-        catalog=FileEntry(catalog_key, len(catalog_bytes), crc32c(catalog_bytes)),
+        catalog=catalog,
         data_files=files,
         objects=objects,
-        checksum_block_bytes=block,
+        checksum_block_bytes=options.checksum_block_bytes,
         bcp_version=__version__,
         torch_version=torch.__version__,
-        user_metadata=user_metadata,
+        user_metadata=options.user_metadata,
         stats={
             "tensors": len({f.fqn for f in fragments}),
             "fragments": len(unique),
@@ -369,21 +354,3 @@ def _commit(
             "objects": len(objects),
         },
     )
-    data = manifest.to_json()
-    if overwrite:
-        backend.write(MANIFEST_KEY, data)
-    else:
-        try:
-            backend.write_if_absent(MANIFEST_KEY, data)
-        except ObjectExistsError as e:
-            raise CheckpointExistsError(
-                f"another save committed a checkpoint at {backend.uri} while this one was writing; this save was discarded"
-            ) from e
-    return manifest
-
-
-def _discard(backend: Backend, generation: str) -> None:
-    try:
-        backend.delete_prefix(generation + "/")
-    except Exception as e:  # noqa: BLE001 - the original error matters more
-        log.warning("could not remove the partial save %s at %s: %s", generation, backend.uri, e)

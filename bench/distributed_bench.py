@@ -82,20 +82,16 @@ def save_sharded(rank, world, uri, mib):
 
 
 def load_full(rank, world, uri, mib, share):
-    from bcp.loader import last_load_stats
-
     state = {k: torch.empty_like(v) for k, v in make_state(mib).items()}
     for t in state.values():
         t.fill_(0)  # touch the memory first: measure I/O, not page faults
     dist.barrier()
     t0 = time.perf_counter()
-    bcp.load(state, uri, share_reads=share)
-    return time.perf_counter() - t0, last_load_stats["bytes_read"]
+    info = bcp.load_with_info(state, uri, share_reads=share)
+    return time.perf_counter() - t0, info.bytes_read
 
 
 def load_sharded(rank, world, uri, mib, share):
-    from bcp.loader import last_load_stats
-
     meta = make_state(mib)
     state = {}
     for k, t in meta.items():
@@ -103,8 +99,8 @@ def load_sharded(rank, world, uri, mib, share):
         state[k] = bcp.TensorShard(torch.zeros(n, t.shape[1]), tuple(t.shape), (start, 0))
     dist.barrier()
     t0 = time.perf_counter()
-    bcp.load(state, uri, share_reads=share)
-    return time.perf_counter() - t0, last_load_stats["bytes_read"]
+    info = bcp.load_with_info(state, uri, share_reads=share)
+    return time.perf_counter() - t0, info.bytes_read
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ import resource
 import time
 
 from bcp.metadata import Catalog, Fragment
+from bcp.metadata.layout import data_file_key
 from bcp.save_plan import LocalPlan, TensorPlan, plan_save
 
 
@@ -49,7 +50,7 @@ def catalog_bytes(plan, ranks: int, tensors: int, meta: dict) -> int:
             path, shape = meta[fqn]
             nbytes = math.prod(lens) * 2
             blocks = -(-nbytes // (1 << 20))
-            frags.append(Fragment(fqn, path, "bfloat16", shape, off, lens, f"gen-x/data/rank{r:05d}-0.bin", offset, nbytes,
+            frags.append(Fragment(fqn, path, "bfloat16", shape, off, lens, data_file_key("gen-x", r), offset, nbytes,
                                   (123456789,) * blocks, r))
             offset += nbytes
     return len(Catalog(frags).to_arrow())

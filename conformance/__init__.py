@@ -12,6 +12,9 @@ It also runs against any URI, with a report: ``bcp conformance URI``,
 ``pytest --pyargs bcp.conformance --bcp-uri URI``, or :func:`run_suite` from Python.
 """
 
+if __name__ != "bcp.conformance":  # the folder imported under its own name: a second copy of every class
+    raise ImportError(f"this folder is the package bcp.conformance; write `import bcp.conformance`, not `import {__name__}`")
+
 from .checkpoint_contract import CheckpointContractTests
 from .object_contract import (
     OBJECT_CONTRACT_GROUPS,

@@ -80,7 +80,8 @@ def manager_demo(root: str, hidden: int, steps: int) -> bool:
     """A run under bcp.CheckpointManager: asynchronous saves every 3 steps with
     keep_last=2, a crash (and a save killed half-way), a restart from the newest
     committed step; the resumed losses must equal an uninterrupted run's."""
-    from bcp.housekeeping import scan, step_name
+    from bcp.housekeeping import scan
+    from bcp.metadata.layout import data_file_key, generation_name, step_name
 
     print(f"\n-- CheckpointManager: {root}, save every 3 steps, keep_last=2, async")
     random.seed(7)
@@ -98,7 +99,7 @@ def manager_demo(root: str, hidden: int, steps: int) -> bool:
             if step % 3 == 0:
                 manager.save(step, run.state())
     # the job dies after step crash_at; its next save was killed half-way:
-    bcp.backends.backend_for(root).write(f"{step_name(crash_at + 1)}/gen-dead/data/rank00000-0.bin", b"partial")
+    bcp.backends.backend_for(root).write(f"{step_name(crash_at + 1)}/{data_file_key(generation_name('dead'), 0)}", b"partial")
     found = scan(bcp.backends.backend_for(root))
     print(f"after the crash: committed steps {[s for s, i in sorted(found.items()) if i.committed]}, "
           f"incomplete {[s for s, i in sorted(found.items()) if not i.committed]}")

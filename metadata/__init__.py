@@ -4,6 +4,9 @@ Pure format code (FORMAT.md is the spec). Knows nothing of torch.distributed, of
 storage, or of the engine.
 """
 
+if __name__ != "bcp.metadata":  # the folder imported under its own name: a second copy of every class
+    raise ImportError(f"this folder is the package bcp.metadata; write `import bcp.metadata`, not `import {__name__}`")
+
 from .catalog import CATALOG_SCHEMA, Catalog, Fragment, TensorEntry, boxes_cover_exactly, validate_fragment
 from .checksum import ALGORITHM, DEFAULT_BLOCK_BYTES, block_checksums, crc32c, digest_of_checksums
 from .dtypes import DTYPE_ITEMSIZE, itemsize

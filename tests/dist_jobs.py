@@ -227,17 +227,15 @@ def ddp_load_job(rank: int, world: int, uri: str, ref_path: str, saved_world: in
 
 def shared_read_job(rank: int, world: int, uri: str, ref_path: str, share: bool) -> None:
     """Every rank loads full (replicated) tensors; with sharing, storage is read once."""
-    from bcp.loader import last_load_stats
-
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     state = {"model": model.state_dict(), "optim": opt.state_dict(), "loader": None, "rng": None, "step": 0}
-    bcp.load(state, uri, share_reads=share, reshard_objects=reshard_sampler_state)
+    info = bcp.load_with_info(state, uri, share_reads=share, reshard_objects=reshard_sampler_state)
     opt.load_state_dict(state["optim"])
     ref = torch.load(ref_path, weights_only=True)
     assert_equal_to_reference({"model": model.state_dict(), "optim": opt.state_dict()}, ref, f"shared-read rank {rank}")
     everyone = [None] * world
-    dist.all_gather_object(everyone, last_load_stats["bytes_read"])
+    dist.all_gather_object(everyone, info.bytes_read)
     total = bcp.open(uri).manifest.stats["tensor_bytes"]
     if share:
         assert sum(everyone) == total, f"with sharing, storage bytes {everyone} should add up to {total} once"
@@ -351,3 +349,35 @@ def manager_job(rank: int, world: int, root: str) -> None:
     assert all(s == [20, 30] for s in everyone), f"ranks disagree on the kept steps: {everyone}"
     step, out = m.load_latest({"w": torch.zeros(8), "rank_view": None})
     assert step == 30 and torch.equal(out["w"], torch.full((8,), 30.0)) and out["rank_view"] == rank
+
+
+def errors_keep_type_job(rank: int, world: int, uri: str) -> None:
+    """Errors travel between ranks with their type and fields: the coordinator's
+    (a corrupt catalog) and one rank's own (a state mismatch on rank 1 only)."""
+    bcp.save({"w": torch.arange(6.0)}, uri)
+    dist.barrier()
+    # 1. rank 1 alone asks for a key the checkpoint lacks: it raises its own error,
+    #    the others a RankFailedError holding rank 1's error intact
+    state = {"w": torch.zeros(6)} if rank == 0 else {"w": torch.zeros(6), "extra": torch.zeros(1)}
+    try:
+        bcp.load(state, uri)
+    except bcp.StateMismatchError as e:
+        assert rank == 1 and e.missing == ["extra"], f"rank {rank}: {e!r}"
+    except bcp.RankFailedError as e:
+        assert rank == 0, f"rank {rank}: {e!r}"
+        assert isinstance(e.errors[1], bcp.StateMismatchError) and e.errors[1].missing == ["extra"], e.errors
+    else:
+        raise AssertionError(f"rank {rank}: load succeeded")
+    dist.barrier()
+    # 2. the coordinator finds the catalog damaged: every rank raises that error, with its fields
+    if rank == 0:
+        catalog = bcp.open(uri).manifest.catalog.path
+        with open(os.path.join(uri, catalog), "r+b") as f:
+            f.write(b"X")
+    dist.barrier()
+    try:
+        bcp.load({"w": torch.zeros(6)}, uri)
+    except bcp.CorruptCheckpointError as e:
+        assert e.file is not None and e.file.endswith("fragments.arrow"), f"rank {rank}: {e.file}"
+    else:
+        raise AssertionError(f"rank {rank}: load of a damaged catalog succeeded")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import bcp
-from bcp.housekeeping import step_name
+from bcp.metadata.layout import data_file_key, generation_name, step_name
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -47,7 +47,7 @@ def run_root(tmp_path) -> str:
     m = bcp.CheckpointManager(root, async_save=False)
     for step in (10, 20, 30):
         m.save(step, model_state(step), metrics={"loss": 1.0 / step})
-    bcp.backends.backend_for(root).write(f"{step_name(40)}/gen-x/data/rank00000-0.bin", b"junk")  # crashed save
+    bcp.backends.backend_for(root).write(f"{step_name(40)}/{data_file_key(generation_name('x'), 0)}", b"junk")  # crashed save
     return root
 
 

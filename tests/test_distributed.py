@@ -82,3 +82,7 @@ def test_dtensor_checkpoint_loads_into_flat_shards(fsdp2):
 
 def test_async_saves_in_flight_across_ranks(tmp_path):
     dist_jobs.spawn(dist_jobs.async_ping_pong_job, 2, str(tmp_path / "ck"))
+
+
+def test_errors_keep_their_type_and_fields_across_ranks(tmp_path):
+    dist_jobs.spawn(dist_jobs.errors_keep_type_job, 2, str(tmp_path / "ck"))

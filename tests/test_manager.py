@@ -15,7 +15,9 @@ import bcp
 import dist_jobs
 from bcp.backends import backend_for
 from bcp.backends.memory import clear_memory_store
-from bcp.housekeeping import plan_gc, scan, select_kept, step_name
+from bcp.housekeeping import plan_gc, scan, select_kept
+from bcp.metadata import MANIFEST_KEY
+from bcp.metadata.layout import data_file_key, generation_name, step_name
 
 
 def state_for(step: int) -> dict:
@@ -80,7 +82,7 @@ def test_incomplete_steps_are_never_latest_and_are_collected(root):
     m = bcp.CheckpointManager(root, async_save=False)
     m.save(5, state_for(5))
     backend = backend_for(root)
-    backend.write(f"{step_name(9)}/gen-dead/data/rank00000-0.bin", b"partial")  # a save killed at step 9
+    backend.write(f"{step_name(9)}/{data_file_key(generation_name('dead'), 0)}", b"partial")  # a save killed at step 9
     assert m.latest() == 5, "an incomplete step was reported as latest"
     with pytest.raises(bcp.IncompleteCheckpointError):
         bcp.open(f"{root}/{step_name(9)}")
@@ -113,18 +115,18 @@ def test_retention_deletes_manifest_first(root):
             delete_step(backend, 1)
     finally:
         type(backend).delete = real_delete
-    assert calls == [f"{step_name(1)}/manifest.json"]
+    assert calls == [f"{step_name(1)}/{MANIFEST_KEY}"]
     assert m.steps() == [] and scan(backend)[1].committed is False
 
 
 def test_overwrite_leftover_generations_are_collected(root):
     m = bcp.CheckpointManager(root, async_save=False)
     m.save(1, state_for(1))
-    backend_for(root).write(f"{step_name(1)}/gen-orphan/data/rank00000-0.bin", b"x")
+    backend_for(root).write(f"{step_name(1)}/{data_file_key(generation_name('orphan'), 0)}", b"x")
     plan = plan_gc(backend_for(root))
-    assert plan.orphan_generations == [f"{step_name(1)}/gen-orphan/"]
+    assert plan.orphan_generations == [f"{step_name(1)}/{generation_name('orphan')}/"]
     bcp.CheckpointManager(root)
-    assert not any("gen-orphan" in k for k in backend_for(root).list(""))
+    assert not any(generation_name("orphan") in k for k in backend_for(root).list(""))
     assert_loads(root, 1)
 
 
@@ -190,7 +192,7 @@ class RetentionMachine(RuleBasedStateMachine):
     def crash_mid_save(self):
         """What a killed save leaves: data objects and no manifest."""
         step = self.next_step
-        backend_for(self.root).write(f"{step_name(step)}/gen-{uuid.uuid4().hex[:8]}/data/rank00000-0.bin", b"junk")
+        backend_for(self.root).write(f"{step_name(step)}/{data_file_key(generation_name(uuid.uuid4().hex[:8]), 0)}", b"junk")
         self.crashed = step
 
     @rule()

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 import bcp
 from bcp.backends import backend_for
 from bcp.backends.wrappers import FaultInjectingBackend
-from bcp.loader import last_load_stats
 
 
 class CountingBackend(FaultInjectingBackend):
@@ -36,9 +35,11 @@ def full_state() -> dict:
 def test_loading_model_weights_only_reads_only_them(uri):
     bcp.save(full_state(), uri)
     subset = {"model": {"w": torch.empty(256, 128), "b": torch.empty(128)}}
-    out = bcp.load(subset, uri, strict=False)
-    assert torch.equal(out["model"]["w"], full_state()["model"]["w"])
-    assert last_load_stats["bytes_read"] == (256 * 128 + 128) * 4, "optimizer bytes were read for a model-only load"
+    info = bcp.load_with_info(subset, uri, strict=False)
+    assert torch.equal(info.state["model"]["w"], full_state()["model"]["w"])
+    assert info.bytes_read == (256 * 128 + 128) * 4, "optimizer bytes were read for a model-only load"
+    assert info.unexpected == ("optim.m", "optim.v", "step"), "a non-strict load reports what it skipped"
+    assert info.missing == () and info.cast == ()
 
 
 def test_open_read_of_one_tensor_touches_no_other_bytes(uri):

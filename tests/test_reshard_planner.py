@@ -19,8 +19,12 @@ from hypothesis import strategies as st
 
 import bcp
 from bcp.backends import backend_for
-from bcp.save_plan import ShardingError, plan_save
-from bcp.saver import _commit, _decide_objects, _prepare, _write_rank_data
+from bcp.errors import ShardingError
+from bcp.save_plan import plan_save
+from bcp.commit import commit, write_catalog
+from bcp.metadata import Catalog
+from bcp.metadata.layout import catalog_key, data_file_key, generation_name
+from bcp.saver import _decide_objects, _prepare, build_manifest, write_rank_data
 from bcp.shards import FlatShard, TensorShard, local_pieces
 from helpers import tensor_bytes_equal
 
@@ -33,13 +37,16 @@ def simulated_save(states: list[dict], uri: str, block: int = 64):
     prepared = [_prepare(s, r, False) for r, s in enumerate(states)]
     plan = plan_save([p.plan for p in prepared])
     objects = _decide_objects([p.objects for p in prepared])
-    gen = f"gen-{uuid.uuid4().hex[:16]}"
+    save_id = uuid.uuid4().hex[:16]
+    gen = generation_name(save_id)
     frags, files = [], []
     for r, p in enumerate(prepared):
-        f, e = _write_rank_data(backend, f"{gen}/data/rank{r:05d}-0.bin", r, [p.pieces[w] for w in plan.writes[r]], block)
-        frags += f
-        files += [e] if e else []
-    _commit(backend, gen[4:], f"{gen}/fragments.arrow", frags, tuple(files), objects, len(states), {}, block, False)
+        report = write_rank_data(backend, data_file_key(gen, r), r, [p.pieces[w] for w in plan.writes[r]], block)
+        frags += report.fragments
+        files += [report.file] if report.file else []
+    catalog = write_catalog(backend, catalog_key(gen), Catalog(frags))
+    options = bcp.SaveOptions(checksum_block_bytes=block)
+    commit(backend, build_manifest(save_id, catalog, frags, tuple(files), objects, len(states), options), overwrite=False)
     return plan
 
 

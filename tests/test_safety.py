@@ -15,6 +15,7 @@ import torch
 import bcp
 from bcp.backends import backend_for
 from bcp.metadata import MANIFEST_KEY
+from bcp.metadata.layout import GENERATION_PREFIX
 from helpers import assert_same
 
 
@@ -62,7 +63,7 @@ def test_failed_save_leaves_previous_checkpoint_and_no_commit(uri, monkeypatch):
         bcp.save(small_state(2), uri, overwrite=True)
     assert backend_for(uri).read(MANIFEST_KEY) == manifest_before
     assert_same(bcp.load(small_state(9), uri), small_state(1))
-    gens = {k.split("/")[0] for k in backend_for(uri).list("gen-")}
+    gens = {k.split("/")[0] for k in backend_for(uri).list(GENERATION_PREFIX)}
     assert gens == {bcp.open(uri).manifest.generation}, "failed save left its generation behind"
 
 
@@ -323,5 +324,5 @@ def test_racing_saves_commit_exactly_once(uri):
     assert len(winners) == 1, f"expected one winner, got {results}"
     r = bcp.open(uri)
     assert r.read("step") == winners[0] and torch.equal(r.read("w"), small_state(winners[0])["w"])
-    gens = {k.split("/")[0] for k in backend_for(uri).list("gen-")}
+    gens = {k.split("/")[0] for k in backend_for(uri).list(GENERATION_PREFIX)}
     assert gens == {r.manifest.generation}, "losing saves left data behind"

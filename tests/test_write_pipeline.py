@@ -114,7 +114,8 @@ def _piece_items(sizes):
 def test_parts_tile_the_file_and_cut_fragments_between_checksum_blocks(sizes, part):
     from bcp.io_scheduler.write_pipeline import layout, plan_part_chunks
 
-    offsets, unique, size = layout(_piece_items(sizes), part_size=part, block=BLOCK)
+    placed = layout(_piece_items(sizes), part_size=part, block=BLOCK)
+    offsets, unique, size = placed.offsets, placed.unique, placed.size
     spans = [(i, offsets[i], sizes[i]) for i in unique]
     chunks = plan_part_chunks(spans, part, size)
     assert [c.offset for c in chunks] == list(range(0, size, part)), "parts must start at multiples of part_size"

@@ -12,6 +12,7 @@ import dataclasses
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import Fragment, crc32c
@@ -47,6 +48,23 @@ def _read(backend: Backend, frag: Fragment, start: int, view: memoryview, uri: s
         ) from e
 
 
+class Run(NamedTuple):
+    """Bytes of one fragment that land contiguously in one destination."""
+
+    #: offset in the fragment
+    start: int
+    #: index of the destination view
+    dest: int
+    #: offset in that destination
+    dest_offset: int
+    nbytes: int
+
+    def continued_by(self, other: Run) -> bool:
+        """``other`` starts where this run ends, both in the fragment and in the same destination."""
+        return (self.start + self.nbytes == other.start and self.dest == other.dest
+                and self.dest_offset + self.nbytes == other.dest_offset)
+
+
 #: Reads are cut into pieces of at most this many bytes so several streams share a big run.
 READ_PIECE_BYTES = 32 << 20
 
@@ -63,24 +81,24 @@ def execute_reads(
     """Fill ``dest_views[plan.dest]`` for every plan, with ``streams`` concurrent
     reads; each fragment is verified as soon as its last read has landed."""
     stats = ReadStats()
-    spans: dict[int, list[list[int]]] = defaultdict(list)  # fragment -> [start, dest, dest offset, nbytes]
+    spans: dict[int, list[Run]] = defaultdict(list)
     fragments: dict[int, Fragment] = {}
     for plan in plans:
         key = id(plan.fragment)
         fragments[key] = plan.fragment
-        spans[key] += [[s, plan.dest, d, plan.run_bytes] for s, d in zip(plan.src.tolist(), plan.dst.tolist())]
+        spans[key] += [Run(s, plan.dest, d, plan.run_bytes)
+                       for s, d in zip(plan.src.tolist(), plan.dst.tolist(), strict=True)]
     by_fragment: dict[int, list[tuple[int, memoryview]]] = {}
     tasks: list[tuple[int, int, memoryview]] = []  # (fragment key, start in fragment, target)
     for key, runs in spans.items():
         runs.sort()
-        merged: list[list[int]] = []
+        merged: list[Run] = []
         for run in runs:  # coalesce runs adjacent both in the fragment and in one destination
-            last = merged[-1] if merged else None
-            if last and last[0] + last[3] == run[0] and last[1] == run[1] and last[2] + last[3] == run[2]:
-                last[3] += run[3]
+            if merged and merged[-1].continued_by(run):
+                merged[-1] = merged[-1]._replace(nbytes=merged[-1].nbytes + run.nbytes)
             else:
-                merged.append(list(run))
-        by_fragment[key] = [(s, dest_views[dest][d : d + n]) for s, dest, d, n in merged]
+                merged.append(run)
+        by_fragment[key] = [(r.start, dest_views[r.dest][r.dest_offset : r.dest_offset + r.nbytes]) for r in merged]
         for s, target in by_fragment[key]:
             for off in range(0, len(target), READ_PIECE_BYTES):
                 tasks.append((key, s + off, target[off : off + READ_PIECE_BYTES]))
@@ -112,7 +130,7 @@ def execute_reads(
             for future in [pool.submit(run, t) for t in tasks]:
                 try:
                     future.result()
-                except BaseException as e:  # noqa: BLE001 - first error wins, after all reads stop
+                except BaseException as e:  # first error wins, after all reads stop
                     verify_errors.append(e)
         if verify_errors:
             raise verify_errors[0]

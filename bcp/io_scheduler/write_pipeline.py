@@ -26,17 +26,18 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+from typing import NamedTuple
 
 import torch
 
 from bcp.backends import Backend
 from bcp.metadata import FileEntry, Fragment, block_checksums, digest_of_checksums
 
-from .device_copy import DeviceCopies, is_device_tensor, settle
 from ..save_plan import TensorPlan
 from ..shards import Piece
-from .staging import StagingPool
 from ..tensor_io import flat_bytes, host_contiguous, storage_identity
+from .device_copy import DeviceCopies, is_device_tensor, settle
+from .staging import StagingPool
 
 #: Fragments of at least this many bytes start at a multiple of 4096 (direct I/O,
 #: page-aligned reads); smaller ones at a multiple of 64.
@@ -78,22 +79,45 @@ def _align(offset: int, nbytes: int, phase: int = 0) -> int:
     return offset + (phase - offset) % 4096
 
 
-def layout(items: list[tuple[TensorPlan, Piece]], *, match_memory: bool = False, part_size: int | None = None,
-           block: int = 64 << 10) -> tuple[list[int], list[int], int]:
-    """File offset of each item (an alias of an earlier item gets ``-1 - index`` of
-    it), the unique items' indices, and the file size. With ``match_memory`` a large
+class WriteItem(NamedTuple):
+    """One box this rank writes: the tensor's plan and the local piece holding it."""
+
+    plan: TensorPlan
+    piece: Piece
+
+
+@dataclasses.dataclass(frozen=True)
+class FileLayout:
+    """Where each item of a rank's data file lies."""
+
+    #: file offset of every item (an alias shares its source's offset)
+    offsets: list[int]
+    #: index of the item whose bytes each item uses (itself, unless it aliases an earlier one)
+    source: list[int]
+    #: indices of the items with bytes of their own, in file order
+    unique: list[int]
+    #: the file's size in bytes
+    size: int
+
+
+def layout(items: list[WriteItem], *, match_memory: bool = False, part_size: int | None = None,
+           block: int = 64 << 10) -> FileLayout:
+    """Place each item in the file; an item sharing storage with an earlier one (a tied
+    weight) is written once and aliases it. With ``match_memory`` a large
     CPU tensor is placed at an offset congruent to its address modulo 4096, so its
     whole pages can be written with O_DIRECT straight from its memory. With
     ``part_size`` (object stores) a fragment that crosses a part boundary starts at a
     multiple of ``block``, so every part boundary cuts it between checksum blocks."""
     offsets: list[int] = []
+    source: list[int] = []
     unique: list[int] = []
     first_at: dict[tuple, int] = {}
     end = 0
     for index, (_t, piece) in enumerate(items):
         ident = storage_identity(piece.tensor)
         if ident in first_at:
-            offsets.append(-1 - first_at[ident])
+            offsets.append(offsets[first_at[ident]])
+            source.append(first_at[ident])
             continue
         nbytes = piece.tensor.numel() * piece.tensor.element_size()
         first_at[ident] = index
@@ -103,9 +127,10 @@ def layout(items: list[tuple[TensorPlan, Piece]], *, match_memory: bool = False,
         if part_size and nbytes and start // part_size != (start + nbytes - 1) // part_size:
             start = -(-start // block) * block
         offsets.append(start)
+        source.append(index)
         unique.append(index)
         end = start + nbytes
-    return offsets, unique, end
+    return FileLayout(offsets, source, unique, end)
 
 
 #: What a released item's piece holds instead of the caller's tensor.
@@ -162,7 +187,7 @@ class WritePipeline:
         backend: Backend,
         data_key: str,
         rank: int,
-        items: list[tuple[TensorPlan, Piece]],
+        items: list[WriteItem],
         *,
         block: int,
         pool: StagingPool,
@@ -179,9 +204,10 @@ class WritePipeline:
                 f"{backend.uri}: part_size {self.part_size} must be at most the staging slab size "
                 f"{pool.slab_bytes} and a multiple of the checksum block {block}"
             )
-        self.offsets, self.unique, self.size = layout(
+        self.file_layout = layout(
             items, match_memory=self.aligned_writes and not stage_all, part_size=self.part_size, block=block
         )
+        self.offsets, self.unique, self.size = self.file_layout.offsets, self.file_layout.unique, self.file_layout.size
         self.sources: dict[int, torch.Tensor] = {}
         self.checksums: dict[tuple[int, int], list[int]] = {}
         self.error: BaseException | None = None
@@ -202,7 +228,7 @@ class WritePipeline:
         """The item's bytes as a flat uint8 tensor (on its device). A device tensor
         that is not dense row-major is made so on the side stream (after the caller's
         work, before the copies that read it)."""
-        t = self.items[index][1].tensor.detach()
+        t = self.items[index].piece.tensor.detach()
         if not is_device_tensor(t):
             t = host_contiguous(t)
         elif not t.is_contiguous() or t.is_conj() or t.is_neg():
@@ -249,7 +275,7 @@ class WritePipeline:
         caller frees returns at once rather than when the save has written it. Device
         copies still in flight keep their sources' memory reserved (record_stream)."""
         self.sources.clear()
-        self.items = [(t, dataclasses.replace(piece, tensor=_RELEASED)) for t, piece in self.items]
+        self.items = [WriteItem(t, dataclasses.replace(piece, tensor=_RELEASED)) for t, piece in self.items]
 
     def _start_writers(self) -> None:
         """Writers start at once for a synchronous save; an asynchronous one stages
@@ -377,8 +403,8 @@ class WritePipeline:
             sums_of[item] = tuple(c for _start, part in parts for c in part)
         file_sums = [c for item in sorted(self.unique, key=lambda i: self.offsets[i]) for c in sums_of[item]]
         fragments = []
-        for index, ((t, piece), offset) in enumerate(zip(self.items, self.offsets)):
-            source = index if offset >= 0 else -1 - offset
+        for index, (t, piece) in enumerate(self.items):
+            source = self.file_layout.source[index]
             nbytes = self.item_nbytes[index]
             fragments.append(
                 Fragment(
