@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from bcp.metadata import MANIFEST_KEY
+
 from .reader import CheckpointReader, open_checkpoint
 from .saver import SaveInfo, save
 from .state import build_nested
@@ -270,7 +272,7 @@ def detect_format(src: str) -> str:
     path = src.removeprefix("file://")
     if os.path.isdir(path):
         names = set(os.listdir(path))
-        if "manifest.json" in names:
+        if MANIFEST_KEY in names:
             return "bcp"
         if ".metadata" in names:
             return "dcp"

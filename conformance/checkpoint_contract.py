@@ -29,6 +29,7 @@ import torch
 from bcp.backends import Backend, backend_for, split_scheme
 
 import bcp
+from bcp.metadata.layout import data_file_key, generation_name
 from bcp.target import join_uri
 
 #: How long the killed-save tests wait for the child to start writing.
@@ -178,7 +179,7 @@ class CheckpointContractTests:
 
     def test_location_without_manifest_is_not_a_checkpoint(self, root: str) -> None:
         uri = child_uri(root, "half")
-        backend_for(uri).write("gen-0000/data/rank00000-0.bin", b"\0" * 100)
+        backend_for(uri).write(data_file_key(generation_name("0000"), 0), b"\0" * 100)
         with pytest.raises(bcp.IncompleteCheckpointError):
             bcp.open(uri)
         with pytest.raises(bcp.CheckpointNotFoundError):
