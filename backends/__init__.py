@@ -4,7 +4,7 @@ Knows nothing of tensors or of the checkpoint engine (README, "Layout").
 """
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from .errors import ObjectExistsError, ObjectNotFoundError, StorageError
+from .errors import ObjectExistsError, ObjectNotFoundError, StorageError, TransientError, WriterClosedError
 from .registry import (
     backend_for,
     get_backend_class,
@@ -22,6 +22,8 @@ __all__ = [
     "ObjectNotFoundError",
     "ObjectWriter",
     "StorageError",
+    "TransientError",
+    "WriterClosedError",
     "backend_for",
     "check_key",
     "get_backend_class",

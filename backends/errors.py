@@ -60,6 +60,17 @@ class ObjectExistsError(StorageError, FileExistsError):
     """A create-only write found the object already present: another writer won."""
 
 
+class TransientError(StorageError):
+    """A failure the store says may succeed if tried again (raised by fault injection
+    and by backends that can tell)."""
+
+
+class WriterClosedError(StorageError, ValueError):
+    """An :class:`~bcp.backends.base.ObjectWriter` was used after it was committed or
+    aborted (``action`` says what was attempted). Also a ``ValueError``, which some
+    writers raised for this before, so older handlers still catch it."""
+
+
 @contextlib.contextmanager
 def annotate(uri: str, key: str, action: str) -> Iterator[None]:
     """Translate OS errors raised inside the block into StorageError, exactly once."""

@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from .errors import ObjectExistsError, ObjectNotFoundError, StorageError
+# TransientError lives in .errors; importing it here keeps bcp.backends.retry.TransientError working.
+from .errors import ObjectExistsError, ObjectNotFoundError, StorageError, TransientError
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,6 @@ TRANSIENT_NAMES = frozenset(
 
 #: HTTP status codes worth retrying (gcsfs' HttpError carries ``code``).
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-
-
-class TransientError(StorageError):
-    """A failure the store says may succeed if tried again (raised by fault injection
-    and by backends that can tell)."""
 
 
 def is_transient(exc: BaseException) -> bool:
