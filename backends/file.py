@@ -23,20 +23,10 @@ from urllib.parse import unquote, urlsplit
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
 from .errors import ObjectExistsError, StorageError, annotate
+from .options import as_bool
 
 #: Marks an unfinished write. Keys may not contain it; ``list`` never shows such files.
 PARTIAL_MARKER = ".bcp-partial-"
-
-
-def _parse_bool(name: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"option {name}={value!r} is not a boolean")
 
 
 def _fsync_dir(path: str) -> None:
@@ -72,9 +62,9 @@ class FileBackend(Backend):
             path = unquote(parts.path)
         else:
             path = uri
-        fsync = _parse_bool("fsync", options.pop("fsync", True))
-        direct = _parse_bool("direct", options.pop("direct", True))
-        direct_reads = _parse_bool("direct_reads", options.pop("direct_reads", True))
+        fsync = as_bool("fsync", options.pop("fsync", True))
+        direct = as_bool("direct", options.pop("direct", True))
+        direct_reads = as_bool("direct_reads", options.pop("direct_reads", True))
         if options:
             raise TypeError(f"unknown option(s) for file backend {uri!r}: {', '.join(sorted(options))}")
         return cls(path, fsync=fsync, direct=direct, direct_reads=direct_reads)
