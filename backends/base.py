@@ -16,6 +16,8 @@ Notes for implementers
   :class:`~bcp.backends.errors.StorageError` (``errors.annotate`` does both).
 * Declare what the store can do in ``capabilities``; the engine picks its commit
   protocol from it and the conformance suite picks what to test.
+* Writers subclass :class:`ObjectWriter` and implement its hooks (``_write_at``,
+  ``_commit``, ``_abort``); the public methods keep the lifecycle, once for all.
 * Everything not abstract has a default built on the abstract methods; override it
   only to make it faster.
 """
@@ -25,10 +27,16 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import logging
+import threading
 from collections.abc import Iterator
+from types import TracebackType
 from typing import ClassVar, Self
 
-from .errors import ObjectExistsError
+from .errors import ObjectExistsError, WriterClosedError
+from .retry import is_transient
+
+log = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -63,40 +71,138 @@ class IOHints:
     aligned_writes: bool = False
 
 
+class _State(enum.Enum):
+    OPEN = "open"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+#: The public methods of the lifecycle and the hooks they call.
+_HOOKS = (("write_at", "_write_at"), ("commit", "_commit"), ("abort", "_abort"))
+
+
 class ObjectWriter(abc.ABC):
     """Writes one object, possibly in parts, and makes it visible atomically.
 
     Call order: ``write_at`` any number of times (ranges must not overlap and must
-    cover ``[0, size)`` with no gaps), then exactly one of ``commit`` or ``abort``.
-    Until ``commit`` returns, readers see the previous object under the key, or none.
-    Used as a context manager, leaving the block without ``commit`` aborts.
+    cover ``[0, size)`` with no gaps), then ``commit`` or ``abort``. Until ``commit``
+    returns, readers see the previous object under the key, or none.
+
+    This class owns the lifecycle, so that every writer keeps it the same way: a writer
+    is *open*, then *committed* or *aborted* (docs/writing-a-backend.md, "The writer
+    lifecycle"). ``write_at`` and ``commit`` on a finished writer raise
+    :class:`~bcp.backends.errors.WriterClosedError`; ``abort`` is idempotent and does
+    nothing once committed; a failed commit aborts the writer (see ``retryable_commit``);
+    leaving a ``with`` block with the writer still open aborts it. Subclasses implement
+    the hooks ``_write_at``, ``_commit`` and ``_abort`` and call ``super().__init__``.
     """
 
-    key: str
+    #: The store's root URI and the key being written, for error messages.
+    uri: str = ""
+    key: str = ""
+    #: A ``commit`` after a successful one returns at once instead of raising. Network
+    #: writers set it: a retry loop repeats a commit whose answer was lost.
+    idempotent_commit: bool = False
+    #: A ``_commit`` that fails with a transient error (:func:`~bcp.backends.retry.is_transient`)
+    #: leaves the writer open, so a retry loop can call ``commit`` again; any other
+    #: failure aborts it. For writers whose ``_commit`` can simply run again.
+    retryable_commit: bool = False
 
-    @abc.abstractmethod
+    _state: _State
+    _lifecycle: threading.RLock
+
+    def __new__(cls, *args: object, **kwargs: object) -> Self:
+        # Here, not in __init__: writers written for the old interface never call super().__init__.
+        self = super().__new__(cls)
+        self._state = _State.OPEN
+        self._lifecycle = threading.RLock()  # re-entrant: an old-style commit may call self.abort()
+        return self
+
+    def __init__(self, uri: str, key: str) -> None:
+        self.uri, self.key = uri, key
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """Adopt writers written for the old interface, which overrode ``write_at``,
+        ``commit`` and ``abort`` themselves: those become the class's hooks, so the
+        lifecycle checks apply to it too and it still constructs."""
+        super().__init_subclass__(**kwargs)
+        for public, hook in _HOOKS:
+            if public in cls.__dict__ and getattr(getattr(cls, hook), "__isabstractmethod__", False):
+                setattr(cls, hook, cls.__dict__[public])
+                delattr(cls, public)
+
+    # -- the lifecycle ------------------------------------------------------------------
+
     def write_at(self, offset: int, data: Buffer) -> None:
-        """Write ``data`` at ``offset`` of the new object. Must not keep a reference
-        to ``data`` after returning (the caller reuses its buffers)."""
+        """Write ``data`` at ``offset`` of the new object. Not serialized with other
+        writes: with ``PARALLEL_WRITES``, several threads call it at once."""
+        if self._state is not _State.OPEN:
+            raise self._closed("writing")
+        self._write_at(offset, data)
 
-    @abc.abstractmethod
     def commit(self) -> None:
         """Make the object durable and visible, replacing any object under the key.
-        After an exception here, nothing new is visible (the old object, if any, stays),
-        unless the commit took effect and only its answer was lost: so network
-        backends make a second ``commit`` after a successful one a no-op, which
-        lets a retry loop repeat it."""
+        After an exception here nothing new is visible (the old object, if any, stays),
+        unless the commit took effect and only its answer was lost."""
+        with self._lifecycle:
+            if self._state is _State.COMMITTED and self.idempotent_commit:
+                return  # a retried commit whose first answer was lost
+            if self._state is not _State.OPEN:
+                raise self._closed("committing")
+            try:
+                self._commit()
+            except BaseException as e:
+                if self._state is _State.OPEN and not (self.retryable_commit and is_transient(e)):
+                    self._abort_after_failure()
+                raise
+            if self._state is _State.OPEN:
+                self._state = _State.COMMITTED
 
-    @abc.abstractmethod
     def abort(self) -> None:
-        """Discard everything written. Idempotent; never raises for a missing part."""
+        """Discard everything written. Idempotent; does nothing after a commit."""
+        with self._lifecycle:
+            if self._state is _State.OPEN:
+                self._state = _State.ABORTED
+                self._abort()
 
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if not getattr(self, "_finished", False):
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Abort a writer the block left open, whether it raised or never committed."""
+        if self._state is _State.OPEN:
             self.abort()
+
+    def _abort_after_failure(self) -> None:
+        """Abort, logging rather than raising a cleanup failure, so that the commit's
+        own error is the one that propagates."""
+        try:
+            self.abort()
+        except Exception as e:
+            log.warning("could not clean up after a failed commit of %r in %s: %s", self.key, self.uri, e)
+
+    def _closed(self, action: str) -> WriterClosedError:
+        return WriterClosedError(f"the writer was already {self._state.value}", uri=self.uri, key=self.key,
+                                 action=action)
+
+    # -- hooks for subclasses -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def _write_at(self, offset: int, data: Buffer) -> None:
+        """Write ``data`` at ``offset``; called only while open. Must not keep a
+        reference to ``data`` after returning (the caller reuses its buffers)."""
+
+    @abc.abstractmethod
+    def _commit(self) -> None:
+        """Make the object durable and visible; called only while open. Raise to fail:
+        nothing new may be visible then (unless only the answer was lost). The writer is
+        then aborted, or, with ``retryable_commit`` and a transient error, left open."""
+
+    @abc.abstractmethod
+    def _abort(self) -> None:
+        """Discard everything written. Called at most once, never after a successful
+        commit; must not raise for a part that is missing."""
 
 
 class Backend(abc.ABC):

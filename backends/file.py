@@ -22,7 +22,7 @@ from typing import Self
 from urllib.parse import unquote, urlsplit
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from .errors import ObjectExistsError, StorageError, annotate
+from .errors import ObjectExistsError, annotate
 from .options import as_bool
 
 #: Marks an unfinished write. Keys may not contain it; ``list`` never shows such files.
@@ -322,14 +322,15 @@ def direct_split(view: memoryview, offset: int) -> tuple[int, int] | None:
 
 
 class _FileWriter(ObjectWriter):
+    """A hidden partial file beside the target, renamed into place at commit."""
+
     def __init__(self, backend: FileBackend, key: str, size: int | None) -> None:
+        super().__init__(backend.uri, key)
         self.backend = backend
-        self.key = key
         self.final = backend._path(key)
         self.tmp = f"{self.final}{PARTIAL_MARKER}{uuid.uuid4().hex[:12]}"
-        self._finished = False
-        self._lock = threading.Lock()
         self.fd: int | None = None
+        self.dfd: int | None = None
         with annotate(backend.uri, key, "opening for write"):
             for attempt in range(3):
                 backend._make_dirs(os.path.dirname(self.final))
@@ -340,7 +341,6 @@ class _FileWriter(ObjectWriter):
                     # A concurrent delete pruned the directory we just made: make it again.
                     if attempt == 2:
                         raise
-            self.dfd: int | None = None
             if backend.direct:
                 try:
                     self.dfd = os.open(self.tmp, os.O_WRONLY | os.O_DIRECT)
@@ -356,9 +356,7 @@ class _FileWriter(ObjectWriter):
                         self.abort()
                         raise
 
-    def write_at(self, offset: int, data: Buffer) -> None:
-        if self.fd is None:
-            raise StorageError("writer already finished", uri=self.backend.uri, key=self.key, action="writing")
+    def _write_at(self, offset: int, data: Buffer) -> None:
         view = memoryview(data).cast("B")
         split = direct_split(view, offset) if self.dfd is not None else None
         with annotate(self.backend.uri, self.key, "writing"):
@@ -377,6 +375,7 @@ class _FileWriter(ObjectWriter):
             done += os.pwrite(fd, view[done:], offset + done)
 
     def flush_and_close(self) -> None:
+        """Make the partial file durable and close it (``write_if_absent`` then links it)."""
         with annotate(self.backend.uri, self.key, "flushing"):
             if self.dfd is not None:
                 dfd, self.dfd = self.dfd, None
@@ -389,24 +388,15 @@ class _FileWriter(ObjectWriter):
                 finally:
                     os.close(fd)
 
-    def commit(self) -> None:
-        with self._lock:
-            if self._finished:
-                raise StorageError("writer already finished", uri=self.backend.uri, key=self.key, action="committing")
-            try:
-                self.flush_and_close()
-                with annotate(self.backend.uri, self.key, "committing"):
-                    os.rename(self.tmp, self.final)
-                    if self.backend.fsync:
-                        _fsync_dir(os.path.dirname(self.final))
-                self._finished = True
-            except BaseException:
-                self.abort()
-                raise
+    def _commit(self) -> None:
+        self.flush_and_close()
+        with annotate(self.backend.uri, self.key, "committing"):
+            os.rename(self.tmp, self.final)
+            if self.backend.fsync:
+                _fsync_dir(os.path.dirname(self.final))
 
-    def abort(self) -> None:
-        self._finished = True
-        if getattr(self, "dfd", None) is not None:
+    def _abort(self) -> None:
+        if self.dfd is not None:
             dfd, self.dfd = self.dfd, None
             os.close(dfd)
         if self.fd is not None:

@@ -126,7 +126,7 @@ class FsspecBackend(Backend):
 
 class _FsspecWriter(StreamingWriter):
     def __init__(self, backend: FsspecBackend, key: str, size: int | None) -> None:
-        super().__init__(key, size)
+        super().__init__(backend.uri, key, size)
         self.backend = backend
         self.final = backend._path(key)
         self.temp = partial_name(self.final)

@@ -123,7 +123,7 @@ class ArrowFsBackend(Backend):
 
 class _ArrowWriter(StreamingWriter):
     def __init__(self, backend: ArrowFsBackend, key: str, size: int | None) -> None:
-        super().__init__(key, size)
+        super().__init__(backend.uri, key, size)
         self.backend = backend
         self.final = backend._path(key)
         self.temp = partial_name(self.final)

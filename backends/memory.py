@@ -10,7 +10,7 @@ from typing import Self
 from urllib.parse import unquote, urlsplit
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from .errors import ObjectExistsError, ObjectNotFoundError, StorageError
+from .errors import ObjectExistsError, ObjectNotFoundError
 
 _OBJECTS: dict[str, bytes] = {}
 _LOCK = threading.Lock()
@@ -95,33 +95,28 @@ class MemoryBackend(Backend):
 
 
 class _MemoryWriter(ObjectWriter):
+    """Collects the object in a bytearray; commit stores a copy."""
+
     def __init__(self, backend: MemoryBackend, key: str, size: int | None) -> None:
         backend._full(key)  # validate now, not at commit
+        super().__init__(backend.uri, key)
         self.backend = backend
-        self.key = key
-        self._buf: bytearray | None = bytearray(size or 0)
-        self._lock = threading.Lock()
-        self._finished = False
+        self._buf = bytearray(size or 0)
+        self._lock = threading.Lock()  # parallel writes may grow the buffer
 
-    def write_at(self, offset: int, data: Buffer) -> None:
+    def _write_at(self, offset: int, data: Buffer) -> None:
         view = memoryview(data).cast("B")
         with self._lock:
-            if self._buf is None:
-                raise StorageError("writer already finished", uri=self.backend.uri, key=self.key, action="writing")
             end = offset + len(view)
             if end > len(self._buf):
                 self._buf.extend(bytes(end - len(self._buf)))
             self._buf[offset:end] = view
 
-    def commit(self) -> None:
+    def _commit(self) -> None:
         with self._lock:
-            if self._buf is None:
-                raise StorageError("writer already finished", uri=self.backend.uri, key=self.key, action="committing")
-            data, self._buf = bytes(self._buf), None
-            self._finished = True
+            data, self._buf = bytes(self._buf), bytearray()
         self.backend._put(self.key, data, if_absent=False)
 
-    def abort(self) -> None:
+    def _abort(self) -> None:
         with self._lock:
-            self._buf = None
-            self._finished = True
+            self._buf = bytearray()

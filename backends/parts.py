@@ -4,7 +4,8 @@ parts (``IOHints.part_size``), uploads each as it arrives, and completes at comm
 An object smaller than one part is kept (copied) and sent in one request at commit.
 Anything larger goes part by part; ``commit`` checks that the parts cover the object
 before asking the store to assemble it. A second ``commit`` after a successful one is
-a no-op (a retry whose first answer was lost).
+a no-op (a retry whose first answer was lost), and a commit that failed transiently
+may be repeated (``ObjectWriter.idempotent_commit`` and ``retryable_commit``).
 """
 
 from __future__ import annotations
@@ -26,17 +27,21 @@ def crc32c_b64(data: Buffer) -> str:
 
 
 class PartWriter(ObjectWriter):
-    """Subclasses implement ``upload_part``, ``complete``, ``put_whole`` and ``discard``."""
+    """Subclasses implement ``upload_part``, ``complete``, ``put_whole`` and ``discard``.
+
+    A commit may be repeated: after a success it is a no-op (its answer may have been
+    lost), after a transient failure it runs again (the parts are still there)."""
 
     store = "object store"  # for messages
+    idempotent_commit = True
+    retryable_commit = True
 
     def __init__(self, backend: Backend, key: str, size: int | None, part_size: int) -> None:
-        self.backend, self.key, self.size, self.part = backend, key, size, part_size
+        super().__init__(backend.uri, key)
+        self.backend, self.size, self.part = backend, size, part_size
         self._lock = threading.Lock()
         self._parts: dict[int, tuple[int, Any]] = {}  # part index -> (end offset, what upload_part returned)
         self._single: bytes | None = None
-        self._finished = False
-        self._committed = False
 
     # -- for subclasses ---------------------------------------------------------------------
 
@@ -56,11 +61,9 @@ class PartWriter(ObjectWriter):
     def discard(self) -> None:
         """Delete whatever the uploaded parts left on the store. Must not raise."""
 
-    # -- ObjectWriter ----------------------------------------------------------------------------
+    # -- ObjectWriter hooks ----------------------------------------------------------------------
 
-    def write_at(self, offset: int, data: Buffer) -> None:
-        if self._finished:
-            raise ValueError(f"writer for {self.key!r} is already committed or aborted")
+    def _write_at(self, offset: int, data: Buffer) -> None:
         n = len(data)
         if offset % self.part or (n % self.part and self.size is not None and offset + n != self.size):
             raise ValueError(
@@ -76,31 +79,24 @@ class PartWriter(ObjectWriter):
         with self._lock:
             self._parts[index] = (offset + n, entry)
 
-    def commit(self) -> None:
-        if self._committed:
-            return
-        if self._finished:
-            raise ValueError(f"writer for {self.key!r} is already committed or aborted")
+    def _commit(self) -> None:
         if not self._parts:
             with annotate(self.backend.uri, self.key, "writing"):
                 self.put_whole(self._single or b"")
             self._single = None
-            self._finished = self._committed = True
             return
         indices = sorted(self._parts)
         end = self._parts[indices[-1]][0]
         if indices != list(range(len(indices))) or (self.size is not None and end != self.size):
-            self.abort()
+            # Not transient, so the lifecycle aborts the writer (and discards the parts).
             raise StorageError(f"parts do not cover the object (parts {indices[:5]}..., end {end}, expected size "
                                f"{self.size})", uri=self.backend.uri, key=self.key, action="committing")
         with annotate(self.backend.uri, self.key, "committing"):
             self.complete([self._parts[i][1] for i in indices], end)
-        self._finished = self._committed = True
         self._parts = {}
         self.discard()
 
-    def abort(self) -> None:
-        self._finished = True
+    def _abort(self) -> None:
         self._single = None
         self._parts = {}
         self.discard()

@@ -14,11 +14,20 @@ from __future__ import annotations
 import abc
 import threading
 import uuid
+from typing import Protocol
 
 from .base import Buffer, ObjectWriter
 
 #: Temporary files start with this; backends hide them from ``list``.
 PARTIAL_PREFIX = ".bcp-partial-"
+
+
+class Stream(Protocol):
+    """A sequential output stream (fsspec file, pyarrow output stream)."""
+
+    def write(self, data: Buffer, /) -> object: ...
+
+    def close(self) -> None: ...
 
 
 def partial_name(final_path: str) -> str:
@@ -29,20 +38,25 @@ def partial_name(final_path: str) -> str:
 
 
 class StreamingWriter(ObjectWriter):
-    """Subclasses open, write to, close, rename and delete the temporary file."""
+    """Subclasses open, write to, close, rename and delete the temporary file.
 
-    def __init__(self, key: str, size: int | None) -> None:
-        self.key, self.size = key, size
+    A commit after a successful one is a no-op (a retry whose first answer was lost);
+    a failed commit is not retryable: the stream is gone, so the writer is aborted."""
+
+    idempotent_commit = True
+
+    def __init__(self, uri: str, key: str, size: int | None) -> None:
+        super().__init__(uri, key)
+        self.size = size
         self._lock = threading.Lock()
         self._position = 0
         self._early: dict[int, bytes] = {}  # offset -> bytes waiting for the gap before them
-        self._stream = None
-        self._finished = False
+        self._stream: Stream | None = None
 
     # -- for subclasses ----------------------------------------------------------------------
 
     @abc.abstractmethod
-    def open_stream(self):
+    def open_stream(self) -> Stream:
         """Open the temporary file for writing; return a stream with write() and close()."""
 
     @abc.abstractmethod
@@ -53,11 +67,9 @@ class StreamingWriter(ObjectWriter):
     def discard(self) -> None:
         """Delete the temporary file if it exists."""
 
-    # -- ObjectWriter ---------------------------------------------------------------------------
+    # -- ObjectWriter hooks -------------------------------------------------------------------
 
-    def write_at(self, offset: int, data: Buffer) -> None:
-        if self._finished:
-            raise ValueError(f"writer for {self.key!r} is already committed or aborted")
+    def _write_at(self, offset: int, data: Buffer) -> None:
         with self._lock:
             if self._stream is None:
                 self._stream = self.open_stream()
@@ -81,11 +93,7 @@ class StreamingWriter(ObjectWriter):
                 return
             self._emit(self._early.pop(nxt))
 
-    def commit(self) -> None:
-        if getattr(self, "_committed", False):
-            return  # a retried commit whose first answer was lost
-        if self._finished:
-            raise ValueError(f"writer for {self.key!r} is already committed or aborted")
+    def _commit(self) -> None:
         with self._lock:
             if self._stream is None:
                 self._stream = self.open_stream()
@@ -102,13 +110,10 @@ class StreamingWriter(ObjectWriter):
             stream.close()
             self.publish()
         except BaseException:
-            self.discard()
-            self._finished = True
+            self.discard()  # _abort discards only while a stream is open, and this one is gone
             raise
-        self._finished = self._committed = True
 
-    def abort(self) -> None:
-        self._finished = True
+    def _abort(self) -> None:
         with self._lock:
             stream, self._stream = self._stream, None
             self._early.clear()

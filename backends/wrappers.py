@@ -14,8 +14,8 @@ import time
 from collections.abc import Iterator
 
 from .base import Backend, Buffer, ObjectWriter
-from .errors import ObjectExistsError
-from .retry import RetryPolicy, TransientError
+from .errors import ObjectExistsError, TransientError
+from .retry import RetryPolicy
 
 
 class ForwardingBackend(Backend):
@@ -129,20 +129,42 @@ class RetryingBackend(ForwardingBackend):
         self._call("deleting prefix", prefix, lambda: self.inner.delete_prefix(prefix))
 
 
-class _RetryingWriter(ObjectWriter):
-    def __init__(self, backend: RetryingBackend, inner: ObjectWriter) -> None:
-        self.backend, self.inner, self.key = backend, inner, inner.key
+class ForwardingWriter(ObjectWriter):
+    """Passes a writer's calls through to the one it wraps; subclasses override the
+    hooks they change (as :class:`ForwardingBackend` does for backends).
 
-    def write_at(self, offset: int, data: Buffer) -> None:
+    The wrapped writer keeps its own lifecycle, so this one follows it: a repeated
+    commit is a no-op when the inner one's is, and a transient failure leaves this one
+    open, for a retry loop above it to try again (the inner writer then says whether
+    that can work)."""
+
+    retryable_commit = True
+
+    def __init__(self, inner: ObjectWriter, *, uri: str | None = None) -> None:
+        super().__init__(inner.uri if uri is None else uri, inner.key)
+        self.inner = inner
+        self.idempotent_commit = inner.idempotent_commit
+
+    def _write_at(self, offset: int, data: Buffer) -> None:
+        self.inner.write_at(offset, data)
+
+    def _commit(self) -> None:
+        self.inner.commit()
+
+    def _abort(self) -> None:
+        self.inner.abort()
+
+
+class _RetryingWriter(ForwardingWriter):
+    def __init__(self, backend: RetryingBackend, inner: ObjectWriter) -> None:
+        super().__init__(inner, uri=backend.uri)
+        self.backend = backend
+
+    def _write_at(self, offset: int, data: Buffer) -> None:
         self.backend._call("writing", self.key, lambda: self.inner.write_at(offset, data))
 
-    def commit(self) -> None:
+    def _commit(self) -> None:
         self.backend._call("committing", self.key, self.inner.commit)
-        self._finished = True
-
-    def abort(self) -> None:
-        self._finished = True
-        self.inner.abort()
 
 
 class FaultInjectingBackend(ForwardingBackend):
@@ -251,17 +273,13 @@ class FaultInjectingBackend(ForwardingBackend):
         self._run("delete", prefix, lambda: self.inner.delete_prefix(prefix))
 
 
-class _FaultyWriter(ObjectWriter):
+class _FaultyWriter(ForwardingWriter):
     def __init__(self, backend: FaultInjectingBackend, inner: ObjectWriter) -> None:
-        self.backend, self.inner, self.key = backend, inner, inner.key
+        super().__init__(inner, uri=backend.uri)
+        self.backend = backend
 
-    def write_at(self, offset: int, data: Buffer) -> None:
+    def _write_at(self, offset: int, data: Buffer) -> None:
         self.backend._run("write", self.key, lambda: self.inner.write_at(offset, data))
 
-    def commit(self) -> None:
+    def _commit(self) -> None:
         self.backend._run("commit", self.key, self.inner.commit)
-        self._finished = True
-
-    def abort(self) -> None:
-        self._finished = True
-        self.inner.abort()

@@ -3,15 +3,15 @@ broken_backends``): the conformance suite must fail them and say which guarantee
 
 from __future__ import annotations
 
-from bcp.backends import register_backend
+from bcp.backends import Buffer, ObjectWriter, register_backend
 from bcp.backends.memory import _LOCK, _OBJECTS, MemoryBackend, _MemoryWriter
 
 
 class _VisibleEarlyWriter(_MemoryWriter):
     """Publishes every write at once: readers see objects before (and without) commit."""
 
-    def write_at(self, offset, data):
-        super().write_at(offset, data)
+    def _write_at(self, offset: int, data: Buffer) -> None:
+        super()._write_at(offset, data)
         with self._lock:
             current = bytes(self._buf)
         with _LOCK:
@@ -21,7 +21,7 @@ class _VisibleEarlyWriter(_MemoryWriter):
 class VisibleEarlyBackend(MemoryBackend):
     scheme = "broken-visible"
 
-    def open_writer(self, key, *, size=None):
+    def open_writer(self, key: str, *, size: int | None = None) -> ObjectWriter:
         return _VisibleEarlyWriter(self, key, size)
 
 
@@ -30,7 +30,7 @@ class OffByOneReadsBackend(MemoryBackend):
 
     scheme = "broken-offbyone"
 
-    def read_into(self, key, offset, buffer):
+    def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
         return super().read_into(key, offset + 1 if offset else 0, buffer)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import bcp.backends.file as file_mod
-from bcp.backends import Backend, ObjectNotFoundError, StorageError, backend_for
+from bcp.backends import Backend, ObjectNotFoundError, StorageError, WriterClosedError, backend_for
 from bcp.backends.file import PARTIAL_MARKER, FileBackend
 from bcp.conformance import BackendContractTests
 
@@ -109,6 +109,26 @@ def test_no_partial_file_after_abort(fb: FileBackend) -> None:
     w.write_at(0, b"abc")
     w.abort()
     assert _all_files(fb.root) == [], "a partial file remained after abort"
+
+
+def test_failed_commit_removes_the_partial_file_and_closes_the_writer(
+    fb: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fb.write("k", b"old")
+    w = fb.open_writer("k", size=3)
+    w.write_at(0, b"new")
+
+    def failing_rename(src: str, dst: str) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "rename", failing_rename)
+    with pytest.raises(StorageError, match="committing 'k'"):
+        w.commit()
+    monkeypatch.undo()
+    assert _all_files(fb.root) == ["k"] and fb.read("k") == b"old", "a failed commit left a partial file or lost 'k'"
+    with pytest.raises(WriterClosedError):
+        w.commit()
+    w.abort()  # safe after a failed commit
 
 
 def test_no_partial_file_after_write_if_absent(fb: FileBackend) -> None:

@@ -16,6 +16,7 @@ from bcp.backends import (
     Backend,
     Capability,
     StorageError,
+    WriterClosedError,
     backend_for,
     register_backend,
     registered_backends,
@@ -296,6 +297,36 @@ def test_gcs_parts_compose_into_one_object_and_leave_nothing(gcs_server, gcs_buc
     assert info["size"] == backend.size(data) and info.get("crc32c"), "the composed object has no CRC32C"
     assert torch.equal(bcp.load({"x": torch.empty(40 * 65536)}, backend)["x"].view(-1)[:5],
                        bcp.open(backend).read("x")[:5])
+
+
+def test_s3_commit_with_a_missing_part_aborts_the_upload(moto_server, moto_bucket):
+    """Parts that do not cover the object: commit fails for good, so the lifecycle
+    aborts the writer, which aborts the multipart upload (nothing left billed)."""
+    s3 = _s3(moto_server, moto_bucket)
+    part = s3.part_size
+    writer = s3.open_writer("gap", size=3 * part)
+    writer.write_at(0, bytes(part))
+    writer.write_at(2 * part, bytes(part))  # part 2 of 3 never written
+    assert len(s3.pending_uploads()) == 1, "the parts did not start a multipart upload"
+    with pytest.raises(StorageError, match="parts do not cover"):
+        writer.commit()
+    assert s3.pending_uploads() == [] and not s3.exists("gap"), "a failed commit left its upload or an object"
+    with pytest.raises(WriterClosedError):
+        writer.commit()
+    writer.abort()  # safe after a failed commit
+
+
+def test_gcs_abort_after_parts_deletes_them(gcs_server, gcs_bucket):
+    uri = store_uri("gcs", gcs_server, gcs_bucket, uuid.uuid4().hex, part_size="256KiB", conditional_writes="false")
+    g = backend_for(uri).unwrap()
+    with pytest.raises(KeyError), g.open_writer("k", size=3 * g.part_size) as writer:
+        writer.write_at(0, bytes(g.part_size))
+        writer.write_at(g.part_size, bytes(g.part_size))
+        assert len(g.pending_uploads()) == 2, "the parts were not uploaded as temporary objects"
+        raise KeyError("the caller failed midway")
+    assert g.pending_uploads() == [] and not g.exists("k"), "an aborted composite upload left parts or an object"
+    with pytest.raises(WriterClosedError):
+        writer.write_at(2 * g.part_size, bytes(g.part_size))
 
 
 # -- retries ------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from urllib.parse import unquote, urlsplit
 
 from bcp.backends import (
     Backend,
+    Buffer,
     Capability,
     IOHints,
     ObjectExistsError,
@@ -160,23 +161,23 @@ class SQLiteBackend(Backend):
 
 
 class _SQLiteWriter(ObjectWriter):
-    def __init__(self, backend: SQLiteBackend, key: str, name: str) -> None:
-        self.backend, self.key, self.name = backend, key, name
-        self.upload = uuid.uuid4().hex
-        self._finished = False
+    """Parts go to the ``pending`` table; commit assembles them into ``objects`` in one
+    transaction. ``ObjectWriter`` keeps the lifecycle (open, then committed or aborted);
+    this class implements only its three hooks."""
 
-    def write_at(self, offset: int, data) -> None:
-        if self._finished:
-            raise ValueError(f"writer for {self.key!r} is already committed or aborted")
+    def __init__(self, backend: SQLiteBackend, key: str, name: str) -> None:
+        super().__init__(backend.uri, key)
+        self.backend, self.name = backend, name
+        self.upload = uuid.uuid4().hex
+
+    def _write_at(self, offset: int, data: Buffer) -> None:
         try:
             self.backend._db().execute("INSERT INTO pending (upload, offset, data) VALUES (?, ?, ?)",
                                        (self.upload, offset, bytes(data)))
         except sqlite3.Error as e:
             raise self.backend._error(e, self.key, "writing") from e
 
-    def commit(self) -> None:
-        if self._finished:
-            raise ValueError(f"writer for {self.key!r} is already committed or aborted")
+    def _commit(self) -> None:
         db = self.backend._db()
         try:
             db.execute("BEGIN IMMEDIATE")
@@ -197,13 +198,10 @@ class _SQLiteWriter(ObjectWriter):
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-        except sqlite3.Error as e:
-            self.abort()
+        except sqlite3.Error as e:  # the lifecycle then aborts the writer (_abort)
             raise self.backend._error(e, self.key, "committing") from e
-        self._finished = True
 
-    def abort(self) -> None:
-        self._finished = True
+    def _abort(self) -> None:
         try:
             self.backend._db().execute("DELETE FROM pending WHERE upload = ?", (self.upload,))
         except sqlite3.Error:
