@@ -15,57 +15,39 @@ them only to compare.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Self
 
 import fsspec
 import fsspec.core
 
-from .base import Backend, Capability, IOHints, ObjectWriter, check_key
 from .errors import annotate
-from .options import as_int, as_size
-from .streaming import PARTIAL_PREFIX, StreamingWriter, partial_name
+from .options import check_part_size
+from .streaming import Stream, StreamedFileBackend, stream_options
 
 DEFAULT_PART = 8 << 20
 
 
-class FsspecBackend(Backend):
+class FsspecBackend(StreamedFileBackend):
     scheme = "fsspec"
-    network = True
-    capabilities = Capability.RANGED_READ | Capability.PARALLEL_WRITES
 
     def __init__(self, uri: str, fs: fsspec.AbstractFileSystem, root: str, *, part_size: int, concurrency: int) -> None:
-        super().__init__(uri)
-        self.fs, self.root = fs, root.rstrip("/")
-        self.part_size, self.concurrency = part_size, concurrency
+        super().__init__(uri, root, part_size=part_size, concurrency=concurrency)
+        self.fs = fs
         self.scheme = uri.split("://", 1)[0]
 
     @classmethod
-    def from_uri(cls, uri: str, **options) -> Self:
+    def from_uri(cls, uri: str, **options: object) -> Self:
         scheme, _, rest = uri.partition("://")
         protocol = scheme.removeprefix("fsspec+")
         if not protocol:
             raise ValueError(f"generic fsspec URI needs a protocol: fsspec+PROTOCOL://path, got {uri!r}")
-        part_size = as_size("part_size", options.pop("part_size", DEFAULT_PART))
-        concurrency = as_int("concurrency", options.pop("concurrency", 4), minimum=1)
-        if part_size % (64 << 10) or not (64 << 10) <= part_size <= (32 << 20):
-            raise ValueError(f"option part_size={part_size}: must be 64KiB..32MiB and a multiple of 64KiB")
+        part_size, concurrency = stream_options(options, default_part=DEFAULT_PART)
+        check_part_size(part_size, minimum=64 << 10)
         try:
             fs, root = fsspec.core.url_to_fs(f"{protocol}://{rest}", **options)
         except ValueError as e:
             raise ValueError(f"fsspec has no filesystem for protocol {protocol!r} in {uri!r}: {e}") from e
         return cls(uri, fs, root, part_size=part_size, concurrency=concurrency)
-
-    @property
-    def hints(self) -> IOHints:
-        # Whole contiguous parts: the stream is sequential, parts stage and checksum in parallel.
-        return IOHints(part_size=self.part_size, concurrency=self.concurrency)
-
-    def _path(self, key: str) -> str:
-        return f"{self.root}/{check_key(key)}" if self.root else check_key(key)
-
-    def open_writer(self, key: str, *, size: int | None = None) -> ObjectWriter:
-        return _FsspecWriter(self, key, size)
 
     def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
         view = memoryview(buffer).cast("B")
@@ -81,70 +63,39 @@ class FsspecBackend(Backend):
         view[: len(data)] = data
         return len(data)
 
-    def size(self, key: str) -> int:
-        with annotate(self.uri, key, "sizing"):
-            info = self.fs.info(self._path(key))
-            if info.get("type") == "directory":
-                raise FileNotFoundError(self._path(key))
+    # -- filesystem primitives -------------------------------------------------------------
+
+    def _create(self, path: str) -> Stream:
+        parent = path.rpartition("/")[0]
+        if parent:
+            self.fs.makedirs(parent, exist_ok=True)
+        return self.fs.open(path, "wb")
+
+    def _rename(self, source: str, target: str) -> None:
+        self.fs.mv(source, target)
+
+    def _remove_file(self, path: str) -> None:
+        self.fs.rm_file(path)
+
+    def _file_size(self, path: str) -> int:
+        info = self.fs.info(path)
+        if info.get("type") == "directory":
+            raise FileNotFoundError(path)
         return int(info["size"])
 
-    def list(self, prefix: str = "") -> Iterator[str]:
-        base = f"{self.root}/" if self.root else ""
-        directory = (base + prefix).rpartition("/")[0] or self.root
-        with annotate(self.uri, prefix, "listing"):
-            try:
-                found = self.fs.find(directory, withdirs=False) if directory else self.fs.find("", withdirs=False)
-            except FileNotFoundError:
-                return
-        want = base + prefix
-        for path in found:
-            path = path.lstrip("/") if not base.startswith("/") else path
-            if path.startswith(want) and not path.rpartition("/")[2].startswith(PARTIAL_PREFIX):
-                yield path[len(base):]
+    def _is_file(self, path: str) -> bool:
+        return bool(self.fs.isfile(path))
 
-    def delete(self, key: str) -> None:
-        with annotate(self.uri, key, "deleting"):
-            try:
-                self.fs.rm_file(self._path(key))
-            except FileNotFoundError:
-                pass
+    def _is_dir(self, path: str) -> bool:
+        return bool(self.fs.isdir(path))
 
-    def exists(self, key: str) -> bool:
-        with annotate(self.uri, key, "checking"):
-            return bool(self.fs.isfile(self._path(key)))
+    def _remove_tree(self, path: str) -> None:
+        self.fs.rm(path, recursive=True)
 
-    def delete_prefix(self, prefix: str) -> None:
-        """A directory prefix is removed whole, with killed writers' partial files."""
-        if prefix.endswith("/"):
-            path = self._path(prefix.rstrip("/"))
-            with annotate(self.uri, prefix, "deleting"):
-                if self.fs.isdir(path):
-                    self.fs.rm(path, recursive=True)
-                    return
-        super().delete_prefix(prefix)
-
-
-class _FsspecWriter(StreamingWriter):
-    def __init__(self, backend: FsspecBackend, key: str, size: int | None) -> None:
-        super().__init__(backend.uri, key, size)
-        self.backend = backend
-        self.final = backend._path(key)
-        self.temp = partial_name(self.final)
-
-    def open_stream(self):
-        fs = self.backend.fs
-        with annotate(self.backend.uri, self.key, "writing"):
-            parent = self.final.rpartition("/")[0]
-            if parent:
-                fs.makedirs(parent, exist_ok=True)
-            return fs.open(self.temp, "wb")
-
-    def publish(self) -> None:
-        with annotate(self.backend.uri, self.key, "committing"):
-            self.backend.fs.mv(self.temp, self.final)
-
-    def discard(self) -> None:
+    def _find_files(self, directory: str) -> list[str]:
         try:
-            self.backend.fs.rm_file(self.temp)
-        except (FileNotFoundError, OSError):
-            pass
+            found = self.fs.find(directory, withdirs=False)
+        except FileNotFoundError:
+            return []
+        # Some filesystems answer with a leading "/" that the root does not have.
+        return list(found) if self.base.startswith("/") else [path.lstrip("/") for path in found]

@@ -18,61 +18,45 @@ with ``overwrite=True``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Self
 from urllib.parse import unquote, urlsplit
 
 import pyarrow.fs as pafs
 
-from .base import Backend, Capability, IOHints, ObjectWriter, check_key
 from .errors import annotate
 from .options import as_int, as_size, reject_unknown
-from .streaming import PARTIAL_PREFIX, StreamingWriter, partial_name
+from .streaming import Stream, StreamedFileBackend, stream_options
 
 DEFAULT_PART = 8 << 20
 
 
-class ArrowFsBackend(Backend):
+class ArrowFsBackend(StreamedFileBackend):
     """A bcp backend over any ``pyarrow.fs.FileSystem`` rooted at ``root``."""
 
     scheme = "arrow"
-    network = True
-    capabilities = Capability.RANGED_READ | Capability.PARALLEL_WRITES
 
     def __init__(self, uri: str, fs: pafs.FileSystem, root: str, *, part_size: int = DEFAULT_PART,
                  concurrency: int = 4) -> None:
-        super().__init__(uri)
-        self.fs, self.root = fs, root.rstrip("/")
-        self.part_size, self.concurrency = part_size, concurrency
+        super().__init__(uri, root, part_size=part_size, concurrency=concurrency)
+        self.fs = fs
 
     @classmethod
-    def from_uri(cls, uri: str, **options) -> Self:
+    def from_uri(cls, uri: str, **options: object) -> Self:
         raise TypeError("ArrowFsBackend wraps a pyarrow filesystem: build it with ArrowFsBackend(uri, fs, root)")
 
     @property
-    def hints(self) -> IOHints:
-        return IOHints(part_size=self.part_size, concurrency=self.concurrency)
-
-    def _path(self, key: str) -> str:
-        return f"{self.root}/{check_key(key)}"
-
-    def _file_info(self, key: str, action: str) -> pafs.FileInfo:
-        with annotate(self.uri, key, action):
-            info = self.fs.get_file_info(self._path(key))
-            if info.type != pafs.FileType.File:
-                raise FileNotFoundError(self._path(key))
-        return info
-
-    def open_writer(self, key: str, *, size: int | None = None) -> ObjectWriter:
-        return _ArrowWriter(self, key, size)
+    def base(self) -> str:
+        return self.root + "/"  # pyarrow paths are absolute: an empty root is "/"
 
     def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
         view = memoryview(buffer).cast("B")
-        total = self._file_info(key, "reading").size
+        path = self._path(key)
+        with annotate(self.uri, key, "reading"):
+            total = self._file_size(path)
         n = max(0, min(len(view), total - offset))
         if n == 0:
             return 0
-        with annotate(self.uri, key, "reading"), self.fs.open_input_file(self._path(key)) as f:
+        with annotate(self.uri, key, "reading"), self.fs.open_input_file(path) as f:
             f.seek(offset)
             got = 0
             while got < n:
@@ -82,69 +66,42 @@ class ArrowFsBackend(Backend):
                 got += step
         return got
 
-    def size(self, key: str) -> int:
-        return self._file_info(key, "sizing").size
+    # -- filesystem primitives -------------------------------------------------------------
 
-    def list(self, prefix: str = "") -> Iterator[str]:
-        base = self.root + "/"
-        directory = (base + prefix).rpartition("/")[0]
-        with annotate(self.uri, prefix, "listing"):
-            try:
-                infos = self.fs.get_file_info(pafs.FileSelector(directory, recursive=True, allow_not_found=True))
-            except NotADirectoryError:  # the prefix's directory part names an object
-                return
-        want = base + prefix
-        for info in infos:
-            if info.type == pafs.FileType.File and info.path.startswith(want) \
-                    and not info.base_name.startswith(PARTIAL_PREFIX):
-                yield info.path[len(base):]
+    def _create(self, path: str) -> Stream:
+        self.fs.create_dir(path.rpartition("/")[0], recursive=True)
+        return self.fs.open_output_stream(path)
 
-    def delete(self, key: str) -> None:
-        with annotate(self.uri, key, "deleting"):
-            try:
-                self.fs.delete_file(self._path(key))
-            except FileNotFoundError:
-                pass
+    def _rename(self, source: str, target: str) -> None:
+        fs = self.fs
+        if not isinstance(fs, pafs.LocalFileSystem) and fs.get_file_info(target).type == pafs.FileType.File:
+            fs.delete_file(target)  # HDFS rename does not replace (see module notes)
+        fs.move(source, target)
 
-    def exists(self, key: str) -> bool:
-        with annotate(self.uri, key, "checking"):
-            return self.fs.get_file_info(self._path(key)).type == pafs.FileType.File
+    def _remove_file(self, path: str) -> None:
+        self.fs.delete_file(path)
 
-    def delete_prefix(self, prefix: str) -> None:
-        """A directory prefix is removed whole, with killed writers' partial files."""
-        if prefix.endswith("/"):
-            path = self._path(prefix.rstrip("/"))
-            with annotate(self.uri, prefix, "deleting"):
-                if self.fs.get_file_info(path).type == pafs.FileType.Directory:
-                    self.fs.delete_dir(path)
-                    return
-        super().delete_prefix(prefix)
+    def _file_size(self, path: str) -> int:
+        info = self.fs.get_file_info(path)
+        if info.type != pafs.FileType.File:
+            raise FileNotFoundError(path)
+        return info.size
 
+    def _is_file(self, path: str) -> bool:
+        return self.fs.get_file_info(path).type == pafs.FileType.File
 
-class _ArrowWriter(StreamingWriter):
-    def __init__(self, backend: ArrowFsBackend, key: str, size: int | None) -> None:
-        super().__init__(backend.uri, key, size)
-        self.backend = backend
-        self.final = backend._path(key)
-        self.temp = partial_name(self.final)
+    def _is_dir(self, path: str) -> bool:
+        return self.fs.get_file_info(path).type == pafs.FileType.Directory
 
-    def open_stream(self):
-        with annotate(self.backend.uri, self.key, "writing"):
-            self.backend.fs.create_dir(self.final.rpartition("/")[0], recursive=True)
-            return self.backend.fs.open_output_stream(self.temp)
+    def _remove_tree(self, path: str) -> None:
+        self.fs.delete_dir(path)
 
-    def publish(self) -> None:
-        fs = self.backend.fs
-        with annotate(self.backend.uri, self.key, "committing"):
-            if not isinstance(fs, pafs.LocalFileSystem) and fs.get_file_info(self.final).type == pafs.FileType.File:
-                fs.delete_file(self.final)  # HDFS rename does not replace (see module notes)
-            fs.move(self.temp, self.final)
-
-    def discard(self) -> None:
+    def _find_files(self, directory: str) -> list[str]:
         try:
-            self.backend.fs.delete_file(self.temp)
-        except (FileNotFoundError, OSError):
-            pass
+            infos = self.fs.get_file_info(pafs.FileSelector(directory, recursive=True, allow_not_found=True))
+        except NotADirectoryError:  # the prefix's directory part names an object
+            return []
+        return [info.path for info in infos if info.type == pafs.FileType.File]
 
 
 def hdfs_connection(uri: str, options: dict) -> tuple[dict, str]:
@@ -171,9 +128,8 @@ class HDFSBackend(ArrowFsBackend):
     scheme = "hdfs"
 
     @classmethod
-    def from_uri(cls, uri: str, **options) -> Self:
-        part_size = as_size("part_size", options.pop("part_size", DEFAULT_PART))
-        concurrency = as_int("concurrency", options.pop("concurrency", 4), minimum=1)
+    def from_uri(cls, uri: str, **options: object) -> Self:
+        part_size, concurrency = stream_options(options, default_part=DEFAULT_PART)
         kwargs, root = hdfs_connection(uri, options)
         reject_unknown("hdfs", uri, options)
         try:

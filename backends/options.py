@@ -41,6 +41,21 @@ def as_int(name: str, value, *, minimum: int = 0) -> int:
     return n
 
 
+def _size_label(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def check_part_size(part_size: int, *, minimum: int, maximum: int = 32 << 20, multiple: int = 64 << 10) -> None:
+    """ValueError unless ``part_size`` is within the store's bounds and a multiple of
+    ``multiple`` (the part-writing backends share these limits' shape)."""
+    if not minimum <= part_size <= maximum or part_size % multiple:
+        raise ValueError(f"option part_size={part_size}: must be {_size_label(minimum)}..{_size_label(maximum)} "
+                         f"and a multiple of {_size_label(multiple)}")
+
+
 def reject_unknown(kind: str, uri: str, options: dict) -> None:
     """TypeError naming every option nobody consumed (values are not shown: they may be secrets)."""
     if options:

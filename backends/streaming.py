@@ -7,6 +7,10 @@ early until the gap before them is filled (backends using it declare a
 ``part_size`` hint, so the engine writes whole contiguous parts and only the few
 parts in flight can arrive early); gaps nobody fills read back as zeros. The stream goes to a hidden temporary name beside the
 final one; ``commit`` closes it and renames it into place, ``abort`` deletes it.
+
+:class:`StreamedFileBackend` is the rest of what such stores share (paths below a
+root, listing that hides partial files, deleting a directory prefix whole); the
+fsspec and pyarrow/HDFS backends implement its few filesystem primitives.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from __future__ import annotations
 import abc
 import threading
 import uuid
+from collections.abc import Iterator
 from typing import Protocol
 
-from .base import Buffer, ObjectWriter
+from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
+from .errors import annotate
+from .options import as_int, as_size
 
 #: Temporary files start with this; backends hide them from ``list``.
 PARTIAL_PREFIX = ".bcp-partial-"
@@ -123,3 +130,135 @@ class StreamingWriter(ObjectWriter):
             except OSError:
                 pass
             self.discard()
+
+
+class StreamedFileBackend(Backend):
+    """What the streamed-file family (generic fsspec, pyarrow/HDFS) shares: keys are
+    paths below ``root``, objects are written by :class:`StreamedFileWriter`, partial
+    files are hidden from ``list``, a directory prefix is deleted whole. Subclasses
+    implement the filesystem primitives below, ``read_into`` and ``from_uri``."""
+
+    network = True
+    capabilities = Capability.RANGED_READ | Capability.PARALLEL_WRITES
+
+    def __init__(self, uri: str, root: str, *, part_size: int, concurrency: int) -> None:
+        super().__init__(uri)
+        self.root = root.rstrip("/")
+        self.part_size, self.concurrency = part_size, concurrency
+
+    @property
+    def hints(self) -> IOHints:
+        # Whole contiguous parts: the stream is sequential, parts stage and checksum in parallel.
+        return IOHints(part_size=self.part_size, concurrency=self.concurrency)
+
+    @property
+    def base(self) -> str:
+        """What precedes a key in its path: ``root/``, or nothing at a filesystem's top."""
+        return f"{self.root}/" if self.root else ""
+
+    def _path(self, key: str) -> str:
+        return self.base + check_key(key)
+
+    # -- filesystem primitives, for subclasses -------------------------------------------------
+
+    @abc.abstractmethod
+    def _create(self, path: str) -> Stream:
+        """Create ``path``'s directory if needed and open ``path`` for writing."""
+
+    @abc.abstractmethod
+    def _rename(self, source: str, target: str) -> None:
+        """Move the closed file ``source`` to ``target``, replacing a file there."""
+
+    @abc.abstractmethod
+    def _remove_file(self, path: str) -> None:
+        """Delete the file ``path``; FileNotFoundError if it is missing."""
+
+    @abc.abstractmethod
+    def _file_size(self, path: str) -> int:
+        """Size of the file ``path``; FileNotFoundError if it is missing or a directory."""
+
+    @abc.abstractmethod
+    def _is_file(self, path: str) -> bool: ...
+
+    @abc.abstractmethod
+    def _is_dir(self, path: str) -> bool: ...
+
+    @abc.abstractmethod
+    def _remove_tree(self, path: str) -> None:
+        """Delete the directory ``path`` and everything under it."""
+
+    @abc.abstractmethod
+    def _find_files(self, directory: str) -> list[str]:
+        """Paths of every file under ``directory``, recursively, spelled as ``_path``
+        spells them; empty when the directory does not exist."""
+
+    # -- the contract ------------------------------------------------------------------------
+
+    def open_writer(self, key: str, *, size: int | None = None) -> ObjectWriter:
+        return StreamedFileWriter(self, key, size)
+
+    def size(self, key: str) -> int:
+        with annotate(self.uri, key, "sizing"):
+            return self._file_size(self._path(key))
+
+    def exists(self, key: str) -> bool:
+        with annotate(self.uri, key, "checking"):
+            return self._is_file(self._path(key))
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        base = self.base
+        want = base + prefix
+        with annotate(self.uri, prefix, "listing"):
+            found = self._find_files(want.rpartition("/")[0])
+        for path in found:
+            if path.startswith(want) and not path.rpartition("/")[2].startswith(PARTIAL_PREFIX):
+                yield path[len(base):]
+
+    def delete(self, key: str) -> None:
+        with annotate(self.uri, key, "deleting"):
+            try:
+                self._remove_file(self._path(key))
+            except FileNotFoundError:
+                pass
+
+    def delete_prefix(self, prefix: str) -> None:
+        """A directory prefix is removed whole, with killed writers' partial files."""
+        if prefix.endswith("/"):
+            path = self._path(prefix.rstrip("/"))
+            with annotate(self.uri, prefix, "deleting"):
+                if self._is_dir(path):
+                    self._remove_tree(path)
+                    return
+        super().delete_prefix(prefix)
+
+
+class StreamedFileWriter(StreamingWriter):
+    """Streams into a hidden sibling of the final path, renamed into place at commit."""
+
+    def __init__(self, backend: StreamedFileBackend, key: str, size: int | None) -> None:
+        super().__init__(backend.uri, key, size)
+        self.backend = backend
+        self.final = backend._path(key)
+        self.temp = partial_name(self.final)
+
+    def open_stream(self) -> Stream:
+        with annotate(self.backend.uri, self.key, "writing"):
+            return self.backend._create(self.temp)
+
+    def publish(self) -> None:
+        with annotate(self.backend.uri, self.key, "committing"):
+            self.backend._rename(self.temp, self.final)
+
+    def discard(self) -> None:
+        try:
+            self.backend._remove_file(self.temp)
+        except OSError:  # FileNotFoundError included: nothing to delete
+            pass
+
+
+def stream_options(options: dict, *, default_part: int) -> tuple[int, int]:
+    """Pop ``part_size`` and ``concurrency`` (default 4), the options every streamed-file
+    backend takes."""
+    part_size = as_size("part_size", options.pop("part_size", default_part))
+    concurrency = as_int("concurrency", options.pop("concurrency", 4), minimum=1)
+    return part_size, concurrency
