@@ -28,16 +28,16 @@ import logging
 import os
 import uuid
 from collections.abc import Iterator
-from typing import Self
-from urllib.parse import quote, unquote, urlsplit
+from typing import Any, Self
+from urllib.parse import quote
 
 import gcsfs
 
-from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from .errors import ObjectExistsError, ObjectNotFoundError, annotate
-from .options import as_bool, as_int, as_size, reject_unknown
+from .base import Buffer
+from .errors import TransientError, annotate
+from .objectstore import ObjectStoreBackend, pop_store_options, split_bucket_uri
+from .options import check_part_size, reject_unknown
 from .parts import PartWriter, crc32c_b64
-from .retry import TransientError
 
 log = logging.getLogger(__name__)
 
@@ -46,71 +46,47 @@ COMPOSE_MAX = 32  # sources per compose request
 UPLOADS = ".bcp-uploads"
 
 
-
-class GCSBackend(Backend):
+class GCSBackend(ObjectStoreBackend):
     """Options: ``project``, ``endpoint_url`` (emulators; STORAGE_EMULATOR_HOST also
     works), ``anon``, ``part_size`` (default 32MiB, at most 32MiB, a multiple of
     64KiB), ``concurrency`` (default 8), ``conditional_writes`` (default true; false
     for emulators that ignore ``ifGenerationMatch``), and the retry options."""
 
     scheme = "gs"
-    network = True
     default_retry_attempts = 2  # gcsfs already retries every request (see module notes)
-    capabilities = Capability.RANGED_READ | Capability.PARALLEL_WRITES | Capability.CREATE_ONLY
 
     def __init__(self, uri: str, bucket: str, root: str, fs: gcsfs.GCSFileSystem, *, api_base: str, part_size: int,
                  concurrency: int, conditional_writes: bool) -> None:
-        super().__init__(uri)
-        self.bucket, self.root, self.fs = bucket, root, fs
-        self.part_size, self.concurrency, self.conditional_writes = part_size, concurrency, conditional_writes
+        super().__init__(uri, bucket, root, fs, part_size=part_size, concurrency=concurrency,
+                         conditional_writes=conditional_writes)
         self.api_base = api_base
-        if not conditional_writes:
-            self.capabilities = type(self).capabilities & ~Capability.CREATE_ONLY
 
     @classmethod
-    def from_uri(cls, uri: str, **options) -> Self:
+    def from_uri(cls, uri: str, **options: Any) -> Self:
         if {"token", "credentials", "key"} & set(options):
             raise TypeError("credentials are not accepted as options; use GOOGLE_APPLICATION_CREDENTIALS, "
                             "gcloud application-default login or the metadata server (or anon=true)")
-        parts = urlsplit(uri)
-        bucket = parts.netloc
-        if not bucket:
-            raise ValueError(f"GCS URI needs a bucket: gs://BUCKET[/prefix], got {uri!r}")
-        root = unquote(parts.path).strip("/")
+        bucket, root = split_bucket_uri(uri, store="GCS", scheme="gs")
         project = options.pop("project", None)
-        endpoint = options.pop("endpoint_url", None)
-        anon = as_bool("anon", options.pop("anon", False))
-        part_size = as_size("part_size", options.pop("part_size", DEFAULT_PART))
-        concurrency = as_int("concurrency", options.pop("concurrency", 8), minimum=1)
-        conditional = as_bool("conditional_writes", options.pop("conditional_writes", True))
+        common = pop_store_options(options, default_part=DEFAULT_PART)
         reject_unknown("gcs", uri, options)
-        if not (256 << 10 <= part_size <= DEFAULT_PART) or part_size % (64 << 10):
-            raise ValueError(f"option part_size={part_size}: must be 256KiB..32MiB and a multiple of 64KiB")
-        kwargs = {"token": "anon" if anon else None}
+        check_part_size(common.part_size, minimum=256 << 10)
+        kwargs = {"token": "anon" if common.anon else None}
         if project:
             kwargs["project"] = project
-        if endpoint:
-            kwargs["endpoint_url"] = endpoint
+        if common.endpoint_url:
+            kwargs["endpoint_url"] = common.endpoint_url
         fs = gcsfs.GCSFileSystem(**kwargs)
         if root.startswith(UPLOADS) or f"/{UPLOADS}" in root:
             raise ValueError(f"{uri!r}: {UPLOADS} is reserved for bcp's temporary upload parts")
         clean = f"gs://{bucket}/{root}".rstrip("/")
         emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
-        api_base = (endpoint or (emulator if emulator not in ("", "default") else "https://storage.googleapis.com"))
-        return cls(clean, bucket, root, fs, api_base=api_base.rstrip("/"), part_size=part_size, concurrency=concurrency,
-                   conditional_writes=conditional)
-
-    @property
-    def hints(self) -> IOHints:
-        return IOHints(part_size=self.part_size, concurrency=self.concurrency)
+        api_base = (common.endpoint_url
+                    or (emulator if emulator not in ("", "default") else "https://storage.googleapis.com"))
+        return cls(clean, bucket, root, fs, api_base=api_base.rstrip("/"), part_size=common.part_size,
+                   concurrency=common.concurrency, conditional_writes=common.conditional_writes)
 
     # -- helpers ---------------------------------------------------------------------------
-
-    def _name(self, key: str) -> str:
-        return f"{self.root}/{key}" if self.root else key
-
-    def _key(self, key: str) -> str:
-        return self._name(check_key(key))
 
     def upload(self, name: str, data: Buffer, *, if_absent: bool = False) -> dict:
         """Upload object ``name`` (bucket-relative) in one resumable session: the
@@ -140,61 +116,33 @@ class GCSBackend(Backend):
                                  "transit", uri=self.uri, key=name, action="uploading")
         return out
 
-    def _delete_name(self, name: str) -> None:
-        try:
-            self.fs.call("DELETE", "b/{}/o/{}", self.bucket, name)
-        except FileNotFoundError:
-            pass
-
     def compose(self, target: str, sources: list[str]) -> None:
         self.fs.merge(f"{self.bucket}/{target}", [f"{self.bucket}/{s}" for s in sources])
 
-    # -- the contract --------------------------------------------------------------------
+    def _delete_names(self, names: list[str]) -> None:
+        """Delete bucket-relative names in parallel."""
+        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
+            list(pool.map(self._delete_name, names))
 
-    def open_writer(self, key: str, *, size: int | None = None) -> ObjectWriter:
-        check_key(key)
+    # -- ObjectStoreBackend hooks ----------------------------------------------------------------
+
+    def _new_writer(self, key: str, size: int | None) -> PartWriter:
         return _ComposeWriter(self, key, size)
 
-    def write(self, key: str, data: Buffer) -> None:
-        if len(data) > self.part_size * COMPOSE_MAX:
-            return super().write(key, data)
-        with annotate(self.uri, key, "writing"):
-            self.upload(self._key(key), data)
+    @property
+    def _single_request_max(self) -> int:
+        return self.part_size * COMPOSE_MAX
 
-    def write_if_absent(self, key: str, data: Buffer) -> None:
-        if not self.conditional_writes:
-            return super().write_if_absent(key, data)
-        with annotate(self.uri, key, "creating"):
-            try:
-                self.upload(self._key(key), data, if_absent=True)
-            except FileExistsError as e:
-                raise ObjectExistsError("object already exists", uri=self.uri, key=key, action="creating") from e
+    def _put_object(self, key: str, data: Buffer, *, if_absent: bool = False) -> None:
+        self.upload(self._key(key), data, if_absent=if_absent)
 
-    def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
-        """One ranged GET. A range starting at or past the end (HTTP 416) costs one
-        metadata request to tell "past the end" (0 bytes) from "no such object"."""
-        view = memoryview(buffer).cast("B")
-        if len(view) == 0:
-            self.size(key)  # a missing key still raises
-            return 0
-        with annotate(self.uri, key, "reading"):
-            try:
-                data = self.fs.cat_file(f"{self.bucket}/{self._key(key)}", start=offset, end=offset + len(view))
-            except FileNotFoundError:
-                raise
-            except Exception as e:  # noqa: BLE001 - gcsfs raises HttpError/ValueError for 416
-                if getattr(e, "code", None) != 416 and "416" not in str(e) and "range" not in str(e).lower():
-                    raise
-                if offset < self.size(key):
-                    raise
-                return 0
-        view[: len(data)] = data
-        return len(data)
-
-    def size(self, key: str) -> int:
-        with annotate(self.uri, key, "sizing"):
-            meta = self.fs.call("GET", "b/{}/o/{}", self.bucket, self._key(key), json_out=True)
-        return int(meta["size"])
+    def _past_end(self, error: Exception, key: str, offset: int) -> bool:
+        """HTTP 416 (gcsfs raises HttpError or ValueError for it) costs one metadata
+        request to tell "past the end" (0 bytes) from "no such object"."""
+        text = str(error)
+        if getattr(error, "code", None) != 416 and "416" not in text and "range" not in text.lower():
+            return False
+        return offset >= self.size(key)
 
     def _list_names(self, full_prefix: str) -> Iterator[str]:
         token = None
@@ -210,42 +158,34 @@ class GCSBackend(Backend):
             if not token:
                 return
 
-    def list(self, prefix: str = "") -> Iterator[str]:
-        base = self.root + "/" if self.root else ""
-        hidden = base + UPLOADS + "/"
-        for name in self._list_names(base + prefix):
-            if not name.startswith(hidden):
-                yield name[len(base):]
+    def _hidden(self, name: str) -> bool:
+        return name.startswith(self.base + UPLOADS + "/")
 
-    def delete(self, key: str) -> None:
-        with annotate(self.uri, key, "deleting"):
-            self._delete_name(self._key(key))
-
-    def exists(self, key: str) -> bool:
+    def _delete_name(self, name: str) -> None:
         try:
-            self.size(key)
-        except ObjectNotFoundError:
-            return False
-        return True
+            self.fs.call("DELETE", "b/{}/o/{}", self.bucket, name)
+        except FileNotFoundError:
+            pass
+
+    # -- the contract --------------------------------------------------------------------
+
+    def size(self, key: str) -> int:
+        with annotate(self.uri, key, "sizing"):
+            meta = self.fs.call("GET", "b/{}/o/{}", self.bucket, self._key(key), json_out=True)
+        return int(meta["size"])
 
     def delete_prefix(self, prefix: str) -> None:
         """Everything under the prefix, temporary parts of unfinished uploads included."""
-        base = self.root + "/" if self.root else ""
-        names = list(self._list_names(base + prefix))
-        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
-            list(pool.map(self._delete_name, names))
+        self._delete_names(list(self._list_names(self.base + prefix)))
 
     def abort_uploads(self) -> int:
         """Delete temporary parts of unfinished composite uploads; how many."""
-        base = self.root + "/" if self.root else ""
-        names = list(self._list_names(base + UPLOADS + "/"))
-        with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
-            list(pool.map(self._delete_name, names))
+        names = list(self._list_names(self.base + UPLOADS + "/"))
+        self._delete_names(names)
         return len(names)
 
     def pending_uploads(self) -> list[str]:
-        base = self.root + "/" if self.root else ""
-        return list(self._list_names(base + UPLOADS + "/"))
+        return list(self._list_names(self.base + UPLOADS + "/"))
 
 
 class _ComposeWriter(PartWriter):
@@ -256,8 +196,7 @@ class _ComposeWriter(PartWriter):
 
     def __init__(self, backend: GCSBackend, key: str, size: int | None) -> None:
         super().__init__(backend, key, size, backend.part_size)
-        base = backend.root + "/" if backend.root else ""
-        self.parts_prefix = f"{base}{UPLOADS}/{uuid.uuid4().hex}/"
+        self.parts_prefix = f"{backend.base}{UPLOADS}/{uuid.uuid4().hex}/"
         self._uploaded = False
 
     def upload_part(self, index: int, data: Buffer) -> str:
@@ -286,9 +225,7 @@ class _ComposeWriter(PartWriter):
             return
         b = self.backend
         try:
-            names = list(b._list_names(self.parts_prefix))
-            with concurrent.futures.ThreadPoolExecutor(b.concurrency) as pool:
-                list(pool.map(b._delete_name, names))
+            b._delete_names(list(b._list_names(self.parts_prefix)))
             self._uploaded = False
         except OSError as e:  # leftovers are invisible; abort_uploads / bcp gc remove them
             log.warning("could not delete temporary parts under %s in %s: %s", self.parts_prefix, b.uri, e)

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Self
-from urllib.parse import unquote, urlsplit
+from typing import Any, Self
 
 import s3fs
 
-from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from .errors import ObjectExistsError, ObjectNotFoundError, StorageError, annotate
-from .options import as_bool, as_int, as_size, reject_unknown
+from .base import Buffer
+from .errors import StorageError, annotate
+from .objectstore import ObjectStoreBackend, pop_store_options, split_bucket_uri
+from .options import check_part_size, reject_unknown
 from .parts import PartWriter, crc32c_b64
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,7 @@ _CREDENTIAL_OPTIONS = {"key", "secret", "token", "aws_access_key_id", "aws_secre
                        "aws_session_token", "access_key", "secret_key"}
 
 
-
-class S3Backend(Backend):
+class S3Backend(ObjectStoreBackend):
     """Options (URI query or keyword): ``endpoint_url``, ``region``, ``profile``,
     ``anon``, ``part_size`` (default 32MiB, 5MiB..32MiB, a multiple of 64KiB),
     ``concurrency`` (parallel requests per process, default 8), ``checksum``
@@ -52,74 +51,52 @@ class S3Backend(Backend):
     :func:`~bcp.backends.retry.policy_from_options`."""
 
     scheme = "s3"
-    network = True
-    capabilities = Capability.RANGED_READ | Capability.PARALLEL_WRITES | Capability.CREATE_ONLY
 
     def __init__(self, uri: str, bucket: str, root: str, fs: s3fs.S3FileSystem, *, part_size: int,
                  concurrency: int, checksum: bool, conditional_writes: bool) -> None:
-        super().__init__(uri)
-        self.bucket, self.root, self.fs = bucket, root, fs
-        self.part_size, self.concurrency, self.checksum = part_size, concurrency, checksum
-        self.conditional_writes = conditional_writes
-        if not conditional_writes:
-            self.capabilities = type(self).capabilities & ~Capability.CREATE_ONLY
+        super().__init__(uri, bucket, root, fs, part_size=part_size, concurrency=concurrency,
+                         conditional_writes=conditional_writes)
+        self.checksum = checksum
 
     @classmethod
-    def from_uri(cls, uri: str, **options) -> Self:
+    def from_uri(cls, uri: str, **options: Any) -> Self:
         bad = _CREDENTIAL_OPTIONS & set(options)
         if bad:
             raise TypeError(
                 f"credentials are not accepted as options ({', '.join(sorted(bad))}); use the standard AWS sources: "
                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials with profile=..., or an instance role"
             )
-        parts = urlsplit(uri)
-        bucket = parts.netloc
-        if not bucket:
-            raise ValueError(f"S3 URI needs a bucket: s3://BUCKET[/prefix], got {uri!r}")
-        root = unquote(parts.path).strip("/")
-        endpoint = options.pop("endpoint_url", None)
+        bucket, root = split_bucket_uri(uri, store="S3", scheme="s3")
         region = options.pop("region", None)
         profile = options.pop("profile", None)
-        anon = as_bool("anon", options.pop("anon", False))
-        part_size = as_size("part_size", options.pop("part_size", DEFAULT_PART))
-        concurrency = as_int("concurrency", options.pop("concurrency", 8), minimum=1)
+        common = pop_store_options(options, default_part=DEFAULT_PART)
         checksum = str(options.pop("checksum", "crc32c")).lower()
-        conditional = as_bool("conditional_writes", options.pop("conditional_writes", True))
         reject_unknown("s3", uri, options)
         if checksum not in ("crc32c", "none"):
             raise ValueError(f"option checksum={checksum!r}: choose crc32c or none")
-        if not (MIN_PART <= part_size <= DEFAULT_PART) or part_size % (64 << 10):
-            raise ValueError(f"option part_size={part_size}: must be 5MiB..32MiB and a multiple of 64KiB")
+        check_part_size(common.part_size, minimum=MIN_PART)
         client_kwargs = {}
-        if endpoint:
-            client_kwargs["endpoint_url"] = endpoint
+        if common.endpoint_url:
+            client_kwargs["endpoint_url"] = common.endpoint_url
         if region:
             client_kwargs["region_name"] = region
         config = {
             "retries": {"total_max_attempts": 1},  # RetryingBackend is the one retry loop
-            "max_pool_connections": max(10, 2 * concurrency),
+            "max_pool_connections": max(10, 2 * common.concurrency),
             # We send CRC32C ourselves; botocore's default would add a CRC32 pass.
             "request_checksum_calculation": "when_required",
             "response_checksum_validation": "when_required",
         }
-        fs = s3fs.S3FileSystem(anon=anon, profile=profile, client_kwargs=client_kwargs, config_kwargs=config,
-                               use_listings_cache=False, max_concurrency=concurrency)  # instances are cached per options
+        fs = s3fs.S3FileSystem(anon=common.anon, profile=profile, client_kwargs=client_kwargs, config_kwargs=config,
+                               use_listings_cache=False, max_concurrency=common.concurrency)  # cached per options
         fs.retries = 1
         clean = f"s3://{bucket}/{root}".rstrip("/")
-        return cls(clean, bucket, root, fs, part_size=part_size, concurrency=concurrency,
-                   checksum=checksum == "crc32c", conditional_writes=conditional)
-
-    @property
-    def hints(self) -> IOHints:
-        return IOHints(part_size=self.part_size, concurrency=self.concurrency)
+        return cls(clean, bucket, root, fs, part_size=common.part_size, concurrency=common.concurrency,
+                   checksum=checksum == "crc32c", conditional_writes=common.conditional_writes)
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _key(self, key: str) -> str:
-        check_key(key)
-        return f"{self.root}/{key}" if self.root else key
-
-    def call(self, method: str, **kwargs):
+    def call(self, method: str, **kwargs: Any) -> Any:
         """One S3 API call on s3fs's event loop (errors translated to OSError by s3fs)."""
         return self.fs.call_s3(method, **kwargs)
 
@@ -131,79 +108,55 @@ class S3Backend(Backend):
             kwargs["IfNoneMatch"] = "*"
         self.call("put_object", **kwargs)
 
-    # -- the contract --------------------------------------------------------------------
+    # -- ObjectStoreBackend hooks ----------------------------------------------------------------
 
-    def open_writer(self, key: str, *, size: int | None = None) -> ObjectWriter:
-        check_key(key)
+    def _new_writer(self, key: str, size: int | None) -> PartWriter:
         return _S3Writer(self, key, size)
 
-    def write(self, key: str, data: Buffer) -> None:
-        if len(data) > SINGLE_PUT_MAX:
-            return super().write(key, data)
-        with annotate(self.uri, key, "writing"):
-            self.put(key, data)
+    @property
+    def _single_request_max(self) -> int:
+        return SINGLE_PUT_MAX
 
-    def write_if_absent(self, key: str, data: Buffer) -> None:
-        if not self.conditional_writes:
-            return super().write_if_absent(key, data)
-        with annotate(self.uri, key, "creating"):
-            try:
-                self.put(key, data, if_absent=True)
-            except OSError as e:
-                if isinstance(e, FileExistsError) or "PreconditionFailed" in str(e) or "pre-condition" in str(e):
-                    raise ObjectExistsError("object already exists", uri=self.uri, key=key, action="creating") from e
-                raise
+    def _put_object(self, key: str, data: Buffer, *, if_absent: bool = False) -> None:
+        self.put(key, data, if_absent=if_absent)
 
-    def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
-        view = memoryview(buffer).cast("B")
-        if len(view) == 0:
-            self.size(key)  # a missing key still raises
-            return 0
-        with annotate(self.uri, key, "reading"):
-            try:
-                data = self.fs.cat_file(f"{self.bucket}/{self._key(key)}", start=offset, end=offset + len(view))
-            except OSError as e:
-                if isinstance(e, FileNotFoundError) or "range" not in str(e).lower():
-                    raise
-                self.size(key)  # InvalidRange: at or past the end (or missing)
-                return 0
-        view[: len(data)] = data
-        return len(data)
+    def _lost_race(self, error: OSError) -> bool:
+        text = str(error)
+        return isinstance(error, FileExistsError) or "PreconditionFailed" in text or "pre-condition" in text
+
+    def _past_end(self, error: Exception, key: str, offset: int) -> bool:
+        if not isinstance(error, OSError) or "range" not in str(error).lower():
+            return False
+        self.size(key)  # InvalidRange: at or past the end (or missing: this raises)
+        return True
+
+    def _list_names(self, full_prefix: str) -> Iterator[str]:
+        shown = full_prefix.removeprefix(self.base)  # errors name the prefix relative to the root
+        token = None
+        while True:
+            kwargs = {"Bucket": self.bucket, "Prefix": full_prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            with annotate(self.uri, shown, "listing"):
+                page = self.call("list_objects_v2", **kwargs)
+            for item in page.get("Contents", []):
+                yield item["Key"]
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    def _delete_name(self, name: str) -> None:
+        try:
+            self.call("delete_object", Bucket=self.bucket, Key=name)
+        except FileNotFoundError:
+            pass
+
+    # -- the contract --------------------------------------------------------------------
 
     def size(self, key: str) -> int:
         with annotate(self.uri, key, "sizing"):
             head = self.call("head_object", Bucket=self.bucket, Key=self._key(key))
         return int(head["ContentLength"])
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        full = (self.root + "/" if self.root else "") + prefix
-        strip = len(self.root) + 1 if self.root else 0
-        token = None
-        while True:
-            kwargs = {"Bucket": self.bucket, "Prefix": full}
-            if token:
-                kwargs["ContinuationToken"] = token
-            with annotate(self.uri, prefix, "listing"):
-                page = self.call("list_objects_v2", **kwargs)
-            for item in page.get("Contents", []):
-                yield item["Key"][strip:]
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                return
-
-    def delete(self, key: str) -> None:
-        with annotate(self.uri, key, "deleting"):
-            try:
-                self.call("delete_object", Bucket=self.bucket, Key=self._key(key))
-            except FileNotFoundError:
-                pass
-
-    def exists(self, key: str) -> bool:
-        try:
-            self.size(key)
-        except ObjectNotFoundError:
-            return False
-        return True
 
     def delete_prefix(self, prefix: str) -> None:
         """Batched deletes (1000 keys a request), then aborts multipart uploads left
@@ -237,10 +190,10 @@ class S3Backend(Backend):
         return [u["Key"] for u in self._uploads(prefix)]
 
     def _uploads(self, prefix: str) -> list[dict]:
-        full = (self.root + "/" if self.root else "") + prefix
         with annotate(self.uri, prefix, "listing uploads"):
             try:
-                return self.call("list_multipart_uploads", Bucket=self.bucket, Prefix=full).get("Uploads") or []
+                return self.call("list_multipart_uploads", Bucket=self.bucket,
+                                 Prefix=self.base + prefix).get("Uploads") or []
             except FileNotFoundError:  # rclone answers 404 for a prefix with nothing under it
                 return []
 

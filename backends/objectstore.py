@@ -1,0 +1,176 @@
+"""What the object-store backends (S3, GCS) share, written once.
+
+Both root a backend at ``scheme://bucket/prefix``; take the same core options
+(``endpoint_url``, ``anon``, ``part_size``, ``concurrency``, ``conditional_writes``);
+send a small object in one request and a larger one through a
+:class:`~bcp.backends.parts.PartWriter`; read with ranged GETs through the fsspec
+filesystem's ``cat_file``; list page by page; and fall back to check-then-write when
+the store ignores conditional writes. :class:`ObjectStoreBackend` holds that logic;
+each store implements the few requests that differ (the hooks below).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
+from .errors import ObjectExistsError, ObjectNotFoundError, annotate
+from .options import as_bool, as_int, as_size
+from .parts import PartWriter
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreOptions:
+    """The options every object store takes, parsed."""
+
+    endpoint_url: str | None
+    anon: bool
+    part_size: int
+    concurrency: int
+    conditional_writes: bool
+
+
+def split_bucket_uri(uri: str, *, store: str, scheme: str) -> tuple[str, str]:
+    """``(bucket, root)`` of ``scheme://bucket/prefix``; ValueError without a bucket."""
+    parts = urlsplit(uri)
+    if not parts.netloc:
+        raise ValueError(f"{store} URI needs a bucket: {scheme}://BUCKET[/prefix], got {uri!r}")
+    return parts.netloc, unquote(parts.path).strip("/")
+
+
+def pop_store_options(options: dict[str, Any], *, default_part: int) -> StoreOptions:
+    """Pop and parse the shared options (the store checks ``part_size``'s bounds)."""
+    endpoint = options.pop("endpoint_url", None)
+    anon = as_bool("anon", options.pop("anon", False))
+    part_size = as_size("part_size", options.pop("part_size", default_part))
+    concurrency = as_int("concurrency", options.pop("concurrency", 8), minimum=1)
+    conditional = as_bool("conditional_writes", options.pop("conditional_writes", True))
+    return StoreOptions(endpoint_url=endpoint, anon=anon, part_size=part_size, concurrency=concurrency,
+                        conditional_writes=conditional)
+
+
+class ObjectStoreBackend(Backend):
+    """A bucket (and key prefix ``root``) on an object store reached through the fsspec
+    filesystem ``fs``. Subclasses implement ``from_uri``, ``size`` and the hooks."""
+
+    network = True
+    capabilities = Capability.RANGED_READ | Capability.PARALLEL_WRITES | Capability.CREATE_ONLY
+
+    def __init__(self, uri: str, bucket: str, root: str, fs: Any, *, part_size: int, concurrency: int,
+                 conditional_writes: bool) -> None:
+        super().__init__(uri)
+        self.bucket, self.root, self.fs = bucket, root, fs
+        self.part_size, self.concurrency, self.conditional_writes = part_size, concurrency, conditional_writes
+        if not conditional_writes:
+            self.capabilities = type(self).capabilities & ~Capability.CREATE_ONLY
+
+    @property
+    def hints(self) -> IOHints:
+        return IOHints(part_size=self.part_size, concurrency=self.concurrency)
+
+    @property
+    def base(self) -> str:
+        """What precedes a key in its bucket-relative name: ``root/``, or nothing."""
+        return f"{self.root}/" if self.root else ""
+
+    def _key(self, key: str) -> str:
+        """The bucket-relative name of ``key`` (validated)."""
+        return self.base + check_key(key)
+
+    # -- hooks for subclasses -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _new_writer(self, key: str, size: int | None) -> PartWriter:
+        """The part writer for ``key`` (already validated)."""
+
+    @property
+    @abc.abstractmethod
+    def _single_request_max(self) -> int:
+        """The largest object ``write`` sends in one request; larger ones go in parts."""
+
+    @abc.abstractmethod
+    def _put_object(self, key: str, data: Buffer, *, if_absent: bool = False) -> None:
+        """Write a whole object in one request; with ``if_absent``, only if none exists."""
+
+    @abc.abstractmethod
+    def _list_names(self, full_prefix: str) -> Iterator[str]:
+        """Bucket-relative names starting with ``full_prefix``, page by page, errors annotated."""
+
+    @abc.abstractmethod
+    def _delete_name(self, name: str) -> None:
+        """Delete the bucket-relative ``name``; a missing one is not an error."""
+
+    @abc.abstractmethod
+    def _past_end(self, error: Exception, key: str, offset: int) -> bool:
+        """Whether the ranged read of ``key`` at ``offset`` failed with ``error`` only
+        because it started at or past the end (then it reads 0 bytes)."""
+
+    def _lost_race(self, error: OSError) -> bool:
+        """Whether a conditional write failed because the object already existed."""
+        return isinstance(error, FileExistsError)
+
+    def _hidden(self, name: str) -> bool:
+        """Whether ``list`` skips the bucket-relative ``name`` (a store's own temporaries)."""
+        return False
+
+    # -- the contract --------------------------------------------------------------------------
+
+    def open_writer(self, key: str, *, size: int | None = None) -> ObjectWriter:
+        check_key(key)
+        return self._new_writer(key, size)
+
+    def write(self, key: str, data: Buffer) -> None:
+        if len(data) > self._single_request_max:
+            return super().write(key, data)
+        with annotate(self.uri, key, "writing"):
+            self._put_object(key, data)
+
+    def write_if_absent(self, key: str, data: Buffer) -> None:
+        if not self.conditional_writes:
+            return super().write_if_absent(key, data)
+        with annotate(self.uri, key, "creating"):
+            try:
+                self._put_object(key, data, if_absent=True)
+            except OSError as e:
+                if self._lost_race(e):
+                    raise ObjectExistsError("object already exists", uri=self.uri, key=key, action="creating") from e
+                raise
+
+    def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
+        """One ranged GET; a range at or past the end reads 0 bytes (``_past_end``)."""
+        view = memoryview(buffer).cast("B")
+        if len(view) == 0:
+            self.size(key)  # a missing key still raises
+            return 0
+        with annotate(self.uri, key, "reading"):
+            try:
+                data = self.fs.cat_file(f"{self.bucket}/{self._key(key)}", start=offset, end=offset + len(view))
+            except FileNotFoundError:
+                raise
+            except Exception as e:  # the SDKs report a range past the end in several ways
+                if not self._past_end(e, key, offset):
+                    raise
+                return 0
+        view[: len(data)] = data
+        return len(data)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        base = self.base
+        for name in self._list_names(base + prefix):
+            if not self._hidden(name):
+                yield name[len(base):]
+
+    def delete(self, key: str) -> None:
+        with annotate(self.uri, key, "deleting"):
+            self._delete_name(self._key(key))
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+        except ObjectNotFoundError:
+            return False
+        return True
