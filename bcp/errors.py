@@ -11,8 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from bcp.backends.errors import ObjectExistsError, ObjectNotFoundError, StorageError
-from bcp.backends.retry import TransientError
+from bcp.backends.errors import (
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageError,
+    TransientError,
+    WriterClosedError,
+)
 from bcp.metadata.errors import CheckpointError, FormatError
 
 
@@ -127,4 +132,5 @@ __all__ = [
     "StorageError",
     "TransientError",
     "UnsupportedStateError",
+    "WriterClosedError",
 ]

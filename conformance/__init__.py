@@ -12,28 +12,33 @@ It also runs against any URI, with a report: ``bcp conformance URI``,
 ``pytest --pyargs bcp.conformance --bcp-uri URI``, or :func:`run_suite` from Python.
 """
 
-if __name__ != "bcp.conformance":  # the folder imported under its own name: a second copy of every class
-    raise ImportError(f"this folder is the package bcp.conformance; write `import bcp.conformance`, not `import {__name__}`")
+import sys
 
-from .checkpoint_contract import CheckpointContractTests
-from .object_contract import (
-    OBJECT_CONTRACT_GROUPS,
-    AtomicCommitTests,
-    BackendContractTests,
-    ConcurrencyTests,
-    CreateOnlyWriteTests,
-    DeleteTests,
-    ExistsTests,
-    KeyTests,
-    ListingTests,
-    MissingObjectTests,
-    MultipartWriteTests,
-    ObjectContractBase,
-    OverwriteTests,
-    RangedReadTests,
-    RoundTripTests,
-)
-from .runner import run_suite
+if __name__ == "bcp.conformance":
+    from .checkpoint_contract import CheckpointContractTests
+    from .object_contract import (
+        OBJECT_CONTRACT_GROUPS,
+        AtomicCommitTests,
+        BackendContractTests,
+        ConcurrencyTests,
+        CreateOnlyWriteTests,
+        DeleteTests,
+        ExistsTests,
+        KeyTests,
+        ListingTests,
+        MissingObjectTests,
+        MultipartWriteTests,
+        ObjectContractBase,
+        OverwriteTests,
+        RangedReadTests,
+        RoundTripTests,
+    )
+    from .runner import run_suite
+elif "_pytest" not in sys.modules:  # the folder imported under its own name: a second copy of every class
+    raise ImportError(f"this folder is the package bcp.conformance; write `import bcp.conformance`, not `import {__name__}`")
+# else: pytest collecting test_suite.py by its path in a development checkout, where this
+# folder is not inside bcp/ and so gets the name "conformance". It stays an empty
+# package: test_suite.py imports everything it uses from bcp.conformance.
 
 __all__ = [
     "OBJECT_CONTRACT_GROUPS",

@@ -11,28 +11,17 @@ import sys
 import time
 
 import torch
-from bcp.backends import ObjectWriter, backend_for
-from bcp.backends.wrappers import ForwardingBackend
+from bcp.backends import Buffer, backend_for
+from bcp.backends.wrappers import ForwardingBackend, ForwardingWriter
 
 import bcp
 
 
-class _AnnouncingWriter(ObjectWriter):
-    def __init__(self, inner: ObjectWriter) -> None:
-        self.inner, self.key = inner, inner.key
-
-    def write_at(self, offset: int, data) -> None:
+class _AnnouncingWriter(ForwardingWriter):
+    def _write_at(self, offset: int, data: Buffer) -> None:
         self.inner.write_at(offset, data)
         print("WRITING", flush=True)
         time.sleep(1.0)  # slow enough that the parent's SIGKILL lands mid-save
-
-    def commit(self) -> None:
-        self.inner.commit()
-        self._finished = True
-
-    def abort(self) -> None:
-        self._finished = True
-        self.inner.abort()
 
 
 class _AnnouncingBackend(ForwardingBackend):

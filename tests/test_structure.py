@@ -37,6 +37,7 @@ EXAMPLES = [
     bcp.errors.ObjectNotFoundError("no such object", uri="s3://b/p", key="k", action="reading"),
     bcp.errors.ObjectExistsError("already there", uri="s3://b/p", key="manifest.json", action="committing"),
     bcp.errors.TransientError("503 SlowDown", uri="s3://b/p", key="k", action="writing"),
+    bcp.errors.WriterClosedError("writer already committed", uri="file:///x", key="k", action="writing"),
 ]
 
 
