@@ -1,5 +1,7 @@
 """bcp: parallelism-independent, storage-agnostic checkpoints for PyTorch training.
 
+Usage:
+
     import bcp
     info = bcp.save({"model": model.state_dict(), "step": 100}, "/ckpt/step100")
     bcp.load(state, "/ckpt/step100")          # fills tensors in place

@@ -181,8 +181,12 @@ def staging_bytes(state: Mapping[str, Any], slab_bytes: int) -> int:
     """Staging memory an async save of ``state`` takes on this rank: the slabs its
     chunks occupy (a fragment of 1 MiB or more fills whole slabs of its own, small
     ones share), laid out as the write pipeline lays them out."""
-    pieces = [piece for leaf in flatten_state(state).values() if leaf.is_tensor
-              for piece in local_pieces(leaf.value, leaf.fqn)[2]]
+    pieces = [
+        piece
+        for leaf in flatten_state(state).values()
+        if leaf.is_tensor
+        for piece in local_pieces(leaf.value, leaf.fqn)[2]
+    ]
     placed = layout([WriteItem(None, piece) for piece in pieces])  # type: ignore[arg-type]  # plans are not needed to place
     spans = [(i, placed.offsets[i], pieces[i].tensor.numel() * pieces[i].tensor.element_size()) for i in placed.unique]
     return len(plan_chunks(spans, slab_bytes)) * slab_bytes

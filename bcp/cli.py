@@ -18,8 +18,16 @@ from .backends.options import as_size
 def _conformance(args: argparse.Namespace) -> int:
     from bcp.conformance.runner import run_suite
 
-    return run_suite(args.uri, level="quick" if args.quick else "full", options=args.option, json_path=args.json,
-                     imports=args.imports, keyword=args.k, verbose=args.verbose, probe_mib=args.probe_mib)
+    return run_suite(
+        args.uri,
+        level="quick" if args.quick else "full",
+        options=args.option,
+        json_path=args.json,
+        imports=args.imports,
+        keyword=args.k,
+        verbose=args.verbose,
+        probe_mib=args.probe_mib,
+    )
 
 
 def _progress(total: int, desc: str):
@@ -59,9 +67,16 @@ def _ls(args) -> int:
     for step in steps:
         info = found[step]
         manifest = read_manifest(backend, step) if info.committed else None
-        rows.append({"step": step, "status": "committed" if info.committed else "incomplete", "objects": info.objects,
-                     "bytes": info.bytes, "created": manifest.created if manifest else None,
-                     "latest": bool(committed) and step == committed[-1]})
+        rows.append(
+            {
+                "step": step,
+                "status": "committed" if info.committed else "incomplete",
+                "objects": info.objects,
+                "bytes": info.bytes,
+                "created": manifest.created if manifest else None,
+                "latest": bool(committed) and step == committed[-1],
+            }
+        )
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -71,7 +86,9 @@ def _ls(args) -> int:
     print(f"{'step':>12}  {'status':<10} {'size':>10} {'objects':>7} {'age':>6}")
     for r in rows:
         mark = "  <- latest" if r["latest"] else ""
-        print(f"{r['step']:>12}  {r['status']:<10} {_human(r['bytes']):>10} {r['objects']:>7} {_age(r['created']):>6}{mark}")
+        print(
+            f"{r['step']:>12}  {r['status']:<10} {_human(r['bytes']):>10} {r['objects']:>7} {_age(r['created']):>6}{mark}"
+        )
     return 0
 
 
@@ -83,8 +100,15 @@ def _inspect(args) -> int:
     tensors = []
     for fqn in reader.tensor_keys():
         meta = reader.meta(fqn)
-        tensors.append({"fqn": fqn, "shape": list(meta.shape), "dtype": str(meta.dtype).removeprefix("torch."),
-                        "fragments": len(meta.fragments), "bytes": meta.nbytes})
+        tensors.append(
+            {
+                "fqn": fqn,
+                "shape": list(meta.shape),
+                "dtype": str(meta.dtype).removeprefix("torch."),
+                "fragments": len(meta.fragments),
+                "bytes": meta.nbytes,
+            }
+        )
     objects = {}
     for fqn in reader.object_keys():
         per_rank = reader.is_per_rank(fqn)
@@ -94,23 +118,37 @@ def _inspect(args) -> int:
         except bcp.CheckpointError as e:
             text = f"<{e}>"
         objects[fqn] = text if len(text) <= 120 else text[:117] + "..."
-    doc = {"uri": reader.uri, "save_id": m.save_id, "created": m.created, "world_size": m.world_size,
-           "bcp_version": m.bcp_version, "torch_version": m.torch_version, "stats": m.stats,
-           "user_metadata": m.user_metadata, "data_files": len(m.data_files), "tensors": tensors, "objects": objects}
+    doc = {
+        "uri": reader.uri,
+        "save_id": m.save_id,
+        "created": m.created,
+        "world_size": m.world_size,
+        "bcp_version": m.bcp_version,
+        "torch_version": m.torch_version,
+        "stats": m.stats,
+        "user_metadata": m.user_metadata,
+        "data_files": len(m.data_files),
+        "tensors": tensors,
+        "objects": objects,
+    }
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
         return 0
     print(f"checkpoint {reader.uri}")
     print(f"  saved {m.created} by {m.world_size} rank(s); bcp {m.bcp_version}, torch {m.torch_version}")
-    print(f"  {len(tensors)} tensors, {_human(m.stats.get('tensor_bytes', 0))}; {len(m.data_files)} data file(s); "
-          f"{len(objects)} objects")
+    print(
+        f"  {len(tensors)} tensors, {_human(m.stats.get('tensor_bytes', 0))}; {len(m.data_files)} data file(s); "
+        f"{len(objects)} objects"
+    )
     if m.user_metadata:
         print(f"  metadata: {json.dumps(m.user_metadata, default=str)[:200]}")
     width = max([len(t["fqn"]) for t in tensors] + [3])
     print(f"\n  {'tensor':<{width}}  {'shape':<20} {'dtype':<14} {'frags':>5} {'bytes':>10}")
     for t in tensors:
-        print(f"  {t['fqn']:<{width}}  {str(t['shape']):<20} {t['dtype']:<14} {t['fragments']:>5} "
-              f"{_human(t['bytes']):>10}")
+        print(
+            f"  {t['fqn']:<{width}}  {str(t['shape']):<20} {t['dtype']:<14} {t['fragments']:>5} "
+            f"{_human(t['bytes']):>10}"
+        )
     if objects:
         print("\n  objects:")
         for fqn, text in objects.items():
@@ -127,8 +165,10 @@ def _verify(args) -> int:
     else:
         for problem in report["problems"]:
             print(f"PROBLEM {problem}")
-        print(f"{'OK' if report['ok'] else 'FAILED'}: {report['tensors']} tensors, {_human(report['bytes_read'])} "
-              f"read and checked in {report['seconds']:.1f} s; {len(report['problems'])} problem(s)")
+        print(
+            f"{'OK' if report['ok'] else 'FAILED'}: {report['tensors']} tensors, {_human(report['bytes_read'])} "
+            f"read and checked in {report['seconds']:.1f} s; {len(report['problems'])} problem(s)"
+        )
     return 0 if report["ok"] else 1
 
 
@@ -144,8 +184,13 @@ def _convert(args) -> int:
         elif src_format == "torch":
             info = convert.from_torch(args.src, args.dst, overwrite=args.overwrite)
         elif src_format == "dcp":
-            info, skipped = convert.from_dcp(args.src, args.dst, overwrite=args.overwrite,
-                                             allow_pickle=args.allow_pickle, scratch_dir=args.scratch_dir)
+            info, skipped = convert.from_dcp(
+                args.src,
+                args.dst,
+                overwrite=args.overwrite,
+                allow_pickle=args.allow_pickle,
+                scratch_dir=args.scratch_dir,
+            )
             if skipped:
                 print(f"skipped {len(skipped)} non-tensor entries (pickles): {', '.join(skipped[:10])}")
         else:
@@ -160,13 +205,22 @@ def _convert(args) -> int:
     total = sum(reader.meta(k).nbytes for k in reader.tensor_keys())
     with _progress(total, f"converting to {args.to}") as bar:
         if args.to == "safetensors":
-            index = convert.to_safetensors(reader, args.dst, prefix=prefix, strip_prefix=strip,
-                                           max_shard_bytes=as_size("--max-shard-size", args.max_shard_size), progress=bar.update)
-            print(f"wrote {len(set(index['weight_map'].values()))} safetensors file(s), "
-                  f"{len(index['weight_map'])} tensors, {_human(index['metadata']['total_size'])} to {args.dst}")
+            index = convert.to_safetensors(
+                reader,
+                args.dst,
+                prefix=prefix,
+                strip_prefix=strip,
+                max_shard_bytes=as_size("--max-shard-size", args.max_shard_size),
+                progress=bar.update,
+            )
+            print(
+                f"wrote {len(set(index['weight_map'].values()))} safetensors file(s), "
+                f"{len(index['weight_map'])} tensors, {_human(index['metadata']['total_size'])} to {args.dst}"
+            )
         else:
-            convert.to_torch(reader, args.dst, prefix=prefix, strip_prefix=strip, scratch_dir=args.scratch_dir,
-                             progress=bar.update)
+            convert.to_torch(
+                reader, args.dst, prefix=prefix, strip_prefix=strip, scratch_dir=args.scratch_dir, progress=bar.update
+            )
             print(f"wrote {args.dst}")
     return 0
 
@@ -197,8 +251,10 @@ def _gc(args) -> int:
     backend = backend_for(args.root)
     plan = plan_gc(backend, **policy)
     verb = "would delete" if args.dry_run else "deleting"
-    print(f"{verb}: {len(plan.expired)} expired step(s) {plan.expired}, {len(plan.incomplete)} incomplete "
-          f"step(s) {plan.incomplete}, {len(plan.orphan_generations)} unused generation(s)")
+    print(
+        f"{verb}: {len(plan.expired)} expired step(s) {plan.expired}, {len(plan.incomplete)} incomplete "
+        f"step(s) {plan.incomplete}, {len(plan.orphan_generations)} unused generation(s)"
+    )
     if not args.dry_run:
         run_gc(backend, plan)
     return 0
@@ -226,10 +282,14 @@ def _bench(args) -> int:
         bcp.load(template, uri)
         loads.append(time.perf_counter() - start)
         bcp.backends.backend_for(uri).delete_prefix("")
-        print(f"  run {rep + 1}: save {size / saves[-1] / 1e9:.2f} GB/s, load {size / loads[-1] / 1e9:.2f} GB/s",
-              flush=True)
-    print(f"{_human(size)} through {args.uri.partition('?')[0]}, median of {args.repeats}: "
-          f"save {size / statistics.median(saves) / 1e9:.2f} GB/s, load {size / statistics.median(loads) / 1e9:.2f} GB/s")
+        print(
+            f"  run {rep + 1}: save {size / saves[-1] / 1e9:.2f} GB/s, load {size / loads[-1] / 1e9:.2f} GB/s",
+            flush=True,
+        )
+    print(
+        f"{_human(size)} through {args.uri.partition('?')[0]}, median of {args.repeats}: "
+        f"save {size / statistics.median(saves) / 1e9:.2f} GB/s, load {size / statistics.median(loads) / 1e9:.2f} GB/s"
+    )
     return 0
 
 
@@ -238,19 +298,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    conf = sub.add_parser("conformance", help="check that a storage backend keeps bcp's contracts",
-                          description="Run the object contract, the checkpoint contract and a performance probe "
-                                      "against URI (an empty location), print a report grouped by capability; "
-                                      "exit status 1 if any check failed.")
+    conf = sub.add_parser(
+        "conformance",
+        help="check that a storage backend keeps bcp's contracts",
+        description="Run the object contract, the checkpoint contract and a performance probe "
+        "against URI (an empty location), print a report grouped by capability; "
+        "exit status 1 if any check failed.",
+    )
     conf.add_argument("uri", help="root URI of an empty location in the store (query options allowed)")
     level = conf.add_mutually_exclusive_group()
     level.add_argument("--quick", action="store_true", help="skip killed-process checks, small probe")
     level.add_argument("--full", action="store_true", help="everything (default)")
-    conf.add_argument("--option", "-o", action="append", default=[], metavar="KEY=VALUE",
-                      help="storage option (repeatable), e.g. -o endpoint_url=http://127.0.0.1:9000")
+    conf.add_argument(
+        "--option",
+        "-o",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="storage option (repeatable), e.g. -o endpoint_url=http://127.0.0.1:9000",
+    )
     conf.add_argument("--json", metavar="PATH", help="also write the report as JSON (for CI)")
-    conf.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                      help="import MODULE first (registers a backend that is not an installed plugin)")
+    conf.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first (registers a backend that is not an installed plugin)",
+    )
     conf.add_argument("--probe-mib", type=int, metavar="N", help="probe object size (default 256 full, 32 quick)")
     conf.add_argument("-k", metavar="EXPR", help="only checks matching this pytest -k expression")
     conf.add_argument("--verbose", "-v", action="store_true", help="list every check as it runs")
@@ -275,7 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--to", required=True, choices=("safetensors", "torch", "bcp"))
-    p.add_argument("--from", dest="source_format", default="auto", choices=("auto", "bcp", "safetensors", "torch", "dcp"))
+    p.add_argument(
+        "--from", dest="source_format", default="auto", choices=("auto", "bcp", "safetensors", "torch", "dcp")
+    )
     p.add_argument("--model-only", action="store_true", help="only keys under 'model.', with that prefix stripped")
     p.add_argument("--prefix", help="only keys starting with this")
     p.add_argument("--strip-prefix", action="store_true", help="drop --prefix from the output names")

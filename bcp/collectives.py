@@ -185,8 +185,9 @@ def share_result(coord: Coordinator, result: Any, phase: str) -> Any:
     raise payload
 
 
-def decide(coord: Coordinator, phase: str, fn: Callable[..., Any], *args: Any,
-           share: Callable[[Any], Any] | None = None) -> Any:
+def decide(
+    coord: Coordinator, phase: str, fn: Callable[..., Any], *args: Any, share: Callable[[Any], Any] | None = None
+) -> Any:
     """The coordinator runs ``fn(*args)``; if it raises, every rank raises that error.
     Otherwise the coordinator gets the result and the other ranks get ``share(result)``
     (the whole result when ``share`` is None): what they need, not what they don't."""

@@ -139,5 +139,5 @@ def unused_generations(backend: Backend, prefix: str = "") -> list[str]:
     if manifest is None:
         return []
     live = live_generation(manifest)
-    found = {key[len(prefix):].split("/", 1)[0] for key in backend.list(f"{prefix}{GENERATION_PREFIX}")}
+    found = {key[len(prefix) :].split("/", 1)[0] for key in backend.list(f"{prefix}{GENERATION_PREFIX}")}
     return sorted(f"{prefix}{g}/" for g in found if g != live)

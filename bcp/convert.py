@@ -41,11 +41,24 @@ log = logging.getLogger(__name__)
 
 #: safetensors dtype names (the format's own spelling) <-> torch dtypes.
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool, "C64": torch.complex64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "BOOL": torch.bool,
+    "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
 }
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -58,7 +71,7 @@ def select(keys: Iterable[str], prefix: str | None, strip: bool) -> list[tuple[s
     for key in keys:
         if prefix and not key.startswith(prefix):
             continue
-        out.append((key, key[len(prefix):] if prefix and strip else key))
+        out.append((key, key[len(prefix) :] if prefix and strip else key))
     return out
 
 
@@ -81,8 +94,15 @@ def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list
     return shards
 
 
-def to_safetensors(src: str | CheckpointReader, dst_dir: str, *, prefix: str | None = None, strip_prefix: bool = False,
-                   max_shard_bytes: int = 5 * 10**9, progress: Progress | None = None) -> dict:
+def to_safetensors(
+    src: str | CheckpointReader,
+    dst_dir: str,
+    *,
+    prefix: str | None = None,
+    strip_prefix: bool = False,
+    max_shard_bytes: int = 5 * 10**9,
+    progress: Progress | None = None,
+) -> dict:
     """Write the checkpoint's tensors as safetensors shards in ``dst_dir``; returns the index."""
     from safetensors.torch import save_file
 
@@ -100,8 +120,11 @@ def to_safetensors(src: str | CheckpointReader, dst_dir: str, *, prefix: str | N
             raise ValueError(f"tensor {key!r} has dtype {dtype}, which safetensors cannot store")
     shards = plan_shards([(name, reader.meta(key_of[name]).nbytes) for name in names], max_shard_bytes)
     os.makedirs(dst_dir, exist_ok=True)
-    files = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map, total = {}, 0
     for file, shard in zip(files, shards):
         tensors = {}
@@ -135,8 +158,15 @@ def _file_backed(scratch: str, name: str, shape, dtype: torch.dtype) -> torch.Te
     return torch.empty(0, dtype=dtype).set_(storage, 0, torch.Size(shape), torch.empty(shape, device="meta").stride())
 
 
-def to_torch(src: str | CheckpointReader, dst_file: str, *, prefix: str | None = None, strip_prefix: bool = False,
-             scratch_dir: str | None = None, progress: Progress | None = None) -> None:
+def to_torch(
+    src: str | CheckpointReader,
+    dst_file: str,
+    *,
+    prefix: str | None = None,
+    strip_prefix: bool = False,
+    scratch_dir: str | None = None,
+    progress: Progress | None = None,
+) -> None:
     """One ``torch.save`` file with the checkpoint's nesting (or a flat dict of the
     selected keys when ``prefix`` is given) and its objects."""
     reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
@@ -211,8 +241,9 @@ def map_safetensors(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def from_safetensors(src: str, dst: str, *, prefix: str = "", overwrite: bool = False,
-                     storage_options: dict | None = None) -> SaveInfo:
+def from_safetensors(
+    src: str, dst: str, *, prefix: str = "", overwrite: bool = False, storage_options: dict | None = None
+) -> SaveInfo:
     """Save every tensor of a safetensors checkpoint into bcp as flat keys (``prefix`` prepended)."""
     state: dict[str, torch.Tensor] = {}
     for path in safetensors_files(src):
@@ -235,8 +266,15 @@ def from_torch(src: str, dst: str, *, overwrite: bool = False, storage_options: 
     return save(state, dst, overwrite=overwrite, storage_options=storage_options)
 
 
-def from_dcp(src: str, dst: str, *, overwrite: bool = False, allow_pickle: bool = False,
-             scratch_dir: str | None = None, storage_options: dict | None = None) -> tuple[SaveInfo, list[str]]:
+def from_dcp(
+    src: str,
+    dst: str,
+    *,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    scratch_dir: str | None = None,
+    storage_options: dict | None = None,
+) -> tuple[SaveInfo, list[str]]:
     """A PyTorch DCP checkpoint directory into bcp (flat keys, as DCP stores them).
     Returns the SaveInfo and the non-tensor keys that were skipped."""
     import torch.distributed.checkpoint as dcp
@@ -257,8 +295,11 @@ def from_dcp(src: str, dst: str, *, overwrite: bool = False, allow_pickle: bool 
                 skipped.append(fqn)
         dcp.load(state, storage_reader=reader, no_dist=True)
         if skipped:
-            log.warning("skipped %d non-tensor DCP entries (pickles; pass allow_pickle=True to convert them): %s",
-                        len(skipped), ", ".join(skipped[:10]))
+            log.warning(
+                "skipped %d non-tensor DCP entries (pickles; pass allow_pickle=True to convert them): %s",
+                len(skipped),
+                ", ".join(skipped[:10]),
+            )
         info = save(state, dst, overwrite=overwrite, allow_pickle=allow_pickle, storage_options=storage_options)
         return info, skipped
     finally:

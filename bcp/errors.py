@@ -104,13 +104,24 @@ class StateMismatchError(CheckpointError, ValueError):
         return True
 
     def __reduce__(self) -> tuple[Any, ...]:  # keyword-only fields: rebuilt from them, not from the message
-        return (_rebuild_mismatch, (self.uri, self.missing, self.unexpected, self.shape_mismatch,
-                                    self.dtype_mismatch, self.kind_mismatch, self.__notes__ if hasattr(self, "__notes__") else None))
+        return (
+            _rebuild_mismatch,
+            (
+                self.uri,
+                self.missing,
+                self.unexpected,
+                self.shape_mismatch,
+                self.dtype_mismatch,
+                self.kind_mismatch,
+                self.__notes__ if hasattr(self, "__notes__") else None,
+            ),
+        )
 
 
 def _rebuild_mismatch(uri, missing, unexpected, shapes, dtypes, kinds, notes) -> StateMismatchError:
-    error = StateMismatchError(uri, missing=missing, unexpected=unexpected, shape_mismatch=shapes,
-                               dtype_mismatch=dtypes, kind_mismatch=kinds)
+    error = StateMismatchError(
+        uri, missing=missing, unexpected=unexpected, shape_mismatch=shapes, dtype_mismatch=dtypes, kind_mismatch=kinds
+    )
     for note in notes or ():
         error.add_note(note)
     return error

@@ -67,8 +67,14 @@ def step_metrics(backend: Backend, step: int) -> dict:
     return dict((manifest.user_metadata.get("bcp_manager") or {}).get("metrics") or {})
 
 
-def select_kept(steps: Iterable[int], *, keep_last: int | None = None, keep_every: int | None = None,
-                keep_best: tuple[str, int, str] | None = None, metrics: dict[int, dict] | None = None) -> set[int]:
+def select_kept(
+    steps: Iterable[int],
+    *,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    keep_best: tuple[str, int, str] | None = None,
+    metrics: dict[int, dict] | None = None,
+) -> set[int]:
     """The committed steps a retention policy keeps: the union of the newest
     ``keep_last``, every multiple of ``keep_every``, and the ``keep_best`` =
     (metric, N, "min"|"max") best by that metric. The newest step is always kept.
@@ -127,8 +133,9 @@ class GcPlan:
         return not (self.incomplete or self.expired or self.orphan_generations)
 
 
-def plan_gc(backend: Backend, *, busy: Iterable[int] = (), generations_of: Iterable[int] | None = None,
-            **policy) -> GcPlan:
+def plan_gc(
+    backend: Backend, *, busy: Iterable[int] = (), generations_of: Iterable[int] | None = None, **policy
+) -> GcPlan:
     """What ``gc`` would delete, from one listing: incomplete steps (except ``busy``
     ones being written now), committed steps the policy no longer keeps, and unused
     generations in the kept steps of ``generations_of`` (None: every kept step; each

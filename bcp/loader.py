@@ -108,19 +108,32 @@ def load_with_info(
     manifest_bytes, catalog_bytes = decide(coord, "reading the checkpoint metadata", fetch_metadata, backend)
     reader = reader_from_bytes(backend, manifest_bytes, catalog_bytes, allow_pickle=allow_pickle, verify=verify)
     try:
-        plan = run_phase(coord, "matching the state", match_state, reader, state, strict, coord.world_size,
-                         reshard_objects)
+        plan = run_phase(
+            coord, "matching the state", match_state, reader, state, strict, coord.world_size, reshard_objects
+        )
         if share_reads is None:
             share_reads = not (backend.capabilities & Capability.POSIX)
         stats = run_phase(coord, "reading tensors", _read, reader, plan, coord, share_reads)
         state = run_phase(coord, "placing objects", _place_objects, reader, state, plan, coord, reshard_objects)
     finally:
         reader.close()
-    log.info("loaded %s: %d bytes in %d reads (+%d to verify)", reader.uri, stats.bytes_read, stats.requests, stats.verify_bytes)
+    log.info(
+        "loaded %s: %d bytes in %d reads (+%d to verify)",
+        reader.uri,
+        stats.bytes_read,
+        stats.requests,
+        stats.verify_bytes,
+    )
     return LoadInfo(
-        uri=reader.uri, state=state, bytes_read=stats.bytes_read, requests=stats.requests,
-        verify_bytes=stats.verify_bytes, seconds=time.perf_counter() - started,
-        missing=tuple(plan.missing), unexpected=tuple(plan.unexpected), cast=tuple(f for f, _w, _g in plan.dtype_mismatch),
+        uri=reader.uri,
+        state=state,
+        bytes_read=stats.bytes_read,
+        requests=stats.requests,
+        verify_bytes=stats.verify_bytes,
+        seconds=time.perf_counter() - started,
+        missing=tuple(plan.missing),
+        unexpected=tuple(plan.unexpected),
+        cast=tuple(f for f, _w, _g in plan.dtype_mismatch),
     )
 
 
@@ -159,15 +172,22 @@ class LoadPlan:
 
     def mismatch_error(self, uri: str, *, shapes_only: bool = False) -> StateMismatchError:
         if shapes_only:
-            return StateMismatchError(uri, missing=[], unexpected=[], shape_mismatch=self.shape_mismatch,
-                                      dtype_mismatch=[], kind_mismatch=[])
-        return StateMismatchError(uri, missing=self.missing, unexpected=self.unexpected,
-                                  shape_mismatch=self.shape_mismatch, dtype_mismatch=self.dtype_mismatch,
-                                  kind_mismatch=self.kind_mismatch)
+            return StateMismatchError(
+                uri, missing=[], unexpected=[], shape_mismatch=self.shape_mismatch, dtype_mismatch=[], kind_mismatch=[]
+            )
+        return StateMismatchError(
+            uri,
+            missing=self.missing,
+            unexpected=self.unexpected,
+            shape_mismatch=self.shape_mismatch,
+            dtype_mismatch=self.dtype_mismatch,
+            kind_mismatch=self.kind_mismatch,
+        )
 
 
-def match_state(reader: CheckpointReader, state: Mapping[str, Any], strict: bool, world_size: int,
-                hook: ReshardObjects | None) -> LoadPlan:
+def match_state(
+    reader: CheckpointReader, state: Mapping[str, Any], strict: bool, world_size: int, hook: ReshardObjects | None
+) -> LoadPlan:
     """Match every leaf of ``state`` with the checkpoint: the load plan, or one error
     listing every mismatch."""
     plan = LoadPlan()
@@ -191,7 +211,11 @@ def match_state(reader: CheckpointReader, state: Mapping[str, Any], strict: bool
     if plan.missing or plan.unexpected or plan.dtype_mismatch or plan.kind_mismatch:
         log.info(
             "non-strict load from %s: %d missing, %d unexpected, %d cast, %d kind mismatches skipped",
-            reader.uri, len(plan.missing), len(plan.unexpected), len(plan.dtype_mismatch), len(plan.kind_mismatch),
+            reader.uri,
+            len(plan.missing),
+            len(plan.unexpected),
+            len(plan.dtype_mismatch),
+            len(plan.kind_mismatch),
         )
     _check_per_rank_objects(reader, plan, world_size, hook)
     return plan
@@ -236,11 +260,15 @@ def _match_subtree(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan, stored_
         if f in reader.catalog.tensors:
             meta = reader.meta(f)
             plan.subtree_tensors[f] = torch.empty(meta.shape, dtype=meta.dtype)
-            plan.tensor_requests.append(TensorRequest(f, ((0,) * len(meta.shape), tuple(meta.shape)), plan.subtree_tensors[f]))
+            plan.tensor_requests.append(
+                TensorRequest(f, ((0,) * len(meta.shape), tuple(meta.shape)), plan.subtree_tensors[f])
+            )
     return True
 
 
-def _check_per_rank_objects(reader: CheckpointReader, plan: LoadPlan, world_size: int, hook: ReshardObjects | None) -> None:
+def _check_per_rank_objects(
+    reader: CheckpointReader, plan: LoadPlan, world_size: int, hook: ReshardObjects | None
+) -> None:
     """Objects saved per rank at another world size need the caller's hook."""
     if reader.manifest.world_size == world_size or hook is not None:
         return

@@ -44,9 +44,18 @@ class CheckpointManager:
     starts and after each commit.
     """
 
-    def __init__(self, root_uri: str | os.PathLike, *, keep_last: int | None = None, keep_every: int | None = None,
-                 keep_best: tuple[str, int, str] | None = None, async_save: bool = True,
-                 storage_options: dict | None = None, process_group: Any = None, overlap: Any = None) -> None:
+    def __init__(
+        self,
+        root_uri: str | os.PathLike,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: tuple[str, int, str] | None = None,
+        async_save: bool = True,
+        storage_options: dict | None = None,
+        process_group: Any = None,
+        overlap: Any = None,
+    ) -> None:
         check_policy(keep_last, keep_every, keep_best)
         self.root_uri = os.fspath(root_uri)
         self.policy = {"keep_last": keep_last, "keep_every": keep_every, "keep_best": keep_best}
@@ -77,8 +86,14 @@ class CheckpointManager:
 
     # -- collective operations ----------------------------------------------------------------
 
-    def save(self, step: int, state: Any, metrics: dict[str, float] | None = None,
-             options: SaveOptions | None = None, **overrides: Any) -> SaveInfo | None:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        metrics: dict[str, float] | None = None,
+        options: SaveOptions | None = None,
+        **overrides: Any,
+    ) -> SaveInfo | None:
         """(all ranks) Checkpoint ``state`` as ``step``. ``metrics`` (numbers) are
         stored in the manifest for ``keep_best``. ``options`` and keyword arguments
         are those of ``bcp.save`` (:class:`SaveOptions`), except the ones the manager
@@ -86,12 +101,15 @@ class CheckpointManager:
         SaveInfo when synchronous."""
         owned = sorted({"metadata", "storage_options", "process_group"} & set(overrides))
         if owned:
-            raise TypeError(f"CheckpointManager.save: {', '.join(owned)} belong to the manager; pass them to its constructor")
+            raise TypeError(
+                f"CheckpointManager.save: {', '.join(owned)} belong to the manager; pass them to its constructor"
+            )
         opts = SaveOptions.of(options, overrides)
         self.wait()
         meta = {"bcp_manager": {"step": int(step), "metrics": {k: float(v) for k, v in (metrics or {}).items()}}}
-        opts = dataclasses.replace(opts, metadata=meta, storage_options=self.storage_options or None,
-                                   process_group=self.process_group)
+        opts = dataclasses.replace(
+            opts, metadata=meta, storage_options=self.storage_options or None, process_group=self.process_group
+        )
         if self.async_save:
             self._pending = (async_save(state, self.uri(step), opts, overlap=self.overlap), step)
             return None
@@ -120,8 +138,13 @@ class CheckpointManager:
         step = self.coord.broadcast(self.latest() if self.coord.is_coordinator else None)
         if step is None:
             return None, state
-        return step, load(state, self.uri(step), storage_options=self.storage_options or None,
-                          process_group=self.process_group, **load_options)
+        return step, load(
+            state,
+            self.uri(step),
+            storage_options=self.storage_options or None,
+            process_group=self.process_group,
+            **load_options,
+        )
 
     def reserve_staging(self, state: Any) -> None:
         """(local) Start allocating staging memory for async saves of ``state`` in the
@@ -156,8 +179,12 @@ class CheckpointManager:
         busy = [self._pending[1]] if self._pending is not None else []
         plan = plan_gc(self.backend, busy=busy, generations_of=generations_of, **self.policy)
         if not plan.empty:
-            log.info("retention: deleting steps %s, incomplete %s, unused generations %s",
-                     plan.expired, plan.incomplete, plan.orphan_generations)
+            log.info(
+                "retention: deleting steps %s, incomplete %s, unused generations %s",
+                plan.expired,
+                plan.incomplete,
+                plan.orphan_generations,
+            )
         run_gc(self.backend, plan)
         if plan.committed:
             write_latest(self.backend, plan.committed[-1])  # the newest is always kept

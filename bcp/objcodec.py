@@ -65,7 +65,10 @@ class _Encoder:
             tag = "dict" if t is dict else "odict"
             if t is dict and all(type(k) is str for k in v) and TAG not in v:
                 return {k: self.enc(x, f"{where}[{k!r}]") for k, x in v.items()}
-            return {TAG: tag, "v": [[self.enc(k, f"{where}<key>"), self.enc(x, f"{where}[{k!r}]")] for k, x in v.items()]}
+            return {
+                TAG: tag,
+                "v": [[self.enc(k, f"{where}<key>"), self.enc(x, f"{where}[{k!r}]")] for k, x in v.items()],
+            }
         if t is set or t is frozenset:
             return {TAG: t.__name__, "v": [self.enc(x, f"{where}<item>") for x in v]}
         if t is bytes or t is bytearray:

@@ -148,8 +148,9 @@ class CheckpointReader:
         if devices:
             device_copies = DeviceCopies()
             device_copies.start(devices)  # after the caller's work on the destinations
-            device_fill = DeviceFill(pool or default_pool(), device_copies, block=self.manifest.checksum_block_bytes,
-                                     prefer_rank=prefer_rank)
+            device_fill = DeviceFill(
+                pool or default_pool(), device_copies, block=self.manifest.checksum_block_bytes, prefer_rank=prefer_rank
+            )
         held: dict[str, dict[Box, torch.Tensor]] = {}
         for (fqn, fbox), values in in_memory.items():
             held.setdefault(fqn, {})[fbox] = values
@@ -160,9 +161,13 @@ class CheckpointReader:
             entry = self._tensor_entry(fqn)
             for o, n, s in zip(box[0], box[1], entry.global_shape):
                 if o < 0 or o + n > s:
-                    raise ValueError(f"{fqn!r}: box offsets={list(box[0])} lengths={list(box[1])} is outside {list(entry.global_shape)}")
+                    raise ValueError(
+                        f"{fqn!r}: box offsets={list(box[0])} lengths={list(box[1])} is outside {list(entry.global_shape)}"
+                    )
             if dest.is_meta:
-                raise ValueError(f"{fqn!r}: cannot load into a meta tensor; allocate it first (module.to_empty(device=...))")
+                raise ValueError(
+                    f"{fqn!r}: cannot load into a meta tensor; allocate it first (module.to_empty(device=...))"
+                )
             dtype = torch_dtype(entry.dtype, fqn=fqn)
             mine = held.get(fqn, {})
             if device_fill is not None and is_device_tensor(dest):
@@ -171,8 +176,13 @@ class CheckpointReader:
                     device_fill.add_host_part(part, values)
                 device_fill.add(entry, box, landing, frozenset(mine))
                 continue
-            if (dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype
-                    and not dest.is_conj() and not dest.is_neg()):
+            if (
+                dest.device.type == "cpu"
+                and dest.is_contiguous()
+                and dest.dtype == dtype
+                and not dest.is_conj()
+                and not dest.is_neg()
+            ):
                 landing = dest.detach()
             else:
                 landing = torch.empty(tuple(box[1]), dtype=dtype)
@@ -183,7 +193,9 @@ class CheckpointReader:
                 copy_values(part, values)
             for plan in plan_tensor_reads(entry, [box], prefer_rank=prefer_rank, in_memory=frozenset(mine)):
                 plans.append(dataclasses.replace(plan, dest=index))
-        stats = execute_reads(self.backend, plans, views, block_bytes=self.manifest.checksum_block_bytes, verify=self.verify)
+        stats = execute_reads(
+            self.backend, plans, views, block_bytes=self.manifest.checksum_block_bytes, verify=self.verify
+        )
         for dest, landing in copies:
             copy_values(dest, landing)
         if device_fill is not None:
@@ -233,7 +245,9 @@ class CheckpointReader:
         self.close()
 
     def __repr__(self) -> str:
-        return f"CheckpointReader({self.uri!r}, tensors={len(self.catalog.tensors)}, objects={len(self.manifest.objects)})"
+        return (
+            f"CheckpointReader({self.uri!r}, tensors={len(self.catalog.tensors)}, objects={len(self.manifest.objects)})"
+        )
 
 
 def _held_parts(landing: torch.Tensor, box: Box, held: dict[Box, torch.Tensor]):
@@ -252,7 +266,9 @@ def reader_from_bytes(
 ) -> CheckpointReader:
     manifest = parse_manifest(backend, manifest_bytes)
     catalog = Catalog.from_arrow(
-        catalog_bytes, where=f"{backend.uri}/{manifest.catalog.path}", checksum_block_bytes=manifest.checksum_block_bytes
+        catalog_bytes,
+        where=f"{backend.uri}/{manifest.catalog.path}",
+        checksum_block_bytes=manifest.checksum_block_bytes,
     )
     return CheckpointReader(backend, manifest, catalog, allow_pickle=allow_pickle, verify=verify)
 

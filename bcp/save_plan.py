@@ -79,7 +79,9 @@ def check_tiling(fqn: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> None
     """Raise ShardingError unless the distinct ``boxes`` tile ``shape`` exactly."""
     for off, lens in boxes:
         if len(off) != len(shape) or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(off, lens, shape)):
-            raise ShardingError(f"tensor {fqn!r}: shard {_describe((off, lens))} lies outside the global shape {list(shape)}")
+            raise ShardingError(
+                f"tensor {fqn!r}: shard {_describe((off, lens))} lies outside the global shape {list(shape)}"
+            )
     pair = find_overlap(boxes)
     if pair is not None:
         raise ShardingError(

@@ -47,6 +47,7 @@ from .torch_dtypes import dtype_name
 
 log = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass(frozen=True)
 class SaveInfo:
     """What a save wrote (job-wide totals, plus this rank's share)."""
@@ -189,8 +190,17 @@ class SaveJob:
        commit (coordinator), return SaveInfo. An async save runs it in a thread.
     """
 
-    def __init__(self, coord: Coordinator, backend: Backend, options: SaveOptions, gathered: list[tuple[LocalPlan, dict[str, LocalObject]]] | None,
-                 decision: SaveDecision | None, save_id: str, pipeline: WritePipeline, started: float) -> None:
+    def __init__(
+        self,
+        coord: Coordinator,
+        backend: Backend,
+        options: SaveOptions,
+        gathered: list[tuple[LocalPlan, dict[str, LocalObject]]] | None,
+        decision: SaveDecision | None,
+        save_id: str,
+        pipeline: WritePipeline,
+        started: float,
+    ) -> None:
         self.coord = coord
         self.backend = backend
         self.options = options
@@ -204,8 +214,9 @@ class SaveJob:
         self.started = started
 
     @classmethod
-    def start(cls, state: Mapping[str, Any], uri: Target, coord: Coordinator, options: SaveOptions, *,
-              stage_all: bool) -> SaveJob:
+    def start(
+        cls, state: Mapping[str, Any], uri: Target, coord: Coordinator, options: SaveOptions, *, stage_all: bool
+    ) -> SaveJob:
         started = time.perf_counter()
         backend = resolve_backend(uri, options.storage_options)
         prepared: _Prepared = run_phase(coord, "preparing the save", _prepare, state, coord.rank, options.allow_pickle)
@@ -219,11 +230,25 @@ class SaveJob:
         my_writes = coord.scatter([plan.writes[r] for r in range(coord.world_size)] if plan is not None else None)
         items = [prepared.pieces[w] for w in my_writes]
         pipeline = make_pipeline(
-            backend, data_file_key(generation_name(save_id), coord.rank), coord.rank, items,
-            options.checksum_block_bytes, pool=options.pool, streams=options.streams, stage_all=stage_all,
+            backend,
+            data_file_key(generation_name(save_id), coord.rank),
+            coord.rank,
+            items,
+            options.checksum_block_bytes,
+            pool=options.pool,
+            streams=options.streams,
+            stage_all=stage_all,
         )
-        return cls(coord, backend, options, gathered, decision if isinstance(decision, SaveDecision) else None,
-                   save_id, pipeline, started)
+        return cls(
+            coord,
+            backend,
+            options,
+            gathered,
+            decision if isinstance(decision, SaveDecision) else None,
+            save_id,
+            pipeline,
+            started,
+        )
 
     def stage(self, select=None, last: bool = True) -> None:
         """Hand chunks to the writers (those ``select`` accepts; all when None)."""
@@ -272,11 +297,18 @@ class SaveJob:
         for local_plan, _objs in self.gathered:
             for t in local_plan.tensors:
                 order.setdefault(t.fqn, len(order))
-        fragments = sorted((f for r in reports for f in r.fragments), key=lambda f: (order[f.fqn], f.offsets, f.writer_rank))
+        fragments = sorted(
+            (f for r in reports for f in r.fragments), key=lambda f: (order[f.fqn], f.offsets, f.writer_rank)
+        )
         catalog = write_catalog(self.backend, catalog_key(self.generation), Catalog(fragments))
         manifest = build_manifest(
-            self.save_id, catalog, fragments, tuple(r.file for r in reports if r.file is not None),
-            self.decision.objects, self.coord.world_size, self.options,
+            self.save_id,
+            catalog,
+            fragments,
+            tuple(r.file for r in reports if r.file is not None),
+            self.decision.objects,
+            self.coord.world_size,
+            self.options,
         )
         commit(self.backend, manifest, overwrite=self.options.overwrite)
         return manifest.stats
@@ -287,16 +319,26 @@ def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=N
     if pool.slab_bytes % block:
         raise ValueError(f"staging slab size {pool.slab_bytes} must be a multiple of the checksum block {block}")
     return WritePipeline(
-        backend, data_key, rank, items, block=block, pool=pool, streams=streams or backend.hints.concurrency,
+        backend,
+        data_key,
+        rank,
+        items,
+        block=block,
+        pool=pool,
+        streams=streams or backend.hints.concurrency,
         stage_all=stage_all,
     )
 
 
-def _coordinate(backend: Backend, gathered: list[tuple[LocalPlan, dict[str, LocalObject]]], options: SaveOptions) -> SaveDecision:
+def _coordinate(
+    backend: Backend, gathered: list[tuple[LocalPlan, dict[str, LocalObject]]], options: SaveOptions
+) -> SaveDecision:
     """(coordinator) Check the target, plan the writes, settle the objects."""
     existing = find_existing(backend)
     if existing is not None and not options.overwrite:
-        raise CheckpointExistsError(f"a committed checkpoint already exists at {backend.uri}; pass overwrite=True to replace it")
+        raise CheckpointExistsError(
+            f"a committed checkpoint already exists at {backend.uri}; pass overwrite=True to replace it"
+        )
     try:
         json.dumps(options.user_metadata, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -310,9 +352,7 @@ def _coordinate(backend: Backend, gathered: list[tuple[LocalPlan, dict[str, Loca
     return SaveDecision(plan, uuid.uuid4().hex[:16], objects, existing)
 
 
-def write_rank_data(
-    backend: Backend, data_key: str, rank: int, items: list[WriteItem], block: int
-) -> WriterReport:
+def write_rank_data(backend: Backend, data_key: str, rank: int, items: list[WriteItem], block: int) -> WriterReport:
     """Write this rank's assigned boxes into one data file (synchronously)."""
     pipeline = make_pipeline(backend, data_key, rank, items, block)
     try:

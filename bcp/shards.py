@@ -40,8 +40,10 @@ class TensorShard:
             )
         for o, n, s in zip(self.offsets, self.local.shape, self.global_shape):
             if o < 0 or o + n > s:
-                raise ValueError(f"TensorShard: box offsets={list(self.offsets)} shape={list(self.local.shape)} "
-                                 f"does not fit in {list(self.global_shape)}")
+                raise ValueError(
+                    f"TensorShard: box offsets={list(self.offsets)} shape={list(self.local.shape)} "
+                    f"does not fit in {list(self.global_shape)}"
+                )
 
 
 @dataclasses.dataclass
@@ -58,8 +60,10 @@ class FlatShard:
         if self.local.dim() != 1:
             raise ValueError(f"FlatShard: local must be 1-D, got shape {list(self.local.shape)}")
         if self.start < 0 or self.start + self.local.numel() > math.prod(self.global_shape):
-            raise ValueError(f"FlatShard: range [{self.start}, {self.start + self.local.numel()}) is outside "
-                             f"{list(self.global_shape)}")
+            raise ValueError(
+                f"FlatShard: range [{self.start}, {self.start + self.local.numel()}) is outside "
+                f"{list(self.global_shape)}"
+            )
 
 
 @dataclasses.dataclass
@@ -100,7 +104,12 @@ def local_pieces(value: Any, fqn: str) -> tuple[tuple[int, ...], torch.dtype, li
         if not t.is_contiguous():
             raise UnsupportedStateError(f"FlatShard at key {fqn!r}: the local tensor must be contiguous")
         if math.prod(value.global_shape) == 0:  # an empty tensor still needs its (empty) box
-            return value.global_shape, t.dtype, [Piece(((0,) * len(value.global_shape), value.global_shape), t.view(value.global_shape))], False
+            return (
+                value.global_shape,
+                t.dtype,
+                [Piece(((0,) * len(value.global_shape), value.global_shape), t.view(value.global_shape))],
+                False,
+            )
         pieces = []
         for (off, lens), pos in flat_range_to_boxes(value.global_shape, value.start, t.numel()):
             n = math.prod(lens)
@@ -119,7 +128,9 @@ def local_pieces(value: Any, fqn: str) -> tuple[tuple[int, ...], torch.dtype, li
             raise UnsupportedStateError(f"DTensor at key {fqn!r} reports {len(chunks)} local chunks; expected 1")
         off, sizes = tuple(chunks[0].offsets), tuple(chunks[0].sizes)
         if tuple(local.shape) != sizes:
-            raise UnsupportedStateError(f"DTensor at key {fqn!r}: local shape {list(local.shape)} != chunk {list(sizes)}")
+            raise UnsupportedStateError(
+                f"DTensor at key {fqn!r}: local shape {list(local.shape)} != chunk {list(sizes)}"
+            )
         return tuple(value.shape), value.dtype, [Piece((off, sizes), local)], False
     if isinstance(value, torch.Tensor):
         return tuple(value.shape), value.dtype, [Piece(((0,) * value.dim(), tuple(value.shape)), value)], True

@@ -75,7 +75,9 @@ def _contains_tensor(value: Any) -> bool:
 def flatten_state(state: Mapping) -> dict[str, Leaf]:
     """FQN -> leaf for every tensor and object leaf of ``state``, in traversal order."""
     if not isinstance(state, Mapping):
-        raise UnsupportedStateError(f"the state must be a mapping (a dict of named entries), got {type(state).__name__}")
+        raise UnsupportedStateError(
+            f"the state must be a mapping (a dict of named entries), got {type(state).__name__}"
+        )
     leaves: dict[str, Leaf] = {}
     _walk_children(state, (), leaves)
     return leaves

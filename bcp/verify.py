@@ -81,5 +81,12 @@ def verify_checkpoint(uri: str, *, progress=None) -> dict:
     finally:
         if bar is not None:
             bar.close()
-    return {"uri": reader.uri, "ok": not problems, "problems": problems, "tensors": len(reader.tensor_keys()),
-            "objects": len(reader.object_keys()), "bytes_read": read, "seconds": round(time.perf_counter() - start, 3)}
+    return {
+        "uri": reader.uri,
+        "ok": not problems,
+        "problems": problems,
+        "tensors": len(reader.tensor_keys()),
+        "objects": len(reader.object_keys()),
+        "bytes_read": read,
+        "seconds": round(time.perf_counter() - start, 3),
+    }

@@ -129,23 +129,31 @@ def run(args, ddp_uri: str, fsdp_uri: str) -> None:
     os.makedirs(args.dir, exist_ok=True)
     print(f"store: {args.store}")
     total = sum(t.numel() * 4 for t in make_state(args.mib).values())
-    print(f"state: {total / 2**20:.0f} MiB of float32 in {len(make_state(args.mib))} tensors; medians of {args.repeats}")
+    print(
+        f"state: {total / 2**20:.0f} MiB of float32 in {len(make_state(args.mib))} tensors; medians of {args.repeats}"
+    )
 
     rows = []
     res = [spawn(save_replicated, 4, ddp_uri, args.mib) for _ in range(args.repeats)]
     t = statistics.median(max(r[0] for r in run) for run in res)
     shares = [b / total for _t, b, _tb in res[-1]]
-    rows.append(("DDP save, 4 ranks (replicated)", t, total / t / 1e9, "bytes per rank " + " ".join(f"{s:.2f}" for s in shares)))
+    rows.append(
+        ("DDP save, 4 ranks (replicated)", t, total / t / 1e9, "bytes per rank " + " ".join(f"{s:.2f}" for s in shares))
+    )
     res = [spawn(save_sharded, 2, fsdp_uri, args.mib) for _ in range(args.repeats)]
     t = statistics.median(max(r[0] for r in run) for run in res)
     rows.append(("row-sharded save, 2 ranks", t, total / t / 1e9, ""))
-    for label, fn, uri in (("replicated load 2->3 ranks (every rank all)", load_full, ddp_uri),
-                           ("row-sharded load 2->3 ranks (reshard)", load_sharded, fsdp_uri)):
+    for label, fn, uri in (
+        ("replicated load 2->3 ranks (every rank all)", load_full, ddp_uri),
+        ("row-sharded load 2->3 ranks (reshard)", load_sharded, fsdp_uri),
+    ):
         for share in (False, True):
             res = [spawn(fn, 3, uri, args.mib, share) for _ in range(args.repeats)]
             t = statistics.median(max(r[0] for r in run) for run in res)
             read = sum(r[1] for r in res[-1])
-            rows.append((f"{label}, share_reads={share}", t, total / t / 1e9, f"storage bytes read {read / total:.2f}x state"))
+            rows.append(
+                (f"{label}, share_reads={share}", t, total / t / 1e9, f"storage bytes read {read / total:.2f}x state")
+            )
     print(f"{'case':<60} {'s':>7} {'GB/s':>6}  notes")
     for name, t, gbps, note in rows:
         print(f"{name:<60} {t:>7.3f} {gbps:>6.2f}  {note}")

@@ -51,8 +51,10 @@ def make_state(gib: float, tensors: int, device: torch.device) -> dict:
     cols = 4096
     rows = max(1, int(gib * 2**30 / tensors / cols / 2))
     g = torch.Generator(device=device).manual_seed(0)
-    return {f"layer{i:02d}.weight": torch.randn(rows, cols, device=device, generator=g, dtype=torch.bfloat16)
-            for i in range(tensors)}
+    return {
+        f"layer{i:02d}.weight": torch.randn(rows, cols, device=device, generator=g, dtype=torch.bfloat16)
+        for i in range(tensors)
+    }
 
 
 def nbytes(state: dict) -> int:
@@ -80,8 +82,11 @@ class Cases:
         self.args, self.state, self.device = args, state, device
         self.size = nbytes(state)
         self.root = args.dir
-        self.pinned = ({k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in state.items()}
-                       if device.type == "cuda" else None)
+        self.pinned = (
+            {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in state.items()}
+            if device.type == "cuda"
+            else None
+        )
         self.pageable = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in state.items()}
         for t in self.pageable.values():
             t.zero_()
@@ -94,11 +99,14 @@ class Cases:
         out = {}
         if self.pinned is not None:
             for _ in range(2):  # the second copy is into reused (touched, registered) memory
-                t = timed(lambda: [d.copy_(s, non_blocking=True) for d, s in zip(self.pinned.values(), self.state.values())],
-                          self.device)
+                t = timed(
+                    lambda: [d.copy_(s, non_blocking=True) for d, s in zip(self.pinned.values(), self.state.values())],
+                    self.device,
+                )
             out["D2H copy into reused pinned memory"] = t
         out["D2H copy into pageable memory"] = timed(
-            lambda: [d.copy_(s) for d, s in zip(self.pageable.values(), self.state.values())], self.device)
+            lambda: [d.copy_(s) for d, s in zip(self.pageable.values(), self.state.values())], self.device
+        )
         out.update(raw_disk(self.root, self.size))
         return out
 
@@ -118,7 +126,8 @@ class Cases:
         for label, load_uri in (("O_DIRECT reads", uri), ("buffered reads", f"file://{uri}?direct_reads=false")):
             drop_cache(uri)
             out[f"bcp load into {self.device.type} ({label}, cold)"] = timed(
-                lambda: bcp.load(self.templates, load_uri), self.device)
+                lambda: bcp.load(self.templates, load_uri), self.device
+            )
         return out
 
     def dcp_cases(self) -> dict:
@@ -145,7 +154,8 @@ class Cases:
             out[f"DCP async_save total ({label})"] = time.perf_counter() - t0
         drop_cache(d)
         out[f"DCP load into {self.device.type} (cold)"] = timed(
-            lambda: dcp.load(self.templates, storage_reader=dcp.FileSystemReader(d)), self.device)
+            lambda: dcp.load(self.templates, storage_reader=dcp.FileSystemReader(d)), self.device
+        )
         return out
 
     def torch_cases(self) -> dict:
@@ -159,7 +169,8 @@ class Cases:
         out["torch.save + fsync"] = timed(save, self.device)
         drop_cache(f)
         out[f"torch.load to {self.device.type} (cold)"] = timed(
-            lambda: torch.load(f, map_location=self.device, weights_only=True), self.device)
+            lambda: torch.load(f, map_location=self.device, weights_only=True), self.device
+        )
         os.remove(f)
         return out
 
@@ -176,8 +187,14 @@ def _pinned_dcp_stager():
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-                                            use_async_staging=True, use_non_blocking_copy=torch.cuda.is_available()))
+        return DefaultStager(
+            StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(),
+                use_shared_memory=False,
+                use_async_staging=True,
+                use_non_blocking_copy=torch.cuda.is_available(),
+            )
+        )
     except Exception:  # noqa: BLE001 - an older torch: the case is left out
         return None
 
@@ -230,8 +247,19 @@ def first_call(args) -> dict:
 
 
 def run_first_call(args, reserve: bool) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--first-call", "--device", args.device, "--gib", str(args.gib),
-           "--tensors", str(args.tensors), "--dir", args.dir] + (["--reserve"] if reserve else [])
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--first-call",
+        "--device",
+        args.device,
+        "--gib",
+        str(args.gib),
+        "--tensors",
+        str(args.tensors),
+        "--dir",
+        args.dir,
+    ] + (["--reserve"] if reserve else [])
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -276,8 +304,12 @@ def training_stall(args, device: torch.device) -> dict:
         result = dcp.async_save(state(), storage_writer=dcp.FileSystemWriter(fresh(f"{root}/d{k}")))
         return getattr(result, "upload_completion", result)
 
-    modes = {"bcp save": bcp_sync, "bcp async_save": bcp_async, "bcp async_save overlap=opt": bcp_overlap,
-             "DCP async_save (default stager)": dcp_async}
+    modes = {
+        "bcp save": bcp_sync,
+        "bcp async_save": bcp_async,
+        "bcp async_save overlap=opt": bcp_overlap,
+        "DCP async_save (default stager)": dcp_async,
+    }
     for name, save in modes.items():
         stalls = []
         pending = None
@@ -305,8 +337,9 @@ def training_stall(args, device: torch.device) -> dict:
 def nbytes_nested(state) -> int:
     from bcp.state import flatten_state
 
-    return sum(leaf.value.numel() * leaf.value.element_size() for leaf in flatten_state(state).values()
-               if leaf.is_tensor)
+    return sum(
+        leaf.value.numel() * leaf.value.element_size() for leaf in flatten_state(state).values() if leaf.is_tensor
+    )
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -329,19 +362,33 @@ def report(rows: dict[str, list], size: int, stall_rows: dict) -> None:
         if a in med and b in med:
             r = med[a] / med[b]
             met = (r >= goal) if higher_is_better else (r <= goal)
-            print(f"{label:70s} {r:6.2f}x (goal {'>=' if higher_is_better else '<='} {goal}) {'met' if met else 'NOT met'}")
+            print(
+                f"{label:70s} {r:6.2f}x (goal {'>=' if higher_is_better else '<='} {goal}) {'met' if met else 'NOT met'}"
+            )
 
     print("\ntargets (ratios of medians from this run):")
-    ratio("async_save blocking / pinned D2H copy", "bcp async_save blocking (steady)", "D2H copy into reused pinned memory",
-          1.2, False)
-    ratio("first async_save blocking (reserved) / steady blocking", "bcp async_save blocking (first call, reserved)",
-          "bcp async_save blocking (steady)", 2.0, False)
+    ratio(
+        "async_save blocking / pinned D2H copy",
+        "bcp async_save blocking (steady)",
+        "D2H copy into reused pinned memory",
+        1.2,
+        False,
+    )
+    ratio(
+        "first async_save blocking (reserved) / steady blocking",
+        "bcp async_save blocking (first call, reserved)",
+        "bcp async_save blocking (steady)",
+        2.0,
+        False,
+    )
     loads = [k for k in med if k.startswith(("DCP load", "torch.load"))]
     best_peer = min((med[k] for k in loads), default=None)
     for k in [k for k in med if k.startswith("bcp load")]:
         if best_peer is not None:
             r = best_peer / med[k]
-            print(f"{'speed of ' + k + ' / fastest peer load':70s} {r:6.2f}x (goal >= 1.1) {'met' if r >= 1.1 else 'NOT met'}")
+            print(
+                f"{'speed of ' + k + ' / fastest peer load':70s} {r:6.2f}x (goal >= 1.1) {'met' if r >= 1.1 else 'NOT met'}"
+            )
         for disk in ("disk O_DIRECT read", "disk buffered read (cold)"):
             if disk in med:
                 r = med[disk] / med[k]
@@ -386,8 +433,12 @@ def main() -> None:
     for reserve in (False, True):
         first = run_first_call(args, reserve)
         tag = "reserved" if reserve else "no reservation"
-        add({f"bcp async_save blocking (first call, {tag})": first["blocking"],
-             f"bcp async_save total (first call, {tag})": first["total"]})
+        add(
+            {
+                f"bcp async_save blocking (first call, {tag})": first["blocking"],
+                f"bcp async_save total (first call, {tag})": first["total"],
+            }
+        )
     state = make_state(args.gib, args.tensors, device)
     size = nbytes(state)
     cases = Cases(args, state, device)

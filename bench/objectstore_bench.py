@@ -95,9 +95,11 @@ def save_case(case, kind, server, bucket, fs, proto, state, rep) -> float:
     if case == "bcp":
         return timed(lambda: bcp.save(state, bcp_uri(kind, server.endpoint, bucket, path)))
     if case == "torch+fsspec":
+
         def naive_save():
             with fs.open(f"{bucket}/{path}.pt", "wb") as f:
                 torch.save(state, f)
+
         return timed(naive_save)
     writer = FsspecWriter(f"{proto}://{bucket}/{path}", thread_count=4, **fs_options(kind, server.endpoint))
     return timed(lambda: dcp_save(state, storage_writer=writer))
@@ -116,6 +118,7 @@ def load_case(case, kind, server, bucket, fs, proto, template, rep) -> tuple[flo
         def naive_load():
             with fs.open(f"{bucket}/{path}.pt", "rb") as f:
                 box["out"] = torch.load(f, weights_only=True)
+
         seconds = timed(naive_load)
         return seconds, box["out"]
     out = {k: torch.empty_like(v) for k, v in template.items()}
@@ -145,8 +148,11 @@ def run_server(kind: str, state: dict, repeats: int, settle: float) -> dict[str,
                 warm, out = load_case(case, kind, server, bucket, fs, proto, template, rep)
                 del out
                 results[case].append((saves[case], load, warm))
-                print(f"  {kind:6} {case:13} rep {rep}: save {saves[case]:6.2f} s  load {load:6.2f} s  "
-                      f"warm load {warm:6.2f} s", flush=True)
+                print(
+                    f"  {kind:6} {case:13} rep {rep}: save {saves[case]:6.2f} s  load {load:6.2f} s  "
+                    f"warm load {warm:6.2f} s",
+                    flush=True,
+                )
             for case in results:
                 for target in (f"{bucket}/{_path(case, rep)}", f"{bucket}/{_path(case, rep)}.pt"):
                     try:
@@ -172,11 +178,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for kind, rows in tables.items():
         for case, (save, load, warm) in rows.items():
-            print(f"| {kind} | {case} | {save:.2f} | {size / save / 1e9:.3f} | {load:.2f} | {size / load / 1e9:.3f} "
-                  f"| {warm:.2f} | {size / warm / 1e9:.3f} |")
+            print(
+                f"| {kind} | {case} | {save:.2f} | {size / save / 1e9:.3f} | {load:.2f} | {size / load / 1e9:.3f} "
+                f"| {warm:.2f} | {size / warm / 1e9:.3f} |"
+            )
     print()
-    print("| server | save: bcp vs torch+fsspec | bcp vs DCP | first load: vs torch+fsspec | vs DCP "
-          "| load again: vs torch+fsspec | vs DCP |")
+    print(
+        "| server | save: bcp vs torch+fsspec | bcp vs DCP | first load: vs torch+fsspec | vs DCP "
+        "| load again: vs torch+fsspec | vs DCP |"
+    )
     print("|---|---|---|---|---|---|---|")
     for kind, rows in tables.items():
         b, n, d = rows["bcp"], rows["torch+fsspec"], rows["DCP fsspec"]

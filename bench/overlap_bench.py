@@ -43,8 +43,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--saves", type=int, default=5)
     p.add_argument("--dir", default="/tmp/bcp-overlap")
-    p.add_argument("--train-threads", type=int, default=0,
-                   help="torch threads for training (1 leaves a core to bcp's background work, as a GPU job would)")
+    p.add_argument(
+        "--train-threads",
+        type=int,
+        default=0,
+        help="torch threads for training (1 leaves a core to bcp's background work, as a GPU job would)",
+    )
     args = p.parse_args()
     if args.train_threads:
         torch.set_num_threads(args.train_threads)
@@ -59,8 +63,10 @@ def main() -> None:
         step(model, opt, x)
         plain.append(time.perf_counter() - t0)
     base = statistics.median(plain)
-    print(f"model {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params; state {state_bytes / 2**30:.2f} GiB "
-          f"(weights + AdamW moments); plain step {base:.3f} s (median of {len(plain)})")
+    print(
+        f"model {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M params; state {state_bytes / 2**30:.2f} GiB "
+        f"(weights + AdamW moments); plain step {base:.3f} s (median of {len(plain)})"
+    )
 
     def state():
         return {"model": model.state_dict(), "optim": opt.state_dict()}

@@ -265,9 +265,13 @@ def case_bytecheckpoint(path, state, _args):
     try:
         out["ByteCheckpoint save (ddp)"] = timed(lambda: bytecheckpoint.save(d, {"model": model}, framework="ddp"))
         warm_cache(d)
-        out["ByteCheckpoint load (ddp, warm cache)"] = timed(lambda: bytecheckpoint.load(d, {"model": model}, framework="ddp"))
+        out["ByteCheckpoint load (ddp, warm cache)"] = timed(
+            lambda: bytecheckpoint.load(d, {"model": model}, framework="ddp")
+        )
         drop_cache(d)
-        out["ByteCheckpoint load (ddp, cold cache)"] = timed(lambda: bytecheckpoint.load(d, {"model": model}, framework="ddp"))
+        out["ByteCheckpoint load (ddp, cold cache)"] = timed(
+            lambda: bytecheckpoint.load(d, {"model": model}, framework="ddp")
+        )
     except Exception as e:  # noqa: BLE001
         out["ByteCheckpoint: note"] = f"failed: {type(e).__name__}: {e}"[:160]
     dist.destroy_process_group()
@@ -275,8 +279,12 @@ def case_bytecheckpoint(path, state, _args):
 
 
 CASES = {
-    "raw": case_raw, "bcp": case_bcp, "torch": case_torch, "dcp": case_dcp,
-    "safetensors": case_safetensors, "bytecheckpoint": case_bytecheckpoint,
+    "raw": case_raw,
+    "bcp": case_bcp,
+    "torch": case_torch,
+    "dcp": case_dcp,
+    "safetensors": case_safetensors,
+    "bytecheckpoint": case_bytecheckpoint,
 }
 
 
@@ -329,10 +337,16 @@ def main() -> None:
                     runs.setdefault(k, []).append(v)
         print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
-    raw_w, raw_r, memcpy = med.get("raw O_DIRECT write"), med.get("raw O_DIRECT read"), med.get("memcpy into warm buffers")
+    raw_w, raw_r, memcpy = (
+        med.get("raw O_DIRECT write"),
+        med.get("raw O_DIRECT read"),
+        med.get("memcpy into warm buffers"),
+    )
     sync = med.get("bcp save")
-    print(f"\nstate: {size / 2**30:.2f} GiB in 48 float32 tensors; medians of {args.repeats} runs; "
-          f"ratios are throughput relative to the raw limit measured in this run\n")
+    print(
+        f"\nstate: {size / 2**30:.2f} GiB in 48 float32 tensors; medians of {args.repeats} runs; "
+        f"ratios are throughput relative to the raw limit measured in this run\n"
+    )
     print(f"| {'case':<56} | {'seconds':>8} | {'GB/s':>6} | ratio |")
     print(f"|{'-' * 58}|{'-' * 10}|{'-' * 8}|-------|")
     for k, v in med.items():

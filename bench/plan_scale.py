@@ -35,7 +35,9 @@ def local_plans(ranks: int, tensors: int, seed: int = 0) -> list[LocalPlan]:
     plans = []
     for r in range(ranks):
         ts = tuple(
-            TensorPlan(names[i], paths[i], "bfloat16", shapes[i], (((bounds[i][r][0], 0), (bounds[i][r][1], shapes[i][1])),))
+            TensorPlan(
+                names[i], paths[i], "bfloat16", shapes[i], (((bounds[i][r][0], 0), (bounds[i][r][1], shapes[i][1])),)
+            )
             for i in range(tensors)
         )
         plans.append(LocalPlan(r, ts))
@@ -50,8 +52,21 @@ def catalog_bytes(plan, ranks: int, tensors: int, meta: dict) -> int:
             path, shape = meta[fqn]
             nbytes = math.prod(lens) * 2
             blocks = -(-nbytes // (1 << 20))
-            frags.append(Fragment(fqn, path, "bfloat16", shape, off, lens, data_file_key("gen-x", r), offset, nbytes,
-                                  (123456789,) * blocks, r))
+            frags.append(
+                Fragment(
+                    fqn,
+                    path,
+                    "bfloat16",
+                    shape,
+                    off,
+                    lens,
+                    data_file_key("gen-x", r),
+                    offset,
+                    nbytes,
+                    (123456789,) * blocks,
+                    r,
+                )
+            )
             offset += nbytes
     return len(Catalog(frags).to_arrow())
 
@@ -62,7 +77,9 @@ def main() -> None:
     p.add_argument("--ranks", default="64,256,1024,4096")
     p.add_argument("--catalog-up-to", type=int, default=4096, help="largest rank count whose catalog is built")
     args = p.parse_args()
-    print(f"{'ranks':>6} {'tensors':>8} {'fragments':>10} {'plan s':>8} {'us/frag':>8} {'catalog MB':>11} {'B/frag':>7} {'peak RSS GB':>12}")
+    print(
+        f"{'ranks':>6} {'tensors':>8} {'fragments':>10} {'plan s':>8} {'us/frag':>8} {'catalog MB':>11} {'B/frag':>7} {'peak RSS GB':>12}"
+    )
     for ranks in [int(x) for x in args.ranks.split(",")]:
         plans = local_plans(ranks, args.tensors)
         meta = {t.fqn: (t.key_path, t.global_shape) for t in plans[0].tensors}
@@ -73,8 +90,11 @@ def main() -> None:
         frags = sum(len(w) for w in plan.writes.values())
         cat = catalog_bytes(plan, ranks, args.tensors, meta) if ranks <= args.catalog_up_to else float("nan")
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        print(f"{ranks:>6} {args.tensors:>8} {frags:>10} {dt:>8.2f} {dt / frags * 1e6:>8.2f} {cat / 1e6:>11.1f} "
-              f"{cat / frags:>7.0f} {rss:>12.1f}", flush=True)
+        print(
+            f"{ranks:>6} {args.tensors:>8} {frags:>10} {dt:>8.2f} {dt / frags * 1e6:>8.2f} {cat / 1e6:>11.1f} "
+            f"{cat / frags:>7.0f} {rss:>12.1f}",
+            flush=True,
+        )
         del plans, plan
 
 

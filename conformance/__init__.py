@@ -35,7 +35,9 @@ if __name__ == "bcp.conformance":
     )
     from .runner import run_suite
 elif "_pytest" not in sys.modules:  # the folder imported under its own name: a second copy of every class
-    raise ImportError(f"this folder is the package bcp.conformance; write `import bcp.conformance`, not `import {__name__}`")
+    raise ImportError(
+        f"this folder is the package bcp.conformance; write `import bcp.conformance`, not `import {__name__}`"
+    )
 # else: pytest collecting test_suite.py by its path in a development checkout, where this
 # folder is not inside bcp/ and so gets the name "conformance". It stays an empty
 # package: test_suite.py imports everything it uses from bcp.conformance.

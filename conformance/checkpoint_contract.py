@@ -58,12 +58,24 @@ def realistic_state(seed: int = 0, scale: int = 1) -> dict:
         "mask": torch.rand(64, 64, generator=g) > 0.5,
     }
     optim = {
-        "state": {i: {"step": torch.tensor(float(100 + i)), "exp_avg": torch.randn(64, 33, generator=g),
-                      "exp_avg_sq": torch.rand(64, 33, generator=g)} for i in range(5)},
+        "state": {
+            i: {
+                "step": torch.tensor(float(100 + i)),
+                "exp_avg": torch.randn(64, 33, generator=g),
+                "exp_avg_sq": torch.rand(64, 33, generator=g),
+            }
+            for i in range(5)
+        },
         "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "params": list(range(5))}],
     }
-    return {"model": model, "optim": optim, "step": 1234, "scaler": {"scale": 65536.0, "growth": 2000},
-            "empty": torch.empty(0, 7), "scalar": torch.tensor(3.5, dtype=torch.float64)}
+    return {
+        "model": model,
+        "optim": optim,
+        "step": 1234,
+        "scaler": {"scale": 65536.0, "growth": 2000},
+        "empty": torch.empty(0, 7),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+    }
 
 
 def template_like(state):
@@ -150,12 +162,18 @@ class CheckpointContractTests:
         bounds = [0, rows // 3, 2 * rows // 3, rows]
         for lo, hi in zip(bounds, bounds[1:]):
             local = torch.empty(hi - lo, emb.shape[1])
-            bcp.load({"model": {"embed.weight": bcp.TensorShard(local, offsets=(lo, 0), global_shape=emb.shape)}},
-                     child_uri(root, "ck"), strict=False)
+            bcp.load(
+                {"model": {"embed.weight": bcp.TensorShard(local, offsets=(lo, 0), global_shape=emb.shape)}},
+                child_uri(root, "ck"),
+                strict=False,
+            )
             assert torch.equal(local, emb[lo:hi]), f"row shard {lo}:{hi} differs"
         local = torch.empty(rows, 100)
-        bcp.load({"model": {"embed.weight": bcp.TensorShard(local, offsets=(0, 156), global_shape=emb.shape)}},
-                 child_uri(root, "ck"), strict=False)
+        bcp.load(
+            {"model": {"embed.weight": bcp.TensorShard(local, offsets=(0, 156), global_shape=emb.shape)}},
+            child_uri(root, "ck"),
+            strict=False,
+        )
         assert torch.equal(local, emb[:, 156:]), "column shard differs"
 
     def test_checkpoints_side_by_side_do_not_interfere(self, root: str) -> None:

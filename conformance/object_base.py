@@ -50,8 +50,9 @@ def check_bytes(got: bytes | bytearray | memoryview, want: bytes, guarantee: str
     raise AssertionError(f"{guarantee} ({detail})")
 
 
-def expect_raises(exc_type: type[BaseException] | tuple[type[BaseException], ...], guarantee: str,
-                  fn: Callable[[], object]) -> BaseException:
+def expect_raises(
+    exc_type: type[BaseException] | tuple[type[BaseException], ...], guarantee: str, fn: Callable[[], object]
+) -> BaseException:
     """Like ``pytest.raises`` but fails with a message naming the broken guarantee."""
     try:
         fn()

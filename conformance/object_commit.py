@@ -34,8 +34,11 @@ class AtomicCommitTests(ObjectContractBase):
     def test_uncommitted_object_cannot_be_read(self, backend: Backend) -> None:
         with backend.open_writer("pending", size=4) as writer:
             writer.write_at(0, b"data")
-            expect_raises(FileNotFoundError, "an object could be read before its writer committed",
-                          lambda: backend.read("pending"))
+            expect_raises(
+                FileNotFoundError,
+                "an object could be read before its writer committed",
+                lambda: backend.read("pending"),
+            )
             writer.abort()
 
     def test_committed_object_is_visible(self, backend: Backend) -> None:
@@ -112,8 +115,9 @@ class OverwriteTests(ObjectContractBase):
     def test_overwrite_replaces_content(self, backend: Backend) -> None:
         self.seed(backend, "ow", payload(50_000, seed=12))
         backend.write("ow", b"short")
-        check_bytes(self.fetch(backend, "ow"), b"short",
-                    "overwriting with a shorter object did not replace the content")
+        check_bytes(
+            self.fetch(backend, "ow"), b"short", "overwriting with a shorter object did not replace the content"
+        )
 
     def test_overwrite_updates_size(self, backend: Backend) -> None:
         self.seed(backend, "ow", payload(50_000, seed=12))
@@ -161,14 +165,19 @@ class CreateOnlyWriteTests(ObjectContractBase):
 
     def test_write_if_absent_existing_raises_file_exists(self, backend: Backend) -> None:
         self.seed(backend, "once", b"first")
-        expect_raises(FileExistsError, "write_if_absent on an existing key did not raise FileExistsError",
-                      lambda: backend.write_if_absent("once", b"second"))
+        expect_raises(
+            FileExistsError,
+            "write_if_absent on an existing key did not raise FileExistsError",
+            lambda: backend.write_if_absent("once", b"second"),
+        )
 
     def test_write_if_absent_existing_raises_object_exists(self, backend: Backend) -> None:
         self.seed(backend, "once", b"first")
-        expect_raises(ObjectExistsError,
-                      "write_if_absent on an existing key did not raise bcp.backends.ObjectExistsError",
-                      lambda: backend.write_if_absent("once", b"second"))
+        expect_raises(
+            ObjectExistsError,
+            "write_if_absent on an existing key did not raise bcp.backends.ObjectExistsError",
+            lambda: backend.write_if_absent("once", b"second"),
+        )
 
     def test_write_if_absent_existing_keeps_old_content(self, backend: Backend) -> None:
         self.seed(backend, "once", b"first")
@@ -212,8 +221,11 @@ class CreateOnlyWriteTests(ObjectContractBase):
     def test_write_if_absent_race_stores_winner_payload(self, backend: Backend) -> None:
         winners, payloads = self._race_write_if_absent(backend)
         assert winners, "nobody won the write_if_absent race"
-        check_bytes(self.fetch(backend, "race/commit"), payloads[winners[0]],
-                    "after a write_if_absent race the stored object is not the winner's payload")
+        check_bytes(
+            self.fetch(backend, "race/commit"),
+            payloads[winners[0]],
+            "after a write_if_absent race the stored object is not the winner's payload",
+        )
 
 
 class ConcurrencyTests(ObjectContractBase):
@@ -225,8 +237,11 @@ class ConcurrencyTests(ObjectContractBase):
         datas = [payload(30_000 + i, seed=200 + i) for i in range(THREADS)]
         in_threads(THREADS, lambda i: backend.write(f"cw/{i % 2}/k{i}", datas[i]))
         for i, data in enumerate(datas):
-            check_bytes(self.fetch(backend, f"cw/{i % 2}/k{i}"), data,
-                        f"concurrent writers to distinct keys: key {i} holds wrong bytes")
+            check_bytes(
+                self.fetch(backend, f"cw/{i % 2}/k{i}"),
+                data,
+                f"concurrent writers to distinct keys: key {i} holds wrong bytes",
+            )
 
     def test_concurrent_writers_distinct_keys_all_listed(self, backend: Backend) -> None:
         in_threads(THREADS, lambda i: backend.write(f"cw/{i % 2}/k{i}", b"x"))

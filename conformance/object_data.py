@@ -79,8 +79,9 @@ class MultipartWriteTests(ObjectContractBase):
 
     report_heading = "multi-part writes"
 
-    def _write_parts(self, backend: Backend, key: str, data: bytes, order: list[tuple[int, int]],
-                     threads: int = 1) -> None:
+    def _write_parts(
+        self, backend: Backend, key: str, data: bytes, order: list[tuple[int, int]], threads: int = 1
+    ) -> None:
         view = memoryview(data)
         with backend.open_writer(key, size=len(data)) as writer:
             if threads == 1:
@@ -216,8 +217,11 @@ class RangedReadTests(ObjectContractBase):
         check_bytes(buf, ranged[95_003:], "read_exact returned wrong bytes")
 
     def test_read_exact_past_end_raises_eof(self, backend: Backend, ranged: bytes) -> None:
-        expect_raises(EOFError, "read_exact running past the end of object did not raise EOFError",
-                      lambda: backend.read_exact("ranged", self.RANGED_SIZE - 10, memoryview(bytearray(11))))
+        expect_raises(
+            EOFError,
+            "read_exact running past the end of object did not raise EOFError",
+            lambda: backend.read_exact("ranged", self.RANGED_SIZE - 10, memoryview(bytearray(11))),
+        )
 
     def test_size(self, backend: Backend, ranged: bytes) -> None:
         assert backend.size("ranged") == self.RANGED_SIZE, "size() does not match the object's length"

@@ -94,8 +94,9 @@ class DeleteTests(ObjectContractBase):
     def test_deleted_object_read_raises_not_found(self, backend: Backend) -> None:
         self.seed(backend, "gone", b"data")
         backend.delete("gone")
-        expect_raises(FileNotFoundError, "reading a deleted object did not raise FileNotFoundError",
-                      lambda: backend.read("gone"))
+        expect_raises(
+            FileNotFoundError, "reading a deleted object did not raise FileNotFoundError", lambda: backend.read("gone")
+        )
 
     def test_delete_missing_key_is_not_an_error(self, backend: Backend) -> None:
         try:
@@ -150,15 +151,19 @@ class ExistsTests(ObjectContractBase):
 
     def test_size_of_directory_like_prefix_raises_not_found(self, backend: Backend) -> None:
         self.seed(backend, "dir/obj", b"x")
-        expect_raises(ObjectNotFoundError,
-                      "size('dir') of a mere prefix of 'dir/obj' did not raise ObjectNotFoundError",
-                      lambda: backend.size("dir"))
+        expect_raises(
+            ObjectNotFoundError,
+            "size('dir') of a mere prefix of 'dir/obj' did not raise ObjectNotFoundError",
+            lambda: backend.size("dir"),
+        )
 
     def test_read_into_directory_like_prefix_raises_not_found(self, backend: Backend) -> None:
         self.seed(backend, "dir/obj", b"x")
-        expect_raises(ObjectNotFoundError,
-                      "read_into('dir') of a mere prefix of 'dir/obj' did not raise ObjectNotFoundError",
-                      lambda: backend.read_into("dir", 0, memoryview(bytearray(4))))
+        expect_raises(
+            ObjectNotFoundError,
+            "read_into('dir') of a mere prefix of 'dir/obj' did not raise ObjectNotFoundError",
+            lambda: backend.read_into("dir", 0, memoryview(bytearray(4))),
+        )
 
 
 class KeyTests(ObjectContractBase):
@@ -188,8 +193,11 @@ class KeyTests(ObjectContractBase):
     @pytest.mark.parametrize("op", sorted(KEYED_OPS))
     @pytest.mark.parametrize("key", INVALID_KEYS, ids=repr)
     def test_invalid_key_rejected(self, backend: Backend, key: str, op: str) -> None:
-        expect_raises(ValueError, f"{op} accepted the invalid key {key!r} (must raise ValueError)",
-                      lambda: KEYED_OPS[op](backend, key))
+        expect_raises(
+            ValueError,
+            f"{op} accepted the invalid key {key!r} (must raise ValueError)",
+            lambda: KEYED_OPS[op](backend, key),
+        )
 
 
 class MissingObjectTests(ObjectContractBase):
@@ -199,16 +207,23 @@ class MissingObjectTests(ObjectContractBase):
 
     @pytest.mark.parametrize("op", sorted(READ_OPS))
     def test_missing_object_raises_file_not_found(self, backend: Backend, op: str) -> None:
-        expect_raises(FileNotFoundError, f"{op} of a missing object did not raise FileNotFoundError",
-                      lambda: READ_OPS[op](backend, "no/such/key"))
+        expect_raises(
+            FileNotFoundError,
+            f"{op} of a missing object did not raise FileNotFoundError",
+            lambda: READ_OPS[op](backend, "no/such/key"),
+        )
 
     @pytest.mark.parametrize("op", sorted(READ_OPS))
     def test_missing_object_raises_object_not_found(self, backend: Backend, op: str) -> None:
-        expect_raises(ObjectNotFoundError, f"{op} of a missing object did not raise bcp.backends.ObjectNotFoundError",
-                      lambda: READ_OPS[op](backend, "no/such/key"))
+        expect_raises(
+            ObjectNotFoundError,
+            f"{op} of a missing object did not raise bcp.backends.ObjectNotFoundError",
+            lambda: READ_OPS[op](backend, "no/such/key"),
+        )
 
     @pytest.mark.parametrize("op", sorted(READ_OPS))
     def test_missing_object_error_names_key(self, backend: Backend, op: str) -> None:
-        e = expect_raises(FileNotFoundError, f"{op} of a missing object did not raise",
-                          lambda: READ_OPS[op](backend, "no/such/key"))
+        e = expect_raises(
+            FileNotFoundError, f"{op} of a missing object did not raise", lambda: READ_OPS[op](backend, "no/such/key")
+        )
         assert "no/such/key" in str(e), f"{op}'s missing-object error does not name the key: {e}"

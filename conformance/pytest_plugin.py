@@ -15,13 +15,27 @@ import pytest
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("bcp-conformance", "bcp storage conformance suite")
     group.addoption("--bcp-uri", default=None, help="root URI of an empty location in the store under test")
-    group.addoption("--bcp-level", default="full", choices=("quick", "full"),
-                    help="quick: skip killed-process checks and shrink the probe; full: everything (default)")
-    group.addoption("--bcp-option", action="append", default=[], metavar="KEY=VALUE",
-                    help="storage option added to the URI's query (repeatable)")
+    group.addoption(
+        "--bcp-level",
+        default="full",
+        choices=("quick", "full"),
+        help="quick: skip killed-process checks and shrink the probe; full: everything (default)",
+    )
+    group.addoption(
+        "--bcp-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="storage option added to the URI's query (repeatable)",
+    )
     group.addoption("--bcp-report", default=None, metavar="PATH", help="also write the report as JSON here")
-    group.addoption("--bcp-probe-mib", type=int, default=None, metavar="N",
-                    help="size of the probe's object (default 256 for full, 32 for quick)")
+    group.addoption(
+        "--bcp-probe-mib",
+        type=int,
+        default=None,
+        metavar="N",
+        help="size of the probe's object (default 256 for full, 32 for quick)",
+    )
 
 
 def pytest_configure(config) -> None:

@@ -67,11 +67,18 @@ class Report:
         return merged
 
     def to_json(self) -> str:
-        return json.dumps({
-            "uri": self.uri, "level": self.level, "backend": self.backend, "ok": self.ok, "counts": self.counts,
-            "figures": self.figures(),
-            "groups": {g: [dataclasses.asdict(c) for c in self.checks if c.group == g] for g in self._groups()},
-        }, indent=2)
+        return json.dumps(
+            {
+                "uri": self.uri,
+                "level": self.level,
+                "backend": self.backend,
+                "ok": self.ok,
+                "counts": self.counts,
+                "figures": self.figures(),
+                "groups": {g: [dataclasses.asdict(c) for c in self.checks if c.group == g] for g in self._groups()},
+            },
+            indent=2,
+        )
 
     def _groups(self) -> list[str]:
         """Headings with checks: in ``order`` (the suite's collection order) first,
@@ -105,6 +112,8 @@ class Report:
         counts = self.counts
         verdict = "PASSED" if self.ok else "FAILED"
         lines.append("")
-        lines.append(f"RESULT: {verdict} ({counts['passed']} passed, {counts['failed'] + counts['error']} failed, "
-                     f"{counts['skipped']} skipped)")
+        lines.append(
+            f"RESULT: {verdict} ({counts['passed']} passed, {counts['failed'] + counts['error']} failed, "
+            f"{counts['skipped']} skipped)"
+        )
         return "\n".join(lines)

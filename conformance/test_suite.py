@@ -28,9 +28,13 @@ def backend_facts(bcp_uri) -> dict:
     b = backend_for(bcp_uri)
     inner = b.unwrap()
     caps = [c.name for c in Capability if c.name and c in b.capabilities and c is not Capability.NONE]
-    return {"class": f"{type(inner).__module__}.{type(inner).__qualname__}",
-            "capabilities": "|".join(caps) or "none", "part_size": b.hints.part_size,
-            "concurrency": b.hints.concurrency, "retrying": inner is not b}
+    return {
+        "class": f"{type(inner).__module__}.{type(inner).__qualname__}",
+        "capabilities": "|".join(caps) or "none",
+        "part_size": b.hints.part_size,
+        "concurrency": b.hints.concurrency,
+        "retrying": inner is not b,
+    }
 
 
 class TestObjectContract(BackendContractTests):
@@ -59,7 +63,10 @@ class TestPerformanceProbe:
     def test_performance_probe(self, bcp_uri, pytestconfig, record_property) -> None:
         full = pytestconfig.getoption("--bcp-level") == "full"
         mib = pytestconfig.getoption("--bcp-probe-mib") or (256 if full else 32)
-        figures = probe(backend_for(child_uri(bcp_uri, f"probe-{uuid.uuid4().hex[:12]}")),
-                        total_bytes=mib * MiB, small_reads=50 if full else 10)
+        figures = probe(
+            backend_for(child_uri(bcp_uri, f"probe-{uuid.uuid4().hex[:12]}")),
+            total_bytes=mib * MiB,
+            small_reads=50 if full else 10,
+        )
         record_property("figures", figures)
         assert figures["write_GBps"] > 0 and figures["read_GBps_best"] > 0

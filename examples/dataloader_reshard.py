@@ -39,8 +39,13 @@ class ShardedSampler:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "num_samples": self.num_samples, "seed": self.seed, "epoch": self.epoch, "world": self.world,
-            "rank": self.rank, "consumed": self.consumed, "order": self.order,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "world": self.world,
+            "rank": self.rank,
+            "consumed": self.consumed,
+            "order": self.order,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -82,8 +87,10 @@ def main() -> None:
         resumed.append(s)
     rest = [i for s in resumed for i in s.take(1000)]
     assert sorted(seen + rest) == list(range(100)), "a sample was lost or repeated"
-    print(f"4 ranks consumed {len(seen)} samples; 3 ranks resume with {[len(s.order) for s in resumed]} left each; "
-          "every sample seen exactly once")
+    print(
+        f"4 ranks consumed {len(seen)} samples; 3 ranks resume with {[len(s.order) for s in resumed]} left each; "
+        "every sample seen exactly once"
+    )
 
 
 if __name__ == "__main__":

@@ -99,10 +99,14 @@ def manager_demo(root: str, hidden: int, steps: int) -> bool:
             if step % 3 == 0:
                 manager.save(step, run.state())
     # the job dies after step crash_at; its next save was killed half-way:
-    bcp.backends.backend_for(root).write(f"{step_name(crash_at + 1)}/{data_file_key(generation_name('dead'), 0)}", b"partial")
+    bcp.backends.backend_for(root).write(
+        f"{step_name(crash_at + 1)}/{data_file_key(generation_name('dead'), 0)}", b"partial"
+    )
     found = scan(bcp.backends.backend_for(root))
-    print(f"after the crash: committed steps {[s for s, i in sorted(found.items()) if i.committed]}, "
-          f"incomplete {[s for s, i in sorted(found.items()) if not i.committed]}")
+    print(
+        f"after the crash: committed steps {[s for s, i in sorted(found.items()) if i.committed]}, "
+        f"incomplete {[s for s, i in sorted(found.items()) if not i.committed]}"
+    )
 
     resumed = Trainer(hidden, seed=99)
     manager = bcp.CheckpointManager(root, keep_last=2)  # a restart: collects the incomplete step
@@ -129,13 +133,17 @@ def main(argv: list[str] | None = None) -> int:
 
     run = Trainer(args.hidden, seed=0)
     n_params = sum(p.numel() for p in run.model.parameters())
-    print(f"model: {n_params / 1e6:.2f} M parameters, AdamW, cosine LR; {args.steps} steps, checkpoint at step {args.steps // 2}")
+    print(
+        f"model: {n_params / 1e6:.2f} M parameters, AdamW, cosine LR; {args.steps} steps, checkpoint at step {args.steps // 2}"
+    )
     for _ in range(args.steps // 2):
         run.train_step()
     info = bcp.save(run.state(), uri, overwrite=True)
     print(f"\n{info}")
-    print(f"  {info.tensors} tensors in {info.fragments} fragments, {info.objects} objects, "
-          f"{info.bytes_written:,} bytes in data files")
+    print(
+        f"  {info.tensors} tensors in {info.fragments} fragments, {info.objects} objects, "
+        f"{info.bytes_written:,} bytes in data files"
+    )
     reference = [run.train_step() for _ in range(args.steps - args.steps // 2)]
 
     reader = bcp.open(uri)
@@ -151,16 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     state = bcp.load(resumed.state(), uri)
     load_s = time.perf_counter() - t0
     resumed.restore(state)
-    print(f"\nloaded into a fresh model in {load_s:.3f} s ({info.tensor_bytes / load_s / 1e9:.2f} GB/s); "
-          f"resuming at step {resumed.step}")
+    print(
+        f"\nloaded into a fresh model in {load_s:.3f} s ({info.tensor_bytes / load_s / 1e9:.2f} GB/s); "
+        f"resuming at step {resumed.step}"
+    )
     continued = [resumed.train_step() for _ in range(args.steps - args.steps // 2)]
 
     same_losses = continued == reference
     same_params = all(torch.equal(a, b) for a, b in zip(run.model.parameters(), resumed.model.parameters()))
     print(f"losses after resume: {' '.join(f'{v:.5f}' for v in continued[:5])} ...")
     print(f"uninterrupted run:   {' '.join(f'{v:.5f}' for v in reference[:5])} ...")
-    print(f"training continues identically: {'yes' if same_losses and same_params else 'NO'} "
-          f"(losses equal: {same_losses}, final parameters equal: {same_params})")
+    print(
+        f"training continues identically: {'yes' if same_losses and same_params else 'NO'} "
+        f"(losses equal: {same_losses}, final parameters equal: {same_params})"
+    )
     ok = same_losses and same_params
     ok = manager_demo(f"{workdir.rstrip('/')}/run", args.hidden, steps=args.steps) and ok
     if not args.no_distributed:

@@ -30,8 +30,13 @@ def _port() -> int:
 
 def _model(hidden: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, hidden),
-                               torch.nn.GELU(), torch.nn.Linear(hidden, 8))
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, hidden),
+        torch.nn.GELU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.GELU(),
+        torch.nn.Linear(hidden, 8),
+    )
 
 
 def _setup(world: int, hidden: int):
@@ -106,8 +111,10 @@ def run(uri: str, steps: int = 8, hidden: int = 256, save_ranks: int = 2, resume
     print(f"resumed on {resume_ranks} ranks:            {' '.join(f'{v:.5f}' for v in resumed)}")
     worst = max(abs(a - b) for a, b in zip(reference, resumed))
     ok = worst < 1e-4 and resumed[0] < before[0]
-    print(f"loss continues after resharding {save_ranks} -> {resume_ranks}: {'yes' if ok else 'NO'} "
-          f"(largest difference from the uninterrupted run {worst:.1e}; float summation order differs)")
+    print(
+        f"loss continues after resharding {save_ranks} -> {resume_ranks}: {'yes' if ok else 'NO'} "
+        f"(largest difference from the uninterrupted run {worst:.1e}; float summation order differs)"
+    )
     return ok
 
 

@@ -104,9 +104,7 @@ class _LazyTensors(Mapping):
         starts = np.searchsorted(codes[order], np.arange(len(names) + 1))
         first_row = {int(c): int(order[starts[c]]) for c in range(len(names)) if starts[c] < starts[c + 1]}
         # fqn -> row indices, in the order tensors first appear in the file
-        self._rows = {
-            names[c]: order[starts[c] : starts[c + 1]] for c in sorted(first_row, key=first_row.__getitem__)
-        }
+        self._rows = {names[c]: order[starts[c] : starts[c + 1]] for c in sorted(first_row, key=first_row.__getitem__)}
         self._cache: dict[str, TensorEntry] = {}
 
     def __getitem__(self, fqn: str) -> TensorEntry:
@@ -207,12 +205,14 @@ def _check_consistent(table: pa.Table, where: str) -> None:
     """Every fragment of one tensor agrees on dtype, shape and key path (vectorised)."""
     if table.num_rows == 0:
         return
-    keys = pa.table({
-        "fqn": table.column("fqn"),
-        "dtype": table.column("dtype"),
-        "key_path": table.column("key_path"),
-        "shape": pa.compute.binary_join(pa.compute.cast(table.column("global_shape"), pa.list_(pa.string())), ","),
-    })
+    keys = pa.table(
+        {
+            "fqn": table.column("fqn"),
+            "dtype": table.column("dtype"),
+            "key_path": table.column("key_path"),
+            "shape": pa.compute.binary_join(pa.compute.cast(table.column("global_shape"), pa.list_(pa.string())), ","),
+        }
+    )
     distinct = keys.group_by(["fqn", "dtype", "key_path", "shape"]).aggregate([])
     if distinct.num_rows != keys.group_by(["fqn"]).aggregate([]).num_rows:
         counts = distinct.group_by(["fqn"]).aggregate([([], "count_all")])
@@ -298,6 +298,10 @@ def boxes_cover_exactly(shape: Sequence[int], boxes: Sequence[tuple[Sequence[int
     items = sorted(unique)
     for i, (oa, na) in enumerate(items):
         for ob, nb in items[i + 1 :]:
-            if all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(oa, na, ob, nb)) and math.prod(na) and math.prod(nb):
+            if (
+                all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(oa, na, ob, nb))
+                and math.prod(na)
+                and math.prod(nb)
+            ):
                 return False
     return True

@@ -16,10 +16,16 @@ from servers import test_environment  # noqa: E402
 os.environ.update(test_environment())
 
 settings.register_profile(
-    "default", deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+    "default",
+    deadline=None,
+    max_examples=40,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.register_profile(
-    "ci", deadline=None, max_examples=60, print_blob=True,
+    "ci",
+    deadline=None,
+    max_examples=60,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))

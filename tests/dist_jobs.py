@@ -250,8 +250,10 @@ def failing_rank_job(rank: int, world: int, uri: str) -> None:
     state = {"w": bcp.TensorShard(torch.full((4, 3), float(rank)), (4 * world, 3), (4 * rank, 0)), "step": 1}
     real = _os.pwrite
     if rank == 1:
+
         def broken(fd, data, offset):
             raise OSError(5, "Input/output error")
+
         _os.pwrite = broken
     try:
         bcp.save(state, uri)

@@ -24,7 +24,9 @@ def assert_same(a: Any, b: Any, where: str = "", *, ordered: bool = True) -> Non
     dict key order too unless ordered=False."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{where}: tensor vs {type(b)}"
-        assert tensor_bytes_equal(a, b), f"{where}: tensors differ ({a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)})"
+        assert tensor_bytes_equal(a, b), (
+            f"{where}: tensors differ ({a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)})"
+        )
         return
     if isinstance(a, np.ndarray):
         assert type(b) is np.ndarray and a.dtype == b.dtype and a.shape == b.shape, f"{where}: ndarray differs"

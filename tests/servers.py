@@ -95,8 +95,9 @@ def _start(name: str, argv: list[str], port: int, workdir: Path, wait_path: str 
     log_path = workdir / f"{name}.log"
     env = {**os.environ, **test_environment()}
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True
+        )
     server = Server(name, f"http://127.0.0.1:{port}", process, log_path)
     _wait_http(server, wait_path)
     return server
@@ -104,8 +105,7 @@ def _start(name: str, argv: list[str], port: int, workdir: Path, wait_path: str 
 
 def start_moto(workdir: Path) -> Server:
     port = free_port()
-    return _start("moto", [_bin("moto_server"), "-H", "127.0.0.1", "-p", str(port)], port, workdir,
-                  "/moto-api/")
+    return _start("moto", [_bin("moto_server"), "-H", "127.0.0.1", "-p", str(port)], port, workdir, "/moto-api/")
 
 
 def rclone_binary() -> str:
@@ -119,8 +119,20 @@ def start_rclone(workdir: Path) -> Server:
     port = free_port()
     root = workdir / "rclone-root"
     root.mkdir(exist_ok=True)
-    argv = [rclone_binary(), "serve", "s3", "--addr", f"127.0.0.1:{port}", "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}",
-            "--config", os.devnull, "--log-level", "ERROR", str(root)]
+    argv = [
+        rclone_binary(),
+        "serve",
+        "s3",
+        "--addr",
+        f"127.0.0.1:{port}",
+        "--auth-key",
+        f"{ACCESS_KEY},{SECRET_KEY}",
+        "--config",
+        os.devnull,
+        "--log-level",
+        "ERROR",
+        str(root),
+    ]
     return _start("rclone", argv, port, workdir)
 
 

@@ -115,7 +115,9 @@ def test_overlap_checkpoint_holds_pre_step_values_while_training_runs_on(uri):
         for k, v in s.items():
             assert torch.equal(r.read(f"optim.state.{p}.{k}"), v), f"optim.state.{p}.{k} is not the pre-step value"
     assert not torch.equal(net.lin.weight, snapshot["model"]["lin.weight"]), "training did not run on"
-    assert len(opt._optimizer_step_pre_hooks) == 0, "the step pre-hook was not removed"  # private-ok: test introspection
+    assert len(opt._optimizer_step_pre_hooks) == 0, (
+        "the step pre-hook was not removed"
+    )  # private-ok: test introspection
 
 
 def test_sources_are_released_once_staged_while_the_write_goes_on(tmp_path, monkeypatch):

@@ -23,9 +23,17 @@ def fragments(draw):
     nbytes = math.prod(lens) * itemsize(dtype)
     sums = tuple(draw(st.integers(0, 2**32 - 1)) for _ in range(-(-nbytes // BLOCK)))
     return Fragment(
-        fqn=draw(st.text(min_size=1, max_size=6)), key_path='[["d","x"]]', dtype=dtype, global_shape=shape,
-        offsets=offs, lengths=lens, file=draw(st.sampled_from(["a.bin", "gen-1/data/ränk.bin"])),
-        byte_offset=draw(st.integers(0, 2**40)), nbytes=nbytes, checksums=sums, writer_rank=draw(st.integers(0, 4095)),
+        fqn=draw(st.text(min_size=1, max_size=6)),
+        key_path='[["d","x"]]',
+        dtype=dtype,
+        global_shape=shape,
+        offsets=offs,
+        lengths=lens,
+        file=draw(st.sampled_from(["a.bin", "gen-1/data/ränk.bin"])),
+        byte_offset=draw(st.integers(0, 2**40)),
+        nbytes=nbytes,
+        checksums=sums,
+        writer_rank=draw(st.integers(0, 4095)),
     )
 
 
@@ -39,8 +47,19 @@ def test_catalog_round_trip(frags):
 
 
 def _one(**changes) -> bytes:
-    good = dict(fqn="w", key_path='[["d","w"]]', dtype="float32", global_shape=(4, 4), offsets=(0, 0), lengths=(2, 4),
-                file="f.bin", byte_offset=0, nbytes=32, checksums=(1,), writer_rank=0)
+    good = dict(
+        fqn="w",
+        key_path='[["d","w"]]',
+        dtype="float32",
+        global_shape=(4, 4),
+        offsets=(0, 0),
+        lengths=(2, 4),
+        file="f.bin",
+        byte_offset=0,
+        nbytes=32,
+        checksums=(1,),
+        writer_rank=0,
+    )
     good.update(changes)
     cols = {k: [list(v) if isinstance(v, tuple) else v] for k, v in good.items()}
     sink = pa.BufferOutputStream()
@@ -78,9 +97,21 @@ def test_missing_column_and_garbage_are_format_errors():
 
 def test_catalog_is_compact():
     frags = [
-        Fragment(f"model.layers.{i // 8}.w{i % 8}", f'[["d","model"],["d","layers"],["d",{i // 8}],["d","w{i % 8}"]]',
-                 "bfloat16", (4096, 1024), (r * 16, 0), (16, 1024), f"gen-x/data/rank{r:05d}-0.bin", i * 32768, 32768, (7,), r)
-        for i in range(200) for r in range(64)
+        Fragment(
+            f"model.layers.{i // 8}.w{i % 8}",
+            f'[["d","model"],["d","layers"],["d",{i // 8}],["d","w{i % 8}"]]',
+            "bfloat16",
+            (4096, 1024),
+            (r * 16, 0),
+            (16, 1024),
+            f"gen-x/data/rank{r:05d}-0.bin",
+            i * 32768,
+            32768,
+            (7,),
+            r,
+        )
+        for i in range(200)
+        for r in range(64)
     ]
     size = len(Catalog(frags).to_arrow())
     assert size / len(frags) < 40, f"{size / len(frags):.1f} bytes per fragment"

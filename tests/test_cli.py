@@ -16,15 +16,20 @@ from bcp.metadata.layout import data_file_key, generation_name, step_name
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bcp.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "bcp.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def model_state(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {
-        "model": {"embed.weight": torch.randn(300, 64, generator=g), "head.bias": torch.randn(64, generator=g),
-                  "norm.weight": torch.ones(64, dtype=torch.bfloat16), "ids": torch.arange(50)},
+        "model": {
+            "embed.weight": torch.randn(300, 64, generator=g),
+            "head.bias": torch.randn(64, generator=g),
+            "norm.weight": torch.ones(64, dtype=torch.bfloat16),
+            "ids": torch.arange(50),
+        },
         "optim": {"state": {0: {"exp_avg": torch.randn(300, 64, generator=g)}}, "param_groups": [{"lr": 0.1}]},
         "step": 42,
     }
@@ -47,7 +52,9 @@ def run_root(tmp_path) -> str:
     m = bcp.CheckpointManager(root, async_save=False)
     for step in (10, 20, 30):
         m.save(step, model_state(step), metrics={"loss": 1.0 / step})
-    bcp.backends.backend_for(root).write(f"{step_name(40)}/{data_file_key(generation_name('x'), 0)}", b"junk")  # crashed save
+    bcp.backends.backend_for(root).write(
+        f"{step_name(40)}/{data_file_key(generation_name('x'), 0)}", b"junk"
+    )  # crashed save
     return root
 
 
@@ -177,8 +184,9 @@ def test_bcp_to_torch_and_back(tmp_path):
     assert loaded["step"] == 42 and loaded["optim"]["param_groups"] == [{"lr": 0.1}]
     assert torch.equal(loaded["model"]["embed.weight"], state["model"]["embed.weight"])
     assert cli("convert", str(tmp_path / "x.pt"), str(tmp_path / "back"), "--to", "bcp").returncode == 0
-    assert torch.equal(bcp.open(str(tmp_path / "back")).read("optim.state.0.exp_avg"),
-                       state["optim"]["state"][0]["exp_avg"])
+    assert torch.equal(
+        bcp.open(str(tmp_path / "back")).read("optim.state.0.exp_avg"), state["optim"]["state"][0]["exp_avg"]
+    )
 
 
 def test_dcp_to_bcp(tmp_path):
@@ -225,8 +233,13 @@ def test_conversion_memory_is_bounded_by_the_shard_size(tmp_path):
     src = str(tmp_path / "ck")
     g = torch.Generator().manual_seed(0)
     bcp.save({f"layer{i}": torch.rand(4 << 20, generator=g) for i in range(48)}, src)  # 48 x 16 MiB
-    proc = subprocess.run([sys.executable, "-c", _CONVERT_CHILD, src, str(tmp_path / "st"), str(32 << 20)],
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONVERT_CHILD, src, str(tmp_path / "st"), str(32 << 20)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     before_kib, after_kib = map(int, proc.stdout.split())
     extra_mib = (after_kib - before_kib) / 1024
@@ -235,8 +248,9 @@ def test_conversion_memory_is_bounded_by_the_shard_size(tmp_path):
 
 
 def test_console_script_lists_every_command():
-    proc = subprocess.run([str(Path(sys.executable).with_name("bcp")), "--help"], capture_output=True, text=True,
-                          timeout=60, check=False)
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("bcp")), "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
     for command in ("ls", "inspect", "verify", "convert", "rm", "gc", "bench", "conformance"):
         assert command in proc.stdout, f"bcp {command} is missing from --help"
 
@@ -283,9 +297,25 @@ def test_converting_a_checkpoint_larger_than_the_memory_limit(tmp_path):
             with open(procs, "w") as f:
                 f.write(str(os.getpid()))
 
-        proc = subprocess.run([sys.executable, "-m", "bcp.cli", "convert", src, str(tmp_path / "st"), "--to",
-                               "safetensors", "--max-shard-size", "32MiB"], capture_output=True, text=True,
-                              timeout=600, check=False, preexec_fn=enter_cgroup)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bcp.cli",
+                "convert",
+                src,
+                str(tmp_path / "st"),
+                "--to",
+                "safetensors",
+                "--max-shard-size",
+                "32MiB",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+            preexec_fn=enter_cgroup,
+        )
         assert proc.returncode == 0, f"conversion under a {limit >> 20} MiB limit failed: {proc.stderr[-2000:]}"
         from safetensors import safe_open
 

@@ -19,8 +19,14 @@ TESTS = Path(__file__).parent
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "bcp.cli", "conformance", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "bcp.cli", "conformance", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+    )
 
 
 def conformance(uri: str, tmp_path: Path, *extra: str) -> dict:
@@ -77,19 +83,28 @@ def test_s3_on_rclone_passes(tmp_path, rclone_server):
 
 
 def test_gcs_on_the_emulator_passes(tmp_path, gcs_server):
-    uri = store_uri("gcs", gcs_server, new_bucket(gcs_server), "suite", part_size="256KiB",
-                    conditional_writes="false")
+    uri = store_uri("gcs", gcs_server, new_bucket(gcs_server), "suite", part_size="256KiB", conditional_writes="false")
     conformance(uri, tmp_path, "--quick")
 
 
-@pytest.mark.parametrize("scheme, group, message", [
-    ("broken-visible", "atomic commit", "before the writer committed"),
-    ("broken-offbyone", "ranged reads", ""),
-])
+@pytest.mark.parametrize(
+    "scheme, group, message",
+    [
+        ("broken-visible", "atomic commit", "before the writer committed"),
+        ("broken-offbyone", "ranged reads", ""),
+    ],
+)
 def test_broken_backends_fail_naming_the_guarantee(tmp_path, scheme, group, message):
     report = tmp_path / "r.json"
-    proc = run_cli(f"{scheme}://x{uuid.uuid4().hex[:6]}/root", "--quick", "--import", "broken_backends",
-                   "--json", str(report), cwd=tmp_path)
+    proc = run_cli(
+        f"{scheme}://x{uuid.uuid4().hex[:6]}/root",
+        "--quick",
+        "--import",
+        "broken_backends",
+        "--json",
+        str(report),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1, f"a broken backend passed the suite:\n{proc.stdout[-3000:]}"
     assert "RESULT: FAILED" in proc.stdout
     data = json.loads(report.read_text())
@@ -103,9 +118,26 @@ def test_broken_backends_fail_naming_the_guarantee(tmp_path, scheme, group, mess
 
 def test_pytest_pyargs_entry(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--pyargs", "bcp.conformance", "--bcp-uri", str(tmp_path / "store"),
-         "--bcp-level", "quick", "-q", "-p", "no:cacheprovider", "--bcp-report", str(tmp_path / "r.json")],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--pyargs",
+            "bcp.conformance",
+            "--bcp-uri",
+            str(tmp_path / "store"),
+            "--bcp-level",
+            "quick",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--bcp-report",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "bcp conformance report" in proc.stdout and "RESULT: PASSED" in proc.stdout
@@ -113,8 +145,13 @@ def test_pytest_pyargs_entry(tmp_path):
 
 
 def test_pytest_pyargs_without_a_uri_skips_and_says_how(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "bcp.conformance", "-q", "-rs",
-                           "-p", "no:cacheprovider"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "bcp.conformance", "-q", "-rs", "-p", "no:cacheprovider"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0 and "--bcp-uri" in proc.stdout and " passed" not in proc.stdout, proc.stdout[-2000:]
 
 
@@ -140,13 +177,36 @@ def test_every_check_reports_under_the_heading_of_its_own_class(tmp_path):
     (tmp_path / "conf_headings_dump.py").write_text(_HEADINGS_DUMP)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     dump = tmp_path / "headings.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-           "BCP_HEADINGS_DUMP": str(dump)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        "BCP_HEADINGS_DUMP": str(dump),
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--pyargs", "bcp.conformance", "--collect-only", "-q", "-c",
-         str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-p",
-         "conf_headings_dump", "--bcp-uri", str(tmp_path / "store")],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--pyargs",
+            "bcp.conformance",
+            "--collect-only",
+            "-q",
+            "-c",
+            str(tmp_path / "pytest.ini"),
+            "--rootdir",
+            str(tmp_path),
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "conf_headings_dump",
+            "--bcp-uri",
+            str(tmp_path / "store"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(dump.read_text())

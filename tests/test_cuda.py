@@ -171,8 +171,12 @@ def test_every_dtype_and_strided_views_round_trip_through_cuda(tmp_path, dtype):
     base, other = (raw(host[k]).cuda().view(dtype) for k in ("plain", "t"))
     state = {"plain": base, "t": other.t(), "step": base[::3, 1:], "empty": base[:0]}
     # expected bytes from the CPU originals: CUDA has no copy kernels for sub-byte dtypes
-    expected = {"plain": host["plain"], "t": host_contiguous(host["t"].t()), "step": host_contiguous(host["plain"][::3, 1:]),
-                "empty": host["plain"][:0]}
+    expected = {
+        "plain": host["plain"],
+        "t": host_contiguous(host["t"].t()),
+        "step": host_contiguous(host["plain"][::3, 1:]),
+        "empty": host["plain"][:0],
+    }
     bcp.async_save(state, str(tmp_path / "a")).wait()
     bcp.save(state, str(tmp_path / "s"))
     for uri in (tmp_path / "a", tmp_path / "s"):
@@ -194,7 +198,9 @@ def test_load_into_cuda_templates_with_reshard_boxes_and_casts(tmp_path):
     reader.fill([("w", b, d) for b, d in zip(boxes, dests)])
     for (o, n), d in zip(boxes, dests):
         assert torch.equal(d.cpu(), full[o[0] : o[0] + n[0], o[1] : o[1] + n[1]])
-    out = bcp.load({"w": torch.empty(1000, 777, dtype=torch.bfloat16, device="cuda")}, str(tmp_path / "ck"), strict=False)
+    out = bcp.load(
+        {"w": torch.empty(1000, 777, dtype=torch.bfloat16, device="cuda")}, str(tmp_path / "ck"), strict=False
+    )
     assert torch.equal(out["w"].cpu(), full.to(torch.bfloat16))
     shard = bcp.TensorShard(torch.empty(250, 777, device="cuda"), (1000, 777), (500, 0))
     bcp.load({"w": shard}, str(tmp_path / "ck"), strict=False)

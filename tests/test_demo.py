@@ -10,7 +10,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_demo_resumes_training_identically(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "demo.py"), "--dir", str(tmp_path), "--steps", "8", "--hidden", "256"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "training continues identically: yes" in out.stdout

@@ -41,8 +41,12 @@ def device_state(fake: FakeCudaApi, seed: int = 0) -> dict:
         "int8": torch.randint(-100, 100, (1000,), generator=g, dtype=torch.int8),
         "strided": base.t(),  # non-contiguous: made contiguous on the side stream
         "small": torch.randn(7, generator=g),
-        "conj": torch.randn(50, 40, dtype=torch.complex64, generator=g).conj(),  # lazy conjugate: resolved on the side stream
-        "bool_t": torch.randint(0, 256, (30, 20), dtype=torch.uint8, generator=g).view(torch.bool).t(),  # raw bytes kept
+        "conj": torch.randn(
+            50, 40, dtype=torch.complex64, generator=g
+        ).conj(),  # lazy conjugate: resolved on the side stream
+        "bool_t": torch.randint(0, 256, (30, 20), dtype=torch.uint8, generator=g)
+        .view(torch.bool)
+        .t(),  # raw bytes kept
         "uint4_step": torch.randint(0, 256, (40, 10), dtype=torch.uint8, generator=g).view(torch.uint4)[::2],
     }
     fake.as_device(base)
@@ -54,8 +58,9 @@ def device_state(fake: FakeCudaApi, seed: int = 0) -> dict:
 def snapshot(state: dict) -> dict:
     from bcp.tensor_io import host_contiguous, raw
 
-    return {k: raw(host_contiguous(v)).clone().view(v.dtype) if isinstance(v, torch.Tensor) else v
-            for k, v in state.items()}
+    return {
+        k: raw(host_contiguous(v)).clone().view(v.dtype) if isinstance(v, torch.Tensor) else v for k, v in state.items()
+    }
 
 
 def assert_checkpoint_holds(uri: str, expected: dict) -> None:
@@ -232,9 +237,11 @@ def test_control_load_without_the_final_wait_misses_the_cast(fake, saved, monkey
 def test_load_into_conjugate_destinations_on_device_and_host(fake, tmp_path):
     c = torch.randn(30, 20, dtype=torch.complex64)
     bcp.save({"c": c}, str(tmp_path / "ck"))
-    for dest in (fake.as_device(torch.zeros(30, 20, dtype=torch.complex64)).conj(),
-                 torch.zeros(30, 20, dtype=torch.complex64).conj(),
-                 fake.as_device(torch.zeros(20, 30, dtype=torch.complex64)).t().conj()):
+    for dest in (
+        fake.as_device(torch.zeros(30, 20, dtype=torch.complex64)).conj(),
+        torch.zeros(30, 20, dtype=torch.complex64).conj(),
+        fake.as_device(torch.zeros(20, 30, dtype=torch.complex64)).t().conj(),
+    ):
         out = bcp.load({"c": dest}, str(tmp_path / "ck"))
         assert torch.equal(out["c"].resolve_conj(), c)
     assert fake.violations == []

@@ -153,7 +153,6 @@ def test_two_ranks_agree_and_only_the_coordinator_deletes(tmp_path):
     dist_jobs.spawn(dist_jobs.manager_job, 2, str(tmp_path / "run"))
 
 
-
 # -- retention under generated histories --------------------------------------------------------
 
 
@@ -162,9 +161,12 @@ class RetentionMachine(RuleBasedStateMachine):
     committed step and every step the policy keeps are loadable; latest() is never
     an uncommitted step; exactly the kept steps remain."""
 
-    @initialize(keep_last=st.sampled_from([None, 1, 2, 3]), keep_every=st.sampled_from([None, 2, 5]),
-                keep_best=st.sampled_from([None, ("loss", 1, "min"), ("loss", 2, "max")]),
-                async_save=st.booleans())
+    @initialize(
+        keep_last=st.sampled_from([None, 1, 2, 3]),
+        keep_every=st.sampled_from([None, 2, 5]),
+        keep_best=st.sampled_from([None, ("loss", 1, "min"), ("loss", 2, "max")]),
+        async_save=st.booleans(),
+    )
     def start(self, keep_last, keep_every, keep_best, async_save):
         self.store = f"ret{uuid.uuid4().hex[:10]}"
         self.root = f"memory://{self.store}/run"
@@ -192,7 +194,9 @@ class RetentionMachine(RuleBasedStateMachine):
     def crash_mid_save(self):
         """What a killed save leaves: data objects and no manifest."""
         step = self.next_step
-        backend_for(self.root).write(f"{step_name(step)}/{data_file_key(generation_name(uuid.uuid4().hex[:8]), 0)}", b"junk")
+        backend_for(self.root).write(
+            f"{step_name(step)}/{data_file_key(generation_name(uuid.uuid4().hex[:8]), 0)}", b"junk"
+        )
         self.crashed = step
 
     @rule()

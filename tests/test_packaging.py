@@ -22,14 +22,31 @@ def test_layers_are_not_top_level_modules(tmp_path, name):
 
 def test_wheel_contains_only_the_bcp_namespace(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
     )
     (wheel,) = tmp_path.glob("bcp-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"bcp", next(t for t in top if t.endswith(".dist-info"))}, top
-    for module in ("bcp/backends/base.py", "bcp/metadata/catalog.py", "bcp/metadata/FORMAT.md", "bcp/conformance/__init__.py"):
+    for module in (
+        "bcp/backends/base.py",
+        "bcp/metadata/catalog.py",
+        "bcp/metadata/FORMAT.md",
+        "bcp/conformance/__init__.py",
+    ):
         assert module in names, f"{module} missing from the wheel"
 
 

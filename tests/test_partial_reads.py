@@ -28,8 +28,11 @@ class CountingBackend(FaultInjectingBackend):
 
 def full_state() -> dict:
     g = torch.Generator().manual_seed(1)
-    return {"model": {"w": torch.randn(256, 128, generator=g), "b": torch.randn(128, generator=g)},
-            "optim": {"m": torch.randn(256, 128, generator=g), "v": torch.randn(256, 128, generator=g)}, "step": 9}
+    return {
+        "model": {"w": torch.randn(256, 128, generator=g), "b": torch.randn(128, generator=g)},
+        "optim": {"m": torch.randn(256, 128, generator=g), "v": torch.randn(256, 128, generator=g)},
+        "step": 9,
+    }
 
 
 def test_loading_model_weights_only_reads_only_them(uri):

@@ -46,7 +46,9 @@ def simulated_save(states: list[dict], uri: str, block: int = 64):
         files += [report.file] if report.file else []
     catalog = write_catalog(backend, catalog_key(gen), Catalog(frags))
     options = bcp.SaveOptions(checksum_block_bytes=block)
-    commit(backend, build_manifest(save_id, catalog, frags, tuple(files), objects, len(states), options), overwrite=False)
+    commit(
+        backend, build_manifest(save_id, catalog, frags, tuple(files), objects, len(states), options), overwrite=False
+    )
     return plan
 
 
@@ -96,7 +98,7 @@ def expected_box(full: torch.Tensor, box) -> torch.Tensor:
     return full[tuple(slice(o, o + n) for o, n in zip(off, lens))]
 
 
-@settings(max_examples=int(__import__('os').environ.get('BCP_RESHARD_EXAMPLES', '200')))
+@settings(max_examples=int(__import__("os").environ.get("BCP_RESHARD_EXAMPLES", "200")))
 @given(
     shape=st.lists(st.sampled_from([0, 1, 2, 3, 5, 8]), min_size=0, max_size=4).map(tuple),
     dtype=st.sampled_from(DTYPES),
@@ -107,7 +109,11 @@ def expected_box(full: torch.Tensor, box) -> torch.Tensor:
 )
 def test_any_layout_to_any_layout(shape, dtype, n_save, n_load, verify, data):
     numel = math.prod(shape)
-    raw = torch.arange(numel * dtype.itemsize, dtype=torch.int64).remainder(2 if dtype == torch.bool else 251).to(torch.uint8)
+    raw = (
+        torch.arange(numel * dtype.itemsize, dtype=torch.int64)
+        .remainder(2 if dtype == torch.bool else 251)
+        .to(torch.uint8)
+    )
     full = raw.view(dtype).reshape(shape) if numel else torch.empty(shape, dtype=dtype)
     uri = f"memory://plan-{uuid.uuid4().hex[:8]}/ck"
     save_layout = data.draw(layout(shape, n_save), label="save layout")

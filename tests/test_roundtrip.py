@@ -47,11 +47,13 @@ plain_objects = st.recursive(
     | st.text(max_size=8)
     | st.binary(max_size=8)
     | st.complex_numbers(allow_nan=False),
-    lambda inner: st.lists(inner, max_size=3)
-    | st.lists(inner, max_size=3).map(tuple)
-    | st.dictionaries(st.text(max_size=5), inner, max_size=3)
-    | st.dictionaries(st.integers(-5, 5), inner, max_size=3)
-    | st.frozensets(st.integers(), max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+        | st.dictionaries(st.integers(-5, 5), inner, max_size=3)
+        | st.frozensets(st.integers(), max_size=3)
+    ),
     max_leaves=8,
 )
 

@@ -228,7 +228,13 @@ def test_strict_mismatch_lists_everything_at_once(uri):
     assert e.dtype_mismatch == [("c", "float64", "float32")]
     assert e.kind_mismatch == [("n", "a tensor", "an object")]
     assert torch.equal(template["a"], torch.zeros(3)), "strict failure must not have loaded anything"
-    for word in ("missing keys", "unexpected keys", "shape mismatch for b", "dtype mismatch for c", "kind mismatch for n"):
+    for word in (
+        "missing keys",
+        "unexpected keys",
+        "shape mismatch for b",
+        "dtype mismatch for c",
+        "kind mismatch for n",
+    ):
         assert word in str(e)
 
 

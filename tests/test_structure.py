@@ -30,8 +30,14 @@ EXAMPLES = [
     bcp.errors.PickleNotAllowedError("pickled", fqn="sched"),
     bcp.errors.ShardingError("shards overlap"),
     bcp.errors.RankFailedError("rank 1 failed", errors={1: bcp.errors.ShardingError("overlap")}),
-    bcp.errors.StateMismatchError("file:///x", missing=["a"], unexpected=["b"], shape_mismatch=[("c", (1,), (2,))],
-                                  dtype_mismatch=[("d", "float32", "bfloat16")], kind_mismatch=[]),
+    bcp.errors.StateMismatchError(
+        "file:///x",
+        missing=["a"],
+        unexpected=["b"],
+        shape_mismatch=[("c", (1,), (2,))],
+        dtype_mismatch=[("d", "float32", "bfloat16")],
+        kind_mismatch=[],
+    ),
     bcp.errors.FormatError("manifest.json: field 'world_size' missing"),
     bcp.errors.StorageError("disk full", uri="file:///x", key="k", action="writing"),
     bcp.errors.ObjectNotFoundError("no such object", uri="s3://b/p", key="k", action="reading"),
@@ -56,7 +62,9 @@ def test_errors_survive_pickling_with_type_message_and_fields(error):
     assert {k: v for k, v in vars(copy).items() if k != "__notes__"}.keys() == fields.keys()
     for name, value in fields.items():
         if isinstance(value, dict) and all(isinstance(v, BaseException) for v in value.values()):
-            assert {r: (type(v), str(v)) for r, v in getattr(copy, name).items()} == {r: (type(v), str(v)) for r, v in value.items()}
+            assert {r: (type(v), str(v)) for r, v in getattr(copy, name).items()} == {
+                r: (type(v), str(v)) for r, v in value.items()
+            }
         else:
             assert getattr(copy, name) == value, name
 

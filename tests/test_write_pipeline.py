@@ -45,7 +45,10 @@ def test_chunks_tile_every_item_within_the_chunk_size(sizes, chunk):
 )
 def test_round_trip_with_tiny_slabs_and_many_streams(uri_factory, sizes, streams, use_async, slabs):
     g = torch.Generator().manual_seed(len(sizes))
-    state = {f"t{i}": torch.randint(-(2**31), 2**31 - 1, (n // 4,), generator=g, dtype=torch.int32) for i, n in enumerate(sizes)}
+    state = {
+        f"t{i}": torch.randint(-(2**31), 2**31 - 1, (n // 4,), generator=g, dtype=torch.int32)
+        for i, n in enumerate(sizes)
+    }
     state["big"] = torch.randn(3 * SLAB // 4 + 17, generator=g)  # split over several chunks
     pool = StagingPool(slabs * SLAB, SLAB)
     uri = uri_factory()

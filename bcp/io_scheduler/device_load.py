@@ -75,8 +75,9 @@ class _SlabJob:
     nbytes: int = 0
 
 
-def _piece_plans(entry: TensorEntry, box: Box, itemsize: int, limit: int, block: int, prefer_rank: int,
-                 in_memory: frozenset) -> list[tuple[int, int, list[RunSet]]]:
+def _piece_plans(
+    entry: TensorEntry, box: Box, itemsize: int, limit: int, block: int, prefer_rank: int, in_memory: frozenset
+) -> list[tuple[int, int, list[RunSet]]]:
     """(byte offset in the box, bytes, reads) of each contiguous piece of ``box``."""
     b_off, b_len = box
     strides = [math.prod(b_len[d + 1 :]) for d in range(len(b_len))]
@@ -117,8 +118,9 @@ class DeviceFill:
     def add(self, entry: TensorEntry, box: Box, landing: torch.Tensor, in_memory: frozenset) -> None:
         itemsize = landing.element_size()
         flat = flat_bytes(landing) if landing.numel() else None
-        for start, nbytes, plans in _piece_plans(entry, box, itemsize, self.limit, self.block, self.prefer_rank,
-                                                 in_memory):
+        for start, nbytes, plans in _piece_plans(
+            entry, box, itemsize, self.limit, self.block, self.prefer_rank, in_memory
+        ):
             if not plans or flat is None:
                 continue
             first = min(plans, key=lambda p: int(p.dst[0]))

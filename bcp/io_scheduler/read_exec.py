@@ -38,12 +38,16 @@ def _read(backend: Backend, frag: Fragment, start: int, view: memoryview, uri: s
         backend.read_exact(frag.file, frag.byte_offset + start, view)
     except ObjectNotFoundError as e:
         raise CorruptCheckpointError(
-            f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is missing", fqn=frag.fqn, file=frag.file,
+            f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is missing",
+            fqn=frag.fqn,
+            file=frag.file,
             offset=frag.byte_offset + start,
         ) from e
     except EOFError as e:
         raise CorruptCheckpointError(
-            f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is truncated: {e}", fqn=frag.fqn, file=frag.file,
+            f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is truncated: {e}",
+            fqn=frag.fqn,
+            file=frag.file,
             offset=frag.byte_offset + start,
         ) from e
 
@@ -61,8 +65,11 @@ class Run(NamedTuple):
 
     def continued_by(self, other: Run) -> bool:
         """``other`` starts where this run ends, both in the fragment and in the same destination."""
-        return (self.start + self.nbytes == other.start and self.dest == other.dest
-                and self.dest_offset + self.nbytes == other.dest_offset)
+        return (
+            self.start + self.nbytes == other.start
+            and self.dest == other.dest
+            and self.dest_offset + self.nbytes == other.dest_offset
+        )
 
 
 #: Reads are cut into pieces of at most this many bytes so several streams share a big run.
@@ -86,8 +93,9 @@ def execute_reads(
     for plan in plans:
         key = id(plan.fragment)
         fragments[key] = plan.fragment
-        spans[key] += [Run(s, plan.dest, d, plan.run_bytes)
-                       for s, d in zip(plan.src.tolist(), plan.dst.tolist(), strict=True)]
+        spans[key] += [
+            Run(s, plan.dest, d, plan.run_bytes) for s, d in zip(plan.src.tolist(), plan.dst.tolist(), strict=True)
+        ]
     by_fragment: dict[int, list[tuple[int, memoryview]]] = {}
     tasks: list[tuple[int, int, memoryview]] = []  # (fragment key, start in fragment, target)
     for key, runs in spans.items():
@@ -182,6 +190,8 @@ def _verify_fragment(backend: Backend, frag: Fragment, pieces: list[tuple[int, i
             raise CorruptCheckpointError(
                 f"checksum mismatch in tensor {frag.fqn!r}: file {frag.file!r} of {backend.uri}, bytes "
                 f"[{start}, {frag.byte_offset + b_end}) (crc32c {crc:#010x}, expected {frag.checksums[b]:#010x})",
-                fqn=frag.fqn, file=frag.file, offset=start,
+                fqn=frag.fqn,
+                file=frag.file,
+                offset=start,
             )
     return extra

@@ -28,7 +28,9 @@ from ..reader import CheckpointReader
 SharedKey = tuple[str, Box]
 
 
-def plan_sharing(reader: CheckpointReader, wanted_by_rank: list[list[tuple[str, Box]]]) -> dict[SharedKey, tuple[int, list[int]]]:
+def plan_sharing(
+    reader: CheckpointReader, wanted_by_rank: list[list[tuple[str, Box]]]
+) -> dict[SharedKey, tuple[int, list[int]]]:
     """(fqn, stored box) -> (owner rank, receiving ranks) for fragments some of whose
     bytes several ranks want. Fragments that ranks split between them (a reshard
     cutting a fragment into disjoint parts) are not shared: nothing would be saved."""
@@ -83,7 +85,9 @@ def fetch_shared(
             dtype = torch_dtype(reader.catalog.tensors[fqn].dtype, fqn=fqn)
             held[key] = torch.empty(f_len, dtype=dtype)
             if held[key].numel():
-                works.append(dist.irecv(held[key].reshape(-1).view(torch.uint8), src=ranks[owner], group=coord.group, tag=tag))
+                works.append(
+                    dist.irecv(held[key].reshape(-1).view(torch.uint8), src=ranks[owner], group=coord.group, tag=tag)
+                )
     for work in works:
         work.wait()
     return held, stats

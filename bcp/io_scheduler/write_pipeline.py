@@ -100,8 +100,9 @@ class FileLayout:
     size: int
 
 
-def layout(items: list[WriteItem], *, match_memory: bool = False, part_size: int | None = None,
-           block: int = 64 << 10) -> FileLayout:
+def layout(
+    items: list[WriteItem], *, match_memory: bool = False, part_size: int | None = None, block: int = 64 << 10
+) -> FileLayout:
     """Place each item in the file; an item sharing storage with an earlier one (a tied
     weight) is written once and aliases it. With ``match_memory`` a large
     CPU tensor is placed at an offset congruent to its address modulo 4096, so its
@@ -408,9 +409,17 @@ class WritePipeline:
             nbytes = self.item_nbytes[index]
             fragments.append(
                 Fragment(
-                    fqn=t.fqn, key_path=t.key_path, dtype=t.dtype, global_shape=t.global_shape,
-                    offsets=piece.box[0], lengths=piece.box[1], file=self.data_key,
-                    byte_offset=self.offsets[source], nbytes=nbytes, checksums=sums_of[source], writer_rank=self.rank,
+                    fqn=t.fqn,
+                    key_path=t.key_path,
+                    dtype=t.dtype,
+                    global_shape=t.global_shape,
+                    offsets=piece.box[0],
+                    lengths=piece.box[1],
+                    file=self.data_key,
+                    byte_offset=self.offsets[source],
+                    nbytes=nbytes,
+                    checksums=sums_of[source],
+                    writer_rank=self.rank,
                 )
             )
         return fragments, file_sums
