@@ -27,9 +27,9 @@ from .errors import (
 )
 from .loader import LoadInfo, load, load_with_info
 from .manager import CheckpointManager
-from .reader import CheckpointReader, TensorMeta
-from .reader import open_checkpoint as open  # noqa: A001 - the public name is bcp.open
 from .options import SaveOptions
+from .reader import CheckpointReader, TensorMeta
+from .reader import open_checkpoint as open  # noqa: A004 - the public name is bcp.open
 from .saver import SaveInfo, save
 from .shards import FlatShard, PerRank, TensorShard
 
@@ -42,19 +42,19 @@ __all__ = [
     "CheckpointReader",
     "CorruptCheckpointError",
     "FlatShard",
-    "PerRank",
-    "RankFailedError",
-    "ShardingError",
-    "TensorShard",
     "FormatError",
     "IncompleteCheckpointError",
     "LoadInfo",
+    "PerRank",
     "PickleNotAllowedError",
+    "RankFailedError",
     "SaveInfo",
     "SaveOptions",
+    "ShardingError",
     "StateMismatchError",
     "StorageError",
     "TensorMeta",
+    "TensorShard",
     "UnsupportedStateError",
     "__version__",
     "async_save",

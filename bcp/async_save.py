@@ -30,13 +30,13 @@ from typing import Any
 import torch
 
 from .collectives import coordinator_for
+from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
+from .io_scheduler.write_pipeline import Chunk, WriteItem, layout, plan_chunks
 from .options import SaveOptions
 from .saver import SaveInfo, SaveJob
 from .shards import local_pieces
-from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
 from .state import flatten_state
 from .target import Target
-from .io_scheduler.write_pipeline import Chunk, WriteItem, layout, plan_chunks
 
 _slots_lock = threading.Lock()
 _in_flight: dict[int, AsyncSaveHandle] = {}

@@ -18,7 +18,7 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 def intersect(a_off: Sequence[int], a_len: Sequence[int], b_off: Sequence[int], b_len: Sequence[int]) -> Box | None:
     """The overlap of two boxes, or None when it is empty (a 0-d box overlaps itself)."""
     offs, lens = [], []
-    for ao, al, bo, bl in zip(a_off, a_len, b_off, b_len):
+    for ao, al, bo, bl in zip(a_off, a_len, b_off, b_len, strict=True):
         lo, hi = max(ao, bo), min(ao + al, bo + bl)
         if hi <= lo:
             return None
@@ -71,7 +71,7 @@ def flat_range_to_boxes(shape: Sequence[int], start: int, count: int) -> list[tu
             cut((*prefix, last), rest[1:], 0, hi - last * inner)
 
     cut((), shape, start, start + count)
-    return [(box, sum(o * st for o, st in zip(box[0], strides)) - start) for box in boxes]
+    return [(box, sum(o * st for o, st in zip(box[0], strides, strict=True)) - start) for box in boxes]
 
 
 def common_runs(
@@ -98,8 +98,8 @@ def common_runs(
         j -= 1
     run = math.prod(region_len[j:])
     s_str, d_str = row_major_strides(src_len), row_major_strides(dst_len)
-    s_base = sum((r - s) * st for r, s, st in zip(region_off, src_off, s_str))
-    d_base = sum((r - d) * st for r, d, st in zip(region_off, dst_off, d_str))
+    s_base = sum((r - s) * st for r, s, st in zip(region_off, src_off, s_str, strict=True))
+    d_base = sum((r - d) * st for r, d, st in zip(region_off, dst_off, d_str, strict=True))
     if j == 0:
         return np.array([s_base], np.int64), np.array([d_base], np.int64), run
     grids = np.indices(tuple(region_len[:j]), dtype=np.int64).reshape(j, -1)

@@ -87,7 +87,8 @@ def _ls(args) -> int:
     for r in rows:
         mark = "  <- latest" if r["latest"] else ""
         print(
-            f"{r['step']:>12}  {r['status']:<10} {_human(r['bytes']):>10} {r['objects']:>7} {_age(r['created']):>6}{mark}"
+            f"{r['step']:>12}  {r['status']:<10} {_human(r['bytes']):>10} {r['objects']:>7} "
+            f"{_age(r['created']):>6}{mark}"
         )
     return 0
 
@@ -146,8 +147,7 @@ def _inspect(args) -> int:
     print(f"\n  {'tensor':<{width}}  {'shape':<20} {'dtype':<14} {'frags':>5} {'bytes':>10}")
     for t in tensors:
         print(
-            f"  {t['fqn']:<{width}}  {str(t['shape']):<20} {t['dtype']:<14} {t['fragments']:>5} "
-            f"{_human(t['bytes']):>10}"
+            f"  {t['fqn']:<{width}}  {t['shape']!s:<20} {t['dtype']:<14} {t['fragments']:>5} {_human(t['bytes']):>10}"
         )
     if objects:
         print("\n  objects:")

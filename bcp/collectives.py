@@ -31,7 +31,7 @@ def portable(error: BaseException) -> BaseException:
     try:
         pickle.loads(pickle.dumps(error))
         return error
-    except Exception:  # an error holding a socket, a lock, a lambda...
+    except Exception:  # noqa: BLE001 - an error holding a socket, a lock, a lambda...
         return RankFailedError(f"{type(error).__name__}: {error}")
 
 
@@ -159,7 +159,7 @@ def run_phase(coord: Coordinator, phase: str, fn, *args, **kwargs):
     try:
         result = fn(*args, **kwargs)
         error = None
-    except Exception as e:  # reported to every rank, then re-raised
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
         result, error = None, e
     coord.check(error, phase)
     return result
@@ -197,7 +197,7 @@ def decide(
         try:
             result = fn(*args)
             outcome = result if share is None else share(result)
-        except Exception as e:  # shared with every rank, raised there
+        except Exception as e:  # noqa: BLE001 - shared with every rank, raised there
             outcome = e
     shared = share_result(coord, outcome, phase)
     return result if coord.is_coordinator else shared

@@ -56,7 +56,7 @@ def find_existing(backend: Backend) -> ExistingCheckpoint | None:
         return None
     try:
         return ExistingCheckpoint(read_manifest(backend))
-    except Exception as e:  # an unreadable old manifest still blocks a non-overwrite save
+    except Exception as e:  # noqa: BLE001 - an unreadable old manifest still blocks a non-overwrite save
         log.warning("existing manifest at %s is unreadable: %s", backend.uri, e)
         return ExistingCheckpoint(None)
 
@@ -114,7 +114,7 @@ def discard_generation(backend: Backend, generation: str, *, why: str = "the par
     """Delete one generation's objects; failures are logged (the caller's error matters more)."""
     try:
         backend.delete_prefix(generation + "/")
-    except Exception as e:  # leftovers are only space; gc finds them later
+    except Exception as e:  # noqa: BLE001 - leftovers are only space; gc finds them later
         log.warning("could not remove %s %s at %s: %s", why, generation, backend.uri, e)
 
 

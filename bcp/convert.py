@@ -113,7 +113,7 @@ def to_safetensors(
     names = [name for _k, name in chosen]
     if len(set(names)) != len(names):
         raise ValueError("stripping the prefix makes tensor names collide; convert without --strip-prefix")
-    key_of = dict((name, key) for key, name in chosen)
+    key_of = {name: key for key, name in chosen}
     for key, _name in chosen:
         dtype = reader.meta(key).dtype
         if dtype not in SAFETENSORS_DTYPES.values():
@@ -126,7 +126,7 @@ def to_safetensors(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     weight_map, total = {}, 0
-    for file, shard in zip(files, shards):
+    for file, shard in zip(files, shards, strict=True):
         tensors = {}
         for name in shard:
             tensors[name] = reader.read(key_of[name])

@@ -102,9 +102,8 @@ def check_policy(keep_last, keep_every, keep_best) -> None:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     if keep_every is not None and keep_every < 1:
         raise ValueError(f"keep_every must be >= 1, got {keep_every}")
-    if keep_best is not None:
-        if len(keep_best) != 3 or keep_best[2] not in ("min", "max") or keep_best[1] < 1:
-            raise ValueError(f"keep_best must be (metric, N >= 1, 'min' or 'max'), got {keep_best!r}")
+    if keep_best is not None and (len(keep_best) != 3 or keep_best[2] not in ("min", "max") or keep_best[1] < 1):
+        raise ValueError(f"keep_best must be (metric, N >= 1, 'min' or 'max'), got {keep_best!r}")
 
 
 def delete_step(backend: Backend, step: int) -> None:

@@ -224,7 +224,7 @@ def match_state(
 def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan) -> None:
     """A tensor-like leaf: the boxes this rank holds, if shape and kind match."""
     fqn = leaf.fqn
-    entry = reader.catalog.tensors[fqn] if fqn in reader.catalog.tensors else None
+    entry = reader.catalog.tensors.get(fqn)
     if entry is None:
         if fqn in reader.manifest.objects:
             plan.consumed.add(fqn)

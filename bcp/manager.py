@@ -18,10 +18,10 @@ import logging
 import os
 from typing import Any
 
-from .async_save import AsyncSaveHandle, async_save, reserve_staging
-from .collectives import coordinator_for
 from bcp.metadata.layout import step_name
 
+from .async_save import AsyncSaveHandle, async_save, reserve_staging
+from .collectives import coordinator_for
 from .housekeeping import check_policy, committed_steps, plan_gc, run_gc, write_latest
 from .loader import load
 from .options import SaveOptions
@@ -164,7 +164,7 @@ class CheckpointManager:
         elif self._pending is not None:  # an error in training: still finish what was staged
             try:
                 self.wait()
-            except Exception:  # noqa: BLE001 - the training error is the one to report
+            except Exception:  # logged: the training error is the one to report
                 log.exception("the checkpoint in flight failed while handling another error")
 
     # -- coordinator only -------------------------------------------------------------------------

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .torch_dtypes import dtype_name, torch_dtype
 from .errors import FormatError, PickleNotAllowedError, UnsupportedStateError
 from .tensor_io import byte_view, host_contiguous
+from .torch_dtypes import dtype_name, torch_dtype
 
 TAG = "$bcp"
 _NP_KINDS = "biufcmMSU"

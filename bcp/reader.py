@@ -19,15 +19,15 @@ from bcp.target import resolve_backend
 
 from . import objcodec
 from .boxes import Box, intersect
+from .commit import fetch_metadata, parse_manifest
 from .io_scheduler.device_copy import DeviceCopies, is_device_tensor
 from .io_scheduler.device_load import DeviceFill
-from .torch_dtypes import torch_dtype
-from .commit import fetch_metadata, parse_manifest
 from .io_scheduler.read_exec import ReadStats, execute_reads
 from .io_scheduler.read_plan import RunSet, plan_tensor_reads
 from .io_scheduler.staging import StagingPool, default_pool
 from .state import KeyPath, build_nested, path_from_json
 from .tensor_io import byte_view, copy_values
+from .torch_dtypes import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -159,11 +159,15 @@ class CheckpointReader:
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for fqn, box, dest in requests:
             entry = self._tensor_entry(fqn)
-            for o, n, s in zip(box[0], box[1], entry.global_shape):
-                if o < 0 or o + n > s:
-                    raise ValueError(
-                        f"{fqn!r}: box offsets={list(box[0])} lengths={list(box[1])} is outside {list(entry.global_shape)}"
-                    )
+            ndim = len(entry.global_shape)
+            if (
+                len(box[0]) != ndim
+                or len(box[1]) != ndim
+                or any(o < 0 or o + n > s for o, n, s in zip(box[0], box[1], entry.global_shape, strict=True))
+            ):
+                raise ValueError(
+                    f"{fqn!r}: box offsets={list(box[0])} lengths={list(box[1])} is outside {list(entry.global_shape)}"
+                )
             if dest.is_meta:
                 raise ValueError(
                     f"{fqn!r}: cannot load into a meta tensor; allocate it first (module.to_empty(device=...))"
@@ -257,8 +261,8 @@ def _held_parts(landing: torch.Tensor, box: Box, held: dict[Box, torch.Tensor]):
         region = intersect(box[0], box[1], f_off, f_len)
         if region is not None:
             r_off, r_len = region
-            src = values[tuple(slice(o - fo, o - fo + n) for o, fo, n in zip(r_off, f_off, r_len))]
-            yield landing[tuple(slice(o - bo, o - bo + n) for o, bo, n in zip(r_off, box[0], r_len))], src
+            src = values[tuple(slice(o - fo, o - fo + n) for o, fo, n in zip(r_off, f_off, r_len, strict=True))]
+            yield landing[tuple(slice(o - bo, o - bo + n) for o, bo, n in zip(r_off, box[0], r_len, strict=True))], src
 
 
 def reader_from_bytes(

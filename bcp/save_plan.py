@@ -69,7 +69,9 @@ def find_overlap(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
         while active and active[0][0] <= start:
             heapq.heappop(active)
         for _end, _s, other in active:
-            if all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(box[0], box[1], other[0], other[1])):
+            if all(
+                max(a, b) < min(a + x, b + y) for a, x, b, y in zip(box[0], box[1], other[0], other[1], strict=True)
+            ):
                 return other, box
         heapq.heappush(active, (start + box[1][0], seq, box))
     return None
@@ -78,7 +80,11 @@ def find_overlap(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
 def check_tiling(fqn: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> None:
     """Raise ShardingError unless the distinct ``boxes`` tile ``shape`` exactly."""
     for off, lens in boxes:
-        if len(off) != len(shape) or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(off, lens, shape)):
+        if (
+            len(off) != len(shape)
+            or len(lens) != len(shape)
+            or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(off, lens, shape, strict=True))
+        ):
             raise ShardingError(
                 f"tensor {fqn!r}: shard {_describe((off, lens))} lies outside the global shape {list(shape)}"
             )
@@ -164,7 +170,12 @@ def _consistent_aliases(local_plans: Sequence[LocalPlan], world: int) -> dict[st
             boxes.setdefault(t.fqn, set()).update(t.boxes)
     out = {}
     for fqn, targets in seen.items():
-        if len(targets) == 1 and (target := next(iter(targets))) is not None and target in boxes:
-            if boxes[fqn] <= boxes[target] and target not in out:
-                out[fqn] = target
+        if (
+            len(targets) == 1
+            and (target := next(iter(targets))) is not None
+            and target in boxes
+            and boxes[fqn] <= boxes[target]
+            and target not in out
+        ):
+            out[fqn] = target
     return out

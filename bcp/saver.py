@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from bcp.backends import Backend
-from bcp.metadata import DEFAULT_BLOCK_BYTES, Catalog, FileEntry, Fragment, Manifest, ObjectEntry
+from bcp.metadata import Catalog, FileEntry, Fragment, Manifest, ObjectEntry
 from bcp.metadata.layout import catalog_key, data_file_key, generation_name
 
 from . import objcodec
@@ -35,7 +35,7 @@ from .boxes import Box
 from .collectives import Coordinator, coordinator_for, decide, run_phase
 from .commit import ExistingCheckpoint, commit, discard_generation, find_existing, live_generation, write_catalog
 from .errors import CheckpointExistsError, UnsupportedStateError
-from .io_scheduler.staging import StagingPool, default_pool
+from .io_scheduler.staging import default_pool
 from .io_scheduler.write_pipeline import WriteItem, WritePipeline
 from .options import SaveOptions
 from .save_plan import GlobalPlan, LocalPlan, TensorPlan, plan_save
@@ -357,7 +357,7 @@ def write_rank_data(backend: Backend, data_key: str, rank: int, items: list[Writ
     pipeline = make_pipeline(backend, data_key, rank, items, block)
     try:
         pipeline.stage()
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - raised by finish()
         pipeline.error = pipeline.error or e
         pipeline.close_queue()
     return WriterReport(*pipeline.finish())

@@ -38,7 +38,7 @@ class TensorShard:
                 f"TensorShard: local has {self.local.dim()} dims, global_shape {len(self.global_shape)}, "
                 f"offsets {len(self.offsets)}"
             )
-        for o, n, s in zip(self.offsets, self.local.shape, self.global_shape):
+        for o, n, s in zip(self.offsets, self.local.shape, self.global_shape, strict=True):
             if o < 0 or o + n > s:
                 raise ValueError(
                     f"TensorShard: box offsets={list(self.offsets)} shape={list(self.local.shape)} "

@@ -97,14 +97,15 @@ def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf]) -> No
                 )
             if str(key) in seen:
                 raise UnsupportedStateError(
-                    f"keys {seen[str(key)]!r} and {key!r} under {fqn_of(path) or '<root>'!r} both flatten to {str(key)!r}"
+                    f"keys {seen[str(key)]!r} and {key!r} under {fqn_of(path) or '<root>'!r} "
+                    f"both flatten to {str(key)!r}"
                 )
             seen[str(key)] = key
-            _walk(value, path + (("d", key),), leaves)
+            _walk(value, (*path, ("d", key)), leaves)
     else:
         kind = "t" if isinstance(container, tuple) else "l"
         for i, value in enumerate(container):
-            _walk(value, path + ((kind, i),), leaves)
+            _walk(value, (*path, (kind, i)), leaves)
 
 
 def _walk(value: Any, path: KeyPath, leaves: dict[str, Leaf]) -> None:

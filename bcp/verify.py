@@ -15,9 +15,8 @@ import time
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, PickleNotAllowedError, ShardingError
 from .reader import open_checkpoint
-from .errors import PickleNotAllowedError, ShardingError
 from .save_plan import check_tiling
 
 SLICE_BYTES = 256 << 20
@@ -32,7 +31,7 @@ def _slices(shape: tuple[int, ...], itemsize: int):
     step = max(1, SLICE_BYTES // row)
     for start in range(0, shape[0], step):
         n = min(step, shape[0] - start)
-        yield ((start,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:]))
+        yield ((start,) + (0,) * (len(shape) - 1), (n, *shape[1:]))
 
 
 def verify_checkpoint(uri: str, *, progress=None) -> dict:

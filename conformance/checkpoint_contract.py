@@ -15,6 +15,7 @@ Cross-process tests need a store that other processes can see (they skip for
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -26,9 +27,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from bcp.backends import Backend, backend_for, split_scheme
 
 import bcp
+from bcp.backends import Backend, backend_for, split_scheme
 from bcp.metadata.layout import data_file_key, generation_name
 from bcp.target import join_uri
 
@@ -102,7 +103,7 @@ def assert_same(got, want, where: str = "state") -> None:
             assert_same(lookup[str(k)], v, f"{where}.{k}")
     elif isinstance(want, (list, tuple)):
         assert len(got) == len(want), f"{where}: length differs"
-        for i, (a, b) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
             assert_same(a, b, f"{where}[{i}]")
     else:
         assert got == want, f"{where}: {got!r} != {want!r}"
@@ -160,7 +161,7 @@ class CheckpointContractTests:
         emb = state["model"]["embed.weight"]
         rows = emb.shape[0]
         bounds = [0, rows // 3, 2 * rows // 3, rows]
-        for lo, hi in zip(bounds, bounds[1:]):
+        for lo, hi in itertools.pairwise(bounds):
             local = torch.empty(hi - lo, emb.shape[1])
             bcp.load(
                 {"model": {"embed.weight": bcp.TensorShard(local, offsets=(lo, 0), global_shape=emb.shape)}},
@@ -229,7 +230,7 @@ class CheckpointContractTests:
         backend = backend_for(uri)
         key = self._data_key(backend)
         backend.write(key, backend.read(key)[:1000])
-        with pytest.raises(bcp.CorruptCheckpointError, match="truncated|'w'"):
+        with pytest.raises(bcp.CorruptCheckpointError, match=r"truncated|'w'"):
             bcp.load({"w": torch.empty(300, 300)}, uri)
 
     # -- killed saves -------------------------------------------------------------------

@@ -11,10 +11,10 @@ import sys
 import time
 
 import torch
-from bcp.backends import Buffer, backend_for
-from bcp.backends.wrappers import ForwardingBackend, ForwardingWriter
 
 import bcp
+from bcp.backends import Buffer, backend_for
+from bcp.backends.wrappers import ForwardingBackend, ForwardingWriter
 
 
 class _AnnouncingWriter(ForwardingWriter):

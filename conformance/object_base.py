@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar, TypeVar
 
 import pytest
+
 from bcp.backends import Backend
 
 T = TypeVar("T")
@@ -45,7 +46,7 @@ def check_bytes(got: bytes | bytearray | memoryview, want: bytes, guarantee: str
     if len(got) != len(want):
         detail = f"got {len(got)} bytes, expected {len(want)}"
     else:
-        first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        first = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
         detail = f"{len(got)} bytes, first difference at byte {first}"
     raise AssertionError(f"{guarantee} ({detail})")
 

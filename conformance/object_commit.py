@@ -7,6 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from bcp.backends import Backend, Capability, ObjectExistsError
 
 from .object_base import (
@@ -86,7 +87,7 @@ class AtomicCommitTests(ObjectContractBase):
         class Boom(Exception):
             pass
 
-        with pytest.raises(Boom), backend.open_writer("ex/k", size=4) as writer:
+        with pytest.raises(Boom), backend.open_writer("ex/k", size=4) as writer:  # noqa: PT012 - the block raising is the test
             writer.write_at(0, b"data")
             raise Boom
         assert not backend.exists("ex/k") and list(backend.list("")) == [], (
@@ -95,10 +96,9 @@ class AtomicCommitTests(ObjectContractBase):
 
     def test_exception_in_writer_block_keeps_old_object(self, backend: Backend) -> None:
         self.seed(backend, "k", b"old-content")
-        with pytest.raises(KeyError):
-            with backend.open_writer("k", size=3) as writer:
-                writer.write_at(0, b"new")
-                raise KeyError("boom")
+        with pytest.raises(KeyError), backend.open_writer("k", size=3) as writer:  # noqa: PT012 - the block raising is the test
+            writer.write_at(0, b"new")
+            raise KeyError("boom")
         check_bytes(self.fetch(backend, "k"), b"old-content", "a writer whose with-block raised changed the old object")
 
     def test_leaving_writer_block_without_commit_leaves_nothing(self, backend: Backend) -> None:

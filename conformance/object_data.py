@@ -8,6 +8,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from bcp.backends import Backend, Capability
 
 from .object_base import THREADS, ObjectContractBase, check_bytes, expect_raises, payload

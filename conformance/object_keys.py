@@ -3,7 +3,10 @@ names are valid, and how a missing object is reported."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
+
 from bcp.backends import Backend, ObjectNotFoundError
 
 from .object_base import INVALID_KEYS, KEYED_OPS, READ_OPS, ObjectContractBase, check_bytes, expect_raises
@@ -14,7 +17,7 @@ class ListingTests(ObjectContractBase):
 
     report_heading = "listing"
 
-    NESTED = ["a", "ab", "abc/x", "abd", "b/ab", "x/abc/y", "x/y/z", "x/ab"]
+    NESTED: ClassVar[list[str]] = ["a", "ab", "abc/x", "abd", "b/ab", "x/abc/y", "x/y/z", "x/ab"]
 
     def test_list_empty_store_is_empty(self, backend: Backend) -> None:
         assert list(backend.list("")) == [], "list('') of an empty store is not empty"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+
 from bcp.backends import Capability, backend_for
 from bcp.conformance.checkpoint_contract import CheckpointContractTests, child_uri
 from bcp.conformance.object_contract import BackendContractTests

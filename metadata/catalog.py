@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401 - pa.compute
+import pyarrow.compute  # binds pa.compute
 
 from .dtypes import itemsize
 from .errors import FormatError
@@ -198,7 +198,7 @@ def _fragments(table: pa.Table) -> list[Fragment]:
     for i, name in enumerate(CATALOG_SCHEMA.names):
         if name in _TUPLE_COLUMNS:
             cols[i] = [tuple(v) for v in cols[i]]
-    return [Fragment(*row) for row in zip(*cols)]
+    return [Fragment(*row) for row in zip(*cols, strict=True)]
 
 
 def _check_consistent(table: pa.Table, where: str) -> None:
@@ -272,7 +272,7 @@ def validate_fragment(f: Fragment, *, where: str, checksum_block_bytes: int) -> 
     ndim = len(f.global_shape)
     if len(f.offsets) != ndim or len(f.lengths) != ndim:
         raise FormatError(f"{where} ({f.fqn!r}): box has {len(f.offsets)}/{len(f.lengths)} dims, tensor has {ndim}")
-    for d, (o, n, s) in enumerate(zip(f.offsets, f.lengths, f.global_shape)):
+    for d, (o, n, s) in enumerate(zip(f.offsets, f.lengths, f.global_shape, strict=True)):
         if s < 0 or o < 0 or n < 0 or o + n > s:
             raise FormatError(f"{where} ({f.fqn!r}): dim {d} box [{o}, {o + n}) is outside size {s}")
     try:
@@ -299,7 +299,7 @@ def boxes_cover_exactly(shape: Sequence[int], boxes: Sequence[tuple[Sequence[int
     for i, (oa, na) in enumerate(items):
         for ob, nb in items[i + 1 :]:
             if (
-                all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(oa, na, ob, nb))
+                all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(oa, na, ob, nb, strict=True))
                 and math.prod(na)
                 and math.prod(nb)
             ):

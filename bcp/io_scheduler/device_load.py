@@ -25,11 +25,11 @@ import torch
 from bcp.metadata import TensorEntry
 
 from ..boxes import Box
+from ..tensor_io import flat_bytes, raw
 from .device_copy import DeviceCopies, settle
 from .read_exec import ReadStats, execute_reads
 from .read_plan import RunSet, plan_tensor_reads
 from .staging import StagingPool
-from ..tensor_io import flat_bytes, raw
 
 #: Pieces smaller than this share slabs; larger ones get a slab of their own, placed
 #: so that the memory address and the file offset agree modulo 4096 (O_DIRECT).
@@ -83,8 +83,8 @@ def _piece_plans(
     strides = [math.prod(b_len[d + 1 :]) for d in range(len(b_len))]
     out = []
     for rel_off, p_len in contiguous_pieces(tuple(b_len), itemsize, limit, block):
-        start = sum(o * s for o, s in zip(rel_off, strides)) * itemsize
-        p_box = (tuple(o + r for o, r in zip(b_off, rel_off)), tuple(p_len))
+        start = sum(o * s for o, s in zip(rel_off, strides, strict=True)) * itemsize
+        p_box = (tuple(o + r for o, r in zip(b_off, rel_off, strict=True)), tuple(p_len))
         plans = plan_tensor_reads(entry, [p_box], prefer_rank=prefer_rank, in_memory=in_memory)
         out.append((start, math.prod(p_len) * itemsize, plans))
     return out
@@ -163,7 +163,7 @@ class DeviceFill:
             plans = [dataclasses.replace(p, dest=i) for i, piece in enumerate(job.pieces) for p in piece.plans]
             mem = [memoryview(v.numpy()).cast("B") for v in views]
             stats = execute_reads(backend, plans, mem, block_bytes=self.block, verify=verify, streams=1)
-            for piece, view in zip(job.pieces, views):
+            for piece, view in zip(job.pieces, views, strict=True):
                 events.append(self.copies.to_device(piece.target, view))
             for event in events:  # the slab is reused only once its copies have run
                 event.synchronize()

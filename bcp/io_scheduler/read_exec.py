@@ -138,7 +138,7 @@ def execute_reads(
             for future in [pool.submit(run, t) for t in tasks]:
                 try:
                     future.result()
-                except BaseException as e:  # first error wins, after all reads stop
+                except BaseException as e:  # noqa: BLE001 - first error wins, after all reads stop
                     verify_errors.append(e)
         if verify_errors:
             raise verify_errors[0]

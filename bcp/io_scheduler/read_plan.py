@@ -35,7 +35,7 @@ class RunSet:
 
     @property
     def nbytes(self) -> int:
-        return int(len(self.src)) * self.run_bytes
+        return len(self.src) * self.run_bytes
 
 
 def choose_replicas(entry: TensorEntry, prefer_rank: int = 0) -> list[Fragment]:

@@ -20,10 +20,10 @@ from bcp.metadata import itemsize
 
 from ..boxes import Box, intersect
 from ..collectives import GroupCoordinator
+from ..reader import CheckpointReader
 from ..torch_dtypes import torch_dtype
 from .read_exec import ReadStats
 from .read_plan import choose_replicas
-from ..reader import CheckpointReader
 
 SharedKey = tuple[str, Box]
 
