@@ -32,14 +32,15 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peers import drop_cache, fsync_tree  # noqa: E402
+import warnings
 
-import torch  # noqa: E402
-import warnings  # noqa: E402
+import torch
+
+from peers import drop_cache, fsync_tree
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-import bcp  # noqa: E402
+import bcp  # noqa: E402 - after the warning filter above
 
 
 def sync(device: torch.device) -> None:
@@ -100,12 +101,15 @@ class Cases:
         if self.pinned is not None:
             for _ in range(2):  # the second copy is into reused (touched, registered) memory
                 t = timed(
-                    lambda: [d.copy_(s, non_blocking=True) for d, s in zip(self.pinned.values(), self.state.values())],
+                    lambda: [
+                        d.copy_(s, non_blocking=True)
+                        for d, s in zip(self.pinned.values(), self.state.values(), strict=True)
+                    ],
                     self.device,
                 )
             out["D2H copy into reused pinned memory"] = t
         out["D2H copy into pageable memory"] = timed(
-            lambda: [d.copy_(s) for d, s in zip(self.pageable.values(), self.state.values())], self.device
+            lambda: [d.copy_(s) for d, s in zip(self.pageable.values(), self.state.values(), strict=True)], self.device
         )
         out.update(raw_disk(self.root, self.size))
         return out
@@ -126,7 +130,7 @@ class Cases:
         for label, load_uri in (("O_DIRECT reads", uri), ("buffered reads", f"file://{uri}?direct_reads=false")):
             drop_cache(uri)
             out[f"bcp load into {self.device.type} ({label}, cold)"] = timed(
-                lambda: bcp.load(self.templates, load_uri), self.device
+                lambda load_uri=load_uri: bcp.load(self.templates, load_uri), self.device
             )
         return out
 
@@ -363,7 +367,8 @@ def report(rows: dict[str, list], size: int, stall_rows: dict) -> None:
             r = med[a] / med[b]
             met = (r >= goal) if higher_is_better else (r <= goal)
             print(
-                f"{label:70s} {r:6.2f}x (goal {'>=' if higher_is_better else '<='} {goal}) {'met' if met else 'NOT met'}"
+                f"{label:70s} {r:6.2f}x (goal {'>=' if higher_is_better else '<='} {goal}) "
+                f"{'met' if met else 'NOT met'}"
             )
 
     print("\ntargets (ratios of medians from this run):")
@@ -387,7 +392,8 @@ def report(rows: dict[str, list], size: int, stall_rows: dict) -> None:
         if best_peer is not None:
             r = best_peer / med[k]
             print(
-                f"{'speed of ' + k + ' / fastest peer load':70s} {r:6.2f}x (goal >= 1.1) {'met' if r >= 1.1 else 'NOT met'}"
+                f"{'speed of ' + k + ' / fastest peer load':70s} {r:6.2f}x (goal >= 1.1) "
+                f"{'met' if r >= 1.1 else 'NOT met'}"
             )
         for disk in ("disk O_DIRECT read", "disk buffered read (cold)"):
             if disk in med:

@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import torch
+
 from servers import make_bucket, running, test_environment
 
 os.environ.update(test_environment())

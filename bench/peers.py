@@ -125,9 +125,9 @@ def case_raw(path, state, _args):
     w = timed(write)
     r = timed(read)
     dst = empty_like(state)
-    for a, b in zip(dst.values(), state.values()):  # warm-up: touch and copy once
+    for a, b in zip(dst.values(), state.values(), strict=True):  # warm-up: touch and copy once
         a.copy_(b)
-    m = timed(lambda: [a.copy_(b) for a, b in zip(dst.values(), state.values())])
+    m = timed(lambda: [a.copy_(b) for a, b in zip(dst.values(), state.values(), strict=True)])
     os.remove(f)
     del torch
     return {"raw O_DIRECT write": w, "raw O_DIRECT read": r, "memcpy into warm buffers": m}
@@ -195,7 +195,7 @@ def case_dcp(path, state, _args):
         d = os.path.join(path, f"dcp{threads}")
         shutil.rmtree(d, ignore_errors=True)
 
-        def save():
+        def save(d=d, threads=threads):
             dcp.save(state, storage_writer=dcp.FileSystemWriter(d, thread_count=threads, sync_files=True))
 
         out[f"DCP save thread_count={threads}"] = timed(save)
@@ -354,7 +354,7 @@ def main() -> None:
             print(f"| {k:<56} | {'':>8} | {'':>6} | {v / 2**20:.0f} MiB = {v / size:.2f}x state |")
             continue
         gbps = size / v / 1e9
-        if k.startswith("raw") or k.startswith("memcpy"):
+        if k.startswith(("raw", "memcpy")):
             ratio = "(limit)"
         elif "blocking" in k and memcpy:
             ratio = f"{v / memcpy:.2f}x the memcpy time"

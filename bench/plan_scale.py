@@ -78,7 +78,8 @@ def main() -> None:
     p.add_argument("--catalog-up-to", type=int, default=4096, help="largest rank count whose catalog is built")
     args = p.parse_args()
     print(
-        f"{'ranks':>6} {'tensors':>8} {'fragments':>10} {'plan s':>8} {'us/frag':>8} {'catalog MB':>11} {'B/frag':>7} {'peak RSS GB':>12}"
+        f"{'ranks':>6} {'tensors':>8} {'fragments':>10} {'plan s':>8} {'us/frag':>8} {'catalog MB':>11} "
+        f"{'B/frag':>7} {'peak RSS GB':>12}"
     )
     for ranks in [int(x) for x in args.ranks.split(",")]:
         plans = local_plans(ranks, args.tensors)

@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     run = Trainer(args.hidden, seed=0)
     n_params = sum(p.numel() for p in run.model.parameters())
     print(
-        f"model: {n_params / 1e6:.2f} M parameters, AdamW, cosine LR; {args.steps} steps, checkpoint at step {args.steps // 2}"
+        f"model: {n_params / 1e6:.2f} M parameters, AdamW, cosine LR; {args.steps} steps, "
+        f"checkpoint at step {args.steps // 2}"
     )
     for _ in range(args.steps // 2):
         run.train_step()
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'fqn':<34} {'shape':<14} {'dtype':<9} {'bytes':>12}")
     for fqn in sorted(reader.tensor_keys(), key=lambda k: -reader.meta(k).nbytes)[:6]:
         m = reader.meta(fqn)
-        print(f"  {fqn:<34} {str(list(m.shape)):<14} {str(m.dtype).removeprefix('torch.'):<9} {m.nbytes:>12,}")
+        print(f"  {fqn:<34} {list(m.shape)!s:<14} {str(m.dtype).removeprefix('torch.'):<9} {m.nbytes:>12,}")
     print(f"  ... objects: {', '.join(reader.object_keys())}")
 
     resumed = Trainer(args.hidden, seed=1234)  # different init: everything must come from the checkpoint
@@ -166,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     continued = [resumed.train_step() for _ in range(args.steps - args.steps // 2)]
 
     same_losses = continued == reference
-    same_params = all(torch.equal(a, b) for a, b in zip(run.model.parameters(), resumed.model.parameters()))
+    same_params = all(
+        torch.equal(a, b) for a, b in zip(run.model.parameters(), resumed.model.parameters(), strict=True)
+    )
     print(f"losses after resume: {' '.join(f'{v:.5f}' for v in continued[:5])} ...")
     print(f"uninterrupted run:   {' '.join(f'{v:.5f}' for v in reference[:5])} ...")
     print(

@@ -109,7 +109,7 @@ def run(uri: str, steps: int = 8, hidden: int = 256, save_ranks: int = 2, resume
     print(f"losses before the checkpoint ({save_ranks} ranks): {' '.join(f'{v:.5f}' for v in before)}")
     print(f"continuing on {save_ranks} ranks:          {' '.join(f'{v:.5f}' for v in reference)}")
     print(f"resumed on {resume_ranks} ranks:            {' '.join(f'{v:.5f}' for v in resumed)}")
-    worst = max(abs(a - b) for a, b in zip(reference, resumed))
+    worst = max(abs(a - b) for a, b in zip(reference, resumed, strict=True))
     ok = worst < 1e-4 and resumed[0] < before[0]
     print(
         f"loss continues after resharding {save_ranks} -> {resume_ranks}: {'yes' if ok else 'NO'} "

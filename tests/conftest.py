@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 # The S3/GCS SDKs read credentials only from their standard sources, as in
 # production: point them at the local test servers' throwaway keys, for this process
 # and every rank it spawns, before anything imports botocore.
-from servers import test_environment  # noqa: E402
+from servers import test_environment
 
 os.environ.update(test_environment())
 

@@ -72,9 +72,8 @@ class FakeEvent:
             self.stream.run_until(self.mark)
 
     def synchronize(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            if not self.api.gate.wait(timeout=30):
-                self.api.violations.append("a background thread waited 30 s on a closed gate")
+        if threading.current_thread() is not threading.main_thread() and not self.api.gate.wait(timeout=30):
+            self.api.violations.append("a background thread waited 30 s on a closed gate")
         self.api.log.append(("synchronize", self.stream.name if self.stream else None))
         self.complete()
 

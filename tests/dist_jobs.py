@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-
 import pathlib
+import socket
 import sys
 
 import torch
@@ -17,7 +16,7 @@ import torch.distributed as dist
 import bcp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-from dataloader_reshard import ShardedSampler, consumed_ids, reshard_sampler_state  # noqa: E402
+from dataloader_reshard import ShardedSampler, consumed_ids, reshard_sampler_state
 
 HIDDEN = 34  # odd over 4 ranks (uneven FSDP shards); even over 2 (DTensor TP needs that)
 

@@ -42,7 +42,7 @@ def assert_same(a: Any, b: Any, where: str = "", *, ordered: bool = True) -> Non
             assert_same(a[k], b[k], f"{where}.{k}", ordered=ordered)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{where}: length {len(a)} vs {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{where}[{i}]", ordered=ordered)
     elif isinstance(a, float) and math.isnan(a):
         assert math.isnan(b), f"{where}: nan vs {b}"

@@ -18,7 +18,7 @@ BLOCK = 1024
 def fragments(draw):
     shape = tuple(draw(st.lists(st.integers(0, 6), max_size=4)))
     offs = tuple(draw(st.integers(0, s)) for s in shape)
-    lens = tuple(draw(st.integers(0, s - o)) for s, o in zip(shape, offs))
+    lens = tuple(draw(st.integers(0, s - o)) for s, o in zip(shape, offs, strict=True))
     dtype = draw(st.sampled_from(["float32", "bfloat16", "int8", "complex128", "bool"]))
     nbytes = math.prod(lens) * itemsize(dtype)
     sums = tuple(draw(st.integers(0, 2**32 - 1)) for _ in range(-(-nbytes // BLOCK)))
@@ -47,19 +47,19 @@ def test_catalog_round_trip(frags):
 
 
 def _one(**changes) -> bytes:
-    good = dict(
-        fqn="w",
-        key_path='[["d","w"]]',
-        dtype="float32",
-        global_shape=(4, 4),
-        offsets=(0, 0),
-        lengths=(2, 4),
-        file="f.bin",
-        byte_offset=0,
-        nbytes=32,
-        checksums=(1,),
-        writer_rank=0,
-    )
+    good = {
+        "fqn": "w",
+        "key_path": '[["d","w"]]',
+        "dtype": "float32",
+        "global_shape": (4, 4),
+        "offsets": (0, 0),
+        "lengths": (2, 4),
+        "file": "f.bin",
+        "byte_offset": 0,
+        "nbytes": 32,
+        "checksums": (1,),
+        "writer_rank": 0,
+    }
     good.update(changes)
     cols = {k: [list(v) if isinstance(v, tuple) else v] for k, v in good.items()}
     sink = pa.BufferOutputStream()
@@ -69,7 +69,7 @@ def _one(**changes) -> bytes:
 
 
 @pytest.mark.parametrize(
-    "changes, message",
+    ("changes", "message"),
     [
         ({"offsets": (3, 0)}, r"dim 0 box \[3, 5\) is outside size 4"),
         ({"lengths": (2,)}, "box has 2/1 dims, tensor has 2"),

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from conftest import new_bucket, store_uri
 
 TESTS = Path(__file__).parent
@@ -88,7 +89,7 @@ def test_gcs_on_the_emulator_passes(tmp_path, gcs_server):
 
 
 @pytest.mark.parametrize(
-    "scheme, group, message",
+    ("scheme", "group", "message"),
     [
         ("broken-visible", "atomic commit", "before the writer committed"),
         ("broken-offbyone", "ranged reads", ""),

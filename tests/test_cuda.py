@@ -195,8 +195,8 @@ def test_load_into_cuda_templates_with_reshard_boxes_and_casts(tmp_path):
     reader = bcp.open(str(tmp_path / "ck"))
     boxes = [((0, 0), (1000, 777)), ((123, 45), (600, 700)), ((999, 0), (1, 777)), ((0, 700), (1000, 77))]
     dests = [torch.full(n, -1.0, device="cuda") for _o, n in boxes]
-    reader.fill([("w", b, d) for b, d in zip(boxes, dests)])
-    for (o, n), d in zip(boxes, dests):
+    reader.fill([("w", b, d) for b, d in zip(boxes, dests, strict=True)])
+    for (o, n), d in zip(boxes, dests, strict=True):
         assert torch.equal(d.cpu(), full[o[0] : o[0] + n[0], o[1] : o[1] + n[1]])
     out = bcp.load(
         {"w": torch.empty(1000, 777, dtype=torch.bfloat16, device="cuda")}, str(tmp_path / "ck"), strict=False
@@ -253,7 +253,7 @@ def _one_gpu_job(rank: int, world: int, root: str) -> None:
     m2, o2 = get_state_dict(other, other_opt)
     loaded = bcp.load({"model": m2, "optim": o2}, f"{root}/fsdp")
     set_state_dict(other, other_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-    for (name, a), (_n, b) in zip(model.state_dict().items(), other.state_dict().items()):
+    for (name, a), (_n, b) in zip(model.state_dict().items(), other.state_dict().items(), strict=True):
         assert torch.equal(a.full_tensor().cpu(), b.full_tensor().cpu()), name
     dist.barrier()
 

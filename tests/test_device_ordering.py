@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-from cuda_fakes import CheckedPool, FakeCudaApi
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +19,7 @@ import bcp.io_scheduler.device_copy
 import bcp.io_scheduler.staging
 from bcp.io_scheduler.device_load import contiguous_pieces
 from bcp.io_scheduler.staging import Slab, StagingPool
+from cuda_fakes import CheckedPool, FakeCudaApi
 from helpers import tensor_bytes_equal
 
 SLAB = 128 << 10
@@ -161,7 +161,7 @@ def flat_expected(state: dict) -> dict:
 
 
 def test_overlap_step_runs_only_after_the_background_copies(fake, tmp_path):
-    model, opt, state, step = training_state(fake)
+    _model, opt, state, step = training_state(fake)
     expected = flat_expected(state)
     fake.gate.clear()
     handle = bcp.async_save(state, str(tmp_path / "ck"), overlap=opt, pool=StagingPool(64 * SLAB, SLAB))
@@ -178,7 +178,7 @@ def test_overlap_step_runs_only_after_the_background_copies(fake, tmp_path):
 
 def test_control_overlap_without_the_device_wait_saves_post_step_values(fake, tmp_path, monkeypatch):
     monkeypatch.setattr(bcp.io_scheduler.device_copy.DeviceCopies, "order_after", lambda self: None)
-    model, opt, state, step = training_state(fake)
+    _model, opt, state, step = training_state(fake)
     expected = flat_expected(state)
     fake.gate.clear()
     handle = bcp.async_save(state, str(tmp_path / "ck"), overlap=opt, pool=StagingPool(64 * SLAB, SLAB))
@@ -252,8 +252,10 @@ def test_load_reshard_boxes_into_device_memory(fake, saved):
     reader = bcp.open(uri)
     boxes = [((0, 0), (300, 257)), ((17, 3), (120, 200)), ((299, 0), (1, 257)), ((5, 250), (200, 7))]
     dests = [fake.as_device(torch.full(n, -1.0)) for _o, n in boxes]
-    reader.fill([("w", b, d) for b, d in zip(boxes, dests)], pool=CheckedPool(StagingPool(3 * SLAB, SLAB), fake))
-    for (o, n), d in zip(boxes, dests):
+    reader.fill(
+        [("w", b, d) for b, d in zip(boxes, dests, strict=True)], pool=CheckedPool(StagingPool(3 * SLAB, SLAB), fake)
+    )
+    for (o, n), d in zip(boxes, dests, strict=True):
         assert torch.equal(d, ref["w"][o[0] : o[0] + n[0], o[1] : o[1] + n[1]])
     assert fake.pending() == 0 and fake.violations == []
 
@@ -285,12 +287,12 @@ def test_contiguous_pieces_tile_the_box_in_row_major_order(lengths, itemsize, li
     cursor = 0
     for off, n in pieces:
         assert len(off) == len(n) == len(lengths)
-        assert all(o + k <= L for o, k, L in zip(off, n, lengths))
-        start = sum(o * s for o, s in zip(off, strides))
+        assert all(o + k <= L for o, k, L in zip(off, n, lengths, strict=True))
+        start = sum(o * s for o, s in zip(off, strides, strict=True))
         assert start == cursor, "pieces must follow one another in row-major order"
         count = math.prod(n)
         assert count > 0
-        last = sum((o + k - 1) * s for o, k, s in zip(off, n, strides))
+        last = sum((o + k - 1) * s for o, k, s in zip(off, n, strides, strict=True))
         assert last - start + 1 == count, "a piece must be contiguous in the box"
         assert count * itemsize <= max(limit, itemsize)
         cursor += count

@@ -132,7 +132,7 @@ def test_overwrite_leftover_generations_are_collected(root):
 
 @pytest.mark.parametrize("bad", [{"keep_last": 0}, {"keep_every": 0}, {"keep_best": ("loss", 1, "median")}])
 def test_bad_policies_are_refused(root, bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"keep_(last|every|best) must be"):
         bcp.CheckpointManager(root, **bad)
 
 

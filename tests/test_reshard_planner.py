@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 
 import bcp
 from bcp.backends import backend_for
-from bcp.errors import ShardingError
-from bcp.save_plan import plan_save
 from bcp.commit import commit, write_catalog
+from bcp.errors import ShardingError
 from bcp.metadata import Catalog
 from bcp.metadata.layout import catalog_key, data_file_key, generation_name
+from bcp.save_plan import plan_save
 from bcp.saver import _decide_objects, _prepare, build_manifest, write_rank_data
 from bcp.shards import FlatShard, TensorShard, local_pieces
 from helpers import tensor_bytes_equal
@@ -74,7 +74,7 @@ def layout(draw, shape: tuple[int, ...], ranks: int):
     cells = [((), ())]
     for d in range(len(shape)):
         c = splits.get(d, [0, shape[d]])
-        cells = [(o + (c[i],), n + (c[i + 1] - c[i],)) for o, n in cells for i in range(len(c) - 1)]
+        cells = [((*o, c[i]), (*n, c[i + 1] - c[i])) for o, n in cells for i in range(len(c) - 1)]
     specs = [("box", cell) for cell in cells]
     replicas = draw(st.lists(st.sampled_from(specs), max_size=2))
     return specs + replicas
@@ -89,13 +89,13 @@ def materialize(spec, full: torch.Tensor, *, zero: bool):
         _k, start, n = spec
         return FlatShard(src.reshape(-1)[start : start + n].clone(), tuple(full.shape), start)
     _k, (off, lens) = spec
-    region = tuple(slice(o, o + n) for o, n in zip(off, lens))
+    region = tuple(slice(o, o + n) for o, n in zip(off, lens, strict=True))
     return TensorShard(src[region].clone(), tuple(full.shape), off)
 
 
 def expected_box(full: torch.Tensor, box) -> torch.Tensor:
     off, lens = box
-    return full[tuple(slice(o, o + n) for o, n in zip(off, lens))]
+    return full[tuple(slice(o, o + n) for o, n in zip(off, lens, strict=True))]
 
 
 @settings(max_examples=int(__import__("os").environ.get("BCP_RESHARD_EXAMPLES", "200")))

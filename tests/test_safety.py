@@ -183,7 +183,7 @@ def test_corrupted_catalog_is_reported(tmp_path):
     with open(os.path.join(uri, cat), "r+b") as f:
         f.seek(50)
         f.write(b"\xff\xff")
-    with pytest.raises(bcp.CorruptCheckpointError, match="fragments.arrow"):
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"fragments\.arrow"):
         bcp.open(uri)
 
 
@@ -200,12 +200,12 @@ def test_newer_format_version_is_refused_clearly(uri):
 def test_garbage_manifest_is_a_format_error(uri):
     bcp.save(small_state(), uri)
     backend_for(uri).write(MANIFEST_KEY, b"{not json")
-    with pytest.raises(bcp.FormatError, match="manifest.json: not valid JSON"):
+    with pytest.raises(bcp.FormatError, match=r"manifest\.json: not valid JSON"):
         bcp.open(uri)
 
 
 def test_unknown_scheme_lists_registered_schemes():
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match="nosuch://") as err:
         bcp.save(small_state(), "nosuch://bucket/x")
     msg = str(err.value)
     assert "nosuch://bucket/x" in msg and "file://" in msg and "memory://" in msg
@@ -294,7 +294,7 @@ def test_a_planted_pickle_is_never_executed(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "state, match",
+    ("state", "match"),
     [
         ({"a.b": torch.zeros(1), "a": {"b": torch.zeros(1)}}, "same key 'a.b'"),
         ({"d": {0: torch.zeros(1), "0": torch.zeros(1)}}, "both flatten to '0'"),

@@ -3,6 +3,7 @@ several streams, padding hygiene, and the memory bound."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -70,7 +71,8 @@ def test_padding_never_leaks_bytes_of_an_earlier_save(tmp_path):
     bcp.save(small, str(tmp_path / "b"), pool=pool, checksum_block_bytes=BLOCK)
     data_dir = tmp_path / "b"
     (data,) = [os.path.join(d, f) for d, _s, fs in os.walk(data_dir) for f in fs if f.endswith(".bin")]
-    raw = open(data, "rb").read()
+    with open(data, "rb") as f:
+        raw = f.read()
     assert raw.replace(b"\x01", b"").strip(b"\x00") == b"", "padding holds stale bytes"
 
 
@@ -123,10 +125,10 @@ def test_parts_tile_the_file_and_cut_fragments_between_checksum_blocks(sizes, pa
     chunks = plan_part_chunks(spans, part, size)
     assert [c.offset for c in chunks] == list(range(0, size, part)), "parts must start at multiples of part_size"
     assert all(c.nbytes == part for c in chunks[:-1]) and sum(c.nbytes for c in chunks) == size
-    covered = {i: 0 for i in unique}
+    covered = dict.fromkeys(unique, 0)
     for c in chunks:
         ends = sorted((seg.at, seg.at + seg.nbytes) for seg in c.segments)
-        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "segments overlap inside a part"
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ends)), "segments overlap inside a part"
         for seg in c.segments:
             assert c.offset + seg.at == offsets[seg.item] + seg.start, "segment at the wrong file offset"
             assert seg.start % BLOCK == 0, "a part boundary cuts a fragment inside a checksum block"

@@ -6,8 +6,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import bcp  # noqa: E402
-from golden_state import golden_state  # noqa: E402
+import bcp
+from golden_state import golden_state
 
 if __name__ == "__main__":
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "v1")
