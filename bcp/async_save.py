@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -74,6 +74,7 @@ class AsyncSaveHandle:
             raise TimeoutError(f"async save to {self._job.backend.uri} still running after {timeout} s")
         if self._error is not None:
             raise self._error
+        assert self._result is not None, "done without an error: complete() returned"
         return self._result
 
     @property
@@ -133,12 +134,11 @@ def async_save(
     if previous is not None:
         previous._done.wait()  # the save two back used this slot's group: let it finish
     job = SaveJob.start(state, uri, coordinator_for(opts.process_group, slot=slot), opts, stage_all=True)
-    background = None
+    background: Callable[[], None] | None = None
     if overlap is None:
         job.stage()
         job.pipeline.copies.wait()  # device copies done: the caller may change or free anything
     else:
-        background = True
         owned = _optimizer_storages(overlap)
         pipeline = job.pipeline
 

@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
 from .backends.options import as_size
 
@@ -61,7 +62,7 @@ def _ls(args) -> int:
 
     backend = backend_for(args.root)
     found = scan(backend, sizes=True)
-    rows = []
+    rows: list[dict[str, Any]] = []  # JSON rows
     steps = sorted(found)
     committed = [s for s in steps if found[s].committed]
     for step in steps:
@@ -98,7 +99,7 @@ def _inspect(args) -> int:
 
     reader = bcp.open(args.uri, allow_pickle=False)
     m = reader.manifest
-    tensors = []
+    tensors: list[dict[str, Any]] = []  # JSON rows
     for fqn in reader.tensor_keys():
         meta = reader.meta(fqn)
         tensors.append(

@@ -56,6 +56,7 @@ class Coordinator:
 
     def scatter(self, objs: list[Any] | None) -> Any:
         """(coordinator passes one object per rank) -> this rank's object."""
+        assert objs is not None, "the only rank is the coordinator"
         return objs[0]
 
     def check(self, error: BaseException | None, phase: str) -> None:

@@ -82,7 +82,8 @@ def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list
     """Greedy, in order: a new shard starts when the next tensor would pass the cap
     (a tensor larger than the cap gets a shard of its own)."""
     shards: list[list[str]] = []
-    current, used = [], 0
+    current: list[str] = []
+    used = 0
     for name, n in sizes:
         if current and used + n > max_shard_bytes:
             shards.append(current)
@@ -155,7 +156,8 @@ def _file_backed(scratch: str, name: str, shape, dtype: torch.dtype) -> torch.Te
     with open(path, "wb") as f:
         f.truncate(nbytes)
     storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, torch.Size(shape), torch.empty(shape, device="meta").stride())
+    # torch's stubs type from_file's result as _StorageBase | TypedStorage; it is an UntypedStorage
+    return torch.empty(0, dtype=dtype).set_(storage, 0, torch.Size(shape), torch.empty(shape, device="meta").stride())  # type: ignore[arg-type]
 
 
 def to_torch(

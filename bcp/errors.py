@@ -92,8 +92,8 @@ class StateMismatchError(CheckpointError, ValueError):
             lines.append(f"  missing keys (in the state, not in the checkpoint): {', '.join(missing)}")
         if unexpected:
             lines.append(f"  unexpected keys (in the checkpoint, not in the state): {', '.join(unexpected)}")
-        for fqn, want, got in shape_mismatch:
-            lines.append(f"  shape mismatch for {fqn}: state {list(want)}, checkpoint {list(got)}")
+        for fqn, want_shape, got_shape in shape_mismatch:
+            lines.append(f"  shape mismatch for {fqn}: state {list(want_shape)}, checkpoint {list(got_shape)}")
         for fqn, want, got in dtype_mismatch:
             lines.append(f"  dtype mismatch for {fqn}: state {want}, checkpoint {got}")
         for fqn, want, got in kind_mismatch:

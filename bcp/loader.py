@@ -28,7 +28,7 @@ import torch
 from bcp.backends import Capability
 
 from .boxes import Box
-from .collectives import Coordinator, coordinator_for, decide, run_phase
+from .collectives import Coordinator, GroupCoordinator, coordinator_for, decide, run_phase
 from .commit import fetch_metadata
 from .errors import StateMismatchError, UnsupportedStateError
 from .io_scheduler.read_exec import ReadStats
@@ -287,6 +287,7 @@ def _read(reader: CheckpointReader, plan: LoadPlan, coord: Coordinator, share_re
         return reader.fill(requests, prefer_rank=coord.rank)
     from .io_scheduler.shared_read import fetch_shared
 
+    assert isinstance(coord, GroupCoordinator), "coordinator_for gives more than one rank a GroupCoordinator"
     held, stats = fetch_shared(reader, coord, [(r.fqn, r.box) for r in plan.tensor_requests])
     stats.add(reader.fill(requests, prefer_rank=coord.rank, in_memory=held))
     return stats

@@ -23,6 +23,7 @@ from bcp.metadata.layout import step_name
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
 from .collectives import coordinator_for
 from .housekeeping import check_policy, committed_steps, plan_gc, run_gc, write_latest
+from .io_scheduler.staging import StagingReservation
 from .loader import load
 from .options import SaveOptions
 from .saver import SaveInfo, save
@@ -66,7 +67,7 @@ class CheckpointManager:
         self.backend = resolve_backend(self.root_uri, self.storage_options)
         self.coord = coordinator_for(process_group)
         self._pending: tuple[AsyncSaveHandle, int] | None = None
-        self._reservation = None
+        self._reservation: StagingReservation | None = None
         if self.coord.is_coordinator:
             self._housekeeping(generations_of=None)  # a restart: check every kept step once
 

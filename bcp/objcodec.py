@@ -116,7 +116,8 @@ def _decode(d: Any, fqn: str, allow_pickle: bool) -> Any:
         raise FormatError(f"object {fqn!r}: unexpected JSON value {d!r}")
     if TAG not in d:
         return {k: _decode(x, fqn, allow_pickle) for k, x in d.items()}
-    tag, v = d[TAG], d.get("v")
+    tag = d[TAG]
+    v: Any = d.get("v")  # a JSON value, checked by the branch of its tag
     if tag == "float":
         if v not in ("nan", "inf", "-inf"):
             raise FormatError(f"object {fqn!r}: bad float {v!r}")
@@ -151,10 +152,10 @@ def _decode(d: Any, fqn: str, allow_pickle: bool) -> Any:
     if tag == "device":
         return torch.device(v)
     if tag in ("ndarray", "npscalar"):
-        dtype = np.dtype(d["dtype"])
-        if dtype.kind not in _NP_KINDS or dtype.fields is not None:
+        np_dtype = np.dtype(d["dtype"])
+        if np_dtype.kind not in _NP_KINDS or np_dtype.fields is not None:
             raise FormatError(f"object {fqn!r}: numpy dtype {d['dtype']!r} is not allowed")
-        arr = np.frombuffer(_unb64(v), dtype=dtype).reshape([int(n) for n in d["shape"]]).copy()
+        arr = np.frombuffer(_unb64(v), dtype=np_dtype).reshape([int(n) for n in d["shape"]]).copy()
         return arr if tag == "ndarray" else arr[()]
     if tag == "pickle":
         if not allow_pickle:

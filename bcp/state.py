@@ -130,9 +130,11 @@ def replace_at(root: Any, path: KeyPath, value: Any) -> Any:
         return value
     (_kind, key), rest = path[0], path[1:]
     if isinstance(root, tuple):
+        assert isinstance(key, int), f"tuple step {key!r} of a key path"
         items = list(root)
         items[key] = replace_at(items[key], rest, value)
-        return type(root)._make(items) if hasattr(type(root), "_make") else type(root)(items)
+        make = getattr(type(root), "_make", None)  # a namedtuple
+        return make(items) if make is not None else type(root)(items)
     root[key] = replace_at(root[key], rest, value)
     return root
 

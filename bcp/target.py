@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from bcp.backends import Backend, backend_for
 
 Target = str | os.PathLike | Backend
 
 
-def resolve_backend(target: Target, storage_options: dict | None = None) -> Backend:
+def resolve_backend(target: Target, storage_options: Mapping[str, Any] | None = None) -> Backend:
     """The backend for ``target``. A Backend instance is used as is (wrapped stacks,
     plugins built by hand, tests); anything else is a URI or path."""
     if isinstance(target, Backend):

@@ -62,7 +62,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """Writable view of the bytes of a dense CPU tensor (no copy)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("byte_view needs a contiguous CPU tensor")
-    return memoryview(flat_bytes(t).numpy()).cast("B")
+    return memoryview(flat_bytes(t).numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
 
 
 def storage_identity(t: torch.Tensor) -> tuple:

@@ -239,11 +239,13 @@ class CheckpointContractTests:
         """Start a save in a child process, SIGKILL it once data is being written."""
         cmd = [sys.executable, "-m", "bcp.conformance.killed_save", uri, json.dumps({"overwrite": overwrite})]
         child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout, stderr = child.stdout, child.stderr
+        assert stdout is not None and stderr is not None  # both are pipes
         try:
             deadline = time.monotonic() + CHILD_TIMEOUT
             line = ""
             while time.monotonic() < deadline:
-                line = child.stdout.readline()
+                line = stdout.readline()
                 if line.strip() == "WRITING" or not line:
                     break
             if line.strip() != "WRITING":
@@ -257,8 +259,8 @@ class CheckpointContractTests:
             if child.poll() is None:
                 child.kill()
                 child.wait(timeout=30)
-            child.stdout.close()
-            child.stderr.close()
+            stdout.close()
+            stderr.close()
         assert child.returncode == -signal.SIGKILL, f"the child save ended by itself ({child.returncode})"
 
     @pytest.mark.slow

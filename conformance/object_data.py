@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bcp.backends import Backend, Capability
+from bcp.backends import Backend, Buffer, Capability
 
 from .object_base import THREADS, ObjectContractBase, check_bytes, expect_raises, payload
 
@@ -43,8 +43,8 @@ class RoundTripTests(ObjectContractBase):
     @pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview"])
     def test_write_accepts_any_buffer(self, backend: Backend, kind: str) -> None:
         data = payload(4099, seed=3)
-        buf = {"bytes": data, "bytearray": bytearray(data), "memoryview": memoryview(data)}[kind]
-        backend.write("buf", buf)
+        buffers: dict[str, Buffer] = {"bytes": data, "bytearray": bytearray(data), "memoryview": memoryview(data)}
+        backend.write("buf", buffers[kind])
         check_bytes(backend.read("buf"), data, f"write from a {kind} stored different bytes")
 
     def test_write_lands_in_store(self, backend: Backend) -> None:

@@ -8,8 +8,12 @@ that store and prints the grouped report after pytest's own summary.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from .report import Check
 
 
 def pytest_addoption(parser) -> None:
@@ -71,7 +75,7 @@ class ReportPlugin:
 
         self.config = config
         self.report = Report(uri=_public_uri(config.getoption("--bcp-uri")), level=config.getoption("--bcp-level"))
-        self._checks: dict[str, object] = {}
+        self._checks: dict[str, Check] = {}
         #: nodeid -> heading, taken from each collected test's class (see report.heading_of).
         self.headings: dict[str, str] = {}
 
@@ -84,7 +88,8 @@ class ReportPlugin:
         self.report.order = list(dict.fromkeys(self.headings.values()))
         if config.getoption("--bcp-level") != "quick":
             return
-        keep, drop = [], []
+        keep: list[pytest.Item] = []
+        drop: list[pytest.Item] = []
         for item in items:
             (drop if item.get_closest_marker("slow") else keep).append(item)
         if drop:

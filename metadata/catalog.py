@@ -149,7 +149,9 @@ class Catalog:
         return self._fragments
 
     def __len__(self) -> int:
-        return self._table.num_rows if self._fragments is None else len(self._fragments)
+        if self._fragments is None and self._table is not None:
+            return self._table.num_rows
+        return len(self.fragments)
 
     # -- Arrow IPC -----------------------------------------------------------------------
 
@@ -300,8 +302,8 @@ def boxes_cover_exactly(shape: Sequence[int], boxes: Sequence[tuple[Sequence[int
         for ob, nb in items[i + 1 :]:
             if (
                 all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(oa, na, ob, nb, strict=True))
-                and math.prod(na)
-                and math.prod(nb)
+                and math.prod(na) != 0
+                and math.prod(nb) != 0
             ):
                 return False
     return True

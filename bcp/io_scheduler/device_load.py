@@ -161,7 +161,7 @@ class DeviceFill:
                     views.append(slab.tensor[at : at + piece.nbytes])
                     at += piece.nbytes
             plans = [dataclasses.replace(p, dest=i) for i, piece in enumerate(job.pieces) for p in piece.plans]
-            mem = [memoryview(v.numpy()).cast("B") for v in views]
+            mem = [memoryview(v.numpy()).cast("B") for v in views]  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
             stats = execute_reads(backend, plans, mem, block_bytes=self.block, verify=verify, streams=1)
             for piece, view in zip(job.pieces, views, strict=True):
                 events.append(self.copies.to_device(piece.target, view))

@@ -116,14 +116,14 @@ def execute_reads(
             _read(backend, fragments[key], start, target, backend.uri)
         pieces_done = by_fragment
     else:
-        remaining = defaultdict(int)
+        remaining: defaultdict[int, int] = defaultdict(int)
         for key, _s, _t in tasks:
             remaining[key] += 1
         lock = threading.Lock()
         verify_errors: list[BaseException] = []
         extra = [0]
 
-        def run(task) -> None:
+        def read_task(task: tuple[int, int, memoryview]) -> None:
             key, start, target = task
             _read(backend, fragments[key], start, target, backend.uri)
             with lock:
@@ -135,7 +135,7 @@ def execute_reads(
                     extra[0] += n
 
         with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="bcp-reader") as pool:
-            for future in [pool.submit(run, t) for t in tasks]:
+            for future in [pool.submit(read_task, t) for t in tasks]:
                 try:
                     future.result()
                 except BaseException as e:  # noqa: BLE001 - first error wins, after all reads stop
@@ -147,8 +147,8 @@ def execute_reads(
     stats.requests = len(tasks)
     stats.bytes_read = sum(len(t) for _k, _s, t in tasks)
     if verify:
-        for key, runs in pieces_done.items():
-            stats.verify_bytes += _verify_fragment(backend, fragments[key], _pieces(runs), block_bytes)
+        for key, landed in pieces_done.items():
+            stats.verify_bytes += _verify_fragment(backend, fragments[key], _pieces(landed), block_bytes)
     return stats
 
 

@@ -41,7 +41,7 @@ def plan_sharing(
             for frag in choose_replicas(reader.catalog.tensors[fqn]):
                 key = (fqn, (frag.offsets, frag.lengths))
                 region = intersect(b_off, b_len, frag.offsets, frag.lengths)
-                if region is not None and math.prod(frag.lengths):
+                if region is not None and math.prod(frag.lengths) != 0:
                     wanted_elems[key] = wanted_elems.get(key, 0) + math.prod(region[1])
                     ranks = needers.setdefault(key, [])
                     if not ranks or ranks[-1] != rank:

@@ -30,14 +30,14 @@ from typing import NamedTuple
 
 import torch
 
-from bcp.backends import Backend
+from bcp.backends import Backend, ObjectWriter
 from bcp.metadata import FileEntry, Fragment, block_checksums, digest_of_checksums
 
 from ..save_plan import TensorPlan
 from ..shards import Piece
 from ..tensor_io import flat_bytes, host_contiguous, storage_identity
 from .device_copy import DeviceCopies, is_device_tensor, settle
-from .staging import StagingPool
+from .staging import Slab, StagingPool
 
 #: Fragments of at least this many bytes start at a multiple of 4096 (direct I/O,
 #: page-aligned reads); smaller ones at a multiple of 64.
@@ -65,7 +65,7 @@ class StagedChunk:
 
     chunk: Chunk
     #: the pool slab holding the bytes (None: the bytes are the source tensor's own memory)
-    slab: object | None
+    slab: Slab | None
     data: torch.Tensor
     #: device-to-host copy events the bytes wait for (empty for host sources)
     events: list
@@ -216,7 +216,7 @@ class WritePipeline:
         # Staged chunks are bounded by the pool; only zero-copy chunks need a bounded queue.
         self._queue: queue.Queue = queue.Queue(maxsize=0 if stage_all else 2 * self.streams)
         self._threads: list[threading.Thread] = []
-        self._writer = None
+        self._writer: ObjectWriter | None = None
         self._pending: list[Chunk] = []
         self._uses_left: dict[int, int] = {}
         #: device-to-host copies; "the call" is now (this runs in the caller's thread)
@@ -306,7 +306,7 @@ class WritePipeline:
     def _stage_chunk(self, chunk: Chunk) -> StagedChunk:
         first = self.sources[chunk.segments[0].item] if chunk.segments else None
         whole = len(chunk.segments) == 1 and chunk.segments[0].at == 0 and chunk.segments[0].nbytes == chunk.nbytes
-        if not self.stage_all and whole and not is_device_tensor(first):
+        if first is not None and not self.stage_all and whole and not is_device_tensor(first):
             seg = chunk.segments[0]
             data = first[seg.start : seg.start + seg.nbytes]
             if not self.aligned_writes or (data.data_ptr() - chunk.offset) % 4096 == 0:
@@ -354,9 +354,10 @@ class WritePipeline:
             chunk, slab, data = staged.chunk, staged.slab, staged.data
             try:
                 if self.error is None:
+                    assert self._writer is not None, "stage() opens the writer before queueing chunks"
                     for event in staged.events:
                         event.synchronize()
-                    view = memoryview(data.numpy()).cast("B")
+                    view = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
                     for seg in chunk.segments:
                         sums = block_checksums(view[seg.at : seg.at + seg.nbytes], self.block)
                         self.checksums[(seg.item, seg.start)] = sums
@@ -377,16 +378,19 @@ class WritePipeline:
         for thread in self._threads:
             thread.join()
         self.sources.clear()
+        writer = self._writer
         if self.error is not None:
-            self._writer.abort()
+            if writer is not None:  # None when opening it is what failed
+                writer.abort()
             raise self.error
+        assert writer is not None, "finish() after stage()"
         try:
             if self.size == 0:
-                self._writer.write_at(0, b"")
+                writer.write_at(0, b"")
             fragments, file_sums = self._fragments()
-            self._writer.commit()
+            writer.commit()
         except BaseException:
-            self._writer.abort()
+            writer.abort()
             raise
         return fragments, FileEntry(self.data_key, self.size, digest_of_checksums(file_sums))
 
