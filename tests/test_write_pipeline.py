@@ -6,11 +6,14 @@ from __future__ import annotations
 import itertools
 import os
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import bcp
+from bcp.backends import backend_for
+from bcp.backends.wrappers import ForwardingBackend
 from bcp.io_scheduler.staging import StagingPool
 from bcp.io_scheduler.write_pipeline import plan_chunks
 from helpers import tensor_bytes_equal
@@ -148,3 +151,17 @@ def test_round_trip_through_a_part_sized_streaming_store(sizes, seed):
     out = bcp.load({k: torch.empty_like(v) for k, v in state.items()}, uri)
     for k, v in state.items():
         assert torch.equal(out[k], v), f"{k} ({v.numel()} bytes) differs after a part-sized save"
+
+
+def test_a_data_file_that_cannot_be_opened_reports_its_own_error(tmp_path):
+    """finish() used to call abort() on the writer that never opened (AttributeError)."""
+
+    class NoDataFiles(ForwardingBackend):
+        def open_writer(self, key, *, size=None):
+            if key.endswith(".bin"):
+                raise PermissionError(f"cannot open {key}")
+            return super().open_writer(key, size=size)
+
+    backend = NoDataFiles(backend_for(str(tmp_path / "ck")))
+    with pytest.raises(PermissionError, match="cannot open"):
+        bcp.save({"w": torch.ones(10)}, backend)
