@@ -48,6 +48,8 @@ def test_wheel_contains_only_the_bcp_namespace(tmp_path):
         "bcp/conformance/__init__.py",
     ):
         assert module in names, f"{module} missing from the wheel"
+    for package in ("bcp", "bcp/backends", "bcp/metadata", "bcp/conformance"):  # PEP 561, for users' type checkers
+        assert f"{package}/py.typed" in names, f"{package}/py.typed missing from the wheel"
 
 
 def test_metadata_and_backends_never_import_the_engine():
