@@ -253,7 +253,7 @@ def case_bytecheckpoint(path, state, _args):
 
     try:
         import bytecheckpoint
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - an optional peer: reported as a note
         return {"ByteCheckpoint: note": f"not importable: {type(e).__name__}: {e}"[:160]}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29731")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -272,7 +272,7 @@ def case_bytecheckpoint(path, state, _args):
         out["ByteCheckpoint load (ddp, cold cache)"] = timed(
             lambda: bytecheckpoint.load(d, {"model": model}, framework="ddp")
         )
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - reported as a note
         out["ByteCheckpoint: note"] = f"failed: {type(e).__name__}: {e}"[:160]
     dist.destroy_process_group()
     return out
