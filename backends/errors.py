@@ -44,8 +44,8 @@ class StorageError(OSError):
     def __str__(self) -> str:  # OSError.__str__ would format errno fields instead
         return self.args[0]
 
-    def __reduce__(self):  # keep pickling (multiprocessing, collectives) working
-        return (_rebuild, (type(self), self.reason, self.uri, self.key, self.action))
+    def __reduce__(self):  # keep pickling (multiprocessing, collectives) working, notes and added fields too
+        return (_rebuild, (type(self), self.reason, self.uri, self.key, self.action), dict(vars(self)))
 
 
 def _rebuild(cls, reason, uri, key, action):

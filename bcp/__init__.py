@@ -27,7 +27,7 @@ from .errors import (
 )
 from .loader import LoadInfo, load, load_with_info
 from .manager import CheckpointManager
-from .options import SaveOptions
+from .options import LoadOptions, SaveOptions
 from .reader import CheckpointReader, TensorMeta
 from .reader import open_checkpoint as open  # noqa: A004 - the public name is bcp.open
 from .saver import SaveInfo, save
@@ -45,6 +45,7 @@ __all__ = [
     "FormatError",
     "IncompleteCheckpointError",
     "LoadInfo",
+    "LoadOptions",
     "PerRank",
     "PickleNotAllowedError",
     "RankFailedError",

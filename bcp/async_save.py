@@ -25,14 +25,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
 from .collectives import coordinator_for
 from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
 from .io_scheduler.write_pipeline import Chunk, WriteItem, layout, plan_chunks
-from .options import SaveOptions
+from .options import SaveOptions, SaveOptionsKwargs
 from .saver import SaveInfo, SaveJob
 from .shards import local_pieces
 from .state import flatten_state
@@ -106,7 +106,7 @@ def async_save(
     options: SaveOptions | None = None,
     *,
     overlap: torch.optim.Optimizer | None = None,
-    **overrides: Any,
+    **overrides: Unpack[SaveOptionsKwargs],
 ) -> AsyncSaveHandle:
     """Start saving ``state``; return once it is safe to change the state.
 

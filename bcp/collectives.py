@@ -10,6 +10,7 @@ initialised process group the same code runs with a single-rank coordinator.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import logging
 import os
@@ -25,14 +26,43 @@ T = TypeVar("T")
 _GROUPS: dict[Any, Any] = {}
 
 
-def portable(error: BaseException) -> BaseException:
-    """``error`` itself when it survives a pickle round trip (keeps its type and
-    fields on the other ranks), else a RankFailedError carrying its message."""
+#: An error whose pickle is larger than this travels as its message only (it may hold
+#: tensors or user objects; every rank receives every rank's error).
+MAX_ERROR_PICKLE_BYTES = 256 << 10
+
+
+@dataclasses.dataclass(frozen=True)
+class SentError:
+    """An error on its way to other ranks: its pickle when small and picklable, and
+    always its type name and message, so the receiver can rebuild it or fall back."""
+
+    type_name: str
+    message: str
+    pickled: bytes | None
+
+    def restore(self) -> BaseException:
+        """The error with its type and fields, or a RankFailedError with its message
+        when it cannot be rebuilt here (an unknown class, a device this rank lacks)."""
+        if self.pickled is not None:
+            try:
+                error = pickle.loads(self.pickled)  # sent by a rank of this job, not read from storage
+                if isinstance(error, BaseException):
+                    return error
+            except Exception:  # noqa: BLE001 - any failure to rebuild falls back to the message
+                pass
+        return RankFailedError(f"{self.type_name}: {self.message}")
+
+
+def portable(error: BaseException) -> SentError:
+    """``error`` packed for other ranks (see :class:`SentError`)."""
+    pickled: bytes | None
     try:
-        pickle.loads(pickle.dumps(error))
-        return error
+        data = pickle.dumps(error)
+        pickle.loads(data)  # rebuilds here, so it most likely does there
+        pickled = data if len(data) <= MAX_ERROR_PICKLE_BYTES else None
     except Exception:  # noqa: BLE001 - an error holding a socket, a lock, a lambda...
-        return RankFailedError(f"{type(error).__name__}: {error}")
+        pickled = None
+    return SentError(type(error).__name__, str(error), pickled)
 
 
 class Coordinator:
@@ -68,7 +98,7 @@ class Coordinator:
                 raise error
             return
         statuses = self.all_gather(None if error is None else portable(error))
-        failed = {r: e for r, e in enumerate(statuses) if e is not None}
+        failed = {r: sent.restore() for r, sent in enumerate(statuses) if sent is not None}
         if not failed:
             return
         detail = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in failed.items())
@@ -182,8 +212,9 @@ def share_result(coord: Coordinator, result: Any, phase: str) -> Any:
     tag, payload = coord.broadcast(None)
     if tag == "ok":
         return payload
-    payload.add_note(f"raised on the coordinator while {phase}")
-    raise payload
+    error = payload.restore()
+    error.add_note(f"raised on the coordinator while {phase}")
+    raise error
 
 
 def decide(

@@ -103,28 +103,24 @@ class StateMismatchError(CheckpointError, ValueError):
     def __bool__(self) -> bool:
         return True
 
-    def __reduce__(self) -> tuple[Any, ...]:  # keyword-only fields: rebuilt from them, not from the message
-        return (
-            _rebuild_mismatch,
-            (
-                self.uri,
-                self.missing,
-                self.unexpected,
-                self.shape_mismatch,
-                self.dtype_mismatch,
-                self.kind_mismatch,
-                self.__notes__ if hasattr(self, "__notes__") else None,
-            ),
-        )
+    def __reduce__(self) -> tuple[Any, ...]:
+        # keyword-only fields: rebuilt from them, not from the message; the instance
+        # dict (notes, attributes added later) is restored as the pickle's state
+        fields = (self.uri, self.missing, self.unexpected, self.shape_mismatch, self.dtype_mismatch, self.kind_mismatch)
+        return (_rebuild_mismatch, fields, dict(vars(self)))
 
 
-def _rebuild_mismatch(uri, missing, unexpected, shapes, dtypes, kinds, notes) -> StateMismatchError:
-    error = StateMismatchError(
+def _rebuild_mismatch(
+    uri: str,
+    missing: list[str],
+    unexpected: list[str],
+    shapes: list[tuple[str, tuple, tuple]],
+    dtypes: list[tuple[str, str, str]],
+    kinds: list[tuple[str, str, str]],
+) -> StateMismatchError:
+    return StateMismatchError(
         uri, missing=missing, unexpected=unexpected, shape_mismatch=shapes, dtype_mismatch=dtypes, kind_mismatch=kinds
     )
-    for note in notes or ():
-        error.add_note(note)
-    return error
 
 
 __all__ = [

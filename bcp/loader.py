@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Unpack
 
 import torch
 
@@ -32,6 +32,7 @@ from .collectives import Coordinator, GroupCoordinator, coordinator_for, decide,
 from .commit import fetch_metadata
 from .errors import StateMismatchError, UnsupportedStateError
 from .io_scheduler.read_exec import ReadStats
+from .options import LoadOptions, LoadOptionsKwargs, ReshardObjects
 from .reader import CheckpointReader, reader_from_bytes
 from .shards import local_pieces
 from .state import KeyPath, Leaf, build_nested, flatten_state, replace_at
@@ -39,9 +40,6 @@ from .target import Target, resolve_backend
 from .torch_dtypes import dtype_name
 
 log = logging.getLogger(__name__)
-
-#: ``reshard_objects(fqn, values_by_saved_rank, rank, world_size) -> value for this rank``
-ReshardObjects = Callable[[str, dict[int, Any], int, int], Any]
 
 
 def _keys(path: KeyPath) -> tuple:
@@ -69,47 +67,36 @@ class LoadInfo:
     cast: tuple[str, ...] = ()
 
 
-def load(state: Mapping[str, Any], uri: Target, **options: Any) -> Mapping[str, Any]:
+def load(
+    state: Mapping[str, Any], uri: Target, options: LoadOptions | None = None, **overrides: Unpack[LoadOptionsKwargs]
+) -> Mapping[str, Any]:
     """Fill ``state`` from the checkpoint at ``uri`` and return it.
 
     Collective when torch.distributed is initialised. The checkpoint may have been
-    saved by any number of ranks in any layout. Options are those of
-    :func:`load_with_info`, which also returns what the load read and skipped.
+    saved by any number of ranks in any layout. ``options`` and keyword arguments are
+    the fields of :class:`LoadOptions` (strict, allow_pickle, storage_options,
+    process_group, reshard_objects, verify, share_reads); :func:`load_with_info`
+    also returns what the load read and skipped.
     """
-    return load_with_info(state, uri, **options).state
+    return load_with_info(state, uri, options, **overrides).state
 
 
 def load_with_info(
-    state: Mapping[str, Any],
-    uri: Target,
-    *,
-    strict: bool = True,
-    allow_pickle: bool = False,
-    storage_options: Mapping[str, Any] | None = None,
-    process_group: Any = None,
-    reshard_objects: ReshardObjects | None = None,
-    verify: bool = True,
-    share_reads: bool | None = None,
+    state: Mapping[str, Any], uri: Target, options: LoadOptions | None = None, **overrides: Unpack[LoadOptionsKwargs]
 ) -> LoadInfo:
-    """``bcp.load``, returning a :class:`LoadInfo` (the state is its ``state``).
-
-    strict=True: any missing key, unexpected key, shape or dtype mismatch raises one
-    StateMismatchError listing them all, before anything is read. strict=False: keys
-    on one side only are skipped (listed in the result), dtypes are cast; shapes
-    must still match. Objects saved per rank at a different world size are handed to
-    ``reshard_objects`` (see docs/distributed.md). ``share_reads``: read a fragment
-    several ranks need once and send it to the others (zero-redundant load); default
-    on for object stores, off for POSIX filesystems, where measurements favour every
-    rank reading (docs/distributed.md).
-    """
+    """``bcp.load``, returning a :class:`LoadInfo` (the state is its ``state``)."""
+    opts = LoadOptions.of(options, overrides)
+    reshard_objects, share_reads = opts.reshard_objects, opts.share_reads
     started = time.perf_counter()
-    coord = coordinator_for(process_group)
-    backend = resolve_backend(uri, storage_options)
+    coord = coordinator_for(opts.process_group)
+    backend = resolve_backend(uri, opts.storage_options)
     manifest_bytes, catalog_bytes = decide(coord, "reading the checkpoint metadata", fetch_metadata, backend)
-    reader = reader_from_bytes(backend, manifest_bytes, catalog_bytes, allow_pickle=allow_pickle, verify=verify)
+    reader = reader_from_bytes(
+        backend, manifest_bytes, catalog_bytes, allow_pickle=opts.allow_pickle, verify=opts.verify
+    )
     try:
         plan = run_phase(
-            coord, "matching the state", match_state, reader, state, strict, coord.world_size, reshard_objects
+            coord, "matching the state", match_state, reader, state, opts.strict, coord.world_size, reshard_objects
         )
         if share_reads is None:
             share_reads = not (backend.capabilities & Capability.POSIX)

@@ -16,20 +16,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Unpack
 
 from bcp.metadata.layout import step_name
 
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
-from .collectives import coordinator_for
+from .collectives import coordinator_for, decide
 from .housekeeping import check_policy, committed_steps, plan_gc, run_gc, write_latest
 from .io_scheduler.staging import StagingReservation
 from .loader import load
-from .options import SaveOptions
+from .options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
 from .saver import SaveInfo, save
 from .target import join_uri, resolve_backend
 
 log = logging.getLogger(__name__)
+
+
+#: Save options the manager sets itself (from its constructor and the step).
+_OWNED = frozenset({"metadata", "storage_options", "process_group"})
 
 
 class CheckpointManager:
@@ -68,8 +72,8 @@ class CheckpointManager:
         self.coord = coordinator_for(process_group)
         self._pending: tuple[AsyncSaveHandle, int] | None = None
         self._reservation: StagingReservation | None = None
-        if self.coord.is_coordinator:
-            self._housekeeping(generations_of=None)  # a restart: check every kept step once
+        # a restart: check every kept step once; a failure raises on every rank
+        decide(self.coord, "cleaning up the checkpoint root", self._housekeeping, None)
 
     # -- queries (local, no collectives) --------------------------------------------------
 
@@ -93,14 +97,17 @@ class CheckpointManager:
         state: Any,
         metrics: dict[str, float] | None = None,
         options: SaveOptions | None = None,
-        **overrides: Any,
+        **overrides: Unpack[SaveOptionsKwargs],
     ) -> SaveInfo | None:
         """(all ranks) Checkpoint ``state`` as ``step``. ``metrics`` (numbers) are
         stored in the manifest for ``keep_best``. ``options`` and keyword arguments
         are those of ``bcp.save`` (:class:`SaveOptions`), except the ones the manager
         owns: ``metadata``, ``storage_options`` and ``process_group``. Returns the
         SaveInfo when synchronous."""
-        owned = sorted({"metadata", "storage_options", "process_group"} & set(overrides))
+        given = set(overrides)
+        if options is not None:
+            given |= {name for name in _OWNED if getattr(options, name) is not None}
+        owned = sorted(_OWNED & given)
         if owned:
             raise TypeError(
                 f"CheckpointManager.save: {', '.join(owned)} belong to the manager; pass them to its constructor"
@@ -128,7 +135,9 @@ class CheckpointManager:
         self._committed(step)
         return info
 
-    def load_latest(self, state: Any, **load_options) -> tuple[int | None, Any]:
+    def load_latest(
+        self, state: Any, options: LoadOptions | None = None, **overrides: Unpack[LoadOptionsKwargs]
+    ) -> tuple[int | None, Any]:
         """(all ranks) Load the newest committed step into ``state``; returns
         ``(step, loaded state)``, or ``(None, state)`` when there is none yet.
         With ``async_save``, it also starts allocating the staging memory saves of
@@ -136,16 +145,15 @@ class CheckpointManager:
         first save of the run does not wait for it."""
         self.wait()
         self.reserve_staging(state)
-        step = self.coord.broadcast(self.latest() if self.coord.is_coordinator else None)
+        step = decide(self.coord, "finding the latest step", self.latest)
         if step is None:
             return None, state
-        return step, load(
-            state,
-            self.uri(step),
+        opts = dataclasses.replace(
+            LoadOptions.of(options, overrides),
             storage_options=self.storage_options or None,
             process_group=self.process_group,
-            **load_options,
         )
+        return step, load(state, self.uri(step), opts)
 
     def reserve_staging(self, state: Any) -> None:
         """(local) Start allocating staging memory for async saves of ``state`` in the
@@ -171,11 +179,10 @@ class CheckpointManager:
     # -- coordinator only -------------------------------------------------------------------------
 
     def _committed(self, step: int) -> None:
-        if self.coord.is_coordinator:
-            # Only the step just written can have gained an unused generation (an overwrite).
-            self._housekeeping(generations_of=[step])
+        # Only the step just written can have gained an unused generation (an overwrite).
+        decide(self.coord, "applying retention", self._housekeeping, [step])
 
-    def _housekeeping(self, *, generations_of) -> None:
+    def _housekeeping(self, generations_of: list[int] | None) -> None:
         """One listing: retention, garbage, then the pointer to the newest step."""
         busy = [self._pending[1]] if self._pending is not None else []
         plan = plan_gc(self.backend, busy=busy, generations_of=generations_of, **self.policy)

@@ -1,16 +1,21 @@
-"""The options of a save, as one typed value shared by every way to save.
+"""The options of a save and of a load, each as one typed value.
 
 ``bcp.save``, ``bcp.async_save`` and ``CheckpointManager.save`` take the same
-options; they are declared once here, so a new one is added in one place and all
-three accept it. Each call takes ``options=SaveOptions(...)`` and/or the same
-names as keyword arguments (keywords win).
+:class:`SaveOptions`; ``bcp.load``, ``bcp.load_with_info`` and
+``CheckpointManager.load_latest`` the same :class:`LoadOptions`. They are declared
+once here, so a new option is added in one place and every call accepts it. Each
+call takes ``options=...`` and/or the same names as keyword arguments (keywords
+win). The ``...Kwargs`` TypedDicts give those keywords their types for type
+checkers; a test keeps them equal to the dataclasses' fields.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, TypedDict
 
 from bcp.metadata import DEFAULT_BLOCK_BYTES
 
@@ -41,19 +46,90 @@ class SaveOptions:
     def __post_init__(self) -> None:
         if self.checksum_block_bytes <= 0:
             raise ValueError(f"checksum_block_bytes must be > 0, got {self.checksum_block_bytes}")
-        if self.streams is not None and self.streams < 1:
-            raise ValueError(f"streams must be >= 1, got {self.streams}")
+        if self.metadata is not None:
+            # taken at the call: an async save commits it later, after the caller may
+            # have changed the dict it passed
+            object.__setattr__(self, "metadata", MappingProxyType(_snapshot(self.metadata)))
 
     @classmethod
     def of(cls, options: SaveOptions | None, overrides: Mapping[str, Any]) -> SaveOptions:
         """``options`` (or the defaults) with ``overrides`` applied; an unknown name is
         a TypeError that lists the known ones."""
-        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            known = ", ".join(f.name for f in dataclasses.fields(cls))
-            raise TypeError(f"unknown save option(s) {', '.join(unknown)}; the options are: {known}")
-        return dataclasses.replace(options or cls(), **overrides)
+        return _combine(cls, "save", options, overrides)
 
     @property
     def user_metadata(self) -> dict[str, Any]:
         return dict(self.metadata or {})
+
+
+class SaveOptionsKwargs(TypedDict, total=False):
+    """:class:`SaveOptions` as keyword arguments (for type checkers)."""
+
+    overwrite: bool
+    metadata: Mapping[str, Any] | None
+    allow_pickle: bool
+    storage_options: Mapping[str, Any] | None
+    checksum_block_bytes: int
+    process_group: Any
+    streams: int | None
+    pool: StagingPool | None
+
+
+#: ``reshard_objects(fqn, values_by_saved_rank, rank, world_size) -> value for this rank``
+ReshardObjects = Callable[[str, dict[int, Any], int, int], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """How to load. Every field has the default ``bcp.load`` uses."""
+
+    #: True: any missing or unexpected key, shape or dtype mismatch raises one error
+    #: listing them all, before anything is read. False: keys on one side only are
+    #: skipped (``LoadInfo`` lists them), dtypes are cast; shapes must still match.
+    strict: bool = True
+    #: let stored pickles be unpickled (runs code from the checkpoint)
+    allow_pickle: bool = False
+    #: options for the backend the URI selects
+    storage_options: Mapping[str, Any] | None = None
+    #: the ranks that load together (default: the whole job)
+    process_group: Any = None
+    #: decides what each rank gets of objects saved per rank at another world size
+    reshard_objects: ReshardObjects | None = None
+    #: verify the CRC32C of every checksum block a read touches
+    verify: bool = True
+    #: read a fragment several ranks need once and send it to the others; default:
+    #: on for object stores, off for POSIX filesystems (docs/distributed.md)
+    share_reads: bool | None = None
+
+    @classmethod
+    def of(cls, options: LoadOptions | None, overrides: Mapping[str, Any]) -> LoadOptions:
+        """``options`` (or the defaults) with ``overrides`` applied."""
+        return _combine(cls, "load", options, overrides)
+
+
+class LoadOptionsKwargs(TypedDict, total=False):
+    """:class:`LoadOptions` as keyword arguments (for type checkers)."""
+
+    strict: bool
+    allow_pickle: bool
+    storage_options: Mapping[str, Any] | None
+    process_group: Any
+    reshard_objects: ReshardObjects | None
+    verify: bool
+    share_reads: bool | None
+
+
+def _combine(cls: Any, what: str, options: Any, overrides: Mapping[str, Any]) -> Any:
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        known = ", ".join(f.name for f in dataclasses.fields(cls))
+        raise TypeError(f"unknown {what} option(s) {', '.join(unknown)}; the options are: {known}")
+    return dataclasses.replace(options or cls(), **overrides)
+
+
+def _snapshot(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy where the values allow one (they should be JSON), else a shallow one."""
+    try:
+        return copy.deepcopy(dict(metadata))
+    except Exception:  # noqa: BLE001 - not copyable: not JSON either, and the save will say so
+        return dict(metadata)

@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Unpack
 
 import torch
 
@@ -37,7 +37,7 @@ from .commit import ExistingCheckpoint, commit, discard_generation, find_existin
 from .errors import CheckpointExistsError, UnsupportedStateError
 from .io_scheduler.staging import default_pool
 from .io_scheduler.write_pipeline import WriteItem, WritePipeline
-from .options import SaveOptions
+from .options import SaveOptions, SaveOptionsKwargs
 from .save_plan import GlobalPlan, LocalPlan, TensorPlan, plan_save
 from .shards import PerRank, local_pieces
 from .state import flatten_state, path_to_json, path_to_str
@@ -145,7 +145,9 @@ def _decide_objects(all_objects: list[dict[str, LocalObject]]) -> dict[str, list
     return out
 
 
-def save(state: Mapping[str, Any], uri: Target, options: SaveOptions | None = None, **overrides: Any) -> SaveInfo:
+def save(
+    state: Mapping[str, Any], uri: Target, options: SaveOptions | None = None, **overrides: Unpack[SaveOptionsKwargs]
+) -> SaveInfo:
     """Save ``state`` (a nested dict of tensors, shards and plain objects) to ``uri``.
 
     Collective when torch.distributed is initialised: every rank of the process group

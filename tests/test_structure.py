@@ -55,7 +55,9 @@ def test_every_exported_error_has_an_example():
 @pytest.mark.parametrize("error", EXAMPLES, ids=lambda e: type(e).__name__)
 def test_errors_survive_pickling_with_type_message_and_fields(error):
     error.add_note("raised on the coordinator")
+    error.extra_field = 7  # type: ignore[attr-defined]  # attributes added after construction travel too
     copy = pickle.loads(pickle.dumps(error))
+    assert copy.__notes__ == ["raised on the coordinator"]
     assert type(copy) is type(error)
     assert str(copy) == str(error)
     fields = {k: v for k, v in vars(error).items() if k != "__notes__"}
@@ -90,10 +92,29 @@ def test_unpicklable_error_is_carried_as_its_message():
             super().__init__(message)
             self.lock = __import__("threading").Lock()
 
-    sent = portable(Holding("disk on fire"))
+    sent = portable(Holding("disk on fire")).restore()
     assert isinstance(sent, bcp.RankFailedError) and "Holding: disk on fire" in str(sent)
     error = bcp.CorruptCheckpointError("bad", fqn="w")
-    assert portable(error) is error
+    back = portable(error).restore()
+    assert type(back) is bcp.CorruptCheckpointError and back.fqn == "w" and str(back) == "bad"
+
+
+def test_large_error_travels_as_its_message():
+    from bcp.collectives import MAX_ERROR_PICKLE_BYTES, portable
+
+    big = bcp.UnsupportedStateError("too big")
+    big.payload = b"x" * (MAX_ERROR_PICKLE_BYTES + 1)  # type: ignore[attr-defined]
+    sent = portable(big)
+    assert sent.pickled is None
+    assert str(sent.restore()) == "UnsupportedStateError: too big"
+
+
+def test_error_that_cannot_be_rebuilt_falls_back_to_its_message():
+    from bcp.collectives import SentError
+
+    sent = SentError("Weird", "no such class here", b"not a pickle")
+    back = sent.restore()
+    assert isinstance(back, bcp.RankFailedError) and str(back) == "Weird: no such class here"
 
 
 def test_verify_skips_pickled_objects_by_type(tmp_path):
@@ -133,8 +154,17 @@ def test_unknown_save_option_names_the_known_ones(tmp_path, call):
 def test_save_options_are_frozen_and_checked():
     with pytest.raises(AttributeError):
         bcp.SaveOptions().overwrite = True  # type: ignore[misc]
-    with pytest.raises(ValueError, match="streams"):
-        bcp.SaveOptions(streams=0)
+    with pytest.raises(ValueError, match="checksum_block_bytes"):
+        bcp.SaveOptions(checksum_block_bytes=0)
+
+
+def test_async_save_takes_metadata_at_the_call(tmp_path):
+    metadata = {"run": "a", "tags": ["x"]}
+    handle = bcp.async_save({"w": torch.ones(2)}, str(tmp_path / "ck"), metadata=metadata)
+    metadata["run"] = object()  # changed (and made unsaveable) while the save is in flight
+    metadata["tags"].append("y")
+    handle.wait()
+    assert bcp.open(str(tmp_path / "ck")).manifest.user_metadata == {"run": "a", "tags": ["x"]}
 
 
 def test_manager_save_takes_save_options_but_not_the_ones_it_owns(tmp_path):
@@ -145,6 +175,37 @@ def test_manager_save_takes_save_options_but_not_the_ones_it_owns(tmp_path):
     assert torch.equal(bcp.open(manager.uri(1)).read("w"), torch.zeros(2))
     with pytest.raises(TypeError, match="metadata belong to the manager"):
         manager.save(2, {"w": torch.ones(2)}, metadata={"x": 1})
+    with pytest.raises(TypeError, match="storage_options belong to the manager"):
+        manager.save(2, {"w": torch.ones(2)}, options=bcp.SaveOptions(storage_options={"fsync": "false"}))
+    assert manager.steps() == [1]
+
+
+@pytest.mark.parametrize(
+    ("options", "kwargs"), [("SaveOptions", "SaveOptionsKwargs"), ("LoadOptions", "LoadOptionsKwargs")]
+)
+def test_keyword_types_match_the_options(options, kwargs):
+    import dataclasses
+    import typing
+
+    import bcp.options
+
+    fields = {f.name: f.type for f in dataclasses.fields(getattr(bcp.options, options))}
+    hints = typing.get_type_hints(getattr(bcp.options, kwargs))
+    assert list(hints) == list(fields), "the TypedDict for type checkers lists exactly the options, in order"
+
+
+def test_load_options_and_keywords(tmp_path):
+    uri = str(tmp_path / "ck")
+    bcp.save({"w": torch.arange(4.0), "step": 3}, uri)
+    lenient = bcp.LoadOptions(strict=False)
+    info = bcp.load_with_info({"w": torch.zeros(4), "extra": torch.zeros(1)}, uri, lenient)
+    assert (
+        torch.equal(info.state["w"], torch.arange(4.0)) and info.missing == ("extra",) and info.unexpected == ("step",)
+    )
+    with pytest.raises(bcp.StateMismatchError):
+        bcp.load({"w": torch.zeros(4)}, uri, lenient, strict=True)  # keywords win
+    with pytest.raises(TypeError, match=r"unknown load option\(s\) strikt; the options are: strict, allow_pickle"):
+        bcp.load({"w": torch.zeros(4)}, uri, strikt=False)
 
 
 # -- one copy of each layer ------------------------------------------------------------------
