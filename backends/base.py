@@ -107,6 +107,9 @@ class ObjectWriter(abc.ABC):
     #: leaves the writer open, so a retry loop can call ``commit`` again; any other
     #: failure aborts it. For writers whose ``_commit`` can simply run again.
     retryable_commit: bool = False
+    #: Written for the old interface (overrides ``commit`` itself): it managed its own
+    #: failures, so a failed commit leaves it open for the caller to retry or abort.
+    _legacy_commit: bool = False
 
     _state: _State
     _lifecycle: threading.RLock
@@ -130,6 +133,8 @@ class ObjectWriter(abc.ABC):
             if public in cls.__dict__ and getattr(getattr(cls, hook), "__isabstractmethod__", False):
                 setattr(cls, hook, cls.__dict__[public])
                 delattr(cls, public)
+                if public == "commit":
+                    cls._legacy_commit = True
 
     # -- the lifecycle ------------------------------------------------------------------
 
@@ -152,7 +157,8 @@ class ObjectWriter(abc.ABC):
             try:
                 self._commit()
             except BaseException as e:
-                if self._state is _State.OPEN and not (self.retryable_commit and is_transient(e)):
+                retry = self._legacy_commit or (self.retryable_commit and is_transient(e))
+                if self._state is _State.OPEN and not retry:
                     self._abort_after_failure()
                 raise
             if self._state is _State.OPEN:

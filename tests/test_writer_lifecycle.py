@@ -208,6 +208,35 @@ def test_a_writer_of_the_old_interface_gets_the_lifecycle() -> None:
     assert w.calls == ["write", "commit"], f"the lifecycle did not wrap the old-style methods: {w.calls}"
 
 
+def test_an_old_interface_writer_whose_commit_failed_can_be_retried() -> None:
+    """Old writers managed their own failed commits (a retry loop committed them
+    again): the lifecycle leaves them open instead of aborting them."""
+    from bcp.backends import StorageError
+
+    class FlakyOldStyle(ObjectWriter):
+        def __init__(self) -> None:
+            self.key, self.tries = "old", 0
+
+        def write_at(self, offset: int, data: Buffer) -> None:
+            pass
+
+        def commit(self) -> None:
+            self.tries += 1
+            if self.tries == 1:
+                raise StorageError("503 SlowDown", uri="mem://", key="old", action="committing")
+
+        def abort(self) -> None:
+            raise AssertionError("a failed commit of an old-style writer must not abort it")
+
+    w = FlakyOldStyle()
+    with pytest.raises(StorageError, match="SlowDown"):
+        w.commit()
+    w.commit()
+    assert w.tries == 2
+    with pytest.raises(WriterClosedError):
+        w.write_at(0, b"late")
+
+
 def test_forwarding_writer_follows_the_inner_writer() -> None:
     inner = RecordingWriter()
     inner.idempotent_commit = True
