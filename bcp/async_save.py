@@ -185,7 +185,7 @@ def staging_bytes(state: Mapping[str, Any], slab_bytes: int) -> int:
         piece
         for leaf in flatten_state(state).values()
         if leaf.is_tensor
-        for piece in local_pieces(leaf.value, leaf.fqn)[2]
+        for piece in local_pieces(leaf.value, leaf.fqn).pieces
     ]
     placed = layout([WriteItem(None, piece) for piece in pieces])  # type: ignore[arg-type]  # plans are not needed to place
     spans = [(i, placed.offsets[i], pieces[i].tensor.numel() * pieces[i].tensor.element_size()) for i in placed.unique]

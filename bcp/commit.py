@@ -16,7 +16,7 @@ import logging
 
 from bcp.backends import Backend, ObjectExistsError, ObjectNotFoundError
 from bcp.metadata import Catalog, FileEntry, Manifest, crc32c
-from bcp.metadata.layout import GENERATION_PREFIX, generation_of, manifest_key
+from bcp.metadata.layout import GENERATION_PREFIX, manifest_key
 
 from .errors import (
     CheckpointExistsError,
@@ -110,11 +110,23 @@ def commit(backend: Backend, manifest: Manifest, *, overwrite: bool) -> None:
         ) from e
 
 
+def delete_generation(backend: Backend, generation: str) -> None:
+    """Delete the objects of one generation (``[<checkpoint>/]gen-<id>``), which no
+    manifest may name: a failed save's, or the one an overwrite replaced."""
+    backend.delete_prefix(generation.rstrip("/") + "/")
+
+
+def delete_uncommitted(backend: Backend, prefix: str) -> None:
+    """Delete everything under ``prefix`` (ending in ``/``), a directory whose save never
+    committed: there is no manifest to delete first."""
+    backend.delete_prefix(prefix)
+
+
 def discard_generation(backend: Backend, generation: str, *, why: str = "the partial save") -> None:
     """Delete one generation's objects; failures are logged (the caller's error matters more)."""
     try:
-        backend.delete_prefix(generation + "/")
-    except Exception as e:  # noqa: BLE001 - leftovers are only space; gc finds them later
+        delete_generation(backend, generation)
+    except Exception as e:  # noqa: BLE001 - leftovers are only space (under a manager root, gc removes them)
         log.warning("could not remove %s %s at %s: %s", why, generation, backend.uri, e)
 
 
@@ -125,12 +137,6 @@ def delete_checkpoint(backend: Backend, prefix: str = "") -> None:
     backend.delete_prefix(prefix)
 
 
-def live_generation(manifest: Manifest) -> str:
-    """The generation a committed manifest uses (the one holding its catalog)."""
-    generation = generation_of(manifest.catalog.path)
-    return generation if generation is not None else manifest.catalog.path.split("/", 1)[0]
-
-
 def unused_generations(backend: Backend, prefix: str = "") -> list[str]:
     """Generation prefixes (``<prefix>gen-.../``) of the committed checkpoint under
     ``prefix`` that its manifest does not use: left by an overwrite that was killed.
@@ -138,6 +144,6 @@ def unused_generations(backend: Backend, prefix: str = "") -> list[str]:
     manifest = read_manifest(backend, prefix)
     if manifest is None:
         return []
-    live = live_generation(manifest)
+    live = manifest.generation
     found = {key[len(prefix) :].split("/", 1)[0] for key in backend.list(f"{prefix}{GENERATION_PREFIX}")}
     return sorted(f"{prefix}{g}/" for g in found if g != live)

@@ -157,6 +157,6 @@ def run_gc(backend: Backend, plan: GcPlan) -> None:
     for step in plan.expired:
         delete_step(backend, step)
     for step in plan.incomplete:
-        backend.delete_prefix(f"{step_name(step)}/")
-    for prefix in plan.orphan_generations:
-        backend.delete_prefix(prefix)
+        commit.delete_uncommitted(backend, f"{step_name(step)}/")
+    for generation in plan.orphan_generations:
+        commit.delete_generation(backend, generation)

@@ -33,10 +33,10 @@ from . import objcodec
 from ._version import __version__
 from .boxes import Box
 from .collectives import Coordinator, coordinator_for, decide, run_phase
-from .commit import ExistingCheckpoint, commit, discard_generation, find_existing, live_generation, write_catalog
+from .commit import ExistingCheckpoint, commit, discard_generation, find_existing, write_catalog
 from .errors import CheckpointExistsError, UnsupportedStateError
 from .io_scheduler.staging import default_pool
-from .io_scheduler.write_pipeline import WriteItem, WritePipeline
+from .io_scheduler.write_pipeline import WriteItem, WritePipeline, WriterReport
 from .options import SaveOptions, SaveOptionsKwargs
 from .save_plan import GlobalPlan, LocalPlan, TensorPlan, plan_save
 from .shards import PerRank, local_pieces
@@ -84,6 +84,13 @@ class LocalObject(NamedTuple):
     encoded: Any
     #: wrapped in PerRank: saved per rank even when every rank has the same value
     per_rank: bool
+
+
+class RankPlan(NamedTuple):
+    """What each rank sends the coordinator: its tensors' boxes and its objects."""
+
+    plan: LocalPlan
+    objects: dict[str, LocalObject]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,14 +181,6 @@ class SaveDecision:
     existing: ExistingCheckpoint | None
 
 
-@dataclasses.dataclass(frozen=True)
-class WriterReport:
-    """What one rank wrote: its fragment rows and its data file (None: nothing to write)."""
-
-    fragments: list[Fragment]
-    file: FileEntry | None
-
-
 class SaveJob:
     """One save, in the steps a synchronous and an asynchronous save share.
 
@@ -197,7 +196,7 @@ class SaveJob:
         coord: Coordinator,
         backend: Backend,
         options: SaveOptions,
-        gathered: list[tuple[LocalPlan, dict[str, LocalObject]]] | None,
+        gathered: list[RankPlan] | None,
         decision: SaveDecision | None,
         save_id: str,
         pipeline: WritePipeline,
@@ -222,7 +221,7 @@ class SaveJob:
         started = time.perf_counter()
         backend = resolve_backend(uri, options.storage_options)
         prepared: _Prepared = run_phase(coord, "preparing the save", _prepare, state, coord.rank, options.allow_pickle)
-        gathered = coord.gather((prepared.plan, prepared.objects))
+        gathered = coord.gather(RankPlan(prepared.plan, prepared.objects))
         decision: SaveDecision | str = decide(
             coord, "planning the save", _coordinate, backend, gathered, options, share=lambda d: d.save_id
         )
@@ -264,8 +263,8 @@ class SaveJob:
     def complete(self) -> SaveInfo:
         coord, backend = self.coord, self.backend
         try:
-            fragments, file_entry = run_phase(coord, "writing data", self.pipeline.finish)
-            reports = coord.gather(WriterReport(fragments, file_entry))
+            mine: WriterReport = run_phase(coord, "writing data", self.pipeline.finish)
+            reports = coord.gather(mine)
             stats = decide(coord, "committing the checkpoint", self._commit, reports)
         except BaseException:
             if coord.is_coordinator:
@@ -273,7 +272,7 @@ class SaveJob:
             raise
         existing = self.decision.existing if self.decision is not None else None
         if existing is not None and existing.manifest is not None:
-            old = live_generation(existing.manifest)
+            old = existing.manifest.generation
             if old != self.generation:
                 discard_generation(backend, old, why="the replaced generation")
         info = SaveInfo(
@@ -287,7 +286,7 @@ class SaveJob:
             seconds=time.perf_counter() - self.started,
             world_size=coord.world_size,
             rank=coord.rank,
-            rank_bytes_written=file_entry.nbytes if file_entry is not None else 0,
+            rank_bytes_written=mine.file.nbytes if mine.file is not None else 0,
         )
         log.info("%s", info)
         return info
@@ -296,7 +295,8 @@ class SaveJob:
         """(coordinator) Catalog rows in save order, the catalog, then the manifest."""
         assert self.gathered is not None and self.decision is not None
         order: dict[str, int] = {}
-        for local_plan, _objs in self.gathered:
+        for rank_plan in self.gathered:
+            local_plan = rank_plan.plan
             for t in local_plan.tensors:
                 order.setdefault(t.fqn, len(order))
         fragments = sorted(
@@ -332,9 +332,7 @@ def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=N
     )
 
 
-def _coordinate(
-    backend: Backend, gathered: list[tuple[LocalPlan, dict[str, LocalObject]]], options: SaveOptions
-) -> SaveDecision:
+def _coordinate(backend: Backend, gathered: list[RankPlan], options: SaveOptions) -> SaveDecision:
     """(coordinator) Check the target, plan the writes, settle the objects."""
     existing = find_existing(backend)
     if existing is not None and not options.overwrite:
@@ -345,9 +343,9 @@ def _coordinate(
         json.dumps(options.user_metadata, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise UnsupportedStateError(f"metadata must be JSON-serialisable: {e}") from None
-    plans = [p for p, _objs in gathered]
+    plans = [g.plan for g in gathered]
     plan: GlobalPlan = plan_save(plans)
-    objects = _decide_objects([objs for _p, objs in gathered])
+    objects = _decide_objects([g.objects for g in gathered])
     if len(plans) > 1:
         share = ", ".join(f"{r}: {b / 2**20:.1f} MiB" for r, b in sorted(plan.bytes_per_rank.items()))
         log.info("save plan: %d tensors, %.1f MiB, bytes per rank {%s}", plan.tensors, plan.total_bytes / 2**20, share)
@@ -362,7 +360,7 @@ def write_rank_data(backend: Backend, data_key: str, rank: int, items: list[Writ
     except BaseException as e:  # noqa: BLE001 - raised by finish()
         pipeline.error = pipeline.error or e
         pipeline.close_queue()
-    return WriterReport(*pipeline.finish())
+    return pipeline.finish()
 
 
 def build_manifest(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -94,17 +94,27 @@ def is_tensor_like(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, TensorShard, FlatShard))
 
 
-def local_pieces(value: Any, fqn: str) -> tuple[tuple[int, ...], torch.dtype, list[Piece], bool]:
-    """(global shape, dtype, pieces, replicated-by-construction) for a tensor-like leaf."""
+class LocalTensor(NamedTuple):
+    """What this rank holds of a tensor-like leaf."""
+
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[Piece]
+    #: a plain tensor: every rank holds all of it
+    replicated: bool
+
+
+def local_pieces(value: Any, fqn: str) -> LocalTensor:
+    """The global shape, dtype and local pieces of a tensor-like leaf."""
     if isinstance(value, TensorShard):
         t = value.local
-        return value.global_shape, t.dtype, [Piece((value.offsets, tuple(t.shape)), t)], False
+        return LocalTensor(value.global_shape, t.dtype, [Piece((value.offsets, tuple(t.shape)), t)], False)
     if isinstance(value, FlatShard):
         t = value.local
         if not t.is_contiguous():
             raise UnsupportedStateError(f"FlatShard at key {fqn!r}: the local tensor must be contiguous")
         if math.prod(value.global_shape) == 0:  # an empty tensor still needs its (empty) box
-            return (
+            return LocalTensor(
                 value.global_shape,
                 t.dtype,
                 [Piece(((0,) * len(value.global_shape), value.global_shape), t.view(value.global_shape))],
@@ -114,7 +124,7 @@ def local_pieces(value: Any, fqn: str) -> tuple[tuple[int, ...], torch.dtype, li
         for (off, lens), pos in flat_range_to_boxes(value.global_shape, value.start, t.numel()):
             n = math.prod(lens)
             pieces.append(Piece((off, lens), t[pos : pos + n].view(lens)))
-        return value.global_shape, t.dtype, pieces, False
+        return LocalTensor(value.global_shape, t.dtype, pieces, False)
     if is_dtensor(value):
         from torch.distributed.tensor import Partial
 
@@ -131,7 +141,9 @@ def local_pieces(value: Any, fqn: str) -> tuple[tuple[int, ...], torch.dtype, li
             raise UnsupportedStateError(
                 f"DTensor at key {fqn!r}: local shape {list(local.shape)} != chunk {list(sizes)}"
             )
-        return tuple(value.shape), value.dtype, [Piece((off, sizes), local)], False
+        return LocalTensor(tuple(value.shape), value.dtype, [Piece((off, sizes), local)], False)
     if isinstance(value, torch.Tensor):
-        return tuple(value.shape), value.dtype, [Piece(((0,) * value.dim(), tuple(value.shape)), value)], True
+        return LocalTensor(
+            tuple(value.shape), value.dtype, [Piece(((0,) * value.dim(), tuple(value.shape)), value)], True
+        )
     raise TypeError(f"not a tensor-like value at {fqn!r}: {type(value).__name__}")

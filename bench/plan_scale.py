@@ -17,7 +17,7 @@ import resource
 import time
 
 from bcp.metadata import Catalog, Fragment
-from bcp.metadata.layout import data_file_key
+from bcp.metadata.layout import data_file_key, generation_name
 from bcp.save_plan import LocalPlan, TensorPlan, plan_save
 
 
@@ -60,7 +60,7 @@ def catalog_bytes(plan, ranks: int, tensors: int, meta: dict) -> int:
                     shape,
                     off,
                     lens,
-                    data_file_key("gen-x", r),
+                    data_file_key(generation_name("x"), r),
                     offset,
                     nbytes,
                     (123456789,) * blocks,

@@ -38,9 +38,16 @@ elif "_pytest" not in sys.modules:  # the folder imported under its own name: a 
     raise ImportError(
         f"this folder is the package bcp.conformance; write `import bcp.conformance`, not `import {__name__}`"
     )
-# else: pytest collecting test_suite.py by its path in a development checkout, where this
-# folder is not inside bcp/ and so gets the name "conformance". It stays an empty
-# package: test_suite.py imports everything it uses from bcp.conformance.
+else:
+    # pytest collecting test_suite.py by its path in a development checkout, where this
+    # folder is not inside bcp/ and so gets the name "conformance". It stays an empty
+    # package (test_suite.py imports everything it uses from bcp.conformance), and
+    # anything asked of it says where to look instead.
+    def __getattr__(name: str) -> object:
+        raise AttributeError(
+            f"{__name__}.{name}: this folder is the package bcp.conformance; use bcp.conformance.{name}"
+        )
+
 
 __all__ = [
     "OBJECT_CONTRACT_GROUPS",

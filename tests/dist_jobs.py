@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import bcp
+from bcp.metadata import MANIFEST_KEY
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 from dataloader_reshard import ShardedSampler, consumed_ids, reshard_sampler_state
@@ -264,7 +265,7 @@ def failing_rank_job(rank: int, world: int, uri: str) -> None:
     finally:
         _os.pwrite = real
     dist.barrier()
-    assert not _os.path.exists(_os.path.join(uri, "manifest.json")), "a failed save committed"
+    assert not _os.path.exists(_os.path.join(uri, MANIFEST_KEY)), "a failed save committed"
     leftovers = [f for _d, _s, fs in _os.walk(uri) for f in fs]
     assert leftovers == [], f"failed save left files: {leftovers}"
 
@@ -282,7 +283,7 @@ def missing_rank_job(rank: int, world: int, uri: str) -> None:
             assert elapsed < 60, f"took {elapsed:.0f} s to notice"
         else:
             raise AssertionError("save returned although rank 1 never joined")
-        assert not os.path.exists(os.path.join(uri, "manifest.json"))
+        assert not os.path.exists(os.path.join(uri, MANIFEST_KEY))
 
 
 def load_as_flat_shards_job(rank: int, world: int, uri: str, ref_path: str) -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import bcp
+from bcp.metadata import MANIFEST_KEY
 
 
 def state_of(seed: int) -> dict:
@@ -43,7 +44,7 @@ def test_errors_are_raised_from_wait(tmp_path, monkeypatch):
     handle = bcp.async_save(state_of(2), str(tmp_path / "ck2"))
     with pytest.raises(bcp.StorageError, match="No space left"):
         handle.wait()
-    assert not (tmp_path / "ck2" / "manifest.json").exists()
+    assert not (tmp_path / "ck2" / MANIFEST_KEY).exists()
     monkeypatch.undo()
     with pytest.raises(bcp.CheckpointExistsError):  # refused while planning, before returning
         bcp.async_save(state_of(3), str(tmp_path / "ck"))

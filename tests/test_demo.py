@@ -4,6 +4,8 @@ import pathlib
 import subprocess
 import sys
 
+from bcp.metadata import MANIFEST_KEY
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -18,6 +20,6 @@ def test_demo_resumes_training_identically(tmp_path):
     assert "training continues identically: yes" in out.stdout
     assert "losses after restart equal the uninterrupted run: yes" in out.stdout, out.stdout
     assert "GB/s" in out.stdout and "tensors" in out.stdout
-    assert (tmp_path / "step4" / "manifest.json").exists()
+    assert (tmp_path / "step4" / MANIFEST_KEY).exists()
     assert "loss continues after resharding 2 -> 3: yes" in out.stdout, out.stdout
-    assert (tmp_path / "fsdp-step" / "manifest.json").exists()
+    assert (tmp_path / "fsdp-step" / MANIFEST_KEY).exists()

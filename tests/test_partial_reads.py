@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import bcp
 from bcp.backends import backend_for
 from bcp.backends.wrappers import FaultInjectingBackend
+from bcp.metadata import MANIFEST_KEY
 
 
 class CountingBackend(FaultInjectingBackend):
@@ -57,7 +58,7 @@ def test_open_read_of_one_tensor_touches_no_other_bytes(uri):
 def test_a_box_reads_exactly_its_bytes(row, rows, col, cols):
     rows, cols = min(rows, 256 - row), min(cols, 128 - col)
     uri = "memory://partial-box/ck"
-    if not backend_for(uri).exists("manifest.json"):
+    if not backend_for(uri).exists(MANIFEST_KEY):
         bcp.save(full_state(), uri)
     want = full_state()["optim"]["m"][row : row + rows, col : col + cols]
     counting = CountingBackend(backend_for(uri))

@@ -218,3 +218,12 @@ def test_layer_folders_cannot_be_imported_a_second_time_from_the_root(name):
     assert f"import bcp.{name}" in run.stderr, run.stderr[-500:]
     ok = subprocess.run([sys.executable, "-c", f"import bcp.{name}"], cwd=ROOT, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr[-500:]
+
+
+def test_conformance_folder_under_pytest_is_an_empty_package_that_points_to_the_real_one():
+    """pytest imports the suite's module by path in a development checkout; the folder
+    is then an empty package whose attributes say where the classes are."""
+    code = "import _pytest, conformance; conformance.BackendContractTests"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "use bcp.conformance.BackendContractTests" in run.stderr, run.stderr[-500:]

@@ -87,6 +87,14 @@ class WriteItem(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class WriterReport:
+    """What one rank wrote: its fragment rows and its data file (None: nothing to write)."""
+
+    fragments: list[Fragment]
+    file: FileEntry | None
+
+
+@dataclasses.dataclass(frozen=True)
 class FileLayout:
     """Where each item of a rank's data file lies."""
 
@@ -371,10 +379,10 @@ class WritePipeline:
 
     # -- any thread ---------------------------------------------------------------------------
 
-    def finish(self) -> tuple[list[Fragment], FileEntry | None]:
+    def finish(self) -> WriterReport:
         """Wait for the writers, make the file durable, return its fragment rows."""
         if not self.items:
-            return [], None
+            return WriterReport([], None)
         for thread in self._threads:
             thread.join()
         self.sources.clear()
@@ -392,7 +400,7 @@ class WritePipeline:
         except BaseException:
             writer.abort()
             raise
-        return fragments, FileEntry(self.data_key, self.size, digest_of_checksums(file_sums))
+        return WriterReport(fragments, FileEntry(self.data_key, self.size, digest_of_checksums(file_sums)))
 
     def abort(self) -> None:
         if self._writer is not None:
