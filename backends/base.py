@@ -31,7 +31,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from types import TracebackType
-from typing import ClassVar, Self
+from typing import Self
 
 from .errors import ObjectExistsError, WriterClosedError
 from .retry import is_transient
@@ -174,8 +174,9 @@ class ObjectWriter(abc.ABC):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         """Abort a writer the block left open, whether it raised or never committed."""
         if self._state is _State.OPEN:
             self.abort()
@@ -185,12 +186,13 @@ class ObjectWriter(abc.ABC):
         own error is the one that propagates."""
         try:
             self.abort()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - logged, so the commit's own error propagates
             log.warning("could not clean up after a failed commit of %r in %s: %s", self.key, self.uri, e)
 
     def _closed(self, action: str) -> WriterClosedError:
-        return WriterClosedError(f"the writer was already {self._state.value}", uri=self.uri, key=self.key,
-                                 action=action)
+        return WriterClosedError(
+            f"the writer was already {self._state.value}", uri=self.uri, key=self.key, action=action
+        )
 
     # -- hooks for subclasses -----------------------------------------------------------
 
@@ -221,13 +223,17 @@ class Backend(abc.ABC):
     and bcp never creates such pairs).
     """
 
+    # scheme, capabilities and network are set per class, and read from the class by the
+    # registry; an instance may shadow them with its own value (wrappers report what they
+    # wrap, a store without conditional writes drops CREATE_ONLY), so they are not ClassVars.
+
     #: URI scheme this class serves by default ("file", "memory", "s3", ...).
-    scheme: ClassVar[str]
-    capabilities: ClassVar[Capability] = Capability.NONE
+    scheme: str
+    capabilities: Capability = Capability.NONE
     #: A network store: :func:`~bcp.backends.backend_for` wraps it in a
     #: :class:`~bcp.backends.wrappers.RetryingBackend` built from the ``retries``,
     #: ``retry_base_delay``, ``retry_max_delay`` and ``retry_deadline`` options.
-    network: ClassVar[bool] = False
+    network: bool = False
 
     def __init__(self, uri: str) -> None:
         self.uri = uri
@@ -326,7 +332,7 @@ class Backend(abc.ABC):
         for key in list(self.list(prefix)):
             self.delete(key)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing to release
         """Release connections or handles. The default holds none."""
 
     def unwrap(self) -> Backend:

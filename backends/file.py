@@ -5,8 +5,9 @@ Writes go to a hidden partial file beside the target, with positional writes
 ``rename`` and an ``fsync`` of the directory, so an object is either complete and
 durable or not there. Page-aligned writes of whole pages use ``O_DIRECT`` (option
 ``direct``, on by default where the filesystem accepts it): it skips the page cache,
-whose first-touch cost made buffered writes 3-4x slower here (docs/benchmarks.md). Create-only writes use ``link(2)``, which fails atomically when
-the name exists. Reads use ``os.preadv`` into the caller's buffer: no Python copies.
+whose first-touch cost made buffered writes 3-4x slower here (docs/benchmarks.md).
+Create-only writes use ``link(2)``, which fails atomically when the name exists.
+Reads use ``os.preadv`` into the caller's buffer: no Python copies.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Self
 from urllib.parse import unquote, urlsplit
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from .errors import ObjectExistsError, annotate
+from .errors import ObjectExistsError, WriterClosedError, annotate
 from .options import as_bool
 
 #: Marks an unfinished write. Keys may not contain it; ``list`` never shows such files.
@@ -332,15 +333,7 @@ class _FileWriter(ObjectWriter):
         self.fd: int | None = None
         self.dfd: int | None = None
         with annotate(backend.uri, key, "opening for write"):
-            for attempt in range(3):
-                backend._make_dirs(os.path.dirname(self.final))
-                try:
-                    self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                    break
-                except FileNotFoundError:
-                    # A concurrent delete pruned the directory we just made: make it again.
-                    if attempt == 2:
-                        raise
+            fd = self.fd = self._create_partial()
             if backend.direct:
                 try:
                     self.dfd = os.open(self.tmp, os.O_WRONLY | os.O_DIRECT)
@@ -350,23 +343,38 @@ class _FileWriter(ObjectWriter):
                         raise
             if size:
                 try:
-                    os.posix_fallocate(self.fd, 0, size)
+                    os.posix_fallocate(fd, 0, size)
                 except OSError as e:  # tmpfs, some network filesystems cannot preallocate
                     if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
                         self.abort()
                         raise
 
+    def _create_partial(self) -> int:
+        """Create the partial file (and its directory); its descriptor."""
+        attempts_left = 3
+        while True:
+            self.backend._make_dirs(os.path.dirname(self.final))
+            try:
+                return os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:
+                # A concurrent delete pruned the directory we just made: make it again.
+                attempts_left -= 1
+                if not attempts_left:
+                    raise
+
     def _write_at(self, offset: int, data: Buffer) -> None:
+        fd, dfd = self.fd, self.dfd
+        if fd is None:  # closed by a commit or abort that raced this write
+            raise WriterClosedError("the partial file was already closed", uri=self.uri, key=self.key, action="writing")
         view = memoryview(data).cast("B")
-        split = direct_split(view, offset) if self.dfd is not None else None
         with annotate(self.backend.uri, self.key, "writing"):
-            if split is None:
-                self._pwrite(self.fd, view, offset)
+            if dfd is None or (split := direct_split(view, offset)) is None:
+                self._pwrite(fd, view, offset)
                 return
             head, middle = split
-            self._pwrite(self.fd, view[:head], offset)  # partial pages go through the page cache
-            self._pwrite(self.dfd, view[head : head + middle], offset + head)
-            self._pwrite(self.fd, view[head + middle :], offset + head + middle)
+            self._pwrite(fd, view[:head], offset)  # partial pages go through the page cache
+            self._pwrite(dfd, view[head : head + middle], offset + head)
+            self._pwrite(fd, view[head + middle :], offset + head + middle)
 
     @staticmethod
     def _pwrite(fd: int, view: memoryview, offset: int) -> None:

@@ -55,17 +55,30 @@ class GCSBackend(ObjectStoreBackend):
     scheme = "gs"
     default_retry_attempts = 2  # gcsfs already retries every request (see module notes)
 
-    def __init__(self, uri: str, bucket: str, root: str, fs: gcsfs.GCSFileSystem, *, api_base: str, part_size: int,
-                 concurrency: int, conditional_writes: bool) -> None:
-        super().__init__(uri, bucket, root, fs, part_size=part_size, concurrency=concurrency,
-                         conditional_writes=conditional_writes)
+    def __init__(
+        self,
+        uri: str,
+        bucket: str,
+        root: str,
+        fs: gcsfs.GCSFileSystem,
+        *,
+        api_base: str,
+        part_size: int,
+        concurrency: int,
+        conditional_writes: bool,
+    ) -> None:
+        super().__init__(
+            uri, bucket, root, fs, part_size=part_size, concurrency=concurrency, conditional_writes=conditional_writes
+        )
         self.api_base = api_base
 
     @classmethod
     def from_uri(cls, uri: str, **options: Any) -> Self:
         if {"token", "credentials", "key"} & set(options):
-            raise TypeError("credentials are not accepted as options; use GOOGLE_APPLICATION_CREDENTIALS, "
-                            "gcloud application-default login or the metadata server (or anon=true)")
+            raise TypeError(
+                "credentials are not accepted as options; use GOOGLE_APPLICATION_CREDENTIALS, "
+                "gcloud application-default login or the metadata server (or anon=true)"
+            )
         bucket, root = split_bucket_uri(uri, store="GCS", scheme="gs")
         project = options.pop("project", None)
         common = pop_store_options(options, default_part=DEFAULT_PART)
@@ -81,10 +94,19 @@ class GCSBackend(ObjectStoreBackend):
             raise ValueError(f"{uri!r}: {UPLOADS} is reserved for bcp's temporary upload parts")
         clean = f"gs://{bucket}/{root}".rstrip("/")
         emulator = os.environ.get("STORAGE_EMULATOR_HOST", "")
-        api_base = (common.endpoint_url
-                    or (emulator if emulator not in ("", "default") else "https://storage.googleapis.com"))
-        return cls(clean, bucket, root, fs, api_base=api_base.rstrip("/"), part_size=common.part_size,
-                   concurrency=common.concurrency, conditional_writes=common.conditional_writes)
+        api_base = common.endpoint_url or (
+            emulator if emulator not in ("", "default") else "https://storage.googleapis.com"
+        )
+        return cls(
+            clean,
+            bucket,
+            root,
+            fs,
+            api_base=api_base.rstrip("/"),
+            part_size=common.part_size,
+            concurrency=common.concurrency,
+            conditional_writes=common.conditional_writes,
+        )
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -100,20 +122,29 @@ class GCSBackend(ObjectStoreBackend):
         expected = crc32c_b64(payload)
         extra = {"ifGenerationMatch": "0"} if if_absent else {}
         headers, _ = self.fs.call(
-            "POST", f"{self.api_base}/upload/storage/v1/b/{quote(self.bucket)}/o", uploadType="resumable",
-            name=name, json={"name": name, "crc32c": expected},
-            headers={"X-Upload-Content-Type": "application/octet-stream"}, **extra,
+            "POST",
+            f"{self.api_base}/upload/storage/v1/b/{quote(self.bucket)}/o",
+            uploadType="resumable",
+            name=name,
+            json={"name": name, "crc32c": expected},
+            headers={"X-Upload-Content-Type": "application/octet-stream"},
+            **extra,
         )
         location = headers["Location"]
         span = f"bytes 0-{len(payload) - 1}/{len(payload)}" if payload else "bytes */0"
-        _, body = self.fs.call("PUT", location, data=payload,
-                               headers={"Content-Range": span, "Content-Type": "application/octet-stream"})
+        _, body = self.fs.call(
+            "PUT", location, data=payload, headers={"Content-Range": span, "Content-Type": "application/octet-stream"}
+        )
         out = json.loads(body) if body else {}
         got = out.get("crc32c")
         if got is not None and got != expected:
             self._delete_name(name)
-            raise TransientError(f"CRC32C mismatch after upload (sent {expected}, stored {got}): corrupted in "
-                                 "transit", uri=self.uri, key=name, action="uploading")
+            raise TransientError(
+                f"CRC32C mismatch after upload (sent {expected}, stored {got}): corrupted in transit",
+                uri=self.uri,
+                key=name,
+                action="uploading",
+            )
         return out
 
     def compose(self, target: str, sources: list[str]) -> None:
@@ -126,7 +157,7 @@ class GCSBackend(ObjectStoreBackend):
 
     # -- ObjectStoreBackend hooks ----------------------------------------------------------------
 
-    def _new_writer(self, key: str, size: int | None) -> PartWriter:
+    def _new_writer(self, key: str, size: int | None) -> PartWriter[GCSBackend]:
         return _ComposeWriter(self, key, size)
 
     @property
@@ -188,7 +219,7 @@ class GCSBackend(ObjectStoreBackend):
         return list(self._list_names(self.base + UPLOADS + "/"))
 
 
-class _ComposeWriter(PartWriter):
+class _ComposeWriter(PartWriter[GCSBackend]):
     """One upload at commit for a single-part object; otherwise parts as temporary
     objects, composed at commit."""
 

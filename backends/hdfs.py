@@ -35,8 +35,9 @@ class ArrowFsBackend(StreamedFileBackend):
 
     scheme = "arrow"
 
-    def __init__(self, uri: str, fs: pafs.FileSystem, root: str, *, part_size: int = DEFAULT_PART,
-                 concurrency: int = 4) -> None:
+    def __init__(
+        self, uri: str, fs: pafs.FileSystem, root: str, *, part_size: int = DEFAULT_PART, concurrency: int = 4
+    ) -> None:
         super().__init__(uri, root, part_size=part_size, concurrency=concurrency)
         self.fs = fs
 

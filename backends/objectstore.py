@@ -49,8 +49,9 @@ def pop_store_options(options: dict[str, Any], *, default_part: int) -> StoreOpt
     part_size = as_size("part_size", options.pop("part_size", default_part))
     concurrency = as_int("concurrency", options.pop("concurrency", 8), minimum=1)
     conditional = as_bool("conditional_writes", options.pop("conditional_writes", True))
-    return StoreOptions(endpoint_url=endpoint, anon=anon, part_size=part_size, concurrency=concurrency,
-                        conditional_writes=conditional)
+    return StoreOptions(
+        endpoint_url=endpoint, anon=anon, part_size=part_size, concurrency=concurrency, conditional_writes=conditional
+    )
 
 
 class ObjectStoreBackend(Backend):
@@ -60,8 +61,9 @@ class ObjectStoreBackend(Backend):
     network = True
     capabilities = Capability.RANGED_READ | Capability.PARALLEL_WRITES | Capability.CREATE_ONLY
 
-    def __init__(self, uri: str, bucket: str, root: str, fs: Any, *, part_size: int, concurrency: int,
-                 conditional_writes: bool) -> None:
+    def __init__(
+        self, uri: str, bucket: str, root: str, fs: Any, *, part_size: int, concurrency: int, conditional_writes: bool
+    ) -> None:
         super().__init__(uri)
         self.bucket, self.root, self.fs = bucket, root, fs
         self.part_size, self.concurrency, self.conditional_writes = part_size, concurrency, conditional_writes
@@ -84,7 +86,7 @@ class ObjectStoreBackend(Backend):
     # -- hooks for subclasses -----------------------------------------------------------------
 
     @abc.abstractmethod
-    def _new_writer(self, key: str, size: int | None) -> PartWriter:
+    def _new_writer(self, key: str, size: int | None) -> PartWriter[Any]:
         """The part writer for ``key`` (already validated)."""
 
     @property
@@ -162,7 +164,7 @@ class ObjectStoreBackend(Backend):
         base = self.base
         for name in self._list_names(base + prefix):
             if not self._hidden(name):
-                yield name[len(base):]
+                yield name[len(base) :]
 
     def delete(self, key: str) -> None:
         with annotate(self.uri, key, "deleting"):

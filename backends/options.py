@@ -52,8 +52,10 @@ def check_part_size(part_size: int, *, minimum: int, maximum: int = 32 << 20, mu
     """ValueError unless ``part_size`` is within the store's bounds and a multiple of
     ``multiple`` (the part-writing backends share these limits' shape)."""
     if not minimum <= part_size <= maximum or part_size % multiple:
-        raise ValueError(f"option part_size={part_size}: must be {_size_label(minimum)}..{_size_label(maximum)} "
-                         f"and a multiple of {_size_label(multiple)}")
+        raise ValueError(
+            f"option part_size={part_size}: must be {_size_label(minimum)}..{_size_label(maximum)} "
+            f"and a multiple of {_size_label(multiple)}"
+        )
 
 
 def reject_unknown(kind: str, uri: str, options: dict) -> None:

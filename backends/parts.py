@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import base64
 import threading
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import crc32c
 
@@ -26,7 +26,11 @@ def crc32c_b64(data: Buffer) -> str:
     return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
 
 
-class PartWriter(ObjectWriter):
+#: The store a part writer uploads to (its subclass: the requests are the store's own).
+B = TypeVar("B", bound=Backend)
+
+
+class PartWriter(ObjectWriter, Generic[B]):
     """Subclasses implement ``upload_part``, ``complete``, ``put_whole`` and ``discard``.
 
     A commit may be repeated: after a success it is a no-op (its answer may have been
@@ -36,9 +40,10 @@ class PartWriter(ObjectWriter):
     idempotent_commit = True
     retryable_commit = True
 
-    def __init__(self, backend: Backend, key: str, size: int | None, part_size: int) -> None:
+    def __init__(self, backend: B, key: str, size: int | None, part_size: int) -> None:
         super().__init__(backend.uri, key)
-        self.backend, self.size, self.part = backend, size, part_size
+        self.backend: B = backend
+        self.size, self.part = size, part_size
         self._lock = threading.Lock()
         self._parts: dict[int, tuple[int, Any]] = {}  # part index -> (end offset, what upload_part returned)
         self._single: bytes | None = None
@@ -89,8 +94,12 @@ class PartWriter(ObjectWriter):
         end = self._parts[indices[-1]][0]
         if indices != list(range(len(indices))) or (self.size is not None and end != self.size):
             # Not transient, so the lifecycle aborts the writer (and discards the parts).
-            raise StorageError(f"parts do not cover the object (parts {indices[:5]}..., end {end}, expected size "
-                               f"{self.size})", uri=self.backend.uri, key=self.key, action="committing")
+            raise StorageError(
+                f"parts do not cover the object (parts {indices[:5]}..., end {end}, expected size {self.size})",
+                uri=self.backend.uri,
+                key=self.key,
+                action="committing",
+            )
         with annotate(self.backend.uri, self.key, "committing"):
             self.complete([self._parts[i][1] for i in indices], end)
         self._parts = {}

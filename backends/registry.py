@@ -12,10 +12,12 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
+import os
 import re
 import threading
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from .base import Backend
@@ -68,7 +70,7 @@ def _load_entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     global _entry_points
     with _lock:
         if _entry_points is None:
-            found = {}
+            found: dict[str, importlib.metadata.EntryPoint] = {}
             for ep in importlib.metadata.entry_points(group="bcp.backends"):
                 found.setdefault(ep.name.lower(), ep)
             _entry_points = found
@@ -114,7 +116,8 @@ def get_backend_class(scheme: str, *, uri: str | None = None) -> type[Backend]:
             dist = getattr(ep, "dist", None)
             origin = f" from distribution {dist.name!r}" if dist is not None else ""
             raise ImportError(
-                f"backend plugin entry point {ep.name!r} = {ep.value!r}{origin} (group bcp.backends) failed to load: {e}"
+                f"backend plugin entry point {ep.name!r} = {ep.value!r}{origin} (group bcp.backends) "
+                f"failed to load: {e}"
             ) from e
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
             raise TypeError(f"entry point {ep.name!r} = {ep.value!r} is not a bcp.backends.Backend subclass")
@@ -124,9 +127,9 @@ def get_backend_class(scheme: str, *, uri: str | None = None) -> type[Backend]:
     raise ValueError(f"unknown storage scheme {scheme!r}{where}; registered schemes: {known}")
 
 
-def backend_for(uri: str, **options) -> Backend:
-    """Build the backend for ``uri``. Query parameters become options; keyword
-    arguments override them."""
+def backend_for(uri: str | os.PathLike[str], **options: Any) -> Backend:
+    """Build the backend for ``uri`` (a URI, or a local path as a string or path object).
+    Query parameters become options; keyword arguments override them."""
     if not isinstance(uri, str):
         uri = str(uri)  # os.PathLike
     scheme, _ = split_scheme(uri)

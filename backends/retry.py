@@ -19,7 +19,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 # TransientError lives in .errors; importing it here keeps bcp.backends.retry.TransientError working.
 from .errors import ObjectExistsError, ObjectNotFoundError, StorageError, TransientError
@@ -31,17 +31,40 @@ T = TypeVar("T")
 #: errno values that mean "try again": throttled/busy (s3fs maps 503 SlowDown to
 #: EBUSY), remote I/O error (HTTP 500), timeouts and dropped connections.
 TRANSIENT_ERRNOS = frozenset(
-    {errno.EBUSY, errno.EAGAIN, errno.EREMOTEIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
-     errno.ECONNREFUSED, errno.EPIPE, errno.ENETUNREACH, errno.EHOSTUNREACH}
+    {
+        errno.EBUSY,
+        errno.EAGAIN,
+        errno.EREMOTEIO,
+        errno.ETIMEDOUT,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.ECONNREFUSED,
+        errno.EPIPE,
+        errno.ENETUNREACH,
+        errno.EHOSTUNREACH,
+    }
 )
 
 #: Exception class names (from botocore, aiohttp, urllib3, requests, gcsfs) that are
 #: transient. Matched by name so this module needs none of those packages.
 TRANSIENT_NAMES = frozenset(
-    {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
-     "ResponseStreamingError", "IncompleteReadError", "ClientPayloadError", "ServerDisconnectedError",
-     "ClientConnectorError", "ClientOSError", "ServerTimeoutError", "ProtocolError", "ChunkedEncodingError",
-     "ProxyError", "TransientError"}
+    {
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "ResponseStreamingError",
+        "IncompleteReadError",
+        "ClientPayloadError",
+        "ServerDisconnectedError",
+        "ClientConnectorError",
+        "ClientOSError",
+        "ServerTimeoutError",
+        "ProtocolError",
+        "ChunkedEncodingError",
+        "ProxyError",
+        "TransientError",
+    }
 )
 
 #: HTTP status codes worth retrying (gcsfs' HttpError carries ``code``).
@@ -51,19 +74,20 @@ TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` (or an error it was raised from) is worth retrying."""
     seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, (ObjectNotFoundError, ObjectExistsError, PermissionError)):
+    current: BaseException | None = exc  # then the error it was raised from, and so on
+    while current is not None and seen < 8:
+        if isinstance(current, (ObjectNotFoundError, ObjectExistsError, PermissionError)):
             return False
-        if isinstance(exc, (TransientError, TimeoutError, ConnectionError)):
+        if isinstance(current, (TransientError, TimeoutError, ConnectionError)):
             return True
-        if type(exc).__name__ in TRANSIENT_NAMES:
+        if type(current).__name__ in TRANSIENT_NAMES:
             return True
-        if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
+        if isinstance(current, OSError) and current.errno in TRANSIENT_ERRNOS:
             return True
-        code = getattr(exc, "code", None)
+        code = getattr(current, "code", None)
         if isinstance(code, int) and code in TRANSIENT_STATUS:
             return True
-        exc = exc.__cause__ or exc.__context__
+        current = current.__cause__ or current.__context__
         seen += 1
     return False
 
@@ -91,8 +115,16 @@ class RetryPolicy:
     def delay(self, attempt: int) -> float:
         return random.uniform(0.0, min(self.max_delay, self.base_delay * (2 ** (attempt - 1))))
 
-    def call(self, fn: Callable[[], T], *, uri: str, key: str, action: str,
-             transient: Callable[[BaseException], bool] = is_transient, sleep=time.sleep) -> T:
+    def call(
+        self,
+        fn: Callable[[], T],
+        *,
+        uri: str,
+        key: str,
+        action: str,
+        transient: Callable[[BaseException], bool] = is_transient,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> T:
         """Run ``fn`` until it succeeds, fails permanently, or the budget is spent.
 
         A permanent error propagates unchanged (the backend wraps it); running out
@@ -109,25 +141,42 @@ class RetryPolicy:
                 elapsed = time.monotonic() - start
                 if attempt >= self.attempts or elapsed >= self.deadline:
                     raise StorageError(
-                        f"gave up after {attempt} attempt(s) over {elapsed:.1f} s; last error: "
-                        f"{type(e).__name__}: {e}",
-                        uri=uri, key=key, action=action,
+                        f"gave up after {attempt} attempt(s) over {elapsed:.1f} s; last error: {type(e).__name__}: {e}",
+                        uri=uri,
+                        key=key,
+                        action=action,
                     ) from e
                 pause = min(self.delay(attempt), max(self.deadline - elapsed, 0.0))
-                log.info("%s %r in %s failed (%s: %s); attempt %d of %d in %.2f s",
-                         action, key, uri, type(e).__name__, e, attempt + 1, self.attempts, pause)
+                log.info(
+                    "%s %r in %s failed (%s: %s); attempt %d of %d in %.2f s",
+                    action,
+                    key,
+                    uri,
+                    type(e).__name__,
+                    e,
+                    attempt + 1,
+                    self.attempts,
+                    pause,
+                )
                 sleep(pause)
                 attempt += 1
 
 
-def policy_from_options(options: dict, *, default_attempts: int | None = None) -> RetryPolicy:
+def policy_from_options(options: dict[str, Any], *, default_attempts: int | None = None) -> RetryPolicy:
     """Pop ``retries`` (attempts after the first), ``retry_base_delay``,
     ``retry_max_delay`` and ``retry_deadline`` from URI/keyword options."""
-    kw = {} if default_attempts is None else {"attempts": default_attempts}
+    defaults = RetryPolicy()
+    attempts = defaults.attempts if default_attempts is None else default_attempts
     if "retries" in options:
-        kw["attempts"] = int(options.pop("retries")) + 1
-    for name, field in (("retry_base_delay", "base_delay"), ("retry_max_delay", "max_delay"),
-                        ("retry_deadline", "deadline")):
-        if name in options:
-            kw[field] = float(options.pop(name))
-    return RetryPolicy(**kw)
+        attempts = int(options.pop("retries")) + 1
+
+    def pop_float(name: str, default: float) -> float:
+        return float(options.pop(name)) if name in options else default
+
+    # Keyword arguments are evaluated in order: the options are popped, and fail, in this order.
+    return RetryPolicy(
+        attempts=attempts,
+        base_delay=pop_float("retry_base_delay", defaults.base_delay),
+        max_delay=pop_float("retry_max_delay", defaults.max_delay),
+        deadline=pop_float("retry_deadline", defaults.deadline),
+    )

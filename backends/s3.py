@@ -37,8 +37,16 @@ DEFAULT_PART = 32 << 20
 #: A single PUT up to this size; larger whole-object writes go multipart.
 SINGLE_PUT_MAX = 64 << 20
 
-_CREDENTIAL_OPTIONS = {"key", "secret", "token", "aws_access_key_id", "aws_secret_access_key",
-                       "aws_session_token", "access_key", "secret_key"}
+_CREDENTIAL_OPTIONS = {
+    "key",
+    "secret",
+    "token",
+    "aws_access_key_id",
+    "aws_secret_access_key",
+    "aws_session_token",
+    "access_key",
+    "secret_key",
+}
 
 
 class S3Backend(ObjectStoreBackend):
@@ -52,10 +60,21 @@ class S3Backend(ObjectStoreBackend):
 
     scheme = "s3"
 
-    def __init__(self, uri: str, bucket: str, root: str, fs: s3fs.S3FileSystem, *, part_size: int,
-                 concurrency: int, checksum: bool, conditional_writes: bool) -> None:
-        super().__init__(uri, bucket, root, fs, part_size=part_size, concurrency=concurrency,
-                         conditional_writes=conditional_writes)
+    def __init__(
+        self,
+        uri: str,
+        bucket: str,
+        root: str,
+        fs: s3fs.S3FileSystem,
+        *,
+        part_size: int,
+        concurrency: int,
+        checksum: bool,
+        conditional_writes: bool,
+    ) -> None:
+        super().__init__(
+            uri, bucket, root, fs, part_size=part_size, concurrency=concurrency, conditional_writes=conditional_writes
+        )
         self.checksum = checksum
 
     @classmethod
@@ -87,12 +106,26 @@ class S3Backend(ObjectStoreBackend):
             "request_checksum_calculation": "when_required",
             "response_checksum_validation": "when_required",
         }
-        fs = s3fs.S3FileSystem(anon=common.anon, profile=profile, client_kwargs=client_kwargs, config_kwargs=config,
-                               use_listings_cache=False, max_concurrency=common.concurrency)  # cached per options
+        fs = s3fs.S3FileSystem(
+            anon=common.anon,
+            profile=profile,
+            client_kwargs=client_kwargs,
+            config_kwargs=config,
+            use_listings_cache=False,
+            max_concurrency=common.concurrency,
+        )  # cached per options
         fs.retries = 1
         clean = f"s3://{bucket}/{root}".rstrip("/")
-        return cls(clean, bucket, root, fs, part_size=common.part_size, concurrency=common.concurrency,
-                   checksum=checksum == "crc32c", conditional_writes=common.conditional_writes)
+        return cls(
+            clean,
+            bucket,
+            root,
+            fs,
+            part_size=common.part_size,
+            concurrency=common.concurrency,
+            checksum=checksum == "crc32c",
+            conditional_writes=common.conditional_writes,
+        )
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -110,7 +143,7 @@ class S3Backend(ObjectStoreBackend):
 
     # -- ObjectStoreBackend hooks ----------------------------------------------------------------
 
-    def _new_writer(self, key: str, size: int | None) -> PartWriter:
+    def _new_writer(self, key: str, size: int | None) -> PartWriter[S3Backend]:
         return _S3Writer(self, key, size)
 
     @property
@@ -169,9 +202,12 @@ class S3Backend(ObjectStoreBackend):
             errors = out.get("Errors") or []
             if errors:
                 first = errors[0]
-                raise StorageError(f"{len(errors)} object(s) not deleted; first: {first.get('Code')} "
-                                   f"{first.get('Message')}", uri=self.uri, key=first.get("Key", prefix),
-                                   action="deleting")
+                raise StorageError(
+                    f"{len(errors)} object(s) not deleted; first: {first.get('Code')} {first.get('Message')}",
+                    uri=self.uri,
+                    key=first.get("Key", prefix),
+                    action="deleting",
+                )
         self.abort_uploads(prefix)
 
     def abort_uploads(self, prefix: str = "") -> int:
@@ -192,13 +228,15 @@ class S3Backend(ObjectStoreBackend):
     def _uploads(self, prefix: str) -> list[dict]:
         with annotate(self.uri, prefix, "listing uploads"):
             try:
-                return self.call("list_multipart_uploads", Bucket=self.bucket,
-                                 Prefix=self.base + prefix).get("Uploads") or []
+                return (
+                    self.call("list_multipart_uploads", Bucket=self.bucket, Prefix=self.base + prefix).get("Uploads")
+                    or []
+                )
             except FileNotFoundError:  # rclone answers 404 for a prefix with nothing under it
                 return []
 
 
-class _S3Writer(PartWriter):
+class _S3Writer(PartWriter[S3Backend]):
     """A small object is one PUT at commit; anything of a full part or more is a
     multipart upload started by the first part and completed at commit."""
 
@@ -224,8 +262,13 @@ class _S3Writer(PartWriter):
         if number > MAX_PARTS:
             raise ValueError(f"{self.key!r} needs more than {MAX_PARTS} parts of {self.part} bytes; raise part_size")
         b = self.backend
-        kwargs = {"Bucket": b.bucket, "Key": b._key(self.key), "UploadId": self._start(), "PartNumber": number,
-                  "Body": bytes(data)}
+        kwargs = {
+            "Bucket": b.bucket,
+            "Key": b._key(self.key),
+            "UploadId": self._start(),
+            "PartNumber": number,
+            "Body": bytes(data),
+        }
         if b.checksum:
             kwargs["ChecksumCRC32C"] = crc32c_b64(data)
             kwargs["ChecksumAlgorithm"] = "CRC32C"
@@ -241,8 +284,13 @@ class _S3Writer(PartWriter):
     def complete(self, entries: list[dict], size: int) -> None:
         b = self.backend
         try:
-            b.call("complete_multipart_upload", Bucket=b.bucket, Key=b._key(self.key), UploadId=self._upload_id,
-                   MultipartUpload={"Parts": entries})
+            b.call(
+                "complete_multipart_upload",
+                Bucket=b.bucket,
+                Key=b._key(self.key),
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": entries},
+            )
         except FileNotFoundError:
             # NoSuchUpload: a retried complete whose first attempt succeeded.
             if b.size(self.key) != size:

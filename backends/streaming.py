@@ -5,8 +5,9 @@ writes at offsets. :class:`StreamingWriter` takes ``write_at`` calls in any orde
 writes those that continue the stream at once, and holds copies of those that arrive
 early until the gap before them is filled (backends using it declare a
 ``part_size`` hint, so the engine writes whole contiguous parts and only the few
-parts in flight can arrive early); gaps nobody fills read back as zeros. The stream goes to a hidden temporary name beside the
-final one; ``commit`` closes it and renames it into place, ``abort`` deletes it.
+parts in flight can arrive early); gaps nobody fills read back as zeros. The stream
+goes to a hidden temporary name beside the final one; ``commit`` closes it and
+renames it into place, ``abort`` deletes it.
 
 :class:`StreamedFileBackend` is the rest of what such stores share (paths below a
 root, listing that hides partial files, deleting a directory prefix whole); the
@@ -76,43 +77,47 @@ class StreamingWriter(ObjectWriter):
 
     # -- ObjectWriter hooks -------------------------------------------------------------------
 
+    def _open(self) -> Stream:
+        """The stream, opened by the first write or the commit. Call with the lock held."""
+        if self._stream is None:
+            self._stream = self.open_stream()
+        return self._stream
+
     def _write_at(self, offset: int, data: Buffer) -> None:
         with self._lock:
-            if self._stream is None:
-                self._stream = self.open_stream()
+            stream = self._open()
             if offset < self._position or offset in self._early:
                 raise ValueError(f"overlapping write of {self.key!r} at offset {offset}")
             if offset > self._position:
                 self._early[offset] = bytes(data)  # bounded: the caller has few writes in flight
                 return
-            self._emit(data)
-            self._drain()
+            self._emit(stream, data)
+            self._drain(stream)
 
-    def _emit(self, data: Buffer) -> None:
+    def _emit(self, stream: Stream, data: Buffer) -> None:
         if len(data):
-            self._stream.write(data)
+            stream.write(data)
             self._position += len(data)
 
-    def _drain(self) -> None:
+    def _drain(self, stream: Stream) -> None:
         while self._early:
             nxt = min(self._early)
             if nxt > self._position:
                 return
-            self._emit(self._early.pop(nxt))
+            self._emit(stream, self._early.pop(nxt))
 
     def _commit(self) -> None:
         with self._lock:
-            if self._stream is None:
-                self._stream = self.open_stream()
+            stream = self._open()
             # Gaps the caller never wrote (alignment padding) read back as zeros.
             while self._early:
                 nxt = min(self._early)
                 if nxt > self._position:
-                    self._emit(bytes(nxt - self._position))
-                self._drain()
+                    self._emit(stream, bytes(nxt - self._position))
+                self._drain(stream)
             if self.size is not None and self._position < self.size:
-                self._emit(bytes(self.size - self._position))
-            stream, self._stream = self._stream, None
+                self._emit(stream, bytes(self.size - self._position))
+            self._stream = None
         try:
             stream.close()
             self.publish()
@@ -212,7 +217,7 @@ class StreamedFileBackend(Backend):
             found = self._find_files(want.rpartition("/")[0])
         for path in found:
             if path.startswith(want) and not path.rpartition("/")[2].startswith(PARTIAL_PREFIX):
-                yield path[len(base):]
+                yield path[len(base) :]
 
     def delete(self, key: str) -> None:
         with annotate(self.uri, key, "deleting"):

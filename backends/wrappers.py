@@ -25,7 +25,7 @@ class ForwardingBackend(Backend):
     def __init__(self, inner: Backend) -> None:
         super().__init__(inner.uri)
         self.inner = inner
-        self.capabilities = inner.capabilities  # instance attribute shadows the ClassVar
+        self.capabilities = inner.capabilities  # instance attributes shadow the class defaults
         self.scheme = inner.scheme
         self.network = getattr(inner, "network", False)
 
@@ -183,8 +183,17 @@ class FaultInjectingBackend(ForwardingBackend):
 
     ACTIONS = frozenset({"read", "size", "list", "delete", "exists", "write", "commit", "open"})
 
-    def __init__(self, inner: Backend, *, fail_every: int = 0, actions=ACTIONS, fail_after: bool = False,
-                 latency: float = 0.0, truncate_every: int = 0, permanent: bool = False) -> None:
+    def __init__(
+        self,
+        inner: Backend,
+        *,
+        fail_every: int = 0,
+        actions=ACTIONS,
+        fail_after: bool = False,
+        latency: float = 0.0,
+        truncate_every: int = 0,
+        permanent: bool = False,
+    ) -> None:
         super().__init__(inner)
         unknown = set(actions) - self.ACTIONS
         if unknown:

@@ -279,8 +279,13 @@ def test_large_reads_at_any_alignment_return_the_right_bytes(tmp_path, cold):
     backend.write("big.bin", data)
     path = tmp_path / "store" / "big.bin"
     arena = _mmap.mmap(-1, 16 << 20)  # page-aligned, so we can pick the memory phase
-    for offset, phase, length in [(0, 0, 5 << 20), (4096 * 3 + 64, 64, 6 << 20), (12345, 777, 5 << 20),
-                                  (100, 0, (12 << 20) - 100), ((12 << 20) - (4 << 20) - 5, 4091, 4 << 20)]:
+    for offset, phase, length in [
+        (0, 0, 5 << 20),
+        (4096 * 3 + 64, 64, 6 << 20),
+        (12345, 777, 5 << 20),
+        (100, 0, (12 << 20) - 100),
+        ((12 << 20) - (4 << 20) - 5, 4091, 4 << 20),
+    ]:
         if cold:
             fd = _os.open(path, _os.O_RDONLY)
             _os.posix_fadvise(fd, 0, 0, _os.POSIX_FADV_DONTNEED)

@@ -5,13 +5,19 @@ filesystems (the HDFS backend's code path). Servers start in conftest fixtures.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import uuid
+from collections.abc import Iterator
 
-import dist_jobs
 import pyarrow.fs as pafs
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import bcp
+import dist_jobs
 from bcp.backends import (
     Backend,
     Capability,
@@ -27,10 +33,9 @@ from bcp.backends.retry import RetryPolicy, is_transient
 from bcp.backends.s3 import S3Backend
 from bcp.backends.wrappers import FaultInjectingBackend, RetryingBackend
 from bcp.conformance import BackendContractTests
+from bcp.metadata.layout import GENERATION_PREFIX, generation_of
 from conftest import new_bucket, store_uri
 from servers import SECRET_KEY
-
-import bcp
 
 MiB = 1 << 20
 
@@ -68,25 +73,28 @@ class _S3Raw:
 class TestMotoContract(_S3Raw, BackendContractTests):
     @pytest.fixture
     def backend(self, moto_server, moto_bucket):
-        yield backend_for(store_uri("moto", moto_server, moto_bucket, uuid.uuid4().hex))
+        return backend_for(store_uri("moto", moto_server, moto_bucket, uuid.uuid4().hex))
 
 
 class TestRcloneContract(_S3Raw, BackendContractTests):
     @pytest.fixture
     def backend(self, rclone_server, rclone_bucket):
-        yield backend_for(store_uri("rclone", rclone_server, rclone_bucket, uuid.uuid4().hex))
+        return backend_for(store_uri("rclone", rclone_server, rclone_bucket, uuid.uuid4().hex))
 
     def test_overwrite_is_atomic_for_concurrent_readers(self, backend):
-        pytest.skip("rclone serve s3 (local directory) rewrites an object in place: a reader racing an overwrite "
-                    "can see it empty or half written. Measured by this suite; bcp overwrites only a manifest, "
-                    "and only with overwrite=True.")
+        pytest.skip(
+            "rclone serve s3 (local directory) rewrites an object in place: a reader racing an overwrite "
+            "can see it empty or half written. Measured by this suite; bcp overwrites only a manifest, "
+            "and only with overwrite=True."
+        )
 
 
 class TestGCSContract(BackendContractTests):
     @pytest.fixture
     def backend(self, gcs_server, gcs_bucket):
-        yield backend_for(store_uri("gcs", gcs_server, gcs_bucket, uuid.uuid4().hex, part_size="256KiB",
-                                    conditional_writes="false"))
+        return backend_for(
+            store_uri("gcs", gcs_server, gcs_bucket, uuid.uuid4().hex, part_size="256KiB", conditional_writes="false")
+        )
 
     def raw_put(self, backend, key, data):
         g = backend.unwrap()
@@ -120,8 +128,9 @@ class TestArrowLocalContract(BackendContractTests):
     @pytest.fixture
     def backend(self, tmp_path):
         (tmp_path / "root").mkdir()
-        yield ArrowFsBackend(f"arrow://{tmp_path}/root", pafs.LocalFileSystem(), str(tmp_path / "root"),
-                             part_size=64 << 10)
+        return ArrowFsBackend(
+            f"arrow://{tmp_path}/root", pafs.LocalFileSystem(), str(tmp_path / "root"), part_size=64 << 10
+        )
 
     def raw_put(self, backend, key, data):
         path = f"{backend.root}/{key}"
@@ -152,8 +161,7 @@ def store(request, tmp_path):
     """A checkpoint URI factory on one store."""
     kind = request.param
     if kind in ("moto", "rclone", "gcs"):
-        server = request.getfixturevalue({"moto": "moto_server", "rclone": "rclone_server",
-                                          "gcs": "gcs_server"}[kind])
+        server = request.getfixturevalue({"moto": "moto_server", "rclone": "rclone_server", "gcs": "gcs_server"}[kind])
         bucket = request.getfixturevalue(f"{kind}_bucket")
         extra = {"conditional_writes": "false"} if kind == "gcs" else {}
         return lambda name: store_uri(kind, server, bucket, f"{uuid.uuid4().hex}/{name}", **extra)
@@ -175,15 +183,25 @@ def _state() -> dict:
 
 def _template() -> dict:
     s = _state()
-    return {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else
-                [torch.zeros_like(t) for t in v] if isinstance(v, list) else {"step": 0, "name": ""})
-            for k, v in s.items()}
+    return {
+        k: (
+            torch.zeros_like(v)
+            if isinstance(v, torch.Tensor)
+            else [torch.zeros_like(t) for t in v]
+            if isinstance(v, list)
+            else {"step": 0, "name": ""}
+        )
+        for k, v in s.items()
+    }
 
 
 def _assert_state(got: dict, where: str) -> None:
     want = _state()
     assert torch.equal(got["big"], want["big"]) and torch.equal(got["half"], want["half"]), f"{where}: tensors differ"
-    assert all(torch.equal(a, b) for a, b in zip(got["small"], want["small"])), f"{where}: small tensors differ"
+    assert len(got["small"]) == len(want["small"]), f"{where}: {len(got['small'])} small tensors"
+    assert all(torch.equal(a, b) for a, b in zip(got["small"], want["small"], strict=True)), (
+        f"{where}: small tensors differ"
+    )
     assert got["meta"] == want["meta"], f"{where}: objects differ"
 
 
@@ -241,8 +259,12 @@ def test_ddp_two_to_three_ranks_through_object_store(kind, request, tmp_path):
 
 
 def _s3(moto_server, moto_bucket, **extra) -> S3Backend:
-    return S3Backend.from_uri(store_uri("moto", moto_server, moto_bucket, uuid.uuid4().hex, **extra).split("?")[0],
-                              endpoint_url=moto_server.endpoint, part_size="5MiB", **extra)
+    return S3Backend.from_uri(
+        store_uri("moto", moto_server, moto_bucket, uuid.uuid4().hex, **extra).split("?")[0],
+        endpoint_url=moto_server.endpoint,
+        part_size="5MiB",
+        **extra,
+    )
 
 
 def test_failed_save_aborts_multipart_uploads_and_commits_nothing(moto_server, moto_bucket):
@@ -254,7 +276,11 @@ def test_failed_save_aborts_multipart_uploads_and_commits_nothing(moto_server, m
         bcp.save({"x": torch.randn(4 * MiB)}, faulty, overwrite=True)
     assert good.pending_uploads() == [], "a failed save left multipart uploads behind"
     _assert_state(bcp.load(_template(), good), "the previous checkpoint after a failed overwrite")
-    assert not any(k.startswith("gen-") and "x" in k for k in good.list("")), "a failed save left its objects"
+    # Each save writes its objects under a generation of its own; the failed one must have removed its.
+    live = bcp.open(good).manifest.generation
+    assert live.startswith(GENERATION_PREFIX), f"the manifest names no generation: {live!r}"
+    found = {generation_of(k) for k in good.list("") if k.startswith(GENERATION_PREFIX)}
+    assert found == {live}, f"a failed save left objects of other generations: {sorted(map(str, found - {live}))}"
 
 
 def test_parts_upload_in_parallel(moto_server, moto_bucket):
@@ -295,8 +321,9 @@ def test_gcs_parts_compose_into_one_object_and_leave_nothing(gcs_server, gcs_buc
     (data,) = [k for k in backend.list("") if k.endswith(".bin")]
     info = g.fs.info(f"{g.bucket}/{g.root}/{data}")
     assert info["size"] == backend.size(data) and info.get("crc32c"), "the composed object has no CRC32C"
-    assert torch.equal(bcp.load({"x": torch.empty(40 * 65536)}, backend)["x"].view(-1)[:5],
-                       bcp.open(backend).read("x")[:5])
+    assert torch.equal(
+        bcp.load({"x": torch.empty(40 * 65536)}, backend)["x"].view(-1)[:5], bcp.open(backend).read("x")[:5]
+    )
 
 
 def test_s3_commit_with_a_missing_part_aborts_the_upload(moto_server, moto_bucket):
@@ -319,11 +346,17 @@ def test_s3_commit_with_a_missing_part_aborts_the_upload(moto_server, moto_bucke
 def test_gcs_abort_after_parts_deletes_them(gcs_server, gcs_bucket):
     uri = store_uri("gcs", gcs_server, gcs_bucket, uuid.uuid4().hex, part_size="256KiB", conditional_writes="false")
     g = backend_for(uri).unwrap()
-    with pytest.raises(KeyError), g.open_writer("k", size=3 * g.part_size) as writer:
-        writer.write_at(0, bytes(g.part_size))
-        writer.write_at(g.part_size, bytes(g.part_size))
-        assert len(g.pending_uploads()) == 2, "the parts were not uploaded as temporary objects"
-        raise KeyError("the caller failed midway")
+    writer = g.open_writer("k", size=3 * g.part_size)
+
+    def upload_two_parts_then_fail() -> None:
+        with writer:
+            writer.write_at(0, bytes(g.part_size))
+            writer.write_at(g.part_size, bytes(g.part_size))
+            assert len(g.pending_uploads()) == 2, "the parts were not uploaded as temporary objects"
+            raise KeyError("the caller failed midway")
+
+    with pytest.raises(KeyError, match="midway"):
+        upload_two_parts_then_fail()
     assert g.pending_uploads() == [] and not g.exists("k"), "an aborted composite upload left parts or an object"
     with pytest.raises(WriterClosedError):
         writer.write_at(2 * g.part_size, bytes(g.part_size))
@@ -348,8 +381,10 @@ def test_save_and_load_survive_transient_faults(moto_server, moto_bucket, fail_a
 
 def test_retries_are_bounded_and_the_error_names_the_object(moto_server, moto_bucket):
     s3 = _s3(moto_server, moto_bucket)
-    backend = RetryingBackend(FaultInjectingBackend(s3, fail_every=1, actions={"size"}),
-                              RetryPolicy(attempts=3, base_delay=0.001, max_delay=0.001))
+    backend = RetryingBackend(
+        FaultInjectingBackend(s3, fail_every=1, actions={"size"}),
+        RetryPolicy(attempts=3, base_delay=0.001, max_delay=0.001),
+    )
     s3.write("obj", b"abc")
     with pytest.raises(StorageError, match=r"sizing 'obj'.*gave up after 3 attempt\(s\)"):
         backend.size("obj")
@@ -376,8 +411,9 @@ def test_s3_throttling_is_transient():
     from s3fs.errors import translate_boto_error
 
     for code in ("SlowDown", "ServiceUnavailable", "InternalError", "503"):
-        err = ClientError({"Error": {"Code": code, "Message": "x"}, "ResponseMetadata": {"HTTPStatusCode": 503}},
-                          "PutObject")
+        err = ClientError(
+            {"Error": {"Code": code, "Message": "x"}, "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject"
+        )
         assert is_transient(translate_boto_error(err)), f"{code} not retried"
     denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "x"}}, "PutObject")
     assert not is_transient(translate_boto_error(denied))
@@ -396,8 +432,10 @@ def test_create_only_commit_retried_after_a_lost_answer(memory_backend):
 
 
 def test_uri_query_and_keyword_options(moto_server, moto_bucket):
-    b = backend_for(f"s3://{moto_bucket}/p?endpoint_url={moto_server.endpoint}&part_size=8MiB&concurrency=3"
-                    "&retries=2", concurrency=5)
+    b = backend_for(
+        f"s3://{moto_bucket}/p?endpoint_url={moto_server.endpoint}&part_size=8MiB&concurrency=3&retries=2",
+        concurrency=5,
+    )
     assert isinstance(b, RetryingBackend) and isinstance(b.unwrap(), S3Backend)
     assert b.hints.part_size == 8 * MiB and b.hints.concurrency == 5, "keyword options must override the query"
     assert b.policy.attempts == 3
@@ -410,20 +448,24 @@ def test_storage_options_reach_the_backend(moto_server, moto_bucket):
     uri = f"s3://{moto_bucket}/{uuid.uuid4().hex}"
     opts = {"endpoint_url": moto_server.endpoint, "part_size": "5MiB"}
     bcp.save({"w": torch.arange(10)}, uri, storage_options=opts)
-    assert torch.equal(bcp.load({"w": torch.zeros(10, dtype=torch.int64)}, uri, storage_options=opts)["w"],
-                       torch.arange(10))
+    assert torch.equal(
+        bcp.load({"w": torch.zeros(10, dtype=torch.int64)}, uri, storage_options=opts)["w"], torch.arange(10)
+    )
     assert bcp.open(uri, storage_options=opts).keys()
 
 
-@pytest.mark.parametrize("uri, match", [
-    ("s3://b/p?part_size=1MiB", "part_size"),
-    ("s3://b/p?colour=red", "colour"),
-    ("s3://b/p?checksum=md5", "checksum"),
-    ("s3:///p", "bucket"),
-    ("gs://b/p?part_size=100", "part_size"),
-    ("gs://b/p?shape=round", "shape"),
-    ("s3://b/p?retries=-1", "attempts"),
-])
+@pytest.mark.parametrize(
+    ("uri", "match"),
+    [
+        ("s3://b/p?part_size=1MiB", "part_size"),
+        ("s3://b/p?colour=red", "colour"),
+        ("s3://b/p?checksum=md5", "checksum"),
+        ("s3:///p", "bucket"),
+        ("gs://b/p?part_size=100", "part_size"),
+        ("gs://b/p?shape=round", "shape"),
+        ("s3://b/p?retries=-1", "attempts"),
+    ],
+)
 def test_bad_options_are_named(uri, match):
     with pytest.raises((TypeError, ValueError), match=match):
         backend_for(uri)
@@ -454,8 +496,12 @@ def test_credentials_never_reach_logs_errors_or_the_checkpoint(moto_server, moto
 
 
 def test_storage_errors_redact_signed_urls():
-    err = StorageError("GET https://b.s3.amazonaws.com/k?X-Amz-Signature=abcdef&X-Amz-Credential=AKIA123 failed",
-                       uri="s3://b", key="k", action="reading")
+    err = StorageError(
+        "GET https://b.s3.amazonaws.com/k?X-Amz-Signature=abcdef&X-Amz-Credential=AKIA123 failed",
+        uri="s3://b",
+        key="k",
+        action="reading",
+    )
     assert "abcdef" not in str(err) and "AKIA123" not in str(err) and "X-Amz-Signature=***" in str(err)
 
 
@@ -475,8 +521,13 @@ def test_unknown_fsspec_protocol_is_named():
 def test_hdfs_uri_parsing():
     opts = {"user": "alice", "replication": "2", "kerb_ticket": "/tmp/krb5cc_1"}
     kwargs, root = hdfs_connection("hdfs://namenode:8020/ckpts/run1", opts)
-    assert kwargs == {"host": "namenode", "port": 8020, "user": "alice", "kerb_ticket": "/tmp/krb5cc_1",
-                      "replication": 2}
+    assert kwargs == {
+        "host": "namenode",
+        "port": 8020,
+        "user": "alice",
+        "kerb_ticket": "/tmp/krb5cc_1",
+        "replication": 2,
+    }
     assert root == "/ckpts/run1" and opts == {}
     kwargs, _ = hdfs_connection("hdfs:///ckpts", {})
     assert kwargs["host"] == "default"
@@ -489,7 +540,7 @@ def test_hdfs_without_a_hadoop_client_says_what_is_missing(monkeypatch):
 
 
 @pytest.fixture
-def memory_backend() -> Backend:
+def memory_backend() -> Iterator[Backend]:
     from bcp.backends.memory import clear_memory_store
 
     name = f"m{uuid.uuid4().hex}"
@@ -499,9 +550,6 @@ def memory_backend() -> Backend:
 
 # -- streamed writers: any arrival order ----------------------------------------------------------
 
-from hypothesis import given
-from hypothesis import strategies as st
-
 
 @given(st.integers(0, 300_000), st.integers(1, 9), st.randoms(use_true_random=False))
 def test_streaming_writer_accepts_parts_in_any_order(size, cut_count, rnd):
@@ -509,7 +557,7 @@ def test_streaming_writer_accepts_parts_in_any_order(size, cut_count, rnd):
     backend = backend_for(f"fsspec+memory://sw-{uuid.uuid4().hex}/r?part_size=64KiB")
     data = rnd.randbytes(size)
     cuts = sorted({0, size, *(rnd.randrange(0, size + 1) for _ in range(cut_count))})
-    parts = list(zip(cuts, cuts[1:]))
+    parts = list(itertools.pairwise(cuts))
     rnd.shuffle(parts)
     with backend.open_writer("obj", size=size) as writer:
         for lo, hi in parts:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 
@@ -22,12 +21,11 @@ from bcp.backends.memory import MemoryBackend
 
 
 @pytest.fixture(autouse=True)
-def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test gets its own copy of the registrations and no installed plugins, so
     tests neither leak schemes into each other nor depend on what is installed."""
     monkeypatch.setattr(registry, "_registered", dict(registry._registered))
     monkeypatch.setattr(registry, "_entry_points", {})
-    yield
 
 
 def _entry_point(name: str, value: str) -> importlib.metadata.EntryPoint:
@@ -51,7 +49,7 @@ class RecordingBackend(MemoryBackend):
 
 
 def test_unknown_scheme_lists_registered_schemes() -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match="registered schemes") as info:
         backend_for("nosuch://bucket/ckpt")
     message = str(info.value)
     assert "file://" in message and "memory://" in message, f"error does not list the known schemes: {message}"

@@ -36,6 +36,13 @@ class _Boom(Exception):
     pass
 
 
+def _write_in_a_block_that_raises(writer: ObjectWriter, data: bytes) -> None:
+    """``with writer:`` around a write, then the caller's code fails (raises _Boom)."""
+    with writer:
+        writer.write_at(0, data)
+        raise _Boom
+
+
 class RecordingWriter(ObjectWriter):
     """Implements the hooks only; ``fail_commit`` makes ``_commit`` raise that error."""
 
@@ -153,9 +160,9 @@ def test_retryable_commit_aborts_after_a_permanent_failure() -> None:
 
 
 def test_with_block_that_raises_aborts() -> None:
-    with pytest.raises(_Boom), RecordingWriter() as w:
-        w.write_at(0, b"x")
-        raise _Boom
+    w = RecordingWriter()
+    with pytest.raises(_Boom):
+        _write_in_a_block_that_raises(w, b"x")
     assert w.calls == ["write 0 b'x'", "abort"], w.calls
 
 
@@ -369,9 +376,9 @@ def test_store_second_commit_follows_idempotent_commit(store: Backend) -> None:
 
 
 def test_store_with_block_that_raises_aborts(store: Backend) -> None:
-    with pytest.raises(_Boom), store.open_writer("lc/k", size=4) as writer:
-        writer.write_at(0, b"data")
-        raise _Boom
+    writer = store.open_writer("lc/k", size=4)
+    with pytest.raises(_Boom):
+        _write_in_a_block_that_raises(writer, b"data")
     assert _nothing_visible(store, "lc/k"), "a with-block that raised left its object visible"
     with pytest.raises(WriterClosedError):
         writer.commit()

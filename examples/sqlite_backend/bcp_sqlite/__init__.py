@@ -135,11 +135,12 @@ class SQLiteBackend(Backend):
         base = f"{self.prefix}/" if self.prefix else ""
         want = base + prefix
         try:
-            rows = self._db().execute("SELECT key FROM objects WHERE substr(key, 1, ?) = ?",
-                                      (len(want), want)).fetchall()
+            rows = (
+                self._db().execute("SELECT key FROM objects WHERE substr(key, 1, ?) = ?", (len(want), want)).fetchall()
+            )
         except sqlite3.Error as e:
             raise self._error(e, prefix, "listing") from e
-        return iter([key[len(base):] for (key,) in rows])
+        return iter([key[len(base) :] for (key,) in rows])
 
     def delete(self, key: str) -> None:
         try:
@@ -172,8 +173,9 @@ class _SQLiteWriter(ObjectWriter):
 
     def _write_at(self, offset: int, data: Buffer) -> None:
         try:
-            self.backend._db().execute("INSERT INTO pending (upload, offset, data) VALUES (?, ?, ?)",
-                                       (self.upload, offset, bytes(data)))
+            self.backend._db().execute(
+                "INSERT INTO pending (upload, offset, data) VALUES (?, ?, ?)", (self.upload, offset, bytes(data))
+            )
         except sqlite3.Error as e:
             raise self.backend._error(e, self.key, "writing") from e
 
@@ -182,16 +184,18 @@ class _SQLiteWriter(ObjectWriter):
         try:
             db.execute("BEGIN IMMEDIATE")
             try:
-                parts = db.execute("SELECT offset, length(data) FROM pending WHERE upload = ? ORDER BY offset",
-                                   (self.upload,)).fetchall()
+                parts = db.execute(
+                    "SELECT offset, length(data) FROM pending WHERE upload = ? ORDER BY offset", (self.upload,)
+                ).fetchall()
                 total = max((o + n for o, n in parts), default=0)
                 db.execute("INSERT OR REPLACE INTO objects (key, data) VALUES (?, zeroblob(?))", (self.name, total))
                 (rowid,) = db.execute("SELECT rowid FROM objects WHERE key = ?", (self.name,)).fetchone()
                 if total:
                     with db.blobopen("objects", "data", rowid) as blob:
                         for offset, _n in parts:
-                            (data,) = db.execute("SELECT data FROM pending WHERE upload = ? AND offset = ?",
-                                                 (self.upload, offset)).fetchone()
+                            (data,) = db.execute(
+                                "SELECT data FROM pending WHERE upload = ? AND offset = ?", (self.upload, offset)
+                            ).fetchone()
                             blob[offset : offset + len(data)] = data
                 db.execute("DELETE FROM pending WHERE upload = ?", (self.upload,))
                 db.execute("COMMIT")

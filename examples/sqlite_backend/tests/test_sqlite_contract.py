@@ -5,9 +5,10 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
+from bcp_sqlite import SQLiteBackend, split_uri
+
 from bcp.backends import backend_for
 from bcp.conformance import BackendContractTests, CheckpointContractTests
-from bcp_sqlite import SQLiteBackend, split_uri
 
 
 class TestSQLiteObjects(BackendContractTests):
