@@ -31,7 +31,7 @@ import torch
 
 from .collectives import coordinator_for
 from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
-from .io_scheduler.write_pipeline import Chunk, WriteItem, layout, plan_chunks
+from .io_scheduler.write_pipeline import Chunk, layout, plan_chunks
 from .options import SaveOptions, SaveOptionsKwargs
 from .saver import SaveInfo, SaveJob
 from .shards import local_pieces
@@ -187,7 +187,7 @@ def staging_bytes(state: Mapping[str, Any], slab_bytes: int) -> int:
         if leaf.is_tensor
         for piece in local_pieces(leaf.value, leaf.fqn).pieces
     ]
-    placed = layout([WriteItem(None, piece) for piece in pieces])  # type: ignore[arg-type]  # plans are not needed to place
+    placed = layout(pieces)
     spans = [(i, placed.offsets[i], pieces[i].tensor.numel() * pieces[i].tensor.element_size()) for i in placed.unique]
     return len(plan_chunks(spans, slab_bytes)) * slab_bytes
 

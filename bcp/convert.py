@@ -156,8 +156,9 @@ def _file_backed(scratch: str, name: str, shape, dtype: torch.dtype) -> torch.Te
     with open(path, "wb") as f:
         f.truncate(nbytes)
     storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+    strides = torch.empty(shape, device="meta").stride()
     # torch's stubs type from_file's result as _StorageBase | TypedStorage; it is an UntypedStorage
-    return torch.empty(0, dtype=dtype).set_(storage, 0, torch.Size(shape), torch.empty(shape, device="meta").stride())  # type: ignore[arg-type]
+    return torch.empty(0, dtype=dtype).set_(storage, 0, torch.Size(shape), strides)  # type: ignore[arg-type]
 
 
 def to_torch(

@@ -112,10 +112,10 @@ def test_direct_and_buffered_file_writes_agree(tmp_path):
 
 
 def _piece_items(sizes):
-    """(TensorPlan-like, Piece-like) pairs of uint8 tensors for layout()."""
+    """Piece-like uint8 tensors for layout()."""
     from types import SimpleNamespace
 
-    return [(SimpleNamespace(), SimpleNamespace(tensor=torch.zeros(n, dtype=torch.uint8))) for n in sizes]
+    return [SimpleNamespace(tensor=torch.zeros(n, dtype=torch.uint8)) for n in sizes]
 
 
 @given(st.lists(st.integers(0, 3 * SLAB), max_size=14), st.sampled_from([SLAB, 2 * SLAB, 4 * SLAB]))

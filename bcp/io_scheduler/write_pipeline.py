@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -109,7 +110,7 @@ class FileLayout:
 
 
 def layout(
-    items: list[WriteItem], *, match_memory: bool = False, part_size: int | None = None, block: int = 64 << 10
+    pieces: Sequence[Piece], *, match_memory: bool = False, part_size: int | None = None, block: int = 64 << 10
 ) -> FileLayout:
     """Place each item in the file; an item sharing storage with an earlier one (a tied
     weight) is written once and aliases it. With ``match_memory`` a large
@@ -122,7 +123,7 @@ def layout(
     unique: list[int] = []
     first_at: dict[tuple, int] = {}
     end = 0
-    for index, (_t, piece) in enumerate(items):
+    for index, piece in enumerate(pieces):
         ident = storage_identity(piece.tensor)
         if ident in first_at:
             offsets.append(offsets[first_at[ident]])
@@ -189,7 +190,7 @@ def plan_part_chunks(spans: list[tuple[int, int, int]], part_size: int, size: in
 
 
 class WritePipeline:
-    """Writes the given (TensorPlan, Piece) items of one rank into ``data_key``."""
+    """Writes the given items (a tensor plan and the local piece) of one rank into ``data_key``."""
 
     def __init__(
         self,
@@ -214,7 +215,10 @@ class WritePipeline:
                 f"{pool.slab_bytes} and a multiple of the checksum block {block}"
             )
         self.file_layout = layout(
-            items, match_memory=self.aligned_writes and not stage_all, part_size=self.part_size, block=block
+            [item.piece for item in items],
+            match_memory=self.aligned_writes and not stage_all,
+            part_size=self.part_size,
+            block=block,
         )
         self.offsets, self.unique, self.size = self.file_layout.offsets, self.file_layout.unique, self.file_layout.size
         self.sources: dict[int, torch.Tensor] = {}
