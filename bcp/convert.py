@@ -10,8 +10,10 @@
   memory-mapped and their tensors saved without being copied into memory first.
 * ``torch.save`` file -> bcp: ``torch.load(mmap=True, weights_only=True)``.
 * PyTorch DCP checkpoint -> bcp: every tensor is loaded by DCP into a file-backed
-  buffer, then saved. Non-tensor entries of a DCP checkpoint are pickles; they are
-  skipped (and named) unless ``allow_pickle=True``.
+  buffer, then saved. DCP's ``.metadata`` and its non-tensor entries are pickles:
+  without ``allow_pickle=True`` the metadata is unpickled with an allow-list of DCP's
+  own types (:mod:`bcp.dcp_metadata`) and the entries with ``weights_only=True``; an
+  entry that needs more is skipped (and named).
 
 Memory stays bounded by the shard size (safetensors out) or is file-backed page
 cache, which the kernel can reclaim (everything else), so a checkpoint larger than
@@ -279,29 +281,41 @@ def from_dcp(
     storage_options: dict | None = None,
 ) -> tuple[SaveInfo, list[str]]:
     """A PyTorch DCP checkpoint directory into bcp (flat keys, as DCP stores them).
-    Returns the SaveInfo and the non-tensor keys that were skipped."""
+    Returns the SaveInfo and the non-tensor keys that were skipped.
+
+    Nothing here unpickles without ``allow_pickle``: ``.metadata`` is read with an
+    allow-list of DCP's own types (PickleNotAllowedError naming the file and the
+    refused global otherwise), and non-tensor entries with ``weights_only=True``;
+    an entry that needs more is skipped and named."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(src)
-    metadata = reader.read_metadata()
+    from .dcp_metadata import DCPReader, SafeBytesPlanner, read_metadata
+
+    metadata = read_metadata(src, allow_pickle=allow_pickle)
+    reader = DCPReader(src, metadata)
+    planner = SafeBytesPlanner(allow_pickle=allow_pickle)
     scratch = tempfile.mkdtemp(prefix="bcp-convert-", dir=scratch_dir)
     try:
         state: dict[str, Any] = {}
-        skipped = []
         for fqn, meta in metadata.state_dict_metadata.items():
             if isinstance(meta, TensorStorageMetadata):
                 state[fqn] = _file_backed(scratch, fqn, meta.size, meta.properties.dtype)
-            elif allow_pickle:
-                state[fqn] = None
             else:
-                skipped.append(fqn)
-        dcp.load(state, storage_reader=reader, no_dist=True)
+                state[fqn] = None  # a torch.save'd value: SafeBytesPlanner loads it
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+        for fqn in list(state):
+            if fqn in planner.loaded:
+                state[fqn] = planner.loaded[fqn]
+            elif state[fqn] is None:
+                del state[fqn]
+        skipped = sorted(planner.refused)
         if skipped:
             log.warning(
-                "skipped %d non-tensor DCP entries (pickles; pass allow_pickle=True to convert them): %s",
+                "skipped %d non-tensor DCP entries that need a full unpickle (pass allow_pickle=True to "
+                "convert them): %s",
                 len(skipped),
-                ", ".join(skipped[:10]),
+                "; ".join(f"{k!r} ({planner.refused[k]})" for k in skipped[:10]),
             )
         info = save(state, dst, overwrite=overwrite, allow_pickle=allow_pickle, storage_options=storage_options)
         return info, skipped

@@ -1,0 +1,197 @@
+"""Conversion never runs code from the checkpoint it reads, and never leaves stale
+files beside what it writes (issue 14)."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import bcp
+from bcp.convert import from_dcp
+from bcp.dcp_metadata import MetadataUnpickler, is_allowed
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "bcp.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+class _RunsCode:
+    """Unpickling this calls os.system, which creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _dcp_checkpoint(path: Path, state: dict | None = None) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    state = state or {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "extra": {"epoch": 3, "name": "run-1", "raw": b"\x00\x01", "none": None, "nested": {"t": torch.arange(5)}},
+    }
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+# -- DCP .metadata ----------------------------------------------------------------------------------
+
+
+def test_a_dcp_metadata_that_runs_code_is_refused_by_the_cli(tmp_path):
+    src = tmp_path / "dcp"
+    _dcp_checkpoint(src)
+    marker = tmp_path / "pwned"
+    (src / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    proc = cli("convert", str(src), str(tmp_path / "out"), "--to", "bcp")
+    assert not marker.exists(), "converting a DCP checkpoint ran code from its .metadata"
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert ".metadata" in proc.stderr and "system" in proc.stderr and "--allow-pickle" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_code_hidden_inside_real_dcp_metadata_is_refused(tmp_path):
+    """The payload sits deep inside an otherwise genuine Metadata (planner_data)."""
+    from bcp.dcp_metadata import read_metadata
+
+    src = tmp_path / "dcp"
+    _dcp_checkpoint(src)
+    metadata = read_metadata(str(src))
+    marker = tmp_path / "pwned"
+    metadata.planner_data = {"model.0.weight": ("model", _RunsCode(marker))}
+    (src / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(bcp.errors.PickleNotAllowedError, match=r"\.metadata.*'(posix|os)\.system'"):
+        from_dcp(str(src), str(tmp_path / "out"))
+    assert not marker.exists()
+
+
+def test_allow_pickle_accepts_a_global_outside_the_allow_list(tmp_path):
+    import datetime
+
+    from bcp.dcp_metadata import read_metadata
+
+    src = tmp_path / "dcp"
+    _dcp_checkpoint(src)
+    metadata = read_metadata(str(src))
+    metadata.planner_data = {**metadata.planner_data, "when": datetime.date(2024, 1, 2)}
+    (src / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(bcp.errors.PickleNotAllowedError, match=r"datetime\.date"):
+        read_metadata(str(src))
+    assert read_metadata(str(src), allow_pickle=True).planner_data["when"] == datetime.date(2024, 1, 2)
+
+
+def test_a_corrupt_dcp_metadata_is_a_format_error_naming_the_file(tmp_path):
+    src = tmp_path / "dcp"
+    _dcp_checkpoint(src)
+    (src / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
+    with pytest.raises(bcp.errors.FormatError, match=r"\.metadata.*dict"):
+        from_dcp(str(src), str(tmp_path / "out"))
+    (src / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(bcp.errors.FormatError, match=r"\.metadata"):
+        from_dcp(str(src), str(tmp_path / "out"))
+
+
+def _globals_in(path: Path) -> set[tuple[str, str]]:
+    seen: set[tuple[str, str]] = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    with open(path, "rb") as f:
+        Recording(f).load()
+    return seen
+
+
+def test_the_allow_list_covers_what_dcp_writes(tmp_path):
+    """How the allow-list was derived: every global in the metadata of DCP
+    checkpoints of several shapes is allowed (a torch upgrade that adds one fails here)."""
+    states = {
+        "model_optim": None,
+        "dtypes": {
+            str(dt): torch.zeros(2, dtype=dt)
+            for dt in (torch.int8, torch.uint8, torch.int64, torch.bool, torch.complex64, torch.float16, torch.bfloat16)
+        }
+        | {
+            "channels_last": torch.zeros(1, 3, 4, 4).to(memory_format=torch.channels_last),
+            "transposed": torch.zeros(4, 3).t(),
+            "scalar": torch.tensor(3.0),
+            "empty": torch.zeros(0, 5),
+            "param": torch.nn.Parameter(torch.randn(3)),
+        },
+        "objects": {"a": {"b": [torch.ones(2), 3, "x", (1, 2)]}, "bytes": b"raw", "f": 1.5, "none": None},
+    }
+    seen: set[tuple[str, str]] = set()
+    for name, state in states.items():
+        _dcp_checkpoint(tmp_path / name, state)
+        seen |= _globals_in(tmp_path / name / ".metadata")
+    assert ("torch.distributed.checkpoint.metadata", "Metadata") in seen
+    refused = sorted(g for g in seen if not is_allowed(*g))
+    assert not refused, f"DCP metadata uses globals outside the allow-list: {refused}"
+
+
+def test_the_allow_list_refuses_the_usual_gadgets():
+    for module, name in [
+        ("os", "system"),
+        ("posix", "system"),
+        ("builtins", "eval"),
+        ("builtins", "getattr"),
+        ("subprocess", "Popen"),
+        ("torch", "load"),
+        ("torch", "save"),
+        ("torch.serialization", "load"),
+        ("torch", "__builtins__"),
+        ("torch", "float32.__class__"),
+    ]:
+        assert not is_allowed(module, name), f"{module}.{name} is allowed"
+    plain_global = pickle.dumps(print)
+    with pytest.raises(bcp.errors.PickleNotAllowedError, match=r"builtins\.print"):
+        MetadataUnpickler(io.BytesIO(plain_global), path="x/.metadata").load()
+
+
+# -- DCP non-tensor entries -------------------------------------------------------------------------
+
+
+def test_real_dcp_checkpoints_convert_without_allow_pickle(tmp_path):
+    src = tmp_path / "dcp"
+    state = _dcp_checkpoint(src)
+    info, skipped = from_dcp(str(src), str(tmp_path / "out"))
+    assert skipped == []
+    reader = bcp.open(str(tmp_path / "out"))
+    for name, t in state["model"].items():
+        assert torch.equal(reader.read(f"model.{name}"), t)
+    assert torch.equal(reader.read("optim.state.0.exp_avg"), state["optim"]["state"][0]["exp_avg"])
+    assert reader.read_object("optim.param_groups.0.lr") == state["optim"]["param_groups"][0]["lr"]
+    assert reader.read_object("extra.epoch") == 3 and reader.read_object("extra.raw") == b"\x00\x01"
+    assert reader.read_object("extra.name") == "run-1" and reader.read_object("extra.none") is None
+    assert torch.equal(reader.read("extra.nested.t"), torch.arange(5))
+    assert info.tensors == len(reader.tensor_keys())
+
+
+def test_a_dcp_entry_that_runs_code_is_skipped_and_named_not_run(tmp_path):
+    marker = tmp_path / "pwned"
+    src = tmp_path / "dcp"
+    _dcp_checkpoint(src, {"w": torch.ones(3), "evil": _RunsCode(marker), "epoch": 7})
+    proc = cli("convert", str(src), str(tmp_path / "out"), "--to", "bcp")
+    assert proc.returncode == 0, proc.stderr
+    assert not marker.exists(), "converting a DCP checkpoint ran code from a non-tensor entry"
+    assert "skipped 1" in proc.stdout and "evil" in proc.stdout
+    reader = bcp.open(str(tmp_path / "out"))
+    assert set(reader.keys()) == {"w", "epoch"} and reader.read_object("epoch") == 7
