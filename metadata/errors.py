@@ -14,3 +14,10 @@ class CheckpointError(Exception):
 
 class FormatError(CheckpointError, ValueError):
     """A manifest or catalog is malformed. The message names the file and the field or row."""
+
+
+class CorruptManifestError(FormatError):
+    """manifest.json fails its own CRC32C (``manifest_crc32c``): flipped bits or an edit.
+
+    A FormatError, because this layer may raise nothing else; the engine reports it
+    as a corrupt checkpoint."""

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import re
 
-from .manifest import MANIFEST_KEY
-
+#: The commit record of a checkpoint (``manifest.py`` reads and writes it).
+MANIFEST_KEY = "manifest.json"
 GENERATION_PREFIX = "gen-"
 CATALOG_NAME = "fragments.arrow"
 #: Written after each manager commit; bcp itself trusts only manifests.
@@ -30,6 +30,11 @@ _STEP_RE = re.compile(r"^step_(\d+)/")
 def generation_name(save_id: str) -> str:
     """The prefix (without its slash) under which one save writes all its objects."""
     return f"{GENERATION_PREFIX}{save_id}"
+
+
+#: What a data file's name (after ``<generation>/data/``) may be: one path segment,
+#: so a manifest cannot name an object outside its generation.
+DATA_FILE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 
 def catalog_key(generation: str) -> str:
