@@ -2,8 +2,11 @@
 
 Plain JSON types stay as they are; everything else is a tagged object
 ``{"$bcp": TAG, ...}``. Decoding builds values from a fixed list of types and never
-imports or calls anything named by the checkpoint. Pickle is available only when the
-caller opts in on both save and load.
+imports or calls anything named by the checkpoint; whatever the stored JSON, it
+returns a value or raises FormatError naming the key (PickleNotAllowedError for a
+refused pickle), never another exception. Pickle is available only when the caller
+opts in on both save and load. Encodings nest at most MAX_OBJECT_DEPTH JSON levels,
+so every reader can parse the manifest that holds them.
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import FormatError, PickleNotAllowedError, UnsupportedStateError
+from bcp.metadata.manifest import MAX_OBJECT_DEPTH
+
+from .errors import CheckpointError, FormatError, PickleNotAllowedError, UnsupportedStateError
 from .tensor_io import byte_view, host_contiguous
 from .torch_dtypes import dtype_name, torch_dtype
 
 TAG = "$bcp"
 _NP_KINDS = "biufcmMSU"
+_INT64_MAX = (1 << 63) - 1
 
 
 def _b64(data) -> str:
@@ -35,15 +41,17 @@ def _unb64(text: str) -> bytes:
 
 def encode(value: Any, *, fqn: str, allow_pickle: bool = False) -> Any:
     """JSON-ready form of ``value``; UnsupportedStateError naming the key if it has none."""
-    return _Encoder(fqn, allow_pickle).enc(value, "")
+    return _Encoder(fqn, allow_pickle).enc(value, "", 0)
 
 
 def decode(doc: Any, *, fqn: str, allow_pickle: bool = False) -> Any:
+    """The value ``doc`` encodes; FormatError naming ``fqn`` for anything FORMAT.md does
+    not allow (PickleNotAllowedError for a pickle the caller did not allow)."""
     try:
-        return _decode(doc, fqn, allow_pickle)
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, (FormatError, UnsupportedStateError)):
-            raise
+        return _Decoder(fqn, allow_pickle).dec(doc, 0)
+    except CheckpointError:
+        raise
+    except Exception as e:  # whatever a malformed value trips over is a format error
         raise FormatError(f"object {fqn!r}: malformed encoding ({type(e).__name__}: {e})") from e
 
 
@@ -51,30 +59,46 @@ class _Encoder:
     def __init__(self, fqn: str, allow_pickle: bool) -> None:
         self.fqn, self.allow_pickle = fqn, allow_pickle
 
-    def enc(self, v: Any, where: str) -> Any:
+    def nest(self, depth: int, where: str) -> int:
+        """``depth`` (JSON arrays and objects around a value), refused past what readers parse."""
+        if depth > MAX_OBJECT_DEPTH:
+            raise UnsupportedStateError(
+                f"cannot save the object at key {self.fqn!r}: nested deeper than {MAX_OBJECT_DEPTH} JSON levels "
+                f"(at {where or 'its top'}); readers refuse such manifests"
+            )
+        return depth
+
+    def enc(self, v: Any, where: str, depth: int) -> Any:
+        """``depth``: JSON containers already around ``v``'s encoding."""
         t = type(v)
         if v is None or t is bool or t is int or t is str:
             return v
         if t is float:
             return v if math.isfinite(v) else {TAG: "float", "v": repr(v)}
         if t is list:
-            return [self.enc(x, f"{where}[{i}]") for i, x in enumerate(v)]
+            d = self.nest(depth + 1, where)
+            return [self.enc(x, f"{where}[{i}]", d) for i, x in enumerate(v)]
         if t is tuple:
-            return {TAG: "tuple", "v": [self.enc(x, f"{where}[{i}]") for i, x in enumerate(v)]}
+            d = self.nest(depth + 2, where)
+            return {TAG: "tuple", "v": [self.enc(x, f"{where}[{i}]", d) for i, x in enumerate(v)]}
         if t is dict or t is collections.OrderedDict:
             tag = "dict" if t is dict else "odict"
             if t is dict and all(type(k) is str for k in v) and TAG not in v:
-                return {k: self.enc(x, f"{where}[{k!r}]") for k, x in v.items()}
+                d = self.nest(depth + 1, where)
+                return {k: self.enc(x, f"{where}[{k!r}]", d) for k, x in v.items()}
+            d = self.nest(depth + 3, where)
             return {
                 TAG: tag,
-                "v": [[self.enc(k, f"{where}<key>"), self.enc(x, f"{where}[{k!r}]")] for k, x in v.items()],
+                "v": [[self.enc(k, f"{where}<key>", d), self.enc(x, f"{where}[{k!r}]", d)] for k, x in v.items()],
             }
         if t is set or t is frozenset:
-            return {TAG: t.__name__, "v": [self.enc(x, f"{where}<item>") for x in v]}
+            d = self.nest(depth + 2, where)
+            return {TAG: t.__name__, "v": [self.enc(x, f"{where}<item>", d) for x in v]}
         if t is bytes or t is bytearray:
             return {TAG: t.__name__, "v": _b64(v)}
         if t is complex:
             return {TAG: "complex", "v": [repr(v.real), repr(v.imag)]}
+        self.nest(depth + 2, where)  # every other encoding: a tagged object holding an array at most
         if isinstance(v, torch.Tensor) and t in (torch.Tensor, torch.nn.Parameter):
             c = host_contiguous(v)
             return {
@@ -107,62 +131,115 @@ class _Encoder:
         )
 
 
-def _decode(d: Any, fqn: str, allow_pickle: bool) -> Any:
-    if d is None or isinstance(d, (bool, int, float, str)):
-        return d
-    if isinstance(d, list):
-        return [_decode(x, fqn, allow_pickle) for x in d]
-    if not isinstance(d, dict):
-        raise FormatError(f"object {fqn!r}: unexpected JSON value {d!r}")
-    if TAG not in d:
-        return {k: _decode(x, fqn, allow_pickle) for k, x in d.items()}
-    tag = d[TAG]
-    v: Any = d.get("v")  # a JSON value, checked by the branch of its tag
-    if tag == "float":
-        if v not in ("nan", "inf", "-inf"):
-            raise FormatError(f"object {fqn!r}: bad float {v!r}")
-        return float(v)
-    if tag == "tuple":
-        return tuple(_decode(x, fqn, allow_pickle) for x in v)
-    if tag in ("dict", "odict"):
-        pairs = [(_decode(k, fqn, allow_pickle), _decode(x, fqn, allow_pickle)) for k, x in v]
-        return dict(pairs) if tag == "dict" else collections.OrderedDict(pairs)
-    if tag in ("set", "frozenset"):
-        items = [_decode(x, fqn, allow_pickle) for x in v]
-        return set(items) if tag == "set" else frozenset(items)
-    if tag == "bytes":
-        return _unb64(v)
-    if tag == "bytearray":
-        return bytearray(_unb64(v))
-    if tag == "complex":
-        return complex(float(v[0]), float(v[1]))
-    if tag == "tensor":
-        dtype = torch_dtype(d["dtype"], fqn=fqn)
-        shape = [int(n) for n in d["shape"]]
-        raw = bytearray(_unb64(v))
-        numel = math.prod(shape)
-        if len(raw) != numel * dtype.itemsize:
-            raise FormatError(f"object {fqn!r}: tensor bytes do not match shape {shape} of {d['dtype']}")
+class _Decoder:
+    """Checks each tagged value's fields before building it (FORMAT.md, "Objects")."""
+
+    def __init__(self, fqn: str, allow_pickle: bool) -> None:
+        self.fqn, self.allow_pickle = fqn, allow_pickle
+
+    def bad(self, what: str) -> FormatError:
+        return FormatError(f"object {self.fqn!r}: {what}")
+
+    def nest(self, depth: int) -> int:
+        if depth > MAX_OBJECT_DEPTH:
+            raise self.bad(f"nested deeper than {MAX_OBJECT_DEPTH} JSON levels")
+        return depth
+
+    def items(self, v: Any, tag: str, depth: int) -> list:
+        """The decoded items of a tag's ``v`` array (the array is one level below the tag)."""
+        if type(v) is not list:
+            raise self.bad(f"{tag!r} needs an array in 'v', not {type(v).__name__}")
+        d = self.nest(depth + 1)
+        return [self.dec(x, d) for x in v]
+
+    def text(self, v: Any, what: str) -> str:
+        if type(v) is not str:
+            raise self.bad(f"{what} must be a string, not {type(v).__name__}")
+        return v
+
+    def shape(self, v: Any) -> list[int]:
+        if type(v) is not list or any(type(n) is not int or not 0 <= n <= _INT64_MAX for n in v):
+            raise self.bad(f"shape {v!r} is not a list of sizes")
+        return v
+
+    def unb64(self, v: Any) -> bytes:
+        return _unb64(self.text(v, "'v'"))
+
+    def dec(self, d: Any, depth: int) -> Any:
+        """``depth``: JSON containers around ``d`` within the value."""
+        if d is None or type(d) in (bool, int, float, str):
+            return d
+        if type(d) is list:
+            dd = self.nest(depth + 1)
+            return [self.dec(x, dd) for x in d]
+        if type(d) is not dict:
+            raise self.bad(f"unexpected JSON value of type {type(d).__name__}")
+        dd = self.nest(depth + 1)
+        if TAG not in d:
+            return {k: self.dec(x, dd) for k, x in d.items()}
+        tag, v = d[TAG], d.get("v")
+        if tag == "float":
+            if v not in ("nan", "inf", "-inf"):
+                raise self.bad(f"bad float {v!r}")
+            return float(v)
+        if tag == "tuple":
+            return tuple(self.items(v, tag, dd))
+        if tag in ("set", "frozenset"):
+            items = self.items(v, tag, dd)
+            return set(items) if tag == "set" else frozenset(items)
+        if tag in ("dict", "odict"):
+            pairs = self.items(v, tag, dd)
+            if any(type(p) is not list or len(p) != 2 for p in pairs):
+                raise self.bad(f"{tag!r} needs [key, value] pairs")
+            return dict(pairs) if tag == "dict" else collections.OrderedDict(pairs)
+        if tag == "bytes":
+            return self.unb64(v)
+        if tag == "bytearray":
+            return bytearray(self.unb64(v))
+        if tag == "complex":
+            if type(v) is not list or len(v) != 2:
+                raise self.bad(f"complex needs [real, imag], not {v!r}")
+            return complex(float(self.text(v[0], "real part")), float(self.text(v[1], "imaginary part")))
+        if tag == "tensor":
+            return self.tensor(d)
+        if tag == "dtype":
+            return torch_dtype(self.text(v, "dtype"), fqn=self.fqn)
+        if tag == "size":
+            return torch.Size(self.shape(v))
+        if tag == "device":
+            return torch.device(self.text(v, "device"))
+        if tag in ("ndarray", "npscalar"):
+            return self.ndarray(d, scalar=tag == "npscalar")
+        if tag == "pickle":
+            if not self.allow_pickle:
+                raise PickleNotAllowedError(
+                    f"object {self.fqn!r} was pickled at save time; loading it runs code from the checkpoint. "
+                    "Pass allow_pickle=True only if you trust where this checkpoint came from",
+                    fqn=self.fqn,
+                )
+            return pickle.loads(self.unb64(v))  # allow_pickle: caller opted in explicitly
+        raise self.bad(f"unknown tag {tag!r}")
+
+    def tensor(self, d: dict) -> torch.Tensor:
+        name = self.text(d.get("dtype"), "tensor dtype")
+        dtype = torch_dtype(name, fqn=self.fqn)
+        shape = self.shape(d.get("shape"))
+        raw = bytearray(self.unb64(d.get("v")))
+        if len(raw) != math.prod(shape) * dtype.itemsize:
+            raise self.bad(f"tensor bytes do not match shape {shape} of {name}")
         flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         return flat.view(dtype).reshape(shape).clone()
-    if tag == "dtype":
-        return torch_dtype(v, fqn=fqn)
-    if tag == "size":
-        return torch.Size(int(n) for n in v)
-    if tag == "device":
-        return torch.device(v)
-    if tag in ("ndarray", "npscalar"):
-        np_dtype = np.dtype(d["dtype"])
-        if np_dtype.kind not in _NP_KINDS or np_dtype.fields is not None:
-            raise FormatError(f"object {fqn!r}: numpy dtype {d['dtype']!r} is not allowed")
-        arr = np.frombuffer(_unb64(v), dtype=np_dtype).reshape([int(n) for n in d["shape"]]).copy()
-        return arr if tag == "ndarray" else arr[()]
-    if tag == "pickle":
-        if not allow_pickle:
-            raise PickleNotAllowedError(
-                f"object {fqn!r} was pickled at save time; loading it runs code from the checkpoint. "
-                "Pass allow_pickle=True only if you trust where this checkpoint came from",
-                fqn=fqn,
-            )
-        return pickle.loads(_unb64(v))  # allow_pickle: caller opted in explicitly
-    raise FormatError(f"object {fqn!r}: unknown tag {tag!r}")
+
+    def ndarray(self, d: dict, *, scalar: bool) -> Any:
+        name = self.text(d.get("dtype"), "numpy dtype")
+        np_dtype = np.dtype(name)
+        if np_dtype.kind not in _NP_KINDS or np_dtype.fields is not None or np_dtype.subdtype is not None:
+            raise self.bad(f"numpy dtype {name!r} is not allowed")
+        shape = self.shape(d.get("shape"))
+        if scalar and shape:
+            raise self.bad(f"a numpy scalar has shape [], not {shape}")
+        raw = self.unb64(d.get("v"))
+        if len(raw) != math.prod(shape) * np_dtype.itemsize:
+            raise self.bad(f"array bytes do not match shape {shape} of {name}")
+        arr = np.frombuffer(raw, dtype=np_dtype).reshape(shape).copy() if raw else np.empty(shape, dtype=np_dtype)
+        return arr if not scalar else arr[()]
