@@ -213,6 +213,7 @@ def _convert(args) -> int:
                 strip_prefix=strip,
                 max_shard_bytes=as_size("--max-shard-size", args.max_shard_size),
                 progress=bar.update,
+                overwrite=args.overwrite,
             )
             print(
                 f"wrote {len(set(index['weight_map'].values()))} safetensors file(s), "
@@ -359,7 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strip-prefix", action="store_true", help="drop --prefix from the output names")
     p.add_argument("--max-shard-size", default="5GB", help="safetensors shard cap (default 5GB)")
     p.add_argument("--scratch-dir", help="where file-backed buffers go (default: beside the output / the temp dir)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing bcp checkpoint at DST")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing bcp checkpoint at DST; --to safetensors: write into a non-empty DST, "
+        "removing the index and *.safetensors files the new export does not write (nothing else)",
+    )
     p.add_argument("--allow-pickle", action="store_true", help="DCP: also convert non-tensor entries (unpickles them)")
     p.set_defaults(func=_convert)
 

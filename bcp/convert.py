@@ -105,8 +105,14 @@ def to_safetensors(
     strip_prefix: bool = False,
     max_shard_bytes: int = 5 * 10**9,
     progress: Progress | None = None,
+    overwrite: bool = False,
 ) -> dict:
-    """Write the checkpoint's tensors as safetensors shards in ``dst_dir``; returns the index."""
+    """Write the checkpoint's tensors as safetensors shards in ``dst_dir``; returns the index.
+
+    ``dst_dir`` must be empty or absent (FileExistsError otherwise), so that no old
+    shard is left beside the new index. With ``overwrite``, the old index and the
+    ``*.safetensors`` files this export does not write are removed; nothing else in
+    ``dst_dir`` is touched."""
     from safetensors.torch import save_file
 
     reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
@@ -122,12 +128,15 @@ def to_safetensors(
         if dtype not in SAFETENSORS_DTYPES.values():
             raise ValueError(f"tensor {key!r} has dtype {dtype}, which safetensors cannot store")
     shards = plan_shards([(name, reader.meta(key_of[name]).nbytes) for name in names], max_shard_bytes)
-    os.makedirs(dst_dir, exist_ok=True)
     files = (
         ["model.safetensors"]
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
+    stale = _stale_safetensors(dst_dir, keep=set(files), overwrite=overwrite)
+    if INDEX_NAME in stale:  # first: while shards are replaced, no index names a mix of old and new
+        os.remove(os.path.join(dst_dir, INDEX_NAME))
+    os.makedirs(dst_dir, exist_ok=True)
     weight_map, total = {}, 0
     for file, shard in zip(files, shards, strict=True):
         tensors = {}
@@ -143,9 +152,40 @@ def to_safetensors(
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     if len(shards) > 1:
-        with open(os.path.join(dst_dir, INDEX_NAME), "w") as f:
+        tmp = os.path.join(dst_dir, f".{INDEX_NAME}.partial")
+        with open(tmp, "w") as f:
             json.dump(index, f, indent=2)
+        os.replace(tmp, os.path.join(dst_dir, INDEX_NAME))
+    for name in stale:
+        if name != INDEX_NAME:
+            log.info("removing %s from %s: the new export does not write it", name, dst_dir)
+            os.remove(os.path.join(dst_dir, name))
     return index
+
+
+def _stale_safetensors(dst_dir: str, *, keep: set[str], overwrite: bool) -> list[str]:
+    """Names in ``dst_dir`` that a safetensors export writing ``keep`` must remove:
+    the index and the other ``*.safetensors`` files (regular files or links, never
+    followed). FileExistsError when ``dst_dir`` is not empty and not ``overwrite``."""
+    try:
+        entries = list(os.scandir(dst_dir))
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        raise FileExistsError(f"{dst_dir} exists and is not a directory") from None
+    if entries and not overwrite:
+        shown = ", ".join(sorted(e.name for e in entries)[:5])
+        raise FileExistsError(
+            f"{dst_dir} is not empty ({shown}{', ...' if len(entries) > 5 else ''}); choose an empty directory, "
+            f"or pass overwrite=True (--overwrite) to replace the safetensors files in it"
+        )
+    return sorted(
+        e.name
+        for e in entries
+        if (e.name == INDEX_NAME or e.name.endswith(".safetensors"))
+        and e.name not in keep
+        and (e.is_symlink() or e.is_file(follow_symlinks=False))
+    )
 
 
 # -- bcp -> torch.save ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@ files beside what it writes (issue 14)."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import bcp
-from bcp.convert import from_dcp
+from bcp.convert import INDEX_NAME, from_dcp, to_safetensors
 from bcp.dcp_metadata import MetadataUnpickler, is_allowed
 
 
@@ -195,3 +196,57 @@ def test_a_dcp_entry_that_runs_code_is_skipped_and_named_not_run(tmp_path):
     assert "skipped 1" in proc.stdout and "evil" in proc.stdout
     reader = bcp.open(str(tmp_path / "out"))
     assert set(reader.keys()) == {"w", "epoch"} and reader.read_object("epoch") == 7
+
+
+# -- safetensors output -----------------------------------------------------------------------------
+
+
+def _bcp_checkpoint(path: Path, n: int) -> str:
+    bcp.save({f"t{i}": torch.full((1000,), float(i)) for i in range(n)}, str(path))
+    return str(path)
+
+
+def test_safetensors_export_refuses_a_non_empty_directory(tmp_path):
+    src = _bcp_checkpoint(tmp_path / "ck", 4)
+    out = tmp_path / "st"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    proc = cli("convert", src, str(out), "--to", "safetensors")
+    assert proc.returncode == 1 and "not empty" in proc.stderr and "--overwrite" in proc.stderr, proc.stderr
+    assert sorted(os.listdir(out)) == ["config.json"]
+    with pytest.raises(FileExistsError, match=r"config\.json"):
+        to_safetensors(src, str(out))
+
+
+def test_overwrite_removes_stale_shards_and_nothing_else(tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "st"
+    big = _bcp_checkpoint(tmp_path / "big", 6)
+    assert cli("convert", big, str(out), "--to", "safetensors", "--max-shard-size", "8KB").returncode == 0
+    old_shards = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    assert len(old_shards) == 3 and INDEX_NAME in os.listdir(out)
+    (out / "config.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    (out / "sub").mkdir()
+    (out / "sub" / "x.safetensors").write_bytes(b"kept: not in the output directory itself")
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    elsewhere.write_bytes(b"a link target")
+    (out / "linked.safetensors").symlink_to(elsewhere)
+
+    small = _bcp_checkpoint(tmp_path / "small", 2)
+    proc = cli("convert", small, str(out), "--to", "safetensors", "--max-shard-size", "8KB")
+    assert proc.returncode == 1 and "not empty" in proc.stderr
+    proc = cli("convert", small, str(out), "--to", "safetensors", "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "notes.txt", "sub"]
+    assert (out / "sub" / "x.safetensors").exists() and elsewhere.read_bytes() == b"a link target"
+    assert sorted(load_file(str(out / "model.safetensors"))) == ["t0", "t1"]
+
+    # sharded again over a single file: the new index names only the new shards
+    proc = cli("convert", big, str(out), "--to", "safetensors", "--max-shard-size", "8KB", "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(os.listdir(out))
+    assert "model.safetensors" not in names and INDEX_NAME in names
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert sorted(n for n in names if n.endswith(".safetensors")) == sorted(set(index["weight_map"].values()))
