@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Self
 
-from .errors import ObjectExistsError, WriterClosedError
+from .errors import ObjectExistsError, WriterClosedError, redact_uri
 from .retry import is_transient
 
 log = logging.getLogger(__name__)
@@ -236,7 +236,9 @@ class Backend(abc.ABC):
     network: bool = False
 
     def __init__(self, uri: str) -> None:
-        self.uri = uri
+        #: The root as shown (errors, logs, SaveInfo): credentials in it are redacted.
+        #: A backend connects with what ``from_uri`` parsed from the real URI.
+        self.uri = redact_uri(uri)
 
     @classmethod
     @abc.abstractmethod

@@ -12,17 +12,57 @@ import contextlib
 import re
 from collections.abc import Iterator
 
-#: Secrets that SDK messages can carry (signed URLs, bearer tokens, keys in query
-#: strings). Every StorageError message passes through :func:`redact`.
-_SECRET_RE = re.compile(
-    r"(?i)((?:x-amz-(?:signature|credential|security-token)|signature|access_token|token|"
-    r"aws_secret_access_key|secret(?:_access)?_key|password|key_secret)[=:]\s*)[^&\s'\"]+"
+#: Names whose values are secrets (signed URLs, tokens, keys, passwords), in query
+#: strings, ``name=value`` / ``name: value`` text, JSON and Python reprs.
+_SECRET_NAMES = (
+    r"x-(?:amz|goog)-(?:signature|credential|security-token)|signature|(?<![a-z])sig|"
+    r"(?:access|refresh|id|session|security|auth|sas)[_-]?token|token|"
+    r"aws_secret_access_key|aws_session_token|secret(?:_access)?_key|client_secret|secret|"
+    r"api[_-]?key|private[_-]?key|account[_-]?key|password|passwd|(?<![a-z])pwd|key_secret|credentials?"
 )
+#: ``name: "value"`` / ``"name": "value"`` / ``'name': 'value'``: the whole quoted value.
+_QUOTED_RE = re.compile(rf"(?i)((?:{_SECRET_NAMES})[\"']?\s*[=:]\s*)([\"'])((?:\\.|(?!\2).)*)\2")
+#: ``name=value`` / ``name: value``: up to a separator.
+_PLAIN_RE = re.compile(rf"(?i)((?:{_SECRET_NAMES})[\"']?\s*[=:]\s*)[^&\s'\",;)}}\]]+")
+#: ``Authorization: Bearer <token>`` and Basic credentials.
+_AUTH_RE = re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9\-._~+/]+=*|\b(basic\s+)[A-Za-z0-9+/]{8,}=*")
+#: ``scheme://user:password@host``: the password (up to the last ``@`` of the authority).
+_USERINFO_RE = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^/\s:@?#]*):[^/\s?#]*@")
+_SECRET_NAME_RE = re.compile(rf"(?i)(?:{_SECRET_NAMES})")
 
 
 def redact(text: str) -> str:
-    """``text`` with credential-looking values replaced by ``***``."""
-    return _SECRET_RE.sub(r"\1***", text)
+    """``text`` with credential-looking values replaced by ``***``: secret-named
+    fields (query parameters, ``name=value``, JSON), Bearer/Basic credentials and
+    passwords in ``scheme://user:password@host`` URIs."""
+    text = _USERINFO_RE.sub(r"\1:***@", text)
+    text = _QUOTED_RE.sub(r"\1\2***\2", text)
+    text = _PLAIN_RE.sub(r"\1***", text)
+    return _AUTH_RE.sub(lambda m: f"{m.group(1) or m.group(2)}***", text)
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` as it may be shown: the password of ``user:password@`` and the values
+    of secret-named query parameters replaced by ``***``. A plain path is returned
+    unchanged. Backends keep the real URI for connecting; this is for display."""
+    if "://" not in uri:
+        return uri
+    scheme, _, rest = uri.partition("://")
+    end = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    authority, tail = rest[:end], rest[end:]
+    if "@" in authority:
+        userinfo, _, host = authority.rpartition("@")
+        if ":" in userinfo:
+            authority = f"{userinfo.partition(':')[0]}:***@{host}"
+    path, qmark, query = tail.partition("?")
+    if qmark:
+        query, hash_, fragment = query.partition("#")
+        params = []
+        for param in query.split("&"):
+            name, eq, _value = param.partition("=")
+            params.append(f"{name}=***" if eq and _SECRET_NAME_RE.fullmatch(name) else param)
+        tail = f"{path}?{'&'.join(params)}{hash_}{fragment}"
+    return f"{scheme}://{authority}{tail}"
 
 
 class StorageError(OSError):

@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from .base import Backend
+from .errors import redact, redact_uri
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def get_backend_class(scheme: str, *, uri: str | None = None) -> type[Backend]:
             raise TypeError(f"entry point {ep.name!r} = {ep.value!r} is not a bcp.backends.Backend subclass")
         return cls
     known = ", ".join(f"{s}://" for s in registered_backends())
-    where = f" in {uri!r}" if uri else ""
+    where = f" in {redact_uri(uri)!r}" if uri else ""
     raise ValueError(f"unknown storage scheme {scheme!r}{where}; registered schemes: {known}")
 
 
@@ -141,11 +142,35 @@ def backend_for(uri: str | os.PathLike[str], **options: Any) -> Backend:
             query = dict(parse_qsl(parts.query, keep_blank_values=True))
             options = {**query, **options}
             base = uri[: uri.index("?")]  # not urlunsplit: it turns "x:///p" into "x:/p"
-    log.debug("backend %s for %s", cls.__name__, base)
-    if getattr(cls, "network", False):
-        from .retry import policy_from_options
-        from .wrappers import RetryingBackend
+    log.debug("backend %s for %s", cls.__name__, redact_uri(base))
+    try:
+        if getattr(cls, "network", False):
+            from .retry import policy_from_options
+            from .wrappers import RetryingBackend
 
-        policy = policy_from_options(options, default_attempts=getattr(cls, "default_retry_attempts", None))
-        return RetryingBackend(cls.from_uri(base, **options), policy)
-    return cls.from_uri(base, **options)
+            policy = policy_from_options(options, default_attempts=getattr(cls, "default_retry_attempts", None))
+            return RetryingBackend(cls.from_uri(base, **options), policy)
+        return cls.from_uri(base, **options)
+    except Exception as e:
+        _redact_exception(e)
+        raise
+
+
+def _redact_exception(error: BaseException) -> None:
+    """Redact the messages of ``error`` and of the errors it chains to, in place: a
+    backend's ``from_uri`` (or the SDK under it) may quote the URI, credentials and
+    all, and the caller will print or log it."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen and len(seen) < 20:
+        seen.add(id(current))
+        try:
+            current.args = tuple(redact(a) if isinstance(a, str) else a for a in current.args)
+            if isinstance(current, OSError):
+                if isinstance(current.strerror, str):
+                    current.strerror = redact(current.strerror)
+                if isinstance(current.filename, str):
+                    current.filename = redact(current.filename)
+        except (AttributeError, TypeError):  # an exception type with read-only fields keeps its message
+            pass
+        current = current.__cause__ or current.__context__
