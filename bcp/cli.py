@@ -9,11 +9,44 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import sys
 import time
+import traceback
+import unicodedata
 from typing import Any
 
+from .backends.errors import redact, redact_uri
 from .backends.options import as_size
+
+log = logging.getLogger(__name__)
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _safe(text: object) -> str:
+    """``text`` fit for a terminal: control and format characters (Unicode categories
+    C*, and the line/paragraph separators: ESC, CR, BEL, bidi overrides, ...) escaped
+    as ``repr`` would, so a key or message cannot move the cursor or reorder a line."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    out = []
+    for ch in s:
+        cat = unicodedata.category(ch)
+        if cat[0] == "C" or cat in ("Zl", "Zp"):
+            o = ord(ch)
+            out.append(
+                _ESCAPES.get(ch) or (f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}")
+            )
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _show(uri: str) -> str:
+    """A URI or path as printed: credentials redacted, control characters escaped."""
+    return _safe(redact_uri(str(uri)))
 
 
 def _conformance(args: argparse.Namespace) -> int:
@@ -49,6 +82,8 @@ def _age(created: str | None) -> str:
     if not created:
         return "-"
     then = datetime.datetime.fromisoformat(created)
+    if then.tzinfo is None:
+        raise ValueError(f"created timestamp {created!r} has no time zone")
     seconds = (datetime.datetime.now(datetime.UTC) - then).total_seconds()
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
@@ -63,33 +98,41 @@ def _ls(args) -> int:
     backend = backend_for(args.root)
     found = scan(backend, sizes=True)
     rows: list[dict[str, Any]] = []  # JSON rows
-    steps = sorted(found)
-    committed = [s for s in steps if found[s].committed]
-    for step in steps:
+    for step in sorted(found):
         info = found[step]
-        manifest = read_manifest(backend, step) if info.committed else None
-        rows.append(
-            {
-                "step": step,
-                "status": "committed" if info.committed else "incomplete",
-                "objects": info.objects,
-                "bytes": info.bytes,
-                "created": manifest.created if manifest else None,
-                "latest": bool(committed) and step == committed[-1],
-            }
-        )
+        row: dict[str, Any] = {
+            "step": step,
+            "status": "committed" if info.committed else "incomplete",
+            "objects": info.objects,
+            "bytes": info.bytes,
+            "created": None,
+            "latest": False,
+        }
+        if info.committed:
+            try:  # one unreadable manifest must not hide the other steps
+                manifest = read_manifest(backend, step)
+                row["created"] = manifest.created if manifest else None
+                row["age"] = _age(row["created"])
+            except Exception as e:
+                log.debug("step %d of %s is unreadable", step, backend.uri, exc_info=True)
+                row.update(status="unreadable", created=None, error=_one_line(e))
+        rows.append(row)
+    committed = [r for r in rows if r["status"] == "committed"]
+    if committed:
+        committed[-1]["latest"] = True
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([{k: v for k, v in r.items() if k != "age"} for r in rows], indent=2))
         return 0
     if not rows:
-        print(f"no checkpoints under {args.root}")
+        print(f"no checkpoints under {_show(args.root)}")
         return 0
     print(f"{'step':>12}  {'status':<10} {'size':>10} {'objects':>7} {'age':>6}")
     for r in rows:
         mark = "  <- latest" if r["latest"] else ""
+        why = f"  ({r['error']})" if "error" in r else ""
         print(
             f"{r['step']:>12}  {r['status']:<10} {_human(r['bytes']):>10} {r['objects']:>7} "
-            f"{_age(r['created']):>6}{mark}"
+            f"{r.get('age', '-'):>6}{mark}{why}"
         )
     return 0
 
@@ -136,24 +179,29 @@ def _inspect(args) -> int:
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
         return 0
-    print(f"checkpoint {reader.uri}")
-    print(f"  saved {m.created} by {m.world_size} rank(s); bcp {m.bcp_version}, torch {m.torch_version}")
+    print(f"checkpoint {_show(reader.uri)}")
+    print(
+        f"  saved {_safe(m.created)} by {m.world_size} rank(s); bcp {_safe(m.bcp_version)}, "
+        f"torch {_safe(m.torch_version)}"
+    )
     print(
         f"  {len(tensors)} tensors, {_human(m.stats.get('tensor_bytes', 0))}; {len(m.data_files)} data file(s); "
         f"{len(objects)} objects"
     )
     if m.user_metadata:
         print(f"  metadata: {json.dumps(m.user_metadata, default=str)[:200]}")
-    width = max([len(t["fqn"]) for t in tensors] + [3])
+    names = {t["fqn"]: _safe(t["fqn"]) for t in tensors}
+    width = max([len(n) for n in names.values()] + [3])
     print(f"\n  {'tensor':<{width}}  {'shape':<20} {'dtype':<14} {'frags':>5} {'bytes':>10}")
     for t in tensors:
         print(
-            f"  {t['fqn']:<{width}}  {t['shape']!s:<20} {t['dtype']:<14} {t['fragments']:>5} {_human(t['bytes']):>10}"
+            f"  {names[t['fqn']]:<{width}}  {t['shape']!s:<20} {_safe(t['dtype']):<14} {t['fragments']:>5} "
+            f"{_human(t['bytes']):>10}"
         )
     if objects:
         print("\n  objects:")
         for fqn, text in objects.items():
-            print(f"  {fqn} = {text}")
+            print(f"  {_safe(fqn)} = {_safe(text)}")
     return 0
 
 
@@ -165,7 +213,7 @@ def _verify(args) -> int:
         print(json.dumps(report, indent=2))
     else:
         for problem in report["problems"]:
-            print(f"PROBLEM {problem}")
+            print(f"PROBLEM {_safe(redact(problem))}")
         print(
             f"{'OK' if report['ok'] else 'FAILED'}: {report['tensors']} tensors, {_human(report['bytes_read'])} "
             f"read and checked in {report['seconds']:.1f} s; {len(report['problems'])} problem(s)"
@@ -193,10 +241,11 @@ def _convert(args) -> int:
                 scratch_dir=args.scratch_dir,
             )
             if skipped:
-                print(f"skipped {len(skipped)} non-tensor entries (pickles): {', '.join(skipped[:10])}")
+                shown = ", ".join(_safe(k) for k in skipped[:10]) + (", ..." if len(skipped) > 10 else "")
+                print(f"skipped {len(skipped)} non-tensor entries that need --allow-pickle: {shown}")
         else:
             raise SystemExit("the source is already a bcp checkpoint")
-        print(f"wrote {args.dst}: {info.tensors} tensors, {_human(info.tensor_bytes)}")
+        print(f"wrote {_show(info.uri)}: {info.tensors} tensors, {_human(info.tensor_bytes)}")
         return 0
     if src_format != "bcp":
         raise SystemExit(f"--to {args.to} converts from bcp; convert {src_format} to bcp first")
@@ -217,30 +266,58 @@ def _convert(args) -> int:
             )
             print(
                 f"wrote {len(set(index['weight_map'].values()))} safetensors file(s), "
-                f"{len(index['weight_map'])} tensors, {_human(index['metadata']['total_size'])} to {args.dst}"
+                f"{len(index['weight_map'])} tensors, {_human(index['metadata']['total_size'])} to {_show(args.dst)}"
             )
         else:
             convert.to_torch(
                 reader, args.dst, prefix=prefix, strip_prefix=strip, scratch_dir=args.scratch_dir, progress=bar.update
             )
-            print(f"wrote {args.dst}")
+            print(f"wrote {_show(args.dst)}")
     return 0
 
 
 def _rm(args) -> int:
+    """Delete one checkpoint: its manifest first, then its generations (``gen-*/``).
+    Nothing else: not other files in the location, not a location without a
+    manifest (unless --force), never through a symbolic link."""
     from bcp.backends import backend_for
-    from bcp.commit import delete_checkpoint
+    from bcp.metadata.layout import MANIFEST_KEY, generation_of
 
     backend = backend_for(args.uri)
-    keys = list(backend.list(""))
+    where = _show(args.uri)
+    root = getattr(backend.unwrap(), "root", None)
+    if backend.unwrap().scheme == "file" and isinstance(root, str) and os.path.islink(root):
+        raise _CliError(f"{where} is a symbolic link; bcp rm does not delete through links (remove the link itself)")
+    keys = sorted(backend.list(""))
     if not keys:
-        print(f"nothing at {args.uri}")
+        print(f"nothing at {where}")
         return 0
+    generations = sorted({g for g in map(generation_of, keys) if g is not None})
+    ours = [k for k in keys if k == MANIFEST_KEY or generation_of(k) is not None]
+    others = [k for k in keys if k not in set(ours)]
+    committed = MANIFEST_KEY in keys
+    if not committed and not args.force:
+        raise _CliError(
+            f"{where} has no {MANIFEST_KEY}: not a committed bcp checkpoint ({len(keys)} object(s), "
+            f"{len(generations)} bcp generation(s)); pass --force to delete its bcp objects "
+            f"({MANIFEST_KEY}, gen-*/) anyway"
+        )
+    what = (
+        f"{len(ours)} object(s) of {'the' if committed else 'an uncommitted'} checkpoint at {where}"
+        f" ({MANIFEST_KEY if committed else 'no manifest'}; generation(s) {', '.join(generations) or '-'})"
+    )
+    left = ""
+    if others:
+        shown = ", ".join(_safe(k) for k in others[:5]) + (", ..." if len(others) > 5 else "")
+        left = f"; leaving {len(others)} object(s) that are not bcp's: {shown}"
     if args.dry_run:
-        print(f"would delete {len(keys)} objects under {args.uri}")
+        print(f"would delete {what}{left}")
         return 0
-    delete_checkpoint(backend)
-    print(f"deleted {len(keys)} objects under {args.uri}")
+    if committed:
+        backend.delete(MANIFEST_KEY)  # first: the checkpoint stops being committed at once
+    for generation in generations:
+        backend.delete_prefix(f"{generation}/")
+    print(f"deleted {what}{left}")
     return 0
 
 
@@ -289,7 +366,7 @@ def _bench(args) -> int:
             flush=True,
         )
     print(
-        f"{_human(size)} through {args.uri.partition('?')[0]}, median of {args.repeats}: "
+        f"{_human(size)} through {_show(args.uri.partition('?')[0])}, median of {args.repeats}: "
         f"save {size / statistics.median(saves) / 1e9:.2f} GB/s, load {size / statistics.median(loads) / 1e9:.2f} GB/s"
     )
     return 0
@@ -297,7 +374,13 @@ def _bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bcp", description="bcp checkpoints: storage checks and tools")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=_log_level,
+        help="level of bcp's own log messages (default WARNING); other libraries stay at WARNING",
+    )
+    parser.add_argument("--debug", action="store_true", help="on an error, show the traceback, not one line")
     sub = parser.add_subparsers(dest="command", required=True)
 
     conf = sub.add_parser(
@@ -369,9 +452,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-pickle", action="store_true", help="DCP: also convert non-tensor entries (unpickles them)")
     p.set_defaults(func=_convert)
 
-    p = sub.add_parser("rm", help="delete one checkpoint (its manifest first)")
+    p = sub.add_parser(
+        "rm",
+        help="delete one checkpoint (its manifest first)",
+        description="Delete the checkpoint at URI: manifest.json first, then its generations (gen-*/). "
+        "Other objects there are left and named. A location without manifest.json is refused unless --force; "
+        "a local location that is a symbolic link is always refused.",
+    )
     p.add_argument("uri")
-    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="say what would be deleted; delete nothing")
+    p.add_argument("--force", action="store_true", help="also delete an uncommitted checkpoint (no manifest.json)")
     p.set_defaults(func=_rm)
 
     p = sub.add_parser("gc", help="delete incomplete steps, unused generations and steps a policy drops")
@@ -389,16 +479,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _CliError(Exception):
+    """A refusal the CLI explains in its one line (no type name, no traceback hint)."""
+
+
+def _log_level(text: str) -> int:
+    level = logging.getLevelName(text.upper())
+    if not isinstance(level, int):
+        raise argparse.ArgumentTypeError(f"unknown log level {text!r} (DEBUG, INFO, WARNING, ERROR)")
+    return level
+
+
+def _one_line(error: BaseException) -> str:
+    """``error`` as one line: its message (lines joined), credentials redacted,
+    control characters escaped; the type is named when the message may not say."""
+    from bcp.errors import CheckpointError
+
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = " | ".join(lines) or type(error).__name__
+    if not isinstance(error, CheckpointError | OSError | ValueError | TypeError | ImportError | _CliError):
+        text = f"{type(error).__name__}: {text}"
+    return _safe(redact(text))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    from bcp.errors import CheckpointError
-
+    # --log-level is for bcp's own loggers: the root stays at WARNING, so other
+    # libraries (botocore prints request headers at DEBUG) stay quiet
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("bcp").setLevel(args.log_level)
     try:
         return args.func(args)
-    except (CheckpointError, OSError, ValueError) as e:
-        print(f"bcp {args.command}: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"bcp {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - every error: one line (the traceback with --debug), exit 1
+        if args.debug:
+            text = "".join(traceback.format_exception(e))
+            print("\n".join(_safe(redact(line)) for line in text.splitlines()), file=sys.stderr)
+        else:
+            hint = "" if isinstance(e, _CliError) else " (--debug shows the traceback)"
+            print(f"bcp {args.command}: {_one_line(e)}{hint}", file=sys.stderr)
         return 1
 
 

@@ -335,3 +335,149 @@ def test_converting_a_checkpoint_larger_than_the_memory_limit(tmp_path):
                 import time
 
                 time.sleep(0.1)
+
+
+# -- hardening (issue 14) ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """Run ``bcp.cli.main`` in this process; bcp's logger level is restored after."""
+    import logging
+
+    from bcp.cli import main
+
+    bcp_logger = logging.getLogger("bcp")
+    monkeypatch.setattr(bcp_logger, "level", bcp_logger.level)
+    return main
+
+
+@pytest.mark.parametrize("error", [ZeroDivisionError("division by zero"), RecursionError("maximum recursion depth")])
+def test_any_error_is_one_line_and_debug_shows_the_traceback(tmp_path, monkeypatch, capsys, in_process, error):
+    import bcp.verify
+
+    def broken(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(bcp.verify, "verify_checkpoint", broken)
+    assert in_process(["verify", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"bcp verify: {type(error).__name__}: "), err
+    assert "Traceback" not in err and "--debug" in err
+    assert in_process(["--debug", "verify", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and type(error).__name__ in err
+
+
+def test_a_multi_line_error_message_stays_on_one_line(tmp_path, monkeypatch, capsys, in_process):
+    import bcp.verify
+
+    def broken(*args, **kwargs):
+        raise bcp.CheckpointError("first line\nsecond line\x1b[2J")
+
+    monkeypatch.setattr(bcp.verify, "verify_checkpoint", broken)
+    assert in_process(["verify", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "first line | second line\\x1b[2J" in err and "\x1b" not in err, err
+
+
+def test_rm_refuses_a_location_without_a_manifest(tmp_path):
+    victim = tmp_path / "not-a-checkpoint"
+    victim.mkdir()
+    (victim / "thesis.tex").write_text("years of work")
+    (victim / "gen-x").mkdir()
+    proc = cli("rm", str(victim))
+    assert proc.returncode == 1 and "manifest.json" in proc.stderr and "--force" in proc.stderr, proc.stderr
+    assert (victim / "thesis.tex").read_text() == "years of work"
+
+
+def test_rm_force_deletes_only_bcps_objects_and_says_so(run_root):
+    uri = f"{run_root}/{step_name(40)}"  # a crashed save: data under gen-x/, no manifest
+    with open(os.path.join(uri, "notes.txt"), "w") as f:
+        f.write("mine")
+    dry = cli("rm", uri, "--force", "--dry-run")
+    assert dry.returncode == 0 and "would delete 1 object(s)" in dry.stdout and "gen-x" in dry.stdout, dry.stdout
+    assert "notes.txt" in dry.stdout
+    proc = cli("rm", uri, "--force")
+    assert proc.returncode == 0 and "deleted" in proc.stdout and "notes.txt" in proc.stdout, proc.stdout
+    assert sorted(bcp.backends.backend_for(uri).list("")) == ["notes.txt"]
+
+
+def test_rm_of_a_committed_checkpoint_leaves_foreign_files(run_root):
+    uri = f"{run_root}/{step_name(20)}"
+    with open(os.path.join(uri, "README"), "w") as f:
+        f.write("mine")
+    proc = cli("rm", uri)
+    assert proc.returncode == 0 and "README" in proc.stdout, proc.stdout
+    assert sorted(bcp.backends.backend_for(uri).list("")) == ["README"]
+    with pytest.raises(bcp.CheckpointError):
+        bcp.open(uri)
+
+
+def test_rm_refuses_a_symlinked_location(run_root, tmp_path):
+    target = f"{run_root}/{step_name(30)}"
+    link = tmp_path / "link-to-step"
+    link.symlink_to(target)
+    before = sorted(bcp.backends.backend_for(target).list(""))
+    for path in (str(link), str(link) + "/"):
+        proc = cli("rm", path, "--force")
+        assert proc.returncode == 1 and "symbolic link" in proc.stderr, proc.stdout + proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert sorted(bcp.backends.backend_for(target).list("")) == before
+    assert bcp.open(target).keys()
+
+
+def test_ls_shows_an_unreadable_manifest_and_lists_the_rest(run_root):
+    from bcp.metadata.manifest import reseal
+
+    backend = bcp.backends.backend_for(run_root)
+    key = f"{step_name(20)}/manifest.json"
+    doc = json.loads(backend.read(key))
+    doc["created"] = "yesterday-ish"
+    backend.write(key, reseal(doc))
+    naive = f"{step_name(10)}/manifest.json"
+    doc = json.loads(backend.read(naive))
+    doc["created"] = "2024-01-01T00:00:00"  # no time zone
+    backend.write(naive, reseal(doc))
+    proc = cli("ls", run_root)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    bad = [line for line in lines if line.split()[:2] == ["20", "unreadable"]]
+    assert len(bad) == 1 and "yesterday-ish" in bad[0], proc.stdout
+    assert any(line.split()[:2] == ["10", "unreadable"] for line in lines), proc.stdout
+    assert any(line.split()[:2] == ["30", "committed"] and "latest" in line for line in lines), proc.stdout
+    rows = {r["step"]: r for r in json.loads(cli("ls", run_root, "--json").stdout)}
+    assert rows[20]["status"] == "unreadable" and rows[20]["error"] and rows[30]["latest"]
+
+
+def test_names_with_terminal_escapes_are_escaped(tmp_path):
+    uri = str(tmp_path / "ck")
+    bcp.save({"a\x1b[2Jb": torch.ones(2), "c\u202ed": torch.zeros(1), "bell\x07": 3, "cr\rx": "v\x1b[31m"}, uri)
+    for args in (("inspect", uri), ("verify", uri)):
+        proc = cli(*args)
+        assert proc.returncode == 0, proc.stderr
+        for raw in ("\x1b", "\u202e", "\x07", "\r"):
+            assert raw not in proc.stdout, f"bcp {args[0]} printed {raw!r}"
+    out = cli("inspect", uri).stdout
+    assert "a\\x1b[2Jb" in out and "c\\u202ed" in out and "bell\\x07" in out and "cr\\rx" in out
+    proc = cli("inspect", str(tmp_path / "no\x1b[2Jthing"))
+    assert proc.returncode == 1 and "\x1b" not in proc.stderr and "no\\x1b[2Jthing" in proc.stderr
+
+
+_LOG_LEVELS = """
+import logging, sys
+from bcp.cli import main
+main(["--log-level", "DEBUG", "ls", sys.argv[1]])
+print(logging.getLogger("bcp.housekeeping").isEnabledFor(logging.DEBUG),
+      logging.getLogger("botocore").isEnabledFor(logging.DEBUG), logging.getLogger().level)
+"""
+
+
+def test_log_level_applies_to_bcps_loggers_only(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOG_LEVELS, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-3:] == ["True", "False", str(30)], proc.stdout
+    assert "DEBUG bcp." in proc.stderr, proc.stderr
+    assert cli("--log-level", "LOUD", "ls", str(tmp_path)).returncode == 2
