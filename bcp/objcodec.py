@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bcp.metadata.manifest import MAX_OBJECT_DEPTH
+from bcp.metadata.manifest import MANIFEST_KEY, MAX_OBJECT_DEPTH
 
 from .errors import CheckpointError, FormatError, PickleNotAllowedError, UnsupportedStateError
 from .tensor_io import byte_view, host_contiguous
@@ -44,15 +44,16 @@ def encode(value: Any, *, fqn: str, allow_pickle: bool = False) -> Any:
     return _Encoder(fqn, allow_pickle).enc(value, "", 0)
 
 
-def decode(doc: Any, *, fqn: str, allow_pickle: bool = False) -> Any:
-    """The value ``doc`` encodes; FormatError naming ``fqn`` for anything FORMAT.md does
-    not allow (PickleNotAllowedError for a pickle the caller did not allow)."""
+def decode(doc: Any, *, fqn: str, allow_pickle: bool = False, where: str = MANIFEST_KEY) -> Any:
+    """The value ``doc`` encodes; FormatError naming ``fqn`` and ``where`` (the manifest
+    holding it) for anything FORMAT.md does not allow (PickleNotAllowedError for a
+    pickle the caller did not allow)."""
     try:
-        return _Decoder(fqn, allow_pickle).dec(doc, 0)
+        return _Decoder(fqn, allow_pickle, where).dec(doc, 0)
     except CheckpointError:
         raise
     except Exception as e:  # whatever a malformed value trips over is a format error
-        raise FormatError(f"object {fqn!r}: malformed encoding ({type(e).__name__}: {e})") from e
+        raise FormatError(f"object {fqn!r} in {where}: malformed encoding ({type(e).__name__}: {e})") from e
 
 
 class _Encoder:
@@ -134,11 +135,12 @@ class _Encoder:
 class _Decoder:
     """Checks each tagged value's fields before building it (FORMAT.md, "Objects")."""
 
-    def __init__(self, fqn: str, allow_pickle: bool) -> None:
-        self.fqn, self.allow_pickle = fqn, allow_pickle
+    def __init__(self, fqn: str, allow_pickle: bool, where: str) -> None:
+        self.fqn, self.allow_pickle, self.where = fqn, allow_pickle, where
+        self.named = f"{fqn!r} in {where}"  # for messages: the key and the file
 
     def bad(self, what: str) -> FormatError:
-        return FormatError(f"object {self.fqn!r}: {what}")
+        return FormatError(f"object {self.named}: {what}")
 
     def nest(self, depth: int) -> int:
         if depth > MAX_OBJECT_DEPTH:
@@ -161,6 +163,12 @@ class _Decoder:
         if type(v) is not list or any(type(n) is not int or not 0 <= n <= _INT64_MAX for n in v):
             raise self.bad(f"shape {v!r} is not a list of sizes")
         return v
+
+    def torch_dtype(self, name: str) -> torch.dtype:
+        try:
+            return torch_dtype(name, fqn=self.fqn)
+        except FormatError as e:
+            raise self.bad(str(e)) from None
 
     def unb64(self, v: Any) -> bytes:
         return _unb64(self.text(v, "'v'"))
@@ -203,7 +211,7 @@ class _Decoder:
         if tag == "tensor":
             return self.tensor(d)
         if tag == "dtype":
-            return torch_dtype(self.text(v, "dtype"), fqn=self.fqn)
+            return self.torch_dtype(self.text(v, "dtype"))
         if tag == "size":
             return torch.Size(self.shape(v))
         if tag == "device":
@@ -213,8 +221,8 @@ class _Decoder:
         if tag == "pickle":
             if not self.allow_pickle:
                 raise PickleNotAllowedError(
-                    f"object {self.fqn!r} was pickled at save time; loading it runs code from the checkpoint. "
-                    "Pass allow_pickle=True only if you trust where this checkpoint came from",
+                    f"object {self.fqn!r} was pickled at save time ({self.where}); loading it runs code from the "
+                    "checkpoint. Pass allow_pickle=True only if you trust where this checkpoint came from",
                     fqn=self.fqn,
                 )
             return pickle.loads(self.unb64(v))  # allow_pickle: caller opted in explicitly
@@ -222,7 +230,7 @@ class _Decoder:
 
     def tensor(self, d: dict) -> torch.Tensor:
         name = self.text(d.get("dtype"), "tensor dtype")
-        dtype = torch_dtype(name, fqn=self.fqn)
+        dtype = self.torch_dtype(name)
         shape = self.shape(d.get("shape"))
         raw = bytearray(self.unb64(d.get("v")))
         if len(raw) != math.prod(shape) * dtype.itemsize:

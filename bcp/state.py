@@ -36,14 +36,27 @@ def path_to_json(path: KeyPath) -> list:
     return [[kind, key] for kind, key in path]
 
 
-def path_from_json(doc: Any, *, fqn: str) -> KeyPath:
-    try:
-        path = tuple((str(kind), key) for kind, key in doc)
-    except (TypeError, ValueError):
-        raise FormatError(f"malformed key path for {fqn!r}: {doc!r}") from None
-    for kind, key in path:
-        if kind not in ("d", "l", "t") or not isinstance(key, (str, int)) or (kind != "d" and not isinstance(key, int)):
-            raise FormatError(f"malformed key path for {fqn!r}: {doc!r}")
+def path_from_json(doc: Any, *, fqn: str, where: str | None = None) -> KeyPath:
+    """A stored key path, checked (FORMAT.md, "Keys"): a non-empty list of ``[kind, key]``
+    pairs whose keys joined by ``.`` are ``fqn``; FormatError naming ``fqn`` (and
+    ``where``, the file it came from) otherwise, since any other path would put the
+    value somewhere else in the rebuilt state."""
+    ok = type(doc) is list and len(doc) > 0
+    for elem in doc if ok else ():
+        ok = (
+            type(elem) is list
+            and len(elem) == 2
+            and elem[0] in ("d", "l", "t")
+            and (type(elem[1]) is int or (elem[0] == "d" and type(elem[1]) is str))
+            and (elem[0] == "d" or (isinstance(elem[1], int) and elem[1] >= 0))
+        )
+        if not ok:
+            break
+    path: KeyPath = tuple((kind, key) for kind, key in doc) if ok else ()
+    if not ok or fqn_of(path) != fqn:
+        text = repr(doc)
+        text = text if len(text) <= 120 else text[:117] + "..."
+        raise FormatError(f"{where + ': ' if where else ''}malformed key path for {fqn!r}: {text}")
     return path
 
 

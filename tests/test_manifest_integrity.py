@@ -376,3 +376,15 @@ def test_objects_that_readers_accept_round_trip(tmp_path):
     bcp.save(state, str(tmp_path / "ck"))
     r = bcp.open(str(tmp_path / "ck"))
     assert r.read("deep") == value and r.read("c") == state["c"] and r.read("s") == state["s"]
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [{}, {"dx": 1}, "dx", [], [["d", "other"]], [["d", "optim"]], [["l", "state"]], [["l", -1]], [["d", True]]],
+    ids=["empty dict", "dict", "text", "empty", "other key", "prefix", "list with text key", "negative", "bool"],
+)
+def test_a_key_path_that_would_put_the_value_elsewhere_is_refused(doc):
+    from bcp.state import path_from_json
+
+    with pytest.raises(FormatError, match=r"x/fragments\.arrow: malformed key path for 'optim\.state'"):
+        path_from_json(doc, fqn="optim.state", where="x/fragments.arrow")
