@@ -198,6 +198,19 @@ def test_a_dcp_entry_that_runs_code_is_skipped_and_named_not_run(tmp_path):
     assert set(reader.keys()) == {"w", "epoch"} and reader.read_object("epoch") == 7
 
 
+def test_allow_pickle_converts_the_entries_that_need_it(tmp_path):
+    import datetime
+
+    src = tmp_path / "dcp"
+    when = datetime.date(2024, 1, 2)
+    _dcp_checkpoint(src, {"w": torch.ones(3), "when": when})
+    _info, skipped = from_dcp(str(src), str(tmp_path / "safe"))
+    assert skipped == ["when"] and set(bcp.open(str(tmp_path / "safe")).keys()) == {"w"}
+    _info, skipped = from_dcp(str(src), str(tmp_path / "all"), allow_pickle=True)
+    assert skipped == []
+    assert bcp.open(str(tmp_path / "all"), allow_pickle=True).read_object("when") == when
+
+
 # -- safetensors output -----------------------------------------------------------------------------
 
 
