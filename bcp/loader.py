@@ -245,11 +245,11 @@ def _match_subtree(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan, stored_
     plan.subtree_loads.append(SubtreeLoad(leaf, below))
     for f in below:
         if f in reader.catalog.tensors:
-            meta = reader.meta(f)
-            plan.subtree_tensors[f] = torch.empty(meta.shape, dtype=meta.dtype)
-            plan.tensor_requests.append(
-                TensorRequest(f, ((0,) * len(meta.shape), tuple(meta.shape)), plan.subtree_tensors[f])
-            )
+            # reader.empty allocates only after the files holding the bytes are found in
+            # storage with their declared sizes: a catalog cannot make this allocate more
+            plan.subtree_tensors[f] = reader.empty(f)
+            shape = tuple(plan.subtree_tensors[f].shape)
+            plan.tensor_requests.append(TensorRequest(f, ((0,) * len(shape), shape), plan.subtree_tensors[f]))
     return True
 
 

@@ -13,17 +13,19 @@ from typing import Any
 
 import torch
 
-from bcp.backends import Backend
-from bcp.metadata import Catalog, Fragment, Manifest, TensorEntry
+from bcp.backends import Backend, ObjectNotFoundError
+from bcp.metadata import Catalog, FormatError, Fragment, Manifest, TensorEntry
+from bcp.metadata.layout import manifest_key
 from bcp.target import resolve_backend
 
 from . import objcodec
 from .boxes import Box, intersect
 from .commit import fetch_metadata, parse_manifest
+from .errors import CorruptCheckpointError
 from .io_scheduler.device_copy import DeviceCopies, is_device_tensor
 from .io_scheduler.device_load import DeviceFill
 from .io_scheduler.read_exec import ReadStats, execute_reads
-from .io_scheduler.read_plan import RunSet, plan_tensor_reads
+from .io_scheduler.read_plan import RunSet, choose_replicas, plan_tensor_reads
 from .io_scheduler.staging import StagingPool, default_pool
 from .state import KeyPath, build_nested, path_from_json
 from .tensor_io import byte_view, copy_values
@@ -56,6 +58,8 @@ class CheckpointReader:
         self.allow_pickle = allow_pickle
         #: verify CRC32C of every checksum block a read touches (reads the rest of partly read blocks)
         self.verify = verify
+        #: data files whose size in storage was found equal to the manifest's
+        self._sizes_checked: set[str] = set()
 
     @property
     def uri(self) -> str:
@@ -79,7 +83,14 @@ class CheckpointReader:
     def key_path(self, fqn: str) -> KeyPath:
         """Where the entry sat in the saved nested state."""
         if fqn in self.catalog.tensors:
-            return path_from_json(json.loads(self.catalog.tensors[fqn].key_path), fqn=fqn)
+            text = self.catalog.tensors[fqn].key_path
+            try:
+                doc = json.loads(text)
+            except (ValueError, RecursionError) as e:
+                raise FormatError(
+                    f"{self.uri}/{self.manifest.catalog.path}: key path of {fqn!r} is not valid JSON: {e}"
+                ) from None
+            return path_from_json(doc, fqn=fqn)
         return path_from_json(self._object_entry(fqn).key_path, fqn=fqn)
 
     def meta(self, fqn: str) -> TensorMeta:
@@ -99,11 +110,53 @@ class CheckpointReader:
         ``box`` = (offsets, lengths)), or an object."""
         if fqn in self.manifest.objects and box is None:
             return self.read_object(fqn)
-        meta = self.meta(fqn)
-        shape = meta.shape if box is None else torch.Size(box[1])
-        out = torch.empty(shape, dtype=meta.dtype)
+        out = self.empty(fqn, box)
         self.read_into(fqn, out, box=box)
         return out
+
+    def empty(self, fqn: str, box: Box | None = None) -> torch.Tensor:
+        """An uninitialised CPU tensor for the stored tensor, or its part ``box``, once
+        the data files holding those bytes have been found in storage with the sizes
+        the manifest declares: what a hostile catalog can make a reader allocate is
+        bounded by the bytes actually stored."""
+        entry = self._tensor_entry(fqn)
+        box = self._whole(entry) if box is None else box
+        self._check_box(fqn, entry, box)
+        self.check_sizes([(fqn, box)])
+        return torch.empty(tuple(box[1]), dtype=torch_dtype(entry.dtype, fqn=fqn))
+
+    def check_sizes(self, requests: list[tuple[str, Box]], *, prefer_rank: int = 0) -> None:
+        """Check, once per file and before anything is allocated for it, that every data
+        file that reading ``requests`` ((fqn, box) pairs) touches holds in storage the
+        size the manifest declares (the catalog was checked against the manifest when
+        it was decoded, so every planned byte then lies inside a file that exists).
+        A sparse file counts with its apparent size: storage reports no other."""
+        if len(self._sizes_checked) == len(self.manifest.data_files):
+            return  # every file checked already (the usual case after the first tensor)
+        files: set[str] = set()
+        for fqn, (b_off, b_len) in requests:
+            for frag in choose_replicas(self._tensor_entry(fqn), prefer_rank):
+                if (
+                    frag.nbytes
+                    and frag.file not in self._sizes_checked
+                    and intersect(b_off, b_len, frag.offsets, frag.lengths) is not None
+                ):
+                    files.add(frag.file)
+        if not files:
+            return
+        declared = {f.path: f.nbytes for f in self.manifest.data_files}
+        for file in sorted(files):
+            try:
+                size = self.backend.size(file)
+            except ObjectNotFoundError as e:
+                raise CorruptCheckpointError(f"data file {file!r} of {self.uri} is missing", file=file, offset=0) from e
+            if size != declared[file]:
+                raise CorruptCheckpointError(
+                    f"data file {file!r} of {self.uri} holds {size} bytes; the manifest says {declared[file]}",
+                    file=file,
+                    offset=min(size, declared[file]),
+                )
+            self._sizes_checked.add(file)
 
     def read_object(self, fqn: str, rank: int | None = None) -> Any:
         """A stored object; for one saved per rank, pass the saving ``rank``."""
@@ -123,7 +176,7 @@ class CheckpointReader:
         """Fill ``dest`` with the stored tensor, or with the part ``box`` = (offsets,
         lengths) of it (``dest`` then has the box's shape). Casts if dtypes differ."""
         entry = self._tensor_entry(fqn)
-        box = box if box is not None else ((0,) * len(entry.global_shape), entry.global_shape)
+        box = box if box is not None else self._whole(entry)
         if tuple(dest.shape) != tuple(box[1]):
             raise ValueError(f"{fqn!r}: destination shape {list(dest.shape)} != requested box {list(box[1])}")
         return self.fill([(fqn, box, dest)])
@@ -143,6 +196,13 @@ class CheckpointReader:
         destinations are filled through slabs of ``pool`` (default: the process-wide
         pool; see ``bcp.io_scheduler.device_load``); the call returns once every byte has landed."""
         in_memory = in_memory or {}
+        for fqn, box, dest in requests:  # everything checked before any allocation
+            self._check_box(fqn, self._tensor_entry(fqn), box)
+            if dest.is_meta:
+                raise ValueError(
+                    f"{fqn!r}: cannot load into a meta tensor; allocate it first (module.to_empty(device=...))"
+                )
+        self.check_sizes([(fqn, box) for fqn, box, _dest in requests], prefer_rank=prefer_rank)
         devices = sorted({dest.device for _f, _b, dest in requests if is_device_tensor(dest)}, key=str)
         device_fill: DeviceFill | None = None
         if devices:
@@ -159,19 +219,6 @@ class CheckpointReader:
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for fqn, box, dest in requests:
             entry = self._tensor_entry(fqn)
-            ndim = len(entry.global_shape)
-            if (
-                len(box[0]) != ndim
-                or len(box[1]) != ndim
-                or any(o < 0 or o + n > s for o, n, s in zip(box[0], box[1], entry.global_shape, strict=True))
-            ):
-                raise ValueError(
-                    f"{fqn!r}: box offsets={list(box[0])} lengths={list(box[1])} is outside {list(entry.global_shape)}"
-                )
-            if dest.is_meta:
-                raise ValueError(
-                    f"{fqn!r}: cannot load into a meta tensor; allocate it first (module.to_empty(device=...))"
-                )
             dtype = torch_dtype(entry.dtype, fqn=fqn)
             mine = held.get(fqn, {})
             if device_fill is not None and is_device_tensor(dest):
@@ -207,6 +254,22 @@ class CheckpointReader:
         return stats
 
     # -- helpers ------------------------------------------------------------------------
+
+    @staticmethod
+    def _whole(entry: TensorEntry) -> Box:
+        return (0,) * len(entry.global_shape), entry.global_shape
+
+    @staticmethod
+    def _check_box(fqn: str, entry: TensorEntry, box: Box) -> None:
+        ndim = len(entry.global_shape)
+        if (
+            len(box[0]) != ndim
+            or len(box[1]) != ndim
+            or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(box[0], box[1], entry.global_shape, strict=True))
+        ):
+            raise ValueError(
+                f"{fqn!r}: box offsets={list(box[0])} lengths={list(box[1])} is outside {list(entry.global_shape)}"
+            )
 
     def _tensor_entry(self, fqn: str) -> TensorEntry:
         try:
@@ -269,11 +332,16 @@ def reader_from_bytes(
     backend: Backend, manifest_bytes: bytes, catalog_bytes: bytes, *, allow_pickle: bool = False, verify: bool = True
 ) -> CheckpointReader:
     manifest = parse_manifest(backend, manifest_bytes)
-    catalog = Catalog.from_arrow(
-        catalog_bytes,
-        where=f"{backend.uri}/{manifest.catalog.path}",
-        checksum_block_bytes=manifest.checksum_block_bytes,
-    )
+    where = f"{backend.uri}/{manifest.catalog.path}"
+    sizes: dict[str, int] = {}
+    for f in manifest.data_files:  # the manifest's own checks are metadata.manifest's; these guard the reads
+        if f.nbytes < 0 or sizes.setdefault(f.path, f.nbytes) != f.nbytes:
+            raise FormatError(
+                f"{backend.uri}/{manifest_key()}: data file {f.path!r} is listed with size {f.nbytes} "
+                f"(and {sizes.get(f.path, f.nbytes)})"
+            )
+    catalog = Catalog.from_arrow(catalog_bytes, where=where, checksum_block_bytes=manifest.checksum_block_bytes)
+    catalog.check_files(sizes, where=where)
     return CheckpointReader(backend, manifest, catalog, allow_pickle=allow_pickle, verify=verify)
 
 

@@ -21,7 +21,6 @@ from bcp.metadata import itemsize
 from ..boxes import Box, intersect
 from ..collectives import GroupCoordinator
 from ..reader import CheckpointReader
-from ..torch_dtypes import torch_dtype
 from .read_exec import ReadStats
 from .read_plan import choose_replicas
 
@@ -69,10 +68,9 @@ def fetch_shared(
     held: dict[SharedKey, torch.Tensor] = {}
     owned = [(k, receivers) for k, (owner, receivers) in plan.items() if owner == coord.rank]
     for key, _receivers in owned:
-        fqn, (f_off, f_len) = key
-        dtype = torch_dtype(reader.catalog.tensors[fqn].dtype, fqn=fqn)
-        held[key] = torch.empty(f_len, dtype=dtype)
-        stats.add(reader.fill([(fqn, (f_off, f_len), held[key])]))
+        fqn, box = key
+        held[key] = reader.empty(fqn, box)  # after checking the files holding it
+        stats.add(reader.fill([(fqn, box, held[key])]))
     works = []
     ranks = dist.get_process_group_ranks(coord.group)
     for tag, (key, (owner, receivers)) in enumerate(sorted(plan.items())):
@@ -81,9 +79,8 @@ def fetch_shared(
             if wire is not None:
                 works += [dist.isend(wire, dst=ranks[r], group=coord.group, tag=tag) for r in receivers]
         elif coord.rank in receivers:
-            fqn, (_f_off, f_len) = key
-            dtype = torch_dtype(reader.catalog.tensors[fqn].dtype, fqn=fqn)
-            held[key] = torch.empty(f_len, dtype=dtype)
+            fqn, box = key
+            held[key] = reader.empty(fqn, box)  # bounded like the owner's: by the bytes stored
             if held[key].numel():
                 works.append(
                     dist.irecv(held[key].reshape(-1).view(torch.uint8), src=ranks[owner], group=coord.group, tag=tag)
