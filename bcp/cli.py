@@ -376,7 +376,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bcp", description="bcp checkpoints: storage checks and tools")
     parser.add_argument(
         "--log-level",
-        default="WARNING",
         type=_log_level,
         help="level of bcp's own log messages (default WARNING); other libraries stay at WARNING",
     )
@@ -508,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     # --log-level is for bcp's own loggers: the root stays at WARNING, so other
     # libraries (botocore prints request headers at DEBUG) stay quiet
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("bcp").setLevel(args.log_level)
+    if args.log_level is not None:  # unset, bcp's loggers follow the root (and a caller's set-up is kept)
+        logging.getLogger("bcp").setLevel(args.log_level)
     try:
         return args.func(args)
     except KeyboardInterrupt:
