@@ -6,7 +6,7 @@ Knows nothing of tensors or of the checkpoint engine (README, "Layout").
 if __name__ != "bcp.backends":  # the folder imported under its own name: a second copy of every class
     raise ImportError(f"this folder is the package bcp.backends; write `import bcp.backends`, not `import {__name__}`")
 
-from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
+from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
 from .errors import ObjectExistsError, ObjectNotFoundError, StorageError, TransientError, WriterClosedError
 from .registry import (
     backend_for,
@@ -26,6 +26,7 @@ __all__ = [
     "ObjectWriter",
     "StorageError",
     "TransientError",
+    "Unfinished",
     "WriterClosedError",
     "backend_for",
     "check_key",

@@ -213,6 +213,16 @@ class ObjectWriter(abc.ABC):
         commit; must not raise for a part that is missing."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Unfinished:
+    """A write that was never committed or aborted, as a store reports it."""
+
+    #: the store's name for it (a partial file's path, relative to the root)
+    name: str
+    #: seconds since it was last written to
+    age_seconds: float
+
+
 class Backend(abc.ABC):
     """A store rooted at a URI. Thread-safe: one instance serves many threads.
 
@@ -281,6 +291,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def exists(self, key: str) -> bool:
         """Whether ``key`` is a committed object."""
+
+    # -- unfinished writes; override where the store can leave them ---------------------
+
+    def unfinished(self, prefix: str = "") -> Iterator[Unfinished]:
+        """Writes under ``prefix`` that were never committed or aborted (a process
+        killed mid-write left them), which ``list`` hides: partial files on a
+        filesystem. Housekeeping deletes the old ones. The default: none."""
+        return iter(())
+
+    def delete_unfinished(self, name: str) -> None:  # noqa: B027 - optional hook, paired with unfinished()
+        """Remove one unfinished write that :meth:`unfinished` reported."""
 
     # -- derived; override for speed -------------------------------------------------
 

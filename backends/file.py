@@ -13,18 +13,26 @@ Reads use ``os.preadv`` into the caller's buffer: no Python copies.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import shutil
+import stat
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Self
 from urllib.parse import unquote, urlsplit
 
-from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from .errors import ObjectExistsError, WriterClosedError, annotate
+from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
+from .errors import ObjectExistsError, StorageError, WriterClosedError, annotate
 from .options import as_bool
+
+log = logging.getLogger(__name__)
+
+#: Opening a final component that is a link fails (ELOOP) instead of following it.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 #: Marks an unfinished write. Keys may not contain it; ``list`` never shows such files.
 PARTIAL_MARKER = ".bcp-partial-"
@@ -53,6 +61,8 @@ class FileBackend(Backend):
         self.direct = direct and hasattr(os, "O_DIRECT")
         #: large reads take what the page cache holds, and read the rest with O_DIRECT
         self.direct_reads = direct_reads and hasattr(os, "O_DIRECT")
+        #: directories below the root found not to be symbolic links (see _refuse_links)
+        self._checked_dirs: set[str] = set()
 
     @classmethod
     def from_uri(cls, uri: str, **options) -> Self:
@@ -78,7 +88,40 @@ class FileBackend(Backend):
         check_key(key)
         if PARTIAL_MARKER in key:
             raise ValueError(f"invalid object key {key!r}: contains the reserved {PARTIAL_MARKER!r}")
-        return os.path.join(self.root, *key.split("/"))
+        path = os.path.join(self.root, *key.split("/"))
+        self._refuse_links(key, path)
+        return path
+
+    def _refuse_links(self, key: str, path: str, *, final: bool = True) -> None:
+        """Never follow a symbolic link below the root: a checkpoint copied from
+        elsewhere may hold links that point anywhere (a data file linked to a secret,
+        a step directory linked to another tree that a delete would then empty). The
+        root itself may be a link; that is the user's choice. Directories already
+        checked are remembered (one ``lstat`` per new directory)."""
+        parts = key.split("/")
+        at = self.root
+        for i, part in enumerate(parts):
+            at = os.path.join(at, part)
+            last = i == len(parts) - 1
+            if not last and at in self._checked_dirs:
+                continue
+            if last and not final:
+                return
+            try:
+                mode = os.lstat(at).st_mode
+            except FileNotFoundError:
+                return  # nothing further down exists, so nothing can be a link
+            except OSError:
+                return  # the operation itself reports it
+            if stat.S_ISLNK(mode):
+                raise StorageError(
+                    "is a symbolic link; bcp never follows links inside a checkpoint",
+                    uri=self.uri,
+                    key="/".join(parts[: i + 1]),
+                    action="opening",
+                )
+            if not last and stat.S_ISDIR(mode):
+                self._checked_dirs.add(at)
 
     def _make_dirs(self, path: str) -> None:
         """Create missing directories and make their entries durable."""
@@ -102,6 +145,7 @@ class FileBackend(Backend):
     def write_if_absent(self, key: str, data: Buffer) -> None:
         final = self._path(key)
         writer = _FileWriter(self, key, len(data))
+        linked = False
         try:
             if len(data):
                 writer.write_at(0, data)
@@ -116,17 +160,24 @@ class FileBackend(Backend):
                     if os.path.exists(final):
                         raise FileExistsError(final) from e
                     os.rename(writer.tmp, final)
+                linked = True
                 if self.fsync:
                     _fsync_dir(os.path.dirname(final))
         finally:
-            writer.abort()
+            try:
+                writer.abort()  # the partial file: linked into place or not, it goes
+            except OSError as e:
+                if not linked:
+                    raise
+                # The object is created: a partial file left behind is only space (gc removes it).
+                log.warning("created %r in %s but could not remove its partial file: %s", key, self.uri, e)
 
     # -- reading -----------------------------------------------------------------------
 
     def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
         path = self._path(key)
         with annotate(self.uri, key, "reading"):
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
             try:
                 view = memoryview(buffer).cast("B")
                 if not self.direct_reads or len(view) < _DIRECT_READ_FROM:
@@ -152,42 +203,79 @@ class FileBackend(Backend):
     def size(self, key: str) -> int:
         path = self._path(key)
         with annotate(self.uri, key, "sizing"):
-            st = os.stat(path)
-            if not os.path.isfile(path):
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
                 raise FileNotFoundError(path)
             return st.st_size
 
     def exists(self, key: str) -> bool:
-        return os.path.isfile(self._path(key))
+        try:
+            path = self._path(key)
+        except StorageError:  # a link is not an object
+            return False
+        return os.path.isfile(path) and not os.path.islink(path)
 
     def list(self, prefix: str = "") -> Iterator[str]:
         # Walk only the deepest directory the prefix names, then filter by string prefix.
+        for key, _path, _partial in self._walk(prefix):
+            if not _partial:
+                yield key
+
+    def _walk(self, prefix: str) -> Iterator[tuple[str, str, bool]]:
+        """(key, path, is a partial file) of every regular file under ``prefix``;
+        symbolic links are neither listed nor followed."""
         head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        base = os.path.join(self.root, *head.split("/")) if head else self.root
-        if not os.path.isdir(base):
+        base = self._path(head) if head else self.root
+        if not os.path.isdir(base) or (head and os.path.islink(base)):
             return
         with annotate(self.uri, prefix, "listing"):
-            for dirpath, _dirs, files in os.walk(base):
+            for dirpath, _dirs, files in os.walk(base):  # never descends into linked directories
                 rel = os.path.relpath(dirpath, self.root)
                 rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
                 for name in files:
                     key = rel + name
-                    if PARTIAL_MARKER not in name and key.startswith(prefix):
-                        yield key
+                    path = os.path.join(dirpath, name)
+                    if key.startswith(prefix) and not os.path.islink(path):
+                        yield key, path, PARTIAL_MARKER in name
+
+    def unfinished(self, prefix: str = "") -> Iterator[Unfinished]:
+        """Partial files left by writers that were killed (their age: since the last write)."""
+        now = time.time()
+        for key, path, partial in self._walk(prefix):
+            if partial:
+                try:
+                    age = now - os.lstat(path).st_mtime
+                except FileNotFoundError:  # its writer just committed or aborted
+                    continue
+                yield Unfinished(key, age)
+
+    def delete_unfinished(self, name: str) -> None:
+        check_key(name)
+        if PARTIAL_MARKER not in name.rsplit("/", 1)[-1]:
+            raise ValueError(f"{name!r} is not a partial file")
+        path = os.path.join(self.root, *name.split("/"))
+        self._refuse_links(name, path)
+        with annotate(self.uri, name, "deleting"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     # -- deleting ----------------------------------------------------------------------
 
     def delete_prefix(self, prefix: str) -> None:
         """A directory prefix goes in one ``rmtree``, which also removes the partial
         files of writers that were killed (``list`` hides those)."""
-        if prefix.endswith("/") and os.path.isdir(self._path(prefix.rstrip("/"))):
+        if prefix.endswith("/") and os.path.isdir(path := self._path(prefix.rstrip("/"))):
             with annotate(self.uri, prefix, "deleting"):
-                shutil.rmtree(self._path(prefix.rstrip("/")))
+                shutil.rmtree(path)  # removes links found inside, never what they point to
             return
         super().delete_prefix(prefix)
 
     def delete(self, key: str) -> None:
-        path = self._path(key)
+        check_key(key)
+        path = os.path.join(self.root, *key.split("/"))
+        self._refuse_links(key, path, final=False)  # unlinking a link removes the link only
         with annotate(self.uri, key, "deleting"):
             try:
                 os.unlink(path)
@@ -238,7 +326,7 @@ def _is_cached(path: str, view: memoryview, offset: int) -> bool:
     if flag is None:
         return False
     probe_at = (offset + len(view) // 2) // 4096 * 4096
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         scratch = bytearray(4096)
@@ -256,11 +344,11 @@ def _is_cached(path: str, view: memoryview, offset: int) -> bool:
 def _open_direct(path: str) -> tuple[int, bool]:
     """A read descriptor with O_DIRECT, or a buffered one where the filesystem refuses it."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+        return os.open(path, os.O_RDONLY | os.O_DIRECT | _NOFOLLOW), True
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        return os.open(path, os.O_RDONLY), False
+        return os.open(path, os.O_RDONLY | _NOFOLLOW), False
 
 
 def _pread_direct(path: str, view: memoryview, offset: int) -> int:

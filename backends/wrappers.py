@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from .base import Backend, Buffer, ObjectWriter
+from .base import Backend, Buffer, ObjectWriter, Unfinished
 from .errors import ObjectExistsError, TransientError
 from .retry import RetryPolicy
 
@@ -66,6 +66,12 @@ class ForwardingBackend(Backend):
 
     def delete_prefix(self, prefix: str) -> None:
         self.inner.delete_prefix(prefix)
+
+    def unfinished(self, prefix: str = "") -> Iterator[Unfinished]:
+        return self.inner.unfinished(prefix)
+
+    def delete_unfinished(self, name: str) -> None:
+        self.inner.delete_unfinished(name)
 
     def close(self) -> None:
         self.inner.close()

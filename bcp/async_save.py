@@ -22,6 +22,8 @@ without blocking the host. docs/io.md, "Device tensors", is the full contract.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -37,6 +39,8 @@ from .saver import SaveInfo, SaveJob
 from .shards import local_pieces
 from .state import flatten_state
 from .target import Target
+
+log = logging.getLogger(__name__)
 
 _slots_lock = threading.Lock()
 _in_flight: dict[int, AsyncSaveHandle] = {}
@@ -54,6 +58,8 @@ class AsyncSaveHandle:
         #: seconds ``async_save`` kept the caller waiting
         self.blocking_seconds = blocking_seconds
         self.staged = threading.Event()
+        #: whether ``wait`` handed the outcome to the caller (else the exit hook reports it)
+        self._reported = False
 
     def _run(self, background_stage=None) -> None:
         try:
@@ -72,6 +78,7 @@ class AsyncSaveHandle:
     def wait(self, timeout: float | None = None) -> SaveInfo:
         if not self._done.wait(timeout):
             raise TimeoutError(f"async save to {self._job.backend.uri} still running after {timeout} s")
+        self._reported = True
         if self._error is not None:
             raise self._error
         assert self._result is not None, "done without an error: complete() returned"
@@ -206,6 +213,23 @@ def reserve_staging(
     """
     pool = pool or default_pool()
     return StagingReservation(pool, staging_bytes(state, pool.slab_bytes), background=background)
+
+
+def _finish_at_exit() -> None:
+    """At interpreter exit: finish every async save still in flight (a training script
+    that ends without ``wait()`` would otherwise lose its last checkpoint with exit
+    status 0), and report the failure of any save nobody waited for."""
+    handles = list(_in_flight.values())
+    for handle in handles:
+        if not handle.done():
+            log.warning("the process is exiting: waiting for the async save to %s to finish", handle.uri)
+    for handle in handles:
+        handle._done.wait()
+        if handle._error is not None and not handle._reported:
+            log.error("the async save to %s failed and was never waited for: %s", handle.uri, handle._error)
+
+
+atexit.register(_finish_at_exit)
 
 
 def wait_all() -> None:

@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
+import secrets
+import time
+from collections.abc import Iterable
 
 from bcp.backends import Backend, ObjectExistsError, ObjectNotFoundError
 from bcp.metadata import Catalog, FileEntry, Manifest, crc32c
+from bcp.metadata.errors import CorruptManifestError
 from bcp.metadata.layout import GENERATION_PREFIX, manifest_key
 
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CommitUncertainError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
@@ -29,8 +35,44 @@ log = logging.getLogger(__name__)
 
 
 def parse_manifest(backend: Backend, data: bytes, prefix: str = "") -> Manifest:
-    """``data`` read from the manifest under ``prefix``, validated (FormatError names the file)."""
-    return Manifest.from_json(data, where=f"{backend.uri}/{manifest_key(prefix)}")
+    """``data`` read from the manifest under ``prefix``, validated (FormatError names
+    the file; a manifest failing its own checksum is a CorruptCheckpointError)."""
+    try:
+        return Manifest.from_json(data, where=f"{backend.uri}/{manifest_key(prefix)}")
+    except CorruptManifestError as e:
+        raise CorruptCheckpointError(str(e), file=manifest_key(prefix)) from e
+
+
+#: Hex digits of a save id that hold its start time (Unix seconds); 16 random ones follow.
+_TIME_DIGITS = 8
+_TIMED_ID = re.compile(r"^[0-9a-f]{24}$")
+
+
+def new_save_id(now: float | None = None) -> str:
+    """A fresh save id: the start time, so housekeeping can tell a save in progress
+    from a killed one, then 64 random bits, so two saves never share a generation."""
+    seconds = int(time.time() if now is None else now)
+    return f"{seconds & 0xFFFFFFFF:0{_TIME_DIGITS}x}{secrets.token_hex(8)}"
+
+
+def generation_started(generation: str) -> float | None:
+    """When the save that writes ``[<prefix>]gen-<id>[/]`` started; None for ids
+    without a time (written before bcp recorded it)."""
+    name = generation.rstrip("/").rsplit("/", 1)[-1]
+    save_id = name[len(GENERATION_PREFIX) :] if name.startswith(GENERATION_PREFIX) else ""
+    if not _TIMED_ID.match(save_id):
+        return None
+    return float(int(save_id[:_TIME_DIGITS], 16))
+
+
+def is_young(generation: str, grace_seconds: float, now: float | None = None) -> bool:
+    """Whether ``generation`` started less than ``grace_seconds`` ago, so it may be a
+    save still running that housekeeping must not delete. A start time in the future
+    (clocks disagree) counts as young."""
+    started = generation_started(generation)
+    if started is None or grace_seconds <= 0:
+        return False
+    return (time.time() if now is None else now) - started < grace_seconds
 
 
 def read_manifest(backend: Backend, prefix: str = "") -> Manifest | None:
@@ -95,19 +137,70 @@ def write_catalog(backend: Backend, key: str, catalog: Catalog) -> FileEntry:
     return FileEntry(key, len(data), crc32c(data))
 
 
+def check_generation_intact(backend: Backend, generation: str, keys: Iterable[str]) -> None:
+    """Before the commit: every object of the save is still there (one listing). A gc,
+    ``bcp rm`` or a second manager that deleted part of a save in progress makes the
+    save fail here instead of committing a checkpoint whose data is gone."""
+    present = set(backend.list(generation.rstrip("/") + "/"))
+    missing = sorted(set(keys) - present)
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise IncompleteCheckpointError(
+            f"objects of this save at {backend.uri} were deleted while it was writing ({shown}): "
+            "another process (bcp gc, bcp rm, a second CheckpointManager) removed them; nothing was committed"
+        )
+
+
+def _landed(backend: Backend, manifest: Manifest) -> bool | None:
+    """Whether the manifest under the root is ``manifest`` (True), is not (False), or
+    cannot be read to tell (None)."""
+    try:
+        found = read_manifest(backend)
+    except Exception as e:  # noqa: BLE001 - any failure to read back means "unknown"
+        log.debug("reading back the manifest at %s failed: %s", backend.uri, e)
+        return None
+    return found is not None and found.save_id == manifest.save_id
+
+
 def commit(backend: Backend, manifest: Manifest, *, overwrite: bool) -> None:
     """Write ``manifest``: the commit. Create-only unless ``overwrite`` (then an atomic
-    replace); losing a create-only race raises CheckpointExistsError."""
+    replace); losing a create-only race raises CheckpointExistsError.
+
+    An error from the write is checked by reading the manifest back: when it is this
+    save's (the error came after the manifest landed: a directory fsync, a temp-file
+    cleanup, a lost answer), the save is committed and the error is logged as a
+    warning. When the read-back fails too, CommitUncertainError: the caller must keep
+    the data, which may be a committed checkpoint."""
     data = manifest.to_json()
-    if overwrite:
-        backend.write(manifest_key(), data)
-        return
     try:
-        backend.write_if_absent(manifest_key(), data)
+        if overwrite:
+            backend.write(manifest_key(), data)
+        else:
+            backend.write_if_absent(manifest_key(), data)
     except ObjectExistsError as e:
+        landed = _landed(backend, manifest)
+        if landed:  # a retried create whose first answer was lost
+            log.warning("committed %s; the store answered a retried commit with %s", backend.uri, e)
+            return
+        if landed is None:
+            raise CommitUncertainError(
+                f"could not tell whether this save's manifest was written at {backend.uri} ({e}); its data was kept"
+            ) from e
         raise CheckpointExistsError(
             f"another save committed a checkpoint at {backend.uri} while this one was writing; this save was discarded"
         ) from e
+    except Exception as e:
+        landed = _landed(backend, manifest)
+        if landed:
+            log.warning("committed %s, but writing its manifest reported an error afterwards: %s", backend.uri, e)
+            return
+        if landed is None:
+            raise CommitUncertainError(
+                f"writing the manifest at {backend.uri} failed ({e}) and it cannot be read back: "
+                "the save may be committed, so its data was kept; "
+                "load it to find out, or save again with overwrite=True"
+            ) from e
+        raise
 
 
 def delete_generation(backend: Backend, generation: str) -> None:
@@ -137,13 +230,21 @@ def delete_checkpoint(backend: Backend, prefix: str = "") -> None:
     backend.delete_prefix(prefix)
 
 
-def unused_generations(backend: Backend, prefix: str = "") -> list[str]:
+def generations(backend: Backend, prefix: str = "") -> set[str]:
+    """Names (``gen-<id>``) of the generations under ``prefix``, including those that
+    hold only unfinished writes (a save killed before any object was complete)."""
+    keys = list(backend.list(f"{prefix}{GENERATION_PREFIX}"))
+    keys += [u.name for u in backend.unfinished(f"{prefix}{GENERATION_PREFIX}")]
+    return {key[len(prefix) :].split("/", 1)[0] for key in keys}
+
+
+def unused_generations(backend: Backend, prefix: str = "", *, grace_seconds: float = 0.0) -> list[str]:
     """Generation prefixes (``<prefix>gen-.../``) of the committed checkpoint under
-    ``prefix`` that its manifest does not use: left by an overwrite that was killed.
+    ``prefix`` that its manifest does not use: left by an overwrite that was killed,
+    or being written by one now (those younger than ``grace_seconds`` are left alone).
     Empty when nothing is committed there."""
     manifest = read_manifest(backend, prefix)
     if manifest is None:
         return []
     live = manifest.generation
-    found = {key[len(prefix) :].split("/", 1)[0] for key in backend.list(f"{prefix}{GENERATION_PREFIX}")}
-    return sorted(f"{prefix}{g}/" for g in found if g != live)
+    return sorted(f"{prefix}{g}/" for g in generations(backend, prefix) if g != live and not is_young(g, grace_seconds))

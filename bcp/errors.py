@@ -33,6 +33,12 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
     """A committed checkpoint is already at the URI and overwrite was not asked for."""
 
 
+class CommitUncertainError(CheckpointError):
+    """Writing the manifest failed in a way that leaves unknown whether it landed (the
+    store lost every answer and cannot be read back). The save's data is kept: it may
+    be a committed checkpoint. Load it to find out, or save again with overwrite=True."""
+
+
 class CorruptCheckpointError(CheckpointError):
     """Stored bytes do not match their checksum or size. Names tensor, file and offset."""
 

@@ -6,20 +6,32 @@ rename): a step is *committed* exactly when its ``manifest.json`` exists.
 
 Deleting a checkpoint removes its manifest first, so a deletion that stops halfway
 leaves an incomplete step (garbage, never loaded), not a committed one with missing
-data.
+data. Nothing younger than the grace period (``grace_seconds``, by the start time in
+each save's generation name, or a partial file's age) is garbage: it may be a save
+in progress of another process (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 from collections.abc import Iterable
 
 from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import Manifest
-from bcp.metadata.layout import LATEST_KEY, STEP_PREFIX, manifest_key, step_name, step_of
+from bcp.metadata.layout import LATEST_KEY, STEP_PREFIX, generation_of, manifest_key, step_name, step_of
 
 from . import commit
+
+log = logging.getLogger(__name__)
+
+#: Incomplete saves and partial files younger than this are left alone by gc: they
+#: may belong to a save still running (another process, another manager). One hour
+#: covers a large save on a slow store; a save running longer than it is still safe
+#: (it checks its objects before committing), it only may have to be repeated.
+DEFAULT_GRACE_SECONDS = 3600.0
 
 
 @dataclasses.dataclass
@@ -30,17 +42,38 @@ class StepInfo:
     bytes: int = 0
     created: str | None = None  # from the manifest
     metrics: dict | None = None
+    #: generation names (``gen-<id>``) found in the step, committed or not
+    generations: set[str] = dataclasses.field(default_factory=set)
+    #: the youngest unfinished write's age in seconds (inf: none)
+    unfinished_age: float = math.inf
 
 
-def scan(backend: Backend, *, sizes: bool = False) -> dict[int, StepInfo]:
-    """Every step directory under the root, committed or not (one listing)."""
+def _step_and_generation(key: str) -> tuple[int | None, str | None]:
+    step = step_of(key)
+    return step, (generation_of(key.split("/", 1)[1]) if step is not None else None)
+
+
+def scan(backend: Backend, *, sizes: bool = False, unfinished: bool = True) -> dict[int, StepInfo]:
+    """Every step directory under the root, committed or not (one listing, plus one of
+    unfinished writes: a step holding only partial files still exists)."""
     found: dict[int, StepInfo] = {}
+    if unfinished:
+        for u in backend.unfinished(STEP_PREFIX):
+            step, generation = _step_and_generation(u.name)
+            if step is None:
+                continue
+            info = found.setdefault(step, StepInfo(step, committed=False))
+            info.unfinished_age = min(info.unfinished_age, u.age_seconds)
+            if generation is not None:
+                info.generations.add(generation)
     for key in backend.list(STEP_PREFIX):
-        step = step_of(key)
+        step, generation = _step_and_generation(key)
         if step is None:
             continue
         info = found.setdefault(step, StepInfo(step, committed=False))
         info.objects += 1
+        if generation is not None:
+            info.generations.add(generation)
         if key == manifest_key(f"{step_name(step)}/"):
             info.committed = True
         if sizes:
@@ -52,7 +85,7 @@ def scan(backend: Backend, *, sizes: bool = False) -> dict[int, StepInfo]:
 
 
 def committed_steps(backend: Backend) -> list[int]:
-    return sorted(s for s, info in scan(backend).items() if info.committed)
+    return sorted(s for s, info in scan(backend, unfinished=False).items() if info.committed)
 
 
 def read_manifest(backend: Backend, step: int) -> Manifest | None:
@@ -60,11 +93,28 @@ def read_manifest(backend: Backend, step: int) -> Manifest | None:
     return commit.read_manifest(backend, f"{step_name(step)}/")
 
 
-def step_metrics(backend: Backend, step: int) -> dict:
-    manifest = read_manifest(backend, step)
+def step_metrics(backend: Backend, step: int) -> dict[str, float]:
+    """The numeric metrics the manager stored with ``step``. A manifest that cannot be
+    read, or a metric that is not a finite number, is left out with a warning: one bad
+    step must not stop retention (or a manager's start) for the others."""
+    try:
+        manifest = read_manifest(backend, step)
+    except Exception as e:  # noqa: BLE001 - any unreadable manifest: no metrics, logged
+        log.warning("step %d: manifest unreadable, its metrics are ignored: %s", step, e)
+        return {}
     if manifest is None:
         return {}
-    return dict((manifest.user_metadata.get("bcp_manager") or {}).get("metrics") or {})
+    managed = manifest.user_metadata.get("bcp_manager")
+    raw = managed.get("metrics") if isinstance(managed, dict) else None
+    if not isinstance(raw, dict):
+        return {}
+    metrics: dict[str, float] = {}
+    for name, value in raw.items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            metrics[str(name)] = float(value)
+        else:
+            log.warning("step %d: metric %r is not a finite number (%.60r); ignored", step, name, value)
+    return metrics
 
 
 def select_kept(
@@ -110,10 +160,16 @@ def delete_step(backend: Backend, step: int) -> None:
     commit.delete_checkpoint(backend, f"{step_name(step)}/")
 
 
-def orphan_generations(backend: Backend, step: int) -> list[str]:
-    """Generation prefixes in a committed step that its manifest does not use
-    (left by an overwrite that was killed)."""
-    return commit.unused_generations(backend, f"{step_name(step)}/")
+def orphan_generations(backend: Backend, step: int, *, grace_seconds: float = 0.0) -> list[str]:
+    """Generation prefixes in a committed step that its manifest does not use (left by
+    an overwrite that was killed; younger than ``grace_seconds``: maybe one running)."""
+    return commit.unused_generations(backend, f"{step_name(step)}/", grace_seconds=grace_seconds)
+
+
+def _is_busy(info: StepInfo, grace_seconds: float) -> bool:
+    """Whether an incomplete step may be a save in progress: a generation that started,
+    or a partial file written, less than ``grace_seconds`` ago."""
+    return info.unfinished_age < grace_seconds or any(commit.is_young(g, grace_seconds) for g in info.generations)
 
 
 def write_latest(backend: Backend, step: int) -> None:
@@ -126,37 +182,76 @@ class GcPlan:
     incomplete: list[int]
     expired: list[int]
     orphan_generations: list[str]
+    #: partial files older than the grace period, outside the steps deleted whole
+    unfinished: list[str] = dataclasses.field(default_factory=list)
+    #: incomplete steps left alone because they may be saves in progress
+    young: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.incomplete or self.expired or self.orphan_generations)
+        return not (self.incomplete or self.expired or self.orphan_generations or self.unfinished)
 
 
 def plan_gc(
-    backend: Backend, *, busy: Iterable[int] = (), generations_of: Iterable[int] | None = None, **policy
+    backend: Backend,
+    *,
+    busy: Iterable[int] = (),
+    generations_of: Iterable[int] | None = None,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    **policy,
 ) -> GcPlan:
     """What ``gc`` would delete, from one listing: incomplete steps (except ``busy``
-    ones being written now), committed steps the policy no longer keeps, and unused
-    generations in the kept steps of ``generations_of`` (None: every kept step; each
-    costs a manifest read and a listing)."""
+    ones being written now, and any younger than ``grace_seconds``), committed steps
+    the policy no longer keeps, unused generations in the kept steps of
+    ``generations_of`` (None: every kept step; each costs a manifest read and a
+    listing) and old partial files."""
     found = scan(backend)
     busy = set(busy)
     committed = sorted(s for s, i in found.items() if i.committed)
     metrics = {s: step_metrics(backend, s) for s in committed} if policy.get("keep_best") else None
     kept = select_kept(committed, metrics=metrics, **policy)
     check = kept if generations_of is None else kept & set(generations_of)
+    uncommitted = [s for s, i in sorted(found.items()) if not i.committed and s not in busy]
+    young = [s for s in uncommitted if _is_busy(found[s], grace_seconds)]
+    incomplete = [s for s in uncommitted if s not in young]
+    expired = [s for s in committed if s not in kept]
+    whole = {step_name(s) for s in (*incomplete, *expired)}
+    unfinished = sorted(
+        u.name
+        for u in backend.unfinished("")
+        if u.age_seconds >= grace_seconds and u.name.split("/", 1)[0] not in whole
+    )
     return GcPlan(
         committed=committed,
-        incomplete=sorted(s for s, i in found.items() if not i.committed and s not in busy),
-        expired=[s for s in committed if s not in kept],
-        orphan_generations=[g for s in sorted(check) for g in orphan_generations(backend, s)],
+        incomplete=incomplete,
+        expired=expired,
+        orphan_generations=[
+            g for s in sorted(check) for g in orphan_generations(backend, s, grace_seconds=grace_seconds)
+        ],
+        unfinished=unfinished,
+        young=young,
     )
 
 
-def run_gc(backend: Backend, plan: GcPlan) -> None:
+def run_gc(backend: Backend, plan: GcPlan) -> list[str]:
+    """Carry out ``plan``, every deletion on its own: one that fails is logged and the
+    rest go on (a file that cannot be deleted must not stop retention or a save).
+    Returns the failures, one line each."""
+    failures: list[str] = []
+
+    def attempt(what: str, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - each failure is reported; the others still run
+            log.warning("gc: could not delete %s: %s", what, e)
+            failures.append(f"{what}: {e}")
+
     for step in plan.expired:
-        delete_step(backend, step)
+        attempt(f"step {step}", delete_step, backend, step)
     for step in plan.incomplete:
-        commit.delete_uncommitted(backend, f"{step_name(step)}/")
+        attempt(f"incomplete step {step}", commit.delete_uncommitted, backend, f"{step_name(step)}/")
     for generation in plan.orphan_generations:
-        commit.delete_generation(backend, generation)
+        attempt(f"unused generation {generation}", commit.delete_generation, backend, generation)
+    for name in plan.unfinished:
+        attempt(f"partial file {name}", backend.delete_unfinished, name)
+    return failures

@@ -22,7 +22,7 @@ from bcp.metadata.layout import step_name
 
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
 from .collectives import coordinator_for, decide
-from .housekeeping import check_policy, committed_steps, plan_gc, run_gc, write_latest
+from .housekeeping import DEFAULT_GRACE_SECONDS, check_policy, committed_steps, plan_gc, run_gc, write_latest
 from .io_scheduler.staging import StagingReservation
 from .loader import load
 from .options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
@@ -45,8 +45,11 @@ class CheckpointManager:
     to :meth:`save`. No policy: keep everything. ``async_save=True``: :meth:`save`
     returns once the state is staged in memory; the write finishes in the background
     and is committed (and retention applied) before the next save starts, or at
-    :meth:`wait`. Incomplete steps left by crashed saves are deleted when the manager
-    starts and after each commit.
+    :meth:`wait`; one still in flight when the process exits is finished first (an
+    exit hook waits for it). Incomplete steps left by crashed saves are deleted when
+    the manager starts and after each commit, once older than ``gc_grace_seconds``
+    (younger ones may be saves of another process). Housekeeping never fails a save:
+    a deletion that fails is logged as a warning and retried at the next commit.
     """
 
     def __init__(
@@ -60,8 +63,12 @@ class CheckpointManager:
         storage_options: dict | None = None,
         process_group: Any = None,
         overlap: Any = None,
+        gc_grace_seconds: float = DEFAULT_GRACE_SECONDS,
     ) -> None:
         check_policy(keep_last, keep_every, keep_best)
+        if gc_grace_seconds < 0:
+            raise ValueError(f"gc_grace_seconds must be >= 0, got {gc_grace_seconds}")
+        self.gc_grace_seconds = gc_grace_seconds
         self.root_uri = os.fspath(root_uri)
         self.policy = {"keep_last": keep_last, "keep_every": keep_every, "keep_best": keep_best}
         self.async_save = async_save
@@ -183,16 +190,32 @@ class CheckpointManager:
         decide(self.coord, "applying retention", self._housekeeping, [step])
 
     def _housekeeping(self, generations_of: list[int] | None) -> None:
-        """One listing: retention, garbage, then the pointer to the newest step."""
+        """One listing: retention, garbage, then the pointer to the newest step. Best
+        effort: a failure is a warning (the checkpoint is committed; retention is
+        retried at the next commit), never an error that stops training or a save."""
         busy = [self._pending[1]] if self._pending is not None else []
-        plan = plan_gc(self.backend, busy=busy, generations_of=generations_of, **self.policy)
+        try:
+            plan = plan_gc(
+                self.backend,
+                busy=busy,
+                generations_of=generations_of,
+                grace_seconds=self.gc_grace_seconds,
+                **self.policy,
+            )
+        except Exception as e:  # noqa: BLE001 - retention is retried at the next commit
+            log.warning("retention skipped at %s: %s", self.backend.uri, e)
+            return
         if not plan.empty:
             log.info(
-                "retention: deleting steps %s, incomplete %s, unused generations %s",
+                "retention: deleting steps %s, incomplete %s, unused generations %s, partial files %d",
                 plan.expired,
                 plan.incomplete,
                 plan.orphan_generations,
+                len(plan.unfinished),
             )
-        run_gc(self.backend, plan)
+        run_gc(self.backend, plan)  # logs each deletion that fails
         if plan.committed:
-            write_latest(self.backend, plan.committed[-1])  # the newest is always kept
+            try:
+                write_latest(self.backend, plan.committed[-1])  # the newest is always kept
+            except Exception as e:  # noqa: BLE001 - latest.json is for people; bcp trusts manifests
+                log.warning("could not update %s at %s: %s", "latest.json", self.backend.uri, e)

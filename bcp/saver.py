@@ -19,7 +19,6 @@ import datetime
 import json
 import logging
 import time
-import uuid
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Unpack
 
@@ -33,8 +32,16 @@ from . import objcodec
 from ._version import __version__
 from .boxes import Box
 from .collectives import Coordinator, coordinator_for, decide, run_phase
-from .commit import ExistingCheckpoint, commit, discard_generation, find_existing, write_catalog
-from .errors import CheckpointExistsError, UnsupportedStateError
+from .commit import (
+    ExistingCheckpoint,
+    check_generation_intact,
+    commit,
+    discard_generation,
+    find_existing,
+    new_save_id,
+    write_catalog,
+)
+from .errors import CheckpointExistsError, CommitUncertainError, UnsupportedStateError
 from .io_scheduler.staging import default_pool
 from .io_scheduler.write_pipeline import WriteItem, WritePipeline, WriterReport
 from .options import SaveOptions, SaveOptionsKwargs
@@ -266,6 +273,8 @@ class SaveJob:
             mine: WriterReport = run_phase(coord, "writing data", self.pipeline.finish)
             reports = coord.gather(mine)
             stats = decide(coord, "committing the checkpoint", self._commit, reports)
+        except CommitUncertainError:
+            raise  # the manifest may name this generation: keep it (docs/reliability.md)
         except BaseException:
             if coord.is_coordinator:
                 discard_generation(backend, self.generation)
@@ -303,6 +312,9 @@ class SaveJob:
             (f for r in reports for f in r.fragments), key=lambda f: (order[f.fqn], f.offsets, f.writer_rank)
         )
         catalog = write_catalog(self.backend, catalog_key(self.generation), Catalog(fragments))
+        check_generation_intact(
+            self.backend, self.generation, [catalog.path, *(r.file.path for r in reports if r.file is not None)]
+        )
         manifest = build_manifest(
             self.save_id,
             catalog,
@@ -349,7 +361,7 @@ def _coordinate(backend: Backend, gathered: list[RankPlan], options: SaveOptions
     if len(plans) > 1:
         share = ", ".join(f"{r}: {b / 2**20:.1f} MiB" for r, b in sorted(plan.bytes_per_rank.items()))
         log.info("save plan: %d tensors, %.1f MiB, bytes per rank {%s}", plan.tensors, plan.total_bytes / 2**20, share)
-    return SaveDecision(plan, uuid.uuid4().hex[:16], objects, existing)
+    return SaveDecision(plan, new_save_id(), objects, existing)
 
 
 def write_rank_data(backend: Backend, data_key: str, rank: int, items: list[WriteItem], block: int) -> WriterReport:
