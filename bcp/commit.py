@@ -227,6 +227,8 @@ def delete_checkpoint(backend: Backend, prefix: str = "") -> None:
     """The checkpoint under ``prefix`` (``""`` or ending in ``/``): manifest first, so
     it stops being committed at once, then everything else."""
     backend.delete(manifest_key(prefix))
+    for generation in sorted(generations(backend, prefix)):
+        delete_generation(backend, f"{prefix}{generation}")  # whole directories: partial files too
     backend.delete_prefix(prefix)
 
 
