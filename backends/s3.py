@@ -18,12 +18,13 @@ never stored, never logged. s3fs's and botocore's own retry loops are switched o
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any, Self
 
 import s3fs
 
-from .base import Buffer
+from .base import Buffer, Unfinished
 from .errors import StorageError, annotate
 from .objectstore import ObjectStoreBackend, pop_store_options, split_bucket_uri
 from .options import check_part_size, reject_unknown
@@ -225,6 +226,26 @@ class S3Backend(ObjectStoreBackend):
         """Keys with unfinished multipart uploads (for tests and ``bcp gc``)."""
         return [u["Key"] for u in self._uploads(prefix)]
 
+    def unfinished(self, prefix: str = "") -> Iterator[Unfinished]:
+        """Multipart uploads never completed or aborted (a killed writer), aged from
+        their initiation; named ``<key>#upload=<upload id>``."""
+        now = time.time()
+        for up in self._uploads(prefix):
+            key = up["Key"][len(self.base) :]
+            initiated = up.get("Initiated")
+            age = now - initiated.timestamp() if initiated is not None else float("inf")
+            yield Unfinished(f"{key}{_UPLOAD_SEP}{up['UploadId']}", age)
+
+    def delete_unfinished(self, name: str) -> None:
+        key, sep, upload_id = name.rpartition(_UPLOAD_SEP)
+        if not sep or not key or not upload_id:
+            raise ValueError(f"{name!r} is not an unfinished upload reported by this backend")
+        with annotate(self.uri, key, "aborting upload of"):
+            try:
+                self.call("abort_multipart_upload", Bucket=self.bucket, Key=self._key(key), UploadId=upload_id)
+            except FileNotFoundError:
+                pass
+
     def _uploads(self, prefix: str) -> list[dict]:
         with annotate(self.uri, prefix, "listing uploads"):
             try:
@@ -234,6 +255,10 @@ class S3Backend(ObjectStoreBackend):
                 )
             except FileNotFoundError:  # rclone answers 404 for a prefix with nothing under it
                 return []
+
+
+#: Separates an unfinished upload's key from its upload id in ``unfinished()`` names.
+_UPLOAD_SEP = "#upload="
 
 
 class _S3Writer(PartWriter[S3Backend]):

@@ -216,11 +216,15 @@ def plan_gc(
     incomplete = [s for s in uncommitted if s not in young]
     expired = [s for s in committed if s not in kept]
     whole = {step_name(s) for s in (*incomplete, *expired)}
-    unfinished = sorted(
-        u.name
-        for u in backend.unfinished("")
-        if u.age_seconds >= grace_seconds and u.name.split("/", 1)[0] not in whole
-    )
+    spared = busy | set(young)
+
+    def stale(name: str, age_seconds: float) -> bool:
+        step, generation = _step_and_generation(name)
+        if age_seconds < grace_seconds or name.split("/", 1)[0] in whole or step in spared:
+            return False
+        return generation is None or not commit.is_young(generation, grace_seconds)
+
+    unfinished = sorted(u.name for u in backend.unfinished("") if stale(u.name, u.age_seconds))
     return GcPlan(
         committed=committed,
         incomplete=incomplete,

@@ -283,6 +283,30 @@ def test_failed_save_aborts_multipart_uploads_and_commits_nothing(moto_server, m
     assert found == {live}, f"a failed save left objects of other generations: {sorted(map(str, found - {live}))}"
 
 
+def test_gc_finds_and_aborts_the_upload_of_a_killed_save(moto_server, moto_bucket):
+    """A save killed mid-upload leaves only a multipart upload, which listing does not
+    show: gc still finds the step through ``unfinished()`` and aborts the upload once
+    it is older than the grace period, never while it may be a save in progress."""
+    from bcp import commit, housekeeping
+    from bcp.metadata.layout import step_name
+
+    s3 = _s3(moto_server, moto_bucket)
+    part = 5 * MiB
+    generation = f"gen-{commit.new_save_id()}"  # started now: young by its name
+    writer = s3.open_writer(f"{step_name(3)}/{generation}/data/rank00000-0.bin", size=2 * part)
+    writer.write_at(0, bytes(part))  # the process dies here: never committed nor aborted
+    (pending,) = list(s3.unfinished())
+    # (moto reports a fixed initiation date from 2010, so the upload's own age is not checked here)
+    assert pending.name.startswith(f"{step_name(3)}/{generation}/")
+    assert list(s3.list("")) == []
+    young = housekeeping.plan_gc(s3)
+    assert young.young == [3] and young.incomplete == [] and young.unfinished == []
+    old = housekeeping.plan_gc(s3, grace_seconds=0)
+    assert old.incomplete == [3]
+    assert housekeeping.run_gc(s3, old) == []
+    assert s3.pending_uploads() == []
+
+
 def test_parts_upload_in_parallel(moto_server, moto_bucket):
     s3 = _s3(moto_server, moto_bucket)
     slow = FaultInjectingBackend(s3, latency=0.2)
