@@ -65,6 +65,10 @@ class CheckpointReader:
     def uri(self) -> str:
         return self.backend.uri
 
+    @property
+    def _manifest_uri(self) -> str:
+        return f"{self.uri}/{manifest_key()}"
+
     # -- listing ------------------------------------------------------------------------
 
     def keys(self) -> list[str]:
@@ -90,8 +94,38 @@ class CheckpointReader:
                 raise FormatError(
                     f"{self.uri}/{self.manifest.catalog.path}: key path of {fqn!r} is not valid JSON: {e}"
                 ) from None
-            return path_from_json(doc, fqn=fqn)
-        return path_from_json(self._object_entry(fqn).key_path, fqn=fqn)
+            return path_from_json(doc, fqn=fqn, where=f"{self.uri}/{self.manifest.catalog.path}")
+        return path_from_json(self._object_entry(fqn).key_path, fqn=fqn, where=self._manifest_uri)
+
+    def check_keys(self) -> None:
+        """FormatError naming the catalog and the key unless every stored entry has a place
+        of its own in the rebuilt state: no catalog tensor has the FQN of a manifest
+        object, and no entry's key path lies inside another's (a tensor ``a.b`` beside
+        an object ``a``), which would drop one value or put it where the other was.
+        Only FQNs that are equal or dot-prefixes of another are parsed (the key paths
+        of a legitimate ``{"a": 1, "a.b": t}`` conflict as strings, not as paths)."""
+        catalog = f"{self.uri}/{self.manifest.catalog.path}"
+        tensors, objects = self.catalog.tensors, self.manifest.objects
+        for fqn in tensors:
+            if fqn in objects:
+                raise FormatError(f"{catalog}: tensor {fqn!r} has the key of an object of {self._manifest_uri}")
+        for fqn in [*tensors, *objects]:
+            start = 0
+            while (dot := fqn.find(".", start)) != -1:
+                start = dot + 1
+                outer = fqn[:dot]
+                if outer not in tensors and outer not in objects:
+                    continue
+                try:
+                    keys = [key for _kind, key in self.key_path(fqn)]
+                    outer_keys = [key for _kind, key in self.key_path(outer)]
+                except FormatError:
+                    continue  # an entry no read can use (raises again when asked for): inspect, verify go on
+                if keys[: len(outer_keys)] == outer_keys:
+                    where = catalog if fqn in tensors or outer in tensors else self._manifest_uri
+                    raise FormatError(
+                        f"{where}: {fqn!r} is stored inside {outer!r}, which is stored as a value of its own"
+                    )
 
     def meta(self, fqn: str) -> TensorMeta:
         entry = self._tensor_entry(fqn)
@@ -161,7 +195,7 @@ class CheckpointReader:
     def read_object(self, fqn: str, rank: int | None = None) -> Any:
         """A stored object; for one saved per rank, pass the saving ``rank``."""
         entry = self._object_entry(fqn, rank)
-        return objcodec.decode(entry.value, fqn=fqn, allow_pickle=self.allow_pickle)
+        return objcodec.decode(entry.value, fqn=fqn, allow_pickle=self.allow_pickle, where=self._manifest_uri)
 
     def objects(self) -> dict[str, Any]:
         """Every stored object, decoded."""
@@ -293,7 +327,7 @@ class CheckpointReader:
     def per_rank_objects(self, fqn: str) -> dict[int, Any]:
         """rank -> value for an object saved per rank ({} for a job-wide object)."""
         return {
-            e.rank: objcodec.decode(e.value, fqn=fqn, allow_pickle=self.allow_pickle)
+            e.rank: objcodec.decode(e.value, fqn=fqn, allow_pickle=self.allow_pickle, where=self._manifest_uri)
             for e in self.manifest.objects.get(fqn, [])
             if e.rank is not None
         }
@@ -342,7 +376,9 @@ def reader_from_bytes(
             )
     catalog = Catalog.from_arrow(catalog_bytes, where=where, checksum_block_bytes=manifest.checksum_block_bytes)
     catalog.check_files(sizes, where=where)
-    return CheckpointReader(backend, manifest, catalog, allow_pickle=allow_pickle, verify=verify)
+    reader = CheckpointReader(backend, manifest, catalog, allow_pickle=allow_pickle, verify=verify)
+    reader.check_keys()
+    return reader
 
 
 def open_checkpoint(

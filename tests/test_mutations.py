@@ -381,11 +381,6 @@ def test_a_rewritten_catalog_with_no_change_loads_identically(judge):
     assert OUTCOMES[("catalog unchanged", "identical")] == 3
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="bcp/reader.py CheckpointReader.key_path calls bcp.state.path_from_json without where=, so the "
-    "FormatError for a malformed catalog key path names the key but not fragments.arrow",
-)
 @pytest.mark.parametrize(
     ("column", "value"),
     [
@@ -407,12 +402,6 @@ def test_a_malformed_catalog_key_path_is_refused_naming_the_catalog(judge, colum
     judge("catalog key_path", mutant)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="nothing checks that a catalog FQN is not also an object of the manifest (nor that it matches its "
-    "key_path): bcp.open(uri).state() silently drops 'step' and puts the object where model.w was; "
-    "the check belongs where manifest and catalog meet (bcp/reader.py reader_from_bytes, or metadata/catalog.py)",
-)
 def test_a_tensor_named_like_an_object_is_refused(judge):
     files, _ = _original()
     schema, rows = _catalog_rows()
@@ -421,3 +410,45 @@ def test_a_tensor_named_like_an_object_is_refused(judge):
     mutant = _with_catalog(files, schema, rows)
     assert mutant is not None
     judge("catalog fqn is an object", mutant)
+    with pytest.raises(bcp.FormatError, match=r"fragments\.arrow: tensor 'step' has the key of an object"):
+        _open_mutant(mutant)
+
+
+@pytest.mark.parametrize(
+    ("fqn", "key_path"),
+    [
+        ("note.w", [["d", "note"], ["d", "w"]]),  # inside an object
+        ("extra.nested.a.9", [["d", "extra"], ["d", "nested"], ["d", "a"], ["l", 9]]),  # inside an object's list
+        ("model.b16.x", [["d", "model"], ["d", "b16"], ["d", "x"]]),  # inside another tensor
+    ],
+)
+def test_a_tensor_stored_inside_another_entry_is_refused(judge, fqn, key_path):
+    """One value would drop the other (or land inside it) in the rebuilt state."""
+    files, _ = _original()
+    schema, rows = _catalog_rows()
+    row = next(i for i, r in enumerate(rows) if r["fqn"] == "model.w")
+    rows[row]["fqn"], rows[row]["key_path"] = fqn, json.dumps(key_path)
+    mutant = _with_catalog(files, schema, rows)
+    assert mutant is not None
+    judge("catalog entry inside another", mutant)
+    with pytest.raises(bcp.FormatError, match=rf"fragments\.arrow: '{fqn}' is stored inside"):
+        _open_mutant(mutant)
+
+
+def test_keys_that_only_look_nested_load(tmp_path):
+    """``{"a": 1, "a.b": t}``: the FQN ``a.b`` starts with the object's ``a.`` but sits
+    beside it, not inside it."""
+    state = {"a": 1, "a.b": torch.ones(2), "m": {"x": torch.zeros(1)}, "m.x.y": "flat"}
+    bcp.save(state, str(tmp_path / "ck"))
+    assert_same(state, bcp.open(str(tmp_path / "ck")).state(), "look nested", ordered=False)
+
+
+def _open_mutant(files: Files) -> bcp.CheckpointReader:
+    root = pathlib.Path(tempfile.mkdtemp(prefix="bcp-mutant-"))
+    try:
+        for rel, data in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(data)
+        return bcp.open(str(root))
+    finally:
+        shutil.rmtree(root)

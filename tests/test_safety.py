@@ -16,6 +16,7 @@ import bcp
 from bcp.backends import backend_for
 from bcp.metadata import MANIFEST_KEY
 from bcp.metadata.layout import GENERATION_PREFIX
+from bcp.metadata.manifest import reseal
 from helpers import assert_same
 
 
@@ -192,7 +193,7 @@ def test_newer_format_version_is_refused_clearly(uri):
     backend = backend_for(uri)
     doc = json.loads(backend.read(MANIFEST_KEY))
     doc["version"] = 99
-    backend.write(MANIFEST_KEY, json.dumps(doc).encode())
+    backend.write(MANIFEST_KEY, reseal(doc))
     with pytest.raises(bcp.FormatError, match="version 99 was written by a newer bcp"):
         bcp.open(uri)
 
@@ -285,7 +286,7 @@ def test_a_planted_pickle_is_never_executed(tmp_path):
     doc = json.loads(backend.read(MANIFEST_KEY))
     payload = base64.b64encode(pickle.dumps(Exploit())).decode()
     doc["objects"]["obj"][0]["value"] = {"$bcp": "pickle", "v": payload}
-    backend.write(MANIFEST_KEY, json.dumps(doc).encode())
+    backend.write(MANIFEST_KEY, reseal(doc))
     with pytest.raises(bcp.UnsupportedStateError):
         bcp.load({"w": torch.zeros(1), "obj": None}, uri)
     with pytest.raises(bcp.UnsupportedStateError):
@@ -332,3 +333,26 @@ def test_racing_saves_commit_exactly_once(uri):
     assert r.read("step") == winners[0] and torch.equal(r.read("w"), small_state(winners[0])["w"])
     gens = {k.split("/")[0] for k in backend_for(uri).list(GENERATION_PREFIX)}
     assert gens == {r.manifest.generation}, "losing saves left data behind"
+
+
+@pytest.mark.parametrize("block", [(1 << 32) + 1, 1 << 40, True, 4096.0])
+def test_a_checksum_block_size_readers_refuse_is_refused_at_save(tmp_path, block):
+    """Readers accept checksum.block_bytes up to MAX_CHECKSUM_BLOCK_BYTES (an integer):
+    a save must not write a checkpoint that no reader loads."""
+    with pytest.raises((ValueError, TypeError), match="checksum_block_bytes"):
+        bcp.SaveOptions(checksum_block_bytes=block)
+    with pytest.raises((ValueError, TypeError), match="checksum_block_bytes"):
+        bcp.save({"w": torch.ones(2)}, str(tmp_path / "ck"), checksum_block_bytes=block)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_checksum_block_sizes_readers_accept_are_accepted(tmp_path):
+    import numpy as np
+
+    from bcp.metadata.manifest import MAX_CHECKSUM_BLOCK_BYTES
+
+    assert bcp.SaveOptions(checksum_block_bytes=MAX_CHECKSUM_BLOCK_BYTES).checksum_block_bytes == 1 << 32
+    uri = str(tmp_path / "ck")
+    bcp.save({"w": torch.arange(5.0)}, uri, checksum_block_bytes=np.int64(1 << 20))  # an integer, not an int
+    assert bcp.open(uri).manifest.checksum_block_bytes == 1 << 20
+    assert torch.equal(bcp.open(uri).read("w"), torch.arange(5.0))
