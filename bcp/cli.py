@@ -143,8 +143,15 @@ def _inspect(args) -> int:
     reader = bcp.open(args.uri, allow_pickle=False)
     m = reader.manifest
     tensors: list[dict[str, Any]] = []  # JSON rows
+    unreadable = 0
     for fqn in reader.tensor_keys():
-        meta = reader.meta(fqn)
+        try:  # one tensor whose catalog rows are bad (do not tile, say) must not hide the others
+            meta = reader.meta(fqn)
+        except bcp.CheckpointError as e:
+            log.debug("tensor %r of %s is unreadable", fqn, reader.uri, exc_info=True)
+            tensors.append({"fqn": fqn, "error": _one_line(e)})
+            unreadable += 1
+            continue
         tensors.append(
             {
                 "fqn": fqn,
@@ -176,9 +183,10 @@ def _inspect(args) -> int:
         "tensors": tensors,
         "objects": objects,
     }
+    status = 1 if unreadable else 0
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
-        return 0
+        return status
     print(f"checkpoint {_show(reader.uri)}")
     print(
         f"  saved {_safe(m.created)} by {m.world_size} rank(s); bcp {_safe(m.bcp_version)}, "
@@ -194,6 +202,9 @@ def _inspect(args) -> int:
     width = max([len(n) for n in names.values()] + [3])
     print(f"\n  {'tensor':<{width}}  {'shape':<20} {'dtype':<14} {'frags':>5} {'bytes':>10}")
     for t in tensors:
+        if "error" in t:
+            print(f"  {names[t['fqn']]:<{width}}  unreadable: {t['error']}")
+            continue
         print(
             f"  {names[t['fqn']]:<{width}}  {t['shape']!s:<20} {_safe(t['dtype']):<14} {t['fragments']:>5} "
             f"{_human(t['bytes']):>10}"
@@ -202,7 +213,9 @@ def _inspect(args) -> int:
         print("\n  objects:")
         for fqn, text in objects.items():
             print(f"  {_safe(fqn)} = {_safe(text)}")
-    return 0
+    if unreadable:
+        print(f"bcp inspect: {unreadable} tensor(s) unreadable (shown above)", file=sys.stderr)
+    return status
 
 
 def _verify(args) -> int:

@@ -235,6 +235,8 @@ def _read_file_backed(reader: CheckpointReader, key: str, scratch: str, progress
     if key not in reader.catalog.tensors:
         return reader.read_object(key)
     meta = reader.meta(key)
+    # the data files hold what the manifest declares, before a scratch file that size is made
+    reader.check_sizes([(key, ((0,) * len(meta.shape), tuple(meta.shape)))])
     t = _file_backed(scratch, key, meta.shape, meta.dtype)
     reader.read_into(key, t)
     if progress:

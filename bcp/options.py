@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import numbers
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, TypedDict
 
 from bcp.metadata import DEFAULT_BLOCK_BYTES
+from bcp.metadata.manifest import MAX_CHECKSUM_BLOCK_BYTES
 
 from .io_scheduler.staging import StagingPool
 
@@ -44,8 +46,16 @@ class SaveOptions:
     pool: StagingPool | None = None
 
     def __post_init__(self) -> None:
-        if self.checksum_block_bytes <= 0:
-            raise ValueError(f"checksum_block_bytes must be > 0, got {self.checksum_block_bytes}")
+        given: Any = self.checksum_block_bytes  # typed int; callers pass what they have (numpy ints, bools)
+        if isinstance(given, bool) or not isinstance(given, numbers.Integral):
+            raise TypeError(f"checksum_block_bytes must be an int, got {type(given).__name__}")
+        block = int(given)
+        if not 0 < block <= MAX_CHECKSUM_BLOCK_BYTES:  # what readers accept (metadata/FORMAT.md)
+            raise ValueError(
+                f"checksum_block_bytes must be from 1 to {MAX_CHECKSUM_BLOCK_BYTES} (readers refuse larger blocks), "
+                f"got {block}"
+            )
+        object.__setattr__(self, "checksum_block_bytes", block)  # written to the manifest as a JSON integer
         if self.metadata is not None:
             # taken at the call: an async save commits it later, after the caller may
             # have changed the dict it passed

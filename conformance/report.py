@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from bcp.backends.errors import redact, redact_uri
+
 #: The class attribute in which a test class declares the heading of the tests it defines.
 HEADING_ATTRIBUTE = "report_heading"
 #: Where a test goes that no class with a heading defines (a subclasser's own extra test).
@@ -69,13 +71,16 @@ class Report:
     def to_json(self) -> str:
         return json.dumps(
             {
-                "uri": self.uri,
+                "uri": redact_uri(self.uri),
                 "level": self.level,
                 "backend": self.backend,
                 "ok": self.ok,
                 "counts": self.counts,
                 "figures": self.figures(),
-                "groups": {g: [dataclasses.asdict(c) for c in self.checks if c.group == g] for g in self._groups()},
+                "groups": {
+                    g: [{**dataclasses.asdict(c), "why": redact(c.why)} for c in self.checks if c.group == g]
+                    for g in self._groups()
+                },
             },
             indent=2,
         )
@@ -88,7 +93,7 @@ class Report:
         return ordered + [g for g in dict.fromkeys(c.group for c in self.checks) if g not in ordered]
 
     def to_text(self) -> str:
-        lines = [f"bcp conformance: {self.uri} (level {self.level})"]
+        lines = [f"bcp conformance: {redact_uri(self.uri)} (level {self.level})"]
         if self.backend:
             lines.append("backend: " + ", ".join(f"{k} {v}" for k, v in self.backend.items()))
         lines.append("")
@@ -99,11 +104,11 @@ class Report:
             lines.append(f"{group} {'.' * max(2, 70 - len(group))} {summary}")
             for c in checks:
                 if c.outcome in ("failed", "error"):
-                    lines.append(f"    FAIL {c.name}: {c.why}")
+                    lines.append(f"    FAIL {c.name}: {redact(c.why)}")
             reasons: dict[str, int] = {}
             for c in checks:
                 if c.outcome == "skipped":
-                    reasons[c.why] = reasons.get(c.why, 0) + 1
+                    reasons[redact(c.why)] = reasons.get(redact(c.why), 0) + 1
             for why, n in reasons.items():
                 lines.append(f"    skip ({n}): {why}")
             for c in checks:

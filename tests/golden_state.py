@@ -1,4 +1,4 @@
-"""The state stored in tests/golden/v1, rebuilt deterministically (no RNG), so the
+"""The state stored in tests/golden/v1 and v2, rebuilt deterministically (no RNG), so the
 golden test can compare what it loads against values computed here."""
 
 from __future__ import annotations

@@ -481,3 +481,66 @@ def test_log_level_applies_to_bcps_loggers_only(tmp_path):
     assert proc.stdout.split()[-3:] == ["True", "False", str(30)], proc.stdout
     assert "DEBUG bcp." in proc.stderr, proc.stderr
     assert cli("--log-level", "LOUD", "ls", str(tmp_path)).returncode == 2
+
+
+def test_the_conformance_report_redacts_the_uri_and_reasons():
+    from bcp.conformance.report import Check, Report
+
+    uri = "s3://alice:hunter2@store.example/bucket/root?secret_key=abc123&part_size=5MiB"
+    report = Report(uri=uri, level="quick")
+    report.checks = [
+        Check("n1", "ranged reads", "test_a", "failed", why=f"could not reach {uri}"),
+        Check("n2", "ranged reads", "test_b", "skipped", why="token=zzz9 expired"),
+    ]
+    for text in (report.to_text(), report.to_json()):
+        for secret in ("hunter2", "abc123", "zzz9"):
+            assert secret not in text, text
+        assert "alice:***@store.example/bucket/root" in text and "part_size=5MiB" in text
+
+
+def _with_a_tensor_that_does_not_tile(uri: str) -> None:
+    """'w' [8] re-catalogued as [0, 4) and [2, 6) (as tests/test_hostile_catalog.py
+    does); the other entries unchanged."""
+    import dataclasses
+    import math
+
+    from bcp.backends import backend_for
+    from bcp.metadata import MANIFEST_KEY, Catalog, FileEntry, Manifest, block_checksums, crc32c
+
+    backend = backend_for(uri)
+    m = Manifest.from_json(backend.read(MANIFEST_KEY), where="test")
+    r = bcp.open(uri)
+    (frag,) = r.meta("w").fragments
+    data = backend.read(frag.file)
+
+    def part(off: int, n: int) -> bcp.metadata.Fragment:
+        start = frag.byte_offset + off * 4
+        sums = tuple(block_checksums(data[start : start + n * 4], m.checksum_block_bytes))
+        return dataclasses.replace(
+            frag, offsets=(off,), lengths=(n,), byte_offset=start, nbytes=math.prod((n,)) * 4, checksums=sums
+        )
+
+    others = [f for k in r.tensor_keys() if k != "w" for f in r.meta(k).fragments]
+    catalog = Catalog([part(0, 4), part(2, 4), *others]).to_arrow()
+    backend.write(m.catalog.path, catalog)
+    m = dataclasses.replace(m, catalog=FileEntry(m.catalog.path, len(catalog), crc32c(catalog)))
+    backend.write(MANIFEST_KEY, m.to_json())
+
+
+def test_inspect_shows_a_tensor_that_does_not_tile_and_goes_on(tmp_path):
+    uri = str(tmp_path / "ck")
+    bcp.save(
+        {"a\x1bb": torch.ones(3), "w": torch.arange(8, dtype=torch.float32), "z": torch.zeros(2, 2), "step": 7}, uri
+    )
+    _with_a_tensor_that_does_not_tile(uri)
+    proc = cli("inspect", uri)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ") and line.split()}
+    assert "unreadable:" in rows["w"] and "overlap and leave a hole" in rows["w"] and "fragments.arrow" in rows["w"]
+    assert "[2, 2]" in rows["z"] and "float32" in rows["z"] and "a\\x1bb" in rows, proc.stdout
+    assert "step = 7" in proc.stdout and "\x1b" not in proc.stdout
+    assert proc.stderr.strip().splitlines() == ["bcp inspect: 1 tensor(s) unreadable (shown above)"], proc.stderr
+    proc = cli("inspect", uri, "--json")
+    assert proc.returncode == 1, proc.stderr
+    tensors = {t["fqn"]: t for t in json.loads(proc.stdout)["tensors"]}
+    assert "overlap and leave a hole" in tensors["w"]["error"] and tensors["z"]["shape"] == [2, 2]

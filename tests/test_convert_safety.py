@@ -263,3 +263,41 @@ def test_overwrite_removes_stale_shards_and_nothing_else(tmp_path):
     assert "model.safetensors" not in names and INDEX_NAME in names
     index = json.loads((out / INDEX_NAME).read_text())
     assert sorted(n for n in names if n.endswith(".safetensors")) == sorted(set(index["weight_map"].values()))
+
+
+def test_to_torch_checks_the_data_file_before_making_scratch_space(tmp_path, monkeypatch):
+    """A 32-byte data file declared (manifest and catalog alike) to hold a 2 GiB tensor:
+    the export fails naming the file before a scratch file of 2 GiB is made."""
+    import dataclasses
+
+    import bcp.convert
+    from bcp.backends import backend_for
+    from bcp.metadata import MANIFEST_KEY, Catalog, FileEntry, Manifest, crc32c
+
+    uri = str(tmp_path / "ck")
+    bcp.save({"state": {"w": torch.arange(8, dtype=torch.float32)}}, uri)
+    (frag,) = bcp.open(uri).meta("state.w").fragments
+    backend = backend_for(uri)
+    m = Manifest.from_json(backend.read(MANIFEST_KEY), where="test")
+    big = 1 << 29  # float32 elements: 2 GiB
+    huge = dataclasses.replace(
+        frag, global_shape=(big,), lengths=(big,), nbytes=big * 4, checksums=(0,) * (big * 4 // m.checksum_block_bytes)
+    )
+    catalog = Catalog([huge]).to_arrow()
+    backend.write(m.catalog.path, catalog)
+    declared = tuple(dataclasses.replace(f, nbytes=big * 4) if f.path == frag.file else f for f in m.data_files)
+    m = dataclasses.replace(m, catalog=FileEntry(m.catalog.path, len(catalog), crc32c(catalog)), data_files=declared)
+    backend.write(MANIFEST_KEY, m.to_json())
+
+    made: list[tuple] = []
+    real = bcp.convert._file_backed
+    monkeypatch.setattr(
+        bcp.convert,
+        "_file_backed",
+        lambda scratch, name, shape, dtype: made.append(tuple(shape)) or real(scratch, name, shape, dtype),
+    )
+    with pytest.raises(bcp.CorruptCheckpointError, match="holds 32 bytes; the manifest says 2147483648") as e:
+        bcp.convert.to_torch(uri, str(tmp_path / "out.pt"))
+    assert e.value.file == frag.file
+    assert made == []
+    assert not (tmp_path / "out.pt").exists()

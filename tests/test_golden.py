@@ -1,48 +1,90 @@
-"""The format must keep loading: tests/golden/v1 was written by bcp 0.1 (format v1)
-and is committed. Never regenerate it; add v2 beside it when the format changes."""
+"""The format must keep loading: tests/golden/v1 was written by bcp 0.1 (format v1),
+tests/golden/v2 by the first bcp writing format v2 (manifest with its own CRC32C);
+both are committed. Never regenerate one; add the next version beside them
+(tests/golden/make_golden.py) when the format changes."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import shutil
 
+import pytest
 import torch
 
 import bcp
+from bcp.metadata.manifest import FORMAT_VERSION
 from golden_state import golden_state
 from helpers import assert_same
 from test_roundtrip import zeros_like_state
 
-GOLDEN = pathlib.Path(__file__).parent / "golden" / "v1"
+GOLDEN_ROOT = pathlib.Path(__file__).parent / "golden"
+VERSIONS = [1, 2]
 
 
-def _copy(tmp_path) -> str:
-    dst = tmp_path / "v1"
-    shutil.copytree(GOLDEN, dst)  # reading must not need write access, but keep the tree pristine anyway
+@pytest.fixture(params=VERSIONS, ids=[f"v{v}" for v in VERSIONS])
+def golden(request) -> tuple[int, pathlib.Path]:
+    return request.param, GOLDEN_ROOT / f"v{request.param}"
+
+
+def _copy(tmp_path, src: pathlib.Path) -> str:
+    dst = tmp_path / src.name
+    shutil.copytree(src, dst)  # reading must not need write access, but keep the tree pristine anyway
     return str(dst)
 
 
-def test_golden_v1_manifest_and_catalog():
-    r = bcp.open(str(GOLDEN))
-    assert r.manifest.version == 1 and r.manifest.format == "bcp-checkpoint"
+def test_there_is_a_golden_checkpoint_for_every_format_version():
+    assert list(range(1, FORMAT_VERSION + 1)) == VERSIONS
+    assert sorted(p.name for p in GOLDEN_ROOT.iterdir() if p.is_dir() and p.name.startswith("v")) == [
+        f"v{v}" for v in VERSIONS
+    ]
+
+
+def test_golden_manifest_and_catalog(golden):
+    version, path = golden
+    r = bcp.open(str(path))
+    assert r.manifest.version == version and r.manifest.format == "bcp-checkpoint"
     assert r.manifest.user_metadata == {"purpose": "golden format test"}
     assert r.meta("model.layer.1.w_fp16").shape == torch.Size([6, 4])
     assert r.meta("model.fp8").dtype == torch.float8_e4m3fn
     emb, head = r.meta("model.embed.weight").fragments[0], r.meta("model.head.weight").fragments[0]
     assert emb.byte_offset == head.byte_offset, "tied weights must still share bytes"
+    doc = json.loads((path / "manifest.json").read_bytes())
+    assert ("manifest_crc32c" in doc) == (version >= 2)
+    if version >= 2:
+        assert list(doc)[-1] == "manifest_crc32c"
 
 
-def test_golden_v1_loads_bit_exactly_without_template():
-    assert_same(_canonical(golden_state()), bcp.open(str(GOLDEN)).state(), ordered=False)
+def test_golden_loads_bit_exactly_without_template(golden):
+    _version, path = golden
+    assert_same(_canonical(golden_state()), bcp.open(str(path)).state(), ordered=False)
 
 
-def test_golden_v1_loads_into_a_template(tmp_path):
-    uri = _copy(tmp_path)
+def test_golden_loads_into_a_template(golden, tmp_path):
+    _version, path = golden
+    uri = _copy(tmp_path, path)
     expected = golden_state()
     template = zeros_like_state(expected)
     template["optim"]["state"] = {}  # like a fresh optimizer
     out = bcp.load(template, uri)
     assert_same(_canonical(expected), out, ordered=False)
+
+
+def test_golden_verifies(golden):
+    from bcp.verify import verify_checkpoint
+
+    _version, path = golden
+    report = verify_checkpoint(str(path))
+    assert report["ok"], report["problems"]
+
+
+def test_an_edited_golden_v2_manifest_is_refused(tmp_path):
+    """v2's manifest checks itself: the same edit a v1 manifest cannot detect is refused."""
+    uri = _copy(tmp_path, GOLDEN_ROOT / "v2")
+    manifest = pathlib.Path(uri) / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes().replace(b'"step"', b'"stop"', 1))
+    with pytest.raises(bcp.CheckpointError, match="CRC32C"):
+        bcp.open(uri)
 
 
 def _canonical(state):
