@@ -165,3 +165,15 @@ def test_a_data_file_that_cannot_be_opened_reports_its_own_error(tmp_path):
     backend = NoDataFiles(backend_for(str(tmp_path / "ck")))
     with pytest.raises(PermissionError, match="cannot open"):
         bcp.save({"w": torch.ones(10)}, backend)
+
+
+@given(st.lists(st.integers(0, 3 * SLAB), max_size=14))
+def test_the_file_ends_at_its_last_byte(sizes):
+    """An empty item (the state's last tensor may be one) takes no place, so the
+    declared file size is the end of the last byte written: a store that keeps only
+    written bytes (the sqlite example) holds exactly that size."""
+    from bcp.io_scheduler.write_pipeline import layout
+
+    placed = layout(_piece_items(sizes))
+    ends = [placed.offsets[i] + sizes[i] for i in placed.unique if sizes[i]]
+    assert placed.size == max(ends, default=0)

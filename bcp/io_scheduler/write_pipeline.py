@@ -133,7 +133,9 @@ def layout(
         first_at[ident] = index
         t = piece.tensor
         phase = t.data_ptr() % 4096 if match_memory and t.device.type == "cpu" and t.is_contiguous() else 0
-        start = _align(end, nbytes, phase)
+        # an empty item takes no place: aligning it would leave the file's declared
+        # size beyond its last written byte (stores that keep only what was written differ)
+        start = _align(end, nbytes, phase) if nbytes else end
         if part_size and nbytes and start // part_size != (start + nbytes - 1) // part_size:
             start = -(-start // block) * block
         offsets.append(start)
