@@ -340,16 +340,24 @@ def _gc(args) -> int:
 
     policy = {"keep_last": args.keep_last, "keep_every": args.keep_every}
     check_policy(args.keep_last, args.keep_every, None)
+    if args.min_age < 0:
+        raise ValueError(f"--min-age must be >= 0, got {args.min_age}")
     backend = backend_for(args.root)
-    plan = plan_gc(backend, **policy)
+    plan = plan_gc(backend, grace_seconds=args.min_age, **policy)
     verb = "would delete" if args.dry_run else "deleting"
     print(
         f"{verb}: {len(plan.expired)} expired step(s) {plan.expired}, {len(plan.incomplete)} incomplete "
-        f"step(s) {plan.incomplete}, {len(plan.orphan_generations)} unused generation(s)"
+        f"step(s) {plan.incomplete}, {len(plan.orphan_generations)} unused generation(s), "
+        f"{len(plan.unfinished)} partial write(s)"
     )
-    if not args.dry_run:
-        run_gc(backend, plan)
-    return 0
+    if plan.young:
+        print(f"left alone: incomplete step(s) {plan.young} younger than {args.min_age:g} s (maybe saves in progress)")
+    if args.dry_run:
+        return 0
+    failures = run_gc(backend, plan)
+    for failure in failures:
+        print(f"bcp gc: could not delete {_safe(redact(failure))}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def _bench(args) -> int:
@@ -480,6 +488,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("root")
     p.add_argument("--keep-last", type=int)
     p.add_argument("--keep-every", type=int)
+    p.add_argument(
+        "--min-age",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="leave incomplete saves and partial writes younger than this alone: they may be saves in progress "
+        "(default 3600)",
+    )
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(func=_gc)
 

@@ -131,6 +131,22 @@ def test_gc_keep_last_with_dry_run(run_root):
     assert [(r["step"], r["status"]) for r in rows] == [(30, "committed")]
 
 
+def test_gc_leaves_a_save_in_progress_alone_unless_told_its_age(tmp_path):
+    from bcp.commit import new_save_id
+
+    root = tmp_path / "run"
+    bcp.CheckpointManager(root, async_save=False).save(1, model_state())
+    backend = bcp.backends.backend_for(str(root))
+    backend.write(f"{step_name(2)}/{data_file_key(generation_name(new_save_id()), 0)}", b"being written")
+    proc = cli("gc", str(root))
+    assert proc.returncode == 0 and "left alone: incomplete step(s) [2]" in proc.stdout
+    assert (root / step_name(2)).exists()
+    proc = cli("gc", str(root), "--min-age", "0")
+    assert proc.returncode == 0 and "1 incomplete step(s) [2]" in proc.stdout
+    assert not (root / step_name(2)).exists() and (root / step_name(1)).exists()
+    assert cli("gc", str(root), "--min-age", "-1").returncode == 1
+
+
 def test_bench_prints_rates(tmp_path):
     proc = cli("bench", str(tmp_path / "b"), "--gib", "0.02", "--repeats", "1")
     assert proc.returncode == 0 and "GB/s" in proc.stdout
