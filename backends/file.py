@@ -221,17 +221,20 @@ class FileBackend(Backend):
             if not _partial:
                 yield key
 
-    def _walk(self, prefix: str) -> Iterator[tuple[str, str, bool]]:
+    def _walk(self, prefix: str, *, empty_dirs: bool = False) -> Iterator[tuple[str, str, bool]]:
         """(key, path, is a partial file) of every regular file under ``prefix``;
-        symbolic links are neither listed nor followed."""
+        symbolic links are neither listed nor followed. With ``empty_dirs``, also
+        (``<dir>/``, path, True) for each empty directory below the root."""
         head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         base = self._path(head) if head else self.root
         if not os.path.isdir(base) or (head and os.path.islink(base)):
             return
         with annotate(self.uri, prefix, "listing"):
-            for dirpath, _dirs, files in os.walk(base):  # never descends into linked directories
+            for dirpath, dirs, files in os.walk(base):  # never descends into linked directories
                 rel = os.path.relpath(dirpath, self.root)
                 rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+                if empty_dirs and rel and not dirs and not files and rel.startswith(prefix):
+                    yield rel, dirpath, True
                 for name in files:
                     key = rel + name
                     path = os.path.join(dirpath, name)
@@ -239,9 +242,11 @@ class FileBackend(Backend):
                         yield key, path, PARTIAL_MARKER in name
 
     def unfinished(self, prefix: str = "") -> Iterator[Unfinished]:
-        """Partial files left by writers that were killed (their age: since the last write)."""
+        """Partial files left by writers that were killed, and directories left empty
+        (named with a trailing ``/``: a writer killed after creating them, a cleanup
+        that stopped halfway); their age is since they last changed."""
         now = time.time()
-        for key, path, partial in self._walk(prefix):
+        for key, path, partial in self._walk(prefix, empty_dirs=True):
             if partial:
                 try:
                     age = now - os.lstat(path).st_mtime
@@ -250,16 +255,23 @@ class FileBackend(Backend):
                 yield Unfinished(key, age)
 
     def delete_unfinished(self, name: str) -> None:
-        check_key(name)
-        if PARTIAL_MARKER not in name.rsplit("/", 1)[-1]:
+        is_dir = name.endswith("/")
+        key = name.rstrip("/") if is_dir else name
+        check_key(key)
+        if not is_dir and PARTIAL_MARKER not in key.rsplit("/", 1)[-1]:
             raise ValueError(f"{name!r} is not a partial file")
-        path = os.path.join(self.root, *name.split("/"))
-        self._refuse_links(name, path)
+        path = os.path.join(self.root, *key.split("/"))
+        self._refuse_links(key, path)
         with annotate(self.uri, name, "deleting"):
             try:
-                os.unlink(path)
+                os.rmdir(path) if is_dir else os.unlink(path)
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                if not (is_dir and e.errno == errno.ENOTEMPTY):  # written to since: not garbage
+                    raise
+                return
+        self._prune_empty(os.path.dirname(path))
 
     # -- deleting ----------------------------------------------------------------------
 
@@ -269,6 +281,7 @@ class FileBackend(Backend):
         if prefix.endswith("/") and os.path.isdir(path := self._path(prefix.rstrip("/"))):
             with annotate(self.uri, prefix, "deleting"):
                 shutil.rmtree(path)  # removes links found inside, never what they point to
+            self._prune_empty(os.path.dirname(path))
             return
         super().delete_prefix(prefix)
 
@@ -281,14 +294,16 @@ class FileBackend(Backend):
                 os.unlink(path)
             except FileNotFoundError:
                 return
-            # Directories are not objects: drop the ones this delete emptied.
-            parent = os.path.dirname(path)
-            while parent != self.root and parent.startswith(self.root):
-                try:
-                    os.rmdir(parent)
-                except OSError:
-                    break
-                parent = os.path.dirname(parent)
+            self._prune_empty(os.path.dirname(path))
+
+    def _prune_empty(self, directory: str) -> None:
+        """Directories are not objects: drop the ones a delete emptied, up to the root."""
+        while directory != self.root and directory.startswith(self.root + os.sep):
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break
+            directory = os.path.dirname(directory)
 
 
 _DIRECT_ALIGN = 4096

@@ -220,6 +220,8 @@ def plan_gc(
 
     def stale(name: str, age_seconds: float) -> bool:
         step, generation = _step_and_generation(name)
+        if step is None and name.endswith("/"):
+            return False  # an empty directory that is not a step's: not bcp's to remove
         if age_seconds < grace_seconds or name.split("/", 1)[0] in whole or step in spared:
             return False
         return generation is None or not commit.is_young(generation, grace_seconds)
