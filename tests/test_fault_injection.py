@@ -14,8 +14,9 @@ A first run only counts the K calls of a clean save; then each N in 0..K-1 fails
 
 Three scenarios: a new save into an empty location; an ``overwrite=True`` save over a
 committed checkpoint; a ``CheckpointManager(keep_last=1)`` root with one committed step
-and the next step's save failing (then a fresh manager on the root, whose start-up
-housekeeping runs, and ``load_latest``). After each run, through a clean backend:
+and the next step's save failing, synchronous and with ``async_save=True`` (then a
+fresh manager on the root, whose start-up housekeeping runs, and ``load_latest``).
+After each run, through a clean backend:
 
 * the previous checkpoint (if any) loads bit-exactly, unless the new one committed
   and retention rightly removed it;
@@ -403,14 +404,17 @@ class Overwrite(Scenario):
 class ManagerNextStep(Scenario):
     """(c) CheckpointManager(keep_last=1) with step 1 committed; step 2's save fails."""
 
+    async_save = False
+
     def prepare(self, store, uri):
         bcp.CheckpointManager(uri, keep_last=1, async_save=False).save(1, make_state(1, small=self.small))
 
     def run(self, store, uri):
         assert _active is not None
         with _active.pause():  # the manager's start-up housekeeping is not part of the save
-            manager = bcp.CheckpointManager(store.faulty_uri(uri), keep_last=1, async_save=False)
+            manager = bcp.CheckpointManager(store.faulty_uri(uri), keep_last=1, async_save=self.async_save)
         manager.save(2, make_state(2, small=self.small))
+        manager.wait()
 
     def check(self, store, uri, out):
         problems = _documented(out.error)
@@ -460,7 +464,14 @@ def _same(expected: dict, got: dict, what: str) -> list[str]:
     return []
 
 
-SCENARIOS = {"new": NewSave, "overwrite": Overwrite, "manager": ManagerNextStep}
+class ManagerNextStepAsync(ManagerNextStep):
+    """(c) with async_save=True: step 2 is written in the background, and its error
+    (if any) comes out of ``wait``."""
+
+    async_save = True
+
+
+SCENARIOS = {"new": NewSave, "overwrite": Overwrite, "manager": ManagerNextStep, "manager-async": ManagerNextStepAsync}
 
 
 def run_once(scenario: Scenario, store: Store, uri: str, injector: Injector) -> Outcome:
