@@ -108,18 +108,15 @@ def test_load_and_verify_refuse_a_changed_manifest(tmp_path, old, new):
         old, new = old.replace(b": ", b":"), new.replace(b": ", b":")
     assert old in data
     path.write_bytes(data.replace(old, new, 1))
-    with pytest.raises(bcp.FormatError, match=r"manifest\.json.*CRC32C"):
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"manifest\.json.*CRC32C"):
         bcp.load(_state(), str(root))
-    with pytest.raises(bcp.FormatError, match=r"manifest\.json"):
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"manifest\.json"):
         bcp.open(str(root))
-    with pytest.raises(bcp.FormatError, match=r"manifest\.json"):
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"manifest\.json"):
         verify_checkpoint(str(root))
     assert bcp.cli.main(["verify", str(root)]) == 1
 
 
-@pytest.mark.xfail(
-    strict=False, reason="bcp/commit.py's parse_manifest has to turn CorruptManifestError into CorruptCheckpointError"
-)
 def test_a_manifest_failing_its_checksum_is_a_corrupt_checkpoint(tmp_path):
     root = _saved(tmp_path)
     path = root / MANIFEST_KEY
