@@ -48,3 +48,27 @@ def assert_same(a: Any, b: Any, where: str = "", *, ordered: bool = True) -> Non
         assert math.isnan(b), f"{where}: nan vs {b}"
     else:
         assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def fsdp_catalog_rows(tensors: int = 200, ranks: int = 64) -> list:
+    """Catalog rows of an FSDP-like save: ``tensors`` bf16 weights of 4096 x 1024,
+    each split on dim 0 over ``ranks`` writers (for catalog size and budget tests)."""
+    from bcp.metadata import Fragment
+
+    return [
+        Fragment(
+            f"model.layers.{i // 8}.w{i % 8}",
+            f'[["d","model"],["d","layers"],["d",{i // 8}],["d","w{i % 8}"]]',
+            "bfloat16",
+            (4096, 1024),
+            (r * 16, 0),
+            (16, 1024),
+            f"gen-x/data/rank{r:05d}-0.bin",
+            i * 32768,
+            32768,
+            (7,),
+            r,
+        )
+        for i in range(tensors)
+        for r in range(ranks)
+    ]

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bcp.metadata import CATALOG_SCHEMA, Catalog, FormatError, Fragment, itemsize
+from helpers import fsdp_catalog_rows
 
 BLOCK = 1024
 
@@ -96,22 +97,6 @@ def test_missing_column_and_garbage_are_format_errors():
 
 
 def test_catalog_is_compact():
-    frags = [
-        Fragment(
-            f"model.layers.{i // 8}.w{i % 8}",
-            f'[["d","model"],["d","layers"],["d",{i // 8}],["d","w{i % 8}"]]',
-            "bfloat16",
-            (4096, 1024),
-            (r * 16, 0),
-            (16, 1024),
-            f"gen-x/data/rank{r:05d}-0.bin",
-            i * 32768,
-            32768,
-            (7,),
-            r,
-        )
-        for i in range(200)
-        for r in range(64)
-    ]
+    frags = fsdp_catalog_rows()
     size = len(Catalog(frags).to_arrow())
     assert size / len(frags) < 40, f"{size / len(frags):.1f} bytes per fragment"

@@ -32,6 +32,7 @@ import bcp.metadata.catalog as catalog_mod
 from bcp.backends import backend_for
 from bcp.errors import CorruptCheckpointError
 from bcp.metadata import MANIFEST_KEY, Catalog, FileEntry, FormatError, Fragment, Manifest, block_checksums, crc32c
+from helpers import fsdp_catalog_rows
 
 BLOCK = 64 << 10
 
@@ -270,23 +271,7 @@ def test_a_dictionary_bomb_is_refused_before_expanding(tmp_path):
 
 
 def test_an_ordinary_catalog_is_far_below_the_budget():
-    frags = [
-        Fragment(
-            f"model.layers.{i // 8}.w{i % 8}",
-            f'[["d","model"],["d","layers"],["d",{i // 8}],["d","w{i % 8}"]]',
-            "bfloat16",
-            (4096, 1024),
-            (r * 16, 0),
-            (16, 1024),
-            f"gen-x/data/rank{r:05d}-0.bin",
-            i * 32768,
-            32768,
-            (7,),
-            r,
-        )
-        for i in range(200)
-        for r in range(64)
-    ]
+    frags = fsdp_catalog_rows()
     data = Catalog(frags).to_arrow()
     catalog_mod.check_ipc_budget(data, where="t", budget=catalog_mod.DECODE_RATIO * len(data) // 8)
     assert len(Catalog.from_arrow(data, where="t", checksum_block_bytes=BLOCK)) == len(frags)
