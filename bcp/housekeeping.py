@@ -19,7 +19,7 @@ import logging
 import math
 from collections.abc import Iterable
 
-from bcp.backends import Backend, ObjectNotFoundError
+from bcp.backends import Backend, ObjectNotFoundError, Unfinished
 from bcp.metadata import Manifest
 from bcp.metadata.layout import LATEST_KEY, STEP_PREFIX, generation_of, manifest_key, step_name, step_of
 
@@ -53,12 +53,16 @@ def _step_and_generation(key: str) -> tuple[int | None, str | None]:
     return step, (generation_of(key.split("/", 1)[1]) if step is not None else None)
 
 
-def scan(backend: Backend, *, sizes: bool = False, unfinished: bool = True) -> dict[int, StepInfo]:
+def scan(
+    backend: Backend, *, sizes: bool = False, unfinished: bool | Iterable[Unfinished] = True
+) -> dict[int, StepInfo]:
     """Every step directory under the root, committed or not (one listing, plus one of
-    unfinished writes: a step holding only partial files still exists)."""
+    unfinished writes: a step holding only partial files still exists). ``unfinished``
+    may be the writes a caller already listed, so the store is not asked twice."""
     found: dict[int, StepInfo] = {}
     if unfinished:
-        for u in backend.unfinished(STEP_PREFIX):
+        pending = backend.unfinished(STEP_PREFIX) if unfinished is True else unfinished
+        for u in pending:
             step, generation = _step_and_generation(u.name)
             if step is None:
                 continue
@@ -160,10 +164,18 @@ def delete_step(backend: Backend, step: int) -> None:
     commit.delete_checkpoint(backend, f"{step_name(step)}/")
 
 
-def orphan_generations(backend: Backend, step: int, *, grace_seconds: float = 0.0) -> list[str]:
+def orphan_generations(backend: Backend, info: StepInfo, *, grace_seconds: float = 0.0) -> list[str]:
     """Generation prefixes in a committed step that its manifest does not use (left by
-    an overwrite that was killed; younger than ``grace_seconds``: maybe one running)."""
-    return commit.unused_generations(backend, f"{step_name(step)}/", grace_seconds=grace_seconds)
+    an overwrite that was killed; younger than ``grace_seconds``: maybe one running).
+    The step's generations come from the scan: only its manifest is read."""
+    manifest = read_manifest(backend, info.step)
+    if manifest is None:
+        return []
+    return [
+        f"{step_name(info.step)}/{g}/"
+        for g in sorted(info.generations)
+        if g != manifest.generation and not commit.is_young(g, grace_seconds)
+    ]
 
 
 def _is_busy(info: StepInfo, grace_seconds: float) -> bool:
@@ -203,9 +215,10 @@ def plan_gc(
     """What ``gc`` would delete, from one listing: incomplete steps (except ``busy``
     ones being written now, and any younger than ``grace_seconds``), committed steps
     the policy no longer keeps, unused generations in the kept steps of
-    ``generations_of`` (None: every kept step; each costs a manifest read and a
-    listing) and old partial files."""
-    found = scan(backend)
+    ``generations_of`` (None: every kept step; each costs a manifest read) and old
+    partial files. One listing and one walk of unfinished writes in all."""
+    pending = list(backend.unfinished(""))
+    found = scan(backend, unfinished=[u for u in pending if u.name.startswith(STEP_PREFIX)])
     busy = set(busy)
     committed = sorted(s for s, i in found.items() if i.committed)
     metrics = {s: step_metrics(backend, s) for s in committed} if policy.get("keep_best") else None
@@ -226,13 +239,13 @@ def plan_gc(
             return False
         return generation is None or not commit.is_young(generation, grace_seconds)
 
-    unfinished = sorted(u.name for u in backend.unfinished("") if stale(u.name, u.age_seconds))
+    unfinished = sorted(u.name for u in pending if stale(u.name, u.age_seconds))
     return GcPlan(
         committed=committed,
         incomplete=incomplete,
         expired=expired,
         orphan_generations=[
-            g for s in sorted(check) for g in orphan_generations(backend, s, grace_seconds=grace_seconds)
+            g for s in sorted(check) for g in orphan_generations(backend, found[s], grace_seconds=grace_seconds)
         ],
         unfinished=unfinished,
         young=young,
