@@ -294,6 +294,7 @@ def _rm(args) -> int:
     Nothing else: not other files in the location, not a location without a
     manifest (unless --force), never through a symbolic link."""
     from bcp.backends import backend_for
+    from bcp.commit import delete_checkpoint
     from bcp.metadata.layout import MANIFEST_KEY, generation_of
 
     backend = backend_for(args.uri)
@@ -326,10 +327,7 @@ def _rm(args) -> int:
     if args.dry_run:
         print(f"would delete {what}{left}")
         return 0
-    if committed:
-        backend.delete(MANIFEST_KEY)  # first: the checkpoint stops being committed at once
-    for generation in generations:
-        backend.delete_prefix(f"{generation}/")
+    delete_checkpoint(backend, only_bcp=True)  # the manifest first, then gen-*/ (partial files too)
     print(f"deleted {what}{left}")
     return 0
 

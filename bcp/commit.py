@@ -223,13 +223,15 @@ def discard_generation(backend: Backend, generation: str, *, why: str = "the par
         log.warning("could not remove %s %s at %s: %s", why, generation, backend.uri, e)
 
 
-def delete_checkpoint(backend: Backend, prefix: str = "") -> None:
+def delete_checkpoint(backend: Backend, prefix: str = "", *, only_bcp: bool = False) -> None:
     """The checkpoint under ``prefix`` (``""`` or ending in ``/``): manifest first, so
-    it stops being committed at once, then everything else."""
+    it stops being committed at once, then its generations, then everything else
+    under ``prefix`` unless ``only_bcp`` (``bcp rm``: other files there are not bcp's)."""
     backend.delete(manifest_key(prefix))
     for generation in sorted(generations(backend, prefix)):
         delete_generation(backend, f"{prefix}{generation}")  # whole directories: partial files too
-    backend.delete_prefix(prefix)
+    if not only_bcp:
+        backend.delete_prefix(prefix)
 
 
 def generations(backend: Backend, prefix: str = "") -> set[str]:
