@@ -145,6 +145,16 @@ class Catalog:
         self.tensors: Mapping[str, TensorEntry] = {fqn: _entry(fqn, frags) for fqn, frags in grouped.items()}
 
     @classmethod
+    def from_table(cls, table: pa.Table, *, where: str = "catalog") -> Catalog:
+        """A catalog over rows already in Arrow form (a save's fragment reports, in
+        CATALOG_SCHEMA's columns): no Fragment objects are built. The rows are the
+        writer's own, not read from storage; ``where`` names them in errors."""
+        missing = [n for n in CATALOG_SCHEMA.names if n not in table.column_names]
+        if missing:
+            raise ValueError(f"{where}: missing column(s) {', '.join(missing)}")
+        return cls._from_table(table.select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA), where)
+
+    @classmethod
     def _from_table(cls, table: pa.Table, where: str) -> Catalog:
         self = cls.__new__(cls)
         self._fragments, self._table = None, table
@@ -167,11 +177,14 @@ class Catalog:
     def to_arrow(self) -> bytes:
         """Arrow IPC file bytes: string columns dictionary-encoded, buffers zstd-compressed
         (about 15 bytes per fragment for FSDP-like catalogs, 14x less than plain)."""
-        frags = self.fragments
         columns = []
         for field in CATALOG_SCHEMA:
-            values = [getattr(f, field.name) for f in frags]
-            array = pa.array(values, type=field.type)
+            if self._table is not None:
+                array = self._table.column(field.name).combine_chunks()
+                if isinstance(array.type, pa.DictionaryType):
+                    array = array.cast(field.type)
+            else:
+                array = pa.array([getattr(f, field.name) for f in self.fragments], type=field.type)
             if field.name in _DICTIONARY_COLUMNS:
                 array = array.dictionary_encode()
             columns.append(array)
