@@ -23,7 +23,7 @@ from bcp.commit import commit, write_catalog
 from bcp.errors import ShardingError
 from bcp.metadata import Catalog
 from bcp.metadata.layout import catalog_key, data_file_key, generation_name
-from bcp.save_plan import plan_save
+from bcp.save_plan import LocalLayout, plan_save
 from bcp.saver import _decide_objects, _prepare, build_manifest, write_rank_data
 from bcp.shards import FlatShard, TensorShard, local_pieces
 from helpers import tensor_bytes_equal
@@ -35,13 +35,16 @@ def simulated_save(states: list[dict], uri: str, block: int = 64):
     """What bcp.save does across ranks, with the collectives replaced by lists."""
     backend = backend_for(uri)
     prepared = [_prepare(s, r, False) for r, s in enumerate(states)]
-    plan = plan_save([p.plan for p in prepared])
+    layouts = [LocalLayout.build(r, p.plan.tensors) for r, p in enumerate(prepared)]
+    plan = plan_save(layouts)
     objects = _decide_objects([p.objects for p in prepared])
     save_id = uuid.uuid4().hex[:16]
     gen = generation_name(save_id)
     frags, files = [], []
     for r, p in enumerate(prepared):
-        report = write_rank_data(backend, data_file_key(gen, r), r, [p.pieces[w] for w in plan.writes[r]], block)
+        boxes = layouts[r].boxes()
+        items = [p.pieces[boxes[i]] for i in plan.writes[r].tolist()]
+        report = write_rank_data(backend, data_file_key(gen, r), r, items, block)
         frags += report.fragments
         files += [report.file] if report.file else []
     catalog = write_catalog(backend, catalog_key(gen), Catalog(frags))
@@ -176,7 +179,10 @@ def test_replicated_boxes_are_balanced_over_ranks():
 
 
 def _plan_of(*rank_states):
-    return plan_save([_prepare(s, r, False).plan for r, s in enumerate(rank_states)])
+    """The plan and, per rank, the (fqn, box) pairs it writes."""
+    layouts = [LocalLayout.build(r, _prepare(s, r, False).plan.tensors) for r, s in enumerate(rank_states)]
+    plan = plan_save(layouts)
+    return plan, {r: [layouts[r].boxes()[i] for i in idx.tolist()] for r, idx in plan.writes.items()}
 
 
 def test_overlapping_shards_are_refused_naming_the_tensor():
@@ -200,10 +206,11 @@ def test_ranks_disagreeing_on_shape_or_dtype_are_refused():
 
 def test_tied_weights_across_ranks_are_written_once():
     w = torch.randn(64, 8)
-    plan = _plan_of({"emb": w, "head": w}, {"emb": w, "head": w})
+    plan, writes = _plan_of({"emb": w, "head": w}, {"emb": w, "head": w})
     assert plan.total_bytes == w.numel() * 4
-    owner = [r for r, items in plan.writes.items() if ("emb", ((0, 0), (64, 8))) in items]
-    assert ("head", ((0, 0), (64, 8))) in plan.writes[owner[0]], "alias not placed with its target"
+    owner = [r for r, items in writes.items() if ("emb", ((0, 0), (64, 8))) in items]
+    assert len(owner) == 1, "the target written more than once"
+    assert ("head", ((0, 0), (64, 8))) in writes[owner[0]], "alias not placed with its target"
 
 
 def test_per_rank_and_differing_objects_are_stored_per_rank():
