@@ -2,15 +2,15 @@
 
 Pure data: knows the format, not torch, not storage. The engine builds
 :class:`Fragment` rows while saving and asks the :class:`Catalog` where bytes live
-while loading.
+while loading. Rows are held as numpy columns (:mod:`.rows`); a tensor's rows become
+Fragment objects only when a caller asks for them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -18,6 +18,7 @@ import pyarrow.compute  # binds pa.compute
 
 from .dtypes import itemsize
 from .errors import FormatError
+from .rows import Fragment, Rows, TensorEntry
 
 CATALOG_SCHEMA = pa.schema(
     [
@@ -36,165 +37,210 @@ CATALOG_SCHEMA = pa.schema(
     metadata={"bcp.catalog.version": "1"},
 )
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Fragment:
-    """A box of a global tensor stored as row-major bytes at ``file[byte_offset:+nbytes]``."""
-
-    fqn: str
-    #: JSON list of [container-kind, key] pairs locating the tensor in the nested state.
-    key_path: str
-    dtype: str
-    global_shape: tuple[int, ...]
-    #: Start of the box in each dimension of the global tensor.
-    offsets: tuple[int, ...]
-    #: Extent of the box in each dimension.
-    lengths: tuple[int, ...]
-    #: Data object key, relative to the checkpoint root.
-    file: str
-    byte_offset: int
-    nbytes: int
-    #: CRC32C of each checksum block of the fragment's bytes (block size in the manifest).
-    checksums: tuple[int, ...]
-    writer_rank: int = 0
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.lengths)
+Box = tuple[Sequence[int], Sequence[int]]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class TensorEntry:
-    """Everything the catalog knows about one global tensor."""
+class TensorTable:
+    """The catalog's tensors in save order: name, key path, dtype, shape. Rows refer to
+    a tensor by its index here."""
 
-    fqn: str
-    key_path: str
-    dtype: str
-    global_shape: tuple[int, ...]
-    fragments: tuple[Fragment, ...]
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.index: dict[str, int] = {}
+        self.key_paths: list[str] = []
+        self.dtypes: list[str] = []
+        self.shapes: list[tuple[int, ...]] = []
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.global_shape) * itemsize(self.dtype)
-
-
-def _entry(fqn: str, frags: list[Fragment]) -> TensorEntry:
-    first = frags[0]
-    for f in frags[1:]:
-        if (f.dtype, f.global_shape, f.key_path) != (first.dtype, first.global_shape, first.key_path):
-            raise FormatError(
-                f"catalog: fragments of {fqn!r} disagree on dtype/shape/path: "
-                f"{first.dtype}{list(first.global_shape)} vs {f.dtype}{list(f.global_shape)}"
-            )
-    return TensorEntry(fqn, first.key_path, first.dtype, first.global_shape, tuple(frags))
-
-
-class _LazyTensors(Mapping):
-    """fqn -> TensorEntry over an Arrow table: rows become Python objects only for the
-    tensors a reader asks for (a rank loading its shards of a 4,096-rank checkpoint
-    touches a small part of the catalog)."""
-
-    def __init__(self, table: pa.Table, where: str) -> None:
-        self._table, self._where = table, where
-        fqn = table.column("fqn").combine_chunks()
-        if not isinstance(fqn.type, pa.DictionaryType):
-            fqn = fqn.dictionary_encode()
-        codes = fqn.indices.to_numpy(zero_copy_only=False)
-        names = fqn.dictionary.to_pylist()
-        order = np.argsort(codes, kind="stable")
-        starts = np.searchsorted(codes[order], np.arange(len(names) + 1))
-        first_row = {int(c): int(order[starts[c]]) for c in range(len(names)) if starts[c] < starts[c + 1]}
-        # fqn -> row indices, in the order tensors first appear in the file
-        self._rows = {names[c]: order[starts[c] : starts[c + 1]] for c in sorted(first_row, key=first_row.__getitem__)}
-        self._cache: dict[str, TensorEntry] = {}
-
-    def __getitem__(self, fqn: str) -> TensorEntry:
-        entry = self._cache.get(fqn)
-        if entry is None:
-            rows = self._rows[fqn]  # KeyError for an unknown tensor, as a dict would
-            sub = self._table.take(pa.array(rows))
-            entry = _entry(fqn, _fragments(sub))
-            ndim = len(entry.global_shape)
-            offs = _flat_values(sub.column("offsets")).reshape(len(rows), ndim)
-            lens = _flat_values(sub.column("lengths")).reshape(len(rows), ndim)
-            problem = tiling_problem(entry.global_shape, offs, lens)
-            if problem is not None:
-                raise FormatError(f"{self._where}: tensor {fqn!r}: {problem}")
-            self._cache[fqn] = entry
-        return entry
-
-    def __iter__(self):
-        return iter(self._rows)
+    def add(self, fqn: str, key_path: str, dtype: str, shape: tuple[int, ...]) -> int:
+        code = self.index.setdefault(fqn, len(self.names))
+        if code == len(self.names):
+            self.names.append(fqn)
+            self.key_paths.append(key_path)
+            self.dtypes.append(dtype)
+            self.shapes.append(shape)
+        return code
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self.names)
+
+
+class _Tensors(Mapping):
+    """fqn -> TensorEntry, built on first use from the catalog's columns (a rank
+    loading its shards of a large checkpoint touches a small part of the catalog)."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self._catalog = catalog
+
+    def __getitem__(self, fqn: str) -> TensorEntry:
+        return self._catalog._entry(self._catalog._table_of_tensors.index[fqn])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._catalog._table_of_tensors.names)
+
+    def __len__(self) -> int:
+        return len(self._catalog._table_of_tensors)
 
     def __contains__(self, fqn: object) -> bool:
-        return fqn in self._rows
+        return fqn in self._catalog._table_of_tensors.index
 
 
 class Catalog:
-    """All fragments of a checkpoint, indexed by tensor (``tensors``: fqn -> TensorEntry)."""
+    """All fragments of a checkpoint, indexed by tensor (``tensors``: fqn -> TensorEntry).
+
+    Built from Fragment objects (a test, a tool), from an Arrow table of rows (a save's
+    commit) or decoded from storage (:meth:`from_arrow`). A catalog decoded from the
+    sections of a v2 file may hold only some of its rows: :meth:`require` reads the
+    sections a set of wanted boxes needs."""
+
+    _table_of_tensors: TensorTable
+    _file_names: list[str]
+    _file_index: dict[str, int]
+    _rows: Rows
+    _fragments: list[Fragment] | None
+    _where: str
+    #: check whole-tensor tiling when an entry is built (rows read from storage)
+    _check_tiling: bool
 
     def __init__(self, fragments: Iterable[Fragment]) -> None:
-        self._fragments: list[Fragment] | None = list(fragments)
-        self._table: pa.Table | None = None
-        grouped: dict[str, list[Fragment]] = {}
-        for f in self._fragments:
-            grouped.setdefault(f.fqn, []).append(f)
-        self.tensors: Mapping[str, TensorEntry] = {fqn: _entry(fqn, frags) for fqn, frags in grouped.items()}
+        frags = list(fragments)
+        tensors = TensorTable()
+        for f in frags:
+            code = tensors.add(f.fqn, f.key_path, f.dtype, f.global_shape)
+            if (f.dtype, f.global_shape, f.key_path) != (
+                tensors.dtypes[code],
+                tensors.shapes[code],
+                tensors.key_paths[code],
+            ):
+                raise FormatError(
+                    f"catalog: fragments of {f.fqn!r} disagree on dtype/shape/path: "
+                    f"{tensors.dtypes[code]}{list(tensors.shapes[code])} vs {f.dtype}{list(f.global_shape)}"
+                )
+        file_index: dict[str, int] = {}
+        rows = Rows.from_fragments(frags, dict(tensors.index), file_index)
+        self._setup(tensors, list(file_index), rows, where="catalog", check_tiling=False)
+        self._fragments = frags
+
+    def _setup(self, tensors: TensorTable, files: list[str], rows: Rows, *, where: str, check_tiling: bool) -> None:
+        self._table_of_tensors = tensors
+        self._file_names = files
+        self._file_index = {name: i for i, name in enumerate(files)}
+        self._fragments = None
+        self._where = where
+        self._check_tiling = check_tiling
+        self._set_rows(rows)
+        self.tensors: Mapping[str, TensorEntry] = _Tensors(self)
+
+    def _set_rows(self, rows: Rows) -> None:
+        self._rows = rows
+        order = np.argsort(rows.tensor, kind="stable")
+        self._order = order
+        self._starts = np.searchsorted(rows.tensor[order], np.arange(len(self._table_of_tensors) + 1))
+        self._cache: dict[int, TensorEntry] = {}
 
     @classmethod
     def from_table(cls, table: pa.Table, *, where: str = "catalog") -> Catalog:
         """A catalog over rows already in Arrow form (a save's fragment reports, in
-        CATALOG_SCHEMA's columns): no Fragment objects are built. The rows are the
-        writer's own, not read from storage; ``where`` names them in errors."""
+        CATALOG_SCHEMA's columns; string columns plain or dictionary-encoded): no
+        Fragment objects are built. The rows are the writer's own, not read from
+        storage; ``where`` names them in errors."""
         missing = [n for n in CATALOG_SCHEMA.names if n not in table.column_names]
         if missing:
             raise ValueError(f"{where}: missing column(s) {', '.join(missing)}")
-        return cls._from_table(table.select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA), where)
-
-    @classmethod
-    def _from_table(cls, table: pa.Table, where: str) -> Catalog:
+        table = _cast(table.select(CATALOG_SCHEMA.names), where)
         self = cls.__new__(cls)
-        self._fragments, self._table = None, table
-        self.tensors = _LazyTensors(table, where)
+        tensors = TensorTable()
+        files: list[str] = []
+        rows = _bind(table, tensors, files, where=where, fixed=False)
+        self._setup(tensors, files, rows, where=where, check_tiling=True)
         return self
 
     @property
+    def file_names(self) -> tuple[str, ...]:
+        """Data file keys the rows refer to (TensorEntry.files are codes into these)."""
+        return tuple(self._file_names)
+
+    @property
     def fragments(self) -> list[Fragment]:
+        """Every row read as a Fragment: tensors in save order, each tensor's rows in
+        catalog order (built on demand: tools walk them, loads do not)."""
         if self._fragments is None:
-            self._fragments = _fragments(self._table)
+            self._fragments = [
+                f for t in range(len(self._table_of_tensors)) for f in self._entry(t, check=False).fragments
+            ]
         return self._fragments
 
     def __len__(self) -> int:
-        if self._fragments is None and self._table is not None:
-            return self._table.num_rows
-        return len(self.fragments)
+        return len(self._rows)
+
+    def require(self, requests: Iterable[tuple[str, Box]]) -> None:
+        """Make sure every stored row that may overlap the (fqn, box) ``requests`` is
+        held. A no-op for a catalog held whole; a catalog read in part reads the
+        sections it lacks."""
+        return None
+
+    def _rows_of(self, t: int) -> np.ndarray:
+        return self._order[self._starts[t] : self._starts[t + 1]]
+
+    def _entry(self, t: int, *, check: bool = True) -> TensorEntry:
+        entry = self._cache.get(t)
+        if entry is not None:
+            return entry
+        tensors = self._table_of_tensors
+        fqn, shape = tensors.names[t], tensors.shapes[t]
+        rows = self._rows_of(t)
+        frags = None if self._fragments is None else tuple(self._fragments[i] for i in rows.tolist())
+        if frags is not None and any(len(f.offsets) != len(shape) for f in frags):
+            # Fragment lists are not validated: keep what was given, columns left empty
+            arrays: tuple[np.ndarray, ...] = (np.zeros((0, len(shape)), np.int64),) * 2 + (
+                np.zeros(0, np.int64),
+                np.zeros(0, np.int64),
+                np.zeros(0, np.int32),
+                np.zeros(0, np.int32),
+                np.zeros(1, np.int64),
+                np.zeros(0, np.uint32),
+            )
+        else:
+            arrays = self._rows.take(rows, len(shape))
+        offs, lens, byte_offsets, sizes, files, writers, sum_starts, sums = arrays
+        entry = TensorEntry(
+            fqn,
+            tensors.key_paths[t],
+            tensors.dtypes[t],
+            shape,
+            offsets=offs,
+            lengths=lens,
+            byte_offsets=byte_offsets,
+            sizes=sizes,
+            files=files,
+            file_names=tuple(self._file_names),
+            writer_ranks=writers,
+            checksum_starts=sum_starts,
+            checksum_values=sums,
+            fragments=frags,
+        )
+        if check and self._check_tiling and self._complete(t):
+            problem = tiling_problem(shape, offs, lens)
+            if problem is not None:
+                raise FormatError(f"{self._where}: tensor {fqn!r}: {problem}")
+        if check:
+            self._cache[t] = entry
+        return entry
+
+    def _complete(self, t: int) -> bool:
+        """Whether every stored row of tensor ``t`` is held."""
+        return True
 
     # -- Arrow IPC -----------------------------------------------------------------------
+
+    def to_table(self) -> pa.Table:
+        """The rows as an Arrow table in CATALOG_SCHEMA's columns, string columns
+        dictionary-encoded (built column by column from the numpy columns)."""
+        return _table(self._table_of_tensors, self._file_names, self._rows)
 
     def to_arrow(self) -> bytes:
         """Arrow IPC file bytes: string columns dictionary-encoded, buffers zstd-compressed
         (about 15 bytes per fragment for FSDP-like catalogs, 14x less than plain)."""
-        columns = []
-        for field in CATALOG_SCHEMA:
-            if self._table is not None:
-                array = self._table.column(field.name).combine_chunks()
-                if isinstance(array.type, pa.DictionaryType):
-                    array = array.cast(field.type)
-            else:
-                array = pa.array([getattr(f, field.name) for f in self.fragments], type=field.type)
-            if field.name in _DICTIONARY_COLUMNS:
-                array = array.dictionary_encode()
-            columns.append(array)
-        table = pa.Table.from_arrays(columns, names=CATALOG_SCHEMA.names)
-        table = table.replace_schema_metadata(CATALOG_SCHEMA.metadata)
-        sink = pa.BufferOutputStream()
-        options = pa.ipc.IpcWriteOptions(compression="zstd")
-        with pa.ipc.new_file(sink, table.schema, options=options) as writer:
-            writer.write_table(table)
-        return sink.getvalue().to_pybytes()
+        return _ipc_file(self.to_table())
 
     @classmethod
     def from_arrow(cls, data: bytes, *, where: str, checksum_block_bytes: int) -> Catalog:
@@ -214,54 +260,35 @@ class Catalog:
 
     @classmethod
     def _decode(cls, data: bytes, where: str, checksum_block_bytes: int) -> Catalog:
-        budget = decode_budget(len(data))
-        check_ipc_budget(data, where=where, budget=budget)
-        try:
-            table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
-            table.validate(full=True)
-        except (pa.ArrowException, OSError, EOFError) as e:
-            raise FormatError(f"{where}: not a readable Arrow IPC file: {e}") from e
-        missing = [n for n in CATALOG_SCHEMA.names if n not in table.column_names]
-        if missing:
-            raise FormatError(f"{where}: missing column(s) {', '.join(missing)}")
-        table = table.select(CATALOG_SCHEMA.names)
-        _check_expansion(table, where=where, budget=budget)
-        try:
-            table = table.cast(CATALOG_SCHEMA)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
-            raise FormatError(f"{where}: columns do not have the catalog types: {e}") from e
-        if table.num_rows and any(table.column(n).null_count for n in CATALOG_SCHEMA.names):
-            raise FormatError(f"{where}: null values in the catalog")
-        _validate_table(table, where=where, checksum_block_bytes=checksum_block_bytes)
-        catalog = cls._from_table(table, where)
-        _check_consistent(table, where)
-        return catalog
+        tensors = TensorTable()
+        files: list[str] = []
+        rows = decode_rows(data, where, checksum_block_bytes, tensors, files, fixed=False)
+        self = cls.__new__(cls)
+        self._setup(tensors, files, rows, where=where, check_tiling=True)
+        return self
 
     def check_files(self, file_sizes: Mapping[str, int], *, where: str) -> None:
         """Raise FormatError unless every fragment names a file of ``file_sizes`` (the
         manifest's data files: path -> bytes) and its bytes lie inside that file.
         With this, no read planned from the catalog can ask for more bytes than the
-        manifest declares (vectorised; one pass over the catalog)."""
-        if self._table is None:
-            rows = [(f.fqn, f.file, f.byte_offset, f.nbytes) for f in self.fragments]
-            for i, (fqn, file, off, n) in enumerate(rows):
-                _check_in_file(where, i, fqn, file, off, n, file_sizes.get(file))
-            return
-        table = self._table
-        if table.num_rows == 0:
-            return
-        files = table.column("file").combine_chunks().dictionary_encode()
-        names = files.dictionary.to_pylist()
-        declared = np.array([file_sizes.get(n, -1) for n in names], dtype=np.int64)
-        size = declared[files.indices.to_numpy(zero_copy_only=False)]
-        off = table.column("byte_offset").to_numpy()
-        n = table.column("nbytes").to_numpy()
-        bad = (size < 0) | (off > size - n)  # off, n >= 0 (validated), so size - n cannot overflow
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            row = {c: table.column(c)[i].as_py() for c in ("fqn", "file", "byte_offset", "nbytes")}
-            fsize = file_sizes.get(row["file"])
-            _check_in_file(where, i, row["fqn"], row["file"], row["byte_offset"], row["nbytes"], fsize)
+        manifest declares (vectorised; one pass over the rows held)."""
+        check_rows_in_files(self._rows, self._table_of_tensors, self._file_names, file_sizes, where=where)
+
+
+def check_rows_in_files(
+    rows: Rows, tensors: TensorTable, file_names: Sequence[str], file_sizes: Mapping[str, int], *, where: str
+) -> None:
+    """FormatError naming the first row whose bytes are not inside a declared file."""
+    if len(rows) == 0:
+        return
+    declared = np.array([file_sizes.get(n, -1) for n in file_names], dtype=np.int64)
+    size = declared[rows.file]
+    off, n = rows.byte_offset, rows.nbytes
+    bad = (size < 0) | (off > size - n)  # off, n >= 0 (validated), so size - n cannot overflow
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        fqn, file = tensors.names[int(rows.tensor[i])], file_names[int(rows.file[i])]
+        _check_in_file(where, i, fqn, file, int(off[i]), int(n[i]), file_sizes.get(file))
 
 
 def _check_in_file(where: str, i: int, fqn: str, file: str, off: int, n: int, size: int | None) -> None:
@@ -274,34 +301,184 @@ def _check_in_file(where: str, i: int, fqn: str, file: str, off: int, n: int, si
         )
 
 
-def _fragments(table: pa.Table) -> list[Fragment]:
-    cols = [table.column(name).to_pylist() for name in CATALOG_SCHEMA.names]
-    for i, name in enumerate(CATALOG_SCHEMA.names):
-        if name in _TUPLE_COLUMNS:
-            cols[i] = [tuple(v) for v in cols[i]]
-    return [Fragment(*row) for row in zip(*cols, strict=True)]
+# -- rows <-> Arrow ------------------------------------------------------------------------
 
 
-def _check_consistent(table: pa.Table, where: str) -> None:
-    """Every fragment of one tensor agrees on dtype, shape and key path (vectorised)."""
-    if table.num_rows == 0:
-        return
-    keys = pa.table(
-        {
-            "fqn": table.column("fqn"),
-            "dtype": table.column("dtype"),
-            "key_path": table.column("key_path"),
-            "shape": pa.compute.binary_join(pa.compute.cast(table.column("global_shape"), pa.list_(pa.string())), ","),
-        }
+def _ipc_file(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    options = pa.ipc.IpcWriteOptions(compression="zstd")
+    with pa.ipc.new_file(sink, table.schema, options=options) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _list_array(starts: np.ndarray, values: np.ndarray, type_: pa.DataType) -> pa.Array:
+    if len(values) >= 1 << 31:
+        raise ValueError("catalog list column too long for one Arrow batch")
+    return pa.ListArray.from_arrays(
+        pa.array(starts.astype(np.int32)), pa.array(values, type=type_.value_type), type=type_
     )
-    distinct = keys.group_by(["fqn", "dtype", "key_path", "shape"]).aggregate([])
-    if distinct.num_rows != keys.group_by(["fqn"]).aggregate([]).num_rows:
-        counts = distinct.group_by(["fqn"]).aggregate([([], "count_all")])
-        fqn = counts.filter(pa.compute.greater(counts.column("count_all"), 1)).column("fqn")[0].as_py()
-        raise FormatError(f"{where}: fragments of {fqn!r} disagree on dtype/shape/path")
 
 
-_DICTIONARY_COLUMNS = frozenset({"fqn", "key_path", "dtype", "file"})
+def _table(tensors: TensorTable, file_names: Sequence[str], rows: Rows, version: str = "1") -> pa.Table:
+    """Rows in CATALOG_SCHEMA's columns, strings dictionary-encoded (one dictionary
+    entry per distinct value)."""
+    t = rows.tensor
+    kp_codes, kp_values = _distinct(tensors.key_paths)
+    dt_codes, dt_values = _distinct(tensors.dtypes)
+    ndim = np.array([len(s) for s in tensors.shapes], dtype=np.int64)
+    flat = np.fromiter((d for s in tensors.shapes for d in s), np.int64)
+    t_starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(ndim)])
+    row_ndim = ndim[t]
+    shape_starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(row_ndim)])
+    pos = np.repeat(t_starts[:-1][t] - shape_starts[:-1], row_ndim) + np.arange(int(shape_starts[-1]), dtype=np.int64)
+    schema = CATALOG_SCHEMA
+    columns = [
+        pa.DictionaryArray.from_arrays(pa.array(t, pa.int32()), pa.array(tensors.names, pa.string())),
+        pa.DictionaryArray.from_arrays(pa.array(kp_codes[t], pa.int32()), pa.array(kp_values, pa.string())),
+        pa.DictionaryArray.from_arrays(pa.array(dt_codes[t], pa.int32()), pa.array(dt_values, pa.string())),
+        _list_array(shape_starts, flat[pos], schema.field("global_shape").type),
+        _list_array(rows.coord_starts, rows.offsets, schema.field("offsets").type),
+        _list_array(rows.coord_starts, rows.lengths, schema.field("lengths").type),
+        pa.DictionaryArray.from_arrays(pa.array(rows.file, pa.int32()), pa.array(list(file_names), pa.string())),
+        pa.array(rows.byte_offset, pa.int64()),
+        pa.array(rows.nbytes, pa.int64()),
+        _list_array(rows.sum_starts, rows.sums, schema.field("checksums").type),
+        pa.array(rows.writer, pa.int32()),
+    ]
+    table = pa.Table.from_arrays(columns, names=schema.names)
+    return table.replace_schema_metadata({"bcp.catalog.version": version})
+
+
+def _distinct(values: Sequence[str]) -> tuple[np.ndarray, list[str]]:
+    index: dict[str, int] = {}
+    codes = np.fromiter((index.setdefault(v, len(index)) for v in values), np.int32, len(values))
+    return codes, list(index)
+
+
+def _cast(table: pa.Table, where: str) -> pa.Table:
+    """The columns in CATALOG_SCHEMA's types, except that dictionary-encoded string
+    columns stay encoded (decoding them costs a string per row)."""
+    columns = []
+    for field in CATALOG_SCHEMA:
+        col = table.column(field.name)
+        try:
+            if pa.types.is_dictionary(col.type) and field.type == pa.string():
+                if not pa.types.is_string(col.type.value_type):
+                    col = col.cast(pa.dictionary(col.type.index_type, pa.string()))
+            elif col.type != field.type:
+                col = col.cast(field.type)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+            raise FormatError(f"{where}: columns do not have the catalog types: {e}") from e
+        columns.append(col)
+    return pa.Table.from_arrays(columns, names=CATALOG_SCHEMA.names)
+
+
+def _codes(column: pa.ChunkedArray, where: str) -> tuple[np.ndarray, list[str]]:
+    """Per-row codes of a string column and the distinct strings they index (a
+    dictionary's repeated values merged): the strings are decoded once each."""
+    chunks = [c if pa.types.is_dictionary(c.type) else c.dictionary_encode() for c in column.chunks]
+    parts: list[np.ndarray] = []
+    index: dict[str, int] = {}
+    for chunk in chunks:
+        words = chunk.dictionary.to_pylist()
+        if any(w is None for w in words):
+            raise FormatError(f"{where}: null values in the catalog")
+        remap = np.fromiter((index.setdefault(w, len(index)) for w in words), np.int64, len(words))
+        indices = chunk.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        parts.append(remap[indices] if len(words) else np.zeros(len(chunk), np.int64))
+    values = list(index)
+    codes = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return codes, values
+
+
+def _bind(table: pa.Table, tensors: TensorTable, files: list[str], *, where: str, fixed: bool) -> Rows:
+    """Rows of a (type-checked) table with tensor and file codes into ``tensors`` and
+    ``files``, after checking that every row of a tensor agrees with the tensor table
+    on dtype, shape and key path. ``fixed``: the tensor table is given (a v2 head), so
+    an unknown tensor is an error; else tensors are added in order of first row."""
+    n = table.num_rows
+    fqn_codes, fqn_values = _codes(table.column("fqn"), where)
+    kp_codes, kp_values = _codes(table.column("key_path"), where)
+    dt_codes, dt_values = _codes(table.column("dtype"), where)
+    file_codes, file_values = _codes(table.column("file"), where)
+    shape_col = table.column("global_shape").combine_chunks()
+    shape_starts = shape_col.offsets.to_numpy().astype(np.int64)
+    shape_starts -= shape_starts[0]
+    shape_flat = shape_col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    row_ndim = np.diff(shape_starts)
+    if n:
+        if fixed:
+            known = np.array([tensors.index.get(v, -1) for v in fqn_values], dtype=np.int64)
+            local = known[fqn_codes]
+            if (local < 0).any():
+                i = int(np.flatnonzero(local < 0)[0])
+                raise FormatError(
+                    f"{where} row {i}: tensor {fqn_values[fqn_codes[i]]!r} is not in the catalog's tensor table"
+                )
+        else:
+            first = np.full(len(fqn_values), n, dtype=np.int64)
+            first[fqn_codes[::-1]] = np.arange(n - 1, -1, -1)  # the last write wins: each fqn's first row
+            for r in np.sort(first[first < n]).tolist():
+                s0, s1 = shape_starts[r], shape_starts[r + 1]
+                shape = tuple(shape_flat[s0:s1].tolist())
+                tensors.add(fqn_values[fqn_codes[r]], kp_values[kp_codes[r]], dt_values[dt_codes[r]], shape)
+            local = np.array([tensors.index[v] for v in fqn_values], dtype=np.int64)[fqn_codes]
+        # every row against its tensor's entry in the table
+        kp_index = {v: i for i, v in enumerate(kp_values)}
+        dt_index = {v: i for i, v in enumerate(dt_values)}
+        t_kp = np.array([kp_index.get(v, -1) for v in tensors.key_paths], dtype=np.int64)
+        t_dt = np.array([dt_index.get(v, -1) for v in tensors.dtypes], dtype=np.int64)
+        t_ndim = np.array([len(s) for s in tensors.shapes], dtype=np.int64)
+        t_flat = np.fromiter((d for s in tensors.shapes for d in s), np.int64)
+        t_starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(t_ndim)])
+        bad = (t_kp[local] != kp_codes) | (t_dt[local] != dt_codes) | (t_ndim[local] != row_ndim)
+        count = np.where(bad, 0, row_ndim)
+        total = int(count.sum())
+        step = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        rows_rep = np.repeat(np.arange(n), count)
+        differs = shape_flat[shape_starts[rows_rep] + step] != t_flat[t_starts[local[rows_rep]] + step]
+        bad[rows_rep[differs]] = True
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            fqn = tensors.names[int(local[i])]
+            raise FormatError(f"{where}: fragments of {fqn!r} disagree on dtype/shape/path")
+    else:
+        local = np.zeros(0, np.int64)
+    file_index = {name: i for i, name in enumerate(files)}
+    for v in file_values:
+        if v not in file_index:
+            file_index[v] = len(files)
+            files.append(v)
+    file_map = np.array([file_index[v] for v in file_values], dtype=np.int32)
+    return Rows.from_table(table, local, file_map[file_codes] if n else np.zeros(0, np.int32))
+
+
+def decode_rows(
+    data: bytes, where: str, checksum_block_bytes: int, tensors: TensorTable, files: list[str], *, fixed: bool
+) -> Rows:
+    """Decode and validate one Arrow IPC file of catalog rows (a v1 catalog, or one
+    section of a v2 catalog): budget, types, nulls, every row, agreement with the
+    tensor table (see :func:`_bind`)."""
+    budget = decode_budget(len(data))
+    check_ipc_budget(data, where=where, budget=budget)
+    try:
+        table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
+        table.validate(full=True)
+    except (pa.ArrowException, OSError, EOFError) as e:
+        raise FormatError(f"{where}: not a readable Arrow IPC file: {e}") from e
+    missing = [n for n in CATALOG_SCHEMA.names if n not in table.column_names]
+    if missing:
+        raise FormatError(f"{where}: missing column(s) {', '.join(missing)}")
+    table = table.select(CATALOG_SCHEMA.names)
+    _check_expansion(table, where=where, budget=budget)
+    table = _cast(table, where)
+    if table.num_rows and any(table.column(n).null_count for n in CATALOG_SCHEMA.names):
+        raise FormatError(f"{where}: null values in the catalog")
+    _validate_table(table, where=where, checksum_block_bytes=checksum_block_bytes)
+    return _bind(table, tensors, files, where=where, fixed=fixed)
+
+
 _TUPLE_COLUMNS = frozenset({"global_shape", "offsets", "lengths", "checksums"})
 
 
@@ -349,9 +526,9 @@ def _validate_table(table: pa.Table, *, where: str, checksum_block_bytes: int) -
             # shape >= 0 and lens >= 0 where this matters, so shape - lens cannot overflow
             outside = (offs < 0) | (lens < 0) | (shape < 0) | (offs > shape - lens)
         bad = np.bincount(row_of[outside], minlength=n) > 0
-        dtypes = table.column("dtype").combine_chunks().dictionary_encode()
-        known = np.array([itemsize_or_zero(d) for d in dtypes.dictionary.to_pylist()], dtype=np.int64)
-        sizes = known[dtypes.indices.to_numpy(zero_copy_only=False)]
+        dt_codes, dt_values = _codes(table.column("dtype"), where)  # one itemsize lookup per distinct dtype
+        known = np.array([itemsize_or_zero(d) for d in dt_values], dtype=np.int64)
+        sizes = known[dt_codes]
         nonneg = ~np.repeat(bad, ndim)
         numel, numel_f = _row_products(np.where(nonneg, lens, 0), row_of, n)
         _total, total_f = _row_products(np.where(nonneg, shape, 0), row_of, n)

@@ -44,7 +44,21 @@ def test_catalog_round_trip(frags):
     first = {}
     frags = [f for f in frags if first.setdefault(f.fqn, (f.dtype, f.global_shape)) == (f.dtype, f.global_shape)]
     back = Catalog.from_arrow(Catalog(frags).to_arrow(), where="t", checksum_block_bytes=BLOCK)
-    assert back.fragments == frags
+    # tensors in order of first appearance, each tensor's rows in order
+    rank = {}
+    for f in frags:
+        rank.setdefault(f.fqn, len(rank))
+    assert back.fragments == sorted(frags, key=lambda f: rank[f.fqn])
+    assert list(back.tensors) == list(rank)
+    for fqn, entry in Catalog(frags).tensors.items():  # random rows need not tile: no decoded entries here
+        mine = [f for f in frags if f.fqn == fqn]
+        assert entry.fragments == tuple(mine)
+        assert [entry.fragment(i) for i in range(entry.num_fragments)] == mine
+        assert entry.offsets.shape == entry.lengths.shape == (len(mine), len(mine[0].global_shape))
+        assert entry.offsets.tolist() == [list(f.offsets) for f in mine]
+        assert entry.sizes.tolist() == [f.nbytes for f in mine]
+        assert [entry.file_names[c] for c in entry.files.tolist()] == [f.file for f in mine]
+        assert entry.writer_ranks.tolist() == [f.writer_rank for f in mine]
 
 
 def _one(**changes) -> bytes:

@@ -1,0 +1,323 @@
+"""Catalog rows held as numpy columns, and the per-tensor view over them.
+
+A catalog of a large job has millions of rows; a loading rank needs a few of them per
+tensor. Rows therefore stay in flat numpy arrays (one element per row, list columns as
+flat values plus per-row starts), and a :class:`TensorEntry` holds one tensor's rows as
+arrays. :class:`Fragment` objects are built only on demand, for the rows a caller asks
+for (``entry.fragment(i)``) or for tools that want them all (``entry.fragments``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from .dtypes import itemsize
+from .errors import FormatError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fragment:
+    """A box of a global tensor stored as row-major bytes at ``file[byte_offset:+nbytes]``."""
+
+    fqn: str
+    #: JSON list of [container-kind, key] pairs locating the tensor in the nested state.
+    key_path: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    #: Start of the box in each dimension of the global tensor.
+    offsets: tuple[int, ...]
+    #: Extent of the box in each dimension.
+    lengths: tuple[int, ...]
+    #: Data object key, relative to the checkpoint root.
+    file: str
+    byte_offset: int
+    nbytes: int
+    #: CRC32C of each checksum block of the fragment's bytes (block size in the manifest).
+    checksums: tuple[int, ...]
+    writer_rank: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.lengths)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+class TensorEntry:
+    """Everything this catalog knows about one global tensor: its metadata and its
+    fragment rows as numpy columns (row ``i`` of each array is fragment ``i``).
+
+    For a catalog read in part (catalog v2, a rank fetching only some sections), the
+    rows are those of the sections read; the caller's planner checks that they cover
+    what it wants. Arrays are read-only (shared with the catalog's caches)."""
+
+    __slots__ = (
+        "_fragments",
+        "_sum_starts",
+        "_sum_values",
+        "byte_offsets",
+        "dtype",
+        "file_names",
+        "files",
+        "fqn",
+        "global_shape",
+        "key_path",
+        "lengths",
+        "offsets",
+        "sizes",
+        "writer_ranks",
+    )
+
+    fqn: str
+    key_path: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    #: (F, ndim) int64: start of each fragment's box
+    offsets: np.ndarray
+    #: (F, ndim) int64: extent of each fragment's box
+    lengths: np.ndarray
+    #: (F,) int64: first byte of each fragment in its file
+    byte_offsets: np.ndarray
+    #: (F,) int64: bytes of each fragment
+    sizes: np.ndarray
+    #: (F,) int32: each fragment's file, a code into ``file_names``
+    files: np.ndarray
+    #: data file keys, shared by every entry of the catalog
+    file_names: tuple[str, ...]
+    #: (F,) int32
+    writer_ranks: np.ndarray
+
+    def __init__(
+        self,
+        fqn: str,
+        key_path: str,
+        dtype: str,
+        global_shape: tuple[int, ...],
+        *,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        byte_offsets: np.ndarray,
+        sizes: np.ndarray,
+        files: np.ndarray,
+        file_names: tuple[str, ...],
+        writer_ranks: np.ndarray,
+        checksum_starts: np.ndarray,
+        checksum_values: np.ndarray,
+        fragments: tuple[Fragment, ...] | None = None,
+    ) -> None:
+        self.fqn, self.key_path, self.dtype, self.global_shape = fqn, key_path, dtype, global_shape
+        self.offsets, self.lengths = _frozen(offsets), _frozen(lengths)
+        self.byte_offsets, self.sizes = _frozen(byte_offsets), _frozen(sizes)
+        self.files, self.file_names, self.writer_ranks = _frozen(files), file_names, _frozen(writer_ranks)
+        self._sum_starts, self._sum_values = _frozen(checksum_starts), _frozen(checksum_values)
+        self._fragments = fragments
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.global_shape) * itemsize(self.dtype)
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.byte_offsets)
+
+    def checksums(self, i: int) -> tuple[int, ...]:
+        """CRC32C of each checksum block of fragment ``i``."""
+        return tuple(self._sum_values[self._sum_starts[i] : self._sum_starts[i + 1]].tolist())
+
+    def fragment(self, i: int) -> Fragment:
+        """Row ``i`` as a Fragment (checksums included)."""
+        if self._fragments is not None:
+            return self._fragments[i]
+        return Fragment(
+            self.fqn,
+            self.key_path,
+            self.dtype,
+            self.global_shape,
+            tuple(self.offsets[i].tolist()),
+            tuple(self.lengths[i].tolist()),
+            self.file_names[int(self.files[i])],
+            int(self.byte_offsets[i]),
+            int(self.sizes[i]),
+            self.checksums(i),
+            int(self.writer_ranks[i]),
+        )
+
+    @property
+    def fragments(self) -> tuple[Fragment, ...]:
+        """Every row as a Fragment (built once; for tools that walk them all)."""
+        if self._fragments is None:
+            sums = self._sum_values.tolist()
+            starts = self._sum_starts.tolist()
+            names = self.file_names
+            self._fragments = tuple(
+                Fragment(
+                    self.fqn,
+                    self.key_path,
+                    self.dtype,
+                    self.global_shape,
+                    tuple(o),
+                    tuple(n),
+                    names[f],
+                    b,
+                    s,
+                    tuple(sums[starts[i] : starts[i + 1]]),
+                    w,
+                )
+                for i, (o, n, f, b, s, w) in enumerate(
+                    zip(
+                        self.offsets.tolist(),
+                        self.lengths.tolist(),
+                        self.files.tolist(),
+                        self.byte_offsets.tolist(),
+                        self.sizes.tolist(),
+                        self.writer_ranks.tolist(),
+                        strict=True,
+                    )
+                )
+            )
+        return self._fragments
+
+    def __repr__(self) -> str:
+        return (
+            f"TensorEntry({self.fqn!r}, {self.dtype}{list(self.global_shape)}, "
+            f"{self.num_fragments} fragment{'s' if self.num_fragments != 1 else ''})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Fragment rows as flat columns. Tensor and file columns are codes into tables
+    the owning catalog keeps; list columns are flat values plus per-row starts."""
+
+    tensor: np.ndarray  # (F,) int32
+    coord_starts: np.ndarray  # (F+1,) int64 into offsets/lengths
+    offsets: np.ndarray  # int64, flat
+    lengths: np.ndarray  # int64, flat
+    byte_offset: np.ndarray  # (F,) int64
+    nbytes: np.ndarray  # (F,) int64
+    file: np.ndarray  # (F,) int32
+    writer: np.ndarray  # (F,) int32
+    sum_starts: np.ndarray  # (F+1,) int64 into sums
+    sums: np.ndarray  # uint32, flat
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+    @staticmethod
+    def empty() -> Rows:
+        i64, i32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
+        return Rows(
+            i32, np.zeros(1, np.int64), i64, i64, i64, i64, i32, i32, np.zeros(1, np.int64), np.zeros(0, np.uint32)
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[Rows]) -> Rows:
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return Rows.empty()
+
+        def starts(firsts: list[np.ndarray], sizes: list[int]) -> np.ndarray:
+            shift = np.cumsum([0, *sizes[:-1]])
+            return np.concatenate([np.zeros(1, np.int64), *(f[1:] + k for f, k in zip(firsts, shift, strict=True))])
+
+        return Rows(
+            tensor=np.concatenate([p.tensor for p in parts]),
+            coord_starts=starts([p.coord_starts for p in parts], [len(p.offsets) for p in parts]),
+            offsets=np.concatenate([p.offsets for p in parts]),
+            lengths=np.concatenate([p.lengths for p in parts]),
+            byte_offset=np.concatenate([p.byte_offset for p in parts]),
+            nbytes=np.concatenate([p.nbytes for p in parts]),
+            file=np.concatenate([p.file for p in parts]),
+            writer=np.concatenate([p.writer for p in parts]),
+            sum_starts=starts([p.sum_starts for p in parts], [len(p.sums) for p in parts]),
+            sums=np.concatenate([p.sums for p in parts]),
+        )
+
+    @staticmethod
+    def from_fragments(frags: Sequence[Fragment], tensor_code: dict[str, int], file_code: dict[str, int]) -> Rows:
+        """Rows of Fragment objects (codes added to the two dicts as met)."""
+        n = len(frags)
+        tensor = np.fromiter((tensor_code.setdefault(f.fqn, len(tensor_code)) for f in frags), np.int32, n)
+        file = np.fromiter((file_code.setdefault(f.file, len(file_code)) for f in frags), np.int32, n)
+        ndims = np.fromiter((len(f.offsets) for f in frags), np.int64, n)
+        nlens = np.fromiter((len(f.lengths) for f in frags), np.int64, n)
+        if (ndims != nlens).any():
+            i = int(np.flatnonzero(ndims != nlens)[0])
+            raise FormatError(f"catalog row {i} ({frags[i].fqn!r}): offsets and lengths differ in length")
+        nsums = np.fromiter((len(f.checksums) for f in frags), np.int64, n)
+        return Rows(
+            tensor=tensor,
+            coord_starts=np.concatenate([np.zeros(1, np.int64), np.cumsum(ndims)]),
+            offsets=np.fromiter(itertools.chain.from_iterable(f.offsets for f in frags), np.int64),
+            lengths=np.fromiter(itertools.chain.from_iterable(f.lengths for f in frags), np.int64),
+            byte_offset=np.fromiter((f.byte_offset for f in frags), np.int64, n),
+            nbytes=np.fromiter((f.nbytes for f in frags), np.int64, n),
+            file=file,
+            writer=np.fromiter((f.writer_rank for f in frags), np.int32, n),
+            sum_starts=np.concatenate([np.zeros(1, np.int64), np.cumsum(nsums)]),
+            sums=np.fromiter(itertools.chain.from_iterable(f.checksums for f in frags), np.uint32),
+        )
+
+    @staticmethod
+    def from_table(table: pa.Table, tensor: np.ndarray, file: np.ndarray) -> Rows:
+        """Rows of a table in CATALOG_SCHEMA's columns (types already checked), with the
+        tensor and file codes the caller computed for each row."""
+
+        def listed(name: str) -> tuple[np.ndarray, np.ndarray]:
+            col = table.column(name).combine_chunks()
+            starts = col.offsets.to_numpy().astype(np.int64)
+            return col.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False), starts - starts[0]
+
+        offs, coord_starts = listed("offsets")
+        lens, len_starts = listed("lengths")
+        if not np.array_equal(coord_starts, len_starts):
+            i = int(np.flatnonzero(coord_starts != len_starts)[0]) - 1
+            raise FormatError(f"catalog row {i}: offsets and lengths differ in length")
+        sums_col = table.column("checksums").combine_chunks()
+        sum_starts = sums_col.offsets.to_numpy().astype(np.int64)
+        return Rows(
+            tensor=tensor.astype(np.int32, copy=False),
+            coord_starts=coord_starts,
+            offsets=offs,
+            lengths=lens,
+            byte_offset=_numpy(table, "byte_offset", np.int64),
+            nbytes=_numpy(table, "nbytes", np.int64),
+            file=file.astype(np.int32, copy=False),
+            writer=_numpy(table, "writer_rank", np.int32),
+            sum_starts=sum_starts - sum_starts[0],
+            sums=sums_col.flatten().to_numpy(zero_copy_only=False).astype(np.uint32, copy=False),
+        )
+
+    def take(self, rows: np.ndarray, ndim: int) -> tuple[np.ndarray, ...]:
+        """Columns of ``rows`` (all of one tensor of ``ndim`` dimensions): offsets,
+        lengths (F, ndim), byte offsets, sizes, files, writers, checksum starts and values."""
+        n = len(rows)
+        pos = (self.coord_starts[rows][:, None] + np.arange(ndim, dtype=np.int64)[None, :]).reshape(-1)
+        s0, s1 = self.sum_starts[rows], self.sum_starts[rows + 1]
+        counts = s1 - s0
+        sum_starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])
+        sum_pos = np.repeat(s0 - sum_starts[:-1], counts) + np.arange(int(sum_starts[-1]), dtype=np.int64)
+        return (
+            self.offsets[pos].reshape(n, ndim),
+            self.lengths[pos].reshape(n, ndim),
+            self.byte_offset[rows],
+            self.nbytes[rows],
+            self.file[rows],
+            self.writer[rows],
+            sum_starts,
+            self.sums[sum_pos],
+        )
+
+
+def _numpy(table: pa.Table, name: str, dtype: type) -> np.ndarray:
+    return table.column(name).combine_chunks().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
