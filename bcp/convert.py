@@ -35,6 +35,7 @@ import torch
 
 from bcp.metadata import MANIFEST_KEY
 
+from .boxes import Box
 from .reader import CheckpointReader, open_checkpoint
 from .saver import SaveInfo, save
 from .state import build_nested
@@ -139,9 +140,10 @@ def to_safetensors(
     os.makedirs(dst_dir, exist_ok=True)
     weight_map, total = {}, 0
     for file, shard in zip(files, shards, strict=True):
-        tensors = {}
+        read = reader.read_tensors([key_of[name] for name in shard])  # one batch: contiguous runs coalesce
+        tensors = {name: read[key_of[name]] for name in shard}
+        del read
         for name in shard:
-            tensors[name] = reader.read(key_of[name])
             total += tensors[name].numel() * tensors[name].element_size()
             weight_map[name] = file
         tmp = os.path.join(dst_dir, f".{file}.partial")
@@ -218,12 +220,12 @@ def to_torch(
     scratch = tempfile.mkdtemp(prefix="bcp-convert-", dir=scratch_dir or os.path.dirname(os.path.abspath(dst_file)))
     try:
         if prefix:
-            out: Any = {}
-            for key, name in select(reader.keys(), prefix, strip_prefix):
-                out[name] = _read_file_backed(reader, key, scratch, progress)
+            chosen = select(reader.keys(), prefix, strip_prefix)
+            values = _read_file_backed(reader, [key for key, _name in chosen], scratch, progress)
+            out: Any = {name: values[key] for key, name in chosen}
         else:
-            entries = [(reader.key_path(k), _read_file_backed(reader, k, scratch, progress)) for k in reader.keys()]
-            out = build_nested(entries)
+            values = _read_file_backed(reader, reader.keys(), scratch, progress)
+            out = build_nested((reader.key_path(k), values[k]) for k in reader.keys())
         tmp = dst_file + ".partial"
         torch.save(out, tmp)
         os.replace(tmp, dst_file)
@@ -231,17 +233,41 @@ def to_torch(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _read_file_backed(reader: CheckpointReader, key: str, scratch: str, progress: Progress | None) -> Any:
-    if key not in reader.catalog.tensors:
-        return reader.read_object(key)
-    meta = reader.meta(key)
-    # the data files hold what the manifest declares, before a scratch file that size is made
-    reader.check_sizes([(key, ((0,) * len(meta.shape), tuple(meta.shape)))])
-    t = _file_backed(scratch, key, meta.shape, meta.dtype)
-    reader.read_into(key, t)
-    if progress:
-        progress(meta.nbytes)
-    return t
+#: Tensors are read into their scratch files in batches of about this many bytes (one
+#: fill each, so runs that follow each other in a data file coalesce into large reads).
+FILE_BACKED_BATCH_BYTES = 1 << 30
+
+
+def _read_file_backed(reader: CheckpointReader, keys: list[str], scratch: str, progress: Progress | None) -> dict:
+    """key -> value: tensors in file-backed memory, objects decoded."""
+    out: dict[str, Any] = {}
+    batch: list[tuple[str, Box, torch.Tensor]] = []
+    held = 0
+
+    def flush() -> None:
+        nonlocal held
+        if batch:
+            reader.fill(batch)
+            if progress:
+                progress(held)
+        batch.clear()
+        held = 0
+
+    for key in keys:
+        if key not in reader.catalog.tensors:
+            out[key] = reader.read_object(key)
+            continue
+        meta = reader.meta(key)
+        box = ((0,) * len(meta.shape), tuple(meta.shape))
+        # the data files hold what the manifest declares, before a scratch file that size is made
+        reader.check_sizes([(key, box)])
+        out[key] = _file_backed(scratch, key, meta.shape, meta.dtype)
+        batch.append((key, box, out[key]))
+        held += meta.nbytes
+        if held >= FILE_BACKED_BATCH_BYTES:
+            flush()
+    flush()
+    return out
 
 
 # -- into bcp ------------------------------------------------------------------------------------

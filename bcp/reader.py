@@ -203,8 +203,16 @@ class CheckpointReader:
 
     def state(self) -> dict:
         """The whole saved state rebuilt as nested dicts/lists/tuples (tensors on CPU)."""
-        entries = [(self.key_path(fqn), self.read(fqn)) for fqn in self.keys()]
-        return build_nested(entries)
+        tensors = self.read_tensors(self.tensor_keys())
+        values = [tensors[fqn] if fqn in tensors else self.read_object(fqn) for fqn in self.keys()]
+        return build_nested(zip([self.key_path(fqn) for fqn in self.keys()], values, strict=True))
+
+    def read_tensors(self, fqns: list[str]) -> dict[str, torch.Tensor]:
+        """Whole stored tensors as new CPU tensors, read together: runs that follow each
+        other in a data file are fetched in large requests, not one per fragment."""
+        out = {fqn: self.empty(fqn) for fqn in fqns}
+        self.fill([(fqn, self._whole(self._tensor_entry(fqn)), t) for fqn, t in out.items()])
+        return out
 
     def read_into(self, fqn: str, dest: torch.Tensor, *, box: Box | None = None) -> ReadStats:
         """Fill ``dest`` with the stored tensor, or with the part ``box`` = (offsets,

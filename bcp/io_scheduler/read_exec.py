@@ -23,14 +23,20 @@ from .read_plan import RunSet
 
 @dataclasses.dataclass
 class ReadStats:
+    #: bytes of tensor data read (each needed byte once)
     bytes_read: int = 0
+    #: storage requests
     requests: int = 0
+    #: bytes read only to verify checksum blocks that a partial read touched
     verify_bytes: int = 0
+    #: writers' padding between fragments, read only to join two reads into one request
+    padding_bytes: int = 0
 
     def add(self, other: ReadStats) -> None:
         self.bytes_read += other.bytes_read
         self.requests += other.requests
         self.verify_bytes += other.verify_bytes
+        self.padding_bytes += other.padding_bytes
 
 
 def _read(backend: Backend, frag: Fragment, start: int, view: memoryview, uri: str) -> None:
@@ -74,6 +80,90 @@ class Run(NamedTuple):
 
 #: Reads are cut into pieces of at most this many bytes so several streams share a big run.
 READ_PIECE_BYTES = 32 << 20
+#: Pieces smaller than this that lie back to back in one file are fetched by one request
+#: into scratch memory and copied into place (a full export of an FSDP checkpoint reads
+#: each writer's file in large requests instead of one request per fragment).
+COALESCE_BELOW = 8 << 20
+#: A coalesced request spans at most this many bytes; its scratch buffer is the memory
+#: it costs, so at most ``streams`` of them are allocated at a time ...
+COALESCE_BYTES = 64 << 20
+#: ... and all streams together hold at most this much scratch memory.
+COALESCE_BUDGET = 512 << 20
+#: Writers pad between fragments (64-byte alignment, page alignment for O_DIRECT): a
+#: request may read across such padding, less than this many bytes, from the end of one
+#: fragment to the start of the next (never a gap inside a fragment: a partial box reads
+#: only its bytes).
+MAX_PADDING = 4096
+
+
+class _Part(NamedTuple):
+    """Bytes of one fragment read into one target view."""
+
+    fragment: Fragment
+    #: offset in the fragment
+    start: int
+    target: memoryview
+
+
+@dataclasses.dataclass(slots=True)
+class _Request:
+    """One ranged read of ``file``: one part read in place, or several parts (in file
+    order, ``at`` their offsets in the request) read into scratch memory and copied."""
+
+    file: str
+    offset: int
+    nbytes: int
+    parts: list[_Part]
+    at: list[int]
+
+
+def coalesce(
+    parts: list[_Part], *, limit: int = COALESCE_BYTES, below: int = COALESCE_BELOW, padding: int = MAX_PADDING
+) -> list[_Request]:
+    """Storage requests for ``parts``: parts smaller than ``below`` that follow each other
+    in one file (back to back, or across less than ``padding`` bytes between the end of
+    one fragment and the start of another) merge into requests of at most ``limit``
+    bytes; others stay alone. Requests come in file order, then offset."""
+    keyed = sorted(parts, key=lambda p: (p.fragment.file, p.fragment.byte_offset + p.start))
+    out: list[_Request] = []
+    last: _Request | None = None
+    for part in keyed:
+        offset, n = part.fragment.byte_offset + part.start, len(part.target)
+        if last is not None and n < below and len(last.parts[-1].target) < below and last.file == part.fragment.file:
+            prev = last.parts[-1]
+            gap = offset - (last.offset + last.nbytes)
+            joins = gap == 0 or (
+                0 < gap < padding
+                and part.start == 0
+                and prev.start + len(prev.target) == prev.fragment.nbytes
+                and prev.fragment.byte_offset != part.fragment.byte_offset
+            )
+            if joins and last.nbytes + gap + n <= limit:
+                last.parts.append(part)
+                last.at.append(last.nbytes + gap)
+                last.nbytes += gap + n
+                continue
+        last = _Request(part.fragment.file, offset, n, [part], [0])
+        out.append(last)
+    return out
+
+
+def _fetch(backend: Backend, request: _Request, uri: str) -> None:
+    """Carry out one request. A coalesced read that fails is retried part by part, so
+    the error names the fragment (tensor, file, offset) that is truly missing."""
+    if len(request.parts) == 1:
+        part = request.parts[0]
+        _read(backend, part.fragment, part.start, part.target, uri)
+        return
+    scratch = memoryview(bytearray(request.nbytes))
+    try:
+        backend.read_exact(request.file, request.offset, scratch)
+    except (ObjectNotFoundError, EOFError):
+        for part in request.parts:
+            _read(backend, part.fragment, part.start, part.target, uri)
+        return
+    for part, at in zip(request.parts, request.at, strict=True):
+        part.target[:] = scratch[at : at + len(part.target)]
 
 
 def execute_reads(
@@ -86,19 +176,17 @@ def execute_reads(
     streams: int | None = None,
 ) -> ReadStats:
     """Fill ``dest_views[plan.dest]`` for every plan, with ``streams`` concurrent
-    reads; each fragment is verified as soon as its last read has landed."""
+    reads; each fragment is verified as soon as its last read has landed. Small runs
+    that follow each other in a file are fetched together (see :func:`coalesce`)."""
     stats = ReadStats()
-    spans: dict[int, list[Run]] = defaultdict(list)
-    fragments: dict[int, Fragment] = {}
-    for plan in plans:
-        key = id(plan.fragment)
-        fragments[key] = plan.fragment
-        spans[key] += [
+    spans: dict[Fragment, list[Run]] = defaultdict(list)
+    for plan in plans:  # a fragment is its row: equal rows are the same stored bytes and checksums
+        spans[plan.fragment] += [
             Run(s, plan.dest, d, plan.run_bytes) for s, d in zip(plan.src.tolist(), plan.dst.tolist(), strict=True)
         ]
-    by_fragment: dict[int, list[tuple[int, memoryview]]] = {}
-    tasks: list[tuple[int, int, memoryview]] = []  # (fragment key, start in fragment, target)
-    for key, runs in spans.items():
+    by_fragment: dict[Fragment, list[tuple[int, memoryview]]] = {}
+    parts: list[_Part] = []
+    for frag, runs in spans.items():
         runs.sort()
         merged: list[Run] = []
         for run in runs:  # coalesce runs adjacent both in the fragment and in one destination
@@ -106,36 +194,41 @@ def execute_reads(
                 merged[-1] = merged[-1]._replace(nbytes=merged[-1].nbytes + run.nbytes)
             else:
                 merged.append(run)
-        by_fragment[key] = [(r.start, dest_views[r.dest][r.dest_offset : r.dest_offset + r.nbytes]) for r in merged]
-        for s, target in by_fragment[key]:
+        by_fragment[frag] = [(r.start, dest_views[r.dest][r.dest_offset : r.dest_offset + r.nbytes]) for r in merged]
+        for s, target in by_fragment[frag]:
             for off in range(0, len(target), READ_PIECE_BYTES):
-                tasks.append((key, s + off, target[off : off + READ_PIECE_BYTES]))
+                parts.append(_Part(frag, s + off, target[off : off + READ_PIECE_BYTES]))
     streams = streams or backend.hints.concurrency
-    if streams <= 1 or len(tasks) <= 1:
-        for key, start, target in tasks:
-            _read(backend, fragments[key], start, target, backend.uri)
+    limit = max(COALESCE_BELOW, min(COALESCE_BYTES, COALESCE_BUDGET // max(streams, 1)))
+    requests = coalesce(parts, limit=limit)
+    if streams <= 1 or len(requests) <= 1:
+        for request in requests:
+            _fetch(backend, request, backend.uri)
         pieces_done = by_fragment
     else:
-        remaining: defaultdict[int, int] = defaultdict(int)
-        for key, _s, _t in tasks:
-            remaining[key] += 1
+        remaining: defaultdict[Fragment, int] = defaultdict(int)
+        for part in parts:
+            remaining[part.fragment] += 1
         lock = threading.Lock()
         verify_errors: list[BaseException] = []
         extra = [0]
 
-        def read_task(task: tuple[int, int, memoryview]) -> None:
-            key, start, target = task
-            _read(backend, fragments[key], start, target, backend.uri)
+        def read_task(request: _Request) -> None:
+            _fetch(backend, request, backend.uri)
+            landed = []
             with lock:
-                remaining[key] -= 1
-                last = remaining[key] == 0
-            if last and verify:
-                n = _verify_fragment(backend, fragments[key], _pieces(by_fragment[key]), block_bytes)
-                with lock:
-                    extra[0] += n
+                for part in request.parts:
+                    remaining[part.fragment] -= 1
+                    if remaining[part.fragment] == 0:
+                        landed.append(part.fragment)
+            if verify:
+                for frag in landed:
+                    n = _verify_fragment(backend, frag, _pieces(by_fragment[frag]), block_bytes)
+                    with lock:
+                        extra[0] += n
 
         with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="bcp-reader") as pool:
-            for future in [pool.submit(read_task, t) for t in tasks]:
+            for future in [pool.submit(read_task, r) for r in requests]:
                 try:
                     future.result()
                 except BaseException as e:  # noqa: BLE001 - first error wins, after all reads stop
@@ -144,11 +237,12 @@ def execute_reads(
             raise verify_errors[0]
         stats.verify_bytes += extra[0]
         pieces_done = {}
-    stats.requests = len(tasks)
-    stats.bytes_read = sum(len(t) for _k, _s, t in tasks)
+    stats.requests = len(requests)
+    stats.bytes_read = sum(len(p.target) for p in parts)
+    stats.padding_bytes = sum(r.nbytes for r in requests) - stats.bytes_read
     if verify:
-        for key, landed in pieces_done.items():
-            stats.verify_bytes += _verify_fragment(backend, fragments[key], _pieces(landed), block_bytes)
+        for frag, landed in pieces_done.items():
+            stats.verify_bytes += _verify_fragment(backend, frag, _pieces(landed), block_bytes)
     return stats
 
 
