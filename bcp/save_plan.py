@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import heapq
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -230,6 +231,9 @@ def _resolve_meta(
 
 
 def _check_layout(layout: LocalLayout, m: LayoutMeta) -> None:
+    for a in (layout.counts, layout.offsets, layout.lengths):
+        if not (isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype in (np.int32, np.int64)):
+            raise ShardingError(f"rank {layout.rank}: layout arrays must be 1-D int32 or int64")
     if layout.counts.shape != (len(m.fqns),) or (len(layout.counts) and int(layout.counts.min()) < 0):
         raise ShardingError(f"rank {layout.rank}: layout counts do not match its {len(m.fqns)} tensors")
     want = int((layout.counts.astype(np.int64) * m.ndims).sum())
@@ -237,78 +241,339 @@ def _check_layout(layout: LocalLayout, m: LayoutMeta) -> None:
         raise ShardingError(f"rank {layout.rank}: layout has box arrays of the wrong size (want {want} values)")
 
 
-def plan_save(layouts: Sequence[LocalLayout], *, meta: Mapping[bytes, bytes | LayoutMeta] | None = None) -> GlobalPlan:
+def plan_save(
+    layouts: Sequence[LocalLayout], *, meta: Mapping[bytes, bytes | LayoutMeta] | None = None, matrix: bool = True
+) -> GlobalPlan:
     """Deduplicate, validate and balance (runs on the coordinator). ``layouts[i]`` is
     rank i's. ``meta`` maps meta digests to meta bytes (or decoded LayoutMeta) for
-    layouts sent without their meta."""
+    layouts sent without their meta. ``matrix=False`` forces the general path (the
+    tests compare the two).
+
+    Columnar: boxes stay in numpy arrays. When every rank holds the same tensors, one
+    box each and nothing is tied (FSDP), a sort-free pass over the (rank x tensor)
+    matrix plans the tensors cut along one dimension in rank order; the rest (and
+    every other layout) goes through the general path, which sorts boxes to find the
+    distinct ones and their holders. LPT runs only over boxes with several holders.
+    """
     world = len(layouts)
     metas = _resolve_meta(layouts, meta)
-    info: dict[str, tuple[str, str, tuple[int, ...], int]] = {}
-    holders: dict[str, dict[Box, list[tuple[int, int]]]] = {}
-    alias_seen: dict[str, set[str | None]] = {}
     for rank, layout in enumerate(layouts):
-        m = metas[layout.meta_digest]
-        _check_layout(layout, m)
-        offs, lens = layout.offsets.tolist(), layout.lengths.tolist()
-        at = index = 0
-        for fqn, path, dtype, shape, alias, n in zip(
-            m.fqns, m.key_paths, m.dtypes, m.shapes, m.aliases, layout.counts.tolist(), strict=True
-        ):
-            seen = info.get(fqn)
-            if seen is None:
-                info[fqn] = (path, dtype, shape, rank)
-                holders[fqn] = {}
-            elif seen[:3] != (path, dtype, shape):
-                raise ShardingError(
-                    f"tensor {fqn!r}: rank {seen[3]} has {seen[1]}{list(seen[2])} but rank {rank} has "
-                    f"{dtype}{list(shape)}"
-                )
-            alias_seen.setdefault(fqn, set()).add(alias)
-            nd = len(shape)
-            for _ in range(n):
-                box = (tuple(offs[at : at + nd]), tuple(lens[at : at + nd]))
-                holders[fqn].setdefault(box, []).append((rank, index))
-                at += nd
-                index += 1
+        if layout.rank != rank:
+            raise ShardingError(f"rank {rank}'s layout says it is rank {layout.rank}")
+        _check_layout(layout, metas[layout.meta_digest])
+    table, local_gid = _tensor_table(layouts, metas)
+    acc = _Assignments(world)
+    m = metas[layouts[0].meta_digest] if world else None
+    if matrix and m is not None and len(metas) == 1 and not table.has_alias and _one_box_each(layouts, len(m.fqns)):
+        fallback = _plan_matrix(layouts, m, table, acc)
+        if len(fallback):
+            _plan_general(*_gather_matrix(layouts, m, table, fallback), table, acc)
+    else:
+        _plan_general(*_gather_all(layouts, metas, local_gid, table), table, acc, everything=True)
+    return acc.finish(table)
 
-    for fqn, boxes in holders.items():
-        check_tiling(fqn, info[fqn][2], list(boxes))
-    aliases = _consistent_aliases(alias_seen, holders)
 
-    load = [0] * world
-    chosen: list[list[int]] = [[] for _ in range(world)]
-    owner: dict[tuple[str, Box], int] = {}
-    replicated: list[tuple[int, int, Box, list[tuple[int, int]]]] = []
-    for tid, (fqn, boxes) in enumerate(holders.items()):
-        if fqn in aliases:
+@dataclasses.dataclass
+class _Table:
+    """The job's tensors, in order of first appearance (rank order, then each rank's)."""
+
+    fqns: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    #: (G,) bytes per element; (G,) element counts
+    isz: np.ndarray
+    total: np.ndarray
+    #: (G, D) shape padded with 1 to the largest ndim D
+    spad: np.ndarray
+    #: gid -> every alias_of its holders report (only when some tensor is tied)
+    alias_seen: dict[int, set[str | None]]
+    has_alias: bool
+
+
+def _tensor_table(
+    layouts: Sequence[LocalLayout], metas: Mapping[bytes, LayoutMeta]
+) -> tuple[_Table, dict[bytes, np.ndarray]]:
+    """Merge each distinct meta once; ranks must agree on every tensor they share."""
+    index: dict[str, int] = {}
+    info: list[tuple[str, str, tuple[int, ...], int]] = []
+    local_gid: dict[bytes, np.ndarray] = {}
+    has_alias = any(a is not None for m in metas.values() for a in m.aliases)
+    alias_seen: dict[int, set[str | None]] = {}
+    for rank, layout in enumerate(layouts):
+        d = layout.meta_digest
+        if d in local_gid:
             continue
-        size = itemsize(info[fqn][1])
-        for box, where in boxes.items():
-            nbytes = math.prod(box[1]) * size
-            if len(where) == 1:
-                rank, index = where[0]
-                load[rank] += nbytes
-                chosen[rank].append(index)
-                owner[(fqn, box)] = rank
+        m = metas[d]
+        gids = np.empty(len(m.fqns), dtype=np.int64)
+        for i, (fqn, path, dtype, shape) in enumerate(zip(m.fqns, m.key_paths, m.dtypes, m.shapes, strict=True)):
+            g = index.get(fqn)
+            if g is None:
+                g = index[fqn] = len(info)
+                info.append((path, dtype, shape, rank))
             else:
-                replicated.append((nbytes, tid, box, where))
-    # Replicated boxes: largest first, each to its least-loaded holder (LPT), ties by rank.
-    replicated.sort(key=lambda it: (-it[0], it[1], it[2]))
-    names = list(holders)
-    for nbytes, tid, box, where in replicated:
-        rank, index = min(where, key=lambda ri: (load[ri[0]], ri[0]))
-        load[rank] += nbytes
-        chosen[rank].append(index)
-        owner[(names[tid], box)] = rank
-    # Tied tensors go to the rank writing their target, which stores the bytes once.
-    for fqn, target in aliases.items():
-        for box, where in holders[fqn].items():
-            r = owner[(target, box)]
-            mine = [i for rr, i in where if rr == r]
-            rank, index = (r, mine[0]) if mine else min(where)
-            chosen[rank].append(index)
-    writes = {r: np.array(sorted(c), dtype=np.int32) for r, c in enumerate(chosen)}
-    return GlobalPlan(writes=writes, bytes_per_rank=dict(enumerate(load)), tensors=len(info), total_bytes=sum(load))
+                seen = info[g]
+                if seen[:3] != (path, dtype, shape):
+                    raise ShardingError(
+                        f"tensor {fqn!r}: rank {seen[3]} has {seen[1]}{list(seen[2])} but rank {rank} has "
+                        f"{dtype}{list(shape)}"
+                    )
+            gids[i] = g
+            if has_alias:
+                alias_seen.setdefault(g, set()).add(m.aliases[i])
+        local_gid[d] = gids
+    shapes = [s for _p, _d, s, _r in info]
+    dims = max((len(s) for s in shapes), default=0)
+    spad = np.ones((len(shapes), dims), dtype=np.int64)
+    for g, s in enumerate(shapes):
+        spad[g, : len(s)] = s
+    isz = np.array([itemsize(d) for _p, d, _s, _r in info], dtype=np.int64)
+    total = np.array([math.prod(s) for s in shapes], dtype=np.int64)
+    if sum(t * i for t, i in zip(total.tolist(), isz.tolist(), strict=True)) >= _MAX_EXTENT:
+        raise ShardingError("the tensors hold more bytes than a checkpoint can describe")
+    table = _Table(list(index), [d for _p, d, _s, _r in info], shapes, isz, total, spad, alias_seen, has_alias)
+    return table, local_gid
+
+
+def _one_box_each(layouts: Sequence[LocalLayout], tensors: int) -> bool:
+    ones = np.ones(tensors, dtype=layouts[0].counts.dtype).tobytes()
+    return all(layout.counts.tobytes() == ones for layout in layouts)
+
+
+class _Assignments:
+    """What each rank writes and the bytes it carries, filled in by the paths."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.load = np.zeros(world, dtype=np.int64)
+        #: the matrix path's (rank x tensor) "writes its own box" mask and the tensors of its columns
+        self.mask: np.ndarray | None = None
+        self.mask_tensors: np.ndarray | None = None
+        #: (rank, index) pairs written
+        self.ranks: list[np.ndarray] = []
+        self.indices: list[np.ndarray] = []
+        #: boxes with several holders: (nbytes, gid, order, holder ranks, holder indices)
+        self.replicated: list[tuple[int, int, int, np.ndarray, np.ndarray]] = []
+        #: zero-byte boxes with several holders: any holder is as good, the least loaded wins
+        self.zero_ranks: list[np.ndarray] = []
+        self.zero_indices: list[np.ndarray] = []
+        self.zero_counts: list[np.ndarray] = []
+        #: matrix columns whose empty boxes (one box, many holders) go to the least loaded
+        self.empty_columns: np.ndarray | None = None
+        #: boxes of tied tensors, placed once the rest is: ((holder ranks, indices), the
+        #: same for the target's same box)
+        self.aliases: list[tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]] = []
+
+    def fixed(self, ranks: np.ndarray, indices: np.ndarray, nbytes: np.ndarray) -> None:
+        if len(ranks):
+            self.ranks.append(ranks.astype(np.int64, copy=False))
+            self.indices.append(indices.astype(np.int64, copy=False))
+            np.add.at(self.load, ranks, nbytes)
+
+    def _lpt(self) -> None:
+        """Largest first, each to its least-loaded holder (ties by rank)."""
+        if not self.replicated:
+            return
+        self.replicated.sort(key=lambda it: (-it[0], it[1], it[2]))
+        load = self.load.tolist()
+        world = self.world
+        heap: list[tuple[int, int]] | None = None
+        out_r, out_i = [], []
+        for nbytes, _g, _o, hr, hi in self.replicated:
+            if len(hr) == world and world > 1 and hr[0] == 0 and hr[-1] == world - 1 and _distinct(hr):
+                if heap is None:
+                    heap = [(v, r) for r, v in enumerate(load)]
+                    heapq.heapify(heap)
+                while True:  # lazy heap: skip entries made stale by later assignments
+                    cur, r = heapq.heappop(heap)
+                    if cur == load[r]:
+                        break
+                j = int(np.searchsorted(hr, r))
+            else:
+                ranks = hr.tolist()
+                j = min(range(len(ranks)), key=lambda x: (load[ranks[x]], ranks[x]))
+                r = ranks[j]
+            load[r] += nbytes
+            if heap is not None:
+                heapq.heappush(heap, (load[r], r))
+            out_r.append(r)
+            out_i.append(int(hi[j]))
+        self.load = np.array(load, dtype=np.int64)
+        self.ranks.append(np.array(out_r, dtype=np.int64))
+        self.indices.append(np.array(out_i, dtype=np.int64))
+
+    def _elect_zero_byte(self) -> None:
+        """Zero-byte boxes move no load: each goes to its holder with the least final
+        load (ties by rank), exactly where LPT, taking them last, would put them."""
+        order = np.lexsort((np.arange(self.world), self.load))
+        position = np.empty(self.world, dtype=np.int64)
+        position[order] = np.arange(self.world)
+        if self.zero_ranks:
+            hr, hi = np.concatenate(self.zero_ranks), np.concatenate(self.zero_indices)
+            counts = np.concatenate(self.zero_counts)
+            starts = np.cumsum(counts) - counts
+            best = np.minimum.reduceat(position[hr], starts)
+            winner = order[best]
+            hit = np.flatnonzero(hr == np.repeat(winner, counts))
+            seg = np.searchsorted(starts, hit, side="right") - 1
+            _u, first = np.unique(seg, return_index=True)
+            self.ranks.append(hr[hit[first]])
+            self.indices.append(hi[hit[first]])
+        if self.empty_columns is not None and len(self.empty_columns):
+            assert self.mask is not None and self.mask_tensors is not None
+            cols = self.empty_columns
+            best = np.full(len(cols), self.world, dtype=np.int64)
+            for a in range(0, self.world, _CHUNK):
+                pos = position[a : a + _CHUNK, None]
+                best = np.minimum(best, np.where(self.mask[a : a + _CHUNK][:, cols], self.world, pos).min(axis=0))
+            self.ranks.append(order[best])
+            self.indices.append(self.mask_tensors[cols])
+
+    def _place_aliases(self) -> None:
+        """A tied tensor's box goes to the rank writing the same box of its target
+        (which stores the bytes once) when that rank holds it, else to its first holder."""
+        if not self.aliases:
+            return
+        ranks, indices = np.concatenate(self.ranks), np.concatenate(self.indices)
+        radix = int(indices.max()) + 1 if len(indices) else 1
+        written = np.sort(ranks * radix + indices)
+        out_r, out_i = [], []
+        for (hr, hi), (tr, ti) in self.aliases:
+            key = tr * radix + ti
+            pos = np.minimum(np.searchsorted(written, key), len(written) - 1)
+            owner = tr[written[pos] == key]
+            hit = np.flatnonzero(hr == owner[0]) if len(owner) else np.zeros(0, np.int64)
+            j = int(hit[0]) if len(hit) else 0
+            out_r.append(int(hr[j]))
+            out_i.append(int(hi[j]))
+        self.ranks.append(np.array(out_r, dtype=np.int64))
+        self.indices.append(np.array(out_i, dtype=np.int64))
+
+    def finish(self, table: _Table) -> GlobalPlan:
+        self._lpt()
+        self._elect_zero_byte()
+        self._place_aliases()
+        ranks = np.concatenate(self.ranks) if self.ranks else np.zeros(0, np.int64)
+        indices = np.concatenate(self.indices) if self.indices else np.zeros(0, np.int64)
+        order = np.lexsort((indices, ranks))
+        ranks, indices = ranks[order], indices[order].astype(np.int32)
+        bounds = np.searchsorted(ranks, np.arange(self.world + 1))
+        writes: dict[int, np.ndarray] = {}
+        empty = np.zeros(0, dtype=np.int32)
+        cols = self.mask_tensors.astype(np.int32) if self.mask_tensors is not None else None
+        for r in range(self.world):
+            extra = indices[bounds[r] : bounds[r + 1]]
+            if self.mask is not None and cols is not None:
+                own = cols[np.flatnonzero(self.mask[r])]
+                writes[r] = np.sort(np.concatenate([own, extra])) if len(extra) else own
+            else:
+                writes[r] = extra if len(extra) else empty
+        load = self.load.tolist()
+        return GlobalPlan(
+            writes=writes, bytes_per_rank=dict(enumerate(load)), tensors=len(table.fqns), total_bytes=sum(load)
+        )
+
+
+def _distinct(ranks: np.ndarray) -> bool:
+    return bool((ranks[1:] > ranks[:-1]).all())
+
+
+#: General-path rows: tensor id, rank, index in the rank's box list, padded offsets, lengths.
+_Rows = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+#: Ranks per block of the matrix path (bounds its temporaries to a few times
+#: _CHUNK x tensors values).
+_CHUNK = 512
+
+
+def _plan_matrix(layouts: Sequence[LocalLayout], m: LayoutMeta, table: _Table, acc: _Assignments) -> np.ndarray:
+    """Every rank holds every tensor, one box each, nothing tied (meta order = gid order).
+
+    Pass 1 finds, per column (tensor, dim), whether any box is not full there, and
+    checks bounds. A tensor full everywhere is one box every rank holds (DDP). A tensor
+    cut along one dimension is planned in pass 2 from that column alone: in rank
+    order its live intervals must abut from 0 to the end (so each is held by one rank,
+    who writes it) and its empty boxes must all be the same box (written once, by its
+    least-loaded holder). Returns the tensors left to the general path (cut along
+    several dims, replicas, out-of-order shards, errors to report)."""
+    world, tensors = len(layouts), len(m.fqns)
+    ndims = m.ndims
+    col_t = np.repeat(np.arange(tensors), ndims)
+    col_s = np.array([s for shape in m.shapes for s in shape], dtype=np.int64)
+    cols = len(col_s)
+    wide = bool(cols) and int(col_s.max()) > _INT32_MAX
+    small_s = col_s if wide else col_s.astype(np.int32)
+    nonfull = np.zeros(cols, dtype=bool)
+    fallback = np.zeros(tensors, dtype=bool)
+    if cols:
+        for a in range(0, world, _CHUNK):
+            offs = np.stack([lay.offsets for lay in layouts[a : a + _CHUNK]])
+            lens = np.stack([lay.lengths for lay in layouts[a : a + _CHUNK]])
+            if offs.dtype != lens.dtype or (wide and offs.dtype != np.int64):
+                offs, lens = offs.astype(np.int64), lens.astype(np.int64)
+            bad = (offs < 0) | (lens < 0) | (lens > small_s - offs)
+            if bad.any():
+                fallback[col_t[bad.any(axis=0)]] = True
+            nonfull |= ((offs != 0) | (lens != small_s)).any(axis=0)
+    cut = np.bincount(col_t, weights=nonfull, minlength=tensors).astype(np.int64)
+    total = table.total
+    # full everywhere: one box, every rank holds it
+    everyone = np.arange(world, dtype=np.int64)
+    for t in np.flatnonzero((cut == 0) & ~fallback).tolist():
+        nbytes = int(total[t] * table.isz[t])
+        idx = np.full(world, t, dtype=np.int64)
+        if world == 1:
+            acc.fixed(everyone, idx, np.array([nbytes], dtype=np.int64))
+        elif nbytes:
+            acc.replicated.append((nbytes, t, 0, everyone, idx))
+        else:
+            acc.zero_ranks.append(everyone)
+            acc.zero_indices.append(idx)
+            acc.zero_counts.append(np.array([world], dtype=np.int64))
+    fast = np.flatnonzero((cut == 1) & ~fallback & (total > 0))
+    fallback |= (cut >= 2) | ((cut == 1) & (total == 0))
+    if not len(fast):
+        return np.flatnonzero(fallback)
+    kcol = np.flatnonzero(nonfull & np.isin(col_t, fast))  # one per fast tensor, in tensor order
+    size = col_s[kcol]
+    weight = (total[fast] // size) * table.isz[fast]  # bytes per unit of length along the cut
+    mask = np.zeros((world, len(fast)), dtype=bool)
+    last_end = np.full(len(fast), -1, dtype=np.int64)  # end of the last live box so far (-1: none)
+    empty_ref = np.full(len(fast), -1, dtype=np.int64)  # offset of the first empty box (-1: none)
+    ok = np.ones(len(fast), dtype=bool)
+    for a in range(0, world, _CHUNK):
+        chunk = layouts[a : a + _CHUNK]
+        offs = np.stack([lay.offsets[kcol] for lay in chunk]).astype(np.int64)
+        lens = np.stack([lay.lengths[kcol] for lay in chunk]).astype(np.int64)
+        live = lens > 0
+        mask[a : a + len(chunk)] = live
+        acc.load[a : a + len(chunk)] += lens @ weight
+        ends = offs + lens
+        # previous live box of each live box: forward-filled row index, the carried one as row -1
+        rows = np.where(live, np.arange(len(chunk))[:, None], -1)
+        prev = np.maximum.accumulate(rows, axis=0)
+        prev = np.concatenate([np.full((1, len(fast)), -1), prev[:-1]])
+        prev_end = np.where(prev >= 0, np.take_along_axis(ends, np.maximum(prev, 0), axis=0), last_end)
+        want = np.where(prev_end >= 0, prev_end, 0)  # the first live box starts at 0
+        ok &= ~(live & (offs != want)).any(axis=0)
+        got = rows.max(axis=0)
+        last_end = np.where(got >= 0, np.take_along_axis(ends, np.maximum(got, 0)[None], axis=0)[0], last_end)
+        empty = ~live
+        first = np.argmax(empty, axis=0)
+        has = empty.any(axis=0)
+        empty_ref = np.where((empty_ref < 0) & has, offs[first, np.arange(len(fast))], empty_ref)
+        ok &= ~(empty & (offs != empty_ref)).any(axis=0)
+    ok &= last_end == size
+    if not ok.all():  # left to the general path: take back the bytes pass 2 counted for them
+        bad = np.flatnonzero(~ok)
+        for a in range(0, world, _CHUNK):
+            lens = np.stack([lay.lengths[kcol[bad]] for lay in layouts[a : a + _CHUNK]]).astype(np.int64)
+            acc.load[a : a + len(lens)] -= lens @ weight[bad]
+        fallback[fast[bad]] = True
+        keep = np.flatnonzero(ok)
+        fast, mask, empty_ref = fast[keep], mask[:, keep], empty_ref[keep]
+    acc.mask, acc.mask_tensors = mask, fast
+    acc.empty_columns = np.flatnonzero(empty_ref >= 0)
+    return np.flatnonzero(fallback)
 
 
 def _overlapping_pair(offs: np.ndarray, lens: np.ndarray, limit: int = 1 << 24) -> tuple[int, int] | None:
@@ -381,6 +646,213 @@ def check_tiling(fqn: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> None
     problem = tiling_error(fqn, shape, offs, lens)
     if problem is not None:
         raise ShardingError(problem)
+
+
+def _gather_matrix(layouts: Sequence[LocalLayout], m: LayoutMeta, table: _Table, tensors: np.ndarray) -> _Rows:
+    """The boxes of the given tensors on every rank (one box each), as general-path rows."""
+    ndims = m.ndims
+    starts = np.cumsum(ndims) - ndims
+    dims = table.spad.shape[1]
+    world = len(layouts)
+    per = len(tensors)
+    gid = np.tile(tensors.astype(np.int64), world)
+    rank = np.repeat(np.arange(world, dtype=np.int64), per)
+    offs = np.zeros((world * per, dims), dtype=np.int64)
+    lens = np.ones((world * per, dims), dtype=np.int64)
+    for d in range(dims):
+        sel = np.flatnonzero(ndims[tensors] > d)
+        if not len(sel):
+            continue
+        cols = starts[tensors[sel]] + d
+        rows = (np.arange(world)[:, None] * per + sel[None, :]).reshape(-1)
+        offs[rows, d] = np.stack([lay.offsets[cols] for lay in layouts]).reshape(-1)
+        lens[rows, d] = np.stack([lay.lengths[cols] for lay in layouts]).reshape(-1)
+    return gid, rank, gid.copy(), offs, lens
+
+
+def _gather_all(
+    layouts: Sequence[LocalLayout],
+    metas: Mapping[bytes, LayoutMeta],
+    local_gid: Mapping[bytes, np.ndarray],
+    table: _Table,
+) -> _Rows:
+    """Every box of every rank as rows: tensor, rank, index in the rank's list, padded box."""
+    dims = table.spad.shape[1]
+    gids: list[np.ndarray] = []
+    nds: list[np.ndarray] = []
+    flats_o: list[np.ndarray] = []
+    flats_l: list[np.ndarray] = []
+    sizes: list[int] = []
+    for layout in layouts:
+        m = metas[layout.meta_digest]
+        counts = layout.counts.astype(np.int64)
+        gids.append(np.repeat(local_gid[layout.meta_digest], counts))
+        nds.append(np.repeat(m.ndims, counts))
+        sizes.append(int(counts.sum()))
+        flats_o.append(layout.offsets)
+        flats_l.append(layout.lengths)
+    gid = np.concatenate(gids) if gids else np.zeros(0, np.int64)
+    nd = np.concatenate(nds) if nds else np.zeros(0, np.int64)
+    rank = np.repeat(np.arange(len(layouts), dtype=np.int64), sizes)
+    index = np.arange(len(gid), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    flat_o = np.concatenate(flats_o).astype(np.int64) if flats_o else np.zeros(0, np.int64)
+    flat_l = np.concatenate(flats_l).astype(np.int64) if flats_l else np.zeros(0, np.int64)
+    if len(gid) and (nd == dims).all():
+        return gid, rank, index, flat_o.reshape(len(gid), dims), flat_l.reshape(len(gid), dims)
+    offs = np.zeros((len(gid), dims), dtype=np.int64)
+    lens = np.ones((len(gid), dims), dtype=np.int64)
+    start = np.cumsum(nd) - nd
+    for d in range(dims):
+        sel = np.flatnonzero(nd > d)
+        offs[sel, d] = flat_o[start[sel] + d]
+        lens[sel, d] = flat_l[start[sel] + d]
+    return gid, rank, index, offs, lens
+
+
+def _plan_general(
+    gid: np.ndarray,
+    rank: np.ndarray,
+    index: np.ndarray,
+    offs: np.ndarray,
+    lens: np.ndarray,
+    table: _Table,
+    acc: _Assignments,
+    *,
+    everything: bool = False,
+) -> None:
+    """Any layout: sort the boxes to find the distinct ones and their holders, check
+    each tensor's distinct boxes tile it, then record single-holder boxes and queue
+    the replicated ones for LPT. Rows come in rank order (holders ascend);
+    ``everything``: they are all the boxes of every tensor (a tensor with none is a gap)."""
+    n = len(offs)
+    shape = table.spad[gid]
+    bad_rows = ((offs < 0) | (lens < 0) | (lens > shape - offs)).any(axis=1)
+    failing: set[int] = set(np.unique(gid[bad_rows]).tolist()) if bad_rows.any() else set()
+    varying = np.flatnonzero(((offs != 0) | (lens != shape)).any(axis=0)) if n else np.zeros(0, np.int64)
+    del shape
+    keys = [lens[:, k] for k in varying[::-1]] + [offs[:, k] for k in varying[::-1]] + [gid]
+    order = np.lexsort(keys) if n else np.zeros(0, np.int64)
+    g_sorted = gid[order]
+    new = np.ones(n, dtype=bool)
+    if n > 1:
+        diff = g_sorted[1:] != g_sorted[:-1]
+        for k in varying.tolist():
+            col_o, col_l = offs[order, k], lens[order, k]
+            diff |= (col_o[1:] != col_o[:-1]) | (col_l[1:] != col_l[:-1])
+        new[1:] = diff
+    starts = np.flatnonzero(new)
+    counts = np.diff(np.append(starts, n))
+    rep = order[starts]
+    g_gid = gid[rep]
+    g_offs, g_lens = offs[rep], lens[rep]
+    # tiling, per tensor, over its distinct boxes
+    present = np.unique(g_gid)
+    missing = np.setdiff1d(np.arange(len(table.fqns)), present) if everything else np.zeros(0, np.int64)
+    failing.update(missing[table.total[missing] > 0].tolist())
+    failing.update(_tiling_failures(g_gid, g_offs, g_lens, table) - failing)
+    if failing:
+        g = min(failing)
+        sel = g_gid == g
+        nd = len(table.shapes[g])
+        problem = tiling_error(table.fqns[g], table.shapes[g], g_offs[sel, :nd], g_lens[sel, :nd])
+        raise ShardingError(problem or f"tensor {table.fqns[g]!r}: its shards do not tile it")
+    nbytes = g_lens.prod(axis=1) * table.isz[g_gid]
+    alias_groups = np.zeros(len(starts), dtype=bool)
+    if table.has_alias:
+        alias_groups = _queue_aliases(g_gid, g_offs, g_lens, starts, counts, order, rank, index, table, acc)
+    single = (counts == 1) & ~alias_groups
+    acc.fixed(rank[rep[single]], index[rep[single]], nbytes[single])
+    multi = np.flatnonzero((counts > 1) & ~alias_groups)
+    heavy = multi[nbytes[multi] > 0]
+    for j, nb, g in zip(heavy.tolist(), nbytes[heavy].tolist(), g_gid[heavy].tolist(), strict=True):
+        rows = order[starts[j] : starts[j] + counts[j]]
+        acc.replicated.append((nb, g, j, rank[rows], index[rows]))
+    light = multi[nbytes[multi] == 0]
+    if len(light):
+        seg = np.concatenate([order[starts[j] : starts[j] + counts[j]] for j in light.tolist()])
+        acc.zero_ranks.append(rank[seg])
+        acc.zero_indices.append(index[seg])
+        acc.zero_counts.append(counts[light])
+
+
+def _tiling_failures(g_gid: np.ndarray, g_offs: np.ndarray, g_lens: np.ndarray, table: _Table) -> set[int]:
+    """Tensors whose distinct boxes (sorted by tensor, then offsets) do not tile them.
+    Vectorised for tensors cut along at most one dimension; tiling_problem per tensor
+    for the rest."""
+    if not len(g_gid):
+        return set()
+    starts = np.flatnonzero(np.append(True, g_gid[1:] != g_gid[:-1]))
+    tensors = g_gid[starts]
+    partial = (g_offs != 0) | (g_lens != table.spad[g_gid])
+    cut_dims = np.logical_or.reduceat(partial, starts, axis=0)
+    cut = cut_dims.sum(axis=1)
+    out: set[int] = set()
+    # one cut dim: the live intervals, in order, abut from 0 to the end
+    one = (cut == 1) & (table.total[tensors] > 0)
+    if one.any():
+        k_of = np.argmax(cut_dims, axis=1)
+        group_t = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(g_gid))))
+        sel = np.flatnonzero(one[group_t] & (g_lens > 0).all(axis=1))
+        t_of = group_t[sel]
+        k = k_of[t_of]
+        begin, end = g_offs[sel, k], g_offs[sel, k] + g_lens[sel, k]
+        first = np.append(True, t_of[1:] != t_of[:-1])
+        last = np.append(t_of[1:] != t_of[:-1], True)
+        size = table.spad[tensors[t_of], k]
+        wrong = (first & (begin != 0)) | (last & (end != size))
+        wrong[1:] |= ~first[1:] & (begin[1:] != end[:-1])
+        has_live = np.zeros(len(starts), dtype=bool)
+        has_live[t_of] = True
+        out.update(tensors[np.unique(t_of[wrong])].tolist())
+        out.update(tensors[one & ~has_live].tolist())
+    for t in np.flatnonzero(cut >= 2).tolist():
+        g = int(tensors[t])
+        lo, hi = starts[t], starts[t + 1] if t + 1 < len(starts) else len(g_gid)
+        nd = len(table.shapes[g])
+        if tiling_problem(table.shapes[g], g_offs[lo:hi, :nd], g_lens[lo:hi, :nd]) is not None:
+            out.add(g)
+    return out
+
+
+def _queue_aliases(
+    g_gid: np.ndarray,
+    g_offs: np.ndarray,
+    g_lens: np.ndarray,
+    starts: np.ndarray,
+    counts: np.ndarray,
+    order: np.ndarray,
+    rank: np.ndarray,
+    index: np.ndarray,
+    table: _Table,
+    acc: _Assignments,
+) -> np.ndarray:
+    """Tensors every holder reports as the same memory as one target, box for box
+    (tied embeddings): queue their boxes to follow the target's; anything
+    inconsistent is written normally. Returns the groups queued."""
+    by_tensor: dict[int, dict[Box, int]] = {}
+    for j, g in enumerate(g_gid.tolist()):
+        nd = len(table.shapes[g])
+        box = (tuple(g_offs[j, :nd].tolist()), tuple(g_lens[j, :nd].tolist()))
+        by_tensor.setdefault(g, {})[box] = j
+    gid_of = {f: g for g, f in enumerate(table.fqns)}
+    targets: dict[int, int] = {}
+    for g, seen in table.alias_seen.items():
+        if len(seen) != 1 or g not in by_tensor:
+            continue
+        name = next(iter(seen))
+        t = gid_of.get(name) if name is not None else None
+        if t is None or t not in by_tensor or t in targets or not set(by_tensor[g]) <= set(by_tensor[t]):
+            continue
+        targets[g] = t
+    queued = np.zeros(len(g_gid), dtype=bool)
+    for g, t in targets.items():
+        for box, j in by_tensor[g].items():
+            k = by_tensor[t][box]
+            rows = order[starts[j] : starts[j] + counts[j]]
+            target_rows = order[starts[k] : starts[k] + counts[k]]
+            acc.aliases.append(((rank[rows], index[rows]), (rank[target_rows], index[target_rows])))
+            queued[j] = True
+    return queued
 
 
 def _consistent_aliases(
