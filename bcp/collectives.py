@@ -3,8 +3,10 @@
 Save and load are collective: every rank calls them. One coordinator (rank 0 of the
 group) plans and commits; the others follow. Every phase ends with a status exchange
 so that a failure on any rank raises on every rank (no rank waits forever: the group
-has a timeout, ``BCP_COLLECTIVE_TIMEOUT`` seconds, default 600). Without an
-initialised process group the same code runs with a single-rank coordinator.
+has a timeout, ``BCP_COLLECTIVE_TIMEOUT`` seconds, default 600). A phase that
+succeeded everywhere costs one all-reduce of a single integer; the errors themselves
+are gathered only when some rank failed. Without an initialised process group the
+same code runs with a single-rank coordinator.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class Coordinator:
 
     rank = 0
     world_size = 1
+    #: which cache of save plans this coordinator's saves use (one per process group)
+    cache_key: Any = "local"
 
     @property
     def is_coordinator(self) -> bool:
@@ -89,6 +93,11 @@ class Coordinator:
         assert objs is not None, "the only rank is the coordinator"
         return objs[0]
 
+    def any_failed(self, failed: bool) -> bool:
+        """Whether any rank passed ``failed=True`` (collective). This generic version
+        gathers every flag; a process group does it with one all-reduce."""
+        return any(self.all_gather(failed))
+
     def check(self, error: BaseException | None, phase: str) -> None:
         """Raise on every rank if any rank failed ``phase``. A failed rank raises its own
         error (a note names the others); the rest raise RankFailedError whose
@@ -97,6 +106,8 @@ class Coordinator:
             if error is not None:
                 raise error
             return
+        if not self.any_failed(error is not None):
+            return  # the common case: O(1) bytes per rank
         statuses = self.all_gather(None if error is None else portable(error))
         failed = {r: sent.restore() for r, sent in enumerate(statuses) if sent is not None}
         if not failed:
@@ -111,11 +122,12 @@ class Coordinator:
 
 
 class GroupCoordinator(Coordinator):
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, cache_key: Any = None) -> None:
         import torch.distributed as dist
 
         self.dist = dist
         self.group = group
+        self.cache_key = cache_key if cache_key is not None else ("group", id(group))
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._root = dist.get_global_rank(group, 0) if group is not None else 0
@@ -134,6 +146,14 @@ class GroupCoordinator(Coordinator):
         box = [obj]
         self.dist.broadcast_object_list(box, src=self._root, group=self.group)
         return box[0]
+
+    def any_failed(self, failed: bool) -> bool:
+        """One all-reduce (MAX) of a one-element tensor over bcp's gloo group."""
+        import torch
+
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+        self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
 
     def scatter(self, objs: list[Any] | None) -> Any:
         out: list[Any] = [None]
@@ -165,7 +185,8 @@ def coordinator_for(process_group: Any = None, slot: int = 0) -> Coordinator:
         _GROUPS[key] = group
         if len(_GROUPS) == 1:
             atexit.register(release_groups)
-    return GroupCoordinator(group)
+    # both async slots of a process group share one plan cache (key without the slot)
+    return GroupCoordinator(group, cache_key=key[:2])
 
 
 def release_groups() -> None:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Unpack
 
+import pyarrow as pa
 import torch
 
 from bcp.backends import Backend
@@ -41,11 +43,13 @@ from .commit import (
     new_save_id,
     write_catalog,
 )
-from .errors import CheckpointExistsError, CommitUncertainError, UnsupportedStateError
+from .errors import CheckpointExistsError, CommitUncertainError, ShardingError, UnsupportedStateError
+from .fragment_rows import merge, row_stats
 from .io_scheduler.staging import default_pool
-from .io_scheduler.write_pipeline import WriteItem, WritePipeline, WriterReport
+from .io_scheduler.write_pipeline import WriteItem, WritePipeline, WriterReport, fragment_table
 from .options import SaveOptions, SaveOptionsKwargs
-from .save_plan import GlobalPlan, LocalPlan, TensorPlan, plan_save
+from .plan_cache import PlanCache, PlanSummary, plan_cache_for, plan_key, save_order
+from .save_plan import GlobalPlan, LayoutMeta, LocalLayout, LocalPlan, TensorPlan, plan_save
 from .shards import PerRank, local_pieces
 from .state import flatten_state, path_to_json, path_to_str
 from .target import Target, resolve_backend
@@ -93,10 +97,14 @@ class LocalObject(NamedTuple):
     per_rank: bool
 
 
-class RankPlan(NamedTuple):
-    """What each rank sends the coordinator: its tensors' boxes and its objects."""
+class Hello(NamedTuple):
+    """What each rank sends the coordinator first, at every save: O(1) about its
+    tensors (its layout's digests, and which cached plans it still holds) and its
+    objects. Box arrays follow only when the plan is not cached."""
 
-    plan: LocalPlan
+    digest: bytes
+    meta_digest: bytes
+    held: frozenset[bytes]
     objects: dict[str, LocalObject]
 
 
@@ -105,14 +113,21 @@ class _Prepared:
     """Step 1's result on one rank."""
 
     plan: LocalPlan
-    pieces: dict[tuple[str, Box], WriteItem]
+    layout: LocalLayout
+    #: one per box of ``layout``, in its flat order (box i is written from items[i])
+    items: list[WriteItem]
     objects: dict[str, LocalObject]
+
+    @property
+    def pieces(self) -> dict[tuple[str, Box], WriteItem]:
+        """(fqn, box) -> the item writing it."""
+        return {(item.plan.fqn, item.piece.box): item for item in self.items}
 
 
 def _prepare(state: Mapping[str, Any], rank: int, allow_pickle: bool) -> _Prepared:
     leaves = flatten_state(state)
     tensors: list[TensorPlan] = []
-    pieces: dict[tuple[str, Box], WriteItem] = {}
+    items: list[WriteItem] = []
     objects: dict[str, LocalObject] = {}
     first_fqn_of: dict[tuple, str] = {}
     for leaf in leaves.values():
@@ -136,9 +151,8 @@ def _prepare(state: Mapping[str, Any], rank: int, allow_pickle: bool) -> _Prepar
             alias_of=None if alias == leaf.fqn else alias,
         )
         tensors.append(tensor_plan)
-        for piece in local:
-            pieces[(leaf.fqn, piece.box)] = WriteItem(tensor_plan, piece)
-    return _Prepared(LocalPlan(rank, tuple(tensors)), pieces, objects)
+        items.extend(WriteItem(tensor_plan, piece) for piece in local)  # LocalLayout's flat order
+    return _Prepared(LocalPlan(rank, tuple(tensors)), LocalLayout.build(rank, tensors), items, objects)
 
 
 def _decide_objects(all_objects: list[dict[str, LocalObject]]) -> dict[str, list[ObjectEntry]]:
@@ -178,14 +192,41 @@ def save(
 
 
 @dataclasses.dataclass(frozen=True)
+class SaveStart:
+    """The coordinator's first answer, sent to every rank."""
+
+    save_id: str
+    #: the plan's cache key (every rank's layout digest)
+    key: bytes
+    #: whether every rank reuses its cached writes for ``key`` (nothing else is sent)
+    cached: bool
+    #: meta digest -> the one rank that sends that metadata (the coordinator lacks it)
+    meta_from: dict[bytes, int]
+
+
+@dataclasses.dataclass(frozen=True)
 class SaveDecision:
     """What the coordinator settles before any byte is written."""
 
-    plan: GlobalPlan
-    save_id: str
+    start: SaveStart
     objects: dict[str, list[ObjectEntry]]
     #: the committed checkpoint this save replaces (overwrite), if any
     existing: ExistingCheckpoint | None
+    #: every rank's layout and meta digests, in rank order
+    digests: tuple[bytes, ...]
+    meta_digests: tuple[bytes, ...]
+    #: the plan (known at once when cached, else after the layouts arrive)
+    plan: PlanSummary | None = None
+
+    @property
+    def save_id(self) -> str:
+        return self.start.save_id
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """Every tensor's FQN in save order (the catalog's row order)."""
+        assert self.plan is not None, "planned before anything is written"
+        return self.plan.order
 
 
 class SaveJob:
@@ -203,7 +244,6 @@ class SaveJob:
         coord: Coordinator,
         backend: Backend,
         options: SaveOptions,
-        gathered: list[RankPlan] | None,
         decision: SaveDecision | None,
         save_id: str,
         pipeline: WritePipeline,
@@ -212,8 +252,6 @@ class SaveJob:
         self.coord = coord
         self.backend = backend
         self.options = options
-        #: (coordinator) every rank's local plan and objects, in rank order
-        self.gathered = gathered
         #: (coordinator) the plan and the objects; None on other ranks
         self.decision = decision
         self.save_id = save_id
@@ -228,18 +266,40 @@ class SaveJob:
         started = time.perf_counter()
         backend = resolve_backend(uri, options.storage_options)
         prepared: _Prepared = run_phase(coord, "preparing the save", _prepare, state, coord.rank, options.allow_pickle)
-        gathered = coord.gather(RankPlan(prepared.plan, prepared.objects))
-        decision: SaveDecision | str = decide(
-            coord, "planning the save", _coordinate, backend, gathered, options, share=lambda d: d.save_id
+        cache = plan_cache_for(coord.cache_key)
+        held = cache.held()
+        layout = prepared.layout
+        hello = Hello(layout.digest(), layout.meta_digest, frozenset(held), prepared.objects)
+        hellos = coord.gather(hello)
+        decision: SaveDecision | SaveStart = decide(
+            coord, "planning the save", _coordinate, backend, hellos, options, cache, share=lambda d: d.start
         )
-        save_id = decision.save_id if isinstance(decision, SaveDecision) else decision
-        # each rank receives only its own list of boxes to write
-        plan = decision.plan if isinstance(decision, SaveDecision) else None
-        my_writes = coord.scatter([plan.writes[r] for r in range(coord.world_size)] if plan is not None else None)
-        items = [prepared.pieces[w] for w in my_writes]
+        start = decision.start if isinstance(decision, SaveDecision) else decision
+        if start.cached:
+            my_writes = held[start.key]
+        else:
+            # box arrays from every rank; the metadata only from the rank asked for it
+            sent = layout if start.meta_from.get(layout.meta_digest) == coord.rank else layout.without_meta()
+            layouts = coord.gather(sent)
+            planned: tuple[SaveDecision, GlobalPlan] | None = decide(
+                coord,
+                "planning the save",
+                _plan,
+                decision,
+                layouts,
+                cache,
+                share=lambda _result: None,
+            )
+            plan = planned[1] if planned is not None else None
+            if planned is not None:
+                decision = planned[0]
+            # each rank receives only its own writes, as an index array into its boxes
+            my_writes = coord.scatter([plan.writes[r] for r in range(coord.world_size)] if plan is not None else None)
+            cache.remember_writes(start.key, my_writes)
+        items = [prepared.items[i] for i in my_writes.tolist()]
         pipeline = make_pipeline(
             backend,
-            data_file_key(generation_name(save_id), coord.rank),
+            data_file_key(generation_name(start.save_id), coord.rank),
             coord.rank,
             items,
             options.checksum_block_bytes,
@@ -251,9 +311,8 @@ class SaveJob:
             coord,
             backend,
             options,
-            gathered,
             decision if isinstance(decision, SaveDecision) else None,
-            save_id,
+            start.save_id,
             pipeline,
             started,
         )
@@ -302,27 +361,21 @@ class SaveJob:
 
     def _commit(self, reports: list[WriterReport]) -> dict[str, int]:
         """(coordinator) Catalog rows in save order, the catalog, then the manifest."""
-        assert self.gathered is not None and self.decision is not None
-        order: dict[str, int] = {}
-        for rank_plan in self.gathered:
-            local_plan = rank_plan.plan
-            for t in local_plan.tensors:
-                order.setdefault(t.fqn, len(order))
-        fragments = sorted(
-            (f for r in reports for f in r.fragments), key=lambda f: (order[f.fqn], f.offsets, f.writer_rank)
-        )
-        catalog = write_catalog(self.backend, catalog_key(self.generation), Catalog(fragments))
+        assert self.decision is not None
+        merged = merge([r.rows for r in reports], self.decision.order)
+        catalog = write_catalog(self.backend, catalog_key(self.generation), Catalog.from_table(merged.table))
         check_generation_intact(
             self.backend, self.generation, [catalog.path, *(r.file.path for r in reports if r.file is not None)]
         )
         manifest = build_manifest(
             self.save_id,
             catalog,
-            fragments,
+            merged.table,
             tuple(r.file for r in reports if r.file is not None),
             self.decision.objects,
             self.coord.world_size,
             self.options,
+            counts=merged.stats,
         )
         commit(self.backend, manifest, overwrite=self.options.overwrite)
         return manifest.stats
@@ -344,8 +397,8 @@ def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=N
     )
 
 
-def _coordinate(backend: Backend, gathered: list[RankPlan], options: SaveOptions) -> SaveDecision:
-    """(coordinator) Check the target, plan the writes, settle the objects."""
+def _coordinate(backend: Backend, hellos: list[Hello], options: SaveOptions, cache: PlanCache) -> SaveDecision:
+    """(coordinator) Check the target, settle the objects, look the plan up."""
     existing = find_existing(backend)
     if existing is not None and not options.overwrite:
         raise CheckpointExistsError(
@@ -355,13 +408,55 @@ def _coordinate(backend: Backend, gathered: list[RankPlan], options: SaveOptions
         json.dumps(options.user_metadata, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise UnsupportedStateError(f"metadata must be JSON-serialisable: {e}") from None
-    plans = [g.plan for g in gathered]
-    plan: GlobalPlan = plan_save(plans)
-    objects = _decide_objects([g.objects for g in gathered])
-    if len(plans) > 1:
-        share = ", ".join(f"{r}: {b / 2**20:.1f} MiB" for r, b in sorted(plan.bytes_per_rank.items()))
-        log.info("save plan: %d tensors, %.1f MiB, bytes per rank {%s}", plan.tensors, plan.total_bytes / 2**20, share)
-    return SaveDecision(plan, new_save_id(), objects, existing)
+    objects = _decide_objects([h.objects for h in hellos])
+    digests = tuple(h.digest for h in hellos)
+    meta_digests = tuple(h.meta_digest for h in hellos)
+    key = plan_key(digests)
+    plan = cache.plan(key)
+    if plan is not None and not all(key in h.held for h in hellos):
+        plan = None  # some rank no longer holds its writes of that plan: plan again
+    meta_from: dict[bytes, int] = {}
+    if plan is None:
+        known = cache.metas()
+        for rank, d in enumerate(meta_digests):
+            if d not in known:
+                meta_from.setdefault(d, rank)
+    elif len(hellos) > 1:
+        _log_plan(plan)
+    start = SaveStart(new_save_id(), key, plan is not None, meta_from)
+    return SaveDecision(start, objects, existing, digests, meta_digests, plan)
+
+
+def _plan(decision: SaveDecision, layouts: list[LocalLayout], cache: PlanCache) -> tuple[SaveDecision, GlobalPlan]:
+    """(coordinator) Plan the writes from every rank's layout; remember the plan."""
+    metas = cache.metas()
+    for rank, layout in enumerate(layouts):
+        d = decision.meta_digests[rank]
+        if layout.meta_digest != d:
+            raise ShardingError(f"rank {rank} sent a layout other than the one it announced")
+        if d not in metas:
+            if not layout.meta:
+                raise ShardingError(f"rank {rank}: no layout metadata for digest {d.hex()}")
+            if hashlib.blake2b(layout.meta, digest_size=16).digest() != d:
+                raise ShardingError(f"rank {rank}: layout metadata does not match its digest")
+            metas[d] = LayoutMeta.decode(layout.meta)
+    plan = plan_save(layouts, meta=metas)
+    summary = PlanSummary(
+        bytes_per_rank=plan.bytes_per_rank,
+        tensors=plan.tensors,
+        total_bytes=plan.total_bytes,
+        order=save_order(decision.meta_digests, metas),
+        metas=frozenset(decision.meta_digests),
+    )
+    cache.remember_plan(decision.start.key, summary, metas)
+    if len(layouts) > 1:
+        _log_plan(summary)
+    return dataclasses.replace(decision, plan=summary), plan
+
+
+def _log_plan(plan: PlanSummary) -> None:
+    share = ", ".join(f"{r}: {b / 2**20:.1f} MiB" for r, b in sorted(plan.bytes_per_rank.items()))
+    log.info("save plan: %d tensors, %.1f MiB, bytes per rank {%s}", plan.tensors, plan.total_bytes / 2**20, share)
 
 
 def write_rank_data(backend: Backend, data_key: str, rank: int, items: list[WriteItem], block: int) -> WriterReport:
@@ -378,15 +473,19 @@ def write_rank_data(backend: Backend, data_key: str, rank: int, items: list[Writ
 def build_manifest(
     save_id: str,
     catalog: FileEntry,
-    fragments: list[Fragment],
+    fragments: pa.Table | Sequence[Fragment],
     files: tuple[FileEntry, ...],
     objects: dict[str, list[ObjectEntry]],
     world_size: int,
     options: SaveOptions,
+    *,
+    counts: Mapping[str, int] | None = None,
 ) -> Manifest:
-    """The commit record of a save whose data files and catalog are written."""
-    unique = {(f.file, f.byte_offset, f.offsets, f.lengths) for f in fragments}
-    logical = {(f.fqn, f.offsets, f.lengths): f.nbytes for f in fragments}
+    """The commit record of a save whose data files and catalog are written
+    (``fragments``: the catalog's rows, as a table or as Fragment objects; ``counts``:
+    their :func:`row_stats`, when already known)."""
+    if counts is None:
+        counts = row_stats(fragments if isinstance(fragments, pa.Table) else fragment_table(fragments))
     return Manifest(
         save_id=save_id,
         created=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
@@ -399,9 +498,9 @@ def build_manifest(
         torch_version=torch.__version__,
         user_metadata=options.user_metadata,
         stats={
-            "tensors": len({f.fqn for f in fragments}),
-            "fragments": len(unique),
-            "tensor_bytes": sum(logical.values()),
+            "tensors": counts["tensors"],
+            "fragments": counts["fragments"],
+            "tensor_bytes": counts["tensor_bytes"],
             "data_bytes": sum(f.nbytes for f in files),
             "objects": len(objects),
         },

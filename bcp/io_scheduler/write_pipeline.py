@@ -29,10 +29,12 @@ import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
+import pyarrow as pa
 import torch
 
 from bcp.backends import Backend, ObjectWriter
-from bcp.metadata import FileEntry, Fragment, block_checksums, digest_of_checksums
+from bcp.metadata import CATALOG_SCHEMA, FileEntry, Fragment, block_checksums, digest_of_checksums
 
 from ..save_plan import TensorPlan
 from ..shards import Piece
@@ -89,10 +91,33 @@ class WriteItem(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class WriterReport:
-    """What one rank wrote: its fragment rows and its data file (None: nothing to write)."""
+    """What one rank wrote: its fragment rows, as an Arrow table in CATALOG_SCHEMA's
+    columns (the coordinator concatenates and sorts the tables of every rank without
+    a Python object per row), and its data file (None: nothing to write)."""
 
-    fragments: list[Fragment]
+    rows: pa.Table
     file: FileEntry | None
+
+    @property
+    def fragments(self) -> list[Fragment]:
+        """The rows as Fragment objects (for tests and tools; the save keeps the table)."""
+        columns = [self.rows.column(name).to_pylist() for name in CATALOG_SCHEMA.names]
+        columns = [
+            [tuple(v) for v in c] if isinstance(t, pa.ListType) else c
+            for c, t in zip(columns, CATALOG_SCHEMA.types, strict=True)
+        ]
+        return [Fragment(*row) for row in zip(*columns, strict=True)]
+
+
+def fragment_table(fragments: Sequence[Fragment]) -> pa.Table:
+    """Fragment objects as a table in CATALOG_SCHEMA's columns."""
+    return pa.table(
+        {
+            field.name: pa.array([getattr(f, field.name) for f in fragments], type=field.type)
+            for field in CATALOG_SCHEMA
+        },
+        schema=CATALOG_SCHEMA,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +413,7 @@ class WritePipeline:
     def finish(self) -> WriterReport:
         """Wait for the writers, make the file durable, return its fragment rows."""
         if not self.items:
-            return WriterReport([], None)
+            return WriterReport(CATALOG_SCHEMA.empty_table(), None)
         for thread in self._threads:
             thread.join()
         self.sources.clear()
@@ -401,43 +426,45 @@ class WritePipeline:
         try:
             if self.size == 0:
                 writer.write_at(0, b"")
-            fragments, file_sums = self._fragments()
+            rows, file_sums = self._rows()
             writer.commit()
         except BaseException:
             writer.abort()
             raise
-        return WriterReport(fragments, FileEntry(self.data_key, self.size, digest_of_checksums(file_sums)))
+        return WriterReport(rows, FileEntry(self.data_key, self.size, digest_of_checksums(file_sums)))
 
     def abort(self) -> None:
         if self._writer is not None:
             self._writer.abort()
 
-    def _fragments(self) -> tuple[list[Fragment], list[int]]:
+    def _rows(self) -> tuple[pa.Table, list[int]]:
+        """This file's fragment rows (one per item, in item order) and its checksums in file order."""
         pieces: dict[int, list[tuple[int, list[int]]]] = {item: [] for item in self.unique}
         for (item, start), sums in self.checksums.items():
             pieces[item].append((start, sums))
-        sums_of: dict[int, tuple[int, ...]] = {}
+        sums_of: dict[int, list[int]] = {}
         for item, parts in pieces.items():
             parts.sort()
-            sums_of[item] = tuple(c for _start, part in parts for c in part)
+            sums_of[item] = [c for _start, part in parts for c in part]
         file_sums = [c for item in sorted(self.unique, key=lambda i: self.offsets[i]) for c in sums_of[item]]
-        fragments = []
-        for index, (t, piece) in enumerate(self.items):
-            source = self.file_layout.source[index]
-            nbytes = self.item_nbytes[index]
-            fragments.append(
-                Fragment(
-                    fqn=t.fqn,
-                    key_path=t.key_path,
-                    dtype=t.dtype,
-                    global_shape=t.global_shape,
-                    offsets=piece.box[0],
-                    lengths=piece.box[1],
-                    file=self.data_key,
-                    byte_offset=self.offsets[source],
-                    nbytes=nbytes,
-                    checksums=sums_of[source],
-                    writer_rank=self.rank,
-                )
-            )
-        return fragments, file_sums
+        plans = [t for t, _p in self.items]
+        boxes = [p.box for _t, p in self.items]
+        sources = self.file_layout.source
+        n = len(self.items)
+        rows = pa.table(
+            {
+                "fqn": pa.array([t.fqn for t in plans], pa.string()),
+                "key_path": pa.array([t.key_path for t in plans], pa.string()),
+                "dtype": pa.array([t.dtype for t in plans], pa.string()),
+                "global_shape": pa.array([t.global_shape for t in plans], pa.list_(pa.int64())),
+                "offsets": pa.array([b[0] for b in boxes], pa.list_(pa.int64())),
+                "lengths": pa.array([b[1] for b in boxes], pa.list_(pa.int64())),
+                "file": pa.array([self.data_key] * n, pa.string()),
+                "byte_offset": pa.array([self.offsets[s] for s in sources], pa.int64()),
+                "nbytes": pa.array(self.item_nbytes, pa.int64()),
+                "checksums": pa.array([sums_of[s] for s in sources], pa.list_(pa.uint32())),
+                "writer_rank": pa.array(np.full(n, self.rank, np.int32)),
+            },
+            schema=CATALOG_SCHEMA,
+        )
+        return rows, file_sums

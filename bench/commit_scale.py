@@ -1,0 +1,144 @@
+"""Catalog commit on the coordinator at scale (simulated writer reports, no processes).
+
+FSDP-like layout of bench/plan_scale.py: every tensor (bf16) sharded on dim 0 over all
+ranks, each rank writing one fragment per tensor, so rows = ranks x tensors. Every
+rank's report is pickled beforehand, as gather_object sends it.
+
+Timed (CPU seconds of this process, then wall seconds; the best of --repeat runs,
+interleaved), per path:
+  columnar (today): unpickle every rank's WriterReport (an Arrow table), merge
+      (concatenate, order by save order / offsets / writer with sort indices, and the
+      manifest's counts), write_catalog(Catalog.from_table(rows)) to a memory backend;
+  objects (before): unpickle every rank's list of Fragment objects, sort them with
+      a lambda key, write_catalog(Catalog(fragments)), the manifest's counts over
+      Python sets, as the save did before writers reported Arrow tables.
+
+    python bench/commit_scale.py [--ranks 1024] [--tensors 2000] [--objects-ranks 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import pickle
+import random
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from bcp.backends import backend_for
+from bcp.commit import write_catalog
+from bcp.fragment_rows import merge
+from bcp.io_scheduler.write_pipeline import WriterReport
+from bcp.metadata import CATALOG_SCHEMA, Catalog, FileEntry
+from bcp.metadata.layout import data_file_key, generation_name
+
+
+def reports(ranks: int, tensors: int, seed: int = 0) -> list[WriterReport]:
+    """One report per rank: its fragment of every tensor, in save order, back to back."""
+    rng = random.Random(seed)
+    shapes = [(rng.randint(1024, 8192), rng.choice([1024, 4096])) for _ in range(tensors)]
+    names = [f"model.layers.{i // 8}.block.w{i % 8}" for i in range(tensors)]
+    paths = [f'[["d","model"],["d","layers"],["d",{i // 8}],["d","w{i % 8}"]]' for i in range(tensors)]
+    rows = np.array([s[0] for s in shapes], dtype=np.int64)
+    cols = np.array([s[1] for s in shapes], dtype=np.int64)
+    size = -(-rows // ranks)
+    gen = generation_name("0123456789abcdef")
+    out = []
+    for r in range(ranks):
+        start = np.minimum(r * size, rows)
+        length = np.maximum(0, np.minimum(size, rows - r * size))
+        nbytes = length * cols * 2
+        byte_offset = np.concatenate([[0], np.cumsum(-(-nbytes // 64) * 64)[:-1]])
+        blocks = -(-nbytes // (64 << 10))
+        two = np.arange(0, 2 * tensors + 1, 2, dtype=np.int32)
+        key = data_file_key(gen, r)
+        table = pa.table(
+            {
+                "fqn": pa.array(names),
+                "key_path": pa.array(paths),
+                "dtype": pa.array(["bfloat16"] * tensors),
+                "global_shape": pa.ListArray.from_arrays(two, np.stack([rows, cols], 1).ravel()),
+                "offsets": pa.ListArray.from_arrays(two, np.stack([start, np.zeros_like(start)], 1).ravel()),
+                "lengths": pa.ListArray.from_arrays(two, np.stack([length, cols], 1).ravel()),
+                "file": pa.array([key] * tensors),
+                "byte_offset": pa.array(byte_offset),
+                "nbytes": pa.array(nbytes),
+                "checksums": pa.ListArray.from_arrays(
+                    np.concatenate([[0], np.cumsum(blocks)]).astype(np.int32),
+                    pa.array(np.arange(int(blocks.sum())) % (1 << 32), pa.uint32()),
+                ),
+                "writer_rank": pa.array(np.full(tensors, r, np.int32)),
+            },
+            schema=CATALOG_SCHEMA,
+        )
+        out.append(WriterReport(table, FileEntry(key, int(byte_offset[-1] + nbytes[-1]), "0" * 8)))
+    return out
+
+
+def commit_columnar(blobs: list[bytes], order: list[str], backend) -> dict:
+    got = [pickle.loads(b) for b in blobs]
+    merged = merge([g.rows for g in got], order)  # rows in catalog order, and the manifest's counts
+    entry = write_catalog(backend, "columnar/fragments.arrow", Catalog.from_table(merged.table))
+    return {"catalog_bytes": entry.nbytes, **merged.stats}
+
+
+def commit_objects(blobs: list[bytes], order: list[str], backend) -> dict:
+    got = [pickle.loads(b) for b in blobs]
+    pos = {n: i for i, n in enumerate(order)}
+    fragments = sorted((f for r in got for f in r), key=lambda f: (pos[f.fqn], f.offsets, f.writer_rank))
+    entry = write_catalog(backend, "objects/fragments.arrow", Catalog(fragments))
+    unique = {(f.file, f.byte_offset, f.offsets, f.lengths) for f in fragments}
+    logical = {(f.fqn, f.offsets, f.lengths): f.nbytes for f in fragments}
+    stats = {"tensors": len({f.fqn for f in fragments}), "fragments": len(unique)}
+    stats["tensor_bytes"] = sum(logical.values())
+    return {"catalog_bytes": entry.nbytes, **stats}
+
+
+def timed(fn, *args):
+    gc.collect()
+    c0, w0 = time.process_time(), time.perf_counter()
+    out = fn(*args)
+    return time.process_time() - c0, time.perf_counter() - w0, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, default=1024)
+    ap.add_argument("--tensors", type=int, default=2000)
+    ap.add_argument("--objects-ranks", type=int, default=256, help="rank count for the Fragment-object path (0: skip)")
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    backend = backend_for("memory://commit-scale")
+    sizes = sorted({args.objects_ranks, args.ranks} - {0})
+    print(f"{'ranks':>6} {'tensors':>7} {'rows':>9} {'path':>9} {'cpu s':>7} {'wall s':>7} {'us/row':>7}  catalog")
+    for ranks in sizes:
+        reps = reports(ranks, args.tensors)
+        order = reps[0].rows.column("fqn").to_pylist()
+        n = ranks * args.tensors
+        paths = [("columnar", commit_columnar, [pickle.dumps(r) for r in reps])]
+        if ranks <= args.objects_ranks:
+            paths.append(("objects", commit_objects, [pickle.dumps(r.fragments) for r in reps]))
+        del reps
+        results = {}
+        for _ in range(args.repeat):  # interleaved: columnar, objects, columnar, objects
+            for name, fn, blobs in paths:
+                cpu, wall, out = timed(fn, blobs, order, backend)
+                best = results.get(name)
+                if best is None or cpu < best[0]:
+                    results[name] = (cpu, wall, out)
+        for name, (cpu, wall, out) in results.items():
+            print(
+                f"{ranks:>6} {args.tensors:>7} {n:>9,} {name:>9} {cpu:>7.2f} {wall:>7.2f} {cpu / n * 1e6:>7.2f}  "
+                f"{out['catalog_bytes'] / 2**20:.1f} MiB, {out['fragments']:,} fragments"
+            )
+        if len(results) == 2:
+            a, b = results["columnar"][2], results["objects"][2]
+            assert {k: a[k] for k in ("tensors", "fragments", "tensor_bytes")} == {
+                k: b[k] for k in ("tensors", "fragments", "tensor_bytes")
+            }, (a, b)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""What the save sends between ranks: status rounds, writer reports as columns, the
+coordinator's merge of fragment rows (checked against the Fragment-object path it
+replaced, on random rows: aliases, replicas, empty boxes, 0-d to 3-d tensors)."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bcp.collectives import Coordinator, portable
+from bcp.errors import RankFailedError
+from bcp.fragment_rows import merge_rows, row_stats
+from bcp.io_scheduler.write_pipeline import WriterReport, fragment_table
+from bcp.metadata import Fragment
+
+# -- status rounds ------------------------------------------------------------------------
+
+
+class TwoRanks(Coordinator):
+    """Rank 0 of a simulated two-rank group whose other rank's status is given."""
+
+    world_size = 2
+
+    def __init__(self, other: BaseException | None) -> None:
+        self.other = other
+        self.rounds: list[str] = []
+
+    def any_failed(self, failed: bool) -> bool:
+        self.rounds.append("flag")
+        return failed or self.other is not None
+
+    def all_gather(self, obj):
+        self.rounds.append("gather")
+        return [obj, None if self.other is None else portable(self.other)]
+
+
+def test_a_phase_that_succeeded_everywhere_costs_one_flag_round():
+    coord = TwoRanks(None)
+    coord.check(None, "writing data")
+    assert coord.rounds == ["flag"]
+
+
+def test_errors_are_gathered_only_when_some_rank_failed():
+    coord = TwoRanks(KeyError("lost"))
+    with pytest.raises(RankFailedError) as info:
+        coord.check(None, "writing data")
+    assert coord.rounds == ["flag", "gather"]
+    assert set(info.value.errors) == {1} and isinstance(info.value.errors[1], KeyError)
+    assert "writing data failed on 1 of 2 ranks" in str(info.value)
+
+
+def test_the_failed_rank_raises_its_own_error_naming_the_others():
+    coord = TwoRanks(ValueError("theirs"))
+    mine = OSError("mine")
+    with pytest.raises(OSError, match="mine") as info:
+        coord.check(mine, "committing")
+    assert info.value is mine
+    assert any("rank 1: ValueError: theirs" in note for note in info.value.__notes__)
+
+
+def test_generic_any_failed_gathers_flags():
+    class Gathering(Coordinator):
+        world_size = 3
+
+        def all_gather(self, obj):
+            return [False, obj, False]
+
+    assert Gathering().any_failed(True) and not Gathering().any_failed(False)
+
+
+# -- fragment rows ------------------------------------------------------------------------
+
+
+@st.composite
+def fragment_sets(draw) -> list[list[Fragment]]:
+    """Per-writer lists of fragments of a few tensors: boxes on a grid, some replicated
+    on several writers, some tied (same file bytes, another FQN), some empty."""
+    writers = draw(st.integers(1, 4))
+    out: list[list[Fragment]] = [[] for _ in range(writers)]
+    offsets = [0] * writers
+    for t in range(draw(st.integers(1, 5))):
+        ndim = draw(st.integers(0, 3))
+        shape = tuple(draw(st.lists(st.integers(0, 5), min_size=ndim, max_size=ndim)))
+        dtype = draw(st.sampled_from(["float32", "bfloat16"]))
+        size = 4 if dtype == "float32" else 2
+        cut = draw(st.integers(0, ndim)) if ndim else 0
+        boxes = []
+        if ndim == 0 or cut == ndim or shape[cut] == 0:
+            boxes.append(((0,) * ndim, shape))
+        else:
+            edges = sorted({0, shape[cut], *draw(st.lists(st.integers(0, shape[cut]), max_size=3))})
+            for a, b in itertools.pairwise(edges):
+                off = tuple(a if d == cut else 0 for d in range(ndim))
+                lens = tuple(b - a if d == cut else shape[d] for d in range(ndim))
+                boxes.append((off, lens))
+            if draw(st.booleans()):
+                boxes.append((tuple(shape[cut] if d == cut else 0 for d in range(ndim)), (0,) * ndim))
+        draw(st.randoms()).shuffle(boxes)
+        tie = draw(st.booleans())
+        for off, lens in boxes:
+            holders = draw(st.lists(st.integers(0, writers - 1), min_size=1, max_size=2, unique=True))
+            n = size
+            for x in lens:
+                n *= x
+            for w in holders:
+                frag = Fragment(f"t{t}", f'[["d","t{t}"]]', dtype, shape, off, lens, f"f{w}", offsets[w], n, (n,), w)
+                out[w].append(frag)
+                if tie:
+                    out[w].append(
+                        Fragment(
+                            f"tie{t}", f'[["d","tie{t}"]]', dtype, shape, off, lens, f"f{w}", offsets[w], n, (n,), w
+                        )
+                    )
+                offsets[w] += n
+    return out
+
+
+def old_order(frags: list[Fragment], order: list[str]) -> list[Fragment]:
+    pos = {n: i for i, n in enumerate(order)}
+    return sorted(frags, key=lambda f: (pos[f.fqn], f.offsets, f.writer_rank))
+
+
+def old_stats(frags: list[Fragment]) -> dict[str, int]:
+    unique = {(f.file, f.byte_offset, f.offsets, f.lengths) for f in frags}
+    logical = {(f.fqn, f.offsets, f.lengths): f.nbytes for f in frags}
+    return {"tensors": len({f.fqn for f in frags}), "fragments": len(unique), "tensor_bytes": sum(logical.values())}
+
+
+def sort_key(f: Fragment):
+    return (f.fqn, f.offsets, f.writer_rank, f.lengths, f.byte_offset)
+
+
+@settings(max_examples=200, deadline=None)
+@given(fragment_sets(), st.randoms())
+def test_merged_rows_match_the_fragment_object_path(per_writer, rnd):
+    everything = [f for frags in per_writer for f in frags]
+    order = list(dict.fromkeys(f.fqn for f in everything))
+    rnd.shuffle(order)
+    tables = [fragment_table(frags) for frags in per_writer]
+    merged = WriterReport(merge_rows(tables, order), None).fragments
+    expected = old_order(everything, order)
+    assert [sort_key(f) for f in merged] == [sort_key(f) for f in expected]
+    assert sorted(merged, key=repr) == sorted(expected, key=repr)
+    assert row_stats(merge_rows(tables, order)) == old_stats(everything)
+
+
+def test_reports_travel_as_tables_and_read_back_as_fragments():
+    frags = [
+        Fragment("w", "[]", "float32", (4, 2), (0, 0), (2, 2), "d/0", 0, 16, (7,), 0),
+        Fragment("w", "[]", "float32", (4, 2), (2, 0), (2, 2), "d/0", 64, 16, (8,), 0),
+        Fragment("s", "[]", "int64", (), (), (), "d/0", 128, 8, (9,), 0),
+    ]
+    report = WriterReport(fragment_table(frags), None)
+    back = pickle.loads(pickle.dumps(report))
+    assert back.fragments == frags
+    assert row_stats(back.rows) == {"tensors": 2, "fragments": 3, "tensor_bytes": 40}
+    # an unknown tensor sorts last instead of failing
+    assert [f.fqn for f in WriterReport(merge_rows([back.rows], ["s"]), None).fragments] == ["s", "w", "w"]
+
+
+# -- plan cache ---------------------------------------------------------------------------
+
+
+def test_plan_cache_keeps_the_last_two_plans_and_their_metadata():
+    import numpy as np
+
+    from bcp.plan_cache import PlanCache, PlanSummary, plan_key
+    from bcp.save_plan import LayoutMeta
+
+    cache = PlanCache(keep=2)
+    meta = {bytes([i]) * 16: LayoutMeta((f"t{i}",), ("[]",), ("float32",), ((2,),), (None,)) for i in range(3)}
+    keys = [plan_key([bytes([i]) * 16]) for i in range(3)]
+    assert len(set(keys)) == 3 and plan_key([b"a" * 16, b"b" * 16]) != plan_key([b"b" * 16, b"a" * 16])
+    for i, key in enumerate(keys):
+        digest = bytes([i]) * 16
+        cache.remember_plan(key, PlanSummary({0: 8}, 1, 8, (f"t{i}",), frozenset({digest})), meta)
+        cache.remember_writes(key, np.array([i], np.int32))
+    assert cache.plan(keys[0]) is None and cache.plan(keys[2]).order == ("t2",)
+    assert set(cache.metas()) == {bytes([1]) * 16, bytes([2]) * 16}, "metadata of forgotten plans is dropped"
+    assert set(cache.held()) == {keys[1], keys[2]}
+
+
+def test_a_second_save_of_the_same_layout_plans_nothing(tmp_path, monkeypatch):
+    import torch
+
+    import bcp
+    import bcp.saver
+    from bcp.plan_cache import clear_plan_caches
+
+    clear_plan_caches()
+    calls = []
+    real = bcp.saver.plan_save
+    monkeypatch.setattr(bcp.saver, "plan_save", lambda *a, **k: calls.append(1) or real(*a, **k))
+    w = torch.randn(6, 4)
+    bcp.save({"w": w, "tied": w, "n": 1}, tmp_path / "a")
+    w2 = w + 1
+    bcp.save({"w": w2, "tied": w2, "n": 2}, tmp_path / "b")  # new memory, same layout: tie kept
+    assert len(calls) == 1
+    bcp.save({"w": w, "x": torch.zeros(3)}, tmp_path / "c")  # another layout
+    assert len(calls) == 2
+    got = bcp.load({"w": torch.empty(6, 4), "tied": torch.empty(6, 4), "n": 0}, tmp_path / "b")
+    assert torch.equal(got["w"], w + 1) and torch.equal(got["tied"], w + 1) and got["n"] == 2
+    stats = bcp.open(tmp_path / "b").manifest.stats
+    assert stats["tensors"] == 2 and stats["fragments"] == 1 and stats["tensor_bytes"] == 2 * 6 * 4 * 4
+
+
+def test_a_cached_plan_still_refuses_an_existing_checkpoint(tmp_path):
+    import torch
+
+    import bcp
+    from bcp.errors import CheckpointExistsError
+
+    bcp.save({"w": torch.ones(3)}, tmp_path / "a")
+    with pytest.raises(CheckpointExistsError):
+        bcp.save({"w": torch.ones(3)}, tmp_path / "a")
+    info = bcp.save({"w": torch.zeros(3)}, tmp_path / "a", overwrite=True)
+    assert torch.equal(bcp.load({"w": torch.empty(3)}, tmp_path / "a")["w"], torch.zeros(3))
+    assert info.tensors == 1
+
+
+@pytest.mark.slow
+def test_distributed_plan_cache_and_status_rounds(tmp_path):
+    import dist_jobs
+    import save_message_jobs
+
+    dist_jobs.spawn(save_message_jobs.plan_cache_job, 3, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_rank_without_its_cached_writes_makes_the_job_plan_again(tmp_path):
+    import dist_jobs
+    import save_message_jobs
+
+    dist_jobs.spawn(save_message_jobs.cache_lost_on_one_rank_job, 2, str(tmp_path))
