@@ -166,12 +166,13 @@ class LocalLayout:
         return dataclasses.replace(self, meta=b"")
 
     def digest(self) -> bytes:
-        """16 bytes, equal iff the layouts (meta and boxes) are equal."""
+        """16 bytes, equal iff the layouts (meta and boxes) are equal (``build`` picks
+        the box dtype from the values, so equal layouts have equal arrays)."""
         h = hashlib.blake2b(digest_size=16)
         h.update(self.meta_digest)
         for a in (self.counts, self.offsets, self.lengths):
-            h.update(len(a).to_bytes(8, "little"))
-            h.update(np.ascontiguousarray(a, dtype="<i8").tobytes())
+            h.update(f"{a.dtype.str}:{len(a)};".encode())
+            h.update(np.ascontiguousarray(a).data)
         return h.digest()
 
     @functools.cached_property
@@ -230,15 +231,35 @@ def _resolve_meta(
     return out
 
 
-def _check_layout(layout: LocalLayout, m: LayoutMeta) -> None:
-    for a in (layout.counts, layout.offsets, layout.lengths):
-        if not (isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype in (np.int32, np.int64)):
-            raise ShardingError(f"rank {layout.rank}: layout arrays must be 1-D int32 or int64")
-    if layout.counts.shape != (len(m.fqns),) or (len(layout.counts) and int(layout.counts.min()) < 0):
-        raise ShardingError(f"rank {layout.rank}: layout counts do not match its {len(m.fqns)} tensors")
-    want = int((layout.counts.astype(np.int64) * m.ndims).sum())
-    if layout.offsets.shape != (want,) or layout.lengths.shape != (want,):
-        raise ShardingError(f"rank {layout.rank}: layout has box arrays of the wrong size (want {want} values)")
+def _check_layouts(layouts: Sequence[LocalLayout], metas: Mapping[bytes, LayoutMeta]) -> bool:
+    """Check every layout's arrays against its meta; returns whether every rank holds
+    one box of each of its tensors. Ranks usually repeat their neighbour's counts:
+    those are compared as bytes, not summed again."""
+    last: tuple[bytes, bytes, int] | None = None
+    one_each = True
+    for rank, layout in enumerate(layouts):
+        if layout.rank != rank:
+            raise ShardingError(f"rank {rank}'s layout says it is rank {layout.rank}")
+        counts = layout.counts
+        for a in (counts, layout.offsets, layout.lengths):
+            if not (type(a) is np.ndarray and a.ndim == 1 and a.dtype in _BOX_DTYPES):
+                raise ShardingError(f"rank {rank}: layout arrays must be 1-D int32 or int64")
+        key = counts.tobytes()
+        if last is not None and last[0] == layout.meta_digest and last[1] == key:
+            want = last[2]
+        else:
+            m = metas[layout.meta_digest]
+            if counts.shape != (len(m.fqns),) or (len(counts) and int(counts.min()) < 0):
+                raise ShardingError(f"rank {rank}: layout counts do not match its {len(m.fqns)} tensors")
+            want = int((counts.astype(np.int64) * m.ndims).sum())
+            one_each = one_each and bool((counts == 1).all())
+            last = (layout.meta_digest, key, want)
+        if len(layout.offsets) != want or len(layout.lengths) != want:
+            raise ShardingError(f"rank {rank}: layout has box arrays of the wrong size (want {want} values)")
+    return one_each
+
+
+_BOX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
 def plan_save(
@@ -257,14 +278,11 @@ def plan_save(
     """
     world = len(layouts)
     metas = _resolve_meta(layouts, meta)
-    for rank, layout in enumerate(layouts):
-        if layout.rank != rank:
-            raise ShardingError(f"rank {rank}'s layout says it is rank {layout.rank}")
-        _check_layout(layout, metas[layout.meta_digest])
+    one_each = _check_layouts(layouts, metas)
     table, local_gid = _tensor_table(layouts, metas)
     acc = _Assignments(world)
     m = metas[layouts[0].meta_digest] if world else None
-    if matrix and m is not None and len(metas) == 1 and not table.has_alias and _one_box_each(layouts, len(m.fqns)):
+    if matrix and m is not None and len(metas) == 1 and not table.has_alias and one_each:
         fallback = _plan_matrix(layouts, m, table, acc)
         if len(fallback):
             _plan_general(*_gather_matrix(layouts, m, table, fallback), table, acc)
@@ -332,11 +350,6 @@ def _tensor_table(
         raise ShardingError("the tensors hold more bytes than a checkpoint can describe")
     table = _Table(list(index), [d for _p, d, _s, _r in info], shapes, isz, total, spad, alias_seen, has_alias)
     return table, local_gid
-
-
-def _one_box_each(layouts: Sequence[LocalLayout], tensors: int) -> bool:
-    ones = np.ones(tensors, dtype=layouts[0].counts.dtype).tobytes()
-    return all(layout.counts.tobytes() == ones for layout in layouts)
 
 
 class _Assignments:
@@ -456,17 +469,22 @@ class _Assignments:
         indices = np.concatenate(self.indices) if self.indices else np.zeros(0, np.int64)
         order = np.lexsort((indices, ranks))
         ranks, indices = ranks[order], indices[order].astype(np.int32)
-        bounds = np.searchsorted(ranks, np.arange(self.world + 1))
+        bounds = np.searchsorted(ranks, np.arange(self.world + 1)).tolist()
         writes: dict[int, np.ndarray] = {}
-        empty = np.zeros(0, dtype=np.int32)
-        cols = self.mask_tensors.astype(np.int32) if self.mask_tensors is not None else None
-        for r in range(self.world):
+        if self.mask is not None and self.mask_tensors is not None:
+            cols = self.mask_tensors.astype(np.int32)
+            for a in range(0, self.world, _CHUNK):
+                rows, at = np.nonzero(self.mask[a : a + _CHUNK])
+                own = cols[at]  # one array per block; each rank's list is a view of it
+                cuts = np.searchsorted(rows, np.arange(min(_CHUNK, self.world - a) + 1)).tolist()
+                for i in range(len(cuts) - 1):
+                    writes[a + i] = own[cuts[i] : cuts[i + 1]]
+        else:
+            empty = np.zeros(0, dtype=np.int32)
+            writes = dict.fromkeys(range(self.world), empty)
+        for r in np.unique(ranks).tolist():
             extra = indices[bounds[r] : bounds[r + 1]]
-            if self.mask is not None and cols is not None:
-                own = cols[np.flatnonzero(self.mask[r])]
-                writes[r] = np.sort(np.concatenate([own, extra])) if len(extra) else own
-            else:
-                writes[r] = extra if len(extra) else empty
+            writes[r] = np.sort(np.concatenate([writes[r], extra])) if len(writes[r]) else extra
         load = self.load.tolist()
         return GlobalPlan(
             writes=writes, bytes_per_rank=dict(enumerate(load)), tensors=len(table.fqns), total_bytes=sum(load)
@@ -500,20 +518,24 @@ def _plan_matrix(layouts: Sequence[LocalLayout], m: LayoutMeta, table: _Table, a
     col_t = np.repeat(np.arange(tensors), ndims)
     col_s = np.array([s for shape in m.shapes for s in shape], dtype=np.int64)
     cols = len(col_s)
-    wide = bool(cols) and int(col_s.max()) > _INT32_MAX
-    small_s = col_s if wide else col_s.astype(np.int32)
-    nonfull = np.zeros(cols, dtype=bool)
+    # int32 ends cannot wrap while offsets and lengths stay within shapes below 2^30
+    wide = bool(cols) and int(col_s.max()) >= 1 << 30
     fallback = np.zeros(tensors, dtype=bool)
-    if cols:
-        for a in range(0, world, _CHUNK):
-            offs = np.stack([lay.offsets for lay in layouts[a : a + _CHUNK]])
-            lens = np.stack([lay.lengths for lay in layouts[a : a + _CHUNK]])
-            if offs.dtype != lens.dtype or (wide and offs.dtype != np.int64):
-                offs, lens = offs.astype(np.int64), lens.astype(np.int64)
-            bad = (offs < 0) | (lens < 0) | (lens > small_s - offs)
-            if bad.any():
-                fallback[col_t[bad.any(axis=0)]] = True
-            nonfull |= ((offs != 0) | (lens != small_s)).any(axis=0)
+    # per column: min and max of offsets and lengths, max of ends (reductions, no temporaries)
+    big = np.int64(np.iinfo(np.int64).max)
+    o_min, l_min = np.full(cols, big), np.full(cols, big)
+    o_max, l_max, e_max = np.full(cols, -1), np.full(cols, -1), np.full(cols, -1)
+    for a in range(0, world if cols else 0, _CHUNK):
+        offs, lens = _block(layouts[a : a + _CHUNK], cols)
+        np.minimum(o_min, offs.min(axis=0), out=o_min)
+        np.maximum(o_max, offs.max(axis=0), out=o_max)
+        np.minimum(l_min, lens.min(axis=0), out=l_min)
+        np.maximum(l_max, lens.max(axis=0), out=l_max)
+        ends = offs.astype(np.int64) + lens if wide or offs.dtype != lens.dtype else offs + lens
+        np.maximum(e_max, ends.max(axis=0), out=e_max)
+    inside = (o_min >= 0) & (l_min >= 0) & (o_max <= col_s) & (l_max <= col_s) & (e_max <= col_s)
+    fallback[col_t[~inside]] = True
+    nonfull = ~((o_min == 0) & (o_max == 0) & (l_min == col_s) & (l_max == col_s))
     cut = np.bincount(col_t, weights=nonfull, minlength=tensors).astype(np.int64)
     total = table.total
     # full everywhere: one box, every rank holds it
@@ -537,36 +559,40 @@ def _plan_matrix(layouts: Sequence[LocalLayout], m: LayoutMeta, table: _Table, a
     size = col_s[kcol]
     weight = (total[fast] // size) * table.isz[fast]  # bytes per unit of length along the cut
     mask = np.zeros((world, len(fast)), dtype=bool)
-    last_end = np.full(len(fast), -1, dtype=np.int64)  # end of the last live box so far (-1: none)
-    empty_ref = np.full(len(fast), -1, dtype=np.int64)  # offset of the first empty box (-1: none)
-    ok = np.ones(len(fast), dtype=bool)
+    # Usually each box starts where the previous rank's box ends (empty ones included):
+    # then, telescoping, every live box starts at the sum of the lengths before it, so
+    # the live boxes abut in rank order; the offsets never decrease, so the empty boxes
+    # are all one box iff the first and the last agree. Columns where this fails get
+    # the exact test below.
+    prev_end = np.zeros(len(fast), dtype=np.int64)
+    shift_ok = np.ones(len(fast), dtype=bool)
+    e_min, e_max = np.full(len(fast), big), np.full(len(fast), -1)  # offsets of the empty boxes
+    columns = np.arange(len(fast))
     for a in range(0, world, _CHUNK):
-        chunk = layouts[a : a + _CHUNK]
-        offs = np.stack([lay.offsets[kcol] for lay in chunk]).astype(np.int64)
-        lens = np.stack([lay.lengths[kcol] for lay in chunk]).astype(np.int64)
+        block_o, block_l = _block(layouts[a : a + _CHUNK], cols)
+        offs, lens = block_o[:, kcol], block_l[:, kcol]
+        del block_o, block_l
         live = lens > 0
-        mask[a : a + len(chunk)] = live
-        acc.load[a : a + len(chunk)] += lens @ weight
-        ends = offs + lens
-        # previous live box of each live box: forward-filled row index, the carried one as row -1
-        rows = np.where(live, np.arange(len(chunk))[:, None], -1)
-        prev = np.maximum.accumulate(rows, axis=0)
-        prev = np.concatenate([np.full((1, len(fast)), -1), prev[:-1]])
-        prev_end = np.where(prev >= 0, np.take_along_axis(ends, np.maximum(prev, 0), axis=0), last_end)
-        want = np.where(prev_end >= 0, prev_end, 0)  # the first live box starts at 0
-        ok &= ~(live & (offs != want)).any(axis=0)
-        got = rows.max(axis=0)
-        last_end = np.where(got >= 0, np.take_along_axis(ends, np.maximum(got, 0)[None], axis=0)[0], last_end)
+        mask[a : a + len(offs)] = live
+        acc.load[a : a + len(offs)] += lens @ weight
+        ends = offs.astype(np.int64) + lens if wide or offs.dtype != lens.dtype else offs + lens
+        shift_ok &= offs[0] == prev_end
+        shift_ok &= ~(offs[1:] != ends[:-1]).any(axis=0)
+        prev_end = ends[-1].astype(np.int64)
         empty = ~live
-        first = np.argmax(empty, axis=0)
         has = empty.any(axis=0)
-        empty_ref = np.where((empty_ref < 0) & has, offs[first, np.arange(len(fast))], empty_ref)
-        ok &= ~(empty & (offs != empty_ref)).any(axis=0)
-    ok &= last_end == size
+        first, last = np.argmax(empty, axis=0), len(offs) - 1 - np.argmax(empty[::-1], axis=0)
+        e_min = np.where(has, np.minimum(e_min, offs[first, columns]), e_min)
+        e_max = np.where(has, np.maximum(e_max, offs[last, columns]), e_max)
+    ok = shift_ok & (prev_end == size) & ((e_max < 0) | (e_min == e_max))
+    if not shift_ok.all():
+        redo = np.flatnonzero(~shift_ok)
+        ok[redo], e_max[redo] = _abut_exact(layouts, kcol[redo], size[redo])
+    empty_ref = e_max
     if not ok.all():  # left to the general path: take back the bytes pass 2 counted for them
         bad = np.flatnonzero(~ok)
         for a in range(0, world, _CHUNK):
-            lens = np.stack([lay.lengths[kcol[bad]] for lay in layouts[a : a + _CHUNK]]).astype(np.int64)
+            lens = np.stack([lay.lengths[kcol[bad]] for lay in layouts[a : a + _CHUNK]])
             acc.load[a : a + len(lens)] -= lens @ weight[bad]
         fallback[fast[bad]] = True
         keep = np.flatnonzero(ok)
@@ -648,26 +674,55 @@ def check_tiling(fqn: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> None
         raise ShardingError(problem)
 
 
+def _abut_exact(layouts: Sequence[LocalLayout], kcol: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For columns cut along one dimension: whether, in rank order, each live box starts
+    at the sum of the lengths before it (empty boxes add 0) and the ends reach ``size``,
+    with every empty box the same; and the empty boxes' offset (-1: none)."""
+    big = np.int64(np.iinfo(np.int64).max)
+    before = np.zeros(len(kcol), dtype=np.int64)
+    ok = np.ones(len(kcol), dtype=bool)
+    e_min, e_max = np.full(len(kcol), big), np.full(len(kcol), -1)
+    for a in range(0, len(layouts), _CHUNK):
+        chunk = layouts[a : a + _CHUNK]
+        offs = np.stack([lay.offsets[kcol] for lay in chunk]).astype(np.int64)
+        lens = np.stack([lay.lengths[kcol] for lay in chunk]).astype(np.int64)
+        live = lens > 0
+        upto = np.cumsum(lens, axis=0)
+        upto += before
+        before = upto[-1].copy()
+        upto -= lens
+        ok &= ~((offs != upto) & live).any(axis=0)
+        np.minimum(e_min, np.where(live, big, offs).min(axis=0), out=e_min)
+        np.maximum(e_max, np.where(live, -1, offs).max(axis=0), out=e_max)
+    return ok & (before == size) & ((e_max < 0) | (e_min == e_max)), e_max
+
+
+def _block(layouts: Sequence[LocalLayout], cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (ranks x values) offsets and lengths of ranks holding the same number of values."""
+    offs = np.concatenate([lay.offsets for lay in layouts]).reshape(len(layouts), cols)
+    lens = np.concatenate([lay.lengths for lay in layouts]).reshape(len(layouts), cols)
+    return offs, lens
+
+
 def _gather_matrix(layouts: Sequence[LocalLayout], m: LayoutMeta, table: _Table, tensors: np.ndarray) -> _Rows:
     """The boxes of the given tensors on every rank (one box each), as general-path rows."""
     ndims = m.ndims
     starts = np.cumsum(ndims) - ndims
+    cols = int(ndims.sum())
     dims = table.spad.shape[1]
     world = len(layouts)
     per = len(tensors)
     gid = np.tile(tensors.astype(np.int64), world)
     rank = np.repeat(np.arange(world, dtype=np.int64), per)
-    offs = np.zeros((world * per, dims), dtype=np.int64)
-    lens = np.ones((world * per, dims), dtype=np.int64)
-    for d in range(dims):
-        sel = np.flatnonzero(ndims[tensors] > d)
-        if not len(sel):
-            continue
-        cols = starts[tensors[sel]] + d
-        rows = (np.arange(world)[:, None] * per + sel[None, :]).reshape(-1)
-        offs[rows, d] = np.stack([lay.offsets[cols] for lay in layouts]).reshape(-1)
-        lens[rows, d] = np.stack([lay.lengths[cols] for lay in layouts]).reshape(-1)
-    return gid, rank, gid.copy(), offs, lens
+    offs = np.zeros((world, per, dims), dtype=np.int64)
+    lens = np.ones((world, per, dims), dtype=np.int64)
+    for a in range(0, world if cols else 0, _CHUNK):
+        block_o, block_l = _block(layouts[a : a + _CHUNK], cols)
+        for d in range(dims):
+            sel = np.flatnonzero(ndims[tensors] > d)
+            offs[a : a + len(block_o), sel, d] = block_o[:, starts[tensors[sel]] + d]
+            lens[a : a + len(block_l), sel, d] = block_l[:, starts[tensors[sel]] + d]
+    return gid, rank, gid.copy(), offs.reshape(-1, dims), lens.reshape(-1, dims)
 
 
 def _gather_all(

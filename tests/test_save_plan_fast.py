@@ -228,9 +228,9 @@ def test_one_box_each_layouts_match_the_reference(ls):
 # -- fixed cases -----------------------------------------------------------------------
 
 
-def fsdp(world: int, shapes: list[tuple[int, ...]], dim: int = 0) -> list[LocalLayout]:
+def fsdp(world: int, shapes: list[tuple[int, ...]], dim: int = 0, empty_at: int | None = None) -> list[LocalLayout]:
     """Each tensor cut along ``dim`` as torch.chunk cuts it (trailing ranks may hold
-    the same empty box)."""
+    the same empty box, at the end or at ``empty_at``)."""
     out = []
     for r in range(world):
         ts = []
@@ -240,6 +240,7 @@ def fsdp(world: int, shapes: list[tuple[int, ...]], dim: int = 0) -> list[LocalL
                 continue
             size = -(-shape[dim] // world)
             a, n = min(r * size, shape[dim]), max(0, min(size, shape[dim] - r * size))
+            a = a if n or empty_at is None or empty_at > shape[dim] else empty_at
             off = tuple(a if d == dim else 0 for d in range(len(shape)))
             lens = tuple(n if d == dim else s for d, s in enumerate(shape))
             ts.append(TensorPlan(f"w{i}", f'["w{i}"]', "bfloat16", shape, ((off, lens),)))
@@ -247,10 +248,11 @@ def fsdp(world: int, shapes: list[tuple[int, ...]], dim: int = 0) -> list[LocalL
     return out
 
 
-def test_fsdp_with_empty_shards_takes_the_matrix_path(monkeypatch):
+@pytest.mark.parametrize("empty_at", [None, 0, 1])
+def test_fsdp_with_empty_shards_takes_the_matrix_path(monkeypatch, empty_at):
     import bcp.save_plan as sp
 
-    ls = fsdp(8, [(3, 4), (16, 2), (0, 5), (), (5,)])
+    ls = fsdp(8, [(3, 4), (16, 2), (0, 5), (), (5,)], empty_at=empty_at)
     monkeypatch.setattr(sp, "_plan_general", lambda *a: pytest.fail("general path used"))
     plan = plan_save(ls)
     monkeypatch.undo()
