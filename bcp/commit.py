@@ -107,6 +107,13 @@ def fetch_metadata(backend: Backend) -> tuple[bytes, bytes]:
     """The manifest's and the catalog's bytes, checked against each other (one rank
     reads them and shares the bytes). Distinguishes nothing there from a save that
     never committed."""
+    manifest_bytes, manifest = fetch_manifest(backend)
+    return manifest_bytes, fetch_catalog(backend, manifest)
+
+
+def fetch_manifest(backend: Backend) -> tuple[bytes, Manifest]:
+    """The committed manifest's bytes, parsed; distinguishes nothing there from a save
+    that never committed."""
     try:
         manifest_bytes = backend.read(manifest_key())
     except ObjectNotFoundError:
@@ -116,7 +123,12 @@ def fetch_metadata(backend: Backend) -> tuple[bytes, bytes]:
                 "(it failed, was killed, or is still running), so there is no checkpoint to load"
             ) from None
         raise CheckpointNotFoundError(f"no checkpoint at {backend.uri}") from None
-    cat = parse_manifest(backend, manifest_bytes).catalog
+    return manifest_bytes, parse_manifest(backend, manifest_bytes)
+
+
+def fetch_catalog(backend: Backend, manifest: Manifest) -> bytes:
+    """The whole catalog's bytes, checked against the manifest's size and CRC32C."""
+    cat = manifest.catalog
     try:
         data = backend.read(cat.path)
     except ObjectNotFoundError as e:
@@ -127,7 +139,7 @@ def fetch_metadata(backend: Backend) -> tuple[bytes, bytes]:
             f"({len(data)} bytes, crc32c {crc32c(data):#010x}; expected {cat.nbytes} bytes, {cat.crc32c:#010x})",
             file=cat.path,
         )
-    return manifest_bytes, data
+    return data
 
 
 def write_catalog(backend: Backend, key: str, catalog: Catalog) -> FileEntry:

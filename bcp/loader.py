@@ -1,6 +1,9 @@
 """The load path (all ranks call ``load``; one process is a world of one).
 
 1. (coordinator) read manifest.json and fragments.arrow once; every rank gets the bytes.
+   A large catalog (v2, over ``catalog_fetch.WHOLE_CATALOG_BYTES``) is not shared
+   whole: the coordinator reads its head (tensor table, section table, span index)
+   and every rank reads only the sections its boxes need (bcp.catalog_fetch).
 2. (all ranks) match the template: each tensor-like leaf gives the boxes this rank
    holds (plain tensor: all of it; DTensor, TensorShard, FlatShard: their shards),
    whatever layout saved the checkpoint. Mismatches are collected into one error.
@@ -28,8 +31,8 @@ import torch
 from bcp.backends import Capability
 
 from .boxes import Box
+from .catalog_fetch import fetch_load_metadata, reader_from_head
 from .collectives import Coordinator, GroupCoordinator, coordinator_for, decide, run_phase
-from .commit import fetch_metadata
 from .errors import StateMismatchError, UnsupportedStateError
 from .io_scheduler.read_exec import ReadStats
 from .options import LoadOptions, LoadOptionsKwargs, ReshardObjects
@@ -90,14 +93,18 @@ def load_with_info(
     started = time.perf_counter()
     coord = coordinator_for(opts.process_group)
     backend = resolve_backend(uri, opts.storage_options)
-    manifest_bytes, catalog_bytes = decide(coord, "reading the checkpoint metadata", fetch_metadata, backend)
-    reader = reader_from_bytes(
+    manifest_bytes, catalog_bytes, partial = decide(
+        coord, "reading the checkpoint metadata", fetch_load_metadata, backend
+    )
+    reader = (reader_from_head if partial else reader_from_bytes)(
         backend, manifest_bytes, catalog_bytes, allow_pickle=opts.allow_pickle, verify=opts.verify
     )
     try:
         plan = run_phase(
             coord, "matching the state", match_state, reader, state, opts.strict, coord.world_size, reshard_objects
         )
+        if partial:
+            run_phase(coord, "reading the catalog", _require, reader, plan)
         if share_reads is None:
             share_reads = not (backend.capabilities & Capability.POSIX)
         stats = run_phase(coord, "reading tensors", _read, reader, plan, coord, share_reads)
@@ -245,6 +252,8 @@ def _match_subtree(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan, stored_
     plan.subtree_loads.append(SubtreeLoad(leaf, below))
     for f in below:
         if f in reader.catalog.tensors:
+            shape = reader.catalog.tensors[f].global_shape
+            reader.catalog.require([(f, ((0,) * len(shape), shape))])  # a catalog read in part: its rows first
             # reader.empty allocates only after the files holding the bytes are found in
             # storage with their declared sizes: a catalog cannot make this allocate more
             plan.subtree_tensors[f] = reader.empty(f)
@@ -266,6 +275,11 @@ def _check_per_rank_objects(
             f"these objects were saved per rank and need a reshard_objects hook to decide what each rank gets: "
             f"{', '.join(per_rank)} (see docs/distributed.md)"
         )
+
+
+def _require(reader: CheckpointReader, plan: LoadPlan) -> None:
+    """Read the catalog sections this rank's boxes need (a catalog read in part)."""
+    reader.catalog.require((r.fqn, r.box) for r in plan.tensor_requests)
 
 
 def _read(reader: CheckpointReader, plan: LoadPlan, coord: Coordinator, share_reads: bool) -> ReadStats:

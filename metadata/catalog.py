@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +20,9 @@ import pyarrow.compute  # binds pa.compute
 from .dtypes import itemsize
 from .errors import FormatError
 from .rows import Fragment, Rows, TensorEntry
+
+if TYPE_CHECKING:
+    from .sections import Head
 
 CATALOG_SCHEMA = pa.schema(
     [
@@ -96,10 +100,15 @@ class Catalog:
     _file_names: list[str]
     _file_index: dict[str, int]
     _rows: Rows
+    #: the Fragment objects a catalog was built from (row i is _given[i]); None otherwise
+    _given: list[Fragment] | None
+    #: every row held as a Fragment, tensor by tensor (built on demand)
     _fragments: list[Fragment] | None
     _where: str
     #: check whole-tensor tiling when an entry is built (rows read from storage)
     _check_tiling: bool
+    #: a v2 catalog's sections: which are held, how to read the others
+    _parts: _Sections | None = None
 
     def __init__(self, fragments: Iterable[Fragment]) -> None:
         frags = list(fragments)
@@ -117,21 +126,31 @@ class Catalog:
                 )
         file_index: dict[str, int] = {}
         rows = Rows.from_fragments(frags, dict(tensors.index), file_index)
-        self._setup(tensors, list(file_index), rows, where="catalog", check_tiling=False)
-        self._fragments = frags
+        self._setup(tensors, list(file_index), rows, where="catalog", check_tiling=False, given=frags)
 
-    def _setup(self, tensors: TensorTable, files: list[str], rows: Rows, *, where: str, check_tiling: bool) -> None:
+    def _setup(
+        self,
+        tensors: TensorTable,
+        files: list[str],
+        rows: Rows,
+        *,
+        where: str,
+        check_tiling: bool,
+        given: list[Fragment] | None = None,
+    ) -> None:
         self._table_of_tensors = tensors
         self._file_names = files
         self._file_index = {name: i for i, name in enumerate(files)}
-        self._fragments = None
+        self._given = given
         self._where = where
         self._check_tiling = check_tiling
+        self._parts = None
         self._set_rows(rows)
         self.tensors: Mapping[str, TensorEntry] = _Tensors(self)
 
     def _set_rows(self, rows: Rows) -> None:
         self._rows = rows
+        self._fragments = None
         order = np.argsort(rows.tensor, kind="stable")
         self._order = order
         self._starts = np.searchsorted(rows.tensor[order], np.arange(len(self._table_of_tensors) + 1))
@@ -162,7 +181,10 @@ class Catalog:
     @property
     def fragments(self) -> list[Fragment]:
         """Every row read as a Fragment: tensors in save order, each tensor's rows in
-        catalog order (built on demand: tools walk them, loads do not)."""
+        catalog order (built on demand: tools walk them, loads do not). A catalog built
+        from Fragment objects gives them back in their order."""
+        if self._given is not None:
+            return self._given
         if self._fragments is None:
             self._fragments = [
                 f for t in range(len(self._table_of_tensors)) for f in self._entry(t, check=False).fragments
@@ -174,9 +196,108 @@ class Catalog:
 
     def require(self, requests: Iterable[tuple[str, Box]]) -> None:
         """Make sure every stored row that may overlap the (fqn, box) ``requests`` is
-        held. A no-op for a catalog held whole; a catalog read in part reads the
-        sections it lacks."""
-        return None
+        held. A no-op for a catalog held whole; a catalog read in part (:meth:`from_head`)
+        reads the sections it lacks whose span index entries meet the boxes' flat
+        spans. Unknown tensors and malformed boxes are skipped (the caller reports
+        them). Entries taken from ``tensors`` before this call may lack the new rows."""
+        parts = self._parts
+        if parts is None or parts.loaded.all():
+            return
+        from .sections import flat_spans
+
+        tensors = self._table_of_tensors
+        codes: list[int] = []
+        offs: list[int] = []
+        lens: list[int] = []
+        starts = [0]
+        for fqn, (b_off, b_len) in requests:
+            t = tensors.index.get(fqn)
+            if t is None or not len(b_off) == len(b_len) == len(tensors.shapes[t]):
+                continue
+            shape = tensors.shapes[t]
+            if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(b_off, b_len, shape, strict=True)):
+                continue
+            codes.append(t)
+            offs += b_off
+            lens += b_len
+            starts.append(len(offs))
+        if not codes:
+            return
+        tcode = np.array(codes, dtype=np.int64)
+        first, last, live = flat_spans(
+            tcode, np.array(starts, np.int64), np.array(offs, np.int64), np.array(lens, np.int64), tensors.shapes
+        )
+        tcode, first, last = tcode[live], first[live], last[live]
+        head = parts.head
+        counts = parts.t_starts[tcode + 1] - parts.t_starts[tcode]
+        total = int(counts.sum())
+        step = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        span = parts.t_order[np.repeat(parts.t_starts[tcode], counts) + step]
+        lo, hi = np.repeat(first, counts), np.repeat(last, counts)
+        meets = (head.span_first[span] <= hi) & (head.span_last[span] >= lo)
+        wanted = np.zeros(head.sections, dtype=bool)
+        wanted[head.span_section[span[meets]]] = True
+        self._load_sections(np.flatnonzero(wanted & ~parts.loaded))
+
+    def require_all(self) -> None:
+        """Read every section not held yet (a catalog read in part becomes whole)."""
+        if self._parts is not None:
+            self._load_sections(np.flatnonzero(~self._parts.loaded))
+
+    def _load_sections(self, todo: np.ndarray) -> None:
+        """Read sections ``todo`` (ascending), one ranged read per run of adjacent ones."""
+        parts = self._parts
+        if parts is None or not len(todo):
+            return
+        head = parts.head
+        runs = np.split(todo, np.flatnonzero(np.diff(todo) != 1) + 1)
+        for run in runs:
+            a, b = int(run[0]), int(run[-1])
+            start, end = int(head.sec_offset[a]), int(head.sec_offset[b] + head.sec_length[b])
+            data = parts.fetch(start, end - start)
+            if len(data) != end - start:
+                raise FormatError(f"{self._where}: read {len(data)} bytes of catalog sections [{start}, {end})")
+            for k in range(a, b + 1):
+                lo = int(head.sec_offset[k]) - start
+                parts.rows[k] = self._decode_section(k, data[lo : lo + int(head.sec_length[k])])
+                parts.loaded[k] = True
+        self._set_rows(Rows.concat([parts.rows[k] for k in sorted(parts.rows)]))
+
+    def _decode_section(self, k: int, data: bytes) -> Rows:
+        """Section ``k``'s rows, checked against the head: CRC32C, budget, every row,
+        tensor table, row count, writers, span index."""
+        from .checksum import crc32c
+        from .sections import section_spans
+
+        parts = self._parts
+        assert parts is not None
+        head, where = parts.head, f"{self._where} (section {k})"
+        if crc32c(data) != int(head.sec_crc[k]):
+            raise FormatError(
+                f"{where}: fails its CRC32C ({crc32c(data):#010x}, head says {int(head.sec_crc[k]):#010x})"
+            )
+        budget = min(decode_budget(len(data)), parts.budget_left)
+        rows, used = decode_rows(
+            data, where, parts.checksum_block_bytes, self._table_of_tensors, self._file_names, fixed=True, budget=budget
+        )
+        parts.budget_left -= used
+        self._file_index = {name: i for i, name in enumerate(self._file_names)}
+        if len(rows) != int(head.sec_rows[k]):
+            raise FormatError(f"{where}: holds {len(rows)} rows; the head says {int(head.sec_rows[k])}")
+        if len(rows) and (
+            (rows.writer < head.sec_first_writer[k]).any() or (rows.writer > head.sec_last_writer[k]).any()
+        ):
+            raise FormatError(
+                f"{where}: holds rows of writers outside "
+                f"{int(head.sec_first_writer[k])}..{int(head.sec_last_writer[k])}"
+            )
+        t, lo, hi = section_spans(rows, self._table_of_tensors.shapes)
+        ht, hlo, hhi = head.spans_of(k)
+        if not (np.array_equal(t, ht) and np.array_equal(lo, hlo) and np.array_equal(hi, hhi)):
+            raise FormatError(f"{where}: the head's span index does not match the section's rows")
+        if parts.file_sizes is not None:
+            check_rows_in_files(rows, self._table_of_tensors, self._file_names, parts.file_sizes, where=where)
+        return rows
 
     def _rows_of(self, t: int) -> np.ndarray:
         return self._order[self._starts[t] : self._starts[t + 1]]
@@ -188,7 +309,7 @@ class Catalog:
         tensors = self._table_of_tensors
         fqn, shape = tensors.names[t], tensors.shapes[t]
         rows = self._rows_of(t)
-        frags = None if self._fragments is None else tuple(self._fragments[i] for i in rows.tolist())
+        frags = None if self._given is None else tuple(self._given[i] for i in rows.tolist())
         if frags is not None and any(len(f.offsets) != len(shape) for f in frags):
             # Fragment lists are not validated: keep what was given, columns left empty
             arrays: tuple[np.ndarray, ...] = (np.zeros((0, len(shape)), np.int64),) * 2 + (
@@ -228,7 +349,22 @@ class Catalog:
 
     def _complete(self, t: int) -> bool:
         """Whether every stored row of tensor ``t`` is held."""
-        return True
+        parts = self._parts
+        if parts is None:
+            return True
+        span = parts.t_order[parts.t_starts[t] : parts.t_starts[t + 1]]
+        return bool(parts.loaded[parts.head.span_section[span]].all())
+
+    @property
+    def sections_held(self) -> tuple[int, int]:
+        """(sections held, sections in the file); (1, 1) for a catalog not read in part."""
+        parts = self._parts
+        return (1, 1) if parts is None else (int(parts.loaded.sum()), len(parts.loaded))
+
+    @property
+    def is_whole(self) -> bool:
+        """Whether every row of the catalog is held."""
+        return self._parts is None or bool(self._parts.loaded.all())
 
     # -- Arrow IPC -----------------------------------------------------------------------
 
@@ -238,8 +374,19 @@ class Catalog:
         return _table(self._table_of_tensors, self._file_names, self._rows)
 
     def to_arrow(self) -> bytes:
-        """Arrow IPC file bytes: string columns dictionary-encoded, buffers zstd-compressed
-        (about 15 bytes per fragment for FSDP-like catalogs, 14x less than plain)."""
+        """Catalog v2 bytes (FORMAT.md): sections of rows by runs of writers, each an
+        Arrow IPC file with string columns dictionary-encoded and zstd-compressed
+        buffers (about 15 bytes per fragment for FSDP-like catalogs), then the head
+        (tensor table, section table, span index) and a fixed trailer."""
+        from .sections import encode
+
+        if self._parts is not None and not self._parts.loaded.all():
+            raise ValueError(f"{self._where}: a catalog read in part cannot be written")
+        return encode(self._table_of_tensors, self._file_names, self._rows)
+
+    def to_arrow_v1(self) -> bytes:
+        """Catalog v1 bytes (one Arrow IPC file): what bcp wrote before catalog v2;
+        for tests of the readers that must keep loading it."""
         return _ipc_file(self.to_table())
 
     @classmethod
@@ -260,19 +407,102 @@ class Catalog:
 
     @classmethod
     def _decode(cls, data: bytes, where: str, checksum_block_bytes: int) -> Catalog:
+        from .sections import is_v2
+
+        if is_v2(data[-32:]):
+            self = cls._open_head(data, len(data), lambda off, n: data[off : off + n], where, checksum_block_bytes)
+            self.require_all()
+            return self
         tensors = TensorTable()
         files: list[str] = []
-        rows = decode_rows(data, where, checksum_block_bytes, tensors, files, fixed=False)
+        rows, _used = decode_rows(data, where, checksum_block_bytes, tensors, files, fixed=False)
         self = cls.__new__(cls)
         self._setup(tensors, files, rows, where=where, check_tiling=True)
         return self
+
+    @classmethod
+    def from_head(
+        cls,
+        tail: bytes,
+        *,
+        file_size: int,
+        fetch: Callable[[int, int], bytes],
+        where: str,
+        checksum_block_bytes: int,
+    ) -> Catalog:
+        """A v2 catalog read in part: ``tail`` is its last bytes (at least the head and
+        the trailer) of a ``file_size``-byte file; ``fetch(offset, length)`` reads
+        other bytes of it. No rows are held until :meth:`require` reads the sections
+        some boxes need. Checks the trailer, the head's CRC32C and the head itself;
+        each section is checked when read (FormatError for anything malformed)."""
+        if checksum_block_bytes <= 0:
+            raise FormatError(f"{where}: checksum block size {checksum_block_bytes} is not positive")
+        try:
+            return cls._open_head(tail, file_size, fetch, where, checksum_block_bytes)
+        except FormatError:
+            raise
+        except (pa.ArrowException, ArithmeticError, LookupError, TypeError, ValueError, RecursionError, EOFError) as e:
+            raise FormatError(f"{where}: malformed catalog: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def _open_head(
+        cls, tail: bytes, file_size: int, fetch: Callable[[int, int], bytes], where: str, checksum_block_bytes: int
+    ) -> Catalog:
+        from .sections import decode_head, read_trailer
+
+        head_offset, head_crc = read_trailer(tail, file_size, where)
+        from_tail = len(tail) - (file_size - head_offset)
+        if from_tail < 0:
+            raise FormatError(f"{where}: the {len(tail)} bytes read do not hold the catalog head")
+        budget = decode_budget(file_size)
+        head = decode_head(
+            tail[from_tail : len(tail) - TRAILER_BYTES], head_offset, head_crc, where=where, budget=budget
+        )
+        self = cls.__new__(cls)
+        self._setup(head.tensors, [], Rows.empty(), where=where, check_tiling=True)
+        self._parts = _Sections(head, fetch, checksum_block_bytes, budget - head.used)
+        return self
+
+    @staticmethod
+    def tail_bytes(file_size: int, tail: bytes) -> int:
+        """How many bytes from the end of a ``file_size``-byte v2 catalog hold its head
+        and trailer, given at least its last TRAILER_BYTES ``tail``."""
+        from .sections import read_trailer
+
+        head_offset, _crc = read_trailer(tail, file_size, "catalog")
+        return file_size - head_offset
 
     def check_files(self, file_sizes: Mapping[str, int], *, where: str) -> None:
         """Raise FormatError unless every fragment names a file of ``file_sizes`` (the
         manifest's data files: path -> bytes) and its bytes lie inside that file.
         With this, no read planned from the catalog can ask for more bytes than the
-        manifest declares (vectorised; one pass over the rows held)."""
+        manifest declares (vectorised; one pass over the rows held). A catalog read in
+        part checks the rows of every section it reads later too."""
         check_rows_in_files(self._rows, self._table_of_tensors, self._file_names, file_sizes, where=where)
+        if self._parts is not None:
+            self._parts.file_sizes = dict(file_sizes)
+
+
+#: bytes of a v2 catalog's fixed trailer (sections.TRAILER.size)
+TRAILER_BYTES = 24
+
+
+class _Sections:
+    """A v2 catalog's head and which of its sections a catalog holds."""
+
+    def __init__(
+        self, head: Head, fetch: Callable[[int, int], bytes], checksum_block_bytes: int, budget_left: int
+    ) -> None:
+        self.head = head
+        self.fetch = fetch
+        self.checksum_block_bytes = checksum_block_bytes
+        #: decode budget left for the sections (the whole file's, shared)
+        self.budget_left = budget_left
+        self.loaded = np.zeros(head.sections, dtype=bool)
+        self.rows: dict[int, Rows] = {}
+        self.file_sizes: dict[str, int] | None = None
+        #: span index rows sorted by tensor, and each tensor's range in them
+        self.t_order, self.t_starts = head.sections_of_tensors()
 
 
 def check_rows_in_files(
@@ -321,26 +551,33 @@ def _list_array(starts: np.ndarray, values: np.ndarray, type_: pa.DataType) -> p
 
 
 def _table(tensors: TensorTable, file_names: Sequence[str], rows: Rows, version: str = "1") -> pa.Table:
-    """Rows in CATALOG_SCHEMA's columns, strings dictionary-encoded (one dictionary
-    entry per distinct value)."""
-    t = rows.tensor
-    kp_codes, kp_values = _distinct(tensors.key_paths)
-    dt_codes, dt_values = _distinct(tensors.dtypes)
-    ndim = np.array([len(s) for s in tensors.shapes], dtype=np.int64)
-    flat = np.fromiter((d for s in tensors.shapes for d in s), np.int64)
+    """Rows in CATALOG_SCHEMA's columns, strings dictionary-encoded; the dictionaries
+    hold only the tensors and files these rows name, each value once."""
+    present = np.bincount(rows.tensor, minlength=len(tensors)) > 0
+    kept = np.flatnonzero(present)
+    t = (np.cumsum(present) - 1)[rows.tensor]  # codes into the kept tensors
+    names = [tensors.names[i] for i in kept.tolist()]
+    shapes = [tensors.shapes[i] for i in kept.tolist()]
+    kp_codes, kp_values = _distinct([tensors.key_paths[i] for i in kept.tolist()])
+    dt_codes, dt_values = _distinct([tensors.dtypes[i] for i in kept.tolist()])
+    f_present = np.bincount(rows.file, minlength=len(file_names)) > 0
+    files = [file_names[i] for i in np.flatnonzero(f_present).tolist()]
+    f = (np.cumsum(f_present) - 1)[rows.file]
+    ndim = np.array([len(s) for s in shapes], dtype=np.int64)
+    flat = np.fromiter((d for s in shapes for d in s), np.int64)
     t_starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(ndim)])
     row_ndim = ndim[t]
     shape_starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(row_ndim)])
     pos = np.repeat(t_starts[:-1][t] - shape_starts[:-1], row_ndim) + np.arange(int(shape_starts[-1]), dtype=np.int64)
     schema = CATALOG_SCHEMA
     columns = [
-        pa.DictionaryArray.from_arrays(pa.array(t, pa.int32()), pa.array(tensors.names, pa.string())),
+        pa.DictionaryArray.from_arrays(pa.array(t, pa.int32()), pa.array(names, pa.string())),
         pa.DictionaryArray.from_arrays(pa.array(kp_codes[t], pa.int32()), pa.array(kp_values, pa.string())),
         pa.DictionaryArray.from_arrays(pa.array(dt_codes[t], pa.int32()), pa.array(dt_values, pa.string())),
         _list_array(shape_starts, flat[pos], schema.field("global_shape").type),
         _list_array(rows.coord_starts, rows.offsets, schema.field("offsets").type),
         _list_array(rows.coord_starts, rows.lengths, schema.field("lengths").type),
-        pa.DictionaryArray.from_arrays(pa.array(rows.file, pa.int32()), pa.array(list(file_names), pa.string())),
+        pa.DictionaryArray.from_arrays(pa.array(f, pa.int32()), pa.array(files, pa.string())),
         pa.array(rows.byte_offset, pa.int64()),
         pa.array(rows.nbytes, pa.int64()),
         _list_array(rows.sum_starts, rows.sums, schema.field("checksums").type),
@@ -455,13 +692,21 @@ def _bind(table: pa.Table, tensors: TensorTable, files: list[str], *, where: str
 
 
 def decode_rows(
-    data: bytes, where: str, checksum_block_bytes: int, tensors: TensorTable, files: list[str], *, fixed: bool
-) -> Rows:
+    data: bytes,
+    where: str,
+    checksum_block_bytes: int,
+    tensors: TensorTable,
+    files: list[str],
+    *,
+    fixed: bool,
+    budget: int | None = None,
+) -> tuple[Rows, int]:
     """Decode and validate one Arrow IPC file of catalog rows (a v1 catalog, or one
     section of a v2 catalog): budget, types, nulls, every row, agreement with the
-    tensor table (see :func:`_bind`)."""
-    budget = decode_budget(len(data))
-    check_ipc_budget(data, where=where, budget=budget)
+    tensor table (see :func:`_bind`). Returns the rows and the bytes of the budget
+    (default: :func:`decode_budget` of the file) that decoding counted."""
+    budget = decode_budget(len(data)) if budget is None else budget
+    used = check_ipc_budget(data, where=where, budget=budget)
     try:
         table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
         table.validate(full=True)
@@ -471,12 +716,12 @@ def decode_rows(
     if missing:
         raise FormatError(f"{where}: missing column(s) {', '.join(missing)}")
     table = table.select(CATALOG_SCHEMA.names)
-    _check_expansion(table, where=where, budget=budget)
+    _check_expansion(table, where=where, budget=budget)  # strings stay encoded: counted, not charged
     table = _cast(table, where)
     if table.num_rows and any(table.column(n).null_count for n in CATALOG_SCHEMA.names):
         raise FormatError(f"{where}: null values in the catalog")
     _validate_table(table, where=where, checksum_block_bytes=checksum_block_bytes)
-    return _bind(table, tensors, files, where=where, fixed=fixed)
+    return _bind(table, tensors, files, where=where, fixed=fixed), used
 
 
 _TUPLE_COLUMNS = frozenset({"global_shape", "offsets", "lengths", "checksums"})
@@ -617,6 +862,8 @@ def tiling_problem(shape: Sequence[int], offsets: np.ndarray, lengths: np.ndarra
     if len(cut) == 1:  # the usual layout (a shard along one dimension): intervals that must abut
         (k,) = cut
         start, end = offsets[:, k], offsets[:, k] + lengths[:, k]
+        if len(start) and start[0] == 0 and end[-1] == shape[k] and (end[:-1] == start[1:]).all():
+            return None  # already in order, abutting, no replicas: the catalog's usual order
         if (shape[k] + 1) ** 2 < 1 << 62:
             key = np.unique(start * (shape[k] + 1) + end)
             start, end = key // (shape[k] + 1), key % (shape[k] + 1)
@@ -783,7 +1030,7 @@ class _Flat:
 _MESSAGE_SCHEMA, _MESSAGE_DICTIONARY, _MESSAGE_RECORDS = 1, 2, 3
 
 
-def check_ipc_budget(data: bytes, *, where: str, budget: int) -> None:
+def check_ipc_budget(data: bytes, *, where: str, budget: int) -> int:
     """Refuse an Arrow IPC file whose batches would decode to more than ``budget``
     bytes, before anything is decompressed.
 
@@ -791,9 +1038,9 @@ def check_ipc_budget(data: bytes, *, where: str, budget: int) -> None:
     reader will decode): row and element counts of every array, and each buffer's
     size, where compressed buffers declare their decompressed size in their first 8
     bytes (Arrow's format). Files that are not Arrow IPC files are left to the Arrow
-    reader to reject."""
+    reader to reject. Returns the bytes counted (what decoding will allocate, at most)."""
     if len(data) < 18 or data[:6] != b"ARROW1" or data[-6:] != b"ARROW1":
-        return  # not an IPC file: open_file says so
+        return 0  # not an IPC file: open_file says so
     footer_len = struct.unpack_from("<i", data, len(data) - 10)[0]
     if not 0 < footer_len <= len(data) - 18:
         raise FormatError(f"{where}: Arrow footer length {footer_len} is impossible for a {len(data)}-byte file")
@@ -845,9 +1092,10 @@ def check_ipc_budget(data: bytes, *, where: str, budget: int) -> None:
                 f"{where}: the catalog would decode to more than {budget} bytes from {len(data)} "
                 "(a decompression bomb, or a catalog far larger than its file); refusing it"
             )
+    return used
 
 
-def _check_expansion(table: pa.Table, *, where: str, budget: int) -> None:
+def _check_expansion(table: pa.Table, *, where: str, budget: int) -> int:
     """Refuse dictionary-encoded string columns that would expand past ``budget`` bytes
     when decoded to one string per row (a long value repeated by a million indices
     compresses to nothing). Computed from the value lengths, without expanding."""
@@ -866,3 +1114,4 @@ def _check_expansion(table: pa.Table, *, where: str, budget: int) -> None:
                 raise FormatError(
                     f"{where}: dictionary-encoded strings would expand to more than {budget} bytes; refusing it"
                 )
+    return total

@@ -44,11 +44,14 @@ def test_catalog_round_trip(frags):
     first = {}
     frags = [f for f in frags if first.setdefault(f.fqn, (f.dtype, f.global_shape)) == (f.dtype, f.global_shape)]
     back = Catalog.from_arrow(Catalog(frags).to_arrow(), where="t", checksum_block_bytes=BLOCK)
-    # tensors in order of first appearance, each tensor's rows in order
+    # tensors in order of first appearance; each tensor's rows by writer (sections are
+    # runs of writers), in the given order within a writer
     rank = {}
     for f in frags:
         rank.setdefault(f.fqn, len(rank))
-    assert back.fragments == sorted(frags, key=lambda f: rank[f.fqn])
+    assert back.fragments == sorted(frags, key=lambda f: (rank[f.fqn], f.writer_rank))
+    v1 = Catalog.from_arrow(Catalog(frags).to_arrow_v1(), where="t", checksum_block_bytes=BLOCK)
+    assert v1.fragments == sorted(frags, key=lambda f: rank[f.fqn])
     assert list(back.tensors) == list(rank)
     for fqn, entry in Catalog(frags).tensors.items():  # random rows need not tile: no decoded entries here
         mine = [f for f in frags if f.fqn == fqn]
