@@ -1,9 +1,9 @@
 """The coordinator's side of a commit: every writer's fragment rows, merged as columns.
 
-Writers report their rows as Arrow tables in CATALOG_SCHEMA's columns
-(``WriterReport.rows``). At 1,024 ranks x 2,000 tensors that is 2 M rows: they are
-concatenated, ordered and counted with Arrow and numpy (sort indices and hash
-group-bys), never one Python object per row.
+Writers report their rows as Arrow tables (``WriterReport.rows``: a tensor index into
+the rank's layout metadata, the box, where its bytes lie, their checksums). At 1,024
+ranks x 2,000 tensors that is 2 M rows: they are concatenated, ordered and counted
+with Arrow and numpy (sort indices), never one Python object per row.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from bcp.metadata import CATALOG_SCHEMA
+
+from .io_scheduler.write_pipeline import WriterReport
+from .save_plan import LayoutMeta
 
 
 def padded_boxes(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -75,69 +78,68 @@ class Merged:
     stats: dict[str, int]
 
 
-def merge_rows(tables: Sequence[pa.Table], order: Sequence[str]) -> pa.Table:
-    """Every writer's rows as one table, ordered by the tensors' save order (``order``:
-    FQNs; a tensor missing from it goes last), then the box offsets, then the writer."""
-    return merge(tables, order).table
+def merge_reports(reports: Sequence[WriterReport], metas: Sequence[LayoutMeta], order: Sequence[str]) -> Merged:
+    """Every writer's rows as one catalog table (CATALOG_SCHEMA's columns, strings
+    dictionary-encoded), ordered by the tensors' save order (``order``: FQNs), then the
+    box offsets, then the writer; and the manifest's counts.
 
-
-def merge(tables: Sequence[pa.Table], order: Sequence[str]) -> Merged:
-    """:func:`merge_rows` and :func:`row_stats` in one pass over the rows."""
-    tables = [
-        t if t.schema.equals(CATALOG_SCHEMA) else t.select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA)
-        for t in tables
-        if t.num_rows
-    ]
-    if not tables:
-        return Merged(CATALOG_SCHEMA.empty_table(), _no_rows())
-    table = pa.concat_tables(tables)
-    fqn = table.column("fqn").combine_chunks().dictionary_encode()
-    codes = fqn.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    ``metas[r]`` is rank r's layout metadata: report rows name a tensor by its index
+    there. The plan checked that ranks agree on each tensor's key path, dtype and shape,
+    so the per-tensor columns come from one table of tensors, not from every row."""
     position = {name: i for i, name in enumerate(order)}
-    names = fqn.dictionary.to_pylist()
-    rank = np.array([position.get(name, len(order) + i) for i, name in enumerate(names)], dtype=np.int64)
+    # the tensor table, indexed by save-order position
+    fqns: list[str | None] = [None] * len(order)
+    paths: list[str] = [""] * len(order)
+    dtypes: list[str] = [""] * len(order)
+    shapes: list[tuple[int, ...]] = [()] * len(order)
+    to_global: dict[int, np.ndarray] = {}
+    for meta in {id(m): m for m in metas}.values():
+        ids = np.array([position[f] for f in meta.fqns], dtype=np.int64)
+        to_global[id(meta)] = ids
+        for i, g in enumerate(ids.tolist()):
+            if fqns[g] is None:
+                fqns[g], paths[g], dtypes[g], shapes[g] = (
+                    meta.fqns[i],
+                    meta.key_paths[i],
+                    meta.dtypes[i],
+                    meta.shapes[i],
+                )
+    writing = [r for r in reports if r.rows.num_rows]
+    if not writing:
+        return Merged(CATALOG_SCHEMA.empty_table(), _no_rows())
+    table = pa.concat_tables([r.rows for r in writing])
+    tensor = np.concatenate([to_global[id(metas[r.rank])][r.rows.column("tensor").to_numpy()] for r in writing])
+    sizes = np.array([r.rows.num_rows for r in writing], dtype=np.int64)
+    file = np.repeat(np.arange(len(writing), dtype=np.int64), sizes)
+    writer = np.repeat(np.array([r.rank for r in writing], dtype=np.int64), sizes)
     offsets = padded_boxes(table.column("offsets"))
     lengths = padded_boxes(table.column("lengths"))
-    file = table.column("file").combine_chunks().dictionary_encode()
-    writer = table.column("writer_rank").to_numpy().astype(np.int64)
-    # writer ranks are >= 0 in bcp's own reports; shift anyway so the packed key stays exact
-    idx = sort_index([rank[codes], *(offsets[:, d] for d in range(offsets.shape[1] - 1)), writer - writer.min()])
-    stats = _stats(table, codes, len(names), offsets, lengths, file.indices)
-    # Reorder column by column. A take of a string or list column over 2 M rows in this
-    # order misses the cache at every row; strings go as dictionary codes instead, boxes
-    # from their integer matrices (exact: every row keeps its own values).
+    idx = sort_index([tensor, *(offsets[:, d] for d in range(offsets.shape[1] - 1)), writer - int(writer.min())])
+    present = int(np.count_nonzero(np.bincount(tensor, minlength=len(order))))
+    stats = _stats(table, tensor, present, offsets, lengths, pa.array(file), by_box=idx)
+    t_sorted = tensor[idx]
+    names = [r.file.path if r.file is not None else "" for r in writing]
     columns: dict[str, pa.Array] = {
-        "fqn": _dictionary(fqn, idx),
-        "key_path": _dictionary(table.column("key_path").combine_chunks().dictionary_encode(), idx),
-        "dtype": _dictionary(table.column("dtype").combine_chunks().dictionary_encode(), idx),
-        "global_shape": table.column("global_shape").combine_chunks().take(idx),
-        "offsets": _lists(offsets, idx),
-        "lengths": _lists(lengths, idx),
-        "file": _dictionary(file, idx),
+        "fqn": _coded(t_sorted, [f or "" for f in fqns]),
+        "key_path": _coded(t_sorted, paths),
+        "dtype": _coded(t_sorted, dtypes),
+        "global_shape": pa.array(shapes, pa.list_(pa.int64())).take(pa.array(t_sorted)),
+        "offsets": table.column("offsets").combine_chunks().take(pa.array(idx)),
+        "lengths": table.column("lengths").combine_chunks().take(pa.array(idx)),
+        "file": _coded(file[idx], names),
+        "byte_offset": pa.array(table.column("byte_offset").to_numpy()[idx]),
+        "nbytes": pa.array(table.column("nbytes").to_numpy()[idx]),
+        "checksums": table.column("checksums").combine_chunks().take(pa.array(idx)),
+        "writer_rank": pa.array(writer[idx].astype(np.int32)),
     }
-    for name in ("byte_offset", "nbytes", "writer_rank"):
-        columns[name] = pa.array(table.column(name).to_numpy()[idx])
-    columns["checksums"] = table.column("checksums").combine_chunks().take(idx)
-    return Merged(pa.table([columns[n] for n in CATALOG_SCHEMA.names], names=CATALOG_SCHEMA.names), stats)
+    return Merged(pa.table([columns[c] for c in CATALOG_SCHEMA.names], names=CATALOG_SCHEMA.names), stats)
 
 
-def _dictionary(encoded: pa.DictionaryArray, idx: np.ndarray) -> pa.DictionaryArray:
-    codes = encoded.indices.to_numpy(zero_copy_only=False)[idx]
-    return pa.DictionaryArray.from_arrays(pa.array(codes), encoded.dictionary)
-
-
-def _lists(padded: np.ndarray, idx: np.ndarray) -> pa.ListArray:
-    """Rows ``idx`` of a :func:`padded_boxes` matrix as a list<int64> array."""
-    rows = padded[idx]
-    ndim = rows[:, -1]
-    width = rows.shape[1] - 1
-    if len(rows) and int(ndim.min()) == width:
-        values = rows[:, :width].ravel()
-    else:
-        values = rows[:, :width][np.arange(width) < ndim[:, None]]
-    bounds = np.zeros(len(rows) + 1, dtype=np.int32)
-    np.cumsum(ndim, out=bounds[1:])
-    return pa.ListArray.from_arrays(pa.array(bounds), pa.array(values, pa.int64()))
+def _coded(codes: np.ndarray, values: Sequence[str]) -> pa.DictionaryArray:
+    """``values[codes]`` as a dictionary array whose dictionary holds each string once."""
+    encoded = pa.array(values, pa.string()).dictionary_encode()
+    remap = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int32)
+    return pa.DictionaryArray.from_arrays(pa.array(remap[codes]), encoded.dictionary)
 
 
 def row_stats(table: pa.Table) -> dict[str, int]:
@@ -159,32 +161,64 @@ def _no_rows() -> dict[str, int]:
 
 
 def _stats(
-    table: pa.Table, codes: np.ndarray, tensors: int, offsets: np.ndarray, lengths: np.ndarray, files: pa.Array
+    table: pa.Table,
+    codes: np.ndarray,
+    tensors: int,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    files: pa.Array,
+    by_box: np.ndarray | None = None,
 ) -> dict[str, int]:
+    """The counts of :func:`row_stats`. ``by_box``: an order of the rows in which rows
+    with equal (tensor, offsets) are adjacent (the catalog order), so only the rows
+    of such runs need comparing in full; else one is sorted here."""
     file = files.to_numpy(zero_copy_only=False).astype(np.int64)
     byte_offset = table.column("byte_offset").to_numpy()
     nbytes = table.column("nbytes").to_numpy()
     box = [*(offsets[:, d] for d in range(offsets.shape[1])), *(lengths[:, d] for d in range(lengths.shape[1] - 1))]
-    # distinct stored fragments: rows sharing (file, byte offset) are few (ties, empty
-    # items); only those are compared box for box
-    at = _distinct([file, byte_offset])
-    fragments = len(at)
-    if len(at) < len(file):
-        shared = _rows_sharing([file, byte_offset])
+    # Distinct stored fragments. Rows sharing (file, byte offset) are few (tied tensors,
+    # empty items); only those are compared box for box. Writers place items at rising
+    # offsets, so in report order equal pairs are usually adjacent already.
+    within = _adjacent_order(file, byte_offset)
+    shared = _in_runs([file, byte_offset], within if within is not None else sort_index([file, byte_offset]))
+    fragments = len(file) - len(shared)
+    if len(shared):
         keys = [file[shared], byte_offset[shared], *(k[shared] for k in box)]
-        fragments += len(_distinct(keys)) - len(_distinct(keys[:2]))
+        fragments += len(_distinct(keys))
     # tensor bytes: each (tensor, box) once
-    firsts = _distinct([codes, *box])
-    return {"tensors": tensors, "fragments": fragments, "tensor_bytes": int(nbytes[firsts].sum())}
+    order = by_box if by_box is not None else sort_index([codes, *box])
+    shared = _in_runs([codes, *box[: offsets.shape[1]]], order)
+    tensor_bytes = int(nbytes.sum()) - int(nbytes[shared].sum())
+    if len(shared):
+        tensor_bytes += int(nbytes[shared][_distinct([codes[shared], *(k[shared] for k in box)])].sum())
+    return {"tensors": tensors, "fragments": fragments, "tensor_bytes": tensor_bytes}
 
 
-def _rows_sharing(keys: Sequence[np.ndarray]) -> np.ndarray:
-    """Indices of the rows whose combination of ``keys`` also occurs in another row."""
-    order = sort_index(keys)
-    same = np.ones(max(len(order) - 1, 0), dtype=bool)
+def _adjacent_order(file: np.ndarray, byte_offset: np.ndarray) -> np.ndarray | None:
+    """The rows' own order when each file's rows are one run with non-decreasing byte
+    offsets (then equal (file, offset) pairs are adjacent), else None."""
+    n = len(file)
+    if n < 2:
+        return np.arange(n)
+    step = file[1:] != file[:-1]
+    if int(step.sum()) + 1 != len(np.unique(file)):
+        return None
+    if (np.diff(byte_offset)[~step] < 0).any():
+        return None
+    return np.arange(n)
+
+
+def _in_runs(keys: Sequence[np.ndarray], order: np.ndarray) -> np.ndarray:
+    """Indices of the rows whose ``keys`` equal those of a neighbour in ``order`` (an
+    order in which equal keys are adjacent): the rows that share their keys."""
+    if len(order) < 2:
+        return np.zeros(0, dtype=np.int64)
+    same = np.ones(len(order) - 1, dtype=bool)
     for k in keys:
         s = k[order]
         same &= s[1:] == s[:-1]
+    if not same.any():
+        return np.zeros(0, dtype=np.int64)
     mark = np.zeros(len(order), dtype=bool)
     mark[1:] |= same
     mark[:-1] |= same

@@ -40,8 +40,9 @@ class PlanSummary:
     total_bytes: int
     #: every tensor's FQN in save order (the catalog's row order)
     order: tuple[str, ...]
-    #: meta digests the plan's layouts use
-    metas: frozenset[bytes]
+    #: the decoded metadata of the plan's layouts, by meta digest (the commit maps
+    #: each writer's tensor indices through it)
+    metas: Mapping[bytes, LayoutMeta]
 
 
 def plan_key(digests: Sequence[bytes]) -> bytes:
@@ -103,14 +104,14 @@ class PlanCache:
         with self._lock:
             return dict(self._metas)
 
-    def remember_plan(self, key: bytes, summary: PlanSummary, metas: Mapping[bytes, LayoutMeta]) -> None:
+    def remember_plan(self, key: bytes, summary: PlanSummary) -> None:
         """Keep ``summary`` (and the metadata it used); forget the oldest beyond ``keep``."""
         with self._lock:
             self._plans[key] = summary
             self._plans.move_to_end(key)
             while len(self._plans) > self.keep:
                 self._plans.popitem(last=False)
-            self._metas.update({d: metas[d] for d in summary.metas})
+            self._metas.update(summary.metas)
             used = set().union(*(p.metas for p in self._plans.values()))
             for d in [d for d in self._metas if d not in used]:
                 del self._metas[d]

@@ -1,12 +1,17 @@
 """The save path (all ranks call ``save``; one process is a world of one).
 
-1. (all ranks) flatten the state, find each tensor's local boxes, encode objects.
-2. (coordinator) gather local plans, refuse an existing checkpoint, validate that
-   shards tile every tensor, deduplicate replicas and balance bytes over ranks.
+1. (all ranks) flatten the state, find each tensor's local boxes (a LocalLayout),
+   encode objects.
+2. (coordinator) gather every rank's hello (layout digests, cached plans held,
+   objects), refuse an existing checkpoint, settle the objects. Unless the plan of
+   this exact job-wide layout is cached (``bcp.plan_cache``): gather the layouts' box
+   arrays (metadata once per digest), validate that shards tile every tensor,
+   deduplicate replicas, balance bytes over ranks, scatter each rank's writes as
+   indices into its own boxes.
 3. (all ranks) write the assigned boxes into one data file per rank, checksummed.
-4. (coordinator) gather fragment rows, write fragments.arrow, then commit
-   manifest.json; any rank's failure in any phase means no commit and an error on
-   every rank.
+4. (coordinator) gather fragment rows (Arrow tables), merge them in columns, write
+   fragments.arrow, then commit manifest.json; any rank's failure in any phase
+   means no commit and an error on every rank.
 
 The commit protocol itself (generations, create-only manifest, discarding) is
 ``bcp.commit``; the key layout is ``bcp.metadata.layout``.
@@ -44,7 +49,7 @@ from .commit import (
     write_catalog,
 )
 from .errors import CheckpointExistsError, CommitUncertainError, ShardingError, UnsupportedStateError
-from .fragment_rows import merge, row_stats
+from .fragment_rows import merge_reports, row_stats
 from .io_scheduler.staging import default_pool
 from .io_scheduler.write_pipeline import WriteItem, WritePipeline, WriterReport, fragment_table
 from .options import SaveOptions, SaveOptionsKwargs
@@ -150,8 +155,8 @@ def _prepare(state: Mapping[str, Any], rank: int, allow_pickle: bool) -> _Prepar
             boxes=tuple(p.box for p in local),
             alias_of=None if alias == leaf.fqn else alias,
         )
+        items.extend(WriteItem(tensor_plan, piece, len(tensors)) for piece in local)  # LocalLayout's flat order
         tensors.append(tensor_plan)
-        items.extend(WriteItem(tensor_plan, piece) for piece in local)  # LocalLayout's flat order
     return _Prepared(LocalPlan(rank, tuple(tensors)), LocalLayout.build(rank, tensors), items, objects)
 
 
@@ -362,7 +367,9 @@ class SaveJob:
     def _commit(self, reports: list[WriterReport]) -> dict[str, int]:
         """(coordinator) Catalog rows in save order, the catalog, then the manifest."""
         assert self.decision is not None
-        merged = merge([r.rows for r in reports], self.decision.order)
+        plan = self.decision.plan
+        assert plan is not None, "planned before anything is written"
+        merged = merge_reports(reports, [plan.metas[d] for d in self.decision.meta_digests], plan.order)
         catalog = write_catalog(self.backend, catalog_key(self.generation), Catalog.from_table(merged.table))
         check_generation_intact(
             self.backend, self.generation, [catalog.path, *(r.file.path for r in reports if r.file is not None)]
@@ -446,9 +453,9 @@ def _plan(decision: SaveDecision, layouts: list[LocalLayout], cache: PlanCache) 
         tensors=plan.tensors,
         total_bytes=plan.total_bytes,
         order=save_order(decision.meta_digests, metas),
-        metas=frozenset(decision.meta_digests),
+        metas={d: metas[d] for d in dict.fromkeys(decision.meta_digests)},
     )
-    cache.remember_plan(decision.start.key, summary, metas)
+    cache.remember_plan(decision.start.key, summary)
     if len(layouts) > 1:
         _log_plan(summary)
     return dataclasses.replace(decision, plan=summary), plan

@@ -6,9 +6,10 @@ rank's report is pickled beforehand, as gather_object sends it.
 
 Timed (CPU seconds of this process, then wall seconds; the best of --repeat runs,
 interleaved), per path:
-  columnar (today): unpickle every rank's WriterReport (an Arrow table), merge
-      (concatenate, order by save order / offsets / writer with sort indices, and the
-      manifest's counts), write_catalog(Catalog.from_table(rows)) to a memory backend;
+  columnar (today): unpickle every rank's WriterReport (an Arrow table naming tensors
+      by index in the rank's layout metadata), merge_reports (concatenate, order by
+      save order / offsets / writer with sort indices, the manifest's counts),
+      write_catalog(Catalog.from_table(rows)) to a memory backend;
   objects (before): unpickle every rank's list of Fragment objects, sort them with
       a lambda key, write_catalog(Catalog(fragments)), the manifest's counts over
       Python sets, as the save did before writers reported Arrow tables.
@@ -29,22 +30,27 @@ import pyarrow as pa
 
 from bcp.backends import backend_for
 from bcp.commit import write_catalog
-from bcp.fragment_rows import merge
-from bcp.io_scheduler.write_pipeline import WriterReport
-from bcp.metadata import CATALOG_SCHEMA, Catalog, FileEntry
+from bcp.fragment_rows import merge_reports
+from bcp.io_scheduler.write_pipeline import REPORT_SCHEMA, WriterReport
+from bcp.metadata import Catalog, FileEntry
 from bcp.metadata.layout import data_file_key, generation_name
+from bcp.save_plan import LayoutMeta, TensorPlan
 
 
-def reports(ranks: int, tensors: int, seed: int = 0) -> list[WriterReport]:
-    """One report per rank: its fragment of every tensor, in save order, back to back."""
+def reports(ranks: int, tensors: int, seed: int = 0) -> tuple[list[WriterReport], LayoutMeta]:
+    """One report per rank (its fragment of every tensor, in save order, back to back)
+    and the layout metadata every rank shares."""
     rng = random.Random(seed)
     shapes = [(rng.randint(1024, 8192), rng.choice([1024, 4096])) for _ in range(tensors)]
     names = [f"model.layers.{i // 8}.block.w{i % 8}" for i in range(tensors)]
     paths = [f'[["d","model"],["d","layers"],["d",{i // 8}],["d","w{i % 8}"]]' for i in range(tensors)]
+    meta = LayoutMeta(tuple(names), tuple(paths), ("bfloat16",) * tensors, tuple(shapes), (None,) * tensors)
+    plans = {i: TensorPlan(names[i], paths[i], "bfloat16", shapes[i], ()) for i in range(tensors)}
     rows = np.array([s[0] for s in shapes], dtype=np.int64)
     cols = np.array([s[1] for s in shapes], dtype=np.int64)
     size = -(-rows // ranks)
     gen = generation_name("0123456789abcdef")
+    two = np.arange(0, 2 * tensors + 1, 2, dtype=np.int32)
     out = []
     for r in range(ranks):
         start = np.minimum(r * size, rows)
@@ -52,39 +58,33 @@ def reports(ranks: int, tensors: int, seed: int = 0) -> list[WriterReport]:
         nbytes = length * cols * 2
         byte_offset = np.concatenate([[0], np.cumsum(-(-nbytes // 64) * 64)[:-1]])
         blocks = -(-nbytes // (64 << 10))
-        two = np.arange(0, 2 * tensors + 1, 2, dtype=np.int32)
-        key = data_file_key(gen, r)
         table = pa.table(
-            {
-                "fqn": pa.array(names),
-                "key_path": pa.array(paths),
-                "dtype": pa.array(["bfloat16"] * tensors),
-                "global_shape": pa.ListArray.from_arrays(two, np.stack([rows, cols], 1).ravel()),
-                "offsets": pa.ListArray.from_arrays(two, np.stack([start, np.zeros_like(start)], 1).ravel()),
-                "lengths": pa.ListArray.from_arrays(two, np.stack([length, cols], 1).ravel()),
-                "file": pa.array([key] * tensors),
-                "byte_offset": pa.array(byte_offset),
-                "nbytes": pa.array(nbytes),
-                "checksums": pa.ListArray.from_arrays(
+            [
+                pa.array(np.arange(tensors, dtype=np.int32)),
+                pa.ListArray.from_arrays(two, np.stack([start, np.zeros_like(start)], 1).ravel()),
+                pa.ListArray.from_arrays(two, np.stack([length, cols], 1).ravel()),
+                pa.array(byte_offset),
+                pa.array(nbytes),
+                pa.ListArray.from_arrays(
                     np.concatenate([[0], np.cumsum(blocks)]).astype(np.int32),
                     pa.array(np.arange(int(blocks.sum())) % (1 << 32), pa.uint32()),
                 ),
-                "writer_rank": pa.array(np.full(tensors, r, np.int32)),
-            },
-            schema=CATALOG_SCHEMA,
+            ],
+            schema=REPORT_SCHEMA,
         )
-        out.append(WriterReport(table, FileEntry(key, int(byte_offset[-1] + nbytes[-1]), "0" * 8)))
-    return out
+        key = data_file_key(gen, r)
+        out.append(WriterReport(table, FileEntry(key, int(byte_offset[-1] + nbytes[-1]), "0" * 8), r, plans))
+    return out, meta
 
 
-def commit_columnar(blobs: list[bytes], order: list[str], backend) -> dict:
+def commit_columnar(blobs: list[bytes], order: list[str], backend, meta: LayoutMeta) -> dict:
     got = [pickle.loads(b) for b in blobs]
-    merged = merge([g.rows for g in got], order)  # rows in catalog order, and the manifest's counts
+    merged = merge_reports(got, [meta] * len(got), order)  # rows in catalog order, and the manifest's counts
     entry = write_catalog(backend, "columnar/fragments.arrow", Catalog.from_table(merged.table))
     return {"catalog_bytes": entry.nbytes, **merged.stats}
 
 
-def commit_objects(blobs: list[bytes], order: list[str], backend) -> dict:
+def commit_objects(blobs: list[bytes], order: list[str], backend, _meta: LayoutMeta) -> dict:
     got = [pickle.loads(b) for b in blobs]
     pos = {n: i for i, n in enumerate(order)}
     fragments = sorted((f for r in got for f in r), key=lambda f: (pos[f.fqn], f.offsets, f.writer_rank))
@@ -114,8 +114,8 @@ def main() -> None:
     sizes = sorted({args.objects_ranks, args.ranks} - {0})
     print(f"{'ranks':>6} {'tensors':>7} {'rows':>9} {'path':>9} {'cpu s':>7} {'wall s':>7} {'us/row':>7}  catalog")
     for ranks in sizes:
-        reps = reports(ranks, args.tensors)
-        order = reps[0].rows.column("fqn").to_pylist()
+        reps, meta = reports(ranks, args.tensors)
+        order = list(meta.fqns)
         n = ranks * args.tensors
         paths = [("columnar", commit_columnar, [pickle.dumps(r) for r in reps])]
         if ranks <= args.objects_ranks:
@@ -124,7 +124,7 @@ def main() -> None:
         results = {}
         for _ in range(args.repeat):  # interleaved: columnar, objects, columnar, objects
             for name, fn, blobs in paths:
-                cpu, wall, out = timed(fn, blobs, order, backend)
+                cpu, wall, out = timed(fn, blobs, order, backend, meta)
                 best = results.get(name)
                 if best is None or cpu < best[0]:
                     results[name] = (cpu, wall, out)

@@ -7,15 +7,17 @@ from __future__ import annotations
 import itertools
 import pickle
 
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bcp.collectives import Coordinator, portable
 from bcp.errors import RankFailedError
-from bcp.fragment_rows import merge_rows, row_stats
-from bcp.io_scheduler.write_pipeline import WriterReport, fragment_table
-from bcp.metadata import Fragment
+from bcp.fragment_rows import merge_reports, row_stats
+from bcp.io_scheduler.write_pipeline import REPORT_SCHEMA, WriterReport, fragment_table
+from bcp.metadata import FileEntry, Fragment
+from bcp.save_plan import LayoutMeta, TensorPlan
 
 # -- status rounds ------------------------------------------------------------------------
 
@@ -134,32 +136,78 @@ def sort_key(f: Fragment):
     return (f.fqn, f.offsets, f.writer_rank, f.lengths, f.byte_offset)
 
 
+def compact_reports(per_writer: list[list[Fragment]]) -> tuple[list[WriterReport], list[LayoutMeta]]:
+    """What each writer sends for these fragments: rows naming tensors by their index
+    in the writer's layout metadata."""
+    reports, metas = [], []
+    for w, frags in enumerate(per_writer):
+        first = {f.fqn: f for f in frags}
+        names = list(first)
+        meta = LayoutMeta(
+            tuple(names),
+            tuple(first[n].key_path for n in names),
+            tuple(first[n].dtype for n in names),
+            tuple(first[n].global_shape for n in names),
+            (None,) * len(names),
+        )
+        rows = pa.table(
+            [
+                pa.array([names.index(f.fqn) for f in frags], pa.int32()),
+                pa.array([f.offsets for f in frags], pa.list_(pa.int64())),
+                pa.array([f.lengths for f in frags], pa.list_(pa.int64())),
+                pa.array([f.byte_offset for f in frags], pa.int64()),
+                pa.array([f.nbytes for f in frags], pa.int64()),
+                pa.array([f.checksums for f in frags], pa.list_(pa.uint32())),
+            ],
+            schema=REPORT_SCHEMA,
+        )
+        size = max((f.byte_offset + f.nbytes for f in frags), default=0)
+        plans = {
+            i: TensorPlan(n, first[n].key_path, first[n].dtype, first[n].global_shape, ()) for i, n in enumerate(names)
+        }
+        reports.append(WriterReport(rows, FileEntry(f"f{w}", size, "0" * 8) if frags else None, w, plans))
+        metas.append(meta)
+    return reports, metas
+
+
+def as_fragments(table: pa.Table) -> list[Fragment]:
+    return WriterReport.fragments_of(table)
+
+
 @settings(max_examples=200, deadline=None)
 @given(fragment_sets(), st.randoms())
 def test_merged_rows_match_the_fragment_object_path(per_writer, rnd):
+    if rnd.random() < 0.5:  # rows out of file order: the counts must not rely on it
+        for frags in per_writer:
+            rnd.shuffle(frags)
     everything = [f for frags in per_writer for f in frags]
     order = list(dict.fromkeys(f.fqn for f in everything))
     rnd.shuffle(order)
-    tables = [fragment_table(frags) for frags in per_writer]
-    merged = WriterReport(merge_rows(tables, order), None).fragments
+    reports, metas = compact_reports(per_writer)
+    reports = [pickle.loads(pickle.dumps(r)) for r in reports]  # as gather_object delivers them
+    merged = merge_reports(reports, metas, order)
     expected = old_order(everything, order)
-    assert [sort_key(f) for f in merged] == [sort_key(f) for f in expected]
-    assert sorted(merged, key=repr) == sorted(expected, key=repr)
-    assert row_stats(merge_rows(tables, order)) == old_stats(everything)
+    got = as_fragments(merged.table)
+    assert [sort_key(f) for f in got] == [sort_key(f) for f in expected]
+    assert sorted(got, key=repr) == sorted(expected, key=repr)
+    assert merged.stats == old_stats(everything)
+    assert row_stats(merged.table) == old_stats(everything)
+    assert row_stats(fragment_table(everything)) == old_stats(everything)
 
 
-def test_reports_travel_as_tables_and_read_back_as_fragments():
+def test_reports_travel_compact_and_read_back_as_fragments():
     frags = [
-        Fragment("w", "[]", "float32", (4, 2), (0, 0), (2, 2), "d/0", 0, 16, (7,), 0),
-        Fragment("w", "[]", "float32", (4, 2), (2, 0), (2, 2), "d/0", 64, 16, (8,), 0),
-        Fragment("s", "[]", "int64", (), (), (), "d/0", 128, 8, (9,), 0),
+        Fragment("w", "[]", "float32", (4, 2), (0, 0), (2, 2), "f0", 0, 16, (7,), 0),
+        Fragment("w", "[]", "float32", (4, 2), (2, 0), (2, 2), "f0", 64, 16, (8,), 0),
+        Fragment("s", "[]", "int64", (), (), (), "f0", 128, 8, (9,), 0),
     ]
-    report = WriterReport(fragment_table(frags), None)
-    back = pickle.loads(pickle.dumps(report))
-    assert back.fragments == frags
-    assert row_stats(back.rows) == {"tensors": 2, "fragments": 3, "tensor_bytes": 40}
-    # an unknown tensor sorts last instead of failing
-    assert [f.fqn for f in WriterReport(merge_rows([back.rows], ["s"]), None).fragments] == ["s", "w", "w"]
+    (report,), (meta,) = compact_reports([frags])
+    assert report.fragments == frags, "the writer reads its own rows back"
+    sent = pickle.loads(pickle.dumps(report))
+    assert sent.tensors == {} and "fqn" not in sent.rows.column_names, "tensor names are not sent"
+    merged = merge_reports([sent], [meta], ["s", "w"])
+    assert [f.fqn for f in as_fragments(merged.table)] == ["s", "w", "w"]
+    assert merged.stats == {"tensors": 2, "fragments": 3, "tensor_bytes": 40}
 
 
 # -- plan cache ---------------------------------------------------------------------------
@@ -177,7 +225,7 @@ def test_plan_cache_keeps_the_last_two_plans_and_their_metadata():
     assert len(set(keys)) == 3 and plan_key([b"a" * 16, b"b" * 16]) != plan_key([b"b" * 16, b"a" * 16])
     for i, key in enumerate(keys):
         digest = bytes([i]) * 16
-        cache.remember_plan(key, PlanSummary({0: 8}, 1, 8, (f"t{i}",), frozenset({digest})), meta)
+        cache.remember_plan(key, PlanSummary({0: 8}, 1, 8, (f"t{i}",), {digest: meta[digest]}))
         cache.remember_writes(key, np.array([i], np.int32))
     assert cache.plan(keys[0]) is None and cache.plan(keys[2]).order == ("t2",)
     assert set(cache.metas()) == {bytes([1]) * 16, bytes([2]) * 16}, "metadata of forgotten plans is dropped"
