@@ -11,6 +11,7 @@ import json
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from bcp.backends import Backend, ObjectNotFoundError
@@ -25,7 +26,7 @@ from .errors import CorruptCheckpointError
 from .io_scheduler.device_copy import DeviceCopies, is_device_tensor
 from .io_scheduler.device_load import DeviceFill
 from .io_scheduler.read_exec import ReadStats, execute_reads
-from .io_scheduler.read_plan import RunSet, choose_replicas, plan_tensor_reads
+from .io_scheduler.read_plan import RunSet, plan_tensor_reads, touched_rows
 from .io_scheduler.staging import StagingPool, default_pool
 from .state import KeyPath, build_nested, path_from_json
 from .tensor_io import byte_view, copy_values
@@ -42,7 +43,12 @@ class TensorMeta:
     shape: torch.Size
     dtype: torch.dtype
     nbytes: int
-    fragments: tuple[Fragment, ...]
+    entry: TensorEntry = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def fragments(self) -> tuple[Fragment, ...]:
+        """Every stored fragment (built on first use: a catalog row is columns until asked for)."""
+        return self.entry.fragments
 
 
 class CheckpointReader:
@@ -134,7 +140,7 @@ class CheckpointReader:
             shape=torch.Size(entry.global_shape),
             dtype=torch_dtype(entry.dtype, fqn=fqn),
             nbytes=entry.nbytes,
-            fragments=entry.fragments,
+            entry=entry,
         )
 
     # -- reading ------------------------------------------------------------------------
@@ -167,15 +173,16 @@ class CheckpointReader:
         A sparse file counts with its apparent size: storage reports no other."""
         if len(self._sizes_checked) == len(self.manifest.data_files):
             return  # every file checked already (the usual case after the first tensor)
+        self.catalog.require(requests)  # a catalog read in part fetches the rows these boxes need
         files: set[str] = set()
-        for fqn, (b_off, b_len) in requests:
-            for frag in choose_replicas(self._tensor_entry(fqn), prefer_rank):
-                if (
-                    frag.nbytes
-                    and frag.file not in self._sizes_checked
-                    and intersect(b_off, b_len, frag.offsets, frag.lengths) is not None
-                ):
-                    files.add(frag.file)
+        by_tensor: dict[str, list[Box]] = {}
+        for fqn, box in requests:
+            by_tensor.setdefault(fqn, []).append(box)
+        for fqn, boxes in by_tensor.items():  # only the rows these boxes meet, never every row
+            entry = self._tensor_entry(fqn)
+            _bi, rows, _off, _len = touched_rows(entry, boxes, prefer_rank)
+            codes = np.unique(entry.files[rows[entry.sizes[rows] > 0]]).tolist()
+            files.update(name for name in (entry.file_names[c] for c in codes) if name not in self._sizes_checked)
         if not files:
             return
         declared = {f.path: f.nbytes for f in self.manifest.data_files}
@@ -244,7 +251,9 @@ class CheckpointReader:
                 raise ValueError(
                     f"{fqn!r}: cannot load into a meta tensor; allocate it first (module.to_empty(device=...))"
                 )
-        self.check_sizes([(fqn, box) for fqn, box, _dest in requests], prefer_rank=prefer_rank)
+        wanted = [(fqn, box) for fqn, box, _dest in requests]
+        self.catalog.require(wanted)  # a catalog read in part fetches the rows these boxes need
+        self.check_sizes(wanted, prefer_rank=prefer_rank)
         devices = sorted({dest.device for _f, _b, dest in requests if is_device_tensor(dest)}, key=str)
         device_fill: DeviceFill | None = None
         if devices:

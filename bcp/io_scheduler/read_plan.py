@@ -4,18 +4,26 @@ For every destination box and every stored fragment it overlaps, the overlap is 
 into runs contiguous both in the fragment (so one ranged read fetches it) and in the
 destination (so it lands in place). Bytes planned equal bytes needed exactly; reads
 for checksum verification are planned separately (read_exec).
+
+Planning works on the catalog's columns (``TensorEntry.offsets``/``lengths``, numpy):
+the fragments that meet a box are found with a sort and binary searches on one cut
+dimension (:func:`overlap_pairs`), and only those become :class:`Fragment` objects.
+So a rank's planning grows with the boxes it wants and the fragments they meet, not
+with the number of fragments in the checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from bcp.metadata import Fragment, TensorEntry, itemsize
+from bcp.metadata.catalog import tiling_problem
 
-from ..boxes import Box, common_runs, intersect
+from ..boxes import Box, common_runs
 from ..errors import CorruptCheckpointError
 
 
@@ -38,40 +46,286 @@ class RunSet:
         return len(self.src) * self.run_bytes
 
 
+_EMPTY = np.zeros(0, np.int64)
+#: Candidate (box, fragment) pairs tested at once: bounds the memory of a query.
+_PAIR_CHUNK = 1 << 21
+
+
+def box_arrays(boxes: Sequence[Box], ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, lengths) of ``boxes`` as (B, ndim) int64 arrays."""
+    flat = np.array([[*o, *n] for o, n in boxes], dtype=np.int64).reshape(len(boxes), 2 * ndim)
+    return flat[:, :ndim], flat[:, ndim:]
+
+
+def overlap_pairs(
+    f_off: np.ndarray,
+    f_len: np.ndarray,
+    b_off: np.ndarray,
+    b_len: np.ndarray,
+    f_group: np.ndarray | None = None,
+    b_group: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every (box i, fragment j) whose boxes share at least one element, as two index
+    arrays sorted by box, then fragment. Rows are (N, D) int64 boxes; ``f_group`` and
+    ``b_group`` (default: all 0) keep boxes of different tensors apart (boxes of one
+    group only meet fragments of the same group). Empty boxes meet nothing; with D = 0
+    (scalars) every box meets every fragment of its group.
+
+    Per group, the dimension cut most often is chosen; fragments are sorted by their
+    start on it, and a box's candidates are the window of fragments that start before
+    it ends and whose running maximum end lies past its start (two binary searches).
+    Candidates are then tested on every dimension. Disjoint fragments along one
+    dimension (FSDP's dim 0, TP's dim 1) give windows of exactly the fragments met."""
+    n_dim = f_off.shape[1] if f_off.ndim == 2 else 0
+    if len(f_off) == 0 or len(b_off) == 0:
+        return _EMPTY, _EMPTY
+    if f_group is None and b_group is None and n_dim:
+        return _pairs_one_tensor(f_off, f_len, b_off, b_len)
+    return _pairs_general(f_off, f_len, b_off, b_len, f_group, b_group)
+
+
+def _pairs_general(
+    f_off: np.ndarray,
+    f_len: np.ndarray,
+    b_off: np.ndarray,
+    b_len: np.ndarray,
+    f_group: np.ndarray | None,
+    b_group: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """overlap_pairs over many tensors at once, in bounded chunks of candidates."""
+    n_dim = f_off.shape[1] if f_off.ndim == 2 else 0
+    if n_dim == 0:  # scalars: one dimension of length 1 behaves the same
+        f_off, f_len = np.zeros((len(f_off), 1), np.int64), np.ones((len(f_off), 1), np.int64)
+        b_off, b_len = np.zeros((len(b_off), 1), np.int64), np.ones((len(b_off), 1), np.int64)
+        n_dim = 1
+    fg = np.zeros(len(f_off), np.int64) if f_group is None else np.asarray(f_group, np.int64)
+    bg = np.zeros(len(b_off), np.int64) if b_group is None else np.asarray(b_group, np.int64)
+    f_live = np.flatnonzero((f_len > 0).all(axis=1))
+    b_live = np.flatnonzero((b_len > 0).all(axis=1))
+    if not len(f_live) or not len(b_live):
+        return _EMPTY, _EMPTY
+    groups = int(max(fg[f_live].max(), bg[b_live].max())) + 1
+    fgl, bgl = fg[f_live], bg[b_live]
+    if n_dim == 1:
+        cut = np.zeros(groups, np.int64)
+    else:
+        cuts = np.stack(
+            [np.bincount(fgl, weights=f_off[f_live, d] != 0, minlength=groups) for d in range(n_dim)], axis=1
+        )
+        cut = cuts.argmax(axis=1)
+    fk, bk = cut[fgl], cut[bgl]
+    fs = f_off[f_live, fk]
+    fe = fs + f_len[f_live, fk]
+    bs = b_off[b_live, bk]
+    be = bs + b_len[b_live, bk]
+    if groups > 1:
+        extent = np.zeros(groups, np.int64)
+        np.maximum.at(extent, fgl, fe)
+        np.maximum.at(extent, bgl, be)
+        if int(extent.sum()) + groups >= 1 << 62:  # coordinates would overflow: one group at a time
+            return _pairs_by_group(f_off, f_len, b_off, b_len, fg, bg)
+        base = np.zeros(groups, np.int64)
+        np.cumsum(extent[:-1] + 1, out=base[1:])
+        fs, fe, bs, be = fs + base[fgl], fe + base[fgl], bs + base[bgl], be + base[bgl]
+    order = np.argsort(fs, kind="stable")
+    starts = fs[order]
+    reach = np.maximum.accumulate(fe[order])
+    first = np.searchsorted(reach, bs, side="right")
+    width = np.clip(np.searchsorted(starts, be, side="left") - first, 0, None)
+    out_b: list[np.ndarray] = []
+    out_f: list[np.ndarray] = []
+    cum = np.cumsum(width)
+    lo = 0
+    while lo < len(b_live):
+        hi = int(np.searchsorted(cum, (cum[lo - 1] if lo else 0) + _PAIR_CHUNK, side="right"))
+        hi = max(hi, lo + 1)
+        w = width[lo:hi]
+        n = int(w.sum())
+        if n:
+            local = np.repeat(np.arange(lo, hi), w)
+            pos = np.arange(n) - np.repeat(np.cumsum(w) - w, w) + np.repeat(first[lo:hi], w)
+            bi, fi = b_live[local], f_live[order[pos]]
+            bo, bn, fo, fn = b_off[bi], b_len[bi], f_off[fi], f_len[fi]
+            meet = (np.maximum(bo, fo) < np.minimum(bo + bn, fo + fn)).all(axis=1)
+            out_b.append(bi[meet])
+            out_f.append(fi[meet])
+        lo = hi
+    if not out_b:
+        return _EMPTY, _EMPTY
+    bi, fi = np.concatenate(out_b), np.concatenate(out_f)
+    sort = np.lexsort((fi, bi))
+    return bi[sort], fi[sort]
+
+
+def _pairs_one_tensor(
+    f_off: np.ndarray, f_len: np.ndarray, b_off: np.ndarray, b_len: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """overlap_pairs for one tensor (the planner's case: a few boxes, many fragments),
+    with as few numpy calls as possible: no sort when the fragments are already in
+    order along the cut dimension (a catalog's rows usually are). Empty boxes and
+    fragments fall out of the final test (an empty extent meets nothing)."""
+    k = int(np.count_nonzero(f_off, axis=0).argmax()) if f_off.shape[1] > 1 else 0
+    fs = f_off[:, k]
+    fe = fs + f_len[:, k]
+    order = None if len(fs) < 2 or bool((fs[1:] >= fs[:-1]).all()) else np.argsort(fs, kind="stable")
+    starts, ends = (fs, fe) if order is None else (fs[order], fe[order])
+    reach = np.maximum.accumulate(ends)
+    if len(b_off) == 1:
+        b_start = int(b_off[0, k])
+        lo = int(reach.searchsorted(b_start, side="right"))
+        hi = int(starts.searchsorted(b_start + int(b_len[0, k]), side="left"))
+        if hi <= lo:
+            return _EMPTY, _EMPTY
+        bi = np.zeros(hi - lo, np.int64)
+        pos = np.arange(lo, hi)
+    else:
+        bs = b_off[:, k]
+        first = np.searchsorted(reach, bs, side="right")
+        width = np.clip(np.searchsorted(starts, bs + b_len[:, k], side="left") - first, 0, None)
+        n = int(width.sum())
+        if n > _PAIR_CHUNK:  # many candidates: the general path tests them in bounded chunks
+            return _pairs_general(f_off, f_len, b_off, b_len, None, None)
+        bi = np.repeat(np.arange(len(b_off)), width)
+        pos = np.arange(n) - np.repeat(np.cumsum(width) - width, width) + np.repeat(first, width)
+    fi = pos if order is None else order[pos]
+    bo, bn, fo, fn = b_off[bi], b_len[bi], f_off[fi], f_len[fi]
+    meet = (np.maximum(bo, fo) < np.minimum(bo + bn, fo + fn)).all(axis=1)
+    bi, fi = bi[meet], fi[meet]
+    if order is not None:
+        sort = np.lexsort((fi, bi))
+        bi, fi = bi[sort], fi[sort]
+    return bi, fi
+
+
+def _pairs_by_group(
+    f_off: np.ndarray, f_len: np.ndarray, b_off: np.ndarray, b_len: np.ndarray, fg: np.ndarray, bg: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    out_b, out_f = [], []
+    for g in np.unique(bg).tolist():
+        fr, br = np.flatnonzero(fg == g), np.flatnonzero(bg == g)
+        bi, fi = _pairs_general(f_off[fr], f_len[fr], b_off[br], b_len[br], None, None)
+        out_b.append(br[bi])
+        out_f.append(fr[fi])
+    bi, fi = np.concatenate(out_b), np.concatenate(out_f)
+    sort = np.lexsort((fi, bi))
+    return bi[sort], fi[sort]
+
+
+def choose_among(entry: TensorEntry, rows: np.ndarray, prefer_rank: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """One row per distinct stored box among ``rows`` (ascending row indices holding
+    every replica of their boxes): (chosen rows, the first row of each one's box).
+    Replicas are spread by ``prefer_rank``: the (prefer_rank mod copies)-th copy in
+    catalog order."""
+    if len(rows) <= 1:
+        return rows, rows
+    boxes = np.concatenate([entry.offsets[rows], entry.lengths[rows]], axis=1)
+    if len(rows) <= 64 and len({tuple(b) for b in boxes.tolist()}) == len(rows):
+        return rows, rows  # the usual case, checked without numpy's row-unique machinery
+    _uniq, inverse = np.unique(boxes, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    if len(_uniq) == len(rows):
+        return rows, rows
+    order = np.argsort(inverse, kind="stable")
+    counts = np.bincount(inverse)
+    starts = np.cumsum(counts) - counts
+    return rows[order[starts + prefer_rank % counts]], rows[order[starts]]
+
+
 def choose_replicas(entry: TensorEntry, prefer_rank: int = 0) -> list[Fragment]:
-    """One fragment per distinct stored box; replicas are spread by ``prefer_rank``."""
-    by_box: dict[Box, list[Fragment]] = {}
-    for f in entry.fragments:
-        by_box.setdefault((f.offsets, f.lengths), []).append(f)
-    return [frags[prefer_rank % len(frags)] for frags in by_box.values()]
+    """One fragment per distinct stored box, in catalog order of each box's first copy;
+    replicas are spread by ``prefer_rank``."""
+    chosen, first = choose_among(entry, np.arange(entry.num_fragments), prefer_rank)
+    return [entry.fragment(i) for i in chosen[np.argsort(first, kind="stable")].tolist()]
+
+
+def touched_rows(
+    entry: TensorEntry, dest_boxes: Sequence[Box], prefer_rank: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The fragment rows reading ``dest_boxes`` uses: (box index, row) of every pair
+    that meets, one replica per distinct stored box, sorted by box then by the catalog
+    order of each stored box's first copy; plus the boxes as (offsets, lengths) arrays."""
+    ndim = len(entry.global_shape)
+    b_off, b_len = box_arrays(dest_boxes, ndim)
+    bi, fi = overlap_pairs(entry.offsets, entry.lengths, b_off, b_len)
+    hit = fi if len(dest_boxes) == 1 else np.unique(fi)  # one box: rows ascending, each once
+    chosen, first = choose_among(entry, hit, prefer_rank)
+    if len(chosen) != len(hit):
+        rank = np.full(entry.num_fragments, -1, np.int64)
+        rank[chosen] = first
+        key = rank[fi]
+        keep = key >= 0
+        bi, fi, key = bi[keep], fi[keep], key[keep]
+        sort = np.lexsort((key, bi))
+        bi, fi = bi[sort], fi[sort]
+    return bi, fi, b_off, b_len
+
+
+def _abut(b_off: Sequence[int], b_len: Sequence[int], offs: list[list[int]], lens: list[list[int]]) -> bool:
+    """Whether regions of a box (inside it, few) tile it as intervals along one
+    dimension that follow each other exactly (the usual reshard); False means "not
+    shown", and the general check decides."""
+    cut = [
+        d
+        for d in range(len(b_len))
+        if any(o[d] != b_off[d] or n[d] != b_len[d] for o, n in zip(offs, lens, strict=True))
+    ]
+    if len(cut) != 1:
+        return False
+    (d,) = cut
+    spans = sorted((o[d], o[d] + n[d]) for o, n in zip(offs, lens, strict=True))
+    at = b_off[d]
+    for start, end in spans:
+        if start != at:
+            return False
+        at = end
+    return at == b_off[d] + b_len[d]
 
 
 def plan_tensor_reads(
     entry: TensorEntry, dest_boxes: list[Box], *, prefer_rank: int = 0, in_memory: frozenset[Box] = frozenset()
 ) -> list[RunSet]:
     """Runs filling each of ``dest_boxes`` (boxes of ``entry``'s global tensor).
-    Stored boxes listed in ``in_memory`` are already at hand and get no runs."""
+    Stored boxes listed in ``in_memory`` are already at hand and get no runs.
+
+    The fragments read for a box (one replica per distinct stored box) must tile it
+    exactly, or CorruptCheckpointError names the tensor and the box: a catalog read
+    in part that lacks rows a box needs fails here, never leaving memory unfilled."""
     size = itemsize(entry.dtype)
-    fragments = choose_replicas(entry, prefer_rank)
-    plans: list[RunSet] = []
+    bi, fi, b_off, b_len = touched_rows(entry, dest_boxes, prefer_rank)
+    f_off, f_len = entry.offsets[fi], entry.lengths[fi]
+    r_off = np.maximum(b_off[bi], f_off)
+    r_len = np.minimum(b_off[bi] + b_len[bi], f_off + f_len) - r_off
+    bounds = np.searchsorted(bi, np.arange(len(dest_boxes) + 1)).tolist()
+    region_numel = np.prod(r_len, axis=1).tolist() if len(bi) else []
     for index, (d_off, d_len) in enumerate(dest_boxes):
+        lo, hi = bounds[index], bounds[index + 1]
         need = math.prod(d_len)
-        covered = 0
-        for frag in fragments:
-            region = intersect(d_off, d_len, frag.offsets, frag.lengths)
-            if region is None:
-                continue
-            r_off, r_len = region
-            covered += math.prod(r_len)
-            if (frag.offsets, frag.lengths) in in_memory:
-                continue
-            src, dst, run = common_runs(r_off, r_len, frag.offsets, frag.lengths, d_off, d_len)
-            if run:
-                plans.append(RunSet(frag, index, src * size, dst * size, run * size))
-        if covered != need:
+        covered = sum(region_numel[lo:hi])
+        problem = None
+        if covered == need and hi - lo > 1 and not _abut(d_off, d_len, r_off[lo:hi].tolist(), r_len[lo:hi].tolist()):
+            # one fragment holding it all tiles it; more must neither overlap nor leave holes
+            problem = tiling_problem(d_len, r_off[lo:hi] - b_off[index], r_len[lo:hi])
+        if covered != need or problem is not None:
+            detail = "" if problem is None else f" ({problem})"
             raise CorruptCheckpointError(
                 f"tensor {entry.fqn!r}: the stored fragments cover {covered} of the {need} elements of box "
-                f"offsets={list(d_off)} lengths={list(d_len)}",
+                f"offsets={list(d_off)} lengths={list(d_len)}{detail}",
                 fqn=entry.fqn,
             )
+    if not len(bi):
+        return []
+    frags: dict[int, Fragment] = {}
+    plans: list[RunSet] = []
+    for index, row, ro, rl, fo, fl in zip(
+        bi.tolist(), fi.tolist(), r_off.tolist(), r_len.tolist(), f_off.tolist(), f_len.tolist(), strict=True
+    ):
+        if in_memory and (tuple(fo), tuple(fl)) in in_memory:
+            continue
+        frag = frags.get(row)
+        if frag is None:
+            frag = frags[row] = entry.fragment(row)
+        d_off, d_len = dest_boxes[index]
+        src, dst, run = common_runs(ro, rl, fo, fl, d_off, d_len)
+        if run:
+            plans.append(RunSet(frag, index, src * size, dst * size, run * size))
     return plans

@@ -1,30 +1,259 @@
 """Zero-redundant load: a stored fragment that several ranks need is read from
 storage once, by one of them, and sent to the others over the process group.
 
-Every rank gathers every rank's requested boxes and computes the same plan: for
-each stored fragment (one replica per box) the ranks whose boxes overlap it; where
-that is more than one rank, the one with the fewest bytes to fetch so far reads the
-whole fragment (verifying every checksum block) and sends it point-to-point. The
-receivers then copy their parts from memory. Costs memory for the shared fragments
-in flight; saves storage bandwidth and request count, which is what object stores
-charge for.
+Planned once, by the coordinator: every rank sends it the boxes it wants as compact
+arrays (tensor indices in catalog order, offsets, lengths); it finds, per tensor
+and vectorised, the stored fragments (one per distinct box) those boxes meet and the
+ranks that need each; where that is more than one rank and together they want more
+than the fragment holds, the rank with the fewest bytes to fetch so far reads the
+whole fragment (verifying every checksum block) and sends it point-to-point. Each
+rank receives only its part of the plan: what it reads and sends to whom, what it
+receives from whom. The receivers then copy their parts from memory. Costs memory
+for the shared fragments in flight; saves storage bandwidth and request count,
+which is what object stores charge for.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from bcp.metadata import itemsize
 
-from ..boxes import Box, intersect
-from ..collectives import GroupCoordinator
+from ..boxes import Box
+from ..collectives import GroupCoordinator, portable
 from ..reader import CheckpointReader
 from .read_exec import ReadStats
-from .read_plan import choose_replicas
+from .read_plan import overlap_pairs
 
 SharedKey = tuple[str, Box]
+
+
+@dataclasses.dataclass(frozen=True)
+class Wanted:
+    """One rank's wanted boxes, compact: tensor indices (catalog order) and the boxes'
+    offsets and lengths, flat, each box ndim values of its tensor."""
+
+    tensors: np.ndarray  # int32 (B,)
+    offsets: np.ndarray  # int64, flat
+    lengths: np.ndarray  # int64, flat
+
+    @classmethod
+    def encode(cls, reader: CheckpointReader, wanted: Sequence[tuple[str, Box]]) -> Wanted:
+        index = {fqn: i for i, fqn in enumerate(reader.catalog.tensors)}
+        flat_off = [v for _f, (o, _n) in wanted for v in o]
+        flat_len = [v for _f, (_o, n) in wanted for v in n]
+        return cls(
+            np.array([index[f] for f, _b in wanted], np.int32),
+            np.array(flat_off, np.int64),
+            np.array(flat_len, np.int64),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SharePart:
+    """What one rank does in the exchange, in tag order (a tag is the fragment's index
+    in the job-wide plan): for each shared fragment it takes part in, the tensor, the
+    stored box, the owner, and (owner only) the receiving ranks."""
+
+    tags: np.ndarray  # int64 (K,)
+    tensors: np.ndarray  # int32 (K,)
+    offsets: np.ndarray  # int64 (K, D), padded past each tensor's ndim
+    lengths: np.ndarray  # int64 (K, D)
+    owners: np.ndarray  # int32 (K,)
+    receivers: dict[int, np.ndarray]  # tag -> ranks, for the tags this rank owns
+
+    def keys(self, names: Sequence[str], ndims: Mapping[int, int]) -> list[SharedKey]:
+        out = []
+        for t, o, n in zip(self.tensors.tolist(), self.offsets.tolist(), self.lengths.tolist(), strict=True):
+            d = ndims[t]
+            out.append((names[t], (tuple(o[:d]), tuple(n[:d]))))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SharePlan:
+    """The job-wide plan (coordinator): shared fragments in tag order."""
+
+    tensors: np.ndarray  # int32 (K,)
+    offsets: np.ndarray  # int64 (K, D)
+    lengths: np.ndarray  # int64 (K, D)
+    owners: np.ndarray  # int32 (K,)
+    #: needing ranks of fragment k (owner included), ascending: needers[starts[k]:starts[k+1]]
+    needers: np.ndarray
+    starts: np.ndarray
+
+    def as_dict(
+        self, names: Sequence[str], ndims: Sequence[int] | Mapping[int, int]
+    ) -> dict[SharedKey, tuple[int, list[int]]]:
+        """(fqn, stored box) -> (owner, receiving ranks)."""
+        out: dict[SharedKey, tuple[int, list[int]]] = {}
+        needers, starts = self.needers.tolist(), self.starts.tolist()
+        rows = zip(
+            self.tensors.tolist(), self.offsets.tolist(), self.lengths.tolist(), self.owners.tolist(), strict=True
+        )
+        for k, (t, o, n, owner) in enumerate(rows):
+            d = ndims[t]
+            out[(names[t], (tuple(o[:d]), tuple(n[:d])))] = (
+                owner,
+                [r for r in needers[starts[k] : starts[k + 1]] if r != owner],
+            )
+        return out
+
+    def parts(self, world: int) -> list[SharePart]:
+        """Each rank's part."""
+        counts = np.diff(self.starts)
+        tags = np.repeat(np.arange(len(self.owners)), counts)
+        order = np.lexsort((tags, self.needers))
+        ranks, tags = self.needers[order], tags[order]
+        bounds = np.searchsorted(ranks, np.arange(world + 1))
+        needers, starts = self.needers, self.starts
+        out = []
+        for r in range(world):
+            mine = tags[bounds[r] : bounds[r + 1]]
+            owners = self.owners[mine]
+            owned = mine[owners == r].tolist()
+            receivers = {}
+            for k in owned:
+                group = needers[starts[k] : starts[k + 1]]
+                receivers[k] = group[group != r]
+            out.append(SharePart(mine, self.tensors[mine], self.offsets[mine], self.lengths[mine], owners, receivers))
+        return out
+
+
+def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan:
+    """(coordinator) The job-wide sharing plan for every rank's wanted boxes: the same
+    decisions every rank used to compute over every rank's list, computed once and
+    vectorised (the owner choice, least-loaded first, is the one sequential step)."""
+    names = list(reader.catalog.tensors)
+    tids = np.concatenate([w.tensors.astype(np.int64) for w in wanted]) if wanted else np.zeros(0, np.int64)
+    ranks = np.repeat(np.arange(len(wanted)), [len(w.tensors) for w in wanted])
+    used = np.unique(tids).tolist()
+    shapes = {t: tuple(reader.catalog.tensors[names[t]].global_shape) for t in used}
+    empty = np.zeros((0, 1), np.int64)
+    if not used:
+        z = np.zeros(0, np.int64)
+        return SharePlan(z.astype(np.int32), empty, empty, z.astype(np.int32), z, np.zeros(1, np.int64))
+    reader.catalog.require([(names[t], ((0,) * len(shapes[t]), shapes[t])) for t in used])
+    width = max(1, max(len(s) for s in shapes.values()))
+    ndim_of = np.zeros(len(names), np.int64)
+    for t in used:
+        ndim_of[t] = len(shapes[t])
+    # the wanted boxes, padded to ``width`` dimensions with (0, 1)
+    b_off, b_len = _padded(tids, ndim_of, [w.offsets for w in wanted], [w.lengths for w in wanted], width)
+    # every stored row of those tensors, padded the same way
+    entries = [reader.catalog.tensors[names[t]] for t in used]
+    f_tid = np.repeat(np.array(used, np.int64), [e.num_fragments for e in entries])
+    f_off = np.zeros((len(f_tid), width), np.int64)
+    f_len = np.ones((len(f_tid), width), np.int64)
+    at = 0
+    for e in entries:
+        n, d = e.num_fragments, len(e.global_shape)
+        f_off[at : at + n, :d] = e.offsets
+        f_len[at : at + n, :d] = e.lengths
+        at += n
+    bi, fi = overlap_pairs(f_off, f_len, b_off, b_len, f_tid, tids)
+    z = np.zeros(0, np.int64)
+    if not len(bi):
+        return SharePlan(z.astype(np.int32), empty, empty, z.astype(np.int32), z, np.zeros(1, np.int64))
+    # one key per distinct stored box: pairs with a replica other than the first are dropped
+    box_of = _box_ids(f_tid, f_off, f_len, shapes, np.unique(fi))
+    first_copy = box_of[fi] == fi
+    bi, fi = bi[first_copy], fi[first_copy]
+    key = fi
+    rank = ranks[bi]
+    elems = np.prod(np.minimum(b_off[bi] + b_len[bi], f_off[fi] + f_len[fi]) - np.maximum(b_off[bi], f_off[fi]), axis=1)
+    order = np.lexsort((rank, key))
+    key, rank, elems, fi = key[order], rank[order], elems[order], fi[order]
+    first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    wanted_elems = np.add.reduceat(elems, first)
+    new_rank = np.r_[True, (key[1:] != key[:-1]) | (rank[1:] != rank[:-1])]
+    n_ranks = np.add.reduceat(new_rank.astype(np.int64), first)
+    rep = fi[first]  # a row holding each key's box
+    box_numel = np.prod(f_len[rep], axis=1)
+    redundant = np.flatnonzero((n_ranks > 1) & (wanted_elems > box_numel))
+    if not len(redundant):
+        return SharePlan(z.astype(np.int32), empty, empty, z.astype(np.int32), z, np.zeros(1, np.int64))
+    rep = rep[redundant]
+    # job-wide order: by tensor name, then offsets, then lengths (as tuples compare)
+    name_rank = np.zeros(len(names), np.int64)
+    name_rank[sorted(used, key=names.__getitem__)] = np.arange(len(used))
+    k_tid, k_off, k_len = f_tid[rep], f_off[rep], f_len[rep]
+    sort = np.lexsort([*k_len.T[::-1], *k_off.T[::-1], name_rank[k_tid]])
+    redundant, k_tid, k_off, k_len = redundant[sort], k_tid[sort], k_off[sort], k_len[sort]
+    # needing ranks of each shared box, ascending
+    mask = new_rank
+    ends = np.r_[first[1:], len(key)]
+    seg_start, seg_end = first[redundant], ends[redundant]
+    lens = seg_end - seg_start
+    idx = np.repeat(seg_start, lens) + (np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens))
+    keep = mask[idx]
+    needers = rank[idx[keep]]
+    counts = np.add.reduceat(keep.astype(np.int64), np.r_[0, np.cumsum(lens)[:-1]]) if len(lens) else z
+    starts = np.r_[0, np.cumsum(counts)].astype(np.int64)
+    item = {t: itemsize(reader.catalog.tensors[names[t]].dtype) for t in used}
+    sizes = [n * item[t] for n, t in zip(np.prod(k_len, axis=1).tolist(), k_tid.tolist(), strict=True)]
+    load = [0] * len(wanted)
+    owners = []
+    need_list, start_list = needers.tolist(), starts.tolist()
+    for k, nbytes in enumerate(sizes):
+        group = need_list[start_list[k] : start_list[k + 1]]
+        owner = min(group, key=load.__getitem__)  # ascending ranks: ties go to the lowest
+        load[owner] += nbytes
+        owners.append(owner)
+    return SharePlan(k_tid.astype(np.int32), k_off, k_len, np.array(owners, np.int32), needers.astype(np.int64), starts)
+
+
+def _padded(
+    tids: np.ndarray, ndim_of: np.ndarray, offs: list[np.ndarray], lens: list[np.ndarray], width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Flat per-box values (each box ndim_of[tensor] values) as (B, width) arrays,
+    padded with offset 0 and length 1."""
+    flat_off = np.concatenate(offs) if offs else np.zeros(0, np.int64)
+    flat_len = np.concatenate(lens) if lens else np.zeros(0, np.int64)
+    nd = ndim_of[tids]
+    if int(nd.sum()) != len(flat_off) or len(flat_off) != len(flat_len):
+        raise ValueError("wanted boxes do not match their tensors' dimensions")
+    rows = np.repeat(np.arange(len(tids)), nd)
+    cols = np.arange(len(flat_off)) - np.repeat(np.cumsum(nd) - nd, nd)
+    out_off = np.zeros((len(tids), width), np.int64)
+    out_len = np.ones((len(tids), width), np.int64)
+    out_off[rows, cols] = flat_off
+    out_len[rows, cols] = flat_len
+    return out_off, out_len
+
+
+def _box_ids(
+    f_tid: np.ndarray,
+    f_off: np.ndarray,
+    f_len: np.ndarray,
+    shapes: dict[int, tuple[int, ...]],
+    rows: np.ndarray,
+) -> np.ndarray:
+    """Per stored row (of ``rows``; others -1): an id shared by the rows holding the same
+    box of the same tensor. Tensors whose rows hold exactly as many elements as the
+    tensor have no replicas: each row is its own box."""
+    ids = np.full(len(f_tid), -1, np.int64)
+    numel = np.prod(f_len[rows], axis=1)
+    t = f_tid[rows]
+    first = np.flatnonzero(np.r_[True, t[1:] != t[:-1]])
+    held = np.add.reduceat(numel, first).tolist() if len(rows) else []
+    ends = [*first.tolist()[1:], len(rows)]
+    replicated = np.zeros(len(rows), bool)
+    for lo, hi, tensor, n in zip(first.tolist(), ends, t[first].tolist(), held, strict=True):
+        if n != math.prod(shapes[tensor]):
+            replicated[lo:hi] = True
+    ids[rows[~replicated]] = rows[~replicated]
+    dup = rows[replicated]
+    if len(dup):
+        keys = np.concatenate([f_tid[dup, None], f_off[dup], f_len[dup]], axis=1)
+        _u, first_idx, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        ids[dup] = dup[first_idx][inverse.reshape(-1)]
+    return ids
 
 
 def plan_sharing(
@@ -33,28 +262,9 @@ def plan_sharing(
     """(fqn, stored box) -> (owner rank, receiving ranks) for fragments some of whose
     bytes several ranks want. Fragments that ranks split between them (a reshard
     cutting a fragment into disjoint parts) are not shared: nothing would be saved."""
-    needers: dict[SharedKey, list[int]] = {}
-    wanted_elems: dict[SharedKey, int] = {}
-    for rank, wanted in enumerate(wanted_by_rank):
-        for fqn, (b_off, b_len) in wanted:
-            for frag in choose_replicas(reader.catalog.tensors[fqn]):
-                key = (fqn, (frag.offsets, frag.lengths))
-                region = intersect(b_off, b_len, frag.offsets, frag.lengths)
-                if region is not None and math.prod(frag.lengths) != 0:
-                    wanted_elems[key] = wanted_elems.get(key, 0) + math.prod(region[1])
-                    ranks = needers.setdefault(key, [])
-                    if not ranks or ranks[-1] != rank:
-                        ranks.append(rank)
-    redundant = [k for k, ranks in needers.items() if len(ranks) > 1 and wanted_elems[k] > math.prod(k[1][1])]
-    load = [0] * len(wanted_by_rank)
-    plan: dict[SharedKey, tuple[int, list[int]]] = {}
-    for key in sorted(redundant):
-        ranks = needers[key]
-        owner = min(ranks, key=lambda r: (load[r], r))
-        entry = reader.catalog.tensors[key[0]]
-        load[owner] += math.prod(key[1][1]) * itemsize(entry.dtype)
-        plan[key] = (owner, [r for r in ranks if r != owner])
-    return plan
+    plan = plan_shares(reader, [Wanted.encode(reader, w) for w in wanted_by_rank])
+    names = list(reader.catalog.tensors)
+    return plan.as_dict(names, [len(reader.catalog.tensors[f].global_shape) for f in names])
 
 
 def fetch_shared(
@@ -63,22 +273,41 @@ def fetch_shared(
     """(all ranks) Read the shared fragments this rank owns, exchange them, and return
     every shared fragment this rank needs, as tensors shaped like their boxes."""
     dist = coord.dist
-    plan = plan_sharing(reader, coord.all_gather(wanted))
+    gathered = coord.gather(Wanted.encode(reader, wanted))
+    parts: list | None = None
+    if coord.is_coordinator:
+        assert gathered is not None
+        try:
+            parts = [("ok", p) for p in plan_shares(reader, gathered).parts(coord.world_size)]
+        except Exception as e:  # noqa: BLE001 - every rank raises it (after the scatter)
+            parts = [("error", portable(e))] * coord.world_size
+    tag_kind, part = coord.scatter(parts)
+    if tag_kind == "error":
+        error = part.restore()
+        if not coord.is_coordinator:
+            error.add_note("raised on the coordinator while planning shared reads")
+        raise error
+    names = list(reader.catalog.tensors)
+    ndims = {t: len(reader.catalog.tensors[names[t]].global_shape) for t in set(part.tensors.tolist())}
+    keys = part.keys(names, ndims)
     stats = ReadStats()
     held: dict[SharedKey, torch.Tensor] = {}
-    owned = [(k, receivers) for k, (owner, receivers) in plan.items() if owner == coord.rank]
-    for key, _receivers in owned:
-        fqn, box = key
-        held[key] = reader.empty(fqn, box)  # after checking the files holding it
-        stats.add(reader.fill([(fqn, box, held[key])]))
+    owners = part.owners.tolist()
+    for key, owner in zip(keys, owners, strict=True):
+        if owner == coord.rank:
+            fqn, box = key
+            held[key] = reader.empty(fqn, box)  # after checking the files holding it
+            stats.add(reader.fill([(fqn, box, held[key])]))
     works = []
     ranks = dist.get_process_group_ranks(coord.group)
-    for tag, (key, (owner, receivers)) in enumerate(sorted(plan.items())):
+    for tag, key, owner in zip(part.tags.tolist(), keys, owners, strict=True):
         if owner == coord.rank:
             wire = held[key].reshape(-1).view(torch.uint8) if held[key].numel() else None
             if wire is not None:
-                works += [dist.isend(wire, dst=ranks[r], group=coord.group, tag=tag) for r in receivers]
-        elif coord.rank in receivers:
+                works += [
+                    dist.isend(wire, dst=ranks[r], group=coord.group, tag=tag) for r in part.receivers[tag].tolist()
+                ]
+        else:
             fqn, box = key
             held[key] = reader.empty(fqn, box)  # bounded like the owner's: by the bytes stored
             if held[key].numel():

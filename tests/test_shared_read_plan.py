@@ -1,0 +1,120 @@
+"""share_reads planned once by the coordinator (vectorised) against the plan every rank
+used to compute over every rank's wanted list, kept here as the reference: the same
+owners and receivers for every shared fragment, on random layouts (uneven, empty,
+replicated, flat, dim-1 and 2-D stored boxes; 0-d and 1-d tensors)."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bcp.boxes import Box, intersect
+from bcp.io_scheduler.shared_read import Wanted, plan_shares, plan_sharing
+from bcp.metadata import Catalog, Fragment, itemsize
+from test_load_plan_fast import SHAPES, dest_boxes, grid, ref_choose_replicas, stored_layout
+
+SharedKey = tuple[str, Box]
+
+
+def ref_plan_sharing(reader, wanted_by_rank: list[list[tuple[str, Box]]]) -> dict[SharedKey, tuple[int, list[int]]]:
+    needers: dict[SharedKey, list[int]] = {}
+    wanted_elems: dict[SharedKey, int] = {}
+    for rank, wanted in enumerate(wanted_by_rank):
+        for fqn, (b_off, b_len) in wanted:
+            for frag in ref_choose_replicas(reader.catalog.tensors[fqn]):
+                key = (fqn, (frag.offsets, frag.lengths))
+                region = intersect(b_off, b_len, frag.offsets, frag.lengths)
+                if region is not None and math.prod(frag.lengths) != 0:
+                    wanted_elems[key] = wanted_elems.get(key, 0) + math.prod(region[1])
+                    ranks = needers.setdefault(key, [])
+                    if not ranks or ranks[-1] != rank:
+                        ranks.append(rank)
+    redundant = [k for k, ranks in needers.items() if len(ranks) > 1 and wanted_elems[k] > math.prod(k[1][1])]
+    load = [0] * len(wanted_by_rank)
+    plan: dict[SharedKey, tuple[int, list[int]]] = {}
+    for key in sorted(redundant):
+        ranks = needers[key]
+        owner = min(ranks, key=lambda r: (load[r], r))
+        entry = reader.catalog.tensors[key[0]]
+        load[owner] += math.prod(key[1][1]) * itemsize(entry.dtype)
+        plan[key] = (owner, [r for r in ranks if r != owner])
+    return plan
+
+
+def reader_of(tensors: dict[str, tuple[tuple[int, ...], list[Box], str]]):
+    frags, offset = [], 0
+    for fqn, (shape, boxes, dtype) in tensors.items():
+        for w, (o, n) in enumerate(boxes):
+            nbytes = math.prod(n) * itemsize(dtype)
+            sums = (0,) * -(-nbytes // 16)
+            frags.append(Fragment(fqn, "[]", dtype, shape, o, n, f"f{w % 3}.bin", offset, nbytes, sums, w))
+            offset += nbytes
+    return types.SimpleNamespace(catalog=Catalog(frags))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shapes=st.lists(SHAPES, min_size=1, max_size=3),
+    ranks=st.integers(1, 5),
+    data=st.data(),
+)
+def test_coordinator_plan_matches_every_rank_plan(shapes, ranks, data):
+    names = [f"t{i}" for i in range(len(shapes))]
+    dtypes = data.draw(st.lists(st.sampled_from(["float32", "int8", "bfloat16"]), min_size=3, max_size=3))
+    tensors = {
+        n: (s, data.draw(stored_layout(s), label=f"stored {n}"), dtypes[i])
+        for i, (n, s) in enumerate(zip(names, shapes, strict=True))
+    }
+    reader = reader_of(tensors)
+    wanted = []
+    for r in range(ranks):
+        mine = []
+        for n, s in zip(names, shapes, strict=True):
+            kind = data.draw(st.sampled_from(["none", "whole", "boxes", "grid"]), label=f"rank {r} {n}")
+            if kind == "whole":
+                mine.append((n, ((0,) * len(s), s)))
+            elif kind == "boxes":
+                mine += [(n, b) for b in data.draw(dest_boxes(s))]
+            elif kind == "grid":
+                cells = data.draw(grid(s))
+                mine.append((n, cells[data.draw(st.integers(0, len(cells) - 1))]))
+        wanted.append(mine)
+    got = plan_sharing(reader, wanted)
+    want = ref_plan_sharing(reader, wanted)
+    assert list(got.items()) == list(want.items())
+
+
+def test_each_rank_gets_only_its_part():
+    shape = (12, 4)
+    stored = [((r * 3, 0), (3, 4)) for r in range(4)]
+    reader = reader_of({"w": (shape, stored, "float32")})
+    # ranks 0-2 want everything (DDP-like), rank 3 only rows 0..2, rank 4 nothing
+    wanted = [[("w", ((0, 0), shape))]] * 3 + [[("w", ((0, 0), (3, 4)))], []]
+    plan = plan_shares(reader, [Wanted.encode(reader, w) for w in wanted])
+    parts = plan.parts(5)
+    shared = plan.as_dict(["w"], [2])
+    assert len(shared) == 4 and all(len(rs) + 1 in (3, 4) for _o, rs in shared.values())
+    owners = {owner for owner, _rs in shared.values()}
+    assert owners <= {0, 1, 2, 3} and len(owners) >= 3, f"reads not spread: {shared}"
+    assert len(parts[4].tags) == 0, "a rank that wants nothing gets an empty part"
+    assert len(parts[3].tags) == 1 and parts[3].offsets[0].tolist() == [0, 0]
+    for r, part in enumerate(parts):
+        for tag in part.tags.tolist():
+            key = list(shared)[tag]
+            owner, receivers = shared[key]
+            assert r == owner or r in receivers
+            if r == owner:
+                assert sorted(part.receivers[tag].tolist()) == sorted(receivers)
+        assert set(part.receivers) == {
+            t for t, o in zip(part.tags.tolist(), part.owners.tolist(), strict=True) if o == r
+        }
+    total = sum(len(p.tags) for p in parts)
+    assert total == sum(1 + len(rs) for _o, rs in shared.values())
+    assert np.array_equal(
+        np.sort(np.concatenate([p.tags for p in parts])),
+        np.sort(np.repeat(np.arange(4), [1 + len(rs) for _o, rs in shared.values()])),
+    )
