@@ -262,6 +262,7 @@ class Catalog:
                 parts.rows[k] = self._decode_section(k, data[lo : lo + int(head.sec_length[k])])
                 parts.loaded[k] = True
         self._set_rows(Rows.concat([parts.rows[k] for k in sorted(parts.rows)]))
+        pa.default_memory_pool().release_unused()  # the sections' Arrow buffers: the rows are numpy now
 
     def _decode_section(self, k: int, data: bytes) -> Rows:
         """Section ``k``'s rows, checked against the head: CRC32C, budget, every row,
