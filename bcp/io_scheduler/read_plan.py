@@ -64,6 +64,9 @@ def overlap_pairs(
     b_len: np.ndarray,
     f_group: np.ndarray | None = None,
     b_group: np.ndarray | None = None,
+    *,
+    extents: np.ndarray | None = None,
+    ordered: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Every (box i, fragment j) whose boxes share at least one element, as two index
     arrays sorted by box, then fragment. Rows are (N, D) int64 boxes; ``f_group`` and
@@ -75,13 +78,17 @@ def overlap_pairs(
     start on it, and a box's candidates are the window of fragments that start before
     it ends and whose running maximum end lies past its start (two binary searches).
     Candidates are then tested on every dimension. Disjoint fragments along one
-    dimension (FSDP's dim 0, TP's dim 1) give windows of exactly the fragments met."""
+    dimension (FSDP's dim 0, TP's dim 1) give windows of exactly the fragments met.
+    ``extents`` (groups, D): the shape of each group's tensor, when known (saves a
+    pass); ``ordered=False`` returns the pairs in no particular order.
+
+    Memory: the candidates are tested in chunks of about 2 million pairs."""
     n_dim = f_off.shape[1] if f_off.ndim == 2 else 0
     if len(f_off) == 0 or len(b_off) == 0:
         return _EMPTY, _EMPTY
     if f_group is None and b_group is None and n_dim:
         return _pairs_one_tensor(f_off, f_len, b_off, b_len)
-    return _pairs_general(f_off, f_len, b_off, b_len, f_group, b_group)
+    return _pairs_general(f_off, f_len, b_off, b_len, f_group, b_group, extents=extents, ordered=ordered)
 
 
 def _pairs_general(
@@ -91,70 +98,135 @@ def _pairs_general(
     b_len: np.ndarray,
     f_group: np.ndarray | None,
     b_group: np.ndarray | None,
+    *,
+    extents: np.ndarray | None = None,
+    ordered: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """overlap_pairs over many tensors at once, in bounded chunks of candidates."""
+    """overlap_pairs over many tensors at once, in bounded chunks of candidates.
+    ``extents`` (groups, D), when known: every box of group g lies inside extents[g]."""
     n_dim = f_off.shape[1] if f_off.ndim == 2 else 0
     if n_dim == 0:  # scalars: one dimension of length 1 behaves the same
         f_off, f_len = np.zeros((len(f_off), 1), np.int64), np.ones((len(f_off), 1), np.int64)
         b_off, b_len = np.zeros((len(b_off), 1), np.int64), np.ones((len(b_off), 1), np.int64)
+        extents = None if extents is None else np.ones((len(extents), 1), np.int64)
         n_dim = 1
     fg = np.zeros(len(f_off), np.int64) if f_group is None else np.asarray(f_group, np.int64)
     bg = np.zeros(len(b_off), np.int64) if b_group is None else np.asarray(b_group, np.int64)
-    f_live = np.flatnonzero((f_len > 0).all(axis=1))
-    b_live = np.flatnonzero((b_len > 0).all(axis=1))
-    if not len(f_live) or not len(b_live):
+    # empty boxes and fragments meet nothing: dropped up front when there are any
+    f_live = None if f_len.min() > 0 else np.flatnonzero((f_len > 0).all(axis=1))
+    b_live = None if b_len.min() > 0 else np.flatnonzero((b_len > 0).all(axis=1))
+    if f_live is not None:
+        f_off, f_len, fg = f_off[f_live], f_len[f_live], fg[f_live]
+    if b_live is not None:
+        b_off, b_len, bg = b_off[b_live], b_len[b_live], bg[b_live]
+    if not len(f_off) or not len(b_off):
         return _EMPTY, _EMPTY
-    groups = int(max(fg[f_live].max(), bg[b_live].max())) + 1
-    fgl, bgl = fg[f_live], bg[b_live]
+    groups = int(max(fg.max(), bg.max())) + 1 if extents is None else len(extents)
     if n_dim == 1:
         cut = np.zeros(groups, np.int64)
     else:
-        cuts = np.stack(
-            [np.bincount(fgl, weights=f_off[f_live, d] != 0, minlength=groups) for d in range(n_dim)], axis=1
-        )
-        cut = cuts.argmax(axis=1)
-    fk, bk = cut[fgl], cut[bgl]
-    fs = f_off[f_live, fk]
-    fe = fs + f_len[f_live, fk]
-    bs = b_off[b_live, bk]
-    be = bs + b_len[b_live, bk]
+        nonzero = [np.bincount(fg, weights=f_off[:, d] != 0, minlength=groups) for d in range(n_dim)]
+        cut = np.stack(nonzero, axis=1).argmax(axis=1)
+    if (cut == cut[0]).all():  # one cut dimension for all: plain columns
+        k = int(cut[0])
+        fs, bs = f_off[:, k], b_off[:, k]
+        fe, be = fs + f_len[:, k], bs + b_len[:, k]
+    else:
+        fk, bk = cut[fg], cut[bg]
+        f_rows, b_rows = np.arange(len(f_off)), np.arange(len(b_off))
+        fs, bs = f_off[f_rows, fk], b_off[b_rows, bk]
+        fe, be = fs + f_len[f_rows, fk], bs + b_len[b_rows, bk]
     if groups > 1:
-        extent = np.zeros(groups, np.int64)
-        np.maximum.at(extent, fgl, fe)
-        np.maximum.at(extent, bgl, be)
+        if extents is not None:
+            extent = extents[np.arange(groups), cut]
+        else:
+            extent = np.zeros(groups, np.int64)
+            np.maximum.at(extent, fg, fe)
+            np.maximum.at(extent, bg, be)
         if int(extent.sum()) + groups >= 1 << 62:  # coordinates would overflow: one group at a time
-            return _pairs_by_group(f_off, f_len, b_off, b_len, fg, bg)
+            return _pairs_by_group(f_off, f_len, b_off, b_len, fg, bg, f_live, b_live)
         base = np.zeros(groups, np.int64)
         np.cumsum(extent[:-1] + 1, out=base[1:])
-        fs, fe, bs, be = fs + base[fgl], fe + base[fgl], bs + base[bgl], be + base[bgl]
-    order = np.argsort(fs, kind="stable")
-    starts = fs[order]
-    reach = np.maximum.accumulate(fe[order])
+        f_base, b_base = base[fg], base[bg]
+        fs, fe, bs, be = fs + f_base, fe + f_base, bs + b_base, be + b_base
+    # both sides sorted along the cut coordinate: the searches and the candidate
+    # gathers below then walk memory in order (millions of boxes stay cache-friendly)
+    order = np.argsort(fs)  # ties in any order: a window holds all of them
+    border = np.argsort(bs)
+    starts, ends = fs[order], fe[order]
+    reach = np.maximum.accumulate(ends)
+    bs, be = bs[border], be[border]
+    # dimensions other than the cut one that some box or fragment does not span whole
+    # must be tested too; with none (FSDP, TP: one cut dimension) the test is 1-D
+    others = _partial_dims(f_off, f_len, b_off, b_len, fg, bg, cut, extents)
+    if others:
+        f_off, f_len = f_off[order][:, others], f_len[order][:, others]
+        b_off, b_len = b_off[border][:, others], b_len[border][:, others]
     first = np.searchsorted(reach, bs, side="right")
-    width = np.clip(np.searchsorted(starts, be, side="left") - first, 0, None)
+    width = np.searchsorted(starts, be, side="left") - first
+    np.clip(width, 0, None, out=width)
     out_b: list[np.ndarray] = []
     out_f: list[np.ndarray] = []
     cum = np.cumsum(width)
     lo = 0
-    while lo < len(b_live):
+    while lo < len(b_off):
         hi = int(np.searchsorted(cum, (cum[lo - 1] if lo else 0) + _PAIR_CHUNK, side="right"))
         hi = max(hi, lo + 1)
         w = width[lo:hi]
-        n = int(w.sum())
+        n = int(cum[hi - 1] - (cum[lo - 1] if lo else 0))
         if n:
-            local = np.repeat(np.arange(lo, hi), w)
-            pos = np.arange(n) - np.repeat(np.cumsum(w) - w, w) + np.repeat(first[lo:hi], w)
-            bi, fi = b_live[local], f_live[order[pos]]
-            bo, bn, fo, fn = b_off[bi], b_len[bi], f_off[fi], f_len[fi]
-            meet = (np.maximum(bo, fo) < np.minimum(bo + bn, fo + fn)).all(axis=1)
+            bi = np.repeat(np.arange(lo, hi), w)
+            step = np.ones(n, np.int64)  # positions first[i], first[i] + 1, ... for box i
+            heads = np.cumsum(w) - w
+            nonempty = w > 0
+            f_first = first[lo:hi][nonempty]
+            step[heads[nonempty]] = f_first - np.r_[-1, (f_first + w[nonempty] - 1)[:-1]]
+            fi = np.cumsum(step) - 1
+            meet = np.maximum(bs[bi], starts[fi]) < np.minimum(be[bi], ends[fi])
+            if others:
+                fo, fn = f_off[fi], f_len[fi]
+                bo, bn = b_off[bi], b_len[bi]
+                meet &= (np.maximum(bo, fo) < np.minimum(bo + bn, fo + fn)).all(axis=1)
             out_b.append(bi[meet])
             out_f.append(fi[meet])
         lo = hi
     if not out_b:
         return _EMPTY, _EMPTY
-    bi, fi = np.concatenate(out_b), np.concatenate(out_f)
-    sort = np.lexsort((fi, bi))
-    return bi[sort], fi[sort]
+    bi, fi = border[np.concatenate(out_b)], order[np.concatenate(out_f)]
+    if b_live is not None:
+        bi = b_live[bi]
+    if f_live is not None:
+        fi = f_live[fi]
+    if ordered:
+        sort = np.lexsort((fi, bi))
+        bi, fi = bi[sort], fi[sort]
+    return bi, fi
+
+
+def _partial_dims(
+    f_off: np.ndarray,
+    f_len: np.ndarray,
+    b_off: np.ndarray,
+    b_len: np.ndarray,
+    fg: np.ndarray,
+    bg: np.ndarray,
+    cut: np.ndarray,
+    extents: np.ndarray | None,
+) -> list[int]:
+    """Dimensions that are not the cut one of every group and that some fragment or box
+    does not span whole (every dimension but a single shared cut one, without extents)."""
+    n_dim = f_off.shape[1]
+    if extents is None or not (cut == cut[0]).all():
+        return [d for d in range(n_dim) if not (cut == d).all()]
+    out = []
+    for d in range(n_dim):
+        if d == int(cut[0]):
+            continue
+        whole_f = (f_off[:, d] == 0).all() and (f_len[:, d] == extents[fg, d]).all()
+        whole_b = whole_f and (b_off[:, d] == 0).all() and (b_len[:, d] == extents[bg, d]).all()
+        if not whole_b:
+            out.append(d)
+    return out
 
 
 def _pairs_one_tensor(
@@ -198,14 +270,21 @@ def _pairs_one_tensor(
 
 
 def _pairs_by_group(
-    f_off: np.ndarray, f_len: np.ndarray, b_off: np.ndarray, b_len: np.ndarray, fg: np.ndarray, bg: np.ndarray
+    f_off: np.ndarray,
+    f_len: np.ndarray,
+    b_off: np.ndarray,
+    b_len: np.ndarray,
+    fg: np.ndarray,
+    bg: np.ndarray,
+    f_live: np.ndarray | None,
+    b_live: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    out_b, out_f = [], []
+    out_b, out_f = [_EMPTY], [_EMPTY]
     for g in np.unique(bg).tolist():
         fr, br = np.flatnonzero(fg == g), np.flatnonzero(bg == g)
         bi, fi = _pairs_general(f_off[fr], f_len[fr], b_off[br], b_len[br], None, None)
-        out_b.append(br[bi])
-        out_f.append(fr[fi])
+        out_b.append(br[bi] if b_live is None else b_live[br[bi]])
+        out_f.append(fr[fi] if f_live is None else f_live[fr[fi]])
     bi, fi = np.concatenate(out_b), np.concatenate(out_f)
     sort = np.lexsort((fi, bi))
     return bi[sort], fi[sort]

@@ -125,59 +125,81 @@ class SharePlan:
         return out
 
 
+def _no_plan() -> SharePlan:
+    z, empty = np.zeros(0, np.int64), np.zeros((0, 1), np.int64)
+    return SharePlan(z.astype(np.int32), empty, empty, z.astype(np.int32), z, np.zeros(1, np.int64))
+
+
 def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan:
     """(coordinator) The job-wide sharing plan for every rank's wanted boxes: the same
     decisions every rank used to compute over every rank's list, computed once and
     vectorised (the owner choice, least-loaded first, is the one sequential step)."""
     names = list(reader.catalog.tensors)
     tids = np.concatenate([w.tensors.astype(np.int64) for w in wanted]) if wanted else np.zeros(0, np.int64)
+    if len(tids) and (tids.min() < 0 or tids.max() >= len(names)):
+        raise ValueError("a wanted box names a tensor the catalog does not hold")
     ranks = np.repeat(np.arange(len(wanted)), [len(w.tensors) for w in wanted])
-    used = np.unique(tids).tolist()
-    shapes = {t: tuple(reader.catalog.tensors[names[t]].global_shape) for t in used}
-    empty = np.zeros((0, 1), np.int64)
+    used = np.flatnonzero(np.bincount(tids, minlength=len(names))).tolist()
     if not used:
-        z = np.zeros(0, np.int64)
-        return SharePlan(z.astype(np.int32), empty, empty, z.astype(np.int32), z, np.zeros(1, np.int64))
+        return _no_plan()
+    shapes = {t: tuple(reader.catalog.tensors[names[t]].global_shape) for t in used}
     reader.catalog.require([(names[t], ((0,) * len(shapes[t]), shapes[t])) for t in used])
-    width = max(1, max(len(s) for s in shapes.values()))
+    entries = [reader.catalog.tensors[names[t]] for t in used]
+    ndims = {len(s) for s in shapes.values()}
+    width = max(1, *ndims)
     ndim_of = np.zeros(len(names), np.int64)
+    extents = np.ones((len(names), width), np.int64)
     for t in used:
         ndim_of[t] = len(shapes[t])
-    # the wanted boxes, padded to ``width`` dimensions with (0, 1)
+        extents[t, : len(shapes[t])] = shapes[t]
+    # the wanted boxes and every stored row of those tensors, padded to ``width``
+    # dimensions with (0, 1) where tensors differ in rank
     b_off, b_len = _padded(tids, ndim_of, [w.offsets for w in wanted], [w.lengths for w in wanted], width)
-    # every stored row of those tensors, padded the same way
-    entries = [reader.catalog.tensors[names[t]] for t in used]
     f_tid = np.repeat(np.array(used, np.int64), [e.num_fragments for e in entries])
-    f_off = np.zeros((len(f_tid), width), np.int64)
-    f_len = np.ones((len(f_tid), width), np.int64)
-    at = 0
-    for e in entries:
-        n, d = e.num_fragments, len(e.global_shape)
-        f_off[at : at + n, :d] = e.offsets
-        f_len[at : at + n, :d] = e.lengths
-        at += n
-    bi, fi = overlap_pairs(f_off, f_len, b_off, b_len, f_tid, tids)
-    z = np.zeros(0, np.int64)
+    if ndims == {width}:
+        f_off = np.concatenate([e.offsets for e in entries]).reshape(-1, width)
+        f_len = np.concatenate([e.lengths for e in entries]).reshape(-1, width)
+    else:
+        f_off = np.zeros((len(f_tid), width), np.int64)
+        f_len = np.ones((len(f_tid), width), np.int64)
+        at = 0
+        for e in entries:
+            n, d = e.num_fragments, len(e.global_shape)
+            f_off[at : at + n, :d] = e.offsets
+            f_len[at : at + n, :d] = e.lengths
+            at += n
+    bi, fi = overlap_pairs(f_off, f_len, b_off, b_len, f_tid, tids, extents=extents, ordered=False)
     if not len(bi):
-        return SharePlan(z.astype(np.int32), empty, empty, z.astype(np.int32), z, np.zeros(1, np.int64))
+        return _no_plan()
     # one key per distinct stored box: pairs with a replica other than the first are dropped
-    box_of = _box_ids(f_tid, f_off, f_len, shapes, np.unique(fi))
+    hit = np.zeros(len(f_tid), bool)
+    hit[fi] = True
+    box_of = _box_ids(f_tid, f_off, f_len, shapes, np.flatnonzero(hit))
     first_copy = box_of[fi] == fi
-    bi, fi = bi[first_copy], fi[first_copy]
-    key = fi
+    if not first_copy.all():
+        bi, fi = bi[first_copy], fi[first_copy]
+    # only fragments met by more than one box can be shared: the rest are dropped at once
+    several = np.bincount(fi, minlength=len(f_tid)) > 1
+    pick = several[fi]
+    bi, fi = bi[pick], fi[pick]
+    if not len(bi):
+        return _no_plan()
+    order = np.lexsort((bi, fi))  # by fragment, then box (boxes are in rank order)
+    key, bi = fi[order], bi[order]
     rank = ranks[bi]
-    elems = np.prod(np.minimum(b_off[bi] + b_len[bi], f_off[fi] + f_len[fi]) - np.maximum(b_off[bi], f_off[fi]), axis=1)
-    order = np.lexsort((rank, key))
-    key, rank, elems, fi = key[order], rank[order], elems[order], fi[order]
-    first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    elems = np.prod(
+        np.minimum(b_off[bi] + b_len[bi], f_off[key] + f_len[key]) - np.maximum(b_off[bi], f_off[key]), axis=1
+    )
+    new_key = np.r_[True, key[1:] != key[:-1]]
+    first = np.flatnonzero(new_key)
     wanted_elems = np.add.reduceat(elems, first)
-    new_rank = np.r_[True, (key[1:] != key[:-1]) | (rank[1:] != rank[:-1])]
+    new_rank = new_key | np.r_[True, rank[1:] != rank[:-1]]
     n_ranks = np.add.reduceat(new_rank.astype(np.int64), first)
-    rep = fi[first]  # a row holding each key's box
+    rep = key[first]  # the row holding each key's box
     box_numel = np.prod(f_len[rep], axis=1)
     redundant = np.flatnonzero((n_ranks > 1) & (wanted_elems > box_numel))
     if not len(redundant):
-        return SharePlan(z.astype(np.int32), empty, empty, z.astype(np.int32), z, np.zeros(1, np.int64))
+        return _no_plan()
     rep = rep[redundant]
     # job-wide order: by tensor name, then offsets, then lengths (as tuples compare)
     name_rank = np.zeros(len(names), np.int64)
@@ -186,14 +208,13 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
     sort = np.lexsort([*k_len.T[::-1], *k_off.T[::-1], name_rank[k_tid]])
     redundant, k_tid, k_off, k_len = redundant[sort], k_tid[sort], k_off[sort], k_len[sort]
     # needing ranks of each shared box, ascending
-    mask = new_rank
     ends = np.r_[first[1:], len(key)]
-    seg_start, seg_end = first[redundant], ends[redundant]
-    lens = seg_end - seg_start
+    seg_start = first[redundant]
+    lens = ends[redundant] - seg_start
     idx = np.repeat(seg_start, lens) + (np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens))
-    keep = mask[idx]
+    keep = new_rank[idx]
     needers = rank[idx[keep]]
-    counts = np.add.reduceat(keep.astype(np.int64), np.r_[0, np.cumsum(lens)[:-1]]) if len(lens) else z
+    counts = np.add.reduceat(keep.astype(np.int64), np.r_[0, np.cumsum(lens)[:-1]])
     starts = np.r_[0, np.cumsum(counts)].astype(np.int64)
     item = {t: itemsize(reader.catalog.tensors[names[t]].dtype) for t in used}
     sizes = [n * item[t] for n, t in zip(np.prod(k_len, axis=1).tolist(), k_tid.tolist(), strict=True)]
@@ -218,6 +239,8 @@ def _padded(
     nd = ndim_of[tids]
     if int(nd.sum()) != len(flat_off) or len(flat_off) != len(flat_len):
         raise ValueError("wanted boxes do not match their tensors' dimensions")
+    if len(tids) and (nd == width).all():  # every tensor of the same rank: a reshape
+        return flat_off.reshape(-1, width), flat_len.reshape(-1, width)
     rows = np.repeat(np.arange(len(tids)), nd)
     cols = np.arange(len(flat_off)) - np.repeat(np.cumsum(nd) - nd, nd)
     out_off = np.zeros((len(tids), width), np.int64)
@@ -228,25 +251,20 @@ def _padded(
 
 
 def _box_ids(
-    f_tid: np.ndarray,
-    f_off: np.ndarray,
-    f_len: np.ndarray,
-    shapes: dict[int, tuple[int, ...]],
-    rows: np.ndarray,
+    f_tid: np.ndarray, f_off: np.ndarray, f_len: np.ndarray, shapes: dict[int, tuple[int, ...]], rows: np.ndarray
 ) -> np.ndarray:
-    """Per stored row (of ``rows``; others -1): an id shared by the rows holding the same
-    box of the same tensor. Tensors whose rows hold exactly as many elements as the
-    tensor have no replicas: each row is its own box."""
+    """Per stored row of ``rows`` (others -1): the first row (in catalog order) holding
+    the same box of the same tensor, so replicas of a box share one id. ``f_tid`` is
+    grouped by tensor. A tensor whose rows together hold exactly as many elements as
+    it has holds no replica (its rows tile it, which the catalog checks for every
+    tensor it holds whole); only the others are searched for identical rows."""
     ids = np.full(len(f_tid), -1, np.int64)
-    numel = np.prod(f_len[rows], axis=1)
-    t = f_tid[rows]
-    first = np.flatnonzero(np.r_[True, t[1:] != t[:-1]])
-    held = np.add.reduceat(numel, first).tolist() if len(rows) else []
-    ends = [*first.tolist()[1:], len(rows)]
-    replicated = np.zeros(len(rows), bool)
-    for lo, hi, tensor, n in zip(first.tolist(), ends, t[first].tolist(), held, strict=True):
-        if n != math.prod(shapes[tensor]):
-            replicated[lo:hi] = True
+    if not len(rows):
+        return ids
+    seg = np.flatnonzero(np.r_[True, f_tid[1:] != f_tid[:-1]])
+    held = np.add.reduceat(np.prod(f_len, axis=1), seg).tolist()
+    replicated_tensors = [t for t, n in zip(f_tid[seg].tolist(), held, strict=True) if n != math.prod(shapes[t])]
+    replicated = np.isin(f_tid[rows], replicated_tensors) if replicated_tensors else np.zeros(len(rows), bool)
     ids[rows[~replicated]] = rows[~replicated]
     dup = rows[replicated]
     if len(dup):
