@@ -300,7 +300,7 @@ class SaveJob:
                 decision = planned[0]
             # each rank receives only its own writes, as an index array into its boxes
             my_writes = coord.scatter([plan.writes[r] for r in range(coord.world_size)] if plan is not None else None)
-            cache.remember_writes(start.key, my_writes)
+        cache.remember_writes(start.key, my_writes)  # newest last: evicted in the coordinator's order
         items = [prepared.items[i] for i in my_writes.tolist()]
         pipeline = make_pipeline(
             backend,
