@@ -85,6 +85,9 @@ class PlanCache:
             return dict(self._writes)
 
     def remember_writes(self, key: bytes, writes: np.ndarray) -> None:
+        """Keep this rank's writes of plan ``key`` (a copy: on the coordinator they may
+        be a view of every rank's writes, which must not stay alive)."""
+        writes = np.array(writes, copy=True)
         with self._lock:
             self._writes[key] = writes
             self._writes.move_to_end(key)
