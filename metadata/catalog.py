@@ -55,6 +55,8 @@ class TensorTable:
         self.dtypes: list[str] = []
         self.shapes: list[tuple[int, ...]] = []
 
+        self._arrays: TensorArrays | None = None
+
     def add(self, fqn: str, key_path: str, dtype: str, shape: tuple[int, ...]) -> int:
         code = self.index.setdefault(fqn, len(self.names))
         if code == len(self.names):
@@ -62,10 +64,38 @@ class TensorTable:
             self.key_paths.append(key_path)
             self.dtypes.append(dtype)
             self.shapes.append(shape)
+            self._arrays = None
         return code
 
     def __len__(self) -> int:
         return len(self.names)
+
+    @property
+    def arrays(self) -> TensorArrays:
+        """The table as numpy columns (built once; every section's checks use them)."""
+        if self._arrays is None:
+            self._arrays = TensorArrays(self)
+        return self._arrays
+
+
+class TensorArrays:
+    """A TensorTable's shapes, strides, key paths and dtypes as numpy arrays."""
+
+    def __init__(self, tensors: TensorTable) -> None:
+        self.ndim = np.array([len(s) for s in tensors.shapes], dtype=np.int64)
+        self.starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(self.ndim)])
+        self.shape = np.fromiter((d for s in tensors.shapes for d in s), np.int64, int(self.starts[-1]))
+        #: row-major element strides (flat like ``shape``): suffix products of the shape
+        self.strides = np.ones(len(self.shape), dtype=np.int64)
+        for t, shape in enumerate(tensors.shapes):
+            acc, base = 1, int(self.starts[t])
+            for d in range(len(shape) - 1, -1, -1):
+                self.strides[base + d] = min(acc, MAX_TENSOR_BYTES)  # exact below 2**62 elements
+                acc *= shape[d]
+        self.key_paths: dict[str, int] = {}
+        self.kp = np.fromiter((self.key_paths.setdefault(v, len(self.key_paths)) for v in tensors.key_paths), np.int64)
+        self.dtypes: dict[str, int] = {}
+        self.dt = np.fromiter((self.dtypes.setdefault(v, len(self.dtypes)) for v in tensors.dtypes), np.int64)
 
 
 class _Tensors(Mapping):
@@ -225,7 +255,7 @@ class Catalog:
             return
         tcode = np.array(codes, dtype=np.int64)
         first, last, live = flat_spans(
-            tcode, np.array(starts, np.int64), np.array(offs, np.int64), np.array(lens, np.int64), tensors.shapes
+            tcode, np.array(starts, np.int64), np.array(offs, np.int64), np.array(lens, np.int64), tensors
         )
         tcode, first, last = tcode[live], first[live], last[live]
         head = parts.head
@@ -292,7 +322,7 @@ class Catalog:
                 f"{where}: holds rows of writers outside "
                 f"{int(head.sec_first_writer[k])}..{int(head.sec_last_writer[k])}"
             )
-        t, lo, hi = section_spans(rows, self._table_of_tensors.shapes)
+        t, lo, hi = section_spans(rows, self._table_of_tensors)
         ht, hlo, hhi = head.spans_of(k)
         if not (np.array_equal(t, ht) and np.array_equal(lo, hlo) and np.array_equal(hi, hhi)):
             raise FormatError(f"{where}: the head's span index does not match the section's rows")
@@ -662,15 +692,13 @@ def _bind(table: pa.Table, tensors: TensorTable, files: list[str], *, where: str
                 shape = tuple(shape_flat[s0:s1].tolist())
                 tensors.add(fqn_values[fqn_codes[r]], kp_values[kp_codes[r]], dt_values[dt_codes[r]], shape)
             local = np.array([tensors.index[v] for v in fqn_values], dtype=np.int64)[fqn_codes]
-        # every row against its tensor's entry in the table
-        kp_index = {v: i for i, v in enumerate(kp_values)}
-        dt_index = {v: i for i, v in enumerate(dt_values)}
-        t_kp = np.array([kp_index.get(v, -1) for v in tensors.key_paths], dtype=np.int64)
-        t_dt = np.array([dt_index.get(v, -1) for v in tensors.dtypes], dtype=np.int64)
-        t_ndim = np.array([len(s) for s in tensors.shapes], dtype=np.int64)
-        t_flat = np.fromiter((d for s in tensors.shapes for d in s), np.int64)
-        t_starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(t_ndim)])
-        bad = (t_kp[local] != kp_codes) | (t_dt[local] != dt_codes) | (t_ndim[local] != row_ndim)
+        # every row against its tensor's entry in the table (codes in the table's vocabularies)
+        arrays = tensors.arrays
+        kp_map = np.array([arrays.key_paths.get(v, -1) for v in kp_values], dtype=np.int64)
+        dt_map = np.array([arrays.dtypes.get(v, -1) for v in dt_values], dtype=np.int64)
+        t_ndim, t_flat, t_starts = arrays.ndim, arrays.shape, arrays.starts
+        bad = (arrays.kp[local] != kp_map[kp_codes]) | (arrays.dt[local] != dt_map[dt_codes])
+        bad |= t_ndim[local] != row_ndim
         count = np.where(bad, 0, row_ndim)
         total = int(count.sum())
         step = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)

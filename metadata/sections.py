@@ -97,28 +97,15 @@ def section_count(rows: int, writers: int) -> int:
 # -- spans -----------------------------------------------------------------------------
 
 
-def strides(shapes: Sequence[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
-    """Row-major element strides of every tensor: (flat int64 values, per-tensor starts)."""
-    ndim = np.array([len(s) for s in shapes], dtype=np.int64)
-    starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(ndim)])
-    out = np.ones(int(starts[-1]), dtype=np.int64)
-    for t, shape in enumerate(shapes):
-        acc = 1
-        for d in range(len(shape) - 1, -1, -1):
-            out[starts[t] + d] = acc
-            acc *= shape[d]
-    return out, starts
-
-
 def flat_spans(
-    tensor: np.ndarray, coord_starts: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, shapes: Sequence[tuple]
+    tensor: np.ndarray, coord_starts: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, tensors: TensorTable
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For each box (rows of flat ``offsets``/``lengths`` with ``coord_starts``, box i a
     box of tensor ``tensor[i]``): (first flat index, last flat index, non-empty). The
     flat span of a box contains every element of it, so two boxes that share an
     element have meeting spans. Boxes must lie inside their tensors (validated rows)."""
     n = len(tensor)
-    stride, t_starts = strides(shapes)
+    stride, t_starts = tensors.arrays.strides, tensors.arrays.starts
     counts = np.diff(coord_starts)
     step = np.arange(int(coord_starts[-1]) - int(coord_starts[0]), dtype=np.int64) - np.repeat(
         coord_starts[:-1] - coord_starts[0], counts
@@ -137,10 +124,10 @@ def flat_spans(
     return first, last, live
 
 
-def section_spans(rows: Rows, shapes: Sequence[tuple]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def section_spans(rows: Rows, tensors: TensorTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tensor, first, last) for every tensor with rows in ``rows``, ascending by tensor:
     the hull of its non-empty fragments' flat spans, EMPTY_SPAN when all are empty."""
-    first, last, live = flat_spans(rows.tensor, rows.coord_starts, rows.offsets, rows.lengths, shapes)
+    first, last, live = flat_spans(rows.tensor, rows.coord_starts, rows.offsets, rows.lengths, tensors)
     order = np.argsort(rows.tensor, kind="stable")
     t = rows.tensor[order]
     if not len(t):
@@ -182,7 +169,7 @@ def encode(tensors: TensorTable, file_names: Sequence[str], rows: Rows) -> bytes
         last_w = int(writers[hi_w - 1]) if len(writers) else 0
         table_rows.append((offset, len(data), crc32c(data), len(sub), first_w, last_w))
         offset += len(data)
-        t, a, b = section_spans(sub, tensors.shapes)
+        t, a, b = section_spans(sub, tensors)
         spans.append((np.full(len(t), k, np.int32), t.astype(np.int32), a, b))
     head = encode_head(tensors, table_rows, spans)
     trailer = TRAILER.pack(len(head), crc32c(head), 0, MAGIC)
