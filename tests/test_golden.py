@@ -1,6 +1,8 @@
 """The format must keep loading: tests/golden/v1 was written by bcp 0.1 (format v1),
 tests/golden/v2 by the first bcp writing format v2 (manifest with its own CRC32C);
-both are committed. Never regenerate one; add the next version beside them
+both hold a catalog v1 (one Arrow IPC file). tests/golden/catalog-v2 was written by
+the first bcp writing catalog v2 (sections, head, trailer; manifest version 2). All
+are committed. Never regenerate one; add the next version beside them
 (tests/golden/make_golden.py) when the format changes."""
 
 from __future__ import annotations
@@ -85,6 +87,40 @@ def test_an_edited_golden_v2_manifest_is_refused(tmp_path):
     manifest.write_bytes(manifest.read_bytes().replace(b'"step"', b'"stop"', 1))
     with pytest.raises(bcp.CheckpointError, match="CRC32C"):
         bcp.open(uri)
+
+
+CATALOG_V2 = GOLDEN_ROOT / "catalog-v2"
+
+
+def test_golden_catalog_v2_loads_bit_exactly():
+    from bcp.metadata import sections
+
+    r = bcp.open(str(CATALOG_V2))
+    assert r.manifest.version == 2 and r.manifest.user_metadata == {"purpose": "golden format test"}
+    catalog = next(CATALOG_V2.glob("gen-*/fragments.arrow")).read_bytes()
+    assert sections.is_v2(catalog) and catalog[:6] == b"ARROW1"
+    assert_same(_canonical(golden_state()), r.state(), ordered=False)
+    emb, head = r.meta("model.embed.weight").fragments[0], r.meta("model.head.weight").fragments[0]
+    assert emb.byte_offset == head.byte_offset, "tied weights must still share bytes"
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "head-then-sections"])
+def test_golden_catalog_v2_loads_into_a_template(tmp_path, monkeypatch, whole):
+    import bcp.catalog_fetch
+
+    monkeypatch.setattr(bcp.catalog_fetch, "WHOLE_CATALOG_BYTES", 1 << 30 if whole else 0)
+    uri = _copy(tmp_path, CATALOG_V2)
+    expected = golden_state()
+    template = zeros_like_state(expected)
+    template["optim"]["state"] = {}
+    assert_same(_canonical(expected), bcp.load(template, uri), ordered=False)
+
+
+def test_golden_catalog_v2_verifies():
+    from bcp.verify import verify_checkpoint
+
+    report = verify_checkpoint(str(CATALOG_V2))
+    assert report["ok"], report["problems"]
 
 
 def _canonical(state):
