@@ -584,28 +584,31 @@ def _list_array(starts: np.ndarray, values: np.ndarray, type_: pa.DataType) -> p
 def _table(tensors: TensorTable, file_names: Sequence[str], rows: Rows, version: str = "1") -> pa.Table:
     """Rows in CATALOG_SCHEMA's columns, strings dictionary-encoded; the dictionaries
     hold only the tensors and files these rows name, each value once."""
+    arrays = tensors.arrays
     present = np.bincount(rows.tensor, minlength=len(tensors)) > 0
     kept = np.flatnonzero(present)
     t = (np.cumsum(present) - 1)[rows.tensor]  # codes into the kept tensors
     names = [tensors.names[i] for i in kept.tolist()]
-    shapes = [tensors.shapes[i] for i in kept.tolist()]
-    kp_codes, kp_values = _distinct([tensors.key_paths[i] for i in kept.tolist()])
-    dt_codes, dt_values = _distinct([tensors.dtypes[i] for i in kept.tolist()])
+    kp_kept, kp_codes = np.unique(arrays.kp[kept], return_inverse=True)
+    dt_kept, dt_codes = np.unique(arrays.dt[kept], return_inverse=True)
+    kp_vocab, dt_vocab = list(arrays.key_paths), list(arrays.dtypes)
+    kp_values = pa.array([kp_vocab[i] for i in kp_kept.tolist()], pa.string())
+    dt_values = pa.array([dt_vocab[i] for i in dt_kept.tolist()], pa.string())
     f_present = np.bincount(rows.file, minlength=len(file_names)) > 0
     files = [file_names[i] for i in np.flatnonzero(f_present).tolist()]
     f = (np.cumsum(f_present) - 1)[rows.file]
-    ndim = np.array([len(s) for s in shapes], dtype=np.int64)
-    flat = np.fromiter((d for s in shapes for d in s), np.int64)
-    t_starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(ndim)])
-    row_ndim = ndim[t]
+    row_t = kept[t]  # the rows' tensors in the whole table
+    row_ndim = arrays.ndim[row_t]
     shape_starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(row_ndim)])
-    pos = np.repeat(t_starts[:-1][t] - shape_starts[:-1], row_ndim) + np.arange(int(shape_starts[-1]), dtype=np.int64)
+    pos = np.repeat(arrays.starts[:-1][row_t] - shape_starts[:-1], row_ndim) + np.arange(
+        int(shape_starts[-1]), dtype=np.int64
+    )
     schema = CATALOG_SCHEMA
     columns = [
         pa.DictionaryArray.from_arrays(pa.array(t, pa.int32()), pa.array(names, pa.string())),
-        pa.DictionaryArray.from_arrays(pa.array(kp_codes[t], pa.int32()), pa.array(kp_values, pa.string())),
-        pa.DictionaryArray.from_arrays(pa.array(dt_codes[t], pa.int32()), pa.array(dt_values, pa.string())),
-        _list_array(shape_starts, flat[pos], schema.field("global_shape").type),
+        pa.DictionaryArray.from_arrays(pa.array(kp_codes.reshape(-1)[t], pa.int32()), kp_values),
+        pa.DictionaryArray.from_arrays(pa.array(dt_codes.reshape(-1)[t], pa.int32()), dt_values),
+        _list_array(shape_starts, arrays.shape[pos], schema.field("global_shape").type),
         _list_array(rows.coord_starts, rows.offsets, schema.field("offsets").type),
         _list_array(rows.coord_starts, rows.lengths, schema.field("lengths").type),
         pa.DictionaryArray.from_arrays(pa.array(f, pa.int32()), pa.array(files, pa.string())),
@@ -616,12 +619,6 @@ def _table(tensors: TensorTable, file_names: Sequence[str], rows: Rows, version:
     ]
     table = pa.Table.from_arrays(columns, names=schema.names)
     return table.replace_schema_metadata({"bcp.catalog.version": version})
-
-
-def _distinct(values: Sequence[str]) -> tuple[np.ndarray, list[str]]:
-    index: dict[str, int] = {}
-    codes = np.fromiter((index.setdefault(v, len(index)) for v in values), np.int32, len(values))
-    return codes, list(index)
 
 
 def _cast(table: pa.Table, where: str) -> pa.Table:
