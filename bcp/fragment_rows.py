@@ -180,18 +180,42 @@ def _stats(
     # empty items); only those are compared box for box. Writers place items at rising
     # offsets, so in report order equal pairs are usually adjacent already.
     within = _adjacent_order(file, byte_offset)
-    shared = _in_runs([file, byte_offset], within if within is not None else sort_index([file, byte_offset]))
-    fragments = len(file) - len(shared)
-    if len(shared):
-        keys = [file[shared], byte_offset[shared], *(k[shared] for k in box)]
-        fragments += len(_distinct(keys))
-    # tensor bytes: each (tensor, box) once
+    order = within if within is not None else sort_index([file, byte_offset])
+    group, rows = _runs([file, byte_offset], order)
+    fragments = len(file) - len(rows)
+    if len(rows):  # distinct boxes within each run of rows sharing (file, byte offset)
+        fragments += len(_distinct([group, *(k[rows] for k in box)]))
+    # Tensor bytes: each (tensor, box) once. Empty boxes add nothing, so only rows
+    # holding bytes are compared.
     order = by_box if by_box is not None else sort_index([codes, *box])
-    shared = _in_runs([codes, *box[: offsets.shape[1]]], order)
-    tensor_bytes = int(nbytes.sum()) - int(nbytes[shared].sum())
-    if len(shared):
-        tensor_bytes += int(nbytes[shared][_distinct([codes[shared], *(k[shared] for k in box)])].sum())
+    order = order[nbytes[order] > 0]
+    group, rows = _runs([codes, *box[: offsets.shape[1]]], order)
+    tensor_bytes = int(nbytes.sum()) - int(nbytes[rows].sum())
+    if len(rows):
+        tensor_bytes += int(nbytes[rows][_distinct([group, *(k[rows] for k in box[offsets.shape[1] :])])].sum())
     return {"tensors": tensors, "fragments": fragments, "tensor_bytes": tensor_bytes}
+
+
+def _runs(keys: Sequence[np.ndarray], order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows whose ``keys`` equal those of a neighbour in ``order`` (an order in which
+    equal keys are adjacent), and for each a run number (0, 1, ...: rows with equal keys
+    share it). Comparing only within runs keeps the keys short (packed sorts)."""
+    empty = np.zeros(0, dtype=np.int64)
+    if len(order) < 2:
+        return empty, empty
+    same = np.ones(len(order) - 1, dtype=bool)
+    for k in keys:
+        s = k[order]
+        same &= s[1:] == s[:-1]
+    if not same.any():
+        return empty, empty
+    mark = np.zeros(len(order), dtype=bool)
+    mark[1:] |= same
+    mark[:-1] |= same
+    starts = mark.copy()
+    starts[1:] &= ~same  # the first row of each run
+    run = np.cumsum(starts) - 1
+    return run[mark].astype(np.int64), order[mark]
 
 
 def _adjacent_order(file: np.ndarray, byte_offset: np.ndarray) -> np.ndarray | None:
@@ -201,25 +225,8 @@ def _adjacent_order(file: np.ndarray, byte_offset: np.ndarray) -> np.ndarray | N
     if n < 2:
         return np.arange(n)
     step = file[1:] != file[:-1]
-    if int(step.sum()) + 1 != len(np.unique(file)):
+    if int(step.sum()) + 1 != int(np.count_nonzero(np.bincount(file))):  # file codes are 0, 1, ...
         return None
     if (np.diff(byte_offset)[~step] < 0).any():
         return None
     return np.arange(n)
-
-
-def _in_runs(keys: Sequence[np.ndarray], order: np.ndarray) -> np.ndarray:
-    """Indices of the rows whose ``keys`` equal those of a neighbour in ``order`` (an
-    order in which equal keys are adjacent): the rows that share their keys."""
-    if len(order) < 2:
-        return np.zeros(0, dtype=np.int64)
-    same = np.ones(len(order) - 1, dtype=bool)
-    for k in keys:
-        s = k[order]
-        same &= s[1:] == s[:-1]
-    if not same.any():
-        return np.zeros(0, dtype=np.int64)
-    mark = np.zeros(len(order), dtype=bool)
-    mark[1:] |= same
-    mark[:-1] |= same
-    return np.sort(order[mark])
