@@ -103,10 +103,25 @@ def flat_spans(
     """For each box (rows of flat ``offsets``/``lengths`` with ``coord_starts``, box i a
     box of tensor ``tensor[i]``): (first flat index, last flat index, non-empty). The
     flat span of a box contains every element of it, so two boxes that share an
-    element have meeting spans. Boxes must lie inside their tensors (validated rows)."""
+    element have meeting spans. Boxes must lie inside their tensors (validated rows);
+    a box with another number of dimensions than its tensor counts as empty (only a
+    writer given such rows meets one: readers refuse them before)."""
     n = len(tensor)
     stride, t_starts = tensors.arrays.strides, tensors.arrays.starts
     counts = np.diff(coord_starts)
+    fits = counts == tensors.arrays.ndim[tensor]
+    if not fits.all():
+        keep = np.repeat(fits, counts)
+        first, last, live = flat_spans(
+            tensor[fits],
+            np.concatenate([[0], np.cumsum(counts[fits])]),
+            offsets[coord_starts[0] : coord_starts[-1]][keep],
+            lengths[coord_starts[0] : coord_starts[-1]][keep],
+            tensors,
+        )
+        out = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
+        out[0][fits], out[1][fits], out[2][fits] = first, last, live
+        return out
     step = np.arange(int(coord_starts[-1]) - int(coord_starts[0]), dtype=np.int64) - np.repeat(
         coord_starts[:-1] - coord_starts[0], counts
     )

@@ -160,6 +160,14 @@ def test_layout_sections_head_and_trailer(small_sections):
     assert Catalog(frags).to_arrow() == data, "encoding is deterministic"
 
 
+def test_a_writer_given_malformed_rows_still_encodes_them_for_readers_to_refuse():
+    good = _fsdp(2)[0]
+    bad = dataclasses.replace(good, offsets=(0,), lengths=(4,))  # 1 dimension of a 2-d tensor
+    data = Catalog([good, bad]).to_arrow()
+    with pytest.raises(FormatError, match="dims"):
+        Catalog.from_arrow(data, where="cat", checksum_block_bytes=BLOCK)
+
+
 def test_v1_catalogs_keep_loading_and_v2_is_what_is_written():
     frags, _files = _fragments([((8, 2), [((0, 0), (4, 2)), ((4, 0), (4, 2))])], 2)
     v1, v2 = Catalog(frags).to_arrow_v1(), Catalog(frags).to_arrow()
