@@ -5,7 +5,9 @@ matches; every data file the manifest lists exists with its recorded size; every
 tensor's fragments tile its global shape exactly (no gap, no overlap: the catalog
 checks it for every reader, and verify reports each tensor that fails); every
 fragment's bytes match their per-block CRC32C (read in slices of at most 256 MiB,
-so a tensor larger than memory verifies); every object decodes (pickled ones are
+so a tensor larger than memory verifies; small tensors are read together in batches
+of that size, so runs that follow each other in a data file share requests); every
+object decodes (pickled ones are
 not unpickled, only counted).
 """
 
@@ -16,6 +18,7 @@ import time
 
 import torch
 
+from .boxes import Box
 from .errors import CheckpointError, PickleNotAllowedError
 from .reader import open_checkpoint
 
@@ -56,19 +59,48 @@ def verify_checkpoint(uri: str, *, progress=None) -> dict:
     total = sum(m.nbytes for m in metas.values())
     bar = progress(total, "verifying") if progress else None
     read = 0
+    failed: set[str] = set()
+    batch: list[tuple[str, Box, int]] = []
+
+    def check(batch: list[tuple[str, Box, int]]) -> None:
+        """Read a batch of slices together (runs that follow each other in a data file are
+        fetched in few requests); on an error, slice by slice, so that each problem names
+        its tensor and a tensor's later slices are skipped, as before."""
+        nonlocal read
+        try:
+            reader.fill([(fqn, box, reader.empty(fqn, box)) for fqn, box, _n in batch])
+            done = batch
+        except (CheckpointError, OSError):
+            done = []
+            for fqn, box, n in batch:
+                if fqn in failed:
+                    continue
+                try:
+                    reader.read(fqn, box=box)
+                    done.append((fqn, box, n))
+                except (CheckpointError, OSError) as e:
+                    problems.append(f"{type(e).__name__}: {e}")
+                    failed.add(fqn)
+        for _fqn, _box, n in done:
+            read += n
+            if bar is not None:
+                bar.update(n)
+
     try:
+        held = 0
         for fqn, meta in metas.items():
             itemsize = torch.empty((), dtype=meta.dtype).element_size()
             for box in _slices(tuple(meta.shape), itemsize):
-                try:
-                    out = reader.read(fqn, box=box)
-                except (CheckpointError, OSError) as e:
-                    problems.append(f"{type(e).__name__}: {e}")
+                if fqn in failed:
                     break
-                n = out.numel() * out.element_size()
-                read += n
-                if bar is not None:
-                    bar.update(n)
+                n = math.prod(box[1]) * itemsize
+                if held + n > SLICE_BYTES and batch:
+                    check(batch)
+                    batch, held = [], 0
+                batch.append((fqn, box, n))
+                held += n
+        if batch:
+            check(batch)
         for fqn in reader.object_keys():
             try:
                 reader.read_object(fqn) if not reader.is_per_rank(fqn) else reader.per_rank_objects(fqn)
