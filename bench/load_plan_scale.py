@@ -17,7 +17,10 @@ What is timed, CPU seconds of one process, each case in a fresh subprocess:
   DefaultLoadPlanner core for a DTensor shard,
   ``planner_helpers.create_read_items_for_chunk_list`` with the rank's chunk against
   the saved ChunkStorageMetadata list of each tensor (building DCP's Metadata is not
-  timed, as building bcp's catalog is not).
+  timed, as building bcp's catalog is not). ``partial``: the same with the catalog
+  as a loading rank of a large job holds it (catalog v2): from the head alone,
+  ``Catalog.from_head`` + ``require`` of the rank's boxes (reading and checking only
+  the sections they need, from memory here) are timed too.
 * ``share``: share_reads planning on the coordinator for M loading ranks, each wanting
   its dim-0 chunk of every tensor (``plan_shares`` + ``parts``); ``--share-dp 2``
   lets pairs of ranks want the same chunk (every fragment then shared). ``old``: every
@@ -54,6 +57,7 @@ from bcp.boxes import common_runs, intersect
 from bcp.io_scheduler.read_plan import plan_tensor_reads
 from bcp.io_scheduler.shared_read import Wanted, plan_shares
 from bcp.metadata import CATALOG_SCHEMA, Catalog
+from bcp.metadata.catalog import TRAILER_BYTES
 from bcp.metadata.layout import data_file_key, generation_name
 
 
@@ -181,10 +185,24 @@ def run_plan(impl: str, ranks: int, load: int, tensors: int) -> dict:
                 TensorProperties(dtype=torch.bfloat16), torch.Size((rows, cols)), chunks
             )
         local = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(n)) for o, n in boxes]
+    if impl == "partial":  # the rank holds the v2 catalog's head only, and reads its sections
+        data = cat.to_arrow()
+        head_len = Catalog.tail_bytes(len(data), data[-TRAILER_BYTES:])
+        del cat
     base = rss_now()
     exact = reset_peak()
     t0 = time.process_time()
     items = 0
+    if impl == "partial":
+        cat = Catalog.from_head(
+            data[len(data) - head_len :],
+            file_size=len(data),
+            fetch=lambda offset, length: data[offset : offset + length],
+            where="bench",
+            checksum_block_bytes=64 << 10,
+        )
+        cat.require([(fqn, boxes[i]) for i, fqn in enumerate(names)])
+        impl = "bcp"
     if impl == "dcp":
         t1 = t0
         for i, fqn in enumerate(names):
@@ -288,6 +306,7 @@ def main() -> None:
             for _ in range(a.repeat):
                 for impl in ("bcp", "dcp"):
                     runs[impl].append(child(["plan", impl, str(ranks), str(load), str(a.tensors), "1"]))
+            runs["partial"] = [child(["plan", "partial", str(ranks), str(load), str(a.tensors), "1"])]
             if a.old:
                 runs["old"] = [child(["plan", "old", str(ranks), str(load), str(a.tensors), "1"])]
             for impl, rs in runs.items():

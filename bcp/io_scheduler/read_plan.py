@@ -370,20 +370,28 @@ def plan_tensor_reads(
     exactly, or CorruptCheckpointError names the tensor and the box: a catalog read
     in part that lacks rows a box needs fails here, never leaving memory unfilled."""
     size = itemsize(entry.dtype)
-    bi, fi, b_off, b_len = touched_rows(entry, dest_boxes, prefer_rank)
-    f_off, f_len = entry.offsets[fi], entry.lengths[fi]
-    r_off = np.maximum(b_off[bi], f_off)
-    r_len = np.minimum(b_off[bi] + b_len[bi], f_off + f_len) - r_off
-    bounds = np.searchsorted(bi, np.arange(len(dest_boxes) + 1)).tolist()
-    region_numel = np.prod(r_len, axis=1).tolist() if len(bi) else []
+    bi, fi, _b_off, _b_len = touched_rows(entry, dest_boxes, prefer_rank)
+    # few pairs per box: the rest is cheaper in Python than in numpy calls
+    boxes, rows = bi.tolist(), fi.tolist()
+    f_offs, f_lens = entry.offsets[fi].tolist(), entry.lengths[fi].tolist()
+    regions: list[tuple[list[int], list[int]]] = []
+    for index, fo, fl in zip(boxes, f_offs, f_lens, strict=True):
+        d_off, d_len = dest_boxes[index]
+        lo = [max(a, b) for a, b in zip(d_off, fo, strict=True)]
+        regions.append((lo, [min(a + m, b + n) - x for a, m, b, n, x in zip(d_off, d_len, fo, fl, lo, strict=True)]))
+    at = 0
     for index, (d_off, d_len) in enumerate(dest_boxes):
-        lo, hi = bounds[index], bounds[index + 1]
+        end = at
+        while end < len(boxes) and boxes[end] == index:
+            end += 1
         need = math.prod(d_len)
-        covered = sum(region_numel[lo:hi])
+        mine = regions[at:end]
+        covered = sum(math.prod(r_len) for _o, r_len in mine)
         problem = None
-        if covered == need and hi - lo > 1 and not _abut(d_off, d_len, r_off[lo:hi].tolist(), r_len[lo:hi].tolist()):
+        if covered == need and end - at > 1 and not _abut(d_off, d_len, [o for o, _n in mine], [n for _o, n in mine]):
             # one fragment holding it all tiles it; more must neither overlap nor leave holes
-            problem = tiling_problem(d_len, r_off[lo:hi] - b_off[index], r_len[lo:hi])
+            rel = np.array([[o - b for o, b in zip(r_off, d_off, strict=True)] for r_off, _n in mine], np.int64)
+            problem = tiling_problem(d_len, rel, np.array([n for _o, n in mine], np.int64))
         if covered != need or problem is not None:
             detail = "" if problem is None else f" ({problem})"
             raise CorruptCheckpointError(
@@ -391,13 +399,10 @@ def plan_tensor_reads(
                 f"offsets={list(d_off)} lengths={list(d_len)}{detail}",
                 fqn=entry.fqn,
             )
-    if not len(bi):
-        return []
+        at = end
     frags: dict[int, Fragment] = {}
     plans: list[RunSet] = []
-    for index, row, ro, rl, fo, fl in zip(
-        bi.tolist(), fi.tolist(), r_off.tolist(), r_len.tolist(), f_off.tolist(), f_len.tolist(), strict=True
-    ):
+    for index, row, (ro, rl), fo, fl in zip(boxes, rows, regions, f_offs, f_lens, strict=True):
         if in_memory and (tuple(fo), tuple(fl)) in in_memory:
             continue
         frag = frags.get(row)
