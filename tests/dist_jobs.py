@@ -383,3 +383,38 @@ def errors_keep_type_job(rank: int, world: int, uri: str) -> None:
         assert e.file is not None and e.file.endswith("fragments.arrow"), f"rank {rank}: {e.file}"
     else:
         raise AssertionError(f"rank {rank}: load of a damaged catalog succeeded")
+
+
+# -- catalog v2 read in part (each rank fetches only its sections) ---------------------
+
+
+def small_sections_save_job(rank: int, world: int, layout: str, uri: str, ref_path: str) -> None:
+    """save_sharded_job with catalog sections of a single row minimum, so even this
+    small checkpoint's catalog has several sections."""
+    from bcp.metadata import sections
+
+    sections.MIN_SECTION_ROWS = 1
+    save_sharded_job(rank, world, layout, uri, ref_path)
+
+
+def partial_catalog_load_job(rank: int, world: int, layout: str, uri: str, ref_path: str) -> None:
+    """load_sharded_job with every catalog treated as large: the coordinator shares only
+    the head, every rank reads its own sections (checked on the coordinator)."""
+    import bcp.catalog_fetch
+    import bcp.loader
+
+    bcp.catalog_fetch.WHOLE_CATALOG_BYTES = 0
+    seen: list[bool] = []
+    fetch = bcp.catalog_fetch.fetch_load_metadata
+
+    def recording(backend):
+        manifest, catalog, partial = fetch(backend)
+        seen.append(partial)
+        return manifest, catalog, partial
+
+    bcp.catalog_fetch.fetch_load_metadata = recording
+    if hasattr(bcp.loader, "fetch_load_metadata"):
+        bcp.loader.fetch_load_metadata = recording
+    load_sharded_job(rank, world, layout, uri, ref_path)
+    if rank == 0:
+        assert seen == [True], f"the coordinator should have read only the catalog's head: {seen}"
