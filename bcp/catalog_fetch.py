@@ -10,13 +10,12 @@ rank then reads, itself, only the sections that its wanted boxes need
 from __future__ import annotations
 
 from bcp.backends import Backend, ObjectNotFoundError
-from bcp.metadata import Catalog, FormatError, Manifest
-from bcp.metadata.layout import manifest_key
+from bcp.metadata import Catalog
 from bcp.metadata.sections import TRAILER, is_v2
 
 from .commit import fetch_catalog, fetch_manifest, parse_manifest
 from .errors import CorruptCheckpointError
-from .reader import CheckpointReader
+from .reader import CheckpointReader, declared_sizes
 
 #: catalogs up to this size are read whole by the coordinator and shared
 WHOLE_CATALOG_BYTES = 8 << 20
@@ -64,19 +63,6 @@ def _ranged(backend: Backend, key: str, offset: int, length: int) -> bytes:
             offset=offset + len(data),
         )
     return data
-
-
-def declared_sizes(backend: Backend, manifest: Manifest) -> dict[str, int]:
-    """The manifest's data files: path -> bytes (a path listed twice with two sizes is
-    a FormatError)."""
-    sizes: dict[str, int] = {}
-    for f in manifest.data_files:  # the manifest's own checks are metadata.manifest's; these guard the reads
-        if f.nbytes < 0 or sizes.setdefault(f.path, f.nbytes) != f.nbytes:
-            raise FormatError(
-                f"{backend.uri}/{manifest_key()}: data file {f.path!r} is listed with size {f.nbytes} "
-                f"(and {sizes.get(f.path, f.nbytes)})"
-            )
-    return sizes
 
 
 def reader_from_head(

@@ -379,11 +379,9 @@ def _held_parts(landing: torch.Tensor, box: Box, held: dict[Box, torch.Tensor]):
             yield landing[tuple(slice(o - bo, o - bo + n) for o, bo, n in zip(r_off, box[0], r_len, strict=True))], src
 
 
-def reader_from_bytes(
-    backend: Backend, manifest_bytes: bytes, catalog_bytes: bytes, *, allow_pickle: bool = False, verify: bool = True
-) -> CheckpointReader:
-    manifest = parse_manifest(backend, manifest_bytes)
-    where = f"{backend.uri}/{manifest.catalog.path}"
+def declared_sizes(backend: Backend, manifest: Manifest) -> dict[str, int]:
+    """The manifest's data files: path -> bytes (a path listed twice with two sizes is
+    a FormatError)."""
     sizes: dict[str, int] = {}
     for f in manifest.data_files:  # the manifest's own checks are metadata.manifest's; these guard the reads
         if f.nbytes < 0 or sizes.setdefault(f.path, f.nbytes) != f.nbytes:
@@ -391,6 +389,15 @@ def reader_from_bytes(
                 f"{backend.uri}/{manifest_key()}: data file {f.path!r} is listed with size {f.nbytes} "
                 f"(and {sizes.get(f.path, f.nbytes)})"
             )
+    return sizes
+
+
+def reader_from_bytes(
+    backend: Backend, manifest_bytes: bytes, catalog_bytes: bytes, *, allow_pickle: bool = False, verify: bool = True
+) -> CheckpointReader:
+    manifest = parse_manifest(backend, manifest_bytes)
+    where = f"{backend.uri}/{manifest.catalog.path}"
+    sizes = declared_sizes(backend, manifest)
     catalog = Catalog.from_arrow(catalog_bytes, where=where, checksum_block_bytes=manifest.checksum_block_bytes)
     catalog.check_files(sizes, where=where)
     reader = CheckpointReader(backend, manifest, catalog, allow_pickle=allow_pickle, verify=verify)
