@@ -181,7 +181,9 @@ class Catalog:
     def _set_rows(self, rows: Rows) -> None:
         self._rows = rows
         self._fragments = None
-        order = np.argsort(rows.tensor, kind="stable")
+        from .sections import stable_order
+
+        order = stable_order(rows.tensor)
         self._order = order
         self._starts = np.searchsorted(rows.tensor[order], np.arange(len(self._table_of_tensors) + 1))
         self._cache: dict[int, TensorEntry] = {}
@@ -696,12 +698,17 @@ def _bind(table: pa.Table, tensors: TensorTable, files: list[str], *, where: str
         t_ndim, t_flat, t_starts = arrays.ndim, arrays.shape, arrays.starts
         bad = (arrays.kp[local] != kp_map[kp_codes]) | (arrays.dt[local] != dt_map[dt_codes])
         bad |= t_ndim[local] != row_ndim
-        count = np.where(bad, 0, row_ndim)
-        total = int(count.sum())
-        step = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-        rows_rep = np.repeat(np.arange(n), count)
-        differs = shape_flat[shape_starts[rows_rep] + step] != t_flat[t_starts[local[rows_rep]] + step]
-        bad[rows_rep[differs]] = True
+        d = int(row_ndim[0])
+        if not bad.any() and (row_ndim == d).all() and (t_ndim == d).all():  # one rank of tensor: matrices
+            t_matrix = t_flat[: len(t_ndim) * d].reshape(len(t_ndim), d)
+            bad = (shape_flat[: n * d].reshape(n, d) != t_matrix[local]).any(axis=1)
+        else:
+            count = np.where(bad, 0, row_ndim)
+            total = int(count.sum())
+            step = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+            rows_rep = np.repeat(np.arange(n), count)
+            differs = shape_flat[shape_starts[rows_rep] + step] != t_flat[t_starts[local[rows_rep]] + step]
+            bad[rows_rep[differs]] = True
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             fqn = tensors.names[int(local[i])]

@@ -139,11 +139,19 @@ def flat_spans(
     return first, last, live
 
 
+def stable_order(keys: np.ndarray) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")``; small non-negative keys are sorted as
+    uint16 (a radix sort, same order)."""
+    if len(keys) and int(keys.min()) >= 0 and int(keys.max()) < 1 << 16:
+        return np.argsort(keys.astype(np.uint16), kind="stable")
+    return np.argsort(keys, kind="stable")
+
+
 def section_spans(rows: Rows, tensors: TensorTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tensor, first, last) for every tensor with rows in ``rows``, ascending by tensor:
     the hull of its non-empty fragments' flat spans, EMPTY_SPAN when all are empty."""
     first, last, live = flat_spans(rows.tensor, rows.coord_starts, rows.offsets, rows.lengths, tensors)
-    order = np.argsort(rows.tensor, kind="stable")
+    order = stable_order(rows.tensor)
     t = rows.tensor[order]
     if not len(t):
         z = np.zeros(0, np.int64)
@@ -162,7 +170,7 @@ def section_spans(rows: Rows, tensors: TensorTable) -> tuple[np.ndarray, np.ndar
 
 def encode(tensors: TensorTable, file_names: Sequence[str], rows: Rows) -> bytes:
     """Catalog v2 bytes for ``rows``: sections by runs of writers, head, trailer."""
-    order = np.argsort(rows.writer, kind="stable")  # rows grouped by writer, save order inside
+    order = stable_order(rows.writer)  # rows grouped by writer, save order inside
     writers, per_writer = np.unique(rows.writer[order], return_counts=True)
     count = section_count(len(rows), len(writers))
     cum = np.cumsum(per_writer)
@@ -174,10 +182,11 @@ def encode(tensors: TensorTable, file_names: Sequence[str], rows: Rows) -> bytes
     spans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     offset = 0
     row_bounds = np.concatenate([[0], cum])
+    widths = {id(a): w for a in (rows.coord_starts, rows.sum_starts) if (w := _uniform(a)) is not None}
     for k in range(len(bounds) - 1):
         lo_w, hi_w = bounds[k], bounds[k + 1]
         mine = order[row_bounds[lo_w] : row_bounds[hi_w]]
-        sub = _subset(rows, mine)
+        sub = _subset(rows, mine, widths)
         data = _ipc_file(_table(tensors, file_names, sub, version=VERSION))
         parts.append(data)
         first_w = int(writers[lo_w]) if len(writers) else 0
@@ -191,8 +200,27 @@ def encode(tensors: TensorTable, file_names: Sequence[str], rows: Rows) -> bytes
     return b"".join([*parts, head, trailer])
 
 
-def _subset(rows: Rows, idx: np.ndarray) -> Rows:
+def _uniform(starts: np.ndarray) -> int | None:
+    """d when every row of a starts array holds d values, else None."""
+    n = len(starts) - 1
+    total = int(starts[-1] - starts[0]) if n >= 0 else 0
+    if n <= 0 or total % n:
+        return None
+    d = total // n
+    return d if bool((np.diff(starts) == d).all()) else None
+
+
+def _subset(rows: Rows, idx: np.ndarray, widths: dict[int, int] | None = None) -> Rows:
+    """Rows ``idx`` of ``rows``. ``widths``: id of a starts array -> the number of
+    values every row holds in it (see :func:`_uniform`), for a faster gather."""
+    widths = widths or {}
+
     def gather(starts: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        d = widths.get(id(starts))
+        if d is not None:  # every row holds d values: a matrix gather
+            n = len(starts) - 1
+            block = values[int(starts[0]) : int(starts[0]) + n * d].reshape(n, d)[idx]
+            return np.arange(len(idx) + 1, dtype=np.int64) * d, block.reshape(-1)
         counts = starts[idx + 1] - starts[idx]
         new = np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])
         pos = np.repeat(starts[idx] - new[:-1], counts) + np.arange(int(new[-1]), dtype=np.int64)
