@@ -5,8 +5,15 @@ Planned once, by the coordinator: every rank sends it the boxes it wants as comp
 arrays (tensor indices in catalog order, offsets, lengths); it finds, per tensor
 and vectorised, the stored fragments (one per distinct box) those boxes meet and the
 ranks that need each; where that is more than one rank and together they want more
-than the fragment holds, the rank with the fewest bytes to fetch so far reads the
-whole fragment (verifying every checksum block) and sends it point-to-point. Each
+than the fragment holds, one of those ranks reads the whole fragment (verifying every
+checksum block) and sends it point-to-point. The owner balances bytes to fetch,
+deterministically and vectorised: shared fragments, in job order (tensor name, offsets,
+lengths), are grouped by their set of needing ranks, and the groups are taken in order
+of their first fragment. A group of one fragment goes to its needer with the fewest
+bytes so far (ties to the lowest rank, the previous per-fragment rule); a larger
+group's bytes are water-filled over its needers (targets that raise the least-loaded
+towards a common level) and its fragments, in order, cut into consecutive runs of
+those sizes. Each
 rank receives only its part of the plan: what it reads and sends to whom, what it
 receives from whom. The receivers then copy their parts from memory. Costs memory
 for the shared fragments in flight; saves storage bandwidth and request count,
@@ -58,14 +65,21 @@ class Wanted:
 class SharePart:
     """What one rank does in the exchange, in tag order (a tag is the fragment's index
     in the job-wide plan): for each shared fragment it takes part in, the tensor, the
-    stored box, the owner, and (owner only) the receiving ranks."""
+    stored box, the owner, and (owner only) the receiving ranks,
+    ``receivers[recv_starts[i]:recv_starts[i + 1]]`` for its i-th tag (empty unless
+    this rank owns it)."""
 
     tags: np.ndarray  # int64 (K,)
     tensors: np.ndarray  # int32 (K,)
     offsets: np.ndarray  # int64 (K, D), padded past each tensor's ndim
     lengths: np.ndarray  # int64 (K, D)
     owners: np.ndarray  # int32 (K,)
-    receivers: dict[int, np.ndarray]  # tag -> ranks, for the tags this rank owns
+    receivers: np.ndarray  # int64, flat
+    recv_starts: np.ndarray  # int64 (K + 1,)
+
+    def receivers_of(self, i: int) -> np.ndarray:
+        """The ranks this rank sends its i-th fragment to (empty unless it owns it)."""
+        return self.receivers[self.recv_starts[i] : self.recv_starts[i + 1]]
 
     def keys(self, names: Sequence[str], ndims: Mapping[int, int]) -> list[SharedKey]:
         out = []
@@ -105,23 +119,37 @@ class SharePlan:
         return out
 
     def parts(self, world: int) -> list[SharePart]:
-        """Each rank's part."""
+        """Each rank's part (vectorised: a few array operations per rank)."""
         counts = np.diff(self.starts)
         tags = np.repeat(np.arange(len(self.owners)), counts)
-        order = np.lexsort((tags, self.needers))
-        ranks, tags = self.needers[order], tags[order]
+        order = np.argsort(self.needers, kind="stable")  # by rank, then tag
+        ranks, by_rank = self.needers[order], tags[order]
         bounds = np.searchsorted(ranks, np.arange(world + 1))
-        needers, starts = self.needers, self.starts
+        # every (fragment, needer other than its owner), grouped by owner, then by tag
+        # and needer (the needers array is in tag order, ascending within a tag)
+        owner_of = self.owners.astype(np.int64)[tags]
+        sends = np.flatnonzero(self.needers != owner_of)
+        sends = sends[np.argsort(owner_of[sends], kind="stable")]
+        send_to = self.needers[sends]
+        send_bounds = np.searchsorted(owner_of[sends], np.arange(world + 1))
         out = []
         for r in range(world):
-            mine = tags[bounds[r] : bounds[r + 1]]
+            mine = by_rank[bounds[r] : bounds[r + 1]]
             owners = self.owners[mine]
-            owned = mine[owners == r].tolist()
-            receivers = {}
-            for k in owned:
-                group = needers[starts[k] : starts[k + 1]]
-                receivers[k] = group[group != r]
-            out.append(SharePart(mine, self.tensors[mine], self.offsets[mine], self.lengths[mine], owners, receivers))
+            n_recv = np.where(owners == r, counts[mine] - 1, 0)
+            recv_starts = np.zeros(len(mine) + 1, np.int64)
+            np.cumsum(n_recv, out=recv_starts[1:])
+            out.append(
+                SharePart(
+                    mine,
+                    self.tensors[mine],
+                    self.offsets[mine],
+                    self.lengths[mine],
+                    owners,
+                    send_to[send_bounds[r] : send_bounds[r + 1]],
+                    recv_starts,
+                )
+            )
         return out
 
 
@@ -132,8 +160,8 @@ def _no_plan() -> SharePlan:
 
 def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan:
     """(coordinator) The job-wide sharing plan for every rank's wanted boxes: the same
-    decisions every rank used to compute over every rank's list, computed once and
-    vectorised (the owner choice, least-loaded first, is the one sequential step)."""
+    shared fragments and needing ranks every rank used to compute over every rank's
+    list, computed once and vectorised; owners balanced by needer set (module doc)."""
     names = list(reader.catalog.tensors)
     tids = np.concatenate([w.tensors.astype(np.int64) for w in wanted]) if wanted else np.zeros(0, np.int64)
     if len(tids) and (tids.min() < 0 or tids.max() >= len(names)):
@@ -184,7 +212,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
     bi, fi = bi[pick], fi[pick]
     if not len(bi):
         return _no_plan()
-    order = np.lexsort((bi, fi))  # by fragment, then box (boxes are in rank order)
+    order = np.argsort(fi * len(tids) + bi)  # by fragment, then box (boxes are in rank order)
     key, bi = fi[order], bi[order]
     rank = ranks[bi]
     elems = np.prod(
@@ -205,7 +233,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
     name_rank = np.zeros(len(names), np.int64)
     name_rank[sorted(used, key=names.__getitem__)] = np.arange(len(used))
     k_tid, k_off, k_len = f_tid[rep], f_off[rep], f_len[rep]
-    sort = np.lexsort([*k_len.T[::-1], *k_off.T[::-1], name_rank[k_tid]])
+    sort = _job_order(name_rank[k_tid], k_off, k_len)
     redundant, k_tid, k_off, k_len = redundant[sort], k_tid[sort], k_off[sort], k_len[sort]
     # needing ranks of each shared box, ascending
     ends = np.r_[first[1:], len(key)]
@@ -216,17 +244,106 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
     needers = rank[idx[keep]]
     counts = np.add.reduceat(keep.astype(np.int64), np.r_[0, np.cumsum(lens)[:-1]])
     starts = np.r_[0, np.cumsum(counts)].astype(np.int64)
-    item = {t: itemsize(reader.catalog.tensors[names[t]].dtype) for t in used}
-    sizes = [n * item[t] for n, t in zip(np.prod(k_len, axis=1).tolist(), k_tid.tolist(), strict=True)]
-    load = [0] * len(wanted)
-    owners = []
-    need_list, start_list = needers.tolist(), starts.tolist()
-    for k, nbytes in enumerate(sizes):
-        group = need_list[start_list[k] : start_list[k + 1]]
-        owner = min(group, key=load.__getitem__)  # ascending ranks: ties go to the lowest
-        load[owner] += nbytes
-        owners.append(owner)
-    return SharePlan(k_tid.astype(np.int32), k_off, k_len, np.array(owners, np.int32), needers.astype(np.int64), starts)
+    item = np.zeros(len(names), np.int64)
+    for t in used:
+        item[t] = itemsize(reader.catalog.tensors[names[t]].dtype)
+    sizes = np.prod(k_len, axis=1) * item[k_tid]
+    owners = _choose_owners(needers, starts, sizes, len(wanted))
+    return SharePlan(k_tid.astype(np.int32), k_off, k_len, owners, needers.astype(np.int64), starts)
+
+
+def _job_order(name_rank: np.ndarray, off: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """The order of keys by tensor name, then offsets, then lengths (as tuples compare).
+    Keys come grouped by tensor, usually with each tensor's boxes already in order (the
+    catalog's): then a stable sort on the name alone is enough."""
+    both = np.concatenate([off, length], axis=1)
+    if len(both) > 1:
+        step = both[1:] - both[:-1]
+        nonzero = step != 0
+        first = np.argmax(nonzero, axis=1)
+        rising = step[np.arange(len(step)), first] > 0
+        same_tensor = name_rank[1:] == name_rank[:-1]
+        if not (rising | ~same_tensor).all():
+            return np.lexsort([*length.T[::-1], *off.T[::-1], name_rank])
+    return np.argsort(name_rank, kind="stable")
+
+
+def _mix(x: np.ndarray, salt: int) -> np.ndarray:
+    """splitmix64 of ``x + salt`` (uint64, wrapping)."""
+    z = x.astype(np.uint64) + np.uint64(salt)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _needer_groups(needers: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per fragment, the id of its needer set: fragments with the same needing ranks get
+    the same id, ids numbered by first fragment (in tag order). Sets are hashed (a
+    64-bit sum) and then checked against their group's first member, exactly."""
+    k = len(starts) - 1
+    counts = np.diff(starts)
+    if not k:
+        return np.zeros(0, np.int64)
+    with np.errstate(over="ignore"):
+        h = np.add.reduceat(_mix(needers, 0x9E3779B97F4A7C15), starts[:-1]) + _mix(counts, 0x632BE59BD9B4E019)
+    order = np.argsort(h, kind="stable")
+    hs = h[order]
+    new = np.r_[True, hs[1:] != hs[:-1]]
+    head = order[np.flatnonzero(new)]  # each group's first fragment (lowest tag)
+    rep = np.empty(k, np.int64)
+    rep[order] = np.repeat(head, np.diff(np.r_[np.flatnonzero(new), k]))
+    same = bool((counts == counts[rep]).all())
+    if same:
+        pos = np.arange(len(needers)) - np.repeat(starts[:-1], counts)
+        same = bool((needers == needers[np.repeat(starts[rep], counts) + pos]).all())
+    if not same:  # a hash collision: fall back to exact tuples
+        ids: dict[tuple[int, ...], int] = {}
+        lst, st = needers.tolist(), starts.tolist()
+        return np.array([ids.setdefault(tuple(lst[st[i] : st[i + 1]]), len(ids)) for i in range(k)], np.int64)
+    # number groups by their first fragment
+    first = np.unique(rep)  # ascending tags: group order
+    return np.searchsorted(first, rep)
+
+
+def _choose_owners(needers: np.ndarray, starts: np.ndarray, sizes: np.ndarray, world: int) -> np.ndarray:
+    """The owner of each shared fragment (in tag order), one of its needers, balancing
+    bytes to fetch: fragments are grouped by needer set, groups taken in order of their
+    first fragment. A group of one fragment goes to its least-loaded needer so far (ties
+    to the lowest rank: the previous rule). A larger group's bytes are water-filled over
+    its needers (each needer's target brings its load towards a common level), then its
+    fragments, in tag order, are cut into consecutive runs matching those targets (a
+    fragment goes to the needer whose target holds its midpoint)."""
+    k = len(starts) - 1
+    owners = np.zeros(k, np.int32)
+    if not k:
+        return owners
+    group = _needer_groups(needers, starts)
+    order = np.lexsort((np.arange(k), group))
+    bounds = np.r_[0, np.flatnonzero(np.diff(group[order])) + 1, k].tolist()
+    load = np.zeros(world, np.int64)
+    for g in range(len(bounds) - 1):
+        frags = order[bounds[g] : bounds[g + 1]]
+        f0 = int(frags[0])
+        members = needers[starts[f0] : starts[f0 + 1]]
+        if len(frags) == 1:
+            owner = int(members[np.argmin(load[members])])
+            owners[f0] = owner
+            load[owner] += sizes[f0]
+            continue
+        sz = sizes[frags]
+        have = load[members].astype(np.float64)
+        total = float(sz.sum())
+        ascending = np.sort(have)
+        fill = (total + np.cumsum(ascending)) / np.arange(1, len(members) + 1)
+        ok = np.r_[fill[:-1] <= ascending[1:], True]
+        level = fill[int(np.argmax(ok))]
+        target = np.cumsum(np.maximum(level - have, 0.0))
+        mid = np.cumsum(sz) - sz / 2.0
+        pick = np.minimum(np.searchsorted(target, mid, side="right"), len(members) - 1)
+        who = members[pick]
+        owners[frags] = who
+        np.add.at(load, who, sz)
+    return owners
 
 
 def _padded(
@@ -318,12 +435,12 @@ def fetch_shared(
             stats.add(reader.fill([(fqn, box, held[key])]))
     works = []
     ranks = dist.get_process_group_ranks(coord.group)
-    for tag, key, owner in zip(part.tags.tolist(), keys, owners, strict=True):
+    for i, (tag, key, owner) in enumerate(zip(part.tags.tolist(), keys, owners, strict=True)):
         if owner == coord.rank:
             wire = held[key].reshape(-1).view(torch.uint8) if held[key].numel() else None
             if wire is not None:
                 works += [
-                    dist.isend(wire, dst=ranks[r], group=coord.group, tag=tag) for r in part.receivers[tag].tolist()
+                    dist.isend(wire, dst=ranks[r], group=coord.group, tag=tag) for r in part.receivers_of(i).tolist()
                 ]
         else:
             fqn, box = key
