@@ -740,21 +740,27 @@ def decode_rows(
     (default: :func:`decode_budget` of the file) that decoding counted."""
     budget = decode_budget(len(data)) if budget is None else budget
     used = check_ipc_budget(data, where=where, budget=budget)
-    try:
-        table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
-        table.validate(full=True)
-    except (pa.ArrowException, OSError, EOFError) as e:
-        raise FormatError(f"{where}: not a readable Arrow IPC file: {e}") from e
-    missing = [n for n in CATALOG_SCHEMA.names if n not in table.column_names]
-    if missing:
-        raise FormatError(f"{where}: missing column(s) {', '.join(missing)}")
-    table = table.select(CATALOG_SCHEMA.names)
+    table = read_ipc_columns(data, CATALOG_SCHEMA.names, where)
     _check_expansion(table, where=where, budget=budget)  # strings stay encoded: counted, not charged
     table = _cast(table, where)
     if table.num_rows and any(table.column(n).null_count for n in CATALOG_SCHEMA.names):
         raise FormatError(f"{where}: null values in the catalog")
     _validate_table(table, where=where, checksum_block_bytes=checksum_block_bytes)
     return _bind(table, tensors, files, where=where, fixed=fixed), used
+
+
+def read_ipc_columns(data: bytes, names: Sequence[str], where: str) -> pa.Table:
+    """The columns ``names`` of an Arrow IPC file, fully validated by Arrow; a
+    FormatError naming ``where`` when the file is unreadable or lacks a column."""
+    try:
+        table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
+        table.validate(full=True)
+    except (pa.ArrowException, OSError, EOFError) as e:
+        raise FormatError(f"{where}: not a readable Arrow IPC file: {e}") from e
+    missing = [n for n in names if n not in table.column_names]
+    if missing:
+        raise FormatError(f"{where}: missing column(s) {', '.join(missing)}")
+    return table.select(list(names))
 
 
 _TUPLE_COLUMNS = frozenset({"global_shape", "offsets", "lengths", "checksums"})

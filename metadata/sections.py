@@ -32,6 +32,7 @@ from .catalog import (
     _table,
     check_ipc_budget,
     itemsize_or_zero,
+    read_ipc_columns,
 )
 from .checksum import crc32c
 from .errors import FormatError
@@ -400,15 +401,7 @@ def decode_head(head: bytes, head_offset: int, head_crc: int, *, where: str, bud
 
 
 def _read_table(data: bytes, schema: pa.Schema, where: str) -> pa.Table:
-    try:
-        table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
-        table.validate(full=True)
-    except (pa.ArrowException, OSError, EOFError) as e:
-        raise FormatError(f"{where}: not a readable Arrow IPC file: {e}") from e
-    missing = [n for n in schema.names if n not in table.column_names]
-    if missing:
-        raise FormatError(f"{where}: missing column(s) {', '.join(missing)}")
-    table = table.select(schema.names)
+    table = read_ipc_columns(data, schema.names, where)
     columns = []
     for field in schema:
         c = table.column(field.name)
