@@ -123,10 +123,13 @@ def flat_spans(
         out = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
         out[0][fits], out[1][fits], out[2][fits] = first, last, live
         return out
+    base = coord_starts[0]
+    d = _uniform(coord_starts)
+    if d is not None:  # every box has d dimensions: matrices, row sums
+        return _flat_spans_uniform(tensor, offsets[base : base + n * d], lengths[base : base + n * d], d, tensors)
     step = np.arange(int(coord_starts[-1]) - int(coord_starts[0]), dtype=np.int64) - np.repeat(
         coord_starts[:-1] - coord_starts[0], counts
     )
-    base = coord_starts[0]
     row_of = np.repeat(np.arange(n), counts)
     s = stride[t_starts[tensor[row_of]] + step]
     o = offsets[base : base + len(step)]
@@ -137,6 +140,23 @@ def flat_spans(
     np.add.at(last, row_of, (o + ln - 1) * s)
     live = np.ones(n, dtype=bool)
     live[row_of[ln <= 0]] = False
+    return first, last, live
+
+
+def _flat_spans_uniform(
+    tensor: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, d: int, tensors: TensorTable
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`flat_spans` of n boxes of d dimensions each (boxes of their tensors' rank):
+    the same integer sums, one dimension at a time instead of scattered adds."""
+    n = len(tensor)
+    first, last, live = np.zeros(n, np.int64), np.zeros(n, np.int64), np.ones(n, dtype=bool)
+    base = tensors.arrays.starts[tensor]
+    for k in range(d):
+        s = tensors.arrays.strides[base + k]
+        o, ln = offsets[k::d], lengths[k::d]
+        first += o * s
+        last += (o + ln - 1) * s
+        live &= ln > 0
     return first, last, live
 
 
@@ -170,8 +190,12 @@ def section_spans(rows: Rows, tensors: TensorTable) -> tuple[np.ndarray, np.ndar
 
 
 def encode(tensors: TensorTable, file_names: Sequence[str], rows: Rows) -> bytes:
-    """Catalog v2 bytes for ``rows``: sections by runs of writers, head, trailer."""
-    order = stable_order(rows.writer)  # rows grouped by writer, save order inside
+    """Catalog v2 bytes for ``rows``: sections by runs of writers, head, trailer.
+
+    Only each writer's rows in order matter, not how writers interleave: rows already
+    grouped by writer (a save's commit) give the same bytes, sliced instead of gathered."""
+    grouped = _ascending(rows.writer)
+    order = np.arange(len(rows)) if grouped else stable_order(rows.writer)  # by writer, save order inside
     writers, per_writer = np.unique(rows.writer[order], return_counts=True)
     count = section_count(len(rows), len(writers))
     cum = np.cumsum(per_writer)
@@ -183,11 +207,13 @@ def encode(tensors: TensorTable, file_names: Sequence[str], rows: Rows) -> bytes
     spans: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     offset = 0
     row_bounds = np.concatenate([[0], cum])
-    widths = {id(a): w for a in (rows.coord_starts, rows.sum_starts) if (w := _uniform(a)) is not None}
+    widths = (
+        {} if grouped else {id(a): w for a in (rows.coord_starts, rows.sum_starts) if (w := _uniform(a)) is not None}
+    )
     for k in range(len(bounds) - 1):
         lo_w, hi_w = bounds[k], bounds[k + 1]
-        mine = order[row_bounds[lo_w] : row_bounds[hi_w]]
-        sub = _subset(rows, mine, widths)
+        lo_r, hi_r = int(row_bounds[lo_w]), int(row_bounds[hi_w])
+        sub = _slice(rows, lo_r, hi_r) if grouped else _subset(rows, order[lo_r:hi_r], widths)
         data = _ipc_file(_table(tensors, file_names, sub, version=VERSION))
         parts.append(data)
         first_w = int(writers[lo_w]) if len(writers) else 0
@@ -199,6 +225,29 @@ def encode(tensors: TensorTable, file_names: Sequence[str], rows: Rows) -> bytes
     head = encode_head(tensors, table_rows, spans)
     trailer = TRAILER.pack(len(head), crc32c(head), 0, MAGIC)
     return b"".join([*parts, head, trailer])
+
+
+def _ascending(keys: np.ndarray) -> bool:
+    """Whether ``keys`` never decrease (then a stable sort by them changes nothing)."""
+    return len(keys) < 2 or bool((keys[1:] >= keys[:-1]).all())
+
+
+def _slice(rows: Rows, lo: int, hi: int) -> Rows:
+    """Rows ``lo:hi`` of ``rows`` (views, list starts rebased to 0)."""
+    c0, c1 = int(rows.coord_starts[lo]), int(rows.coord_starts[hi])
+    s0, s1 = int(rows.sum_starts[lo]), int(rows.sum_starts[hi])
+    return Rows(
+        tensor=rows.tensor[lo:hi],
+        coord_starts=rows.coord_starts[lo : hi + 1] - c0,
+        offsets=rows.offsets[c0:c1],
+        lengths=rows.lengths[c0:c1],
+        byte_offset=rows.byte_offset[lo:hi],
+        nbytes=rows.nbytes[lo:hi],
+        file=rows.file[lo:hi],
+        writer=rows.writer[lo:hi],
+        sum_starts=rows.sum_starts[lo : hi + 1] - s0,
+        sums=rows.sums[s0:s1],
+    )
 
 
 def _uniform(starts: np.ndarray) -> int | None:
