@@ -142,9 +142,10 @@ def fetch_catalog(backend: Backend, manifest: Manifest) -> bytes:
     return data
 
 
-def write_catalog(backend: Backend, key: str, catalog: Catalog) -> FileEntry:
-    """Write the catalog of a save; its entry goes into the manifest."""
-    data = catalog.to_arrow()
+def write_catalog(backend: Backend, key: str, catalog: Catalog | bytes) -> FileEntry:
+    """Write the catalog of a save (a Catalog, or its bytes already encoded: a save's
+    commit encodes its merged rows directly); its entry goes into the manifest."""
+    data = catalog if isinstance(catalog, bytes) else catalog.to_arrow()
     backend.write(key, data)
     return FileEntry(key, len(data), crc32c(data))
 

@@ -9,13 +9,16 @@ with Arrow and numpy (sort indices), never one Python object per row.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from bcp.metadata import CATALOG_SCHEMA
+from bcp.metadata import FormatError
+from bcp.metadata.catalog import TensorTable, _table
+from bcp.metadata.rows import Rows
+from bcp.metadata.sections import _subset, encode
 
 from .io_scheduler.write_pipeline import WriterReport
 from .save_plan import LayoutMeta
@@ -25,21 +28,9 @@ def padded_boxes(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """A list<int64> column as an int64 (rows, max length + 1) matrix: the values,
     zero-padded on the right, then the length of each list (so [0] and [0, 0] differ)."""
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    n = len(array)
-    ndim = pc.list_value_length(array).to_numpy(zero_copy_only=False).astype(np.int64)
-    values = pc.list_flatten(array).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-    width = int(ndim.max()) if n else 0
-    out = np.zeros((n, width + 1), dtype=np.int64)
-    out[:, width] = ndim
-    if values.size:
-        if int(ndim.min()) == width:  # one rank of tensor: a plain reshape
-            out[:, :width] = values.reshape(n, width)
-        else:
-            of_row = np.repeat(ndim, ndim)  # each value's list length
-            for d in np.unique(ndim).tolist():
-                if d:
-                    out[ndim == d, :d] = values[of_row == d].reshape(-1, d)
-    return out
+    starts = array.offsets.to_numpy().astype(np.int64)
+    values = array.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    return _boxes(starts - starts[0], values)
 
 
 def sort_index(keys: Sequence[np.ndarray]) -> np.ndarray:
@@ -53,6 +44,8 @@ def sort_index(keys: Sequence[np.ndarray]) -> np.ndarray:
         for k, b in zip(keys, bits, strict=True):
             packed <<= b
             packed |= k
+        if bool((packed[1:] >= packed[:-1]).all()):  # in order already (a stable sort keeps it)
+            return np.arange(n)
         return np.argsort(packed, kind="stable")
     return np.lexsort(list(reversed(keys)))
 
@@ -72,74 +65,167 @@ def _distinct(keys: Sequence[np.ndarray]) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Merged:
-    """Every writer's rows in catalog order, and the manifest's counts over them."""
+    """Every writer's rows, the catalog's tensor table and file names, and the
+    manifest's counts over the rows.
 
-    table: pa.Table
+    ``rows`` are grouped by writer (ascending), each writer's rows in catalog order:
+    the order the catalog's sections hold them in, so encoding slices, never gathers.
+    ``catalog_order`` lists them in catalog order (save order, offsets, writer)."""
+
+    tensors: TensorTable
+    file_names: list[str]
+    rows: Rows
+    catalog_order: np.ndarray
     stats: dict[str, int]
+
+    def catalog_bytes(self) -> bytes:
+        """The catalog's bytes: those ``Catalog.from_table(self.table).to_arrow()`` gives,
+        without decoding the rows back from Arrow and checking them row by row.
+
+        Safe to skip: ``Catalog.from_table`` checks that every row agrees with its
+        tensor's dtype, shape and key path, and here those come from one table of
+        tensors, not from the rows; the rest of the rows are the writers' own reports
+        (REPORT_SCHEMA), whose one check that bears on loading, each box's rank, is
+        made by :func:`merge_reports`. Tiling is checked when the save is planned."""
+        return encode(self.tensors, self.file_names, self.rows)
+
+    @functools.cached_property
+    def table(self) -> pa.Table:
+        """The rows in catalog order as a table in CATALOG_SCHEMA's columns, strings
+        dictionary-encoded (built on demand: tests and tools; the commit needs none)."""
+        return _table(self.tensors, self.file_names, _subset(self.rows, self.catalog_order))
 
 
 def merge_reports(reports: Sequence[WriterReport], metas: Sequence[LayoutMeta], order: Sequence[str]) -> Merged:
-    """Every writer's rows as one catalog table (CATALOG_SCHEMA's columns, strings
-    dictionary-encoded), ordered by the tensors' save order (``order``: FQNs), then the
-    box offsets, then the writer; and the manifest's counts.
+    """Every writer's rows, ordered for the catalog (by writer, then the tensors' save
+    order (``order``: FQNs), then the box offsets), and the manifest's counts.
 
     ``metas[r]`` is rank r's layout metadata: report rows name a tensor by its index
     there. The plan checked that ranks agree on each tensor's key path, dtype and shape,
     so the per-tensor columns come from one table of tensors, not from every row."""
+    known, to_global = _tensor_info(metas, order)
+    writing = [r for r in reports if r.rows.num_rows]
+    if not writing:
+        return Merged(TensorTable(), [], Rows.empty(), np.zeros(0, np.int64), _no_rows())
+    rows = _concat(writing, [to_global[id(metas[r.rank])] for r in writing])
+    offsets, lengths = _boxes(rows.coord_starts, rows.offsets), _boxes(rows.coord_starts, rows.lengths)
+    _check_ranks(rows, offsets, known)
+    by_writer = sort_index([rows.writer - int(rows.writer.min()), rows.tensor, *offsets[:, :-1].T])
+    if not _is_identity(by_writer):
+        rows, offsets, lengths = _subset(rows, by_writer), offsets[by_writer], lengths[by_writer]
+    # stable, so rows of one (tensor, offsets) stay in writer order: the catalog order
+    catalog_order = sort_index([rows.tensor, *offsets[:, :-1].T])
+    present = np.bincount(rows.tensor, minlength=len(order)) > 0
+    stats = _stats(
+        rows.tensor, int(present.sum()), offsets, lengths, rows.file, rows.byte_offset, rows.nbytes, catalog_order
+    )
+    tensors = TensorTable()
+    for g in np.flatnonzero(present).tolist():
+        info = known[g]
+        assert info is not None, "every row's tensor is in its rank's layout metadata"
+        tensors.add(*info)
+    names = [r.file.path if r.file is not None else "" for r in writing]
+    index: dict[str, int] = {}  # each name once, in order of first use (as Arrow's dictionary_encode)
+    remap = np.array([index.setdefault(n, len(index)) for n in names], dtype=np.int32)
+    rows = dataclasses.replace(
+        rows, tensor=((np.cumsum(present) - 1)[rows.tensor]).astype(np.int32), file=remap[rows.file]
+    )
+    return Merged(tensors, list(index), rows, catalog_order, stats)
+
+
+TensorInfo = tuple[str, str, str, tuple[int, ...]]
+
+
+def _tensor_info(
+    metas: Sequence[LayoutMeta], order: Sequence[str]
+) -> tuple[list[TensorInfo | None], dict[int, np.ndarray]]:
+    """(fqn, key path, dtype, shape) by save-order position, and for each distinct
+    layout metadata (by id) its tensors' positions."""
     position = {name: i for i, name in enumerate(order)}
-    # the tensor table, indexed by save-order position
-    fqns: list[str | None] = [None] * len(order)
-    paths: list[str] = [""] * len(order)
-    dtypes: list[str] = [""] * len(order)
-    shapes: list[tuple[int, ...]] = [()] * len(order)
+    known: list[TensorInfo | None] = [None] * len(order)
     to_global: dict[int, np.ndarray] = {}
     for meta in {id(m): m for m in metas}.values():
         ids = np.array([position[f] for f in meta.fqns], dtype=np.int64)
         to_global[id(meta)] = ids
         for i, g in enumerate(ids.tolist()):
-            if fqns[g] is None:
-                fqns[g], paths[g], dtypes[g], shapes[g] = (
-                    meta.fqns[i],
-                    meta.key_paths[i],
-                    meta.dtypes[i],
-                    meta.shapes[i],
-                )
-    writing = [r for r in reports if r.rows.num_rows]
-    if not writing:
-        return Merged(CATALOG_SCHEMA.empty_table(), _no_rows())
+            if known[g] is None:
+                known[g] = (meta.fqns[i], meta.key_paths[i], meta.dtypes[i], tuple(meta.shapes[i]))
+    return known, to_global
+
+
+def _concat(writing: Sequence[WriterReport], to_global: Sequence[np.ndarray]) -> Rows:
+    """The reports' rows back to back as numpy columns: ``tensor`` holds save-order
+    positions, ``file`` the report's index in ``writing``, ``writer`` its rank."""
     table = pa.concat_tables([r.rows for r in writing])
-    tensor = np.concatenate([to_global[id(metas[r.rank])][r.rows.column("tensor").to_numpy()] for r in writing])
+    coord_starts, offsets = _listed(table.column("offsets"), np.int64)
+    len_starts, lengths = _listed(table.column("lengths"), np.int64)
+    if not np.array_equal(coord_starts, len_starts):
+        i = int(np.flatnonzero(coord_starts != len_starts)[0]) - 1
+        raise FormatError(f"commit: fragment row {i}: offsets and lengths differ in length")
+    sum_starts, sums = _listed(table.column("checksums"), np.uint32)
     sizes = np.array([r.rows.num_rows for r in writing], dtype=np.int64)
-    file = np.repeat(np.arange(len(writing), dtype=np.int64), sizes)
-    writer = np.repeat(np.array([r.rank for r in writing], dtype=np.int64), sizes)
-    offsets = padded_boxes(table.column("offsets"))
-    lengths = padded_boxes(table.column("lengths"))
-    idx = sort_index([tensor, *(offsets[:, d] for d in range(offsets.shape[1] - 1)), writer - int(writer.min())])
-    present = int(np.count_nonzero(np.bincount(tensor, minlength=len(order))))
-    stats = _stats(table, tensor, present, offsets, lengths, pa.array(file), by_box=idx)
-    t_sorted = tensor[idx]
-    names = [r.file.path if r.file is not None else "" for r in writing]
-    columns: dict[str, pa.Array] = {
-        "fqn": _coded(t_sorted, [f or "" for f in fqns]),
-        "key_path": _coded(t_sorted, paths),
-        "dtype": _coded(t_sorted, dtypes),
-        "global_shape": pa.array(shapes, pa.list_(pa.int64())).take(pa.array(t_sorted)),
-        "offsets": table.column("offsets").combine_chunks().take(pa.array(idx)),
-        "lengths": table.column("lengths").combine_chunks().take(pa.array(idx)),
-        "file": _coded(file[idx], names),
-        "byte_offset": pa.array(table.column("byte_offset").to_numpy()[idx]),
-        "nbytes": pa.array(table.column("nbytes").to_numpy()[idx]),
-        "checksums": table.column("checksums").combine_chunks().take(pa.array(idx)),
-        "writer_rank": pa.array(writer[idx].astype(np.int32)),
-    }
-    return Merged(pa.table([columns[c] for c in CATALOG_SCHEMA.names], names=CATALOG_SCHEMA.names), stats)
+    return Rows(
+        tensor=np.concatenate([g[r.rows.column("tensor").to_numpy()] for r, g in zip(writing, to_global, strict=True)]),
+        coord_starts=coord_starts,
+        offsets=offsets,
+        lengths=lengths,
+        byte_offset=_column(table, "byte_offset", np.int64),
+        nbytes=_column(table, "nbytes", np.int64),
+        file=np.repeat(np.arange(len(writing), dtype=np.int32), sizes),
+        writer=np.repeat(np.array([r.rank for r in writing], dtype=np.int32), sizes),
+        sum_starts=sum_starts,
+        sums=sums,
+    )
 
 
-def _coded(codes: np.ndarray, values: Sequence[str]) -> pa.DictionaryArray:
-    """``values[codes]`` as a dictionary array whose dictionary holds each string once."""
-    encoded = pa.array(values, pa.string()).dictionary_encode()
-    remap = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int32)
-    return pa.DictionaryArray.from_arrays(pa.array(remap[codes]), encoded.dictionary)
+def _listed(column: pa.ChunkedArray, dtype: type) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as (per-row starts from 0, int64; flat values)."""
+    array = column.combine_chunks()
+    starts = array.offsets.to_numpy().astype(np.int64)
+    values = array.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    return starts - starts[0], values
+
+
+def _column(table: pa.Table, name: str, dtype: type) -> np.ndarray:
+    return table.column(name).combine_chunks().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+
+
+def _check_ranks(rows: Rows, offsets: np.ndarray, known: Sequence[TensorInfo | None]) -> None:
+    """Every box has as many dimensions as its tensor: a writer bug that broke this
+    would commit a catalog no reader accepts (the commit's one row check that
+    ``Catalog.from_table`` made, offsets against lengths, is in :func:`_concat`)."""
+    ndim = np.array([len(k[3]) if k is not None else -1 for k in known], dtype=np.int64)
+    bad = offsets[:, -1] != ndim[rows.tensor]
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        info = known[int(rows.tensor[i])]
+        name = info[0] if info is not None else "?"
+        raise FormatError(
+            f"commit: rank {int(rows.writer[i])} reported a box of {int(offsets[i, -1])} dimension(s) "
+            f"for {name!r} of {int(ndim[rows.tensor[i]])}"
+        )
+
+
+def _is_identity(order: np.ndarray) -> bool:
+    return bool((order == np.arange(len(order))).all())
+
+
+def _boxes(starts: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Flat list values with per-row ``starts`` as :func:`padded_boxes` gives them."""
+    ndim = np.diff(starts)
+    n = len(ndim)
+    width = int(ndim.max()) if n else 0
+    out = np.zeros((n, width + 1), dtype=np.int64)
+    out[:, width] = ndim
+    if len(values):
+        if int(ndim.min()) == width:  # one rank of tensor: a plain reshape
+            out[:, :width] = values[: n * width].reshape(n, width)
+        else:
+            of_row = np.repeat(ndim, ndim)  # each value's list length
+            for d in np.unique(ndim).tolist():
+                if d:
+                    out[ndim == d, :d] = values[of_row == d].reshape(-1, d)
+    return out
 
 
 def row_stats(table: pa.Table) -> dict[str, int]:
@@ -152,8 +238,16 @@ def row_stats(table: pa.Table) -> dict[str, int]:
     codes = fqn.indices.to_numpy(zero_copy_only=False).astype(np.int64)
     offsets = padded_boxes(table.column("offsets"))
     lengths = padded_boxes(table.column("lengths"))
-    file = table.column("file").combine_chunks().dictionary_encode()
-    return _stats(table, codes, len(fqn.dictionary), offsets, lengths, file.indices)
+    file = table.column("file").combine_chunks().dictionary_encode().indices
+    return _stats(
+        codes,
+        len(fqn.dictionary),
+        offsets,
+        lengths,
+        file.to_numpy(zero_copy_only=False).astype(np.int64),
+        _column(table, "byte_offset", np.int64),
+        _column(table, "nbytes", np.int64),
+    )
 
 
 def _no_rows() -> dict[str, int]:
@@ -161,72 +255,70 @@ def _no_rows() -> dict[str, int]:
 
 
 def _stats(
-    table: pa.Table,
     codes: np.ndarray,
     tensors: int,
     offsets: np.ndarray,
     lengths: np.ndarray,
-    files: pa.Array,
+    file: np.ndarray,
+    byte_offset: np.ndarray,
+    nbytes: np.ndarray,
     by_box: np.ndarray | None = None,
 ) -> dict[str, int]:
-    """The counts of :func:`row_stats`. ``by_box``: an order of the rows in which rows
-    with equal (tensor, offsets) are adjacent (the catalog order), so only the rows
-    of such runs need comparing in full; else one is sorted here."""
-    file = files.to_numpy(zero_copy_only=False).astype(np.int64)
-    byte_offset = table.column("byte_offset").to_numpy()
-    nbytes = table.column("nbytes").to_numpy()
+    """The counts of :func:`row_stats` (``file``: a code per row, 0, 1, ...). ``by_box``:
+    an order of the rows in which rows with equal (tensor, offsets) are adjacent (the
+    catalog order), so only the rows of such runs need comparing in full; else one is
+    sorted here."""
     box = [*(offsets[:, d] for d in range(offsets.shape[1])), *(lengths[:, d] for d in range(lengths.shape[1] - 1))]
     # Distinct stored fragments. Rows sharing (file, byte offset) are few (tied tensors,
     # empty items); only those are compared box for box. Writers place items at rising
     # offsets, so in report order equal pairs are usually adjacent already.
-    within = _adjacent_order(file, byte_offset)
-    order = within if within is not None else sort_index([file, byte_offset])
+    order = None if _adjacent(file, byte_offset) else sort_index([file, byte_offset])
     group, rows = _runs([file, byte_offset], order)
     fragments = len(file) - len(rows)
     if len(rows):  # distinct boxes within each run of rows sharing (file, byte offset)
         fragments += len(_distinct([group, *(k[rows] for k in box)]))
     # Tensor bytes: each (tensor, box) once. Empty boxes add nothing, so only rows
     # holding bytes are compared.
-    order = by_box if by_box is not None else sort_index([codes, *box])
-    order = order[nbytes[order] > 0]
-    group, rows = _runs([codes, *box[: offsets.shape[1]]], order)
+    by_box = by_box if by_box is not None else sort_index([codes, *box])
+    group, rows = _runs([codes, *box[: offsets.shape[1]]], by_box[nbytes[by_box] > 0])
     tensor_bytes = int(nbytes.sum()) - int(nbytes[rows].sum())
     if len(rows):
         tensor_bytes += int(nbytes[rows][_distinct([group, *(k[rows] for k in box[offsets.shape[1] :])])].sum())
     return {"tensors": tensors, "fragments": fragments, "tensor_bytes": tensor_bytes}
 
 
-def _runs(keys: Sequence[np.ndarray], order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _runs(keys: Sequence[np.ndarray], order: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """The rows whose ``keys`` equal those of a neighbour in ``order`` (an order in which
-    equal keys are adjacent), and for each a run number (0, 1, ...: rows with equal keys
-    share it). Comparing only within runs keeps the keys short (packed sorts)."""
+    equal keys are adjacent; None: the rows' own), and for each a run number (0, 1,
+    ...: rows with equal keys share it). Comparing only within runs keeps the keys
+    short (packed sorts)."""
     empty = np.zeros(0, dtype=np.int64)
-    if len(order) < 2:
+    n = len(keys[0]) if order is None else len(order)
+    if n < 2:
         return empty, empty
-    same = np.ones(len(order) - 1, dtype=bool)
+    same = np.ones(n - 1, dtype=bool)
     for k in keys:
-        s = k[order]
+        s = k if order is None else k[order]
         same &= s[1:] == s[:-1]
     if not same.any():
         return empty, empty
-    mark = np.zeros(len(order), dtype=bool)
+    mark = np.zeros(n, dtype=bool)
     mark[1:] |= same
     mark[:-1] |= same
     starts = mark.copy()
     starts[1:] &= ~same  # the first row of each run
-    run = np.cumsum(starts) - 1
-    return run[mark].astype(np.int64), order[mark]
+    at = np.flatnonzero(mark)
+    run = np.cumsum(starts[at]) - 1
+    return run.astype(np.int64), at if order is None else order[at]
 
 
-def _adjacent_order(file: np.ndarray, byte_offset: np.ndarray) -> np.ndarray | None:
-    """The rows' own order when each file's rows are one run with non-decreasing byte
-    offsets (then equal (file, offset) pairs are adjacent), else None."""
+def _adjacent(file: np.ndarray, byte_offset: np.ndarray) -> bool:
+    """Whether each file's rows are one run with non-decreasing byte offsets (then
+    equal (file, offset) pairs are adjacent in the rows' own order)."""
     n = len(file)
     if n < 2:
-        return np.arange(n)
+        return True
     step = file[1:] != file[:-1]
     if int(step.sum()) + 1 != int(np.count_nonzero(np.bincount(file))):  # file codes are 0, 1, ...
-        return None
-    if (np.diff(byte_offset)[~step] < 0).any():
-        return None
-    return np.arange(n)
+        return False
+    return not (np.diff(byte_offset)[~step] < 0).any()

@@ -32,7 +32,7 @@ import pyarrow as pa
 import torch
 
 from bcp.backends import Backend
-from bcp.metadata import Catalog, FileEntry, Fragment, Manifest, ObjectEntry
+from bcp.metadata import FileEntry, Fragment, Manifest, ObjectEntry
 from bcp.metadata.layout import catalog_key, data_file_key, generation_name
 
 from . import objcodec
@@ -370,14 +370,14 @@ class SaveJob:
         plan = self.decision.plan
         assert plan is not None, "planned before anything is written"
         merged = merge_reports(reports, [plan.metas[d] for d in self.decision.meta_digests], plan.order)
-        catalog = write_catalog(self.backend, catalog_key(self.generation), Catalog.from_table(merged.table))
+        catalog = write_catalog(self.backend, catalog_key(self.generation), merged.catalog_bytes())
         check_generation_intact(
             self.backend, self.generation, [catalog.path, *(r.file.path for r in reports if r.file is not None)]
         )
         manifest = build_manifest(
             self.save_id,
             catalog,
-            merged.table,
+            (),  # counts given: no rows are read
             tuple(r.file for r in reports if r.file is not None),
             self.decision.objects,
             self.coord.world_size,
@@ -489,8 +489,8 @@ def build_manifest(
     counts: Mapping[str, int] | None = None,
 ) -> Manifest:
     """The commit record of a save whose data files and catalog are written
-    (``fragments``: the catalog's rows, as a table or as Fragment objects; ``counts``:
-    their :func:`row_stats`, when already known)."""
+    (``fragments``: the catalog's rows, as a table or as Fragment objects, read only
+    when ``counts``, their :func:`row_stats`, is not given)."""
     if counts is None:
         counts = row_stats(fragments if isinstance(fragments, pa.Table) else fragment_table(fragments))
     return Manifest(

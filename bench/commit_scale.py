@@ -6,10 +6,11 @@ rank's report is pickled beforehand, as gather_object sends it.
 
 Timed (CPU seconds of this process, then wall seconds; the best of --repeat runs,
 interleaved), per path:
-  columnar (today): unpickle every rank's WriterReport (an Arrow table naming tensors
-      by index in the rank's layout metadata), merge_reports (concatenate, order by
-      save order / offsets / writer with sort indices, the manifest's counts),
-      write_catalog(Catalog.from_table(rows)) to a memory backend;
+  columnar (today, as the saver's commit): unpickle every rank's WriterReport (an
+      Arrow table naming tensors by index in the rank's layout metadata), merge_reports
+      (concatenate as numpy columns, order by writer / save order / offsets with sort
+      indices, the manifest's counts), write_catalog(merged.catalog_bytes()) to a
+      memory backend (the merged rows encoded directly, no Catalog built);
   objects (before): unpickle every rank's list of Fragment objects, sort them with
       a lambda key, write_catalog(Catalog(fragments)), the manifest's counts over
       Python sets, as the save did before writers reported Arrow tables.
@@ -80,7 +81,7 @@ def reports(ranks: int, tensors: int, seed: int = 0) -> tuple[list[WriterReport]
 def commit_columnar(blobs: list[bytes], order: list[str], backend, meta: LayoutMeta) -> dict:
     got = [pickle.loads(b) for b in blobs]
     merged = merge_reports(got, [meta] * len(got), order)  # rows in catalog order, and the manifest's counts
-    entry = write_catalog(backend, "columnar/fragments.arrow", Catalog.from_table(merged.table))
+    entry = write_catalog(backend, "columnar/fragments.arrow", merged.catalog_bytes())
     return {"catalog_bytes": entry.nbytes, **merged.stats}
 
 

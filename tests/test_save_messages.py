@@ -16,7 +16,7 @@ from bcp.collectives import Coordinator, portable
 from bcp.errors import RankFailedError
 from bcp.fragment_rows import merge_reports, row_stats
 from bcp.io_scheduler.write_pipeline import REPORT_SCHEMA, WriterReport, fragment_table
-from bcp.metadata import FileEntry, Fragment
+from bcp.metadata import CATALOG_SCHEMA, Catalog, FileEntry, FormatError, Fragment
 from bcp.save_plan import LayoutMeta, TensorPlan
 
 # -- status rounds ------------------------------------------------------------------------
@@ -193,6 +193,73 @@ def test_merged_rows_match_the_fragment_object_path(per_writer, rnd):
     assert merged.stats == old_stats(everything)
     assert row_stats(merged.table) == old_stats(everything)
     assert row_stats(fragment_table(everything)) == old_stats(everything)
+
+
+def catalog_table_of(frags: list[Fragment], files: list[str]) -> pa.Table:
+    """Rows as the merge used to hand them to Catalog.from_table: plain string columns,
+    the file column dictionary-encoded with the writers' files in rank order."""
+    table = fragment_table(frags)
+    codes = pa.array([files.index(f.file) for f in frags], pa.int32())
+    column = pa.DictionaryArray.from_arrays(codes, pa.array(files, pa.string()))
+    return table.set_column(table.schema.get_field_index("file"), "file", column)
+
+
+@settings(max_examples=200, deadline=None)
+@given(fragment_sets(), st.randoms())
+def test_the_commit_encodes_the_same_catalog_bytes_as_catalog_from_table(per_writer, rnd):
+    """merged.catalog_bytes() (rows encoded as merged, no Catalog) is byte for byte the
+    catalog the commit wrote before: Catalog.from_table(rows in catalog order).to_arrow()."""
+    if rnd.random() < 0.5:  # writers' rows out of save order: the merge regroups them
+        for frags in per_writer:
+            rnd.shuffle(frags)
+    everything = [f for frags in per_writer for f in frags]
+    order = list(dict.fromkeys(f.fqn for f in everything))
+    rnd.shuffle(order)
+    reports, metas = compact_reports(per_writer)
+    merged = merge_reports([pickle.loads(pickle.dumps(r)) for r in reports], metas, order)
+    files = [f"f{w}" for w, frags in enumerate(per_writer) if frags]
+    expected = Catalog.from_table(catalog_table_of(old_order(everything, order), files)).to_arrow()
+    assert merged.catalog_bytes() == expected
+    assert Catalog.from_table(merged.table).to_arrow() == expected
+
+
+def test_the_commit_encodes_the_same_bytes_over_several_sections():
+    """Enough rows for several sections (the random layouts above fit in one): tensors
+    of 1 and 2 dimensions cut on dim 0 over 12 writers, some boxes empty, one writer's
+    rows out of save order."""
+    writers, tensors = 12, 1024
+    per_writer: list[list[Fragment]] = [[] for _ in range(writers)]
+    for t in range(tensors):
+        shape = (t % 30 + 1,) if t % 3 else (t % 30 + 1, 2)
+        step = -(-shape[0] // writers)
+        for w in range(writers):
+            a, b = min(w * step, shape[0]), min((w + 1) * step, shape[0])
+            off, lens = (a, *(0 for _ in shape[1:])), (b - a, *shape[1:])
+            n = 4 * (b - a) * (shape[1] if len(shape) > 1 else 1)
+            at = sum(f.nbytes for f in per_writer[w])
+            per_writer[w].append(Fragment(f"t{t}", "[]", "float32", shape, off, lens, f"f{w}", at, n, (n,), w))
+    per_writer[5].reverse()
+    everything = [f for frags in per_writer for f in frags]
+    order = [f"t{t}" for t in range(tensors)]
+    reports, metas = compact_reports(per_writer)
+    merged = merge_reports(reports, metas, order)
+    files = [f"f{w}" for w in range(writers)]
+    expected = Catalog.from_table(catalog_table_of(old_order(everything, order), files)).to_arrow()
+    assert merged.catalog_bytes() == expected
+
+
+def test_the_commit_encodes_no_rows_as_before():
+    reports, metas = compact_reports([[], []])
+    merged = merge_reports(reports, metas, [])
+    assert merged.catalog_bytes() == Catalog.from_table(CATALOG_SCHEMA.empty_table()).to_arrow()
+
+
+def test_the_commit_refuses_a_box_of_another_rank_than_its_tensor():
+    frags = [Fragment("w", "[]", "float32", (4, 2), (0, 0), (4, 2), "f0", 0, 32, (7,), 0)]
+    (report,), (meta,) = compact_reports([frags])
+    bad = LayoutMeta(meta.fqns, meta.key_paths, meta.dtypes, ((4, 2, 1),), meta.aliases)
+    with pytest.raises(FormatError, match="box of 2 dimension"):
+        merge_reports([report], [bad], ["w"])
 
 
 def test_reports_travel_compact_and_read_back_as_fragments():
