@@ -33,21 +33,35 @@ def padded_boxes(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     return _boxes(starts - starts[0], values)
 
 
-def sort_index(keys: Sequence[np.ndarray]) -> np.ndarray:
-    """Stable order of rows by ``keys`` (non-negative int64 columns, most significant
-    first): one argsort of a packed int64 key when the columns fit in 63 bits, else
-    np.lexsort."""
+def packed_key(keys: Sequence[np.ndarray]) -> np.ndarray | None:
+    """``keys`` (int64 columns, most significant first) packed into one int64 per row,
+    in the same order and with the same ties; None when there are no rows, a key is
+    negative or together they need more than 63 bits."""
     n = len(keys[0])
-    bits = [max(int(k.max()), 0).bit_length() if n else 0 for k in keys]
-    if n and sum(bits) <= 63 and all(int(k.min()) >= 0 for k in keys):
-        packed = np.zeros(n, dtype=np.int64)
-        for k, b in zip(keys, bits, strict=True):
-            packed <<= b
-            packed |= k
-        if bool((packed[1:] >= packed[:-1]).all()):  # in order already (a stable sort keeps it)
-            return np.arange(n)
-        return np.argsort(packed, kind="stable")
-    return np.lexsort(list(reversed(keys)))
+    if not n or any(int(k.min()) < 0 for k in keys):
+        return None
+    bits = [int(k.max()).bit_length() for k in keys]
+    if sum(bits) > 63:
+        return None
+    packed = np.zeros(n, dtype=np.int64)
+    for k, b in zip(keys, bits, strict=True):
+        packed <<= b
+        packed |= k
+    return packed
+
+
+def sort_index(keys: Sequence[np.ndarray]) -> np.ndarray:
+    """Stable order of rows by ``keys`` (int64 columns, most significant first): one
+    argsort of a packed int64 key when the columns fit in 63 bits, else np.lexsort."""
+    packed = packed_key(keys)
+    return np.lexsort(list(reversed(keys))) if packed is None else _stable_order(packed)
+
+
+def _stable_order(key: np.ndarray) -> np.ndarray:
+    """``np.argsort(key, kind="stable")``, without sorting keys already in order."""
+    if bool((key[1:] >= key[:-1]).all()):
+        return np.arange(len(key))
+    return np.argsort(key, kind="stable")
 
 
 def _distinct(keys: Sequence[np.ndarray]) -> np.ndarray:
@@ -108,16 +122,30 @@ def merge_reports(reports: Sequence[WriterReport], metas: Sequence[LayoutMeta], 
     if not writing:
         return Merged(TensorTable(), [], Rows.empty(), np.zeros(0, np.int64), _no_rows())
     rows = _concat(writing, [to_global[id(metas[r.rank])] for r in writing])
-    offsets, lengths = _boxes(rows.coord_starts, rows.offsets), _boxes(rows.coord_starts, rows.lengths)
-    _check_ranks(rows, offsets, known)
-    by_writer = sort_index([rows.writer - int(rows.writer.min()), rows.tensor, *offsets[:, :-1].T])
+    offsets, lengths = _box_columns(rows.coord_starts, rows.offsets), _box_columns(rows.coord_starts, rows.lengths)
+    _check_ranks(rows, offsets[-1], known)
+    # one int64 per row for (tensor, offsets): equal keys are equal boxes of one tensor
+    # (so of one rank, checked above): catalog order, and the counts compare only it
+    key = packed_key([rows.tensor, *offsets[:-1]])
+    writer = rows.writer - int(rows.writer.min())
+    by_writer = sort_index([writer, key] if key is not None else [writer, rows.tensor, *offsets[:-1]])
     if not _is_identity(by_writer):
-        rows, offsets, lengths = _subset(rows, by_writer), offsets[by_writer], lengths[by_writer]
+        rows = _subset(rows, by_writer)
+        offsets, lengths = [c[by_writer] for c in offsets], [c[by_writer] for c in lengths]
+        key = key[by_writer] if key is not None else None
     # stable, so rows of one (tensor, offsets) stay in writer order: the catalog order
-    catalog_order = sort_index([rows.tensor, *offsets[:, :-1].T])
+    catalog_order = _stable_order(key) if key is not None else sort_index([rows.tensor, *offsets[:-1]])
     present = np.bincount(rows.tensor, minlength=len(order)) > 0
     stats = _stats(
-        rows.tensor, int(present.sum()), offsets, lengths, rows.file, rows.byte_offset, rows.nbytes, catalog_order
+        rows.tensor,
+        int(present.sum()),
+        offsets,
+        lengths,
+        rows.file,
+        rows.byte_offset,
+        rows.nbytes,
+        catalog_order,
+        box_key=key,
     )
     tensors = TensorTable()
     for g in np.flatnonzero(present).tolist():
@@ -190,19 +218,20 @@ def _column(table: pa.Table, name: str, dtype: type) -> np.ndarray:
     return table.column(name).combine_chunks().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
 
 
-def _check_ranks(rows: Rows, offsets: np.ndarray, known: Sequence[TensorInfo | None]) -> None:
-    """Every box has as many dimensions as its tensor: a writer bug that broke this
-    would commit a catalog no reader accepts (the commit's one row check that
-    ``Catalog.from_table`` made, offsets against lengths, is in :func:`_concat`)."""
-    ndim = np.array([len(k[3]) if k is not None else -1 for k in known], dtype=np.int64)
-    bad = offsets[:, -1] != ndim[rows.tensor]
+def _check_ranks(rows: Rows, ndim: np.ndarray, known: Sequence[TensorInfo | None]) -> None:
+    """Every box (``ndim``: its dimensions) has as many dimensions as its tensor: a
+    writer bug that broke this would commit a catalog no reader accepts (the one row
+    check ``Catalog.from_table`` made at commit, offsets against lengths, is in
+    :func:`_concat`)."""
+    t_ndim = np.array([len(k[3]) if k is not None else -1 for k in known], dtype=np.int64)
+    bad = ndim != t_ndim[rows.tensor]
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         info = known[int(rows.tensor[i])]
         name = info[0] if info is not None else "?"
         raise FormatError(
-            f"commit: rank {int(rows.writer[i])} reported a box of {int(offsets[i, -1])} dimension(s) "
-            f"for {name!r} of {int(ndim[rows.tensor[i]])}"
+            f"commit: rank {int(rows.writer[i])} reported a box of {int(ndim[i])} dimension(s) "
+            f"for {name!r} of {int(t_ndim[rows.tensor[i]])}"
         )
 
 
@@ -228,6 +257,17 @@ def _boxes(starts: np.ndarray, values: np.ndarray) -> np.ndarray:
     return out
 
 
+def _box_columns(starts: np.ndarray, values: np.ndarray) -> list[np.ndarray]:
+    """The columns of :func:`_boxes` (the last: each list's length); views into
+    ``values`` when every list has the same length, not a padded copy."""
+    ndim = np.diff(starts)
+    n = len(ndim)
+    width = int(ndim.max()) if n else 0
+    if n and int(ndim.min()) == width:
+        return [*(values[d : n * width : width] for d in range(width)), ndim]
+    return list(_boxes(starts, values).T)
+
+
 def row_stats(table: pa.Table) -> dict[str, int]:
     """The manifest's counts over the rows (vectorised): distinct tensors; distinct
     stored fragments (file, byte offset, box: a tied tensor's row shares its target's
@@ -236,8 +276,8 @@ def row_stats(table: pa.Table) -> dict[str, int]:
         return _no_rows()
     fqn = table.column("fqn").combine_chunks().dictionary_encode()
     codes = fqn.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-    offsets = padded_boxes(table.column("offsets"))
-    lengths = padded_boxes(table.column("lengths"))
+    offsets = list(padded_boxes(table.column("offsets")).T)
+    lengths = list(padded_boxes(table.column("lengths")).T)
     file = table.column("file").combine_chunks().dictionary_encode().indices
     return _stats(
         codes,
@@ -257,18 +297,22 @@ def _no_rows() -> dict[str, int]:
 def _stats(
     codes: np.ndarray,
     tensors: int,
-    offsets: np.ndarray,
-    lengths: np.ndarray,
+    offsets: Sequence[np.ndarray],
+    lengths: Sequence[np.ndarray],
     file: np.ndarray,
     byte_offset: np.ndarray,
     nbytes: np.ndarray,
     by_box: np.ndarray | None = None,
+    *,
+    box_key: np.ndarray | None = None,
 ) -> dict[str, int]:
-    """The counts of :func:`row_stats` (``file``: a code per row, 0, 1, ...). ``by_box``:
-    an order of the rows in which rows with equal (tensor, offsets) are adjacent (the
-    catalog order), so only the rows of such runs need comparing in full; else one is
-    sorted here."""
-    box = [*(offsets[:, d] for d in range(offsets.shape[1])), *(lengths[:, d] for d in range(lengths.shape[1] - 1))]
+    """The counts of :func:`row_stats` (``offsets``, ``lengths``: the columns of
+    :func:`padded_boxes`; ``file``: a code per row, 0, 1, ...). ``by_box``: an order of
+    the rows in which rows with equal (tensor, offsets) are adjacent (the catalog
+    order), so only the rows of such runs need comparing in full; else one is sorted
+    here. ``box_key``: one int64 per row, equal exactly when (tensor, offsets) are."""
+    nd = len(offsets)
+    box = [*offsets, *lengths[:-1]]
     # Distinct stored fragments. Rows sharing (file, byte offset) are few (tied tensors,
     # empty items); only those are compared box for box. Writers place items at rising
     # offsets, so in report order equal pairs are usually adjacent already.
@@ -280,10 +324,11 @@ def _stats(
     # Tensor bytes: each (tensor, box) once. Empty boxes add nothing, so only rows
     # holding bytes are compared.
     by_box = by_box if by_box is not None else sort_index([codes, *box])
-    group, rows = _runs([codes, *box[: offsets.shape[1]]], by_box[nbytes[by_box] > 0])
+    same_box = [box_key] if box_key is not None else [codes, *box[:nd]]
+    group, rows = _runs(same_box, by_box[nbytes[by_box] > 0])
     tensor_bytes = int(nbytes.sum()) - int(nbytes[rows].sum())
     if len(rows):
-        tensor_bytes += int(nbytes[rows][_distinct([group, *(k[rows] for k in box[offsets.shape[1] :])])].sum())
+        tensor_bytes += int(nbytes[rows][_distinct([group, *(k[rows] for k in box[nd:])])].sum())
     return {"tensors": tensors, "fragments": fragments, "tensor_bytes": tensor_bytes}
 
 
