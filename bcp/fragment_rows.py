@@ -3,7 +3,8 @@
 Writers report their rows as Arrow tables (``WriterReport.rows``: a tensor index into
 the rank's layout metadata, the box, where its bytes lie, their checksums). At 1,024
 ranks x 2,000 tensors that is 2 M rows: they are concatenated, ordered and counted
-with Arrow and numpy (sort indices), never one Python object per row.
+with Arrow and numpy (sort indices), never one Python object per row, and encoded as
+the catalog straight from those numpy columns (no Catalog is built on the way).
 """
 
 from __future__ import annotations
@@ -96,11 +97,14 @@ class Merged:
         """The catalog's bytes: those ``Catalog.from_table(self.table).to_arrow()`` gives,
         without decoding the rows back from Arrow and checking them row by row.
 
-        Safe to skip: ``Catalog.from_table`` checks that every row agrees with its
-        tensor's dtype, shape and key path, and here those come from one table of
-        tensors, not from the rows; the rest of the rows are the writers' own reports
-        (REPORT_SCHEMA), whose one check that bears on loading, each box's rank, is
-        made by :func:`merge_reports`. Tiling is checked when the save is planned."""
+        Safe to skip: the rows are the writers' own (REPORT_SCHEMA tables this save's
+        ranks produced), not read from storage. Of what ``Catalog.from_table`` checked,
+        the column types and non-null strings hold by construction here, and every
+        row agreeing with its tensor's dtype, shape and key path holds because those
+        come from one table of tensors, not from the rows; its one real row check,
+        offsets and lengths of equal length, :func:`merge_reports` keeps, and adds one
+        (each box has its tensor's rank) that a reader would otherwise be first to
+        make. Tiling was never checked at commit: the save's plan checks it."""
         return encode(self.tensors, self.file_names, self.rows)
 
     @functools.cached_property
