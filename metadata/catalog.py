@@ -335,12 +335,42 @@ class Catalog:
     def _rows_of(self, t: int) -> np.ndarray:
         return self._order[self._starts[t] : self._starts[t + 1]]
 
+    def entries(self, fqns: Iterable[str]) -> list[TensorEntry]:
+        """The entries of ``fqns`` (KeyError for a name not in the catalog), those not
+        built yet built together: one gather of their rows per number of dimensions
+        and one vectorised tiling check (:mod:`.entries`) instead of one of each per
+        tensor. For callers that need many tensors (a rank loading its FSDP shards,
+        the coordinator planning shared reads)."""
+        index = self._table_of_tensors.index
+        codes = [index[f] for f in fqns]
+        todo = [t for t in dict.fromkeys(codes) if t not in self._cache]
+        if self._given is None and len(todo) > 1:
+            self._build_entries(todo)
+        return [self._entry(t) for t in codes]
+
+    def _build_entries(self, todo: list[int]) -> None:
+        from .entries import gather_entries, simple_tilings
+
+        tensors = self._table_of_tensors
+        by_ndim: dict[int, list[int]] = {}
+        for t in todo:
+            by_ndim.setdefault(len(tensors.shapes[t]), []).append(t)
+        for ndim, codes in by_ndim.items():
+            row_ids = [self._rows_of(t) for t in codes]
+            built, offs, lens = gather_entries(self._rows, row_ids, ndim, codes, self._new_entry)
+            if self._check_tiling and ndim:
+                simple = simple_tilings([tensors.shapes[t] for t in codes], offs, lens, [len(r) for r in row_ids])
+                for i in np.flatnonzero(~simple).tolist():
+                    if self._complete(codes[i]):
+                        self._check_tiled(codes[i], built[i])
+            for t, entry in zip(codes, built, strict=True):
+                self._cache[t] = entry
+
     def _entry(self, t: int, *, check: bool = True) -> TensorEntry:
         entry = self._cache.get(t)
         if entry is not None:
             return entry
-        tensors = self._table_of_tensors
-        fqn, shape = tensors.names[t], tensors.shapes[t]
+        shape = self._table_of_tensors.shapes[t]
         rows = self._rows_of(t)
         frags = None if self._given is None else tuple(self._given[i] for i in rows.tolist())
         if frags is not None and any(len(f.offsets) != len(shape) for f in frags):
@@ -355,12 +385,23 @@ class Catalog:
             )
         else:
             arrays = self._rows.take(rows, len(shape))
+        entry = self._new_entry(t, arrays, frags)
+        if check and self._check_tiling and self._complete(t):
+            self._check_tiled(t, entry)
+        if check:
+            self._cache[t] = entry
+        return entry
+
+    def _new_entry(
+        self, t: int, arrays: tuple[np.ndarray, ...], frags: tuple[Fragment, ...] | None = None
+    ) -> TensorEntry:
+        tensors = self._table_of_tensors
         offs, lens, byte_offsets, sizes, files, writers, sum_starts, sums = arrays
-        entry = TensorEntry(
-            fqn,
+        return TensorEntry(
+            tensors.names[t],
             tensors.key_paths[t],
             tensors.dtypes[t],
-            shape,
+            tensors.shapes[t],
             offsets=offs,
             lengths=lens,
             byte_offsets=byte_offsets,
@@ -372,13 +413,11 @@ class Catalog:
             checksum_values=sums,
             fragments=frags,
         )
-        if check and self._check_tiling and self._complete(t):
-            problem = tiling_problem(shape, offs, lens)
-            if problem is not None:
-                raise FormatError(f"{self._where}: tensor {fqn!r}: {problem}")
-        if check:
-            self._cache[t] = entry
-        return entry
+
+    def _check_tiled(self, t: int, entry: TensorEntry) -> None:
+        problem = tiling_problem(entry.global_shape, entry.offsets, entry.lengths)
+        if problem is not None:
+            raise FormatError(f"{self._where}: tensor {entry.fqn!r}: {problem}")
 
     def _complete(self, t: int) -> bool:
         """Whether every stored row of tensor ``t`` is held."""

@@ -1,0 +1,100 @@
+"""Catalog.entries builds many tensors' entries at once (one gather, one vectorised
+tiling check): the same columns as building them one by one, the same FormatError for
+a tensor that does not tile, and the vectorised check never accepts what the general
+one rejects."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bcp.metadata import Catalog, FormatError, Fragment, itemsize
+from bcp.metadata.catalog import tiling_problem
+from bcp.metadata.entries import simple_tilings
+from test_load_plan_fast import SHAPES, dest_boxes, stored_layout
+
+COLUMNS = ("offsets", "lengths", "byte_offsets", "sizes", "files", "writer_ranks", "_sum_starts", "_sum_values")
+
+
+def stored_bytes(layouts: dict[str, tuple[tuple[int, ...], list]]) -> bytes:
+    """Catalog bytes of the tensors' boxes (rows interleaved by writer, as a save writes
+    them); decoding them checks tiling, as a load does."""
+    frags, offset = [], 0
+    rows = [(w, fqn, box) for fqn, (_s, boxes) in layouts.items() for w, box in enumerate(boxes)]
+    for w, fqn, (o, n) in sorted(rows, key=lambda r: r[0]):
+        shape = layouts[fqn][0]
+        nbytes = math.prod(n) * itemsize("float32")
+        sums = (7,) * -(-nbytes // 16)
+        frags.append(Fragment(fqn, "[]", "float32", shape, o, n, f"w{w}.bin", offset, nbytes, sums, w))
+        offset += nbytes
+    return Catalog(frags).to_arrow()
+
+
+def decoded(data: bytes) -> Catalog:
+    return Catalog.from_arrow(data, where="test", checksum_block_bytes=16)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes=st.lists(SHAPES, min_size=1, max_size=4), data=st.data())
+def test_entries_built_together_equal_entries_built_one_by_one(shapes, data):
+    layouts = {}
+    for i, shape in enumerate(shapes):
+        boxes = data.draw(stored_layout(shape), label=f"t{i}")
+        if data.draw(st.integers(0, 4), label=f"t{i} damaged") == 0:
+            boxes = data.draw(dest_boxes(shape), label=f"t{i} arbitrary boxes")  # may not tile
+        layouts[f"t{i}"] = (shape, boxes)
+    blob = stored_bytes(layouts)
+    names = list(layouts)
+    one_by_one, errors = {}, {}
+    for fqn in names:
+        try:
+            one_by_one[fqn] = decoded(blob).tensors[fqn]
+        except FormatError as e:
+            errors[fqn] = str(e)
+    together = decoded(blob)
+    if errors:
+        with pytest.raises(FormatError) as caught:
+            together.entries(names)
+        assert str(caught.value) in errors.values()
+        return
+    for fqn, entry in zip(names, together.entries(names), strict=True):
+        want = one_by_one[fqn]
+        assert (entry.fqn, entry.global_shape) == (want.fqn, want.global_shape)
+        for column in COLUMNS:
+            assert np.array_equal(getattr(entry, column), getattr(want, column)), (fqn, column)
+    assert together.entries(names[:1])[0] is together.tensors[names[0]], "entries are cached"
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=SHAPES.filter(len), data=st.data())
+def test_the_vectorised_check_accepts_only_tilings(shape, data):
+    boxes = data.draw(st.one_of(stored_layout(shape), dest_boxes(shape)))
+    if data.draw(st.booleans()):  # rows in order along one dimension: the fast path's case
+        boxes = sorted(boxes)
+    off = np.array([o for o, _n in boxes], np.int64).reshape(-1, len(shape))
+    length = np.array([n for _o, n in boxes], np.int64).reshape(-1, len(shape))
+    fast = simple_tilings([shape], off, length, [len(boxes)])
+    if fast[0]:
+        assert tiling_problem(shape, off, length) is None
+
+
+def test_the_usual_layouts_take_the_fast_path():
+    """torch.chunk-like splits along one dimension (with empty tail shards) and whole
+    replicas are shown to tile without the general check."""
+    shapes = [(10, 4), (3, 8), (6, 6)]
+    layouts = [
+        [((0, 0), (4, 4)), ((4, 0), (4, 4)), ((8, 0), (2, 4)), ((10, 0), (0, 4))],
+        [((0, 0), (3, 4)), ((0, 4), (3, 4))],
+        [((0, 0), (6, 6)), ((0, 0), (6, 6))],
+    ]
+    off = np.concatenate([np.array([o for o, _n in b], np.int64) for b in layouts])
+    length = np.concatenate([np.array([n for _o, n in b], np.int64) for b in layouts])
+    assert simple_tilings(shapes, off, length, [len(b) for b in layouts]).tolist() == [True, True, True]
+    gap = [((0, 0), (4, 4)), ((5, 0), (5, 4))]
+    off = np.array([o for o, _n in gap], np.int64)
+    length = np.array([n for _o, n in gap], np.int64)
+    assert simple_tilings([(10, 4)], off, length, [2]).tolist() == [False]
