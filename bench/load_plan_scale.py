@@ -255,8 +255,7 @@ def run_share(impl: str, ranks: int, load: int, tensors: int, dp: int) -> dict:
     base = rss_now()
     exact = reset_peak()
     t0 = time.process_time()
-    for fqn in names:  # the catalog's entries (the coordinator's own load builds them too)
-        cat.tensors[fqn]
+    cat.entries(names)  # the catalog's entries (the coordinator's own load builds them too)
     t1 = time.process_time()
     if impl == "bcp":
         plan = plan_shares(reader, wanted)

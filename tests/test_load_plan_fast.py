@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from bcp.boxes import Box, common_runs, flat_range_to_boxes, intersect
 from bcp.errors import CorruptCheckpointError
-from bcp.io_scheduler.read_plan import RunSet, overlap_pairs, plan_tensor_reads, touched_rows
+from bcp.io_scheduler.read_plan import RunSet, overlap_pairs, overlap_volumes, plan_tensor_reads, touched_rows
 from bcp.metadata import Catalog, Fragment, TensorEntry, itemsize
 
 # -- the reference: the planner before the columnar catalog ------------------------------
@@ -201,6 +201,11 @@ def test_overlap_pairs_match_brute_force(ndim, groups, data):
         ln = np.array([r[1] for r in rows], np.int64).reshape(len(rows), ndim)
         return off, ln, np.array([r[2] for r in rows], np.int64)
 
+    whole = data.draw(st.sets(st.integers(0, ndim - 1))) if ndim else set()
+    for rows in (frs, bxs):  # dimensions every box spans whole (length 5), as FSDP's dim 1
+        for o, n, _g in rows:
+            for d in whole:
+                o[d], n[d] = 0, 5
     fo, fl, fg = arrays(frs)
     bo, bl, bg = arrays(bxs)
     bi, fi = overlap_pairs(fo, fl, bo, bl, fg, bg)
@@ -211,6 +216,13 @@ def test_overlap_pairs_match_brute_force(ndim, groups, data):
         if g == h and math.prod(n) and math.prod(fn_) and intersect(o, n, fo_, fn_) is not None
     ]
     assert list(zip(bi.tolist(), fi.tolist(), strict=True)) == want
+    # the same pairs with the elements each shares, with and without the tensors' extents
+    shared = sorted((i, j, math.prod(intersect(*bxs[i][:2], *frs[j][:2])[1])) for i, j in want)
+    extents = np.full((groups, ndim), 10, np.int64)
+    extents[:, sorted(whole)] = 5
+    for ext in (None, extents):
+        vb, vf, vol = overlap_volumes(fo, fl, bo, bl, fg, bg, extents=ext)
+        assert sorted(zip(vb.tolist(), vf.tolist(), vol.tolist(), strict=True)) == shared
 
 
 def test_planning_touches_only_the_fragments_a_box_meets():

@@ -23,7 +23,7 @@ import numpy as np
 from bcp.metadata import Fragment, TensorEntry, itemsize
 from bcp.metadata.catalog import tiling_problem
 
-from ..boxes import Box, common_runs
+from ..boxes import Box, common_runs, row_products, rows_positive
 from ..errors import CorruptCheckpointError
 
 
@@ -88,7 +88,30 @@ def overlap_pairs(
         return _EMPTY, _EMPTY
     if f_group is None and b_group is None and n_dim:
         return _pairs_one_tensor(f_off, f_len, b_off, b_len)
-    return _pairs_general(f_off, f_len, b_off, b_len, f_group, b_group, extents=extents, ordered=ordered)
+    bi, fi, _v = _pairs_general(f_off, f_len, b_off, b_len, f_group, b_group, extents=extents, ordered=ordered)
+    return bi, fi
+
+
+def overlap_volumes(
+    f_off: np.ndarray,
+    f_len: np.ndarray,
+    b_off: np.ndarray,
+    b_len: np.ndarray,
+    f_group: np.ndarray,
+    b_group: np.ndarray,
+    *,
+    extents: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`overlap_pairs` (grouped, in no particular order) with the number of
+    elements each pair shares, computed alongside the overlap test (along a cut
+    dimension only, where every other dimension is whole on both sides)."""
+    if len(f_off) == 0 or len(b_off) == 0:
+        return _EMPTY, _EMPTY, _EMPTY
+    bi, fi, vol = _pairs_general(
+        f_off, f_len, b_off, b_len, f_group, b_group, extents=extents, ordered=False, volume=True
+    )
+    assert vol is not None
+    return bi, fi, vol
 
 
 def _pairs_general(
@@ -101,9 +124,11 @@ def _pairs_general(
     *,
     extents: np.ndarray | None = None,
     ordered: bool = True,
-) -> tuple[np.ndarray, np.ndarray]:
-    """overlap_pairs over many tensors at once, in bounded chunks of candidates.
-    ``extents`` (groups, D), when known: every box of group g lies inside extents[g]."""
+    volume: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """overlap_pairs over many tensors at once, in bounded chunks of candidates, with
+    each pair's shared element count when ``volume``. ``extents`` (groups, D), when
+    known: every box of group g lies inside extents[g]."""
     n_dim = f_off.shape[1] if f_off.ndim == 2 else 0
     if n_dim == 0:  # scalars: one dimension of length 1 behaves the same
         f_off, f_len = np.zeros((len(f_off), 1), np.int64), np.ones((len(f_off), 1), np.int64)
@@ -112,15 +137,10 @@ def _pairs_general(
         n_dim = 1
     fg = np.zeros(len(f_off), np.int64) if f_group is None else np.asarray(f_group, np.int64)
     bg = np.zeros(len(b_off), np.int64) if b_group is None else np.asarray(b_group, np.int64)
-    # empty boxes and fragments meet nothing: dropped up front when there are any
-    f_live = None if f_len.min() > 0 else np.flatnonzero((f_len > 0).all(axis=1))
-    b_live = None if b_len.min() > 0 else np.flatnonzero((b_len > 0).all(axis=1))
-    if f_live is not None:
-        f_off, f_len, fg = f_off[f_live], f_len[f_live], fg[f_live]
-    if b_live is not None:
-        b_off, b_len, bg = b_off[b_live], b_len[b_live], bg[b_live]
-    if not len(f_off) or not len(b_off):
-        return _EMPTY, _EMPTY
+    # empty boxes and fragments meet nothing: their cut-dimension extents are emptied
+    # below (cheaper than dropping them from every array)
+    f_dead = None if f_len.min() > 0 else ~rows_positive(f_len)
+    b_dead = None if b_len.min() > 0 else ~rows_positive(b_len)
     groups = int(max(fg.max(), bg.max())) + 1 if extents is None else len(extents)
     if n_dim == 1:
         cut = np.zeros(groups, np.int64)
@@ -144,11 +164,15 @@ def _pairs_general(
             np.maximum.at(extent, fg, fe)
             np.maximum.at(extent, bg, be)
         if int(extent.sum()) + groups >= 1 << 62:  # coordinates would overflow: one group at a time
-            return _pairs_by_group(f_off, f_len, b_off, b_len, fg, bg, f_live, b_live)
+            return _pairs_by_group(f_off, f_len, b_off, b_len, fg, bg, volume)
         base = np.zeros(groups, np.int64)
         np.cumsum(extent[:-1] + 1, out=base[1:])
         f_base, b_base = base[fg], base[bg]
         fs, fe, bs, be = fs + f_base, fe + f_base, bs + b_base, be + b_base
+    if f_dead is not None:
+        fe = np.where(f_dead, fs, fe)
+    if b_dead is not None:
+        be = np.where(b_dead, bs, be)
     # both sides sorted along the cut coordinate: the searches and the candidate
     # gathers below then walk memory in order (millions of boxes stay cache-friendly)
     order = np.argsort(fs)  # ties in any order: a window holds all of them
@@ -159,6 +183,15 @@ def _pairs_general(
     # dimensions other than the cut one that some box or fragment does not span whole
     # must be tested too; with none (FSDP, TP: one cut dimension) the test is 1-D
     others = _partial_dims(f_off, f_len, b_off, b_len, fg, bg, cut, extents)
+    # shared elements = the overlap along the cut dimension x the overlap on ``others``
+    # x the extents of the dimensions both sides span whole (per group); with cut
+    # dimensions differing by group, ``others`` holds every dimension
+    uniform = bool((cut == cut[0]).all())
+    rest = None
+    if volume and uniform and extents is not None:
+        whole = [d for d in range(n_dim) if d != int(cut[0]) and d not in others]
+        if whole:
+            rest = np.prod(extents[:, whole], axis=1)[fg[order]]
     if others:
         f_off, f_len = f_off[order][:, others], f_len[order][:, others]
         b_off, b_len = b_off[border][:, others], b_len[border][:, others]
@@ -167,6 +200,7 @@ def _pairs_general(
     np.clip(width, 0, None, out=width)
     out_b: list[np.ndarray] = []
     out_f: list[np.ndarray] = []
+    out_v: list[np.ndarray] = []
     cum = np.cumsum(width)
     lo = 0
     while lo < len(b_off):
@@ -182,25 +216,35 @@ def _pairs_general(
             f_first = first[lo:hi][nonempty]
             step[heads[nonempty]] = f_first - np.r_[-1, (f_first + w[nonempty] - 1)[:-1]]
             fi = np.cumsum(step) - 1
-            meet = np.maximum(bs[bi], starts[fi]) < np.minimum(be[bi], ends[fi])
+            low = np.maximum(bs[bi], starts[fi])
+            span = np.minimum(be[bi], ends[fi]) - low
+            meet = span > 0
+            side = None
             if others:
                 fo, fn = f_off[fi], f_len[fi]
                 bo, bn = b_off[bi], b_len[bi]
-                meet &= (np.maximum(bo, fo) < np.minimum(bo + bn, fo + fn)).all(axis=1)
-            out_b.append(bi[meet])
-            out_f.append(fi[meet])
+                side = np.minimum(bo + bn, fo + fn) - np.maximum(bo, fo)
+                meet &= rows_positive(side)
+            bi, fi = bi[meet], fi[meet]
+            if volume:
+                vol = span[meet] if uniform else np.ones(len(bi), np.int64)
+                if side is not None:
+                    vol = vol * row_products(side[meet])
+                if rest is not None:
+                    vol = vol * rest[fi]
+                out_v.append(vol)
+            out_b.append(bi)
+            out_f.append(fi)
         lo = hi
     if not out_b:
-        return _EMPTY, _EMPTY
+        return _EMPTY, _EMPTY, (_EMPTY if volume else None)
     bi, fi = border[np.concatenate(out_b)], order[np.concatenate(out_f)]
-    if b_live is not None:
-        bi = b_live[bi]
-    if f_live is not None:
-        fi = f_live[fi]
+    vols = np.concatenate(out_v) if volume else None
     if ordered:
         sort = np.lexsort((fi, bi))
         bi, fi = bi[sort], fi[sort]
-    return bi, fi
+        vols = None if vols is None else vols[sort]
+    return bi, fi, vols
 
 
 def _partial_dims(
@@ -256,7 +300,8 @@ def _pairs_one_tensor(
         width = np.clip(np.searchsorted(starts, bs + b_len[:, k], side="left") - first, 0, None)
         n = int(width.sum())
         if n > _PAIR_CHUNK:  # many candidates: the general path tests them in bounded chunks
-            return _pairs_general(f_off, f_len, b_off, b_len, None, None)
+            bi, fi, _v = _pairs_general(f_off, f_len, b_off, b_len, None, None)
+            return bi, fi
         bi = np.repeat(np.arange(len(b_off)), width)
         pos = np.arange(n) - np.repeat(np.cumsum(width) - width, width) + np.repeat(first, width)
     fi = pos if order is None else order[pos]
@@ -276,18 +321,21 @@ def _pairs_by_group(
     b_len: np.ndarray,
     fg: np.ndarray,
     bg: np.ndarray,
-    f_live: np.ndarray | None,
-    b_live: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray]:
-    out_b, out_f = [_EMPTY], [_EMPTY]
+    volume: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    out_b, out_f, out_v = [_EMPTY], [_EMPTY], [_EMPTY]
     for g in np.unique(bg).tolist():
         fr, br = np.flatnonzero(fg == g), np.flatnonzero(bg == g)
-        bi, fi = _pairs_general(f_off[fr], f_len[fr], b_off[br], b_len[br], None, None)
-        out_b.append(br[bi] if b_live is None else b_live[br[bi]])
-        out_f.append(fr[fi] if f_live is None else f_live[fr[fi]])
+        if not len(fr):
+            continue
+        bi, fi, vol = _pairs_general(f_off[fr], f_len[fr], b_off[br], b_len[br], None, None, volume=volume)
+        out_b.append(br[bi])
+        out_f.append(fr[fi])
+        if vol is not None:
+            out_v.append(vol)
     bi, fi = np.concatenate(out_b), np.concatenate(out_f)
     sort = np.lexsort((fi, bi))
-    return bi[sort], fi[sort]
+    return bi[sort], fi[sort], (np.concatenate(out_v)[sort] if volume else None)
 
 
 def choose_among(entry: TensorEntry, rows: np.ndarray, prefer_rank: int = 0) -> tuple[np.ndarray, np.ndarray]:

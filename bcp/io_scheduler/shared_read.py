@@ -2,18 +2,20 @@
 storage once, by one of them, and sent to the others over the process group.
 
 Planned once, by the coordinator: every rank sends it the boxes it wants as compact
-arrays (tensor indices in catalog order, offsets, lengths); it finds, per tensor
-and vectorised, the stored fragments (one per distinct box) those boxes meet and the
-ranks that need each; where that is more than one rank and together they want more
-than the fragment holds, one of those ranks reads the whole fragment (verifying every
-checksum block) and sends it point-to-point. The owner balances bytes to fetch,
-deterministically and vectorised: shared fragments, in job order (tensor name, offsets,
-lengths), are grouped by their set of needing ranks, and the groups are taken in order
-of their first fragment. A group of one fragment goes to its needer with the fewest
-bytes so far (ties to the lowest rank, the previous per-fragment rule); a larger
-group's bytes are water-filled over its needers (targets that raise the least-loaded
-towards a common level) and its fragments, in order, cut into consecutive runs of
-those sizes. Each
+arrays (tensor indices in catalog order, offsets, lengths). Ranks whose lists are
+identical (data-parallel replicas) form one class and are matched once. The
+coordinator finds, vectorised over every tensor, the stored fragments (one per
+distinct box) those boxes meet and the ranks that need each; where that is more than
+one rank and together they want more than the fragment holds, one of those ranks
+reads the whole fragment (verifying every checksum block) and sends it
+point-to-point. Shared fragments are numbered (their tags) in catalog order: tensors
+as the catalog lists them, each tensor's rows in catalog order. The owner balances
+bytes to fetch, deterministically and vectorised: shared fragments are grouped by
+their set of needing ranks, and the groups are taken in order of their first
+fragment. A group of one fragment goes to its needer with the fewest bytes so far
+(ties to the lowest rank, the previous per-fragment rule); a larger group's bytes are
+water-filled over its needers (targets that raise the least-loaded towards a common
+level) and its fragments, in order, cut into consecutive runs of those sizes. Each
 rank receives only its part of the plan: what it reads and sends to whom, what it
 receives from whom. The receivers then copy their parts from memory. Costs memory
 for the shared fragments in flight; saves storage bandwidth and request count,
@@ -30,12 +32,13 @@ import numpy as np
 import torch
 
 from bcp.metadata import itemsize
+from bcp.metadata.sections import stable_order
 
-from ..boxes import Box
+from ..boxes import Box, row_products
 from ..collectives import GroupCoordinator, portable
 from ..reader import CheckpointReader
 from .read_exec import ReadStats
-from .read_plan import overlap_pairs
+from .read_plan import overlap_volumes
 
 SharedKey = tuple[str, Box]
 
@@ -100,6 +103,8 @@ class SharePlan:
     #: needing ranks of fragment k (owner included), ascending: needers[starts[k]:starts[k+1]]
     needers: np.ndarray
     starts: np.ndarray
+    #: ranks with equal classes want the same boxes, so take part in the same fragments
+    rank_class: np.ndarray | None = None
 
     def as_dict(
         self, names: Sequence[str], ndims: Sequence[int] | Mapping[int, int]
@@ -122,32 +127,33 @@ class SharePlan:
         """Each rank's part (vectorised: a few array operations per rank)."""
         counts = np.diff(self.starts)
         tags = np.repeat(np.arange(len(self.owners)), counts)
-        order = np.argsort(self.needers, kind="stable")  # by rank, then tag
+        order = stable_order(self.needers)  # by rank, then tag
         ranks, by_rank = self.needers[order], tags[order]
         bounds = np.searchsorted(ranks, np.arange(world + 1))
         # every (fragment, needer other than its owner), grouped by owner, then by tag
         # and needer (the needers array is in tag order, ascending within a tag)
         owner_of = self.owners.astype(np.int64)[tags]
         sends = np.flatnonzero(self.needers != owner_of)
-        sends = sends[np.argsort(owner_of[sends], kind="stable")]
+        sends = sends[stable_order(owner_of[sends])]
         send_to = self.needers[sends]
         send_bounds = np.searchsorted(owner_of[sends], np.arange(world + 1))
+        width = self.offsets.shape[1]
+        boxes = np.concatenate([self.offsets, self.lengths], axis=1)  # one gather per rank, not two
         out = []
+        same: dict[int, tuple[np.ndarray, ...]] = {}  # class -> what its ranks share
         for r in range(world):
-            mine = by_rank[bounds[r] : bounds[r + 1]]
-            owners = self.owners[mine]
-            n_recv = np.where(owners == r, counts[mine] - 1, 0)
+            c = -1 - r if self.rank_class is None else int(self.rank_class[r])
+            if c not in same:
+                mine = by_rank[bounds[r] : bounds[r + 1]]
+                box = boxes[mine]
+                same[c] = (mine, self.tensors[mine], box[:, :width], box[:, width:], self.owners[mine], counts[mine])
+            mine, tensors, offsets, lengths, owners, needing = same[c]
+            n_recv = np.where(owners == r, needing - 1, 0)
             recv_starts = np.zeros(len(mine) + 1, np.int64)
             np.cumsum(n_recv, out=recv_starts[1:])
             out.append(
                 SharePart(
-                    mine,
-                    self.tensors[mine],
-                    self.offsets[mine],
-                    self.lengths[mine],
-                    owners,
-                    send_to[send_bounds[r] : send_bounds[r + 1]],
-                    recv_starts,
+                    mine, tensors, offsets, lengths, owners, send_to[send_bounds[r] : send_bounds[r + 1]], recv_starts
                 )
             )
         return out
@@ -161,18 +167,26 @@ def _no_plan() -> SharePlan:
 def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan:
     """(coordinator) The job-wide sharing plan for every rank's wanted boxes: the same
     shared fragments and needing ranks every rank used to compute over every rank's
-    list, computed once and vectorised; owners balanced by needer set (module doc)."""
+    list, computed once and vectorised; owners balanced by needer set (module doc).
+
+    Ranks that want exactly the same boxes (data-parallel replicas: HSDP, DDP) are
+    planned as one class: the boxes are matched against the stored fragments once per
+    class, and the class's ranks are expanded only into the needers of the shared
+    fragments."""
     names = list(reader.catalog.tensors)
-    tids = np.concatenate([w.tensors.astype(np.int64) for w in wanted]) if wanted else np.zeros(0, np.int64)
+    classes = _RankClasses.of(wanted)
+    reps = [wanted[r] for r in classes.first]
+    tids = np.concatenate([w.tensors.astype(np.int64) for w in reps]) if reps else np.zeros(0, np.int64)
     if len(tids) and (tids.min() < 0 or tids.max() >= len(names)):
         raise ValueError("a wanted box names a tensor the catalog does not hold")
-    ranks = np.repeat(np.arange(len(wanted)), [len(w.tensors) for w in wanted])
+    box_class = np.repeat(np.arange(len(reps)), [len(w.tensors) for w in reps])
     used = np.flatnonzero(np.bincount(tids, minlength=len(names))).tolist()
     if not used:
         return _no_plan()
+    used_names = [names[t] for t in used]
     shapes = {t: tuple(reader.catalog.tensors[names[t]].global_shape) for t in used}
     reader.catalog.require([(names[t], ((0,) * len(shapes[t]), shapes[t])) for t in used])
-    entries = [reader.catalog.tensors[names[t]] for t in used]
+    entries = reader.catalog.entries(used_names)
     ndims = {len(s) for s in shapes.values()}
     width = max(1, *ndims)
     ndim_of = np.zeros(len(names), np.int64)
@@ -182,7 +196,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
         extents[t, : len(shapes[t])] = shapes[t]
     # the wanted boxes and every stored row of those tensors, padded to ``width``
     # dimensions with (0, 1) where tensors differ in rank
-    b_off, b_len = _padded(tids, ndim_of, [w.offsets for w in wanted], [w.lengths for w in wanted], width)
+    b_off, b_len = _padded(tids, ndim_of, [w.offsets for w in reps], [w.lengths for w in reps], width)
     f_tid = np.repeat(np.array(used, np.int64), [e.num_fragments for e in entries])
     if ndims == {width}:
         f_off = np.concatenate([e.offsets for e in entries]).reshape(-1, width)
@@ -196,7 +210,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
             f_off[at : at + n, :d] = e.offsets
             f_len[at : at + n, :d] = e.lengths
             at += n
-    bi, fi = overlap_pairs(f_off, f_len, b_off, b_len, f_tid, tids, extents=extents, ordered=False)
+    bi, fi, elems = overlap_volumes(f_off, f_len, b_off, b_len, f_tid, tids, extents=extents)
     if not len(bi):
         return _no_plan()
     # one key per distinct stored box: pairs with a replica other than the first are dropped
@@ -205,67 +219,108 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
     box_of = _box_ids(f_tid, f_off, f_len, shapes, np.flatnonzero(hit))
     first_copy = box_of[fi] == fi
     if not first_copy.all():
-        bi, fi = bi[first_copy], fi[first_copy]
-    # only fragments met by more than one box can be shared: the rest are dropped at once
-    several = np.bincount(fi, minlength=len(f_tid)) > 1
-    pick = several[fi]
-    bi, fi = bi[pick], fi[pick]
-    if not len(bi):
+        bi, fi, elems = bi[first_copy], fi[first_copy], elems[first_copy]
+    # per fragment: elements wanted (every rank's boxes counted) and needing ranks
+    cls = box_class[bi]
+    wanted_elems = np.bincount(fi, weights=elems * classes.sizes[cls], minlength=len(f_tid))  # exact below 2**53
+    if _one_box_per_tensor(tids, box_class):
+        uf, uc = fi, cls  # each (fragment, class) pair once already
+    else:
+        key = np.unique(fi * len(reps) + cls)
+        uf, uc = key // len(reps), key % len(reps)
+    n_ranks = np.bincount(uf, weights=classes.sizes[uc], minlength=len(f_tid))
+    box_numel = row_products(f_len)
+    shared = np.flatnonzero((n_ranks > 1) & (wanted_elems > box_numel))
+    if not len(shared):
         return _no_plan()
-    order = np.argsort(fi * len(tids) + bi)  # by fragment, then box (boxes are in rank order)
-    key, bi = fi[order], bi[order]
-    rank = ranks[bi]
-    elems = np.prod(
-        np.minimum(b_off[bi] + b_len[bi], f_off[key] + f_len[key]) - np.maximum(b_off[bi], f_off[key]), axis=1
-    )
-    new_key = np.r_[True, key[1:] != key[:-1]]
-    first = np.flatnonzero(new_key)
-    wanted_elems = np.add.reduceat(elems, first)
-    new_rank = new_key | np.r_[True, rank[1:] != rank[:-1]]
-    n_ranks = np.add.reduceat(new_rank.astype(np.int64), first)
-    rep = key[first]  # the row holding each key's box
-    box_numel = np.prod(f_len[rep], axis=1)
-    redundant = np.flatnonzero((n_ranks > 1) & (wanted_elems > box_numel))
-    if not len(redundant):
-        return _no_plan()
-    rep = rep[redundant]
-    # job-wide order: by tensor name, then offsets, then lengths (as tuples compare)
-    name_rank = np.zeros(len(names), np.int64)
-    name_rank[sorted(used, key=names.__getitem__)] = np.arange(len(used))
-    k_tid, k_off, k_len = f_tid[rep], f_off[rep], f_len[rep]
-    sort = _job_order(name_rank[k_tid], k_off, k_len)
-    redundant, k_tid, k_off, k_len = redundant[sort], k_tid[sort], k_off[sort], k_len[sort]
-    # needing ranks of each shared box, ascending
-    ends = np.r_[first[1:], len(key)]
-    seg_start = first[redundant]
-    lens = ends[redundant] - seg_start
-    idx = np.repeat(seg_start, lens) + (np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens))
-    keep = new_rank[idx]
-    needers = rank[idx[keep]]
-    counts = np.add.reduceat(keep.astype(np.int64), np.r_[0, np.cumsum(lens)[:-1]])
-    starts = np.r_[0, np.cumsum(counts)].astype(np.int64)
-    item = np.zeros(len(names), np.int64)
-    for t in used:
-        item[t] = itemsize(reader.catalog.tensors[names[t]].dtype)
-    sizes = np.prod(k_len, axis=1) * item[k_tid]
-    owners = _choose_owners(needers, starts, sizes, len(wanted))
-    return SharePlan(k_tid.astype(np.int32), k_off, k_len, owners, needers.astype(np.int64), starts)
+    # tags in catalog order: tensors as the catalog lists them, each tensor's rows in order
+    k_tid, k_off, k_len = f_tid[shared], f_off[shared], f_len[shared]
+    tag_of = np.full(len(f_tid), -1, np.int64)
+    tag_of[shared] = np.arange(len(shared))
+    pk = tag_of[uf]
+    keep = pk >= 0
+    needers, starts, group = classes.needers(pk[keep], uc[keep], len(shared))
+    item = np.array([itemsize(e.dtype) for e in entries], np.int64)
+    item_of = np.zeros(len(names), np.int64)
+    item_of[used] = item
+    sizes = row_products(k_len) * item_of[k_tid]
+    owners = _choose_owners(needers, starts, sizes, len(wanted), group)
+    return SharePlan(k_tid.astype(np.int32), k_off, k_len, owners, needers, starts, classes.of_rank)
 
 
-def _job_order(name_rank: np.ndarray, off: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """The order of keys by tensor name, then offsets, then lengths (as tuples compare).
-    Keys come grouped by tensor, usually with each tensor's boxes already in order (the
-    catalog's): then a stable sort on the name alone is enough."""
-    both = np.concatenate([off, length], axis=1)
-    if len(both) > 1:
-        step = both[1:] - both[:-1]
-        nonzero = step != 0
-        first = np.argmax(nonzero, axis=1)
-        rising = step[np.arange(len(step)), first] > 0
-        same_tensor = name_rank[1:] == name_rank[:-1]
-        if not (rising | ~same_tensor).all():
-            return np.lexsort([*length.T[::-1], *off.T[::-1], name_rank])
-    return np.argsort(name_rank, kind="stable")
+def _one_box_per_tensor(tids: np.ndarray, box_class: np.ndarray) -> bool:
+    """Whether no class wants two boxes of one tensor (then every (fragment, class)
+    pair of the overlaps is distinct). Usually each list names its tensors in
+    ascending order, which shows it at once."""
+    same_class = box_class[1:] == box_class[:-1]
+    if ((tids[1:] > tids[:-1]) | ~same_class).all():
+        return True
+    keys = box_class * (int(tids.max()) + 1) + tids
+    return len(np.unique(keys)) == len(keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankClasses:
+    """Ranks grouped by identical wanted lists (byte for byte): ``first[c]`` is class
+    c's lowest rank, its ranks (ascending) are ``members[mstarts[c]:mstarts[c + 1]]``."""
+
+    first: list[int]
+    of_rank: np.ndarray  # int64 (ranks,): each rank's class
+    sizes: np.ndarray  # int64 (C,)
+    members: np.ndarray  # int64, flat
+    mstarts: np.ndarray  # int64 (C + 1,)
+
+    @classmethod
+    def of(cls, wanted: Sequence[Wanted]) -> _RankClasses:
+        ids: dict[tuple[bytes, bytes, bytes], int] = {}
+        class_of = np.array(
+            [
+                ids.setdefault(
+                    (w.tensors.astype(np.int32).tobytes(), w.offsets.tobytes(), w.lengths.tobytes()), len(ids)
+                )
+                for w in wanted
+            ],
+            np.int64,
+        )
+        members = stable_order(class_of).astype(np.int64)  # ranks by class, ascending within
+        sizes = np.bincount(class_of, minlength=len(ids)).astype(np.int64)
+        first = members[np.r_[0, np.cumsum(sizes)[:-1]]].tolist() if len(ids) else []
+        return cls(first, class_of, sizes, members, np.r_[0, np.cumsum(sizes)].astype(np.int64))
+
+    def needers(self, tags: np.ndarray, classes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For shared fragments 0..k-1 met by the (tag, class) pairs (each pair once):
+        every fragment's needing ranks, ascending, as flat values and starts, and a
+        label per fragment equal for equal needer sets (its class where one class
+        needs it; other labels numbered past the classes)."""
+        n_classes = len(self.sizes)
+        order = np.argsort(tags * n_classes + classes, kind="stable")  # usually in order already: linear
+        tags, classes = tags[order], classes[order]
+        pairs = np.bincount(tags, minlength=k)  # classes needing each fragment
+        s = int(self.sizes[0])
+        if (self.sizes == s).all():  # every class of s ranks: rows of a table
+            counts = pairs * s
+            needers = self.members.reshape(-1, s)[classes].reshape(-1)
+        else:
+            n = self.sizes[classes]
+            counts = np.bincount(tags, weights=n, minlength=k).astype(np.int64)
+            within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+            needers = self.members[np.repeat(self.mstarts[classes], n) + within]
+        starts = np.r_[0, np.cumsum(counts)].astype(np.int64)
+        pair_starts = np.r_[0, np.cumsum(pairs)]
+        group = np.full(k, -1, np.int64)
+        one = np.flatnonzero(pairs == 1)
+        group[one] = classes[pair_starts[one]]
+        several = np.flatnonzero(pairs > 1)
+        if len(several):
+            # ranks ascending within a fragment unless two of its classes' rank ranges interleave
+            lowest, highest = self.members[self.mstarts[:-1]], self.members[self.mstarts[1:] - 1]
+            same = tags[1:] == tags[:-1]
+            if (highest[classes[:-1]][same] > lowest[classes[1:]][same]).any():
+                needers = needers[np.lexsort((needers, np.repeat(np.arange(k), counts)))]
+            # equal needer sets are equal sets of classes (classes partition the ranks)
+            mine = np.repeat(pairs > 1, pairs)
+            group[several] = n_classes + _needer_groups(classes[mine], np.r_[0, np.cumsum(pairs[several])])
+        return needers, starts, group
 
 
 def _mix(x: np.ndarray, salt: int) -> np.ndarray:
@@ -305,21 +360,30 @@ def _needer_groups(needers: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return np.searchsorted(first, rep)
 
 
-def _choose_owners(needers: np.ndarray, starts: np.ndarray, sizes: np.ndarray, world: int) -> np.ndarray:
+def _choose_owners(
+    needers: np.ndarray, starts: np.ndarray, sizes: np.ndarray, world: int, group: np.ndarray
+) -> np.ndarray:
     """The owner of each shared fragment (in tag order), one of its needers, balancing
-    bytes to fetch: fragments are grouped by needer set, groups taken in order of their
-    first fragment. A group of one fragment goes to its least-loaded needer so far (ties
-    to the lowest rank: the previous rule). A larger group's bytes are water-filled over
-    its needers (each needer's target brings its load towards a common level), then its
-    fragments, in tag order, are cut into consecutive runs matching those targets (a
-    fragment goes to the needer whose target holds its midpoint)."""
+    bytes to fetch: fragments are grouped by needer set (``group``: equal labels for
+    equal sets), groups taken in order of their first fragment. A group of one fragment
+    goes to its least-loaded needer so far (ties to the lowest rank: the previous
+    rule). A larger group's bytes are water-filled over its needers (each needer's
+    target brings its load towards a common level), then its fragments, in tag order,
+    are cut into consecutive runs matching those targets (a fragment goes to the
+    needer whose target holds its midpoint)."""
     k = len(starts) - 1
     owners = np.zeros(k, np.int32)
     if not k:
         return owners
-    group = _needer_groups(needers, starts)
-    order = np.lexsort((np.arange(k), group))
-    bounds = np.r_[0, np.flatnonzero(np.diff(group[order])) + 1, k].tolist()
+    labels = int(group.max()) + 1
+    first = np.full(labels, k, np.int64)
+    np.minimum.at(first, group, np.arange(k))
+    present = np.flatnonzero(first < k)
+    renumber = np.zeros(labels, np.int64)
+    renumber[present[np.argsort(first[present])]] = np.arange(len(present))
+    group = renumber[group]  # numbered by first fragment
+    order = stable_order(group)  # by group, tag order within
+    bounds = np.r_[0, np.cumsum(np.bincount(group))].tolist()
     load = np.zeros(world, np.int64)
     for g in range(len(bounds) - 1):
         frags = order[bounds[g] : bounds[g + 1]]
@@ -379,7 +443,7 @@ def _box_ids(
     if not len(rows):
         return ids
     seg = np.flatnonzero(np.r_[True, f_tid[1:] != f_tid[:-1]])
-    held = np.add.reduceat(np.prod(f_len, axis=1), seg).tolist()
+    held = np.add.reduceat(row_products(f_len), seg).tolist()
     replicated_tensors = [t for t, n in zip(f_tid[seg].tolist(), held, strict=True) if n != math.prod(shapes[t])]
     replicated = np.isin(f_tid[rows], replicated_tensors) if replicated_tensors else np.zeros(len(rows), bool)
     ids[rows[~replicated]] = rows[~replicated]
