@@ -395,19 +395,27 @@ def _choose_owners(
             load[owner] += sizes[f0]
             continue
         sz = sizes[frags]
-        have = load[members].astype(np.float64)
-        total = float(sz.sum())
-        ascending = np.sort(have)
-        fill = (total + np.cumsum(ascending)) / np.arange(1, len(members) + 1)
-        ok = np.r_[fill[:-1] <= ascending[1:], True]
-        level = fill[int(np.argmax(ok))]
-        target = np.cumsum(np.maximum(level - have, 0.0))
-        mid = np.cumsum(sz) - sz / 2.0
-        pick = np.minimum(np.searchsorted(target, mid, side="right"), len(members) - 1)
-        who = members[pick]
-        owners[frags] = who
-        np.add.at(load, who, sz)
+        cum = np.cumsum(sz)
+        have = load[members].tolist()
+        level = _water_level(have, int(cum[-1]))
+        target = np.cumsum([max(level - h, 0.0) for h in have])
+        pick = np.minimum(np.searchsorted(target, cum - sz / 2.0, side="right"), len(members) - 1)
+        owners[frags] = members[pick]
+        load[members] += np.bincount(pick, weights=sz, minlength=len(members)).astype(np.int64)  # exact below 2**53
     return owners
+
+
+def _water_level(have: list[int], total: int) -> float:
+    """The level L such that raising every load in ``have`` below L up to L takes
+    exactly ``total`` (loads above L stay). Plain Python: a group has few needers."""
+    ascending = sorted(have)
+    acc = 0
+    for i, h in enumerate(ascending):
+        acc += h
+        fill = (total + acc) / (i + 1)
+        if i + 1 == len(ascending) or fill <= ascending[i + 1]:
+            return fill
+    return 0.0
 
 
 def _padded(
