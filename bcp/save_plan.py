@@ -450,7 +450,9 @@ class _Assignments:
         if not self.aliases:
             return
         ranks, indices = np.concatenate(self.ranks), np.concatenate(self.indices)
-        radix = int(indices.max()) + 1 if len(indices) else 1
+        # one key per (rank, index): the radix must exceed every index looked up too,
+        # or a target row's key could equal another rank's written row
+        radix = 1 + max([int(indices.max()) if len(indices) else 0] + [int(ti.max()) for _h, (_tr, ti) in self.aliases])
         written = np.sort(ranks * radix + indices)
         out_r, out_i = [], []
         for (hr, hi), (tr, ti) in self.aliases:

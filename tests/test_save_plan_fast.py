@@ -228,6 +228,25 @@ def test_one_box_each_layouts_match_the_reference(ls):
 # -- fixed cases -----------------------------------------------------------------------
 
 
+def test_a_tied_box_follows_its_targets_writer_whatever_the_indices():
+    """Found by hypothesis: rank 0 holds five boxes of t0 (and of its alias), the other
+    ranks one empty box each. The empty box at offset 1 is written by rank 1 (index 0);
+    its tied copy must follow it to rank 1, not stay on rank 0 because the key of
+    rank 0's index 4 collided with rank 1's index 0 under a radix taken from the
+    written indices alone."""
+    boxes0 = (((0,), (0,)), ((0,), (0,)), ((0,), (0,)), ((0,), (1,)), ((1,), (0,)))
+    layouts = []
+    for r in range(6):
+        boxes = boxes0 if r == 0 else (((1,), (0,)),)
+        ts = [
+            TensorPlan("t0", '["t0"]', "float32", (1,), boxes),
+            TensorPlan("tied", '["tied"]', "float32", (1,), boxes, "t0"),
+        ]
+        layouts.append(LocalLayout.build(r, ts))
+    check_against_reference(layouts)
+    assert plan_save(layouts).writes[1].tolist() == [0, 1]
+
+
 def fsdp(world: int, shapes: list[tuple[int, ...]], dim: int = 0, empty_at: int | None = None) -> list[LocalLayout]:
     """Each tensor cut along ``dim`` as torch.chunk cuts it (trailing ranks may hold
     the same empty box, at the end or at ``empty_at``)."""
