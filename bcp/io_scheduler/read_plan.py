@@ -22,6 +22,7 @@ import numpy as np
 
 from bcp.metadata import Fragment, TensorEntry, itemsize
 from bcp.metadata.catalog import tiling_problem
+from bcp.metadata.sections import stable_order
 
 from ..boxes import Box, common_runs, row_products, rows_positive
 from ..errors import CorruptCheckpointError
@@ -175,11 +176,15 @@ def _pairs_general(
         be = np.where(b_dead, bs, be)
     # both sides sorted along the cut coordinate: the searches and the candidate
     # gathers below then walk memory in order (millions of boxes stay cache-friendly)
-    order = np.argsort(fs)  # ties in any order: a window holds all of them
-    border = np.argsort(bs)
-    starts, ends = fs[order], fe[order]
+    # (a catalog's rows usually are already; boxes usually are once grouped by tensor)
+    order = None if _ascending(fs) else np.argsort(fs)  # ties in any order: a window holds all of them
+    border = stable_order(bg) if groups > 1 else None
+    if not _ascending(bs if border is None else bs[border]):
+        border = np.argsort(bs)
+    starts, ends = (fs, fe) if order is None else (fs[order], fe[order])
     reach = np.maximum.accumulate(ends)
-    bs, be = bs[border], be[border]
+    if border is not None:
+        bs, be = bs[border], be[border]
     # dimensions other than the cut one that some box or fragment does not span whole
     # must be tested too; with none (FSDP, TP: one cut dimension) the test is 1-D
     others = _partial_dims(f_off, f_len, b_off, b_len, fg, bg, cut, extents)
@@ -191,10 +196,15 @@ def _pairs_general(
     if volume and uniform and extents is not None:
         whole = [d for d in range(n_dim) if d != int(cut[0]) and d not in others]
         if whole:
-            rest = np.prod(extents[:, whole], axis=1)[fg[order]]
+            rest = np.prod(extents[:, whole], axis=1)[fg if order is None else fg[order]]
     if others:
-        f_off, f_len = f_off[order][:, others], f_len[order][:, others]
-        b_off, b_len = b_off[border][:, others], b_len[border][:, others]
+        f_off, f_len = (
+            (f_off, f_len) if order is None else (np.take(f_off, order, axis=0), np.take(f_len, order, axis=0))
+        )
+        b_off, b_len = (
+            (b_off, b_len) if border is None else (np.take(b_off, border, axis=0), np.take(b_len, border, axis=0))
+        )
+        f_off, f_len, b_off, b_len = f_off[:, others], f_len[:, others], b_off[:, others], b_len[:, others]
     first = np.searchsorted(reach, bs, side="right")
     width = np.searchsorted(starts, be, side="left") - first
     np.clip(width, 0, None, out=width)
@@ -221,8 +231,8 @@ def _pairs_general(
             meet = span > 0
             side = None
             if others:
-                fo, fn = f_off[fi], f_len[fi]
-                bo, bn = b_off[bi], b_len[bi]
+                fo, fn = np.take(f_off, fi, axis=0), np.take(f_len, fi, axis=0)  # faster than [fi] for rows
+                bo, bn = np.take(b_off, bi, axis=0), np.take(b_len, bi, axis=0)
                 side = np.minimum(bo + bn, fo + fn) - np.maximum(bo, fo)
                 meet &= rows_positive(side)
             bi, fi = bi[meet], fi[meet]
@@ -238,13 +248,21 @@ def _pairs_general(
         lo = hi
     if not out_b:
         return _EMPTY, _EMPTY, (_EMPTY if volume else None)
-    bi, fi = border[np.concatenate(out_b)], order[np.concatenate(out_f)]
+    bi, fi = np.concatenate(out_b), np.concatenate(out_f)
+    if border is not None:
+        bi = border[bi]
+    if order is not None:
+        fi = order[fi]
     vols = np.concatenate(out_v) if volume else None
     if ordered:
         sort = np.lexsort((fi, bi))
         bi, fi = bi[sort], fi[sort]
         vols = None if vols is None else vols[sort]
     return bi, fi, vols
+
+
+def _ascending(a: np.ndarray) -> bool:
+    return len(a) < 2 or bool((a[1:] >= a[:-1]).all())
 
 
 def _partial_dims(
@@ -305,7 +323,8 @@ def _pairs_one_tensor(
         bi = np.repeat(np.arange(len(b_off)), width)
         pos = np.arange(n) - np.repeat(np.cumsum(width) - width, width) + np.repeat(first, width)
     fi = pos if order is None else order[pos]
-    bo, bn, fo, fn = b_off[bi], b_len[bi], f_off[fi], f_len[fi]
+    bo, bn = np.take(b_off, bi, axis=0), np.take(b_len, bi, axis=0)  # faster than [bi] for rows
+    fo, fn = np.take(f_off, fi, axis=0), np.take(f_len, fi, axis=0)
     meet = (np.maximum(bo, fo) < np.minimum(bo + bn, fo + fn)).all(axis=1)
     bi, fi = bi[meet], fi[meet]
     if order is not None:

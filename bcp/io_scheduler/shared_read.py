@@ -128,8 +128,8 @@ class SharePlan:
         counts = np.diff(self.starts)
         tags = np.repeat(np.arange(len(self.owners)), counts)
         order = stable_order(self.needers)  # by rank, then tag
-        ranks, by_rank = self.needers[order], tags[order]
-        bounds = np.searchsorted(ranks, np.arange(world + 1))
+        by_rank = tags[order]
+        bounds = np.r_[0, np.cumsum(np.bincount(self.needers, minlength=world))]
         # every (fragment, needer other than its owner), grouped by owner, then by tag
         # and needer (the needers array is in tag order, ascending within a tag)
         owner_of = self.owners.astype(np.int64)[tags]
@@ -145,7 +145,7 @@ class SharePlan:
             c = -1 - r if self.rank_class is None else int(self.rank_class[r])
             if c not in same:
                 mine = by_rank[bounds[r] : bounds[r + 1]]
-                box = boxes[mine]
+                box = np.take(boxes, mine, axis=0)  # row gathers: np.take is several times faster
                 same[c] = (mine, self.tensors[mine], box[:, :width], box[:, width:], self.owners[mine], counts[mine])
             mine, tensors, offsets, lengths, owners, needing = same[c]
             n_recv = np.where(owners == r, needing - 1, 0)
@@ -234,7 +234,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
     if not len(shared):
         return _no_plan()
     # tags in catalog order: tensors as the catalog lists them, each tensor's rows in order
-    k_tid, k_off, k_len = f_tid[shared], f_off[shared], f_len[shared]
+    k_tid, k_off, k_len = f_tid[shared], np.take(f_off, shared, axis=0), np.take(f_len, shared, axis=0)
     tag_of = np.full(len(f_tid), -1, np.int64)
     tag_of[shared] = np.arange(len(shared))
     pk = tag_of[uf]
@@ -299,7 +299,7 @@ class _RankClasses:
         s = int(self.sizes[0])
         if (self.sizes == s).all():  # every class of s ranks: rows of a table
             counts = pairs * s
-            needers = self.members.reshape(-1, s)[classes].reshape(-1)
+            needers = np.take(self.members.reshape(-1, s), classes, axis=0).reshape(-1)
         else:
             n = self.sizes[classes]
             counts = np.bincount(tags, weights=n, minlength=k).astype(np.int64)
