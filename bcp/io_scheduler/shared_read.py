@@ -134,9 +134,11 @@ class SharePlan:
         # and needer (the needers array is in tag order, ascending within a tag)
         owner_of = self.owners.astype(np.int64)[tags]
         sends = np.flatnonzero(self.needers != owner_of)
-        sends = sends[stable_order(owner_of[sends])]
+        sender = owner_of[sends]
+        by_sender = stable_order(sender)
+        sends, sender = sends[by_sender], sender[by_sender]
         send_to = self.needers[sends]
-        send_bounds = np.searchsorted(owner_of[sends], np.arange(world + 1))
+        send_bounds = np.searchsorted(sender, np.arange(world + 1))
         width = self.offsets.shape[1]
         boxes = np.concatenate([self.offsets, self.lengths], axis=1)  # one gather per rank, not two
         out = []
@@ -293,8 +295,10 @@ class _RankClasses:
         label per fragment equal for equal needer sets (its class where one class
         needs it; other labels numbered past the classes)."""
         n_classes = len(self.sizes)
-        order = np.argsort(tags * n_classes + classes, kind="stable")  # usually in order already: linear
-        tags, classes = tags[order], classes[order]
+        key = tags * n_classes + classes
+        if len(key) > 1 and not (key[1:] >= key[:-1]).all():  # usually in order already
+            order = np.argsort(key, kind="stable")
+            tags, classes = tags[order], classes[order]
         pairs = np.bincount(tags, minlength=k)  # classes needing each fragment
         s = int(self.sizes[0])
         if (self.sizes == s).all():  # every class of s ranks: rows of a table
@@ -305,8 +309,8 @@ class _RankClasses:
             counts = np.bincount(tags, weights=n, minlength=k).astype(np.int64)
             within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
             needers = self.members[np.repeat(self.mstarts[classes], n) + within]
-        starts = np.r_[0, np.cumsum(counts)].astype(np.int64)
-        pair_starts = np.r_[0, np.cumsum(pairs)]
+        starts = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+        pair_starts = np.concatenate(([0], np.cumsum(pairs)))
         group = np.full(k, -1, np.int64)
         one = np.flatnonzero(pairs == 1)
         group[one] = classes[pair_starts[one]]
@@ -318,8 +322,12 @@ class _RankClasses:
             if (highest[classes[:-1]][same] > lowest[classes[1:]][same]).any():
                 needers = needers[np.lexsort((needers, np.repeat(np.arange(k), counts)))]
             # equal needer sets are equal sets of classes (classes partition the ranks)
-            mine = np.repeat(pairs > 1, pairs)
-            group[several] = n_classes + _needer_groups(classes[mine], np.r_[0, np.cumsum(pairs[several])])
+            mine = classes[np.repeat(pairs > 1, pairs)]
+            if (pairs[several] == 2).all():  # two classes each (a chunk boundary): one exact key per pair
+                _keys, label = np.unique(mine[0::2] * n_classes + mine[1::2], return_inverse=True)
+            else:
+                label = _needer_groups(mine, np.concatenate(([0], np.cumsum(pairs[several]))))
+            group[several] = n_classes + label.reshape(-1)
         return needers, starts, group
 
 
