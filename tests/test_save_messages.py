@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from bcp.collectives import Coordinator, portable
 from bcp.errors import RankFailedError
-from bcp.fragment_rows import merge_reports, row_stats
+from bcp.fragment_rows import Merged, merge_reports, row_stats
 from bcp.io_scheduler.write_pipeline import REPORT_SCHEMA, WriterReport, fragment_table
 from bcp.metadata import CATALOG_SCHEMA, Catalog, FileEntry, FormatError, Fragment
 from bcp.save_plan import LayoutMeta, TensorPlan
@@ -174,18 +174,24 @@ def as_fragments(table: pa.Table) -> list[Fragment]:
     return WriterReport.fragments_of(table)
 
 
-@settings(max_examples=200, deadline=None)
-@given(fragment_sets(), st.randoms())
-def test_merged_rows_match_the_fragment_object_path(per_writer, rnd):
-    if rnd.random() < 0.5:  # rows out of file order: the counts must not rely on it
+def shuffled_merge(per_writer: list[list[Fragment]], rnd) -> tuple[list[Fragment], list[str], Merged]:
+    """Writers' rows (half the time out of file and save order: the merge must not rely
+    on it) merged in a random save order, the reports pickled as gather_object sends them."""
+    if rnd.random() < 0.5:
         for frags in per_writer:
             rnd.shuffle(frags)
     everything = [f for frags in per_writer for f in frags]
     order = list(dict.fromkeys(f.fqn for f in everything))
     rnd.shuffle(order)
     reports, metas = compact_reports(per_writer)
-    reports = [pickle.loads(pickle.dumps(r)) for r in reports]  # as gather_object delivers them
-    merged = merge_reports(reports, metas, order)
+    merged = merge_reports([pickle.loads(pickle.dumps(r)) for r in reports], metas, order)
+    return everything, order, merged
+
+
+@settings(max_examples=200, deadline=None)
+@given(fragment_sets(), st.randoms())
+def test_merged_rows_match_the_fragment_object_path(per_writer, rnd):
+    everything, order, merged = shuffled_merge(per_writer, rnd)
     expected = old_order(everything, order)
     got = as_fragments(merged.table)
     assert [sort_key(f) for f in got] == [sort_key(f) for f in expected]
@@ -209,14 +215,7 @@ def catalog_table_of(frags: list[Fragment], files: list[str]) -> pa.Table:
 def test_the_commit_encodes_the_same_catalog_bytes_as_catalog_from_table(per_writer, rnd):
     """merged.catalog_bytes() (rows encoded as merged, no Catalog) is byte for byte the
     catalog the commit wrote before: Catalog.from_table(rows in catalog order).to_arrow()."""
-    if rnd.random() < 0.5:  # writers' rows out of save order: the merge regroups them
-        for frags in per_writer:
-            rnd.shuffle(frags)
-    everything = [f for frags in per_writer for f in frags]
-    order = list(dict.fromkeys(f.fqn for f in everything))
-    rnd.shuffle(order)
-    reports, metas = compact_reports(per_writer)
-    merged = merge_reports([pickle.loads(pickle.dumps(r)) for r in reports], metas, order)
+    everything, order, merged = shuffled_merge(per_writer, rnd)
     files = [f"f{w}" for w, frags in enumerate(per_writer) if frags]
     expected = Catalog.from_table(catalog_table_of(old_order(everything, order), files)).to_arrow()
     assert merged.catalog_bytes() == expected
