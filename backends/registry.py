@@ -28,11 +28,11 @@ log = logging.getLogger(__name__)
 #: scheme -> (dotted class path, install hint shown when its import fails). Keep sorted.
 _BUILTIN: dict[str, tuple[str, str | None]] = {
     "file": ("bcp.backends.file.FileBackend", None),
-    "gcs": ("bcp.backends.gcs.GCSBackend", "pip install 'bcp[gcs]' (gcsfs)"),
-    "gs": ("bcp.backends.gcs.GCSBackend", "pip install 'bcp[gcs]' (gcsfs)"),
+    "gcs": ("bcp.backends.gcs.GCSBackend", "pip install 'bcp-checkpoint[gcs]' (gcsfs)"),
+    "gs": ("bcp.backends.gcs.GCSBackend", "pip install 'bcp-checkpoint[gcs]' (gcsfs)"),
     "hdfs": ("bcp.backends.hdfs.HDFSBackend", "pyarrow with libhdfs (a Hadoop client install; see docs/backends.md)"),
     "memory": ("bcp.backends.memory.MemoryBackend", None),
-    "s3": ("bcp.backends.s3.S3Backend", "pip install 'bcp[s3]' (s3fs)"),
+    "s3": ("bcp.backends.s3.S3Backend", "pip install 'bcp-checkpoint[s3]' (s3fs)"),
     "webhdfs": ("bcp.backends.fsspec_backend.FsspecBackend", "fsspec's webhdfs needs requests"),
 }
 
