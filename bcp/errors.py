@@ -104,6 +104,9 @@ class StateMismatchError(CheckpointError, ValueError):
             lines.append(f"  dtype mismatch for {fqn}: state {want}, checkpoint {got}")
         for fqn, want, got in kind_mismatch:
             lines.append(f"  kind mismatch for {fqn}: state has {want}, checkpoint has {got}")
+        self.hint = prefix_hint(missing, unexpected)
+        if self.hint:
+            lines.append(f"  hint: {self.hint}")
         super().__init__("\n".join(lines))
 
     def __bool__(self) -> bool:
@@ -114,6 +117,54 @@ class StateMismatchError(CheckpointError, ValueError):
         # dict (notes, attributes added later) is restored as the pickle's state
         fields = (self.uri, self.missing, self.unexpected, self.shape_mismatch, self.dtype_mismatch, self.kind_mismatch)
         return (_rebuild_mismatch, fields, dict(vars(self)))
+
+
+#: how many unexpected keys :func:`prefix_hint` tries as a match for the first missing key
+_HINT_CANDIDATES = 64
+
+
+def prefix_hint(missing: list[str] | tuple[str, ...], unexpected: list[str] | tuple[str, ...]) -> str | None:
+    """A one-line fix when the missing keys are the unexpected ones under another
+    prefix (a model wrapped by DDP as ``module.``, compiled as ``_orig_mod.``, or
+    saved unwrapped): None when no single prefix swap explains at least half of them.
+
+    The swap is read off the first missing key and a stored key ending the same way
+    (the longest common dotted suffix), then checked against every missing key."""
+    if not missing or not unexpected:
+        return None
+    stored = set(unexpected)
+    first = missing[0].split(".")
+    candidates = [u for u in unexpected if u.split(".")[-1] == first[-1]][:_HINT_CANDIDATES]
+    best: tuple[int, str, str] | None = None
+    for other in candidates:
+        state_prefix, stored_prefix = _prefixes(first, other.split("."))
+        if state_prefix == stored_prefix:
+            continue
+        explained = sum(
+            1 for m in missing if m.startswith(state_prefix) and stored_prefix + m[len(state_prefix) :] in stored
+        )
+        if best is None or explained > best[0]:
+            best = (explained, state_prefix, stored_prefix)
+    if best is None or best[0] * 2 < len(missing):
+        return None
+    explained, state_prefix, stored_prefix = best
+    return (
+        f"{explained} of {len(missing)} missing keys are stored under another prefix: the state has "
+        f"{state_prefix or '(no prefix)'!r}... where the checkpoint has {stored_prefix or '(no prefix)'!r}...; "
+        f"build the state from the same wrapping as the save (e.g. the unwrapped model: model.module for DDP, "
+        f"model._orig_mod for torch.compile) or rename the keys"
+    )
+
+
+def _prefixes(state_key: list[str], stored_key: list[str]) -> tuple[str, str]:
+    """The dotted prefixes (with their trailing '.') left when two keys' longest
+    common dotted suffix is removed."""
+    common = 0
+    while common < min(len(state_key), len(stored_key)) and state_key[-1 - common] == stored_key[-1 - common]:
+        common += 1
+    head = state_key[: len(state_key) - common]
+    other = stored_key[: len(stored_key) - common]
+    return ("".join(k + "." for k in head), "".join(k + "." for k in other))
 
 
 def _rebuild_mismatch(

@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Unpack
 
+import numpy as np
 import torch
 
 from bcp.backends import Capability
@@ -33,12 +34,12 @@ from bcp.backends import Capability
 from .boxes import Box
 from .catalog_fetch import fetch_load_metadata, reader_from_head
 from .collectives import Coordinator, GroupCoordinator, coordinator_for, decide, run_phase
-from .errors import StateMismatchError, UnsupportedStateError
+from .errors import StateMismatchError, UnsupportedStateError, prefix_hint
 from .io_scheduler.read_exec import ReadStats
 from .options import LoadOptions, LoadOptionsKwargs, ReshardObjects
 from .reader import CheckpointReader, reader_from_bytes
-from .shards import local_pieces
-from .state import KeyPath, Leaf, build_nested, flatten_state, replace_at
+from .shards import is_dtensor, local_pieces
+from .state import KeyPath, Leaf, build_nested, detach_stateful, flatten_state, get_at, replace_at
 from .target import Target, resolve_backend
 from .torch_dtypes import dtype_name
 
@@ -68,6 +69,15 @@ class LoadInfo:
     unexpected: tuple[str, ...] = ()
     #: tensors whose dtype differs (cast while loading)
     cast: tuple[str, ...] = ()
+    #: keys where one side holds a tensor and the other an object (strict=False skipped them)
+    kind_mismatch: tuple[str, ...] = ()
+    #: a suggested fix when the missing keys are stored under another prefix (``module.``, ``_orig_mod.``)
+    hint: str | None = None
+
+    @property
+    def skipped(self) -> bool:
+        """Whether a non-strict load left anything out or cast anything."""
+        return bool(self.missing or self.unexpected or self.cast or self.kind_mismatch)
 
 
 def load(
@@ -92,6 +102,7 @@ def load_with_info(
     reshard_objects, share_reads = opts.reshard_objects, opts.share_reads
     started = time.perf_counter()
     coord = coordinator_for(opts.process_group)
+    state, stateful = run_phase(coord, "asking Stateful objects for their state_dict", detach_stateful, state)
     backend = resolve_backend(uri, opts.storage_options)
     manifest_bytes, catalog_bytes, partial = decide(
         coord, "reading the checkpoint metadata", fetch_load_metadata, backend
@@ -109,6 +120,7 @@ def load_with_info(
             share_reads = not (backend.capabilities & Capability.POSIX)
         stats = run_phase(coord, "reading tensors", _read, reader, plan, coord, share_reads)
         state = run_phase(coord, "placing objects", _place_objects, reader, state, plan, coord, reshard_objects)
+        state = run_phase(coord, "calling load_state_dict", _load_stateful, state, stateful)
     finally:
         reader.close()
     log.info(
@@ -128,7 +140,17 @@ def load_with_info(
         missing=tuple(plan.missing),
         unexpected=tuple(plan.unexpected),
         cast=tuple(f for f, _w, _g in plan.dtype_mismatch),
+        kind_mismatch=tuple(f for f, _w, _g in plan.kind_mismatch),
+        hint=prefix_hint(plan.missing, plan.unexpected),
     )
+
+
+def _load_stateful(state: Mapping[str, Any], stateful: list[tuple[KeyPath, Any]]) -> Mapping[str, Any]:
+    """Hand each Stateful object what was loaded for it and put it back in the state."""
+    for path, obj in stateful:
+        obj.load_state_dict(get_at(state, path))
+        state = replace_at(state, path, obj)
+    return state
 
 
 class TensorRequest(NamedTuple):
@@ -163,6 +185,8 @@ class LoadPlan:
     shape_mismatch: list[tuple[str, tuple, tuple]] = dataclasses.field(default_factory=list)
     dtype_mismatch: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     kind_mismatch: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    #: stored sharded, asked for as plain full-size tensors by a template of DTensors (see _full_size_rule)
+    full_size: list[str] = dataclasses.field(default_factory=list)
 
     def mismatch_error(self, uri: str, *, shapes_only: bool = False) -> StateMismatchError:
         if shapes_only:
@@ -186,37 +210,84 @@ def match_state(
     listing every mismatch."""
     plan = LoadPlan()
     stored_paths: dict[str, tuple] = {}
-    for leaf in flatten_state(state).values():
+    leaves = flatten_state(state).values()
+    guard = world_size > 1 and any(is_dtensor(leaf.value) for leaf in leaves)
+    for leaf in leaves:
         if leaf.is_tensor:
-            _match_tensor(reader, leaf, plan)
+            _match_tensor(reader, leaf, plan, guard)
         elif leaf.fqn in reader.manifest.objects:
             plan.consumed.add(leaf.fqn)
             plan.object_loads.append(leaf)
         elif leaf.fqn in reader.catalog.tensors:
             plan.consumed.add(leaf.fqn)
             plan.kind_mismatch.append((leaf.fqn, "an object", "a tensor"))
-        elif not _match_subtree(reader, leaf, plan, stored_paths):
+        elif not _match_subtree(reader, leaf, plan, stored_paths, guard):
             plan.missing.append(leaf.fqn)
+    if plan.full_size:
+        raise _full_size_error(reader, plan.full_size, world_size)
     plan.unexpected = [f for f in reader.keys() if f not in plan.consumed]
     if strict and (plan.missing or plan.unexpected or plan.shape_mismatch or plan.dtype_mismatch or plan.kind_mismatch):
         raise plan.mismatch_error(reader.uri)
     if plan.shape_mismatch:
         raise plan.mismatch_error(reader.uri, shapes_only=True)
     if plan.missing or plan.unexpected or plan.dtype_mismatch or plan.kind_mismatch:
-        log.info(
-            "non-strict load from %s: %d missing, %d unexpected, %d cast, %d kind mismatches skipped",
-            reader.uri,
-            len(plan.missing),
-            len(plan.unexpected),
-            len(plan.dtype_mismatch),
-            len(plan.kind_mismatch),
-        )
+        log.warning("%s", _skipped_message(reader.uri, plan))
     _check_per_rank_objects(reader, plan, world_size, hook)
     return plan
 
 
-def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan) -> None:
-    """A tensor-like leaf: the boxes this rank holds, if shape and kind match."""
+#: keys a message names per kind of difference before it says "and N more"
+_LISTED = 8
+
+
+def _listed(keys: list[str]) -> str:
+    more = f", ... and {len(keys) - _LISTED} more" if len(keys) > _LISTED else ""
+    return ", ".join(keys[:_LISTED]) + more
+
+
+def _skipped_message(uri: str, plan: LoadPlan) -> str:
+    """What a non-strict load left out or cast, one kind per line, each list bounded."""
+    lines = [
+        f"non-strict load from {uri}: {len(plan.missing)} missing, {len(plan.unexpected)} unexpected, "
+        f"{len(plan.dtype_mismatch)} cast, {len(plan.kind_mismatch)} kind mismatches skipped"
+    ]
+    kinds = (
+        ("missing (in the state, not in the checkpoint; left as they were)", plan.missing),
+        ("unexpected (in the checkpoint, not in the state; not loaded)", plan.unexpected),
+        ("cast to the state's dtype", [f"{f} ({got} -> {want})" for f, want, got in plan.dtype_mismatch]),
+        ("kind mismatch (tensor vs object; not loaded)", [f for f, _w, _g in plan.kind_mismatch]),
+    )
+    lines += [f"  {what}: {_listed(keys)}" for what, keys in kinds if keys]
+    hint = prefix_hint(plan.missing, plan.unexpected)
+    if hint:
+        lines.append(f"  hint: {hint}")
+    return "\n".join(lines)
+
+
+def _saved_sharded(reader: CheckpointReader, fqn: str) -> bool:
+    """Whether the stored tensor was saved in more than one box (from DTensors or shards)."""
+    shape = reader.catalog.tensors[fqn].global_shape
+    reader.catalog.require([(fqn, ((0,) * len(shape), shape))])  # a catalog read in part: its rows first
+    entry = reader.catalog.tensors[fqn]
+    return bool((entry.lengths != np.asarray(shape, dtype=np.int64)).any())
+
+
+def _full_size_error(reader: CheckpointReader, fqns: list[str], world_size: int) -> UnsupportedStateError:
+    """The FSDP2 ``optimizer.state_dict()`` mistake, refused before anything is allocated."""
+    return UnsupportedStateError(
+        f"{reader.uri}: {len(fqns)} tensors were saved sharded and the state given to load asks for them as plain "
+        f"full-size tensors on each of {world_size} ranks, while it holds DTensors elsewhere: {_listed(fqns)}. "
+        "Loading them would put the whole tensor on every rank and a later optimizer.step() would mix torch.Tensor "
+        "and DTensor. This is what optimizer.state_dict() gives under FSDP2/TP: build the state with "
+        "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) (or get_optimizer_state_dict), "
+        "or load through bcp.TrainingState, which does"
+    )
+
+
+def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan, guard: bool = False) -> None:
+    """A tensor-like leaf: the boxes this rank holds, if shape and kind match. With
+    ``guard`` (several ranks, a template holding DTensors), a plain tensor that was
+    saved sharded is recorded in ``plan.full_size`` instead."""
     fqn = leaf.fqn
     entry = reader.catalog.tensors.get(fqn)
     if entry is None:
@@ -227,16 +298,21 @@ def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan) -> None:
             plan.missing.append(fqn)
         return
     plan.consumed.add(fqn)
-    shape, dtype, pieces, _replicated = local_pieces(leaf.value, fqn)
+    shape, dtype, pieces, replicated = local_pieces(leaf.value, fqn)
     if tuple(shape) != entry.global_shape:
         plan.shape_mismatch.append((fqn, tuple(shape), entry.global_shape))
         return
     if dtype_name(dtype, fqn=fqn) != entry.dtype:
         plan.dtype_mismatch.append((fqn, dtype_name(dtype, fqn=fqn), entry.dtype))
+    if guard and replicated and _saved_sharded(reader, fqn):
+        plan.full_size.append(fqn)
+        return
     plan.tensor_requests += [TensorRequest(fqn, p.box, p.tensor) for p in pieces]
 
 
-def _match_subtree(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan, stored_paths: dict[str, tuple]) -> bool:
+def _match_subtree(
+    reader: CheckpointReader, leaf: Leaf, plan: LoadPlan, stored_paths: dict[str, tuple], guard: bool = False
+) -> bool:
     """A template container with no stored entry of its own (an optimizer's empty
     ``state`` before its first step): replaced by the stored subtree below its path,
     tensors allocated on CPU. False when nothing is stored below it."""
@@ -249,6 +325,11 @@ def _match_subtree(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan, stored_
     if not below:
         return False
     plan.consumed.update(below)
+    if guard:  # nothing allocated for a subtree of sharded tensors: refused by match_state
+        sharded = [f for f in below if f in reader.catalog.tensors and _saved_sharded(reader, f)]
+        if sharded:
+            plan.full_size += sharded
+            return True
     plan.subtree_loads.append(SubtreeLoad(leaf, below))
     for f in below:
         if f in reader.catalog.tensors:

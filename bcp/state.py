@@ -13,6 +13,7 @@ Rules (FORMAT.md, "Keys"):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 from collections.abc import Iterable, Mapping
@@ -76,7 +77,9 @@ class Leaf:
 
 
 def _contains_tensor(value: Any) -> bool:
-    if is_tensor_like(value):
+    """True also for a Stateful object: the container holding it is traversed, so
+    that the object is expanded into its state_dict() where it stands."""
+    if is_tensor_like(value) or is_stateful(value):
         return True
     if isinstance(value, Mapping):
         return any(_contains_tensor(v) for v in value.values())
@@ -121,7 +124,33 @@ def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf]) -> No
             _walk(value, (*path, (kind, i)), leaves)
 
 
+def is_stateful(value: Any) -> bool:
+    """An object saved through its ``state_dict()`` and loaded through its
+    ``load_state_dict()`` (DCP's ``Stateful``: modules, optimizers, schedulers,
+    ``StatefulDataLoader``, :class:`bcp.TrainingState`). Tensors, containers and
+    classes themselves are not."""
+    if isinstance(value, (torch.Tensor, Mapping, list, tuple, type)):
+        return False
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def _refuse_sharded_tensor(value: Any, path: KeyPath) -> None:
+    """A legacy ShardedTensor (FSDP1's SHARDED_STATE_DICT) would fail deep inside
+    torch; say what to use instead. Matched by name: its class lives in a private
+    torch module (torch.distributed._shard), which bcp does not import."""
+    cls = type(value)
+    if cls.__name__ == "ShardedTensor" and cls.__module__.startswith("torch.distributed"):
+        raise UnsupportedStateError(
+            f"key {fqn_of(path)!r} is a legacy ShardedTensor (FSDP1's sharded state dict), which bcp does not "
+            "store: use DTensor (FSDP2's fully_shard, or get_state_dict from torch.distributed.checkpoint.state_dict "
+            "on an FSDP2 model), or wrap each local shard in bcp.TensorShard"
+        )
+
+
 def _walk(value: Any, path: KeyPath, leaves: dict[str, Leaf]) -> None:
+    _refuse_sharded_tensor(value, path)
+    if is_stateful(value):  # saved as what its state_dict() returns, as DCP does
+        value = value.state_dict()
     traversable = isinstance(value, (list, tuple)) and not isinstance(value, torch.Size)
     traversable |= isinstance(value, Mapping) and all(_plain_key(k) for k in value)
     if traversable and _contains_tensor(value):
@@ -134,6 +163,45 @@ def _walk(value: Any, path: KeyPath, leaves: dict[str, Leaf]) -> None:
             "(a '.' inside a key collides with nesting; rename one)"
         )
     leaves[fqn] = Leaf(fqn, path, value)
+
+
+def get_at(root: Any, path: KeyPath) -> Any:
+    """The value at ``path`` inside ``root``."""
+    for _kind, key in path:
+        root = root[key]
+    return root
+
+
+def detach_stateful(state: Mapping) -> tuple[Mapping, list[tuple[KeyPath, Any]]]:
+    """``state`` with every Stateful object replaced by its ``state_dict()`` (the
+    template a load fills), and the (path, object) pairs replaced. Containers on the
+    way to one are copied, so the caller's state keeps its objects if the load fails;
+    a state without any is returned as it is. A Stateful inside another's state_dict
+    is not separated: the outer one's load_state_dict receives what was loaded."""
+    found: list[tuple[KeyPath, Any]] = []
+    detached = _detach(state, (), found)
+    return (detached if found else state), found
+
+
+def _detach(value: Any, path: KeyPath, found: list[tuple[KeyPath, Any]]) -> Any:
+    if is_stateful(value):
+        found.append((path, value))
+        return value.state_dict()
+    if isinstance(value, Mapping) and all(_plain_key(k) for k in value):
+        items = {k: _detach(v, (*path, ("d", k)), found) for k, v in value.items()}
+        if all(items[k] is v for k, v in value.items()):
+            return value
+        return collections.OrderedDict(items) if isinstance(value, collections.OrderedDict) else items
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        kind = "t" if isinstance(value, tuple) else "l"
+        new = [_detach(v, (*path, (kind, i)), found) for i, v in enumerate(value)]
+        if all(a is b for a, b in zip(new, value, strict=True)):
+            return value
+        if isinstance(value, tuple):
+            make = getattr(type(value), "_make", None)
+            return make(new) if make is not None else tuple(new)
+        return new
+    return value
 
 
 def replace_at(root: Any, path: KeyPath, value: Any) -> Any:
