@@ -4,7 +4,9 @@ Three sources, consulted in this order: classes registered at run time with
 :func:`register_backend`; the built-in table below (imported on first use, so an
 optional dependency is needed only when its scheme is used); and the ``bcp.backends``
 entry-point group, read once, lazily, the first time a scheme is not found in the
-first two. A plain path (no ``scheme://``) means ``file``.
+first two. A plain path (no ``scheme://``) means ``file``. :func:`import_plugins`
+imports modules that register backends (the CLI's ``--import``) and remembers them,
+so that child processes can import them too.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import importlib.metadata
 import logging
 import os
 import re
+import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -43,6 +46,9 @@ _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 _lock = threading.Lock()
 _registered: dict[str, type[Backend] | str] = {}
 _entry_points: dict[str, importlib.metadata.EntryPoint] | None = None
+#: Modules imported by :func:`import_plugins`, in order: child processes (the
+#: conformance suite's killed saves) import them again.
+_imported_plugins: list[str] = []
 
 
 def split_scheme(uri: str) -> tuple[str, str]:
@@ -65,6 +71,33 @@ def register_backend(scheme: str, backend: type[Backend] | str, *, clobber: bool
         if not clobber and (scheme in _registered or scheme in _BUILTIN):
             raise ValueError(f"a backend for {scheme}:// is already registered; pass clobber=True to replace it")
         _registered[scheme] = backend
+
+
+def import_plugins(modules: Iterable[str]) -> list[str]:
+    """Import ``modules`` (each may register backends at import time) and remember
+    them for child processes (:func:`imported_plugins`). The current directory is
+    searched first, as ``python -m`` would: a console script does not search it.
+    Raises ImportError naming the module that failed."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # a module that fails to import, or raises at import: name it
+            detail = f"{type(e).__name__}: {e}" if not isinstance(e, ImportError) else str(e)
+            raise ImportError(f"--import {module!r} failed: {detail}") from e
+        with _lock:
+            if module not in _imported_plugins:
+                _imported_plugins.append(module)
+        log.debug("imported plugin module %s", module)
+    return imported_plugins()
+
+
+def imported_plugins() -> list[str]:
+    """The modules :func:`import_plugins` imported in this process, in order."""
+    with _lock:
+        return list(_imported_plugins)
 
 
 def _load_entry_points() -> dict[str, importlib.metadata.EntryPoint]:

@@ -109,6 +109,36 @@ def assert_same(got, want, where: str = "state") -> None:
         assert got == want, f"{where}: {got!r} != {want!r}"
 
 
+def _search_roots(modules: list[str]) -> list[str]:
+    """The directories ``modules`` were imported from (so a child process finds them
+    even where this process found them through a path the child lacks)."""
+    roots = []
+    for name in modules:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if not path:
+            continue
+        root = os.path.dirname(os.path.abspath(path))
+        depth = name.count(".") + (os.path.basename(path) == "__init__.py")
+        for _ in range(depth):
+            root = os.path.dirname(root)
+        roots.append(root)
+    return list(dict.fromkeys(roots))
+
+
+def _child_failure(returncode: int | None, stderr: str, imports: list[str]) -> str:
+    """Why the child never started writing: its last error line first (the report
+    shows only the first line), then the end of its stderr."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    last = lines[-1].strip() if lines else "no output on stderr"
+    hint = "" if imports else " (a backend registered at import time? run with --import MODULE)"
+    tail = "\n".join(lines[-60:])
+    return (
+        f"the child save never started writing (exit status {returncode}): {last}{hint}; "
+        f"the child imported {imports or 'no plugin modules'}; its stderr ends:\n{tail}"
+    )
+
+
 class CheckpointContractTests:
     """Base class of a store's checkpoint tests. Not collected itself."""
 
@@ -117,6 +147,12 @@ class CheckpointContractTests:
 
     #: Multiplier for the state size in the round-trip tests.
     state_scale: int = 1
+
+    #: Modules the killed-save child process imports before it opens the store: set
+    #: it when your backend is registered at import time by a module that is not an
+    #: installed plugin (modules imported with ``import_plugins``/``--import`` are
+    #: passed on already).
+    child_imports: tuple[str, ...] = ()
 
     @pytest.fixture
     def store_uri(self) -> str:
@@ -185,6 +221,24 @@ class CheckpointContractTests:
         assert_same(bcp.load(template_like(a), child_uri(root, "run")), a, "run")
         assert_same(bcp.load(template_like(b), child_uri(root, "run2")), b, "run2")
 
+    def test_sub_uri_sees_the_roots_objects_under_sub(self, root: str) -> None:
+        """The sub-URI rule: the backend for ``ROOT/sub`` sees exactly ROOT's objects
+        under ``sub/``, and the reverse. CheckpointManager lists steps through ROOT and
+        saves and loads each through ``ROOT/step_...``."""
+        parent = backend_for(root)
+        parent.write("sub/x", b"written through the root")
+        sub = backend_for(child_uri(root, "sub"))
+        assert sorted(sub.list("")) == ["x"], (
+            f"sub-URI rule: the backend for ROOT/sub lists {sorted(sub.list(''))!r}, not ['x'], "
+            "after ROOT's backend wrote 'sub/x' (CheckpointManager depends on this)"
+        )
+        assert sub.read("x") == b"written through the root", "sub-URI rule: ROOT/sub reads other bytes at 'x'"
+        sub.write("y", b"written through the sub-URI")
+        assert parent.exists("sub/y") and parent.read("sub/y") == b"written through the sub-URI", (
+            "sub-URI rule: an object written at 'y' through ROOT/sub is not 'sub/y' under ROOT"
+        )
+        assert sorted(parent.list("sub/")) == ["sub/x", "sub/y"], f"ROOT lists {sorted(parent.list('sub/'))!r}"
+
     def test_overwrite_needs_consent_and_replaces(self, root: str) -> None:
         uri = child_uri(root, "ck")
         bcp.save({"x": torch.zeros(10)}, uri)
@@ -237,10 +291,21 @@ class CheckpointContractTests:
 
     # -- killed saves -------------------------------------------------------------------
 
+    def _child_imports(self) -> list[str]:
+        """Modules the killed-save child imports before opening the URI: those the
+        run imported (``bcp conformance --import``, ``--bcp-import``) and this class's
+        :attr:`child_imports`."""
+        from bcp.backends.registry import imported_plugins
+
+        return list(dict.fromkeys([*imported_plugins(), *self.child_imports]))
+
     def _kill_midway(self, uri: str, *, overwrite: bool) -> None:
         """Start a save in a child process, SIGKILL it once data is being written."""
-        cmd = [sys.executable, "-m", "bcp.conformance.killed_save", uri, json.dumps({"overwrite": overwrite})]
-        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        imports = self._child_imports()
+        options = json.dumps({"overwrite": overwrite, "imports": imports})
+        cmd = [sys.executable, "-m", "bcp.conformance.killed_save", uri, options]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*_search_roots(imports), os.environ.get("PYTHONPATH", "")])}
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         stdout, stderr = child.stdout, child.stderr
         assert stdout is not None and stderr is not None  # both are pipes
         try:
@@ -253,7 +318,7 @@ class CheckpointContractTests:
             if line.strip() != "WRITING":
                 child.kill()
                 _out, err = child.communicate(timeout=30)
-                raise AssertionError(f"the child save never started writing; its stderr:\n{err[-2000:]}")
+                raise AssertionError(_child_failure(child.returncode, err, imports))
             time.sleep(0.2)
             os.kill(child.pid, signal.SIGKILL)
             child.wait(timeout=30)

@@ -1,7 +1,10 @@
 """Child process of the killed-save checks: saves a checkpoint slowly, prints
 ``WRITING`` once its data is going out, and waits to be killed.
 
-    python -m bcp.conformance.killed_save URI '{"overwrite": false}'
+    python -m bcp.conformance.killed_save URI '{"overwrite": false, "imports": ["mypkg.backend"]}'
+
+``imports`` are modules to import before the URI is opened: a backend registered at
+import time (``bcp conformance --import``) must be registered in this process too.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 import bcp
 from bcp.backends import Buffer, backend_for
+from bcp.backends.registry import import_plugins
 from bcp.backends.wrappers import ForwardingBackend, ForwardingWriter
 
 
@@ -34,6 +38,7 @@ class _AnnouncingBackend(ForwardingBackend):
 
 def main(argv: list[str]) -> None:
     uri, options = argv[0], json.loads(argv[1] if len(argv) > 1 else "{}")
+    import_plugins(options.get("imports") or [])
     backend = _AnnouncingBackend(backend_for(uri))
     g = torch.Generator().manual_seed(11)
     state = {f"layer{i}": torch.randn(2 << 20, generator=g) for i in range(8)}  # 64 MiB, many parts

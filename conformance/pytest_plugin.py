@@ -32,6 +32,13 @@ def pytest_addoption(parser) -> None:
         metavar="KEY=VALUE",
         help="storage option added to the URI's query (repeatable)",
     )
+    group.addoption(
+        "--bcp-import",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first (repeatable): a backend registered at import time; child processes import it too",
+    )
     group.addoption("--bcp-report", default=None, metavar="PATH", help="also write the report as JSON here")
     group.addoption(
         "--bcp-probe-mib",
@@ -44,6 +51,14 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: takes more than a few seconds (skipped by --bcp-level quick)")
+    imports = config.getoption("--bcp-import", default=[]) or []
+    if imports:
+        from bcp.backends.registry import import_plugins
+
+        try:
+            import_plugins(imports)
+        except ImportError as e:
+            raise pytest.UsageError(str(e)) from e
     if config.getoption("--bcp-uri", default=None):
         config.pluginmanager.register(ReportPlugin(config), "bcp-conformance-report")
 

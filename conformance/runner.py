@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import tempfile
 from collections.abc import Sequence
@@ -21,11 +20,13 @@ def run_suite(
 ) -> int:
     """Run every check against ``uri``; print the report; return the exit status
     (0 only if nothing failed). ``options`` are ``KEY=VALUE`` storage options,
-    ``imports`` modules to import first (backends registered at import time)."""
+    ``imports`` modules to import first (backends registered at import time); the
+    killed-save child processes import them too."""
     import pytest
 
-    for module in imports:
-        importlib.import_module(module)
+    from bcp.backends.registry import import_plugins
+
+    import_plugins(imports)
     with tempfile.TemporaryDirectory(prefix="bcp-conformance-") as workdir:
         ini = os.path.join(workdir, "pytest.ini")
         with open(ini, "w") as f:
