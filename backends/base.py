@@ -95,10 +95,21 @@ class ObjectWriter(abc.ABC):
     nothing once committed; a failed commit aborts the writer (see ``retryable_commit``);
     leaving a ``with`` block with the writer still open aborts it. Subclasses implement
     the hooks ``_write_at``, ``_commit`` and ``_abort`` and call ``super().__init__``.
+
+    Attributes every writer has (``super().__init__(uri, key)`` sets the first two;
+    wrappers such as the retry loop and the conformance suite read them):
+
+    * ``uri`` (str): the root URI of the store, as its backend shows it (redacted).
+    * ``key`` (str): the key being written, exactly as passed to ``open_writer``.
+    * ``idempotent_commit`` (bool, class attribute, default False): see below.
+    * ``retryable_commit`` (bool, class attribute, default False): see below.
     """
 
-    #: The store's root URI and the key being written, for error messages.
+    #: The root URI of the store (``Backend.uri``), for error messages and wrappers.
+    #: The empty default is for writers of the old interface that never call
+    #: ``super().__init__``; the conformance suite requires the real values.
     uri: str = ""
+    #: The key being written, exactly as passed to ``Backend.open_writer``.
     key: str = ""
     #: A ``commit`` after a successful one returns at once instead of raising. Network
     #: writers set it: a retry loop repeats a commit whose answer was lost.

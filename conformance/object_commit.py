@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bcp.backends import Backend, Capability, ObjectExistsError
+from bcp.backends import Backend, Capability, ObjectExistsError, ObjectWriter
 
 from .object_base import (
     THREAD_TIMEOUT,
@@ -31,6 +31,20 @@ class AtomicCommitTests(ObjectContractBase):
             writer.write_at(0, b"data")
             assert not backend.exists("pending"), "exists is True before the writer committed"
             writer.abort()
+
+    def test_writer_has_the_interface_attributes(self, backend: Backend) -> None:
+        """Every writer is an ObjectWriter with ``uri`` and ``key`` (wrappers and error
+        messages read them) and boolean ``idempotent_commit``/``retryable_commit``."""
+        with backend.open_writer("w/attrs", size=4) as writer:
+            kind = type(writer).__name__
+            assert isinstance(writer, ObjectWriter), f"open_writer returned a {kind}, not an ObjectWriter"
+            key = getattr(writer, "key", None)
+            uri = getattr(writer, "uri", None)
+            writer.abort()
+        assert key == "w/attrs", f"writer.key is {key!r}, not the key passed to open_writer ('w/attrs')"
+        assert isinstance(uri, str) and uri, f"writer.uri is {uri!r}, not the store's URI (a non-empty str)"
+        for flag in ("idempotent_commit", "retryable_commit"):
+            assert isinstance(getattr(writer, flag), bool), f"writer.{flag} is not a bool"
 
     def test_uncommitted_object_cannot_be_read(self, backend: Backend) -> None:
         with backend.open_writer("pending", size=4) as writer:
