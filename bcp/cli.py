@@ -57,7 +57,7 @@ def _conformance(args: argparse.Namespace) -> int:
         level="quick" if args.quick else "full",
         options=args.option,
         json_path=args.json,
-        imports=args.imports,
+        imports=_imports(args),
         keyword=args.k,
         verbose=args.verbose,
         probe_mib=args.probe_mib,
@@ -93,48 +93,69 @@ def _age(created: str | None) -> str:
 
 def _ls(args) -> int:
     from bcp.backends import backend_for
-    from bcp.housekeeping import read_manifest, scan
+    from bcp.housekeeping import FIND_MAX_DEPTH, find_checkpoints
 
     backend = backend_for(args.root)
-    found = scan(backend, sizes=True)
-    rows: list[dict[str, Any]] = []  # JSON rows
-    for step in sorted(found):
-        info = found[step]
-        row: dict[str, Any] = {
-            "step": step,
-            "status": "committed" if info.committed else "incomplete",
-            "objects": info.objects,
-            "bytes": info.bytes,
-            "created": None,
-            "latest": False,
-        }
-        if info.committed:
-            try:  # one unreadable manifest must not hide the other steps
-                manifest = read_manifest(backend, step)
-                row["created"] = manifest.created if manifest else None
-                row["age"] = _age(row["created"])
-            except Exception as e:
-                log.debug("step %d of %s is unreadable", step, backend.uri, exc_info=True)
-                row.update(status="unreadable", created=None, error=_one_line(e))
-        rows.append(row)
-    committed = [r for r in rows if r["status"] == "committed"]
-    if committed:
-        committed[-1]["latest"] = True
+    result = find_checkpoints(backend, sizes=True)
+    rows = [_ls_row(backend, found) for found in result.checkpoints]
+    _mark_latest(rows)
+    if result.truncated:
+        print(f"bcp ls: stopped listing after {len(rows)} checkpoint(s); there may be more", file=sys.stderr)
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "age"} for r in rows], indent=2))
         return 0
     if not rows:
-        print(f"no checkpoints under {_show(args.root)}")
+        print(f"no checkpoints under {_show(args.root)} (looked {FIND_MAX_DEPTH} levels deep)")
         return 0
-    print(f"{'step':>12}  {'status':<10} {'size':>10} {'objects':>7} {'age':>6}")
+    print(f"{'step':>12}  {'status':<10} {'size':>10} {'objects':>7} {'age':>6}  {'kind':<9}  location")
     for r in rows:
         mark = "  <- latest" if r["latest"] else ""
         why = f"  ({r['error']})" if "error" in r else ""
+        step = "-" if r["step"] is None else r["step"]
         print(
-            f"{r['step']:>12}  {r['status']:<10} {_human(r['bytes']):>10} {r['objects']:>7} "
-            f"{r.get('age', '-'):>6}{mark}{why}"
+            f"{step:>12}  {r['status']:<10} {_human(r['bytes']):>10} {r['objects']:>7} "
+            f"{r.get('age', '-'):>6}  {r['kind']:<9}  {_safe(r['path'] or '.')}{mark}{why}"
         )
     return 0
+
+
+def _mark_latest(rows: list[dict[str, Any]]) -> None:
+    """Mark the newest committed step of each manager root: what its
+    CheckpointManager.latest() would load."""
+    newest: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if row["kind"] == "step" and row["status"] == "committed":
+            manager_root = row["path"].rpartition("/")[0]
+            if manager_root not in newest or row["step"] > newest[manager_root]["step"]:
+                newest[manager_root] = row
+    for row in newest.values():
+        row["latest"] = True
+
+
+def _ls_row(backend, found) -> dict[str, Any]:
+    """One checkpoint as ``bcp ls`` shows it; a committed one's manifest gives its age.
+    One unreadable manifest must not hide the other checkpoints."""
+    from bcp.commit import read_manifest
+
+    row: dict[str, Any] = {
+        "path": found.path,
+        "kind": found.kind,
+        "step": found.step,
+        "status": "committed" if found.committed else "incomplete",
+        "objects": found.objects,
+        "bytes": found.bytes,
+        "created": None,
+        "latest": False,
+    }
+    if found.committed:
+        try:
+            manifest = read_manifest(backend, f"{found.path}/" if found.path else "")
+            row["created"] = manifest.created if manifest else None
+            row["age"] = _age(row["created"])
+        except Exception as e:
+            log.debug("checkpoint %r of %s is unreadable", found.path, backend.uri, exc_info=True)
+            row.update(status="unreadable", created=None, error=_one_line(e))
+    return row
 
 
 def _inspect(args) -> int:
@@ -399,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="level of bcp's own log messages (default WARNING); other libraries stay at WARNING",
     )
     parser.add_argument("--debug", action="store_true", help="on an error, show the traceback, not one line")
+    _add_import_option(parser, "imports")
     sub = parser.add_subparsers(dest="command", required=True)
 
     conf = sub.add_parser(
@@ -421,20 +443,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="storage option (repeatable), e.g. -o endpoint_url=http://127.0.0.1:9000",
     )
     conf.add_argument("--json", metavar="PATH", help="also write the report as JSON (for CI)")
-    conf.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE first (registers a backend that is not an installed plugin)",
-    )
     conf.add_argument("--probe-mib", type=int, metavar="N", help="probe object size (default 256 full, 32 quick)")
     conf.add_argument("-k", metavar="EXPR", help="only checks matching this pytest -k expression")
     conf.add_argument("--verbose", "-v", action="store_true", help="list every check as it runs")
     conf.set_defaults(func=_conformance)
 
-    p = sub.add_parser("ls", help="steps under a checkpoint root: committed or incomplete, size, age")
+    p = sub.add_parser(
+        "ls",
+        help="checkpoints under a root, in any layout: committed or incomplete, size, age, kind",
+        description="List the checkpoints under ROOT: ROOT itself, a manager's step_<N> directories, and any "
+        "other location up to 3 levels below ROOT (one listing, stopped after 1,000,000 objects).",
+    )
     p.add_argument("root")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_ls)
@@ -502,11 +521,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=3)
     p.set_defaults(func=_bench)
+    for command in sub.choices.values():  # every subcommand takes it too, after its name
+        _add_import_option(command, "command_imports")
     return parser
+
+
+def _add_import_option(parser: argparse.ArgumentParser, dest: str) -> None:
+    """``--import MODULE`` (repeatable). The top level and the subcommands keep it
+    under different names: argparse lets a subcommand's default overwrite the top
+    level's value."""
+    parser.add_argument(
+        "--import",
+        dest=dest,
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first (repeatable; the current directory is searched): a module that "
+        "registers a backend with register_backend() and is not an installed plugin",
+    )
+
+
+def _imports(args: argparse.Namespace) -> list[str]:
+    """The --import modules given before and after the subcommand, in order, once each."""
+    return list(dict.fromkeys([*args.imports, *getattr(args, "command_imports", [])]))
 
 
 class _CliError(Exception):
     """A refusal the CLI explains in its one line (no type name, no traceback hint)."""
+
+
+def _import_plugins(args: argparse.Namespace) -> None:
+    """Import the --import modules before the command uses any URI."""
+    from bcp.backends.registry import import_plugins
+
+    import_plugins(_imports(args))
 
 
 def _log_level(text: str) -> int:
@@ -537,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_level is not None:  # unset, bcp's loggers follow the root (and a caller's set-up is kept)
         logging.getLogger("bcp").setLevel(args.log_level)
     try:
+        _import_plugins(args)
         return args.func(args)
     except KeyboardInterrupt:
         print(f"bcp {args.command}: interrupted", file=sys.stderr)

@@ -1,6 +1,7 @@
 """Checkpoints under one root: find them, decide which to keep, delete the rest.
 
-Shared by :class:`bcp.CheckpointManager` and the ``bcp ls / rm / gc`` commands.
+Shared by :class:`bcp.CheckpointManager` and the ``bcp ls / rm / gc`` commands;
+``bcp ls`` finds checkpoints in any layout with :func:`find_checkpoints`.
 Works on every backend through the object contract alone (list, read, delete; no
 rename): a step is *committed* exactly when its ``manifest.json`` exists.
 
@@ -21,7 +22,16 @@ from collections.abc import Iterable
 
 from bcp.backends import Backend, ObjectNotFoundError, Unfinished
 from bcp.metadata import Manifest
-from bcp.metadata.layout import LATEST_KEY, STEP_PREFIX, generation_of, manifest_key, step_name, step_of
+from bcp.metadata.layout import (
+    GENERATION_PREFIX,
+    LATEST_KEY,
+    MANIFEST_KEY,
+    STEP_PREFIX,
+    generation_of,
+    manifest_key,
+    step_name,
+    step_of,
+)
 
 from . import commit
 
@@ -86,6 +96,107 @@ def scan(
             except ObjectNotFoundError:
                 pass
     return found
+
+
+#: How deep below a root ``find_checkpoints`` looks for checkpoints: the root itself
+#: (depth 0), ``ROOT/a`` (1), ``ROOT/a/b`` (2) and ``ROOT/a/b/c`` (3). Deeper ones
+#: are not reported (name a deeper root instead).
+FIND_MAX_DEPTH = 3
+#: How many objects ``find_checkpoints`` lists at most before it stops and says so.
+FIND_MAX_OBJECTS = 1_000_000
+
+
+@dataclasses.dataclass
+class FoundCheckpoint:
+    """A checkpoint found under a root by :func:`find_checkpoints`."""
+
+    #: its location relative to the root: ``""`` for the root itself, else ``a/b``
+    path: str
+    #: ``root`` (the root is the checkpoint), ``step`` (a manager's ``step_<N>``
+    #: directory, directly under the root or under a manager root below it) or
+    #: ``directory`` (any other location below the root)
+    kind: str
+    committed: bool = False
+    #: the step number for ``kind == "step"``
+    step: int | None = None
+    objects: int = 0
+    bytes: int = 0
+
+
+@dataclasses.dataclass
+class FindResult:
+    checkpoints: list[FoundCheckpoint]
+    #: the listing stopped at ``FIND_MAX_OBJECTS`` objects: there may be more
+    truncated: bool = False
+
+
+def checkpoint_prefix_of(key: str, max_depth: int = FIND_MAX_DEPTH) -> str | None:
+    """The location (relative to the root, ``""`` for the root) of the checkpoint a key
+    belongs to, or None: ``P/manifest.json`` and ``P/gen-<id>/...`` belong to the
+    checkpoint at ``P`` when ``P`` has at most ``max_depth`` parts. The shallowest
+    match wins (a checkpoint's own objects never hold another one's)."""
+    parts = key.split("/")
+    for depth in range(min(len(parts), max_depth + 1)):
+        name = parts[depth]
+        last = depth == len(parts) - 1
+        if (last and name == MANIFEST_KEY) or (not last and name.startswith(GENERATION_PREFIX)):
+            return "/".join(parts[:depth])
+    return None
+
+
+def _kind_of(path: str) -> tuple[str, int | None]:
+    if not path:
+        return "root", None
+    name = path.rsplit("/", 1)[-1]
+    step = step_of(name + "/")
+    if step is not None and name == step_name(step):
+        return "step", step
+    return "directory", None
+
+
+def find_checkpoints(
+    backend: Backend,
+    *,
+    sizes: bool = False,
+    max_depth: int = FIND_MAX_DEPTH,
+    max_objects: int = FIND_MAX_OBJECTS,
+) -> FindResult:
+    """Every checkpoint under the root, however they are laid out: the root itself,
+    a manager's step directories, plain subdirectories, nested up to ``max_depth``
+    levels. Committed: its ``manifest.json`` exists; incomplete: only generation
+    objects or partial writes (killed saves). One listing of the root, stopped after
+    ``max_objects`` objects, plus one walk of unfinished writes."""
+    found: dict[str, FoundCheckpoint] = {}
+
+    def entry(path: str) -> FoundCheckpoint:
+        if path not in found:
+            kind, step = _kind_of(path)
+            found[path] = FoundCheckpoint(path, kind, step=step)
+        return found[path]
+
+    truncated = False
+    for count, key in enumerate(backend.list("")):
+        if count >= max_objects:
+            truncated = True
+            log.warning("stopped listing %s after %d objects: later checkpoints are not shown", backend.uri, count)
+            break
+        path = checkpoint_prefix_of(key, max_depth)
+        if path is None:
+            continue
+        info = entry(path)
+        info.objects += 1
+        if key == manifest_key(f"{path}/" if path else ""):
+            info.committed = True
+        if sizes:
+            try:
+                info.bytes += backend.size(key)
+            except ObjectNotFoundError:
+                pass
+    for pending in backend.unfinished(""):  # a killed save may have left only partial files
+        path = checkpoint_prefix_of(pending.name, max_depth)
+        if path is not None:
+            entry(path)
+    return FindResult(sorted(found.values(), key=lambda c: c.path), truncated)
 
 
 def committed_steps(backend: Backend) -> list[int]:
