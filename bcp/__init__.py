@@ -8,7 +8,7 @@ Usage:
     reader = bcp.open("/ckpt/step100")        # no template needed
 """
 
-from . import backends, metadata
+from . import backends, dataloader, metadata
 from ._version import __version__
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
 from .errors import (
@@ -32,6 +32,7 @@ from .reader import CheckpointReader, TensorMeta
 from .reader import open_checkpoint as open  # noqa: A004 - the public name is bcp.open
 from .saver import SaveInfo, save
 from .shards import FlatShard, PerRank, TensorShard
+from .training import TrainingState, reshard_per_rank
 
 __all__ = [
     "AsyncSaveHandle",
@@ -56,14 +57,17 @@ __all__ = [
     "StorageError",
     "TensorMeta",
     "TensorShard",
+    "TrainingState",
     "UnsupportedStateError",
     "__version__",
     "async_save",
     "backends",
+    "dataloader",
     "load",
     "load_with_info",
     "metadata",
     "open",
     "reserve_staging",
+    "reshard_per_rank",
     "save",
 ]

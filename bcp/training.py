@@ -1,0 +1,197 @@
+"""One-call save and resume of a training job: model, optimizer, scheduler,
+dataloader, RNG and your own values, for plain, DDP, FSDP2 and TP models alike.
+
+:class:`TrainingState` is a Stateful (``state_dict()`` / ``load_state_dict()``):
+``bcp.save({"train": ts}, uri)`` and ``bcp.load({"train": ts}, uri)`` work, and so
+do its shortcuts ``ts.save(uri)`` / ``ts.load(uri)``, which also pass
+:func:`reshard_per_rank` as the ``reshard_objects`` hook so that a checkpoint saved
+by N ranks resumes on M. Model and optimizer go through
+``torch.distributed.checkpoint.state_dict`` (``get_state_dict`` / ``set_state_dict``):
+FQN-keyed, DTensor-aware, the DDP ``module.`` and ``torch.compile`` ``_orig_mod.``
+prefixes removed, so one checkpoint fits every wrapping.
+
+RNG (saved per rank): torch CPU, CUDA of every visible device, numpy's global
+generator and python's ``random``. Resumed at another world size, rank ``r`` takes
+saved rank ``r``'s state when there was one; each rank beyond the saved count gets a
+fresh state seeded from a SHA-256 of every saved rank's torch state and its own rank:
+deterministic, and different from every other rank's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any, Unpack
+
+import numpy as np
+import torch
+
+from .dataloader import is_dataloader_state, is_sampler_state, reshard_dataloader_states
+from .errors import UnsupportedStateError
+from .loader import LoadInfo, load_with_info
+from .options import LoadOptionsKwargs, SaveOptionsKwargs
+from .saver import SaveInfo, save
+from .shards import PerRank
+from .target import Target
+
+log = logging.getLogger(__name__)
+
+#: marks an RNG state captured by :func:`rng_state`
+RNG_MARK = "bcp_rng"
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: torch CPU, CUDA of every visible device, numpy, python."""
+    cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {
+        RNG_MARK: 1,
+        "torch": torch.get_rng_state(),
+        "cuda": cuda,
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured. CUDA states go to the devices present,
+    by index; a count that differs is logged."""
+    torch.set_rng_state(state["torch"])
+    cuda = list(state["cuda"])
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if len(cuda) != visible:
+        log.warning("RNG state saved with %d CUDA devices restored on %d", len(cuda), visible)
+    for i, device_state in enumerate(cuda[:visible]):
+        torch.cuda.set_rng_state(device_state, i)
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def derived_rng_state(values: Mapping[int, Mapping[str, Any]], rank: int) -> dict[str, Any]:
+    """A fresh RNG state for ``rank``, which no saved rank had: seeded from a digest
+    of every saved rank's torch state and ``rank``."""
+    digest = hashlib.sha256()
+    for saved in sorted(values):
+        digest.update(bytes(values[saved]["torch"].numpy()))
+    digest.update(b"rank" + rank.to_bytes(8, "little"))
+    seed = int.from_bytes(digest.digest()[:8], "little")
+    cuda_count = len(values[min(values)]["cuda"])
+    cuda = [torch.Generator().manual_seed((seed + 1 + i) % 2**64).get_state() for i in range(cuda_count)]
+    return {
+        RNG_MARK: 1,
+        "torch": torch.Generator().manual_seed(seed).get_state(),
+        "cuda": cuda,
+        "numpy": np.random.RandomState(seed % 2**32).get_state(),
+        "python": random.Random(seed).getstate(),
+    }
+
+
+def is_rng_state(value: Any) -> bool:
+    return isinstance(value, Mapping) and value.get(RNG_MARK) == 1
+
+
+def reshard_rng_states(values: Mapping[int, Mapping[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
+    """Rank ``rank``'s RNG state in a world of ``world_size``: saved rank ``rank``'s
+    when it existed (a shrinking world drops the rest), else a derived fresh one."""
+    del world_size  # every rank decides alone; the rule needs only its own rank
+    return dict(values[rank]) if rank in values else derived_rng_state(values, rank)
+
+
+def reshard_per_rank(fqn: str, values: dict[int, Any], rank: int, world_size: int) -> Any:
+    """The ``reshard_objects`` hook :class:`TrainingState` loads with: RNG states
+    (:func:`reshard_rng_states`), ShardedSampler and StatefulDataLoader states
+    (:func:`bcp.dataloader.reshard_dataloader_states`); any other per-rank object is
+    refused naming its key, never copied from one rank to all."""
+    if not values:
+        raise UnsupportedStateError(f"per-rank object {fqn!r} has no saved values")
+    if all(is_rng_state(v) for v in values.values()):
+        return reshard_rng_states(values, rank, world_size)
+    if all(is_sampler_state(v) or is_dataloader_state(v) for v in values.values()):
+        return reshard_dataloader_states(values, rank, world_size, fqn=fqn)
+    raise UnsupportedStateError(
+        f"per-rank object {fqn!r} was saved by {len(values)} ranks and bcp cannot tell what rank {rank} of "
+        f"{world_size} should get: pass your own reshard_objects hook (see docs/distributed.md)"
+    )
+
+
+class TrainingState:
+    """Everything a training job resumes from, as one Stateful.
+
+    ``model`` (a module, possibly DDP, FSDP2 ``fully_shard`` or TP), ``optimizer``
+    (one or a sequence), ``scheduler`` (anything with state_dict/load_state_dict),
+    ``dataloader`` (saved per rank: a torchdata ``StatefulDataLoader`` or anything
+    with state_dict/load_state_dict), ``extra`` (a dict of your own values, updated
+    in place on load), ``rng`` (save and restore the RNG states, per rank)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        scheduler: Any = None,
+        dataloader: Any = None,
+        extra: MutableMapping[str, Any] | None = None,
+        *,
+        rng: bool = True,
+    ) -> None:
+        self.model, self.scheduler, self.dataloader, self.rng = model, scheduler, dataloader, rng
+        if optimizer is None:
+            self.optimizers: tuple[torch.optim.Optimizer, ...] = ()
+        elif isinstance(optimizer, torch.optim.Optimizer):
+            self.optimizers = (optimizer,)
+        else:
+            self.optimizers = tuple(optimizer)
+        self.extra: MutableMapping[str, Any] = {} if extra is None else extra
+
+    def state_dict(self) -> dict[str, Any]:
+        """The job's state as bcp saves it; with a fresh optimizer, the template a load
+        fills (get_state_dict gives its state already in the current layout)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+        state: dict[str, Any] = {"model": model_sd}
+        if self.optimizers:
+            state["optim"] = optim_sd
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.dataloader is not None:
+            state["dataloader"] = PerRank(self.dataloader.state_dict())
+        if self.rng:
+            state["rng"] = PerRank(rng_state())
+        state["extra"] = dict(self.extra)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put a loaded state back into model, optimizer, scheduler, dataloader, RNG and extra."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model,
+            self.optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"] if self.optimizers else {},
+        )
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.dataloader is not None:
+            self.dataloader.load_state_dict(_unwrap(state["dataloader"]))
+        if self.rng:
+            set_rng_state(_unwrap(state["rng"]))
+        self.extra.update(state.get("extra", {}))
+
+    def save(self, uri: Target, **options: Unpack[SaveOptionsKwargs]) -> SaveInfo:
+        """``bcp.save`` of this state (collective when torch.distributed is initialised)."""
+        return save(self.state_dict(), uri, **options)
+
+    def load(self, uri: Target, **options: Unpack[LoadOptionsKwargs]) -> LoadInfo:
+        """``bcp.load`` into this state, resharding per-rank objects with
+        :func:`reshard_per_rank` unless ``reshard_objects`` is given."""
+        options.setdefault("reshard_objects", reshard_per_rank)
+        info = load_with_info(self.state_dict(), uri, **options)
+        self.load_state_dict(info.state)
+        return info
+
+
+def _unwrap(value: Any) -> Any:
+    """A template value a non-strict load left in place is still wrapped."""
+    return value.value if isinstance(value, PerRank) else value
