@@ -22,6 +22,7 @@ RAM converts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import mmap
@@ -36,9 +37,10 @@ import torch
 from bcp.metadata import MANIFEST_KEY
 
 from .boxes import Box
+from .errors import FormatError
 from .reader import CheckpointReader, open_checkpoint
 from .saver import SaveInfo, save
-from .state import build_nested
+from .state import KeyPath, build_nested
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +272,116 @@ def _read_file_backed(reader: CheckpointReader, keys: list[str], scratch: str, p
     return out
 
 
+# -- bcp -> DCP ----------------------------------------------------------------------------------
+
+
+#: to_dcp reads and writes the tensors in batches of about this many bytes (the
+#: export's memory bound; a larger tensor is a batch of its own).
+DCP_BATCH_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class DCPExportInfo:
+    """What :func:`to_dcp` wrote, and the most tensors (and bytes) it held at once."""
+
+    path: str
+    tensors: int
+    objects: int
+    tensor_bytes: int
+    peak_resident_tensors: int
+    peak_resident_bytes: int
+
+
+def to_dcp(
+    src: str | CheckpointReader,
+    dst_dir: str,
+    *,
+    prefix: str | None = None,
+    overwrite: bool = False,
+    sync_files: bool = True,
+    batch_bytes: int = DCP_BATCH_BYTES,
+    progress: Progress | None = None,
+) -> DCPExportInfo:
+    """Write the checkpoint as a PyTorch DCP checkpoint in ``dst_dir`` (data files
+    and ``.metadata``), loadable by
+    ``torch.distributed.checkpoint.load`` on any number of ranks with the state's
+    original nesting (DCP's planner flattens it as it flattens the template).
+
+    Streamed: DCP plans over placeholders, and the tensors are read from bcp only when
+    DCP's writer asks for them, in batches of at most ``batch_bytes`` (one data file
+    each, ``__0_<batch>_0.distcp``; a tensor larger than that is a batch of its own),
+    each written and freed before the next is read: memory holds about one batch,
+    never the whole checkpoint. ``prefix``
+    keeps only the keys under it (with their nesting). ``dst_dir`` must be empty or
+    absent unless ``overwrite`` (then the ``*.distcp`` files and ``.metadata`` in it
+    are replaced; nothing else is touched)."""
+    import torch.distributed.checkpoint as dcp
+
+    from .dcp_metadata import METADATA_FILE, BatchedFileSystemWriter, StreamingSavePlanner
+
+    reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
+    keys = [key for key, _name in select(reader.keys(), prefix, strip=False)]
+    if not keys:
+        raise ValueError(f"no entries under prefix {prefix!r} in {reader.uri}")
+    _clear_dcp_dir(dst_dir, overwrite=overwrite, metadata_file=METADATA_FILE)
+    source: dict[int, str] = {}
+    entries = []
+    for key in keys:
+        path = reader.key_path(key)
+        entries.append((path, _dcp_value(reader, key, path, source)))
+    state = build_nested(entries)
+
+    def fill(key: str, into: torch.Tensor) -> None:
+        reader.read_into(key, into)
+        if progress:
+            progress(into.numel() * into.element_size())
+
+    planner = StreamingSavePlanner(source, fill)
+    writer = BatchedFileSystemWriter(dst_dir, batch_bytes=batch_bytes, sync_files=sync_files)
+    dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+    tensors = [k for k in keys if k in reader.catalog.tensors]
+    return DCPExportInfo(
+        path=dst_dir,
+        tensors=len(tensors),
+        objects=len(keys) - len(tensors),
+        tensor_bytes=sum(reader.meta(k).nbytes for k in tensors),
+        peak_resident_tensors=planner.peak_resident,
+        peak_resident_bytes=planner.peak_resident_bytes,
+    )
+
+
+def _dcp_value(reader: CheckpointReader, key: str, path: KeyPath, source: dict[int, str]) -> Any:
+    """An object as decoded; a tensor as a meta placeholder read later, except under a
+    tuple (DCP stores a tuple whole, as pickled bytes, so its tensors must be real)."""
+    if key not in reader.catalog.tensors:
+        return reader.read_object(key)
+    if any(kind == "t" for kind, _k in path):
+        return reader.read(key)
+    meta = reader.meta(key)
+    placeholder = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+    source[id(placeholder)] = key
+    return placeholder
+
+
+def _clear_dcp_dir(dst_dir: str, *, overwrite: bool, metadata_file: str) -> None:
+    """FileExistsError for a non-empty ``dst_dir`` unless ``overwrite``; with it, the
+    old DCP files (``.metadata``, ``*.distcp``) go, so none is left beside the new ones."""
+    try:
+        entries = list(os.scandir(dst_dir))
+    except FileNotFoundError:
+        os.makedirs(dst_dir)
+        return
+    except NotADirectoryError:
+        raise FileExistsError(f"{dst_dir} exists and is not a directory") from None
+    if entries and not overwrite:
+        raise FileExistsError(f"{dst_dir} is not empty; choose an empty directory or pass overwrite=True (--overwrite)")
+    for e in entries:
+        if (e.name == metadata_file or e.name.endswith(".distcp")) and (
+            e.is_symlink() or e.is_file(follow_symlinks=False)
+        ):
+            os.remove(e.path)
+
+
 # -- into bcp ------------------------------------------------------------------------------------
 
 
@@ -348,7 +460,9 @@ def from_dcp(
     scratch_dir: str | None = None,
     storage_options: dict | None = None,
 ) -> tuple[SaveInfo, list[str]]:
-    """A PyTorch DCP checkpoint directory into bcp (flat keys, as DCP stores them).
+    """A PyTorch DCP checkpoint directory into bcp, with the saved state's nesting
+    (dicts, lists, optimizer param groups, scheduler state) rebuilt from DCP's own
+    ``Metadata.planner_data``, so a strict ``bcp.load`` with the original state works.
     Returns the SaveInfo and the non-tensor keys that were skipped.
 
     Nothing here unpickles without ``allow_pickle``: ``.metadata`` is read with an
@@ -358,7 +472,7 @@ def from_dcp(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .dcp_metadata import DCPReader, SafeBytesPlanner, read_metadata
+    from .dcp_metadata import DCPReader, SafeBytesPlanner, key_paths, read_metadata
 
     metadata = read_metadata(src, allow_pickle=allow_pickle)
     reader = DCPReader(src, metadata)
@@ -372,6 +486,7 @@ def from_dcp(
             else:
                 state[fqn] = None  # a torch.save'd value: SafeBytesPlanner loads it
         dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+        paths = key_paths(metadata, where=os.path.join(src, ".metadata"))
         for fqn in list(state):
             if fqn in planner.loaded:
                 state[fqn] = planner.loaded[fqn]
@@ -385,10 +500,36 @@ def from_dcp(
                 len(skipped),
                 "; ".join(f"{k!r} ({planner.refused[k]})" for k in skipped[:10]),
             )
-        info = save(state, dst, overwrite=overwrite, allow_pickle=allow_pickle, storage_options=storage_options)
+        nested = _nest(state, paths, where=src)
+        info = save(nested, dst, overwrite=overwrite, allow_pickle=allow_pickle, storage_options=storage_options)
         return info, skipped
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _nest(flat: dict[str, Any], paths: dict[str, KeyPath], *, where: str) -> dict:
+    """DCP's flat entries put back where they sat in the saved state (dicts, lists)."""
+    entries = [(paths[fqn], value) for fqn, value in flat.items()]
+    gaps = _list_gaps([path for path, _value in entries])
+    if len(gaps) > len(entries):
+        raise FormatError(f"{where}: DCP planner_data names list items far past the entries it has")
+    try:
+        return build_nested([*entries, *((path, {}) for path in gaps)])
+    except (FormatError, AttributeError, TypeError) as e:  # a path through a leaf, say
+        raise FormatError(f"{where}: DCP planner_data does not describe one nested state: {e}") from e
+
+
+def _list_gaps(paths: list[KeyPath]) -> list[KeyPath]:
+    """The list items no path reaches, before the last one that is reached. DCP
+    records nothing for an empty dict (no leaf below it), and that is the only value
+    it drops, so each gap was one: it is rebuilt as ``{}``."""
+    reached: dict[KeyPath, set[int]] = {}
+    for path in paths:
+        for i, (kind, key) in enumerate(path):
+            if kind == "l":
+                assert isinstance(key, int), "a list step's key is its index"
+                reached.setdefault(path[:i], set()).add(key)
+    return [(*parent, ("l", i)) for parent, indices in reached.items() for i in range(max(indices)) if i not in indices]
 
 
 def detect_format(src: str) -> str:

@@ -25,16 +25,24 @@ only named here, as strings: they are what torch writes into the pickle.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
+import weakref
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from .errors import FormatError, PickleNotAllowedError
+from .state import KeyPath, PathElem, fqn_of
 
 METADATA_FILE = ".metadata"
 
@@ -149,3 +157,136 @@ class SafeBytesPlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as e:
             lines = str(e).splitlines()
             self.refused[fqn] = next((line.strip() for line in lines if "Unsupported global" in line), lines[0])
+
+
+# -- nesting -----------------------------------------------------------------------------------------
+
+#: A list index in DCP's planner_data above this is refused: a crafted ``.metadata``
+#: could otherwise make the rebuilt state allocate a huge list.
+MAX_LIST_INDEX = 1 << 24
+
+
+def key_paths(metadata: Metadata, *, where: str) -> dict[str, KeyPath]:
+    """fqn -> bcp key path for every entry of ``metadata``, rebuilt from DCP's
+    ``planner_data`` (fqn -> the keys and list indices that led to the value in the
+    saved state: DCP writes dict keys as ``str`` and list indices as ``int``). An entry
+    without one (a checkpoint saved with ``flatten_state_dict=False``) stays a top-level
+    key. FormatError naming ``where`` and the key for a path that does not spell its key."""
+    recorded = getattr(metadata, "planner_data", None)
+    if recorded is not None and not isinstance(recorded, dict):
+        raise FormatError(f"{where}: DCP planner_data is a {type(recorded).__name__}, not a mapping")
+    recorded = recorded or {}
+    out: dict[str, KeyPath] = {}
+    for fqn in metadata.state_dict_metadata:
+        dcp_path = recorded.get(fqn)
+        out[fqn] = (("d", fqn),) if dcp_path is None else _key_path(fqn, dcp_path, where)
+    return out
+
+
+def _key_path(fqn: str, dcp_path: Any, where: str) -> KeyPath:
+    ok = isinstance(dcp_path, (tuple, list)) and len(dcp_path) > 0 and isinstance(dcp_path[0], str)
+    path: list[PathElem] = []
+    for step in dcp_path if ok else ():
+        if type(step) is str:
+            path.append(("d", step))
+        elif type(step) is int and 0 <= step <= MAX_LIST_INDEX:
+            path.append(("l", step))
+        else:
+            ok = False
+            break
+    if not ok or fqn_of(tuple(path)) != fqn:
+        text = repr(dcp_path)
+        raise FormatError(
+            f"{where}: DCP planner_data for {fqn!r} is not a path of keys and list indices that spells it: "
+            f"{text if len(text) <= 120 else text[:117] + '...'}"
+        )
+    return tuple(path)
+
+
+# -- writing DCP from bcp ----------------------------------------------------------------------------
+
+
+class StreamingSavePlanner(DefaultSavePlanner):
+    """A ``DefaultSavePlanner`` over a state whose tensors are placeholders (meta
+    tensors of the stored shape and dtype): DCP plans and flattens it as it would the
+    real state, and each tensor is read (``fill(key, into)``) only when the writer
+    asks for its data, so the writer holds a tensor or two at a time, not the
+    checkpoint.
+
+    ``source`` maps ``id(placeholder)`` to the key ``fill`` takes. Each tensor's
+    memory is a numpy buffer, so that its release is observable: ``resident`` counts
+    the tensors handed to the writer and not yet freed, ``peak_resident`` and
+    ``peak_resident_bytes`` are the maxima (the bound the docs promise, measured)."""
+
+    def __init__(self, source: dict[int, str], fill: Callable[[str, torch.Tensor], None]) -> None:
+        super().__init__(flatten_state_dict=True)
+        self.source = source
+        self.fill = fill
+        self.resident = 0
+        self.resident_bytes = 0
+        self.peak_resident = 0
+        self.peak_resident_bytes = 0
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        placeholder = self.lookup_object(write_item.index)
+        nbytes = placeholder.numel() * placeholder.element_size()
+        buffer = np.empty(nbytes, dtype=np.uint8)
+        tensor = torch.from_numpy(buffer).view(placeholder.dtype).reshape(placeholder.shape)
+        self.fill(self.source[id(placeholder)], tensor)
+        self.resident += 1
+        self.resident_bytes += nbytes
+        self.peak_resident = max(self.peak_resident, self.resident)
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+        weakref.finalize(buffer, self._freed, nbytes)
+        return tensor
+
+    def _freed(self, nbytes: int) -> None:
+        self.resident -= 1
+        self.resident_bytes -= nbytes
+
+
+class BatchedFileSystemWriter(FileSystemWriter):
+    """A ``FileSystemWriter`` that writes the plan's tensors in batches of at most
+    ``batch_bytes`` (a larger tensor alone), one data file per batch, one batch after
+    the other. torch's writer keeps every tensor of a data file referenced until the
+    file is closed, so this is what bounds the memory of a streamed export: about one
+    batch. The batches are written by the stock ``write_data`` with a per-batch file
+    prefix; their results together are what DCP records in ``.metadata``."""
+
+    def __init__(self, path: str, *, batch_bytes: int, sync_files: bool = True) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1)
+        self.batch_bytes = batch_bytes
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        results: list[WriteResult] = []
+        for i, batch in enumerate(self._batches(plan.items)):
+            prefix = dataclasses.replace(plan.storage_data, prefix=f"{plan.storage_data.prefix}{i}_")
+            part = dataclasses.replace(plan, items=batch, storage_data=prefix)
+            results.extend(super().write_data(part, planner).wait())
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def _batches(self, items: list[WriteItem]) -> list[list[WriteItem]]:
+        """Items in order, cut where the next tensor would pass ``batch_bytes``; the
+        (small, pickled) non-tensor items go with the first batch."""
+        batches: list[list[WriteItem]] = [[wi for wi in items if wi.type == WriteItemType.BYTE_IO]]
+        used = 0
+        for wi in items:
+            if wi.type == WriteItemType.BYTE_IO:
+                continue
+            size = _nbytes(wi)
+            if used and used + size > self.batch_bytes:
+                batches.append([])
+                used = 0
+            batches[-1].append(wi)
+            used += size
+        return [b for b in batches if b]
+
+
+def _nbytes(item: WriteItem) -> int:
+    assert item.tensor_data is not None, "a tensor write item carries its tensor data"
+    element = torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+    return torch.Size(item.tensor_data.size).numel() * element

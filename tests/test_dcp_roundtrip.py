@@ -1,0 +1,187 @@
+"""Lossless round trips between PyTorch DCP and bcp (issue 16): nesting rebuilt from
+DCP's own metadata, and a streamed, memory-bounded export back to DCP."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import given
+from hypothesis import strategies as st
+
+import bcp
+import dcp_jobs
+import dist_jobs
+from bcp.convert import from_dcp, to_dcp
+from bcp.errors import FormatError
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
+
+
+# -- distributed: FSDP2 on 2 ranks, resumed on 2 and 3 ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_on_two_ranks(tmp_path_factory):
+    """The same FSDP2 training state saved by DCP and by bcp on 2 ranks, and its reference."""
+    d = tmp_path_factory.mktemp("both")
+    paths = str(d / "dcp"), str(d / "bcp"), str(d / "ref.pt")
+    dist_jobs.spawn(dcp_jobs.save_both_job, 2, *paths)
+    return paths
+
+
+def test_dcp_on_two_ranks_to_bcp_loads_strictly_on_three(saved_on_two_ranks, tmp_path):
+    dcp_dir, _bcp_uri, ref = saved_on_two_ranks
+    converted = str(tmp_path / "from-dcp")
+    _info, skipped = from_dcp(dcp_dir, converted)
+    assert skipped == []
+    keys = set(bcp.open(converted).keys())
+    assert {"optim.param_groups", "sched", "step"} <= keys, "DCP's flat keys were not nested back"
+    dist_jobs.spawn(dcp_jobs.bcp_load_job, 3, converted, ref)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bcp_to_dcp_loads_in_dcp(saved_on_two_ranks, tmp_path, world):
+    _dcp_dir, bcp_uri, ref = saved_on_two_ranks
+    out = str(tmp_path / "to-dcp")
+    info = to_dcp(bcp_uri, out)
+    assert info.tensors == len(bcp.open(bcp_uri).tensor_keys()) and info.objects == 3
+    dist_jobs.spawn(dcp_jobs.dcp_load_job, world, out, ref)
+
+
+# -- one process: nesting, bounds, errors --------------------------------------------------------------
+
+
+def _training_state(lr: float = 0.0022) -> tuple[dict, torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": lr / 2}], lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(), "step": 11}
+    return state, model, opt
+
+
+def _fresh_template() -> dict:
+    state, _model, _opt = _training_state(lr=0.5)
+    for t in dist_jobs.flatten_tensors(state).values():
+        t.zero_()
+    state["step"] = 0
+    return state
+
+
+def test_the_reported_case_a_strict_load_gets_the_learning_rate_back(tmp_path):
+    state, _model, _opt = _training_state()
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    from_dcp(str(tmp_path / "dcp"), str(tmp_path / "out"))
+    loaded = bcp.load(_fresh_template(), str(tmp_path / "out"))  # strict
+    assert [g["lr"] for g in loaded["optim"]["param_groups"]] == [0.0022, 0.0011]
+    assert loaded["optim"]["param_groups"] == state["optim"]["param_groups"]
+    assert loaded["sched"] == state["sched"] and loaded["step"] == 11
+    dist_jobs.assert_equal_to_reference(loaded, state, "strict load after DCP -> bcp")
+
+
+nested_values = st.recursive(
+    st.one_of(st.integers(-5, 5), st.floats(allow_nan=False), st.text(max_size=3), st.none()),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text("abc", min_size=1, max_size=2), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(extra=st.dictionaries(st.sampled_from(["a", "b", "cfg"]), nested_values, min_size=1, max_size=3))
+def test_any_nesting_of_dicts_and_lists_survives_dcp_to_bcp_to_dcp(tmp_path_factory, extra):
+    """DCP -> bcp keeps the nesting; bcp -> DCP gives DCP back what it saved (an empty
+    dict aside: DCP records nothing for one, see the gap test below)."""
+    d = tmp_path_factory.mktemp("nest")
+    state = {"w": torch.arange(6.0).reshape(2, 3), "layers": [{"t": torch.ones(2) * i, "n": i} for i in range(2)]}
+    state.update(extra)
+    dcp.save(state, checkpoint_id=str(d / "dcp"), no_dist=True)
+    from_dcp(str(d / "dcp"), str(d / "bcp"))
+    rebuilt = bcp.open(str(d / "bcp")).state()
+    kept = {k: v for k, v in extra.items() if not _has_empty_dict(v)}
+    assert {k: rebuilt[k] for k in kept} == kept
+    assert torch.equal(rebuilt["layers"][1]["t"], torch.ones(2)) and rebuilt["layers"][1]["n"] == 1
+
+    to_dcp(str(d / "bcp"), str(d / "back"))
+    template = {"w": torch.zeros(2, 3), "layers": [{"t": torch.zeros(2), "n": None} for _ in range(2)]}
+    template.update({k: _blank(v) for k, v in kept.items()})
+    dcp.load(template, checkpoint_id=str(d / "back"), no_dist=True)
+    assert torch.equal(template["w"], state["w"]) and template["layers"][1]["n"] == 1
+    assert {k: template[k] for k in kept} == kept
+
+
+def _has_empty_dict(value) -> bool:
+    if isinstance(value, dict):
+        return not value or any(_has_empty_dict(v) for v in value.values())
+    return isinstance(value, list) and any(_has_empty_dict(v) for v in value)
+
+
+def _blank(value):
+    """The same nesting with every leaf replaced, as a DCP load template."""
+    if isinstance(value, dict):
+        return {k: _blank(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_blank(v) for v in value]
+    return "unset"
+
+
+def test_an_empty_dict_inside_a_list_comes_back_from_dcp(tmp_path):
+    state = {"layers": [{}, {"t": torch.ones(2)}], "w": torch.zeros(1)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    from_dcp(str(tmp_path / "dcp"), str(tmp_path / "bcp"))
+    rebuilt = bcp.open(str(tmp_path / "bcp")).state()
+    assert rebuilt["layers"][0] == {} and torch.equal(rebuilt["layers"][1]["t"], torch.ones(2))
+
+
+def test_to_dcp_holds_about_one_batch_at_a_time(tmp_path):
+    tensors = {f"t{i}": torch.full((256,), float(i)) for i in range(40)}  # 1 KiB each, 40 KiB in all
+    bcp.save({"model": tensors, "step": 3}, str(tmp_path / "b"))
+    info = to_dcp(str(tmp_path / "b"), str(tmp_path / "dcp"), batch_bytes=4096)
+    assert info.tensors == 40 and info.tensor_bytes == 40 * 1024
+    assert info.peak_resident_bytes <= 4096 and info.peak_resident_tensors <= 4, info
+    assert len([n for n in os.listdir(tmp_path / "dcp") if n.endswith(".distcp")]) == 10
+    template = {"model": {k: torch.zeros(256) for k in tensors}, "step": 0}
+    dcp.load(template, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert all(torch.equal(template["model"][k], tensors[k]) for k in tensors) and template["step"] == 3
+
+
+def test_a_tensor_larger_than_the_batch_is_a_batch_of_its_own(tmp_path):
+    bcp.save({"big": torch.arange(4096.0), "small": torch.ones(4)}, str(tmp_path / "b"))
+    info = to_dcp(str(tmp_path / "b"), str(tmp_path / "dcp"), batch_bytes=1024)
+    assert info.peak_resident_tensors == 1 and info.peak_resident_bytes == 4096 * 4
+    template = {"big": torch.zeros(4096), "small": torch.zeros(4)}
+    dcp.load(template, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert torch.equal(template["big"], torch.arange(4096.0)) and torch.equal(template["small"], torch.ones(4))
+
+
+def test_to_dcp_refuses_a_non_empty_directory_and_overwrite_replaces_only_dcp_files(tmp_path):
+    bcp.save({"w": torch.ones(3)}, str(tmp_path / "b"))
+    out = tmp_path / "dcp"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    (out / "__9_0.distcp").write_bytes(b"stale")
+    with pytest.raises(FileExistsError, match="not empty"):
+        to_dcp(str(tmp_path / "b"), str(out))
+    to_dcp(str(tmp_path / "b"), str(out), overwrite=True)
+    assert (out / "notes.txt").read_text() == "keep me" and not (out / "__9_0.distcp").exists()
+
+
+def test_a_planner_path_that_does_not_spell_its_key_is_a_format_error(tmp_path):
+    from bcp.dcp_metadata import key_paths, read_metadata
+
+    dcp.save({"a": {"b": torch.ones(2)}}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    metadata = read_metadata(str(tmp_path / "dcp"))
+    assert key_paths(metadata, where="x") == {"a.b": (("d", "a"), ("d", "b"))}
+    metadata.planner_data = {"a.b": ("a", "c")}
+    with pytest.raises(FormatError, match=r"x: DCP planner_data for 'a.b'"):
+        key_paths(metadata, where="x")
+    metadata.planner_data = {"a.b": ("a", 10**9)}
+    with pytest.raises(FormatError, match=r"'a\.b'"):
+        key_paths(metadata, where="x")
+    metadata.planner_data = None  # saved with flatten_state_dict=False: flat keys stay
+    assert key_paths(metadata, where="x") == {"a.b": (("d", "a.b"),)}
