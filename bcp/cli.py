@@ -261,6 +261,10 @@ def _convert(args) -> int:
     src_format = args.source_format if args.source_format != "auto" else convert.detect_format(args.src)
     prefix = args.prefix if args.prefix is not None else ("model." if args.model_only else None)
     strip = args.strip_prefix or (args.model_only and args.prefix is None)
+    if args.to != "safetensors" and (args.dtype or args.rename or args.config):
+        raise SystemExit("--dtype, --rename and --config go with --to safetensors")
+    if args.to == "dcp" and strip:
+        raise SystemExit("--to dcp keeps the state's nesting: select keys with --prefix, without --strip-prefix")
     if args.to == "bcp":
         if src_format == "safetensors":
             info = convert.from_safetensors(args.src, args.dst, overwrite=args.overwrite)
@@ -294,6 +298,9 @@ def _convert(args) -> int:
                 args.dst,
                 prefix=prefix,
                 strip_prefix=strip,
+                rename=args.rename,
+                dtype=convert.parse_dtype(args.dtype) if args.dtype else None,
+                config=args.config,
                 max_shard_bytes=as_size("--max-shard-size", args.max_shard_size),
                 progress=bar.update,
                 overwrite=args.overwrite,
@@ -301,6 +308,19 @@ def _convert(args) -> int:
             print(
                 f"wrote {len(set(index['weight_map'].values()))} safetensors file(s), "
                 f"{len(index['weight_map'])} tensors, {_human(index['metadata']['total_size'])} to {_show(args.dst)}"
+            )
+        elif args.to == "dcp":
+            exported = convert.to_dcp(
+                reader,
+                args.dst,
+                prefix=prefix,
+                overwrite=args.overwrite,
+                batch_bytes=as_size("--batch-size", args.batch_size),
+                progress=bar.update,
+            )
+            print(
+                f"wrote DCP checkpoint {_show(args.dst)}: {exported.tensors} tensors, {exported.objects} objects, "
+                f"{_human(exported.tensor_bytes)}"
             )
         else:
             convert.to_torch(
@@ -468,10 +488,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_verify)
 
-    p = sub.add_parser("convert", help="to safetensors / torch.save from bcp, or from safetensors / torch / DCP to bcp")
+    p = sub.add_parser("convert", help="bcp to safetensors / torch.save / DCP, or safetensors / torch / DCP to bcp")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--to", required=True, choices=("safetensors", "torch", "bcp"))
+    p.add_argument("--to", required=True, choices=("safetensors", "torch", "bcp", "dcp"))
     p.add_argument(
         "--from", dest="source_format", default="auto", choices=("auto", "bcp", "safetensors", "torch", "dcp")
     )
@@ -487,6 +507,20 @@ def build_parser() -> argparse.ArgumentParser:
         "removing the index and *.safetensors files the new export does not write (nothing else)",
     )
     p.add_argument("--allow-pickle", action="store_true", help="DCP: also convert non-tensor entries (unpickles them)")
+    p.add_argument(
+        "--dtype", help="--to safetensors: cast floating-point tensors (only those) to bf16, fp16, fp32, fp64"
+    )
+    p.add_argument(
+        "--rename",
+        action="append",
+        default=[],
+        metavar="REGEX=REPLACEMENT",
+        help="--to safetensors: rename output names with re.sub after --prefix handling; repeatable, applied in order",
+    )
+    p.add_argument("--config", help="--to safetensors: a config.json (checked as JSON) to copy next to the shards")
+    p.add_argument(
+        "--batch-size", default="1GiB", help="--to dcp: tensor bytes read and written per data file (default 1GiB)"
+    )
     p.set_defaults(func=_convert)
 
     p = sub.add_parser(

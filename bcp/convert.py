@@ -27,9 +27,10 @@ import json
 import logging
 import mmap
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -106,31 +107,44 @@ def to_safetensors(
     *,
     prefix: str | None = None,
     strip_prefix: bool = False,
+    rename: Sequence[RenameRule | str] = (),
+    dtype: torch.dtype | None = None,
+    config: str | None = None,
     max_shard_bytes: int = 5 * 10**9,
     progress: Progress | None = None,
     overwrite: bool = False,
 ) -> dict:
     """Write the checkpoint's tensors as safetensors shards in ``dst_dir``; returns the index.
 
+    Names: the stored keys under ``prefix`` (``prefix`` dropped with ``strip_prefix``),
+    then each ``rename`` rule (``"REGEX=REPLACEMENT"`` or a compiled pair, see
+    :func:`parse_rename`) applied in order with ``re.sub``; two keys that end with one
+    name are a ValueError naming both. ``dtype`` casts the floating-point tensors
+    (only those), shard by shard. ``config`` is a JSON file (a Hugging Face
+    ``config.json``) checked and copied into ``dst_dir`` as ``config.json``, so that
+    ``from_pretrained(dst_dir)`` finds it. Memory: one shard (plus one tensor cast).
+
     ``dst_dir`` must be empty or absent (FileExistsError otherwise), so that no old
     shard is left beside the new index. With ``overwrite``, the old index and the
-    ``*.safetensors`` files this export does not write are removed; nothing else in
-    ``dst_dir`` is touched."""
+    ``*.safetensors`` files this export does not write are removed (and
+    ``config.json`` replaced when ``config`` is given); nothing else in ``dst_dir`` is
+    touched. Everything is checked before the first file is written."""
     from safetensors.torch import save_file
 
     reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
     chosen = select(reader.tensor_keys(), prefix, strip_prefix)
     if not chosen:
         raise ValueError(f"no tensors under prefix {prefix!r} in {reader.uri}")
-    names = [name for _k, name in chosen]
-    if len(set(names)) != len(names):
-        raise ValueError("stripping the prefix makes tensor names collide; convert without --strip-prefix")
-    key_of = {name: key for key, name in chosen}
-    for key, _name in chosen:
-        dtype = reader.meta(key).dtype
-        if dtype not in SAFETENSORS_DTYPES.values():
-            raise ValueError(f"tensor {key!r} has dtype {dtype}, which safetensors cannot store")
-    shards = plan_shards([(name, reader.meta(key_of[name]).nbytes) for name in names], max_shard_bytes)
+    rules = [parse_rename(rule) if isinstance(rule, str) else rule for rule in rename]
+    key_of = _output_names([(key, apply_renames(name, rules)) for key, name in chosen], renamed=bool(rules))
+    names = list(key_of)
+    out_dtype = {name: _cast_dtype(reader.meta(key).dtype, dtype) for name, key in key_of.items()}
+    for name, key in key_of.items():
+        if out_dtype[name] not in SAFETENSORS_DTYPES.values():
+            raise ValueError(f"tensor {key!r} has dtype {out_dtype[name]}, which safetensors cannot store")
+    config_text = read_json_config(config) if config is not None else None
+    sizes = [(name, torch.Size(reader.meta(key_of[name]).shape).numel() * out_dtype[name].itemsize) for name in names]
+    shards = plan_shards(sizes, max_shard_bytes)
     files = (
         ["model.safetensors"]
         if len(shards) == 1
@@ -143,7 +157,7 @@ def to_safetensors(
     weight_map, total = {}, 0
     for file, shard in zip(files, shards, strict=True):
         read = reader.read_tensors([key_of[name] for name in shard])  # one batch: contiguous runs coalesce
-        tensors = {name: read[key_of[name]] for name in shard}
+        tensors = {name: read.pop(key_of[name]).to(out_dtype[name]) for name in shard}
         del read
         for name in shard:
             total += tensors[name].numel() * tensors[name].element_size()
@@ -164,7 +178,93 @@ def to_safetensors(
         if name != INDEX_NAME:
             log.info("removing %s from %s: the new export does not write it", name, dst_dir)
             os.remove(os.path.join(dst_dir, name))
+    if config_text is not None:
+        tmp = os.path.join(dst_dir, f".{CONFIG_NAME}.partial")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(config_text)
+        os.replace(tmp, os.path.join(dst_dir, CONFIG_NAME))
     return index
+
+
+RenameRule = tuple["re.Pattern[str]", str]
+
+#: --dtype spellings -> torch dtypes.
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
+CONFIG_NAME = "config.json"
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    """A ``--dtype`` value (``bf16``, ``fp16``, ``fp32``, ``fp64`` or torch's names)."""
+    try:
+        return DTYPE_NAMES[text.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {text!r}; choose one of {', '.join(sorted(DTYPE_NAMES))}") from None
+
+
+def parse_rename(rule: str) -> RenameRule:
+    """``"REGEX=REPLACEMENT"`` -> (compiled REGEX, REPLACEMENT). The split is at the
+    last ``=``, so a regex may hold one (``(?<=x)``) and the replacement may not."""
+    pattern, sep, replacement = rule.rpartition("=")
+    if not sep or not pattern:
+        raise ValueError(f"rename rule {rule!r} is not REGEX=REPLACEMENT")
+    try:
+        return re.compile(pattern), replacement
+    except re.error as e:
+        raise ValueError(f"rename rule {rule!r}: bad regular expression: {e}") from None
+
+
+def apply_renames(name: str, rules: Sequence[RenameRule]) -> str:
+    """``name`` after every rule, in order (``re.sub``: every match is replaced)."""
+    for pattern, replacement in rules:
+        try:
+            name = pattern.sub(replacement, name)
+        except re.error as e:
+            raise ValueError(f"rename rule {pattern.pattern!r}={replacement!r}: {e}") from None
+    return name
+
+
+def _output_names(pairs: list[tuple[str, str]], *, renamed: bool) -> dict[str, str]:
+    """output name -> stored key; ValueError naming both keys when two share a name."""
+    key_of: dict[str, str] = {}
+    for key, name in pairs:
+        if not name:
+            raise ValueError(f"tensor {key!r} gets an empty name; check the rename rules")
+        if name in key_of:
+            cause = "the rename rules map" if renamed else "stripping the prefix maps"
+            raise ValueError(f"{cause} both {key_of[name]!r} and {key!r} to {name!r}")
+        key_of[name] = key
+    return key_of
+
+
+def _cast_dtype(stored: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
+    """``wanted`` for a floating-point tensor, the stored dtype for every other one."""
+    return wanted if wanted is not None and stored.is_floating_point else stored
+
+
+def read_json_config(path: str) -> str:
+    """The text of a JSON object file (a model's ``config.json``), checked."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        doc = json.loads(text)
+    except OSError as e:
+        raise ValueError(f"cannot read config {path}: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"config {path} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"config {path} holds a JSON {type(doc).__name__}, not an object")
+    return text
 
 
 def _stale_safetensors(dst_dir: str, *, keep: set[str], overwrite: bool) -> list[str]:
