@@ -4,6 +4,8 @@ DCP's own metadata, and a streamed, memory-bounded export back to DCP."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -185,3 +187,29 @@ def test_a_planner_path_that_does_not_spell_its_key_is_a_format_error(tmp_path):
         key_paths(metadata, where="x")
     metadata.planner_data = None  # saved with flatten_state_dict=False: flat keys stay
     assert key_paths(metadata, where="x") == {"a.b": (("d", "a.b"),)}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "bcp.cli", *args], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def test_the_cli_converts_both_ways_and_refuses_what_dcp_cannot_keep(tmp_path):
+    state, _model, _opt = _training_state()
+    bcp.save(state, str(tmp_path / "b"))
+    proc = _cli("convert", str(tmp_path / "b"), str(tmp_path / "dcp"), "--to", "dcp", "--batch-size", "1KiB")
+    assert proc.returncode == 0 and "wrote DCP checkpoint" in proc.stdout, proc.stderr
+    template = _fresh_template()
+    dcp.load(template, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert template["optim"]["param_groups"] == state["optim"]["param_groups"] and template["step"] == 11
+    dist_jobs.assert_equal_to_reference(template, state, "DCP load after bcp convert --to dcp")
+
+    proc = _cli("convert", str(tmp_path / "dcp"), str(tmp_path / "again"), "--to", "bcp")
+    assert proc.returncode == 0, proc.stderr
+    assert bcp.load(_fresh_template(), str(tmp_path / "again"))["sched"] == state["sched"]
+
+    for extra in (["--model-only"], ["--dtype", "bf16"]):
+        proc = _cli("convert", str(tmp_path / "b"), str(tmp_path / "x"), "--to", "dcp", *extra)
+        assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "Traceback" not in proc.stderr and not (tmp_path / "x").exists()
