@@ -43,8 +43,9 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
     """Deals a permutation of ``range(num_samples)`` (seeded by ``seed + epoch``)
     round-robin over ranks, counting what it handed out so that a checkpoint can
     resume it on any number of ranks. ``rank``/``world_size`` default to the
-    initialised process group. Iterating resumes a partly consumed epoch; a finished
-    one starts over (call :meth:`set_epoch` for the next epoch's order)."""
+    initialised process group. Iterating resumes a partly consumed epoch; once an
+    iteration has run to its end, the next one starts the epoch over in this world's
+    layout (call :meth:`set_epoch` for the next epoch's order)."""
 
     def __init__(
         self, num_samples: int, rank: int | None = None, world_size: int | None = None, seed: int = 0, epoch: int = 0
@@ -52,6 +53,8 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         self.rank, self.world_size = _default_rank_world(rank, world_size)
         self.num_samples, self.seed, self.epoch = num_samples, seed, epoch
         self.consumed = 0
+        #: an iteration ran to the end of this rank's stream: the next one starts over
+        self.exhausted = False
         #: after a reshard: this rank's remaining ids of the epoch
         self.order: list[int] | None = None
 
@@ -61,18 +64,19 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         return epoch_order(self.num_samples, self.seed, self.epoch)[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[int]:
-        if self.consumed >= len(self._stream()):  # a finished epoch starts over, in this world's layout
-            self.consumed, self.order = 0, None
+        if self.exhausted:
+            self.consumed, self.order, self.exhausted = 0, None, False
         stream = self._stream()
         while self.consumed < len(stream):
             self.consumed += 1
             yield stream[self.consumed - 1]
+        self.exhausted = True
 
     def __len__(self) -> int:
         return len(self._stream())
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.consumed, self.order = epoch, 0, None
+        self.epoch, self.consumed, self.order, self.exhausted = epoch, 0, None, False
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -83,6 +87,7 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
             "world_size": self.world_size,
             "rank": self.rank,
             "consumed": self.consumed,
+            "exhausted": self.exhausted,
             "order": None if self.order is None else list(self.order),
         }
 
@@ -96,6 +101,7 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
             )
         self.num_samples, self.seed, self.epoch = state["num_samples"], state["seed"], state["epoch"]
         self.consumed, self.order = state["consumed"], state["order"]
+        self.exhausted = state.get("exhausted", False)
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
@@ -127,7 +133,8 @@ def reshard_sampler_states(values: Mapping[int, Mapping[str, Any]], rank: int, w
         )
     done = {i for state in values.values() for i in consumed_ids(state)}
     remaining = [i for i in epoch_order(first["num_samples"], first["seed"], first["epoch"]) if i not in done]
-    return {**first, "world_size": world_size, "rank": rank, "consumed": 0, "order": remaining[rank::world_size]}
+    order = remaining[rank::world_size]
+    return {**first, "world_size": world_size, "rank": rank, "consumed": 0, "exhausted": False, "order": order}
 
 
 def is_dataloader_state(value: Any) -> bool:

@@ -1,0 +1,215 @@
+"""bcp.TrainingState, Stateful objects in a state, bcp.dataloader and the RNG rule
+when the world changes; multi-process jobs in tests/training_jobs.py."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bcp
+import dist_jobs
+import training_jobs
+from bcp.dataloader import ShardedSampler, reshard_dataloader_states, reshard_sampler_states
+from bcp.training import derived_rng_state, reshard_per_rank, reshard_rng_states, rng_state
+
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+distributed = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
+
+
+# -- multi-process: FSDP2 + AdamW + scheduler + StatefulDataLoader ---------------------
+
+
+@pytest.fixture(scope="module")
+def fsdp_training(tmp_path_factory):
+    d = tmp_path_factory.mktemp("training")
+    uri, ref = str(d / "ck"), str(d / "ref.pt")
+    dist_jobs.spawn(training_jobs.save_training_job, 2, uri, ref)
+    return uri, ref
+
+
+@distributed
+@pytest.mark.parametrize("world", [3, 1])
+def test_fsdp2_training_state_saved_on_two_resumes_exactly(fsdp_training, world):
+    uri, ref = fsdp_training
+    dist_jobs.spawn(training_jobs.load_training_job, world, uri, ref)
+
+
+@distributed
+def test_fsdp2_optimizer_state_dict_mistake_is_refused_before_allocating(tmp_path):
+    uri = str(tmp_path / "ck")
+    dist_jobs.spawn(training_jobs.save_with_optimizer_state_dict_job, 2, uri)
+    dist_jobs.spawn(training_jobs.load_with_optimizer_state_dict_job, 2, uri)
+    dist_jobs.spawn(training_jobs.load_plain_into_ddp_like_ranks_job, 2, uri)
+    # one process, a plain model: the same checkpoint loads (the guard needs several ranks)
+    model = dist_jobs.make_model()
+    opt = torch.optim.AdamW(model.parameters())
+    state = bcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, uri)
+    opt.load_state_dict(state["optim"])
+    assert opt.state_dict()["state"][0]["exp_avg"].shape == model[0].weight.shape
+
+
+# -- one process -------------------------------------------------------------------------
+
+
+def _parts(seed: int = 0):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    loader = StatefulDataLoader(torch.arange(20), batch_size=3, sampler=ShardedSampler(20, seed=1))
+    return model, opt, sched, loader
+
+
+def _train(model, opt, sched, batches, steps: int) -> None:
+    for _ in range(steps):
+        next(batches)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+def test_training_state_one_call_resume_continues_identically(tmp_path):
+    model, opt, sched, loader = _parts()
+    batches = iter(loader)
+    _train(model, opt, sched, batches, 3)
+    extra = {"step": 3}
+    bcp.TrainingState(model, opt, sched, loader, extra).save(tmp_path / "ck")
+    want_rand, want_py, want_np = torch.rand(4), random.random(), np.random.rand()
+    want_batch = next(batches)
+
+    model2, opt2, sched2, loader2 = _parts(seed=9)
+    extra2 = {"step": 0}
+    info = bcp.TrainingState(model2, opt2, sched2, loader2, extra2).load(tmp_path / "ck")
+    assert not info.skipped
+    assert extra2 == {"step": 3} and sched2.last_epoch == 3 and opt2.param_groups[0]["lr"] == 0.1 * 0.5**3
+    assert torch.equal(torch.rand(4), want_rand) and random.random() == want_py and np.random.rand() == want_np
+    assert torch.equal(next(iter(loader2)), want_batch)
+    for i, state in opt.state_dict()["state"].items():
+        for key, value in state.items():
+            assert torch.equal(opt2.state_dict()["state"][i][key], value), key
+    assert torch.equal(model2[0].weight, model[0].weight)
+
+
+def test_stateful_objects_anywhere_in_a_state_are_saved_and_loaded(tmp_path):
+    model, opt, sched, _loader = _parts()
+    _train(model, opt, sched, iter(range(5)), 2)
+    bcp.save({"net": model, "nested": {"sched": sched, "note": "x"}}, tmp_path / "ck")
+    assert "net.0.weight" in bcp.open(tmp_path / "ck").keys()
+
+    model2, _opt2, sched2, _ = _parts(seed=3)
+    caller_state = {"net": model2, "nested": {"sched": sched2, "note": ""}}
+    out = bcp.load(caller_state, tmp_path / "ck")
+    assert out["net"] is model2 and out["nested"]["sched"] is sched2 and out["nested"]["note"] == "x"
+    assert caller_state["nested"]["note"] == "", "the caller's containers keep their objects"
+    assert torch.equal(model2[0].weight, model[0].weight) and sched2.last_epoch == sched.last_epoch
+
+
+def test_training_state_loads_into_a_plain_bcp_load_as_a_stateful(tmp_path):
+    model, opt, sched, _ = _parts()
+    _train(model, opt, sched, iter(range(5)), 1)
+    bcp.save({"train": bcp.TrainingState(model, opt, sched, rng=False)}, tmp_path / "ck")
+    model2, opt2, sched2, _ = _parts(seed=4)
+    bcp.load({"train": bcp.TrainingState(model2, opt2, sched2, rng=False)}, tmp_path / "ck")
+    assert torch.equal(model2[0].weight, model[0].weight) and sched2.last_epoch == 1
+
+
+# -- RNG when the world changes ---------------------------------------------------------
+
+
+def _saved_rngs(n: int) -> dict[int, dict]:
+    states = {}
+    for r in range(n):
+        torch.manual_seed(r)
+        random.seed(r)
+        np.random.seed(r)
+        states[r] = rng_state()
+    return states
+
+
+@settings(max_examples=20, deadline=None)
+@given(saved=st.integers(1, 5), world=st.integers(1, 9))
+def test_rng_reshard_gives_every_rank_a_distinct_state(saved, world):
+    values = _saved_rngs(saved)
+    got = [reshard_rng_states(values, r, world) for r in range(world)]
+    torch_states = {bytes(g["torch"].numpy()) for g in got}
+    python_states = {repr(g["python"]) for g in got}
+    assert len(torch_states) == world and len(python_states) == world
+    for r in range(min(saved, world)):
+        assert torch.equal(got[r]["torch"], values[r]["torch"]), "a rank that existed keeps its state"
+    assert reshard_rng_states(values, world - 1, world)["python"] == got[-1]["python"], "deterministic"
+
+
+def test_derived_rng_state_is_a_valid_state_for_every_generator():
+    state = derived_rng_state(_saved_rngs(2), 5)
+    bcp.training.set_rng_state(state)
+    a = (torch.rand(3), random.random(), np.random.rand())
+    bcp.training.set_rng_state(state)
+    b = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def test_reshard_per_rank_refuses_objects_it_cannot_deal():
+    with pytest.raises(bcp.UnsupportedStateError, match=r"'mine'.*reshard_objects"):
+        reshard_per_rank("mine", {0: {"a": 1}, 1: {"a": 2}}, 2, 3)
+
+
+# -- the sampler ------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    num=st.integers(0, 60),
+    saved=st.integers(1, 5),
+    world=st.integers(1, 6),
+    progress=st.lists(st.integers(0, 15), min_size=5, max_size=5),
+    epoch=st.integers(0, 3),
+)
+def test_sampler_reshard_loses_and_repeats_nothing(num, saved, world, progress, epoch):
+    samplers = [ShardedSampler(num, r, saved, seed=7, epoch=epoch) for r in range(saved)]
+    seen = []
+    for s, n in zip(samplers, progress, strict=False):
+        it = iter(s)
+        seen += [next(it) for _ in range(min(n, len(s)))]
+    states = {r: pickle.loads(pickle.dumps(s.state_dict())) for r, s in enumerate(samplers)}
+    rest = []
+    for r in range(world):
+        s = ShardedSampler(num, r, world)
+        s.load_state_dict(reshard_sampler_states(states, r, world))
+        rest += list(s)
+    assert sorted(seen + rest) == list(range(num))
+
+
+def test_stateful_dataloader_state_reshards_to_more_ranks():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def loader(rank: int, world: int):
+        return StatefulDataLoader(torch.arange(30), batch_size=4, sampler=ShardedSampler(30, rank, world, seed=2))
+
+    saved = [loader(r, 2) for r in range(2)]
+    seen = []
+    for dl, n in zip(saved, (2, 3), strict=True):
+        it = iter(dl)
+        seen += [int(i) for _ in range(n) for i in next(it)]
+    states = {r: dl.state_dict() for r, dl in enumerate(saved)}
+    rest = []
+    for r in range(3):
+        dl = loader(r, 3)
+        dl.load_state_dict(reshard_dataloader_states(states, r, 3))
+        rest += [int(i) for batch in dl for i in batch]
+    assert sorted(seen + rest) == list(range(30))
+
+
+def test_sampler_refuses_a_state_of_another_world():
+    with pytest.raises(ValueError, match="reshard_sampler_states"):
+        ShardedSampler(10, 0, 3).load_state_dict(ShardedSampler(10, 0, 2).state_dict())

@@ -1,0 +1,143 @@
+"""Multi-process jobs for tests/test_training_state.py (gloo on CPU, spawned with
+dist_jobs.spawn): FSDP2 + AdamW + LR scheduler + StatefulDataLoader saved and resumed
+with bcp.TrainingState, and the FSDP2 ``optimizer.state_dict()`` mistake."""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import bcp
+import dist_jobs
+from bcp.dataloader import ShardedSampler
+
+NUM_SAMPLES = 40
+BATCH = 3
+STEPS_BEFORE_SAVE = 2
+
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+
+def fsdp_job_parts(world: int):
+    """An FSDP2 model over every rank, AdamW, a step scheduler and a StatefulDataLoader."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    model = dist_jobs.make_model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    data = torch.arange(NUM_SAMPLES)
+    loader = StatefulDataLoader(data, batch_size=BATCH, sampler=ShardedSampler(NUM_SAMPLES, seed=5))
+    return model, opt, sched, loader
+
+
+def rng_digest() -> str:
+    return hashlib.sha256(bytes(torch.get_rng_state().numpy())).hexdigest()
+
+
+def gather(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def save_training_job(rank: int, world: int, uri: str, ref_path: str) -> None:
+    """Train STEPS_BEFORE_SAVE steps on per-rank seeded RNG, save with one call, and
+    keep a reference: full optimizer state, LR, consumed sample ids, RNG digests."""
+    model, opt, sched, loader = fsdp_job_parts(world)
+    torch.manual_seed(100 + rank)  # after make_model's seed: each rank its own RNG
+    batches = iter(loader)
+    consumed: list[int] = []
+    for step in range(STEPS_BEFORE_SAVE):
+        ids = next(batches)
+        consumed += ids.tolist()
+        model(dist_jobs.batch(step, rank)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    extra = {"step": STEPS_BEFORE_SAVE}
+    bcp.TrainingState(model, opt, sched, loader, extra).save(uri)
+    ref = dist_jobs.full_reference(model, opt)
+    consumed_all, digests = gather(consumed), gather(rng_digest())
+    if rank == 0:
+        ref.update(lr=sched.get_last_lr(), last_epoch=sched.last_epoch, consumed=consumed_all, rng=digests)
+        torch.save(ref, ref_path)
+
+
+def load_training_job(rank: int, world: int, uri: str, ref_path: str) -> None:
+    """Resume with one call at any world size: optimizer tensors exact, scheduler,
+    step and LR restored, the rest of the epoch dealt without loss or repeat, and
+    every rank's RNG distinct (kept for ranks that existed)."""
+    ref = torch.load(ref_path, weights_only=False)
+    torch.manual_seed(0)  # every rank the same RNG before resuming: the load must undo that
+    model, opt, sched, loader = fsdp_job_parts(world)
+    extra = {"step": 0}
+    bcp.TrainingState(model, opt, sched, loader, extra).load(uri)
+    assert extra["step"] == STEPS_BEFORE_SAVE
+    assert sched.last_epoch == ref["last_epoch"] and sched.get_last_lr() == ref["lr"]
+    assert opt.param_groups[0]["lr"] == ref["lr"][0]
+    got = dist_jobs.full_reference(model, opt)
+    want_t, got_t = dist_jobs.flatten_tensors(ref["optim"]), dist_jobs.flatten_tensors(got["optim"])
+    assert set(want_t) == set(got_t) and want_t
+    for key, value in want_t.items():
+        assert torch.equal(got_t[key], value), key
+    for key, value in dist_jobs.flatten_tensors(ref["model"]).items():
+        assert torch.equal(dist_jobs.flatten_tensors(got["model"])[key], value), key
+    digests = gather(rng_digest())
+    assert len(set(digests)) == world, f"two ranks share an RNG state: {digests}"
+    saved_ranks = len(ref["rng"])
+    if rank < saved_ranks:
+        assert digests[rank] == ref["rng"][rank]
+    else:
+        assert digests[rank] not in ref["rng"]
+    rest = [int(i) for batch in loader for i in batch]
+    seen = [i for ids in ref["consumed"] for i in ids] + [i for ids in gather(rest) for i in ids]
+    assert sorted(seen) == list(range(NUM_SAMPLES)), "a sample was lost or repeated"
+
+
+def save_with_optimizer_state_dict_job(rank: int, world: int, uri: str) -> None:
+    """The FSDP2 mistake on save: opt.state_dict() (int-keyed, DTensor values)."""
+    model, opt, _sched, _loader = fsdp_job_parts(world)
+    dist_jobs.train(model, opt, range(1), rank)
+    bcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, uri)
+
+
+def load_with_optimizer_state_dict_job(rank: int, world: int, uri: str) -> None:
+    """Resuming with a fresh opt.state_dict() on several FSDP2 ranks is refused, naming
+    the keys and the fix, before the reader allocates anything."""
+    from bcp.reader import CheckpointReader
+
+    model, opt, _sched, _loader = fsdp_job_parts(world)
+    allocations = []
+    real_empty = CheckpointReader.empty
+
+    def counting_empty(self, fqn, box=None):
+        allocations.append(fqn)
+        return real_empty(self, fqn, box)
+
+    CheckpointReader.empty = counting_empty  # a spy: counts calls, the real method runs
+    try:
+        bcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, uri)
+    except bcp.UnsupportedStateError as e:
+        message = str(e)
+    else:
+        raise AssertionError("loading full-size plain optimizer state beside DTensors succeeded")
+    finally:
+        CheckpointReader.empty = real_empty
+    assert "optim.state.0.exp_avg" in message and "get_optimizer_state_dict" in message, message
+    assert allocations == [], allocations
+
+
+def load_plain_into_ddp_like_ranks_job(rank: int, world: int, uri: str) -> None:
+    """Plain (unsharded) models on several ranks load an FSDP2 checkpoint: no DTensor
+    in the template, so the guard stays silent and every rank gets the whole tensors."""
+    model = dist_jobs.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = bcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, uri)
+    opt.load_state_dict(state["optim"])
+    assert opt.state_dict()["state"][0]["exp_avg"].shape == model[0].weight.shape
