@@ -1,0 +1,95 @@
+"""What a non-strict load says and returns, and the prefix hint of key mismatches."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bcp
+from bcp.errors import prefix_hint
+
+_names = st.text("abcdefgh_", min_size=1, max_size=6)
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+
+
+def test_non_strict_load_warns_and_returns_what_it_skipped(tmp_path, caplog):
+    model = _model()
+    bcp.save({"model": model.state_dict(), "step": 3, "extra": torch.ones(2)}, tmp_path / "ck")
+    wrapped = torch.nn.Module()
+    wrapped.module = _model()
+    state = {"model": wrapped.state_dict(), "step": torch.zeros(1), "other": 1}
+    with caplog.at_level(logging.WARNING, logger="bcp"):
+        info = bcp.load_with_info(state, tmp_path / "ck", strict=False)
+    assert set(info.missing) == {f"model.module.{k}" for k in model.state_dict()} | {"other"}
+    assert set(info.unexpected) == {f"model.{k}" for k in model.state_dict()} | {"extra"}
+    assert info.kind_mismatch == ("step",) and info.skipped
+    assert info.hint is not None and "'model.module.'" in info.hint and "'model.'" in info.hint
+    (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    text = record.getMessage()
+    assert "5 missing, 5 unexpected, 0 cast, 1 kind mismatches" in text
+    assert "model.module.0.weight" in text and "hint:" in text
+
+
+def test_the_warning_lists_at_most_eight_keys_per_kind(tmp_path, caplog):
+    bcp.save({f"t{i}": torch.zeros(1) for i in range(20)}, tmp_path / "ck")
+    with caplog.at_level(logging.WARNING, logger="bcp"):
+        info = bcp.load_with_info({"t0": torch.ones(1, dtype=torch.float64)}, tmp_path / "ck", strict=False)
+    assert info.cast == ("t0",) and len(info.unexpected) == 19
+    text = caplog.records[-1].getMessage()
+    assert "... and 11 more" in text and "t0 (float32 -> float64)" in text
+
+
+def test_a_matching_load_is_silent(tmp_path, caplog):
+    bcp.save({"a": torch.zeros(2)}, tmp_path / "ck")
+    with caplog.at_level(logging.WARNING, logger="bcp"):
+        info = bcp.load_with_info({"a": torch.ones(2)}, tmp_path / "ck", strict=False)
+    assert not info.skipped and info.hint is None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_strict_mismatch_suggests_stripping_the_ddp_prefix(tmp_path):
+    wrapped = torch.nn.Module()
+    wrapped.module = _model()
+    bcp.save({"model": wrapped.state_dict()}, tmp_path / "ck")
+    with pytest.raises(bcp.StateMismatchError) as caught:
+        bcp.load({"model": _model().state_dict()}, tmp_path / "ck")
+    error = caught.value
+    assert "hint: 4 of 4 missing keys" in str(error) and "'model.module.'" in str(error)
+    again = pickle.loads(pickle.dumps(error))
+    assert again.hint == error.hint and str(again) == str(error)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    keys=st.lists(st.lists(_names, min_size=1, max_size=3).map(".".join), min_size=1, max_size=6, unique=True),
+    state_prefix=st.lists(_names, max_size=2).map(lambda p: "".join(k + "." for k in p)),
+    stored_prefix=st.lists(_names, max_size=2).map(lambda p: "".join(k + "." for k in p)),
+)
+def test_prefix_hint_names_any_prefix_swap(keys, state_prefix, stored_prefix):
+    missing = [state_prefix + k for k in keys]
+    unexpected = [stored_prefix + k for k in keys]
+    hint = prefix_hint(missing, unexpected)
+    if state_prefix == stored_prefix:
+        assert hint is None  # nothing would be missing in a real load
+        return
+    assert hint is not None and f"{len(keys)} of {len(keys)} missing keys" in hint
+    # the swap it names turns every missing key into a stored one
+    named = hint.split("the state has ")[1]
+    said_state, said_stored = (part.split("'")[1] for part in named.split(" where the checkpoint has "))
+    said_state = "" if said_state == "(no prefix)" else said_state
+    said_stored = "" if said_stored == "(no prefix)" else said_stored
+    assert all(m.startswith(said_state) and said_stored + m[len(said_state) :] in unexpected for m in missing)
+
+
+def test_prefix_hint_stays_silent_for_unrelated_keys():
+    assert prefix_hint(["a.weight", "b.bias"], ["c.running_mean"]) is None
+    assert prefix_hint(["x.weight", "y.weight", "z.weight"], ["p.x.weight"]) is None  # explains 1 of 3
+    assert prefix_hint([], ["a"]) is None and prefix_hint(["a"], []) is None
