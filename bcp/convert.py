@@ -2,15 +2,20 @@
 
 * bcp -> Hugging Face-style safetensors: size-capped shards
   (``model-00001-of-00003.safetensors``) plus ``model.safetensors.index.json`` (one
-  ``model.safetensors`` when everything fits one shard). Memory: one shard.
+  ``model.safetensors`` when everything fits one shard), with optional renaming
+  rules, a floating-point dtype cast and a copied ``config.json``. Memory: one shard.
 * bcp -> one ``torch.save`` file: each tensor is read into a file-backed (mmap)
   buffer in a scratch directory, so ``torch.save`` streams from the page cache;
   the file keeps the saved nesting and the checkpoint's (safe) objects.
 * safetensors (a file, or a directory of shards) -> bcp: the files are
   memory-mapped and their tensors saved without being copied into memory first.
 * ``torch.save`` file -> bcp: ``torch.load(mmap=True, weights_only=True)``.
+* bcp -> PyTorch DCP: written by DCP's own writer and planner (so DCP's load finds
+  the state's nesting as it flattens it), the tensors read from bcp in bounded
+  batches only when the writer asks for them. Memory: one batch.
 * PyTorch DCP checkpoint -> bcp: every tensor is loaded by DCP into a file-backed
-  buffer, then saved. DCP's ``.metadata`` and its non-tensor entries are pickles:
+  buffer, then saved with the nesting DCP recorded (``planner_data``) rebuilt.
+  DCP's ``.metadata`` and its non-tensor entries are pickles:
   without ``allow_pickle=True`` the metadata is unpickled with an allow-list of DCP's
   own types (:mod:`bcp.dcp_metadata`) and the entries with ``weights_only=True``; an
   entry that needs more is skipped (and named).
@@ -610,6 +615,11 @@ def from_dcp(
 def _nest(flat: dict[str, Any], paths: dict[str, KeyPath], *, where: str) -> dict:
     """DCP's flat entries put back where they sat in the saved state (dicts, lists)."""
     entries = [(paths[fqn], value) for fqn, value in flat.items()]
+    leaves = {path: fqn for fqn, path in paths.items()}
+    for fqn, path in paths.items():
+        inner = next((leaves[path[:i]] for i in range(1, len(path)) if path[:i] in leaves), None)
+        if inner is not None:
+            raise FormatError(f"{where}: DCP planner_data puts {fqn!r} inside the value of {inner!r}")
     gaps = _list_gaps([path for path, _value in entries])
     if len(gaps) > len(entries):
         raise FormatError(f"{where}: DCP planner_data names list items far past the entries it has")

@@ -3,6 +3,7 @@ DCP's own metadata, and a streamed, memory-bounded export back to DCP."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -213,3 +214,34 @@ def test_the_cli_converts_both_ways_and_refuses_what_dcp_cannot_keep(tmp_path):
         proc = _cli("convert", str(tmp_path / "b"), str(tmp_path / "x"), "--to", "dcp", *extra)
         assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert "Traceback" not in proc.stderr and not (tmp_path / "x").exists()
+
+
+def test_tensors_inside_a_tuple_reach_dcp(tmp_path):
+    """DCP stores a tuple whole (pickled bytes), so its tensors are read, not placeholders."""
+    state = {"w": torch.ones(3), "pair": (torch.arange(3), "label")}
+    bcp.save(state, str(tmp_path / "b"))
+    to_dcp(str(tmp_path / "b"), str(tmp_path / "dcp"))
+    template = {"w": torch.zeros(3), "pair": None}
+    dcp.load(template, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert torch.equal(template["pair"][0], torch.arange(3)) and template["pair"][1] == "label"
+
+
+def test_planner_data_that_puts_a_value_under_another_value_is_a_format_error(tmp_path):
+    import pickle
+
+    from bcp.dcp_metadata import read_metadata
+
+    src = tmp_path / "dcp"
+    dcp.save({"a": torch.ones(2), "b": torch.ones(2)}, checkpoint_id=str(src), no_dist=True)
+    metadata = read_metadata(str(src))
+    # entry "b" renamed "a.b" with the path ("a", "b"): it would sit inside the tensor "a"
+    metadata.state_dict_metadata["a.b"] = metadata.state_dict_metadata.pop("b")
+    metadata.planner_data = {"a": ("a",), "a.b": ("a", "b")}
+    for index in list(metadata.storage_data):
+        if index.fqn == "b":
+            metadata.storage_data[dataclasses.replace(index, fqn="a.b")] = metadata.storage_data.pop(index)
+    with open(src / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(FormatError, match=r"planner_data puts 'a\.b' inside the value of 'a'"):
+        from_dcp(str(src), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
