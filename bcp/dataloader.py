@@ -72,6 +72,14 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
             yield stream[self.consumed - 1]
         self.exhausted = True
 
+    def take(self, n: int) -> list[int]:
+        """The next ``n`` sample ids of this rank (fewer at the end of the epoch), for
+        loops that draw ids without a DataLoader."""
+        stream = self._stream()
+        ids = stream[self.consumed : self.consumed + n]
+        self.consumed += len(ids)
+        return ids
+
     def __len__(self) -> int:
         return len(self._stream())
 

@@ -1,13 +1,16 @@
-"""Worked example: resume a sharded dataloader at a different world size.
+"""Worked example: resume a sharded data position and per-rank RNG at another world size.
 
-Each rank's sampler walks its own share of a shuffled epoch and saves how far it got
-as a per-rank object (``bcp.PerRank``). Loaded by the same number of ranks, every
-rank gets its own position back. Loaded by a different number, bcp hands the
-``reshard_objects`` hook every saved rank's position; :func:`reshard_sampler_state`
-pools the samples already consumed and deals the rest of the epoch to the new ranks,
-so no sample is skipped or seen twice.
+Each rank's sampler (``bcp.dataloader.ShardedSampler``, also usable as the sampler of
+torchdata's ``StatefulDataLoader``) walks its share of a shuffled epoch and is saved
+as a per-rank object (``bcp.PerRank``). Loaded by the same number of ranks, every rank
+gets its own position back. Loaded by another number, bcp hands the
+``reshard_objects`` hook every saved rank's value; :func:`reshard_sampler_state` pools
+the samples already consumed and deals the rest of the epoch to the new ranks, so no
+sample is skipped or seen twice, and gives each rank a distinct RNG state.
+``bcp.TrainingState`` does all of this for a whole training job (its hook is
+``bcp.reshard_per_rank``).
 
-    python examples/dataloader_reshard.py      # simulated 4 -> 3 ranks, no processes
+    python examples/dataloader_reshard.py      # simulated 4 -> 3 and 2 -> 5 ranks, no processes
 """
 
 from __future__ import annotations
@@ -16,64 +19,24 @@ from typing import Any
 
 import torch
 
+from bcp.dataloader import ShardedSampler, consumed_ids, reshard_dataloader_states
+from bcp.training import reshard_per_rank, reshard_rng_states
 
-class ShardedSampler:
-    """Deals a seeded permutation of ``num_samples`` ids round-robin over ranks."""
-
-    def __init__(self, num_samples: int, rank: int, world: int, seed: int = 0, epoch: int = 0) -> None:
-        self.num_samples, self.rank, self.world, self.seed, self.epoch = num_samples, rank, world, seed, epoch
-        self.consumed = 0
-        self.order: list[int] | None = None  # set after a reshard: this rank's remaining ids
-
-    def _stream(self) -> list[int]:
-        if self.order is not None:
-            return self.order
-        perm = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        return perm.tolist()[self.rank :: self.world]
-
-    def take(self, n: int) -> list[int]:
-        """The next ``n`` sample ids of this rank (fewer at the end of the epoch)."""
-        ids = self._stream()[self.consumed : self.consumed + n]
-        self.consumed += len(ids)
-        return ids
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "num_samples": self.num_samples,
-            "seed": self.seed,
-            "epoch": self.epoch,
-            "world": self.world,
-            "rank": self.rank,
-            "consumed": self.consumed,
-            "order": self.order,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.num_samples, self.seed, self.epoch = state["num_samples"], state["seed"], state["epoch"]
-        self.consumed, self.order = state["consumed"], state["order"]
-
-
-def consumed_ids(state: dict[str, Any]) -> list[int]:
-    """The sample ids a saved sampler state had already handed out."""
-    sampler = ShardedSampler(state["num_samples"], state["rank"], state["world"], state["seed"], state["epoch"])
-    sampler.order = state["order"]
-    return sampler._stream()[: state["consumed"]]
+__all__ = ["ShardedSampler", "consumed_ids", "reshard_sampler_state"]
 
 
 def reshard_sampler_state(fqn: str, values: dict[int, Any], rank: int, world: int) -> Any:
-    """bcp ``reshard_objects`` hook: pool what every saved rank consumed, deal the rest.
-
-    ``values`` maps each saving rank to its saved object. Objects other than sampler
-    states fall back to saving rank ``rank % len(values)``'s value (RNG states, say):
-    a choice this hook makes explicitly rather than bcp silently.
-    """
+    """bcp ``reshard_objects`` hook: sampler (or StatefulDataLoader) positions are
+    re-dealt; a bare ``torch.get_rng_state()`` goes to the rank of the same number, and
+    a rank beyond the saved count gets a fresh one derived from the saved states and
+    its rank (never a copy of another rank's); anything else goes to bcp's own hook."""
     first = values[min(values)]
-    if not (isinstance(first, dict) and "consumed" in first and "num_samples" in first):
-        return values[sorted(values)[rank % len(values)]]
-    done = {i for state in values.values() for i in consumed_ids(state)}
-    perm = torch.randperm(first["num_samples"], generator=torch.Generator().manual_seed(first["seed"] + first["epoch"]))
-    remaining = [i for i in perm.tolist() if i not in done]
-    return {**first, "world": world, "rank": rank, "consumed": 0, "order": remaining[rank::world]}
+    if isinstance(first, torch.Tensor):
+        wrapped = {r: {"torch": v, "cuda": []} for r, v in values.items()}
+        return reshard_rng_states(wrapped, rank, world)["torch"]
+    if isinstance(first, dict) and ("consumed" in first or "_sampler_iter_state" in first):
+        return reshard_dataloader_states(values, rank, world, fqn=fqn)
+    return reshard_per_rank(fqn, values, rank, world)
 
 
 def main() -> None:
@@ -87,9 +50,12 @@ def main() -> None:
         resumed.append(s)
     rest = [i for s in resumed for i in s.take(1000)]
     assert sorted(seen + rest) == list(range(100)), "a sample was lost or repeated"
+    rngs = {r: torch.Generator().manual_seed(r).get_state() for r in range(2)}
+    grown = [reshard_sampler_state("rng", rngs, r, 5) for r in range(5)]
+    assert len({bytes(g.numpy()) for g in grown}) == 5, "two ranks share an RNG state"
     print(
-        f"4 ranks consumed {len(seen)} samples; 3 ranks resume with {[len(s.order) for s in resumed]} left each; "
-        "every sample seen exactly once"
+        f"4 ranks consumed {len(seen)} samples; 3 ranks resume with {[len(s) for s in resumed]} left each; "
+        "every sample seen exactly once; 2 -> 5 ranks: 5 distinct RNG states"
     )
 
 
