@@ -164,8 +164,8 @@ def find_checkpoints(
     """Every checkpoint under the root, however they are laid out: the root itself,
     a manager's step directories, plain subdirectories, nested up to ``max_depth``
     levels. Committed: its ``manifest.json`` exists; incomplete: only generation
-    objects or partial writes (killed saves). One listing of the root, stopped after
-    ``max_objects`` objects, plus one walk of unfinished writes."""
+    objects or partial writes (killed saves). One listing of the root and one walk of
+    unfinished writes, each stopped after ``max_objects`` entries (``truncated``)."""
     found: dict[str, FoundCheckpoint] = {}
 
     def entry(path: str) -> FoundCheckpoint:
@@ -192,7 +192,11 @@ def find_checkpoints(
                 info.bytes += backend.size(key)
             except ObjectNotFoundError:
                 pass
-    for pending in backend.unfinished(""):  # a killed save may have left only partial files
+    # a killed save may have left only partial files; this walk is bounded the same way
+    for count, pending in enumerate(backend.unfinished("")):
+        if count >= max_objects:
+            truncated = True
+            break
         path = checkpoint_prefix_of(pending.name, max_depth)
         if path is not None:
             entry(path)

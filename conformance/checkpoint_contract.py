@@ -4,7 +4,9 @@ Where :class:`~bcp.conformance.BackendContractTests` checks single objects, thes
 tests check what a training job relies on: a realistic multi-tensor state saves,
 loads and reshards bit-exactly; a save killed with SIGKILL midway leaves no
 committed checkpoint and the previous one loads intact; checksums catch a corrupted
-or truncated object; checkpoints side by side under one prefix do not interfere.
+or truncated object; checkpoints side by side under one prefix do not interfere;
+the backend for ``ROOT/sub`` sees ROOT's objects under ``sub/`` (the sub-URI rule,
+which CheckpointManager relies on).
 
 Use it like the object contract: subclass :class:`CheckpointContractTests` and
 override the ``store_uri`` fixture to return a URI (with any query options) of an

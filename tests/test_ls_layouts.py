@@ -135,3 +135,17 @@ def test_prefix_of_a_key(parts, tail):
         assert got is None
     else:
         assert got == location
+
+
+def test_a_save_that_left_only_a_partial_file_is_incomplete(tmp_path):
+    """A save killed in its first write leaves no listed object, only a partial file."""
+    backend = backend_for(str(tmp_path))
+    writer = backend.open_writer(f"run/ck/{data_file_key(generation_name('20260101T000000-dead'), 0)}", size=4)
+    writer.write_at(0, b"part")
+    try:
+        assert list(backend.list("")) == [], "the partial file is listed"
+        found = find_checkpoints(backend)
+        assert [(c.path, c.kind, c.committed) for c in found.checkpoints] == [("run/ck", "directory", False)]
+        assert find_checkpoints(backend, max_objects=0).truncated, "the walk of partial files is not bounded"
+    finally:
+        writer.abort()
