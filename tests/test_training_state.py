@@ -56,6 +56,27 @@ def test_fsdp2_optimizer_state_dict_mistake_is_refused_before_allocating(tmp_pat
     assert opt.state_dict()["state"][0]["exp_avg"].shape == model[0].weight.shape
 
 
+@distributed
+def test_ddp_training_state_resumes_in_one_plain_process(tmp_path):
+    """get_state_dict drops DDP's module. prefix: the same checkpoint fits a plain model."""
+    uri, ref_path = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
+    dist_jobs.spawn(training_jobs.ddp_training_save_job, 2, uri, ref_path)
+    assert "model.0.weight" in bcp.open(uri).keys()
+    ref = torch.load(ref_path, weights_only=True)
+    model = dist_jobs.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    extra = {"step": 0}
+    bcp.TrainingState(model, opt, sched, extra=extra).load(uri)
+    assert extra["step"] == 2 and sched.last_epoch == 2 and opt.param_groups[0]["lr"] == 0.01 * 0.25
+    assert torch.equal(torch.get_rng_state(), ref["rng"]), "one rank resumes with saved rank 0's RNG"
+    for key, value in ref["model"].items():
+        assert torch.equal(model.state_dict()[key], value), key
+    for index, state in ref["optim"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(opt.state_dict()["state"][index][key], value), (index, key)
+
+
 # -- one process -------------------------------------------------------------------------
 
 

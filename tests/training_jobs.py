@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -131,6 +132,12 @@ def load_with_optimizer_state_dict_job(rank: int, world: int, uri: str) -> None:
         CheckpointReader.empty = real_empty
     assert "optim.state.0.exp_avg" in message and "get_optimizer_state_dict" in message, message
     assert allocations == [], allocations
+    # a plain full-size template leaf beside DTensors is refused the same way, and left untouched
+    full = torch.full((dist_jobs.HIDDEN, 10), 7.0)
+    template = {"model": model.state_dict(), "optim": {"state": {0: {"exp_avg": full}}}}
+    with pytest.raises(bcp.UnsupportedStateError, match=r"optim\.state\.0\.exp_avg"):
+        bcp.load(template, uri, strict=False)
+    assert bool((full == 7.0).all())
 
 
 def load_plain_into_ddp_like_ranks_job(rank: int, world: int, uri: str) -> None:
@@ -141,3 +148,22 @@ def load_plain_into_ddp_like_ranks_job(rank: int, world: int, uri: str) -> None:
     state = bcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, uri)
     opt.load_state_dict(state["optim"])
     assert opt.state_dict()["state"][0]["exp_avg"].shape == model[0].weight.shape
+
+
+def ddp_training_save_job(rank: int, world: int, uri: str, ref_path: str) -> None:
+    """DDP + AdamW + StepLR saved with one call; the reference is the unwrapped state."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = dist_jobs.make_model()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(2):
+        ddp(dist_jobs.batch(step, rank)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    torch.manual_seed(rank)
+    bcp.TrainingState(ddp, opt, sched, extra={"step": 2}).save(uri)
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "rng": torch.get_rng_state()}, ref_path)
