@@ -11,6 +11,8 @@ from .errors import ObjectExistsError, ObjectNotFoundError, StorageError, Transi
 from .registry import (
     backend_for,
     get_backend_class,
+    import_plugins,
+    imported_plugins,
     register_backend,
     registered_backends,
     split_scheme,
@@ -31,6 +33,8 @@ __all__ = [
     "backend_for",
     "check_key",
     "get_backend_class",
+    "import_plugins",
+    "imported_plugins",
     "register_backend",
     "registered_backends",
     "split_scheme",
