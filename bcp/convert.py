@@ -436,10 +436,12 @@ def to_dcp(
         entries.append((path, _dcp_value(reader, key, path, source)))
     state = build_nested(entries)
 
-    def fill(key: str, into: torch.Tensor) -> None:
-        reader.read_into(key, into)
+    def fill(pairs: list[tuple[str, torch.Tensor]]) -> None:
+        boxes: list[tuple[str, Box]] = [(key, ((0,) * t.dim(), tuple(t.shape))) for key, t in pairs]
+        reader.check_sizes(boxes)
+        reader.fill([(key, box, t) for (key, box), (_k, t) in zip(boxes, pairs, strict=True)])
         if progress:
-            progress(into.numel() * into.element_size())
+            progress(sum(t.numel() * t.element_size() for _key, t in pairs))
 
     planner = StreamingSavePlanner(source, fill)
     writer = BatchedFileSystemWriter(dst_dir, batch_bytes=batch_bytes, sync_files=sync_files)

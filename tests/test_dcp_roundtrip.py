@@ -245,3 +245,23 @@ def test_planner_data_that_puts_a_value_under_another_value_is_a_format_error(tm
     with pytest.raises(FormatError, match=r"planner_data puts 'a\.b' inside the value of 'a'"):
         from_dcp(str(src), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_to_dcp_reads_each_batch_in_few_requests(tmp_path):
+    import uuid
+
+    from bcp.backends import backend_for
+    from test_read_coalescing import CountingBackend
+
+    layers = [{"w": torch.randn(33, 7), "b": torch.randn(7)} for _ in range(40)]
+    uri = f"memory://to-dcp-{uuid.uuid4().hex[:8]}/ck"
+    bcp.save({"layers": layers, "step": 4}, uri)
+    counting = CountingBackend(backend_for(uri))
+    reader = bcp.open(counting)
+    counting.requests = 0
+    info = to_dcp(reader, str(tmp_path / "dcp"))  # one batch: everything fits the default
+    assert counting.requests <= 2, f"to_dcp issued {counting.requests} requests for {info.tensors} tensors"
+    template = {"layers": [{"w": torch.zeros(33, 7), "b": torch.zeros(7)} for _ in range(40)], "step": 0}
+    dcp.load(template, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for got, saved in zip(template["layers"], layers, strict=True):
+        assert torch.equal(got["w"], saved["w"]) and torch.equal(got["b"], saved["b"])
