@@ -77,6 +77,24 @@ def test_ddp_training_state_resumes_in_one_plain_process(tmp_path):
             assert torch.equal(opt.state_dict()["state"][index][key], value), (index, key)
 
 
+@distributed
+def test_tp_training_state_resumes_in_one_plain_process(tmp_path):
+    uri, ref_path = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
+    dist_jobs.spawn(training_jobs.tp_training_save_job, 2, uri, ref_path)
+    ref = torch.load(ref_path, weights_only=True)
+    model = dist_jobs.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    extra: dict = {}
+    bcp.TrainingState(model, opt, extra=extra).load(uri)
+    assert extra == {"step": 2}
+    got = dist_jobs.full_reference(model, opt)
+    for part in ("model", "optim"):
+        want_t, got_t = dist_jobs.flatten_tensors(ref[part]), dist_jobs.flatten_tensors(got[part])
+        assert set(want_t) == set(got_t) and want_t
+        for key, value in want_t.items():
+            assert torch.equal(got_t[key], value), key
+
+
 # -- one process -------------------------------------------------------------------------
 
 
@@ -143,6 +161,27 @@ def test_training_state_loads_into_a_plain_bcp_load_as_a_stateful(tmp_path):
     model2, opt2, sched2, _ = _parts(seed=4)
     bcp.load({"train": bcp.TrainingState(model2, opt2, sched2, rng=False)}, tmp_path / "ck")
     assert torch.equal(model2[0].weight, model[0].weight) and sched2.last_epoch == 1
+
+
+def test_training_state_under_a_checkpoint_manager_with_async_saves(tmp_path):
+    model, opt, sched, loader = _parts()
+    batches = iter(loader)
+    extra = {"step": 0}
+    job = bcp.TrainingState(model, opt, sched, loader, extra)
+    manager = bcp.CheckpointManager(tmp_path / "run", keep_last=2, async_save=True)
+    for step in range(3):
+        _train(model, opt, sched, batches, 1)
+        extra["step"] = step
+        manager.save(step, {"train": job})
+    manager.wait()
+    want_weight = model[0].weight.detach().clone()
+    model2, opt2, sched2, loader2 = _parts(seed=5)
+    extra2: dict = {}
+    step, _state = manager.load_latest(
+        {"train": bcp.TrainingState(model2, opt2, sched2, loader2, extra2)}, reshard_objects=bcp.reshard_per_rank
+    )
+    assert step == 2 and extra2 == {"step": 2} and sched2.last_epoch == 3
+    assert torch.equal(model2[0].weight, want_weight)
 
 
 # -- RNG when the world changes ---------------------------------------------------------

@@ -167,3 +167,18 @@ def ddp_training_save_job(rank: int, world: int, uri: str, ref_path: str) -> Non
     bcp.TrainingState(ddp, opt, sched, extra={"step": 2}).save(uri)
     if rank == 0:
         torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "rng": torch.get_rng_state()}, ref_path)
+
+
+def tp_training_save_job(rank: int, world: int, uri: str, ref_path: str) -> None:
+    """Tensor parallelism (column- then row-wise) saved with one call; full reference."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = dist_jobs.make_model()
+    parallelize_module(model, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    dist_jobs.train(model, opt, range(2), 0)  # the same batch on every rank: TP ranks see one input
+    bcp.TrainingState(model, opt, extra={"step": 2}).save(uri)
+    ref = dist_jobs.full_reference(model, opt)
+    if rank == 0:
+        torch.save(ref, ref_path)
