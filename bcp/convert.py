@@ -171,7 +171,7 @@ def to_safetensors(
         save_file(tensors, tmp, metadata={"format": "pt"})
         os.replace(tmp, os.path.join(dst_dir, file))
         if progress:
-            progress(sum(t.numel() * t.element_size() for t in tensors.values()))
+            progress(sum(reader.meta(key_of[name]).nbytes for name in shard))  # stored bytes, as the total counts
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     if len(shards) > 1:
