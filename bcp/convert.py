@@ -412,11 +412,11 @@ def to_dcp(
     ``torch.distributed.checkpoint.load`` on any number of ranks with the state's
     original nesting (DCP's planner flattens it as it flattens the template).
 
-    Streamed: DCP plans over placeholders, and the tensors are read from bcp only when
-    DCP's writer asks for them, in batches of at most ``batch_bytes`` (one data file
-    each, ``__0_<batch>_0.distcp``; a tensor larger than that is a batch of its own),
-    each written and freed before the next is read: memory holds about one batch,
-    never the whole checkpoint. ``prefix``
+    Streamed: DCP plans over placeholders, and the tensors are read from bcp batch by
+    batch (one coalesced read each) just before DCP's writer writes them, in batches
+    of at most ``batch_bytes`` (one data file each, ``__0_<batch>_0.distcp``; a tensor
+    larger than that is a batch of its own), each written and freed before the next
+    is read: memory holds about one batch, never the whole checkpoint. ``prefix``
     keeps only the keys under it (with their nesting). ``dst_dir`` must be empty or
     absent unless ``overwrite`` (then the ``*.distcp`` files and ``.metadata`` in it
     are replaced; nothing else is touched)."""
