@@ -185,7 +185,7 @@ class LoadPlan:
     shape_mismatch: list[tuple[str, tuple, tuple]] = dataclasses.field(default_factory=list)
     dtype_mismatch: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     kind_mismatch: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
-    #: stored sharded, asked for as plain full-size tensors by a template of DTensors (see _full_size_rule)
+    #: asked for as plain full-size tensors by a template holding DTensors on several ranks (refused)
     full_size: list[str] = dataclasses.field(default_factory=list)
 
     def mismatch_error(self, uri: str, *, shapes_only: bool = False) -> StateMismatchError:
@@ -221,7 +221,7 @@ def match_state(
         elif leaf.fqn in reader.catalog.tensors:
             plan.consumed.add(leaf.fqn)
             plan.kind_mismatch.append((leaf.fqn, "an object", "a tensor"))
-        elif not _match_subtree(reader, leaf, plan, stored_paths, guard):
+        elif not _match_subtree(reader, leaf, plan, stored_paths, guard, _is_optimizer_state(state, leaf)):
             plan.missing.append(leaf.fqn)
     if plan.full_size:
         raise _full_size_error(reader, plan.full_size, world_size)
@@ -275,8 +275,8 @@ def _saved_sharded(reader: CheckpointReader, fqn: str) -> bool:
 def _full_size_error(reader: CheckpointReader, fqns: list[str], world_size: int) -> UnsupportedStateError:
     """The FSDP2 ``optimizer.state_dict()`` mistake, refused before anything is allocated."""
     return UnsupportedStateError(
-        f"{reader.uri}: {len(fqns)} tensors were saved sharded and the state given to load asks for them as plain "
-        f"full-size tensors on each of {world_size} ranks, while it holds DTensors elsewhere: {_listed(fqns)}. "
+        f"{reader.uri}: the state given to load holds DTensors, yet asks for {len(fqns)} tensors as plain "
+        f"full-size tensors on each of {world_size} ranks (saved sharded, or an optimizer's state): {_listed(fqns)}. "
         "Loading them would put the whole tensor on every rank and a later optimizer.step() would mix torch.Tensor "
         "and DTensor. This is what optimizer.state_dict() gives under FSDP2/TP: build the state with "
         "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) (or get_optimizer_state_dict), "
@@ -310,8 +310,24 @@ def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan, guard: b
     plan.tensor_requests += [TensorRequest(fqn, p.box, p.tensor) for p in pieces]
 
 
+def _is_optimizer_state(state: Mapping[str, Any], leaf: Leaf) -> bool:
+    """Whether ``leaf`` is an ``optimizer.state_dict()`` (``state`` and ``param_groups``;
+    with no tensor in its state it is one leaf) or the ``state`` beside its ``param_groups``."""
+    if isinstance(leaf.value, Mapping) and "state" in leaf.value and "param_groups" in leaf.value:
+        return True
+    if len(leaf.path) < 2 or leaf.path[-1] != ("d", "state"):
+        return False
+    parent = get_at(state, leaf.path[:-1])
+    return isinstance(parent, Mapping) and "param_groups" in parent
+
+
 def _match_subtree(
-    reader: CheckpointReader, leaf: Leaf, plan: LoadPlan, stored_paths: dict[str, tuple], guard: bool = False
+    reader: CheckpointReader,
+    leaf: Leaf,
+    plan: LoadPlan,
+    stored_paths: dict[str, tuple],
+    guard: bool = False,
+    optimizer_state: bool = False,
 ) -> bool:
     """A template container with no stored entry of its own (an optimizer's empty
     ``state`` before its first step): replaced by the stored subtree below its path,
@@ -326,7 +342,14 @@ def _match_subtree(
         return False
     plan.consumed.update(below)
     if guard:  # nothing allocated for a subtree of sharded tensors: refused by match_state
-        sharded = [f for f in below if f in reader.catalog.tensors and _saved_sharded(reader, f)]
+        # an optimizer's state filled beside DTensors would hold plain full-size tensors
+        # (0-d ones, its step counters, are the same either way), however it was saved
+        sharded = [
+            f
+            for f in below
+            if f in reader.catalog.tensors
+            and ((optimizer_state and len(reader.catalog.tensors[f].global_shape) > 0) or _saved_sharded(reader, f))
+        ]
         if sharded:
             plan.full_size += sharded
             return True

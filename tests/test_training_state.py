@@ -57,6 +57,18 @@ def test_fsdp2_optimizer_state_dict_mistake_is_refused_before_allocating(tmp_pat
 
 
 @distributed
+def test_a_single_process_checkpoint_resumed_with_optimizer_state_dict_on_fsdp2_is_refused(tmp_path):
+    """Saved unsharded, the optimizer's tensors would still come back plain and full
+    size beside the DTensor parameters: the optimizer-state rule catches it."""
+    uri = str(tmp_path / "ck")
+    model = dist_jobs.make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    dist_jobs.train(model, opt, range(1), 0)
+    bcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, uri)
+    dist_jobs.spawn(training_jobs.load_with_optimizer_state_dict_job, 2, uri)
+
+
+@distributed
 def test_ddp_training_state_resumes_in_one_plain_process(tmp_path):
     """get_state_dict drops DDP's module. prefix: the same checkpoint fits a plain model."""
     uri, ref_path = str(tmp_path / "ck"), str(tmp_path / "ref.pt")

@@ -132,6 +132,8 @@ def load_with_optimizer_state_dict_job(rank: int, world: int, uri: str) -> None:
         CheckpointReader.empty = real_empty
     assert "optim.state.0.exp_avg" in message and "get_optimizer_state_dict" in message, message
     assert allocations == [], allocations
+    if bcp.open(uri).manifest.world_size == 1:
+        return  # saved unsharded: a plain full-size leaf outside an optimizer state is a legitimate load
     # a plain full-size template leaf beside DTensors is refused the same way, and left untouched
     full = torch.full((dist_jobs.HIDDEN, 10), 7.0)
     template = {"model": model.state_dict(), "optim": {"state": {0: {"exp_avg": full}}}}
