@@ -85,17 +85,24 @@ def scan(
         if step is None:
             continue
         info = found.setdefault(step, StepInfo(step, committed=False))
-        info.objects += 1
         if generation is not None:
             info.generations.add(generation)
-        if key == manifest_key(f"{step_name(step)}/"):
-            info.committed = True
-        if sizes:
-            try:
-                info.bytes += backend.size(key)
-            except ObjectNotFoundError:
-                pass
+        _count_object(info, backend, key, f"{step_name(step)}/", sizes)
     return found
+
+
+def _count_object(info: StepInfo | FoundCheckpoint, backend: Backend, key: str, prefix: str, sizes: bool) -> None:
+    """One listed object of the checkpoint at ``prefix``: counted, its manifest marks
+    the checkpoint committed, and its size is added when asked (an object deleted
+    since the listing counts nothing)."""
+    info.objects += 1
+    if key == manifest_key(prefix):
+        info.committed = True
+    if sizes:
+        try:
+            info.bytes += backend.size(key)
+        except ObjectNotFoundError:
+            pass
 
 
 #: How deep below a root ``find_checkpoints`` looks for checkpoints: the root itself
@@ -183,15 +190,7 @@ def find_checkpoints(
         path = checkpoint_prefix_of(key, max_depth)
         if path is None:
             continue
-        info = entry(path)
-        info.objects += 1
-        if key == manifest_key(f"{path}/" if path else ""):
-            info.committed = True
-        if sizes:
-            try:
-                info.bytes += backend.size(key)
-            except ObjectNotFoundError:
-                pass
+        _count_object(entry(path), backend, key, f"{path}/" if path else "", sizes)
     # a killed save may have left only partial files; this walk is bounded the same way
     for count, pending in enumerate(backend.unfinished("")):
         if count >= max_objects:
