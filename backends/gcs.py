@@ -13,11 +13,14 @@ Every uploaded part's CRC32C, as computed by the server, is compared with ours; 
 mismatch (corruption in transit) deletes the part and fails the request as
 transient, so it is sent again. The manifest commit uses ``ifGenerationMatch=0``.
 
-Credentials only from Google's standard sources (GOOGLE_APPLICATION_CREDENTIALS,
-gcloud's application-default login, the metadata server), or ``anon=true`` for
-public buckets and emulators. gcsfs retries each HTTP request itself (up to 6
-times, exponential backoff with jitter); it cannot be switched off per instance, so
-bcp's own retry loop around it defaults to 2 attempts here.
+Credentials from ``storage_options={"token": ...}`` as gcsfs takes it (a JSON key
+file's path, a dict, ``"google_default"``, ``"anon"``, a Credentials object: one
+process can use several accounts), or else Google's standard sources
+(GOOGLE_APPLICATION_CREDENTIALS, gcloud's application-default login, the metadata
+server), or ``anon=true`` for public buckets and emulators; never from the URI.
+gcsfs retries each HTTP request itself (up to 6 times, exponential backoff with
+jitter); it cannot be switched off per instance, so bcp's own retry loop around it
+defaults to 2 attempts here.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Self
 from urllib.parse import quote
 
@@ -46,13 +49,36 @@ COMPOSE_MAX = 32  # sources per compose request
 UPLOADS = ".bcp-uploads"
 
 
+def _check_token(token: Any) -> Any:
+    """``token`` as gcsfs takes it (a service-account or authorized-user JSON file's
+    path, a method name such as ``"google_default"`` or ``"anon"``, a raw access
+    token, a dict of credentials, a ``google.auth`` Credentials object), or None;
+    TypeError naming only the type of anything else."""
+    if token is None or isinstance(token, Mapping):
+        return dict(token) if token is not None else None
+    if isinstance(token, str) and token:
+        return token
+    if isinstance(token, os.PathLike):
+        return os.fspath(token)
+    import google.auth.credentials
+
+    if isinstance(token, google.auth.credentials.Credentials):
+        return token
+    raise TypeError(
+        f"storage option token must be a path, a method name, a token string, a dict or google.auth credentials, "
+        f"got {type(token).__name__}"
+    )
+
+
 class GCSBackend(ObjectStoreBackend):
-    """Options: ``project``, ``endpoint_url`` (emulators; STORAGE_EMULATOR_HOST also
+    """Options: ``token`` (keyword only: gcsfs's credentials, never from the URI),
+    ``project``, ``endpoint_url`` (emulators; STORAGE_EMULATOR_HOST also
     works), ``anon``, ``part_size`` (default 32MiB, at most 32MiB, a multiple of
     64KiB), ``concurrency`` (default 8), ``conditional_writes`` (default true; false
     for emulators that ignore ``ifGenerationMatch``), and the retry options."""
 
     scheme = "gs"
+    credential_options = frozenset({"token"})
     default_retry_attempts = 2  # gcsfs already retries every request (see module notes)
 
     def __init__(
@@ -74,17 +100,15 @@ class GCSBackend(ObjectStoreBackend):
 
     @classmethod
     def from_uri(cls, uri: str, **options: Any) -> Self:
-        if {"token", "credentials", "key"} & set(options):
-            raise TypeError(
-                "credentials are not accepted as options; use GOOGLE_APPLICATION_CREDENTIALS, "
-                "gcloud application-default login or the metadata server (or anon=true)"
-            )
         bucket, root = split_bucket_uri(uri, store="GCS", scheme="gs")
+        token = _check_token(options.pop("token", None))
         project = options.pop("project", None)
         common = pop_store_options(options, default_part=DEFAULT_PART)
         reject_unknown("gcs", uri, options)
         check_part_size(common.part_size, minimum=256 << 10)
-        kwargs = {"token": "anon" if common.anon else None}
+        if token is not None and common.anon:
+            raise TypeError("storage options token and anon exclude each other (anon is token='anon')")
+        kwargs: dict[str, Any] = {"token": "anon" if common.anon else token}
         if project:
             kwargs["project"] = project
         if common.endpoint_url:

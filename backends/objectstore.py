@@ -18,8 +18,8 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from .errors import ObjectExistsError, ObjectNotFoundError, annotate
-from .options import as_bool, as_int, as_size
+from .errors import ObjectExistsError, ObjectNotFoundError, annotate, redact_uri
+from .options import as_bool, as_int, as_size, refuse_uri_credentials
 from .parts import PartWriter
 
 
@@ -37,9 +37,19 @@ class StoreOptions:
 def split_bucket_uri(uri: str, *, store: str, scheme: str) -> tuple[str, str]:
     """``(bucket, root)`` of ``scheme://bucket/prefix``; ValueError without a bucket."""
     parts = urlsplit(uri)
+    if "@" in parts.netloc:  # a bucket name has no "@": this is user[:password]@bucket
+        refuse_uri_credentials(uri, [], userinfo=True)
     if not parts.netloc:
-        raise ValueError(f"{store} URI needs a bucket: {scheme}://BUCKET[/prefix], got {uri!r}")
+        raise ValueError(f"{store} URI needs a bucket: {scheme}://BUCKET[/prefix], got {redact_uri(uri)!r}")
     return parts.netloc, unquote(parts.path).strip("/")
+
+
+def check_credential(name: str, value: Any) -> str:
+    """``value`` if it is a non-empty string; TypeError naming the option (never
+    showing the value: it is a secret)."""
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"option {name} must be a non-empty string, got {type(value).__name__}")
+    return value
 
 
 def pop_store_options(options: dict[str, Any], *, default_part: int) -> StoreOptions:
@@ -60,6 +70,9 @@ class ObjectStoreBackend(Backend):
 
     network = True
     capabilities = Capability.RANGED_READ | Capability.PARALLEL_WRITES | Capability.CREATE_ONLY
+    #: Options that are credentials: accepted as keyword arguments (``storage_options``),
+    #: refused in the URI's query by :func:`~bcp.backends.backend_for`.
+    credential_options: frozenset[str] = frozenset()
 
     def __init__(
         self, uri: str, bucket: str, root: str, fs: Any, *, part_size: int, concurrency: int, conditional_writes: bool

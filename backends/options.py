@@ -62,3 +62,35 @@ def reject_unknown(kind: str, uri: str, options: dict) -> None:
     """TypeError naming every option nobody consumed (values are not shown: they may be secrets)."""
     if options:
         raise TypeError(f"unknown option(s) for the {kind} backend ({uri}): {', '.join(sorted(options))}")
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether an option named ``name`` carries a secret by its name alone
+    (``token``, ``secret``, ``password``, ``*_access_key``, ...): such an option never
+    belongs in a URI, whatever the backend."""
+    from .errors import _SECRET_NAME_RE
+
+    return _SECRET_NAME_RE.fullmatch(name) is not None
+
+
+def refuse_uri_credentials(uri: str, names: list[str], *, userinfo: bool = False) -> None:
+    """ValueError for credentials found in ``uri`` (query option ``names``, or a
+    ``user[:password]@`` when ``userinfo``), naming where they were and never their
+    values: a URI is printed, logged and passed around, so it must carry no secret.
+    The URI is shown without its query and without anything before an ``@``."""
+    found = []
+    if userinfo:
+        found.append("a user[:password]@ before the host")
+    if names:
+        found.append(f"query option(s) {', '.join(sorted(set(names)))}")
+    if not found:
+        return
+    scheme, sep, rest = uri.partition("?")[0].partition("://")
+    authority, slash, path = rest.partition("/")
+    shown = f"{scheme}{sep}{authority.rpartition('@')[2]}{slash}{path}" if sep else scheme
+    raise ValueError(
+        f"{shown}: credentials do not belong in a URI ({'; '.join(found)}): URIs are printed, logged and "
+        "passed around. Pass them in storage_options (the dict bcp.save, bcp.load and CheckpointManager take, "
+        "as s3fs and gcsfs name them), or use the store's standard sources (environment, config files, "
+        "instance roles)"
+    )

@@ -25,6 +25,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from .base import Backend
 from .errors import redact, redact_uri
+from .options import is_secret_name, refuse_uri_credentials
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +172,9 @@ def backend_for(uri: str | os.PathLike[str], **options: Any) -> Backend:
     base = uri
     if scheme != "file" or "://" in uri:
         parts = urlsplit(uri)
+        query = dict(parse_qsl(parts.query, keep_blank_values=True)) if parts.query else {}
+        _refuse_credentials_in_uri(cls, uri, parts.netloc, query)
         if parts.query:
-            query = dict(parse_qsl(parts.query, keep_blank_values=True))
             options = {**query, **options}
             base = uri[: uri.index("?")]  # not urlunsplit: it turns "x:///p" into "x:/p"
     log.debug("backend %s for %s", cls.__name__, redact_uri(base))
@@ -187,6 +189,20 @@ def backend_for(uri: str | os.PathLike[str], **options: Any) -> Backend:
     except Exception as e:
         _redact_exception(e)
         raise
+
+
+def _refuse_credentials_in_uri(cls: type[Backend], uri: str, netloc: str, query: Mapping[str, str]) -> None:
+    """ValueError when the URI of a backend that takes credentials as options (one
+    with ``credential_options``: S3, GCS) carries them itself: a ``user:password@``
+    in its host part, or a query option that is one of its credentials or secret by
+    its name. The same options are welcome as keyword arguments (``storage_options``),
+    which are never printed or stored. Other backends keep such URIs, shown redacted."""
+    if not hasattr(cls, "credential_options"):
+        return
+    own = {name.lower() for name in cls.credential_options}
+    names = [name for name in query if name.lower() in own or is_secret_name(name)]
+    userinfo = ":" in netloc.rpartition("@")[0]
+    refuse_uri_credentials(uri, names, userinfo=userinfo)
 
 
 def _redact_exception(error: BaseException) -> None:

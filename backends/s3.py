@@ -9,9 +9,11 @@ with ``If-None-Match: *``). A writer that fails or is aborted aborts its multipa
 upload, so no parts are left billed and invisible. Every PUT and part carries its
 CRC32C (``x-amz-checksum-crc32c``), which AWS checks on arrival.
 
-Credentials come only from the standard AWS sources (environment, shared config and
-credentials files, ``profile=``, instance/container roles); they are never options,
-never stored, never logged. s3fs's and botocore's own retry loops are switched off:
+Credentials come from ``storage_options`` (``key``, ``secret``, ``token``, as s3fs
+takes them: one process can use several accounts) or else the standard AWS sources
+(environment, shared config and credentials files, ``profile=``, instance/container
+roles); never from the URI, which is printed and logged. They are never stored,
+logged or shown in errors. s3fs's and botocore's own retry loops are switched off:
 :class:`~bcp.backends.wrappers.RetryingBackend` is the one loop.
 """
 
@@ -26,7 +28,7 @@ import s3fs
 
 from .base import Buffer, Unfinished
 from .errors import StorageError, annotate
-from .objectstore import ObjectStoreBackend, pop_store_options, split_bucket_uri
+from .objectstore import ObjectStoreBackend, check_credential, pop_store_options, split_bucket_uri
 from .options import check_part_size, reject_unknown
 from .parts import PartWriter, crc32c_b64
 
@@ -38,20 +40,38 @@ DEFAULT_PART = 32 << 20
 #: A single PUT up to this size; larger whole-object writes go multipart.
 SINGLE_PUT_MAX = 64 << 20
 
-_CREDENTIAL_OPTIONS = {
-    "key",
-    "secret",
-    "token",
-    "aws_access_key_id",
-    "aws_secret_access_key",
-    "aws_session_token",
-    "access_key",
-    "secret_key",
+#: Credential options, by what s3fs calls them, and the other names they go by
+#: (botocore's, MinIO's, s3fs's ``username``/``password``). Taken from
+#: ``storage_options`` only; a URI carrying any of them is refused.
+_CREDENTIAL_ALIASES = {
+    "key": ("key", "aws_access_key_id", "access_key", "username"),
+    "secret": ("secret", "aws_secret_access_key", "secret_key", "password"),
+    "token": ("token", "aws_session_token", "session_token"),
 }
+_CREDENTIAL_OPTIONS = frozenset(name for names in _CREDENTIAL_ALIASES.values() for name in names)
+
+
+def pop_credentials(options: dict[str, Any]) -> dict[str, str]:
+    """Pop the credential options into s3fs's ``key``/``secret``/``token``, checked:
+    one name per credential, strings, ``key`` and ``secret`` together, ``token`` only
+    with them. Errors name options, never values."""
+    found: dict[str, str] = {}
+    for canonical, names in _CREDENTIAL_ALIASES.items():
+        given = [name for name in names if name in options]
+        if len(given) > 1:
+            raise TypeError(f"options {' and '.join(given)} are the same credential; give one")
+        if given:
+            found[canonical] = check_credential(given[0], options.pop(given[0]))
+    if ("key" in found) != ("secret" in found):
+        raise TypeError("storage options key and secret go together (the access key id and its secret)")
+    if "token" in found and "key" not in found:
+        raise TypeError("storage option token (a session token) needs key and secret too")
+    return found
 
 
 class S3Backend(ObjectStoreBackend):
     """Options (URI query or keyword): ``endpoint_url``, ``region``, ``profile``,
+    ``key``/``secret``/``token`` (keyword only: credentials never come from the URI),
     ``anon``, ``part_size`` (default 32MiB, 5MiB..32MiB, a multiple of 64KiB),
     ``concurrency`` (parallel requests per process, default 8), ``checksum``
     (``crc32c`` or ``none``), ``conditional_writes`` (default true: the store honours
@@ -60,6 +80,7 @@ class S3Backend(ObjectStoreBackend):
     :func:`~bcp.backends.retry.policy_from_options`."""
 
     scheme = "s3"
+    credential_options = _CREDENTIAL_OPTIONS
 
     def __init__(
         self,
@@ -80,16 +101,13 @@ class S3Backend(ObjectStoreBackend):
 
     @classmethod
     def from_uri(cls, uri: str, **options: Any) -> Self:
-        bad = _CREDENTIAL_OPTIONS & set(options)
-        if bad:
-            raise TypeError(
-                f"credentials are not accepted as options ({', '.join(sorted(bad))}); use the standard AWS sources: "
-                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws/credentials with profile=..., or an instance role"
-            )
         bucket, root = split_bucket_uri(uri, store="S3", scheme="s3")
+        credentials = pop_credentials(options)
         region = options.pop("region", None)
         profile = options.pop("profile", None)
         common = pop_store_options(options, default_part=DEFAULT_PART)
+        if credentials and (profile or common.anon):
+            raise TypeError(f"storage options key/secret and {'profile' if profile else 'anon'} exclude each other")
         checksum = str(options.pop("checksum", "crc32c")).lower()
         reject_unknown("s3", uri, options)
         if checksum not in ("crc32c", "none"):
@@ -108,6 +126,7 @@ class S3Backend(ObjectStoreBackend):
             "response_checksum_validation": "when_required",
         }
         fs = s3fs.S3FileSystem(
+            **credentials,
             anon=common.anon,
             profile=profile,
             client_kwargs=client_kwargs,
