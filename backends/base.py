@@ -255,6 +255,11 @@ class Backend(abc.ABC):
     #: :class:`~bcp.backends.wrappers.RetryingBackend` built from the ``retries``,
     #: ``retry_base_delay``, ``retry_max_delay`` and ``retry_deadline`` options.
     network: bool = False
+    #: Names of the options that carry credentials (S3: key, secret, token, ...). They
+    #: are accepted from ``storage_options`` only: :func:`~bcp.backends.backend_for`
+    #: refuses a URI whose query or ``user:password@`` carries them. Empty: the
+    #: backend takes no credentials as options (its URIs are shown redacted).
+    credential_options: frozenset[str] = frozenset()
 
     def __init__(self, uri: str) -> None:
         #: The root as shown (errors, logs, SaveInfo): credentials in it are redacted.
@@ -266,8 +271,9 @@ class Backend(abc.ABC):
     def from_uri(cls, uri: str, **options: str) -> Self:
         """Build a backend rooted at ``uri`` (query string already removed). Options
         come from the URI query (strings) and keyword arguments (any type); reject
-        unknown ones with TypeError naming them. Never accept credentials here that
-        the store's standard configuration already provides."""
+        unknown ones with TypeError naming them, without echoing values. Credentials
+        are accepted from ``storage_options`` only: declare their names in
+        ``credential_options`` so that a URI carrying them is refused."""
 
     @property
     def hints(self) -> IOHints:

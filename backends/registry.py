@@ -197,7 +197,7 @@ def _refuse_credentials_in_uri(cls: type[Backend], uri: str, netloc: str, query:
     in its host part, or a query option that is one of its credentials or secret by
     its name. The same options are welcome as keyword arguments (``storage_options``),
     which are never printed or stored. Other backends keep such URIs, shown redacted."""
-    if not hasattr(cls, "credential_options"):
+    if not cls.credential_options:
         return
     own = {name.lower() for name in cls.credential_options}
     names = [name for name in query if name.lower() in own or is_secret_name(name)]

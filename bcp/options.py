@@ -34,8 +34,9 @@ class SaveOptions:
     metadata: Mapping[str, Any] | None = None
     #: let objects without a safe encoding be pickled; loading them then needs it too
     allow_pickle: bool = False
-    #: options for the backend the URI selects (credentials, endpoints, part sizes)
-    storage_options: Mapping[str, Any] | None = None
+    #: options for the backend the URI selects (credentials, endpoints, part sizes);
+    #: left out of the repr: it may hold secrets
+    storage_options: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
     #: bytes per CRC32C block of the data files
     checksum_block_bytes: int = DEFAULT_BLOCK_BYTES
     #: the ranks that save together (default: the whole job)
@@ -99,8 +100,8 @@ class LoadOptions:
     strict: bool = True
     #: let stored pickles be unpickled (runs code from the checkpoint)
     allow_pickle: bool = False
-    #: options for the backend the URI selects
-    storage_options: Mapping[str, Any] | None = None
+    #: options for the backend the URI selects (credentials too: left out of the repr)
+    storage_options: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
     #: the ranks that load together (default: the whole job)
     process_group: Any = None
     #: decides what each rank gets of objects saved per rank at another world size

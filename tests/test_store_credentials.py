@@ -225,3 +225,15 @@ def test_gcs_token_from_storage_options_is_written_nowhere(gcs_server, caplog):
     assert any(key.endswith("manifest.json") for key, _ in stored)
     for key, data in stored:
         assert token.encode() not in data, f"the token was written into {key}"
+
+
+def test_options_reprs_leave_storage_options_out():
+    """SaveOptions/LoadOptions may be logged or printed by users: their repr never shows
+    storage_options, which may hold credentials."""
+    secret = "sk-" + uuid.uuid4().hex
+    for options in (
+        bcp.SaveOptions(storage_options={"secret": secret}),
+        bcp.LoadOptions(storage_options={"token": secret}),
+    ):
+        assert secret not in repr(options) and "storage_options" not in repr(options)
+        assert options.storage_options is not None and secret in options.storage_options.values()
