@@ -37,10 +37,11 @@ def test_wheel_contains_only_the_bcp_namespace(tmp_path):
         check=True,
         capture_output=True,
     )
-    (wheel,) = tmp_path.glob("bcp-*.whl")
+    (wheel,) = tmp_path.glob("bcp_checkpoint-*.whl")  # the distribution bcp-checkpoint
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"bcp", next(t for t in top if t.endswith(".dist-info"))}, top
+    assert any(t.startswith("bcp_checkpoint-") for t in top), "the distribution is bcp-checkpoint, the package bcp"
     for module in (
         "bcp/backends/base.py",
         "bcp/metadata/catalog.py",
