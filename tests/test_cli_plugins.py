@@ -167,10 +167,16 @@ def test_import_option_of_pytest_reaches_the_child(tmp_path):
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:]
 
 
+def one_check(tmp_path: Path, plugin: str, name: str, k: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run the conformance checks matching ``k`` against ``plugin`` (imported with
+    --import): the run and the report of check ``name``."""
+    module, scheme = write_plugin(tmp_path, plugin)
+    proc, data = conformance_report(tmp_path, f"{scheme}://store/root", "--quick", "--import", module, "-k", k)
+    return proc, checks(data)[name]
+
+
 def test_backend_breaking_the_sub_uri_rule_fails_its_check(tmp_path):
-    module, scheme = write_plugin(tmp_path, FLAT_PLUGIN)
-    proc, data = conformance_report(tmp_path, f"{scheme}://store/root", "--quick", "--import", module, "-k", "sub_uri")
-    check = checks(data)["test_sub_uri_sees_the_roots_objects_under_sub"]
+    proc, check = one_check(tmp_path, FLAT_PLUGIN, "test_sub_uri_sees_the_roots_objects_under_sub", "sub_uri")
     assert check["outcome"] == "failed" and "sub-URI rule" in check["why"], check
     assert proc.returncode == 1
 
@@ -185,9 +191,7 @@ def test_sub_uri_rule_breaks_the_manager_as_the_check_says(tmp_path, in_process)
 
 
 def test_writer_without_its_key_fails_the_attribute_check(tmp_path):
-    module, scheme = write_plugin(tmp_path, ANONYMOUS_WRITER_PLUGIN)
-    proc, data = conformance_report(tmp_path, f"{scheme}://store/root", "--quick", "--import", module, "-k", "attrib")
-    check = checks(data)["test_writer_has_the_interface_attributes"]
+    proc, check = one_check(tmp_path, ANONYMOUS_WRITER_PLUGIN, "test_writer_has_the_interface_attributes", "attrib")
     assert check["outcome"] == "failed" and "writer.key" in check["why"], check
     assert proc.returncode == 1
 
