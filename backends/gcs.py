@@ -20,7 +20,8 @@ process can use several accounts), or else Google's standard sources
 server), or ``anon=true`` for public buckets and emulators; never from the URI.
 gcsfs retries each HTTP request itself (up to 6 times, exponential backoff with
 jitter); it cannot be switched off per instance, so bcp's own retry loop around it
-defaults to 2 attempts here.
+defaults to 4 attempts here, not 6. gcsfs does not retry a request that bcp's
+``timeout`` abandoned (a stall): those attempts are bcp's.
 """
 
 from __future__ import annotations
@@ -74,12 +75,13 @@ class GCSBackend(ObjectStoreBackend):
     """Options: ``token`` (keyword only: gcsfs's credentials, never from the URI),
     ``project``, ``endpoint_url`` (emulators; STORAGE_EMULATOR_HOST also
     works), ``anon``, ``part_size`` (default 32MiB, at most 32MiB, a multiple of
-    64KiB), ``concurrency`` (default 8), ``conditional_writes`` (default true; false
+    64KiB), ``concurrency`` (default 8), ``timeout`` (seconds one request may take,
+    gcsfs's retries of it included, default 60; 0 for none), ``conditional_writes`` (default true; false
     for emulators that ignore ``ifGenerationMatch``), and the retry options."""
 
     scheme = "gs"
     credential_options = frozenset({"token"})
-    default_retry_attempts = 2  # gcsfs already retries every request (see module notes)
+    default_retry_attempts = 4  # gcsfs already retries every error, but not our timeouts (module notes)
 
     def __init__(
         self,
@@ -92,9 +94,17 @@ class GCSBackend(ObjectStoreBackend):
         part_size: int,
         concurrency: int,
         conditional_writes: bool,
+        timeout: float | None,
     ) -> None:
         super().__init__(
-            uri, bucket, root, fs, part_size=part_size, concurrency=concurrency, conditional_writes=conditional_writes
+            uri,
+            bucket,
+            root,
+            fs,
+            part_size=part_size,
+            concurrency=concurrency,
+            conditional_writes=conditional_writes,
+            timeout=timeout,
         )
         self.api_base = api_base
 
@@ -113,6 +123,8 @@ class GCSBackend(ObjectStoreBackend):
             kwargs["project"] = project
         if common.endpoint_url:
             kwargs["endpoint_url"] = common.endpoint_url
+        if common.timeout is not None:  # each HTTP attempt gcsfs makes; run() bounds them all
+            kwargs["requests_timeout"] = common.timeout
         fs = gcsfs.GCSFileSystem(**kwargs)
         if root.startswith(UPLOADS) or f"/{UPLOADS}" in root:
             raise ValueError(f"{uri!r}: {UPLOADS} is reserved for bcp's temporary upload parts")
@@ -130,9 +142,15 @@ class GCSBackend(ObjectStoreBackend):
             part_size=common.part_size,
             concurrency=common.concurrency,
             conditional_writes=common.conditional_writes,
+            timeout=common.timeout,
         )
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def call(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        """One JSON API request through gcsfs (with gcsfs's own retries), abandoned
+        after ``timeout`` seconds."""
+        return self.run(self.fs._call, method, path, *args, **kwargs)
 
     def upload(self, name: str, data: Buffer, *, if_absent: bool = False) -> dict:
         """Upload object ``name`` (bucket-relative) in one resumable session: the
@@ -145,7 +163,7 @@ class GCSBackend(ObjectStoreBackend):
         payload = data if isinstance(data, (bytes, bytearray)) else bytes(data)
         expected = crc32c_b64(payload)
         extra = {"ifGenerationMatch": "0"} if if_absent else {}
-        headers, _ = self.fs.call(
+        headers, _ = self.call(
             "POST",
             f"{self.api_base}/upload/storage/v1/b/{quote(self.bucket)}/o",
             uploadType="resumable",
@@ -156,7 +174,7 @@ class GCSBackend(ObjectStoreBackend):
         )
         location = headers["Location"]
         span = f"bytes 0-{len(payload) - 1}/{len(payload)}" if payload else "bytes */0"
-        _, body = self.fs.call(
+        _, body = self.call(
             "PUT", location, data=payload, headers={"Content-Range": span, "Content-Type": "application/octet-stream"}
         )
         out = json.loads(body) if body else {}
@@ -172,7 +190,7 @@ class GCSBackend(ObjectStoreBackend):
         return out
 
     def compose(self, target: str, sources: list[str]) -> None:
-        self.fs.merge(f"{self.bucket}/{target}", [f"{self.bucket}/{s}" for s in sources])
+        self.run(self.fs._merge, f"{self.bucket}/{target}", [f"{self.bucket}/{s}" for s in sources])
 
     def _delete_names(self, names: list[str]) -> None:
         """Delete bucket-relative names in parallel."""
@@ -206,7 +224,7 @@ class GCSBackend(ObjectStoreBackend):
             if token:
                 kwargs["pageToken"] = token
             with annotate(self.uri, full_prefix, "listing"):
-                page = self.fs.call("GET", "b/{}/o", self.bucket, json_out=True, **kwargs)
+                page = self.call("GET", "b/{}/o", self.bucket, json_out=True, **kwargs)
             for item in page.get("items", []):
                 yield item["name"]
             token = page.get("nextPageToken")
@@ -218,7 +236,7 @@ class GCSBackend(ObjectStoreBackend):
 
     def _delete_name(self, name: str) -> None:
         try:
-            self.fs.call("DELETE", "b/{}/o/{}", self.bucket, name)
+            self.call("DELETE", "b/{}/o/{}", self.bucket, name)
         except FileNotFoundError:
             pass
 
@@ -226,7 +244,7 @@ class GCSBackend(ObjectStoreBackend):
 
     def size(self, key: str) -> int:
         with annotate(self.uri, key, "sizing"):
-            meta = self.fs.call("GET", "b/{}/o/{}", self.bucket, self._key(key), json_out=True)
+            meta = self.call("GET", "b/{}/o/{}", self.bucket, self._key(key), json_out=True)
         return int(meta["size"])
 
     def delete_prefix(self, prefix: str) -> None:
@@ -282,5 +300,5 @@ class _ComposeWriter(PartWriter[GCSBackend]):
         try:
             b._delete_names(list(b._list_names(self.parts_prefix)))
             self._uploaded = False
-        except OSError as e:  # leftovers are invisible; abort_uploads / bcp gc remove them
+        except Exception as e:  # noqa: BLE001 - leftovers are invisible; abort_uploads / bcp gc remove them
             log.warning("could not delete temporary parts under %s in %s: %s", self.parts_prefix, b.uri, e)

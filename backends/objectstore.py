@@ -17,6 +17,9 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import fsspec.asyn
+import fsspec.exceptions
+
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
 from .errors import ObjectExistsError, ObjectNotFoundError, annotate, redact_uri
 from .options import as_bool, as_int, as_size, refuse_uri_credentials
@@ -32,6 +35,27 @@ class StoreOptions:
     part_size: int
     concurrency: int
     conditional_writes: bool
+    timeout: float | None
+
+
+#: Seconds one request may take, the SDK's own retries of it included, before it is
+#: abandoned and retried (option ``timeout``; 0 or ``none`` waits forever).
+DEFAULT_TIMEOUT = 60.0
+#: Requests in flight per process (option ``concurrency``).
+DEFAULT_CONCURRENCY = 8
+
+
+def as_timeout(value: Any) -> float | None:
+    """Seconds from ``timeout=...``; None for ``0``/``none`` (no limit)."""
+    if value is None or str(value).strip().lower() in ("0", "0.0", "none"):
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"option timeout={value!r} is not a number of seconds (0 or none: no limit)") from None
+    if seconds < 0:
+        raise ValueError(f"option timeout={value!r} must be >= 0")
+    return seconds
 
 
 def split_bucket_uri(uri: str, *, store: str, scheme: str) -> tuple[str, str]:
@@ -57,10 +81,16 @@ def pop_store_options(options: dict[str, Any], *, default_part: int) -> StoreOpt
     endpoint = options.pop("endpoint_url", None)
     anon = as_bool("anon", options.pop("anon", False))
     part_size = as_size("part_size", options.pop("part_size", default_part))
-    concurrency = as_int("concurrency", options.pop("concurrency", 8), minimum=1)
+    concurrency = as_int("concurrency", options.pop("concurrency", DEFAULT_CONCURRENCY), minimum=1)
     conditional = as_bool("conditional_writes", options.pop("conditional_writes", True))
+    timeout = as_timeout(options.pop("timeout", DEFAULT_TIMEOUT))
     return StoreOptions(
-        endpoint_url=endpoint, anon=anon, part_size=part_size, concurrency=concurrency, conditional_writes=conditional
+        endpoint_url=endpoint,
+        anon=anon,
+        part_size=part_size,
+        concurrency=concurrency,
+        conditional_writes=conditional,
+        timeout=timeout,
     )
 
 
@@ -75,11 +105,21 @@ class ObjectStoreBackend(Backend):
     credential_options: frozenset[str] = frozenset()
 
     def __init__(
-        self, uri: str, bucket: str, root: str, fs: Any, *, part_size: int, concurrency: int, conditional_writes: bool
+        self,
+        uri: str,
+        bucket: str,
+        root: str,
+        fs: Any,
+        *,
+        part_size: int,
+        concurrency: int,
+        conditional_writes: bool,
+        timeout: float | None = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__(uri)
         self.bucket, self.root, self.fs = bucket, root, fs
         self.part_size, self.concurrency, self.conditional_writes = part_size, concurrency, conditional_writes
+        self.timeout = timeout
         if not conditional_writes:
             self.capabilities = type(self).capabilities & ~Capability.CREATE_ONLY
 
@@ -95,6 +135,17 @@ class ObjectStoreBackend(Backend):
     def _key(self, key: str) -> str:
         """The bucket-relative name of ``key`` (validated)."""
         return self.base + check_key(key)
+
+    def run(self, coroutine_function: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run one of the filesystem's coroutines (fsspec's async API: ``_cat_file``,
+        ``_call_s3``, ...) on its event loop, abandoned after ``timeout`` seconds: a
+        request that stalls (a hung connection, a part the store stopped reading) is
+        cancelled and raises TimeoutError, which the retry loop treats as transient,
+        so the request is sent again."""
+        try:
+            return fsspec.asyn.sync(self.fs.loop, coroutine_function, *args, timeout=self.timeout, **kwargs)
+        except fsspec.exceptions.FSTimeoutError:
+            raise TimeoutError(f"no answer within timeout={self.timeout:g} s; abandoned") from None
 
     # -- hooks for subclasses -----------------------------------------------------------------
 
@@ -163,7 +214,9 @@ class ObjectStoreBackend(Backend):
             return 0
         with annotate(self.uri, key, "reading"):
             try:
-                data = self.fs.cat_file(f"{self.bucket}/{self._key(key)}", start=offset, end=offset + len(view))
+                data = self.run(
+                    self.fs._cat_file, f"{self.bucket}/{self._key(key)}", start=offset, end=offset + len(view)
+                )
             except FileNotFoundError:
                 raise
             except Exception as e:  # the SDKs report a range past the end in several ways

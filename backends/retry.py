@@ -84,7 +84,9 @@ def is_transient(exc: BaseException) -> bool:
             return True
         if isinstance(current, OSError) and current.errno in TRANSIENT_ERRNOS:
             return True
-        code = getattr(current, "code", None)
+        code = getattr(current, "status", None)  # aiohttp's name (its ``code`` is deprecated)
+        if not isinstance(code, int):
+            code = getattr(current, "code", None)  # gcsfs' HttpError
         if isinstance(code, int) and code in TRANSIENT_STATUS:
             return True
         current = current.__cause__ or current.__context__

@@ -73,7 +73,9 @@ class S3Backend(ObjectStoreBackend):
     """Options (URI query or keyword): ``endpoint_url``, ``region``, ``profile``,
     ``key``/``secret``/``token`` (keyword only: credentials never come from the URI),
     ``anon``, ``part_size`` (default 32MiB, 5MiB..32MiB, a multiple of 64KiB),
-    ``concurrency`` (parallel requests per process, default 8), ``checksum``
+    ``concurrency`` (parallel requests per process, default 8), ``timeout``
+    (seconds one request may take before it is abandoned and sent again, default
+    60; 0 for none), ``checksum``
     (``crc32c`` or ``none``), ``conditional_writes`` (default true: the store honours
     ``If-None-Match: *``; set false for stores that ignore it, such as rclone, and
     the commit falls back to check-then-write), plus the retry options of
@@ -93,9 +95,17 @@ class S3Backend(ObjectStoreBackend):
         concurrency: int,
         checksum: bool,
         conditional_writes: bool,
+        timeout: float | None,
     ) -> None:
         super().__init__(
-            uri, bucket, root, fs, part_size=part_size, concurrency=concurrency, conditional_writes=conditional_writes
+            uri,
+            bucket,
+            root,
+            fs,
+            part_size=part_size,
+            concurrency=concurrency,
+            conditional_writes=conditional_writes,
+            timeout=timeout,
         )
         self.checksum = checksum
 
@@ -125,6 +135,9 @@ class S3Backend(ObjectStoreBackend):
             "request_checksum_calculation": "when_required",
             "response_checksum_validation": "when_required",
         }
+        if common.timeout is not None:  # a connection that cannot open, or goes quiet, fails sooner
+            config["connect_timeout"] = min(common.timeout, 10.0)
+            config["read_timeout"] = common.timeout
         fs = s3fs.S3FileSystem(
             **credentials,
             anon=common.anon,
@@ -145,13 +158,15 @@ class S3Backend(ObjectStoreBackend):
             concurrency=common.concurrency,
             checksum=checksum == "crc32c",
             conditional_writes=common.conditional_writes,
+            timeout=common.timeout,
         )
 
     # -- helpers ---------------------------------------------------------------------------
 
     def call(self, method: str, **kwargs: Any) -> Any:
-        """One S3 API call on s3fs's event loop (errors translated to OSError by s3fs)."""
-        return self.fs.call_s3(method, **kwargs)
+        """One S3 API call on s3fs's event loop (errors translated to OSError by s3fs),
+        abandoned after ``timeout`` seconds."""
+        return self.run(self.fs._call_s3, method, **kwargs)
 
     def put(self, key: str, data: Buffer, *, if_absent: bool = False) -> None:
         kwargs = {"Bucket": self.bucket, "Key": self._key(key), "Body": bytes(data)}
@@ -288,7 +303,14 @@ class _S3Writer(PartWriter[S3Backend]):
 
     def __init__(self, backend: S3Backend, key: str, size: int | None) -> None:
         super().__init__(backend, key, size, backend.part_size)
+        if size is not None and -(-size // self.part) > MAX_PARTS:
+            raise ValueError(
+                f"{key!r} is {size} bytes: more than {MAX_PARTS} parts of part_size={self.part} "
+                f"(S3's limit); raise part_size to at least {-(-size // MAX_PARTS)} bytes"
+            )
         self._upload_id: str | None = None
+        #: A start whose answer never came may have created an upload all the same.
+        self._start_failed = False
 
     def _start(self) -> str:
         with self._lock:
@@ -298,12 +320,31 @@ class _S3Writer(PartWriter[S3Backend]):
                 if b.checksum:
                     kwargs["ChecksumAlgorithm"] = "CRC32C"
                 with annotate(b.uri, self.key, "starting upload of"):
-                    self._upload_id = b.call("create_multipart_upload", **kwargs)["UploadId"]
+                    try:
+                        self._upload_id = b.call("create_multipart_upload", **kwargs)["UploadId"]
+                    except Exception:
+                        self._start_failed = True
+                        raise
             return self._upload_id
+
+    def _abort_strays(self, keep: str | None) -> None:
+        """Abort uploads of this key other than ``keep``: ones a start created although
+        its answer was lost (the key is unique to this save, so no one else's)."""
+        if not self._start_failed:
+            return
+        self._start_failed = False
+        b = self.backend
+        name = b._key(self.key)
+        try:
+            for up in b.call("list_multipart_uploads", Bucket=b.bucket, Prefix=name).get("Uploads") or []:
+                if up["Key"] == name and up["UploadId"] != keep:
+                    b.call("abort_multipart_upload", Bucket=b.bucket, Key=name, UploadId=up["UploadId"])
+        except Exception as e:  # noqa: BLE001 - orphans are invisible; bcp gc aborts them later
+            log.warning("could not abort stray uploads of %r in %s: %s", self.key, b.uri, e)
 
     def upload_part(self, index: int, data: Buffer) -> dict:
         number = index + 1
-        if number > MAX_PARTS:
+        if number > MAX_PARTS:  # a writer of unknown size (a known one was checked up front)
             raise ValueError(f"{self.key!r} needs more than {MAX_PARTS} parts of {self.part} bytes; raise part_size")
         b = self.backend
         kwargs = {
@@ -339,9 +380,10 @@ class _S3Writer(PartWriter[S3Backend]):
             # NoSuchUpload: a retried complete whose first attempt succeeded.
             if b.size(self.key) != size:
                 raise
-        self._upload_id = None  # completed: nothing to abort
+        self._upload_id = None  # completed: nothing to abort (discard, which follows, aborts strays)
 
     def discard(self) -> None:
+        self._abort_strays(keep=None)
         if self._upload_id is None:
             return
         b = self.backend
@@ -352,6 +394,6 @@ class _S3Writer(PartWriter[S3Backend]):
                 return
             except FileNotFoundError:
                 return
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - any failure (SDKs raise more than OSError): retried once
                 if attempt == 2:  # orphaned: delete_prefix / bcp gc abort it later
                     log.warning("could not abort multipart upload of %r in %s: %s", self.key, b.uri, e)

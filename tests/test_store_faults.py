@@ -1,0 +1,205 @@
+"""Saves and loads through an object store that throttles, stalls and drops connections.
+
+Real servers (moto_server, rclone serve s3, the GCS emulator) behind the fault proxy of
+``tests/netproxy.py``, which answers a share of requests ``503 SlowDown``, lets a
+request hang, resets connections in the middle of a body, or loses the answer to a
+request the server carried out. The promise under test: a save either completes with
+every byte right, or fails with a StorageError naming the object within a bounded time,
+and never leaves a checkpoint that looks complete.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bcp
+from bcp.backends import backend_for
+from conftest import new_bucket, store_uri
+from netproxy import proxied, read_stats
+
+UPLOADS = {"PUT", "POST"}
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(7)
+    # 24 MiB in 4 tensors: with 5 MiB parts, several parts and a small catalog per save
+    return {f"layer{i}.weight": torch.rand(3 << 19, generator=g) for i in range(4)} | {"step": 3}
+
+
+def _template() -> dict:
+    return {f"layer{i}.weight": torch.empty(3 << 19) for i in range(4)} | {"step": 0}
+
+
+def _assert_exact(loaded: dict, state: dict) -> None:
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(loaded[key], value), key
+        else:
+            assert loaded[key] == value, key
+
+
+def _via(endpoint: str) -> types.SimpleNamespace:
+    return types.SimpleNamespace(endpoint=endpoint)
+
+
+@pytest.fixture
+def servers(moto_server, rclone_server, gcs_server) -> dict:
+    return {"moto": moto_server, "rclone": rclone_server, "gcs": gcs_server}
+
+
+def test_the_proxy_adds_latency_and_caps_bandwidth(moto_server):
+    """The harness does what the benchmark relies on: each round trip costs the latency,
+    and a connection carries no more than the cap."""
+    bucket = new_bucket(moto_server)
+    direct = backend_for(store_uri("moto", moto_server, bucket))
+    direct.write("blob", bytes(4 << 20))
+    with proxied(moto_server.endpoint, latency=0.05, bandwidth=8e6) as endpoint:
+        slow = backend_for(store_uri("moto", _via(endpoint), bucket, concurrency="1"))
+        start = time.monotonic()
+        for _ in range(5):
+            slow.size("blob")
+        sized = time.monotonic() - start
+        start = time.monotonic()
+        assert slow.read("blob") == bytes(4 << 20)
+        read = time.monotonic() - start
+    assert sized >= 5 * 0.05
+    assert read >= (4 << 20) / 8e6 * 0.9  # 4 MiB at 8 MB/s: half a second at least
+
+
+@pytest.mark.parametrize("kind", ["moto", "rclone", "gcs"])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        {"slowdown": 0.25},
+        {"reset": 0.25, "methods": UPLOADS},
+        {"lost": 0.25, "methods": UPLOADS},
+    ],
+    ids=["503-slowdown", "reset-mid-upload", "answer-lost"],
+)
+def test_a_save_through_faults_completes_with_every_byte_right(servers, kind, fault, tmp_path):
+    server = servers[kind]
+    bucket = new_bucket(server)
+    stats = tmp_path / "stats.json"
+    state = _state()
+    with proxied(server.endpoint, stats=stats, seed=1, **fault) as endpoint:
+        uri = store_uri(kind, _via(endpoint), bucket, "ckpt", retry_base_delay="0.01", retry_max_delay="0.1")
+        bcp.save(state, uri)
+    injected = read_stats(stats)
+    assert injected.slowdown + injected.reset + injected.lost > 0, injected
+    direct = store_uri(kind, server, bucket, "ckpt")
+    _assert_exact(bcp.load(_template(), direct), state)
+    if kind != "gcs":  # parts of multipart uploads retried or lost are not left behind
+        assert backend_for(direct).unwrap().pending_uploads() == []
+
+
+@pytest.mark.parametrize("kind", ["moto", "gcs"])
+def test_a_stalled_upload_is_abandoned_after_the_timeout_and_sent_again(servers, kind, tmp_path):
+    server = servers[kind]
+    bucket = new_bucket(server)
+    stats = tmp_path / "stats.json"
+    state = _state()
+    with proxied(server.endpoint, stats=stats, seed=3, stall=0.2, methods=UPLOADS) as endpoint:
+        uri = store_uri(kind, _via(endpoint), bucket, "ckpt", timeout="1", retry_base_delay="0.01")
+        start = time.monotonic()
+        bcp.save(state, uri)
+        took = time.monotonic() - start
+    assert read_stats(stats).stall > 0
+    assert took < 60
+    _assert_exact(bcp.load(_template(), store_uri(kind, server, bucket, "ckpt")), state)
+
+
+@pytest.mark.parametrize("kind", ["moto", "rclone", "gcs"])
+def test_a_store_that_never_answers_fails_the_save_in_bounded_time_and_keeps_the_last_good_step(
+    servers, kind, tmp_path
+):
+    server = servers[kind]
+    bucket = new_bucket(server)
+    state = _state()
+    good = bcp.CheckpointManager(store_uri(kind, server, bucket, "run"), async_save=False)
+    good.save(1, state)
+    changed = {k: (v + 1 if isinstance(v, torch.Tensor) else 4) for k, v in state.items()}
+    with proxied(server.endpoint, stall=1.0, methods=UPLOADS) as endpoint:
+        hung = bcp.CheckpointManager(
+            store_uri(kind, _via(endpoint), bucket, "run", timeout="0.5", retries="2", retry_deadline="2"),
+            async_save=False,
+        )
+        start = time.monotonic()
+        with pytest.raises(bcp.StorageError) as failure:
+            hung.save(2, changed)
+        took = time.monotonic() - start
+    assert took < 30
+    message = str(failure.value)
+    assert "timeout=0.5" in message and "step_0000000002" in message and "rank00000" in message, message
+    fresh = bcp.CheckpointManager(store_uri(kind, server, bucket, "run"))
+    assert fresh.steps() == [1]
+    step, loaded = fresh.load_latest(_template())
+    assert step == 1
+    _assert_exact(loaded, state)
+
+
+@pytest.mark.parametrize("kind", ["moto", "rclone"])
+def test_a_load_through_resets_and_stalls_reads_every_byte_right(servers, kind, tmp_path):
+    server = servers[kind]
+    bucket = new_bucket(server)
+    state = _state()
+    bcp.save(state, store_uri(kind, server, bucket, "ckpt"))
+    stats = tmp_path / "stats.json"
+    with proxied(server.endpoint, stats=stats, seed=2, reset=0.4, stall=0.2, methods={"GET"}) as endpoint:
+        loaded = bcp.load(_template(), store_uri(kind, _via(endpoint), bucket, "ckpt", timeout="1"))
+    injected = read_stats(stats)
+    assert injected.reset + injected.stall > 0, injected
+    _assert_exact(loaded, state)
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    slowdown=st.sampled_from([0.0, 0.1, 0.3]),
+    reset=st.sampled_from([0.0, 0.1, 0.3]),
+    lost=st.sampled_from([0.0, 0.1, 0.3]),
+    stall=st.sampled_from([0.0, 0.05]),
+    seed=st.integers(0, 10_000),
+)
+def test_any_mix_of_faults_either_saves_exactly_or_fails_and_commits_nothing(
+    moto_server, slowdown, reset, lost, stall, seed
+):
+    bucket = new_bucket(moto_server)
+    state = _state()
+    with proxied(moto_server.endpoint, seed=seed, slowdown=slowdown, reset=reset, lost=lost, stall=stall) as endpoint:
+        uri = store_uri(
+            "moto",
+            _via(endpoint),
+            bucket,
+            "ckpt",
+            timeout="1",
+            retries="3",
+            retry_base_delay="0.01",
+            retry_deadline="8",
+        )
+        try:
+            bcp.save(state, uri)
+        except bcp.StorageError:
+            saved = False
+        else:
+            saved = True
+    direct = store_uri("moto", moto_server, bucket, "ckpt")
+    if saved:
+        _assert_exact(bcp.load(_template(), direct), state)
+    else:
+        with pytest.raises((bcp.IncompleteCheckpointError, bcp.CheckpointNotFoundError)):
+            bcp.load(_template(), direct)
+
+
+def test_timeout_option_is_checked():
+    with pytest.raises(ValueError, match="timeout"):
+        backend_for("s3://bucket/x?timeout=soon")
+    with pytest.raises(ValueError, match="timeout"):
+        backend_for("s3://bucket/x?timeout=-1")
+    assert backend_for("s3://bucket/x?timeout=0").unwrap().timeout is None
+    assert backend_for("gs://bucket/x?anon=true&timeout=2.5").unwrap().timeout == 2.5
+    assert backend_for("s3://bucket/x").unwrap().timeout == 60.0
