@@ -45,7 +45,7 @@ from .parts import PartWriter, crc32c_b64
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PART = 32 << 20
+DEFAULT_PART = 16 << 20
 COMPOSE_MAX = 32  # sources per compose request
 UPLOADS = ".bcp-uploads"
 
@@ -74,8 +74,8 @@ def _check_token(token: Any) -> Any:
 class GCSBackend(ObjectStoreBackend):
     """Options: ``token`` (keyword only: gcsfs's credentials, never from the URI),
     ``project``, ``endpoint_url`` (emulators; STORAGE_EMULATOR_HOST also
-    works), ``anon``, ``part_size`` (default 32MiB, at most 32MiB, a multiple of
-    64KiB), ``concurrency`` (default 8), ``timeout`` (seconds one request may take,
+    works), ``anon``, ``part_size`` (default 16MiB, at most 32MiB, a multiple of
+    64KiB), ``concurrency`` (default 16), ``timeout`` (seconds one request may take,
     gcsfs's retries of it included, default 60; 0 for none), ``conditional_writes`` (default true; false
     for emulators that ignore ``ifGenerationMatch``), and the retry options."""
 

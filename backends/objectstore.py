@@ -42,7 +42,7 @@ class StoreOptions:
 #: abandoned and retried (option ``timeout``; 0 or ``none`` waits forever).
 DEFAULT_TIMEOUT = 60.0
 #: Requests in flight per process (option ``concurrency``).
-DEFAULT_CONCURRENCY = 8
+DEFAULT_CONCURRENCY = 16
 
 
 def as_timeout(value: Any) -> float | None:

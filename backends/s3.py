@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 MIN_PART = 5 << 20  # S3's smallest part (all but the last)
 MAX_PARTS = 10_000
-DEFAULT_PART = 32 << 20
+DEFAULT_PART = 16 << 20
 #: A single PUT up to this size; larger whole-object writes go multipart.
 SINGLE_PUT_MAX = 64 << 20
 
@@ -72,8 +72,8 @@ def pop_credentials(options: dict[str, Any]) -> dict[str, str]:
 class S3Backend(ObjectStoreBackend):
     """Options (URI query or keyword): ``endpoint_url``, ``region``, ``profile``,
     ``key``/``secret``/``token`` (keyword only: credentials never come from the URI),
-    ``anon``, ``part_size`` (default 32MiB, 5MiB..32MiB, a multiple of 64KiB),
-    ``concurrency`` (parallel requests per process, default 8), ``timeout``
+    ``anon``, ``part_size`` (default 16MiB, 5MiB..32MiB, a multiple of 64KiB),
+    ``concurrency`` (parallel requests per process, default 16), ``timeout``
     (seconds one request may take before it is abandoned and sent again, default
     60; 0 for none), ``checksum``
     (``crc32c`` or ``none``), ``conditional_writes`` (default true: the store honours

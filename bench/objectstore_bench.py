@@ -1,25 +1,32 @@
-"""bcp through object stores, beside the ways people do it today, on the same servers.
+"""bcp through object stores across an emulated network, beside the ways people do it
+today, on the same servers in the same minutes.
 
 Servers (real, on 127.0.0.1): rclone serve s3 (file-backed), moto_server (in
-memory), gcp-storage-emulator (in memory). Cases, each saving and then loading the
-same state (``--gib``, default 1), repeated ``--repeats`` times, medians reported.
-Each repetition saves with every case, flushes the server's disk (``os.sync``) and
-waits ``--settle`` seconds, then loads with every case twice: the first load is
-what a resuming job sees (on rclone, a cold read from its disk), the second shows
-the client and protocol with the server's cache warm. Cases:
+memory), gcp-storage-emulator (in memory). Every client reaches them through the
+proxy of ``tests/netproxy.py``, which adds ``--latency-ms`` to each round trip and
+caps each connection at ``--bandwidth-mbs`` (default 20 ms and 80 MB/s: a store
+across a network, where one connection carries tens of MB/s; ``0 0`` for straight
+loopback). Cases, each saving and then loading the same state (``--gib``),
+``--repeats`` times, medians reported. Each repetition saves with every case, flushes
+the server's disk (``os.sync``), waits ``--settle`` seconds, then loads with every
+case twice (the first load is what a resuming job sees; the second has the server's
+cache warm):
 
-* bcp:         ``bcp.save`` / ``bcp.load`` (parallel multipart or composite uploads,
-               parallel ranged reads)
+* bcp:          ``bcp.save`` / ``bcp.load`` with its defaults, and with each
+                ``--bcp OPTIONS`` given (``part_size=8MiB&concurrency=16``), to tune them
 * torch+fsspec: ``torch.save`` into an s3fs/gcsfs file object, ``torch.load`` from one
-* DCP fsspec:  ``torch.distributed.checkpoint`` with FsspecWriter/FsspecReader
-               (``thread_count=4``). torch 2.13 exposes these only from the private
-               module ``torch.distributed.checkpoint._fsspec_filesystem``: imported
-               here, in a benchmark, never in the library.
+* DCP fsspec:   ``torch.distributed.checkpoint`` with FsspecWriter/FsspecReader
+                (``thread_count=4``). torch 2.13 exposes these only from the private
+                module ``torch.distributed.checkpoint._fsspec_filesystem``: imported
+                here, in a benchmark, never in the library.
+
+``--faults`` measures bcp saves instead through the proxy's faults (503 SlowDown on 5%
+of requests, 5% of uploads reset mid-body, 3% of uploads stalled until bcp's
+``timeout``), interleaved with clean saves, each checked by a full load, and reports
+the slowdown each costs.
 
     python bench/objectstore_bench.py [--gib 1] [--repeats 3] [--servers rclone,moto,gcs]
-
-Prints one table per server and the ratios the targets are about (bcp save vs the
-naive save, vs DCP's save).
+    python bench/objectstore_bench.py --faults [--fault-timeout 5]
 """
 
 from __future__ import annotations
@@ -152,6 +159,9 @@ def run_server(
         bucket = f"bench{uuid.uuid4().hex[:8]}"
         make_bucket(server, bucket)
         fs, proto = fs_for(kind, endpoint)
+        for case, options in variants.items():
+            hints = bcp.backends.backend_for(bcp_uri(kind, endpoint, bucket, "x", options)).hints
+            print(f"  {kind:6} {case:28} parts of {hints.part_size >> 20} MiB, {hints.concurrency} in flight")
         for rep in range(args.repeats):
             saves: dict[str, float] = {}
             for case in cases:  # all saves first, then let the server's disk settle, then all loads

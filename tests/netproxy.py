@@ -308,6 +308,7 @@ class Connection:
         finally:
             for task in parts + pumps:
                 task.cancel()
+            await asyncio.gather(*parts, *pumps, return_exceptions=True)
             for w in (self.client_w, self.server_w):
                 with contextlib.suppress(OSError, RuntimeError):
                     w.close()
@@ -320,9 +321,14 @@ class Proxy:
         self.random = random.Random(settings.seed)
         self.stats = Stats()
         self.bytes_up, self.bytes_down = [0], [0]
+        self.tasks: set[asyncio.Task] = set()
 
     async def handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.stats.connections += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
         try:
             server_r, server_w = await asyncio.open_connection(*self.target, limit=CHUNK * 4)
         except OSError:
@@ -343,6 +349,9 @@ async def serve(target: str, settings: Settings, stats_path: str | None, port: i
     loop.add_signal_handler(signal.SIGINT, stop.set)
     await stop.wait()
     server.close()
+    for task in list(proxy.tasks):  # connections still open: end them before the loop closes
+        task.cancel()
+    await asyncio.gather(*proxy.tasks, return_exceptions=True)
     if stats_path:
         proxy.stats.bytes_up, proxy.stats.bytes_down = proxy.bytes_up[0], proxy.bytes_down[0]
         Path(stats_path).write_text(json.dumps(dataclasses.asdict(proxy.stats)))
