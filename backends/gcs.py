@@ -35,11 +35,12 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Self
 from urllib.parse import quote
 
+import aiohttp
 import gcsfs
 
 from .base import Buffer
 from .errors import TransientError, annotate
-from .objectstore import ObjectStoreBackend, pop_store_options, split_bucket_uri
+from .objectstore import ObjectStoreBackend, Timeouts, pop_store_options, split_bucket_uri
 from .options import check_part_size, reject_unknown
 from .parts import PartWriter, crc32c_b64
 
@@ -75,8 +76,9 @@ class GCSBackend(ObjectStoreBackend):
     """Options: ``token`` (keyword only: gcsfs's credentials, never from the URI),
     ``project``, ``endpoint_url`` (emulators; STORAGE_EMULATOR_HOST also
     works), ``anon``, ``part_size`` (default 16MiB, at most 32MiB, a multiple of
-    64KiB), ``concurrency`` (default 16), ``timeout`` (seconds one request may take,
-    gcsfs's retries of it included, default 60; 0 for none), ``conditional_writes`` (default true; false
+    64KiB), ``concurrency`` (default 16), ``timeout`` and ``min_throughput`` (when a
+    request, gcsfs's retries of it included, is abandoned and sent again:
+    :class:`~bcp.backends.objectstore.Timeouts`), ``conditional_writes`` (default true; false
     for emulators that ignore ``ifGenerationMatch``), and the retry options."""
 
     scheme = "gs"
@@ -94,7 +96,7 @@ class GCSBackend(ObjectStoreBackend):
         part_size: int,
         concurrency: int,
         conditional_writes: bool,
-        timeout: float | None,
+        timeouts: Timeouts,
     ) -> None:
         super().__init__(
             uri,
@@ -104,7 +106,7 @@ class GCSBackend(ObjectStoreBackend):
             part_size=part_size,
             concurrency=concurrency,
             conditional_writes=conditional_writes,
-            timeout=timeout,
+            timeouts=timeouts,
         )
         self.api_base = api_base
 
@@ -123,8 +125,9 @@ class GCSBackend(ObjectStoreBackend):
             kwargs["project"] = project
         if common.endpoint_url:
             kwargs["endpoint_url"] = common.endpoint_url
-        if common.timeout is not None:  # each HTTP attempt gcsfs makes; run() bounds them all
-            kwargs["requests_timeout"] = common.timeout
+        if common.timeouts.idle is not None:  # each HTTP attempt gcsfs makes goes quiet for at most this
+            idle = common.timeouts.idle
+            kwargs["requests_timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=min(idle, 10.0), sock_read=idle)
         fs = gcsfs.GCSFileSystem(**kwargs)
         if root.startswith(UPLOADS) or f"/{UPLOADS}" in root:
             raise ValueError(f"{uri!r}: {UPLOADS} is reserved for bcp's temporary upload parts")
@@ -142,15 +145,18 @@ class GCSBackend(ObjectStoreBackend):
             part_size=common.part_size,
             concurrency=common.concurrency,
             conditional_writes=common.conditional_writes,
-            timeout=common.timeout,
+            timeouts=common.timeouts,
         )
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def call(self, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, method: str, path: str, *args: Any, nbytes: int | None = None, **kwargs: Any) -> Any:
         """One JSON API request through gcsfs (with gcsfs's own retries), abandoned
-        after ``timeout`` seconds."""
-        return self.run(self.fs._call, method, path, *args, **kwargs)
+        after the time :class:`Timeouts` allows for ``nbytes`` (by default the size of
+        its ``data``)."""
+        if nbytes is None:
+            nbytes = len(kwargs.get("data") or b"")
+        return self.run(self.fs._call, method, path, *args, nbytes=nbytes, **kwargs)
 
     def upload(self, name: str, data: Buffer, *, if_absent: bool = False) -> dict:
         """Upload object ``name`` (bucket-relative) in one resumable session: the
@@ -162,7 +168,7 @@ class GCSBackend(ObjectStoreBackend):
         ``\\r``; costs one extra round trip per object.)"""
         payload = data if isinstance(data, (bytes, bytearray)) else bytes(data)
         expected = crc32c_b64(payload)
-        extra = {"ifGenerationMatch": "0"} if if_absent else {}
+        extra: dict[str, Any] = {"ifGenerationMatch": "0"} if if_absent else {}
         headers, _ = self.call(
             "POST",
             f"{self.api_base}/upload/storage/v1/b/{quote(self.bucket)}/o",
@@ -189,8 +195,8 @@ class GCSBackend(ObjectStoreBackend):
             )
         return out
 
-    def compose(self, target: str, sources: list[str]) -> None:
-        self.run(self.fs._merge, f"{self.bucket}/{target}", [f"{self.bucket}/{s}" for s in sources])
+    def compose(self, target: str, sources: list[str], nbytes: int = 0) -> None:
+        self.run(self.fs._merge, f"{self.bucket}/{target}", [f"{self.bucket}/{s}" for s in sources], nbytes=nbytes)
 
     def _delete_names(self, names: list[str]) -> None:
         """Delete bucket-relative names in parallel."""
@@ -220,7 +226,7 @@ class GCSBackend(ObjectStoreBackend):
     def _list_names(self, full_prefix: str) -> Iterator[str]:
         token = None
         while True:
-            kwargs = {"prefix": full_prefix, "maxResults": 1000}
+            kwargs: dict[str, Any] = {"prefix": full_prefix, "maxResults": 1000}
             if token:
                 kwargs["pageToken"] = token
             with annotate(self.uri, full_prefix, "listing"):
@@ -288,10 +294,10 @@ class _ComposeWriter(PartWriter[GCSBackend]):
             merged = []
             for g in range(0, len(names), COMPOSE_MAX):
                 name = f"{self.parts_prefix}r{round_no}-{g // COMPOSE_MAX:06d}"
-                b.compose(name, names[g : g + COMPOSE_MAX])
+                b.compose(name, names[g : g + COMPOSE_MAX], nbytes=size)
                 merged.append(name)
             names, round_no = merged, round_no + 1
-        b.compose(b._key(self.key), names)
+        b.compose(b._key(self.key), names, nbytes=size)
 
     def discard(self) -> None:
         if not self._uploaded:

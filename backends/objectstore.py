@@ -35,12 +35,38 @@ class StoreOptions:
     part_size: int
     concurrency: int
     conditional_writes: bool
-    timeout: float | None
+    timeouts: Timeouts
 
 
-#: Seconds one request may take, the SDK's own retries of it included, before it is
+#: Seconds a request may go without an answer or a byte of its answer before it is
 #: abandoned and retried (option ``timeout``; 0 or ``none`` waits forever).
 DEFAULT_TIMEOUT = 60.0
+#: Bytes per second a request's body or answer must at least move at (option
+#: ``min_throughput``): a request carrying ``n`` bytes is abandoned after
+#: ``timeout + n / min_throughput`` seconds even while bytes still trickle.
+DEFAULT_MIN_THROUGHPUT = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """When a request to the store is given up on (and retried).
+
+    Two limits, because a stall looks different in each direction: a store that stops
+    answering (or stops sending the answer) is caught by the SDK's read timeout after
+    ``idle`` seconds of silence; a store that stops *reading* an upload leaves the
+    client blocked in a write, which no SDK times out, so every request also has a
+    total limit that grows with the bytes it moves (slow links are not cut off)."""
+
+    idle: float | None = DEFAULT_TIMEOUT
+    min_throughput: int = DEFAULT_MIN_THROUGHPUT
+
+    def limit(self, nbytes: int = 0) -> float | None:
+        """Seconds a request moving ``nbytes`` may take in all, or None for no limit."""
+        if self.idle is None or self.min_throughput <= 0:
+            return None
+        return self.idle + nbytes / self.min_throughput
+
+
 #: Requests in flight per process (option ``concurrency``).
 DEFAULT_CONCURRENCY = 16
 
@@ -83,14 +109,17 @@ def pop_store_options(options: dict[str, Any], *, default_part: int) -> StoreOpt
     part_size = as_size("part_size", options.pop("part_size", default_part))
     concurrency = as_int("concurrency", options.pop("concurrency", DEFAULT_CONCURRENCY), minimum=1)
     conditional = as_bool("conditional_writes", options.pop("conditional_writes", True))
-    timeout = as_timeout(options.pop("timeout", DEFAULT_TIMEOUT))
+    timeouts = Timeouts(
+        as_timeout(options.pop("timeout", DEFAULT_TIMEOUT)),
+        as_size("min_throughput", options.pop("min_throughput", DEFAULT_MIN_THROUGHPUT)),
+    )
     return StoreOptions(
         endpoint_url=endpoint,
         anon=anon,
         part_size=part_size,
         concurrency=concurrency,
         conditional_writes=conditional,
-        timeout=timeout,
+        timeouts=timeouts,
     )
 
 
@@ -114,12 +143,12 @@ class ObjectStoreBackend(Backend):
         part_size: int,
         concurrency: int,
         conditional_writes: bool,
-        timeout: float | None = DEFAULT_TIMEOUT,
+        timeouts: Timeouts = Timeouts(),
     ) -> None:
         super().__init__(uri)
         self.bucket, self.root, self.fs = bucket, root, fs
         self.part_size, self.concurrency, self.conditional_writes = part_size, concurrency, conditional_writes
-        self.timeout = timeout
+        self.timeouts = timeouts
         if not conditional_writes:
             self.capabilities = type(self).capabilities & ~Capability.CREATE_ONLY
 
@@ -136,16 +165,20 @@ class ObjectStoreBackend(Backend):
         """The bucket-relative name of ``key`` (validated)."""
         return self.base + check_key(key)
 
-    def run(self, coroutine_function: Any, *args: Any, **kwargs: Any) -> Any:
+    def run(self, coroutine_function: Any, *args: Any, nbytes: int = 0, **kwargs: Any) -> Any:
         """Run one of the filesystem's coroutines (fsspec's async API: ``_cat_file``,
-        ``_call_s3``, ...) on its event loop, abandoned after ``timeout`` seconds: a
-        request that stalls (a hung connection, a part the store stopped reading) is
-        cancelled and raises TimeoutError, which the retry loop treats as transient,
+        ``_call_s3``, ...) on its event loop, abandoned after ``timeouts.limit(nbytes)``
+        seconds (``nbytes``: what the request sends or receives). A request that stalls
+        is cancelled and raises TimeoutError, which the retry loop treats as transient,
         so the request is sent again."""
+        limit = self.timeouts.limit(nbytes)
         try:
-            return fsspec.asyn.sync(self.fs.loop, coroutine_function, *args, timeout=self.timeout, **kwargs)
+            return fsspec.asyn.sync(self.fs.loop, coroutine_function, *args, timeout=limit, **kwargs)
         except fsspec.exceptions.FSTimeoutError:
-            raise TimeoutError(f"no answer within timeout={self.timeout:g} s; abandoned") from None
+            raise TimeoutError(
+                f"no complete answer within {limit:.1f} s (options timeout={self.timeouts.idle:g} s, "
+                f"min_throughput={self.timeouts.min_throughput} B/s, {nbytes} bytes); abandoned"
+            ) from None
 
     # -- hooks for subclasses -----------------------------------------------------------------
 
@@ -215,7 +248,11 @@ class ObjectStoreBackend(Backend):
         with annotate(self.uri, key, "reading"):
             try:
                 data = self.run(
-                    self.fs._cat_file, f"{self.bucket}/{self._key(key)}", start=offset, end=offset + len(view)
+                    self.fs._cat_file,
+                    f"{self.bucket}/{self._key(key)}",
+                    start=offset,
+                    end=offset + len(view),
+                    nbytes=len(view),
                 )
             except FileNotFoundError:
                 raise

@@ -28,7 +28,7 @@ import s3fs
 
 from .base import Buffer, Unfinished
 from .errors import StorageError, annotate
-from .objectstore import ObjectStoreBackend, check_credential, pop_store_options, split_bucket_uri
+from .objectstore import ObjectStoreBackend, Timeouts, check_credential, pop_store_options, split_bucket_uri
 from .options import check_part_size, reject_unknown
 from .parts import PartWriter, crc32c_b64
 
@@ -73,9 +73,9 @@ class S3Backend(ObjectStoreBackend):
     """Options (URI query or keyword): ``endpoint_url``, ``region``, ``profile``,
     ``key``/``secret``/``token`` (keyword only: credentials never come from the URI),
     ``anon``, ``part_size`` (default 16MiB, 5MiB..32MiB, a multiple of 64KiB),
-    ``concurrency`` (parallel requests per process, default 16), ``timeout``
-    (seconds one request may take before it is abandoned and sent again, default
-    60; 0 for none), ``checksum``
+    ``concurrency`` (parallel requests per process, default 16), ``timeout`` and
+    ``min_throughput`` (when a request is abandoned and sent again:
+    :class:`~bcp.backends.objectstore.Timeouts`), ``checksum``
     (``crc32c`` or ``none``), ``conditional_writes`` (default true: the store honours
     ``If-None-Match: *``; set false for stores that ignore it, such as rclone, and
     the commit falls back to check-then-write), plus the retry options of
@@ -95,7 +95,7 @@ class S3Backend(ObjectStoreBackend):
         concurrency: int,
         checksum: bool,
         conditional_writes: bool,
-        timeout: float | None,
+        timeouts: Timeouts,
     ) -> None:
         super().__init__(
             uri,
@@ -105,7 +105,7 @@ class S3Backend(ObjectStoreBackend):
             part_size=part_size,
             concurrency=concurrency,
             conditional_writes=conditional_writes,
-            timeout=timeout,
+            timeouts=timeouts,
         )
         self.checksum = checksum
 
@@ -135,9 +135,9 @@ class S3Backend(ObjectStoreBackend):
             "request_checksum_calculation": "when_required",
             "response_checksum_validation": "when_required",
         }
-        if common.timeout is not None:  # a connection that cannot open, or goes quiet, fails sooner
-            config["connect_timeout"] = min(common.timeout, 10.0)
-            config["read_timeout"] = common.timeout
+        if common.timeouts.idle is not None:  # a connection that cannot open, or goes quiet
+            config["connect_timeout"] = min(common.timeouts.idle, 10.0)
+            config["read_timeout"] = common.timeouts.idle
         fs = s3fs.S3FileSystem(
             **credentials,
             anon=common.anon,
@@ -158,18 +158,21 @@ class S3Backend(ObjectStoreBackend):
             concurrency=common.concurrency,
             checksum=checksum == "crc32c",
             conditional_writes=common.conditional_writes,
-            timeout=common.timeout,
+            timeouts=common.timeouts,
         )
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def call(self, method: str, **kwargs: Any) -> Any:
+    def call(self, method: str, *, nbytes: int | None = None, **kwargs: Any) -> Any:
         """One S3 API call on s3fs's event loop (errors translated to OSError by s3fs),
-        abandoned after ``timeout`` seconds."""
-        return self.run(self.fs._call_s3, method, **kwargs)
+        abandoned after the time :class:`Timeouts` allows for ``nbytes`` (by default
+        the size of its ``Body``)."""
+        if nbytes is None:
+            nbytes = len(kwargs.get("Body", b""))
+        return self.run(self.fs._call_s3, method, nbytes=nbytes, **kwargs)
 
     def put(self, key: str, data: Buffer, *, if_absent: bool = False) -> None:
-        kwargs = {"Bucket": self.bucket, "Key": self._key(key), "Body": bytes(data)}
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key), "Body": bytes(data)}
         if self.checksum:
             kwargs["ChecksumCRC32C"] = crc32c_b64(data)
         if if_absent:
@@ -202,7 +205,7 @@ class S3Backend(ObjectStoreBackend):
         shown = full_prefix.removeprefix(self.base)  # errors name the prefix relative to the root
         token = None
         while True:
-            kwargs = {"Bucket": self.bucket, "Prefix": full_prefix}
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full_prefix}
             if token:
                 kwargs["ContinuationToken"] = token
             with annotate(self.uri, shown, "listing"):
@@ -316,7 +319,7 @@ class _S3Writer(PartWriter[S3Backend]):
         with self._lock:
             if self._upload_id is None:
                 b = self.backend
-                kwargs = {"Bucket": b.bucket, "Key": b._key(self.key)}
+                kwargs: dict[str, Any] = {"Bucket": b.bucket, "Key": b._key(self.key)}
                 if b.checksum:
                     kwargs["ChecksumAlgorithm"] = "CRC32C"
                 with annotate(b.uri, self.key, "starting upload of"):
@@ -347,7 +350,7 @@ class _S3Writer(PartWriter[S3Backend]):
         if number > MAX_PARTS:  # a writer of unknown size (a known one was checked up front)
             raise ValueError(f"{self.key!r} needs more than {MAX_PARTS} parts of {self.part} bytes; raise part_size")
         b = self.backend
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "Bucket": b.bucket,
             "Key": b._key(self.key),
             "UploadId": self._start(),
@@ -371,6 +374,7 @@ class _S3Writer(PartWriter[S3Backend]):
         try:
             b.call(
                 "complete_multipart_upload",
+                nbytes=size,  # S3 may take minutes to assemble a large object
                 Bucket=b.bucket,
                 Key=b._key(self.key),
                 UploadId=self._upload_id,

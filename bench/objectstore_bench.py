@@ -22,11 +22,11 @@ cache warm):
 
 ``--faults`` measures bcp saves instead through the proxy's faults (503 SlowDown on 5%
 of requests, 5% of uploads reset mid-body, 3% of uploads stalled until bcp's
-``timeout``), interleaved with clean saves, each checked by a full load, and reports
-the slowdown each costs.
+``timeout``, 10 s by default here), interleaved with clean saves, each checked by a
+full load, and reports the slowdown each costs.
 
     python bench/objectstore_bench.py [--gib 1] [--repeats 3] [--servers rclone,moto,gcs]
-    python bench/objectstore_bench.py --faults [--fault-timeout 5]
+    python bench/objectstore_bench.py --faults [--fault-timeout 10]
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def main() -> None:
         help="bcp URI options to compare, e.g. 'part_size=8MiB&concurrency=16' (repeatable; '' = the defaults)",
     )
     parser.add_argument("--faults", action="store_true", help="measure bcp saves through injected faults instead")
-    parser.add_argument("--fault-timeout", type=float, default=5.0, help="bcp's timeout= option in --faults runs")
+    parser.add_argument("--fault-timeout", type=float, default=10.0, help="bcp's timeout= option in --faults runs")
     parser.add_argument("--fault-options", default="", help="more bcp URI options in --faults runs")
     args = parser.parse_args()
     state = make_state(args.gib)
