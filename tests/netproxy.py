@@ -295,16 +295,16 @@ class Connection:
         self.down.close()
 
     async def run(self) -> None:
+        """Until both sides are done, or either side or the fault logic ends the connection
+        (a pump whose peer went away ends it too, so nothing waits on a dead socket)."""
         pumps = [asyncio.create_task(self.up.pump()), asyncio.create_task(self.down.pump())]
         parts = [asyncio.create_task(self.requests()), asyncio.create_task(self.answers())]
         try:
-            await asyncio.gather(*parts)
-            await asyncio.wait(pumps, timeout=60)
-        except Close:
-            pass
-        except (Reset, ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, OSError):
-            _reset(self.client_w)
-            _reset(self.server_w)
+            done, _ = await asyncio.wait(parts + pumps, return_when=asyncio.FIRST_EXCEPTION)
+            errors = [task.exception() for task in done if not task.cancelled() and task.exception()]
+            if any(not isinstance(e, Close) for e in errors):
+                _reset(self.client_w)
+                _reset(self.server_w)
         finally:
             for task in parts + pumps:
                 task.cancel()
