@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 MIN_PART = 5 << 20  # S3's smallest part (all but the last)
 MAX_PARTS = 10_000
+PART_STEP = 64 << 10  # part sizes are multiples of this
 DEFAULT_PART = 16 << 20
 #: A single PUT up to this size; larger whole-object writes go multipart.
 SINGLE_PUT_MAX = 64 << 20
@@ -307,9 +308,10 @@ class _S3Writer(PartWriter[S3Backend]):
     def __init__(self, backend: S3Backend, key: str, size: int | None) -> None:
         super().__init__(backend, key, size, backend.part_size)
         if size is not None and -(-size // self.part) > MAX_PARTS:
+            need = -(-size // MAX_PARTS // PART_STEP) * PART_STEP  # part sizes are multiples of 64 KiB
             raise ValueError(
                 f"{key!r} is {size} bytes: more than {MAX_PARTS} parts of part_size={self.part} "
-                f"(S3's limit); raise part_size to at least {-(-size // MAX_PARTS)} bytes"
+                f"(S3's limit); raise part_size to at least {need} ({need / 2**20:.2f} MiB)"
             )
         self._upload_id: str | None = None
         #: A start whose answer never came may have created an upload all the same.

@@ -586,3 +586,12 @@ def test_webhdfs_uri_builds_fsspec_webhdfs_without_connecting():
     inner = b.unwrap()
     assert type(inner.fs).__name__ == "WebHDFS" and inner.root == "/ckpts/run1" and b.hints.part_size == 4 * MiB
     assert isinstance(b, RetryingBackend), "network filesystems get the retry loop"
+
+
+def test_an_s3_object_needing_more_than_10000_parts_is_refused_before_any_request():
+    """Refused when the writer opens (the size is known), naming the part size it
+    needs, not after uploading 10,000 parts; no request is sent (the endpoint is closed)."""
+    b = backend_for("s3://bucket/run?endpoint_url=http://127.0.0.1:9&part_size=5MiB&retries=0")
+    with pytest.raises(ValueError, match=r"10000 parts .*raise part_size to at least 5308416 \(5.06 MiB\)"):
+        b.open_writer("data/rank00000-0.bin", size=5 * MiB * 10_000 + 1)
+    assert b.open_writer("data/rank00000-0.bin", size=5 * MiB * 10_000) is not None
