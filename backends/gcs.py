@@ -195,8 +195,8 @@ class GCSBackend(ObjectStoreBackend):
             )
         return out
 
-    def compose(self, target: str, sources: list[str], nbytes: int = 0) -> None:
-        self.run(self.fs._merge, f"{self.bucket}/{target}", [f"{self.bucket}/{s}" for s in sources], nbytes=nbytes)
+    def compose(self, target: str, sources: list[str]) -> None:
+        self.run(self.fs._merge, f"{self.bucket}/{target}", [f"{self.bucket}/{s}" for s in sources])
 
     def _delete_names(self, names: list[str]) -> None:
         """Delete bucket-relative names in parallel."""
@@ -294,10 +294,10 @@ class _ComposeWriter(PartWriter[GCSBackend]):
             merged = []
             for g in range(0, len(names), COMPOSE_MAX):
                 name = f"{self.parts_prefix}r{round_no}-{g // COMPOSE_MAX:06d}"
-                b.compose(name, names[g : g + COMPOSE_MAX], nbytes=size)
+                b.compose(name, names[g : g + COMPOSE_MAX])
                 merged.append(name)
             names, round_no = merged, round_no + 1
-        b.compose(b._key(self.key), names, nbytes=size)
+        b.compose(b._key(self.key), names)
 
     def discard(self) -> None:
         if not self._uploaded:

@@ -12,18 +12,18 @@ each store implements the few requests that differ (the hooks below).
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
+import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote, urlsplit
-
-import fsspec.asyn
-import fsspec.exceptions
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
 from .errors import ObjectExistsError, ObjectNotFoundError, annotate, redact_uri
 from .options import as_bool, as_int, as_size, refuse_uri_credentials
 from .parts import PartWriter
+from .retry import is_transient
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,16 +72,16 @@ DEFAULT_CONCURRENCY = 16
 
 
 def as_timeout(value: Any) -> float | None:
-    """Seconds from ``timeout=...``; None for ``0``/``none`` (no limit)."""
-    if value is None or str(value).strip().lower() in ("0", "0.0", "none"):
+    """Seconds from ``timeout=...``; None for ``0``/``none`` (no limit of bcp's own)."""
+    if value is None or str(value).strip().lower() == "none":
         return None
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"option timeout={value!r} is not a number of seconds (0 or none: no limit)") from None
-    if seconds < 0:
-        raise ValueError(f"option timeout={value!r} must be >= 0")
-    return seconds
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"option timeout={value!r} must be a number >= 0")
+    return seconds or None
 
 
 def split_bucket_uri(uri: str, *, store: str, scheme: str) -> tuple[str, str]:
@@ -165,20 +165,49 @@ class ObjectStoreBackend(Backend):
         """The bucket-relative name of ``key`` (validated)."""
         return self.base + check_key(key)
 
-    def run(self, coroutine_function: Any, *args: Any, nbytes: int = 0, **kwargs: Any) -> Any:
+    def run(self, coroutine_function: Any, *args: Any, nbytes: int = 0, extra: float = 0.0, **kwargs: Any) -> Any:
         """Run one of the filesystem's coroutines (fsspec's async API: ``_cat_file``,
-        ``_call_s3``, ...) on its event loop, abandoned after ``timeouts.limit(nbytes)``
-        seconds (``nbytes``: what the request sends or receives). A request that stalls
-        is cancelled and raises TimeoutError, which the retry loop treats as transient,
-        so the request is sent again."""
+        ``_call_s3``, ...) on its event loop, cancelled after ``timeouts.limit(nbytes)``
+        (plus ``extra``) seconds; ``nbytes``: what the request sends or receives. A
+        request that stalls raises TimeoutError, which the retry loop treats as
+        transient, so it is sent again. The limit is enforced on the loop alone (one
+        timer): the calling thread waits for the request's own outcome, so a retry
+        never starts while the abandoned attempt is still running."""
         limit = self.timeouts.limit(nbytes)
-        try:
-            return fsspec.asyn.sync(self.fs.loop, coroutine_function, *args, timeout=limit, **kwargs)
-        except fsspec.exceptions.FSTimeoutError:
-            raise TimeoutError(
-                f"no complete answer within {limit:.1f} s (options timeout={self.timeouts.idle:g} s, "
-                f"min_throughput={self.timeouts.min_throughput} B/s, {nbytes} bytes); abandoned"
-            ) from None
+        if limit is not None:
+            limit += extra
+
+        idle = self.timeouts.idle
+
+        async def bounded() -> Any:
+            request = coroutine_function(*args, **kwargs)
+            if limit is None:
+                return await request
+            start = time.monotonic()
+            try:
+                return await asyncio.wait_for(request, limit)
+            except Exception as e:
+                if isinstance(e, TimeoutError) and isinstance(e.__cause__, asyncio.CancelledError):  # our limit
+                    raise TimeoutError(
+                        f"no complete answer within {limit:.1f} s (options timeout={idle:g} s, "
+                        f"min_throughput={self.timeouts.min_throughput} B/s; {nbytes} bytes); abandoned"
+                    ) from None
+                quiet = self._quiet(e, time.monotonic() - start)
+                if quiet is e:
+                    raise
+                raise quiet from e
+
+        return asyncio.run_coroutine_threadsafe(bounded(), self.fs.loop).result()
+
+    def _quiet(self, error: Exception, elapsed: float) -> Exception:
+        """``error`` as it is, or, when the SDK gave up because the store was silent for
+        the idle timeout (each SDK words that differently), a TimeoutError that says so."""
+        idle = self.timeouts.idle
+        if idle is None or elapsed < 0.95 * idle or not is_transient(error):
+            return error
+        return TimeoutError(
+            f"no answer for {elapsed:.1f} s (option timeout={idle:g} s); {type(error).__name__}: {error}"
+        )
 
     # -- hooks for subclasses -----------------------------------------------------------------
 

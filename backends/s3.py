@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 MIN_PART = 5 << 20  # S3's smallest part (all but the last)
 MAX_PARTS = 10_000
 PART_STEP = 64 << 10  # part sizes are multiples of this
+MAX_PART = 32 << 20  # bcp's largest part (the staging slab)
 DEFAULT_PART = 16 << 20
 #: A single PUT up to this size; larger whole-object writes go multipart.
 SINGLE_PUT_MAX = 64 << 20
@@ -123,7 +124,7 @@ class S3Backend(ObjectStoreBackend):
         reject_unknown("s3", uri, options)
         if checksum not in ("crc32c", "none"):
             raise ValueError(f"option checksum={checksum!r}: choose crc32c or none")
-        check_part_size(common.part_size, minimum=MIN_PART)
+        check_part_size(common.part_size, minimum=MIN_PART, maximum=MAX_PART)
         client_kwargs = {}
         if common.endpoint_url:
             client_kwargs["endpoint_url"] = common.endpoint_url
@@ -164,13 +165,13 @@ class S3Backend(ObjectStoreBackend):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def call(self, method: str, *, nbytes: int | None = None, **kwargs: Any) -> Any:
+    def call(self, method: str, *, nbytes: int | None = None, extra: float = 0.0, **kwargs: Any) -> Any:
         """One S3 API call on s3fs's event loop (errors translated to OSError by s3fs),
         abandoned after the time :class:`Timeouts` allows for ``nbytes`` (by default
-        the size of its ``Body``)."""
+        the size of its ``Body``) plus ``extra`` seconds."""
         if nbytes is None:
             nbytes = len(kwargs.get("Body", b""))
-        return self.run(self.fs._call_s3, method, nbytes=nbytes, **kwargs)
+        return self.run(self.fs._call_s3, method, nbytes=nbytes, extra=extra, **kwargs)
 
     def put(self, key: str, data: Buffer, *, if_absent: bool = False) -> None:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key), "Body": bytes(data)}
@@ -309,9 +310,14 @@ class _S3Writer(PartWriter[S3Backend]):
         super().__init__(backend, key, size, backend.part_size)
         if size is not None and -(-size // self.part) > MAX_PARTS:
             need = -(-size // MAX_PARTS // PART_STEP) * PART_STEP  # part sizes are multiples of 64 KiB
+            advice = (
+                f"raise part_size to at least {need} ({need / 2**20:.2f} MiB)"
+                if need <= MAX_PART
+                else f"even parts of {MAX_PART >> 20} MiB (the largest) are too few: save from more ranks, "
+                "so each rank's share is smaller"
+            )
             raise ValueError(
-                f"{key!r} is {size} bytes: more than {MAX_PARTS} parts of part_size={self.part} "
-                f"(S3's limit); raise part_size to at least {need} ({need / 2**20:.2f} MiB)"
+                f"{key!r} is {size} bytes: more than {MAX_PARTS} parts of part_size={self.part} (S3's limit); {advice}"
             )
         self._upload_id: str | None = None
         #: A start whose answer never came may have created an upload all the same.
@@ -332,16 +338,22 @@ class _S3Writer(PartWriter[S3Backend]):
                         raise
             return self._upload_id
 
-    def _abort_strays(self, keep: str | None) -> None:
-        """Abort uploads of this key other than ``keep``: ones a start created although
-        its answer was lost (the key is unique to this save, so no one else's)."""
-        if not self._start_failed:
-            return
-        self._start_failed = False
+    def _abort_strays(self) -> None:
+        """Abort uploads of this key other than the live one: ones a start created
+        although its answer was lost (the key is unique to this save, so no one else's)."""
+        with self._lock:
+            if not self._start_failed:
+                return
+            self._start_failed = False
+            keep = self._upload_id
         b = self.backend
         name = b._key(self.key)
         try:
-            for up in b.call("list_multipart_uploads", Bucket=b.bucket, Prefix=name).get("Uploads") or []:
+            try:
+                uploads = b.call("list_multipart_uploads", Bucket=b.bucket, Prefix=name).get("Uploads") or []
+            except FileNotFoundError:  # rclone answers 404 when there are none
+                uploads = []
+            for up in uploads:
                 if up["Key"] == name and up["UploadId"] != keep:
                     b.call("abort_multipart_upload", Bucket=b.bucket, Key=name, UploadId=up["UploadId"])
         except Exception as e:  # noqa: BLE001 - orphans are invisible; bcp gc aborts them later
@@ -376,7 +388,7 @@ class _S3Writer(PartWriter[S3Backend]):
         try:
             b.call(
                 "complete_multipart_upload",
-                nbytes=size,  # S3 may take minutes to assemble a large object
+                extra=0.1 * len(entries),  # assembling many parts takes S3 a while (it sends keep-alive spaces)
                 Bucket=b.bucket,
                 Key=b._key(self.key),
                 UploadId=self._upload_id,
@@ -389,7 +401,7 @@ class _S3Writer(PartWriter[S3Backend]):
         self._upload_id = None  # completed: nothing to abort (discard, which follows, aborts strays)
 
     def discard(self) -> None:
-        self._abort_strays(keep=None)
+        self._abort_strays()
         if self._upload_id is None:
             return
         b = self.backend

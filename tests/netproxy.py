@@ -18,10 +18,11 @@ responses beyond their headers), chosen with a seeded random generator:
 
 * ``slowdown``: answered ``503 SlowDown`` (S3's throttling reply, an XML body; GCS
   clients read the status) without reaching the server; the connection is then closed.
-* ``stall``: the request's headers go through, then nothing more in either direction
-  (the part "hangs") until the client gives up and closes.
+* ``stall``: the request goes out (its body is read and dropped), its answer never
+  comes back (the part "hangs"), until the client gives up and closes.
 * ``reset``: a request with a body is cut after half of it, a request without one after
-  half of its answer's body; both connections are then reset (RST, not FIN).
+  half of its answer's body (before the answer, when the answer has no body: HEAD,
+  204, 304, empty); both connections are then reset (RST, not FIN).
 * ``lost``: the whole request reaches the server, which acts on it, but the connection
   is reset before any of the answer comes back (the client cannot tell whether it
   took effect: the case that idempotent commits are for).
@@ -155,6 +156,8 @@ class Connection:
         self.down = Link(client_w, self.settings, proxy.bytes_down)
         #: share of the next answer's body to let through before a reset; None: all of it
         self.cut_answer: float | None = None
+        #: a stalled request: the server's answer is dropped, never delivered
+        self.swallow = False
 
     def choose_fault(self, method: str) -> str | None:
         s = self.settings
@@ -196,13 +199,14 @@ class Connection:
                 await self.slow_down(headers, length, chunked)
                 return
             if fault == "stall":  # the request goes out, its answer never comes
+                self.swallow = True
                 await self.up.put(head)
                 while await self.client_r.read(CHUNK):  # swallow the body until the client gives up
                     pass
                 raise Reset()
             await self.up.put(head)
             if fault == "reset" and not (length or chunked):
-                self.cut_answer = 0.5
+                self.cut_answer = 0.0 if method == "HEAD" else 0.5  # an answer to HEAD has no body to cut
             elif fault == "lost":
                 self.cut_answer = 0.0
             cut = length // 2 if fault == "reset" and length else None
@@ -263,6 +267,8 @@ class Connection:
         header = b""
         cut_at = None
         while data := await self.server_r.read(CHUNK):
+            if self.swallow:
+                continue
             if self.cut_answer == 0.0:  # lost: not one byte of the answer gets through
                 if data.startswith(b"HTTP/1.1 100 ") and b"\r\n\r\n" in data:  # "send the body": not the answer
                     interim, _, data = data.partition(b"\r\n\r\n")
@@ -280,18 +286,24 @@ class Connection:
                         await self.down.put(data)
                         continue
                     length = 0
-                    for line in header[:end].decode("latin-1").split("\r\n")[1:]:
+                    lines = header[:end].decode("latin-1").split("\r\n")
+                    for line in lines[1:]:
                         name, _, value = line.partition(":")
                         if name.strip().lower() == "content-length":
                             length = int(value.strip() or 0)
+                    status = int(lines[0].split(" ")[1]) if len(lines[0].split(" ")) > 1 else 0
+                    if length == 0 or status < 200 or status in (204, 304):
+                        raise Reset()  # no body to cut in half: cut before the answer
                     cut_at = end + 4 + length // 2
                     counted = len(header) - len(data)
-                if counted + len(data) >= cut_at and cut_at > 0:
+                if counted + len(data) >= cut_at:
                     await self.down.put(data[: cut_at - counted])
                     await asyncio.sleep(self.settings.latency / 2 + 0.05)
                     raise Reset()
                 counted += len(data)
             await self.down.put(data)
+        if self.swallow:  # the server is done, but a stalled answer never ends: hold the client
+            await asyncio.Event().wait()
         self.down.close()
 
     async def run(self) -> None:
