@@ -267,14 +267,14 @@ class Connection:
         header = b""
         cut_at = None
         while data := await self.server_r.read(CHUNK):
-            if self.swallow:
-                continue
-            if self.cut_answer == 0.0:  # lost: not one byte of the answer gets through
+            if self.swallow or self.cut_answer == 0.0:  # stalled or lost: no byte of the answer gets through
                 if data.startswith(b"HTTP/1.1 100 ") and b"\r\n\r\n" in data:  # "send the body": not the answer
                     interim, _, data = data.partition(b"\r\n\r\n")
                     await self.down.put(interim + b"\r\n\r\n")
                     if not data:
                         continue
+                if self.swallow:
+                    continue
                 raise Reset()
             if self.cut_answer is not None and counted < 0:
                 counted, header, cut_at = 0, b"", None

@@ -214,7 +214,8 @@ def test_timeout_options_are_checked():
         backend_for("s3://bucket/x?timeout=-1")
     with pytest.raises(ValueError, match="min_throughput"):
         backend_for("s3://bucket/x?min_throughput=fast")
-    assert backend_for("s3://bucket/x?timeout=0").unwrap().timeouts.limit(1 << 30) is None
+    for none in ("0", "0.00", "none"):
+        assert backend_for(f"s3://bucket/x?timeout={none}").unwrap().timeouts.limit(1 << 30) is None
     gcs = backend_for("gs://bucket/x?anon=true&timeout=2.5&min_throughput=2MiB").unwrap()
     assert gcs.timeouts.idle == 2.5 and gcs.timeouts.limit(4 << 20) == 4.5
     default = backend_for("s3://bucket/x").unwrap().timeouts
