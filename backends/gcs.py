@@ -40,7 +40,7 @@ import gcsfs
 
 from .base import Buffer
 from .errors import TransientError, annotate
-from .objectstore import ObjectStoreBackend, Timeouts, pop_store_options, split_bucket_uri
+from .objectstore import ObjectStoreBackend, StoreOptions, pop_store_options, split_bucket_uri
 from .options import check_part_size, reject_unknown
 from .parts import PartWriter, crc32c_b64
 
@@ -86,28 +86,9 @@ class GCSBackend(ObjectStoreBackend):
     default_retry_attempts = 4  # gcsfs already retries every error, but not our timeouts (module notes)
 
     def __init__(
-        self,
-        uri: str,
-        bucket: str,
-        root: str,
-        fs: gcsfs.GCSFileSystem,
-        *,
-        api_base: str,
-        part_size: int,
-        concurrency: int,
-        conditional_writes: bool,
-        timeouts: Timeouts,
+        self, uri: str, bucket: str, root: str, fs: gcsfs.GCSFileSystem, options: StoreOptions, *, api_base: str
     ) -> None:
-        super().__init__(
-            uri,
-            bucket,
-            root,
-            fs,
-            part_size=part_size,
-            concurrency=concurrency,
-            conditional_writes=conditional_writes,
-            timeouts=timeouts,
-        )
+        super().__init__(uri, bucket, root, fs, options)
         self.api_base = api_base
 
     @classmethod
@@ -136,17 +117,7 @@ class GCSBackend(ObjectStoreBackend):
         api_base = common.endpoint_url or (
             emulator if emulator not in ("", "default") else "https://storage.googleapis.com"
         )
-        return cls(
-            clean,
-            bucket,
-            root,
-            fs,
-            api_base=api_base.rstrip("/"),
-            part_size=common.part_size,
-            concurrency=common.concurrency,
-            conditional_writes=common.conditional_writes,
-            timeouts=common.timeouts,
-        )
+        return cls(clean, bucket, root, fs, common, api_base=api_base.rstrip("/"))
 
     # -- helpers ---------------------------------------------------------------------------
 

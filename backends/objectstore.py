@@ -133,23 +133,12 @@ class ObjectStoreBackend(Backend):
     #: refused in the URI's query by :func:`~bcp.backends.backend_for`.
     credential_options: frozenset[str] = frozenset()
 
-    def __init__(
-        self,
-        uri: str,
-        bucket: str,
-        root: str,
-        fs: Any,
-        *,
-        part_size: int,
-        concurrency: int,
-        conditional_writes: bool,
-        timeouts: Timeouts = Timeouts(),
-    ) -> None:
+    def __init__(self, uri: str, bucket: str, root: str, fs: Any, options: StoreOptions) -> None:
         super().__init__(uri)
         self.bucket, self.root, self.fs = bucket, root, fs
-        self.part_size, self.concurrency, self.conditional_writes = part_size, concurrency, conditional_writes
-        self.timeouts = timeouts
-        if not conditional_writes:
+        self.part_size, self.concurrency = options.part_size, options.concurrency
+        self.conditional_writes, self.timeouts = options.conditional_writes, options.timeouts
+        if not self.conditional_writes:
             self.capabilities = type(self).capabilities & ~Capability.CREATE_ONLY
 
     @property

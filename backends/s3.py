@@ -28,7 +28,7 @@ import s3fs
 
 from .base import Buffer, Unfinished
 from .errors import StorageError, annotate
-from .objectstore import ObjectStoreBackend, Timeouts, check_credential, pop_store_options, split_bucket_uri
+from .objectstore import ObjectStoreBackend, StoreOptions, check_credential, pop_store_options, split_bucket_uri
 from .options import check_part_size, reject_unknown
 from .parts import PartWriter, crc32c_b64
 
@@ -87,28 +87,9 @@ class S3Backend(ObjectStoreBackend):
     credential_options = _CREDENTIAL_OPTIONS
 
     def __init__(
-        self,
-        uri: str,
-        bucket: str,
-        root: str,
-        fs: s3fs.S3FileSystem,
-        *,
-        part_size: int,
-        concurrency: int,
-        checksum: bool,
-        conditional_writes: bool,
-        timeouts: Timeouts,
+        self, uri: str, bucket: str, root: str, fs: s3fs.S3FileSystem, options: StoreOptions, *, checksum: bool
     ) -> None:
-        super().__init__(
-            uri,
-            bucket,
-            root,
-            fs,
-            part_size=part_size,
-            concurrency=concurrency,
-            conditional_writes=conditional_writes,
-            timeouts=timeouts,
-        )
+        super().__init__(uri, bucket, root, fs, options)
         self.checksum = checksum
 
     @classmethod
@@ -151,17 +132,7 @@ class S3Backend(ObjectStoreBackend):
         )  # cached per options
         fs.retries = 1
         clean = f"s3://{bucket}/{root}".rstrip("/")
-        return cls(
-            clean,
-            bucket,
-            root,
-            fs,
-            part_size=common.part_size,
-            concurrency=common.concurrency,
-            checksum=checksum == "crc32c",
-            conditional_writes=common.conditional_writes,
-            timeouts=common.timeouts,
-        )
+        return cls(clean, bucket, root, fs, common, checksum=checksum == "crc32c")
 
     # -- helpers ---------------------------------------------------------------------------
 
