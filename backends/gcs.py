@@ -46,7 +46,7 @@ from .parts import PartWriter, crc32c_b64
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PART = 16 << 20
+DEFAULT_PART = 32 << 20  # fewer parts: fewer compose requests, which run one after another at commit
 COMPOSE_MAX = 32  # sources per compose request
 UPLOADS = ".bcp-uploads"
 
@@ -75,7 +75,7 @@ def _check_token(token: Any) -> Any:
 class GCSBackend(ObjectStoreBackend):
     """Options: ``token`` (keyword only: gcsfs's credentials, never from the URI),
     ``project``, ``endpoint_url`` (emulators; STORAGE_EMULATOR_HOST also
-    works), ``anon``, ``part_size`` (default 16MiB, at most 32MiB, a multiple of
+    works), ``anon``, ``part_size`` (default 32MiB, at most 32MiB, a multiple of
     64KiB), ``concurrency`` (default 16), ``timeout`` and ``min_throughput`` (when a
     request, gcsfs's retries of it included, is abandoned and sent again:
     :class:`~bcp.backends.objectstore.Timeouts`), ``conditional_writes`` (default true; false

@@ -595,5 +595,5 @@ def test_an_s3_object_needing_more_than_10000_parts_is_refused_before_any_reques
     with pytest.raises(ValueError, match=r"10000 parts .*raise part_size to at least 5308416 \(5.06 MiB\)"):
         b.open_writer("data/rank00000-0.bin", size=5 * MiB * 10_000 + 1)
     assert b.open_writer("data/rank00000-0.bin", size=5 * MiB * 10_000) is not None
-    with pytest.raises(ValueError, match="even parts of 32 MiB .* save from more ranks"):
+    with pytest.raises(ValueError, match=r"even parts of 32 MiB .* save from more ranks"):
         b.open_writer("data/rank00000-0.bin", size=(32 << 20) * 10_000 + 1)
