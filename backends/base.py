@@ -170,7 +170,7 @@ class ObjectWriter(abc.ABC):
             except BaseException as e:
                 retry = self._legacy_commit or (self.retryable_commit and is_transient(e))
                 if self._state is _State.OPEN and not retry:
-                    self._abort_after_failure()
+                    self.abort_after_failure()
                 raise
             if self._state is _State.OPEN:
                 self._state = _State.COMMITTED
@@ -192,13 +192,14 @@ class ObjectWriter(abc.ABC):
         if self._state is _State.OPEN:
             self.abort()
 
-    def _abort_after_failure(self) -> None:
-        """Abort, logging rather than raising a cleanup failure, so that the commit's
-        own error is the one that propagates."""
+    def abort_after_failure(self) -> None:
+        """Abort because something failed (a commit, a save), logging rather than
+        raising a cleanup failure, so that the failure's own error is the one that
+        propagates."""
         try:
             self.abort()
-        except Exception as e:  # noqa: BLE001 - logged, so the commit's own error propagates
-            log.warning("could not clean up after a failed commit of %r in %s: %s", self.key, self.uri, e)
+        except Exception as e:  # noqa: BLE001 - logged, so the failure's own error propagates
+            log.warning("could not clean up %r in %s after a failure: %s", self.key, self.uri, e)
 
     def _closed(self, action: str) -> WriterClosedError:
         return WriterClosedError(

@@ -31,6 +31,13 @@ _USERINFO_RE = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://[^/\s:@?#]*):[^/\s?#]*@"
 _SECRET_NAME_RE = re.compile(rf"(?i)(?:{_SECRET_NAMES})")
 
 
+def is_secret_name(name: str) -> bool:
+    """Whether an option named ``name`` carries a secret by its name alone
+    (``token``, ``secret``, ``password``, ``*_access_key``, ...): such an option never
+    belongs in a URI, whatever the backend."""
+    return _SECRET_NAME_RE.fullmatch(name) is not None
+
+
 def redact(text: str) -> str:
     """``text`` with credential-looking values replaced by ``***``: secret-named
     fields (query parameters, ``name=value``, JSON), Bearer/Basic credentials and
@@ -60,7 +67,7 @@ def redact_uri(uri: str) -> str:
         params = []
         for param in query.split("&"):
             name, eq, _value = param.partition("=")
-            params.append(f"{name}=***" if eq and _SECRET_NAME_RE.fullmatch(name) else param)
+            params.append(f"{name}=***" if eq and is_secret_name(name) else param)
         tail = f"{path}?{'&'.join(params)}{hash_}{fragment}"
     return f"{scheme}://{authority}{tail}"
 

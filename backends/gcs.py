@@ -107,8 +107,9 @@ class GCSBackend(ObjectStoreBackend):
         if common.endpoint_url:
             kwargs["endpoint_url"] = common.endpoint_url
         if common.timeouts.idle is not None:  # each HTTP attempt gcsfs makes goes quiet for at most this
-            idle = common.timeouts.idle
-            kwargs["requests_timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=min(idle, 10.0), sock_read=idle)
+            kwargs["requests_timeout"] = aiohttp.ClientTimeout(
+                total=None, sock_connect=common.timeouts.connect, sock_read=common.timeouts.idle
+            )
         fs = gcsfs.GCSFileSystem(**kwargs)
         if root.startswith(UPLOADS) or f"/{UPLOADS}" in root:
             raise ValueError(f"{uri!r}: {UPLOADS} is reserved for bcp's temporary upload parts")

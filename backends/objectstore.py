@@ -21,7 +21,7 @@ from urllib.parse import unquote, urlsplit
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
 from .errors import ObjectExistsError, ObjectNotFoundError, annotate, redact_uri
-from .options import as_bool, as_int, as_size, refuse_uri_credentials
+from .options import as_bool, as_int, as_size, as_timeout, refuse_uri_credentials
 from .parts import PartWriter
 from .retry import is_transient
 
@@ -60,6 +60,11 @@ class Timeouts:
     idle: float | None = DEFAULT_TIMEOUT
     min_throughput: int = DEFAULT_MIN_THROUGHPUT
 
+    @property
+    def connect(self) -> float | None:
+        """Seconds to wait for a connection: the idle time, at most 10 s."""
+        return None if self.idle is None else min(self.idle, 10.0)
+
     def limit(self, nbytes: int = 0) -> float | None:
         """Seconds a request moving ``nbytes`` may take in all, or None for no limit."""
         if self.idle is None or self.min_throughput <= 0:
@@ -69,19 +74,6 @@ class Timeouts:
 
 #: Requests in flight per process (option ``concurrency``).
 DEFAULT_CONCURRENCY = 16
-
-
-def as_timeout(value: Any) -> float | None:
-    """Seconds from ``timeout=...``; None for ``0``/``none`` (no limit of bcp's own)."""
-    if value is None or str(value).strip().lower() == "none":
-        return None
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"option timeout={value!r} is not a number of seconds (0 or none: no limit)") from None
-    if not seconds >= 0 or seconds == float("inf"):
-        raise ValueError(f"option timeout={value!r} must be a number >= 0")
-    return seconds or None
 
 
 def split_bucket_uri(uri: str, *, store: str, scheme: str) -> tuple[str, str]:

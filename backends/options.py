@@ -41,6 +41,19 @@ def as_int(name: str, value, *, minimum: int = 0) -> int:
     return n
 
 
+def as_timeout(value) -> float | None:
+    """Seconds from ``timeout=...``; None for ``0``/``none`` (no limit of bcp's own)."""
+    if value is None or str(value).strip().lower() == "none":
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"option timeout={value!r} is not a number of seconds (0 or none: no limit)") from None
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"option timeout={value!r} must be a number >= 0")
+    return seconds or None
+
+
 def _size_label(n: int) -> str:
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift and n % (1 << shift) == 0:
@@ -48,7 +61,14 @@ def _size_label(n: int) -> str:
     return str(n)
 
 
-def check_part_size(part_size: int, *, minimum: int, maximum: int = 32 << 20, multiple: int = 64 << 10) -> None:
+#: Upload parts are at most the staging slab (32 MiB) and a multiple of 64 KiB.
+MAX_PART_SIZE = 32 << 20
+PART_SIZE_MULTIPLE = 64 << 10
+
+
+def check_part_size(
+    part_size: int, *, minimum: int, maximum: int = MAX_PART_SIZE, multiple: int = PART_SIZE_MULTIPLE
+) -> None:
     """ValueError unless ``part_size`` is within the store's bounds and a multiple of
     ``multiple`` (the part-writing backends share these limits' shape)."""
     if not minimum <= part_size <= maximum or part_size % multiple:
@@ -62,15 +82,6 @@ def reject_unknown(kind: str, uri: str, options: dict) -> None:
     """TypeError naming every option nobody consumed (values are not shown: they may be secrets)."""
     if options:
         raise TypeError(f"unknown option(s) for the {kind} backend ({uri}): {', '.join(sorted(options))}")
-
-
-def is_secret_name(name: str) -> bool:
-    """Whether an option named ``name`` carries a secret by its name alone
-    (``token``, ``secret``, ``password``, ``*_access_key``, ...): such an option never
-    belongs in a URI, whatever the backend."""
-    from .errors import _SECRET_NAME_RE
-
-    return _SECRET_NAME_RE.fullmatch(name) is not None
 
 
 def refuse_uri_credentials(uri: str, names: list[str], *, userinfo: bool = False) -> None:

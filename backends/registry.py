@@ -24,8 +24,8 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from .base import Backend
-from .errors import redact, redact_uri
-from .options import is_secret_name, refuse_uri_credentials
+from .errors import is_secret_name, redact, redact_uri
+from .options import refuse_uri_credentials
 
 log = logging.getLogger(__name__)
 

@@ -29,15 +29,13 @@ import s3fs
 from .base import Buffer, Unfinished
 from .errors import StorageError, annotate
 from .objectstore import ObjectStoreBackend, StoreOptions, check_credential, pop_store_options, split_bucket_uri
-from .options import check_part_size, reject_unknown
+from .options import MAX_PART_SIZE, PART_SIZE_MULTIPLE, check_part_size, reject_unknown
 from .parts import PartWriter, crc32c_b64
 
 log = logging.getLogger(__name__)
 
 MIN_PART = 5 << 20  # S3's smallest part (all but the last)
 MAX_PARTS = 10_000
-PART_STEP = 64 << 10  # part sizes are multiples of this
-MAX_PART = 32 << 20  # bcp's largest part (the staging slab)
 DEFAULT_PART = 16 << 20
 #: A single PUT up to this size; larger whole-object writes go multipart.
 SINGLE_PUT_MAX = 64 << 20
@@ -105,7 +103,7 @@ class S3Backend(ObjectStoreBackend):
         reject_unknown("s3", uri, options)
         if checksum not in ("crc32c", "none"):
             raise ValueError(f"option checksum={checksum!r}: choose crc32c or none")
-        check_part_size(common.part_size, minimum=MIN_PART, maximum=MAX_PART)
+        check_part_size(common.part_size, minimum=MIN_PART, maximum=MAX_PART_SIZE)
         client_kwargs = {}
         if common.endpoint_url:
             client_kwargs["endpoint_url"] = common.endpoint_url
@@ -119,7 +117,7 @@ class S3Backend(ObjectStoreBackend):
             "response_checksum_validation": "when_required",
         }
         if common.timeouts.idle is not None:  # a connection that cannot open, or goes quiet
-            config["connect_timeout"] = min(common.timeouts.idle, 10.0)
+            config["connect_timeout"] = common.timeouts.connect
             config["read_timeout"] = common.timeouts.idle
         fs = s3fs.S3FileSystem(
             **credentials,
@@ -280,11 +278,11 @@ class _S3Writer(PartWriter[S3Backend]):
     def __init__(self, backend: S3Backend, key: str, size: int | None) -> None:
         super().__init__(backend, key, size, backend.part_size)
         if size is not None and -(-size // self.part) > MAX_PARTS:
-            need = -(-size // MAX_PARTS // PART_STEP) * PART_STEP  # part sizes are multiples of 64 KiB
+            need = -(-size // MAX_PARTS // PART_SIZE_MULTIPLE) * PART_SIZE_MULTIPLE
             advice = (
                 f"raise part_size to at least {need} ({need / 2**20:.2f} MiB)"
-                if need <= MAX_PART
-                else f"even parts of {MAX_PART >> 20} MiB (the largest) are too few: save from more ranks, "
+                if need <= MAX_PART_SIZE
+                else f"even parts of {MAX_PART_SIZE >> 20} MiB (the largest) are too few: save from more ranks, "
                 "so each rank's share is smaller"
             )
             raise ValueError(

@@ -24,7 +24,6 @@ then change if ``stage_all``, device sources once ``copies.wait()`` returns), th
 from __future__ import annotations
 
 import dataclasses
-import logging
 import queue
 import threading
 from collections.abc import Mapping, Sequence
@@ -42,8 +41,6 @@ from ..shards import Piece
 from ..tensor_io import flat_bytes, host_contiguous, storage_identity
 from .device_copy import DeviceCopies, is_device_tensor, settle
 from .staging import Slab, StagingPool
-
-log = logging.getLogger(__name__)
 
 #: Fragments of at least this many bytes start at a multiple of 4096 (direct I/O,
 #: page-aligned reads); smaller ones at a multiple of 64.
@@ -472,7 +469,7 @@ class WritePipeline:
         writer = self._writer
         if self.error is not None:
             if writer is not None:  # None when opening it is what failed
-                _abort_quietly(writer)
+                writer.abort_after_failure()
             raise self.error
         assert writer is not None, "finish() after stage()"
         try:
@@ -481,7 +478,7 @@ class WritePipeline:
             rows, file_sums = self._rows()
             writer.commit()
         except BaseException:
-            _abort_quietly(writer)
+            writer.abort_after_failure()
             raise
         tensors = {item.tensor: item.plan for item in self.items}
         return WriterReport(
@@ -516,12 +513,3 @@ class WritePipeline:
             schema=REPORT_SCHEMA,
         )
         return rows, file_sums
-
-
-def _abort_quietly(writer: ObjectWriter) -> None:
-    """Abort after a failure, logging (not raising) a failure to clean up, so the
-    error that stopped the save is the one the caller sees."""
-    try:
-        writer.abort()
-    except Exception as e:  # noqa: BLE001 - the save's own error propagates
-        log.warning("could not discard %r in %s after a failed save: %s", writer.key, writer.uri, e)
