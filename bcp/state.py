@@ -177,16 +177,19 @@ def detach_stateful(state: Mapping) -> tuple[Mapping, list[tuple[KeyPath, Any]]]
     template a load fills), and the (path, object) pairs replaced. Containers on the
     way to one are copied, so the caller's state keeps its objects if the load fails;
     a state without any is returned as it is. A Stateful inside another's state_dict
-    is not separated: the outer one's load_state_dict receives what was loaded."""
+    is expanded too, as the save did, but not listed: the outer one's load_state_dict
+    receives what was loaded for it."""
     found: list[tuple[KeyPath, Any]] = []
     detached = _detach(state, (), found)
     return (detached if found else state), found
 
 
-def _detach(value: Any, path: KeyPath, found: list[tuple[KeyPath, Any]]) -> Any:
+def _detach(value: Any, path: KeyPath, found: list[tuple[KeyPath, Any]] | None) -> Any:
+    """``found`` is None below a Stateful: nested ones are expanded, not listed."""
     if is_stateful(value):
-        found.append((path, value))
-        return value.state_dict()
+        if found is not None:
+            found.append((path, value))
+        return _detach(value.state_dict(), path, None)
     if isinstance(value, Mapping) and all(_plain_key(k) for k in value):
         items = {k: _detach(v, (*path, ("d", k)), found) for k, v in value.items()}
         if all(items[k] is v for k, v in value.items()):
@@ -197,11 +200,14 @@ def _detach(value: Any, path: KeyPath, found: list[tuple[KeyPath, Any]]) -> Any:
         new = [_detach(v, (*path, (kind, i)), found) for i, v in enumerate(value)]
         if all(a is b for a, b in zip(new, value, strict=True)):
             return value
-        if isinstance(value, tuple):
-            make = getattr(type(value), "_make", None)
-            return make(new) if make is not None else tuple(new)
-        return new
+        return _rebuilt_tuple(value, new) if isinstance(value, tuple) else new
     return value
+
+
+def _rebuilt_tuple(like: tuple, items: list) -> tuple:
+    """A tuple of ``like``'s type holding ``items`` (a namedtuple through ``_make``)."""
+    make = getattr(type(like), "_make", None)
+    return make(items) if make is not None else type(like)(items)
 
 
 def replace_at(root: Any, path: KeyPath, value: Any) -> Any:
@@ -214,8 +220,7 @@ def replace_at(root: Any, path: KeyPath, value: Any) -> Any:
         assert isinstance(key, int), f"tuple step {key!r} of a key path"
         items = list(root)
         items[key] = replace_at(items[key], rest, value)
-        make = getattr(type(root), "_make", None)  # a namedtuple
-        return make(items) if make is not None else type(root)(items)
+        return _rebuilt_tuple(root, items)
     root[key] = replace_at(root[key], rest, value)
     return root
 

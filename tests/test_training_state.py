@@ -166,6 +166,40 @@ def test_stateful_objects_anywhere_in_a_state_are_saved_and_loaded(tmp_path):
     assert torch.equal(model2[0].weight, model[0].weight) and sched2.last_epoch == sched.last_epoch
 
 
+class _Counter:
+    """A Stateful holding a tensor; ``Outer`` returns one inside its own state_dict."""
+
+    def __init__(self, value: float) -> None:
+        self.t = torch.full((3,), value)
+
+    def state_dict(self) -> dict:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.t = sd["t"]
+
+
+class _Outer(_Counter):
+    def __init__(self, value: float) -> None:
+        super().__init__(value)
+        self.inner = _Counter(value * 10)
+
+    def state_dict(self) -> dict:
+        return {"t": self.t, "inner": self.inner}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.t = sd["t"]
+        self.inner.load_state_dict(sd["inner"])
+
+
+def test_a_stateful_inside_another_ones_state_dict_loads_through_the_outer_one(tmp_path):
+    bcp.save({"obj": _Outer(1.0)}, tmp_path / "ck")
+    target = _Outer(0.0)
+    out = bcp.load({"obj": target}, tmp_path / "ck")
+    assert out["obj"] is target
+    assert torch.equal(target.t, torch.full((3,), 1.0)) and torch.equal(target.inner.t, torch.full((3,), 10.0))
+
+
 def test_training_state_loads_into_a_plain_bcp_load_as_a_stateful(tmp_path):
     model, opt, sched, _ = _parts()
     _train(model, opt, sched, iter(range(5)), 1)
