@@ -57,11 +57,16 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         self.exhausted = False
         #: after a reshard: this rank's remaining ids of the epoch
         self.order: list[int] | None = None
+        #: this rank's share of the epoch's permutation, built once per epoch
+        self._dealt: tuple[tuple[int, int, int], list[int]] | None = None
 
     def _stream(self) -> list[int]:
         if self.order is not None:
             return self.order
-        return epoch_order(self.num_samples, self.seed, self.epoch)[self.rank :: self.world_size]
+        key = (self.num_samples, self.seed, self.epoch)
+        if self._dealt is None or self._dealt[0] != key:  # take() runs per batch: not one permutation each
+            self._dealt = key, dealt(epoch_order(*key), self.rank, self.world_size)
+        return self._dealt[1]
 
     def __iter__(self) -> Iterator[int]:
         if self.exhausted:
@@ -81,7 +86,9 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         return ids
 
     def __len__(self) -> int:
-        return len(self._stream())
+        if self.order is not None:
+            return len(self.order)
+        return len(range(self.rank, self.num_samples, self.world_size))
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.consumed, self.order, self.exhausted = epoch, 0, None, False
@@ -121,12 +128,19 @@ def is_sampler_state(value: Any) -> bool:
     return isinstance(value, Mapping) and value.get(SAMPLER_MARK) == 1
 
 
-def consumed_ids(state: Mapping[str, Any]) -> list[int]:
-    """The sample ids a saved sampler state had already handed out."""
+def dealt(order: list[int], rank: int, world_size: int) -> list[int]:
+    """The ids of ``order`` that rank ``rank`` of ``world_size`` deals (round-robin)."""
+    return order[rank::world_size]
+
+
+def consumed_ids(state: Mapping[str, Any], order: list[int] | None = None) -> list[int]:
+    """The sample ids a saved sampler state had already handed out (``order``: its
+    epoch's permutation, when the caller has it already)."""
     if state["order"] is not None:
         return list(state["order"][: state["consumed"]])
-    stream = epoch_order(state["num_samples"], state["seed"], state["epoch"])[state["rank"] :: state["world_size"]]
-    return stream[: state["consumed"]]
+    if order is None:
+        order = epoch_order(state["num_samples"], state["seed"], state["epoch"])
+    return dealt(order, state["rank"], state["world_size"])[: state["consumed"]]
 
 
 def reshard_sampler_states(values: Mapping[int, Mapping[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
@@ -139,9 +153,9 @@ def reshard_sampler_states(values: Mapping[int, Mapping[str, Any]], rank: int, w
         raise UnsupportedStateError(
             f"sampler states of {len(values)} ranks disagree on (num_samples, seed, epoch): {sorted(same)}"
         )
-    done = {i for state in values.values() for i in consumed_ids(state)}
-    remaining = [i for i in epoch_order(first["num_samples"], first["seed"], first["epoch"]) if i not in done]
-    order = remaining[rank::world_size]
+    permutation = epoch_order(first["num_samples"], first["seed"], first["epoch"])  # the same for every rank
+    done = {i for state in values.values() for i in consumed_ids(state, permutation)}
+    order = dealt([i for i in permutation if i not in done], rank, world_size)
     return {**first, "world_size": world_size, "rank": rank, "consumed": 0, "exhausted": False, "order": order}
 
 
