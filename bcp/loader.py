@@ -141,7 +141,7 @@ def load_with_info(
         unexpected=tuple(plan.unexpected),
         cast=tuple(f for f, _w, _g in plan.dtype_mismatch),
         kind_mismatch=tuple(f for f, _w, _g in plan.kind_mismatch),
-        hint=prefix_hint(plan.missing, plan.unexpected),
+        hint=plan.hint,
     )
 
 
@@ -187,6 +187,8 @@ class LoadPlan:
     kind_mismatch: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     #: asked for as plain full-size tensors by a template holding DTensors on several ranks (refused)
     full_size: list[str] = dataclasses.field(default_factory=list)
+    #: a key prefix that explains the missing keys (a non-strict load), see :func:`prefix_hint`
+    hint: str | None = None
 
     def mismatch_error(self, uri: str, *, shapes_only: bool = False) -> StateMismatchError:
         if shapes_only:
@@ -212,9 +214,11 @@ def match_state(
     stored_paths: dict[str, tuple] = {}
     leaves = flatten_state(state).values()
     guard = world_size > 1 and any(is_dtensor(leaf.value) for leaf in leaves)
+    #: plain tensors a guarded template asks for, settled with one catalog read after the loop
+    guarded: list[tuple[str, list[TensorRequest]]] | None = [] if guard else None
     for leaf in leaves:
         if leaf.is_tensor:
-            _match_tensor(reader, leaf, plan, guard)
+            _match_tensor(reader, leaf, plan, guarded)
         elif leaf.fqn in reader.manifest.objects:
             plan.consumed.add(leaf.fqn)
             plan.object_loads.append(leaf)
@@ -223,6 +227,13 @@ def match_state(
             plan.kind_mismatch.append((leaf.fqn, "an object", "a tensor"))
         elif not _match_subtree(reader, leaf, plan, stored_paths, guard, _is_optimizer_state(state, leaf)):
             plan.missing.append(leaf.fqn)
+    if guarded:
+        _require_whole(reader, [fqn for fqn, _ in guarded])
+        for fqn, requests in guarded:
+            if _saved_cut(reader, fqn):
+                plan.full_size.append(fqn)
+            else:
+                plan.tensor_requests += requests
     if plan.full_size:
         raise _full_size_error(reader, plan.full_size, world_size)
     plan.unexpected = [f for f in reader.keys() if f not in plan.consumed]
@@ -231,6 +242,7 @@ def match_state(
     if plan.shape_mismatch:
         raise plan.mismatch_error(reader.uri, shapes_only=True)
     if plan.missing or plan.unexpected or plan.dtype_mismatch or plan.kind_mismatch:
+        plan.hint = prefix_hint(plan.missing, plan.unexpected)
         log.warning("%s", _skipped_message(reader.uri, plan))
     _check_per_rank_objects(reader, plan, world_size, hook)
     return plan
@@ -258,18 +270,23 @@ def _skipped_message(uri: str, plan: LoadPlan) -> str:
         ("kind mismatch (tensor vs object; not loaded)", [f for f, _w, _g in plan.kind_mismatch]),
     )
     lines += [f"  {what}: {_listed(keys)}" for what, keys in kinds if keys]
-    hint = prefix_hint(plan.missing, plan.unexpected)
-    if hint:
-        lines.append(f"  hint: {hint}")
+    if plan.hint:
+        lines.append(f"  hint: {plan.hint}")
     return "\n".join(lines)
 
 
-def _saved_sharded(reader: CheckpointReader, fqn: str) -> bool:
-    """Whether the stored tensor was saved in more than one box (from DTensors or shards)."""
-    shape = reader.catalog.tensors[fqn].global_shape
-    reader.catalog.require([(fqn, ((0,) * len(shape), shape))])  # a catalog read in part: its rows first
+def _require_whole(reader: CheckpointReader, fqns: list[str]) -> None:
+    """The catalog rows of the whole of each of ``fqns``, in one read (a catalog read in part)."""
+    boxes = [(f, ((0,) * len(shape), shape)) for f in fqns for shape in [reader.catalog.tensors[f].global_shape]]
+    if boxes:
+        reader.catalog.require(boxes)
+
+
+def _saved_cut(reader: CheckpointReader, fqn: str) -> bool:
+    """Whether the stored tensor was saved in more than one box (from DTensors or
+    shards); its rows must be held (:func:`_require_whole`)."""
     entry = reader.catalog.tensors[fqn]
-    return bool((entry.lengths != np.asarray(shape, dtype=np.int64)).any())
+    return bool((entry.lengths != np.asarray(entry.global_shape, dtype=np.int64)).any())
 
 
 def _full_size_error(reader: CheckpointReader, fqns: list[str], world_size: int) -> UnsupportedStateError:
@@ -284,10 +301,13 @@ def _full_size_error(reader: CheckpointReader, fqns: list[str], world_size: int)
     )
 
 
-def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan, guard: bool = False) -> None:
+def _match_tensor(
+    reader: CheckpointReader, leaf: Leaf, plan: LoadPlan, guarded: list[tuple[str, list[TensorRequest]]] | None = None
+) -> None:
     """A tensor-like leaf: the boxes this rank holds, if shape and kind match. With
-    ``guard`` (several ranks, a template holding DTensors), a plain tensor that was
-    saved sharded is recorded in ``plan.full_size`` instead."""
+    ``guarded`` (several ranks, a template holding DTensors), a plain tensor of one
+    dimension or more goes there with its requests instead: the caller refuses it
+    (``plan.full_size``) if it was saved sharded."""
     fqn = leaf.fqn
     entry = reader.catalog.tensors.get(fqn)
     if entry is None:
@@ -304,10 +324,11 @@ def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan, guard: b
         return
     if dtype_name(dtype, fqn=fqn) != entry.dtype:
         plan.dtype_mismatch.append((fqn, dtype_name(dtype, fqn=fqn), entry.dtype))
-    if guard and replicated and _saved_sharded(reader, fqn):
-        plan.full_size.append(fqn)
+    requests = [TensorRequest(fqn, p.box, p.tensor) for p in pieces]
+    if guarded is not None and replicated and len(entry.global_shape) > 0:  # a 0-d tensor is never cut
+        guarded.append((fqn, requests))
         return
-    plan.tensor_requests += [TensorRequest(fqn, p.box, p.tensor) for p in pieces]
+    plan.tensor_requests += requests
 
 
 def _is_optimizer_state(state: Mapping[str, Any], leaf: Leaf) -> bool:
@@ -341,28 +362,26 @@ def _match_subtree(
     if not below:
         return False
     plan.consumed.update(below)
+    tensors = [f for f in below if f in reader.catalog.tensors]
+    _require_whole(reader, tensors)
     if guard:  # nothing allocated for a subtree of sharded tensors: refused by match_state
         # an optimizer's state filled beside DTensors would hold plain full-size tensors
         # (0-d ones, its step counters, are the same either way), however it was saved
         sharded = [
             f
-            for f in below
-            if f in reader.catalog.tensors
-            and ((optimizer_state and len(reader.catalog.tensors[f].global_shape) > 0) or _saved_sharded(reader, f))
+            for f in tensors
+            if (optimizer_state and len(reader.catalog.tensors[f].global_shape) > 0) or _saved_cut(reader, f)
         ]
         if sharded:
             plan.full_size += sharded
             return True
     plan.subtree_loads.append(SubtreeLoad(leaf, below))
-    for f in below:
-        if f in reader.catalog.tensors:
-            shape = reader.catalog.tensors[f].global_shape
-            reader.catalog.require([(f, ((0,) * len(shape), shape))])  # a catalog read in part: its rows first
-            # reader.empty allocates only after the files holding the bytes are found in
-            # storage with their declared sizes: a catalog cannot make this allocate more
-            plan.subtree_tensors[f] = reader.empty(f)
-            shape = tuple(plan.subtree_tensors[f].shape)
-            plan.tensor_requests.append(TensorRequest(f, ((0,) * len(shape), shape), plan.subtree_tensors[f]))
+    for f in tensors:
+        # reader.empty allocates only after the files holding the bytes are found in
+        # storage with their declared sizes: a catalog cannot make this allocate more
+        plan.subtree_tensors[f] = reader.empty(f)
+        shape = tuple(plan.subtree_tensors[f].shape)
+        plan.tensor_requests.append(TensorRequest(f, ((0,) * len(shape), shape), plan.subtree_tensors[f]))
     return True
 
 
