@@ -35,7 +35,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from typing import Any
 
 import torch
@@ -155,7 +155,13 @@ def to_safetensors(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    stale = _stale_safetensors(dst_dir, keep=set(files), overwrite=overwrite)
+    stale = _stale_files(
+        dst_dir,
+        kind="safetensors",
+        wanted=lambda name: name == INDEX_NAME or name.endswith(".safetensors"),
+        overwrite=overwrite,
+        keep=set(files),
+    )
     if INDEX_NAME in stale:  # first: while shards are replaced, no index names a mix of old and new
         os.remove(os.path.join(dst_dir, INDEX_NAME))
     os.makedirs(dst_dir, exist_ok=True)
@@ -272,10 +278,14 @@ def read_json_config(path: str) -> str:
     return text
 
 
-def _stale_safetensors(dst_dir: str, *, keep: set[str], overwrite: bool) -> list[str]:
-    """Names in ``dst_dir`` that a safetensors export writing ``keep`` must remove:
-    the index and the other ``*.safetensors`` files (regular files or links, never
-    followed). FileExistsError when ``dst_dir`` is not empty and not ``overwrite``."""
+def _stale_files(
+    dst_dir: str, *, kind: str, wanted: Callable[[str], bool], overwrite: bool, keep: Set[str] = frozenset()
+) -> list[str]:
+    """Names in ``dst_dir`` that an export of ``kind`` files must remove before it
+    writes (``keep`` excepted): those ``wanted`` picks, regular files or links, never
+    followed. FileExistsError when ``dst_dir`` is not empty and not ``overwrite``, or
+    is not a directory. Nothing is removed here: the caller does, once it knows the
+    export can be written."""
     try:
         entries = list(os.scandir(dst_dir))
     except FileNotFoundError:
@@ -286,14 +296,12 @@ def _stale_safetensors(dst_dir: str, *, keep: set[str], overwrite: bool) -> list
         shown = ", ".join(sorted(e.name for e in entries)[:5])
         raise FileExistsError(
             f"{dst_dir} is not empty ({shown}{', ...' if len(entries) > 5 else ''}); choose an empty directory, "
-            f"or pass overwrite=True (--overwrite) to replace the safetensors files in it"
+            f"or pass overwrite=True (--overwrite) to replace the {kind} files in it"
         )
     return sorted(
         e.name
         for e in entries
-        if (e.name == INDEX_NAME or e.name.endswith(".safetensors"))
-        and e.name not in keep
-        and (e.is_symlink() or e.is_file(follow_symlinks=False))
+        if wanted(e.name) and e.name not in keep and (e.is_symlink() or e.is_file(follow_symlinks=False))
     )
 
 
@@ -428,18 +436,21 @@ def to_dcp(
     keys = [key for key, _name in select(reader.keys(), prefix, strip=False)]
     if not keys:
         raise ValueError(f"no entries under prefix {prefix!r} in {reader.uri}")
-    _clear_dcp_dir(dst_dir, overwrite=overwrite, metadata_file=METADATA_FILE)
+    stale = _stale_files(
+        dst_dir, kind="DCP", wanted=lambda name: name == METADATA_FILE or name.endswith(".distcp"), overwrite=overwrite
+    )
     source: dict[int, str] = {}
     entries = []
     for key in keys:
         path = reader.key_path(key)
         entries.append((path, _dcp_value(reader, key, path, source)))
     state = build_nested(entries)
+    os.makedirs(dst_dir, exist_ok=True)  # the state is built: the old export goes only now
+    for name in stale:  # none of the old files is left beside the new ones
+        os.remove(os.path.join(dst_dir, name))
 
     def fill(pairs: list[tuple[str, torch.Tensor]]) -> None:
-        boxes: list[tuple[str, Box]] = [(key, ((0,) * t.dim(), tuple(t.shape))) for key, t in pairs]
-        reader.check_sizes(boxes)
-        reader.fill([(key, box, t) for (key, box), (_k, t) in zip(boxes, pairs, strict=True)])
+        reader.fill([(key, ((0,) * t.dim(), tuple(t.shape)), t) for key, t in pairs])  # fill checks the sizes first
         if progress:
             progress(sum(t.numel() * t.element_size() for _key, t in pairs))
 
@@ -468,25 +479,6 @@ def _dcp_value(reader: CheckpointReader, key: str, path: KeyPath, source: dict[i
     placeholder = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
     source[id(placeholder)] = key
     return placeholder
-
-
-def _clear_dcp_dir(dst_dir: str, *, overwrite: bool, metadata_file: str) -> None:
-    """FileExistsError for a non-empty ``dst_dir`` unless ``overwrite``; with it, the
-    old DCP files (``.metadata``, ``*.distcp``) go, so none is left beside the new ones."""
-    try:
-        entries = list(os.scandir(dst_dir))
-    except FileNotFoundError:
-        os.makedirs(dst_dir)
-        return
-    except NotADirectoryError:
-        raise FileExistsError(f"{dst_dir} exists and is not a directory") from None
-    if entries and not overwrite:
-        raise FileExistsError(f"{dst_dir} is not empty; choose an empty directory or pass overwrite=True (--overwrite)")
-    for e in entries:
-        if (e.name == metadata_file or e.name.endswith(".distcp")) and (
-            e.is_symlink() or e.is_file(follow_symlinks=False)
-        ):
-            os.remove(e.path)
 
 
 # -- into bcp ------------------------------------------------------------------------------------
@@ -579,9 +571,11 @@ def from_dcp(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .dcp_metadata import DCPReader, SafeBytesPlanner, key_paths, read_metadata
+    from .dcp_metadata import METADATA_FILE, DCPReader, SafeBytesPlanner, key_paths, read_metadata
 
     metadata = read_metadata(src, allow_pickle=allow_pickle)
+    paths = key_paths(metadata, where=os.path.join(src, METADATA_FILE))
+    _check_nesting(paths, where=src)  # from .metadata alone: a bad one fails before anything is loaded
     reader = DCPReader(src, metadata)
     planner = SafeBytesPlanner(allow_pickle=allow_pickle)
     scratch = tempfile.mkdtemp(prefix="bcp-convert-", dir=scratch_dir)
@@ -593,7 +587,6 @@ def from_dcp(
             else:
                 state[fqn] = None  # a torch.save'd value: SafeBytesPlanner loads it
         dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
-        paths = key_paths(metadata, where=os.path.join(src, ".metadata"))
         for fqn in list(state):
             if fqn in planner.loaded:
                 state[fqn] = planner.loaded[fqn]
@@ -614,17 +607,23 @@ def from_dcp(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _nest(flat: dict[str, Any], paths: dict[str, KeyPath], *, where: str) -> dict:
-    """DCP's flat entries put back where they sat in the saved state (dicts, lists)."""
-    entries = [(paths[fqn], value) for fqn, value in flat.items()]
+def _check_nesting(paths: dict[str, KeyPath], *, where: str) -> None:
+    """FormatError unless DCP's key paths describe one nested state: no entry inside
+    another's value, no list items named far past the entries there are."""
     leaves = {path: fqn for fqn, path in paths.items()}
     for fqn, path in paths.items():
         inner = next((leaves[path[:i]] for i in range(1, len(path)) if path[:i] in leaves), None)
         if inner is not None:
             raise FormatError(f"{where}: DCP planner_data puts {fqn!r} inside the value of {inner!r}")
-    gaps = _list_gaps([path for path, _value in entries])
-    if len(gaps) > len(entries):
+    if len(_list_gaps(list(paths.values()))) > len(paths):
         raise FormatError(f"{where}: DCP planner_data names list items far past the entries it has")
+
+
+def _nest(flat: dict[str, Any], paths: dict[str, KeyPath], *, where: str) -> dict:
+    """DCP's flat entries put back where they sat in the saved state (dicts, lists);
+    ``paths`` passed :func:`_check_nesting`."""
+    entries = [(paths[fqn], value) for fqn, value in flat.items()]
+    gaps = _list_gaps([path for path, _value in entries])
     try:
         return build_nested([*entries, *((path, {}) for path in gaps)])
     except (FormatError, AttributeError, TypeError) as e:  # a path through a leaf, say
@@ -653,7 +652,7 @@ def detect_format(src: str) -> str:
         names = set(os.listdir(path))
         if MANIFEST_KEY in names:
             return "bcp"
-        if ".metadata" in names:
+        if ".metadata" in names:  # dcp_metadata.METADATA_FILE (not imported: it loads DCP)
             return "dcp"
         if INDEX_NAME in names or any(n.endswith(".safetensors") for n in names):
             return "safetensors"
