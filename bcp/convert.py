@@ -36,7 +36,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Sequence, Set
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -74,6 +74,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 INDEX_NAME = "model.safetensors.index.json"
 
 Progress = Callable[[int], None]  # called with bytes done
+T = TypeVar("T")
 
 
 def select(keys: Iterable[str], prefix: str | None, strip: bool) -> list[tuple[str, str]]:
@@ -89,11 +90,12 @@ def select(keys: Iterable[str], prefix: str | None, strip: bool) -> list[tuple[s
 # -- bcp -> safetensors --------------------------------------------------------------------------
 
 
-def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+def plan_shards(sizes: Sequence[tuple[T, int]], max_shard_bytes: int) -> list[list[T]]:
     """Greedy, in order: a new shard starts when the next tensor would pass the cap
-    (a tensor larger than the cap gets a shard of its own)."""
-    shards: list[list[str]] = []
-    current: list[str] = []
+    (a tensor larger than the cap gets a shard of its own). Also how ``to_dcp``
+    batches its writes."""
+    shards: list[list[T]] = []
+    current: list[T] = []
     used = 0
     for name, n in sizes:
         if current and used + n > max_shard_bytes:

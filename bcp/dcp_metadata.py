@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .convert import plan_shards
 from .errors import FormatError, PickleNotAllowedError
 from .state import KeyPath, PathElem, fqn_of
 
@@ -291,23 +292,18 @@ class BatchedFileSystemWriter(FileSystemWriter):
         return done
 
     def _batches(self, items: list[WriteItem]) -> list[list[WriteItem]]:
-        """Items in order, cut where the next tensor would pass ``batch_bytes``; the
-        (small, pickled) non-tensor items go with the first batch."""
-        batches: list[list[WriteItem]] = [[wi for wi in items if wi.type == WriteItemType.BYTE_IO]]
-        used = 0
-        for wi in items:
-            if wi.type == WriteItemType.BYTE_IO:
-                continue
-            size = _nbytes(wi)
-            if used and used + size > self.batch_bytes:
-                batches.append([])
-                used = 0
-            batches[-1].append(wi)
-            used += size
-        return [b for b in batches if b]
+        """Items in order, cut where the next tensor would pass ``batch_bytes`` (as
+        safetensors shards are cut); the (small, pickled) non-tensor items go with the
+        first batch."""
+        objects = [wi for wi in items if wi.type == WriteItemType.BYTE_IO]
+        tensors = [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
+        batches = plan_shards([(wi, _nbytes(wi)) for wi in tensors], self.batch_bytes)
+        if not batches:
+            return [objects] if objects else []
+        batches[0][:0] = objects
+        return batches
 
 
 def _nbytes(item: WriteItem) -> int:
     assert item.tensor_data is not None, "a tensor write item carries its tensor data"
-    element = torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
-    return torch.Size(item.tensor_data.size).numel() * element
+    return torch.Size(item.tensor_data.size).numel() * item.tensor_data.properties.dtype.itemsize
