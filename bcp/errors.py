@@ -77,8 +77,19 @@ class RankFailedError(CheckpointError):
         self.errors = dict(errors or {})
 
 
+#: keys a message names per kind of difference before it says "and N more"
+LISTED_KEYS = 8
+
+
+def listed(keys: list[str] | tuple[str, ...], limit: int = LISTED_KEYS) -> str:
+    """At most ``limit`` keys, then how many more: a message stays readable at 10,000 keys."""
+    more = f", ... and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
 class StateMismatchError(CheckpointError, ValueError):
-    """The state passed to load does not match the checkpoint. Lists every difference."""
+    """The state passed to load does not match the checkpoint. Counts every kind of
+    difference and names the first keys of each (the fields hold them all)."""
 
     def __init__(
         self,
@@ -93,17 +104,19 @@ class StateMismatchError(CheckpointError, ValueError):
         self.uri = uri
         self.missing, self.unexpected = missing, unexpected
         self.shape_mismatch, self.dtype_mismatch, self.kind_mismatch = shape_mismatch, dtype_mismatch, kind_mismatch
-        lines = [f"checkpoint {uri} does not match the state given to load:"]
-        if missing:
-            lines.append(f"  missing keys (in the state, not in the checkpoint): {', '.join(missing)}")
-        if unexpected:
-            lines.append(f"  unexpected keys (in the checkpoint, not in the state): {', '.join(unexpected)}")
-        for fqn, want_shape, got_shape in shape_mismatch:
-            lines.append(f"  shape mismatch for {fqn}: state {list(want_shape)}, checkpoint {list(got_shape)}")
-        for fqn, want, got in dtype_mismatch:
-            lines.append(f"  dtype mismatch for {fqn}: state {want}, checkpoint {got}")
-        for fqn, want, got in kind_mismatch:
-            lines.append(f"  kind mismatch for {fqn}: state has {want}, checkpoint has {got}")
+        counts = (
+            f"{len(missing)} missing, {len(unexpected)} unexpected, {len(shape_mismatch)} shape, "
+            f"{len(dtype_mismatch)} dtype, {len(kind_mismatch)} kind mismatches"
+        )
+        lines = [f"checkpoint {uri} does not match the state given to load ({counts}):"]
+        kinds = (
+            ("missing keys (in the state, not in the checkpoint)", missing),
+            ("unexpected keys (in the checkpoint, not in the state)", unexpected),
+            ("shape mismatch (state, checkpoint)", [f"{f} ({list(w)}, {list(g)})" for f, w, g in shape_mismatch]),
+            ("dtype mismatch (state, checkpoint)", [f"{f} ({w}, {g})" for f, w, g in dtype_mismatch]),
+            ("kind mismatch (state, checkpoint)", [f"{f} ({w}, {g})" for f, w, g in kind_mismatch]),
+        )
+        lines += [f"  {what}: {listed(keys)}" for what, keys in kinds if keys]
         self.hint = prefix_hint(missing, unexpected)
         if self.hint:
             lines.append(f"  hint: {self.hint}")
@@ -124,9 +137,11 @@ _HINT_CANDIDATES = 64
 
 
 def prefix_hint(missing: list[str] | tuple[str, ...], unexpected: list[str] | tuple[str, ...]) -> str | None:
-    """A one-line fix when the missing keys are the unexpected ones under another
-    prefix (a model wrapped by DDP as ``module.``, compiled as ``_orig_mod.``, or
-    saved unwrapped): None when no single prefix swap explains at least half of them.
+    """A one-line fix when the missing keys are the unexpected ones with whole dotted
+    components added or removed at one place (a model wrapped by DDP as ``module.``,
+    compiled as ``_orig_mod.``, or saved unwrapped): None when no such swap explains at
+    least half of them. A component replaced by another (``model.extra.`` where the
+    checkpoint has ``model.2.``) is another model, not another wrapping: no hint.
 
     The swap is read off the first missing key and a stored key ending the same way
     (the longest common dotted suffix), then checked against every missing key."""
@@ -138,7 +153,7 @@ def prefix_hint(missing: list[str] | tuple[str, ...], unexpected: list[str] | tu
     best: tuple[int, str, str] | None = None
     for other in candidates:
         state_prefix, stored_prefix = _prefixes(first, other.split("."))
-        if state_prefix == stored_prefix:
+        if not _wrapping(state_prefix.split(".")[:-1], stored_prefix.split(".")[:-1]):
             continue
         explained = sum(
             1 for m in missing if m.startswith(state_prefix) and stored_prefix + m[len(state_prefix) :] in stored
@@ -154,6 +169,19 @@ def prefix_hint(missing: list[str] | tuple[str, ...], unexpected: list[str] | tu
         f"build the state from the same wrapping as the save (e.g. the unwrapped model: model.module for DDP, "
         f"model._orig_mod for torch.compile) or rename the keys"
     )
+
+
+def _wrapping(a: list[str], b: list[str]) -> bool:
+    """Whether one component list is the other with one run of components inserted
+    (what wrapping a module does to its keys)."""
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    if len(short) == len(long):
+        return False
+    head = 0
+    while head < len(short) and short[head] == long[head]:
+        head += 1
+    tail = len(short) - head
+    return short[head:] == long[len(long) - tail :]
 
 
 def _prefixes(state_key: list[str], stored_key: list[str]) -> tuple[str, str]:

@@ -26,7 +26,6 @@ import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Unpack
 
-import numpy as np
 import torch
 
 from bcp.backends import Capability
@@ -34,7 +33,7 @@ from bcp.backends import Capability
 from .boxes import Box
 from .catalog_fetch import fetch_load_metadata, reader_from_head
 from .collectives import Coordinator, GroupCoordinator, coordinator_for, decide, run_phase
-from .errors import StateMismatchError, UnsupportedStateError, prefix_hint
+from .errors import StateMismatchError, UnsupportedStateError, listed, prefix_hint
 from .io_scheduler.read_exec import ReadStats
 from .options import LoadOptions, LoadOptionsKwargs, ReshardObjects
 from .reader import CheckpointReader, reader_from_bytes
@@ -78,6 +77,25 @@ class LoadInfo:
     def skipped(self) -> bool:
         """Whether a non-strict load left anything out or cast anything."""
         return bool(self.missing or self.unexpected or self.cast or self.kind_mismatch)
+
+    def __repr__(self) -> str:
+        """Counts and key names, never tensor data (a state can hold gigabytes)."""
+        keys = list(flatten_state(self.state))
+        fields = [
+            f"uri={self.uri!r}",
+            f"state=<{len(keys)} leaves: {listed(keys)}>",
+            f"bytes_read={self.bytes_read}",
+            f"requests={self.requests}",
+            f"verify_bytes={self.verify_bytes}",
+            f"seconds={self.seconds:.3f}",
+        ]
+        for name in ("missing", "unexpected", "cast", "kind_mismatch"):
+            values = getattr(self, name)
+            if values:
+                fields.append(f"{name}=<{len(values)}: {listed(values)}>")
+        if self.hint:
+            fields.append(f"hint={self.hint!r}")
+        return f"LoadInfo({', '.join(fields)})"
 
 
 def load(
@@ -213,27 +231,20 @@ def match_state(
     plan = LoadPlan()
     stored_paths: dict[str, tuple] = {}
     leaves = flatten_state(state).values()
-    guard = world_size > 1 and any(is_dtensor(leaf.value) for leaf in leaves)
-    #: plain tensors a guarded template asks for, settled with one catalog read after the loop
-    guarded: list[tuple[str, list[TensorRequest]]] | None = [] if guard else None
+    #: a template holding DTensors (at any world size, one included): an optimizer's
+    #: empty ``state`` must not be filled with plain full-size tensors beside them
+    guard = any(is_dtensor(leaf.value) for leaf in leaves)
     for leaf in leaves:
         if leaf.is_tensor:
-            _match_tensor(reader, leaf, plan, guarded)
+            _match_tensor(reader, leaf, plan)
         elif leaf.fqn in reader.manifest.objects:
             plan.consumed.add(leaf.fqn)
             plan.object_loads.append(leaf)
         elif leaf.fqn in reader.catalog.tensors:
             plan.consumed.add(leaf.fqn)
             plan.kind_mismatch.append((leaf.fqn, "an object", "a tensor"))
-        elif not _match_subtree(reader, leaf, plan, stored_paths, guard, _is_optimizer_state(state, leaf)):
+        elif not _match_subtree(reader, leaf, plan, stored_paths, guard and _is_optimizer_state(state, leaf)):
             plan.missing.append(leaf.fqn)
-    if guarded:
-        _require_whole(reader, [fqn for fqn, _ in guarded])
-        for fqn, requests in guarded:
-            if _saved_cut(reader, fqn):
-                plan.full_size.append(fqn)
-            else:
-                plan.tensor_requests += requests
     if plan.full_size:
         raise _full_size_error(reader, plan.full_size, world_size)
     plan.unexpected = [f for f in reader.keys() if f not in plan.consumed]
@@ -248,15 +259,6 @@ def match_state(
     return plan
 
 
-#: keys a message names per kind of difference before it says "and N more"
-_LISTED = 8
-
-
-def _listed(keys: list[str]) -> str:
-    more = f", ... and {len(keys) - _LISTED} more" if len(keys) > _LISTED else ""
-    return ", ".join(keys[:_LISTED]) + more
-
-
 def _skipped_message(uri: str, plan: LoadPlan) -> str:
     """What a non-strict load left out or cast, one kind per line, each list bounded."""
     lines = [
@@ -269,7 +271,7 @@ def _skipped_message(uri: str, plan: LoadPlan) -> str:
         ("cast to the state's dtype", [f"{f} ({got} -> {want})" for f, want, got in plan.dtype_mismatch]),
         ("kind mismatch (tensor vs object; not loaded)", [f for f, _w, _g in plan.kind_mismatch]),
     )
-    lines += [f"  {what}: {_listed(keys)}" for what, keys in kinds if keys]
+    lines += [f"  {what}: {listed(keys)}" for what, keys in kinds if keys]
     if plan.hint:
         lines.append(f"  hint: {plan.hint}")
     return "\n".join(lines)
@@ -282,32 +284,21 @@ def _require_whole(reader: CheckpointReader, fqns: list[str]) -> None:
         reader.catalog.require(boxes)
 
 
-def _saved_cut(reader: CheckpointReader, fqn: str) -> bool:
-    """Whether the stored tensor was saved in more than one box (from DTensors or
-    shards); its rows must be held (:func:`_require_whole`)."""
-    entry = reader.catalog.tensors[fqn]
-    return bool((entry.lengths != np.asarray(entry.global_shape, dtype=np.int64)).any())
-
-
 def _full_size_error(reader: CheckpointReader, fqns: list[str], world_size: int) -> UnsupportedStateError:
     """The FSDP2 ``optimizer.state_dict()`` mistake, refused before anything is allocated."""
+    ranks = "one process" if world_size == 1 else f"each of {world_size} ranks"
     return UnsupportedStateError(
-        f"{reader.uri}: the state given to load holds DTensors, yet asks for {len(fqns)} tensors as plain "
-        f"full-size tensors on each of {world_size} ranks (saved sharded, or an optimizer's state): {_listed(fqns)}. "
-        "Loading them would put the whole tensor on every rank and a later optimizer.step() would mix torch.Tensor "
-        "and DTensor. This is what optimizer.state_dict() gives under FSDP2/TP: build the state with "
-        "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) (or get_optimizer_state_dict), "
-        "or load through bcp.TrainingState, which does"
+        f"{reader.uri}: the state given to load holds DTensors beside an optimizer state_dict() with an empty "
+        f"'state'; bcp would fill it with {len(fqns)} plain full-size tensors on {ranks}: {listed(fqns)}. "
+        "The next optimizer.step() would then mix torch.Tensor and DTensor. This is what optimizer.state_dict() "
+        "gives under FSDP2/TP: build the state with torch.distributed.checkpoint.state_dict.get_state_dict(model, "
+        "optimizer) (or get_optimizer_state_dict), or load through bcp.TrainingState, which does"
     )
 
 
-def _match_tensor(
-    reader: CheckpointReader, leaf: Leaf, plan: LoadPlan, guarded: list[tuple[str, list[TensorRequest]]] | None = None
-) -> None:
-    """A tensor-like leaf: the boxes this rank holds, if shape and kind match. With
-    ``guarded`` (several ranks, a template holding DTensors), a plain tensor of one
-    dimension or more goes there with its requests instead: the caller refuses it
-    (``plan.full_size``) if it was saved sharded."""
+def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan) -> None:
+    """A tensor-like leaf: the boxes this rank holds, if shape and kind match. A plain
+    tensor asks for the whole tensor on this rank, whatever layout saved it."""
     fqn = leaf.fqn
     entry = reader.catalog.tensors.get(fqn)
     if entry is None:
@@ -318,17 +309,13 @@ def _match_tensor(
             plan.missing.append(fqn)
         return
     plan.consumed.add(fqn)
-    shape, dtype, pieces, replicated = local_pieces(leaf.value, fqn)
+    shape, dtype, pieces, _replicated = local_pieces(leaf.value, fqn)
     if tuple(shape) != entry.global_shape:
         plan.shape_mismatch.append((fqn, tuple(shape), entry.global_shape))
         return
     if dtype_name(dtype, fqn=fqn) != entry.dtype:
         plan.dtype_mismatch.append((fqn, dtype_name(dtype, fqn=fqn), entry.dtype))
-    requests = [TensorRequest(fqn, p.box, p.tensor) for p in pieces]
-    if guarded is not None and replicated and len(entry.global_shape) > 0:  # a 0-d tensor is never cut
-        guarded.append((fqn, requests))
-        return
-    plan.tensor_requests += requests
+    plan.tensor_requests += [TensorRequest(fqn, p.box, p.tensor) for p in pieces]
 
 
 def _is_optimizer_state(state: Mapping[str, Any], leaf: Leaf) -> bool:
@@ -347,12 +334,13 @@ def _match_subtree(
     leaf: Leaf,
     plan: LoadPlan,
     stored_paths: dict[str, tuple],
-    guard: bool = False,
-    optimizer_state: bool = False,
+    guarded: bool = False,
 ) -> bool:
     """A template container with no stored entry of its own (an optimizer's empty
     ``state`` before its first step): replaced by the stored subtree below its path,
-    tensors allocated on CPU. False when nothing is stored below it."""
+    tensors allocated on CPU. False when nothing is stored below it. ``guarded``: the
+    container is an optimizer's ``state`` in a template holding DTensors, where
+    tensors of one dimension or more are refused (``plan.full_size``), not allocated."""
     if not isinstance(leaf.value, (Mapping, list, tuple)):
         return False
     prefix = _keys(leaf.path)
@@ -363,18 +351,12 @@ def _match_subtree(
         return False
     plan.consumed.update(below)
     tensors = [f for f in below if f in reader.catalog.tensors]
-    _require_whole(reader, tensors)
-    if guard:  # nothing allocated for a subtree of sharded tensors: refused by match_state
-        # an optimizer's state filled beside DTensors would hold plain full-size tensors
-        # (0-d ones, its step counters, are the same either way), however it was saved
-        sharded = [
-            f
-            for f in tensors
-            if (optimizer_state and len(reader.catalog.tensors[f].global_shape) > 0) or _saved_cut(reader, f)
-        ]
-        if sharded:
-            plan.full_size += sharded
+    if guarded:  # 0-d tensors (an optimizer's step counters) are the same either way
+        full_size = [f for f in tensors if len(reader.catalog.tensors[f].global_shape) > 0]
+        if full_size:
+            plan.full_size += full_size
             return True
+    _require_whole(reader, tensors)
     plan.subtree_loads.append(SubtreeLoad(leaf, below))
     for f in tensors:
         # reader.empty allocates only after the files holding the bytes are found in

@@ -232,9 +232,9 @@ def test_strict_mismatch_lists_everything_at_once(uri):
     for word in (
         "missing keys",
         "unexpected keys",
-        "shape mismatch for b",
-        "dtype mismatch for c",
-        "kind mismatch for n",
+        "shape mismatch (state, checkpoint): b ([3, 2], [2, 2])",
+        "dtype mismatch (state, checkpoint): c (float64, float32)",
+        "kind mismatch (state, checkpoint): n (a tensor, an object)",
     ):
         assert word in str(e)
 

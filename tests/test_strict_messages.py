@@ -67,19 +67,31 @@ def test_strict_mismatch_suggests_stripping_the_ddp_prefix(tmp_path):
     assert again.hint == error.hint and str(again) == str(error)
 
 
+_components = st.lists(_names, max_size=2)
+
+
+@st.composite
+def _wrapping_swap(draw) -> tuple[str, str]:
+    """A state prefix and a stored prefix that differ by one run of components
+    inserted in one of them (DDP's ``module.``, torch.compile's ``_orig_mod.``)."""
+    base = draw(_components)
+    at = draw(st.integers(0, len(base)))
+    inserted = draw(st.lists(_names, min_size=1, max_size=2))
+    wrapped = base[:at] + inserted + base[at:]
+    a, b = ("".join(k + "." for k in p) for p in (base, wrapped))
+    return (a, b) if draw(st.booleans()) else (b, a)
+
+
 @settings(max_examples=50, deadline=None)
 @given(
     keys=st.lists(st.lists(_names, min_size=1, max_size=3).map(".".join), min_size=1, max_size=6, unique=True),
-    state_prefix=st.lists(_names, max_size=2).map(lambda p: "".join(k + "." for k in p)),
-    stored_prefix=st.lists(_names, max_size=2).map(lambda p: "".join(k + "." for k in p)),
+    swap=_wrapping_swap(),
 )
-def test_prefix_hint_names_any_prefix_swap(keys, state_prefix, stored_prefix):
+def test_prefix_hint_names_any_wrapping_swap(keys, swap):
+    state_prefix, stored_prefix = swap
     missing = [state_prefix + k for k in keys]
     unexpected = [stored_prefix + k for k in keys]
     hint = prefix_hint(missing, unexpected)
-    if state_prefix == stored_prefix:
-        assert hint is None  # nothing would be missing in a real load
-        return
     assert hint is not None and f"{len(keys)} of {len(keys)} missing keys" in hint
     # the swap it names turns every missing key into a stored one
     named = hint.split("the state has ")[1]
@@ -89,10 +101,53 @@ def test_prefix_hint_names_any_prefix_swap(keys, state_prefix, stored_prefix):
     assert all(m.startswith(said_state) and said_stored + m[len(said_state) :] in unexpected for m in missing)
 
 
+@settings(max_examples=50, deadline=None)
+@given(
+    keys=st.lists(_names, min_size=1, max_size=6, unique=True),
+    head=_components,
+    mine=_names,
+    theirs=_names,
+)
+def test_prefix_hint_is_silent_when_a_component_is_replaced(keys, head, mine, theirs):
+    """``model.extra.weight`` against ``model.2.weight`` is another model, not another wrapping."""
+    if mine == theirs:
+        return
+    prefix = "".join(k + "." for k in head)
+    missing = [f"{prefix}{mine}.{k}" for k in keys]
+    unexpected = [f"{prefix}{theirs}.{k}" for k in keys]
+    assert prefix_hint(missing, unexpected) is None
+
+
 def test_prefix_hint_stays_silent_for_unrelated_keys():
     assert prefix_hint(["a.weight", "b.bias"], ["c.running_mean"]) is None
     assert prefix_hint(["x.weight", "y.weight", "z.weight"], ["p.x.weight"]) is None  # explains 1 of 3
     assert prefix_hint([], ["a"]) is None and prefix_hint(["a"], []) is None
+    assert prefix_hint(["model.extra.weight", "model.extra.bias"], ["model.2.weight", "model.2.bias"]) is None
+    assert prefix_hint(["model.weight"], ["model.weight"]) is None  # same prefix: nothing to swap
+
+
+def test_a_strict_mismatch_names_at_most_eight_keys_per_kind_with_counts(tmp_path):
+    stored = {f"layer{i}.weight": torch.zeros(2) for i in range(40)}
+    stored |= {f"s{i}": torch.zeros(3) for i in range(12)}
+    bcp.save(stored, tmp_path / "ck")
+    state = {f"other{i}.weight": torch.zeros(2) for i in range(30)}
+    state |= {f"s{i}": torch.zeros(4) for i in range(12)}
+    with pytest.raises(bcp.StateMismatchError) as caught:
+        bcp.load(state, tmp_path / "ck")
+    text = str(caught.value)
+    assert "(30 missing, 40 unexpected, 12 shape, 0 dtype, 0 kind mismatches)" in text
+    assert "... and 22 more" in text and "... and 32 more" in text and "... and 4 more" in text
+    assert text.count("weight") == 16 and len(text) < 1500, text
+    # the error still holds every key for a program to use
+    assert len(caught.value.missing) == 30 and len(caught.value.unexpected) == 40
+
+
+def test_load_info_repr_shows_counts_and_names_not_tensor_data(tmp_path):
+    bcp.save({"big": torch.arange(100_000.0), "n": 5}, tmp_path / "ck")
+    info = bcp.load_with_info({"big": torch.zeros(100_000), "x": torch.zeros(1)}, tmp_path / "ck", strict=False)
+    text = repr(info)
+    assert "state=<2 leaves: big, x>" in text and "missing=<1: x>" in text and "unexpected=<1: n>" in text
+    assert "tensor(" not in text and "99999" not in text and len(text) < 600, text
 
 
 _SHARDED_TENSOR_JOB = r"""

@@ -47,8 +47,10 @@ def test_fsdp2_optimizer_state_dict_mistake_is_refused_before_allocating(tmp_pat
     uri = str(tmp_path / "ck")
     dist_jobs.spawn(training_jobs.save_with_optimizer_state_dict_job, 2, uri)
     dist_jobs.spawn(training_jobs.load_with_optimizer_state_dict_job, 2, uri)
+    # FSDP2 on a one-rank mesh: the same mistake, refused the same way
+    dist_jobs.spawn(training_jobs.load_with_optimizer_state_dict_job, 1, uri)
     dist_jobs.spawn(training_jobs.load_plain_into_ddp_like_ranks_job, 2, uri)
-    # one process, a plain model: the same checkpoint loads (the guard needs several ranks)
+    # one process, a plain model (no DTensor in the template): the same checkpoint loads
     model = dist_jobs.make_model()
     opt = torch.optim.AdamW(model.parameters())
     state = bcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, uri)
