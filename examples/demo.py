@@ -63,7 +63,10 @@ class Trainer:
             "optim": self.opt.state_dict(),
             "sched": self.sched.state_dict(),
             "trainer": {"step": self.step, "samples_seen": self.samples_seen},
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            # per rank: in a multi-process job each rank has its own RNG states
+            "rng": bcp.PerRank(
+                {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+            ),
         }
 
     def restore(self, state: dict) -> None:
