@@ -50,7 +50,7 @@ class SaveOptions:
     #: staging memory (default: the process-wide pool, whose capacity is the budget)
     pool: StagingPool | None = None
     #: refuse the save when ranks hold different values of a tensor stored once (a
-    #: plain tensor, a replicated DTensor): "small" checks those of at most 64 KiB
+    #: plain tensor, a replicated DTensor): "small" checks those of at most 16 KiB
     #: (RNG states, counters, small buffers; about free), "all" every one (a CRC32C
     #: of every replicated byte on every rank), "off" none (docs/distributed.md)
     check_replicas: ReplicaCheck = "small"

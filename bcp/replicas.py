@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from bcp.metadata.checksum import crc32c
+from bcp.metadata.checksum import crc32c_raw
 
 from .boxes import Box
 from .errors import ReplicaMismatchError
@@ -35,7 +35,7 @@ from .tensor_io import flat_bytes, host_contiguous, raw
 #: bench/replica_check_bench.py --sweep): up to here the checksum costs at most about 2%
 #: of saving the same tensor; above it, the CRC's share of the save grows towards the
 #: ratio of write speed to CRC speed (about 10% on a local disk, 2 ranks).
-SMALL_REPLICA_BYTES = 64 << 10
+SMALL_REPLICA_BYTES = 16 << 10
 
 #: largest device-to-host copy a checksum makes at once (for "all" on large CUDA tensors)
 _DEVICE_CHUNK_BYTES = 64 << 20
@@ -81,14 +81,17 @@ class ReplicaSummer:
     def enabled(self) -> bool:
         return self.limit >= 0
 
-    def add(self, tensor_index: int, box: int, t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
-        if nbytes == 0 or nbytes > self.limit:
+    def add(self, tensor_index: int, box: Box, shape: tuple[int, ...], t: torch.Tensor) -> None:
+        """Checksum ``t``, the local memory of ``box`` of tensor ``tensor_index`` (of
+        ``shape``), when its size is one this mode checks."""
+        # runs for every small replicated tensor at every save: about 2 us each on CPU
+        nbytes = t.nbytes
+        if not 0 < nbytes <= self.limit:
             return
         self.tensors.append(tensor_index)
-        self.boxes.append(box)
-        if t.device.type == "cpu":
-            self.sums.append(_cpu_crc(t))
+        self.boxes.append(box_key(box, shape))
+        if t.is_cpu:
+            self.sums.append(_cpu_crc(t, nbytes))
         elif nbytes <= SMALL_REPLICA_BYTES:
             self.pending.setdefault(t.device, []).append((len(self.sums), t))
             self.sums.append(0)
@@ -101,7 +104,7 @@ class ReplicaSummer:
             host = torch.cat(flats).cpu()  # one device-to-host copy per device
             at = host.data_ptr()
             for (i, _t), flat in zip(entries, flats, strict=True):
-                self.sums[i] = crc32c((ctypes.c_char * flat.numel()).from_address(at))
+                self.sums[i] = crc32c_raw((ctypes.c_char * flat.numel()).from_address(at))
                 at += flat.numel()
         self.pending.clear()
         return ReplicaSums(
@@ -111,13 +114,12 @@ class ReplicaSummer:
         )
 
 
-def _cpu_crc(t: torch.Tensor) -> int:
+def _cpu_crc(t: torch.Tensor, nbytes: int) -> int:
     if not t.is_contiguous() or t.is_conj() or t.is_neg():
         t = host_contiguous(t)
-    # a contiguous CPU tensor's bytes, read in place (no tensor or numpy views per call:
-    # this runs for every small replicated tensor at every save)
-    nbytes = t.numel() * t.element_size()
-    return crc32c((ctypes.c_char * nbytes).from_address(t.data_ptr()))
+    # the dense tensor's bytes, read in place (a ctypes array over its memory costs a
+    # third of a tensor or numpy view, and this runs for every small replica at every save)
+    return crc32c_raw((ctypes.c_char * nbytes).from_address(t.data_ptr()))
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -136,7 +138,7 @@ def _device_crc(t: torch.Tensor) -> int:
     value = 0
     for at in range(0, flat.numel(), _DEVICE_CHUNK_BYTES):
         host = flat[at : at + _DEVICE_CHUNK_BYTES].cpu()
-        value = crc32c((ctypes.c_char * host.numel()).from_address(host.data_ptr()), value)
+        value = crc32c_raw((ctypes.c_char * host.numel()).from_address(host.data_ptr()), value)
     return value
 
 

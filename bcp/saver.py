@@ -54,7 +54,7 @@ from .io_scheduler.staging import default_pool
 from .io_scheduler.write_pipeline import WriteItem, WritePipeline, WriterReport, fragment_table
 from .options import SaveOptions, SaveOptionsKwargs
 from .plan_cache import PlanCache, PlanSummary, plan_cache_for, plan_key, save_order
-from .replicas import ReplicaSummer, ReplicaSums, box_key, check_replicas
+from .replicas import ReplicaSummer, ReplicaSums, check_replicas
 from .save_plan import GlobalPlan, LayoutMeta, LocalLayout, LocalPlan, TensorPlan, plan_save
 from .shards import PerRank, holds_replica, local_pieces
 from .state import flatten_state, path_to_json, path_to_str
@@ -167,7 +167,7 @@ def _prepare(
         items.extend(WriteItem(tensor_plan, piece, len(tensors)) for piece in local)  # LocalLayout's flat order
         if summer.enabled and holds_replica(leaf.value):
             for piece in local:
-                summer.add(len(tensors), box_key(piece.box, tensor_plan.global_shape), piece.tensor)
+                summer.add(len(tensors), piece.box, tensor_plan.global_shape, piece.tensor)
         tensors.append(tensor_plan)
     replicas = summer.finish() if summer.enabled else None
     return _Prepared(LocalPlan(rank, tuple(tensors)), LocalLayout.build(rank, tensors), items, objects, replicas)

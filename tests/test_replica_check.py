@@ -106,20 +106,24 @@ def _bytes_crc(t: torch.Tensor) -> int:
     return crc32c(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) if t.numel() else 0
 
 
+def _whole(t: torch.Tensor) -> tuple:
+    return ((0,) * t.dim(), tuple(t.shape))
+
+
 def test_summer_checksums_logical_row_major_bytes_of_any_view():
     base = torch.arange(24, dtype=torch.float64).reshape(2, 3, 4)
     views = [base, base.transpose(0, 2), base[:, 1], base[..., ::2], torch.tensor(5.0), base[0].to(torch.bfloat16).t()]
     summer = ReplicaSummer("all")
     for i, v in enumerate(views):
-        summer.add(i, 0, v)
+        summer.add(i, _whole(v), tuple(v.shape), v)
     got = summer.finish()
     assert got.tensors.tolist() == list(range(len(views)))
     assert got.sums.tolist() == [_bytes_crc(v.contiguous()) for v in views]
     lazy = torch.tensor([1 + 2j, 3 - 1j]).conj()  # conj and neg bits: the values, not the memory
     assert lazy.is_conj() and lazy.imag.is_neg()
     summer = ReplicaSummer("all")
-    summer.add(0, 0, lazy)
-    summer.add(1, 0, lazy.imag)
+    summer.add(0, _whole(lazy), (2,), lazy)
+    summer.add(1, _whole(lazy.imag), (2,), lazy.imag)
     want = [_bytes_crc(torch.tensor([1 - 2j, 3 + 1j])), _bytes_crc(torch.tensor([-2.0, 1.0]))]
     assert summer.finish().sums.tolist() == want
 
@@ -138,7 +142,7 @@ def test_summer_limits_by_mode():
     for mode, want in (("small", [0]), ("all", [0, 1]), ("off", [])):
         summer = ReplicaSummer(mode)
         for i, t in enumerate((small, big, empty)):
-            summer.add(i, 0, t)
+            summer.add(i, _whole(t), tuple(t.shape), t)
         assert summer.finish().tensors.tolist() == want, mode
 
 
