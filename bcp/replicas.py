@@ -31,10 +31,11 @@ from .options import REPLICA_CHECKS
 from .save_plan import LayoutMeta
 from .tensor_io import flat_bytes, host_contiguous, raw
 
-#: "small": boxes of at most this many bytes are checked. Measured (docs/benchmarks.md,
-#: bench/replica_check_bench.py --sweep): up to here the checksum costs at most about 2%
-#: of saving the same tensor; above it, the CRC's share of the save grows towards the
-#: ratio of write speed to CRC speed (about 10% on a local disk, 2 ranks).
+#: "small": boxes of at most this many bytes are checked (RNG states, counters, small
+#: buffers). Measured (docs/benchmarks.md, bench/replica_check_bench.py --sweep): up to
+#: here a tensor's check costs about its fixed part (a few microseconds, against 40-100
+#: to save the tensor); above, the CRC grows with the size, towards a fifth or more of
+#: the save's own time per byte (2 ranks, local disk).
 SMALL_REPLICA_BYTES = 16 << 10
 
 #: largest device-to-host copy a checksum makes at once (for "all" on large CUDA tensors)

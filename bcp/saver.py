@@ -201,7 +201,9 @@ def save(
     (CheckpointExistsError) when a committed checkpoint is already there, unless
     ``overwrite=True``; an overwrite replaces it atomically. ``options`` and keyword
     arguments are the fields of :class:`SaveOptions` (overwrite, metadata,
-    allow_pickle, storage_options, checksum_block_bytes, process_group, streams, pool).
+    allow_pickle, storage_options, checksum_block_bytes, process_group, streams, pool,
+    check_replicas). Refuses (ReplicaMismatchError) when ranks hold different values
+    of a tensor stored once (a plain tensor, a replicated DTensor): docs/distributed.md.
     """
     opts = SaveOptions.of(options, overrides)
     job = SaveJob.start(state, uri, coordinator_for(opts.process_group), opts, stage_all=False)

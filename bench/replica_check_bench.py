@@ -2,9 +2,11 @@
 
 Default: 2 gloo ranks, each holding the same ~2 GiB of plain tensors (32 weights of
 64 MiB, 32 biases of 16 KiB, a step counter), saved with the check "off", "small"
-(the default) and "all", interleaved (off, small, all, off, ...) so the noisy disk
-treats the three alike; the page cache is flushed (sync) before each save. Prints
-the median of the slowest rank's save seconds and each mode's ratio to "off".
+(the default) and "all", interleaved (off, small, all, then small, all, off, ...)
+so the noisy disk treats the three alike; the page cache is flushed (sync) before each save. Prints
+the median of the slowest rank's save seconds, each mode's ratio to "off", and the
+check's own work timed alone (the slowest rank's fastest of 3: checksums and the
+coordinator's comparison), which the noisy save times hold.
 
 ``--sweep``: the per-tensor threshold behind "small". For tensors of one size per
 state, 2 ranks: the checksum work each rank does (what "all" adds, timed in
@@ -55,18 +57,21 @@ def _timed_save(rank: int, state: dict, uri: str, mode: str) -> float:
     return seconds
 
 
-def interleaved(rank: int, world: int, root: str, repeats: int) -> dict[str, list[float]]:
+def interleaved(rank: int, world: int, root: str, repeats: int) -> tuple[dict[str, list[float]], dict[str, float]]:
     state = ddp_state()
     times: dict[str, list[float]] = {m: [] for m in MODES}
     _timed_save(rank, state, f"{root}/warm", "off")  # first-save costs (pool, imports) out of the way
-    for _ in range(repeats):
-        for mode in MODES:
+    for k in range(repeats):
+        for mode in MODES[k % 3 :] + MODES[: k % 3]:  # rotated: no mode always follows another
             times[mode].append(_timed_save(rank, state, f"{root}/ck", mode))
-    return times
+    dist.barrier()
+    # the check's own work, timed alone: what the save times above hold beside the noise
+    work = {mode: _check_seconds(state, world, mode, reps=3) for mode in MODES[1:]}
+    return times, work
 
 
-def _check_seconds(state: dict, world: int, reps: int = 5) -> float:
-    """What check_replicas="all" adds to a save of ``state``: on each rank, checksum
+def _check_seconds(state: dict, world: int, mode: str = "all", reps: int = 5) -> float:
+    """What check_replicas=mode adds to a save of ``state``: on each rank, checksum
     every replicated box (as ``saver._prepare`` does, after the flattening the save
     does anyway); on the coordinator, compare ``world`` ranks' sums."""
     leaves = [leaf for leaf in flatten_state(state).values() if leaf.is_tensor]
@@ -75,7 +80,7 @@ def _check_seconds(state: dict, world: int, reps: int = 5) -> float:
     runs = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        summer = ReplicaSummer("all")
+        summer = ReplicaSummer(mode)
         for i, value, local in pieces:
             if holds_replica(value):
                 for piece in local.pieces:
@@ -122,13 +127,15 @@ def main() -> None:
             f"state: {total / 2**30:.2f} GiB in {len(state)} plain tensors on each of 2 ranks; "
             f"medians of {args.repeats}, interleaved"
         )
-        slowest = {m: [max(r[m][i] for r in ranks) for i in range(args.repeats)] for m in MODES}
+        slowest = {m: [max(r[0][m][i] for r in ranks) for i in range(args.repeats)] for m in MODES}
+        work = {m: max(r[1][m] for r in ranks) for m in MODES[1:]}
         base = statistics.median(slowest["off"])
-        print(f"{'check_replicas':<15} {'s':>7} {'vs off':>7}  runs")
+        print(f"{'check_replicas':<15} {'s':>7} {'vs off':>7} {'check work s':>12}  runs")
         for mode in MODES:
             t = statistics.median(slowest[mode])
             runs = " ".join(f"{x:.3f}" for x in slowest[mode])
-            print(f"{mode:<15} {t:>7.3f} {t / base:>7.3f}  {runs}")
+            alone = f"{work[mode]:.4f}" if mode in work else "-"
+            print(f"{mode:<15} {t:>7.3f} {t / base:>7.3f} {alone:>12}  {runs}")
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
 
