@@ -66,6 +66,17 @@ class ShardingError(UnsupportedStateError):
     """Ranks disagree about a tensor, or its shards do not tile it exactly."""
 
 
+class ReplicaMismatchError(ShardingError):
+    """Ranks hold different values of a tensor that is stored once (a plain tensor, or a
+    DTensor replicated over a mesh dimension), so the save is refused before anything
+    is written. ``differing`` maps each key to {a rank: the ranks whose copy differs
+    from that rank's}."""
+
+    def __init__(self, message: str, *, differing: dict[str, dict[int, list[int]]] | None = None) -> None:
+        super().__init__(message)
+        self.differing = dict(differing or {})
+
+
 class RankFailedError(CheckpointError):
     """Another rank failed during a collective checkpoint operation.
 
@@ -219,6 +230,7 @@ __all__ = [
     "ObjectNotFoundError",
     "PickleNotAllowedError",
     "RankFailedError",
+    "ReplicaMismatchError",
     "ShardingError",
     "StateMismatchError",
     "StorageError",

@@ -16,12 +16,16 @@ import dataclasses
 import numbers
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 from bcp.metadata import DEFAULT_BLOCK_BYTES
 from bcp.metadata.manifest import MAX_CHECKSUM_BLOCK_BYTES
 
 from .io_scheduler.staging import StagingPool
+
+#: ``SaveOptions.check_replicas``: which replicated tensors a save compares across ranks
+ReplicaCheck = Literal["small", "all", "off"]
+REPLICA_CHECKS: tuple[str, ...] = ("small", "all", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +49,17 @@ class SaveOptions:
     streams: int | None = None
     #: staging memory (default: the process-wide pool, whose capacity is the budget)
     pool: StagingPool | None = None
+    #: refuse the save when ranks hold different values of a tensor stored once (a
+    #: plain tensor, a replicated DTensor): "small" checks those of at most 16 KiB
+    #: (RNG states, counters, small buffers; about free), "all" every one (a CRC32C
+    #: of every replicated byte on every rank), "off" none (docs/distributed.md)
+    check_replicas: ReplicaCheck = "small"
 
     def __post_init__(self) -> None:
+        if self.check_replicas not in REPLICA_CHECKS:
+            raise ValueError(
+                f"check_replicas must be one of {', '.join(map(repr, REPLICA_CHECKS))}, got {self.check_replicas!r}"
+            )
         given: Any = self.checksum_block_bytes  # typed int; callers pass what they have (numpy ints, bools)
         if isinstance(given, bool) or not isinstance(given, numbers.Integral):
             raise TypeError(f"checksum_block_bytes must be an int, got {type(given).__name__}")
@@ -84,6 +97,7 @@ class SaveOptionsKwargs(TypedDict, total=False):
     process_group: Any
     streams: int | None
     pool: StagingPool | None
+    check_replicas: ReplicaCheck
 
 
 #: ``reshard_objects(fqn, values_by_saved_rank, rank, world_size) -> value for this rank``

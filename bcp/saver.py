@@ -54,8 +54,9 @@ from .io_scheduler.staging import default_pool
 from .io_scheduler.write_pipeline import WriteItem, WritePipeline, WriterReport, fragment_table
 from .options import SaveOptions, SaveOptionsKwargs
 from .plan_cache import PlanCache, PlanSummary, plan_cache_for, plan_key, save_order
+from .replicas import ReplicaSummer, ReplicaSums, check_replicas
 from .save_plan import GlobalPlan, LayoutMeta, LocalLayout, LocalPlan, TensorPlan, plan_save
-from .shards import PerRank, local_pieces
+from .shards import PerRank, holds_replica, local_pieces
 from .state import flatten_state, path_to_json, path_to_str
 from .target import Target, resolve_backend
 from .tensor_io import check_saveable, storage_identity
@@ -104,13 +105,16 @@ class LocalObject(NamedTuple):
 
 class Hello(NamedTuple):
     """What each rank sends the coordinator first, at every save: O(1) about its
-    tensors (its layout's digests, and which cached plans it still holds) and its
-    objects. Box arrays follow only when the plan is not cached."""
+    tensors (its layout's digests, and which cached plans it still holds), its
+    objects, and the checksums of the replicated boxes it checks (16 bytes each).
+    Box arrays follow only when the plan is not cached."""
 
     digest: bytes
     meta_digest: bytes
     held: frozenset[bytes]
     objects: dict[str, LocalObject]
+    #: None when this rank checks no replica (one rank, or check_replicas="off")
+    replicas: ReplicaSums | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +126,8 @@ class _Prepared:
     #: one per box of ``layout``, in its flat order (box i is written from items[i])
     items: list[WriteItem]
     objects: dict[str, LocalObject]
+    #: checksums of the replicated boxes, taken now: the values at the call
+    replicas: ReplicaSums | None = None
 
     @property
     def pieces(self) -> dict[tuple[str, Box], WriteItem]:
@@ -129,8 +135,11 @@ class _Prepared:
         return {(item.plan.fqn, item.piece.box): item for item in self.items}
 
 
-def _prepare(state: Mapping[str, Any], rank: int, allow_pickle: bool) -> _Prepared:
+def _prepare(
+    state: Mapping[str, Any], rank: int, allow_pickle: bool, *, check_replicas: str = "off", world_size: int = 1
+) -> _Prepared:
     leaves = flatten_state(state)
+    summer = ReplicaSummer(check_replicas if world_size > 1 else "off")  # one rank has nothing to compare
     tensors: list[TensorPlan] = []
     items: list[WriteItem] = []
     objects: dict[str, LocalObject] = {}
@@ -156,8 +165,12 @@ def _prepare(state: Mapping[str, Any], rank: int, allow_pickle: bool) -> _Prepar
             alias_of=None if alias == leaf.fqn else alias,
         )
         items.extend(WriteItem(tensor_plan, piece, len(tensors)) for piece in local)  # LocalLayout's flat order
+        if summer.enabled and holds_replica(leaf.value):
+            for piece in local:
+                summer.add(len(tensors), piece.box, tensor_plan.global_shape, piece.tensor)
         tensors.append(tensor_plan)
-    return _Prepared(LocalPlan(rank, tuple(tensors)), LocalLayout.build(rank, tensors), items, objects)
+    replicas = summer.finish() if summer.enabled else None
+    return _Prepared(LocalPlan(rank, tuple(tensors)), LocalLayout.build(rank, tensors), items, objects, replicas)
 
 
 def _decide_objects(all_objects: list[dict[str, LocalObject]]) -> dict[str, list[ObjectEntry]]:
@@ -188,7 +201,9 @@ def save(
     (CheckpointExistsError) when a committed checkpoint is already there, unless
     ``overwrite=True``; an overwrite replaces it atomically. ``options`` and keyword
     arguments are the fields of :class:`SaveOptions` (overwrite, metadata,
-    allow_pickle, storage_options, checksum_block_bytes, process_group, streams, pool).
+    allow_pickle, storage_options, checksum_block_bytes, process_group, streams, pool,
+    check_replicas). Refuses (ReplicaMismatchError) when ranks hold different values
+    of a tensor stored once (a plain tensor, a replicated DTensor): docs/distributed.md.
     """
     opts = SaveOptions.of(options, overrides)
     job = SaveJob.start(state, uri, coordinator_for(opts.process_group), opts, stage_all=False)
@@ -222,6 +237,8 @@ class SaveDecision:
     meta_digests: tuple[bytes, ...]
     #: the plan (known at once when cached, else after the layouts arrive)
     plan: PlanSummary | None = None
+    #: every rank's replica checksums, compared once every rank's metadata is known
+    replicas: tuple[ReplicaSums | None, ...] = ()
 
     @property
     def save_id(self) -> str:
@@ -270,11 +287,20 @@ class SaveJob:
     ) -> SaveJob:
         started = time.perf_counter()
         backend = resolve_backend(uri, options.storage_options)
-        prepared: _Prepared = run_phase(coord, "preparing the save", _prepare, state, coord.rank, options.allow_pickle)
+        prepared: _Prepared = run_phase(
+            coord,
+            "preparing the save",
+            _prepare,
+            state,
+            coord.rank,
+            options.allow_pickle,
+            check_replicas=options.check_replicas,
+            world_size=coord.world_size,
+        )
         cache = plan_cache_for(coord.cache_key)
         held = cache.held()
         layout = prepared.layout
-        hello = Hello(layout.digest(), layout.meta_digest, frozenset(held), prepared.objects)
+        hello = Hello(layout.digest(), layout.meta_digest, frozenset(held), prepared.objects, prepared.replicas)
         hellos = coord.gather(hello)
         decision: SaveDecision | SaveStart = decide(
             coord, "planning the save", _coordinate, backend, hellos, options, cache, share=lambda d: d.start
@@ -422,6 +448,9 @@ def _coordinate(backend: Backend, hellos: list[Hello], options: SaveOptions, cac
     plan = cache.plan(key)
     if plan is not None and not all(key in h.held for h in hellos):
         plan = None  # some rank no longer holds its writes of that plan: plan again
+    replicas = tuple(h.replicas for h in hellos)
+    if plan is not None:
+        check_replicas(replicas, meta_digests, plan.metas)  # else in _plan, once every metadata is here
     meta_from: dict[bytes, int] = {}
     if plan is None:
         known = cache.metas()
@@ -431,7 +460,7 @@ def _coordinate(backend: Backend, hellos: list[Hello], options: SaveOptions, cac
     elif len(hellos) > 1:
         _log_plan(plan)
     start = SaveStart(new_save_id(), key, plan is not None, meta_from)
-    return SaveDecision(start, objects, existing, digests, meta_digests, plan)
+    return SaveDecision(start, objects, existing, digests, meta_digests, plan, () if plan is not None else replicas)
 
 
 def _plan(decision: SaveDecision, layouts: list[LocalLayout], cache: PlanCache) -> tuple[SaveDecision, GlobalPlan]:
@@ -448,6 +477,7 @@ def _plan(decision: SaveDecision, layouts: list[LocalLayout], cache: PlanCache) 
                 raise ShardingError(f"rank {rank}: layout metadata does not match its digest")
             metas[d] = LayoutMeta.decode(layout.meta)
     plan = plan_save(layouts, meta=metas)
+    check_replicas(decision.replicas, decision.meta_digests, metas)
     summary = PlanSummary(
         bytes_per_rank=plan.bytes_per_rank,
         tensors=plan.tensors,

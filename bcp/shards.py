@@ -104,6 +104,19 @@ class LocalTensor(NamedTuple):
     replicated: bool
 
 
+def holds_replica(value: Any) -> bool:
+    """Whether other ranks hold the same box of this tensor-like leaf, by its own
+    description: a plain tensor (every rank holds all of it), or a DTensor with a
+    ``Replicate`` placement on a mesh dimension of more than one rank. Such a box is
+    stored once (the save checks that the copies agree: ``bcp.replicas``)."""
+    if is_dtensor(value):
+        from torch.distributed.tensor import Replicate
+
+        mesh = value.device_mesh
+        return any(isinstance(p, Replicate) and mesh.size(d) > 1 for d, p in enumerate(value.placements))
+    return isinstance(value, torch.Tensor)
+
+
 def local_pieces(value: Any, fqn: str) -> LocalTensor:
     """The global shape, dtype and local pieces of a tensor-like leaf."""
     if isinstance(value, TensorShard):

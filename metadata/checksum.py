@@ -24,6 +24,13 @@ def crc32c(data, value: int = 0) -> int:
     return _crc32c.crc32c(memoryview(data).cast("B"), value)
 
 
+def crc32c_raw(data, value: int = 0) -> int:
+    """CRC32C of the raw bytes of ``data``, a C-contiguous buffer of any format, taken
+    as is (no memoryview made: for many small buffers, where that costs more than the
+    CRC itself)."""
+    return _crc32c.crc32c(data, value)
+
+
 def block_checksums(data, block_bytes: int) -> list[int]:
     """CRC32C of each ``block_bytes`` block of ``data`` (the last one may be short).
     An empty buffer has no blocks."""

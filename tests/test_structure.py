@@ -29,6 +29,7 @@ EXAMPLES = [
     bcp.errors.UnsupportedStateError("cannot save a lambda"),
     bcp.errors.PickleNotAllowedError("pickled", fqn="sched"),
     bcp.errors.ShardingError("shards overlap"),
+    bcp.errors.ReplicaMismatchError("'x' (rank 1 differs from rank 0)", differing={"x": {0: [1]}}),
     bcp.errors.RankFailedError("rank 1 failed", errors={1: bcp.errors.ShardingError("overlap")}),
     bcp.errors.StateMismatchError(
         "file:///x",
