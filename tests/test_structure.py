@@ -30,6 +30,7 @@ EXAMPLES = [
     bcp.errors.PickleNotAllowedError("pickled", fqn="sched"),
     bcp.errors.ShardingError("shards overlap"),
     bcp.errors.RankFailedError("rank 1 failed", errors={1: bcp.errors.ShardingError("overlap")}),
+    bcp.errors.GroupConnectError("rank 2: set GLOO_SOCKET_IFNAME", rank=2, address="127.0.1.1"),
     bcp.errors.StateMismatchError(
         "file:///x",
         missing=["a"],
