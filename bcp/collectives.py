@@ -20,6 +20,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from . import gloo_network
 from .errors import RankFailedError
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,9 @@ def coordinator_for(process_group: Any = None, slot: int = 0) -> Coordinator:
     group = _GROUPS.get(key)
     if group is None:
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        group = dist.new_group(ranks=ranks, backend="gloo", timeout=collective_timeout())
+        group = gloo_network.create_group(
+            lambda: dist.new_group(ranks=ranks, backend="gloo", timeout=collective_timeout()), process_group
+        )
         _GROUPS[key] = group
         if len(_GROUPS) == 1:
             atexit.register(release_groups)

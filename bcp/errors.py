@@ -88,6 +88,16 @@ class RankFailedError(CheckpointError):
         self.errors = dict(errors or {})
 
 
+class GroupConnectError(CheckpointError):
+    """The ranks could not connect bcp's gloo group (a network setting, usually
+    ``GLOO_SOCKET_IFNAME``). ``rank`` is the rank that raised it, ``address`` the
+    address its gloo group listens on."""
+
+    def __init__(self, message: str, *, rank: int | None = None, address: str | None = None) -> None:
+        super().__init__(message)
+        self.rank, self.address = rank, address
+
+
 #: keys a message names per kind of difference before it says "and N more"
 LISTED_KEYS = 8
 
@@ -225,6 +235,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "FormatError",
+    "GroupConnectError",
     "IncompleteCheckpointError",
     "ObjectExistsError",
     "ObjectNotFoundError",
