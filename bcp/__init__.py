@@ -31,7 +31,7 @@ from .options import LoadOptions, SaveOptions
 from .reader import CheckpointReader, TensorMeta
 from .reader import open_checkpoint as open  # noqa: A004 - the public name is bcp.open
 from .saver import SaveInfo, save
-from .shards import FlatShard, PerRank, TensorShard
+from .shards import FlatShard, PerRank, RankValues, TensorShard
 from .training import TrainingState, reshard_per_rank
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "PerRank",
     "PickleNotAllowedError",
     "RankFailedError",
+    "RankValues",
     "SaveInfo",
     "SaveOptions",
     "ShardingError",
