@@ -77,6 +77,18 @@ class RankFailedError(CheckpointError):
         self.errors = dict(errors or {})
 
 
+class ConversionError(CheckpointError):
+    """Another format's library failed while bcp converted to or from it: PyTorch DCP
+    raises ``CheckpointException``, a ``BaseException`` that ``except Exception``
+    does not catch, with a multi-line traceback as its message. This carries one line
+    naming the path and the first failure; ``errors`` maps each failed rank to its
+    error as that library reported it."""
+
+    def __init__(self, message: str, *, errors: dict[int, BaseException] | None = None) -> None:
+        super().__init__(message)
+        self.errors = dict(errors or {})
+
+
 class StateMismatchError(CheckpointError, ValueError):
     """The state passed to load does not match the checkpoint. Lists every difference."""
 
@@ -184,6 +196,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "ConversionError",
     "CorruptCheckpointError",
     "FormatError",
     "IncompleteCheckpointError",

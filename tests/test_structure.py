@@ -30,6 +30,7 @@ EXAMPLES = [
     bcp.errors.PickleNotAllowedError("pickled", fqn="sched"),
     bcp.errors.ShardingError("shards overlap"),
     bcp.errors.RankFailedError("rank 1 failed", errors={1: bcp.errors.ShardingError("overlap")}),
+    bcp.errors.ConversionError("DCP could not write /x: KeyError: 'w'", errors={0: KeyError("w")}),
     bcp.errors.StateMismatchError(
         "file:///x",
         missing=["a"],
