@@ -12,13 +12,19 @@
 * ``torch.save`` file -> bcp: ``torch.load(mmap=True, weights_only=True)``.
 * bcp -> PyTorch DCP: written by DCP's own writer and planner (so DCP's load finds
   the state's nesting as it flattens it), the tensors read from bcp in bounded
-  batches only when the writer asks for them. Memory: one batch.
+  batches only when the writer asks for them, into a staging directory moved into
+  place once complete. Memory: one batch.
 * PyTorch DCP checkpoint -> bcp: every tensor is loaded by DCP into a file-backed
   buffer, then saved with the nesting DCP recorded (``planner_data``) rebuilt.
   DCP's ``.metadata`` and its non-tensor entries are pickles:
   without ``allow_pickle=True`` the metadata is unpickled with an allow-list of DCP's
   own types (:mod:`bcp.dcp_metadata`) and the entries with ``weights_only=True``; an
   entry that needs more is skipped (and named).
+
+Objects saved per rank keep every rank's value in the torch and DCP exports, under
+``__rank_<r>__`` keys (:func:`export_object`), unless one saved rank is chosen. DCP's
+own failures (``CheckpointException``, a ``BaseException``) are raised as a one-line
+:class:`~bcp.errors.ConversionError`.
 
 Memory stays bounded by the shard size (safetensors out) or is file-backed page
 cache, which the kernel can reclaim (everything else), so a checkpoint larger than
