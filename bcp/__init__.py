@@ -32,7 +32,7 @@ from .options import LoadOptions, SaveOptions
 from .reader import CheckpointReader, TensorMeta
 from .reader import open_checkpoint as open  # noqa: A004 - the public name is bcp.open
 from .saver import SaveInfo, save
-from .shards import FlatShard, PerRank, TensorShard
+from .shards import FlatShard, PerRank, RankValues, TensorShard
 from .training import TrainingState, reshard_per_rank
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "PickleNotAllowedError",
     "RankFailedError",
     "ReplicaMismatchError",
+    "RankValues",
     "SaveInfo",
     "SaveOptions",
     "ShardingError",

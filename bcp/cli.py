@@ -14,10 +14,13 @@ import sys
 import time
 import traceback
 import unicodedata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .backends.errors import redact, redact_uri
 from .backends.options import as_size
+
+if TYPE_CHECKING:
+    from .reader import PerRankChoice
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +268,9 @@ def _convert(args) -> int:
         raise SystemExit("--dtype, --rename and --config go with --to safetensors")
     if args.to == "dcp" and strip:
         raise SystemExit("--to dcp keeps the state's nesting: select keys with --prefix, without --strip-prefix")
+    if args.per_rank is not None and args.to not in ("torch", "dcp"):
+        raise SystemExit("--per-rank goes with --to torch and --to dcp (the exports that hold objects)")
+    per_rank: PerRankChoice = "all" if args.per_rank is None else args.per_rank
     if args.to == "bcp":
         if src_format == "safetensors":
             info = convert.from_safetensors(args.src, args.dst, overwrite=args.overwrite)
@@ -317,6 +323,7 @@ def _convert(args) -> int:
                 overwrite=args.overwrite,
                 batch_bytes=as_size("--batch-size", args.batch_size),
                 progress=bar.update,
+                per_rank=per_rank,
             )
             print(
                 f"wrote DCP checkpoint {_show(args.dst)}: {exported.tensors} tensors, {exported.objects} objects, "
@@ -324,10 +331,34 @@ def _convert(args) -> int:
             )
         else:
             convert.to_torch(
-                reader, args.dst, prefix=prefix, strip_prefix=strip, scratch_dir=args.scratch_dir, progress=bar.update
+                reader,
+                args.dst,
+                prefix=prefix,
+                strip_prefix=strip,
+                scratch_dir=args.scratch_dir,
+                progress=bar.update,
+                per_rank=per_rank,
             )
             print(f"wrote {_show(args.dst)}")
+    if args.to != "safetensors":
+        chosen = [k for k, _name in convert.select(reader.object_keys(), prefix, strip)]
+        _report_per_rank(convert.per_rank_keys(reader, chosen), per_rank, reader.manifest.world_size)
     return 0
+
+
+def _report_per_rank(keys: list[str], per_rank: object, world_size: int) -> None:
+    """Say what became of the per-rank objects: every rank's value is kept under rank
+    keys (which a load must ask for), or one saved rank's value was chosen."""
+    if not keys:
+        return
+    shown = ", ".join(_safe(k) for k in keys[:10]) + (", ..." if len(keys) > 10 else "")
+    if per_rank == "all":
+        print(
+            f"{len(keys)} per-rank object(s), saved by {world_size} ranks, written with every rank's value under "
+            f"'__rank_<r>__' keys (docs/interop.md; --per-rank N keeps saved rank N's only): {shown}"
+        )
+    else:
+        print(f"{len(keys)} per-rank object(s) written with saved rank {per_rank}'s value only: {shown}")
 
 
 def _rm(args) -> int:
@@ -521,6 +552,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-size", default="1GiB", help="--to dcp: tensor bytes read and written per data file (default 1GiB)"
     )
+    p.add_argument(
+        "--per-rank",
+        type=_per_rank_choice,
+        metavar="all|N",
+        help="--to torch / dcp: objects saved per rank (RNG, dataloader position) keep every rank's value under "
+        "'__rank_<r>__' keys (all, the default), or only saved rank N's value",
+    )
     p.set_defaults(func=_convert)
 
     p = sub.add_parser(
@@ -598,6 +636,28 @@ def _log_level(text: str) -> int:
     return level
 
 
+def _per_rank_choice(text: str) -> PerRankChoice:
+    if text == "all":
+        return "all"
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"--per-rank takes 'all' or a saved rank (0, 1, ...), not {text!r}")
+    return int(text)
+
+
+def _library_failure(error: BaseException) -> Exception | None:
+    """PyTorch DCP's ``CheckpointException`` (a ``BaseException``, so ``except
+    Exception`` misses it, with every failed rank's traceback as its message) as
+    bcp's one-line ConversionError; None for anything else."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    if api is None or not isinstance(error, api.CheckpointException):
+        return None
+    from bcp.dcp_metadata import conversion_error
+
+    converted = conversion_error(error, "PyTorch DCP failed")
+    converted.__cause__ = error
+    return converted
+
+
 def _one_line(error: BaseException) -> str:
     """``error`` as one line: its message (lines joined), credentials redacted,
     control characters escaped; the type is named when the message may not say."""
@@ -625,13 +685,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bcp {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - every error: one line (the traceback with --debug), exit 1
-        if args.debug:
-            text = "".join(traceback.format_exception(e))
-            print("\n".join(_safe(redact(line)) for line in text.splitlines()), file=sys.stderr)
-        else:
-            hint = "" if isinstance(e, _CliError) else " (--debug shows the traceback)"
-            print(f"bcp {args.command}: {_one_line(e)}{hint}", file=sys.stderr)
-        return 1
+        return _report(args, e)
+    except BaseException as e:  # DCP's CheckpointException, the one BaseException reported as an error
+        converted = _library_failure(e)
+        if converted is None:
+            raise
+        return _report(args, converted)
+
+
+def _report(args: argparse.Namespace, e: BaseException) -> int:
+    """Print ``e`` as one line (its traceback with --debug); the exit status."""
+    if args.debug:
+        text = "".join(traceback.format_exception(e))
+        print("\n".join(_safe(redact(line)) for line in text.splitlines()), file=sys.stderr)
+    else:
+        hint = "" if isinstance(e, _CliError) else " (--debug shows the traceback)"
+        print(f"bcp {args.command}: {_one_line(e)}{hint}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

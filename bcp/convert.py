@@ -12,13 +12,19 @@
 * ``torch.save`` file -> bcp: ``torch.load(mmap=True, weights_only=True)``.
 * bcp -> PyTorch DCP: written by DCP's own writer and planner (so DCP's load finds
   the state's nesting as it flattens it), the tensors read from bcp in bounded
-  batches only when the writer asks for them. Memory: one batch.
+  batches only when the writer asks for them, into a staging directory moved into
+  place once complete. Memory: one batch.
 * PyTorch DCP checkpoint -> bcp: every tensor is loaded by DCP into a file-backed
   buffer, then saved with the nesting DCP recorded (``planner_data``) rebuilt.
   DCP's ``.metadata`` and its non-tensor entries are pickles:
   without ``allow_pickle=True`` the metadata is unpickled with an allow-list of DCP's
   own types (:mod:`bcp.dcp_metadata`) and the entries with ``weights_only=True``; an
   entry that needs more is skipped (and named).
+
+Objects saved per rank keep every rank's value in the torch and DCP exports, under
+``__rank_<r>__`` keys (:func:`export_object`), unless one saved rank is chosen. DCP's
+own failures (``CheckpointException``, a ``BaseException``) are raised as a one-line
+:class:`~bcp.errors.ConversionError`.
 
 Memory stays bounded by the shard size (safetensors out) or is file-backed page
 cache, which the kernel can reclaim (everything else), so a checkpoint larger than
@@ -27,6 +33,7 @@ RAM converts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -35,7 +42,8 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Sequence, Set
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from typing import Any, TypeVar
 
 import torch
@@ -44,7 +52,7 @@ from bcp.metadata import MANIFEST_KEY
 
 from .boxes import Box
 from .errors import FormatError
-from .reader import CheckpointReader, open_checkpoint
+from .reader import CheckpointReader, PerRankChoice, check_per_rank_choice, open_checkpoint
 from .saver import SaveInfo, save
 from .state import KeyPath, build_nested
 
@@ -85,6 +93,41 @@ def select(keys: Iterable[str], prefix: str | None, strip: bool) -> list[tuple[s
             continue
         out.append((key, key[len(prefix) :] if prefix and strip else key))
     return out
+
+
+# -- per-rank objects ----------------------------------------------------------------------------
+
+#: An export that keeps every rank's value of a per-rank object (``per_rank="all"``)
+#: writes ``{rank_key(0): value of rank 0, rank_key(1): ...}`` where the object was.
+RANK_KEY = "__rank_{}__"
+
+
+def rank_key(rank: int) -> str:
+    """``__rank_<rank>__``: the key of saved rank ``rank``'s value of a per-rank object
+    in a torch or DCP export (the key a DCP load template on rank ``rank`` uses)."""
+    return RANK_KEY.format(rank)
+
+
+def per_rank_keys(reader: CheckpointReader, keys: Iterable[str] | None = None) -> list[str]:
+    """The objects among ``keys`` (default: all) that were saved per rank."""
+    return [k for k in (reader.object_keys() if keys is None else keys) if reader.is_per_rank(k)]
+
+
+def export_object(reader: CheckpointReader, key: str, per_rank: PerRankChoice) -> Any:
+    """A stored object as an export writes it. A per-rank one: with ``"all"``, a dict
+    ``{rank_key(r): value}`` over every saving rank ``r``, in rank order; with a rank,
+    that saved rank's value (ValueError naming the key and the ranks that saved it
+    when it did not)."""
+    if not reader.is_per_rank(key):
+        return reader.read_object(key)
+    values = reader.per_rank_objects(key)
+    if per_rank == "all":
+        return {rank_key(r): values[r] for r in sorted(values)}
+    if per_rank not in values:
+        raise ValueError(
+            f"per-rank object {key!r} was saved by ranks {sorted(values)}, not by rank {per_rank} (--per-rank)"
+        )
+    return values[per_rank]
 
 
 # -- bcp -> safetensors --------------------------------------------------------------------------
@@ -330,18 +373,23 @@ def to_torch(
     strip_prefix: bool = False,
     scratch_dir: str | None = None,
     progress: Progress | None = None,
+    per_rank: PerRankChoice = "all",
 ) -> None:
     """One ``torch.save`` file with the checkpoint's nesting (or a flat dict of the
-    selected keys when ``prefix`` is given) and its objects."""
+    selected keys when ``prefix`` is given) and its objects, loadable with
+    ``torch.load(weights_only=True)``. An object saved per rank is written as
+    ``{"__rank_0__": value of rank 0, "__rank_1__": ...}`` (``per_rank="all"``), or as
+    one saved rank's value (``per_rank=R``): see :func:`export_object`."""
+    check_per_rank_choice(per_rank)
     reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
     scratch = tempfile.mkdtemp(prefix="bcp-convert-", dir=scratch_dir or os.path.dirname(os.path.abspath(dst_file)))
     try:
         if prefix:
             chosen = select(reader.keys(), prefix, strip_prefix)
-            values = _read_file_backed(reader, [key for key, _name in chosen], scratch, progress)
+            values = _read_file_backed(reader, [key for key, _name in chosen], scratch, progress, per_rank)
             out: Any = {name: values[key] for key, name in chosen}
         else:
-            values = _read_file_backed(reader, reader.keys(), scratch, progress)
+            values = _read_file_backed(reader, reader.keys(), scratch, progress, per_rank)
             out = build_nested((reader.key_path(k), values[k]) for k in reader.keys())
         tmp = dst_file + ".partial"
         torch.save(out, tmp)
@@ -355,8 +403,11 @@ def to_torch(
 FILE_BACKED_BATCH_BYTES = 1 << 30
 
 
-def _read_file_backed(reader: CheckpointReader, keys: list[str], scratch: str, progress: Progress | None) -> dict:
-    """key -> value: tensors in file-backed memory, objects decoded."""
+def _read_file_backed(
+    reader: CheckpointReader, keys: list[str], scratch: str, progress: Progress | None, per_rank: PerRankChoice
+) -> dict:
+    """key -> value: tensors in file-backed memory, objects decoded (per-rank ones as
+    :func:`export_object` writes them)."""
     out: dict[str, Any] = {}
     batch: list[tuple[str, Box, torch.Tensor]] = []
     held = 0
@@ -372,7 +423,7 @@ def _read_file_backed(reader: CheckpointReader, keys: list[str], scratch: str, p
 
     for key in keys:
         if key not in reader.catalog.tensors:
-            out[key] = reader.read_object(key)
+            out[key] = export_object(reader, key, per_rank)
             continue
         meta = reader.meta(key)
         box = ((0,) * len(meta.shape), tuple(meta.shape))
@@ -405,6 +456,8 @@ class DCPExportInfo:
     tensor_bytes: int
     peak_resident_tensors: int
     peak_resident_bytes: int
+    #: the per-rank objects written with every saving rank's value, under ``__rank_<r>__`` keys
+    per_rank: tuple[str, ...] = ()
 
 
 def to_dcp(
@@ -416,6 +469,7 @@ def to_dcp(
     sync_files: bool = True,
     batch_bytes: int = DCP_BATCH_BYTES,
     progress: Progress | None = None,
+    per_rank: PerRankChoice = "all",
 ) -> DCPExportInfo:
     """Write the checkpoint as a PyTorch DCP checkpoint in ``dst_dir`` (data files
     and ``.metadata``), loadable by
@@ -426,14 +480,29 @@ def to_dcp(
     batch (one coalesced read each) just before DCP's writer writes them, in batches
     of at most ``batch_bytes`` (one data file each, ``__0_<batch>_0.distcp``; a tensor
     larger than that is a batch of its own), each written and freed before the next
-    is read: memory holds about one batch, never the whole checkpoint. ``prefix``
-    keeps only the keys under it (with their nesting). ``dst_dir`` must be empty or
-    absent unless ``overwrite`` (then the ``*.distcp`` files and ``.metadata`` in it
-    are replaced; nothing else is touched)."""
+    is read: memory holds about one batch, never the whole checkpoint. Tensors inside
+    objects (an RNG state) are decoded with their object and written as DCP tensor
+    items, as DCP would have saved them. ``prefix`` keeps only the keys under it (with
+    their nesting).
+
+    DCP has no per-rank values (its save keeps one value per key), so an object saved
+    per rank is written, with ``per_rank="all"``, as ``{"__rank_0__": value of rank 0,
+    ...}`` where the object was: rank ``r`` loads its own by asking for
+    ``{rank_key(r): template}`` there (docs/interop.md has the recipe). With
+    ``per_rank=R`` every rank's DCP load gets saved rank ``R``'s value.
+
+    The files are written into a staging directory inside ``dst_dir`` and moved into
+    place (``.metadata`` last) only once DCP has written them all: a failure (a
+    :class:`~bcp.errors.ConversionError` for one inside DCP) leaves ``dst_dir`` as it
+    was, and removes it if this call created it. ``dst_dir`` must be empty or absent
+    unless ``overwrite`` (then the ``*.distcp`` files and ``.metadata`` in it are
+    replaced; nothing else is touched)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    from .dcp_metadata import METADATA_FILE, BatchedFileSystemWriter, StreamingSavePlanner
+    from .dcp_metadata import METADATA_FILE, BatchedFileSystemWriter, StreamingSavePlanner, conversion_error
 
+    check_per_rank_choice(per_rank)
     reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
     keys = [key for key, _name in select(reader.keys(), prefix, strip=False)]
     if not keys:
@@ -445,20 +514,32 @@ def to_dcp(
     entries = []
     for key in keys:
         path = reader.key_path(key)
-        entries.append((path, _dcp_value(reader, key, path, source)))
+        entries.append((path, _dcp_value(reader, key, path, source, per_rank)))
     state = build_nested(entries)
-    os.makedirs(dst_dir, exist_ok=True)  # the state is built: the old export goes only now
-    for name in stale:  # none of the old files is left beside the new ones
-        os.remove(os.path.join(dst_dir, name))
 
     def fill(pairs: list[tuple[str, torch.Tensor]]) -> None:
         reader.fill([(key, ((0,) * t.dim(), tuple(t.shape)), t) for key, t in pairs])  # fill checks the sizes first
         if progress:
             progress(sum(t.numel() * t.element_size() for _key, t in pairs))
 
-    planner = StreamingSavePlanner(source, fill)
-    writer = BatchedFileSystemWriter(dst_dir, batch_bytes=batch_bytes, sync_files=sync_files)
-    dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+    created = not os.path.isdir(dst_dir)
+    os.makedirs(dst_dir, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".bcp-partial-", dir=dst_dir)
+    try:
+        planner = StreamingSavePlanner(source, fill)
+        writer = BatchedFileSystemWriter(
+            staging, batch_bytes=batch_bytes, sync_files=sync_files, final_path=os.path.abspath(dst_dir)
+        )
+        try:
+            with _single_process_dcp():
+                dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as e:
+            raise conversion_error(e, f"PyTorch DCP could not write {dst_dir}") from e
+        _publish(staging, dst_dir, stale, last=METADATA_FILE)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created and not os.listdir(dst_dir):
+            os.rmdir(dst_dir)  # a failed export leaves no directory it made
     tensors = [k for k in keys if k in reader.catalog.tensors]
     return DCPExportInfo(
         path=dst_dir,
@@ -467,14 +548,44 @@ def to_dcp(
         tensor_bytes=sum(reader.meta(k).nbytes for k in tensors),
         peak_resident_tensors=planner.peak_resident,
         peak_resident_bytes=planner.peak_resident_bytes,
+        per_rank=tuple(per_rank_keys(reader, keys)) if per_rank == "all" else (),
     )
 
 
-def _dcp_value(reader: CheckpointReader, key: str, path: KeyPath, source: dict[int, str]) -> Any:
-    """An object as decoded; a tensor as a meta placeholder read later, except under a
-    tuple (DCP stores a tuple whole, as pickled bytes, so its tensors must be real)."""
+@contextlib.contextmanager
+def _single_process_dcp() -> Iterator[None]:
+    """DCP warns that it assumes one process even when told so (``no_dist=True``):
+    a conversion is one process by design, so that warning is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _publish(staging: str, dst_dir: str, stale: list[str], *, last: str) -> None:
+    """Move every file of ``staging`` into ``dst_dir`` and remove the ``stale`` ones:
+    the old ``last`` (the index) first, so that no index names a mix of old and new
+    files, the new one at the end, so that it names only files in place."""
+    written = sorted(os.listdir(staging))
+    if last in stale:
+        os.remove(os.path.join(dst_dir, last))
+    for name in written:
+        if name != last:
+            os.replace(os.path.join(staging, name), os.path.join(dst_dir, name))
+    for name in stale:
+        if name != last and name not in written:
+            os.remove(os.path.join(dst_dir, name))
+    if last in written:
+        os.replace(os.path.join(staging, last), os.path.join(dst_dir, last))
+
+
+def _dcp_value(
+    reader: CheckpointReader, key: str, path: KeyPath, source: dict[int, str], per_rank: PerRankChoice
+) -> Any:
+    """An object as decoded (a per-rank one as :func:`export_object` writes it); a
+    tensor as a meta placeholder read later, except under a tuple (DCP stores a tuple
+    whole, as pickled bytes, so its tensors must be real)."""
     if key not in reader.catalog.tensors:
-        return reader.read_object(key)
+        return export_object(reader, key, per_rank)
     if any(kind == "t" for kind, _k in path):
         return reader.read(key)
     meta = reader.meta(key)
@@ -571,9 +682,10 @@ def from_dcp(
     refused global otherwise), and non-tensor entries with ``weights_only=True``;
     an entry that needs more is skipped and named."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .dcp_metadata import METADATA_FILE, DCPReader, SafeBytesPlanner, key_paths, read_metadata
+    from .dcp_metadata import METADATA_FILE, DCPReader, SafeBytesPlanner, conversion_error, key_paths, read_metadata
 
     metadata = read_metadata(src, allow_pickle=allow_pickle)
     paths = key_paths(metadata, where=os.path.join(src, METADATA_FILE))
@@ -588,7 +700,11 @@ def from_dcp(
                 state[fqn] = _file_backed(scratch, fqn, meta.size, meta.properties.dtype)
             else:
                 state[fqn] = None  # a torch.save'd value: SafeBytesPlanner loads it
-        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+        try:
+            with _single_process_dcp():
+                dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+        except CheckpointException as e:
+            raise conversion_error(e, f"PyTorch DCP could not read {src}") from e
         for fqn in list(state):
             if fqn in planner.loaded:
                 state[fqn] = planner.loaded[fqn]

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .convert import plan_shards
-from .errors import FormatError, PickleNotAllowedError
+from .errors import ConversionError, FormatError, PickleNotAllowedError
 from .state import KeyPath, PathElem, fqn_of
 
 METADATA_FILE = ".metadata"
@@ -233,19 +233,27 @@ class StreamingSavePlanner(DefaultSavePlanner):
 
     def prefetch(self, items: list[WriteItem]) -> None:
         """Read the tensors of ``items`` together, for :meth:`resolve_data` to hand out."""
-        wanted = [wi for wi in items if wi.type != WriteItemType.BYTE_IO and wi.index not in self.ready]
+        wanted = [wi for wi in items if self._streamed(wi) and wi.index not in self.ready]
         pairs = [(wi.index, *self._allocate(wi)) for wi in wanted]
         self.fill([(key, tensor) for _index, key, tensor in pairs])
         self.ready.update((index, tensor) for index, _key, tensor in pairs)
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        if write_item.type == WriteItemType.BYTE_IO:
+        if not self._streamed(write_item):  # bytes, or a tensor inside an object (decoded whole, small)
             return super().resolve_data(write_item)
         tensor = self.ready.pop(write_item.index, None)
         if tensor is None:
             key, tensor = self._allocate(write_item)
             self.fill([(key, tensor)])
         return tensor
+
+    def _streamed(self, write_item: WriteItem) -> bool:
+        """A tensor item whose value is one of the placeholders: read when written.
+        An object holding tensors (an RNG state, a scheduler's) is decoded whole, and
+        DCP writes its tensors as tensor items, as it would have saved them."""
+        if write_item.type == WriteItemType.BYTE_IO:
+            return False
+        return id(self.lookup_object(write_item.index)) in self.source
 
     def _allocate(self, write_item: WriteItem) -> tuple[str, torch.Tensor]:
         placeholder = self.lookup_object(write_item.index)
@@ -274,9 +282,17 @@ class BatchedFileSystemWriter(FileSystemWriter):
     with a ``prefetch(items)`` method (:class:`StreamingSavePlanner`) is given each
     batch before it is written, to read it in one go."""
 
-    def __init__(self, path: str, *, batch_bytes: int, sync_files: bool = True) -> None:
+    def __init__(self, path: str, *, batch_bytes: int, sync_files: bool = True, final_path: str | None = None) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1)
         self.batch_bytes = batch_bytes
+        #: where the files will be once moved from ``path`` (a staging directory), as ``.metadata`` records it
+        self.final_path = final_path
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta = super().storage_meta()
+        if meta is not None and self.final_path is not None:
+            meta.checkpoint_id = self.final_path
+        return meta
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         results: list[WriteResult] = []
@@ -307,3 +323,21 @@ class BatchedFileSystemWriter(FileSystemWriter):
 def _nbytes(item: WriteItem) -> int:
     assert item.tensor_data is not None, "a tensor write item carries its tensor data"
     return torch.Size(item.tensor_data.size).numel() * item.tensor_data.properties.dtype.itemsize
+
+
+def conversion_error(error: BaseException, what: str) -> ConversionError:
+    """DCP's ``CheckpointException`` (a ``BaseException`` whose message is every
+    failed rank's traceback) as one line: ``what``, then the first failure's type and
+    message; ``errors`` keeps each rank's error."""
+    failures = getattr(error, "failures", None) or {}
+    errors = {rank: failure[0] if isinstance(failure, tuple) else failure for rank, failure in failures.items()}
+    if errors:
+        rank = min(errors)
+        first = errors[rank]
+        detail = f"{type(first).__name__}: {first}" if str(first) else type(first).__name__
+        if len(errors) > 1:
+            detail += f" (rank {rank}; {len(errors) - 1} more ranks failed)"
+    else:
+        detail = f"{type(error).__name__}: {error}"
+    text = " | ".join(line.strip() for line in f"{what}: {detail}".splitlines() if line.strip())
+    return ConversionError(text, errors={r: e for r, e in errors.items() if isinstance(e, BaseException)})

@@ -106,6 +106,16 @@ def listed(keys: list[str] | tuple[str, ...], limit: int = LISTED_KEYS) -> str:
     """At most ``limit`` keys, then how many more: a message stays readable at 10,000 keys."""
     more = f", ... and {len(keys) - limit} more" if len(keys) > limit else ""
     return ", ".join(keys[:limit]) + more
+class ConversionError(CheckpointError):
+    """Another format's library failed while bcp converted to or from it: PyTorch DCP
+    raises ``CheckpointException``, a ``BaseException`` that ``except Exception``
+    does not catch, with a multi-line traceback as its message. This carries one line
+    naming the path and the first failure; ``errors`` maps each failed rank to its
+    error as that library reported it."""
+
+    def __init__(self, message: str, *, errors: dict[int, BaseException] | None = None) -> None:
+        super().__init__(message)
+        self.errors = dict(errors or {})
 
 
 class StateMismatchError(CheckpointError, ValueError):
@@ -233,6 +243,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "ConversionError",
     "CorruptCheckpointError",
     "FormatError",
     "GroupConnectError",

@@ -10,7 +10,9 @@
 3. (all ranks) read only the byte runs that overlap those boxes, straight into the
    destination memory where its layout allows, and verify their checksums.
 4. (all ranks) objects: job-wide ones are replaced; per-rank ones go to the same rank
-   when the world size is unchanged, else through the caller's ``reshard_objects``.
+   when the world size is unchanged, else through the caller's ``reshard_objects``
+   (inside a subtree too). Members of a template object that DCP never records (empty
+   dicts: :func:`keep_unrecorded`) and the stored value lacks are kept.
 5. (all ranks) agree that every rank succeeded.
 
 A template object that is a container where the checkpoint holds a subtree (an
@@ -20,6 +22,7 @@ tensors allocated on CPU.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -37,7 +40,7 @@ from .errors import StateMismatchError, UnsupportedStateError, listed, prefix_hi
 from .io_scheduler.read_exec import ReadStats
 from .options import LoadOptions, LoadOptionsKwargs, ReshardObjects
 from .reader import CheckpointReader, reader_from_bytes
-from .shards import is_dtensor, local_pieces
+from .shards import PerRank, is_dtensor, local_pieces
 from .state import KeyPath, Leaf, build_nested, detach_stateful, flatten_state, get_at, replace_at
 from .target import Target, resolve_backend
 from .torch_dtypes import dtype_name
@@ -373,7 +376,9 @@ def _check_per_rank_objects(
     """Objects saved per rank at another world size need the caller's hook."""
     if reader.manifest.world_size == world_size or hook is not None:
         return
-    per_rank = [leaf.fqn for leaf in plan.object_loads if reader.is_per_rank(leaf.fqn)]
+    objects = [leaf.fqn for leaf in plan.object_loads]
+    objects += [f for load in plan.subtree_loads for f in load.fqns if f in reader.manifest.objects]
+    per_rank = [f for f in objects if reader.is_per_rank(f)]
     if per_rank:
         raise UnsupportedStateError(
             f"{reader.uri} was saved by {reader.manifest.world_size} ranks and is loaded by {world_size}; "
@@ -403,18 +408,62 @@ def _place_objects(
     reader: CheckpointReader, state: Mapping[str, Any], plan: LoadPlan, coord: Coordinator, hook: ReshardObjects | None
 ) -> Mapping[str, Any]:
     resized = reader.manifest.world_size != coord.world_size
+
+    def object_value(fqn: str) -> Any:
+        """This rank's value: its own of a per-rank object (the hook's at another world size)."""
+        if not reader.is_per_rank(fqn):
+            return reader.read_object(fqn)
+        if not resized:
+            return reader.read_object(fqn, rank=coord.rank)
+        assert hook is not None  # checked by match_state
+        return hook(fqn, reader.per_rank_objects(fqn), coord.rank, coord.world_size)
+
     for leaf in plan.object_loads:
-        if not reader.is_per_rank(leaf.fqn):
-            value = reader.read_object(leaf.fqn)
-        elif not resized:
-            value = reader.read_object(leaf.fqn, rank=coord.rank)
-        else:
-            assert hook is not None  # checked by match_state
-            value = hook(leaf.fqn, reader.per_rank_objects(leaf.fqn), coord.rank, coord.world_size)
+        template = leaf.value.value if isinstance(leaf.value, PerRank) else leaf.value
+        value = keep_unrecorded(template, object_value(leaf.fqn), fqn=leaf.fqn)
         state = replace_at(state, leaf.path, value)
     for leaf, below in plan.subtree_loads:
         depth = len(leaf.path)
-        values = ((f, plan.subtree_tensors[f] if f in plan.subtree_tensors else reader.read_object(f)) for f in below)
+        values = ((f, plan.subtree_tensors[f] if f in plan.subtree_tensors else object_value(f)) for f in below)
         subtree = build_nested((reader.key_path(f)[depth:], v) for f, v in values)
         state = replace_at(state, leaf.path, subtree)
     return state
+
+
+def holds_nothing(value: Any) -> bool:
+    """Whether a DCP save records nothing for ``value``: an empty dict, or a dict or
+    list holding only such (DCP walks into dicts, and into lists holding a dict, and
+    records their leaves; it records an empty list, a tuple or a scalar whole)."""
+    if isinstance(value, Mapping):
+        return all(holds_nothing(v) for v in value.values())
+    return isinstance(value, list) and bool(value) and all(holds_nothing(v) for v in value)
+
+
+def keep_unrecorded(template: Any, stored: Any, *, fqn: str) -> Any:
+    """``stored`` (a freshly decoded object, changed in place) with the members the
+    template has, the stored value lacks, and DCP records nothing for
+    (:func:`holds_nothing`) put back from the template: a checkpoint converted from DCP
+    cannot hold them (``LambdaLR``'s ``lr_lambdas: [{}]``), and DCP's own load leaves
+    them as the template has them. Only what the stored value lacks is added, never a
+    stored value replaced: a checkpoint saved by bcp holds its empty dicts already, so
+    nothing changes for it unless its template has members it never saved."""
+    if isinstance(template, Mapping) and isinstance(stored, dict):
+        for key, value in template.items():
+            here = key if key in stored else str(key) if str(key) in stored else None  # DCP writes keys as str
+            if here is not None:
+                stored[here] = keep_unrecorded(value, stored[here], fqn=f"{fqn}.{key}")
+            elif holds_nothing(value):
+                log.info("%s: %r is not in the checkpoint (DCP records no empty dict): kept from the state", fqn, key)
+                stored[key] = copy.deepcopy(value)
+    elif isinstance(template, list) and isinstance(stored, list):
+        for i, value in enumerate(template[: len(stored)]):
+            stored[i] = keep_unrecorded(value, stored[i], fqn=f"{fqn}.{i}")
+        rest = template[len(stored) :]
+        if rest and all(holds_nothing(v) for v in rest):
+            log.info(
+                "%s: items %d.. are not in the checkpoint (DCP records no empty dict): kept from the state",
+                fqn,
+                len(stored),
+            )
+            stored.extend(copy.deepcopy(rest))
+    return stored

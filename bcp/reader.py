@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -28,11 +28,22 @@ from .io_scheduler.device_load import DeviceFill
 from .io_scheduler.read_exec import ReadStats, execute_reads
 from .io_scheduler.read_plan import RunSet, plan_tensor_reads, touched_rows
 from .io_scheduler.staging import StagingPool, default_pool
+from .shards import RankValues
 from .state import KeyPath, build_nested, path_from_json
 from .tensor_io import byte_view, copy_values
 from .torch_dtypes import torch_dtype
 
 log = logging.getLogger(__name__)
+
+#: how an export treats an object saved per rank: ``"all"`` keeps every saving rank's
+#: value, an int keeps that saved rank's value only
+PerRankChoice = Literal["all"] | int
+
+
+def check_per_rank_choice(per_rank: object) -> None:
+    """ValueError unless ``per_rank`` is ``"all"`` or a rank (an int >= 0)."""
+    if per_rank != "all" and (type(per_rank) is not int or per_rank < 0):
+        raise ValueError(f"per_rank must be 'all' or a saved rank (an int >= 0), not {per_rank!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,18 +211,30 @@ class CheckpointReader:
             self._sizes_checked.add(file)
 
     def read_object(self, fqn: str, rank: int | None = None) -> Any:
-        """A stored object; for one saved per rank, pass the saving ``rank``."""
+        """A stored object. One saved per rank comes back as a :class:`~bcp.RankValues`
+        (every saving rank's value), or, with ``rank``, as that saving rank's value
+        (KeyError naming the ranks that saved it when ``rank`` did not)."""
+        if rank is None and self.is_per_rank(fqn):
+            return RankValues(self.per_rank_objects(fqn))
         entry = self._object_entry(fqn, rank)
         return objcodec.decode(entry.value, fqn=fqn, allow_pickle=self.allow_pickle, where=self._manifest_uri)
 
     def objects(self) -> dict[str, Any]:
-        """Every stored object, decoded."""
+        """Every stored object, decoded (a per-rank one as a :class:`~bcp.RankValues`)."""
         return {fqn: self.read_object(fqn) for fqn in self.manifest.objects}
 
-    def state(self) -> dict:
-        """The whole saved state rebuilt as nested dicts/lists/tuples (tensors on CPU)."""
+    def state(self, *, per_rank: PerRankChoice = "all") -> dict:
+        """The whole saved state rebuilt as nested dicts/lists/tuples (tensors on CPU).
+
+        An object saved per rank is, with ``per_rank="all"``, a :class:`~bcp.RankValues`
+        holding every saving rank's value; with ``per_rank=R``, saved rank ``R``'s value
+        (KeyError naming the key and the ranks that saved it when ``R`` did not)."""
+        check_per_rank_choice(per_rank)
         tensors = self.read_tensors(self.tensor_keys())
-        values = [tensors[fqn] if fqn in tensors else self.read_object(fqn) for fqn in self.keys()]
+        values = [
+            tensors[fqn] if fqn in tensors else self.read_object(fqn, None if per_rank == "all" else per_rank)
+            for fqn in self.keys()
+        ]
         return build_nested(zip([self.key_path(fqn) for fqn in self.keys()], values, strict=True))
 
     def read_tensors(self, fqns: list[str]) -> dict[str, torch.Tensor]:
@@ -334,12 +357,15 @@ class CheckpointReader:
         if not entries:
             kind = "a tensor, not an object" if fqn in self.catalog.tensors else "not in the checkpoint"
             raise KeyError(f"{fqn!r} is {kind} ({self.uri})")
-        if rank is None:
+        if rank is None or entries[0].rank is None:  # a job-wide object: every rank's value
             return entries[0]
         for e in entries:
             if e.rank == rank:
                 return e
-        raise KeyError(f"object {fqn!r} has no value saved by rank {rank} ({self.uri})")
+        saved = sorted(e.rank for e in entries if e.rank is not None)
+        raise KeyError(
+            f"per-rank object {fqn!r} has no value saved by rank {rank} (saved by ranks {saved}; {self.uri})"
+        )
 
     def per_rank_objects(self, fqn: str) -> dict[int, Any]:
         """rank -> value for an object saved per rank ({} for a job-wide object)."""

@@ -7,7 +7,8 @@
 * :class:`FlatShard`: a contiguous range of the row-major flattening (FSDP1 flat
   parameters, ZeRO partitions), cut into at most 2*ndim-1 boxes.
 
-Objects (non-tensors) wrapped in :class:`PerRank` are saved once per rank.
+Objects (non-tensors) wrapped in :class:`PerRank` are saved once per rank; reading
+one back without a template (``bcp.open(uri).state()``) gives a :class:`RankValues`.
 """
 
 from __future__ import annotations
@@ -73,6 +74,17 @@ class PerRank:
     ``reshard_objects`` hook decides."""
 
     value: Any
+
+
+class RankValues(dict[int, Any]):
+    """Every saved rank's value of a per-rank object (saving rank -> value), as
+    ``bcp.open(uri).state()``, ``read_object`` and ``objects()`` return it: read
+    without a template, no rank is the right one, so none is picked. It is not a
+    state to save (bcp.save refuses it, naming the key): save one rank's value from
+    each rank, wrapped in :class:`PerRank`."""
+
+    def __repr__(self) -> str:
+        return f"RankValues({dict.__repr__(self)})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .errors import FormatError, UnsupportedStateError
-from .shards import is_tensor_like
+from .shards import RankValues, is_tensor_like
 
 #: ("d", key) dict entry, ("l", i) list item, ("t", i) tuple item
 PathElem = tuple[str, str | int]
@@ -147,8 +147,20 @@ def _refuse_sharded_tensor(value: Any, path: KeyPath) -> None:
         )
 
 
+def _refuse_rank_values(value: Any, path: KeyPath) -> None:
+    """Every rank's values, read back without a template, are not one rank's state:
+    saved as a dict they would come back as one where a per-rank object was."""
+    if isinstance(value, RankValues):
+        raise UnsupportedStateError(
+            f"key {fqn_of(path)!r} holds a bcp.RankValues (the value every saved rank had of a per-rank object, "
+            f"ranks {sorted(value)}, as bcp.open(...).state() reads it): save each rank's own value from that "
+            "rank, wrapped in bcp.PerRank, or pick one (value[rank])"
+        )
+
+
 def _walk(value: Any, path: KeyPath, leaves: dict[str, Leaf]) -> None:
     _refuse_sharded_tensor(value, path)
+    _refuse_rank_values(value, path)
     if is_stateful(value):  # saved as what its state_dict() returns, as DCP does
         value = value.state_dict()
     traversable = isinstance(value, (list, tuple)) and not isinstance(value, torch.Size)
