@@ -106,6 +106,8 @@ def listed(keys: list[str] | tuple[str, ...], limit: int = LISTED_KEYS) -> str:
     """At most ``limit`` keys, then how many more: a message stays readable at 10,000 keys."""
     more = f", ... and {len(keys) - limit} more" if len(keys) > limit else ""
     return ", ".join(keys[:limit]) + more
+
+
 class ConversionError(CheckpointError):
     """Another format's library failed while bcp converted to or from it: PyTorch DCP
     raises ``CheckpointException``, a ``BaseException`` that ``except Exception``
