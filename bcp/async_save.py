@@ -26,6 +26,7 @@ import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Unpack
 
@@ -107,6 +108,42 @@ def _optimizer_storages(optimizer: torch.optim.Optimizer) -> set[int]:
     return ptrs
 
 
+# -- overlap: step() waits for every overlapped save of its optimizer --------------------------
+#
+# One global optimizer step pre-hook, registered once and never removed: torch runs the
+# global pre-hooks before each optimizer's own, so user pre-hooks (registered before or
+# after any save) see the wait done, and nothing is removed while torch iterates the
+# hooks. For an optimizer without pending saves the hook is a dictionary lookup.
+
+_overlap_lock = threading.Lock()
+_overlap_pending: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[AsyncSaveHandle, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+_overlap_hook: Any = None
+
+
+def _overlapped_before_step(optimizer: torch.optim.Optimizer, handle: AsyncSaveHandle, copies: Any) -> None:
+    """Make ``optimizer``'s next ``step()`` wait for ``handle``'s background staging."""
+    global _overlap_hook
+    with _overlap_lock:
+        _overlap_pending.setdefault(optimizer, []).append((handle, copies))
+        if _overlap_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _overlap_hook = register_optimizer_step_pre_hook(_wait_for_overlapped)
+
+
+def _wait_for_overlapped(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    """(step pre-hook) Every overlapped save of ``optimizer`` made before this step:
+    wait until its copies are queued (host copies done), then order the step's
+    kernels after its device copies."""
+    with _overlap_lock:
+        pending = _overlap_pending.pop(optimizer, [])
+    for handle, copies in pending:
+        handle.staged.wait()
+        copies.order_after()
+
+
 def async_save(
     state: Mapping[str, Any],
     uri: Target,
@@ -160,14 +197,7 @@ def async_save(
     if overlap is None:
         handle.staged.set()
     else:
-        hook_box: list = []
-
-        def wait_for_copy(_optimizer, _args, _kwargs):
-            handle.staged.wait()  # every copy is queued (host copies are done)
-            job.pipeline.copies.order_after()  # step()'s kernels run after the device copies
-            hook_box[0].remove()
-
-        hook_box.append(overlap.register_step_pre_hook(wait_for_copy))
+        _overlapped_before_step(overlap, handle, job.pipeline.copies)
 
         def stage_rest() -> None:
             try:
