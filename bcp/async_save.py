@@ -26,16 +26,19 @@ import atexit
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Unpack
 
 import torch
 
+from bcp.metadata import DEFAULT_BLOCK_BYTES
+
 from .collectives import coordinator_for
 from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
-from .io_scheduler.write_pipeline import Chunk, layout, plan_chunks
+from .io_scheduler.write_pipeline import Chunk, WriteItem, layout, plan_chunks, plan_part_chunks
 from .options import SaveOptions, SaveOptionsKwargs
-from .saver import SaveInfo, SaveJob
+from .saver import SaveInfo, SaveJob, planned_writes
 from .shards import local_pieces
 from .state import flatten_state
 from .target import Target
@@ -107,6 +110,42 @@ def _optimizer_storages(optimizer: torch.optim.Optimizer) -> set[int]:
     return ptrs
 
 
+# -- overlap: step() waits for every overlapped save of its optimizer --------------------------
+#
+# One global optimizer step pre-hook, registered once and never removed: torch runs the
+# global pre-hooks before each optimizer's own, so user pre-hooks (registered before or
+# after any save) see the wait done, and nothing is removed while torch iterates the
+# hooks. For an optimizer without pending saves the hook is a dictionary lookup.
+
+_overlap_lock = threading.Lock()
+_overlap_pending: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[AsyncSaveHandle, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+_overlap_hook: Any = None
+
+
+def _overlapped_before_step(optimizer: torch.optim.Optimizer, handle: AsyncSaveHandle, copies: Any) -> None:
+    """Make ``optimizer``'s next ``step()`` wait for ``handle``'s background staging."""
+    global _overlap_hook
+    with _overlap_lock:
+        _overlap_pending.setdefault(optimizer, []).append((handle, copies))
+        if _overlap_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _overlap_hook = register_optimizer_step_pre_hook(_wait_for_overlapped)
+
+
+def _wait_for_overlapped(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    """(step pre-hook) Every overlapped save of ``optimizer`` made before this step:
+    wait until its copies are queued (host copies done), then order the step's
+    kernels after its device copies."""
+    with _overlap_lock:
+        pending = _overlap_pending.pop(optimizer, [])
+    for handle, copies in pending:
+        handle.staged.wait()
+        copies.order_after()
+
+
 def async_save(
     state: Mapping[str, Any],
     uri: Target,
@@ -160,14 +199,7 @@ def async_save(
     if overlap is None:
         handle.staged.set()
     else:
-        hook_box: list = []
-
-        def wait_for_copy(_optimizer, _args, _kwargs):
-            handle.staged.wait()  # every copy is queued (host copies are done)
-            job.pipeline.copies.order_after()  # step()'s kernels run after the device copies
-            hook_box[0].remove()
-
-        hook_box.append(overlap.register_step_pre_hook(wait_for_copy))
+        _overlapped_before_step(overlap, handle, job.pipeline.copies)
 
         def stage_rest() -> None:
             try:
@@ -184,35 +216,66 @@ def async_save(
     return handle
 
 
-def staging_bytes(state: Mapping[str, Any], slab_bytes: int) -> int:
-    """Staging memory an async save of ``state`` takes on this rank: the slabs its
-    chunks occupy (a fragment of 1 MiB or more fills whole slabs of its own, small
-    ones share), laid out as the write pipeline lays them out."""
-    pieces = [
-        piece
-        for leaf in flatten_state(state).values()
-        if leaf.is_tensor
-        for piece in local_pieces(leaf.value, leaf.fqn).pieces
-    ]
-    placed = layout(pieces)
+def staging_bytes(
+    state: Mapping[str, Any],
+    slab_bytes: int,
+    *,
+    part_size: int | None = None,
+    block: int = DEFAULT_BLOCK_BYTES,
+    items: Sequence[WriteItem] | None = None,
+) -> int:
+    """Staging memory an async save of ``state`` takes on this rank: one slab per
+    chunk, the chunks laid out as the write pipeline lays them out (a fragment of
+    1 MiB or more fills whole slabs of its own, small ones share; with an object
+    store's ``part_size``, one chunk per part). ``items``: the boxes this rank
+    writes (``bcp.saver.planned_writes``); default: every local piece of ``state``."""
+    if items is not None:
+        pieces = [item.piece for item in items]
+    else:
+        pieces = [
+            piece
+            for leaf in flatten_state(state).values()
+            if leaf.is_tensor
+            for piece in local_pieces(leaf.value, leaf.fqn).pieces
+        ]
+    placed = layout(pieces, part_size=part_size, block=block)
     spans = [(i, placed.offsets[i], pieces[i].tensor.numel() * pieces[i].tensor.element_size()) for i in placed.unique]
-    return len(plan_chunks(spans, slab_bytes)) * slab_bytes
+    chunks = plan_part_chunks(spans, part_size, placed.size) if part_size else plan_chunks(spans, slab_bytes)
+    return len(chunks) * slab_bytes
 
 
 def reserve_staging(
-    state: Mapping[str, Any], *, pool: StagingPool | None = None, background: bool = True
+    state: Mapping[str, Any],
+    *,
+    pool: StagingPool | None = None,
+    background: bool = True,
+    part_size: int | None = None,
+    collective: bool = False,
+    process_group: Any = None,
 ) -> StagingReservation:
     """Allocate the staging memory an async save of ``state`` needs, now, in a
-    background thread (local; not collective).
+    background thread.
 
-    Pinned host memory allocates at about 1 GB/s, so without this the first
-    ``async_save`` of a run pays for it while training waits. Call it once the state
-    exists (``CheckpointManager.load_latest`` does); training may go on meanwhile.
-    The pool stays capped by its budget: a state larger than the budget reserves
-    the whole budget, and saves of it block until the rest has been written.
+    Pinned host memory allocates at about 1 GB/s. Without a reservation the first
+    ``async_save`` of a run stages through pageable memory while the pool pins in
+    the background (slower copies, no wait for pinning); with one, it finds its
+    slabs pinned. Call it once the state exists and nothing else is loading
+    (``CheckpointManager.load_latest`` does, after the resume load); training may go
+    on meanwhile. ``part_size``: the target store's part size (object stores stage
+    one slab per part). ``collective=True`` (every rank of ``process_group`` calls
+    it; it first waits for this process's async saves in flight): sized from the
+    boxes this rank will write after deduplication, not its whole local state (a
+    DDP rank writes about 1/N of it); otherwise local. The
+    pool stays capped by its budget: a state larger than the budget reserves the
+    whole budget, and saves of it block until the rest has been written.
     """
     pool = pool or default_pool()
-    return StagingReservation(pool, staging_bytes(state, pool.slab_bytes), background=background)
+    items = None
+    if collective:
+        wait_all()  # a save in flight may still use the group's collectives in its background thread
+        items = planned_writes(state, coordinator_for(process_group))
+    nbytes = staging_bytes(state, pool.slab_bytes, part_size=part_size, items=items)
+    return StagingReservation(pool, nbytes, background=background)
 
 
 def _finish_at_exit() -> None:

@@ -147,26 +147,36 @@ class CheckpointManager:
     ) -> tuple[int | None, Any]:
         """(all ranks) Load the newest committed step into ``state``; returns
         ``(step, loaded state)``, or ``(None, state)`` when there is none yet.
-        With ``async_save``, it also starts allocating the staging memory saves of
-        ``state`` will need, in the background (``bcp.reserve_staging``), so the
-        first save of the run does not wait for it."""
+        With ``async_save``, once the load is done (pinning would compete with it)
+        it also starts allocating the staging memory this rank's saves of ``state``
+        will need, in the background (``bcp.reserve_staging``), so the first save of
+        the run finds it pinned."""
         self.wait()
-        self.reserve_staging(state)
         step = decide(self.coord, "finding the latest step", self.latest)
         if step is None:
+            self.reserve_staging(state)
             return None, state
         opts = dataclasses.replace(
             LoadOptions.of(options, overrides),
             storage_options=self.storage_options or None,
             process_group=self.process_group,
         )
-        return step, load(state, self.uri(step), opts)
+        loaded = load(state, self.uri(step), opts)
+        self.reserve_staging(state)
+        return step, loaded
 
     def reserve_staging(self, state: Any) -> None:
-        """(local) Start allocating staging memory for async saves of ``state`` in the
-        background; done once per manager (``load_latest`` calls it)."""
+        """(all ranks) Start allocating staging memory for async saves of ``state`` in
+        the background, sized from the boxes this rank will write (after
+        deduplication) and the store's part size; done once per manager
+        (``load_latest`` calls it)."""
         if self.async_save and self._reservation is None:
-            self._reservation = reserve_staging(state)
+            self._reservation = reserve_staging(
+                state,
+                part_size=self.backend.hints.part_size,
+                collective=True,
+                process_group=self.process_group,
+            )
 
     def close(self) -> None:
         self.wait()

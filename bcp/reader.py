@@ -296,10 +296,9 @@ class CheckpointReader:
             dtype = torch_dtype(entry.dtype, fqn=fqn)
             mine = held.get(fqn, {})
             if device_fill is not None and is_device_tensor(dest):
-                landing = device_fill.landing(dest, dtype, tuple(box[1]))
-                for part, values in _held_parts(landing, box, mine):
+                for part, values in _held_parts(dest.detach(), box, mine):
                     device_fill.add_host_part(part, values)
-                device_fill.add(entry, box, landing, frozenset(mine))
+                device_fill.add(entry, box, dest, dtype, frozenset(mine))
                 continue
             if (
                 dest.device.type == "cpu"

@@ -139,17 +139,28 @@ def _prepare(
     state: Mapping[str, Any], rank: int, allow_pickle: bool, *, check_replicas: str = "off", world_size: int = 1
 ) -> _Prepared:
     leaves = flatten_state(state)
-    summer = ReplicaSummer(check_replicas if world_size > 1 else "off")  # one rank has nothing to compare
-    tensors: list[TensorPlan] = []
-    items: list[WriteItem] = []
     objects: dict[str, LocalObject] = {}
-    first_fqn_of: dict[tuple, str] = {}
     for leaf in leaves.values():
         if not leaf.is_tensor:
             per_rank = isinstance(leaf.value, PerRank)
             value = leaf.value.value if per_rank else leaf.value
             encoded = objcodec.encode(value, fqn=leaf.fqn, allow_pickle=allow_pickle)
             objects[leaf.fqn] = LocalObject(path_to_json(leaf.path), encoded, per_rank)
+    summer = ReplicaSummer(check_replicas if world_size > 1 else "off")  # one rank has nothing to compare
+    return _prepare_tensors(leaves, rank, objects, summer)
+
+
+def _prepare_tensors(
+    leaves: Mapping[Any, Any], rank: int, objects: dict[str, LocalObject], summer: ReplicaSummer | None = None
+) -> _Prepared:
+    """The tensor part of step 1: each tensor's plan and local pieces (and, with
+    ``summer``, the checksums of its replicated ones)."""
+    summer = summer or ReplicaSummer("off")
+    tensors: list[TensorPlan] = []
+    items: list[WriteItem] = []
+    first_fqn_of: dict[tuple, str] = {}
+    for leaf in leaves.values():
+        if not leaf.is_tensor:
             continue
         shape, dtype, local, _replicated = local_pieces(leaf.value, leaf.fqn)
         for piece in local:
@@ -171,6 +182,23 @@ def _prepare(
         tensors.append(tensor_plan)
     replicas = summer.finish() if summer.enabled else None
     return _Prepared(LocalPlan(rank, tuple(tensors)), LocalLayout.build(rank, tensors), items, objects, replicas)
+
+
+def planned_writes(state: Mapping[str, Any], coord: Coordinator) -> list[WriteItem]:
+    """(all ranks, collective) The boxes this rank would write if ``state`` were saved
+    now with ``coord``'s ranks: after deduplication and balancing (a DDP rank writes
+    about 1/N of the state). Sizes staging reservations; writes nothing."""
+    phase = "planning the staging reservation"
+    prepared: _Prepared = run_phase(coord, phase, lambda: _prepare_tensors(flatten_state(state), coord.rank, {}))
+    layouts = coord.gather(prepared.layout)
+
+    def plan() -> GlobalPlan:
+        assert layouts is not None, "the coordinator gathers every layout"
+        return plan_save(layouts)
+
+    planned: GlobalPlan | None = decide(coord, phase, plan, share=lambda _plan: None)
+    mine = coord.scatter([planned.writes[r] for r in range(coord.world_size)] if planned is not None else None)
+    return [prepared.items[i] for i in mine.tolist()]
 
 
 def _decide_objects(all_objects: list[dict[str, LocalObject]]) -> dict[str, list[ObjectEntry]]:

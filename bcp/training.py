@@ -10,7 +10,8 @@ by N ranks resumes on M. Model and optimizer go through
 FQN-keyed, DTensor-aware, the DDP ``module.`` and ``torch.compile`` ``_orig_mod.``
 prefixes removed, so one checkpoint fits every wrapping.
 
-RNG (saved per rank): torch CPU, CUDA of every visible device, numpy's global
+RNG (saved per rank): torch CPU, CUDA of the rank's current device (restored on
+the current device of the rank that resumes, whatever its index), numpy's global
 generator and python's ``random``. Resumed at another world size, rank ``r`` takes
 saved rank ``r``'s state when there was one; each rank beyond the saved count gets a
 fresh state seeded from a SHA-256 of every saved rank's torch state and its own rank:
@@ -42,46 +43,91 @@ log = logging.getLogger(__name__)
 RNG_MARK = "bcp_rng"
 
 
+class CudaRng:
+    """The CUDA RNG calls bcp makes (tests replace :data:`cuda_rng`)."""
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def current_device(self) -> int:
+        return torch.cuda.current_device()
+
+    def get_state(self, device: int) -> torch.Tensor:
+        return torch.cuda.get_rng_state(device)
+
+    def set_state(self, state: torch.Tensor, device: int) -> None:
+        torch.cuda.set_rng_state(state, device)
+
+    def seeded_state(self, seed: int) -> torch.Tensor:
+        """A state in the CUDA generator's own format (not the CPU generator's 5,056
+        bytes, which ``set_state`` refuses), seeded with ``seed``."""
+        return torch.Generator(device="cuda").manual_seed(seed).get_state()
+
+
+#: The seam tests replace with a fake.
+cuda_rng = CudaRng()
+
+
 def rng_state() -> dict[str, Any]:
-    """This process's RNG states: torch CPU, CUDA of every visible device, numpy, python."""
-    cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    """This process's RNG states: torch CPU, CUDA of the current device (the one this
+    rank uses: ``cuda_device``, None without CUDA), numpy, python."""
+    cuda_device = cuda_rng.get_state(cuda_rng.current_device()) if cuda_rng.available() else None
     return {
         RNG_MARK: 1,
         "torch": torch.get_rng_state(),
-        "cuda": cuda,
+        "cuda_device": cuda_device,
         "numpy": np.random.get_state(),
         "python": random.getstate(),
     }
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what :func:`rng_state` captured. CUDA states go to the devices present,
-    by index; a count that differs is logged."""
+    """Restore what :func:`rng_state` captured. The saved current device's CUDA state
+    goes to this process's current device, whatever its index (a resume on another
+    host layout keeps each rank's stream of random numbers). A state saved by an
+    older bcp (``cuda``: one state per visible device) goes to the devices by index;
+    a count that differs is logged."""
     torch.set_rng_state(state["torch"])
-    cuda = list(state["cuda"])
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if len(cuda) != visible:
-        log.warning("RNG state saved with %d CUDA devices restored on %d", len(cuda), visible)
-    for i, device_state in enumerate(cuda[:visible]):
-        torch.cuda.set_rng_state(device_state, i)
+    available = cuda_rng.available()
+    if "cuda_device" in state:
+        if state["cuda_device"] is not None:
+            if available:
+                cuda_rng.set_state(state["cuda_device"], cuda_rng.current_device())
+            else:
+                log.warning("RNG state saved with a CUDA device restored without one: its CUDA state is dropped")
+    else:
+        cuda = list(state.get("cuda", []))
+        visible = cuda_rng.device_count() if available else 0
+        if len(cuda) != visible:
+            log.warning("RNG state saved with %d CUDA devices restored on %d", len(cuda), visible)
+        for i, device_state in enumerate(cuda[:visible]):
+            cuda_rng.set_state(device_state, i)
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
 
 
+def _had_cuda(saved: Mapping[str, Any]) -> bool:
+    return saved.get("cuda_device") is not None or bool(saved.get("cuda"))
+
+
 def derived_rng_state(values: Mapping[int, Mapping[str, Any]], rank: int) -> dict[str, Any]:
     """A fresh RNG state for ``rank``, which no saved rank had: seeded from a digest
-    of every saved rank's torch state and ``rank``."""
+    of every saved rank's torch state and ``rank``. Its CUDA state (when the saved
+    ranks had one and this process has CUDA) is made by a CUDA generator, in that
+    generator's format."""
     digest = hashlib.sha256()
     for saved in sorted(values):
         digest.update(bytes(values[saved]["torch"].numpy()))
     digest.update(b"rank" + rank.to_bytes(8, "little"))
     seed = int.from_bytes(digest.digest()[:8], "little")
-    cuda_count = len(values[min(values)]["cuda"])
-    cuda = [torch.Generator().manual_seed((seed + 1 + i) % 2**64).get_state() for i in range(cuda_count)]
+    with_cuda = any(_had_cuda(v) for v in values.values()) and cuda_rng.available()
     return {
         RNG_MARK: 1,
         "torch": torch.Generator().manual_seed(seed).get_state(),
-        "cuda": cuda,
+        "cuda_device": cuda_rng.seeded_state((seed + 1) % 2**64) if with_cuda else None,
         "numpy": np.random.RandomState(seed % 2**32).get_state(),
         "python": random.Random(seed).getstate(),
     }

@@ -11,13 +11,19 @@ Measured in the same minutes, cases interleaved round by round (bcp, DCP, torch,
   reused across calls (where this torch has one), cold load into CUDA tensors;
 * torch.save (+fsync) and torch.load(map_location=cuda);
 * a training loop (Linear layers + AdamW) saving every N steps: stall per save for
-  bcp.save, bcp.async_save, bcp.async_save(overlap=optimizer), DCP's async_save.
+  bcp.save, bcp.async_save, bcp.async_save(overlap=optimizer), two overlapped saves
+  before one step with user pre-hooks, DCP's async_save;
+* runtime limits: the staging budget per process (host memory, cgroup room,
+  LOCAL_WORLD_SIZE), peak extra device memory of loads that cast or land in strided
+  tensors, CPU seconds of an async save (spinning event waits), side streams and
+  reserved device memory across saves, a derived CUDA RNG state restored, pageable
+  stand-in slabs a first save used.
 
 First calls run in fresh subprocesses (pinned memory, once allocated, is cached by
 torch for the life of a process). Cold loads drop the files from the page cache.
 
     python bench/gpu_bench.py [--gib 6] [--tensors 24] [--repeats 3] [--dir /tmp/bcp-gpu]
-    python bench/gpu_bench.py --device cpu --gib 0.1 --repeats 1   # harness smoke run
+    python bench/gpu_bench.py --device cpu --gib 0.1 --repeats 1 --hidden 256 --layers 2 --batch 64   # smoke run
 """
 
 from __future__ import annotations
@@ -121,12 +127,14 @@ class Cases:
         for k in range(2):
             uri_a = fresh(os.path.join(self.root, f"bcp-async{k}"))
             sync(self.device)
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             handle = bcp.async_save(self.state, uri_a)
             blocking = time.perf_counter() - t0
             handle.wait()
             out["bcp async_save blocking (steady)"] = blocking
             out["bcp async_save total (steady)"] = time.perf_counter() - t0
+            # every thread of the process: writers spinning in cudaEventSynchronize show here
+            out["bcp async_save CPU seconds, all threads (steady)"] = time.process_time() - cpu0
         for label, load_uri in (("O_DIRECT reads", uri), ("buffered reads", f"file://{uri}?direct_reads=false")):
             drop_cache(uri)
             out[f"bcp load into {self.device.type} ({label}, cold)"] = timed(
@@ -247,7 +255,9 @@ def first_call(args) -> dict:
     handle = bcp.async_save(state, uri)
     blocking = time.perf_counter() - t0
     handle.wait()
-    return {"blocking": blocking, "total": time.perf_counter() - t0}
+    total = time.perf_counter() - t0
+    pool = bcp.io_scheduler.staging.default_pool()
+    return {"blocking": blocking, "total": total, "standins": pool.standins_lent}
 
 
 def run_first_call(args, reserve: bool) -> dict:
@@ -266,6 +276,65 @@ def run_first_call(args, reserve: bool) -> dict:
     ] + (["--reserve"] if reserve else [])
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- runtime limits of a multi-host job (one figure each) ------------------------------------------
+
+
+def runtime_limits(args, state: dict, device: torch.device) -> dict:
+    """Budget per host, device temporaries of cast/strided loads, side streams and
+    reserved device memory across saves, derived CUDA RNG states."""
+    from bcp.io_scheduler import staging
+
+    out: dict[str, float] = {
+        "host MemAvailable-or-cgroup room (GB)": staging.available_memory() / 1e9,
+        f"default staging budget per process (GB), LOCAL_WORLD_SIZE={staging.local_world_size()}": (
+            staging.default_budget() / 1e9
+        ),
+    }
+    room = staging.cgroup_available()
+    out["cgroup memory room (GB; -1: no limit)"] = room / 1e9 if room is not None else -1.0
+    root = fresh(os.path.join(args.dir, "limits"))
+    src = {k: v.float() for k, v in list(state.items())[: max(1, len(state) // 4)]}  # fp32 checkpoint
+    bcp.save(src, os.path.join(root, "fp32"))
+    size = nbytes(src)
+    del src
+    for label, make in (
+        ("cast fp32->bf16", lambda v: torch.empty(v.shape, dtype=torch.bfloat16, device=device)),
+        ("strided fp32", lambda v: torch.empty(v.shape[::-1], dtype=torch.float32, device=device).t()),
+    ):
+        template = {k: make(v) for k, v in list(state.items())[: max(1, len(state) // 4)]}
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        seconds = timed(lambda template=template: bcp.load(template, os.path.join(root, "fp32"), strict=False), device)
+        out[f"bcp load {label}: seconds for {size / 1e9:.2f} GB stored"] = seconds
+        if device.type == "cuda":
+            extra = torch.cuda.max_memory_allocated(device) - base
+            out[f"bcp load {label}: peak extra device memory / stored size"] = extra / size
+        del template
+    if device.type == "cuda":
+        from bcp.training import reshard_rng_states, rng_state, set_rng_state
+
+        reserved = torch.cuda.memory_reserved(device)
+        tensor_device = next(iter(state.values())).device  # with its index: the side streams' key
+        streams = []
+        for k in range(6):
+            handle = bcp.async_save(state, fresh(os.path.join(root, f"s{k}")))
+            streams.append(handle._job.pipeline.copies._side[tensor_device])
+            handle.wait()
+        out["side streams used by 6 async saves"] = len({id(s) for s in streams})
+        out["device memory reserved growth over 6 async saves (GB)"] = (
+            torch.cuda.memory_reserved(device) - reserved
+        ) / 1e9
+        try:
+            set_rng_state(reshard_rng_states({0: rng_state()}, 1, 2))
+            out["derived CUDA RNG state restores on a new rank (1 = yes)"] = 1.0
+        except RuntimeError:
+            out["derived CUDA RNG state restores on a new rank (1 = yes)"] = 0.0
+    shutil.rmtree(root, ignore_errors=True)
+    return out
 
 
 # -- training loop stall ------------------------------------------------------------------------
@@ -304,6 +373,20 @@ def training_stall(args, device: torch.device) -> dict:
     def bcp_overlap(k):
         return bcp.async_save(state(), fresh(f"{root}/o{k}"), overlap=opt)
 
+    class Both:
+        """Two overlapped saves made before one step, waited for together."""
+
+        def __init__(self, handles) -> None:
+            self.handles = handles
+
+        def wait(self) -> None:
+            for h in self.handles:
+                h.wait()
+
+    def bcp_overlap_twice(k):
+        first = bcp.async_save(state(), fresh(f"{root}/p{k}"), overlap=opt)
+        return Both([first, bcp.async_save(state(), fresh(f"{root}/q{k}"), overlap=opt)])
+
     def dcp_async(k):
         result = dcp.async_save(state(), storage_writer=dcp.FileSystemWriter(fresh(f"{root}/d{k}")))
         return getattr(result, "upload_completion", result)
@@ -312,8 +395,10 @@ def training_stall(args, device: torch.device) -> dict:
         "bcp save": bcp_sync,
         "bcp async_save": bcp_async,
         "bcp async_save overlap=opt": bcp_overlap,
+        "bcp 2 x async_save overlap=opt before a step, user pre-hooks": bcp_overlap_twice,
         "DCP async_save (default stager)": dcp_async,
     }
+    user_hooks = [opt.register_step_pre_hook(lambda *_: None) for _ in range(2)]  # bcp's comes between
     for name, save in modes.items():
         stalls = []
         pending = None
@@ -334,6 +419,8 @@ def training_stall(args, device: torch.device) -> dict:
             pending.result() if hasattr(pending, "result") else pending.wait()
         out[f"stall per save: {name} (first)"] = stalls[0]
         out[f"stall per save: {name} (later, median)"] = statistics.median(stalls[1:]) if len(stalls) > 1 else stalls[0]
+    for hook in user_hooks:
+        hook.remove()
     shutil.rmtree(root, ignore_errors=True)
     return out
 
@@ -386,6 +473,23 @@ def report(rows: dict[str, list], size: int, stall_rows: dict) -> None:
         2.0,
         False,
     )
+    ratio(
+        "first async_save blocking (no reservation) / steady blocking",
+        "bcp async_save blocking (first call, no reservation)",
+        "bcp async_save blocking (steady)",
+        2.0,
+        False,
+    )
+    ratio(
+        "async_save CPU seconds (all threads) / total seconds (steady)",
+        "bcp async_save CPU seconds, all threads (steady)",
+        "bcp async_save total (steady)",
+        1.0,
+        False,
+    )
+    for k, v in stall_rows.items():
+        if k.endswith("peak extra device memory / stored size"):
+            print(f"{k:70s} {v:6.2f}x (goal <= 0.25) {'met' if v <= 0.25 else 'NOT met'}")
     loads = [k for k in med if k.startswith(("DCP load", "torch.load"))]
     best_peer = min((med[k] for k in loads), default=None)
     for k in [k for k in med if k.startswith("bcp load")]:
@@ -431,6 +535,7 @@ def main() -> None:
         sys.exit("no CUDA device here: run on a GPU machine, or --device cpu for a smoke run of the harness")
     os.makedirs(args.dir, exist_ok=True)
     rows: dict[str, list] = {}
+    figures: dict[str, float] = {}
 
     def add(measured: dict) -> None:
         for k, v in measured.items():
@@ -445,6 +550,7 @@ def main() -> None:
                 f"bcp async_save total (first call, {tag})": first["total"],
             }
         )
+        figures[f"pageable stand-in slabs lent by the first call ({tag})"] = first["standins"]
     state = make_state(args.gib, args.tensors, device)
     size = nbytes(state)
     cases = Cases(args, state, device)
@@ -455,9 +561,10 @@ def main() -> None:
         for case in order:
             add(case())
             print(f"round {r + 1}: {case.__name__} done", file=sys.stderr, flush=True)
+    figures.update(runtime_limits(args, state, device))
     del cases, state
     stall_rows = {} if args.no_loop else training_stall(args, device)
-    report(rows, size, stall_rows)
+    report(rows, size, figures | stall_rows)
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 
 import torch
 
@@ -33,8 +34,10 @@ class FakeStream:
     def run_until(self, mark: int) -> None:
         with self.lock:
             while self.done < mark:
-                fn, _touched = self.ops[self.done]
+                fn, touched = self.ops[self.done]
                 fn()
+                # a stream keeps no tensor alive once its work has run (temporaries freed)
+                self.ops[self.done] = (None, touched)
                 self.done += 1
 
     def pending(self) -> list:
@@ -59,10 +62,11 @@ class FakeStream:
 
 
 class FakeEvent:
-    def __init__(self, api: FakeCudaApi) -> None:
+    def __init__(self, api: FakeCudaApi, blocking: bool = True) -> None:
         self.api = api
         self.stream: FakeStream | None = None
         self.mark = 0
+        self.blocking = blocking
 
     def record(self, stream: FakeStream) -> None:
         self.stream, self.mark = stream, len(stream.ops)
@@ -99,6 +103,14 @@ class FakeCudaApi:
         self.gate.set()
         self._local = threading.local()
         self.copies_queued = 0
+        self._side: dict = {}
+        self._side_lock = threading.Lock()
+        #: device temporaries alive now (made by ``empty`` on a side stream), and the most at once
+        self.live_temporaries = 0
+        self.peak_temporaries = 0
+        self.peak_temporary_bytes = 0
+        self._live_bytes = 0
+        self._temp_lock = threading.Lock()
 
     # -- test helpers --------------------------------------------------------------------
 
@@ -133,6 +145,12 @@ class FakeCudaApi:
         stream = FakeStream(self, f"side{len(self.streams)}")
         self.streams.append(stream)
         return stream
+
+    def side_stream(self, device) -> FakeStream:
+        with self._side_lock:
+            if device not in self._side:
+                self._side[device] = self.new_stream(device)
+            return self._side[device]
 
     def new_event(self) -> FakeEvent:
         return FakeEvent(self)
@@ -180,7 +198,24 @@ class FakeCudaApi:
         self.as_device(out)
         if self._current() is not self.caller:
             self.side_allocated.add(out.untyped_storage().data_ptr())
+            self._count_temporary(out)
         return out
+
+    def _count_temporary(self, t: torch.Tensor) -> None:
+        """Track ``t`` until it is garbage (what a caching allocator could hand out again)."""
+        nbytes = t.numel() * t.element_size()
+        with self._temp_lock:
+            self.live_temporaries += 1
+            self._live_bytes += nbytes
+            self.peak_temporaries = max(self.peak_temporaries, self.live_temporaries)
+            self.peak_temporary_bytes = max(self.peak_temporary_bytes, self._live_bytes)
+
+        def freed() -> None:
+            with self._temp_lock:
+                self.live_temporaries -= 1
+                self._live_bytes -= nbytes
+
+        weakref.finalize(t, freed)  # views made of it keep it alive (their ._base)
 
 
 class CheckedPool:

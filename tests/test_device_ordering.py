@@ -227,11 +227,15 @@ def test_load_into_device_templates_lands_every_byte_before_returning(fake, save
     assert fake.copies_queued >= 5
 
 
-def test_control_load_without_the_final_wait_misses_the_cast(fake, saved, monkeypatch):
+def test_control_load_without_the_final_wait_misses_the_values_in_memory(fake, saved, monkeypatch):
+    """Values another rank shared (in host memory) are copied after every piece; only
+    the final wait completes them."""
     monkeypatch.setattr(bcp.io_scheduler.device_copy.DeviceCopies, "wait", lambda self: None)
     uri, ref = saved
-    out = bcp.load({"h": fake.as_device(torch.zeros(33, 17))}, uri, strict=False)
-    assert not torch.equal(out["h"], ref["h"].float())
+    dest = fake.as_device(torch.zeros(33, 17))
+    whole = ((0, 0), (33, 17))
+    bcp.open(uri).fill([("h", whole, dest)], in_memory={("h", whole): ref["h"]})
+    assert not torch.equal(dest, ref["h"].float())
 
 
 def test_load_into_conjugate_destinations_on_device_and_host(fake, tmp_path):

@@ -10,7 +10,12 @@ pipelines go through :class:`DeviceCopies`. The rules it enforces (docs/io.md,
   the caller queues later.
 * **Copies run on a side stream**, into (or out of) pinned slabs, ``non_blocking``.
   Each copy is followed by an event; a slab is read by the host, or handed back to
-  the pool, only after ``event.synchronize()``.
+  the pool, only after ``event.synchronize()``. Events are blocking (the waiting
+  thread sleeps instead of spinning). Each device has one side stream for the
+  process, reused by every save and load: a later save's ``wait_stream`` only adds
+  ordering, and an event recorded after a copy completes after it whatever else
+  the stream ran. A pageable stand-in slab (staging.py) is as correct: the event
+  after the copy still completes only once the copy has.
 * **Source memory stays reserved**: every device tensor a copy reads is marked with
   ``record_stream(side stream)``, so the caching allocator does not hand its memory
   to a new tensor until the copy has run, even if the caller frees it at once.
@@ -43,14 +48,30 @@ class CudaApi:
         """Whether ``t`` lives in CUDA memory (copies to and from it go through streams)."""
         return t.device.type == "cuda"
 
+    def __init__(self) -> None:
+        self._side: dict[torch.device, Any] = {}
+        self._side_lock = threading.Lock()
+
     def current_stream(self, device: torch.device) -> Any:
         return torch.cuda.current_stream(device)
 
     def new_stream(self, device: torch.device) -> Any:
         return torch.cuda.Stream(device=device)
 
+    def side_stream(self, device: torch.device) -> Any:
+        """bcp's one side stream of ``device``, made on first use and kept: every save
+        and load reuses it (a new stream per save would take another of torch's
+        pooled streams each time, each keeping its own cached device memory)."""
+        with self._side_lock:
+            stream = self._side.get(device)
+            if stream is None:
+                stream = self._side[device] = self.new_stream(device)
+            return stream
+
     def new_event(self) -> Any:
-        return torch.cuda.Event()
+        """An event whose ``synchronize`` blocks the waiting thread (cudaEventBlockingSync)
+        instead of spinning a CPU core for as long as the copy runs."""
+        return torch.cuda.Event(blocking=True)
 
     def use_stream(self, stream: Any) -> Any:
         """Context manager: kernels and allocations inside go to ``stream``."""
@@ -108,7 +129,7 @@ class DeviceCopies:
         for device in devices:
             if device in self._side:
                 continue
-            side = api.new_stream(device)
+            side = api.side_stream(device)
             side.wait_stream(api.current_stream(device))
             self._side[device] = side
 

@@ -10,8 +10,10 @@ back. So reads of one slab overlap the copies of another, and host memory in use
 stays at ``streams`` slabs, never the whole state.
 
 A destination that is not dense row-major, or has another dtype than the stored
-one, is filled through a device temporary (allocated on the side stream) that is
-then copied or cast into place on the device: extra device memory for one tensor.
+one, is filled piece by piece through a device temporary of the piece (allocated on
+the side stream, freed once it is copied or cast into place): extra device memory
+is at most one piece (a slab) per reading stream, whatever the number and size of
+such destinations.
 """
 
 from __future__ import annotations
@@ -61,12 +63,19 @@ def contiguous_pieces(lengths: tuple[int, ...], itemsize: int, limit: int, block
 
 @dataclasses.dataclass(slots=True)
 class _Piece:
-    """One contiguous part of a destination, read through a slab."""
+    """One contiguous part of a destination's box, read through a slab."""
 
-    target: torch.Tensor  # flat uint8 view of the device memory the piece lands in
+    #: flat uint8 view of the device memory the piece lands in; None when the
+    #: destination takes the bytes through a temporary (``final``)
+    target: torch.Tensor | None
     plans: list[RunSet]  # reads of the piece, dest offsets relative to the piece
     nbytes: int
     phase: int  # wanted slab offset modulo 4096 (the first read's file offset)
+    #: the part of a strided or cast destination this piece fills (from a device
+    #: temporary of ``shape`` and the stored ``dtype``, made only while the piece lands)
+    final: torch.Tensor | None = None
+    shape: tuple = ()
+    dtype: torch.dtype | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -77,8 +86,9 @@ class _SlabJob:
 
 def _piece_plans(
     entry: TensorEntry, box: Box, itemsize: int, limit: int, block: int, prefer_rank: int, in_memory: frozenset
-) -> list[tuple[int, int, list[RunSet]]]:
-    """(byte offset in the box, bytes, reads) of each contiguous piece of ``box``."""
+) -> list[tuple[tuple, tuple, int, int, list[RunSet]]]:
+    """(offsets in the box, lengths, byte offset in the box, bytes, reads) of each
+    contiguous piece of ``box``."""
     b_off, b_len = box
     strides = [math.prod(b_len[d + 1 :]) for d in range(len(b_len))]
     out = []
@@ -86,49 +96,61 @@ def _piece_plans(
         start = sum(o * s for o, s in zip(rel_off, strides, strict=True)) * itemsize
         p_box = (tuple(o + r for o, r in zip(b_off, rel_off, strict=True)), tuple(p_len))
         plans = plan_tensor_reads(entry, [p_box], prefer_rank=prefer_rank, in_memory=in_memory)
-        out.append((start, math.prod(p_len) * itemsize, plans))
+        out.append((tuple(rel_off), tuple(p_len), start, math.prod(p_len) * itemsize, plans))
     return out
+
+
+def lands_directly(dest: torch.Tensor, stored: torch.dtype) -> bool:
+    """Whether the stored bytes can be copied straight into ``dest``: dense row-major,
+    of the stored dtype, no lazy conjugate or negative bit."""
+    return dest.is_contiguous() and dest.dtype == stored and not dest.is_conj() and not dest.is_neg()
 
 
 class DeviceFill:
     """Fills device destinations of one ``CheckpointReader.fill`` call.
 
-    1. ``add`` each (entry, box, destination) (calling thread).
+    1. ``add`` each (entry, box, destination) and ``add_host_part`` values already in
+       host memory (calling thread).
     2. ``run`` (calling thread): reads, copies, casts; returns once every byte is on
        the device and the slabs are back in the pool.
+
+    A destination that is strided or of another dtype than the stored one is filled
+    piece by piece through a device temporary of the piece (at most a slab), made on
+    the side stream when the piece's slab is copied and freed once the piece is
+    copied or cast into place: extra device memory is at most one piece per reading
+    stream, never a temporary per destination.
     """
 
     def __init__(self, pool: StagingPool, copies: DeviceCopies, *, block: int, prefer_rank: int) -> None:
         self.pool, self.copies, self.block, self.prefer_rank = pool, copies, block, prefer_rank
         self.limit = max(pool.slab_bytes - 4096, 4096)
         self.pieces: list[_Piece] = []
-        self.finals: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, device temporary)
         self.host_parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device slice, host values)
 
-    def landing(self, dest: torch.Tensor, stored: torch.dtype, shape: tuple) -> torch.Tensor:
-        """Where the stored bytes of ``dest`` land: ``dest`` itself when dense and of the
-        stored dtype, else a device temporary copied into ``dest`` at the end."""
+    def add(self, entry: TensorEntry, box: Box, dest: torch.Tensor, stored: torch.dtype, in_memory: frozenset) -> None:
+        """Read box ``box`` of ``entry`` (stored as ``stored``) into ``dest`` (its shape)."""
         dest = dest.detach()
-        if dest.is_contiguous() and dest.dtype == stored and not dest.is_conj() and not dest.is_neg():
-            return dest
-        temp = self.copies.empty(shape, stored, dest.device)
-        self.finals.append((dest, temp))
-        return temp
-
-    def add(self, entry: TensorEntry, box: Box, landing: torch.Tensor, in_memory: frozenset) -> None:
-        itemsize = landing.element_size()
-        flat = flat_bytes(landing) if landing.numel() else None
-        for start, nbytes, plans in _piece_plans(
-            entry, box, itemsize, self.limit, self.block, self.prefer_rank, in_memory
+        if not dest.numel():
+            return
+        direct = lands_directly(dest, stored)
+        flat = flat_bytes(dest) if direct else None
+        for rel_off, p_len, start, nbytes, plans in _piece_plans(
+            entry, box, stored.itemsize, self.limit, self.block, self.prefer_rank, in_memory
         ):
-            if not plans or flat is None:
+            if not plans:
                 continue
             first = min(plans, key=lambda p: int(p.dst[0]))
             phase = (first.fragment.byte_offset + int(first.src[0]) - int(first.dst[0])) % 4096
-            self.pieces.append(_Piece(flat[start : start + nbytes], plans, nbytes, phase))
+            if flat is not None:
+                self.pieces.append(_Piece(flat[start : start + nbytes], plans, nbytes, phase))
+            else:
+                part = dest[tuple(slice(o, o + n) for o, n in zip(rel_off, p_len, strict=True))]
+                self.pieces.append(_Piece(None, plans, nbytes, phase, part, p_len, stored))
 
     def add_host_part(self, device_slice: torch.Tensor, values: torch.Tensor) -> None:
-        """Values already in host memory (shared by another rank) for part of a landing."""
+        """Values already in host memory (shared by another rank) for part of a
+        destination; copied after every piece (a piece's slab holds no bytes for
+        them, and its copy covers them)."""
         self.host_parts.append((device_slice, values))
 
     def _jobs(self) -> list[_SlabJob]:
@@ -147,6 +169,16 @@ class DeviceFill:
             small.nbytes = at + piece.nbytes
         return jobs
 
+    def _land(self, piece: _Piece, view: torch.Tensor) -> list:
+        """Queue the copies that put ``view``'s bytes into the piece's destination."""
+        if piece.target is not None:
+            return [self.copies.to_device(piece.target, view)]
+        assert piece.final is not None and piece.dtype is not None, "a piece lands directly or through a temporary"
+        temp = self.copies.empty(piece.shape, piece.dtype, piece.final.device)  # on the side stream
+        events = [self.copies.to_device(flat_bytes(temp), view)]
+        events.append(self.copies.to_device(*_bitwise(piece.final, temp)))
+        return events  # ``temp`` is freed here: the allocator reuses it only behind these copies
+
     def _run_job(self, backend, job: _SlabJob, verify: bool) -> ReadStats:
         slab = self.pool.acquire()
         events: list = []
@@ -164,7 +196,7 @@ class DeviceFill:
             mem = [memoryview(v.numpy()).cast("B") for v in views]  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
             stats = execute_reads(backend, plans, mem, block_bytes=self.block, verify=verify, streams=1)
             for piece, view in zip(job.pieces, views, strict=True):
-                events.append(self.copies.to_device(piece.target, view))
+                events.extend(self._land(piece, view))
             for event in events:  # the slab is reused only once its copies have run
                 event.synchronize()
             events = []
@@ -175,8 +207,6 @@ class DeviceFill:
 
     def run(self, backend, *, verify: bool, streams: int) -> ReadStats:
         stats = ReadStats()
-        for device_slice, values in self.host_parts:  # pageable host memory: torch copies synchronously
-            self.copies.to_device(*_bitwise(device_slice, values))
         jobs = self._jobs()
         try:
             if streams <= 1 or len(jobs) <= 1:
@@ -193,8 +223,9 @@ class DeviceFill:
                             errors.append(e)
                     if errors:
                         raise errors[0]
-            for dest, temp in self.finals:
-                self.copies.to_device(*_bitwise(dest, temp))
+            # after every piece on the same stream: a piece's copy covers held parts with slab bytes
+            for device_slice, values in self.host_parts:  # pageable host memory: torch copies synchronously
+                self.copies.to_device(*_bitwise(device_slice, values))
         finally:
             self.copies.wait()  # every byte is on the device before load returns
         return stats
