@@ -16,6 +16,7 @@ import errno
 import logging
 import mmap
 import os
+import re
 import shutil
 import stat
 import threading
@@ -27,12 +28,15 @@ from urllib.parse import unquote, urlsplit
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
 from .errors import ObjectExistsError, StorageError, WriterClosedError, annotate
-from .options import as_bool
+from .options import as_bool, reject_unknown
 
 log = logging.getLogger(__name__)
 
 #: Opening a final component that is a link fails (ELOOP) instead of following it.
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+#: ``scheme://`` at the start: a URI (one this backend refuses unless it is ``file://``)
+_URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 #: Marks an unfinished write. Keys may not contain it; ``list`` never shows such files.
 PARTIAL_MARKER = ".bcp-partial-"
@@ -66,18 +70,29 @@ class FileBackend(Backend):
 
     @classmethod
     def from_uri(cls, uri: str, **options) -> Self:
-        if "://" in uri:
+        """``file:///abs/path``, ``file://localhost/abs/path``, ``file:/abs/path`` (RFC
+        8089's one-slash form; percent-escapes decoded), or a plain path taken as it is
+        (``bcp.backends.backend_for`` refuses a ``?`` in one before it gets here)."""
+        if uri[:5].lower() == "file:" or _URI_RE.match(uri):
             parts = urlsplit(uri)
-            if parts.scheme != "file" or parts.netloc not in ("", "localhost"):
+            if parts.scheme.lower() != "file" or parts.netloc not in ("", "localhost"):
                 raise ValueError(f"not a local file URI: {uri!r} (use file:///absolute/path or a plain path)")
+            if parts.fragment or uri.endswith("#"):
+                raise ValueError(
+                    f"{uri!r}: a file URI has no #fragment; a name that holds '#' is written %23 in a file URI"
+                )
             path = unquote(parts.path)
+            if not path.startswith("/"):
+                raise ValueError(
+                    f"{uri!r}: a file URI names an absolute path (file:///abs/path or file:/abs/path); "
+                    "write a relative path as a plain path, without file:"
+                )
         else:
             path = uri
         fsync = as_bool("fsync", options.pop("fsync", True))
         direct = as_bool("direct", options.pop("direct", True))
         direct_reads = as_bool("direct_reads", options.pop("direct_reads", True))
-        if options:
-            raise TypeError(f"unknown option(s) for file backend {uri!r}: {', '.join(sorted(options))}")
+        reject_unknown("file", uri.partition("?")[0], options, known=("fsync", "direct", "direct_reads"))
         return cls(path, fsync=fsync, direct=direct, direct_reads=direct_reads)
 
     @property

@@ -5,9 +5,13 @@ For stores bcp has no dedicated backend for (Azure ``abfs``, ``sftp``, ``webhdfs
 renamed into place at commit (:mod:`bcp.backends.streaming`); whether that rename is
 atomic is up to the filesystem (it is on local, HDFS and SFTP filesystems; object
 stores implement it as copy-then-delete, and the copy is atomic). Reads are ranged
-``cat_file`` calls. Options other than ``part_size`` and ``concurrency`` go to the
-filesystem's constructor (fsspec "storage options"); bcp never logs them, but
-prefer each filesystem's own credential sources to passing secrets here.
+``cat_file`` calls. Options other than ``part_size``, ``concurrency`` and the retry
+options go to the filesystem's constructor (fsspec "storage options") when it names
+them (its ``__init__`` or a base class's, or fsspec's own listing-cache options);
+any other is refused, as every backend refuses options it does not know, and a
+value from the URI's query is converted to the type of the parameter's default
+(``?use_listings_cache=false`` is False, ``=maybe`` is refused). bcp never logs
+them, but prefer each filesystem's own credential sources to passing secrets here.
 
 The dedicated S3/GCS backends are faster (parallel part uploads); use this one for
 them only to compare.
@@ -15,16 +19,63 @@ them only to compare.
 
 from __future__ import annotations
 
-from typing import Self
+import inspect
+import math
+from typing import Any, Self
 
 import fsspec
 import fsspec.core
 
 from .errors import annotate
-from .options import check_part_size
+from .options import as_bool, as_float, as_int, check_part_size, reject_unknown
 from .streaming import Stream, StreamedFileBackend, stream_options
 
 DEFAULT_PART = 8 << 20
+
+
+#: Taken by every fsspec filesystem (``AbstractFileSystem`` passes them to its
+#: listing cache or instance cache from ``**storage_options``), with their types.
+_COMMON_OPTIONS: dict[str, type] = {
+    "use_listings_cache": bool,
+    "listings_expiry_time": float,
+    "max_paths": int,
+    "skip_instance_cache": bool,
+}
+
+
+def filesystem_options(fs_class: type, kind: str, uri: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` checked against what ``fs_class`` takes: the keyword parameters of
+    its ``__init__`` and its bases' (a filesystem's ``**kwargs`` reach its bases), and
+    fsspec's common ones. TypeError naming the others. Text values (from a URI's
+    query) become the type of the parameter's default: bool, int or float; ValueError
+    naming the option when they do not parse."""
+    known: dict[str, type | None] = dict(_COMMON_OPTIONS)
+    for klass in reversed(fs_class.__mro__):
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        try:
+            parameters = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):  # a C-level or otherwise opaque signature
+            continue
+        for p in parameters:
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self":
+                default = p.default
+                kind_of = type(default) if isinstance(default, bool | int | float) else None
+                known[p.name] = kind_of if kind_of is not None else known.get(p.name)
+    reject_unknown(kind, uri, {k: v for k, v in options.items() if k not in known}, known=known)
+    checked = dict(options)
+    for name, value in options.items():
+        wanted = known[name]
+        if not isinstance(value, str) or wanted is None:
+            continue
+        if wanted is bool:
+            checked[name] = as_bool(name, value)
+        elif wanted is int:
+            checked[name] = as_int(name, value, minimum=-(2**63))
+        else:
+            checked[name] = as_float(name, value, minimum=-math.inf)
+    return checked
 
 
 class FsspecBackend(StreamedFileBackend):
@@ -43,6 +94,12 @@ class FsspecBackend(StreamedFileBackend):
             raise ValueError(f"generic fsspec URI needs a protocol: fsspec+PROTOCOL://path, got {uri!r}")
         part_size, concurrency = stream_options(options, default_part=DEFAULT_PART)
         check_part_size(part_size, minimum=64 << 10)
+        try:
+            fs_class = fsspec.get_filesystem_class(protocol)
+        except ValueError as e:
+            raise ValueError(f"fsspec has no filesystem for protocol {protocol!r} in {uri!r}: {e}") from e
+        if "::" not in rest:  # a chained URL's options are per protocol; fsspec checks those
+            options = filesystem_options(fs_class, scheme, uri.partition("?")[0], options)
         try:
             fs, root = fsspec.core.url_to_fs(f"{protocol}://{rest}", **options)
         except ValueError as e:

@@ -11,6 +11,7 @@ from urllib.parse import unquote, urlsplit
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
 from .errors import ObjectExistsError, ObjectNotFoundError
+from .options import reject_unknown
 
 _OBJECTS: dict[str, bytes] = {}
 _LOCK = threading.Lock()
@@ -36,8 +37,7 @@ class MemoryBackend(Backend):
 
     @classmethod
     def from_uri(cls, uri: str, **options) -> Self:
-        if options:
-            raise TypeError(f"unknown option(s) for memory backend {uri!r}: {', '.join(sorted(options))}")
+        reject_unknown("memory", uri.partition("?")[0], options, known=())
         parts = urlsplit(uri)
         root = "/".join(p for p in (parts.netloc, unquote(parts.path).strip("/")) if p)
         if not root:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Iterable
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
@@ -78,10 +80,27 @@ def check_part_size(
         )
 
 
-def reject_unknown(kind: str, uri: str, options: dict) -> None:
-    """TypeError naming every option nobody consumed (values are not shown: they may be secrets)."""
+def reject_unknown(kind: str, uri: str, options: dict, known: Iterable[str] | None = None) -> None:
+    """TypeError naming every option nobody consumed (values are not shown: they may be
+    secrets), and the ones the backend takes when ``known`` lists them."""
     if options:
-        raise TypeError(f"unknown option(s) for the {kind} backend ({uri}): {', '.join(sorted(options))}")
+        if known is None:
+            takes = "the options of each backend are in docs/backends.md, Options"
+        else:
+            names = sorted(known)
+            takes = f"it takes {', '.join(names)}" if names else "it takes none"
+        raise TypeError(f"unknown option(s) for the {kind} backend ({uri}): {', '.join(sorted(options))}; {takes}")
+
+
+def as_float(name: str, value, *, minimum: float = 0.0) -> float:
+    """A finite number >= ``minimum`` from a float, an int or text (``"0.5"``)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"option {name}={value!r} is not a number") from None
+    if not math.isfinite(number) or number < minimum:
+        raise ValueError(f"option {name}={value!r} must be a finite number >= {minimum:g}")
+    return number
 
 
 def refuse_uri_credentials(uri: str, names: list[str], *, userinfo: bool = False) -> None:

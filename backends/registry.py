@@ -4,7 +4,10 @@ Three sources, consulted in this order: classes registered at run time with
 :func:`register_backend`; the built-in table below (imported on first use, so an
 optional dependency is needed only when its scheme is used); and the ``bcp.backends``
 entry-point group, read once, lazily, the first time a scheme is not found in the
-first two. A plain path (no ``scheme://``) means ``file``. :func:`import_plugins`
+first two. A plain path (no ``scheme://``) means ``file`` and takes no options: a
+``?`` in it is refused, not made part of a directory's name (docs/backends.md,
+"Local paths"). ``file:/abs/path`` (RFC 8089's one-slash form) is a file URI like
+``file:///abs/path``. :func:`import_plugins`
 imports modules that register backends (the CLI's ``--import``) and remembers them,
 so that child processes can import them too.
 """
@@ -44,6 +47,8 @@ _BUILTIN: dict[str, tuple[str, str | None]] = {
 FSSPEC_PREFIX = "fsspec+"
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+#: ``scheme:`` then one slash (or none): a URI with a slash missing, when the scheme is known
+_SCHEME_COLON_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):(?!//)")
 _lock = threading.Lock()
 _registered: dict[str, type[Backend] | str] = {}
 _entry_points: dict[str, importlib.metadata.EntryPoint] | None = None
@@ -58,6 +63,38 @@ def split_scheme(uri: str) -> tuple[str, str]:
     if not m:
         return "file", uri
     return m.group(1).lower(), uri
+
+
+def is_plain_path(uri: str) -> bool:
+    """Whether ``uri`` is a local path rather than a URI: no ``scheme://``, and not a
+    ``file:`` URI of RFC 8089's one-slash form (``file:/abs/path``)."""
+    return not _SCHEME_RE.match(uri) and uri[:5].lower() != "file:"
+
+
+def check_plain_path(path: str) -> None:
+    """ValueError for a plain path that a user most likely meant as a URI: one with a
+    ``?`` (a plain path takes no options, and the query would silently become part of
+    a directory's name) or one that starts with a known scheme and one slash
+    (``s3:/bucket``, which would save under ``./s3:``)."""
+    m = _SCHEME_COLON_RE.match(path)
+    if m:
+        scheme = m.group(1).lower()
+        if scheme.startswith(FSSPEC_PREFIX) or scheme in registered_backends():
+            raise ValueError(
+                f"{path.partition('?')[0]!r} looks like a {scheme}:// URI with a slash missing; as a plain path it "
+                f"would be a local directory named {m.group(0)!r}. Write {scheme}://... (a local path that really "
+                f"starts so: ./{m.group(0)}...)"
+            )
+    if "?" in path:
+        base, _, query = path.partition("?")
+        names = sorted({name for name, _value in parse_qsl(query, keep_blank_values=True)})
+        given = f"options {', '.join(names)}" if names else "a query string"
+        raise ValueError(
+            f"{base!r} is a plain path, which takes no options, and it is followed by ?... ({given}): a '?' in a "
+            "plain path is refused, not made part of a directory's name. Put options in a file URI, "
+            "file:///absolute/path?fsync=false, or pass them as storage_options={'fsync': False}; a name that "
+            "really holds '?' is written %3F in a file URI"
+        )
 
 
 def register_backend(scheme: str, backend: type[Backend] | str, *, clobber: bool = False) -> None:
@@ -164,13 +201,17 @@ def get_backend_class(scheme: str, *, uri: str | None = None) -> type[Backend]:
 
 def backend_for(uri: str | os.PathLike[str], **options: Any) -> Backend:
     """Build the backend for ``uri`` (a URI, or a local path as a string or path object).
-    Query parameters become options; keyword arguments override them."""
+    A URI's query parameters become options; keyword arguments override them. A plain
+    path takes options as keyword arguments only (:func:`check_plain_path`)."""
     if not isinstance(uri, str):
         uri = str(uri)  # os.PathLike
     scheme, _ = split_scheme(uri)
+    plain = is_plain_path(uri)
+    if plain:
+        check_plain_path(uri)
     cls = get_backend_class(scheme, uri=uri)
     base = uri
-    if scheme != "file" or "://" in uri:
+    if not plain:
         parts = urlsplit(uri)
         query = dict(parse_qsl(parts.query, keep_blank_values=True)) if parts.query else {}
         _refuse_credentials_in_uri(cls, uri, parts.netloc, query)

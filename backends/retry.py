@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 # TransientError lives in .errors; importing it here keeps bcp.backends.retry.TransientError working.
 from .errors import ObjectExistsError, ObjectNotFoundError, StorageError, TransientError
+from .options import as_float, as_int
 
 log = logging.getLogger(__name__)
 
@@ -170,10 +171,10 @@ def policy_from_options(options: dict[str, Any], *, default_attempts: int | None
     defaults = RetryPolicy()
     attempts = defaults.attempts if default_attempts is None else default_attempts
     if "retries" in options:
-        attempts = int(options.pop("retries")) + 1
+        attempts = as_int("retries", options.pop("retries")) + 1
 
     def pop_float(name: str, default: float) -> float:
-        return float(options.pop(name)) if name in options else default
+        return as_float(name, options.pop(name)) if name in options else default
 
     # Keyword arguments are evaluated in order: the options are popped, and fail, in this order.
     return RetryPolicy(

@@ -1,6 +1,5 @@
-from importlib.metadata import PackageNotFoundError, version
+"""The version of bcp, in one place: pyproject.toml reads it from here (``[tool.setuptools.dynamic]``),
+so an installed distribution, a stale editable install and a source tree all agree with the manifests
+this tree writes (``bcp_version``)."""
 
-try:
-    __version__ = version("bcp-checkpoint")  # the distribution's name on PyPI; the import name is bcp
-except PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0+unknown"
+__version__ = "0.2.0"

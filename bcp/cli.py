@@ -53,7 +53,10 @@ def _show(uri: str) -> str:
 
 
 def _conformance(args: argparse.Namespace) -> int:
-    from bcp.conformance.runner import run_suite
+    from .extras import needs_extra
+
+    with needs_extra("conformance", "bcp conformance"):  # the suite is pytest tests
+        from bcp.conformance.runner import run_suite
 
     return run_suite(
         args.uri,
@@ -200,6 +203,7 @@ def _inspect(args) -> int:
         "created": m.created,
         "world_size": m.world_size,
         "bcp_version": m.bcp_version,
+        "format_version": m.version,
         "torch_version": m.torch_version,
         "stats": m.stats,
         "user_metadata": m.user_metadata,
@@ -213,7 +217,7 @@ def _inspect(args) -> int:
         return status
     print(f"checkpoint {_show(reader.uri)}")
     print(
-        f"  saved {_safe(m.created)} by {m.world_size} rank(s); bcp {_safe(m.bcp_version)}, "
+        f"  saved {_safe(m.created)} by {m.world_size} rank(s); bcp {_safe(m.bcp_version)} (format v{m.version}), "
         f"torch {_safe(m.torch_version)}"
     )
     print(

@@ -25,7 +25,6 @@ from bcp.metadata.layout import GENERATION_PREFIX, manifest_key
 
 from .errors import (
     CheckpointExistsError,
-    CheckpointNotFoundError,
     CommitUncertainError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -117,12 +116,9 @@ def fetch_manifest(backend: Backend) -> tuple[bytes, Manifest]:
     try:
         manifest_bytes = backend.read(manifest_key())
     except ObjectNotFoundError:
-        if next(iter(backend.list("")), None) is not None:
-            raise IncompleteCheckpointError(
-                f"{backend.uri} has no {manifest_key()}: a save started there and never committed "
-                "(it failed, was killed, or is still running), so there is no checkpoint to load"
-            ) from None
-        raise CheckpointNotFoundError(f"no checkpoint at {backend.uri}") from None
+        from .housekeeping import missing_checkpoint_error  # it imports this module
+
+        raise missing_checkpoint_error(backend) from None
     return manifest_bytes, parse_manifest(backend, manifest_bytes)
 
 

@@ -52,6 +52,7 @@ from bcp.metadata import MANIFEST_KEY
 
 from .boxes import Box
 from .errors import FormatError
+from .extras import needs_extra
 from .reader import CheckpointReader, PerRankChoice, check_per_rank_choice, open_checkpoint
 from .saver import SaveInfo, save
 from .state import KeyPath, build_nested
@@ -179,7 +180,8 @@ def to_safetensors(
     ``*.safetensors`` files this export does not write are removed (and
     ``config.json`` replaced when ``config`` is given); nothing else in ``dst_dir`` is
     touched. Everything is checked before the first file is written."""
-    from safetensors.torch import save_file
+    with needs_extra("hf", "exporting to safetensors (bcp convert --to safetensors)"):
+        from safetensors.torch import save_file
 
     reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
     chosen = select(reader.tensor_keys(), prefix, strip_prefix)

@@ -26,7 +26,9 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class IncompleteCheckpointError(CheckpointError):
-    """Files exist at the URI but no manifest: a save started and never committed."""
+    """Files exist at the URI but no manifest. The message says what they are: a save
+    that started and never committed, a CheckpointManager root (naming its newest
+    committed step), checkpoints further down, or files that are none of bcp's."""
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):

@@ -34,6 +34,8 @@ from bcp.metadata.layout import (
 )
 
 from . import commit
+from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
+from .target import join_uri
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +202,67 @@ def find_checkpoints(
         if path is not None:
             entry(path)
     return FindResult(sorted(found.values(), key=lambda c: c.path), truncated)
+
+
+#: How many objects :func:`missing_checkpoint_error` lists at most to say what is there.
+DIAGNOSE_MAX_OBJECTS = 10_000
+
+
+def missing_checkpoint_error(backend: Backend) -> CheckpointError:
+    """The error for a location without ``manifest.json``, saying what is there
+    instead: nothing (CheckpointNotFoundError); else an IncompleteCheckpointError (files
+    but no manifest) whose message tells apart a CheckpointManager root (naming its
+    newest committed step's URI and ``load_latest``), checkpoints further down (naming
+    them), a save that never committed (``gen-*/`` or partial files at the location)
+    and files that are none of bcp's. Costs listings, bounded: an error path only."""
+    uri = backend.uri
+    if next(iter(backend.list("")), None) is None:
+        return CheckpointNotFoundError(f"no checkpoint at {uri}")
+    steps = scan(backend, unfinished=False)
+    if steps or backend.exists(LATEST_KEY):
+        return IncompleteCheckpointError(_manager_root_message(uri, steps))
+    found = find_checkpoints(backend, max_objects=DIAGNOSE_MAX_OBJECTS)
+    below = [c for c in found.checkpoints if c.path and c.committed]
+    listed = ", ".join(join_uri(uri, c.path) for c in below[:3])
+    if len(below) > 3:
+        listed += f" and {len(below) - 3} more"
+    if any(not c.path for c in found.checkpoints):
+        also = f"; committed checkpoints below it: {listed}" if below else ""
+        return IncompleteCheckpointError(
+            f"{uri} has no {MANIFEST_KEY}: a save started there and never committed "
+            f"(it failed, was killed, or is still running), so there is no checkpoint to load{also}"
+        )
+    if below:
+        return IncompleteCheckpointError(
+            f"no checkpoint at {uri} itself (no {MANIFEST_KEY}); it holds {len(below)} checkpoint(s) below it: "
+            f"{listed}. Load one of those by its URI (bcp ls {uri} lists them)"
+        )
+    if found.checkpoints:  # only saves below that never committed
+        return IncompleteCheckpointError(
+            f"no checkpoint at {uri} (no {MANIFEST_KEY}); below it are only saves that never committed: "
+            + ", ".join(join_uri(uri, c.path) for c in found.checkpoints[:3])
+        )
+    more = " (in the part listed)" if found.truncated else ""
+    return IncompleteCheckpointError(
+        f"no checkpoint at {uri}: it holds files, but no {MANIFEST_KEY} and nothing of a bcp checkpoint{more} "
+        f"(no {GENERATION_PREFIX}*/ directory, no {STEP_PREFIX}N/ of a CheckpointManager): is it the right location?"
+    )
+
+
+def _manager_root_message(uri: str, steps: dict[int, StepInfo]) -> str:
+    committed = sorted(s for s, info in steps.items() if info.committed)
+    manager = f"bcp.CheckpointManager({uri!r})"
+    if not committed:
+        return (
+            f"{uri} is a CheckpointManager root, not a checkpoint, and it has no committed step yet: there is "
+            f"nothing to load ({manager}.load_latest(state) returns (None, state) here)"
+        )
+    newest = join_uri(uri, step_name(committed[-1]))
+    return (
+        f"{uri} is a CheckpointManager root, not a checkpoint: name one of its {len(committed)} committed step(s) "
+        f"by its URI (the newest is {newest}), or load the newest with {manager}.load_latest(state); "
+        f"bcp ls {uri} lists the steps"
+    )
 
 
 def committed_steps(backend: Backend) -> list[int]:

@@ -31,6 +31,7 @@ import torch
 
 from .dataloader import is_dataloader_state, is_sampler_state, reshard_dataloader_states
 from .errors import UnsupportedStateError
+from .extras import missing_extra
 from .loader import LoadInfo, load_with_info
 from .options import LoadOptionsKwargs, SaveOptionsKwargs
 from .saver import SaveInfo, save
@@ -161,6 +162,20 @@ def reshard_per_rank(fqn: str, values: dict[int, Any], rank: int, world_size: in
     )
 
 
+def _check_dataloader(dataloader: Any) -> None:
+    """TypeError at construction, not at the first save, for a dataloader whose position
+    cannot be saved (torch's own DataLoader), naming the one that can and its extra."""
+    if callable(getattr(dataloader, "state_dict", None)) and callable(getattr(dataloader, "load_state_dict", None)):
+        return
+    hint = missing_extra("dataloader", "StatefulDataLoader")
+    raise TypeError(
+        f"TrainingState(dataloader=...) needs a dataloader with state_dict() and load_state_dict(), so that its "
+        f"position is saved and restored; {type(dataloader).__qualname__} does not have both. Use torchdata's "
+        "StatefulDataLoader (from torchdata.stateful_dataloader import StatefulDataLoader; it takes the same "
+        f"arguments as torch.utils.data.DataLoader){'. ' + hint if hint else ''}"
+    )
+
+
 class TrainingState:
     """Everything a training job resumes from, as one Stateful.
 
@@ -180,6 +195,8 @@ class TrainingState:
         *,
         rng: bool = True,
     ) -> None:
+        if dataloader is not None:
+            _check_dataloader(dataloader)
         self.model, self.scheduler, self.dataloader, self.rng = model, scheduler, dataloader, rng
         if optimizer is None:
             self.optimizers: tuple[torch.optim.Optimizer, ...] = ()

@@ -390,14 +390,15 @@ def test_first_async_save_without_a_reservation_never_waits_for_pinning(tmp_path
     blocking = time.perf_counter() - started
     handle.wait()
     assert caller not in pool.pinned_in, "the caller pinned memory on the critical path"
-    assert pool.standins_lent == 8
+    lent = pool.standins_lent
+    assert 1 <= lent <= 8, lent  # pinning runs meanwhile: under load it may finish a slab before the last chunk
     assert blocking < 8 * 0.15, "the first save waited for pinning"
     assert_holds(str(tmp_path / "a"), state)
     assert pool.wait_pinned(timeout=30)
     assert pool.allocated_bytes == 8 * 2 * SLAB, "pinned in the background up to the demand seen"
     assert set(pool.pinned_in) == {"bcp-pin-staging"}
     bcp.async_save(state, str(tmp_path / "b"), pool=pool).wait()
-    assert pool.standins_lent == 8, "a later save finds its slabs pinned"
+    assert pool.standins_lent == lent, "a later save finds its slabs pinned"
     assert_holds(str(tmp_path / "b"), state)
     assert pool.peak <= pool.max_slabs
 
