@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 from bcp.backends import Backend
 from bcp.metadata import Catalog, Manifest
@@ -90,6 +91,7 @@ def after_commit(
     step: int,
 ) -> LocalStep:
     """(all ranks, collective) Steps 1-3 above; returns the step as every rank knows it."""
+    started = time.perf_counter()
     local = spread_metadata(coord, backend, step)
 
     def record() -> None:
@@ -97,10 +99,21 @@ def after_commit(
         record_own(coord.rank, local, step_dir)
 
     run_phase(coord, "spreading the local step", record)  # a failure on one rank raises on all
+    recorded = time.perf_counter()
     error: BaseException | None = None
+    received: list[str] = []
     try:
-        replicate(coord, hosts, replicas, local.manifest, backend, step_dir, local.spans, chunk_bytes)
+        received = replicate(coord, hosts, replicas, local.manifest, backend, step_dir, local.spans, chunk_bytes)
     except Exception as e:  # noqa: BLE001 - agreed below: every rank raises
         error = e
     coord.check(error, "replicating the local step")
+    sizes = {f.path: f.nbytes for f in local.manifest.data_files}
+    log.info(
+        "local tier: step %d spread and checked in %.3f s, %d replica(s) (%.1f MiB) received in %.3f s",
+        step,
+        recorded - started,
+        len(received),
+        sum(sizes[k] for k in received) / 2**20,
+        time.perf_counter() - recorded,
+    )
     return local
