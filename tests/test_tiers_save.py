@@ -233,8 +233,8 @@ def _data_file(rank: int, manifest: Manifest) -> str:
 
 
 def test_two_hosts_of_two_ranks_hold_their_shares_and_replicas_and_drain_loadable_steps(tmp_path):
-    cfg = _cfg(tmp_path, ranks_per_host=2, steps=[1, 2, 3, 4], persist_every=2)
-    assert tier_jobs.run(4, cfg) == [0, 0, 0, 0]
+    cfg = _cfg(tmp_path, ranks_per_host=2, steps=[1, 2, 3, 4], persist_every=2, load_back=True)
+    assert tier_jobs.run(4, cfg) == [0, 0, 0, 0], "the job, and loading its drained steps at 4 ranks, failed"
     for h in range(2):
         assert local_steps(_host_root(cfg, h)) == [3, 4], f"host {h}: the newest 2 local steps are kept"
         for s in (3, 4):

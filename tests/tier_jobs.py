@@ -138,6 +138,13 @@ def tier_job(rank: int, world: int, cfg: dict[str, Any]) -> None:
             manager.wait()
             persisted_after[str(step)] = manager.steps()
     manager.close()
+    if cfg.get("load_back"):  # every drained step, at the world size that saved it
+        for step in manager.steps():
+            want = local_state(rank, world, step)
+            got = bcp.load(local_state(rank, world, 0), manager.uri(step))
+            assert torch.equal(got["w"].local, want["w"].local), f"rank {rank}: step {step} differs"
+            assert torch.equal(got["bias"], want["bias"]) and torch.equal(got["emb"], want["emb"])
+            assert got["step"] == step
     if rank == 0 and persisted_after:
         with open(os.path.join(cfg["base"], "persisted_after.json"), "w") as f:
             json.dump(persisted_after, f)
