@@ -33,6 +33,7 @@ from .reader import CheckpointReader, TensorMeta
 from .reader import open_checkpoint as open  # noqa: A004 - the public name is bcp.open
 from .saver import SaveInfo, save
 from .shards import FlatShard, PerRank, RankValues, TensorShard
+from .tiers import LocalTier
 from .training import TrainingState, reshard_per_rank
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "LoadInfo",
     "LoadOptions",
+    "LocalTier",
     "PerRank",
     "PickleNotAllowedError",
     "RankFailedError",

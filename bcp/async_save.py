@@ -23,6 +23,7 @@ without blocking the host. docs/io.md, "Device tensors", is the full contract.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import threading
 import time
@@ -63,12 +64,16 @@ class AsyncSaveHandle:
         self.staged = threading.Event()
         #: whether ``wait`` handed the outcome to the caller (else the exit hook reports it)
         self._reported = False
+        #: AfterCommit.run (the local tier's hook point), or None
+        self._after_commit: Callable[[SaveJob, SaveInfo], None] | None = None
 
     def _run(self, background_stage=None) -> None:
         try:
             if background_stage is not None:
                 background_stage()
             self._result = self._job.complete()
+            if self._after_commit is not None:  # the local tier's hook point: see AfterCommit
+                self._after_commit(self._job, self._result)
         except BaseException as e:  # noqa: BLE001 - re-raised from wait()
             self._error = e
         finally:
@@ -152,6 +157,7 @@ def async_save(
     options: SaveOptions | None = None,
     *,
     overlap: torch.optim.Optimizer | None = None,
+    after_commit: AfterCommit | None = None,
     **overrides: Unpack[SaveOptionsKwargs],
 ) -> AsyncSaveHandle:
     """Start saving ``state``; return once it is safe to change the state.
@@ -169,6 +175,8 @@ def async_save(
     to be queued, on the device for it to run), so ``step()`` cannot change a
     tensor before it is copied. Changing optimizer-owned tensors other than through
     ``step()`` before that is the caller's responsibility. docs/io.md has details.
+
+    ``after_commit`` is the local tier's hook point (:class:`AfterCommit`).
     """
     global _save_count
     started = time.perf_counter()
@@ -180,6 +188,8 @@ def async_save(
     if previous is not None:
         previous._done.wait()  # the save two back used this slot's group: let it finish
     job = SaveJob.start(state, uri, coordinator_for(opts.process_group, slot=slot), opts, stage_all=True)
+    if after_commit is not None:  # the local tier's hook point: see AfterCommit
+        job.visible_ranks = after_commit.visible_ranks
     background: Callable[[], None] | None = None
     if overlap is None:
         job.stage()
@@ -196,6 +206,7 @@ def async_save(
         job.stage(select=lambda c: not later(c), last=False)  # what forward/backward may change: now
         job.pipeline.copies.wait()
     handle = AsyncSaveHandle(job, 0.0)
+    handle._after_commit = after_commit.run if after_commit is not None else None
     if overlap is None:
         handle.staged.set()
     else:
@@ -214,6 +225,24 @@ def async_save(
     handle.blocking_seconds = time.perf_counter() - started
     thread.start()
     return handle
+
+
+# -- the local tier's hook point (bcp.tiers) -----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AfterCommit:
+    """What the local tier (``bcp.tiers``, docs/tiers.md) adds to an async save whose
+    ranks write to different hosts' local roots.
+
+    ``run(job, info)`` runs in the save's background thread once the save is
+    committed, before ``wait()`` returns (spreading the metadata to every host,
+    replicating, starting a drain); an error it raises is the save's error. Before the
+    commit, the coordinator checks only the data files of ``visible_ranks`` (the ranks
+    of its own host): the other hosts' files are not in its backend."""
+
+    run: Callable[[SaveJob, SaveInfo], None]
+    visible_ranks: frozenset[int] | None = None
 
 
 def staging_bytes(

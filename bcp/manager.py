@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any, Unpack
 
 from bcp.metadata.layout import step_name
@@ -28,6 +29,8 @@ from .loader import load
 from .options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
 from .saver import SaveInfo, save
 from .target import join_uri, resolve_backend
+from .tiers import LocalTier
+from .tiers.tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,11 @@ class CheckpointManager:
     the manager starts and after each commit, once older than ``gc_grace_seconds``
     (younger ones may be saves of another process). Housekeeping never fails a save:
     a deletion that fails is logged as a warning and retried at the next commit.
+
+    ``tier=bcp.LocalTier(...)`` adds the local tier (docs/tiers.md): :meth:`save`
+    then saves every ``tier.every`` steps to each host's memory (replicated to other
+    hosts) and copies every ``tier.persist_every`` steps to ``root_uri``; other steps
+    are not saved. Without it, every :meth:`save` goes to ``root_uri``.
     """
 
     def __init__(
@@ -64,6 +72,7 @@ class CheckpointManager:
         process_group: Any = None,
         overlap: Any = None,
         gc_grace_seconds: float = DEFAULT_GRACE_SECONDS,
+        tier: LocalTier | None = None,
     ) -> None:
         check_policy(keep_last, keep_every, keep_best)
         if gc_grace_seconds < 0:
@@ -81,6 +90,18 @@ class CheckpointManager:
         self._reservation: StagingReservation | None = None
         # a restart: check every kept step once; a failure raises on every rank
         decide(self.coord, "cleaning up the checkpoint root", self._housekeeping, None)
+        self._tier: Tier | None = None
+        if tier is not None:
+            if not isinstance(tier, LocalTier):
+                raise TypeError(f"tier must be a bcp.LocalTier, got {type(tier).__name__}")
+            self._tier = Tier(
+                tier,
+                self.root_uri,
+                storage_options=self.storage_options,
+                process_group=process_group,
+                coord=self.coord,
+                housekeeping=self._housekeeping,
+            )
 
     # -- queries (local, no collectives) --------------------------------------------------
 
@@ -110,7 +131,13 @@ class CheckpointManager:
         stored in the manifest for ``keep_best``. ``options`` and keyword arguments
         are those of ``bcp.save`` (:class:`SaveOptions`), except the ones the manager
         owns: ``metadata``, ``storage_options`` and ``process_group``. Returns the
-        SaveInfo when synchronous."""
+        SaveInfo when synchronous.
+
+        With a local tier, a step that is a multiple of ``tier.every`` is saved to the
+        local tier (and drained to the root when a multiple of ``tier.persist_every``);
+        a step due for draining that the local tier did not save (no room on some
+        host, or not a multiple of ``every``) is saved to the root; other steps are
+        not saved."""
         given = set(overrides)
         if options is not None:
             given |= {name for name in _OWNED if getattr(options, name) is not None}
@@ -120,11 +147,17 @@ class CheckpointManager:
                 f"CheckpointManager.save: {', '.join(owned)} belong to the manager; pass them to its constructor"
             )
         opts = SaveOptions.of(options, overrides)
-        self.wait()
+        self._wait_pending()
         meta = {"bcp_manager": {"step": int(step), "metrics": {k: float(v) for k, v in (metrics or {}).items()}}}
         opts = dataclasses.replace(
             opts, metadata=meta, storage_options=self.storage_options or None, process_group=self.process_group
         )
+        if self._tier is not None:
+            route = self._tier.save(step, state, opts, self.overlap)
+            if route == "local" and not self.async_save:
+                return self._tier.wait()
+            if route != "persistent":
+                return None
         if self.async_save:
             self._pending = (async_save(state, self.uri(step), opts, overlap=self.overlap), step)
             return None
@@ -133,9 +166,18 @@ class CheckpointManager:
         return info
 
     def wait(self) -> SaveInfo | None:
-        """(all ranks) Finish the save in flight, if any: commit, retention, pointer."""
+        """(all ranks) Finish the save in flight, if any: commit, retention, pointer;
+        with a local tier, its replication and the drain in flight too."""
+        info = self._wait_pending()
+        if self._tier is not None:
+            self._tier.wait_drain()
+        return info
+
+    def _wait_pending(self) -> SaveInfo | None:
+        """(all ranks) Finish the save in flight (a local one with its replication), not a drain."""
+        local = self._tier.wait_local() if self._tier is not None else None
         if self._pending is None:
-            return None
+            return local
         handle, step = self._pending
         self._pending = None
         info = handle.wait()
@@ -152,6 +194,12 @@ class CheckpointManager:
         will need, in the background (``bcp.reserve_staging``), so the first save of
         the run finds it pinned."""
         self.wait()
+        if self._tier is not None:
+            # the local tier's recovery (docs/tiers.md, "Recovering"): a local step newer than the root's
+            recovered = self._recover_from_local_tier(state, options, overrides)
+            if recovered is not None:
+                self.reserve_staging(state)
+                return recovered
         step = decide(self.coord, "finding the latest step", self.latest)
         if step is None:
             self.reserve_staging(state)
@@ -164,6 +212,15 @@ class CheckpointManager:
         loaded = load(state, self.uri(step), opts)
         self.reserve_staging(state)
         return step, loaded
+
+    def _recover_from_local_tier(
+        self, state: Any, options: LoadOptions | None, overrides: Mapping[str, Any]
+    ) -> tuple[int | None, Any] | None:
+        """(all ranks) Load the newest complete local step when it is at least as new
+        as the root's newest; None: load from the root. Not built yet (the recovery
+        side of docs/tiers.md comes separately): always None, so a restart loads the
+        newest drained or persistent step."""
+        return None
 
     def reserve_staging(self, state: Any) -> None:
         """(all ranks) Start allocating staging memory for async saves of ``state`` in
@@ -187,7 +244,7 @@ class CheckpointManager:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        elif self._pending is not None:  # an error in training: still finish what was staged
+        elif self._pending is not None or self._tier is not None:  # an error in training: still finish what was staged
             try:
                 self.wait()
             except Exception:  # logged: the training error is the one to report

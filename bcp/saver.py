@@ -308,6 +308,11 @@ class SaveJob:
         self.generation = generation_name(save_id)
         self.pipeline = pipeline
         self.started = started
+        #: (coordinator) the ranks whose data files its own backend holds, which the
+        #: commit checks are still there; None: every rank's. Ranks saving to different
+        #: backends (the local tier, ``bcp.tiers``: each host's own root) set the ranks of
+        #: the coordinator's host: it cannot list the other hosts' files.
+        self.visible_ranks: frozenset[int] | None = None
 
     @classmethod
     def start(
@@ -425,9 +430,12 @@ class SaveJob:
         assert plan is not None, "planned before anything is written"
         merged = merge_reports(reports, [plan.metas[d] for d in self.decision.meta_digests], plan.order)
         catalog = write_catalog(self.backend, catalog_key(self.generation), merged.catalog_bytes())
-        check_generation_intact(
-            self.backend, self.generation, [catalog.path, *(r.file.path for r in reports if r.file is not None)]
-        )
+        visible = [
+            r.file.path
+            for r in reports
+            if r.file is not None and (self.visible_ranks is None or r.rank in self.visible_ranks)
+        ]
+        check_generation_intact(self.backend, self.generation, [catalog.path, *visible])
         manifest = build_manifest(
             self.save_id,
             catalog,

@@ -1,0 +1,93 @@
+"""Room for a local save: the local tier never fills a host's memory.
+
+Each rank states what it will put on its host (its data file and the replicas it
+will receive, estimated as ``replicas`` more of its own size) and the free and total
+space of its local root (``statvfs``; for ``/dev/shm`` that is host memory). The
+ranks share these (one ``all_gather`` of three integers each), and every rank
+reaches the same verdict: if any host's ranks together need more than its free
+space less a margin of 10% of its file system, no rank saves this step locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..collectives import Coordinator
+from ..shards import local_pieces
+from ..state import flatten_state
+from .hosts import HostMap
+
+log = logging.getLogger(__name__)
+
+#: The share of a file system the local tier leaves free.
+MARGIN = 0.10
+
+Statvfs = Callable[[str], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRoom:
+    """One host's verdict, with its numbers (bytes)."""
+
+    host: str
+    need: int
+    free: int
+    total: int
+
+    @property
+    def enough(self) -> bool:
+        return self.need + MARGIN * self.total <= self.free
+
+    def __str__(self) -> str:
+        return (
+            f"host {self.host}: needs {self.need / 2**20:.1f} MiB, {self.free / 2**20:.1f} MiB free "
+            f"of {self.total / 2**20:.1f} MiB (keeping {MARGIN:.0%} free)"
+        )
+
+
+def state_bytes(state: Mapping[str, Any]) -> int:
+    """Tensor bytes this rank holds in ``state`` (an upper bound on its data file
+    before deduplication: replicated tensors are written by one rank)."""
+    return sum(
+        piece.tensor.numel() * piece.tensor.element_size()
+        for leaf in flatten_state(state).values()
+        if leaf.is_tensor
+        for piece in local_pieces(leaf.value, leaf.fqn).pieces
+    )
+
+
+def host_rooms(hosts: HostMap, records: list[tuple[int, int, int]]) -> list[HostRoom]:
+    """Each host's need (the sum of its ranks') against its first rank's free and total space."""
+    out = []
+    for h, ranks in enumerate(hosts.ranks):
+        _need, free, total = records[ranks[0]]
+        out.append(HostRoom(hosts.hosts[h], sum(records[r][0] for r in ranks), free, total))
+    return out
+
+
+def check_room(
+    coord: Coordinator, hosts: HostMap, root: str, own_bytes: int, replicas: int, statvfs: Statvfs = os.statvfs
+) -> list[HostRoom]:
+    """(all ranks, collective) The hosts that lack room for this local save (empty:
+    every host has room); the same list on every rank. A WARNING names them."""
+    try:
+        st = statvfs(root)
+        free, total = int(st.f_bavail) * int(st.f_frsize), int(st.f_blocks) * int(st.f_frsize)
+    except OSError as e:
+        log.warning("local tier: cannot read the free space of %s: %s", root, e)
+        free, total = 0, 0
+    need = own_bytes * (1 + replicas)
+    rooms = host_rooms(hosts, coord.all_gather((need, free, total)))
+    short = [r for r in rooms if not r.enough]
+    mine = hosts.hosts[hosts.host_of(coord.rank)]
+    if short and (coord.is_coordinator or (hosts.is_first(coord.rank) and mine in {r.host for r in short})):
+        log.warning(
+            "local tier: not enough room on %d host(s), this step is not saved locally: %s",
+            len(short),
+            "; ".join(map(str, short)),
+        )
+    return short

@@ -1,0 +1,172 @@
+"""The local tier of one CheckpointManager: when to save locally, when to drain.
+
+``CheckpointManager(root, tier=LocalTier(...))`` builds one :class:`Tier`. Its
+``save`` runs on every rank for every ``manager.save`` call:
+
+* a step that is a multiple of ``every``: the room check, then an async bcp save in
+  which each rank writes to its own host's local root; once it commits, its
+  background thread spreads the metadata, records the holdings, replicates, starts
+  the drain when the step is a multiple of ``persist_every``, and applies local
+  retention (``local_save.py``, ``drain.py``, ``retention.py``);
+* a step due for draining that the local tier did not save (not a multiple of
+  ``every``, or no room on some host): the manager saves it to persistent storage
+  as it would without a tier.
+
+Collectives run in a fixed order on every rank: the main thread's on the
+manager's group, a save's on its slot's group (after ``async_save``), a drain's
+on a group of its own, created when the tier is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from bcp.metadata.layout import step_name
+
+from ..async_save import AfterCommit, AsyncSaveHandle, async_save
+from ..collectives import Coordinator, coordinator_for, decide
+from ..options import SaveOptions
+from ..saver import SaveInfo, SaveJob
+from ..target import join_uri, resolve_backend
+from .config import LocalTier
+from .drain import Drain, drain_step
+from .hosts import HostMap, warn_if_short
+from .local_save import LocalStep, after_commit
+from .paths import check_apart, local_root, step_backend, step_dir
+from .retention import apply_retention, remove_stale
+from .room import Statvfs, check_room, state_bytes
+
+log = logging.getLogger(__name__)
+
+#: async_save alternates its saves between slots 0 and 1; drains use a group of their own.
+DRAIN_SLOT = 2
+
+Route = Literal["local", "persistent", "none"]
+
+
+class Tier:
+    """The local tier's state in one process (one per manager)."""
+
+    def __init__(
+        self,
+        config: LocalTier,
+        root_uri: str,
+        *,
+        storage_options: Mapping[str, Any] | None,
+        process_group: Any,
+        coord: Coordinator,
+        housekeeping: Callable[[list[int] | None], None],
+    ) -> None:
+        """(all ranks, collective) Learn the hosts, create the drain group."""
+        self.config = config
+        self.root_uri = root_uri
+        self.storage_options = dict(storage_options or {})
+        self.coord = coord
+        self.housekeeping = housekeeping
+        self.root = local_root(config.dir, root_uri)
+        check_apart(self.root, root_uri)
+        os.makedirs(self.root, exist_ok=True)
+        self.hosts = HostMap.gather(coord)
+        if coord.is_coordinator:
+            warn_if_short(self.hosts, config.replicas)
+        #: the drain's group, created now: groups are created collectively, in one order
+        self.drain_coord = coordinator_for(process_group, slot=DRAIN_SLOT)
+        #: how free space is read (tests replace it)
+        self.statvfs: Statvfs = os.statvfs
+        self._local: tuple[AsyncSaveHandle, int] | None = None
+        self._drain: Drain | None = None
+        #: this rank's data file size at the last local save (the room check's estimate)
+        self._last_bytes: int | None = None
+        self._pinned: set[int] = set()
+        self._pin_lock = threading.Lock()
+
+    @property
+    def is_host_first(self) -> bool:
+        return self.hosts.is_first(self.coord.rank)
+
+    # -- the main thread -------------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any], opts: SaveOptions, overlap: Any) -> Route:
+        """(all ranks) Save ``step`` locally when due and there is room. Returns
+        "local", "persistent" (the manager must save it to persistent storage) or
+        "none" (nothing is due at this step). The caller waited for the previous save."""
+        cfg = self.config
+        drain = cfg.drain_due(step)
+        if drain:
+            self.wait_drain()  # one drain at a time; a failed one raises here, on every rank
+        if not cfg.local_due(step):
+            return "persistent" if drain else "none"
+        own = self._last_bytes if self._last_bytes is not None else state_bytes(state)
+        short = check_room(self.coord, self.hosts, self.root, own, cfg.replicas, self.statvfs)
+        if short:
+            return "persistent" if drain else "none"
+        if self.is_host_first:
+            with self._pin_lock:
+                remove_stale(self.root, step, self._pinned)
+        local_opts = dataclasses.replace(opts, storage_options=None, overwrite=False)
+        hook = AfterCommit(
+            run=lambda job, info: self._after_commit(job, info, step, drain),
+            visible_ranks=frozenset(self.hosts.ranks[self.hosts.host_of(0)]),
+        )
+        handle = async_save(state, step_backend(self.root, step), local_opts, overlap=overlap, after_commit=hook)
+        self._local = (handle, step)
+        return "local"
+
+    def wait_local(self) -> SaveInfo | None:
+        """(all ranks) Finish the local save in flight (with its replication)."""
+        if self._local is None:
+            return None
+        handle, _step = self._local
+        self._local = None
+        info = handle.wait()
+        self._last_bytes = info.rank_bytes_written
+        return info
+
+    def wait_drain(self) -> None:
+        """(all ranks) Finish the drain in flight, raising its error."""
+        drain, self._drain = self._drain, None
+        if drain is not None:
+            drain.wait()
+
+    def wait(self) -> SaveInfo | None:
+        info = self.wait_local()
+        self.wait_drain()
+        return info
+
+    # -- the save's background thread ------------------------------------------------------------
+
+    def _after_commit(self, job: SaveJob, _info: SaveInfo, step: int, drain: bool) -> None:
+        cfg = self.config
+        local = after_commit(
+            job.coord, self.hosts, cfg.replicas, cfg.chunk_bytes, job.backend, step_dir(self.root, step), step
+        )
+        if drain:
+            self._start_drain(local, job.backend)
+        if self.is_host_first:
+            try:
+                with self._pin_lock:
+                    apply_retention(self.root, step, cfg.keep, self._pinned)
+            except OSError as e:  # one host's cleanup: retried at the next local save, never an error
+                log.warning("local tier: retention under %s failed: %s", self.root, e)
+
+    def _start_drain(self, local: LocalStep, backend: Any) -> None:
+        step = local.step
+        with self._pin_lock:
+            self._pinned.add(step)
+
+        def run() -> None:
+            remote = resolve_backend(join_uri(self.root_uri, step_name(step)), self.storage_options)
+            drain_step(self.drain_coord, backend, remote, local.manifest, local.catalog_bytes)
+            # the persistent root's retention and pointer, on the drain's group
+            decide(self.drain_coord, "applying retention", self.housekeeping, [step])
+
+        def unpin() -> None:
+            with self._pin_lock:
+                self._pinned.discard(step)
+
+        self._drain = Drain(step, run, on_end=unpin).start()

@@ -1,0 +1,305 @@
+"""The local tier's saving side (docs/tiers.md): placement, the local root, holding.json,
+and whole jobs of simulated hosts (gloo processes with their own BCP_HOST_ID and
+local directory; tests/tier_jobs.py) that save, replicate, drain, skip for room,
+keep K local steps, and survive a rank killed mid-replication or mid-drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import bcp
+import tier_jobs
+from bcp.metadata import Catalog, FileEntry, Manifest
+from bcp.tiers import LocalTier
+from bcp.tiers.holding import add_held, file_spans, held_files, read_holding, verify
+from bcp.tiers.hosts import HostMap, replica_hosts, transfers
+from bcp.tiers.paths import job_name, local_root, local_steps, step_dir
+from bcp.tiers.retention import expired_steps
+from bcp.tiers.room import host_rooms
+from helpers import assert_same
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
+
+
+# -- placement (pure) -----------------------------------------------------------------------
+
+domains_st = st.lists(st.one_of(st.none(), st.sampled_from("abc")), min_size=1, max_size=9)
+
+
+@given(domains=domains_st, replicas=st.integers(0, 4), data=st.data())
+def test_replicas_never_on_their_own_host_and_leave_the_domain_when_they_can(domains, replicas, data):
+    host = data.draw(st.integers(0, len(domains) - 1))
+    chosen = replica_hosts(domains, host, replicas)
+    assert host not in chosen, "a share is never replicated to its own host"
+    assert len(set(chosen)) == len(chosen) == min(replicas, len(domains) - 1)
+    mine = domains[host]
+    elsewhere = [h for h in range(len(domains)) if h != host and (mine is None or domains[h] != mine)]
+    away = [h for h in chosen if h in elsewhere]
+    # as many replicas outside the share's failure domain as there are hosts to hold them
+    assert len(away) == min(replicas, len(elsewhere))
+    if replicas and elsewhere:
+        assert away, "a share and all its replicas in one domain although another domain exists"
+
+
+@given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=6), replicas=st.integers(0, 3))
+def test_transfers_go_to_the_same_local_index_wrapping_and_never_stay_on_the_host(sizes, replicas):
+    records = [(f"h{h}", None) for h, n in enumerate(sizes) for _ in range(n)]
+    hosts = HostMap.from_records(records)
+    plan = transfers(hosts, replicas)
+    for t in plan:
+        src_host, dst_host = hosts.host_of(t.src), hosts.host_of(t.dst)
+        assert src_host != dst_host
+        assert hosts.local_index(t.dst) == hosts.local_index(t.src) % len(hosts.ranks[dst_host])
+    for rank in range(len(records)):
+        assert sum(t.src == rank for t in plan) == min(replicas, len(sizes) - 1)
+
+
+def test_host_map_orders_hosts_by_lowest_rank_and_indexes_ranks_within_them():
+    hosts = HostMap.from_records([("b", None), ("a", "r1"), ("b", None), ("a", "r2")])
+    assert hosts.hosts == ("b", "a") and hosts.ranks == ((0, 2), (1, 3))
+    assert hosts.domains == (None, "r1"), "a host's domain is its first rank's"
+    assert [hosts.local_index(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [hosts.is_first(r) for r in range(4)] == [True, True, False, False]
+
+
+# -- the local root ---------------------------------------------------------------------------
+
+
+def test_job_name_is_a_safe_tail_and_a_hash_of_the_whole_uri(tmp_path):
+    a, b = job_name("s3://bucket/runs/llama 7b?region=x"), job_name("s3://bucket/other/llama 7b")
+    assert a.startswith("llama_7b-") and b.startswith("llama_7b-") and a != b
+    assert job_name(str(tmp_path / "ck")) == job_name(f"{tmp_path}/ck/"[:-1])
+    assert "/" not in job_name("gs://b/") and job_name("gs://b/").endswith(job_name("gs://b/")[-8:])
+    assert local_root("/dev/shm", "s3://bucket/runs/llama") == f"/dev/shm/bcp/{job_name('s3://bucket/runs/llama')}"
+
+
+def test_a_local_root_inside_the_persistent_root_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="must not nest"):
+        bcp.CheckpointManager(tmp_path / "ck", tier=LocalTier(dir=tmp_path / "ck" / "shm"))
+
+
+@pytest.mark.parametrize("bad", [{"every": 0}, {"replicas": -1}, {"keep": 0}, {"persist_every": 0}, {"every": True}])
+def test_local_tier_options_are_checked(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        LocalTier(**bad)
+
+
+# -- holding.json --------------------------------------------------------------------------------
+
+
+def test_holding_lists_files_added_concurrently_and_replaces_another_saves_list(tmp_path):
+    d = str(tmp_path / "step")
+    entries = [FileEntry(f"gen-x/data/rank{r:05d}-0.bin", r, r + 7) for r in range(16)]
+    threads = [threading.Thread(target=add_held, args=(d, "x", [e])) for e in entries]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert held_files(d, "x") == {e.path: e for e in entries}, "a concurrent add was lost"
+    assert held_files(d, "y") == {}, "a list of another save counts for nothing"
+    add_held(d, "y", entries[:1])
+    assert read_holding(d)["save_id"] == "y" and held_files(d, "y") == {entries[0].path: entries[0]}
+    assert [n for n in os.listdir(d) if "partial" in n] == []
+
+
+def _saved_files(uri: str) -> tuple[Manifest, dict[str, list[tuple[int, int]]]]:
+    reader = bcp.open(uri)
+    data = reader.backend.read(reader.manifest.catalog.path)
+    catalog = Catalog.from_arrow(data, where="t", checksum_block_bytes=reader.manifest.checksum_block_bytes)
+    return reader.manifest, file_spans(catalog)
+
+
+def test_verify_recomputes_the_manifests_digest_and_catches_a_flipped_byte(tmp_path):
+    uri = str(tmp_path / "ck")
+    state = {"a": torch.arange(70000, dtype=torch.float32), "b": torch.ones(3), "tied": None}
+    state["tied"] = state["a"]
+    bcp.save(state, uri, checksum_block_bytes=4096)
+    manifest, spans = _saved_files(uri)
+    (entry,) = manifest.data_files
+    path = os.path.join(uri, *entry.path.split("/"))
+    assert verify(path, entry, spans, manifest.checksum_block_bytes) is None
+    with open(path, "r+b") as f:
+        f.seek(100000)
+        byte = f.read(1)
+        f.seek(100000)
+        f.write(bytes([byte[0] ^ 1]))
+    assert "digest" in verify(path, entry, spans, manifest.checksum_block_bytes)
+    os.truncate(path, 1000)
+    assert "bytes" in verify(path, entry, spans, manifest.checksum_block_bytes)
+
+
+# -- one process: save, drain, retention ---------------------------------------------------------
+
+
+def test_one_process_saves_locally_drains_every_m_and_keeps_k_local_steps(tmp_path, caplog):
+    root, shm = tmp_path / "ck", tmp_path / "shm"
+    manager = bcp.CheckpointManager(root, keep_last=5, tier=LocalTier(dir=shm, every=2, persist_every=4, keep=2))
+    assert "each share gets 0 replica(s)" in caplog.text, "one host cannot hold a replica: said once"
+    for step in range(1, 10):
+        manager.save(step, tier_jobs.local_state(0, 1, step))
+    manager.close()
+    assert manager.steps() == [4, 8], "steps 4 and 8 drained; nothing else written to the root"
+    local = local_root(shm, str(root))
+    assert local_steps(local) == [6, 8], "local steps 2, 4, 6, 8 saved; the newest 2 kept"
+    out = bcp.load(tier_jobs.template(), manager.uri(8))
+    assert_same(out, tier_jobs.expected(8))
+    with open(os.path.join(step_dir(local, 8), "manifest.json"), "rb") as f:
+        assert f.read() == manager.backend.read("step_0000000008/manifest.json"), "the drain copies, byte for byte"
+
+
+def test_room_keeps_ten_percent_of_the_file_system_free_and_sums_the_ranks_of_a_host():
+    hosts = HostMap.from_records([("a", None), ("a", None), ("b", None)])
+    total = 1000
+    rooms = host_rooms(hosts, [(300, 700, total), (300, 700, total), (599, 700, total)])
+    assert [(r.host, r.need, r.enough) for r in rooms] == [("a", 600, True), ("b", 599, True)]
+    rooms = host_rooms(hosts, [(301, 700, total), (300, 700, total), (601, 700, total)])
+    assert [r.enough for r in rooms] == [False, False], "600 + 100 of margin fit in 700; 601 + 100 do not"
+    assert "host b: needs" in str(rooms[1])
+
+
+def test_one_process_without_room_skips_the_local_save_and_saves_a_due_drain_to_the_root(tmp_path, caplog):
+    root, shm = tmp_path / "ck", tmp_path / "shm"
+    manager = bcp.CheckpointManager(root, tier=LocalTier(dir=shm, persist_every=2))
+    manager._tier.statvfs = tier_jobs._FakeStatvfs(free=100 << 20, total=1 << 30)  # under the 10% margin
+    manager.save(1, tier_jobs.local_state(0, 1, 1))
+    manager.wait()
+    assert "not enough room on 1 host(s)" in caplog.text and "this step is not saved locally" in caplog.text
+    assert manager.steps() == [] and local_steps(local_root(shm, str(root))) == []
+    manager.save(2, tier_jobs.local_state(0, 1, 2))
+    manager.close()
+    assert manager.steps() == [2], "a drain was due: the step went to the root directly"
+    assert_same(bcp.load(tier_jobs.template(), manager.uri(2)), tier_jobs.expected(2))
+    manager._tier.statvfs = os.statvfs
+    manager.save(3, tier_jobs.local_state(0, 1, 3))
+    manager.close()
+    assert local_steps(local_root(shm, str(root))) == [3], "with room again, the local tier saves"
+
+
+def test_retention_counts_only_steps_with_a_manifest_and_spares_pinned_ones(tmp_path):
+    root = str(tmp_path)
+    for s, committed in [(1, True), (2, False), (3, True), (4, True), (5, False), (6, True)]:
+        os.makedirs(step_dir(root, s))
+        if committed:
+            open(os.path.join(step_dir(root, s), "manifest.json"), "w").close()
+    assert expired_steps(root, 6, 2) == [1, 2, 3, 5]
+    assert expired_steps(root, 6, 2, pinned={3}) == [1, 2, 5]
+    assert expired_steps(root, 4, 2) == [1, 2], "steps newer than the one saved are not retention's"
+
+
+# -- simulated hosts ---------------------------------------------------------------------------------
+
+
+def _cfg(tmp_path, **kw) -> dict:
+    return {"base": str(tmp_path / "hosts"), "root": str(tmp_path / "persist"), **kw}
+
+
+def _host_root(cfg: dict, host: int) -> str:
+    return local_root(os.path.join(cfg["base"], f"host{host}"), cfg["root"])
+
+
+def _holding(cfg: dict, host: int, step: int) -> set[str]:
+    doc = read_holding(step_dir(_host_root(cfg, host), step)) or {"files": {}}
+    return set(doc["files"])
+
+
+def _check_every_listed_file(cfg: dict, hosts: int) -> int:
+    """Every file any host lists is whole: its size and digest match the host's manifest. Returns how many."""
+    checked = 0
+    for h in range(hosts):
+        for s in local_steps(_host_root(cfg, h)):
+            d = step_dir(_host_root(cfg, h), s)
+            if not os.path.exists(os.path.join(d, "manifest.json")):
+                continue
+            manifest, spans = _saved_files(d)
+            entries = {e.path: e for e in manifest.data_files}
+            doc = read_holding(d)
+            assert doc is not None and doc["save_id"] == manifest.save_id
+            for path in doc["files"]:
+                problem = verify(os.path.join(d, *path.split("/")), entries[path], spans, manifest.checksum_block_bytes)
+                assert problem is None, f"host {h} step {s} lists {path}: {problem}"
+                checked += 1
+    return checked
+
+
+def _data_file(rank: int, manifest: Manifest) -> str:
+    return f"{manifest.generation}/data/rank{rank:05d}-0.bin"
+
+
+def test_two_hosts_of_two_ranks_hold_their_shares_and_replicas_and_drain_loadable_steps(tmp_path):
+    cfg = _cfg(tmp_path, ranks_per_host=2, steps=[1, 2, 3, 4], persist_every=2, load_back=True)
+    assert tier_jobs.run(4, cfg) == [0, 0, 0, 0], "the job, and loading its drained steps at 4 ranks, failed"
+    for h in range(2):
+        assert local_steps(_host_root(cfg, h)) == [3, 4], f"host {h}: the newest 2 local steps are kept"
+        for s in (3, 4):
+            d = step_dir(_host_root(cfg, h), s)
+            manifest = bcp.open(d).manifest
+            assert manifest.world_size == 4
+            assert _holding(cfg, h, s) == {_data_file(r, manifest) for r in range(4)}, (
+                f"host {h} step {s}: its own share and the other host's, each listed"
+            )
+    assert _check_every_listed_file(cfg, 2) == 16
+    persistent = bcp.CheckpointManager(cfg["root"])
+    assert persistent.steps() == [2, 4], "steps 2 and 4 drained, nothing else; local retention deleted none"
+    for s in (2, 4):
+        out = bcp.load(tier_jobs.template(), persistent.uri(s))  # world size 1, saved at 4
+        assert_same(out, tier_jobs.expected(s))
+    with open(os.path.join(step_dir(_host_root(cfg, 1), 4), "manifest.json"), "rb") as f:
+        assert f.read() == persistent.backend.read("step_0000000004/manifest.json")
+
+
+def test_a_corrupted_replica_is_never_listed(tmp_path):
+    cfg = _cfg(tmp_path, ranks_per_host=1, steps=[1, 2], persist_every=2, faults={"1": "corrupt-replica"})
+    assert tier_jobs.run(2, cfg) == [0, 0], "a bad replica is a warning, not a failure"
+    for s in (1, 2):
+        manifest = bcp.open(step_dir(_host_root(cfg, 0), s)).manifest
+        assert _holding(cfg, 0, s) == {_data_file(0, manifest), _data_file(1, manifest)}
+        assert _holding(cfg, 1, s) == {_data_file(1, manifest)}, "host 1 received rank 0's file corrupted"
+        assert not os.path.exists(os.path.join(step_dir(_host_root(cfg, 1), s), _data_file(0, manifest)))
+    assert _check_every_listed_file(cfg, 2) == 6
+    out = bcp.load(tier_jobs.template(), bcp.CheckpointManager(cfg["root"]).uri(2))
+    assert_same(out, tier_jobs.expected(2))
+
+
+def test_no_room_on_one_host_skips_the_local_save_everywhere_and_falls_back_when_a_drain_is_due(tmp_path):
+    cfg = _cfg(tmp_path, ranks_per_host=1, steps=[1, 2, 3], persist_every=2, no_room={"1": 1 << 20}, wait_each=True)
+    assert tier_jobs.run(2, cfg) == [0, 0], "training goes on"
+    for h in range(2):
+        assert local_steps(_host_root(cfg, h)) == [], f"host {h}: nothing saved locally (host 1 lacked room)"
+    with open(os.path.join(cfg["base"], "persisted_after.json")) as f:
+        after = json.load(f)
+    assert after == {"1": [], "2": [2], "3": [2]}, "step 1 left the root untouched; step 2 saved to it directly"
+    out = bcp.load(tier_jobs.template(), bcp.CheckpointManager(cfg["root"]).uri(2))
+    assert_same(out, tier_jobs.expected(2))
+
+
+def test_a_host_killed_mid_replication_leaves_the_step_without_that_replica(tmp_path):
+    cfg = _cfg(tmp_path, ranks_per_host=1, steps=[1], persist_every=None, faults={"1": "kill-replication"}, timeout=20)
+    codes = tier_jobs.run(2, cfg)
+    assert codes[1] == tier_jobs.KILLED and codes[0] == tier_jobs.SURVIVED, (
+        f"rank 0 must fail with an error, not hang: {codes}"
+    )
+    manifest = bcp.open(step_dir(_host_root(cfg, 0), 1)).manifest
+    assert _data_file(0, manifest) not in _holding(cfg, 1, 1), "host 1 died receiving rank 0's file"
+    assert _data_file(1, manifest) not in _holding(cfg, 0, 1), "rank 1's file never arrived whole"
+    assert _data_file(0, manifest) in _holding(cfg, 0, 1)
+    assert _check_every_listed_file(cfg, 2) >= 1
+
+
+def test_a_rank_killed_mid_drain_leaves_no_committed_persistent_step(tmp_path):
+    cfg = _cfg(tmp_path, ranks_per_host=1, steps=[1], persist_every=1, faults={"1": "kill-drain"}, timeout=20)
+    codes = tier_jobs.run(2, cfg)
+    assert codes[1] == tier_jobs.KILLED and codes[0] == tier_jobs.SURVIVED, (
+        f"rank 0 must fail with an error, not hang: {codes}"
+    )
+    persistent = bcp.CheckpointManager(cfg["root"], gc_grace_seconds=3600)
+    assert persistent.steps() == [], "no drained step is committed"
+    assert not os.path.exists(os.path.join(cfg["root"], "step_0000000001", "manifest.json"))
+    manifest = bcp.open(step_dir(_host_root(cfg, 0), 1)).manifest
+    assert _holding(cfg, 0, 1) == {_data_file(0, manifest), _data_file(1, manifest)}, "the local step is whole"
