@@ -152,14 +152,27 @@ class CheckpointManager:
         first save of the run does not wait for it."""
         self.wait()
         self.reserve_staging(state)
-        step = decide(self.coord, "finding the latest step", self.latest)
-        if step is None:
-            return None, state
         opts = dataclasses.replace(
             LoadOptions.of(options, overrides),
             storage_options=self.storage_options or None,
             process_group=self.process_group,
         )
+        tier = getattr(self, "tier", None)
+        if tier is not None:  # the local tier first, when it holds a step not older (docs/tiers.md)
+            from .tiers.recover import recover_latest
+
+            recovered = recover_latest(
+                state,
+                local_root=os.fspath(getattr(self, "local_root", None) or tier.dir),
+                persistent_root=self.root_uri,
+                coord=self.coord,
+                load_options=opts,
+            )
+            if recovered is not None:
+                return recovered
+        step = decide(self.coord, "finding the latest step", self.latest)
+        if step is None:
+            return None, state
         return step, load(state, self.uri(step), opts)
 
     def reserve_staging(self, state: Any) -> None:
