@@ -217,10 +217,18 @@ class CheckpointManager:
         self, state: Any, options: LoadOptions | None, overrides: Mapping[str, Any]
     ) -> tuple[int | None, Any] | None:
         """(all ranks) Load the newest complete local step when it is at least as new
-        as the root's newest; None: load from the root. Not built yet (the recovery
-        side of docs/tiers.md comes separately): always None, so a restart loads the
-        newest drained or persistent step."""
-        return None
+        as the root's newest (docs/tiers.md, "Recovering"); None: load from the root."""
+        from .tiers.recover import recover_latest
+
+        assert self._tier is not None
+        opts = dataclasses.replace(
+            LoadOptions.of(options, overrides),
+            storage_options=self.storage_options or None,
+            process_group=self.process_group,
+        )
+        return recover_latest(
+            state, local_root=self._tier.root, persistent_root=self.root_uri, coord=self.coord, load_options=opts
+        )
 
     def reserve_staging(self, state: Any) -> None:
         """(all ranks) Start allocating staging memory for async saves of ``state`` in

@@ -7,7 +7,8 @@ the manager drives the rest (:class:`bcp.tiers.tier.Tier`). Modules, one job eac
 ``room`` (the free-space check), ``holding`` (``holding.json``, file checks),
 ``local_save`` (after a local commit: metadata to every host, own share recorded),
 ``replicate`` (shares to replica hosts), ``retention`` (local steps kept per host),
-``drain`` (a local step copied to persistent storage).
+``drain`` (a local step copied to persistent storage), ``inventory`` (what each
+host holds, the choice of step) and ``recover`` (fetching from peers and loading).
 """
 
 from .config import LocalTier

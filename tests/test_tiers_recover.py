@@ -1,0 +1,337 @@
+"""Recovering from the local tier (docs/tiers.md, "Recovering"): the inventory of a
+host, the choice of step, the exchange plan, and whole recoveries on simulated hosts
+(gloo processes with their own BCP_HOST_ID and local roots)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import types
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import bcp
+import dist_jobs
+import tier_recover_jobs as jobs
+from bcp.collectives import Coordinator
+from bcp.metadata.layout import MANIFEST_KEY, step_name
+from bcp.tiers.inventory import HOLDING_KEY, StepCopy, choose_local, list_local, local_wins
+from bcp.tiers.paths import local_root
+from bcp.tiers.recover import RECOVERY_PREFIX, _Exchange, _Hosts, recover_latest, recover_latest_with_info
+from helpers import assert_same
+
+# -- one process: inventory ------------------------------------------------------------------------
+
+
+def _state(seed: float) -> dict:
+    return {
+        "w": torch.arange(24, dtype=torch.float32).reshape(4, 6) * seed,
+        "b": torch.full((5,), seed, dtype=torch.bfloat16),
+        "step": int(seed),
+    }
+
+
+def _local_step(tmp_path, root: str, step: int, seed: float, *, hold: bool = True) -> str:
+    """Save ``_state(seed)`` with one process and place it as local step ``step`` of
+    ``root`` (its one data file in holding.json when ``hold``). Returns the step dir."""
+    ckpt = str(tmp_path / f"src-{step}-{seed}")
+    bcp.save(_state(seed), ckpt)
+    jobs.lay_out(ckpt, [root], [[0]], replicas=0, step=step)
+    step_dir = os.path.join(root, step_name(step))
+    if not hold:
+        jobs.write_holding(step_dir, jobs.manifest_of(ckpt).save_id, [])
+    return step_dir
+
+
+def test_inventory_counts_only_files_in_holding_with_the_manifest_size(tmp_path):
+    root = str(tmp_path / "root")
+    held_dir = _local_step(tmp_path, root, 7, 1.0)
+    _local_step(tmp_path, root, 8, 2.0, hold=False)  # the file is there, holding.json does not list it
+    short_dir = _local_step(tmp_path, root, 9, 3.0)
+    manifest = jobs.manifest_of(short_dir)
+    with open(os.path.join(short_dir, manifest.data_files[0].path), "r+b") as f:
+        f.truncate(manifest.data_files[0].nbytes - 1)  # listed, but not the manifest's size
+    os.makedirs(os.path.join(root, f"{RECOVERY_PREFIX}abc"))  # never a holding
+    os.makedirs(os.path.join(root, "step_12"))  # not a step directory name
+    copies = {c.step: c for c in list_local(root)}
+    assert sorted(copies) == [7, 8, 9]
+    assert copies[7].held == (0,) and copies[7].n_files == 1 and copies[7].has_catalog
+    assert copies[8].held == () and copies[9].held == ()
+    assert copies[7].save_id == jobs.manifest_of(held_dir).save_id
+
+
+def test_inventory_refuses_links_other_saves_and_corrupt_manifests(tmp_path):
+    root = str(tmp_path / "root")
+    linked = _local_step(tmp_path, root, 1, 1.0)
+    path = os.path.join(linked, jobs.manifest_of(linked).data_files[0].path)
+    os.rename(path, path + ".real")
+    os.symlink(path + ".real", path)  # a symbolic link is never a holding
+    other = _local_step(tmp_path, root, 2, 2.0)
+    jobs.write_holding(other, "0123abcd", [f.path for f in jobs.manifest_of(other).data_files])  # another save's
+    bad = _local_step(tmp_path, root, 3, 3.0)
+    with open(os.path.join(bad, MANIFEST_KEY), "r+b") as f:
+        f.seek(20)
+        byte = f.read(1)
+        f.seek(20)
+        f.write(bytes([byte[0] ^ 1]))  # fails the manifest's own CRC32C
+    names = _local_step(tmp_path, root, 4, 4.0)
+    manifest = jobs.manifest_of(names)
+    with open(os.path.join(names, HOLDING_KEY), "w") as f:  # bare names within the generation count too
+        json.dump([p.path.rsplit("/", 1)[-1] for p in manifest.data_files], f)
+    copies = {c.step: c for c in list_local(root)}
+    assert sorted(copies) == [1, 2, 4], "a manifest failing its CRC is no copy"
+    assert copies[1].held == () and copies[2].held == () and copies[4].held == (0,)
+
+
+# -- one process: the choice -----------------------------------------------------------------------
+
+
+def _copy(step: int, save: str, held: tuple[int, ...], n: int = 4, catalog: bool = True) -> StepCopy:
+    return StepCopy(step, save, int(save, 16) & 0xFFFF, n, held, catalog)
+
+
+def test_stale_copies_of_a_step_are_never_mixed():
+    x, y = "65000000" + "0" * 16, "65000001" + "1" * 16
+    listings = [[_copy(10, x, (0, 1))], [_copy(10, y, (2, 3))]]
+    assert choose_local(listings) is None, "two saves of step 10 together hold every file name: not one step"
+    older = [[_copy(10, x, (0, 1)), _copy(8, x, (0, 1, 2, 3))], [_copy(10, y, (2, 3))]]
+    chosen = choose_local(older)
+    assert chosen is not None and chosen.step == 8
+    both = [[_copy(10, x, (0, 1, 2, 3))], [_copy(10, y, (0, 1, 2, 3))]]
+    chosen = choose_local(both)
+    assert chosen is not None and chosen.save_id == y, "two complete saves of one step: the newer save"
+    assert chosen.holders == ((1,),) * 4
+
+
+def test_a_step_needs_a_catalog_and_a_host_that_lists():
+    x = "65000000" + "0" * 16
+    assert choose_local([[_copy(3, x, (0, 1, 2, 3), catalog=False)], None]) is None
+    chosen = choose_local([None, [_copy(3, x, (0, 1), catalog=False)], [_copy(3, x, (2, 3))]])
+    assert chosen is not None and chosen.source == 2 and chosen.holders == ((1,), (1,), (2,), (2,))
+
+
+@st.composite
+def _listings(draw):
+    saves = ["65000000" + "0" * 16, "65000001" + "1" * 16]
+    hosts = draw(st.integers(1, 4))
+    out = []
+    for _h in range(hosts):
+        if draw(st.booleans()) and draw(st.booleans()):
+            out.append(None)
+            continue
+        copies = []
+        for step in draw(st.sets(st.integers(0, 3), max_size=4)):
+            save = draw(st.sampled_from(saves))
+            held = tuple(sorted(draw(st.sets(st.integers(0, 3)))))
+            copies.append(_copy(step, save, held))
+        out.append(copies)
+    return out
+
+
+@given(_listings())
+def test_choice_is_the_newest_step_one_save_holds_entirely(listings):
+    chosen = choose_local(listings)
+    complete = set()
+    for listing in listings:
+        for c in listing or ():
+            held = set().union(
+                *(d.held for other in listings for d in other or () if (d.step, d.save_id) == (c.step, c.save_id))
+            )
+            if held == {0, 1, 2, 3}:
+                complete.add((c.step, c.save_id))
+    if not complete:
+        assert chosen is None
+        return
+    assert chosen is not None
+    assert chosen.step == max(s for s, _ in complete)
+    assert (chosen.step, chosen.save_id) in complete
+    for i, holders in enumerate(chosen.holders):
+        for h in holders:
+            assert any(c.step == chosen.step and c.save_id == chosen.save_id and i in c.held for c in listings[h] or ())
+
+
+def test_the_newer_tier_wins_and_a_tie_goes_to_the_local_one():
+    assert local_wins(10, None) and local_wins(10, 10) and local_wins(10, 5)
+    assert not local_wins(10, 11) and not local_wins(None, 3) and not local_wins(None, None)
+
+
+# -- one process: the exchange plan ----------------------------------------------------------------
+
+
+@st.composite
+def _exchanges(draw):
+    hosts = draw(st.lists(st.integers(1, 3), min_size=2, max_size=4))  # ranks per host
+    ids = [f"h{h}" for h, n in enumerate(hosts) for _ in range(n)]
+    n_files = draw(st.integers(1, 4))
+    holders = tuple(tuple(sorted(draw(st.sets(st.integers(0, len(hosts) - 1), min_size=1)))) for _ in range(n_files))
+    frags = {f: [(o * 1000, draw(st.integers(1, 900))) for o in range(3)] for f in range(n_files)}
+    requests = []
+    for r in range(len(ids)):
+        mine = ids[r]
+        rows = [
+            (f, o, n)
+            for f in range(n_files)
+            if int(mine[1:]) not in holders[f]
+            for o, n in frags[f]
+            if draw(st.booleans())
+        ]
+        requests.append(rows)
+    return ids, holders, requests, draw(st.integers(1, 2000)), draw(st.integers(1, 700))
+
+
+@given(_exchanges())
+def test_exchange_delivers_each_fragment_once_per_host_within_the_round_budget(case):
+    import numpy as np
+
+    from bcp.tiers.inventory import LocalChoice
+
+    ids, holders, requests, round_bytes, chunk = case
+    hosts = _Hosts(ids, 0)
+    choice = LocalChoice(1, "ab", 0, holders, 0)
+    ex = _Exchange(types.SimpleNamespace(world_size=len(ids), rank=0), hosts, choice, None, "", "", round_bytes, chunk)  # type: ignore[arg-type]
+    ex.plan([np.array(r, dtype=np.int64).reshape(-1, 3) for r in requests])
+    got: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for pieces in ex.rounds_of:
+        moved: dict[int, int] = {}
+        for p in pieces:
+            assert hosts.of_rank[p.sender] in holders[p.file], "served by a host that does not hold the file"
+            assert hosts.of_rank[p.receiver] not in holders[p.file]
+            got.setdefault((hosts.of_rank[p.receiver], p.file, p.offset // 1000), []).append((p.offset, p.nbytes))
+            for who in (p.sender, p.receiver):
+                moved[who] = moved.get(who, 0) + p.nbytes
+        assert max(moved.values()) <= round_bytes, "a round over its budget"
+    want = {(hosts.of_rank[r], f, o // 1000): (o, n) for r, rows in enumerate(requests) for f, o, n in rows}
+    assert set(got) == set(want)
+    for key, (offset, nbytes) in want.items():
+        pieces = sorted(got[key])
+        assert pieces[0][0] == offset and sum(n for _o, n in pieces) == nbytes, "pieces do not tile the fragment"
+        assert all(a + n == b for (a, n), (b, _m) in itertools.pairwise(pieces))
+
+
+# -- one process: recover and the manager ---------------------------------------------------------
+
+
+def test_single_process_recovery_is_bit_exact_and_removes_its_directory(tmp_path):
+    root = str(tmp_path / "local")
+    _local_step(tmp_path, root, 10, 3.0)
+    template = {"w": torch.zeros(4, 6), "b": torch.zeros(5, dtype=torch.bfloat16), "step": 0}
+    info = recover_latest_with_info(template, local_root=root, persistent_root=None, coord=Coordinator())
+    assert info is not None and info.step == 10
+    assert_same(dict(info.state), _state(3.0))
+    assert info.bytes_received == info.bytes_sent == 0 and info.load.bytes_read > 0
+    assert not [n for n in os.listdir(root) if n.startswith(RECOVERY_PREFIX)]
+    assert sorted(os.listdir(root)) == [step_name(10)], "the local step itself is untouched"
+    nothing = recover_latest(template, local_root=str(tmp_path / "none"), persistent_root=None, coord=Coordinator())
+    assert nothing is None
+
+
+def test_manager_takes_the_newer_tier_and_the_local_one_on_a_tie(tmp_path):
+    persistent = str(tmp_path / "persistent")
+    manager = bcp.CheckpointManager(persistent, async_save=False)
+    manager.save(12, _state(12.0))
+    template = {"w": torch.zeros(4, 6), "b": torch.zeros(5, dtype=torch.bfloat16), "step": 0}
+    assert manager.load_latest(template)[0] == 12, "no tier: the persistent tier as before"
+    tier = bcp.LocalTier(dir=str(tmp_path / "shm"), persist_every=None)
+    manager = bcp.CheckpointManager(persistent, async_save=False, tier=tier)
+    root = local_root(tier.dir, persistent)
+    _local_step(tmp_path, root, 10, 10.0)
+    step, state = manager.load_latest(template)
+    assert step == 12 and state["step"] == 12, "the persistent step is newer"
+    _local_step(tmp_path, root, 12, 99.0)  # same step number, other values: which tier served it shows
+    step, state = manager.load_latest(template)
+    assert step == 12 and state["step"] == 99, "a tie goes to the local tier"
+    assert_same(dict(state), _state(99.0))
+    manifest_path = os.path.join(root, step_name(12), MANIFEST_KEY)
+    os.remove(manifest_path)  # the local step 12 is gone; local 10 is older than persistent 12
+    step, state = manager.load_latest(template)
+    assert step == 12 and state["step"] == 12
+
+
+# -- simulated hosts ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """4 gloo ranks: persistent step 5 under a manager root, step 10 (save X) and a
+    later save of step 10 (Y), and the references of steps 5 and 10."""
+    out = str(tmp_path_factory.mktemp("tiers"))
+    dist_jobs.spawn(jobs.save_job, 4, out)
+    return out
+
+
+def _roots(base, names: list[str], persistent: str) -> list[str]:
+    """The local root each simulated host's tier uses (bcp.tiers.paths.local_root)."""
+    return [local_root(base / n, persistent) for n in names]
+
+
+@pytest.mark.slow
+def test_four_ranks_recover_from_replicas_and_refuse_what_is_not_held(saved, tmp_path):
+    """2 hosts x 2 ranks saved, host B lost, replicas=1: the same world size recovers
+    from A's replicas bit-exactly; a replica missing from holding.json, or two saves
+    of step 10 each half held, fall back to persistent step 5; a corrupt byte in a
+    fragment A serves fails the load."""
+    x, y, persistent = os.path.join(saved, "x"), os.path.join(saved, "y"), os.path.join(saved, "persistent")
+    ref5, ref10 = os.path.join(saved, "ref5.pt"), os.path.join(saved, "ref10.pt")
+    two = [[0, 1], [2, 3]]
+    hosts = ("A", "A", "B", "B")
+    scenarios = []
+
+    lost = _roots(tmp_path, ["lost-a", "lost-b"], persistent)
+    jobs.lay_out(x, lost, two, replicas=1, lost=(1,))
+    scenarios.append(
+        jobs.Scenario("B lost", hosts, dict(zip("AB", lost, strict=True)), persistent, "local", ref10, False)
+    )
+
+    stale = _roots(tmp_path, ["stale-a", "stale-b"], persistent)
+    jobs.lay_out(x, stale, two, replicas=0, lost=(1,))
+    jobs.lay_out(y, stale, two, replicas=0, lost=(0,))
+    scenarios.append(jobs.Scenario("stale", hosts, dict(zip("AB", stale, strict=True)), persistent, "persistent", ref5))
+
+    unlisted = _roots(tmp_path, ["unlisted-a", "unlisted-b"], persistent)
+    jobs.lay_out(x, unlisted, two, replicas=1, lost=(1,))
+    manifest = jobs.manifest_of(x)
+    step_a = os.path.join(unlisted[0], step_name(jobs.LOCAL_STEP))
+    jobs.write_holding(step_a, manifest.save_id, jobs.files_of_ranks(manifest, [0, 1]))  # the replica is not listed
+    assert all(os.path.exists(os.path.join(step_a, f)) for f in jobs.files_of_ranks(manifest, [2, 3]))
+    scenarios.append(
+        jobs.Scenario("unlisted replica", hosts, dict(zip("AB", unlisted, strict=True)), persistent, "persistent", ref5)
+    )
+
+    corrupt = _roots(tmp_path, ["corrupt-a", "corrupt-b"], persistent)
+    jobs.lay_out(x, corrupt, two, replicas=1, lost=(1,))
+    replica = os.path.join(corrupt[0], step_name(jobs.LOCAL_STEP), jobs.files_of_ranks(manifest, [2])[0])
+    with open(replica, "r+b") as f:  # the first fragment of rank 2's file, which rank 2 fetches from A
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0x40]))
+    scenarios.append(jobs.Scenario("corrupt", hosts, dict(zip("AB", corrupt, strict=True)), persistent, "corrupt"))
+
+    dist_jobs.spawn(jobs.scenarios_job, 4, scenarios)
+    assert os.listdir(lost[1]) == [], "the recovery directory of the new host B is removed"
+
+
+@pytest.mark.slow
+def test_three_ranks_recover_from_replicas_and_two_lost_hosts_fall_back(saved, tmp_path):
+    """Host A (2 ranks) and a new host recover 2 x 2 ranks' step from A's replicas;
+    4 hosts x 1 rank with replicas=1 losing hosts 1 and 2 (each other's replica)
+    falls back to the persistent step."""
+    x, persistent = os.path.join(saved, "x"), os.path.join(saved, "persistent")
+    ref5, ref10 = os.path.join(saved, "ref5.pt"), os.path.join(saved, "ref10.pt")
+    smaller = _roots(tmp_path, ["small-a", "small-b", "small-c"], persistent)
+    jobs.lay_out(x, smaller[:2], [[0, 1], [2, 3]], replicas=1, lost=(1,))
+    os.makedirs(smaller[2])
+    resized = jobs.Scenario("A + new host", ("A", "A", "C"), {"A": smaller[0], "C": smaller[2]}, persistent, "local")
+    resized = jobs.Scenario(**{**resized.__dict__, "ref": ref10, "via_manager": False, "round_bytes": 2048})
+
+    four = _roots(tmp_path, ["h0", "h1", "h2", "h3", "h4"], persistent)
+    jobs.lay_out(x, four[:4], [[0], [1], [2], [3]], replicas=1, lost=(1, 2))
+    os.makedirs(four[4])
+    two_lost = jobs.Scenario(
+        "two hosts lost", ("h0", "h3", "h4"), {"h0": four[0], "h3": four[3], "h4": four[4]}, persistent, "persistent"
+    )
+    two_lost = jobs.Scenario(**{**two_lost.__dict__, "ref": ref5})
+    dist_jobs.spawn(jobs.scenarios_job, 3, [resized, two_lost])

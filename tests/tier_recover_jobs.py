@@ -1,0 +1,194 @@
+"""Local steps laid out per docs/tiers.md, and multi-process recovery jobs, for
+tests/test_tiers_recover.py.
+
+The local steps are built without the tier's save code: an ordinary ``bcp.save`` on
+4 gloo ranks into a shared directory, then :func:`lay_out` copies it into per-host
+local roots (manifest, catalog, the host's ranks' data files, replicas of other
+hosts' shares, ``holding.json``). Simulated hosts are processes with their own
+``BCP_HOST_ID`` and local root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+
+import bcp
+from bcp.metadata import Manifest
+from bcp.metadata.layout import MANIFEST_KEY, step_name
+from bcp.tiers.inventory import HOLDING_KEY
+from dist_jobs import assert_equal_to_reference, full_reference, restore, sharded_model, sharded_state, train
+
+_RANK = re.compile(r"rank(\d+)-\d+\.bin$")
+LOCAL_STEP = 10
+PERSISTENT_STEP = 5
+
+
+def manifest_of(ckpt: str) -> Manifest:
+    with open(os.path.join(ckpt, MANIFEST_KEY), "rb") as f:
+        return Manifest.from_json(f.read(), where=ckpt)
+
+
+def files_of_ranks(manifest: Manifest, ranks: list[int]) -> list[str]:
+    """The manifest's data file paths written by ``ranks``."""
+    out = []
+    for f in manifest.data_files:
+        m = _RANK.search(f.path)
+        assert m, f.path
+        if int(m.group(1)) in ranks:
+            out.append(f.path)
+    return out
+
+
+def lay_out(
+    ckpt: str,
+    roots: list[str],
+    host_ranks: list[list[int]],
+    *,
+    replicas: int = 1,
+    lost: tuple[int, ...] = (),
+    step: int = LOCAL_STEP,
+) -> None:
+    """Copy the checkpoint ``ckpt`` into the local root of each host as the local tier
+    would leave it: host ``h`` holds its ranks' data files and, for ``replicas`` = k,
+    the shares of hosts h-1 .. h-k (a share goes to the next hosts). Lost hosts get
+    an empty root. Existing contents of a root are kept (other steps)."""
+    manifest = manifest_of(ckpt)
+    n = len(roots)
+    for h, root in enumerate(roots):
+        os.makedirs(root, exist_ok=True)
+        if h in lost:
+            continue
+        dst = os.path.join(root, step_name(step))
+        os.makedirs(os.path.join(dst, manifest.generation, "data"), exist_ok=True)
+        owners = [h] + [(h - k) % n for k in range(1, replicas + 1) if (h - k) % n != h]
+        files = [f for o in dict.fromkeys(owners) for f in files_of_ranks(manifest, host_ranks[o])]
+        for f in files:
+            shutil.copyfile(os.path.join(ckpt, f), os.path.join(dst, f))
+        shutil.copyfile(os.path.join(ckpt, manifest.catalog.path), os.path.join(dst, manifest.catalog.path))
+        write_holding(dst, manifest.save_id, files)
+        shutil.copyfile(os.path.join(ckpt, MANIFEST_KEY), os.path.join(dst, MANIFEST_KEY))
+
+
+def write_holding(step_dir: str, save_id: str, files: list[str]) -> None:
+    with open(os.path.join(step_dir, HOLDING_KEY), "w") as f:
+        json.dump({"save_id": save_id, "files": sorted(files)}, f)
+
+
+# -- the saved states -------------------------------------------------------------------------
+
+
+def template(world: int):
+    """An FSDP2 model and AdamW at ``world`` ranks, and the state bcp saves and loads:
+    DTensor shards (model and optimizer), a plain replicated tensor, objects."""
+    model, opt = sharded_model(world, "fsdp")
+    state = sharded_state(model, opt)
+    state["extra"] = {"plain": torch.zeros(300, dtype=torch.float64), "note": "", "step": -1}
+    return model, opt, state
+
+
+def _extra(step: int) -> dict:
+    return {"plain": torch.arange(300, dtype=torch.float64) * step + 0.5, "note": f"step {step}", "step": step}
+
+
+def save_job(rank: int, world: int, out: str) -> None:
+    """Save step 5 to a persistent manager root, step 10 (save X) and a later save of
+    step 10 with other values (save Y) into plain directories; write the references."""
+    model, opt, _state = template(world)
+    train(model, opt, range(2), rank)
+    manager = bcp.CheckpointManager(os.path.join(out, "persistent"), async_save=False)
+    manager.save(PERSISTENT_STEP, {**sharded_state(model, opt), "extra": _extra(PERSISTENT_STEP)})
+    ref = full_reference(model, opt)  # collective: every rank takes part
+    if rank == 0:
+        torch.save({**ref, "extra": _extra(PERSISTENT_STEP)}, os.path.join(out, "ref5.pt"))
+    train(model, opt, range(2, 3), rank)
+    bcp.save({**sharded_state(model, opt), "extra": _extra(LOCAL_STEP)}, os.path.join(out, "x"))
+    ref = full_reference(model, opt)
+    if rank == 0:
+        torch.save({**ref, "extra": _extra(LOCAL_STEP)}, os.path.join(out, "ref10.pt"))
+    train(model, opt, range(3, 4), rank)
+    bcp.save({**sharded_state(model, opt), "extra": _extra(LOCAL_STEP + 1)}, os.path.join(out, "y"))
+
+
+# -- recovery scenarios ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    #: BCP_HOST_ID of each rank of the recovering job
+    host_of_rank: tuple[str, ...]
+    #: local root of each host id
+    roots: dict[str, str]
+    persistent_root: str
+    #: "local", "persistent", or "corrupt" (the load must raise)
+    expect: str
+    ref: str = ""
+    #: through CheckpointManager.load_latest (else recover_latest_with_info)
+    via_manager: bool = True
+    #: recover_latest_with_info's bound on a round (small: many rounds of small pieces)
+    round_bytes: int | None = None
+
+
+def scenarios_job(rank: int, world: int, scenarios: list[Scenario]) -> None:
+    for sc in scenarios:
+        os.environ["BCP_HOST_ID"] = sc.host_of_rank[rank]
+        root = sc.roots[sc.host_of_rank[rank]]
+        try:
+            _run(rank, world, sc, root)
+        except BaseException as e:
+            e.add_note(f"scenario {sc.name!r}, rank {rank} of {world}")
+            raise
+        dist.barrier()  # the host's first rank removes the directory once its load is done
+        leftovers = [n for n in os.listdir(root) if n.startswith("recover-")] if os.path.isdir(root) else []
+        assert not leftovers, f"{sc.name}: recovery directories left in {root}: {leftovers}"
+
+
+def _run(rank: int, world: int, sc: Scenario, root: str) -> None:
+    from bcp.collectives import coordinator_for
+    from bcp.tiers.recover import recover_latest_with_info
+
+    model, opt, state = template(world)
+    # root is <dir>/bcp/<job> (bcp.tiers.paths.local_root): the tier finds it from its dir
+    tier = bcp.LocalTier(dir=os.path.dirname(os.path.dirname(root)), persist_every=None)
+    manager = bcp.CheckpointManager(sc.persistent_root, async_save=False, tier=tier)
+    if sc.expect == "corrupt":
+        try:
+            manager.load_latest(state)
+        except (bcp.CorruptCheckpointError, bcp.RankFailedError) as e:
+            text = str(e) + "".join(getattr(e, "__notes__", []))
+            assert "checksum mismatch" in text, text
+        else:
+            raise AssertionError("a corrupt fragment served by a peer was loaded silently")
+        return
+    if sc.via_manager:
+        step, loaded = manager.load_latest(state)
+    else:
+        bounds = {} if sc.round_bytes is None else {"round_bytes": sc.round_bytes, "chunk_bytes": sc.round_bytes // 2}
+        info = recover_latest_with_info(
+            state, local_root=root, persistent_root=sc.persistent_root, coord=coordinator_for(None), **bounds
+        )
+        assert info is not None, f"{sc.name}: the local tier was not chosen"
+        step, loaded = info.step, info.state
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (info.bytes_received, info.bytes_sent, info.rounds))
+        received = sum(r for r, _s, _n in everyone)
+        sent = sum(s for _r, s, _n in everyone)
+        assert received == sent > 0, f"{sc.name}: bytes received {received} != sent {sent} (or none moved)"
+        if sc.round_bytes is not None:
+            rounds = max(n for _r, _s, n in everyone)
+            assert rounds >= received // sc.round_bytes > 1, f"{sc.name}: {received} bytes in {rounds} rounds"
+    want = LOCAL_STEP if sc.expect == "local" else PERSISTENT_STEP
+    assert step == want, f"{sc.name}: loaded step {step}, expected {want} ({sc.expect})"
+    restore(model, opt, loaded)
+    ref = torch.load(sc.ref, weights_only=True)
+    extra = ref.pop("extra")
+    assert_equal_to_reference(full_reference(model, opt), ref, f"{sc.name}: rank {rank}")
+    assert torch.equal(loaded["extra"]["plain"], extra["plain"]), f"{sc.name}: plain tensor differs"
+    assert loaded["extra"]["note"] == extra["note"] and loaded["extra"]["step"] == extra["step"]
