@@ -455,9 +455,8 @@ def _bench(args) -> int:
     size = 16 * n * 4
     saves, loads = [], []
     backend = backend_for(args.uri)
-    inner = backend.unwrap()
-    root = getattr(inner, "root", None)
-    made = _missing_top(root) if inner.scheme == "file" and isinstance(root, str) else None
+    root = _local_root(backend)
+    made = _missing_top(root) if root is not None else None
     scratch = f"bcp-bench-{os.getpid()}-{time.time_ns()}"
     try:
         for rep in range(args.repeats):
@@ -700,9 +699,8 @@ def _require_location(backend, uri: str, *, list_objects: bool = True) -> None:
     """Refuse, as not found, a location that does not exist: a local path that is not
     there or is not a directory; on other stores (``list_objects``), a prefix with no
     objects at all (an object store has no empty directories to tell apart)."""
-    inner = backend.unwrap()
-    root = getattr(inner, "root", None)
-    if inner.scheme == "file" and isinstance(root, str):
+    root = _local_root(backend)
+    if root is not None:
         if not os.path.exists(root):
             raise _NotFound(f"{_show(uri)}: no such file or directory")
         if not os.path.isdir(root):
@@ -710,6 +708,15 @@ def _require_location(backend, uri: str, *, list_objects: bool = True) -> None:
         return
     if list_objects and next(iter(backend.list("")), None) is None and next(iter(backend.unfinished("")), None) is None:
         raise _NotFound(f"nothing at {_show(uri)}")
+
+
+def _local_root(backend) -> str | None:
+    """The directory of a backend that stores files in a local directory (the file
+    backend, or a plugin built on it), else None."""
+    from bcp.backends.file import FileBackend
+
+    inner = backend.unwrap()
+    return inner.root if isinstance(inner, FileBackend) else None
 
 
 def _option(name: str, parse, value):
