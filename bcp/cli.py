@@ -1,6 +1,13 @@
 """The ``bcp`` command line: ls, inspect, verify, convert, rm, gc, bench, conformance.
 
-Exit status: 0 success; 1 a check failed (verify, conformance) or an error; 2 usage.
+Exit status, the same for every command:
+
+* 0: done (``verify``: every check passed).
+* 1: the location or checkpoint is missing, or bad (a check failed, a tensor is
+  unreadable), or the work failed: one line on stderr (``--debug``: the traceback).
+* 2: the command line is wrong: an unknown option, a missing argument (argparse's own
+  message), an option value out of range or options that do not go together.
+* 130: interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -102,6 +109,7 @@ def _ls(args) -> int:
     from bcp.housekeeping import FIND_MAX_DEPTH, find_checkpoints
 
     backend = backend_for(args.root)
+    _require_location(backend, args.root)
     result = find_checkpoints(backend, sizes=True)
     rows = [_ls_row(backend, found) for found in result.checkpoints]
     _mark_latest(rows)
@@ -164,9 +172,24 @@ def _ls_row(backend, found) -> dict[str, Any]:
     return row
 
 
+def _raw(value: object, limit: int = 200) -> str:
+    """A manifest value as JSON, one line, cut at ``limit`` characters, escaped and
+    redacted for the terminal."""
+    text = json.dumps(value, default=str)
+    return _safe(redact(text if len(text) <= limit else text[: limit - 3] + "..."))
+
+
+def _stats_as_expected(stats: dict[str, Any]) -> bool:
+    """Whether every member of ``stats`` is what bcp writes there: a count, a
+    non-negative int64 (``tensors``, ``fragments``, ``tensor_bytes``, ...)."""
+    return all(type(v) is int and 0 <= v < 2**63 for v in stats.values())
+
+
 def _inspect(args) -> int:
     import bcp
+    from bcp.backends import backend_for
 
+    _require_location(backend_for(args.uri), args.uri, list_objects=False)
     reader = bcp.open(args.uri, allow_pickle=False)
     m = reader.manifest
     tensors: list[dict[str, Any]] = []  # JSON rows
@@ -215,17 +238,19 @@ def _inspect(args) -> int:
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
         return status
+    # created, the versions, stats and user_metadata are informative (FORMAT.md): the
+    # manifest's reader checks only their JSON types, so any value is shown, never used
     print(f"checkpoint {_show(reader.uri)}")
     print(
         f"  saved {_safe(m.created)} by {m.world_size} rank(s); bcp {_safe(m.bcp_version)} (format v{m.version}), "
         f"torch {_safe(m.torch_version)}"
     )
-    print(
-        f"  {len(tensors)} tensors, {_human(m.stats.get('tensor_bytes', 0))}; {len(m.data_files)} data file(s); "
-        f"{len(objects)} objects"
-    )
+    stored = sum(t.get("bytes", 0) for t in tensors)  # the catalog's sizes, not the manifest's stats
+    print(f"  {len(tensors)} tensors, {_human(stored)}; {len(m.data_files)} data file(s); {len(objects)} objects")
+    if not _stats_as_expected(m.stats):
+        print(f"  stats: {_raw(m.stats)}")
     if m.user_metadata:
-        print(f"  metadata: {json.dumps(m.user_metadata, default=str)[:200]}")
+        print(f"  metadata: {_raw(m.user_metadata)}")
     names = {t["fqn"]: _safe(t["fqn"]) for t in tensors}
     width = max([len(n) for n in names.values()] + [3])
     print(f"\n  {'tensor':<{width}}  {'shape':<20} {'dtype':<14} {'frags':>5} {'bytes':>10}")
@@ -247,8 +272,10 @@ def _inspect(args) -> int:
 
 
 def _verify(args) -> int:
+    from bcp.backends import backend_for
     from bcp.verify import verify_checkpoint
 
+    _require_location(backend_for(args.uri), args.uri, list_objects=False)
     report = verify_checkpoint(args.uri, progress=_progress)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -256,8 +283,9 @@ def _verify(args) -> int:
         for problem in report["problems"]:
             print(f"PROBLEM {_safe(redact(problem))}")
         print(
-            f"{'OK' if report['ok'] else 'FAILED'}: {report['tensors']} tensors, {_human(report['bytes_read'])} "
-            f"read and checked in {report['seconds']:.1f} s; {len(report['problems'])} problem(s)"
+            f"{'OK' if report['ok'] else 'FAILED'}: {report['tensors']} tensors; "
+            f"{report['fragments_ok']} of {report['fragments']} stored fragment(s) ({_human(report['bytes_read'])}) "
+            f"read and matched their checksums in {report['seconds']:.1f} s; {len(report['problems'])} problem(s)"
         )
     return 0 if report["ok"] else 1
 
@@ -265,16 +293,23 @@ def _verify(args) -> int:
 def _convert(args) -> int:
     from bcp import convert
 
-    src_format = args.source_format if args.source_format != "auto" else convert.detect_format(args.src)
     prefix = args.prefix if args.prefix is not None else ("model." if args.model_only else None)
     strip = args.strip_prefix or (args.model_only and args.prefix is None)
     if args.to != "safetensors" and (args.dtype or args.rename or args.config):
-        raise SystemExit("--dtype, --rename and --config go with --to safetensors")
+        raise _UsageError("--dtype, --rename and --config go with --to safetensors")
     if args.to == "dcp" and strip:
-        raise SystemExit("--to dcp keeps the state's nesting: select keys with --prefix, without --strip-prefix")
+        raise _UsageError("--to dcp keeps the state's nesting: select keys with --prefix, without --strip-prefix")
     if args.per_rank is not None and args.to not in ("torch", "dcp"):
-        raise SystemExit("--per-rank goes with --to torch and --to dcp (the exports that hold objects)")
+        raise _UsageError("--per-rank goes with --to torch and --to dcp (the exports that hold objects)")
     per_rank: PerRankChoice = "all" if args.per_rank is None else args.per_rank
+    dtype = _option("--dtype", convert.parse_dtype, args.dtype) if args.dtype else None
+    rename = [_option("--rename", convert.parse_rename, rule) for rule in args.rename]
+    max_shard = _option("--max-shard-size", lambda v: as_size("--max-shard-size", v), args.max_shard_size)
+    batch = _option("--batch-size", lambda v: as_size("--batch-size", v), args.batch_size)
+    local = "://" not in args.src or args.src.startswith("file://")
+    if local and not os.path.lexists(args.src.removeprefix("file://")):
+        raise _NotFound(f"{_show(args.src)}: no such file or directory")
+    src_format = args.source_format if args.source_format != "auto" else convert.detect_format(args.src)
     if args.to == "bcp":
         if src_format == "safetensors":
             info = convert.from_safetensors(args.src, args.dst, overwrite=args.overwrite)
@@ -292,11 +327,11 @@ def _convert(args) -> int:
                 shown = ", ".join(_safe(k) for k in skipped[:10]) + (", ..." if len(skipped) > 10 else "")
                 print(f"skipped {len(skipped)} non-tensor entries that need --allow-pickle: {shown}")
         else:
-            raise SystemExit("the source is already a bcp checkpoint")
+            raise _UsageError("the source is already a bcp checkpoint")
         print(f"wrote {_show(info.uri)}: {info.tensors} tensors, {_human(info.tensor_bytes)}")
         return 0
     if src_format != "bcp":
-        raise SystemExit(f"--to {args.to} converts from bcp; convert {src_format} to bcp first")
+        raise _UsageError(f"--to {args.to} converts from bcp; convert {src_format} to bcp first")
     import bcp
 
     reader = bcp.open(args.src)
@@ -308,10 +343,10 @@ def _convert(args) -> int:
                 args.dst,
                 prefix=prefix,
                 strip_prefix=strip,
-                rename=args.rename,
-                dtype=convert.parse_dtype(args.dtype) if args.dtype else None,
+                rename=rename,
+                dtype=dtype,
                 config=args.config,
-                max_shard_bytes=as_size("--max-shard-size", args.max_shard_size),
+                max_shard_bytes=max_shard,
                 progress=bar.update,
                 overwrite=args.overwrite,
             )
@@ -325,7 +360,7 @@ def _convert(args) -> int:
                 args.dst,
                 prefix=prefix,
                 overwrite=args.overwrite,
-                batch_bytes=as_size("--batch-size", args.batch_size),
+                batch_bytes=batch,
                 progress=bar.update,
                 per_rank=per_rank,
             )
@@ -378,10 +413,10 @@ def _rm(args) -> int:
     root = getattr(backend.unwrap(), "root", None)
     if backend.unwrap().scheme == "file" and isinstance(root, str) and os.path.islink(root):
         raise _CliError(f"{where} is a symbolic link; bcp rm does not delete through links (remove the link itself)")
+    _require_location(backend, args.uri)
     keys = sorted(backend.list(""))
     if not keys:
-        print(f"nothing at {where}")
-        return 0
+        raise _NotFound(f"nothing at {where}")
     generations = sorted({g for g in map(generation_of, keys) if g is not None})
     ours = [k for k in keys if k == MANIFEST_KEY or generation_of(k) is not None]
     others = [k for k in keys if k not in set(ours)]
@@ -410,13 +445,16 @@ def _rm(args) -> int:
 
 def _gc(args) -> int:
     from bcp.backends import backend_for
-    from bcp.housekeeping import check_policy, plan_gc, run_gc
+    from bcp.housekeeping import plan_gc, run_gc
 
     policy = {"keep_last": args.keep_last, "keep_every": args.keep_every}
-    check_policy(args.keep_last, args.keep_every, None)
+    for name, value in (("--keep-last", args.keep_last), ("--keep-every", args.keep_every)):
+        if value is not None and value < 1:
+            raise _UsageError(f"{name} must be >= 1, got {value}")
     if args.min_age < 0:
-        raise ValueError(f"--min-age must be >= 0, got {args.min_age}")
+        raise _UsageError(f"--min-age must be >= 0, got {args.min_age:g}")
     backend = backend_for(args.root)
+    _require_location(backend, args.root)
     plan = plan_gc(backend, grace_seconds=args.min_age, **policy)
     verb = "would delete" if args.dry_run else "deleting"
     print(
@@ -440,26 +478,42 @@ def _bench(args) -> int:
     import torch
 
     import bcp
+    from bcp.backends import backend_for
     from bcp.target import join_uri
 
+    if not args.gib > 0:
+        raise _UsageError(f"--gib must be > 0, got {args.gib:g}")
+    if args.repeats < 1:
+        raise _UsageError(f"--repeats must be >= 1, got {args.repeats}")
     n = max(1, int(args.gib * 2**30 / 4 / 16))
     state = {f"t{i}": torch.rand(n) for i in range(16)}
     size = 16 * n * 4
     saves, loads = [], []
-    for rep in range(args.repeats):
-        uri = join_uri(args.uri, f"bcp-bench-{rep}-{int(time.time())}")
-        start = time.perf_counter()
-        bcp.save(state, uri)
-        saves.append(time.perf_counter() - start)
-        template = {k: torch.empty_like(v) for k, v in state.items()}
-        start = time.perf_counter()
-        bcp.load(template, uri)
-        loads.append(time.perf_counter() - start)
-        bcp.backends.backend_for(uri).delete_prefix("")
-        print(
-            f"  run {rep + 1}: save {size / saves[-1] / 1e9:.2f} GB/s, load {size / loads[-1] / 1e9:.2f} GB/s",
-            flush=True,
-        )
+    backend = backend_for(args.uri)
+    root = _local_root(backend)
+    made = _missing_top(root) if root is not None else None
+    scratch = f"bcp-bench-{os.getpid()}-{time.time_ns()}"
+    try:
+        for rep in range(args.repeats):
+            name = f"{scratch}-{rep}"
+            uri = join_uri(args.uri, name)
+            try:
+                start = time.perf_counter()
+                bcp.save(state, uri)
+                saves.append(time.perf_counter() - start)
+                template = {k: torch.empty_like(v) for k, v in state.items()}
+                start = time.perf_counter()
+                bcp.load(template, uri)
+                loads.append(time.perf_counter() - start)
+            finally:
+                _delete_scratch(backend, f"{name}/")
+            print(
+                f"  run {rep + 1}: save {size / saves[-1] / 1e9:.2f} GB/s, load {size / loads[-1] / 1e9:.2f} GB/s",
+                flush=True,
+            )
+    finally:
+        if made is not None and isinstance(root, str):
+            _remove_empty_dirs(root, made)
     print(
         f"{_human(size)} through {_show(args.uri.partition('?')[0])}, median of {args.repeats}: "
         f"save {size / statistics.median(saves) / 1e9:.2f} GB/s, load {size / statistics.median(loads) / 1e9:.2f} GB/s"
@@ -467,8 +521,56 @@ def _bench(args) -> int:
     return 0
 
 
+def _delete_scratch(backend, prefix: str) -> None:
+    """Delete one scratch checkpoint of ``bcp bench``, with the partial writes of a save
+    that was interrupted (the file backend prunes the directories it empties). A
+    failure is one line on stderr: it must not hide the error that stopped the run."""
+    try:
+        for pending in backend.unfinished(prefix):
+            backend.delete_unfinished(pending.name)
+        backend.delete_prefix(prefix)
+    except Exception as e:  # noqa: BLE001 - reported, and the run's own outcome stands
+        print(f"bcp bench: could not delete the scratch checkpoint {_safe(prefix)}: {_one_line(e)}", file=sys.stderr)
+
+
+def _missing_top(path: str) -> str | None:
+    """The outermost directory of ``path`` that does not exist yet (``path`` itself,
+    or one of its parents), or None if ``path`` exists."""
+    top = None
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        top, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return top
+
+
+def _remove_empty_dirs(path: str, top: str) -> None:
+    """Remove ``path`` and its parents up to ``top`` (the directories a command
+    created), each only if empty: what someone else put there stays."""
+    path = os.path.abspath(path)
+    while True:
+        try:
+            os.rmdir(path)
+        except OSError:
+            log.info("left %s: not empty", path)
+            return
+        if path == top or os.path.dirname(path) == path:
+            return
+        path = os.path.dirname(path)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bcp", description="bcp checkpoints: storage checks and tools")
+    from bcp import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="bcp",
+        description="bcp checkpoints: storage checks and tools",
+        epilog="exit status: 0 done; 1 the location or checkpoint is missing or bad, a check failed, "
+        "or the work failed; 2 a wrong command line; 130 interrupted",
+    )
+    parser.add_argument("--version", action="version", version=f"bcp {__version__}")
     parser.add_argument(
         "--log-level",
         type=_log_level,
@@ -623,7 +725,49 @@ def _imports(args: argparse.Namespace) -> list[str]:
 
 
 class _CliError(Exception):
-    """A refusal the CLI explains in its one line (no type name, no traceback hint)."""
+    """A refusal the CLI explains in its one line (no type name, no traceback hint): exit 1."""
+
+
+class _NotFound(_CliError):
+    """The location or checkpoint named on the command line is not there: exit 1."""
+
+
+class _UsageError(_CliError):
+    """An option value out of range, or options that do not go together: exit 2, as
+    argparse's own usage errors."""
+
+
+def _require_location(backend, uri: str, *, list_objects: bool = True) -> None:
+    """Refuse, as not found, a location that does not exist: a local path that is not
+    there or is not a directory; on other stores (``list_objects``), a prefix with no
+    objects at all (an object store has no empty directories to tell apart)."""
+    root = _local_root(backend)
+    if root is not None:
+        if not os.path.exists(root):
+            raise _NotFound(f"{_show(uri)}: no such file or directory")
+        if not os.path.isdir(root):
+            raise _NotFound(f"{_show(uri)}: not a directory")
+        return
+    if list_objects and next(iter(backend.list("")), None) is None and next(iter(backend.unfinished("")), None) is None:
+        raise _NotFound(f"nothing at {_show(uri)}")
+
+
+def _local_root(backend) -> str | None:
+    """The directory of a backend that stores files in a local directory (the file
+    backend, or a plugin built on it), else None."""
+    from bcp.backends.file import FileBackend
+
+    inner = backend.unwrap()
+    return inner.root if isinstance(inner, FileBackend) else None
+
+
+def _option(name: str, parse, value):
+    """``parse(value)``, its ValueError a usage error naming the option."""
+    try:
+        return parse(value)
+    except ValueError as e:
+        text = _one_line(e)
+        raise _UsageError(text if name in text else f"{name}: {text}") from None
 
 
 def _import_plugins(args: argparse.Namespace) -> None:
@@ -698,14 +842,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(args: argparse.Namespace, e: BaseException) -> int:
-    """Print ``e`` as one line (its traceback with --debug); the exit status."""
+    """Print ``e`` as one line (its traceback with --debug); the exit status: 2 for a
+    usage error, else 1."""
+    from bcp.errors import CheckpointNotFoundError
+
     if args.debug:
         text = "".join(traceback.format_exception(e))
         print("\n".join(_safe(redact(line)) for line in text.splitlines()), file=sys.stderr)
     else:
-        hint = "" if isinstance(e, _CliError) else " (--debug shows the traceback)"
+        hint = "" if isinstance(e, _CliError | CheckpointNotFoundError) else " (--debug shows the traceback)"
         print(f"bcp {args.command}: {_one_line(e)}{hint}", file=sys.stderr)
-    return 1
+    return 2 if isinstance(e, _UsageError) else 1
 
 
 if __name__ == "__main__":

@@ -86,6 +86,29 @@ Progress = Callable[[int], None]  # called with bytes done
 T = TypeVar("T")
 
 
+def _umask() -> int:
+    """The process's umask, read from /proc where Linux shows it (nothing changes); else
+    set and restored at once (other threads could create a file in between)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _publish(tmp: str, final: str) -> None:
+    """Move a finished temporary file into place with the mode a plain ``open()`` gives
+    (0666 & ~umask): a writer that creates its file private (safetensors' ``save_file``
+    makes it 0600) would leave an export that another user's serving process cannot read."""
+    os.chmod(tmp, 0o666 & ~_umask())
+    os.replace(tmp, final)
+
+
 def select(keys: Iterable[str], prefix: str | None, strip: bool) -> list[tuple[str, str]]:
     """(stored key, output name) for the keys under ``prefix`` (all when None)."""
     out = []
@@ -222,7 +245,7 @@ def to_safetensors(
             weight_map[name] = file
         tmp = os.path.join(dst_dir, f".{file}.partial")
         save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(dst_dir, file))
+        _publish(tmp, os.path.join(dst_dir, file))
         if progress:
             progress(sum(reader.meta(key_of[name]).nbytes for name in shard))  # stored bytes, as the total counts
         del tensors
@@ -231,7 +254,7 @@ def to_safetensors(
         tmp = os.path.join(dst_dir, f".{INDEX_NAME}.partial")
         with open(tmp, "w") as f:
             json.dump(index, f, indent=2)
-        os.replace(tmp, os.path.join(dst_dir, INDEX_NAME))
+        _publish(tmp, os.path.join(dst_dir, INDEX_NAME))
     for name in stale:
         if name != INDEX_NAME:
             log.info("removing %s from %s: the new export does not write it", name, dst_dir)
@@ -240,7 +263,7 @@ def to_safetensors(
         tmp = os.path.join(dst_dir, f".{CONFIG_NAME}.partial")
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(config_text)
-        os.replace(tmp, os.path.join(dst_dir, CONFIG_NAME))
+        _publish(tmp, os.path.join(dst_dir, CONFIG_NAME))
     return index
 
 
@@ -395,7 +418,7 @@ def to_torch(
             out = build_nested((reader.key_path(k), values[k]) for k in reader.keys())
         tmp = dst_file + ".partial"
         torch.save(out, tmp)
-        os.replace(tmp, dst_file)
+        _publish(tmp, dst_file)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -144,7 +144,7 @@ def test_gc_leaves_a_save_in_progress_alone_unless_told_its_age(tmp_path):
     proc = cli("gc", str(root), "--min-age", "0")
     assert proc.returncode == 0 and "1 incomplete step(s) [2]" in proc.stdout
     assert not (root / step_name(2)).exists() and (root / step_name(1)).exists()
-    assert cli("gc", str(root), "--min-age", "-1").returncode == 1
+    assert cli("gc", str(root), "--min-age", "-1").returncode == 2, "a negative --min-age is a usage error"
 
 
 def test_bench_prints_rates(tmp_path):
