@@ -560,7 +560,7 @@ def to_dcp(
                 dcp.save(state, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException as e:
             raise conversion_error(e, f"PyTorch DCP could not write {dst_dir}") from e
-        _publish(staging, dst_dir, stale, last=METADATA_FILE)
+        _publish_dir(staging, dst_dir, stale, last=METADATA_FILE)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         if created and not os.listdir(dst_dir):
@@ -586,7 +586,7 @@ def _single_process_dcp() -> Iterator[None]:
         yield
 
 
-def _publish(staging: str, dst_dir: str, stale: list[str], *, last: str) -> None:
+def _publish_dir(staging: str, dst_dir: str, stale: list[str], *, last: str) -> None:
     """Move every file of ``staging`` into ``dst_dir`` and remove the ``stale`` ones:
     the old ``last`` (the index) first, so that no index names a mix of old and new
     files, the new one at the end, so that it names only files in place."""
@@ -595,12 +595,12 @@ def _publish(staging: str, dst_dir: str, stale: list[str], *, last: str) -> None
         os.remove(os.path.join(dst_dir, last))
     for name in written:
         if name != last:
-            os.replace(os.path.join(staging, name), os.path.join(dst_dir, name))
+            _publish(os.path.join(staging, name), os.path.join(dst_dir, name))
     for name in stale:
         if name != last and name not in written:
             os.remove(os.path.join(dst_dir, name))
     if last in written:
-        os.replace(os.path.join(staging, last), os.path.join(dst_dir, last))
+        _publish(os.path.join(staging, last), os.path.join(dst_dir, last))
 
 
 def _dcp_value(
