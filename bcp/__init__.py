@@ -11,6 +11,7 @@ Usage:
 from . import backends, dataloader, metadata
 from ._version import __version__
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
+from .collectives import LOCAL
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -20,6 +21,7 @@ from .errors import (
     IncompleteCheckpointError,
     PickleNotAllowedError,
     RankFailedError,
+    RanksMissingError,
     ShardingError,
     StateMismatchError,
     StorageError,
@@ -35,6 +37,7 @@ from .shards import FlatShard, PerRank, TensorShard
 from .training import TrainingState, reshard_per_rank
 
 __all__ = [
+    "LOCAL",
     "AsyncSaveHandle",
     "CheckpointError",
     "CheckpointExistsError",
@@ -50,6 +53,7 @@ __all__ = [
     "PerRank",
     "PickleNotAllowedError",
     "RankFailedError",
+    "RanksMissingError",
     "SaveInfo",
     "SaveOptions",
     "ShardingError",

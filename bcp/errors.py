@@ -77,6 +77,17 @@ class RankFailedError(CheckpointError):
         self.errors = dict(errors or {})
 
 
+class RanksMissingError(CheckpointError, TimeoutError):
+    """A collective save or load was not called by every rank of its process group
+    within ``BCP_RENDEZVOUS_TIMEOUT``. ``missing`` holds the global ranks that did not
+    arrive (empty when this rank cannot tell), ``operation`` the call."""
+
+    def __init__(self, message: str, *, missing: list[int] | None = None, operation: str = "") -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])
+        self.operation = operation
+
+
 #: keys a message names per kind of difference before it says "and N more"
 LISTED_KEYS = 8
 
@@ -219,6 +230,7 @@ __all__ = [
     "ObjectNotFoundError",
     "PickleNotAllowedError",
     "RankFailedError",
+    "RanksMissingError",
     "ShardingError",
     "StateMismatchError",
     "StorageError",

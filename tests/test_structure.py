@@ -30,6 +30,7 @@ EXAMPLES = [
     bcp.errors.PickleNotAllowedError("pickled", fqn="sched"),
     bcp.errors.ShardingError("shards overlap"),
     bcp.errors.RankFailedError("rank 1 failed", errors={1: bcp.errors.ShardingError("overlap")}),
+    bcp.errors.RanksMissingError("bcp.save: rank 1 did not call it", missing=[1], operation="bcp.save"),
     bcp.errors.StateMismatchError(
         "file:///x",
         missing=["a"],
