@@ -428,7 +428,8 @@ def _missing_error(
     me = dist.get_rank()
     text = str(cause)
     found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
-    if found is None:  # the group's creation timed out: the store keys it waited for end in the group rank
+    partial = found is None
+    if found is None:  # the group's creation timed out: the store keys it waited for (the first missing rank)
         keys = re.search(r"keys: (.*)", text)
         found_ranks = [int(k) for k in re.findall(r"/(\d+)(?:,|$)", keys.group(1))] if keys else []
     else:
@@ -436,7 +437,10 @@ def _missing_error(
     missing = sorted({members[r] for r in found_ranks if 0 <= r < len(members)} - {me})
     seconds = f"{timeout.total_seconds():g}"
     if missing:
-        who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not call it within {seconds} s"
+        who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+        if partial and len(members) > len(missing) + 1:
+            who += " (and perhaps others)"
+        who += f" did not call it within {seconds} s"
     elif "from rank 0" in text or "closed by peer" in text or "pair closure" in text:
         who = (
             f"rank {members[0]} (the group's coordinator) did not confirm within {seconds} s that every rank "

@@ -79,8 +79,9 @@ class RankFailedError(CheckpointError):
 
 class RanksMissingError(CheckpointError, TimeoutError):
     """A collective save or load was not called by every rank of its process group
-    within ``BCP_RENDEZVOUS_TIMEOUT``. ``missing`` holds the global ranks that did not
-    arrive (empty when this rank cannot tell), ``operation`` the call."""
+    within ``BCP_RENDEZVOUS_TIMEOUT``. ``missing`` holds the global ranks known not to
+    have arrived (the first of them only, at a job's first operation, when the group
+    was being created; empty when this rank cannot tell), ``operation`` the call."""
 
     def __init__(self, message: str, *, missing: list[int] | None = None, operation: str = "") -> None:
         super().__init__(message)
