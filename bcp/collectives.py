@@ -23,17 +23,23 @@ process group it serves gets its own gloo groups, one per lane:
   (``SaveJob.complete`` in the ``bcp-async-save`` thread). Commits of one process
   group run one at a time, in the order their ``async_save`` calls were made
   (``bcp.async_save`` makes each background thread wait for the previous one of its
-  group before its first collective): the same order on every rank.
+  group before its first collective): the same order on every rank. This group is
+  bcp's own ``ProcessGroupGloo`` on the job's store when it can be built
+  (:class:`OwnGroupCoordinator`), so that ``destroy_process_group()`` before
+  ``wait()`` does not take it down.
 * **rendezvous**: one monitored barrier at the start of each caller-lane operation,
   with a short timeout (``BCP_RENDEZVOUS_TIMEOUT``), so that an operation called by
   fewer ranks than its group fails in seconds naming the missing ranks.
 
-No lane waits for the caller lane, so a rank blocked in a caller collective never
-holds back another rank's background commit. Every gloo group is created on the
-caller's thread, at the same point of the program on every rank (``new_group`` is
-itself collective and must be called in one order). The caller's own collectives on
-its own groups (FSDP's ``get_state_dict`` inside a ``TrainingState``) run on the
-caller's thread too, between bcp's, in program order.
+The caller may wait for the background lane (``wait()``, a third async save waiting
+for the first), never the reverse, so a rank blocked in a caller collective never
+holds back another rank's background commit: no cycle, no deadlock. Every gloo group
+is created on the caller's thread, at the same point of the program on every rank
+(``new_group`` is itself collective and must be called in one order). The caller's
+own collectives on its own groups (FSDP's ``get_state_dict`` inside a
+``TrainingState``) run on the caller's thread too, between bcp's, in program order.
+At exit, one handler (``_exit_handler``) first finishes the async saves in flight,
+then releases the groups.
 """
 
 from __future__ import annotations
