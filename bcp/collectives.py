@@ -357,11 +357,12 @@ class OwnGroupCoordinator(Coordinator):
     def any_failed(self, failed: bool) -> bool:
         return bool(self._max(1 if failed else 0))
 
-    def _frame(self, obj: Any, size: int | None = None) -> Any:
-        data = pickle.dumps(obj)
-        frame = self.torch.zeros(8 + (len(data) if size is None else size), dtype=self.torch.uint8)
+    def _frame(self, data: bytes, size: int) -> Any:
+        """``data`` with its length in front, padded to ``size`` bytes of payload."""
+        frame = self.torch.zeros(8 + size, dtype=self.torch.uint8)
         frame[:8] = self.torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=self.torch.uint8)
-        frame[8 : 8 + len(data)] = self.torch.frombuffer(bytearray(data), dtype=self.torch.uint8)
+        if data:
+            frame[8 : 8 + len(data)] = self.torch.frombuffer(bytearray(data), dtype=self.torch.uint8)
         return frame
 
     @staticmethod
@@ -371,8 +372,9 @@ class OwnGroupCoordinator(Coordinator):
         return pickle.loads(raw[8 : 8 + n])  # sent by a rank of this job, as torch's object collectives do
 
     def _padded(self, obj: Any) -> Any:
-        data_len = len(pickle.dumps(obj))
-        return self._frame(obj, self._max(data_len))
+        """This rank's frame, padded to the longest of any rank (gloo moves equal sizes)."""
+        data = pickle.dumps(obj)
+        return self._frame(data, self._max(len(data)))
 
     def all_gather(self, obj: Any) -> list[Any]:
         frame = self._padded(obj)
@@ -389,11 +391,12 @@ class OwnGroupCoordinator(Coordinator):
         return [self._unframe(f) for f in out] if self.rank == 0 else None
 
     def broadcast(self, obj: Any) -> Any:
-        size = self.torch.tensor([len(pickle.dumps(obj)) if self.rank == 0 else 0], dtype=self.torch.int64)
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size = self.torch.tensor([len(data)], dtype=self.torch.int64)
         opts = self.dist.BroadcastOptions()
         opts.rootRank = 0
         self.pg.broadcast([size], opts).wait()
-        frame = self._frame(obj) if self.rank == 0 else self.torch.zeros(8 + int(size.item()), dtype=self.torch.uint8)
+        frame = self._frame(data, int(size.item()))
         self.pg.broadcast([frame], opts).wait()
         return self._unframe(frame)
 
