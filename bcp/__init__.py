@@ -11,6 +11,7 @@ Usage:
 from . import backends, dataloader, metadata
 from ._version import __version__
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
+from .collectives import LOCAL
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -20,6 +21,7 @@ from .errors import (
     IncompleteCheckpointError,
     PickleNotAllowedError,
     RankFailedError,
+    RanksMissingError,
     ReplicaMismatchError,
     ShardingError,
     StateMismatchError,
@@ -37,6 +39,7 @@ from .tiers import LocalTier
 from .training import TrainingState, reshard_per_rank
 
 __all__ = [
+    "LOCAL",
     "AsyncSaveHandle",
     "CheckpointError",
     "CheckpointExistsError",
@@ -54,6 +57,7 @@ __all__ = [
     "PickleNotAllowedError",
     "RankFailedError",
     "RankValues",
+    "RanksMissingError",
     "ReplicaMismatchError",
     "SaveInfo",
     "SaveOptions",

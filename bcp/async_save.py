@@ -7,6 +7,12 @@ thread. Two saves may be in flight at once (ping-pong): save k+1 stages while sa
 writes when the pool has room for both, and otherwise waits for k's slabs to drain,
 so it never corrupts k. A third waits for the first.
 
+Collectives: planning runs on the caller's lane of bcp's gloo groups, the commit
+on the background lane; the commits of one process group run one at a time, in
+the order of their ``async_save`` calls (``bcp.collectives`` says why that keeps
+every rank's collectives in one order). An async save still in flight at exit is
+finished by bcp's exit handler before its groups are released.
+
 ``overlap=optimizer`` goes further: tensors the optimizer owns (parameters and its
 state) do not change until ``optimizer.step()``, so they are staged in the
 background during forward and backward, and a step pre-hook waits only for the
@@ -22,7 +28,6 @@ without blocking the host. docs/io.md, "Device tensors", is the full contract.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import threading
@@ -35,7 +40,7 @@ import torch
 
 from bcp.metadata import DEFAULT_BLOCK_BYTES
 
-from .collectives import coordinator_for
+from .collectives import at_exit, background_coordinator, coordinator_for, group_destroyed
 from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
 from .io_scheduler.write_pipeline import Chunk, WriteItem, layout, plan_chunks, plan_part_chunks
 from .options import SaveOptions, SaveOptionsKwargs
@@ -49,13 +54,18 @@ log = logging.getLogger(__name__)
 _slots_lock = threading.Lock()
 _in_flight: dict[int, AsyncSaveHandle] = {}
 _save_count = 0
+#: per process group (its coordinator's cache key): the async save whose commit ran
+#: or runs last on the background lane; the next one's commit waits for it
+_lane_tail: dict[Any, AsyncSaveHandle] = {}
 
 
 class AsyncSaveHandle:
     """A save in progress. ``wait()`` returns its SaveInfo or raises its error."""
 
-    def __init__(self, job: SaveJob, blocking_seconds: float) -> None:
+    def __init__(self, job: SaveJob, blocking_seconds: float, after: AsyncSaveHandle | None = None) -> None:
         self._job = job
+        #: the save of the same process group whose commit must come first (collectives in call order)
+        self._after = after
         self._done = threading.Event()
         self._result: SaveInfo | None = None
         self._error: BaseException | None = None
@@ -71,14 +81,34 @@ class AsyncSaveHandle:
         try:
             if background_stage is not None:
                 background_stage()
+            if self._after is not None:
+                self._after._done.wait()  # its commit's collectives come first, on every rank
+                self._after = None
             self._result = self._job.complete()
             if self._after_commit is not None:  # the local tier's hook point: see AfterCommit
                 self._after_commit(self._job, self._result)
         except BaseException as e:  # noqa: BLE001 - re-raised from wait()
             self._error = e
+            if group_destroyed(self._job.coord):
+                note = (
+                    f"torch.distributed's process group was destroyed (dist.destroy_process_group()) while the "
+                    f"async save to {self.uri} was in flight: {self._outcome()}. Call wait() on the handle (or "
+                    f"CheckpointManager.wait() / close()) before destroy_process_group()"
+                )
+                e.add_note(note)
+                log.error("%s (%s: %s)", note, type(e).__name__, e)
         finally:
             self.staged.set()
             self._done.set()
+
+    def _outcome(self) -> str:
+        """What a failed commit left, as far as this rank knows."""
+        job = self._job
+        if job.committed:
+            return "the checkpoint IS committed (this rank wrote its manifest), the other ranks could not be told"
+        if job.coord.is_coordinator or not job.reported:
+            return "the checkpoint was NOT committed"
+        return "the coordinator may have committed the checkpoint after this rank lost contact: load it to find out"
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -186,8 +216,10 @@ def async_save(
         _save_count += 1
         previous = _in_flight.get(slot)
     if previous is not None:
-        previous._done.wait()  # the save two back used this slot's group: let it finish
-    job = SaveJob.start(state, uri, coordinator_for(opts.process_group, slot=slot), opts, stage_all=True)
+        previous._done.wait()  # at most two in flight: the save two back finishes first
+    coord = coordinator_for(opts.process_group, "bcp.async_save")
+    job = SaveJob.start(state, uri, coord, opts, stage_all=True)
+    job.coord = background_coordinator(coord)  # the commit runs on the background lane
     if after_commit is not None:  # the local tier's hook point: see AfterCommit
         job.visible_ranks = after_commit.visible_ranks
     background: Callable[[], None] | None = None
@@ -205,7 +237,8 @@ def async_save(
 
         job.stage(select=lambda c: not later(c), last=False)  # what forward/backward may change: now
         job.pipeline.copies.wait()
-    handle = AsyncSaveHandle(job, 0.0)
+    after = _lane_tail.get(coord.cache_key) if coord.world_size > 1 else None
+    handle = AsyncSaveHandle(job, 0.0, after)
     handle._after_commit = after_commit.run if after_commit is not None else None
     if overlap is None:
         handle.staged.set()
@@ -222,6 +255,8 @@ def async_save(
     thread = threading.Thread(target=handle._run, args=(background,), name="bcp-async-save", daemon=True)
     with _slots_lock:
         _in_flight[slot] = handle
+    if coord.world_size > 1:
+        _lane_tail[coord.cache_key] = handle
     handle.blocking_seconds = time.perf_counter() - started
     thread.start()
     return handle
@@ -321,7 +356,7 @@ def _finish_at_exit() -> None:
             log.error("the async save to %s failed and was never waited for: %s", handle.uri, handle._error)
 
 
-atexit.register(_finish_at_exit)
+at_exit(_finish_at_exit)  # bcp's exit handler runs it before releasing bcp's groups
 
 
 def wait_all() -> None:

@@ -100,6 +100,18 @@ class GroupConnectError(CheckpointError):
         self.rank, self.address = rank, address
 
 
+class RanksMissingError(CheckpointError, TimeoutError):
+    """A collective save or load was not called by every rank of its process group
+    within ``BCP_RENDEZVOUS_TIMEOUT``. ``missing`` holds the global ranks known not to
+    have arrived (the first of them only, at a job's first operation, when the group
+    was being created; empty when this rank cannot tell), ``operation`` the call."""
+
+    def __init__(self, message: str, *, missing: list[int] | None = None, operation: str = "") -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])
+        self.operation = operation
+
+
 #: keys a message names per kind of difference before it says "and N more"
 LISTED_KEYS = 8
 
@@ -256,6 +268,7 @@ __all__ = [
     "ObjectNotFoundError",
     "PickleNotAllowedError",
     "RankFailedError",
+    "RanksMissingError",
     "ReplicaMismatchError",
     "ShardingError",
     "StateMismatchError",

@@ -235,11 +235,15 @@ _STUCK: list[tuple[threading.Thread, GroupConnectError]] = []
 _CREATED: dict[tuple[Any, ...], int] = {}
 
 
-def create_group(create: Callable[[], T], process_group: Any = None) -> T:
+def create_group(
+    create: Callable[[], T], process_group: Any = None, *, arrival_timeout: datetime.timedelta | None = None
+) -> T:
     """``create()`` (a ``dist.new_group(..., backend="gloo")`` call over the ranks of
     ``process_group``, or of the job) with bcp's choice of interface, and within
     ``BCP_GLOO_CONNECT_TIMEOUT`` seconds of every rank's arrival; raises
-    :class:`GroupConnectError`, naming ``GLOO_SOCKET_IFNAME``, when gloo cannot connect."""
+    :class:`GroupConnectError`, naming ``GLOO_SOCKET_IFNAME``, when gloo cannot connect.
+    ``arrival_timeout``: how long to wait for every rank to come (default
+    ``BCP_COLLECTIVE_TIMEOUT``; the rendezvous group waits only its own timeout)."""
     import torch.distributed as dist
 
     for thread, error in _STUCK:
@@ -266,7 +270,7 @@ def create_group(create: Callable[[], T], process_group: Any = None) -> T:
     count = _CREATED.get(members, 0)
     _CREATED[members] = count + 1
     digest = hashlib.sha1(repr(members).encode(), usedforsecurity=False).hexdigest()[:16]
-    arrived = _wait_for_every_rank(f"{digest}/{count}", size, rank, limit) if limit > 0 else False
+    arrived = _wait_for_every_rank(f"{digest}/{count}", size, rank, limit, arrival_timeout) if limit > 0 else False
     with _environment(IFNAME_ENV, choice.interface):
         if not arrived:  # no bound of bcp's own: the group's timeout applies
             return _wrapped(create, rank, choice, None)
@@ -344,7 +348,9 @@ def _connect_error(
 # -- every rank arrived? ------------------------------------------------------------------
 
 
-def _wait_for_every_rank(name: str, size: int, rank: int, limit: float) -> bool:
+def _wait_for_every_rank(
+    name: str, size: int, rank: int, limit: float, arrival_timeout: datetime.timedelta | None = None
+) -> bool:
     """Wait until every rank of the group has come to create it, through the job's
     store (``MASTER_ADDR:MASTER_PORT``), so that the connect bound does not count a
     rank that is late (still evaluating, still writing logs). True once every rank is
@@ -360,7 +366,7 @@ def _wait_for_every_rank(name: str, size: int, rank: int, limit: float) -> bool:
     if not host or not port.isdigit():
         log.debug("rank %d: no MASTER_ADDR/MASTER_PORT, bcp's gloo group gets no connect bound", rank)
         return False
-    timeout = collective_timeout()
+    timeout = arrival_timeout if arrival_timeout is not None else collective_timeout()
     try:
         store = TCPStore(host, int(port), is_master=False, timeout=min(timeout, datetime.timedelta(seconds=limit)))
     except (RuntimeError, OSError, ValueError) as e:

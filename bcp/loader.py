@@ -122,7 +122,7 @@ def load_with_info(
     opts = LoadOptions.of(options, overrides)
     reshard_objects, share_reads = opts.reshard_objects, opts.share_reads
     started = time.perf_counter()
-    coord = coordinator_for(opts.process_group)
+    coord = coordinator_for(opts.process_group, "bcp.load")
     state, stateful = run_phase(coord, "asking Stateful objects for their state_dict", detach_stateful, state)
     backend = resolve_backend(uri, opts.storage_options)
     manifest_bytes, catalog_bytes, partial = decide(

@@ -9,6 +9,12 @@ on every backend (no rename) and a crashed save is never mistaken for a checkpoi
 multi-process job: every rank calls them. Only the coordinator (rank 0 of the
 group) writes ``latest.json``, applies retention and deletes; ``load_latest``
 broadcasts the coordinator's choice of step so every rank loads the same one.
+Its collectives run on the caller's lane of bcp's groups, each operation after a
+rendezvous of every rank (``bcp.collectives``); an async save's commit runs on the
+background lane, so a pending save never shares a group with the manager's own
+collectives or with ``bcp.save`` / ``bcp.load`` calls made meanwhile.
+``process_group=bcp.LOCAL`` keeps a manager of this process alone (a rank-0-only
+hook in an initialised world).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any, Unpack
 from bcp.metadata.layout import step_name
 
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
-from .collectives import coordinator_for, decide
+from .collectives import Coordinator, coordinator_for, decide
 from .housekeeping import DEFAULT_GRACE_SECONDS, check_policy, committed_steps, plan_gc, run_gc, write_latest
 from .io_scheduler.staging import StagingReservation
 from .loader import load
@@ -85,11 +91,11 @@ class CheckpointManager:
         self.process_group = process_group
         self.overlap = overlap
         self.backend = resolve_backend(self.root_uri, self.storage_options)
-        self.coord = coordinator_for(process_group)
         self._pending: tuple[AsyncSaveHandle, int] | None = None
         self._reservation: StagingReservation | None = None
         # a restart: check every kept step once; a failure raises on every rank
-        decide(self.coord, "cleaning up the checkpoint root", self._housekeeping, None)
+        coord = self._coord("CheckpointManager()")
+        decide(coord, "cleaning up the checkpoint root", self._housekeeping, None)
         self._tier: Tier | None = None
         if tier is not None:
             if not isinstance(tier, LocalTier):
@@ -99,7 +105,7 @@ class CheckpointManager:
                 self.root_uri,
                 storage_options=self.storage_options,
                 process_group=process_group,
-                coord=self.coord,
+                coord=coord,
                 housekeeping=self._housekeeping,
             )
 
@@ -162,7 +168,7 @@ class CheckpointManager:
             self._pending = (async_save(state, self.uri(step), opts, overlap=self.overlap), step)
             return None
         info = save(state, self.uri(step), opts)
-        self._committed(step)
+        self._committed(step, "CheckpointManager.save")
         return info
 
     def wait(self) -> SaveInfo | None:
@@ -181,7 +187,7 @@ class CheckpointManager:
         handle, step = self._pending
         self._pending = None
         info = handle.wait()
-        self._committed(step)
+        self._committed(step, "CheckpointManager.wait")
         return info
 
     def load_latest(
@@ -200,7 +206,7 @@ class CheckpointManager:
             if recovered is not None:
                 self.reserve_staging(state)
                 return recovered
-        step = decide(self.coord, "finding the latest step", self.latest)
+        step = decide(self._coord("CheckpointManager.load_latest"), "finding the latest step", self.latest)
         if step is None:
             self.reserve_staging(state)
             return None, state
@@ -227,7 +233,11 @@ class CheckpointManager:
             process_group=self.process_group,
         )
         return recover_latest(
-            state, local_root=self._tier.root, persistent_root=self.root_uri, coord=self.coord, load_options=opts
+            state,
+            local_root=self._tier.root,
+            persistent_root=self.root_uri,
+            coord=self._coord("CheckpointManager.load_latest"),
+            load_options=opts,
         )
 
     def reserve_staging(self, state: Any) -> None:
@@ -244,6 +254,8 @@ class CheckpointManager:
             )
 
     def close(self) -> None:
+        """(all ranks) Finish the save in flight (commit, retention, pointer): once it
+        returns, the last step saved is committed (or its error was raised)."""
         self.wait()
 
     def __enter__(self) -> CheckpointManager:
@@ -260,9 +272,13 @@ class CheckpointManager:
 
     # -- coordinator only -------------------------------------------------------------------------
 
-    def _committed(self, step: int) -> None:
+    def _coord(self, operation: str) -> Coordinator:
+        """The coordinator of one collective operation of the manager (caller lane)."""
+        return coordinator_for(self.process_group, operation)
+
+    def _committed(self, step: int, operation: str) -> None:
         # Only the step just written can have gained an unused generation (an overwrite).
-        decide(self.coord, "applying retention", self._housekeeping, [step])
+        decide(self._coord(operation), "applying retention", self._housekeeping, [step])
 
     def _housekeeping(self, generations_of: list[int] | None) -> None:
         """One listing: retention, garbage, then the pointer to the newest step. Best

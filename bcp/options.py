@@ -43,7 +43,7 @@ class SaveOptions:
     storage_options: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
     #: bytes per CRC32C block of the data files
     checksum_block_bytes: int = DEFAULT_BLOCK_BYTES
-    #: the ranks that save together (default: the whole job)
+    #: the ranks that save together (default: the whole job; ``bcp.LOCAL``: this process alone)
     process_group: Any = None
     #: concurrent writes per rank (default: the backend's hint)
     streams: int | None = None
@@ -116,7 +116,7 @@ class LoadOptions:
     allow_pickle: bool = False
     #: options for the backend the URI selects (credentials too: left out of the repr)
     storage_options: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
-    #: the ranks that load together (default: the whole job)
+    #: the ranks that load together (default: the whole job; ``bcp.LOCAL``: this process alone)
     process_group: Any = None
     #: decides what each rank gets of objects saved per rank at another world size
     reshard_objects: ReshardObjects | None = None

@@ -234,7 +234,7 @@ def save(
     of a tensor stored once (a plain tensor, a replicated DTensor): docs/distributed.md.
     """
     opts = SaveOptions.of(options, overrides)
-    job = SaveJob.start(state, uri, coordinator_for(opts.process_group), opts, stage_all=False)
+    job = SaveJob.start(state, uri, coordinator_for(opts.process_group, "bcp.save"), opts, stage_all=False)
     job.stage()
     return job.complete()
 
@@ -313,6 +313,10 @@ class SaveJob:
         #: backends (the local tier, ``bcp.tiers``: each host's own root) set the ranks of
         #: the coordinator's host: it cannot list the other hosts' files.
         self.visible_ranks: frozenset[int] | None = None
+        #: (coordinator) the manifest is written: nothing of this generation may be deleted
+        self.committed = False
+        #: this rank's fragment rows reached the coordinator: from here it may commit
+        self.reported = False
 
     @classmethod
     def start(
@@ -395,10 +399,14 @@ class SaveJob:
         try:
             mine: WriterReport = run_phase(coord, "writing data", self.pipeline.finish)
             reports = coord.gather(mine)
+            self.reported = True
             stats = decide(coord, "committing the checkpoint", self._commit, reports)
         except CommitUncertainError:
             raise  # the manifest may name this generation: keep it (docs/reliability.md)
-        except BaseException:
+        except BaseException as e:
+            if self.committed:  # committed, but the other ranks could not be told (a lost group)
+                e.add_note(f"the checkpoint at {backend.uri} is committed: its manifest was written first")
+                raise
             if coord.is_coordinator:
                 discard_generation(backend, self.generation)
             raise
@@ -447,6 +455,7 @@ class SaveJob:
             counts=merged.stats,
         )
         commit(self.backend, manifest, overwrite=self.options.overwrite)
+        self.committed = True
         return manifest.stats
 
 

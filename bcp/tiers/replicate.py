@@ -87,9 +87,6 @@ def replicate(
     in_ = [(t.src, e) for t in plan if t.dst == coord.rank and (e := file_of(t.src)) is not None]
     if not out_ and not in_:
         return []
-    import torch.distributed as dist
-
-    group = getattr(coord, "group", None)
 
     def buffer(entry: FileEntry) -> torch.Tensor:
         return torch.empty(min(chunk_bytes, max(entry.nbytes, 1)), dtype=torch.uint8)
@@ -114,10 +111,10 @@ def replicate(
                     offset, n = s.span(k, chunk_bytes)
                     view = s.buffer[:n]
                     _read(s, view, offset)
-                    works.append(dist.isend(view, group=group, group_dst=s.peer))
+                    works.append(coord.isend(view, s.peer))
             for r in recvs:
                 if k < r.chunks(chunk_bytes):
-                    works.append(dist.irecv(r.buffer[: r.span(k, chunk_bytes)[1]], group=group, group_src=r.peer))
+                    works.append(coord.irecv(r.buffer[: r.span(k, chunk_bytes)[1]], r.peer))
             for w in works:
                 if w is not None:
                     w.wait()

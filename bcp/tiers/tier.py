@@ -13,8 +13,9 @@
   as it would without a tier.
 
 Collectives run in a fixed order on every rank: the main thread's on the
-manager's group, a save's on its slot's group (after ``async_save``), a drain's
-on a group of its own, created when the tier is.
+caller's lane of bcp's groups, a save's commit and replication on the background
+lane (after ``async_save``), a drain's on a lane of its own ("drain"), created when
+the tier is (bcp.collectives, "lanes").
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, Literal
 from bcp.metadata.layout import step_name
 
 from ..async_save import AfterCommit, AsyncSaveHandle, async_save
-from ..collectives import Coordinator, coordinator_for, decide
+from ..collectives import Coordinator, decide, lane_coordinator
 from ..options import SaveOptions
 from ..saver import SaveInfo, SaveJob
 from ..target import join_uri, resolve_backend
@@ -43,8 +44,6 @@ from .room import Statvfs, check_room, state_bytes
 
 log = logging.getLogger(__name__)
 
-#: async_save alternates its saves between slots 0 and 1; drains use a group of their own.
-DRAIN_SLOT = 2
 
 Route = Literal["local", "persistent", "none"]
 
@@ -75,7 +74,7 @@ class Tier:
         if coord.is_coordinator:
             warn_if_short(self.hosts, config.replicas)
         #: the drain's group, created now: groups are created collectively, in one order
-        self.drain_coord = coordinator_for(process_group, slot=DRAIN_SLOT)
+        self.drain_coord = lane_coordinator(coord, "drain")
         #: how free space is read (tests replace it)
         self.statvfs: Statvfs = os.statvfs
         self._local: tuple[AsyncSaveHandle, int] | None = None
