@@ -42,7 +42,11 @@ Buffer = bytes | bytearray | memoryview
 
 
 class Capability(enum.Flag):
-    """What a store guarantees beyond the base contract."""
+    """What a store guarantees beyond the base contract, and (``NON_ATOMIC_REPLACE``)
+    the one guarantee of the base contract a store may declare that it lacks.
+
+    That one is negative so that a backend which declares nothing keeps the full
+    contract (and the commit path and conformance checks that go with it)."""
 
     NONE = 0
     #: ``write_if_absent`` is atomic: of writers racing for one key exactly one wins
@@ -54,6 +58,13 @@ class Capability(enum.Flag):
     PARALLEL_WRITES = enum.auto()
     #: Objects are files on a local or mounted POSIX filesystem (rename is atomic).
     POSIX = enum.auto()
+    #: Replacing an existing object is *not* atomic for readers: while a commit replaces
+    #: it, a reader may find the key missing (the store deletes the old object first:
+    #: WebDAV's MOVE, per RFC 4918; HDFS's rename). Readers still never see a mix of the
+    #: old and new bytes, and a write to a key that does not exist is still atomic. bcp
+    #: then commits an overwrite by deleting the old manifest and creating the new one
+    #: (``bcp.commit``), and the conformance suite checks this weaker guarantee instead.
+    NON_ATOMIC_REPLACE = enum.auto()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,8 +169,9 @@ class ObjectWriter(abc.ABC):
 
     def commit(self) -> None:
         """Make the object durable and visible, replacing any object under the key.
-        After an exception here nothing new is visible (the old object, if any, stays),
-        unless the commit took effect and only its answer was lost."""
+        After an exception here nothing new is visible (the old object, if any, stays;
+        with ``Capability.NON_ATOMIC_REPLACE`` it may be gone), unless the commit took
+        effect and only its answer was lost."""
         with self._lifecycle:
             if self._state is _State.COMMITTED and self.idempotent_commit:
                 return  # a retried commit whose first answer was lost

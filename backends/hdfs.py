@@ -12,8 +12,9 @@ Not tested against a live HDFS cluster (none can run where bcp is developed): th
 backend logic is tested through the same class over pyarrow's local filesystem, and
 an HDFS user checks their cluster with ``bcp conformance hdfs://...``. On HDFS,
 replacing an existing object removes it before the rename, so a reader racing an
-overwrite can briefly find it missing (bcp overwrites only a manifest, and only
-with ``overwrite=True``).
+overwrite can briefly find it missing: over any filesystem but the local one the
+backend declares ``Capability.NON_ATOMIC_REPLACE``, and bcp commits an overwrite by
+deleting the old manifest and creating the new one (``bcp.commit``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from urllib.parse import unquote, urlsplit
 
 import pyarrow.fs as pafs
 
+from .base import Capability
 from .errors import annotate
 from .options import as_int, as_size, reject_unknown
 from .streaming import Stream, StreamedFileBackend, stream_options
@@ -40,6 +42,8 @@ class ArrowFsBackend(StreamedFileBackend):
     ) -> None:
         super().__init__(uri, root, part_size=part_size, concurrency=concurrency)
         self.fs = fs
+        if not isinstance(fs, pafs.LocalFileSystem):  # _rename deletes the target first
+            self.capabilities = type(self).capabilities | Capability.NON_ATOMIC_REPLACE
 
     @classmethod
     def from_uri(cls, uri: str, **options: object) -> Self:

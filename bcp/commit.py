@@ -2,9 +2,11 @@
 
 A checkpoint exists exactly when its ``manifest.json`` does. A save writes every
 object under a fresh generation prefix, then the catalog, then the manifest
-(create-only, or an atomic replace on overwrite); it is discarded by deleting its
-generation. A checkpoint is deleted manifest first, so a deletion that stops
-halfway leaves an incomplete directory, never a committed one with missing data.
+(create-only, or an atomic replace on overwrite; on a store that declares
+``Capability.NON_ATOMIC_REPLACE``, an overwrite deletes the old manifest and creates
+the new one, see :func:`commit`); it is discarded by deleting its generation. A
+checkpoint is deleted manifest first, so a deletion that stops halfway leaves an
+incomplete directory, never a committed one with missing data.
 Every reader and writer of manifests (save, load, ``bcp.open``, the manager and
 the CLI) goes through this module.
 """
@@ -16,9 +18,9 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from bcp.backends import Backend, ObjectExistsError, ObjectNotFoundError
+from bcp.backends import Backend, Capability, ObjectExistsError, ObjectNotFoundError
 from bcp.metadata import Catalog, FileEntry, Manifest, crc32c
 from bcp.metadata.errors import CorruptManifestError
 from bcp.metadata.layout import GENERATION_PREFIX, manifest_key
@@ -118,7 +120,13 @@ def fetch_manifest(backend: Backend) -> tuple[bytes, Manifest]:
     except ObjectNotFoundError:
         from .housekeeping import missing_checkpoint_error  # it imports this module
 
-        raise missing_checkpoint_error(backend) from None
+        error = missing_checkpoint_error(backend)
+        if isinstance(error, IncompleteCheckpointError) and not replaces_atomically(backend):
+            error = IncompleteCheckpointError(
+                f"{error}; or, since this store cannot replace objects atomically, an overwrite is between "
+                "deleting the old manifest and writing the new one: try again"
+            )
+        raise error from None
     return manifest_bytes, parse_manifest(backend, manifest_bytes)
 
 
@@ -149,15 +157,40 @@ def write_catalog(backend: Backend, key: str, catalog: Catalog | bytes) -> FileE
 def check_generation_intact(backend: Backend, generation: str, keys: Iterable[str]) -> None:
     """Before the commit: every object of the save is still there (one listing). A gc,
     ``bcp rm`` or a second manager that deleted part of a save in progress makes the
-    save fail here instead of committing a checkpoint whose data is gone."""
+    save fail here instead of committing a checkpoint whose data is gone. Objects the
+    listing misses but ``exists`` finds mean the backend's ``list`` is wrong (it must
+    return nested keys), and the error says so instead of blaming another process."""
     present = set(backend.list(generation.rstrip("/") + "/"))
     missing = sorted(set(keys) - present)
-    if missing:
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    if not missing:
+        return
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    if _exists_any(backend, missing[:3]):
         raise IncompleteCheckpointError(
-            f"objects of this save at {backend.uri} were deleted while it was writing ({shown}): "
-            "another process (bcp gc, bcp rm, a second CheckpointManager) removed them; nothing was committed"
+            f"the backend's list({generation.rstrip('/') + '/'!r}) at {backend.uri} did not return objects this save "
+            f"wrote and that exist ({shown}): list(prefix) must return every key under the prefix, nested keys "
+            "included (the conformance check test_list_is_recursive); nothing was committed"
         )
+    raise IncompleteCheckpointError(
+        f"objects of this save at {backend.uri} were deleted while it was writing ({shown}): "
+        "another process (bcp gc, bcp rm, a second CheckpointManager) removed them; nothing was committed"
+    )
+
+
+def _exists_any(backend: Backend, keys: Iterable[str]) -> bool:
+    """Whether any of ``keys`` exists; False when the store cannot say (the caller is
+    already failing, and a second error would only hide the first)."""
+    try:
+        return any(backend.exists(k) for k in keys)
+    except Exception as e:  # noqa: BLE001 - a diagnostic only
+        log.debug("checking objects missing from the listing of %s failed: %s", backend.uri, e)
+        return False
+
+
+def replaces_atomically(backend: Backend) -> bool:
+    """Whether a write over an existing object is atomic for readers on ``backend``
+    (it does not declare ``Capability.NON_ATOMIC_REPLACE``)."""
+    return Capability.NON_ATOMIC_REPLACE not in backend.capabilities
 
 
 def _landed(backend: Backend, manifest: Manifest) -> bool | None:
@@ -172,8 +205,18 @@ def _landed(backend: Backend, manifest: Manifest) -> bool | None:
 
 
 def commit(backend: Backend, manifest: Manifest, *, overwrite: bool) -> None:
-    """Write ``manifest``: the commit. Create-only unless ``overwrite`` (then an atomic
-    replace); losing a create-only race raises CheckpointExistsError.
+    """Write ``manifest``: the commit. Create-only unless ``overwrite``; losing a
+    create-only race raises CheckpointExistsError.
+
+    An overwrite is an atomic replace of the manifest, so readers see the old
+    checkpoint or the new one. On a store that declares
+    ``Capability.NON_ATOMIC_REPLACE`` (its replace deletes first, so a reader could
+    find the key missing anyway) it is done in two steps that bcp controls
+    (:func:`_replace_in_two_steps`): delete the old manifest, then create the new one
+    create-only. Readers then see the old checkpoint, none (``IncompleteCheckpointError``
+    for that short window), or the new one, never a torn or mixed manifest; a failed
+    create writes the old manifest back, so a failed overwrite keeps the previous
+    checkpoint as on other stores.
 
     An error from the write is checked by reading the manifest back: when it is this
     save's (the error came after the manifest landed: a directory fsync, a temp-file
@@ -181,11 +224,65 @@ def commit(backend: Backend, manifest: Manifest, *, overwrite: bool) -> None:
     warning. When the read-back fails too, CommitUncertainError: the caller must keep
     the data, which may be a committed checkpoint."""
     data = manifest.to_json()
+    key = manifest_key()
+    if not overwrite:
+        _write_manifest(backend, manifest, lambda: backend.write_if_absent(key, data))
+    elif replaces_atomically(backend):
+        _write_manifest(backend, manifest, lambda: backend.write(key, data))
+    else:
+        _replace_in_two_steps(backend, manifest, data)
+
+
+def _replace_in_two_steps(backend: Backend, manifest: Manifest, data: bytes) -> None:
+    """Overwrite on a store without atomic replace: keep the old manifest's bytes,
+    delete it, create the new one create-only; on any failure, create the old one
+    again (create-only, so a manifest that did land, this save's or a racing save's,
+    is never replaced). Only a process killed between the delete and the create
+    leaves no manifest: both generations are then kept, and nothing is committed."""
+    key = manifest_key()
     try:
-        if overwrite:
-            backend.write(manifest_key(), data)
-        else:
-            backend.write_if_absent(manifest_key(), data)
+        old: bytes | None = backend.read(key)
+    except ObjectNotFoundError:
+        old = None  # nothing to replace (deleted since the save started): a plain create
+    try:
+        if old is not None:
+            backend.delete(key)  # from here until the create, readers find no checkpoint
+        _write_manifest(backend, manifest, lambda: backend.write_if_absent(key, data))
+    except BaseException as e:
+        if old is not None:
+            _put_back(backend, old, e)
+        raise
+
+
+def _put_back(backend: Backend, old: bytes, failure: BaseException) -> None:
+    """Recreate the manifest an overwrite deleted, unless a manifest is there again."""
+    key = manifest_key()
+    try:
+        backend.write_if_absent(key, old)
+    except ObjectExistsError:
+        return  # this save's manifest landed after all, or a racing save's did
+    except Exception as e:  # noqa: BLE001 - the commit's own error is the one to raise
+        log.error(
+            "the overwrite at %s deleted the previous %s and could not write it back (%s): "
+            "no checkpoint is committed there now",
+            backend.uri,
+            key,
+            e,
+        )
+        failure.add_note(
+            f"the previous checkpoint's {key} at {backend.uri} was deleted for this overwrite and could not be "
+            f"written back ({e}): its data is still there, but nothing is committed there now"
+        )
+        return
+    log.warning("the overwrite at %s failed; the previous %s was written back", backend.uri, key)
+    failure.add_note(f"the previous checkpoint at {backend.uri} was kept: its {key} was written back")
+
+
+def _write_manifest(backend: Backend, manifest: Manifest, write: Callable[[], None]) -> None:
+    """Run ``write`` (the manifest's write), reading the manifest back on an error to
+    tell a commit that landed from one that did not (see :func:`commit`)."""
+    try:
+        write()
     except ObjectExistsError as e:
         landed = _landed(backend, manifest)
         if landed:  # a retried create whose first answer was lost

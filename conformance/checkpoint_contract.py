@@ -128,16 +128,55 @@ def _search_roots(modules: list[str]) -> list[str]:
     return list(dict.fromkeys(roots))
 
 
+def _bcp_dir() -> str:
+    """The directory of the bcp package this process runs (the child must run the same)."""
+    return os.path.dirname(os.path.realpath(bcp.__file__))
+
+
 def _child_failure(returncode: int | None, stderr: str, imports: list[str]) -> str:
     """Why the child never started writing: its last error line first (the report
-    shows only the first line), then the end of its stderr."""
+    shows only the first line), with a hint where the error says what to do, then the
+    end of its stderr."""
     lines = [line for line in stderr.splitlines() if line.strip()]
     last = lines[-1].strip() if lines else "no output on stderr"
-    hint = "" if imports else " (a backend registered at import time? run with --import MODULE)"
+    hint = ""
+    if "unknown storage scheme" in last:
+        hint = (
+            " (the child cannot find the backend: if a module registers it at import time, run with "
+            "--import MODULE (bcp conformance), --bcp-import MODULE (pytest) or name it in child_imports)"
+        )
+    elif "No module named 'bcp" in last:
+        hint = (
+            f" (the child did not import the bcp this run uses, from {_bcp_dir()}: a folder named bcp on "
+            "PYTHONPATH shadows it; take it off PYTHONPATH)"
+        )
     tail = "\n".join(lines[-60:])
     return (
         f"the child save never started writing (exit status {returncode}): {last}{hint}; "
         f"the child imported {imports or 'no plugin modules'}; its stderr ends:\n{tail}"
+    )
+
+
+def listing_problem(uri: str) -> str | None:
+    """What is wrong with the store's ``list`` for checkpoints, or None. Every save
+    lists its generation before it commits (objects two levels down), so a ``list``
+    that does not recurse fails every checkpoint check, with a message blaming other
+    processes for deleting objects: the checkpoint checks ask this first and say so."""
+    backend = backend_for(uri)
+    keys = ["bcp-list-check/gen-0/data/k", "bcp-list-check/top"]
+    try:
+        for key in keys:
+            backend.write(key, b"x")
+        found = sorted(backend.list("bcp-list-check/"))
+    finally:
+        for key in keys:
+            backend.delete(key)
+    if found == sorted(keys):
+        return None
+    return (
+        f"list() did not return nested keys: see test_list_is_recursive (after writing {keys!r}, "
+        f"list('bcp-list-check/') returned {found!r}); every save lists its objects before it commits, "
+        "so no checkpoint check can pass until list() recurses"
     )
 
 
@@ -164,6 +203,9 @@ class CheckpointContractTests:
     @pytest.fixture
     def root(self, store_uri: str) -> Iterator[str]:
         uri = child_uri(store_uri, f"ckpt-contract-{uuid.uuid4().hex[:12]}")
+        problem = listing_problem(uri)
+        if problem:
+            pytest.fail(problem, pytrace=False)
         yield uri
         try:
             backend_for(uri).delete_prefix("")
@@ -304,10 +346,14 @@ class CheckpointContractTests:
     def _kill_midway(self, uri: str, *, overwrite: bool) -> None:
         """Start a save in a child process, SIGKILL it once data is being written."""
         imports = self._child_imports()
-        options = json.dumps({"overwrite": overwrite, "imports": imports})
-        cmd = [sys.executable, "-m", "bcp.conformance.killed_save", uri, options]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*_search_roots(imports), os.environ.get("PYTHONPATH", "")])}
-        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        options = json.dumps(
+            {"overwrite": overwrite, "imports": imports, "paths": _search_roots(imports), "bcp": _bcp_dir()}
+        )
+        # -P: the current directory is not put on sys.path, so a bcp/ folder there (a clone
+        # beside the plugin) cannot shadow the installed package. The plugins' directories
+        # reach the child in `options`, added to its sys.path only after bcp is imported.
+        cmd = [sys.executable, "-P", "-m", "bcp.conformance.killed_save", uri, options]
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         stdout, stderr = child.stdout, child.stderr
         assert stdout is not None and stderr is not None  # both are pipes
         try:

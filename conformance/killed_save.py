@@ -1,15 +1,22 @@
 """Child process of the killed-save checks: saves a checkpoint slowly, prints
 ``WRITING`` once its data is going out, and waits to be killed.
 
-    python -m bcp.conformance.killed_save URI '{"overwrite": false, "imports": ["mypkg.backend"]}'
+    python -P -m bcp.conformance.killed_save URI '{"overwrite": false, "imports": ["mypkg.backend"],
+                                                   "paths": ["/dir/of/mypkg"], "bcp": "/site-packages/bcp"}'
 
 ``imports`` are modules to import before the URI is opened: a backend registered at
 import time (``bcp conformance --import``) must be registered in this process too.
+``paths`` are the directories they were imported from, put on ``sys.path`` only once
+bcp is imported (with ``-P`` the current directory is not searched), so a ``bcp/``
+folder beside a plugin cannot stand in for the installed package. ``bcp`` is the
+directory of the package the parent runs: a child that imported another one says so
+and exits.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -38,6 +45,15 @@ class _AnnouncingBackend(ForwardingBackend):
 
 def main(argv: list[str]) -> None:
     uri, options = argv[0], json.loads(argv[1] if len(argv) > 1 else "{}")
+    expected, mine = options.get("bcp"), os.path.dirname(os.path.realpath(bcp.__file__))
+    if expected and os.path.realpath(expected) != mine:
+        sys.exit(
+            f"this child imported bcp from {mine}, not {expected} (the bcp the suite runs): "
+            "a folder named bcp on PYTHONPATH shadows it; take it off PYTHONPATH"
+        )
+    for path in reversed(options.get("paths") or []):
+        if path not in sys.path:
+            sys.path.insert(0, path)
     import_plugins(options.get("imports") or [])
     backend = _AnnouncingBackend(backend_for(uri))
     g = torch.Generator().manual_seed(11)

@@ -30,6 +30,20 @@ class ListingTests(ObjectContractBase):
         self._write_all(backend, self.NESTED)
         assert sorted(backend.list()) == sorted(self.NESTED), "list() without a prefix does not return every key"
 
+    def test_list_is_recursive(self, backend: Backend) -> None:
+        """bcp keeps every object of a checkpoint two or more levels down
+        (``gen-<id>/data/...``): a ``list`` that stops at one level makes every save
+        fail its pre-commit check, as if another process had deleted its objects."""
+        keys = ["r/top", "r/one/a", "r/one/two/b", "r/one/two/three/c"]
+        self._write_all(backend, keys)
+        for prefix in ("", "r/", "r/one/"):
+            found = sorted(backend.list(prefix))
+            want = sorted(k for k in keys if k.startswith(prefix))
+            assert found == want, (
+                f"list({prefix!r}) returned {found!r}, not {want!r}: list(prefix) must return every key under "
+                "the prefix, nested keys included (it must recurse into 'directories')"
+            )
+
     def test_list_directory_prefix(self, backend: Backend) -> None:
         self._write_all(backend, self.NESTED)
         assert sorted(backend.list("x/")) == ["x/ab", "x/abc/y", "x/y/z"], "list('x/') returned wrong keys"

@@ -147,11 +147,14 @@ class ReportPlugin:
 
 
 def _failure_line(report) -> str:
-    """The assertion's own message (which names the guarantee), on one line."""
+    """The assertion's own message (which names the guarantee), on one line; a very
+    long one is cut at a word boundary (report.shorten)."""
+    from .report import shorten
+
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash is not None else str(report.longrepr)
     first = text.strip().splitlines()[0] if text.strip() else "failed"
-    return first.removeprefix("AssertionError: ")[:300]
+    return shorten(first.removeprefix("AssertionError: ").removeprefix("Failed: "))
 
 
 def _public_uri(uri: str) -> str:

@@ -12,6 +12,20 @@ from bcp.backends.errors import redact, redact_uri
 HEADING_ATTRIBUTE = "report_heading"
 #: Where a test goes that no class with a heading defines (a subclasser's own extra test).
 OTHER = "other"
+#: The longest reason shown for one check; longer ones are cut at a word boundary.
+WHY_LIMIT = 1000
+
+
+def shorten(text: str, limit: int = WHY_LIMIT) -> str:
+    """``text`` whole when it fits in ``limit`` characters, else cut at the last space
+    that fits (never inside a word, unless one word is longer than ``limit``), with
+    " ..." to show that something was left out."""
+    if len(text) <= limit:
+        return text
+    room = limit - len(" ...")
+    cut = text.rfind(" ", 0, room + 1)
+    head = text[:cut] if cut > 0 else text[:room]
+    return head.rstrip(" ,;:") + " ..."
 
 
 def heading_of(cls: type | None, test_name: str) -> str:

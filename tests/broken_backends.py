@@ -1,9 +1,14 @@
 """Deliberately broken backends, registered at import (``bcp conformance --import
-broken_backends``): the conformance suite must fail them and say which guarantee broke."""
+broken_backends``): the conformance suite must fail them and say which guarantee broke.
+Also a store that replaces objects non-atomically and says so, which must pass."""
 
 from __future__ import annotations
 
-from bcp.backends import Buffer, ObjectWriter, register_backend
+import threading
+import time
+from collections.abc import Iterator
+
+from bcp.backends import Buffer, Capability, ObjectWriter, register_backend
 from bcp.backends.memory import _LOCK, _OBJECTS, MemoryBackend, _MemoryWriter
 
 
@@ -34,5 +39,64 @@ class OffByOneReadsBackend(MemoryBackend):
         return super().read_into(key, offset + 1 if offset else 0, buffer)
 
 
-for _cls in (VisibleEarlyBackend, OffByOneReadsBackend):
+class FlatListBackend(MemoryBackend):
+    """``list`` does not recurse: only keys one level below the prefix's directory."""
+
+    scheme = "broken-flatlist"
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        depth = prefix.count("/")
+        return iter([k for k in super().list(prefix) if k.count("/") == depth])
+
+
+#: Seconds a delete-first replace leaves the key missing (long enough for racing readers to see).
+REPLACE_WINDOW = 0.005
+
+
+class _DeleteFirstWriter(_MemoryWriter):
+    """Replaces as WebDAV's MOVE does (RFC 4918): the old object is deleted first, then
+    the new one appears; readers in between find nothing, never a mix."""
+
+    backend: DeleteFirstBackend
+
+    def _commit(self) -> None:
+        if self.backend.exists(self.key):
+            self.backend.delete(self.key)
+            self.backend.in_window(self.key)
+            time.sleep(REPLACE_WINDOW)
+        super()._commit()
+
+
+class DeleteFirstBackend(MemoryBackend):
+    """A store without atomic replace that does not declare it: fails the atomic
+    overwrite check, with a message naming the capability to declare."""
+
+    scheme = "broken-nonatomic"
+
+    def __init__(self, uri: str, root: str) -> None:
+        super().__init__(uri, root)
+        self.window_hooks: list = []  # called with the key while it is missing (tests)
+        self._hook_lock = threading.Lock()
+
+    def in_window(self, key: str) -> None:
+        with self._hook_lock:
+            hooks = list(self.window_hooks)
+        for hook in hooks:
+            hook(key)
+
+    def open_writer(self, key: str, *, size: int | None = None) -> ObjectWriter:
+        return _DeleteFirstWriter(self, key, size)
+
+    def write_if_absent(self, key: str, data: Buffer) -> None:
+        super().write_if_absent(key, data)  # a new key: atomic, as on WebDAV (If-None-Match: *)
+
+
+class DeclaredNonAtomicBackend(DeleteFirstBackend):
+    """The same store, declaring what it is: must pass the suite."""
+
+    scheme = "nonatomic-declared"
+    capabilities = DeleteFirstBackend.capabilities | Capability.NON_ATOMIC_REPLACE
+
+
+for _cls in (VisibleEarlyBackend, OffByOneReadsBackend, FlatListBackend, DeleteFirstBackend, DeclaredNonAtomicBackend):
     register_backend(_cls.scheme, _cls, clobber=True)

@@ -88,6 +88,9 @@ class TestRcloneContract(_S3Raw, BackendContractTests):
             "and only with overwrite=True."
         )
 
+    def test_overwrite_never_mixes_for_concurrent_readers(self, backend):
+        pytest.skip("rclone rewrites in place (above): even the weaker guarantee of NON_ATOMIC_REPLACE fails")
+
 
 class TestGCSContract(BackendContractTests):
     @pytest.fixture

@@ -1,0 +1,163 @@
+"""What the conformance suite tells a backend author: a ``list`` that does not recurse
+is named as the cause of the checkpoint-level failures (not another process); long
+reasons are cut at a word boundary; the killed-save child runs the installed bcp
+whatever the current directory holds, and its hints point the right way."""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import bcp
+from bcp.backends import registry
+from bcp.conformance.checkpoint_contract import CheckpointContractTests, listing_problem
+from bcp.conformance.pytest_plugin import _failure_line
+from bcp.conformance.report import WHY_LIMIT, shorten
+from broken_backends import FlatListBackend
+from test_cli_plugins import FILE_PLUGIN, write_plugin
+from test_conformance_suite import run_cli
+
+# -- a list() that does not recurse -------------------------------------------------------------
+
+
+def test_the_checkpoint_checks_name_a_list_that_does_not_recurse():
+    problem = listing_problem(f"broken-flatlist://l{uuid.uuid4().hex[:6]}/root")
+    assert problem is not None and problem.startswith("list() did not return nested keys: see test_list_is_recursive")
+    assert "another process" not in problem
+    assert listing_problem(f"memory://l{uuid.uuid4().hex[:6]}/root") is None
+
+
+def test_a_save_through_a_list_that_does_not_recurse_blames_list_not_another_process():
+    backend = FlatListBackend.from_uri(f"broken-flatlist://l{uuid.uuid4().hex[:6]}/ck")
+    with pytest.raises(bcp.IncompleteCheckpointError) as caught:
+        bcp.save({"w": torch.ones(4)}, backend)
+    message = str(caught.value)
+    assert "list(" in message and "test_list_is_recursive" in message and "nested keys" in message, message
+    assert "another process" not in message
+
+
+def test_objects_deleted_by_another_process_are_still_reported_as_such():
+    """The list() diagnosis applies only when the missing objects exist."""
+    from bcp.backends.memory import MemoryBackend
+    from bcp.commit import check_generation_intact
+
+    backend = MemoryBackend.from_uri(f"memory://l{uuid.uuid4().hex[:6]}/ck")
+    backend.write("gen-1/data/a.bin", b"x")
+    with pytest.raises(bcp.IncompleteCheckpointError, match="another process"):
+        check_generation_intact(backend, "gen-1", ["gen-1/data/a.bin", "gen-1/data/b.bin"])
+
+
+@pytest.mark.slow
+def test_bcp_conformance_reports_the_cause_on_every_checkpoint_check(tmp_path: Path):
+    report = tmp_path / "r.json"
+    proc = run_cli(
+        f"broken-flatlist://l{uuid.uuid4().hex[:6]}/root",
+        "--quick",
+        "--import",
+        "broken_backends",
+        "-k",
+        "list_is_recursive or round_trip or sub_uri",
+        "--json",
+        str(report),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1
+    checks = {c["name"]: c for cs in json.loads(report.read_text())["groups"].values() for c in cs}
+    assert checks["test_list_is_recursive"]["outcome"] == "failed"
+    for name in ("test_save_load_round_trip", "test_sub_uri_sees_the_roots_objects_under_sub"):
+        why = checks[name]["why"]
+        assert why.startswith("list() did not return nested keys: see test_list_is_recursive"), why
+        assert why.endswith("until list() recurses"), f"the reason was cut: {why}"
+    assert "FAIL test_save_load_round_trip: list() did not return nested keys" in proc.stdout
+
+
+# -- long reasons -------------------------------------------------------------------------------
+
+
+@given(st.text(alphabet=st.sampled_from("ab cd,;é\t"), max_size=3 * WHY_LIMIT), st.integers(20, 2 * WHY_LIMIT))
+def test_shorten_cuts_only_at_a_word_boundary(text: str, limit: int):
+    got = shorten(text, limit)
+    assert len(got) <= limit
+    if len(text) <= limit:
+        assert got == text
+        return
+    assert got.endswith(" ...")
+    head = got.removesuffix(" ...")
+    assert text.startswith(head)
+    if text.rfind(" ", 1, limit - len(" ...") + 1) > 0:  # a word boundary fits: the cut is at one
+        assert text[len(head)] in " ,;:", f"cut inside a word: {head[-10:]!r}|{text[len(head) : len(head) + 10]!r}"
+
+
+def test_a_long_failure_message_is_cut_at_a_word_boundary_with_an_ellipsis():
+    words = " ".join(f"word{i:04d}" for i in range(400))  # about 3600 characters
+    report = SimpleNamespace(longrepr=SimpleNamespace(reprcrash=SimpleNamespace(message=f"AssertionError: {words}")))
+    why = _failure_line(report)
+    assert why.endswith(" ...") and len(why) <= WHY_LIMIT
+    last = why.removesuffix(" ...").rsplit(" ", 1)[-1]
+    assert len(last) == len("word0000") and last.startswith("word"), f"cut mid-word: {last!r}"
+    short = "x " * 200  # 400 characters: what the old 300-character cut broke
+    report.longrepr.reprcrash.message = short
+    assert _failure_line(report) == short.strip()
+
+
+# -- the killed-save child and the current directory ----------------------------------------------
+
+
+def _fake_bcp(directory: Path) -> None:
+    """A ``bcp/`` folder that is not bcp (a clone, an old copy): importing it fails loudly."""
+    (directory / "bcp").mkdir()
+    (directory / "bcp" / "__init__.py").write_text("raise ImportError('the fake bcp/ folder was imported')\n")
+
+
+def test_the_child_imports_the_installed_bcp_beside_a_bcp_folder(tmp_path, monkeypatch):
+    """A plugin next to a ``bcp/`` folder, run from that directory: the child must
+    still import the installed bcp (not the folder), and the plugin."""
+    module, scheme = write_plugin(tmp_path, FILE_PLUGIN)
+    _fake_bcp(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(registry, "_imported_plugins", [])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    registry.import_plugins([module])  # as `bcp conformance --import MODULE` does: cwd is searched
+    # The plugin's directory (the cwd, with bcp/ in it) is what the child must search for it.
+    CheckpointContractTests()._kill_midway(f"{scheme}://{tmp_path}/ck", overwrite=False)
+
+
+def test_a_bcp_shadowing_the_installed_one_on_pythonpath_is_named_in_the_hint(tmp_path, monkeypatch):
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "bcp").mkdir()
+    (shadow / "bcp" / "__init__.py").write_text("")  # a folder with no conformance inside
+    monkeypatch.setenv("PYTHONPATH", str(shadow))
+    monkeypatch.setattr(registry, "_imported_plugins", [])
+    with pytest.raises(AssertionError) as caught:
+        CheckpointContractTests()._kill_midway(f"{tmp_path}/ck", overwrite=False)
+    first = str(caught.value).splitlines()[0]
+    # Where the shadow lacks the suite, the child cannot start it (No module named
+    # 'bcp.conformance'); where an import hook still finds it, the child sees its bcp is
+    # not the parent's. Either way the first line says PYTHONPATH, and the shadow.
+    assert "PYTHONPATH" in first and ("No module named 'bcp" in first or str(shadow) in first), first
+    assert "--import" not in first, f"the hint points at --import for a shadowed bcp: {first}"
+
+
+def test_the_child_refuses_a_bcp_other_than_the_parents(tmp_path):
+    """If another bcp with the same modules were imported, the child says so and stops."""
+    import subprocess
+
+    options = json.dumps({"bcp": str(tmp_path / "elsewhere" / "bcp")})
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "bcp.conformance.killed_save", f"{tmp_path}/ck", options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "WRITING" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "this child imported bcp from" in last and str(tmp_path / "elsewhere") in last, last
