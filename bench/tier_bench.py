@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -128,10 +129,12 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
         dist.all_reduce(grad_sync)  # ranks step together, as data-parallel training does
         opt.step()
 
-    # calibrate the step's matmuls to --step-seconds, with every rank computing at once
-    per = slowest(timed(lambda: [torch.mm(a, a) for _ in range(3)]) / 3)
-    opt_time = slowest(timed(opt.step))
-    cfg["matmuls"] = max(1, round((cfg["step_seconds"] - opt_time) / per))
+    # calibrate the step's matmuls to --step-seconds, with every rank stepping at once
+    cfg["matmuls"] = 0
+    fixed = slowest(statistics.median(timed(train_step) for _ in range(3)))  # AdamW + all-reduce
+    cfg["matmuls"] = 4
+    per = (slowest(statistics.median(timed(train_step) for _ in range(3))) - fixed) / 4
+    cfg["matmuls"] = max(1, round((cfg["step_seconds"] - fixed) / max(per, 1e-6)))
 
     tier = bcp.LocalTier(
         dir=os.path.join(cfg["base"], f"host{host}"), every=1, replicas=1, persist_every=cfg["drain_step"], keep=2
@@ -264,6 +267,16 @@ def recover_job(rank: int, world: int, cfg: dict) -> dict:
 
         return state_of([z() for _ in range(TENSORS)], [(z(), z()) for _ in range(TENSORS)], rows, start, -1)
 
+    # what the local recovery moved (bcp.tiers.recover logs it at INFO): printed for the last repetition
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("recovered step"):
+                said.append(record.getMessage())
+
+    logging.getLogger("bcp.tiers.recover").addHandler(Keep(logging.INFO))
+    logging.getLogger("bcp.tiers.recover").setLevel(logging.INFO)
     times: dict[str, list[float]] = {"local": [], "persistent": []}
     exact = True
     for rep in range(cfg["repeats"]):
@@ -283,6 +296,10 @@ def recover_job(rank: int, world: int, cfg: dict) -> dict:
             if rank == 0:
                 print(f"  recovery rep {rep + 1} from {name}: {seconds:.2f} s, step {step}, exact {ok}", flush=True)
             del loaded, target
+    for r in range(world):
+        if r == rank and said:
+            print(f"  rank {rank} ({host}): {said[-1]}", flush=True)
+        dist.barrier()
     with_tier.close()
     without.close()
     return {
