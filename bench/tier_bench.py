@@ -1,0 +1,447 @@
+"""The local tier (docs/tiers.md) against the copies it is made of, and recovery from
+it against recovery from an object store, in one run.
+
+4 gloo ranks on 2 simulated hosts (``BCP_HOST_ID`` host0: ranks 0-1, host1: ranks
+2-3; each host's ``LocalTier.dir`` its own directory under /dev/shm). The state is
+``--gib`` in total, each rank holding 1/4 of it: row shards (``bcp.TensorShard``) of
+8 weight matrices and their AdamW moments (``exp_avg``, ``exp_avg_sq``), trained by a
+real ``torch.optim.AdamW``. The persistent tier is S3: ``rclone serve s3`` behind
+``tests/netproxy.py`` (``--latency-ms`` per round trip, ``--bandwidth-mbs`` per
+connection), both started and stopped here, on 127.0.0.1.
+
+Measured, medians of ``--repeats`` (interleaved):
+
+1. what ``manager.save`` blocks (the local tier, no overlap) against a memcpy of the
+   rank's share (``copy_`` into warm buffers of the same sizes, in the same process);
+2. the whole local save with replication (``save`` + ``wait``) against a plain gloo
+   ``isend``/``irecv`` of each rank's share with its peer on the other host;
+3. after host1 is lost (its directory deleted), the recovery on 3 ranks (host0's two
+   and a new host2): ``load_latest`` of a manager with the tier (from the local tier)
+   and of a manager without it (the same step, drained to S3), each checked bit-exact;
+4. the training stall per local save with ``overlap=optimizer``, in % of a step of
+   ``--step-seconds`` of matmuls + ``opt.step()`` + a gradient all-reduce.
+
+Times of collective operations are the slowest rank's. The last line is
+``tier_bench: local <s> s, persistent <s> s, ratio <r>, exact <True|False>``.
+
+    python bench/tier_bench.py [--gib 1] [--repeats 3] [--latency-ms 30] [--bandwidth-mbs 20]
+    python bench/tier_bench.py --quick   # a small state, one repetition: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import torch
+import torch.distributed as dist
+
+from netproxy import proxied
+from servers import free_port, make_bucket, running, test_environment
+
+os.environ.update(test_environment())
+
+import bcp
+
+TENSORS = 8
+COLS = 1024
+SAVE_WORLD, RANKS_PER_HOST = 4, 2
+RECOVER_HOSTS = ("host0", "host0", "host2")  # host1 lost, a new host joins
+
+
+def rows_per_rank(gib: float) -> int:
+    """Rows of each weight on one of 4 ranks: weights + 2 moments, fp32, ``gib`` in total."""
+    per_tensor = gib * 2**30 / 3 / TENSORS / 4
+    return max(1, int(per_tensor // (COLS * SAVE_WORLD)))
+
+
+def span(rank: int, world: int, rows: int) -> tuple[int, int]:
+    return rank * rows // world, (rank + 1) * rows // world
+
+
+def state_of(
+    weights: list[torch.Tensor], moments: list[tuple[torch.Tensor, torch.Tensor]], rows: int, start: int, step: int
+) -> dict:
+    """The saved state: this rank's rows of each weight and of its AdamW moments."""
+
+    def shard(t: torch.Tensor) -> bcp.TensorShard:
+        return bcp.TensorShard(t.detach(), (rows, COLS), (start, 0))
+
+    return {
+        "model": {f"w{i}": shard(w) for i, w in enumerate(weights)},
+        "optim": {f"w{i}": {"exp_avg": shard(m), "exp_avg_sq": shard(v)} for i, (m, v) in enumerate(moments)},
+        "step": step,
+    }
+
+
+def tensors_of(state: dict) -> list[torch.Tensor]:
+    out = [s.local for s in state["model"].values()]
+    for moments in state["optim"].values():
+        out += [moments["exp_avg"].local, moments["exp_avg_sq"].local]
+    return out
+
+
+def slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# -- the saving job (4 ranks, 2 hosts) ----------------------------------------------------------------
+
+
+def save_job(rank: int, world: int, cfg: dict) -> dict:
+    host = rank // RANKS_PER_HOST
+    os.environ["BCP_HOST_ID"] = f"host{host}"
+    rows = cfg["rows"]
+    start, stop = span(rank, world, rows)
+    g = torch.Generator().manual_seed(rank)
+    params = [torch.nn.Parameter(torch.randn(stop - start, COLS, generator=g)) for _ in range(TENSORS)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt.step()  # the moments exist
+    a = torch.randn(cfg["mat"], cfg["mat"], generator=g)
+    grad_sync = torch.zeros(1 << 18)
+
+    def train_step() -> None:
+        for _ in range(cfg["matmuls"]):
+            torch.mm(a, a)
+        dist.all_reduce(grad_sync)  # ranks step together, as data-parallel training does
+        opt.step()
+
+    # calibrate the step's matmuls to --step-seconds, with every rank stepping at once
+    cfg["matmuls"] = 0
+    fixed = slowest(statistics.median(timed(train_step) for _ in range(3)))  # AdamW + all-reduce
+    cfg["matmuls"] = 4
+    per = (slowest(statistics.median(timed(train_step) for _ in range(3))) - fixed) / 4
+    cfg["matmuls"] = max(1, round((cfg["step_seconds"] - fixed) / max(per, 1e-6)))
+
+    tier = bcp.LocalTier(
+        dir=os.path.join(cfg["base"], f"host{host}"), every=1, replicas=1, persist_every=cfg["drain_step"], keep=2
+    )
+    manager = bcp.CheckpointManager(cfg["root"], tier=tier)
+    moments = [(opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]) for p in params]
+    state = state_of(params, moments, rows, start, 0)
+    share = tensors_of(state)
+    share_bytes = sum(t.numel() * t.element_size() for t in share)
+    buffers = [torch.empty_like(t) for t in share]
+    for b, t in zip(buffers, share, strict=True):
+        b.copy_(t)  # warm, touched
+    peer = (rank + RANKS_PER_HOST) % world
+    out_wire = torch.ones(share_bytes, dtype=torch.uint8)
+    in_wire = torch.zeros(share_bytes, dtype=torch.uint8)
+
+    def memcpy() -> None:
+        for b, t in zip(buffers, share, strict=True):
+            b.copy_(t)
+
+    def exchange() -> None:
+        works = [dist.isend(out_wire, peer), dist.irecv(in_wire, peer)]
+        for w in works:
+            w.wait()
+
+    res: dict[str, Any] = {"share_bytes": share_bytes, "matmuls": cfg["matmuls"], "rows": []}
+    step = 0
+    # (1, 2) blocking and whole local saves, memcpy and gloo exchange, interleaved; the first save warms up
+    for rep in range(cfg["repeats"] + 1):
+        step += 1
+        state["step"] = step
+        dist.barrier()
+        copy_s = timed(memcpy)
+        dist.barrier()
+        t0 = time.perf_counter()
+        manager.save(step, state)
+        blocking = time.perf_counter() - t0
+        manager.wait()
+        total = time.perf_counter() - t0
+        dist.barrier()
+        wire = timed(exchange)
+        row = [slowest(x) for x in (copy_s, blocking, total, wire)]
+        if rep > 0:
+            res["rows"].append(row)
+        if rank == 0:
+            tag = "warm-up" if rep == 0 else f"rep {rep}"
+            print(
+                f"  save {tag}: memcpy {row[0]:.3f} s, save blocks {row[1]:.3f} s, with replication "
+                f"{row[2]:.3f} s, gloo exchange {row[3]:.3f} s",
+                flush=True,
+            )
+        opt.step()  # the state changes between saves
+
+    # (4) the stall per save with overlap=optimizer: cycles of k steps, plain and with a save first
+    manager.overlap = opt
+    k = cfg["cycle"]
+    plain: list[float] = []
+    stalls: list[float] = []
+    leftover: list[float] = []
+    for _rep in range(cfg["repeats"]):
+        dist.barrier()
+        for _ in range(k):
+            plain.append(timed(train_step))
+        base = statistics.median(plain)
+        step += 1
+        state["step"] = step
+        dist.barrier()
+        t0 = time.perf_counter()
+        manager.save(step, state)
+        for _ in range(k):
+            train_step()
+        cycle = time.perf_counter() - t0
+        leftover.append(timed(manager.wait))  # still in flight after k steps (not counted as stall)
+        stalls.append(cycle - k * base)
+    base = statistics.median(plain)
+    res["step_s"] = slowest(base)
+    res["stall_s"] = slowest(statistics.median(stalls))
+    res["leftover_s"] = slowest(statistics.median(leftover))
+    if rank == 0:
+        print(
+            f"  overlap: step {res['step_s']:.3f} s ({cfg['matmuls']} matmuls + AdamW + all-reduce), stall per save "
+            f"{res['stall_s']:.3f} s, in flight after {k} steps {res['leftover_s']:.3f} s",
+            flush=True,
+        )
+
+    # the drained step: saved locally and copied to S3
+    manager.overlap = None
+    step = cfg["drain_step"]
+    state["step"] = step
+    dist.barrier()
+    t0 = time.perf_counter()
+    manager.save(step, state)
+    torch.save({f"t{i}": t.clone() for i, t in enumerate(tensors_of(state))}, os.path.join(cfg["refs"], f"{rank}.pt"))
+    manager.wait()
+    res["drain_s"] = slowest(time.perf_counter() - t0)
+    manager.close()
+    if rank == 0:
+        print(f"  step {step} saved and drained to S3 in {res['drain_s']:.1f} s", flush=True)
+    return res
+
+
+# -- the recovering job (3 ranks: host0's two and a new host) ---------------------------------------
+
+
+def reference(cfg: dict, world_rank: int, world: int) -> list[torch.Tensor]:
+    """The saved values of this rank's rows at ``world`` ranks, from the saving ranks' copies."""
+    rows = cfg["rows"]
+    saved = [torch.load(os.path.join(cfg["refs"], f"{r}.pt"), mmap=True, weights_only=True) for r in range(SAVE_WORLD)]
+    start, stop = span(world_rank, world, rows)
+    out = []
+    for i in range(TENSORS * 3):
+        full = torch.cat([s[f"t{i}"] for s in saved])
+        out.append(full[start:stop].clone())
+    return out
+
+
+def recover_job(rank: int, world: int, cfg: dict) -> dict:
+    host = RECOVER_HOSTS[rank]
+    os.environ["BCP_HOST_ID"] = host
+    rows = cfg["rows"]
+    start, stop = span(rank, world, rows)
+    want = reference(cfg, rank, world)
+    tier = bcp.LocalTier(dir=os.path.join(cfg["base"], host), persist_every=None)
+    with_tier = bcp.CheckpointManager(cfg["root"], async_save=False, tier=tier)
+    without = bcp.CheckpointManager(cfg["root"], async_save=False)
+
+    def template() -> dict:
+        def z() -> torch.Tensor:
+            return torch.zeros(stop - start, COLS)
+
+        return state_of([z() for _ in range(TENSORS)], [(z(), z()) for _ in range(TENSORS)], rows, start, -1)
+
+    # what the local recovery moved (bcp.tiers.recover logs it at INFO): printed for the last repetition
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("recovered step"):
+                said.append(record.getMessage())
+
+    logging.getLogger("bcp.tiers.recover").addHandler(Keep(logging.INFO))
+    logging.getLogger("bcp.tiers.recover").setLevel(logging.INFO)
+    times: dict[str, list[float]] = {"local": [], "persistent": []}
+    exact = True
+    for rep in range(cfg["repeats"]):
+        for name, manager in (("local", with_tier), ("persistent", without)):
+            target = template()
+            dist.barrier()
+            t0 = time.perf_counter()
+            step, loaded = manager.load_latest(target)
+            seconds = slowest(time.perf_counter() - t0)
+            same = step == cfg["drain_step"] and loaded["step"] == cfg["drain_step"]
+            same = same and all(torch.equal(g, w) for g, w in zip(tensors_of(loaded), want, strict=True))
+            flag = torch.tensor([0 if same else 1])
+            dist.all_reduce(flag)
+            ok = int(flag.item()) == 0
+            exact = exact and ok
+            times[name].append(seconds)
+            if rank == 0:
+                print(f"  recovery rep {rep + 1} from {name}: {seconds:.2f} s, step {step}, exact {ok}", flush=True)
+            del loaded, target
+    for r in range(world):
+        if r == rank and said:
+            print(f"  rank {rank} ({host}): {said[-1]}", flush=True)
+        dist.barrier()
+    with_tier.close()
+    without.close()
+    return {
+        "local_s": statistics.median(times["local"]),
+        "persistent_s": statistics.median(times["persistent"]),
+        "exact": exact,
+    }
+
+
+# -- processes ---------------------------------------------------------------------------------------
+
+
+def _entry(job: str, rank: int, world: int, port: int, cfg: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), BCP_COLLECTIVE_TIMEOUT="900")
+    torch.set_num_threads(1)
+    status = 0
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        res = (save_job if job == "save" else recover_job)(rank, world, cfg)
+        if rank == 0:
+            Path(cfg["out"]).write_text(json.dumps(res))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported by the exit status
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def run(job: str, world: int, cfg: dict, timeout: float) -> dict:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(job, r, world, port, cfg)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    if any(c != 0 for c in codes):
+        raise SystemExit(f"tier_bench: the {job} job failed (exit codes {codes})")
+    return json.loads(Path(cfg["out"]).read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=1.0, help="the whole state (weights + AdamW moments), GiB")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--latency-ms", type=float, default=30.0, help="round trip the proxy adds to S3")
+    p.add_argument("--bandwidth-mbs", type=float, default=20.0, help="MB/s per S3 connection and direction")
+    p.add_argument("--step-seconds", type=float, default=0.7, help="a training step's compute (calibrated)")
+    p.add_argument("--cycle", type=int, default=4, help="training steps between two local saves (overlap)")
+    p.add_argument("--quick", action="store_true", help="a small state, one repetition, short steps: a smoke run")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds each job may take")
+    args = p.parse_args()
+    if args.quick:
+        args.gib, args.repeats, args.step_seconds, args.cycle = 1 / 64, 1, 0.1, 2
+    rows = rows_per_rank(args.gib) * SAVE_WORLD
+    total = rows * COLS * 4 * 3 * TENSORS
+    work = Path(tempfile.mkdtemp(prefix="bcp-tierbench-"))
+    base = tempfile.mkdtemp(prefix="bcp-tierbench-", dir="/dev/shm")
+    (work / "refs").mkdir()
+    print(
+        f"state {total / 2**30:.3f} GiB on 4 ranks / 2 hosts ({total / 4 / 2**20:.0f} MiB per rank: weights + AdamW "
+        f"moments); local tier under {base}; S3 = rclone through a proxy adding {args.latency_ms:g} ms, "
+        f"{args.bandwidth_mbs:g} MB/s per connection; medians of {args.repeats}; load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
+        flush=True,
+    )
+    try:
+        with (
+            running("rclone") as server,
+            proxied(server.endpoint, latency=args.latency_ms / 1000, bandwidth=args.bandwidth_mbs * 1e6) as endpoint,
+        ):
+            bucket = f"tier{uuid.uuid4().hex[:8]}"
+            make_bucket(server, bucket)
+            cfg = {
+                "rows": rows,
+                "base": base,
+                "refs": str(work / "refs"),
+                "root": f"s3://{bucket}/job?endpoint_url={endpoint}&conditional_writes=false",
+                "repeats": args.repeats,
+                "step_seconds": args.step_seconds,
+                "cycle": args.cycle,
+                "mat": 256 if args.quick else 512,
+                "matmuls": 1,
+                "drain_step": args.repeats + 1 + args.repeats + 1,
+                "out": str(work / "save.json"),
+            }
+            saved = run("save", SAVE_WORLD, cfg, args.timeout)
+            shutil.rmtree(os.path.join(base, "host1"))  # host1 is lost
+            cfg["out"] = str(work / "recover.json")
+            rec = run("recover", len(RECOVER_HOSTS), cfg, args.timeout)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+    share = saved["share_bytes"]
+    med = [statistics.median(r[i] for r in saved["rows"]) for i in range(4)]
+    copy_s, block_s, total_s, wire_s = med
+    print()
+    print(f"| measure (4 ranks, 2 hosts; {share / 2**20:.0f} MiB per rank) | seconds | GB/s per rank | vs |")
+    print("|---|---:|---:|---|")
+    print(f"| memcpy of the rank's share (warm buffers) | {copy_s:.3f} | {share / copy_s / 1e9:.2f} | |")
+    print(
+        f"| local save: manager.save blocks | {block_s:.3f} | {share / block_s / 1e9:.2f} | "
+        f"{block_s / copy_s:.2f}x memcpy |"
+    )
+    print(f"| gloo isend/irecv of the share with the other host | {wire_s:.3f} | {share / wire_s / 1e9:.2f} | |")
+    print(
+        f"| local save with replication (save + wait) | {total_s:.3f} | {share / total_s / 1e9:.2f} | "
+        f"{total_s / wire_s:.2f}x gloo exchange |"
+    )
+    print(f"| drained step (local save + upload of {total / 2**30:.2f} GiB to S3) | {saved['drain_s']:.2f} | | |")
+    stall_pct = 100 * max(saved["stall_s"], 0.0) / saved["step_s"]
+    print(
+        f"| overlap=optimizer: stall per local save | {saved['stall_s']:.3f} | | {stall_pct:.1f}% of a "
+        f"{saved['step_s']:.3f} s step |"
+    )
+    print(f"| recovery on 3 ranks (host1 lost), local tier | {rec['local_s']:.2f} | | |")
+    print(
+        f"| recovery on 3 ranks, persistent tier (S3) | {rec['persistent_s']:.2f} | | "
+        f"{rec['persistent_s'] / rec['local_s']:.1f}x local |"
+    )
+    print(
+        f"targets: save blocks <= 1.2x memcpy: {block_s / copy_s <= 1.2}; stall <= 5%: {stall_pct <= 5}; "
+        f"persistent/local >= 5: {rec['persistent_s'] / rec['local_s'] >= 5}"
+    )
+    ratio = rec["persistent_s"] / rec["local_s"]
+    print(
+        f"tier_bench: local {rec['local_s']:.2f} s, persistent {rec['persistent_s']:.2f} s, ratio {ratio:.1f}, "
+        f"exact {rec['exact']}"
+    )
+
+
+if __name__ == "__main__":
+    main()
