@@ -28,6 +28,18 @@ def _chaos() -> str:
     return exe
 
 
+def test_a_resumed_job_that_exits_without_saving_exits_cleanly(tmp_path):
+    """Found by ckpt-chaos: a job resumed at its last step (nothing left to save) exited
+    while the staging reservation that load_latest starts was still allocating, and
+    the process aborted ("terminate called without an active exception")."""
+    run = [sys.executable, str(JOB), str(tmp_path), "async", "2"]
+    first = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0 and "fresh start" in first.stdout, first.stdout + first.stderr
+    again = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed from step 1" in again.stdout and "terminate called" not in again.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_killed_manager_job_always_resumes_exactly(mode, tmp_path):

@@ -22,9 +22,11 @@ cost 64 MiB of pinned memory.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -211,6 +213,9 @@ class StagingPool:
         self._in_use = 0  # the pool's own slabs lent and not yet released
         self._target = 0  # slabs the background pinner brings the pool up to
         self._pinner: threading.Thread | None = None
+        #: set at interpreter exit: the pinner stops before torch's allocators are torn down
+        self._closing = False
+        _POOLS.add(self)
         self._pin_failed = False
         self._cond = threading.Condition()
         #: stand-in slabs lent so far (each one an acquire that did not wait for pinning)
@@ -283,16 +288,20 @@ class StagingPool:
 
     def _start_pinner(self) -> None:
         """(lock held) Start the background pinner unless it runs or pinning failed."""
-        if self._pinner is None and not self._pin_failed and self._allocated < self._target:
+        if self._pinner is None and not self._pin_failed and not self._closing and self._allocated < self._target:
             self._pinner = threading.Thread(target=self._pin_loop, name="bcp-pin-staging", daemon=True)
             self._pinner.start()
 
     def _pin_loop(self) -> None:
         while True:
             with self._cond:
-                while self._allocated < self._target and self._allocated + self._standins >= self.max_slabs:
+                while (
+                    not self._closing
+                    and self._allocated < self._target
+                    and self._allocated + self._standins >= self.max_slabs
+                ):
                     self._cond.wait()  # the budget is lent to stand-ins: pin once they come back
-                if self._allocated >= self._target:
+                if self._allocated >= self._target or self._closing:
                     self._pinner = None
                     return
                 self._allocated += 1
@@ -345,9 +354,11 @@ class StagingPool:
         want = min(self.max_slabs, -(-max(0, nbytes) // self.slab_bytes))
         while True:
             with self._cond:
-                while self._allocated < want and self._allocated + self._standins >= self.max_slabs:
+                while (
+                    not self._closing and self._allocated < want and self._allocated + self._standins >= self.max_slabs
+                ):
                     self._cond.wait()  # stand-ins in use hold the budget until released
-                if self._allocated >= want:
+                if self._allocated >= want or self._closing:
                     return self.allocated_bytes
                 self._allocated += 1
             try:
@@ -367,8 +378,32 @@ class StagingPool:
             self._target = min(self._target, self._allocated)
 
 
+def _stop_background_allocation() -> None:
+    """At interpreter exit: let every pool's pinner finish the slab it is allocating
+    and stop. A thread still inside torch's allocator while the interpreter tears
+    down aborts the process ("terminate called without an active exception"): a
+    resumed job that exits without saving did, after every bcp call had returned."""
+    for pool in list(_POOLS):
+        with pool._cond:
+            pool._closing = True
+            pool._cond.notify_all()
+            pinner = pool._pinner
+        if pinner is not None:
+            pinner.join(timeout=60)
+    for thread in list(_RESERVING):
+        thread.join(timeout=60)
+
+
+#: every pool of this process (weakly), for the exit hook
+_POOLS: weakref.WeakSet[StagingPool] = weakref.WeakSet()
+#: reservation threads still running, for the exit hook
+_RESERVING: set[threading.Thread] = set()
+atexit.register(_stop_background_allocation)
+
+
 class StagingReservation:
-    """Slabs being allocated ahead of a save, in a background thread."""
+    """Slabs being allocated ahead of a save, in a background thread (stopped and
+    joined at interpreter exit, see :func:`_stop_background_allocation`)."""
 
     def __init__(self, pool: StagingPool, nbytes: int, *, background: bool = True) -> None:
         self.pool = pool
@@ -379,6 +414,7 @@ class StagingReservation:
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._run, name="bcp-reserve-staging", daemon=True)
+            _RESERVING.add(self._thread)
             self._thread.start()
         else:
             self._run()
@@ -390,6 +426,7 @@ class StagingReservation:
             self.error = e
         finally:
             self._done.set()
+            _RESERVING.discard(threading.current_thread())
 
     def done(self) -> bool:
         return self._done.is_set()
