@@ -328,7 +328,7 @@ def test_the_version_is_0_2_0_and_inspect_shows_it_with_the_format(tmp_path, cap
     project = pyproject()
     assert project["dynamic"] == ["version"] and "version" not in project
     changelog = (ROOT / "CHANGELOG.md").read_text()
-    assert "\n## 0.2.0\n" in changelog and changelog.index("## Unreleased") < changelog.index("## 0.2.0")
+    assert "\n## 0.2.0 (unreleased)\n" in changelog and changelog.index("## 0.2.0") < changelog.index("## 0.1.0")
     uri = str(tmp_path / "ck")
     bcp.save(small_state(), uri)
     assert bcp.open(uri).manifest.bcp_version == "0.2.0"
