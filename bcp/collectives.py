@@ -485,7 +485,10 @@ def _missing_error(
     text = str(cause)
     found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
     partial = found is None
-    if found is None:  # the group's creation timed out: the store keys it waited for (the first missing rank)
+    if isinstance(cause, gloo_network.RanksNotArrivedError):  # never came to create the group: all of them known
+        found_ranks = [members.index(r) for r in cause.missing if r in members]
+        partial = False
+    elif found is None:  # the group's creation timed out: the store keys it waited for (the first missing rank)
         keys = re.search(r"keys: (.*)", text)
         found_ranks = [int(k) for k in re.findall(r"/(\d+)(?:,|$)", keys.group(1))] if keys else []
     else:

@@ -270,7 +270,9 @@ def create_group(
     count = _CREATED.get(members, 0)
     _CREATED[members] = count + 1
     digest = hashlib.sha1(repr(members).encode(), usedforsecurity=False).hexdigest()[:16]
-    arrived = _wait_for_every_rank(f"{digest}/{count}", size, rank, limit, arrival_timeout) if limit > 0 else False
+    arrived = (
+        _wait_for_every_rank(f"{digest}/{count}", size, rank, limit, arrival_timeout, ranks) if limit > 0 else False
+    )
     with _environment(IFNAME_ENV, choice.interface):
         if not arrived:  # no bound of bcp's own: the group's timeout applies
             return _wrapped(create, rank, choice, None)
@@ -349,7 +351,12 @@ def _connect_error(
 
 
 def _wait_for_every_rank(
-    name: str, size: int, rank: int, limit: float, arrival_timeout: datetime.timedelta | None = None
+    name: str,
+    size: int,
+    rank: int,
+    limit: float,
+    arrival_timeout: datetime.timedelta | None = None,
+    members: tuple[int, ...] | None = None,
 ) -> bool:
     """Wait until every rank of the group has come to create it, through the job's
     store (``MASTER_ADDR:MASTER_PORT``), so that the connect bound does not count a
@@ -374,6 +381,7 @@ def _wait_for_every_rank(
         return False
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     prefix = f"bcp/gloo_arrival/{attempt}/{name}"
+    store.set(f"{prefix}/rank{rank}", "1")  # who came, for the error below
     if store.add(f"{prefix}/count", 1) >= size:
         store.set(f"{prefix}/all", "1")
     try:
@@ -381,9 +389,20 @@ def _wait_for_every_rank(
         store.wait([f"{prefix}/all"])
     except RuntimeError as e:  # the store's timeout (DistStoreError is a RuntimeError)
         here = store.add(f"{prefix}/count", 0)
-        raise RankFailedError(
+        everyone = members if members is not None else tuple(range(size))
+        missing = [r for r in everyone if not store.check([f"{prefix}/rank{r}"])]
+        raise RanksNotArrivedError(
             f"rank {rank}: only {here} of the {size} ranks came to create bcp's gloo group within "
             f"{timeout.total_seconds():g} s ({e}); every rank must call save/load (BCP_COLLECTIVE_TIMEOUT sets "
-            f"how long bcp waits)"
+            f"how long bcp waits)",
+            missing=missing,
         ) from e
     return True
+
+
+class RanksNotArrivedError(RankFailedError):
+    """Some ranks never came to create bcp's gloo group; ``missing``: their global ranks."""
+
+    def __init__(self, message: str, *, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing
