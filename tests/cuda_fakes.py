@@ -19,6 +19,7 @@ import contextlib
 import threading
 import weakref
 
+import pytest
 import torch
 
 from bcp.tensor_io import raw
@@ -234,3 +235,13 @@ class CheckedPool:
         if self._api.pending_touching(slab.tensor):
             self._api.violations.append("a slab went back to the pool before its copy completed")
         self._pool.release(slab)
+
+
+@pytest.fixture(name="fake")
+def fake_cuda(monkeypatch) -> FakeCudaApi:
+    """A FakeCudaApi in place of bcp's CUDA calls for one test (import this fixture)."""
+    import bcp.io_scheduler.device_copy
+
+    api = FakeCudaApi()
+    monkeypatch.setattr(bcp.io_scheduler.device_copy, "api", api)
+    return api

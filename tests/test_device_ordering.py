@@ -19,17 +19,10 @@ import bcp.io_scheduler.device_copy
 import bcp.io_scheduler.staging
 from bcp.io_scheduler.device_load import contiguous_pieces
 from bcp.io_scheduler.staging import Slab, StagingPool
-from cuda_fakes import CheckedPool, FakeCudaApi
+from cuda_fakes import CheckedPool, FakeCudaApi, fake_cuda  # noqa: F401 - the fixture 'fake'
 from helpers import tensor_bytes_equal
 
 SLAB = 128 << 10
-
-
-@pytest.fixture
-def fake(monkeypatch) -> FakeCudaApi:
-    api = FakeCudaApi()
-    monkeypatch.setattr(bcp.io_scheduler.device_copy, "api", api)
-    return api
 
 
 def device_state(fake: FakeCudaApi, seed: int = 0) -> dict:

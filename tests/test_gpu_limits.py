@@ -27,17 +27,10 @@ import bcp.training
 import dist_jobs
 from bcp.async_save import staging_bytes
 from bcp.io_scheduler.staging import StagingPool, available_memory, cgroup_available, default_budget
-from cuda_fakes import CheckedPool, FakeCudaApi
+from cuda_fakes import CheckedPool, FakeCudaApi, fake_cuda  # noqa: F401 - the fixture 'fake'
 from helpers import tensor_bytes_equal
 
 SLAB = 128 << 10
-
-
-@pytest.fixture
-def fake(monkeypatch) -> FakeCudaApi:
-    api = FakeCudaApi()
-    monkeypatch.setattr(bcp.io_scheduler.device_copy, "api", api)
-    return api
 
 
 def flat(state: dict) -> dict:
