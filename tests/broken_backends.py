@@ -8,19 +8,41 @@ import threading
 import time
 from collections.abc import Iterator
 
-from bcp.backends import Buffer, Capability, ObjectWriter, register_backend
-from bcp.backends.memory import _LOCK, _OBJECTS, MemoryBackend, _MemoryWriter
+from bcp.backends import Buffer, Capability, ObjectWriter, check_key, register_backend
+from bcp.backends.memory import MemoryBackend, _MemoryWriter
 
 
-class _VisibleEarlyWriter(_MemoryWriter):
+class _VisibleEarlyWriter(ObjectWriter):
     """Publishes every write at once: readers see objects before (and without) commit."""
 
+    def __init__(self, backend: MemoryBackend, key: str, size: int | None) -> None:
+        super().__init__(backend.uri, check_key(key))  # refused at open, as the memory writer does
+        self.backend = backend
+        self._buf = bytearray(size or 0)
+        self._lock = threading.Lock()  # parallel writes may grow the buffer
+
+    def _publish(self) -> None:
+        """Store the bytes written so far under the key, through a real memory writer."""
+        with MemoryBackend.open_writer(self.backend, self.key, size=len(self._buf)) as writer:
+            writer.write_at(0, bytes(self._buf))
+            writer.commit()
+
     def _write_at(self, offset: int, data: Buffer) -> None:
-        super()._write_at(offset, data)
+        view = memoryview(data).cast("B")
         with self._lock:
-            current = bytes(self._buf)
-        with _LOCK:
-            _OBJECTS[self.backend._full(self.key)] = current
+            end = offset + len(view)
+            if end > len(self._buf):
+                self._buf.extend(bytes(end - len(self._buf)))
+            self._buf[offset:end] = view
+            self._publish()
+
+    def _commit(self) -> None:
+        with self._lock:
+            self._publish()
+
+    def _abort(self) -> None:
+        with self._lock:
+            self._buf = bytearray()
 
 
 class VisibleEarlyBackend(MemoryBackend):

@@ -1,9 +1,14 @@
-"""Shared fixtures: a checkpoint URI on each built-in backend, hypothesis profiles."""
+"""Shared fixtures: a checkpoint URI on each built-in backend, hypothesis profiles,
+and the test tiers (markers applied at collection: see ``pytest_collection_modifyitems``)."""
 
 from __future__ import annotations
 
+import inspect
 import os
+import types
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -28,7 +33,26 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default"))
+#: The fast tier (``pytest -m fast``): a quarter of the default examples, and a tenth of
+#: the explicit counts that go through ``helpers.examples``.
+settings.register_profile(
+    "fast",
+    deadline=None,
+    max_examples=10,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Load the hypothesis profile: HYPOTHESIS_PROFILE if set, else "fast" for
+    ``pytest -m fast``, "ci" under CI, "default" otherwise (--hypothesis-profile wins).
+    Here, not at import: test modules that ``from conftest import ...`` import this file
+    a second time, which must not reset the profile. Test modules are imported after
+    this, so ``helpers.examples`` sees the profile."""
+    if config.getoption("--hypothesis-profile", None):
+        return
+    tier = "fast" if config.getoption("markexpr", "") == "fast" else None
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or tier or ("ci" if os.environ.get("CI") else "default"))
 
 
 @pytest.fixture(params=["file", "memory"])
@@ -103,3 +127,93 @@ def store_uri(kind: str, server, bucket: str, path: str = "", **extra) -> str:
             options["conditional_writes"] = "false"
     options.update(extra)
     return f"{base}/{path}".rstrip("/") + "?" + urlencode(options)
+
+
+# -- test tiers ------------------------------------------------------------------------------
+#
+# Every test gets the markers of what it costs, at collection, so that no one has to
+# remember them: `pytest -m fast` runs the rest, and the whole suite stays `pytest`.
+#
+#   distributed  spawns gloo processes (dist_jobs.spawn, torch.multiprocessing.spawn)
+#   server       needs moto_server, rclone or the GCS emulator (the fixtures below)
+#   subprocess   runs python or bcp in a child process
+#   slow         marked by hand: takes more than about 2 s on 2 cores
+#   fast         none of the above
+#
+# How a test is classified: the fixtures it requests (server), and the names its code
+# uses: the test function, the fixtures it requests that are defined in its module or
+# class, and, transitively, the functions and classes of tests/ (or of the test's own
+# file) that those name. ``spawn`` among them means distributed, ``subprocess`` or
+# ``Popen`` means subprocess, a server fixture's name (also as a string, for
+# ``request.getfixturevalue``) means server. A test whose child processes hide behind
+# library code gets the marker by hand.
+
+#: Fixtures that start a server process, shared by the session.
+SERVER_FIXTURES = frozenset({"moto_server", "rclone_server", "gcs_server"})
+#: Names whose use means the test starts processes, by marker.
+PROCESS_NAMES = {"distributed": frozenset({"spawn"}), "subprocess": frozenset({"subprocess", "Popen"})}
+#: The markers that keep a test out of the fast tier.
+COSTLY = ("distributed", "server", "subprocess", "slow")
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and every function, lambda and comprehension nested in it."""
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+def _functions(obj: object) -> list[types.FunctionType]:
+    """The Python functions behind ``obj``: itself, a fixture's function, a class's methods."""
+    if isinstance(obj, type):
+        return [f for v in vars(obj).values() for f in _functions(getattr(v, "__func__", v))]
+    obj = getattr(getattr(obj, "hypothesis", None), "inner_test", obj)  # under @given
+    obj = inspect.unwrap(getattr(obj, "fget", obj))
+    return [obj] if isinstance(obj, types.FunctionType) else []
+
+
+def _names_used(roots: list[object], cls: type | None, home: str) -> set[str]:
+    """Global and attribute names, and string constants, used by ``roots`` and, through
+    them, by every function or class defined in tests/ or in ``home`` (the test's file)."""
+    seen: set[types.CodeType] = set()
+    names: set[str] = set()
+    todo = [f for root in roots for f in _functions(root)]
+    while todo:
+        fn = todo.pop()
+        if fn.__code__ in seen:
+            continue
+        seen.add(fn.__code__)
+        for code in _codes(fn.__code__):
+            names.update(code.co_names)
+            names.update(c for c in code.co_consts if isinstance(c, str) and c in SERVER_FIXTURES)
+            for name in code.co_names:
+                for sub in [*_functions(fn.__globals__.get(name)), *_functions(getattr(cls, name, None))]:
+                    file = sub.__code__.co_filename
+                    if file == home or Path(file).resolve().is_relative_to(TESTS_DIR):
+                        todo.append(sub)
+    return names
+
+
+def _process_markers(item: pytest.Item) -> set[str]:
+    functions = _functions(getattr(item, "function", None))
+    if not functions:
+        return set()
+    module, cls = getattr(item, "module", None), getattr(item, "cls", None)
+    home = functions[0].__code__.co_filename
+    fixtures = [getattr(cls, name, None) or getattr(module, name, None) for name in item.fixturenames]
+    names = _names_used([*functions, *fixtures], cls, home) | set(item.fixturenames)
+    found = {marker for marker, used in PROCESS_NAMES.items() if names & used}
+    if names & SERVER_FIXTURES:
+        found.add("server")
+    return found
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects anything
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for marker in sorted(_process_markers(item)):
+            item.add_marker(marker)
+        if not any(item.get_closest_marker(m) for m in COSTLY):
+            item.add_marker("fast")

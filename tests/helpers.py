@@ -8,6 +8,23 @@ from typing import Any
 
 import numpy as np
 import torch
+from hypothesis import settings
+
+
+def examples(n: int) -> int:
+    """``n`` hypothesis examples in the whole suite, a tenth (at least 10) in the fast
+    tier (``pytest -m fast`` loads the "fast" profile: tests/conftest.py)."""
+    return max(10, n // 10) if settings.get_current_profile_name() == "fast" else n
+
+
+def stored_dtypes() -> list[torch.dtype]:
+    """Every dtype bcp stores as this torch has them: the format's names
+    (``bcp.metadata.DTYPE_ITEMSIZE``) that name a torch dtype here, through bcp's mapping."""
+    from bcp.metadata import DTYPE_ITEMSIZE
+    from bcp.torch_dtypes import torch_dtype
+
+    names = [n for n in DTYPE_ITEMSIZE if isinstance(getattr(torch, n, None), torch.dtype)]
+    return sorted({torch_dtype(n) for n in names}, key=str)
 
 
 def tensor_bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

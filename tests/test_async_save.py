@@ -64,6 +64,7 @@ def test_two_saves_in_flight_do_not_corrupt_each_other(uri_factory):
         assert all(torch.equal(r.read(k), ref[k]) for k in ref if k != "step") and r.read("step") == seed
 
 
+@pytest.mark.slow
 def test_memory_stays_flat_over_50_async_saves(tmp_path):
     state = {f"w{i}": torch.randn(512, 512) for i in range(16)}  # 16 MiB
     proc = psutil.Process()

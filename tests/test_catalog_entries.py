@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from bcp.metadata import Catalog, FormatError, Fragment, itemsize
 from bcp.metadata.catalog import tiling_problem
 from bcp.metadata.entries import simple_tilings
+from helpers import examples
 from test_load_plan_fast import SHAPES, dest_boxes, stored_layout
 
 COLUMNS = ("offsets", "lengths", "byte_offsets", "sizes", "files", "writer_ranks", "_sum_starts", "_sum_values")
@@ -38,7 +39,7 @@ def decoded(data: bytes) -> Catalog:
     return Catalog.from_arrow(data, where="test", checksum_block_bytes=16)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(shapes=st.lists(SHAPES, min_size=1, max_size=4), data=st.data())
 def test_entries_built_together_equal_entries_built_one_by_one(shapes, data):
     layouts = {}
@@ -69,7 +70,7 @@ def test_entries_built_together_equal_entries_built_one_by_one(shapes, data):
     assert together.entries(names[:1])[0] is together.tensors[names[0]], "entries are cached"
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(shape=SHAPES.filter(len), data=st.data())
 def test_the_vectorised_check_accepts_only_tilings(shape, data):
     boxes = data.draw(st.one_of(stored_layout(shape), dest_boxes(shape)))

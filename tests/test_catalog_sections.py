@@ -32,6 +32,7 @@ from bcp.errors import CorruptCheckpointError
 from bcp.metadata import Catalog, FileEntry, FormatError, Fragment, Manifest, block_checksums, crc32c, sections
 from bcp.metadata.layout import MANIFEST_KEY, catalog_key, data_file_key, generation_name
 from bcp.shards import TensorShard
+from helpers import examples
 
 BLOCK = 64
 DTYPE = torch.float32
@@ -180,7 +181,7 @@ def test_v1_catalogs_keep_loading_and_v2_is_what_is_written():
 # -- partial reads agree with whole reads ---------------------------------------------------
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layouts(), st.integers(1, 9), st.data())
 def test_a_partial_catalog_holds_every_row_a_box_meets(small, writers, data):
     sections.MIN_SECTION_ROWS, saved = 1, sections.MIN_SECTION_ROWS

@@ -132,6 +132,7 @@ def test_killed_save_checks_pass_with_import_of_a_module_in_the_current_director
     assert proc.returncode == 0, proc.stdout[-3000:]
 
 
+@pytest.mark.subprocess  # the conformance check starts the child, out of sight of tests/conftest.py
 def test_killed_save_failure_names_the_childs_error(tmp_path, monkeypatch):
     """Without the import in the child, the check fails saying why (its last stderr
     line), not with the start of a truncated traceback."""
@@ -145,7 +146,7 @@ def test_killed_save_failure_names_the_childs_error(tmp_path, monkeypatch):
     finally:
         sys.path.remove(str(tmp_path))
     with pytest.raises(AssertionError) as caught:
-        CheckpointContractTests()._kill_midway(f"{scheme}://{tmp_path}/ck", overwrite=False)
+        CheckpointContractTests().test_killed_save_leaves_no_committed_checkpoint(f"{scheme}://{tmp_path}/ck")
     first = str(caught.value).splitlines()[0]
     assert f"unknown storage scheme {scheme!r}" in first and "--import" in first, first
 
@@ -253,7 +254,11 @@ def test_import_failure_is_one_line_naming_the_module(tmp_path, source, expected
 
 
 def test_imports_before_and_after_are_merged_once_each(in_process):
-    from bcp.cli import _imports, build_parser
-
-    args = build_parser().parse_args(["--import", "a", "--import", "b", "ls", "x", "--import", "a", "--import", "c"])
-    assert _imports(args) == ["a", "b", "c"]
+    tmp_path = in_process
+    tag = uuid.uuid4().hex[:8]
+    a, b, c = (f"order_{name}_{tag}" for name in "abc")
+    for module in (a, b, c):  # each notes its import, in order, in one file
+        (tmp_path / f"{module}.py").write_text(f"with open('imported.txt', 'a') as f:\n    f.write('{module}\\n')\n")
+    assert main(["--import", a, "--import", b, "ls", str(tmp_path), "--import", a, "--import", c]) == 0
+    assert (tmp_path / "imported.txt").read_text().split() == [a, b, c]
+    assert registry.imported_plugins() == [a, b, c], "child processes would import them in another order"

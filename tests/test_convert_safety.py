@@ -289,15 +289,18 @@ def test_to_torch_checks_the_data_file_before_making_scratch_space(tmp_path, mon
     m = dataclasses.replace(m, catalog=FileEntry(m.catalog.path, len(catalog), crc32c(catalog)), data_files=declared)
     backend.write(MANIFEST_KEY, m.to_json())
 
-    made: list[tuple] = []
-    real = bcp.convert._file_backed
+    made: list[int] = []  # the sizes of the file-backed storages the export maps
+    real = torch.UntypedStorage.from_file
     monkeypatch.setattr(
-        bcp.convert,
-        "_file_backed",
-        lambda scratch, name, shape, dtype: made.append(tuple(shape)) or real(scratch, name, shape, dtype),
+        torch.UntypedStorage,
+        "from_file",
+        lambda path, shared=False, nbytes=0: made.append(nbytes) or real(path, shared=shared, nbytes=nbytes),
     )
     with pytest.raises(bcp.CorruptCheckpointError, match="holds 32 bytes; the manifest says 2147483648") as e:
         bcp.convert.to_torch(uri, str(tmp_path / "out.pt"))
     assert e.value.file == frag.file
     assert made == []
     assert not (tmp_path / "out.pt").exists()
+    bcp.save({"w": torch.ones(4)}, str(tmp_path / "small"))
+    bcp.convert.to_torch(str(tmp_path / "small"), str(tmp_path / "small.pt"))
+    assert made == [16], "the probe sees the scratch file of an export that goes ahead"

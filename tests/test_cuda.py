@@ -15,12 +15,11 @@ import pytest
 import torch
 
 import bcp
-from bcp.torch_dtypes import _BY_NAME
-from helpers import tensor_bytes_equal
+from helpers import stored_dtypes, tensor_bytes_equal
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-ALL_DTYPES = sorted(_BY_NAME.values(), key=str)
+ALL_DTYPES = stored_dtypes()
 TRIALS = 3
 
 

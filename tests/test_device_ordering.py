@@ -20,7 +20,7 @@ import bcp.io_scheduler.staging
 from bcp.io_scheduler.device_load import contiguous_pieces
 from bcp.io_scheduler.staging import Slab, StagingPool
 from cuda_fakes import CheckedPool, FakeCudaApi, fake_cuda  # noqa: F401 - the fixture 'fake'
-from helpers import tensor_bytes_equal
+from helpers import examples, tensor_bytes_equal
 
 SLAB = 128 << 10
 
@@ -270,7 +270,7 @@ def test_device_load_keeps_host_memory_to_a_few_slabs(fake, tmp_path):
 # -- pieces, slabs, reservations -------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     lengths=st.lists(st.integers(0, 9), min_size=0, max_size=4),
     itemsize=st.sampled_from([1, 2, 4, 8]),

@@ -373,6 +373,7 @@ class SlowPinningPool(StagingPool):
         return slab
 
 
+@pytest.mark.slow
 def test_first_async_save_without_a_reservation_never_waits_for_pinning(tmp_path):
     g = torch.Generator().manual_seed(1)
     state = {f"w{i}": torch.randn(64, 1024, generator=g) for i in range(8)}  # 8 chunks of 256 KiB

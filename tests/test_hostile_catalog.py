@@ -32,7 +32,7 @@ import bcp.metadata.catalog as catalog_mod
 from bcp.backends import backend_for
 from bcp.errors import CorruptCheckpointError
 from bcp.metadata import MANIFEST_KEY, Catalog, FileEntry, FormatError, Fragment, Manifest, block_checksums, crc32c
-from helpers import fsdp_catalog_rows
+from helpers import examples, fsdp_catalog_rows
 
 BLOCK = 64 << 10
 
@@ -171,7 +171,7 @@ def box_sets(draw):
     return shape, boxes or [box()]
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(box_sets(), st.booleans())
 def test_tiling_check_agrees_with_cell_counting(case, sweep):
     from bcp.metadata.catalog import tiling_problem
@@ -381,7 +381,7 @@ def test_a_bad_key_path_is_a_format_error(tmp_path, key_path):
         bcp.open(uri).key_path("w")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.data())
 def test_damaged_catalog_bytes_raise_only_format_errors(data):
     """Any byte of a catalog (plain or compressed) changed: decoding either succeeds or

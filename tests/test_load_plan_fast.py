@@ -16,6 +16,7 @@ from bcp.boxes import Box, common_runs, flat_range_to_boxes, intersect
 from bcp.errors import CorruptCheckpointError
 from bcp.io_scheduler.read_plan import RunSet, overlap_pairs, overlap_volumes, plan_tensor_reads, touched_rows
 from bcp.metadata import Catalog, Fragment, TensorEntry, itemsize
+from helpers import examples
 
 # -- the reference: the planner before the columnar catalog ------------------------------
 
@@ -126,7 +127,7 @@ def same_plans(a: list[RunSet], b: list[RunSet]) -> None:
         assert np.array_equal(x.src, y.src) and np.array_equal(x.dst, y.dst)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(shape=SHAPES, prefer=st.integers(0, 5), data=st.data())
 def test_indexed_planner_matches_the_reference(shape, prefer, data):
     stored = data.draw(stored_layout(shape), label="stored")
@@ -149,7 +150,7 @@ def test_indexed_planner_matches_the_reference(shape, prefer, data):
         assert covered_elsewhere or (hit == 1).all(), f"box {index} not filled exactly once"
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(shape=SHAPES.filter(lambda s: math.prod(s) > 0), data=st.data())
 def test_a_missing_fragment_fails_naming_the_tensor_and_box(shape, data):
     stored = list(dict.fromkeys(data.draw(grid(shape), label="stored")))
@@ -179,7 +180,7 @@ def test_overlap_and_hole_of_the_same_size_is_refused():
         plan_tensor_reads(entry, [box])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     ndim=st.integers(0, 3),
     groups=st.integers(1, 3),

@@ -19,6 +19,7 @@ from bcp.metadata.checksum import crc32c
 from bcp.replicas import SMALL_REPLICA_BYTES, ReplicaSummer, ReplicaSums, box_key, check_replicas
 from bcp.save_plan import LayoutMeta
 from bcp.saver import _prepare
+from helpers import examples
 
 distributed = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
 
@@ -38,7 +39,7 @@ def _meta(fqns: list[str]) -> LayoutMeta:
     return LayoutMeta(tuple(fqns), tuple(f"[{f!r}]" for f in fqns), ("float32",) * n, ((4,),) * n, (None,) * n)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     st.integers(2, 5).flatmap(
         lambda world: st.lists(

@@ -26,7 +26,7 @@ from bcp.metadata.layout import catalog_key, data_file_key, generation_name
 from bcp.save_plan import LocalLayout, plan_save
 from bcp.saver import _decide_objects, _prepare, build_manifest, write_rank_data
 from bcp.shards import FlatShard, TensorShard, local_pieces
-from helpers import tensor_bytes_equal
+from helpers import examples, tensor_bytes_equal
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.complex64, torch.bool, torch.float64]
 
@@ -101,7 +101,7 @@ def expected_box(full: torch.Tensor, box) -> torch.Tensor:
     return full[tuple(slice(o, o + n) for o, n in zip(off, lens, strict=True))]
 
 
-@settings(max_examples=int(__import__("os").environ.get("BCP_RESHARD_EXAMPLES", "200")))
+@settings(max_examples=examples(int(__import__("os").environ.get("BCP_RESHARD_EXAMPLES", "200"))))
 @given(
     shape=st.lists(st.sampled_from([0, 1, 2, 3, 5, 8]), min_size=0, max_size=4).map(tuple),
     dtype=st.sampled_from(DTYPES),

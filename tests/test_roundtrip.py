@@ -12,10 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import bcp
-from bcp.torch_dtypes import _BY_NAME
-from helpers import assert_same, tensor_bytes_equal
+from helpers import assert_same, stored_dtypes, tensor_bytes_equal
 
-ALL_DTYPES = sorted(_BY_NAME.values(), key=str)
+ALL_DTYPES = stored_dtypes()
 
 shapes = st.lists(st.sampled_from([0, 1, 2, 3, 5, 17]), min_size=0, max_size=4).map(tuple)
 

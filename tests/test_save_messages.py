@@ -18,6 +18,7 @@ from bcp.fragment_rows import Merged, merge_reports, row_stats
 from bcp.io_scheduler.write_pipeline import REPORT_SCHEMA, WriterReport, fragment_table
 from bcp.metadata import CATALOG_SCHEMA, Catalog, FileEntry, FormatError, Fragment
 from bcp.save_plan import LayoutMeta, TensorPlan
+from helpers import examples
 
 # -- status rounds ------------------------------------------------------------------------
 
@@ -188,7 +189,7 @@ def shuffled_merge(per_writer: list[list[Fragment]], rnd) -> tuple[list[Fragment
     return everything, order, merged
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(fragment_sets(), st.randoms())
 def test_merged_rows_match_the_fragment_object_path(per_writer, rnd):
     everything, order, merged = shuffled_merge(per_writer, rnd)
@@ -210,7 +211,7 @@ def catalog_table_of(frags: list[Fragment], files: list[str]) -> pa.Table:
     return table.set_column(table.schema.get_field_index("file"), "file", column)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(fragment_sets(), st.randoms())
 def test_the_commit_encodes_the_same_catalog_bytes_as_catalog_from_table(per_writer, rnd):
     """merged.catalog_bytes() (rows encoded as merged, no Catalog) is byte for byte the

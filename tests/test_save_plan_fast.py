@@ -21,6 +21,7 @@ from bcp.boxes import Box
 from bcp.errors import ShardingError
 from bcp.metadata import itemsize
 from bcp.save_plan import GlobalPlan, LayoutMeta, LocalLayout, TensorPlan, plan_save
+from helpers import examples
 
 DTYPES = ["float32", "bfloat16", "int8", "float64"]
 
@@ -213,13 +214,13 @@ def layouts(draw, one_each: bool | None = None) -> list[LocalLayout]:
     return [LocalLayout.build(r, ts) for r, ts in enumerate(per_rank)]
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(layouts())
 def test_both_paths_match_the_reference(ls):
     check_against_reference(ls)
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(layouts(one_each=True))
 def test_one_box_each_layouts_match_the_reference(ls):
     check_against_reference(ls)

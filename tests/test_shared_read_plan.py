@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from bcp.boxes import Box, intersect
 from bcp.io_scheduler.shared_read import Wanted, plan_shares, plan_sharing
 from bcp.metadata import Catalog, Fragment, itemsize
+from helpers import examples
 from test_load_plan_fast import SHAPES, dest_boxes, grid, ref_choose_replicas, stored_layout
 
 SharedKey = tuple[str, Box]
@@ -58,7 +59,7 @@ def reader_of(tensors: dict[str, tuple[tuple[int, ...], list[Box], str]]):
     return types.SimpleNamespace(catalog=Catalog(frags))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     shapes=st.lists(SHAPES, min_size=1, max_size=3),
     ranks=st.integers(1, 5),

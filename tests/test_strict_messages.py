@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import bcp
 from bcp.errors import prefix_hint
+from helpers import examples
 
 _names = st.text("abcdefgh_", min_size=1, max_size=6)
 
@@ -82,7 +83,7 @@ def _wrapping_swap(draw) -> tuple[str, str]:
     return (a, b) if draw(st.booleans()) else (b, a)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(
     keys=st.lists(st.lists(_names, min_size=1, max_size=3).map(".".join), min_size=1, max_size=6, unique=True),
     swap=_wrapping_swap(),
@@ -101,7 +102,7 @@ def test_prefix_hint_names_any_wrapping_swap(keys, swap):
     assert all(m.startswith(said_state) and said_stored + m[len(said_state) :] in unexpected for m in missing)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(
     keys=st.lists(_names, min_size=1, max_size=6, unique=True),
     head=_components,
