@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -238,10 +239,11 @@ class CheckedPool:
 
 
 @pytest.fixture(name="fake")
-def fake_cuda(monkeypatch) -> FakeCudaApi:
+def fake_cuda(monkeypatch) -> Iterator[FakeCudaApi]:
     """A FakeCudaApi in place of bcp's CUDA calls for one test (import this fixture)."""
     import bcp.io_scheduler.device_copy
 
     api = FakeCudaApi()
     monkeypatch.setattr(bcp.io_scheduler.device_copy, "api", api)
-    return api
+    yield api
+    api.gate.set()  # a test that failed with the gate closed must not leave writers blocked for the next ones
