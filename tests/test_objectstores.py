@@ -490,7 +490,7 @@ def test_storage_options_reach_the_backend(moto_server, moto_bucket):
         ("s3:///p", "bucket"),
         ("gs://b/p?part_size=100", "part_size"),
         ("gs://b/p?shape=round", "shape"),
-        ("s3://b/p?retries=-1", "attempts"),
+        ("s3://b/p?retries=-1", "retries"),
     ],
 )
 def test_bad_options_are_named(uri, match):

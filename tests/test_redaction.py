@@ -99,7 +99,7 @@ def test_bcp_ls_shows_no_secret(secret_uri, capsys, monkeypatch):
     bcp_logger = logging.getLogger("bcp")
     monkeypatch.setattr(bcp_logger, "level", bcp_logger.level)
     empty = f"memory://user:{SECRET}@store/empty"
-    assert main(["ls", empty]) == 0
+    assert main(["ls", empty]) == 1  # nothing stored there: one line, status 1 (docs/manager.md)
     manager = bcp.CheckpointManager(secret_uri, async_save=False)
     manager.save(5, {"w": torch.ones(2)})
     assert main(["--log-level", "DEBUG", "ls", secret_uri]) == 0
