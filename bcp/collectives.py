@@ -83,7 +83,7 @@ class SentError:
         when it cannot be rebuilt here (an unknown class, a device this rank lacks)."""
         if self.pickled is not None:
             try:
-                error = pickle.loads(self.pickled)  # sent by a rank of this job, not read from storage
+                error = pickle.loads(self.pickled)  # unsafe-ok: sent by a rank of this job, not read from storage
                 if isinstance(error, BaseException):
                     return error
             except Exception:  # noqa: BLE001 - any failure to rebuild falls back to the message
@@ -96,7 +96,7 @@ def portable(error: BaseException) -> SentError:
     pickled: bytes | None
     try:
         data = pickle.dumps(error)
-        pickle.loads(data)  # rebuilds here, so it most likely does there
+        pickle.loads(data)  # unsafe-ok: our own pickle; rebuilds here, so it most likely does there
         pickled = data if len(data) <= MAX_ERROR_PICKLE_BYTES else None
     except Exception:  # noqa: BLE001 - an error holding a socket, a lock, a lambda...
         pickled = None
@@ -415,7 +415,7 @@ class OwnGroupCoordinator(Coordinator):
     def _unframe(frame: Any) -> Any:
         raw = frame.numpy().tobytes()
         n = int.from_bytes(raw[:8], "little")
-        return pickle.loads(raw[8 : 8 + n])  # sent by a rank of this job, as torch's object collectives do
+        return pickle.loads(raw[8 : 8 + n])  # unsafe-ok: sent by a rank of this job, as torch object collectives do
 
     def _padded(self, obj: Any) -> Any:
         """This rank's frame, padded to the longest of any rank (gloo moves equal sizes)."""
