@@ -112,8 +112,9 @@ def test_the_cli_exports_per_rank_objects_and_says_so(saved, tmp_path, capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "'dataloader' was saved by ranks" in err and "(--per-rank)" in err
     assert not (tmp_path / "x").exists()
-    with pytest.raises(SystemExit, match="--per-rank goes with --to torch and --to dcp"):
-        main(["convert", paths["bcp"], str(tmp_path / "y"), "--to", "safetensors", "--per-rank", "0"])
+    # a usage error: one line, exit status 2 (docs/manager.md)
+    assert main(["convert", paths["bcp"], str(tmp_path / "y"), "--to", "safetensors", "--per-rank", "0"]) == 2
+    assert "--per-rank goes with --to torch and --to dcp" in capsys.readouterr().err
 
 
 # -- one process ----------------------------------------------------------------------------------
