@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import bcp
-from dist_jobs import free_port
+from dist_jobs import adopt, fork_context, free_port, parent_settings
 
 #: the exit status of a rank killed by a fault point
 KILLED = 17
@@ -153,7 +153,8 @@ def tier_job(rank: int, world: int, cfg: dict[str, Any]) -> None:
 # -- running ranks ------------------------------------------------------------------------
 
 
-def _entry(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
+def _entry(rank: int, world: int, port: int, cfg: dict[str, Any], settings) -> None:
+    adopt(settings)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ["BCP_COLLECTIVE_TIMEOUT"] = str(cfg.get("timeout", 60))
     torch.set_num_threads(1)
@@ -183,15 +184,9 @@ def _entry(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
 
 def run(world: int, cfg: dict[str, Any], timeout: float = 90) -> list[int | None]:
     """Start ``world`` ranks of :func:`tier_job`; every process's exit status (None: killed at the timeout)."""
-    import torch.multiprocessing as mp
-
-    # A fork server imports torch and bcp once per test session and forks each rank
-    # from it: a rank starts in a tenth of a second instead of importing torch anew.
-    # (Python 3.11's fork server does not use the tests' sys.path: preload installed modules.)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["bcp", "torch.distributed"])
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, cfg)) for r in range(world)]
+    ctx = fork_context()  # ranks fork from a server that imported torch and bcp once
+    port, settings = free_port(), parent_settings()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, cfg, settings)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
