@@ -13,6 +13,7 @@ Reads use ``os.preadv`` into the caller's buffer: no Python copies.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -175,10 +176,36 @@ class FileBackend(Backend):
 
     # -- reading -----------------------------------------------------------------------
 
+    def _read_path(self, key: str) -> str:
+        """:meth:`_path` for a read, at less cost (a load reads a data file in many
+        pieces): the key's checks are remembered, and the last component is not
+        ``lstat``-ed, because the read opens it with O_NOFOLLOW, which refuses a link
+        there (:meth:`_open_for_read`). Where O_NOFOLLOW is missing: :meth:`_path`."""
+        if not _NOFOLLOW:
+            return self._path(key)
+        path = _key_path(self.root, key)
+        self._refuse_links(key, path, final=False)
+        return path
+
+    def _open_for_read(self, key: str, path: str) -> int:
+        """A read descriptor for ``path``; a link as the last component is refused as
+        :meth:`_refuse_links` refuses it (O_NOFOLLOW fails with ELOOP)."""
+        try:
+            return os.open(path, os.O_RDONLY | _NOFOLLOW)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise StorageError(
+                "is a symbolic link; bcp never follows links inside a checkpoint",
+                uri=self.uri,
+                key=key,
+                action="opening",
+            ) from None
+
     def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
-        path = self._path(key)
+        path = self._read_path(key)
         with annotate(self.uri, key, "reading"):
-            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+            fd = self._open_for_read(key, path)
             try:
                 view = memoryview(buffer).cast("B")
                 if not self.direct_reads or len(view) < _DIRECT_READ_FROM or _on_memory_fs(fd):
@@ -205,13 +232,13 @@ class FileBackend(Backend):
         """Whether the file lies on tmpfs or ramfs, or the range is in the page cache
         (the probe ``read_into`` makes before a large read: :func:`_is_cached`)."""
         try:
-            path = self._path(key)
-            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+            path = self._read_path(key)
+            fd = self._open_for_read(key, path)
             try:
                 return _on_memory_fs(fd) or _is_cached(path, nbytes, offset)
             finally:
                 os.close(fd)
-        except (OSError, StorageError):  # advice only: the read itself reports the error
+        except (OSError, StorageError, ValueError):  # advice only: the read itself reports the error
             return False
 
     def size(self, key: str) -> int:
@@ -321,6 +348,16 @@ class FileBackend(Backend):
 
 
 _DIRECT_ALIGN = 4096
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_path(root: str, key: str) -> str:
+    """The path of ``key`` under ``root`` after the key checks of :meth:`FileBackend._path`
+    (a bad key raises, and is not remembered)."""
+    check_key(key)
+    if PARTIAL_MARKER in key:
+        raise ValueError(f"invalid object key {key!r}: contains the reserved {PARTIAL_MARKER!r}")
+    return os.path.join(root, *key.split("/"))
 
 
 def _address(view: memoryview) -> int | None:

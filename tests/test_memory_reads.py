@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import bcp
 from bcp.backends import backend_for
 from bcp.backends import file as file_backend
+from bcp.backends.errors import StorageError
 from bcp.backends.wrappers import FaultInjectingBackend
 from bcp.errors import CorruptCheckpointError
 from bcp.io_scheduler import read_exec
@@ -25,8 +26,8 @@ from bcp.io_scheduler import read_exec
 class Resident(FaultInjectingBackend):
     """Says whether every range is in memory, and records the data-file reads."""
 
-    def __init__(self, inner, resident: bool = True):
-        super().__init__(inner)
+    def __init__(self, inner, resident: bool = True, latency: float = 0.0):
+        super().__init__(inner, latency=latency)
         self.resident = resident
         self.data_reads: list[tuple[str, int, int]] = []
         self._reads_lock = threading.Lock()
@@ -210,3 +211,53 @@ def test_a_regular_file_is_not_on_a_memory_filesystem_unless_it_is(tmp_path):
         assert fs_type is not None, "fstatfs answers on Linux"
     finally:
         os.close(fd)
+
+
+def test_the_quick_read_path_still_refuses_links_and_bad_keys(tmp_path):
+    """Reads skip the lstat of the file itself (O_NOFOLLOW refuses a link there) and
+    remember key checks: a link is still refused with the same error, a bad key still
+    fails every time, and in_memory says False for either."""
+    root = tmp_path / "root"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "real.bin").write_bytes(b"x" * 100)
+    (tmp_path / "secret").write_bytes(b"s" * 100)
+    (root / "d" / "link.bin").symlink_to(tmp_path / "secret")
+    backend = backend_for(str(root))
+    buf = memoryview(bytearray(10))
+    assert backend.read_into("d/real.bin", 0, buf) == 10 and bytes(buf) == b"x" * 10
+    for _ in range(2):
+        with pytest.raises(StorageError, match="symbolic link"):
+            backend.read_into("d/link.bin", 0, buf)
+        with pytest.raises(ValueError, match="invalid object key"):
+            backend.read_into("d/../secret", 0, buf)
+    assert bytes(buf) == b"x" * 10, "nothing was read through the link"
+    assert backend.in_memory("d/link.bin", 0, 10) is False
+    assert backend.in_memory("d/../secret", 0, 10) is False
+
+
+def test_reads_from_memory_use_no_more_threads_than_cpus(monkeypatch):
+    monkeypatch.setattr(read_exec, "_usable_cpus", lambda: 2)
+    monkeypatch.setattr(read_exec, "IN_MEMORY_CHUNK", 4096)
+    real_coalesce = read_exec.coalesce
+    monkeypatch.setattr(read_exec, "coalesce", lambda parts, **k: real_coalesce(parts, **k, below=0))  # 1 per tensor
+    with_streams(monkeypatch, 6)
+    g = torch.Generator().manual_seed(12)
+    state = {f"t{i}": torch.randn(4096, generator=g) for i in range(12)}
+    uri = f"memory://mem-threads-{uuid.uuid4().hex[:8]}/ck"
+    bcp.save(state, uri, checksum_block_bytes=4096)
+    seen: dict[bool, set[str]] = {}
+    for resident in (True, False):
+        backend = Resident(backend_for(uri), resident, latency=0.005)  # slow reads: every thread gets work
+        real = backend.read_exact
+        names: set[str] = set()
+
+        def recording(key, offset, buffer, real=real, names=names):
+            names.add(threading.current_thread().name)
+            return real(key, offset, buffer)
+
+        backend.read_exact = recording
+        got = bcp.open(backend).read_tensors(list(state))
+        assert all(torch.equal(got[k], v) for k, v in state.items())
+        seen[resident] = names
+    assert len(seen[True]) == 2 and len(seen[False]) > 2, seen
+    assert all(n.startswith("bcp-reader") for n in seen[True] | seen[False])
