@@ -285,7 +285,9 @@ def execute_reads(
         spans[plan.fragment] += [
             Run(s, plan.dest, d, plan.run_bytes) for s, d in zip(plan.src.tolist(), plan.dst.tolist(), strict=True)
         ]
-    by_fragment: dict[Fragment, list[tuple[int, memoryview]]] = {}
+    # keyed by id() of the one Fragment object per row that ``spans`` kept (a Fragment's
+    # hash covers its checksums: thousands of ints for a large one)
+    by_fragment: dict[int, list[tuple[int, memoryview]]] = {}
     parts: list[_Part] = []
     for frag, runs in spans.items():
         runs.sort()
@@ -295,8 +297,9 @@ def execute_reads(
                 merged[-1] = merged[-1]._replace(nbytes=merged[-1].nbytes + run.nbytes)
             else:
                 merged.append(run)
-        by_fragment[frag] = [(r.start, dest_views[r.dest][r.dest_offset : r.dest_offset + r.nbytes]) for r in merged]
-        for s, target in by_fragment[frag]:
+        landed = [(r.start, dest_views[r.dest][r.dest_offset : r.dest_offset + r.nbytes]) for r in merged]
+        by_fragment[id(frag)] = landed
+        for s, target in landed:
             for off in range(0, len(target), READ_PIECE_BYTES):
                 parts.append(_Part(frag, s + off, target[off : off + READ_PIECE_BYTES]))
     streams = streams or backend.hints.concurrency
@@ -313,21 +316,21 @@ def execute_reads(
     def finish(frag: Fragment) -> int:
         """Verify the blocks of a fragment, all of whose reads have landed, that no one
         read held whole; the bytes read only for that."""
-        read = [(p.start, len(p.target)) for p in parts_of[frag]]
+        read = [(p.start, len(p.target)) for p in parts_of[id(frag)]]
         edges = _edge_blocks(frag, read, block_bytes)
-        return _verify_fragment(backend, frag, _pieces(by_fragment[frag]), block_bytes, edges) if edges else 0
+        return _verify_fragment(backend, frag, _pieces(by_fragment[id(frag)]), block_bytes, edges) if edges else 0
 
-    parts_of: defaultdict[Fragment, list[_Part]] = defaultdict(list)
+    parts_of: defaultdict[int, list[_Part]] = defaultdict(list)
     for part in parts:
-        parts_of[part.fragment].append(part)
+        parts_of[id(part.fragment)].append(part)
     if streams <= 1 or len(requests) <= 1:
         for request in requests:
             _fetch(backend, request, uri, block)
         if verify:
-            for frag in by_fragment:
+            for frag in spans:
                 stats.verify_bytes += finish(frag)
     else:
-        remaining = {frag: len(ps) for frag, ps in parts_of.items()}
+        remaining = {key: len(ps) for key, ps in parts_of.items()}
         lock = threading.Lock()
         verify_errors: list[BaseException] = []
         extra = [0]
@@ -337,8 +340,9 @@ def execute_reads(
             landed = []
             with lock:
                 for part in request.parts:
-                    remaining[part.fragment] -= 1
-                    if remaining[part.fragment] == 0:
+                    key = id(part.fragment)
+                    remaining[key] -= 1
+                    if remaining[key] == 0:
                         landed.append(part.fragment)
             if verify:
                 for frag in landed:
