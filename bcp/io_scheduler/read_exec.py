@@ -100,7 +100,7 @@ COALESCE_BUDGET = 512 << 20
 #: Reads of bytes already in memory go in pieces of this many bytes (rounded up to a
 #: multiple of the checksum block), each verified as soon as it lands: small enough to
 #: stay in the CPU's caches between the copy and the CRC, large enough that the calls
-#: cost little (1 MiB cost 10% more CPU here, 4 MiB no less; docs/benchmarks.md).
+#: cost little (1 MiB pieces were 4-10% slower here, 4 MiB no faster; docs/benchmarks.md).
 IN_MEMORY_CHUNK = 2 << 20
 #: A coalesced request found in memory reads its parts in place (no scratch buffer,
 #: no second copy) when they average at least this many bytes; smaller ones cost
