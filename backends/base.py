@@ -380,6 +380,13 @@ class Backend(abc.ABC):
                 )
             got += n
 
+    def in_memory(self, key: str, offset: int, nbytes: int) -> bool:
+        """Whether reading ``nbytes`` of ``key`` from ``offset`` copies bytes already in
+        this machine's memory (the page cache, tmpfs) instead of fetching them from
+        storage. Advice for readers, never an error: such a range is read in small
+        pieces, each checksummed while it is still in the CPU cache. Default: False."""
+        return False
+
     def delete_prefix(self, prefix: str) -> None:
         """Delete every key under ``prefix``. Not atomic: a failure may stop halfway."""
         for key in list(self.list(prefix)):

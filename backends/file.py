@@ -13,12 +13,14 @@ Reads use ``os.preadv`` into the caller's buffer: no Python copies.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import mmap
 import os
 import re
 import shutil
 import stat
+import sys
 import threading
 import time
 import uuid
@@ -189,15 +191,41 @@ class FileBackend(Backend):
 
     # -- reading -----------------------------------------------------------------------
 
+    def _read_path(self, key: str) -> str:
+        """:meth:`_path` for a read, at less cost (a load reads a data file in many
+        pieces): the key's checks are remembered, and the last component is not
+        ``lstat``-ed, because the read opens it with O_NOFOLLOW, which refuses a link
+        there (:meth:`_open_for_read`). Where O_NOFOLLOW is missing: :meth:`_path`."""
+        if not _NOFOLLOW:
+            return self._path(key)
+        path = _key_path(self.root, key)
+        self._refuse_links(key, path, final=False)
+        return path
+
+    def _open_for_read(self, key: str, path: str) -> int:
+        """A read descriptor for ``path``; a link as the last component is refused as
+        :meth:`_refuse_links` refuses it (O_NOFOLLOW fails with ELOOP)."""
+        try:
+            return os.open(path, os.O_RDONLY | _NOFOLLOW)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise StorageError(
+                "is a symbolic link; bcp never follows links inside a checkpoint",
+                uri=self.uri,
+                key=key,
+                action="opening",
+            ) from None
+
     def read_into(self, key: str, offset: int, buffer: memoryview) -> int:
-        path = self._path(key)
+        path = self._read_path(key)
         with annotate(self.uri, key, "reading"):
-            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+            fd = self._open_for_read(key, path)
             try:
                 view = memoryview(buffer).cast("B")
-                if not self.direct_reads or len(view) < _DIRECT_READ_FROM:
+                if not self.direct_reads or len(view) < _DIRECT_READ_FROM or _on_memory_fs(fd):
                     return _pread(fd, view, offset)
-                if _is_cached(path, view, offset):  # someone read it through the page cache: use that
+                if _is_cached(path, len(view), offset):  # someone read it through the page cache: use that
                     return _pread(fd, view, offset)
                 rest, at, cached = view, offset, 0
                 split = direct_split(rest, at)
@@ -214,6 +242,19 @@ class FileBackend(Backend):
                 raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", path) from e
             finally:
                 os.close(fd)
+
+    def in_memory(self, key: str, offset: int, nbytes: int) -> bool:
+        """Whether the file lies on tmpfs or ramfs, or the range is in the page cache
+        (the probe ``read_into`` makes before a large read: :func:`_is_cached`)."""
+        try:
+            path = self._read_path(key)
+            fd = self._open_for_read(key, path)
+            try:
+                return _on_memory_fs(fd) or _is_cached(path, nbytes, offset)
+            finally:
+                os.close(fd)
+        except (OSError, StorageError, ValueError):  # advice only: the read itself reports the error
+            return False
 
     def size(self, key: str) -> int:
         path = self._path(key)
@@ -324,6 +365,16 @@ class FileBackend(Backend):
 _DIRECT_ALIGN = 4096
 
 
+@functools.lru_cache(maxsize=4096)
+def _key_path(root: str, key: str) -> str:
+    """The path of ``key`` under ``root`` after the key checks of :meth:`FileBackend._path`
+    (a bad key raises, and is not remembered)."""
+    check_key(key)
+    if PARTIAL_MARKER in key:
+        raise ValueError(f"invalid object key {key!r}: contains the reserved {PARTIAL_MARKER!r}")
+    return os.path.join(root, *key.split("/"))
+
+
 def _address(view: memoryview) -> int | None:
     try:
         import ctypes
@@ -347,7 +398,37 @@ def _pread(fd: int, view: memoryview, offset: int) -> int:
     return got
 
 
-def _is_cached(path: str, view: memoryview, offset: int) -> bool:
+#: statfs(2) f_type of the filesystems that keep files in memory: tmpfs, ramfs
+_MEMORY_FS_TYPES = frozenset({0x01021994, 0x858458F6})
+#: st_dev -> whether that filesystem keeps its files in memory (one fstatfs per filesystem)
+_memory_devices: dict[int, bool] = {}
+
+
+def _on_memory_fs(fd: int) -> bool:
+    """Whether the open file lies on tmpfs or ramfs: its pages are always in memory, a
+    read is a copy, and the page-cache probe (RWF_NOWAIT, which tmpfs refuses) and
+    O_DIRECT would only add system calls. False where fstatfs(2) cannot say."""
+    dev = os.fstat(fd).st_dev
+    known = _memory_devices.get(dev)
+    if known is None:
+        known = _memory_devices[dev] = _fs_type(fd) in _MEMORY_FS_TYPES
+    return known
+
+
+def _fs_type(fd: int) -> int | None:
+    """statfs(2) f_type of the filesystem holding ``fd`` (Linux; None elsewhere or on error)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
+    if libc.fstatfs(fd, buf) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def _is_cached(path: str, nbytes: int, offset: int) -> bool:
     """Whether a page in the middle of the range is in the page cache (the edges may
     be, from the buffered head and tail of an earlier direct read): a one-page
     preadv2 with RWF_NOWAIT on its own descriptor with readahead off, because a
@@ -355,7 +436,7 @@ def _is_cached(path: str, view: memoryview, offset: int) -> bool:
     flag = getattr(os, "RWF_NOWAIT", None)
     if flag is None:
         return False
-    probe_at = (offset + len(view) // 2) // 4096 * 4096
+    probe_at = (offset + nbytes // 2) // 4096 * 4096
     fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)

@@ -49,6 +49,9 @@ class ForwardingBackend(Backend):
     def size(self, key: str) -> int:
         return self.inner.size(key)
 
+    def in_memory(self, key: str, offset: int, nbytes: int) -> bool:
+        return self.inner.in_memory(key, offset, nbytes)
+
     def list(self, prefix: str = "") -> Iterator[str]:
         return self.inner.list(prefix)
 

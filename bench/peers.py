@@ -5,6 +5,10 @@ repeated; the table shows medians and ratios to the raw limits measured in the s
 run. Cold-cache loads drop the checkpoint's pages with posix_fadvise(DONTNEED).
 
     python bench/peers.py [--gib 2] [--repeats 3] [--dir /tmp/bcp-peers] [--only CASE,...]
+
+The ``memory`` case loads from memory: the page cache (warm) and tmpfs (``--shm``,
+default /dev/shm), each beside a memcpy of the same bytes into warm buffers,
+interleaved round by round in one process (``--rounds``); their ratio is to that memcpy.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ import statistics
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from memcpy_limit import WarmMemcpy  # bench/ is not a package
 
 BYTECHECKPOINT_PATH = os.environ.get("BYTECHECKPOINT_PATH", "/tmp/bytecp/site:/tmp/bytecp/deps")
 
@@ -124,10 +131,7 @@ def case_raw(path, state, _args):
 
     w = timed(write)
     r = timed(read)
-    dst = empty_like(state)
-    for a, b in zip(dst.values(), state.values(), strict=True):  # warm-up: touch and copy once
-        a.copy_(b)
-    m = timed(lambda: [a.copy_(b) for a, b in zip(dst.values(), state.values(), strict=True)])
+    m = WarmMemcpy(state)()
     os.remove(f)
     del torch
     return {"raw O_DIRECT write": w, "raw O_DIRECT read": r, "memcpy into warm buffers": m}
@@ -166,6 +170,39 @@ def case_bcp(path, state, args):
         out[f"bcp async_save blocking ({label})"] = blocking
         out[f"bcp async_save total ({label})"] = h.wait().seconds
     return out
+
+
+#: rows of the memory case: a load, and the memcpy of the same bytes measured beside it
+MEMORY_MEMCPY = "memcpy into warm buffers (beside the in-memory loads)"
+MEMORY_LOADS = ("bcp load (warm page cache)", "bcp load (/dev/shm)")
+
+
+def case_memory(path, state, args):
+    """bcp loads of bytes already in memory, each round: the page cache (a warm file on
+    disk), tmpfs, and a memcpy of the same bytes into warm buffers, in rotating order;
+    medians of the rounds."""
+    import bcp
+
+    shm = os.path.join(args.shm, f"bcp-peers-{os.getpid()}")
+    uris = {MEMORY_LOADS[0]: os.path.join(path, "bcp"), MEMORY_LOADS[1]: shm}
+    try:
+        for uri in uris.values():
+            bcp.save(state, uri, overwrite=True)
+            warm_cache(uri)
+        dst = empty_like(state)
+        memcpy = WarmMemcpy(state)
+        steps = {MEMORY_MEMCPY: memcpy}
+        for label, uri in uris.items():
+            bcp.load(dst, uri)  # first call: imports, plan caches
+            steps[label] = lambda uri=uri: timed(lambda: bcp.load(dst, uri))
+        samples: dict[str, list[float]] = {k: [] for k in steps}
+        names = list(steps)
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                samples[name].append(steps[name]())
+        return {k: statistics.median(v) for k, v in samples.items()}
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def case_torch(path, state, _args):
@@ -281,6 +318,7 @@ def case_bytecheckpoint(path, state, _args):
 CASES = {
     "raw": case_raw,
     "bcp": case_bcp,
+    "memory": case_memory,
     "torch": case_torch,
     "dcp": case_dcp,
     "safetensors": case_safetensors,
@@ -309,6 +347,8 @@ def main() -> None:
     p.add_argument("--dir", default="/tmp/bcp-peers")
     p.add_argument("--only", default="")
     p.add_argument("--settle", type=float, default=3.0, help="seconds of quiet between cases")
+    p.add_argument("--shm", default="/dev/shm", help="a tmpfs directory for the memory case")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds inside the memory case")
     p.add_argument("--case", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.case:
@@ -323,6 +363,7 @@ def main() -> None:
             os.sync()
             time.sleep(args.settle)  # the disk keeps working after a big write or delete: let it settle
             cmd = [sys.executable, __file__, "--case", name, "--gib", str(args.gib), "--dir", args.dir]
+            cmd += ["--shm", args.shm, "--rounds", str(args.rounds)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode or not lines:
@@ -356,6 +397,8 @@ def main() -> None:
         gbps = size / v / 1e9
         if k.startswith(("raw", "memcpy")):
             ratio = "(limit)"
+        elif k in MEMORY_LOADS and med.get(MEMORY_MEMCPY):
+            ratio = f"{med[MEMORY_MEMCPY] / v:.2f}x the memcpy beside it"
         elif "blocking" in k and memcpy:
             ratio = f"{v / memcpy:.2f}x the memcpy time"
         elif "total" in k and sync:

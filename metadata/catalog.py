@@ -937,6 +937,8 @@ def tiling_problem(shape: Sequence[int], offsets: np.ndarray, lengths: np.ndarra
         offsets, lengths = offsets[live], lengths[live]
     partial = (offsets != 0) | (lengths != np.array(shape, dtype=np.int64))
     cut = np.flatnonzero(partial.any(axis=0)).tolist()
+    if not cut and len(offsets):  # every box is the whole tensor (one fragment, or replicas of it)
+        return None
     if len(cut) == 1:  # the usual layout (a shard along one dimension): intervals that must abut
         (k,) = cut
         start, end = offsets[:, k], offsets[:, k] + lengths[:, k]

@@ -1,14 +1,21 @@
-"""Carry out a read plan: ranged reads straight into destination memory, then
-checksum verification of every block the reads touched.
+"""Carry out a read plan: ranged reads straight into destination memory, each
+checksum block verified as soon as the read holding it has landed.
 
-A run that covers only part of a checksum block is verified by reading the rest of
-that block into scratch memory and chaining CRC32C over the pieces in order, so the
-data itself is never copied to check it.
+Every block that lies wholly inside one read is checked right after that read, from
+the destination memory it landed in. A read of bytes already in memory (the page
+cache, tmpfs, a memory store: :meth:`~bcp.backends.Backend.in_memory`) goes in
+pieces of :data:`IN_MEMORY_CHUNK` bytes, each checked at once, while it is still in
+the CPU cache, so a warm load passes over the destination once, not twice. A block
+that no single read holds whole (a run that covers only part of it, or that two
+reads share) is verified once its fragment has landed, by reading the rest of that
+block into scratch memory and chaining CRC32C over the pieces in order, so the data
+itself is never copied to check it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +23,7 @@ from typing import NamedTuple
 
 from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import Fragment, crc32c
+from bcp.metadata.checksum import crc32c_c
 
 from ..errors import CorruptCheckpointError
 from .read_plan import RunSet
@@ -89,6 +97,15 @@ COALESCE_BELOW = 8 << 20
 COALESCE_BYTES = 64 << 20
 #: ... and all streams together hold at most this much scratch memory.
 COALESCE_BUDGET = 512 << 20
+#: Reads of bytes already in memory go in pieces of this many bytes (rounded up to a
+#: multiple of the checksum block), each verified as soon as it lands: small enough to
+#: stay in the CPU's caches between the copy and the CRC, large enough that the calls
+#: cost little (1 MiB pieces were 4-10% slower here, 4 MiB no faster; docs/benchmarks.md).
+IN_MEMORY_CHUNK = 2 << 20
+#: A coalesced request found in memory reads its parts in place (no scratch buffer,
+#: no second copy) when they average at least this many bytes; smaller ones cost
+#: more in calls than the copy.
+IN_PLACE_FROM_MEMORY = 64 << 10
 #: Writers pad between fragments (64-byte alignment, page alignment for O_DIRECT): a
 #: request may read across such padding, less than this many bytes, from the end of one
 #: fragment to the start of the next (never a gap inside a fragment: a partial box reads
@@ -148,22 +165,104 @@ def coalesce(
     return out
 
 
-def _fetch(backend: Backend, request: _Request, uri: str) -> None:
-    """Carry out one request. A coalesced read that fails is retried part by part, so
-    the error names the fragment (tensor, file, offset) that is truly missing."""
+def _fetch(backend: Backend, request: _Request, uri: str, block: int | None) -> None:
+    """Carry out one request, checking every block that lies wholly inside one of its
+    parts as soon as it has landed (``block``: the checksum block size; None: no
+    verification). A coalesced read that fails is retried part by part, so the error
+    names the fragment (tensor, file, offset) that is truly missing."""
     if len(request.parts) == 1:
-        part = request.parts[0]
-        _read(backend, part.fragment, part.start, part.target, uri)
+        _fetch_part(backend, request.parts[0], uri, block)
+        return
+    if (
+        block
+        and request.nbytes >= len(request.parts) * IN_PLACE_FROM_MEMORY
+        and backend.in_memory(request.file, request.offset, request.nbytes)
+    ):  # from memory, a scratch buffer would only add a copy
+        for part in request.parts:
+            _fetch_part(backend, part, uri, block, resident=True)
         return
     scratch = memoryview(bytearray(request.nbytes))
     try:
         backend.read_exact(request.file, request.offset, scratch)
     except (ObjectNotFoundError, EOFError):
         for part in request.parts:
-            _read(backend, part.fragment, part.start, part.target, uri)
+            _fetch_part(backend, part, uri, block)
         return
     for part, at in zip(request.parts, request.at, strict=True):
         part.target[:] = scratch[at : at + len(part.target)]
+        if block:
+            _check_blocks(uri, part.fragment, part.start, part.target, block)
+
+
+def _fetch_part(backend: Backend, part: _Part, uri: str, block: int | None, *, resident: bool | None = None) -> None:
+    """Read one part in place. Without verification, or from storage, in one read;
+    from memory (``resident``, or else ``backend.in_memory``), in pieces of
+    :data:`IN_MEMORY_CHUNK` cut at fragment offsets that are multiples of it, each
+    piece's whole blocks checked while they are still in the CPU cache."""
+    frag, start, target = part
+    n = len(target)
+    step = n
+    if block and n > block:
+        chunk = -(-IN_MEMORY_CHUNK // block) * block
+        if n > chunk and (resident or (resident is None and backend.in_memory(frag.file, frag.byte_offset + start, n))):
+            step = chunk
+    pos = 0
+    while pos < n:
+        end = n if step == n else min(n, ((start + pos) // step + 1) * step - start)
+        piece = target[pos:end]
+        _read(backend, frag, start + pos, piece, uri)
+        if block:
+            _check_blocks(uri, frag, start + pos, piece, block)
+        pos = end
+
+
+def _whole_blocks(frag: Fragment, start: int, nbytes: int, block: int) -> range:
+    """The checksum blocks of ``frag`` that lie wholly inside its bytes [start, start + nbytes)."""
+    end = start + nbytes
+    last = -(-frag.nbytes // block) if end >= frag.nbytes else end // block
+    first = -(-start // block)
+    return range(first, max(first, last))
+
+
+def _check_blocks(uri: str, frag: Fragment, start: int, view: memoryview, block: int) -> None:
+    """Verify each block of ``frag`` that lies wholly inside ``view``, which holds the
+    fragment's bytes from ``start``. One comprehension per read: this runs for every
+    block a load reads, so it keeps Python's work per block to a slice and a call."""
+    blocks = _whole_blocks(frag, start, len(view), block)
+    if not blocks:
+        return
+    lo = blocks.start * block - start
+    hi = min(blocks.stop * block, frag.nbytes) - start  # the last block may be the fragment's short one
+    crc = crc32c_c
+    got = [crc(view[at : at + block]) for at in range(lo, hi, block)]
+    if got == list(frag.checksums[blocks.start : blocks.stop]):
+        return
+    for b, value in zip(blocks, got, strict=True):
+        if value != frag.checksums[b]:
+            b_lo = b * block
+            raise _mismatch(uri, frag, b, b_lo, min(b_lo + block, frag.nbytes), value)
+
+
+def _edge_blocks(frag: Fragment, parts: list[tuple[int, int]], block: int) -> list[int]:
+    """The blocks of ``frag`` that ``parts`` ((start, nbytes) of each read) touch but
+    no single part holds whole: the ones :func:`_check_blocks` cannot verify."""
+    out: set[int] = set()
+    for start, n in parts:
+        if n:
+            whole = _whole_blocks(frag, start, n, block)
+            out.update(b for b in (start // block, (start + n - 1) // block) if b not in whole)
+    return sorted(out)
+
+
+def _mismatch(uri: str, frag: Fragment, b: int, b_start: int, b_end: int, crc: int) -> CorruptCheckpointError:
+    start = frag.byte_offset + b_start
+    return CorruptCheckpointError(
+        f"checksum mismatch in tensor {frag.fqn!r}: file {frag.file!r} of {uri}, bytes "
+        f"[{start}, {frag.byte_offset + b_end}) (crc32c {crc:#010x}, expected {frag.checksums[b]:#010x})",
+        fqn=frag.fqn,
+        file=frag.file,
+        offset=start,
+    )
 
 
 def execute_reads(
@@ -176,15 +275,19 @@ def execute_reads(
     streams: int | None = None,
 ) -> ReadStats:
     """Fill ``dest_views[plan.dest]`` for every plan, with ``streams`` concurrent
-    reads; each fragment is verified as soon as its last read has landed. Small runs
-    that follow each other in a file are fetched together (see :func:`coalesce`)."""
+    reads. Each checksum block is verified as soon as the read holding it has landed,
+    or, where no single read holds it whole, as soon as its fragment's last read has
+    (every byte is verified before this returns). Small runs that follow each other
+    in a file are fetched together (see :func:`coalesce`)."""
     stats = ReadStats()
     spans: dict[Fragment, list[Run]] = defaultdict(list)
     for plan in plans:  # a fragment is its row: equal rows are the same stored bytes and checksums
         spans[plan.fragment] += [
             Run(s, plan.dest, d, plan.run_bytes) for s, d in zip(plan.src.tolist(), plan.dst.tolist(), strict=True)
         ]
-    by_fragment: dict[Fragment, list[tuple[int, memoryview]]] = {}
+    # keyed by id() of the one Fragment object per row that ``spans`` kept (a Fragment's
+    # hash covers its checksums: thousands of ints for a large one)
+    by_fragment: dict[int, list[tuple[int, memoryview]]] = {}
     parts: list[_Part] = []
     for frag, runs in spans.items():
         runs.sort()
@@ -194,36 +297,56 @@ def execute_reads(
                 merged[-1] = merged[-1]._replace(nbytes=merged[-1].nbytes + run.nbytes)
             else:
                 merged.append(run)
-        by_fragment[frag] = [(r.start, dest_views[r.dest][r.dest_offset : r.dest_offset + r.nbytes]) for r in merged]
-        for s, target in by_fragment[frag]:
+        landed = [(r.start, dest_views[r.dest][r.dest_offset : r.dest_offset + r.nbytes]) for r in merged]
+        by_fragment[id(frag)] = landed
+        for s, target in landed:
             for off in range(0, len(target), READ_PIECE_BYTES):
                 parts.append(_Part(frag, s + off, target[off : off + READ_PIECE_BYTES]))
     streams = streams or backend.hints.concurrency
     limit = max(COALESCE_BELOW, min(COALESCE_BYTES, COALESCE_BUDGET // max(streams, 1)))
     requests = coalesce(parts, limit=limit)
+    if streams > 1 and len(requests) > 1:
+        cpus = _usable_cpus()
+        largest = max(requests, key=lambda r: r.nbytes)
+        if streams > cpus and backend.in_memory(largest.file, largest.offset, largest.nbytes):
+            streams = cpus  # copies from memory are CPU work: more threads than cores only thrash the caches
+    block = block_bytes if verify else None
+    uri = backend.uri
+
+    def finish(frag: Fragment) -> int:
+        """Verify the blocks of a fragment, all of whose reads have landed, that no one
+        read held whole; the bytes read only for that."""
+        read = [(p.start, len(p.target)) for p in parts_of[id(frag)]]
+        edges = _edge_blocks(frag, read, block_bytes)
+        return _verify_fragment(backend, frag, _pieces(by_fragment[id(frag)]), block_bytes, edges) if edges else 0
+
+    parts_of: defaultdict[int, list[_Part]] = defaultdict(list)
+    for part in parts:
+        parts_of[id(part.fragment)].append(part)
     if streams <= 1 or len(requests) <= 1:
         for request in requests:
-            _fetch(backend, request, backend.uri)
-        pieces_done = by_fragment
+            _fetch(backend, request, uri, block)
+        if verify:
+            for frag in spans:
+                stats.verify_bytes += finish(frag)
     else:
-        remaining: defaultdict[Fragment, int] = defaultdict(int)
-        for part in parts:
-            remaining[part.fragment] += 1
+        remaining = {key: len(ps) for key, ps in parts_of.items()}
         lock = threading.Lock()
         verify_errors: list[BaseException] = []
         extra = [0]
 
         def read_task(request: _Request) -> None:
-            _fetch(backend, request, backend.uri)
+            _fetch(backend, request, uri, block)
             landed = []
             with lock:
                 for part in request.parts:
-                    remaining[part.fragment] -= 1
-                    if remaining[part.fragment] == 0:
+                    key = id(part.fragment)
+                    remaining[key] -= 1
+                    if remaining[key] == 0:
                         landed.append(part.fragment)
             if verify:
                 for frag in landed:
-                    n = _verify_fragment(backend, frag, _pieces(by_fragment[frag]), block_bytes)
+                    n = finish(frag)
                     with lock:
                         extra[0] += n
 
@@ -236,27 +359,34 @@ def execute_reads(
         if verify_errors:
             raise verify_errors[0]
         stats.verify_bytes += extra[0]
-        pieces_done = {}
     stats.requests = len(requests)
     stats.bytes_read = sum(len(p.target) for p in parts)
     stats.padding_bytes = sum(r.nbytes for r in requests) - stats.bytes_read
-    if verify:
-        for frag, landed in pieces_done.items():
-            stats.verify_bytes += _verify_fragment(backend, frag, _pieces(landed), block_bytes)
     return stats
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def _pieces(runs: list[tuple[int, memoryview]]) -> list[tuple[int, int, memoryview]]:
     return [(s, s + len(v), v) for s, v in runs]
 
 
-def _verify_fragment(backend: Backend, frag: Fragment, pieces: list[tuple[int, int, memoryview]], block: int) -> int:
-    """Check every block that ``pieces`` touch; return bytes read only to verify."""
+def _verify_fragment(
+    backend: Backend, frag: Fragment, pieces: list[tuple[int, int, memoryview]], block: int, blocks: list[int]
+) -> int:
+    """Check ``blocks`` (sorted; each touched by ``pieces``, the landed runs of the
+    fragment as (start, end, bytes)), reading what the pieces lack of each; return the
+    bytes read only to verify."""
     pieces.sort(key=lambda p: p[0])
     extra = 0
     i = 0
-    touched = sorted({b for s, e, _v in pieces for b in range(s // block, (e - 1) // block + 1)})
-    for b in touched:
+    for b in blocks:
         b_start, b_end = b * block, min((b + 1) * block, frag.nbytes)
         while i < len(pieces) and pieces[i][1] <= b_start:
             i += 1
@@ -280,12 +410,5 @@ def _verify_fragment(backend: Backend, frag: Fragment, pieces: list[tuple[int, i
             crc = crc32c(scratch, crc)
             cursor = gap_end
         if crc != frag.checksums[b]:
-            start = frag.byte_offset + b_start
-            raise CorruptCheckpointError(
-                f"checksum mismatch in tensor {frag.fqn!r}: file {frag.file!r} of {backend.uri}, bytes "
-                f"[{start}, {frag.byte_offset + b_end}) (crc32c {crc:#010x}, expected {frag.checksums[b]:#010x})",
-                fqn=frag.fqn,
-                file=frag.file,
-                offset=start,
-            )
+            raise _mismatch(backend.uri, frag, b, b_start, b_end, crc)
     return extra

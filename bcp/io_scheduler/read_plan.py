@@ -392,6 +392,10 @@ def touched_rows(
     order of each stored box's first copy; plus the boxes as (offsets, lengths) arrays."""
     ndim = len(entry.global_shape)
     b_off, b_len = box_arrays(dest_boxes, ndim)
+    if entry.num_fragments == 1 and not entry.offsets.any() and (entry.lengths == entry.global_shape).all():
+        # one fragment holding the whole tensor (a single writer's save): it meets every non-empty box
+        bi = np.flatnonzero((b_len > 0).all(axis=1))
+        return bi, np.zeros(len(bi), np.int64), b_off, b_len
     bi, fi = overlap_pairs(entry.offsets, entry.lengths, b_off, b_len)
     hit = fi if len(dest_boxes) == 1 else np.unique(fi)  # one box: rows ascending, each once
     chosen, first = choose_among(entry, hit, prefer_rank)

@@ -1,0 +1,67 @@
+"""The memory-speed limit of a load: a copy of the same bytes into warm buffers.
+
+A load from the page cache or tmpfs copies bytes that are already in memory, so the
+fastest it can be is a memcpy of those bytes into destination memory that has been
+touched before (no page faults), the way a load fills a model's existing tensors.
+Benchmarks import this to print that limit beside their loads, measured in the same
+run (the machine is shared: compare ratios from one run, never numbers across runs):
+
+    from memcpy_limit import WarmMemcpy     # with bench/ on sys.path
+    memcpy = WarmMemcpy(state)              # or WarmMemcpy(nbytes)
+    seconds = memcpy()                      # one timed copy; call again for more samples
+
+The copy is ``torch.Tensor.copy_`` tensor by tensor, with torch's default intra-op
+threads (bench/peers.py's "memcpy into warm buffers" row).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import TypeAlias
+
+import torch
+
+#: tensors, a dict of them, or a byte count
+Source: TypeAlias = "int | Mapping[str, torch.Tensor] | Iterable[torch.Tensor]"
+
+#: a byte count is copied as this many float32 tensors (as bench/peers.py's state)
+DEFAULT_TENSORS = 48
+
+
+def _sources(src: Source, tensors: int) -> list[torch.Tensor]:
+    if isinstance(src, int):
+        per = max(1, src // tensors // 4)
+        out = [torch.empty(per) for _ in range(tensors)]
+        for t in out:
+            t.uniform_(-1, 1)  # touched: the source is in memory, as a page-cache page is
+        return out
+    values = src.values() if isinstance(src, Mapping) else src
+    return [t for t in values if isinstance(t, torch.Tensor)]
+
+
+class WarmMemcpy:
+    """Times a copy of ``src`` (tensors, a dict of them, or a byte count) into
+    destination buffers allocated and copied into once up front: each call is one
+    copy of :attr:`nbytes` bytes, returned in seconds."""
+
+    def __init__(self, src: Source, *, tensors: int = DEFAULT_TENSORS):
+        self.src = _sources(src, tensors)
+        self.dst = [torch.empty_like(t) for t in self.src]
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.src)
+        self._copy()  # warm-up: touches every destination page
+
+    def _copy(self) -> None:
+        for d, s in zip(self.dst, self.src, strict=True):
+            d.copy_(s)
+
+    def __call__(self) -> float:
+        t0 = time.perf_counter()
+        self._copy()
+        return time.perf_counter() - t0
+
+
+def warm_memcpy_seconds(src: Source, repeats: int = 1) -> list[float]:
+    """Seconds of ``repeats`` copies of ``src`` into warm buffers (see :class:`WarmMemcpy`)."""
+    memcpy = WarmMemcpy(src)
+    return [memcpy() for _ in range(repeats)]
