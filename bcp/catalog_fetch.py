@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import Catalog
-from bcp.metadata.sections import TRAILER, is_v2
+from bcp.metadata.catalog.sections import TRAILER, is_v2
 
 from .commit import fetch_catalog, fetch_manifest, parse_manifest
 from .errors import CorruptCheckpointError

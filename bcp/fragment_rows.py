@@ -17,9 +17,11 @@ import numpy as np
 import pyarrow as pa
 
 from bcp.metadata import FormatError
-from bcp.metadata.catalog import TensorTable, _table
+from bcp.metadata.catalog import TensorTable
+from bcp.metadata.catalog.arrow import rows_table as _table
+from bcp.metadata.catalog.sections import encode
+from bcp.metadata.catalog.sections import subset as _subset
 from bcp.metadata.rows import Rows
-from bcp.metadata.sections import _subset, encode
 
 from .io_scheduler.write_pipeline import WriterReport
 from .save_plan import LayoutMeta

@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from bcp.metadata import Catalog
-from bcp.metadata.sections import TRAILER
+from bcp.metadata.catalog.sections import TRAILER
 
 
 def shapes(tensors: int, seed: int = 0) -> list[tuple[int, int]]:

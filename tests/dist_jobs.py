@@ -444,7 +444,7 @@ def errors_keep_type_job(rank: int, world: int, uri: str) -> None:
 def small_sections_save_job(rank: int, world: int, layout: str, uri: str, ref_path: str) -> None:
     """save_sharded_job with catalog sections of a single row minimum, so even this
     small checkpoint's catalog has several sections."""
-    from bcp.metadata import sections
+    from bcp.metadata.catalog import sections
 
     sections.MIN_SECTION_ROWS = 1
     save_sharded_job(rank, world, layout, uri, ref_path)

@@ -29,7 +29,9 @@ import bcp.catalog_fetch
 from bcp.backends import backend_for
 from bcp.commit import commit
 from bcp.errors import CorruptCheckpointError
-from bcp.metadata import Catalog, FileEntry, FormatError, Fragment, Manifest, block_checksums, crc32c, sections
+from bcp.metadata import Catalog, FileEntry, FormatError, Fragment, Manifest, block_checksums, crc32c
+from bcp.metadata.catalog import sections
+from bcp.metadata.catalog.head import decode_head
 from bcp.metadata.layout import MANIFEST_KEY, catalog_key, data_file_key, generation_name
 from bcp.shards import TensorShard
 from helpers import examples
@@ -141,7 +143,7 @@ def test_layout_sections_head_and_trailer(small_sections):
     frags, _files = _fragments(layout, 16)
     data = Catalog(frags).to_arrow()
     head_offset, crc = sections.read_trailer(data, len(data), "cat")
-    head = sections.decode_head(data[head_offset : -sections.TRAILER.size], head_offset, crc, where="c", budget=1 << 30)
+    head = decode_head(data[head_offset : -sections.TRAILER.size], head_offset, crc, where="c", budget=1 << 30)
     assert head.sections == sections.section_count(len(frags), 16) == round(math.sqrt(32))
     # sections fill the file up to the head, in order; each is an Arrow IPC file of its writers' rows
     assert head.sec_offset[0] == 0 and head.sec_offset[-1] + head.sec_length[-1] == head_offset
@@ -338,7 +340,7 @@ def test_the_coordinator_shares_only_the_head_of_a_large_catalog(tmp_path, monke
 
 def _parts(data: bytes):
     head_offset, crc = sections.read_trailer(data, len(data), "c")
-    head = sections.decode_head(data[head_offset : -sections.TRAILER.size], head_offset, crc, where="c", budget=1 << 30)
+    head = decode_head(data[head_offset : -sections.TRAILER.size], head_offset, crc, where="c", budget=1 << 30)
     return head_offset, head
 
 

@@ -91,7 +91,8 @@ def test_errors_keep_their_type_and_fields_across_ranks(tmp_path):
 def test_a_catalog_read_in_part_by_every_rank_loads_exactly(tmp_path):
     """Catalog v2 at scale, in miniature: the coordinator shares only the head, each of
     3 ranks reads the sections its FSDP shards need, and training resumes exactly."""
-    from bcp.metadata import sections
+    from bcp.metadata.catalog import sections
+    from bcp.metadata.catalog.head import decode_head
 
     uri, ref = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
     dist_jobs.spawn(dist_jobs.small_sections_save_job, 2, "fsdp", uri, ref)
@@ -99,7 +100,7 @@ def test_a_catalog_read_in_part_by_every_rank_loads_exactly(tmp_path):
     data = reader.backend.read(reader.manifest.catalog.path)
     assert sections.is_v2(data[-sections.TRAILER.size :])
     head_offset, head_crc = sections.read_trailer(data[-sections.TRAILER.size :], len(data), "catalog")
-    head = sections.decode_head(
+    head = decode_head(
         data[head_offset : -sections.TRAILER.size], head_offset, head_crc, where="catalog", budget=1 << 26
     )
     assert head.sections == 2, f"expected a catalog of 2 sections, got {head.sections}"

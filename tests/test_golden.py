@@ -93,7 +93,7 @@ CATALOG_V2 = GOLDEN_ROOT / "catalog-v2"
 
 
 def test_golden_catalog_v2_loads_bit_exactly():
-    from bcp.metadata import sections
+    from bcp.metadata.catalog import sections
 
     r = bcp.open(str(CATALOG_V2))
     assert r.manifest.version == 2 and r.manifest.user_metadata == {"purpose": "golden format test"}

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 import bcp
 import bcp.metadata.catalog as catalog_mod
+import bcp.metadata.catalog.tiling as tiling_mod
 from bcp.backends import backend_for
 from bcp.errors import CorruptCheckpointError
 from bcp.metadata import MANIFEST_KEY, Catalog, FileEntry, FormatError, Fragment, Manifest, block_checksums, crc32c
@@ -180,12 +181,12 @@ def test_tiling_check_agrees_with_cell_counting(case, sweep):
     ndim = len(shape)
     offs = np.array([o for o, _n in boxes], dtype=np.int64).reshape(len(boxes), ndim)
     lens = np.array([n for _o, n in boxes], dtype=np.int64).reshape(len(boxes), ndim)
-    limit = catalog_mod._MAX_CORNERS
-    catalog_mod._MAX_CORNERS = 0 if sweep else limit  # force the sweep fallback
+    limit = tiling_mod._MAX_CORNERS
+    tiling_mod._MAX_CORNERS = 0 if sweep else limit  # force the sweep fallback
     try:
         got = tiling_problem(shape, offs, lens) is None
     finally:
-        catalog_mod._MAX_CORNERS = limit
+        tiling_mod._MAX_CORNERS = limit
     assert got == _cells(shape, boxes), (shape, boxes)
 
 

@@ -38,7 +38,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bcp
-from bcp.metadata import DTYPE_ITEMSIZE, MANIFEST_KEY, crc32c, sections
+from bcp.metadata import DTYPE_ITEMSIZE, MANIFEST_KEY, crc32c
+from bcp.metadata.catalog import sections
+from bcp.metadata.catalog.head import decode_head
 from bcp.metadata.manifest import reseal
 from helpers import assert_same, examples
 
@@ -351,7 +353,7 @@ def section_rows(data: bytes) -> pa.Table:
     if not sections.is_v2(data):
         return pa.ipc.open_file(pa.BufferReader(data)).read_all()
     start, crc = sections.read_trailer(data, len(data), "t")
-    head = sections.decode_head(data[start : -sections.TRAILER.size], start, crc, where="t", budget=1 << 30)
+    head = decode_head(data[start : -sections.TRAILER.size], start, crc, where="t", budget=1 << 30)
     tables = [
         pa.ipc.open_file(pa.BufferReader(data[o : o + n])).read_all()
         for o, n in zip(head.sec_offset.tolist(), head.sec_length.tolist(), strict=True)

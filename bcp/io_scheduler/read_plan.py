@@ -22,7 +22,7 @@ import numpy as np
 
 from bcp.metadata import Fragment, TensorEntry, itemsize
 from bcp.metadata.catalog import tiling_problem
-from bcp.metadata.sections import stable_order
+from bcp.metadata.catalog.spans import stable_order
 
 from ..boxes import Box, common_runs, row_products, rows_positive
 from ..errors import CorruptCheckpointError

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from bcp.metadata import itemsize
-from bcp.metadata.sections import stable_order
+from bcp.metadata.catalog.spans import stable_order
 
 from ..boxes import Box, row_products
 from ..collectives import GroupCoordinator, portable

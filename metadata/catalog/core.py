@@ -1,0 +1,389 @@
+"""The fragment catalog: one row per stored fragment of a global tensor (fragments.arrow).
+
+Pure data: knows the format, not torch, not storage. The engine builds
+:class:`Fragment` rows while saving and asks the :class:`Catalog` where bytes live
+while loading. Rows are held as numpy columns (:mod:`..rows`); a tensor's rows become
+Fragment objects only when a caller asks for them. This module is the Catalog
+itself: building it, decoding and encoding it (through :mod:`.validate`,
+:mod:`.sections` and :mod:`.head`), reading a v2 catalog in part (:mod:`.partial`) and
+handing out TensorEntry objects checked for exact tiling (:mod:`.tiling`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+import numpy as np
+import pyarrow as pa
+
+from ..entries import gather_entries, simple_tilings
+from ..errors import FormatError
+from ..rows import Fragment, Rows, TensorEntry
+from .arrow import bind_rows, cast_columns, ipc_file, rows_table
+from .budget import decode_budget
+from .head import decode_head
+from .partial import Box, Fetch, HeldSections
+from .sections import TRAILER, encode, is_v2, read_trailer
+from .spans import stable_order
+from .tensors import CATALOG_SCHEMA, TensorTable
+from .tiling import tiling_problem
+from .validate import check_rows_in_files, decode_rows
+
+#: bytes of a v2 catalog's fixed trailer (sections.TRAILER.size)
+TRAILER_BYTES = TRAILER.size
+
+
+class _Tensors(Mapping):
+    """fqn -> TensorEntry, built on first use from the catalog's columns (a rank
+    loading its shards of a large checkpoint touches a small part of the catalog)."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self._catalog = catalog
+
+    def __getitem__(self, fqn: str) -> TensorEntry:
+        return self._catalog._entry(self._catalog._table_of_tensors.index[fqn])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._catalog._table_of_tensors.names)
+
+    def __len__(self) -> int:
+        return len(self._catalog._table_of_tensors)
+
+    def __contains__(self, fqn: object) -> bool:
+        return fqn in self._catalog._table_of_tensors.index
+
+
+class Catalog:
+    """All fragments of a checkpoint, indexed by tensor (``tensors``: fqn -> TensorEntry).
+
+    Built from Fragment objects (a test, a tool), from an Arrow table of rows (a save's
+    commit) or decoded from storage (:meth:`from_arrow`). A catalog decoded from the
+    sections of a v2 file may hold only some of its rows: :meth:`require` reads the
+    sections a set of wanted boxes needs."""
+
+    _table_of_tensors: TensorTable
+    _file_names: list[str]
+    _rows: Rows
+    #: the Fragment objects a catalog was built from (row i is _given[i]); None otherwise
+    _given: list[Fragment] | None
+    #: every row held as a Fragment, tensor by tensor (built on demand)
+    _fragments: list[Fragment] | None
+    _where: str
+    #: check whole-tensor tiling when an entry is built (rows read from storage)
+    _check_tiling: bool
+    #: a v2 catalog's sections: which are held, how to read the others
+    _parts: HeldSections | None = None
+
+    def __init__(self, fragments: Iterable[Fragment]) -> None:
+        frags = list(fragments)
+        tensors = TensorTable()
+        for f in frags:
+            code = tensors.add(f.fqn, f.key_path, f.dtype, f.global_shape)
+            if (f.dtype, f.global_shape, f.key_path) != (
+                tensors.dtypes[code],
+                tensors.shapes[code],
+                tensors.key_paths[code],
+            ):
+                raise FormatError(
+                    f"catalog: fragments of {f.fqn!r} disagree on dtype/shape/path: "
+                    f"{tensors.dtypes[code]}{list(tensors.shapes[code])} vs {f.dtype}{list(f.global_shape)}"
+                )
+        file_index: dict[str, int] = {}
+        rows = Rows.from_fragments(frags, dict(tensors.index), file_index)
+        self._setup(tensors, list(file_index), rows, where="catalog", check_tiling=False, given=frags)
+
+    def _setup(
+        self,
+        tensors: TensorTable,
+        files: list[str],
+        rows: Rows,
+        *,
+        where: str,
+        check_tiling: bool,
+        given: list[Fragment] | None = None,
+    ) -> None:
+        self._table_of_tensors = tensors
+        self._file_names = files
+        self._given = given
+        self._where = where
+        self._check_tiling = check_tiling
+        self._parts = None
+        self._set_rows(rows)
+        self.tensors: Mapping[str, TensorEntry] = _Tensors(self)
+
+    def _set_rows(self, rows: Rows) -> None:
+        self._rows = rows
+        self._fragments = None
+        order = stable_order(rows.tensor)
+        self._order = order
+        self._starts = np.searchsorted(rows.tensor[order], np.arange(len(self._table_of_tensors) + 1))
+        self._cache: dict[int, TensorEntry] = {}
+
+    @classmethod
+    def from_table(cls, table: pa.Table, *, where: str = "catalog") -> Catalog:
+        """A catalog over rows already in Arrow form (a save's fragment reports, in
+        CATALOG_SCHEMA's columns; string columns plain or dictionary-encoded): no
+        Fragment objects are built. The rows are the writer's own, not read from
+        storage; ``where`` names them in errors."""
+        missing = [n for n in CATALOG_SCHEMA.names if n not in table.column_names]
+        if missing:
+            raise ValueError(f"{where}: missing column(s) {', '.join(missing)}")
+        table = cast_columns(table.select(CATALOG_SCHEMA.names), where)
+        self = cls.__new__(cls)
+        tensors = TensorTable()
+        files: list[str] = []
+        rows = bind_rows(table, tensors, files, where=where, fixed=False)
+        self._setup(tensors, files, rows, where=where, check_tiling=True)
+        return self
+
+    @property
+    def file_names(self) -> tuple[str, ...]:
+        """Data file keys the rows refer to (TensorEntry.files are codes into these)."""
+        return tuple(self._file_names)
+
+    @property
+    def fragments(self) -> list[Fragment]:
+        """Every row read as a Fragment: tensors in save order, each tensor's rows in
+        catalog order (built on demand: tools walk them, loads do not). A catalog built
+        from Fragment objects gives them back in their order."""
+        if self._given is not None:
+            return self._given
+        if self._fragments is None:
+            self._fragments = [
+                f for t in range(len(self._table_of_tensors)) for f in self._entry(t, check=False).fragments
+            ]
+        return self._fragments
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def require(self, requests: Iterable[tuple[str, Box]]) -> None:
+        """Make sure every stored row that may overlap the (fqn, box) ``requests`` is
+        held. A no-op for a catalog held whole; a catalog read in part (:meth:`from_head`)
+        reads the sections it lacks whose span index entries meet the boxes' flat
+        spans. Unknown tensors and malformed boxes are skipped (the caller reports
+        them). Entries taken from ``tensors`` before this call may lack the new rows."""
+        parts = self._parts
+        if parts is None or parts.loaded.all():
+            return
+        self._load_sections(parts.missing(requests, self._table_of_tensors))
+
+    def require_all(self) -> None:
+        """Read every section not held yet (a catalog read in part becomes whole)."""
+        if self._parts is not None:
+            self._load_sections(np.flatnonzero(~self._parts.loaded))
+
+    def _load_sections(self, todo: np.ndarray) -> None:
+        """Read sections ``todo`` (ascending) and hold their rows with the others."""
+        parts = self._parts
+        if parts is None or not len(todo):
+            return
+        parts.read(todo, self._table_of_tensors, self._file_names, self._where)
+        self._set_rows(Rows.concat([parts.rows[k] for k in sorted(parts.rows)]))
+        pa.default_memory_pool().release_unused()  # the sections' Arrow buffers: the rows are numpy now
+
+    def _rows_of(self, t: int) -> np.ndarray:
+        return self._order[self._starts[t] : self._starts[t + 1]]
+
+    def entries(self, fqns: Iterable[str]) -> list[TensorEntry]:
+        """The entries of ``fqns`` (KeyError for a name not in the catalog), those not
+        built yet built together: one gather of their rows per number of dimensions
+        and one vectorised tiling check (:mod:`.entries`) instead of one of each per
+        tensor. For callers that need many tensors (a rank loading its FSDP shards,
+        the coordinator planning shared reads)."""
+        index = self._table_of_tensors.index
+        codes = [index[f] for f in fqns]
+        todo = [t for t in dict.fromkeys(codes) if t not in self._cache]
+        if self._given is None and len(todo) > 1:
+            self._build_entries(todo)
+        return [self._entry(t) for t in codes]
+
+    def _build_entries(self, todo: list[int]) -> None:
+        tensors = self._table_of_tensors
+        by_ndim: dict[int, list[int]] = {}
+        for t in todo:
+            by_ndim.setdefault(len(tensors.shapes[t]), []).append(t)
+        for ndim, codes in by_ndim.items():
+            row_ids = [self._rows_of(t) for t in codes]
+            built, offs, lens = gather_entries(self._rows, row_ids, ndim, codes, self._new_entry)
+            if self._check_tiling and ndim:
+                simple = simple_tilings([tensors.shapes[t] for t in codes], offs, lens, [len(r) for r in row_ids])
+                for i in np.flatnonzero(~simple).tolist():
+                    if self._complete(codes[i]):
+                        self._check_tiled(codes[i], built[i])
+            for t, entry in zip(codes, built, strict=True):
+                self._cache[t] = entry
+
+    def _entry(self, t: int, *, check: bool = True) -> TensorEntry:
+        entry = self._cache.get(t)
+        if entry is not None:
+            return entry
+        shape = self._table_of_tensors.shapes[t]
+        rows = self._rows_of(t)
+        frags = None if self._given is None else tuple(self._given[i] for i in rows.tolist())
+        if frags is not None and any(len(f.offsets) != len(shape) for f in frags):
+            # Fragment lists are not validated: keep what was given, columns left empty
+            arrays: tuple[np.ndarray, ...] = (np.zeros((0, len(shape)), np.int64),) * 2 + (
+                np.zeros(0, np.int64),
+                np.zeros(0, np.int64),
+                np.zeros(0, np.int32),
+                np.zeros(0, np.int32),
+                np.zeros(1, np.int64),
+                np.zeros(0, np.uint32),
+            )
+        else:
+            arrays = self._rows.take(rows, len(shape))
+        entry = self._new_entry(t, arrays, frags)
+        if check and self._check_tiling and self._complete(t):
+            self._check_tiled(t, entry)
+        if check:
+            self._cache[t] = entry
+        return entry
+
+    def _new_entry(
+        self, t: int, arrays: tuple[np.ndarray, ...], frags: tuple[Fragment, ...] | None = None
+    ) -> TensorEntry:
+        tensors = self._table_of_tensors
+        offs, lens, byte_offsets, sizes, files, writers, sum_starts, sums = arrays
+        return TensorEntry(
+            tensors.names[t],
+            tensors.key_paths[t],
+            tensors.dtypes[t],
+            tensors.shapes[t],
+            offsets=offs,
+            lengths=lens,
+            byte_offsets=byte_offsets,
+            sizes=sizes,
+            files=files,
+            file_names=tuple(self._file_names),
+            writer_ranks=writers,
+            checksum_starts=sum_starts,
+            checksum_values=sums,
+            fragments=frags,
+        )
+
+    def _check_tiled(self, t: int, entry: TensorEntry) -> None:
+        problem = tiling_problem(entry.global_shape, entry.offsets, entry.lengths)
+        if problem is not None:
+            raise FormatError(f"{self._where}: tensor {entry.fqn!r}: {problem}")
+
+    def _complete(self, t: int) -> bool:
+        """Whether every stored row of tensor ``t`` is held."""
+        return self._parts is None or self._parts.complete(t)
+
+    @property
+    def sections_held(self) -> tuple[int, int]:
+        """(sections held, sections in the file); (1, 1) for a catalog not read in part."""
+        parts = self._parts
+        return (1, 1) if parts is None else (int(parts.loaded.sum()), len(parts.loaded))
+
+    @property
+    def is_whole(self) -> bool:
+        """Whether every row of the catalog is held."""
+        return self._parts is None or bool(self._parts.loaded.all())
+
+    # -- Arrow IPC -----------------------------------------------------------------------
+
+    def to_table(self) -> pa.Table:
+        """The rows as an Arrow table in CATALOG_SCHEMA's columns, string columns
+        dictionary-encoded (built column by column from the numpy columns)."""
+        return rows_table(self._table_of_tensors, self._file_names, self._rows)
+
+    def to_arrow(self) -> bytes:
+        """Catalog v2 bytes (FORMAT.md): sections of rows by runs of writers, each an
+        Arrow IPC file with string columns dictionary-encoded and zstd-compressed
+        buffers (about 15 bytes per fragment for FSDP-like catalogs), then the head
+        (tensor table, section table, span index) and a fixed trailer."""
+        if self._parts is not None and not self._parts.loaded.all():
+            raise ValueError(f"{self._where}: a catalog read in part cannot be written")
+        return encode(self._table_of_tensors, self._file_names, self._rows)
+
+    def to_arrow_v1(self) -> bytes:
+        """Catalog v1 bytes (one Arrow IPC file): what bcp wrote before catalog v2;
+        for tests of the readers that must keep loading it."""
+        return ipc_file(self.to_table())
+
+    @classmethod
+    def from_arrow(cls, data: bytes, *, where: str, checksum_block_bytes: int) -> Catalog:
+        """Decode and validate catalog bytes (``where`` names the file in errors).
+
+        Untrusted input: the Arrow messages are bounded before anything is decompressed
+        (:func:`check_ipc_budget`), every row is validated, and every malformed input
+        raises :class:`FormatError`, never an Arrow, arithmetic or lookup error."""
+        if checksum_block_bytes <= 0:
+            raise FormatError(f"{where}: checksum block size {checksum_block_bytes} is not positive")
+        try:
+            return cls._decode(data, where, checksum_block_bytes)
+        except FormatError:
+            raise
+        except (pa.ArrowException, ArithmeticError, LookupError, TypeError, ValueError, RecursionError, EOFError) as e:
+            raise FormatError(f"{where}: malformed catalog: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def _decode(cls, data: bytes, where: str, checksum_block_bytes: int) -> Catalog:
+        if is_v2(data[-32:]):
+            self = cls._open_head(data, len(data), lambda off, n: data[off : off + n], where, checksum_block_bytes)
+            self.require_all()
+            return self
+        tensors = TensorTable()
+        files: list[str] = []
+        rows, _used = decode_rows(data, where, checksum_block_bytes, tensors, files, fixed=False)
+        self = cls.__new__(cls)
+        self._setup(tensors, files, rows, where=where, check_tiling=True)
+        return self
+
+    @classmethod
+    def from_head(
+        cls,
+        tail: bytes,
+        *,
+        file_size: int,
+        fetch: Fetch,
+        where: str,
+        checksum_block_bytes: int,
+    ) -> Catalog:
+        """A v2 catalog read in part: ``tail`` is its last bytes (at least the head and
+        the trailer) of a ``file_size``-byte file; ``fetch(offset, length)`` reads
+        other bytes of it. No rows are held until :meth:`require` reads the sections
+        some boxes need. Checks the trailer, the head's CRC32C and the head itself;
+        each section is checked when read (FormatError for anything malformed)."""
+        if checksum_block_bytes <= 0:
+            raise FormatError(f"{where}: checksum block size {checksum_block_bytes} is not positive")
+        try:
+            return cls._open_head(tail, file_size, fetch, where, checksum_block_bytes)
+        except FormatError:
+            raise
+        except (pa.ArrowException, ArithmeticError, LookupError, TypeError, ValueError, RecursionError, EOFError) as e:
+            raise FormatError(f"{where}: malformed catalog: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def _open_head(cls, tail: bytes, file_size: int, fetch: Fetch, where: str, checksum_block_bytes: int) -> Catalog:
+        head_offset, head_crc = read_trailer(tail, file_size, where)
+        from_tail = len(tail) - (file_size - head_offset)
+        if from_tail < 0:
+            raise FormatError(f"{where}: the {len(tail)} bytes read do not hold the catalog head")
+        budget = decode_budget(file_size)
+        head = decode_head(
+            tail[from_tail : len(tail) - TRAILER_BYTES], head_offset, head_crc, where=where, budget=budget
+        )
+        self = cls.__new__(cls)
+        self._setup(head.tensors, [], Rows.empty(), where=where, check_tiling=True)
+        self._parts = HeldSections(head, fetch, checksum_block_bytes, budget - head.used)
+        return self
+
+    @staticmethod
+    def tail_bytes(file_size: int, tail: bytes) -> int:
+        """How many bytes from the end of a ``file_size``-byte v2 catalog hold its head
+        and trailer, given at least its last TRAILER_BYTES ``tail``."""
+        head_offset, _crc = read_trailer(tail, file_size, "catalog")
+        return file_size - head_offset
+
+    def check_files(self, file_sizes: Mapping[str, int], *, where: str) -> None:
+        """Raise FormatError unless every fragment names a file of ``file_sizes`` (the
+        manifest's data files: path -> bytes) and its bytes lie inside that file.
+        With this, no read planned from the catalog can ask for more bytes than the
+        manifest declares (vectorised; one pass over the rows held). A catalog read in
+        part checks the rows of every section it reads later too."""
+        check_rows_in_files(self._rows, self._table_of_tensors, self._file_names, file_sizes, where=where)
+        if self._parts is not None:
+            self._parts.file_sizes = dict(file_sizes)

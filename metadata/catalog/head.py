@@ -1,0 +1,178 @@
+"""Reading a v2 catalog's head, checked before any section is trusted.
+
+The head is the small part of a v2 catalog every loading rank reads (its tensor
+table, section table and span index; layout in :mod:`.sections`). It comes from
+storage: every length, offset, index and span is checked here, under the decode
+budget, so that the sections it points to can be fetched and checked on their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pyarrow as pa
+
+from ..checksum import crc32c
+from ..errors import FormatError
+from .arrow import read_ipc_columns, string_codes
+from .budget import check_ipc_budget
+from .sections import HEAD_PREFIX, SECTIONS_SCHEMA, SPANS_SCHEMA, TENSORS_SCHEMA
+from .spans import EMPTY_SPAN
+from .tensors import MAX_TENSOR_BYTES, TensorTable
+from .validate import itemsize_or_zero
+
+
+@dataclasses.dataclass
+class Head:
+    """A v2 catalog's head, validated: tensor table, section table, span index."""
+
+    tensors: TensorTable
+    #: where the sections end (the head's first byte)
+    head_offset: int
+    sec_offset: np.ndarray  # (S,) int64
+    sec_length: np.ndarray  # (S,) int64
+    sec_crc: np.ndarray  # (S,) uint32
+    sec_rows: np.ndarray  # (S,) int64
+    sec_first_writer: np.ndarray  # (S,) int32
+    sec_last_writer: np.ndarray  # (S,) int32
+    span_section: np.ndarray  # (P,) int64, ascending with span_tensor
+    span_tensor: np.ndarray  # (P,) int64
+    span_first: np.ndarray  # (P,) int64
+    span_last: np.ndarray  # (P,) int64
+    #: bytes of buffers decoding the head took (counts against the catalog's budget)
+    used: int
+
+    @property
+    def sections(self) -> int:
+        return len(self.sec_offset)
+
+    def spans_of(self, section: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        lo, hi = np.searchsorted(self.span_section, [section, section + 1])
+        return self.span_tensor[lo:hi], self.span_first[lo:hi], self.span_last[lo:hi]
+
+    def sections_of_tensors(self) -> tuple[np.ndarray, np.ndarray]:
+        """(order, starts): span rows sorted by tensor, and each tensor's range in them."""
+        order = np.argsort(self.span_tensor, kind="stable")
+        starts = np.searchsorted(self.span_tensor[order], np.arange(len(self.tensors) + 1))
+        return order, starts
+
+
+def decode_head(head: bytes, head_offset: int, head_crc: int, *, where: str, budget: int) -> Head:
+    """Validate and decode the head (its bytes, where it starts, the trailer's CRC32C)."""
+    if crc32c(head) != head_crc:
+        raise FormatError(
+            f"{where}: catalog head fails its CRC32C (stored {head_crc:#010x}, read {crc32c(head):#010x})"
+        )
+    if len(head) < HEAD_PREFIX.size:
+        raise FormatError(f"{where}: catalog head of {len(head)} bytes is too short")
+    lengths = HEAD_PREFIX.unpack_from(head, 0)
+    if sum(lengths) != len(head) - HEAD_PREFIX.size:
+        raise FormatError(f"{where}: catalog head parts of {list(lengths)} bytes do not fill its {len(head)} bytes")
+    tables, pos, used = [], HEAD_PREFIX.size, 0
+    for n, schema in zip(lengths, (TENSORS_SCHEMA, SECTIONS_SCHEMA, SPANS_SCHEMA), strict=True):
+        part = head[pos : pos + n]
+        pos += n
+        name = schema.metadata[b"bcp.catalog.part"].decode()
+        used += check_ipc_budget(part, where=f"{where} (head, {name})", budget=budget - used)
+        tables.append(_read_table(part, schema, f"{where} (head, {name})"))
+    t_table, s_table, p_table = tables
+    tensors = _tensor_table(t_table, where)
+
+    def col(table: pa.Table, name: str, dtype: type) -> np.ndarray:
+        return table.column(name).combine_chunks().to_numpy(zero_copy_only=False).astype(dtype)
+
+    off, length = col(s_table, "offset", np.int64), col(s_table, "length", np.int64)
+    first_w, last_w = col(s_table, "first_writer", np.int32), col(s_table, "last_writer", np.int32)
+    rows = col(s_table, "rows", np.int64)
+    if len(off) == 0:
+        raise FormatError(f"{where}: catalog head lists no sections")
+    ends = off + length
+    # sections tile [0, head_offset) in order: inside the file, non-overlapping, nothing else in between
+    if off[0] != 0 or ends[-1] != head_offset or (off[1:] != ends[:-1]).any() or (length <= 0).any():
+        raise FormatError(
+            f"{where}: catalog sections do not fill bytes [0, {head_offset}) in order without overlap "
+            f"(offsets {off[:8].tolist()}..., lengths {length[:8].tolist()}...)"
+        )
+    if (rows < 0).any() or (first_w > last_w).any() or (last_w[:-1] >= first_w[1:]).any():
+        raise FormatError(f"{where}: catalog section table has negative rows or writer runs out of order")
+    sec, ten = col(p_table, "section", np.int64), col(p_table, "tensor", np.int64)
+    lo, hi = col(p_table, "first", np.int64), col(p_table, "last", np.int64)
+    if len(sec) and ((sec < 0).any() or (sec >= len(off)).any() or (ten < 0).any() or (ten >= len(tensors)).any()):
+        raise FormatError(f"{where}: catalog span index names a section or tensor that does not exist")
+    key = sec * max(len(tensors), 1) + ten
+    if len(key) > 1 and (np.diff(key) <= 0).any():
+        raise FormatError(f"{where}: catalog span index is not in (section, tensor) order without repeats")
+    numel = np.array([math.prod(s) for s in tensors.shapes] or [0], dtype=np.int64)  # < 2**62 (checked)
+    empty = (lo == EMPTY_SPAN[0]) & (hi == EMPTY_SPAN[1])
+    if len(sec) and (~empty & ((lo < 0) | (lo > hi) | (hi >= numel[ten]))).any():
+        raise FormatError(f"{where}: catalog span index holds a span outside its tensor")
+    return Head(
+        tensors,
+        head_offset,
+        off,
+        length,
+        col(s_table, "crc32c", np.uint32),
+        rows,
+        first_w,
+        last_w,
+        sec,
+        ten,
+        lo,
+        hi,
+        used,
+    )
+
+
+def _read_table(data: bytes, schema: pa.Schema, where: str) -> pa.Table:
+    table = read_ipc_columns(data, schema.names, where)
+    columns = []
+    for field in schema:
+        c = table.column(field.name)
+        try:
+            if not (pa.types.is_dictionary(c.type) and field.type == pa.string()):
+                c = c.cast(field.type)
+            elif not pa.types.is_string(c.type.value_type):
+                c = c.cast(pa.dictionary(c.type.index_type, pa.string()))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
+            raise FormatError(f"{where}: columns do not have the expected types: {e}") from e
+        if c.null_count:
+            raise FormatError(f"{where}: null values")
+        columns.append(c)
+    return pa.Table.from_arrays(columns, names=schema.names)
+
+
+def _tensor_table(table: pa.Table, where: str) -> TensorTable:
+    fqn_codes, fqn_values = string_codes(table.column("fqn"), where)
+    kp_codes, kp_values = string_codes(table.column("key_path"), where)
+    dt_codes, dt_values = string_codes(table.column("dtype"), where)
+    if len(fqn_values) != table.num_rows:
+        raise FormatError(f"{where}: the catalog's tensor table names a tensor twice")
+    shape_col = table.column("global_shape").combine_chunks()
+    starts = shape_col.offsets.to_numpy().astype(np.int64)
+    flat = shape_col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    starts -= starts[0]
+    if (flat < 0).any():
+        raise FormatError(f"{where}: the catalog's tensor table holds a negative dimension")
+    sizes = np.array([itemsize_or_zero(d) for d in dt_values], dtype=np.int64)
+    if table.num_rows and (sizes[dt_codes] == 0).any():
+        i = int(np.flatnonzero(sizes[dt_codes] == 0)[0])
+        raise FormatError(f"{where}: tensor {fqn_values[fqn_codes[i]]!r}: unknown dtype {dt_values[dt_codes[i]]!r}")
+    tensors = TensorTable()
+    for i, (f, k, d, s0, s1) in enumerate(
+        zip(
+            fqn_codes.tolist(),
+            kp_codes.tolist(),
+            dt_codes.tolist(),
+            starts[:-1].tolist(),
+            starts[1:].tolist(),
+            strict=True,
+        )
+    ):
+        shape = tuple(flat[s0:s1].tolist())
+        if float(math.prod(shape)) * int(sizes[d]) >= MAX_TENSOR_BYTES:
+            raise FormatError(f"{where}: tensor {fqn_values[f]!r} is larger than {MAX_TENSOR_BYTES} bytes")
+        tensors.add(fqn_values[f], kp_values[k], dt_values[d], shape)
+        assert tensors.index[fqn_values[f]] == i
+    return tensors
