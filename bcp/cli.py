@@ -799,7 +799,7 @@ def _library_failure(error: BaseException) -> Exception | None:
     api = sys.modules.get("torch.distributed.checkpoint.api")
     if api is None or not isinstance(error, api.CheckpointException):
         return None
-    from bcp.dcp_metadata import conversion_error
+    from bcp.interop.dcp import conversion_error
 
     converted = conversion_error(error, "PyTorch DCP failed")
     converted.__cause__ = error
