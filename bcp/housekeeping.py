@@ -15,6 +15,7 @@ in progress of another process (docs/reliability.md).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import math
@@ -451,3 +452,107 @@ def run_gc(backend: Backend, plan: GcPlan) -> list[str]:
     for name in plan.unfinished:
         attempt(f"partial file {name}", backend.delete_unfinished, name)
     return failures
+
+
+# -- what `bcp ls` and `bcp rm` show -------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ListedCheckpoint:
+    """A checkpoint found under a root, with what its manifest says (:func:`list_checkpoints`)."""
+
+    #: as in :class:`FoundCheckpoint`
+    path: str
+    kind: str
+    step: int | None
+    #: ``committed``, ``incomplete``, or ``unreadable`` (a manifest that cannot be read)
+    status: str
+    objects: int
+    bytes: int
+    #: the manifest's ``created``, as written (None: not committed, or unreadable)
+    created: str | None = None
+    #: ``created`` parsed, with its time zone
+    created_at: datetime.datetime | None = None
+    #: the newest committed step of its manager root: what ``CheckpointManager.latest()`` would load
+    latest: bool = False
+    #: why the manifest is unreadable
+    error: Exception | None = None
+
+
+@dataclasses.dataclass
+class Listing:
+    checkpoints: list[ListedCheckpoint]
+    #: the listing stopped at ``FIND_MAX_OBJECTS`` objects: there may be more
+    truncated: bool = False
+
+
+def list_checkpoints(backend: Backend) -> Listing:
+    """Every checkpoint under the root (:func:`find_checkpoints`, with sizes), each
+    committed one's manifest read for its creation time, and each manager root's newest
+    committed step marked ``latest``. One unreadable manifest (or one whose ``created``
+    is no time-zone aware ISO time) makes its checkpoint ``unreadable``, with the error,
+    and hides none of the others."""
+    found = find_checkpoints(backend, sizes=True)
+    rows = []
+    for c in found.checkpoints:
+        row = ListedCheckpoint(c.path, c.kind, c.step, "committed" if c.committed else "incomplete", c.objects, c.bytes)
+        if c.committed:
+            try:
+                manifest = commit.read_manifest(backend, f"{c.path}/" if c.path else "")
+                row.created = manifest.created if manifest else None
+                row.created_at = _created_at(row.created)
+            except Exception as e:  # one bad manifest is shown as such; the listing goes on
+                log.debug("checkpoint %r of %s is unreadable", c.path, backend.uri, exc_info=True)
+                row.status, row.created, row.created_at, row.error = "unreadable", None, None, e
+        rows.append(row)
+    newest: dict[str, ListedCheckpoint] = {}
+    for row in rows:
+        if row.kind == "step" and row.status == "committed":
+            manager_root = row.path.rpartition("/")[0]
+            best = newest.get(manager_root)
+            if best is None or (row.step or 0) > (best.step or 0):
+                newest[manager_root] = row
+    for row in newest.values():
+        row.latest = True
+    return Listing(rows, found.truncated)
+
+
+def _created_at(created: str | None) -> datetime.datetime | None:
+    if not created:
+        return None
+    then = datetime.datetime.fromisoformat(created)
+    if then.tzinfo is None:
+        raise ValueError(f"created timestamp {created!r} has no time zone")
+    return then
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointObjects:
+    """The objects at one checkpoint location, by whose they are (:func:`checkpoint_objects`)."""
+
+    #: every object there, sorted
+    keys: list[str]
+    #: ``manifest.json`` and the ``gen-*/`` objects: what ``commit.delete_checkpoint(only_bcp=True)`` deletes
+    bcp_keys: list[str]
+    #: everything else (not bcp's: a deletion leaves it)
+    other_keys: list[str]
+    #: the generation names (``gen-<id>``), sorted
+    generations: list[str]
+    #: ``manifest.json`` is there
+    committed: bool
+
+
+def checkpoint_objects(backend: Backend) -> CheckpointObjects:
+    """What belongs to the checkpoint at the backend's root (its manifest and
+    generations) and what does not, from one listing: what ``bcp rm`` deletes and
+    leaves."""
+    keys = sorted(backend.list(""))
+    ours = [k for k in keys if k == MANIFEST_KEY or generation_of(k) is not None]
+    mine = set(ours)
+    return CheckpointObjects(
+        keys=keys,
+        bcp_keys=ours,
+        other_keys=[k for k in keys if k not in mine],
+        generations=sorted({g for g in map(generation_of, keys) if g is not None}),
+        committed=MANIFEST_KEY in keys,
+    )

@@ -519,12 +519,13 @@ def test_bench_cleans_up_after_a_real_ctrl_c(tmp_path):
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], ids=oct)
 def test_exported_files_get_the_mode_open_gives(saved, tmp_path, umask):
     from bcp import convert
+    from bcp.interop.files import current_umask
 
     config = tmp_path / "config.json"
     config.write_text("{}")
     old = os.umask(umask)
     try:
-        assert convert._umask() == umask
+        assert current_umask() == umask
         reader = bcp.open(str(saved))
         convert.to_safetensors(reader, str(tmp_path / "shards"), max_shard_bytes=40_000, config=str(config))
         convert.to_safetensors(reader, str(tmp_path / "one"))

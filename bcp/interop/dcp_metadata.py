@@ -25,27 +25,18 @@ only named here, as strings: they are what torch writes into the pickle.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 import pickle
-import weakref
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from .convert import plan_shards
-from .errors import ConversionError, FormatError, PickleNotAllowedError
-from .state import KeyPath, PathElem, fqn_of
-
-METADATA_FILE = ".metadata"
+from ..errors import FormatError, PickleNotAllowedError
+from ..state import KeyPath, PathElem, fqn_of
+from .formats import DCP_METADATA_FILE
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _PATHS = ("PosixPath", "PurePosixPath", "PureWindowsPath")
@@ -108,7 +99,7 @@ class MetadataUnpickler(pickle.Unpickler):
 def read_metadata(checkpoint_dir: str, *, allow_pickle: bool = False) -> Metadata:
     """The ``Metadata`` of the DCP checkpoint in ``checkpoint_dir``, unpickled by
     :class:`MetadataUnpickler`."""
-    path = os.path.join(checkpoint_dir, METADATA_FILE)
+    path = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
     with open(path, "rb") as f:
         try:
             metadata = MetadataUnpickler(f, path=path, allow_pickle=allow_pickle).load()
@@ -202,142 +193,3 @@ def _key_path(fqn: str, dcp_path: Any, where: str) -> KeyPath:
             f"{text if len(text) <= 120 else text[:117] + '...'}"
         )
     return tuple(path)
-
-
-# -- writing DCP from bcp ----------------------------------------------------------------------------
-
-
-class StreamingSavePlanner(DefaultSavePlanner):
-    """A ``DefaultSavePlanner`` over a state whose tensors are placeholders (meta
-    tensors of the stored shape and dtype): DCP plans and flattens it as it would the
-    real state, and the tensors are read only when the writer is about to write them,
-    so memory holds the batch being written, not the checkpoint.
-
-    ``source`` maps ``id(placeholder)`` to the key ``fill`` takes; ``fill`` fills a
-    list of (key, destination) pairs in one call (so reads of neighbouring tensors
-    coalesce). :meth:`prefetch` reads a whole batch at once; a tensor not prefetched
-    is read alone when DCP resolves it. Each tensor's memory is a numpy buffer, so
-    that its release is observable: ``resident`` counts the tensors read and not yet
-    freed, ``peak_resident`` and ``peak_resident_bytes`` are the maxima (the bound the
-    docs promise, measured)."""
-
-    def __init__(self, source: dict[int, str], fill: Callable[[list[tuple[str, torch.Tensor]]], None]) -> None:
-        super().__init__(flatten_state_dict=True)
-        self.source = source
-        self.fill = fill
-        self.ready: dict[MetadataIndex, torch.Tensor] = {}
-        self.resident = 0
-        self.resident_bytes = 0
-        self.peak_resident = 0
-        self.peak_resident_bytes = 0
-
-    def prefetch(self, items: list[WriteItem]) -> None:
-        """Read the tensors of ``items`` together, for :meth:`resolve_data` to hand out."""
-        wanted = [wi for wi in items if self._streamed(wi) and wi.index not in self.ready]
-        pairs = [(wi.index, *self._allocate(wi)) for wi in wanted]
-        self.fill([(key, tensor) for _index, key, tensor in pairs])
-        self.ready.update((index, tensor) for index, _key, tensor in pairs)
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        if not self._streamed(write_item):  # bytes, or a tensor inside an object (decoded whole, small)
-            return super().resolve_data(write_item)
-        tensor = self.ready.pop(write_item.index, None)
-        if tensor is None:
-            key, tensor = self._allocate(write_item)
-            self.fill([(key, tensor)])
-        return tensor
-
-    def _streamed(self, write_item: WriteItem) -> bool:
-        """A tensor item whose value is one of the placeholders: read when written.
-        An object holding tensors (an RNG state, a scheduler's) is decoded whole, and
-        DCP writes its tensors as tensor items, as it would have saved them."""
-        if write_item.type == WriteItemType.BYTE_IO:
-            return False
-        return id(self.lookup_object(write_item.index)) in self.source
-
-    def _allocate(self, write_item: WriteItem) -> tuple[str, torch.Tensor]:
-        placeholder = self.lookup_object(write_item.index)
-        nbytes = placeholder.numel() * placeholder.element_size()
-        buffer = np.empty(nbytes, dtype=np.uint8)
-        tensor = torch.from_numpy(buffer).view(placeholder.dtype).reshape(placeholder.shape)
-        self.resident += 1
-        self.resident_bytes += nbytes
-        self.peak_resident = max(self.peak_resident, self.resident)
-        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
-        weakref.finalize(buffer, self._freed, nbytes)
-        return self.source[id(placeholder)], tensor
-
-    def _freed(self, nbytes: int) -> None:
-        self.resident -= 1
-        self.resident_bytes -= nbytes
-
-
-class BatchedFileSystemWriter(FileSystemWriter):
-    """A ``FileSystemWriter`` that writes the plan's tensors in batches of at most
-    ``batch_bytes`` (a larger tensor alone), one data file per batch, one batch after
-    the other. torch's writer keeps every tensor of a data file referenced until the
-    file is closed, so this is what bounds the memory of a streamed export: about one
-    batch. The batches are written by the stock ``write_data`` with a per-batch file
-    prefix; their results together are what DCP records in ``.metadata``. A planner
-    with a ``prefetch(items)`` method (:class:`StreamingSavePlanner`) is given each
-    batch before it is written, to read it in one go."""
-
-    def __init__(self, path: str, *, batch_bytes: int, sync_files: bool = True, final_path: str | None = None) -> None:
-        super().__init__(path, single_file_per_rank=True, sync_files=sync_files, thread_count=1)
-        self.batch_bytes = batch_bytes
-        #: where the files will be once moved from ``path`` (a staging directory), as ``.metadata`` records it
-        self.final_path = final_path
-
-    def storage_meta(self) -> StorageMeta | None:
-        meta = super().storage_meta()
-        if meta is not None and self.final_path is not None:
-            meta.checkpoint_id = self.final_path
-        return meta
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        results: list[WriteResult] = []
-        prefetch = getattr(planner, "prefetch", None)  # StreamingSavePlanner's: one read per batch
-        for i, batch in enumerate(self._batches(plan.items)):
-            if prefetch is not None:
-                prefetch(batch)
-            prefix = dataclasses.replace(plan.storage_data, prefix=f"{plan.storage_data.prefix}{i}_")
-            part = dataclasses.replace(plan, items=batch, storage_data=prefix)
-            results.extend(super().write_data(part, planner).wait())
-        done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
-        return done
-
-    def _batches(self, items: list[WriteItem]) -> list[list[WriteItem]]:
-        """Items in order, cut where the next tensor would pass ``batch_bytes`` (as
-        safetensors shards are cut); the (small, pickled) non-tensor items go with the
-        first batch."""
-        objects = [wi for wi in items if wi.type == WriteItemType.BYTE_IO]
-        tensors = [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
-        batches = plan_shards([(wi, _nbytes(wi)) for wi in tensors], self.batch_bytes)
-        if not batches:
-            return [objects] if objects else []
-        batches[0][:0] = objects
-        return batches
-
-
-def _nbytes(item: WriteItem) -> int:
-    assert item.tensor_data is not None, "a tensor write item carries its tensor data"
-    return torch.Size(item.tensor_data.size).numel() * item.tensor_data.properties.dtype.itemsize
-
-
-def conversion_error(error: BaseException, what: str) -> ConversionError:
-    """DCP's ``CheckpointException`` (a ``BaseException`` whose message is every
-    failed rank's traceback) as one line: ``what``, then the first failure's type and
-    message; ``errors`` keeps each rank's error."""
-    failures = getattr(error, "failures", None) or {}
-    errors = {rank: failure[0] if isinstance(failure, tuple) else failure for rank, failure in failures.items()}
-    if errors:
-        rank = min(errors)
-        first = errors[rank]
-        detail = f"{type(first).__name__}: {first}" if str(first) else type(first).__name__
-        if len(errors) > 1:
-            detail += f" (rank {rank}; {len(errors) - 1} more ranks failed)"
-    else:
-        detail = f"{type(error).__name__}: {error}"
-    text = " | ".join(line.strip() for line in f"{what}: {detail}".splitlines() if line.strip())
-    return ConversionError(text, errors={r: e for r, e in errors.items() if isinstance(e, BaseException)})

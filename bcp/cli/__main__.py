@@ -1,0 +1,7 @@
+"""``python -m bcp.cli``: the same as the ``bcp`` command."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())

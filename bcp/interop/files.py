@@ -1,0 +1,93 @@
+"""The local files an export writes: each finished file moved into place with the
+mode a plain ``open()`` gives, the files of an earlier export found (and only those
+removed), and tensors whose memory is a scratch file (page cache the kernel can
+reclaim, so a checkpoint larger than RAM converts)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence, Set
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def current_umask() -> int:
+    """The process's umask, read from /proc where Linux shows it (nothing changes); else
+    set and restored at once (other threads could create a file in between)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def publish(tmp: str, final: str) -> None:
+    """Move a finished temporary file into place with the mode a plain ``open()`` gives
+    (0666 & ~umask): a writer that creates its file private (safetensors' ``save_file``
+    makes it 0600) would leave an export that another user's serving process cannot read."""
+    os.chmod(tmp, 0o666 & ~current_umask())
+    os.replace(tmp, final)
+
+
+def publish_dir(staging: str, dst_dir: str, stale: Sequence[str], *, last: str) -> None:
+    """Move every file of ``staging`` into ``dst_dir`` and remove the ``stale`` ones:
+    the old ``last`` (the index) first, so that no index names a mix of old and new
+    files, the new one at the end, so that it names only files in place."""
+    written = sorted(os.listdir(staging))
+    if last in stale:
+        os.remove(os.path.join(dst_dir, last))
+    for name in written:
+        if name != last:
+            publish(os.path.join(staging, name), os.path.join(dst_dir, name))
+    for name in stale:
+        if name != last and name not in written:
+            os.remove(os.path.join(dst_dir, name))
+    if last in written:
+        publish(os.path.join(staging, last), os.path.join(dst_dir, last))
+
+
+def stale_files(
+    dst_dir: str, *, kind: str, wanted: Callable[[str], bool], overwrite: bool, keep: Set[str] = frozenset()
+) -> list[str]:
+    """Names in ``dst_dir`` that an export of ``kind`` files must remove before it
+    writes (``keep`` excepted): those ``wanted`` picks, regular files or links, never
+    followed. FileExistsError when ``dst_dir`` is not empty and not ``overwrite``, or
+    is not a directory. Nothing is removed here: the caller does, once it knows the
+    export can be written."""
+    try:
+        entries = list(os.scandir(dst_dir))
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        raise FileExistsError(f"{dst_dir} exists and is not a directory") from None
+    if entries and not overwrite:
+        shown = ", ".join(sorted(e.name for e in entries)[:5])
+        raise FileExistsError(
+            f"{dst_dir} is not empty ({shown}{', ...' if len(entries) > 5 else ''}); choose an empty directory, "
+            f"or pass overwrite=True (--overwrite) to replace the {kind} files in it"
+        )
+    return sorted(
+        e.name
+        for e in entries
+        if wanted(e.name) and e.name not in keep and (e.is_symlink() or e.is_file(follow_symlinks=False))
+    )
+
+
+def file_backed(scratch: str, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor whose memory is a file in ``scratch`` (mmap, shared)."""
+    nbytes = max(1, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+    path = os.path.join(scratch, f"{len(os.listdir(scratch)):08d}-{abs(hash(name)) % 10**8}.bin")
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+    storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+    strides = torch.empty(shape, device="meta").stride()
+    # torch's stubs type from_file's result as _StorageBase | TypedStorage; it is an UntypedStorage
+    return torch.empty(0, dtype=dtype).set_(storage, 0, torch.Size(shape), strides)  # type: ignore[arg-type]

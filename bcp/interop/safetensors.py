@@ -1,0 +1,214 @@
+"""bcp <-> safetensors, the Hugging Face format.
+
+* Out: size-capped shards (``model-00001-of-00003.safetensors``) plus
+  ``model.safetensors.index.json`` (one ``model.safetensors`` when everything fits one
+  shard), with optional renaming rules, a floating-point dtype cast and a copied
+  ``config.json``. Memory: one shard.
+* In: the files are memory-mapped and their tensors saved without being copied into
+  memory first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+from collections.abc import Sequence
+
+import torch
+
+from ..extras import needs_extra
+from ..reader import CheckpointReader, open_checkpoint
+from ..saver import SaveInfo, save
+from .files import publish, stale_files
+from .formats import INDEX_NAME
+from .selection import Progress, RenameRule, apply_renames, cast_dtype, output_names, parse_rename, plan_shards, select
+
+log = logging.getLogger(__name__)
+
+#: safetensors dtype names (the format's own spelling) <-> torch dtypes.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "BOOL": torch.bool,
+    "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+}
+CONFIG_NAME = "config.json"
+
+
+def to_safetensors(
+    src: str | CheckpointReader,
+    dst_dir: str,
+    *,
+    prefix: str | None = None,
+    strip_prefix: bool = False,
+    rename: Sequence[RenameRule | str] = (),
+    dtype: torch.dtype | None = None,
+    config: str | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+    progress: Progress | None = None,
+    overwrite: bool = False,
+) -> dict:
+    """Write the checkpoint's tensors as safetensors shards in ``dst_dir``; returns the index.
+
+    Names: the stored keys under ``prefix`` (``prefix`` dropped with ``strip_prefix``),
+    then each ``rename`` rule (``"REGEX=REPLACEMENT"`` or a compiled pair, see
+    :func:`~bcp.interop.selection.parse_rename`) applied in order with ``re.sub``; two
+    keys that end with one name are a ValueError naming both. ``dtype`` casts the
+    floating-point tensors (only those), shard by shard. ``config`` is a JSON file (a
+    Hugging Face ``config.json``) checked and copied into ``dst_dir`` as
+    ``config.json``, so that ``from_pretrained(dst_dir)`` finds it. Memory: one shard
+    (plus one tensor cast).
+
+    ``dst_dir`` must be empty or absent (FileExistsError otherwise), so that no old
+    shard is left beside the new index. With ``overwrite``, the old index and the
+    ``*.safetensors`` files this export does not write are removed (and
+    ``config.json`` replaced when ``config`` is given); nothing else in ``dst_dir`` is
+    touched. Everything is checked before the first file is written."""
+    with needs_extra("hf", "exporting to safetensors (bcp convert --to safetensors)"):
+        from safetensors.torch import save_file
+
+    reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
+    chosen = select(reader.tensor_keys(), prefix, strip_prefix)
+    if not chosen:
+        raise ValueError(f"no tensors under prefix {prefix!r} in {reader.uri}")
+    rules = [parse_rename(rule) if isinstance(rule, str) else rule for rule in rename]
+    key_of = output_names([(key, apply_renames(name, rules)) for key, name in chosen], renamed=bool(rules))
+    names = list(key_of)
+    out_dtype = {name: cast_dtype(reader.meta(key).dtype, dtype) for name, key in key_of.items()}
+    for name, key in key_of.items():
+        if out_dtype[name] not in SAFETENSORS_DTYPES.values():
+            raise ValueError(f"tensor {key!r} has dtype {out_dtype[name]}, which safetensors cannot store")
+    config_text = read_json_config(config) if config is not None else None
+    sizes = [(name, torch.Size(reader.meta(key_of[name]).shape).numel() * out_dtype[name].itemsize) for name in names]
+    shards = plan_shards(sizes, max_shard_bytes)
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    stale = stale_files(
+        dst_dir,
+        kind="safetensors",
+        wanted=lambda name: name == INDEX_NAME or name.endswith(".safetensors"),
+        overwrite=overwrite,
+        keep=set(files),
+    )
+    if INDEX_NAME in stale:  # first: while shards are replaced, no index names a mix of old and new
+        os.remove(os.path.join(dst_dir, INDEX_NAME))
+    os.makedirs(dst_dir, exist_ok=True)
+    weight_map, total = {}, 0
+    for file, shard in zip(files, shards, strict=True):
+        read = reader.read_tensors([key_of[name] for name in shard])  # one batch: contiguous runs coalesce
+        tensors = {name: read.pop(key_of[name]).to(out_dtype[name]) for name in shard}
+        del read
+        for name in shard:
+            total += tensors[name].numel() * tensors[name].element_size()
+            weight_map[name] = file
+        tmp = os.path.join(dst_dir, f".{file}.partial")
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        publish(tmp, os.path.join(dst_dir, file))
+        if progress:
+            progress(sum(reader.meta(key_of[name]).nbytes for name in shard))  # stored bytes, as the total counts
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    if len(shards) > 1:
+        tmp = os.path.join(dst_dir, f".{INDEX_NAME}.partial")
+        with open(tmp, "w") as f:
+            json.dump(index, f, indent=2)
+        publish(tmp, os.path.join(dst_dir, INDEX_NAME))
+    for name in stale:
+        if name != INDEX_NAME:
+            log.info("removing %s from %s: the new export does not write it", name, dst_dir)
+            os.remove(os.path.join(dst_dir, name))
+    if config_text is not None:
+        tmp = os.path.join(dst_dir, f".{CONFIG_NAME}.partial")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(config_text)
+        publish(tmp, os.path.join(dst_dir, CONFIG_NAME))
+    return index
+
+
+def read_json_config(path: str) -> str:
+    """The text of a JSON object file (a model's ``config.json``), checked."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        doc = json.loads(text)
+    except OSError as e:
+        raise ValueError(f"cannot read config {path}: {e.strerror or e}") from None
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"config {path} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"config {path} holds a JSON {type(doc).__name__}, not an object")
+    return text
+
+
+# -- into bcp ------------------------------------------------------------------------------------
+
+
+def safetensors_files(src: str) -> list[str]:
+    """The shard files of a safetensors checkpoint: a file, or a directory with an
+    index (or a single ``*.safetensors``)."""
+    if os.path.isfile(src):
+        return [src]
+    index = os.path.join(src, INDEX_NAME)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(src, name) for name in files]
+    found = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no .safetensors files in {src}")
+    return [os.path.join(src, n) for n in found]
+
+
+def map_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file as views of a private memory map: nothing
+    is read until used. (The format is an 8-byte header length, a JSON header of
+    {name: {dtype, shape, data_offsets}}, then the data.)"""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    start = 8 + header_len
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which bcp does not know")
+        lo, hi = info["data_offsets"]
+        if hi - lo == 0:
+            out[name] = torch.empty(info["shape"], dtype=dtype)
+            continue
+        flat = torch.frombuffer(mapped, dtype=torch.uint8, count=hi - lo, offset=start + lo)
+        out[name] = flat.view(dtype).reshape(info["shape"])
+    return out
+
+
+def from_safetensors(
+    src: str, dst: str, *, prefix: str = "", overwrite: bool = False, storage_options: dict | None = None
+) -> SaveInfo:
+    """Save every tensor of a safetensors checkpoint into bcp as flat keys (``prefix`` prepended)."""
+    state: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(src):
+        for name, t in map_safetensors(path).items():
+            state[prefix + name] = t
+    return save(state, dst, overwrite=overwrite, storage_options=storage_options)

@@ -1,0 +1,115 @@
+"""bcp <-> one ``torch.save`` file.
+
+* Out: each tensor is read into a file-backed (mmap) buffer in a scratch directory,
+  so ``torch.save`` streams from the page cache; the file keeps the saved nesting and
+  the checkpoint's (safe) objects.
+* In: ``torch.load(mmap=True, weights_only=True)``: nothing is unpickled beyond
+  tensors and plain values.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+from ..boxes import Box
+from ..reader import CheckpointReader, PerRankChoice, check_per_rank_choice, open_checkpoint
+from ..saver import SaveInfo, save
+from ..state import build_nested
+from .files import file_backed, publish
+from .per_rank import export_object
+from .selection import Progress, select
+
+log = logging.getLogger(__name__)
+
+#: Tensors are read into their scratch files in batches of about this many bytes (one
+#: fill each, so runs that follow each other in a data file coalesce into large reads).
+FILE_BACKED_BATCH_BYTES = 1 << 30
+
+
+def to_torch(
+    src: str | CheckpointReader,
+    dst_file: str,
+    *,
+    prefix: str | None = None,
+    strip_prefix: bool = False,
+    scratch_dir: str | None = None,
+    progress: Progress | None = None,
+    per_rank: PerRankChoice = "all",
+) -> None:
+    """One ``torch.save`` file with the checkpoint's nesting (or a flat dict of the
+    selected keys when ``prefix`` is given) and its objects, loadable with
+    ``torch.load(weights_only=True)``. An object saved per rank is written as
+    ``{"__rank_0__": value of rank 0, "__rank_1__": ...}`` (``per_rank="all"``), or as
+    one saved rank's value (``per_rank=R``): see
+    :func:`~bcp.interop.per_rank.export_object`."""
+    check_per_rank_choice(per_rank)
+    reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
+    scratch = tempfile.mkdtemp(prefix="bcp-convert-", dir=scratch_dir or os.path.dirname(os.path.abspath(dst_file)))
+    try:
+        if prefix:
+            chosen = select(reader.keys(), prefix, strip_prefix)
+            values = _read_file_backed(reader, [key for key, _name in chosen], scratch, progress, per_rank)
+            out: Any = {name: values[key] for key, name in chosen}
+        else:
+            values = _read_file_backed(reader, reader.keys(), scratch, progress, per_rank)
+            out = build_nested((reader.key_path(k), values[k]) for k in reader.keys())
+        tmp = dst_file + ".partial"
+        torch.save(out, tmp)
+        publish(tmp, dst_file)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _read_file_backed(
+    reader: CheckpointReader, keys: list[str], scratch: str, progress: Progress | None, per_rank: PerRankChoice
+) -> dict:
+    """key -> value: tensors in file-backed memory, objects decoded (per-rank ones as
+    :func:`~bcp.interop.per_rank.export_object` writes them)."""
+    out: dict[str, Any] = {}
+    batch: list[tuple[str, Box, torch.Tensor]] = []
+    held = 0
+
+    def flush() -> None:
+        nonlocal held
+        if batch:
+            reader.fill(batch)
+            if progress:
+                progress(held)
+        batch.clear()
+        held = 0
+
+    for key in keys:
+        if key not in reader.catalog.tensors:
+            out[key] = export_object(reader, key, per_rank)
+            continue
+        meta = reader.meta(key)
+        box = ((0,) * len(meta.shape), tuple(meta.shape))
+        # the data files hold what the manifest declares, before a scratch file that size is made
+        reader.check_sizes([(key, box)])
+        out[key] = file_backed(scratch, key, meta.shape, meta.dtype)
+        batch.append((key, box, out[key]))
+        held += meta.nbytes
+        if held >= FILE_BACKED_BATCH_BYTES:
+            flush()
+    flush()
+    return out
+
+
+def from_torch(src: str, dst: str, *, overwrite: bool = False, storage_options: dict | None = None) -> SaveInfo:
+    """A ``torch.save`` file into bcp, memory-mapped; loaded with ``weights_only=True``."""
+    try:
+        state = torch.load(src, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):
+            raise
+        log.warning("%s is in torch's legacy format and cannot be memory-mapped: loading it whole", src)
+        state = torch.load(src, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        state = {"state": state}
+    return save(state, dst, overwrite=overwrite, storage_options=storage_options)
