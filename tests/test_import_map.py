@@ -1,0 +1,152 @@
+"""The map of the library, read from its source with ``ast`` (issue 28): no module
+imports a private name of another, no two modules import each other (directly or
+through others, imports inside functions included: they are cycles too, only
+deferred), no module is over 600 lines, and every module says why it exists.
+
+The library is one namespace from four folders (pyproject's ``package-dir``):
+``bcp/``, ``backends/`` (``bcp.backends``), ``metadata/`` (``bcp.metadata``) and
+``conformance/`` (``bcp.conformance``). Before issue 28 these checks failed on
+``metadata/catalog.py`` <-> ``sections.py`` (a cycle and three private names),
+``bcp/convert.py`` <-> ``bcp/dcp_metadata.py`` and four modules of 640-1,195 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: package name -> folder, as pyproject.toml's package-dir maps them
+LAYERS = {"bcp": "bcp", "bcp.backends": "backends", "bcp.metadata": "metadata", "bcp.conformance": "conformance"}
+MAX_LINES = 600
+
+
+def library_modules(root: Path = ROOT, layers: dict[str, str] = LAYERS) -> dict[str, Path]:
+    """Module name -> file, for every .py of every layer."""
+    out = {}
+    for package, folder in layers.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = list(path.relative_to(root / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def imports(name: str, path: Path, modules: dict[str, Path]) -> Iterator[tuple[str, str | None, int]]:
+    """(module imported, name taken from it or None, line) for every import of the
+    file, at any depth; ``from package import module`` counts as importing the module."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None, node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            if node.level:
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                yield (sub, None, node.lineno) if sub in modules else (target, alias.name, node.lineno)
+
+
+def private(word: str) -> bool:
+    return word.startswith("_") and not (word.startswith("__") and word.endswith("__"))
+
+
+#: Private modules that are a package's own business but shared inside it on purpose.
+SHARED_PRIVATE_MODULES = frozenset({"bcp._version"})
+
+
+def map_problems(modules: dict[str, Path]) -> tuple[list[str], list[list[str]]]:
+    """(private names or modules imported across modules, import cycles as module lists)."""
+    found: list[str] = []
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for target, taken, line in imports(name, path, modules):
+            if target not in modules and not any(target.startswith(f"{m}.") for m in modules):
+                continue  # outside the library
+            if any(private(p) for p in target.split(".")) and target not in SHARED_PRIVATE_MODULES:
+                found.append(f"{name}:{line} imports the private module {target}")
+            if taken is not None and private(taken) and target != name:
+                found.append(f"{name}:{line} imports {taken} from {target}")
+            if target in modules and target != name:
+                graph[name].add(target)
+    return found, _cycles(graph)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (m, ..., m) per back edge of a depth-first walk; empty: no cycle."""
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append([*path[path.index(n) :], n])
+            elif n not in state:
+                visit(n, [*path, n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return cycles
+
+
+def test_no_private_name_crosses_a_module_and_no_import_cycle():
+    found, cycles = map_problems(library_modules())
+    assert found == [], "\n".join(found)
+    assert cycles == [], "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_module_is_over_600_lines_and_each_says_why_it_exists():
+    modules = library_modules()
+    assert len(modules) > 100  # the whole library was found
+    sizes = {m: len(p.read_text().splitlines()) for m, p in modules.items()}
+    assert {m: n for m, n in sizes.items() if n > MAX_LINES} == {}
+    undocumented = [
+        m for m, p in modules.items() if p.stat().st_size and not ast.get_docstring(ast.parse(p.read_text()))
+    ]
+    assert undocumented == []
+
+
+def test_packages_by_job_exist_and_their_old_modules_are_gone():
+    modules = library_modules()
+    for package in ("bcp.cli", "bcp.interop", "bcp.planning", "bcp.metadata.catalog", "bcp.io_scheduler", "bcp.tiers"):
+        assert modules[package].name == "__init__.py", package
+    for gone in ("bcp.save_plan", "bcp.dcp_metadata", "bcp.boxes", "bcp.metadata.sections", "bcp.plan_cache"):
+        assert gone not in modules, f"{gone} moved into its package"
+    assert "bcp.metadata.geometry" in modules  # the one home of box geometry
+
+
+@pytest.mark.parametrize(
+    ("files", "problem"),
+    [
+        ({"a.py": "from .b import _helper\n", "b.py": "def _helper():\n    pass\n"}, "imports _helper from"),
+        ({"a.py": "from ._inner import x\n", "_inner.py": "x = 1\n"}, "private module"),
+    ],
+)
+def test_the_checker_sees_private_imports(tmp_path, files, problem):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    for name, text in files.items():
+        (tmp_path / "pkg" / name).write_text(text)
+    found, cycles = map_problems(library_modules(tmp_path, {"pkg": "pkg"}))
+    assert len(found) == 1 and problem in found[0] and cycles == []
+
+
+def test_the_checker_sees_a_cycle_through_a_function_level_import(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from . import b\n")
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    from pkg import a\n")
+    found, cycles = map_problems(library_modules(tmp_path, {"pkg": "pkg"}))
+    assert found == [] and cycles == [["pkg.a", "pkg.b", "pkg.a"]]
