@@ -307,13 +307,18 @@ def generations(backend: Backend, prefix: str = "") -> set[str]:
     return {key[len(prefix) :].split("/", 1)[0] for key in keys}
 
 
-def unused_generations(backend: Backend, prefix: str = "", *, grace_seconds: float = 0.0) -> list[str]:
+def unused_generations(
+    backend: Backend, prefix: str = "", *, grace_seconds: float = 0.0, found: Iterable[str] | None = None
+) -> list[str]:
     """Generation prefixes (``<prefix>gen-.../``) of the committed checkpoint under
     ``prefix`` that its manifest does not use: left by an overwrite that was killed,
     or being written by one now (those younger than ``grace_seconds`` are left alone).
-    Empty when nothing is committed there."""
+    ``found``: the generation names (``gen-<id>``) a caller's listing already found
+    there (None: list them); only the manifest is read then. Empty when nothing is
+    committed there."""
     manifest = read_manifest(backend, prefix)
     if manifest is None:
         return []
+    names = generations(backend, prefix) if found is None else set(found)
     live = manifest.generation
-    return sorted(f"{prefix}{g}/" for g in generations(backend, prefix) if g != live and not is_young(g, grace_seconds))
+    return sorted(f"{prefix}{g}/" for g in names if g != live and not is_young(g, grace_seconds))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
 from typing import Any, Unpack
 
 from bcp.metadata.layout import step_name
@@ -200,9 +199,15 @@ class CheckpointManager:
         will need, in the background (``bcp.reserve_staging``), so the first save of
         the run finds it pinned."""
         self.wait()
+        # the manager's storage options and process group, whichever tier the step comes from
+        opts = dataclasses.replace(
+            LoadOptions.of(options, overrides),
+            storage_options=self.storage_options or None,
+            process_group=self.process_group,
+        )
         if self._tier is not None:
             # the local tier's recovery (docs/tiers.md, "Recovering"): a local step newer than the root's
-            recovered = self._recover_from_local_tier(state, options, overrides)
+            recovered = self._recover_from_local_tier(state, opts)
             if recovered is not None:
                 self.reserve_staging(state)
                 return recovered
@@ -210,28 +215,16 @@ class CheckpointManager:
         if step is None:
             self.reserve_staging(state)
             return None, state
-        opts = dataclasses.replace(
-            LoadOptions.of(options, overrides),
-            storage_options=self.storage_options or None,
-            process_group=self.process_group,
-        )
         loaded = load(state, self.uri(step), opts)
         self.reserve_staging(state)
         return step, loaded
 
-    def _recover_from_local_tier(
-        self, state: Any, options: LoadOptions | None, overrides: Mapping[str, Any]
-    ) -> tuple[int | None, Any] | None:
+    def _recover_from_local_tier(self, state: Any, opts: LoadOptions) -> tuple[int | None, Any] | None:
         """(all ranks) Load the newest complete local step when it is at least as new
         as the root's newest (docs/tiers.md, "Recovering"); None: load from the root."""
         from .tiers.recover import recover_latest
 
         assert self._tier is not None
-        opts = dataclasses.replace(
-            LoadOptions.of(options, overrides),
-            storage_options=self.storage_options or None,
-            process_group=self.process_group,
-        )
         return recover_latest(
             state,
             local_root=self._tier.root,
