@@ -20,7 +20,7 @@ import logging
 import math
 from collections.abc import Iterable
 
-from bcp.backends import Backend, ObjectNotFoundError, Unfinished
+from bcp.backends import Backend, ObjectNotFoundError, Unfinished, join_uri
 from bcp.metadata.layout import (
     GENERATION_PREFIX,
     LATEST_KEY,
@@ -34,7 +34,6 @@ from bcp.metadata.layout import (
 
 from . import commit
 from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
-from .target import join_uri
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ import logging
 import os
 from typing import Any, Unpack
 
+from bcp.backends import join_uri
 from bcp.metadata.layout import step_name
 
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
@@ -33,7 +34,7 @@ from .io_scheduler.staging import StagingReservation
 from .loader import load
 from .options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
 from .saver import SaveInfo, save
-from .target import join_uri, resolve_backend
+from .target import resolve_backend
 from .tiers import LocalTier
 from .tiers.tier import Tier
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bcp.backends import Backend, backend_for
+from bcp.backends import join_uri as join_uri  # the older name of bcp.backends.join_uri (bcp bench uses it)
 
 Target = str | os.PathLike | Backend
 
@@ -19,9 +20,3 @@ def resolve_backend(target: Target, storage_options: Mapping[str, Any] | None = 
             raise TypeError("storage_options apply to URIs; this target is already a Backend")
         return target
     return backend_for(os.fspath(target), **dict(storage_options or {}))
-
-
-def join_uri(uri: str, name: str) -> str:
-    """``uri`` with ``/name`` appended to its path, before any query string."""
-    base, sep, query = os.fspath(uri).partition("?")
-    return f"{base.rstrip('/')}/{name}{sep}{query}"

@@ -27,13 +27,14 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from bcp.backends import join_uri
 from bcp.metadata.layout import step_name
 
 from ..async_save import AfterCommit, AsyncSaveHandle, async_save
 from ..collectives import Coordinator, decide, lane_coordinator
 from ..options import SaveOptions
 from ..saver import SaveInfo, SaveJob
-from ..target import join_uri, resolve_backend
+from ..target import resolve_backend
 from .config import LocalTier
 from .drain import Drain, drain_step
 from .hosts import HostMap, warn_if_short
