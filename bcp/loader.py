@@ -34,9 +34,10 @@ import torch
 from bcp.backends import Backend, Capability
 
 from .boxes import Box
-from .collectives import Coordinator, GroupCoordinator, coordinator_for, decide, run_phase
+from .collectives import Coordinator, GroupCoordinator, decide, run_phase
 from .errors import StateMismatchError, UnsupportedStateError, listed, prefix_hint
 from .io_scheduler.read_exec import ReadStats
+from .lanes import coordinator_for
 from .options import LoadOptions, LoadOptionsKwargs, ReshardObjects
 from .reader import CheckpointMetadata, CheckpointReader, fetch_metadata, open_reader
 from .shards import PerRank, is_dtensor, local_pieces

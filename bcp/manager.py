@@ -10,7 +10,7 @@ multi-process job: every rank calls them. Only the coordinator (rank 0 of the
 group) writes ``latest.json``, applies retention and deletes; ``load_latest``
 broadcasts the coordinator's choice of step so every rank loads the same one.
 Its collectives run on the caller's lane of bcp's groups, each operation after a
-rendezvous of every rank (``bcp.collectives``); an async save's commit runs on the
+rendezvous of every rank (``bcp.lanes``); an async save's commit runs on the
 background lane, so a pending save never shares a group with the manager's own
 collectives or with ``bcp.save`` / ``bcp.load`` calls made meanwhile.
 ``process_group=bcp.LOCAL`` keeps a manager of this process alone (a rank-0-only
@@ -28,9 +28,10 @@ from bcp.backends import join_uri
 from bcp.metadata.layout import step_name
 
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
-from .collectives import Coordinator, coordinator_for, decide
+from .collectives import Coordinator, decide
 from .housekeeping import DEFAULT_GRACE_SECONDS, check_policy, committed_steps, plan_gc, run_gc, write_latest
 from .io_scheduler.staging import StagingReservation
+from .lanes import coordinator_for
 from .loader import load
 from .options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
 from .saver import SaveInfo, save

@@ -156,7 +156,7 @@ def scenarios_job(rank: int, world: int, scenarios: list[Scenario]) -> None:
 
 
 def _run(rank: int, world: int, sc: Scenario, root: str) -> None:
-    from bcp.collectives import coordinator_for
+    from bcp.lanes import coordinator_for
     from bcp.tiers.recover import recover_latest_with_info
 
     model, opt, state = template(world)
