@@ -1,4 +1,4 @@
-"""The exchange of a recovery from the local tier (docs/tiers.md, "Recovering", step 5).
+"""The exchange of a recovery from the local tier (``bcp.tiers.recover``, step 5; docs/tiers.md, "Recovering").
 
 Every rank has listed the whole fragments its load will read from files its host
 does not hold; one ``all_gather`` gives every rank every list. From them each rank

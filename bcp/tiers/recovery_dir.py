@@ -1,4 +1,4 @@
-"""The recovery directory of one host (docs/tiers.md, "Recovering", step 4).
+"""The recovery directory of one host (``bcp.tiers.recover``, step 4; docs/tiers.md, "Recovering").
 
 ``<local root>/recover-<nonce>/`` holds the chosen step's manifest and catalog, a
 hard link to each data file the host holds whole, and a sparse file of the
