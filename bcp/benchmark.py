@@ -21,7 +21,7 @@ import bcp  # bcp.save and bcp.load, looked up at each call: the public function
 
 from .backends import Backend, backend_for
 from .backends.file import FileBackend
-from .target import join_uri
+from .backends import join_uri
 
 log = logging.getLogger(__name__)
 
