@@ -22,8 +22,8 @@ import torch
 
 from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import Catalog, FormatError, Fragment, Manifest, TensorEntry, crc32c
-from bcp.metadata.layout import manifest_key
 from bcp.metadata.catalog.sections import TRAILER, is_v2
+from bcp.metadata.layout import manifest_key
 from bcp.target import resolve_backend
 
 from . import objcodec
