@@ -65,6 +65,14 @@ def split_scheme(uri: str) -> tuple[str, str]:
     return m.group(1).lower(), uri
 
 
+def join_uri(uri: str, name: str) -> str:
+    """``uri`` with ``/name`` appended to its path, before any query string: how bcp
+    names the location ``name`` below ``uri`` (the sub-URI rule of
+    docs/writing-a-backend.md: its backend sees the objects under ``name/``)."""
+    base, sep, query = os.fspath(uri).partition("?")
+    return f"{base.rstrip('/')}/{name}{sep}{query}"
+
+
 def is_plain_path(uri: str) -> bool:
     """Whether ``uri`` is a local path rather than a URI: no ``scheme://``, and not a
     ``file:`` URI of RFC 8089's one-slash form (``file:/abs/path``)."""

@@ -11,7 +11,6 @@ Usage:
 from . import backends, dataloader, metadata
 from ._version import __version__
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
-from .collectives import LOCAL
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -28,6 +27,7 @@ from .errors import (
     StorageError,
     UnsupportedStateError,
 )
+from .lanes import LOCAL
 from .loader import LoadInfo, load, load_with_info
 from .manager import CheckpointManager
 from .options import LoadOptions, SaveOptions

@@ -9,7 +9,7 @@ so it never corrupts k. A third waits for the first.
 
 Collectives: planning runs on the caller's lane of bcp's gloo groups, the commit
 on the background lane; the commits of one process group run one at a time, in
-the order of their ``async_save`` calls (``bcp.collectives`` says why that keeps
+the order of their ``async_save`` calls (``bcp.lanes`` says why that keeps
 every rank's collectives in one order). An async save still in flight at exit is
 finished by bcp's exit handler before its groups are released.
 
@@ -40,9 +40,9 @@ import torch
 
 from bcp.metadata import DEFAULT_BLOCK_BYTES
 
-from .collectives import at_exit, background_coordinator, coordinator_for, group_destroyed
 from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
 from .io_scheduler.write_pipeline import Chunk, WriteItem, layout, plan_chunks, plan_part_chunks
+from .lanes import at_exit, background_coordinator, coordinator_for, group_destroyed
 from .options import SaveOptions, SaveOptionsKwargs
 from .saver import SaveInfo, SaveJob, planned_writes
 from .shards import local_pieces

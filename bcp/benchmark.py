@@ -19,9 +19,8 @@ import torch
 
 import bcp  # bcp.save and bcp.load, looked up at each call: the public functions, as a user calls them
 
-from .backends import Backend, backend_for
+from .backends import Backend, backend_for, join_uri
 from .backends.file import FileBackend
-from .target import join_uri
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,9 @@ object under a fresh generation prefix, then the catalog, then the manifest
 the new one, see :func:`commit`); it is discarded by deleting its generation. A
 checkpoint is deleted manifest first, so a deletion that stops halfway leaves an
 incomplete directory, never a committed one with missing data.
-Every reader and writer of manifests (save, load, ``bcp.open``, the manager and
-the CLI) goes through this module.
+Every manifest is parsed here (:func:`parse_manifest`) and written here
+(:func:`commit`); opening a checkpoint for reading is ``bcp.reader``'s
+(``fetch_metadata``, ``open_reader``).
 """
 
 from __future__ import annotations
@@ -102,48 +103,6 @@ def find_existing(backend: Backend) -> ExistingCheckpoint | None:
     except Exception as e:  # noqa: BLE001 - an unreadable old manifest still blocks a non-overwrite save
         log.warning("existing manifest at %s is unreadable: %s", backend.uri, e)
         return ExistingCheckpoint(None)
-
-
-def fetch_metadata(backend: Backend) -> tuple[bytes, bytes]:
-    """The manifest's and the catalog's bytes, checked against each other (one rank
-    reads them and shares the bytes). Distinguishes nothing there from a save that
-    never committed."""
-    manifest_bytes, manifest = fetch_manifest(backend)
-    return manifest_bytes, fetch_catalog(backend, manifest)
-
-
-def fetch_manifest(backend: Backend) -> tuple[bytes, Manifest]:
-    """The committed manifest's bytes, parsed; distinguishes nothing there from a save
-    that never committed."""
-    try:
-        manifest_bytes = backend.read(manifest_key())
-    except ObjectNotFoundError:
-        from .housekeeping import missing_checkpoint_error  # it imports this module
-
-        error = missing_checkpoint_error(backend)
-        if isinstance(error, IncompleteCheckpointError) and not replaces_atomically(backend):
-            error = IncompleteCheckpointError(
-                f"{error}; or, since this store cannot replace objects atomically, an overwrite is between "
-                "deleting the old manifest and writing the new one: try again"
-            )
-        raise error from None
-    return manifest_bytes, parse_manifest(backend, manifest_bytes)
-
-
-def fetch_catalog(backend: Backend, manifest: Manifest) -> bytes:
-    """The whole catalog's bytes, checked against the manifest's size and CRC32C."""
-    cat = manifest.catalog
-    try:
-        data = backend.read(cat.path)
-    except ObjectNotFoundError as e:
-        raise CorruptCheckpointError(f"catalog {cat.path!r} of {backend.uri} is missing", file=cat.path) from e
-    if len(data) != cat.nbytes or crc32c(data) != cat.crc32c:
-        raise CorruptCheckpointError(
-            f"catalog {cat.path!r} of {backend.uri} does not match the manifest "
-            f"({len(data)} bytes, crc32c {crc32c(data):#010x}; expected {cat.nbytes} bytes, {cat.crc32c:#010x})",
-            file=cat.path,
-        )
-    return data
 
 
 def write_catalog(backend: Backend, key: str, catalog: Catalog | bytes) -> FileEntry:
@@ -348,13 +307,18 @@ def generations(backend: Backend, prefix: str = "") -> set[str]:
     return {key[len(prefix) :].split("/", 1)[0] for key in keys}
 
 
-def unused_generations(backend: Backend, prefix: str = "", *, grace_seconds: float = 0.0) -> list[str]:
+def unused_generations(
+    backend: Backend, prefix: str = "", *, grace_seconds: float = 0.0, found: Iterable[str] | None = None
+) -> list[str]:
     """Generation prefixes (``<prefix>gen-.../``) of the committed checkpoint under
     ``prefix`` that its manifest does not use: left by an overwrite that was killed,
     or being written by one now (those younger than ``grace_seconds`` are left alone).
-    Empty when nothing is committed there."""
+    ``found``: the generation names (``gen-<id>``) a caller's listing already found
+    there (None: list them); only the manifest is read then. Empty when nothing is
+    committed there."""
     manifest = read_manifest(backend, prefix)
     if manifest is None:
         return []
+    names = generations(backend, prefix) if found is None else set(found)
     live = manifest.generation
-    return sorted(f"{prefix}{g}/" for g in generations(backend, prefix) if g != live and not is_young(g, grace_seconds))
+    return sorted(f"{prefix}{g}/" for g in names if g != live and not is_young(g, grace_seconds))

@@ -1,6 +1,6 @@
 """Where bcp's gloo group listens, and a bound on how long connecting it may take.
 
-bcp runs its collectives on a gloo group of its own (``bcp.collectives``), also in
+bcp runs its collectives on a gloo group of its own (``bcp.lanes``), also in
 NCCL jobs. Gloo listens on the address the host name resolves to unless
 ``GLOO_SOCKET_IFNAME`` names an interface; on hosts whose name resolves to a loopback
 address (127.0.1.1 is the Debian/Ubuntu default), to no local address (gloo then
@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from .collectives import collective_timeout
 from .errors import GroupConnectError, RankFailedError
 
 log = logging.getLogger(__name__)
@@ -366,8 +367,6 @@ def _wait_for_every_rank(
     ``name`` is the same on every rank for the same group (its members, and how many
     such groups were created before)."""
     from torch.distributed import TCPStore
-
-    from .collectives import collective_timeout
 
     host, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
     if not host or not port.isdigit():

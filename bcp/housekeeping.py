@@ -21,8 +21,7 @@ import logging
 import math
 from collections.abc import Iterable
 
-from bcp.backends import Backend, ObjectNotFoundError, Unfinished
-from bcp.metadata import Manifest
+from bcp.backends import Backend, ObjectNotFoundError, Unfinished, join_uri
 from bcp.metadata.layout import (
     GENERATION_PREFIX,
     LATEST_KEY,
@@ -36,7 +35,6 @@ from bcp.metadata.layout import (
 
 from . import commit
 from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
-from .target import join_uri
 
 log = logging.getLogger(__name__)
 
@@ -270,17 +268,12 @@ def committed_steps(backend: Backend) -> list[int]:
     return sorted(s for s, info in scan(backend, unfinished=False).items() if info.committed)
 
 
-def read_manifest(backend: Backend, step: int) -> Manifest | None:
-    """The manifest of ``step``; None when the step is not committed."""
-    return commit.read_manifest(backend, f"{step_name(step)}/")
-
-
 def step_metrics(backend: Backend, step: int) -> dict[str, float]:
     """The numeric metrics the manager stored with ``step``. A manifest that cannot be
     read, or a metric that is not a finite number, is left out with a warning: one bad
     step must not stop retention (or a manager's start) for the others."""
     try:
-        manifest = read_manifest(backend, step)
+        manifest = commit.read_manifest(backend, f"{step_name(step)}/")
     except Exception as e:  # noqa: BLE001 - any unreadable manifest: no metrics, logged
         log.warning("step %d: manifest unreadable, its metrics are ignored: %s", step, e)
         return {}
@@ -340,20 +333,6 @@ def check_policy(keep_last, keep_every, keep_best) -> None:
 
 def delete_step(backend: Backend, step: int) -> None:
     commit.delete_checkpoint(backend, f"{step_name(step)}/")
-
-
-def orphan_generations(backend: Backend, info: StepInfo, *, grace_seconds: float = 0.0) -> list[str]:
-    """Generation prefixes in a committed step that its manifest does not use (left by
-    an overwrite that was killed; younger than ``grace_seconds``: maybe one running).
-    The step's generations come from the scan: only its manifest is read."""
-    manifest = read_manifest(backend, info.step)
-    if manifest is None:
-        return []
-    return [
-        f"{step_name(info.step)}/{g}/"
-        for g in sorted(info.generations)
-        if g != manifest.generation and not commit.is_young(g, grace_seconds)
-    ]
 
 
 def _is_busy(info: StepInfo, grace_seconds: float) -> bool:
@@ -422,8 +401,12 @@ def plan_gc(
         committed=committed,
         incomplete=incomplete,
         expired=expired,
-        orphan_generations=[
-            g for s in sorted(check) for g in orphan_generations(backend, found[s], grace_seconds=grace_seconds)
+        orphan_generations=[  # the step's generations come from the scan: only its manifest is read
+            g
+            for s in sorted(check)
+            for g in commit.unused_generations(
+                backend, f"{step_name(s)}/", grace_seconds=grace_seconds, found=found[s].generations
+            )
         ],
         unfinished=unfinished,
         young=young,

@@ -1,9 +1,9 @@
 """The load path (all ranks call ``load``; one process is a world of one).
 
 1. (coordinator) read manifest.json and fragments.arrow once; every rank gets the bytes.
-   A large catalog (v2, over ``catalog_fetch.WHOLE_CATALOG_BYTES``) is not shared
-   whole: the coordinator reads its head (tensor table, section table, span index)
-   and every rank reads only the sections its boxes need (bcp.catalog_fetch).
+   A large catalog (v2, over ``reader.WHOLE_CATALOG_BYTES``) is not shared whole:
+   the coordinator reads its head (tensor table, section table, span index) and
+   every rank reads only the sections its boxes need (``reader.fetch_metadata``).
 2. (all ranks) match the template: each tensor-like leaf gives the boxes this rank
    holds (plain tensor: all of it; DTensor, TensorShard, FlatShard: their shards),
    whatever layout saved the checkpoint. Mismatches are collected into one error.
@@ -31,15 +31,15 @@ from typing import Any, NamedTuple, Unpack
 
 import torch
 
-from bcp.backends import Capability
+from bcp.backends import Backend, Capability
 
 from .boxes import Box
-from .catalog_fetch import fetch_load_metadata, reader_from_head
-from .collectives import Coordinator, GroupCoordinator, coordinator_for, decide, run_phase
+from .collectives import Coordinator, GroupCoordinator, decide, run_phase
 from .errors import StateMismatchError, UnsupportedStateError, listed, prefix_hint
 from .io_scheduler.read_exec import ReadStats
+from .lanes import coordinator_for
 from .options import LoadOptions, LoadOptionsKwargs, ReshardObjects
-from .reader import CheckpointReader, reader_from_bytes
+from .reader import CheckpointMetadata, CheckpointReader, fetch_metadata, open_reader
 from .shards import PerRank, is_dtensor, local_pieces
 from .state import KeyPath, Leaf, build_nested, detach_stateful, flatten_state, get_at, replace_at
 from .target import Target, resolve_backend
@@ -101,6 +101,11 @@ class LoadInfo:
         return f"LoadInfo({', '.join(fields)})"
 
 
+def _fetch_for_load(backend: Backend) -> CheckpointMetadata:
+    """(coordinator) The metadata every rank gets: a large catalog's head only."""
+    return fetch_metadata(backend, allow_head_only=True)
+
+
 def load(
     state: Mapping[str, Any], uri: Target, options: LoadOptions | None = None, **overrides: Unpack[LoadOptionsKwargs]
 ) -> Mapping[str, Any]:
@@ -125,17 +130,13 @@ def load_with_info(
     coord = coordinator_for(opts.process_group, "bcp.load")
     state, stateful = run_phase(coord, "asking Stateful objects for their state_dict", detach_stateful, state)
     backend = resolve_backend(uri, opts.storage_options)
-    manifest_bytes, catalog_bytes, partial = decide(
-        coord, "reading the checkpoint metadata", fetch_load_metadata, backend
-    )
-    reader = (reader_from_head if partial else reader_from_bytes)(
-        backend, manifest_bytes, catalog_bytes, allow_pickle=opts.allow_pickle, verify=opts.verify
-    )
+    metadata = decide(coord, "reading the checkpoint metadata", _fetch_for_load, backend)
+    reader = open_reader(backend, metadata, allow_pickle=opts.allow_pickle, verify=opts.verify)
     try:
         plan = run_phase(
             coord, "matching the state", match_state, reader, state, opts.strict, coord.world_size, reshard_objects
         )
-        if partial:
+        if metadata.head_only:
             run_phase(coord, "reading the catalog", _require, reader, plan)
         if share_reads is None:
             share_reads = not (backend.capabilities & Capability.POSIX)

@@ -10,7 +10,7 @@ multi-process job: every rank calls them. Only the coordinator (rank 0 of the
 group) writes ``latest.json``, applies retention and deletes; ``load_latest``
 broadcasts the coordinator's choice of step so every rank loads the same one.
 Its collectives run on the caller's lane of bcp's groups, each operation after a
-rendezvous of every rank (``bcp.collectives``); an async save's commit runs on the
+rendezvous of every rank (``bcp.lanes``); an async save's commit runs on the
 background lane, so a pending save never shares a group with the manager's own
 collectives or with ``bcp.save`` / ``bcp.load`` calls made meanwhile.
 ``process_group=bcp.LOCAL`` keeps a manager of this process alone (a rank-0-only
@@ -22,19 +22,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
 from typing import Any, Unpack
 
+from bcp.backends import join_uri
 from bcp.metadata.layout import step_name
 
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
-from .collectives import Coordinator, coordinator_for, decide
+from .collectives import Coordinator, decide
 from .housekeeping import DEFAULT_GRACE_SECONDS, check_policy, committed_steps, plan_gc, run_gc, write_latest
 from .io_scheduler.staging import StagingReservation
+from .lanes import coordinator_for
 from .loader import load
 from .options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
 from .saver import SaveInfo, save
-from .target import join_uri, resolve_backend
+from .target import resolve_backend
 from .tiers import LocalTier
 from .tiers.tier import Tier
 
@@ -200,9 +201,15 @@ class CheckpointManager:
         will need, in the background (``bcp.reserve_staging``), so the first save of
         the run finds it pinned."""
         self.wait()
+        # the manager's storage options and process group, whichever tier the step comes from
+        opts = dataclasses.replace(
+            LoadOptions.of(options, overrides),
+            storage_options=self.storage_options or None,
+            process_group=self.process_group,
+        )
         if self._tier is not None:
             # the local tier's recovery (docs/tiers.md, "Recovering"): a local step newer than the root's
-            recovered = self._recover_from_local_tier(state, options, overrides)
+            recovered = self._recover_from_local_tier(state, opts)
             if recovered is not None:
                 self.reserve_staging(state)
                 return recovered
@@ -210,28 +217,16 @@ class CheckpointManager:
         if step is None:
             self.reserve_staging(state)
             return None, state
-        opts = dataclasses.replace(
-            LoadOptions.of(options, overrides),
-            storage_options=self.storage_options or None,
-            process_group=self.process_group,
-        )
         loaded = load(state, self.uri(step), opts)
         self.reserve_staging(state)
         return step, loaded
 
-    def _recover_from_local_tier(
-        self, state: Any, options: LoadOptions | None, overrides: Mapping[str, Any]
-    ) -> tuple[int | None, Any] | None:
+    def _recover_from_local_tier(self, state: Any, opts: LoadOptions) -> tuple[int | None, Any] | None:
         """(all ranks) Load the newest complete local step when it is at least as new
         as the root's newest (docs/tiers.md, "Recovering"); None: load from the root."""
         from .tiers.recover import recover_latest
 
         assert self._tier is not None
-        opts = dataclasses.replace(
-            LoadOptions.of(options, overrides),
-            storage_options=self.storage_options or None,
-            process_group=self.process_group,
-        )
         return recover_latest(
             state,
             local_root=self._tier.root,

@@ -2,6 +2,12 @@
 
 ``bcp.open(uri)`` needs no template: it lists what is stored and reads one tensor
 at a time, touching only that tensor's bytes. ``bcp.load`` is built on it.
+
+Every checkpoint is opened one way: :func:`fetch_metadata` reads the manifest and
+the catalog (whole, or for a load of a large catalog only its head and trailer: at
+16,384 ranks no rank receives the whole catalog), and :func:`open_reader` turns
+those bytes, on any rank, into a :class:`CheckpointReader`. ``bcp.open``, the
+loader, verify, convert and the local tier's recovery all go through the two.
 """
 
 from __future__ import annotations
@@ -15,14 +21,16 @@ import numpy as np
 import torch
 
 from bcp.backends import Backend, ObjectNotFoundError
-from bcp.metadata import Catalog, FormatError, Fragment, Manifest, TensorEntry
+from bcp.metadata import Catalog, FormatError, Fragment, Manifest, TensorEntry, crc32c
+from bcp.metadata.catalog.sections import TRAILER, is_v2
 from bcp.metadata.layout import manifest_key
 from bcp.target import resolve_backend
 
 from . import objcodec
 from .boxes import Box, intersect
-from .commit import fetch_metadata, parse_manifest
-from .errors import CorruptCheckpointError
+from .commit import parse_manifest, replaces_atomically
+from .errors import CorruptCheckpointError, IncompleteCheckpointError
+from .housekeeping import missing_checkpoint_error
 from .io_scheduler.device_copy import DeviceCopies, is_device_tensor
 from .io_scheduler.device_load import DeviceFill
 from .io_scheduler.read_exec import ReadStats, execute_reads
@@ -38,6 +46,11 @@ log = logging.getLogger(__name__)
 #: how an export treats an object saved per rank: ``"all"`` keeps every saving rank's
 #: value, an int keeps that saved rank's value only
 PerRankChoice = Literal["all"] | int
+
+#: catalogs up to this size are read whole when opened for a load (and shared with every rank)
+WHOLE_CATALOG_BYTES = 8 << 20
+#: the first read of a large catalog's end: the head is usually inside
+TAIL_GUESS_BYTES = 1 << 20
 
 
 def check_per_rank_choice(per_rank: object) -> None:
@@ -404,6 +417,100 @@ def _held_parts(landing: torch.Tensor, box: Box, held: dict[Box, torch.Tensor]):
             yield landing[tuple(slice(o - bo, o - bo + n) for o, bo, n in zip(r_off, box[0], r_len, strict=True))], src
 
 
+# -- opening: the one path from storage to a reader -------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMetadata:
+    """What opening a checkpoint reads before any tensor: the manifest's bytes and the
+    catalog's. One rank reads them and every rank gets them (a load's coordinator, a
+    local step's source host), so they are bytes, never parsed objects."""
+
+    manifest: bytes
+    #: the whole catalog; with ``head_only``, only its last bytes: the head (tensor
+    #: table, section table, span index) and the trailer (catalog v2, FORMAT.md)
+    catalog: bytes
+    #: the catalog was too large to read whole: sections are read when a reader needs them
+    head_only: bool = False
+
+
+def fetch_metadata(backend: Backend, *, allow_head_only: bool = False) -> CheckpointMetadata:
+    """The committed checkpoint's manifest and its catalog, checked against each other:
+    the whole catalog (its size and CRC32C), or, with ``allow_head_only`` and a v2
+    catalog over ``WHOLE_CATALOG_BYTES``, only its head and trailer (ranged reads;
+    ``head_only``), so that no rank of a large job receives the whole catalog.
+    Distinguishes nothing there from a save that never committed."""
+    manifest_bytes, manifest = fetch_manifest(backend)
+    cat = manifest.catalog
+    if not allow_head_only or cat.nbytes <= WHOLE_CATALOG_BYTES:
+        return CheckpointMetadata(manifest_bytes, fetch_catalog(backend, manifest))
+    try:
+        size = backend.size(cat.path)
+    except ObjectNotFoundError as e:
+        raise CorruptCheckpointError(f"catalog {cat.path!r} of {backend.uri} is missing", file=cat.path) from e
+    if size != cat.nbytes:
+        raise CorruptCheckpointError(
+            f"catalog {cat.path!r} of {backend.uri} holds {size} bytes; the manifest says {cat.nbytes}",
+            file=cat.path,
+        )
+    guess = min(TAIL_GUESS_BYTES, size)
+    tail = _ranged(backend, cat.path, size - guess, guess)
+    if not is_v2(tail):  # a v1 catalog: one Arrow file, read whole
+        return CheckpointMetadata(manifest_bytes, fetch_catalog(backend, manifest))
+    need = Catalog.tail_bytes(size, tail[-TRAILER.size :])
+    if need > len(tail):
+        tail = _ranged(backend, cat.path, size - need, need - len(tail)) + tail
+    return CheckpointMetadata(manifest_bytes, tail[len(tail) - need :], head_only=True)
+
+
+def fetch_manifest(backend: Backend) -> tuple[bytes, Manifest]:
+    """The committed manifest's bytes, parsed; distinguishes nothing there from a save
+    that never committed (``housekeeping.missing_checkpoint_error``)."""
+    try:
+        manifest_bytes = backend.read(manifest_key())
+    except ObjectNotFoundError:
+        error = missing_checkpoint_error(backend)
+        if isinstance(error, IncompleteCheckpointError) and not replaces_atomically(backend):
+            error = IncompleteCheckpointError(
+                f"{error}; or, since this store cannot replace objects atomically, an overwrite is between "
+                "deleting the old manifest and writing the new one: try again"
+            )
+        raise error from None
+    return manifest_bytes, parse_manifest(backend, manifest_bytes)
+
+
+def fetch_catalog(backend: Backend, manifest: Manifest) -> bytes:
+    """The whole catalog's bytes, checked against the manifest's size and CRC32C."""
+    cat = manifest.catalog
+    try:
+        data = backend.read(cat.path)
+    except ObjectNotFoundError as e:
+        raise CorruptCheckpointError(f"catalog {cat.path!r} of {backend.uri} is missing", file=cat.path) from e
+    if len(data) != cat.nbytes or crc32c(data) != cat.crc32c:
+        raise CorruptCheckpointError(
+            f"catalog {cat.path!r} of {backend.uri} does not match the manifest "
+            f"({len(data)} bytes, crc32c {crc32c(data):#010x}; expected {cat.nbytes} bytes, {cat.crc32c:#010x})",
+            file=cat.path,
+        )
+    return data
+
+
+def _ranged(backend: Backend, key: str, offset: int, length: int) -> bytes:
+    """``length`` bytes of the catalog ``key`` from ``offset``: all of them, or a CorruptCheckpointError."""
+    try:
+        data = backend.read(key, offset, length)
+    except ObjectNotFoundError as e:
+        raise CorruptCheckpointError(f"catalog {key!r} of {backend.uri} is missing", file=key) from e
+    if len(data) != length:
+        raise CorruptCheckpointError(
+            f"catalog {key!r} of {backend.uri} ended before byte {offset + length} "
+            f"({len(data)} of {length} bytes from {offset})",
+            file=key,
+            offset=offset + len(data),
+        )
+    return data
+
+
 def declared_sizes(backend: Backend, manifest: Manifest) -> dict[str, int]:
     """The manifest's data files: path -> bytes (a path listed twice with two sizes is
     a FormatError)."""
@@ -417,13 +524,32 @@ def declared_sizes(backend: Backend, manifest: Manifest) -> dict[str, int]:
     return sizes
 
 
-def reader_from_bytes(
-    backend: Backend, manifest_bytes: bytes, catalog_bytes: bytes, *, allow_pickle: bool = False, verify: bool = True
+def open_reader(
+    backend: Backend, metadata: CheckpointMetadata, *, allow_pickle: bool = False, verify: bool = True
 ) -> CheckpointReader:
-    manifest = parse_manifest(backend, manifest_bytes)
-    where = f"{backend.uri}/{manifest.catalog.path}"
+    """A reader over ``metadata`` (from :func:`fetch_metadata`, possibly read by another
+    rank): the manifest parsed, the catalog decoded (whole, or from its head: its
+    sections are then read from ``backend`` when ``reader.catalog.require`` asks for
+    them, each checked against the head) and checked against the manifest's data
+    files, and every stored entry given a place of its own (``check_keys``)."""
+    manifest = parse_manifest(backend, metadata.manifest)
+    path = manifest.catalog.path
+    where = f"{backend.uri}/{path}"
     sizes = declared_sizes(backend, manifest)
-    catalog = Catalog.from_arrow(catalog_bytes, where=where, checksum_block_bytes=manifest.checksum_block_bytes)
+    if metadata.head_only:
+
+        def fetch(offset: int, length: int) -> bytes:
+            return _ranged(backend, path, offset, length)
+
+        catalog = Catalog.from_head(
+            metadata.catalog,
+            file_size=manifest.catalog.nbytes,
+            fetch=fetch,
+            where=where,
+            checksum_block_bytes=manifest.checksum_block_bytes,
+        )
+    else:
+        catalog = Catalog.from_arrow(metadata.catalog, where=where, checksum_block_bytes=manifest.checksum_block_bytes)
     catalog.check_files(sizes, where=where)
     reader = CheckpointReader(backend, manifest, catalog, allow_pickle=allow_pickle, verify=verify)
     reader.check_keys()
@@ -435,5 +561,4 @@ def open_checkpoint(
 ) -> CheckpointReader:
     """Open the committed checkpoint at ``uri`` (``bcp.open``). Reads manifest and catalog only."""
     backend = resolve_backend(uri, storage_options)
-    manifest_bytes, catalog_bytes = fetch_metadata(backend)
-    return reader_from_bytes(backend, manifest_bytes, catalog_bytes, allow_pickle=allow_pickle, verify=verify)
+    return open_reader(backend, fetch_metadata(backend), allow_pickle=allow_pickle, verify=verify)

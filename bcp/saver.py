@@ -38,7 +38,7 @@ from bcp.metadata.layout import catalog_key, data_file_key, generation_name
 from . import objcodec
 from ._version import __version__
 from .boxes import Box
-from .collectives import Coordinator, coordinator_for, decide, run_phase
+from .collectives import Coordinator, decide, run_phase
 from .commit import (
     ExistingCheckpoint,
     check_generation_intact,
@@ -52,6 +52,7 @@ from .errors import CheckpointExistsError, CommitUncertainError, ShardingError, 
 from .fragment_rows import merge_reports, row_stats
 from .io_scheduler.staging import default_pool
 from .io_scheduler.write_pipeline import WriteItem, WritePipeline, WriterReport, fragment_table
+from .lanes import coordinator_for
 from .options import SaveOptions, SaveOptionsKwargs
 from .plan_cache import PlanCache, PlanSummary, plan_cache_for, plan_key, save_order
 from .replicas import ReplicaSummer, ReplicaSums, check_replicas

@@ -19,9 +19,3 @@ def resolve_backend(target: Target, storage_options: Mapping[str, Any] | None = 
             raise TypeError("storage_options apply to URIs; this target is already a Backend")
         return target
     return backend_for(os.fspath(target), **dict(storage_options or {}))
-
-
-def join_uri(uri: str, name: str) -> str:
-    """``uri`` with ``/name`` appended to its path, before any query string."""
-    base, sep, query = os.fspath(uri).partition("?")
-    return f"{base.rstrip('/')}/{name}{sep}{query}"

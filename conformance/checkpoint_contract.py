@@ -31,17 +31,11 @@ import pytest
 import torch
 
 import bcp
-from bcp.backends import Backend, backend_for, split_scheme
+from bcp.backends import Backend, backend_for, join_uri, split_scheme
 from bcp.metadata.layout import data_file_key, generation_name
-from bcp.target import join_uri
 
 #: How long the killed-save tests wait for the child to start writing.
 CHILD_TIMEOUT = 120.0
-
-
-def child_uri(uri: str, name: str) -> str:
-    """``uri`` with ``/name`` appended to its path (before any query string)."""
-    return join_uri(uri, name)
 
 
 def realistic_state(seed: int = 0, scale: int = 1) -> dict:
@@ -92,12 +86,26 @@ def template_like(state):
     return None
 
 
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t``'s values in row-major order, as a flat uint8 tensor (on the CPU)."""
+    flat = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def same_bytes(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether two tensors are bit for bit the same: dtype, shape and raw bytes. Unlike
+    ``torch.equal``, a NaN equals the same NaN, and -0.0 differs from 0.0."""
+    return got.dtype == want.dtype and got.shape == want.shape and torch.equal(raw_bytes(got), raw_bytes(want))
+
+
 def assert_same(got, want, where: str = "state") -> None:
+    """``got`` is ``want`` after a round trip: the same containers and objects, and
+    tensors bit for bit (:func:`same_bytes`)."""
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape, (
             f"{where}: expected a {want.dtype} tensor of shape {tuple(want.shape)}, got {got!r:.80}"
         )
-        assert torch.equal(got, want), f"{where}: tensor values differ after the round trip"
+        assert same_bytes(got, want), f"{where}: tensor bytes differ after the round trip"
     elif isinstance(want, dict):
         assert isinstance(got, dict) and set(map(str, got)) == set(map(str, want)), f"{where}: keys differ"
         lookup = {str(k): v for k, v in got.items()}
@@ -202,7 +210,7 @@ class CheckpointContractTests:
 
     @pytest.fixture
     def root(self, store_uri: str) -> Iterator[str]:
-        uri = child_uri(store_uri, f"ckpt-contract-{uuid.uuid4().hex[:12]}")
+        uri = join_uri(store_uri, f"ckpt-contract-{uuid.uuid4().hex[:12]}")
         problem = listing_problem(uri)
         if problem:
             pytest.fail(problem, pytrace=False)
@@ -220,24 +228,24 @@ class CheckpointContractTests:
 
     def test_save_load_round_trip(self, root: str) -> None:
         state = realistic_state(scale=self.state_scale)
-        info = bcp.save(state, child_uri(root, "ck"))
+        info = bcp.save(state, join_uri(root, "ck"))
         assert info.tensors > 0
-        got = bcp.load(template_like(state), child_uri(root, "ck"))
+        got = bcp.load(template_like(state), join_uri(root, "ck"))
         assert_same(got, state)
 
     def test_open_reads_tensors_slices_and_objects_without_a_template(self, root: str) -> None:
         state = realistic_state(scale=self.state_scale)
-        bcp.save(state, child_uri(root, "ck"))
-        reader = bcp.open(child_uri(root, "ck"))
+        bcp.save(state, join_uri(root, "ck"))
+        reader = bcp.open(join_uri(root, "ck"))
         want = state["model"]["blocks.0.mlp.fc.weight"]
         got = reader.read("model.blocks.0.mlp.fc.weight", box=((5, 7), (100, 9)))  # (offsets, lengths)
-        assert torch.equal(got, want[5:105, 7:16]), "a box read returned the wrong slice"
+        assert same_bytes(got, want[5:105, 7:16]), "a box read returned the wrong slice"
         assert reader.state()["step"] == 1234 and reader.state()["scaler"] == state["scaler"]
 
     def test_reshard_on_load(self, root: str) -> None:
         """Load the checkpoint as 3 row shards (as 3 ranks would) and as column shards."""
         state = realistic_state(scale=self.state_scale)
-        bcp.save(state, child_uri(root, "ck"))
+        bcp.save(state, join_uri(root, "ck"))
         emb = state["model"]["embed.weight"]
         rows = emb.shape[0]
         bounds = [0, rows // 3, 2 * rows // 3, rows]
@@ -245,25 +253,25 @@ class CheckpointContractTests:
             local = torch.empty(hi - lo, emb.shape[1])
             bcp.load(
                 {"model": {"embed.weight": bcp.TensorShard(local, offsets=(lo, 0), global_shape=emb.shape)}},
-                child_uri(root, "ck"),
+                join_uri(root, "ck"),
                 strict=False,
             )
-            assert torch.equal(local, emb[lo:hi]), f"row shard {lo}:{hi} differs"
+            assert same_bytes(local, emb[lo:hi]), f"row shard {lo}:{hi} differs"
         local = torch.empty(rows, 100)
         bcp.load(
             {"model": {"embed.weight": bcp.TensorShard(local, offsets=(0, 156), global_shape=emb.shape)}},
-            child_uri(root, "ck"),
+            join_uri(root, "ck"),
             strict=False,
         )
-        assert torch.equal(local, emb[:, 156:]), "column shard differs"
+        assert same_bytes(local, emb[:, 156:]), "column shard differs"
 
     def test_checkpoints_side_by_side_do_not_interfere(self, root: str) -> None:
         a, b = realistic_state(seed=1), realistic_state(seed=2)
-        bcp.save(a, child_uri(root, "run"))
-        bcp.save(b, child_uri(root, "run2"))  # its name starts with the other's
-        bcp.save({"x": torch.ones(3)}, child_uri(root, "run/nested"))
-        assert_same(bcp.load(template_like(a), child_uri(root, "run")), a, "run")
-        assert_same(bcp.load(template_like(b), child_uri(root, "run2")), b, "run2")
+        bcp.save(a, join_uri(root, "run"))
+        bcp.save(b, join_uri(root, "run2"))  # its name starts with the other's
+        bcp.save({"x": torch.ones(3)}, join_uri(root, "run/nested"))
+        assert_same(bcp.load(template_like(a), join_uri(root, "run")), a, "run")
+        assert_same(bcp.load(template_like(b), join_uri(root, "run2")), b, "run2")
 
     def test_sub_uri_sees_the_roots_objects_under_sub(self, root: str) -> None:
         """The sub-URI rule: the backend for ``ROOT/sub`` sees exactly ROOT's objects
@@ -271,7 +279,7 @@ class CheckpointContractTests:
         saves and loads each through ``ROOT/step_...``."""
         parent = backend_for(root)
         parent.write("sub/x", b"written through the root")
-        sub = backend_for(child_uri(root, "sub"))
+        sub = backend_for(join_uri(root, "sub"))
         assert sorted(sub.list("")) == ["x"], (
             f"sub-URI rule: the backend for ROOT/sub lists {sorted(sub.list(''))!r}, not ['x'], "
             "after ROOT's backend wrote 'sub/x' (CheckpointManager depends on this)"
@@ -284,23 +292,23 @@ class CheckpointContractTests:
         assert sorted(parent.list("sub/")) == ["sub/x", "sub/y"], f"ROOT lists {sorted(parent.list('sub/'))!r}"
 
     def test_overwrite_needs_consent_and_replaces(self, root: str) -> None:
-        uri = child_uri(root, "ck")
+        uri = join_uri(root, "ck")
         bcp.save({"x": torch.zeros(10)}, uri)
         with pytest.raises(bcp.CheckpointExistsError):
             bcp.save({"x": torch.ones(10)}, uri)
-        assert torch.equal(bcp.load({"x": torch.empty(10)}, uri)["x"], torch.zeros(10)), (
+        assert same_bytes(bcp.load({"x": torch.empty(10)}, uri)["x"], torch.zeros(10)), (
             "a refused save changed the committed checkpoint"
         )
         bcp.save({"x": torch.ones(10)}, uri, overwrite=True)
-        assert torch.equal(bcp.load({"x": torch.empty(10)}, uri)["x"], torch.ones(10))
+        assert same_bytes(bcp.load({"x": torch.empty(10)}, uri)["x"], torch.ones(10))
 
     def test_location_without_manifest_is_not_a_checkpoint(self, root: str) -> None:
-        uri = child_uri(root, "half")
+        uri = join_uri(root, "half")
         backend_for(uri).write(data_file_key(generation_name("0000"), 0), b"\0" * 100)
         with pytest.raises(bcp.IncompleteCheckpointError):
             bcp.open(uri)
         with pytest.raises(bcp.CheckpointNotFoundError):
-            bcp.open(child_uri(root, "never-written"))
+            bcp.open(join_uri(root, "never-written"))
 
     # -- integrity ----------------------------------------------------------------------
 
@@ -311,7 +319,7 @@ class CheckpointContractTests:
         return keys[0]
 
     def test_checksum_catches_a_corrupted_object(self, root: str) -> None:
-        uri = child_uri(root, "ck")
+        uri = join_uri(root, "ck")
         w = torch.randn(300, 300, generator=torch.Generator().manual_seed(3))
         bcp.save({"w": w}, uri)
         backend = backend_for(uri)
@@ -323,7 +331,7 @@ class CheckpointContractTests:
             bcp.load({"w": torch.empty(300, 300)}, uri)
 
     def test_truncated_object_is_caught(self, root: str) -> None:
-        uri = child_uri(root, "ck")
+        uri = join_uri(root, "ck")
         bcp.save({"w": torch.randn(300, 300)}, uri)
         backend = backend_for(uri)
         key = self._data_key(backend)
@@ -381,7 +389,7 @@ class CheckpointContractTests:
     @pytest.mark.slow
     def test_killed_save_leaves_no_committed_checkpoint(self, root: str) -> None:
         self._cross_process(root)
-        uri = child_uri(root, "killed")
+        uri = join_uri(root, "killed")
         self._kill_midway(uri, overwrite=False)
         with pytest.raises((bcp.IncompleteCheckpointError, bcp.CheckpointNotFoundError)):
             bcp.open(uri)
@@ -389,7 +397,7 @@ class CheckpointContractTests:
     @pytest.mark.slow
     def test_killed_overwrite_keeps_the_previous_checkpoint(self, root: str) -> None:
         self._cross_process(root)
-        uri = child_uri(root, "ck")
+        uri = join_uri(root, "ck")
         previous = realistic_state(seed=5)
         bcp.save(previous, uri)
         self._kill_midway(uri, overwrite=True)

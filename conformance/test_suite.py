@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from bcp.backends import Capability, backend_for
-from bcp.conformance.checkpoint_contract import CheckpointContractTests, child_uri
+from bcp.backends import Capability, backend_for, join_uri
+from bcp.conformance.checkpoint_contract import CheckpointContractTests
 from bcp.conformance.object_contract import BackendContractTests
 from bcp.conformance.probe import probe
 from bcp.conformance.pytest_plugin import target_uri
@@ -42,7 +42,7 @@ class TestObjectContract(BackendContractTests):
     @pytest.fixture
     def backend(self, bcp_uri, backend_facts, record_property):
         record_property("backend", backend_facts)
-        b = backend_for(child_uri(bcp_uri, f"obj-contract-{uuid.uuid4().hex[:12]}"))
+        b = backend_for(join_uri(bcp_uri, f"obj-contract-{uuid.uuid4().hex[:12]}"))
         yield b
         try:
             b.delete_prefix("")
@@ -65,7 +65,7 @@ class TestPerformanceProbe:
         full = pytestconfig.getoption("--bcp-level") == "full"
         mib = pytestconfig.getoption("--bcp-probe-mib") or (256 if full else 32)
         figures = probe(
-            backend_for(child_uri(bcp_uri, f"probe-{uuid.uuid4().hex[:12]}")),
+            backend_for(join_uri(bcp_uri, f"probe-{uuid.uuid4().hex[:12]}")),
             total_bytes=mib * MiB,
             small_reads=50 if full else 10,
         )

@@ -453,21 +453,19 @@ def small_sections_save_job(rank: int, world: int, layout: str, uri: str, ref_pa
 def partial_catalog_load_job(rank: int, world: int, layout: str, uri: str, ref_path: str) -> None:
     """load_sharded_job with every catalog treated as large: the coordinator shares only
     the head, every rank reads its own sections (checked on the coordinator)."""
-    import bcp.catalog_fetch
     import bcp.loader
+    import bcp.reader
 
-    bcp.catalog_fetch.WHOLE_CATALOG_BYTES = 0
+    bcp.reader.WHOLE_CATALOG_BYTES = 0
     seen: list[bool] = []
-    fetch = bcp.catalog_fetch.fetch_load_metadata
+    fetch = bcp.reader.fetch_metadata
 
-    def recording(backend):
-        manifest, catalog, partial = fetch(backend)
-        seen.append(partial)
-        return manifest, catalog, partial
+    def recording(backend, **kwargs):
+        metadata = fetch(backend, **kwargs)
+        seen.append(metadata.head_only)
+        return metadata
 
-    bcp.catalog_fetch.fetch_load_metadata = recording
-    if hasattr(bcp.loader, "fetch_load_metadata"):
-        bcp.loader.fetch_load_metadata = recording
+    bcp.loader.fetch_metadata = recording
     load_sharded_job(rank, world, layout, uri, ref_path)
     if rank == 0:
         assert seen == [True], f"the coordinator should have read only the catalog's head: {seen}"

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bcp
-import bcp.catalog_fetch
+import bcp.reader
 from bcp.backends import backend_for
 from bcp.commit import commit
 from bcp.errors import CorruptCheckpointError
@@ -310,7 +310,7 @@ def test_partial_fetch_loads_exactly_what_a_whole_fetch_loads(
 
         loaded = {}
         for limit in (0, 1 << 30):  # partial, whole
-            monkeypatch.setattr(bcp.catalog_fetch, "WHOLE_CATALOG_BYTES", limit)
+            monkeypatch.setattr(bcp.reader, "WHOLE_CATALOG_BYTES", limit)
             state = _shard_state(small, box_of)
             bcp.load(state, uri)
             loaded[limit] = {k: v.local.clone() for k, v in state.items()}
@@ -323,12 +323,15 @@ def test_partial_fetch_loads_exactly_what_a_whole_fetch_loads(
 def test_the_coordinator_shares_only_the_head_of_a_large_catalog(tmp_path, monkeypatch, small_sections):
     layout = [((256, 4), [((w * 4, 0), (4, 4)) for w in range(64)]) for _ in range(4)]
     uri = _write_checkpoint(tmp_path, layout, 64)
-    monkeypatch.setattr(bcp.catalog_fetch, "WHOLE_CATALOG_BYTES", 0)
-    monkeypatch.setattr(bcp.catalog_fetch, "TAIL_GUESS_BYTES", 64)  # the head takes a second read
-    manifest_bytes, tail, partial = bcp.catalog_fetch.fetch_load_metadata(backend_for(uri))
-    size = json.loads(manifest_bytes)["catalog"]["nbytes"]
-    assert partial and len(tail) < size and tail[-8:] == sections.MAGIC
-    reader = bcp.catalog_fetch.reader_from_head(backend_for(uri), manifest_bytes, tail)
+    monkeypatch.setattr(bcp.reader, "WHOLE_CATALOG_BYTES", 0)
+    monkeypatch.setattr(bcp.reader, "TAIL_GUESS_BYTES", 64)  # the head takes a second read
+    metadata = bcp.reader.fetch_metadata(backend_for(uri), allow_head_only=True)
+    size = json.loads(metadata.manifest)["catalog"]["nbytes"]
+    tail = metadata.catalog
+    assert metadata.head_only and len(tail) < size and tail[-8:] == sections.MAGIC
+    whole = bcp.reader.fetch_metadata(backend_for(uri))  # bcp.open's: the whole catalog
+    assert not whole.head_only and len(whole.catalog) == size and whole.catalog.endswith(tail)
+    reader = bcp.reader.open_reader(backend_for(uri), metadata)
     assert reader.catalog.sections_held[0] == 0 and len(reader.catalog) == 0
     state = {f"t{t}": TensorShard(torch.zeros(4, 4), (256, 4), (100, 0)) for t in range(4)}
     info = bcp.load_with_info(state, uri)
@@ -408,11 +411,11 @@ def test_a_span_index_hiding_a_section_fails_the_load_instead_of_filling_garbage
     from bcp.metadata.manifest import reseal
 
     (pathlib.Path(uri) / MANIFEST_KEY).write_bytes(reseal(doc))
-    monkeypatch.setattr(bcp.catalog_fetch, "WHOLE_CATALOG_BYTES", 0)
+    monkeypatch.setattr(bcp.reader, "WHOLE_CATALOG_BYTES", 0)
     state = {"t0": TensorShard(torch.zeros(4, 4), (64, 4), (16, 0))}
     with pytest.raises((CorruptCheckpointError, FormatError), match="t0"):
         bcp.load(state, uri)
-    monkeypatch.setattr(bcp.catalog_fetch, "WHOLE_CATALOG_BYTES", 1 << 30)
+    monkeypatch.setattr(bcp.reader, "WHOLE_CATALOG_BYTES", 1 << 30)
     with pytest.raises(FormatError, match="span index does not match"):
         bcp.load(state, uri)  # read whole, every section is checked against the index
 

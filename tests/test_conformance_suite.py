@@ -271,3 +271,35 @@ def test_console_script_is_installed():
     script = Path(sys.executable).with_name("bcp")
     proc = subprocess.run([str(script), "conformance", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--quick" in proc.stdout
+
+
+# -- the contract's comparison ---------------------------------------------------------------------
+
+
+def test_assert_same_is_byte_exact_a_nan_round_trips_and_minus_zero_differs(tmp_path):
+    import torch
+
+    import bcp
+    from bcp.conformance.checkpoint_contract import assert_same, same_bytes, template_like
+
+    state = {
+        "f32": torch.tensor([float("nan"), 1.0, -0.0, float("-inf")]),
+        "bf16": torch.tensor([float("nan"), -0.0], dtype=torch.bfloat16),
+        "f64": torch.full((2, 3), float("nan"), dtype=torch.float64),
+    }
+    uri = str(tmp_path / "ck")
+    bcp.save(state, uri)
+    got = bcp.load(template_like(state), uri)
+    assert not torch.equal(got["f32"], state["f32"]), "torch.equal calls NaN unequal: the reason for byte compare"
+    assert_same(got, state)  # the same NaNs, bit for bit
+    with pytest.raises(AssertionError, match="bytes differ"):
+        assert_same({"x": torch.tensor([-0.0])}, {"x": torch.tensor([0.0])})
+    with pytest.raises(AssertionError, match="bytes differ"):
+        assert_same(torch.tensor([-0.0], dtype=torch.bfloat16), torch.tensor([0.0], dtype=torch.bfloat16))
+    other_nan = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)  # another NaN payload
+    assert not same_bytes(other_nan, torch.tensor([float("nan")]))
+    assert same_bytes(torch.arange(6.0).reshape(2, 3).t(), torch.tensor([[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]))
+    assert not same_bytes(torch.zeros(2, 3), torch.zeros(3, 2)), "same bytes, another shape"
+    assert not same_bytes(torch.zeros(2, dtype=torch.int32), torch.zeros(2)), "same bytes, another dtype"
+    with pytest.raises(AssertionError, match=r"expected a torch\.float32 tensor"):
+        assert_same(torch.zeros(2, dtype=torch.int32), torch.zeros(2))

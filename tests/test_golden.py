@@ -106,9 +106,9 @@ def test_golden_catalog_v2_loads_bit_exactly():
 
 @pytest.mark.parametrize("whole", [True, False], ids=["whole", "head-then-sections"])
 def test_golden_catalog_v2_loads_into_a_template(tmp_path, monkeypatch, whole):
-    import bcp.catalog_fetch
+    import bcp.reader
 
-    monkeypatch.setattr(bcp.catalog_fetch, "WHOLE_CATALOG_BYTES", 1 << 30 if whole else 0)
+    monkeypatch.setattr(bcp.reader, "WHOLE_CATALOG_BYTES", 1 << 30 if whole else 0)
     uri = _copy(tmp_path, CATALOG_V2)
     expected = golden_state()
     template = zeros_like_state(expected)

@@ -15,6 +15,7 @@ import bcp
 import dist_jobs
 from bcp.backends import backend_for
 from bcp.backends.memory import clear_memory_store
+from bcp.commit import unused_generations
 from bcp.housekeeping import plan_gc, scan, select_kept
 from bcp.metadata import MANIFEST_KEY
 from bcp.metadata.layout import data_file_key, generation_name, step_name
@@ -125,6 +126,8 @@ def test_overwrite_leftover_generations_are_collected(root):
     backend_for(root).write(f"{step_name(1)}/{data_file_key(generation_name('orphan'), 0)}", b"x")
     plan = plan_gc(backend_for(root))
     assert plan.orphan_generations == [f"{step_name(1)}/{generation_name('orphan')}/"]
+    listed = unused_generations(backend_for(root), f"{step_name(1)}/")  # its own listing, as the CLI's
+    assert listed == plan.orphan_generations, "gc and the commit protocol name the same unused generations"
     bcp.CheckpointManager(root)
     assert not any(generation_name("orphan") in k for k in backend_for(root).list(""))
     assert_loads(root, 1)

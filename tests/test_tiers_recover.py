@@ -4,6 +4,7 @@ host, the choice of step, the exchange plan, and whole recoveries on simulated h
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -19,9 +20,13 @@ import dist_jobs
 import tier_recover_jobs as jobs
 from bcp.collectives import Coordinator
 from bcp.metadata.layout import MANIFEST_KEY, step_name
-from bcp.tiers.inventory import HOLDING_KEY, StepCopy, choose_local, list_local, local_wins
-from bcp.tiers.paths import local_root
-from bcp.tiers.recover import RECOVERY_PREFIX, _Exchange, _Hosts, recover_latest, recover_latest_with_info
+from bcp.tiers.exchange import Exchange
+from bcp.tiers.holding import add_held
+from bcp.tiers.hosts import HostMap
+from bcp.tiers.inventory import StepCopy, choose_local, list_local, local_wins
+from bcp.tiers.paths import HOLDING_NAME, local_root
+from bcp.tiers.recover import recover_latest, recover_latest_with_info
+from bcp.tiers.recovery_dir import RECOVERY_PREFIX
 from helpers import assert_same
 
 # -- one process: inventory ------------------------------------------------------------------------
@@ -43,7 +48,7 @@ def _local_step(tmp_path, root: str, step: int, seed: float, *, hold: bool = Tru
     jobs.lay_out(ckpt, [root], [[0]], replicas=0, step=step)
     step_dir = os.path.join(root, step_name(step))
     if not hold:
-        jobs.write_holding(step_dir, jobs.manifest_of(ckpt).save_id, [])
+        jobs.write_holding(step_dir, jobs.manifest_of(ckpt), [])
     return step_dir
 
 
@@ -71,7 +76,8 @@ def test_inventory_refuses_links_other_saves_and_corrupt_manifests(tmp_path):
     os.rename(path, path + ".real")
     os.symlink(path + ".real", path)  # a symbolic link is never a holding
     other = _local_step(tmp_path, root, 2, 2.0)
-    jobs.write_holding(other, "0123abcd", [f.path for f in jobs.manifest_of(other).data_files])  # another save's
+    other_files = [f.path for f in jobs.manifest_of(other).data_files]
+    jobs.write_holding(other, jobs.manifest_of(other), other_files, save_id="0123abcd")  # another save's
     bad = _local_step(tmp_path, root, 3, 3.0)
     with open(os.path.join(bad, MANIFEST_KEY), "r+b") as f:
         f.seek(20)
@@ -80,11 +86,17 @@ def test_inventory_refuses_links_other_saves_and_corrupt_manifests(tmp_path):
         f.write(bytes([byte[0] ^ 1]))  # fails the manifest's own CRC32C
     names = _local_step(tmp_path, root, 4, 4.0)
     manifest = jobs.manifest_of(names)
-    with open(os.path.join(names, HOLDING_KEY), "w") as f:  # bare names within the generation count too
-        json.dump([p.path.rsplit("/", 1)[-1] for p in manifest.data_files], f)
+    with open(os.path.join(names, HOLDING_NAME), "w") as f:  # bare names: not what the tier writes
+        json.dump([p.path for p in manifest.data_files], f)
+    lying = _local_step(tmp_path, root, 5, 5.0)
+    entry = jobs.manifest_of(lying).data_files[0]
+    add_held(lying, jobs.manifest_of(lying).save_id, [dataclasses.replace(entry, crc32c=entry.crc32c ^ 1)])
+    kept = _local_step(tmp_path, root, 6, 6.0)
     copies = {c.step: c for c in list_local(root)}
-    assert sorted(copies) == [1, 2, 4], "a manifest failing its CRC is no copy"
-    assert copies[1].held == () and copies[2].held == () and copies[4].held == (0,)
+    assert sorted(copies) == [1, 2, 4, 5, 6], "a manifest failing its CRC is no copy"
+    assert copies[1].held == () and copies[2].held == () and copies[4].held == ()
+    assert copies[5].held == (), "listed with a digest other than the manifest's"
+    assert copies[6].held == (0,) and copies[6].save_id == jobs.manifest_of(kept).save_id
 
 
 # -- one process: the choice -----------------------------------------------------------------------
@@ -190,21 +202,23 @@ def test_exchange_delivers_each_fragment_once_per_host_within_the_round_budget(c
     from bcp.tiers.inventory import LocalChoice
 
     ids, holders, requests, round_bytes, chunk = case
-    hosts = _Hosts(ids, 0)
+    hosts = HostMap.from_records([(i, None) for i in ids])
+    of_rank = hosts.host_of_rank()
+    assert of_rank == [hosts.host_of(r) for r in range(len(ids))]
     choice = LocalChoice(1, "ab", 0, holders, 0)
-    ex = _Exchange(types.SimpleNamespace(world_size=len(ids), rank=0), hosts, choice, None, "", "", round_bytes, chunk)  # type: ignore[arg-type]
+    ex = Exchange(types.SimpleNamespace(world_size=len(ids), rank=0), hosts, choice, None, "", "", round_bytes, chunk)  # type: ignore[arg-type]
     ex.plan([np.array(r, dtype=np.int64).reshape(-1, 3) for r in requests])
     got: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
     for pieces in ex.rounds_of:
         moved: dict[int, int] = {}
         for p in pieces:
-            assert hosts.of_rank[p.sender] in holders[p.file], "served by a host that does not hold the file"
-            assert hosts.of_rank[p.receiver] not in holders[p.file]
-            got.setdefault((hosts.of_rank[p.receiver], p.file, p.offset // 1000), []).append((p.offset, p.nbytes))
+            assert of_rank[p.sender] in holders[p.file], "served by a host that does not hold the file"
+            assert of_rank[p.receiver] not in holders[p.file]
+            got.setdefault((of_rank[p.receiver], p.file, p.offset // 1000), []).append((p.offset, p.nbytes))
             for who in (p.sender, p.receiver):
                 moved[who] = moved.get(who, 0) + p.nbytes
         assert max(moved.values()) <= round_bytes, "a round over its budget"
-    want = {(hosts.of_rank[r], f, o // 1000): (o, n) for r, rows in enumerate(requests) for f, o, n in rows}
+    want = {(of_rank[r], f, o // 1000): (o, n) for r, rows in enumerate(requests) for f, o, n in rows}
     assert set(got) == set(want)
     for key, (offset, nbytes) in want.items():
         pieces = sorted(got[key])
@@ -295,7 +309,7 @@ def test_four_ranks_recover_from_replicas_and_refuse_what_is_not_held(saved, tmp
     jobs.lay_out(x, unlisted, two, replicas=1, lost=(1,))
     manifest = jobs.manifest_of(x)
     step_a = os.path.join(unlisted[0], step_name(jobs.LOCAL_STEP))
-    jobs.write_holding(step_a, manifest.save_id, jobs.files_of_ranks(manifest, [0, 1]))  # the replica is not listed
+    jobs.write_holding(step_a, manifest, jobs.files_of_ranks(manifest, [0, 1]))  # the replica is not listed
     assert all(os.path.exists(os.path.join(step_a, f)) for f in jobs.files_of_ranks(manifest, [2, 3]))
     scenarios.append(
         jobs.Scenario("unlisted replica", hosts, dict(zip("AB", unlisted, strict=True)), persistent, "persistent", ref5)

@@ -6,6 +6,7 @@ keep K local steps, and survive a rank killed mid-replication or mid-drain."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 
@@ -105,8 +106,42 @@ def test_holding_lists_files_added_concurrently_and_replaces_another_saves_list(
     assert held_files(d, "x") == {e.path: e for e in entries}, "a concurrent add was lost"
     assert held_files(d, "y") == {}, "a list of another save counts for nothing"
     add_held(d, "y", entries[:1])
-    assert read_holding(d)["save_id"] == "y" and held_files(d, "y") == {entries[0].path: entries[0]}
+    holding = read_holding(d)
+    assert holding is not None and holding.save_id == "y" and held_files(d, "y") == {entries[0].path: entries[0]}
     assert [n for n in os.listdir(d) if "partial" in n] == []
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"not json",
+        b'["gen-x/data/rank00000-0.bin"]',  # a bare list of names
+        b'{"save_id": "x", "files": {"gen-x/data/rank00000-0.bin": {"nbytes": 1, "crc32c": 2}}}',  # no format
+        b'{"format": "bcp-holding", "save_id": "x", "files": ["gen-x/data/rank00000-0.bin"]}',
+        b'{"format": "bcp-holding", "save_id": "x", "files": {"gen-x/data/rank00000-0.bin": {"nbytes": 1}}}',
+        b'{"format": "bcp-holding", "save_id": "x", "files": {"a": {"nbytes": -1, "crc32c": 2}}}',
+        b'{"format": "bcp-holding", "save_id": 7, "files": {}}',
+    ],
+)
+def test_a_holding_not_written_by_add_held_holds_nothing_and_is_replaced(tmp_path, caplog, content):
+    d = tmp_path / "step"
+    d.mkdir()
+    (d / "holding.json").write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="bcp.tiers.holding"):
+        assert read_holding(str(d)) is None and held_files(str(d), "x") == {}
+    assert "holds nothing" in caplog.text
+    entry = FileEntry("gen-x/data/rank00001-0.bin", 5, 6)
+    add_held(str(d), "x", [entry])
+    assert held_files(str(d), "x") == {entry.path: entry}, "the next add replaces it whole"
+
+
+def test_a_holding_behind_a_link_holds_nothing(tmp_path):
+    real, d = tmp_path / "real", tmp_path / "step"
+    real.mkdir()
+    d.mkdir()
+    add_held(str(real), "x", [FileEntry("gen-x/data/rank00000-0.bin", 1, 2)])
+    (d / "holding.json").symlink_to(real / "holding.json")
+    assert read_holding(str(real)) is not None and read_holding(str(d)) is None
 
 
 def _saved_files(uri: str) -> tuple[Manifest, dict[str, list[tuple[int, int]]]]:
@@ -205,8 +240,8 @@ def _host_root(cfg: dict, host: int) -> str:
 
 
 def _holding(cfg: dict, host: int, step: int) -> set[str]:
-    doc = read_holding(step_dir(_host_root(cfg, host), step)) or {"files": {}}
-    return set(doc["files"])
+    holding = read_holding(step_dir(_host_root(cfg, host), step))
+    return set(holding.files) if holding is not None else set()
 
 
 def _check_every_listed_file(cfg: dict, hosts: int) -> int:
@@ -219,9 +254,10 @@ def _check_every_listed_file(cfg: dict, hosts: int) -> int:
                 continue
             manifest, spans = _saved_files(d)
             entries = {e.path: e for e in manifest.data_files}
-            doc = read_holding(d)
-            assert doc is not None and doc["save_id"] == manifest.save_id
-            for path in doc["files"]:
+            holding = read_holding(d)
+            assert holding is not None and holding.save_id == manifest.save_id
+            for path, listed in holding.files.items():
+                assert listed == entries[path], f"host {h} step {s} lists {path} with another size or digest"
                 problem = verify(os.path.join(d, *path.split("/")), entries[path], spans, manifest.checksum_block_bytes)
                 assert problem is None, f"host {h} step {s} lists {path}: {problem}"
                 checked += 1

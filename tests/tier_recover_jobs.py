@@ -10,8 +10,8 @@ hosts' shares, ``holding.json``). Simulated hosts are processes with their own
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import os
 import re
 import shutil
@@ -22,7 +22,8 @@ import torch.distributed as dist
 import bcp
 from bcp.metadata import Manifest
 from bcp.metadata.layout import MANIFEST_KEY, step_name
-from bcp.tiers.inventory import HOLDING_KEY
+from bcp.tiers.holding import add_held
+from bcp.tiers.paths import HOLDING_NAME
 from dist_jobs import assert_equal_to_reference, full_reference, restore, sharded_model, sharded_state, train
 
 _RANK = re.compile(r"rank(\d+)-\d+\.bin$")
@@ -72,13 +73,17 @@ def lay_out(
         for f in files:
             shutil.copyfile(os.path.join(ckpt, f), os.path.join(dst, f))
         shutil.copyfile(os.path.join(ckpt, manifest.catalog.path), os.path.join(dst, manifest.catalog.path))
-        write_holding(dst, manifest.save_id, files)
+        write_holding(dst, manifest, files)
         shutil.copyfile(os.path.join(ckpt, MANIFEST_KEY), os.path.join(dst, MANIFEST_KEY))
 
 
-def write_holding(step_dir: str, save_id: str, files: list[str]) -> None:
-    with open(os.path.join(step_dir, HOLDING_KEY), "w") as f:
-        json.dump({"save_id": save_id, "files": sorted(files)}, f)
+def write_holding(step_dir: str, manifest: Manifest, files: list[str], *, save_id: str | None = None) -> None:
+    """The step's ``holding.json`` listing exactly ``files`` (manifest paths) with the
+    manifest's entries, written by the tier's own writer; ``save_id``: claim another save's."""
+    entries = {f.path: f for f in manifest.data_files}
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(step_dir, HOLDING_NAME))
+    add_held(step_dir, save_id or manifest.save_id, [entries[f] for f in files])
 
 
 # -- the saved states -------------------------------------------------------------------------
@@ -151,7 +156,7 @@ def scenarios_job(rank: int, world: int, scenarios: list[Scenario]) -> None:
 
 
 def _run(rank: int, world: int, sc: Scenario, root: str) -> None:
-    from bcp.collectives import coordinator_for
+    from bcp.lanes import coordinator_for
     from bcp.tiers.recover import recover_latest_with_info
 
     model, opt, state = template(world)

@@ -9,46 +9,87 @@ cut short by a host that died while receiving it is therefore never used.
 Several ranks of a host add files to the same ``holding.json``: each takes an
 exclusive ``flock`` on ``holding.lock`` beside it, reads, adds, and replaces the file
 atomically (a partial file, then ``rename``), so a reader never sees half a file.
+
+One reader, :func:`read_holding`, serves both sides (the ranks adding files, and a
+recovery's inventory). It is strict about the content and lenient about failure: a
+``holding.json`` that is not exactly what :func:`add_held` writes (another format, a
+file entry without an integer size and digest, a link, over ``MAX_HOLDING_BYTES``)
+holds nothing, with a WARNING, and never raises: the files of that step then do
+not count for recovery, and the next :func:`add_held` replaces it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
+import logging
 import os
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
 
 from bcp.metadata import Catalog, FileEntry, block_checksums, digest_of_checksums
 
-from .paths import HOLDING_LOCK, HOLDING_NAME
+from .paths import HOLDING_LOCK, HOLDING_NAME, read_regular
+
+log = logging.getLogger(__name__)
 
 FORMAT = "bcp-holding"
 VERSION = 1
+#: holdings larger than this are not read (one entry is about 100 bytes)
+MAX_HOLDING_BYTES = 64 << 20
 #: bytes read at a time when a file is verified (a multiple of any block size up to it)
 READ_BYTES = 16 << 20
 
 
-def read_holding(step_dir: str) -> dict[str, Any] | None:
-    """The parsed ``holding.json`` of a step directory; None when there is none."""
-    try:
-        with open(os.path.join(step_dir, HOLDING_NAME), "rb") as f:
-            doc = json.loads(f.read())
-    except FileNotFoundError:
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    """A step directory's ``holding.json``: the save it is of, and its checked files."""
+
+    save_id: str
+    #: manifest path -> the entry its size and digest were checked against
+    files: dict[str, FileEntry]
+
+
+def read_holding(step_dir: str) -> Holding | None:
+    """The ``holding.json`` of a step directory; None when there is none, or when it is
+    not one that :func:`add_held` wrote (a WARNING: nothing of the step is held)."""
+    path = os.path.join(step_dir, HOLDING_NAME)
+    data = read_regular(path, MAX_HOLDING_BYTES)
+    if data is None:
         return None
+    try:
+        return parse_holding(data)
+    except ValueError as e:
+        log.warning("local tier: %s holds nothing: %s", path, e)
+        return None
+
+
+def parse_holding(data: bytes) -> Holding:
+    """``holding.json``'s bytes, checked: ValueError unless they are what :func:`add_held` writes."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"not valid JSON ({e})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ValueError(f"{step_dir}/{HOLDING_NAME} is not a {FORMAT} file")
-    return doc
+        raise ValueError(f"not a {FORMAT} file")
+    save_id, listed = doc.get("save_id"), doc.get("files")
+    if not isinstance(save_id, str) or not isinstance(listed, dict):
+        raise ValueError("no save_id string or no files object")
+    files: dict[str, FileEntry] = {}
+    for name, item in listed.items():
+        nbytes, digest = (item.get("nbytes"), item.get("crc32c")) if isinstance(item, dict) else (None, None)
+        if type(nbytes) is not int or type(digest) is not int or nbytes < 0 or digest < 0:
+            raise ValueError(f"file {name!r} has no integer nbytes and crc32c")
+        files[name] = FileEntry(name, nbytes, digest)
+    return Holding(save_id, files)
 
 
 def held_files(step_dir: str, save_id: str) -> dict[str, FileEntry]:
     """The data files listed for the save ``save_id`` (none for another save's list)."""
-    doc = read_holding(step_dir)
-    if doc is None or doc.get("save_id") != save_id:
-        return {}
-    return {path: FileEntry(path, e["nbytes"], e["crc32c"]) for path, e in doc["files"].items()}
+    holding = read_holding(step_dir)
+    return dict(holding.files) if holding is not None and holding.save_id == save_id else {}
 
 
 @contextlib.contextmanager
@@ -63,17 +104,16 @@ def _locked(step_dir: str) -> Iterator[None]:
 
 def add_held(step_dir: str, save_id: str, entries: Sequence[FileEntry]) -> None:
     """List ``entries`` (checked files of the save ``save_id``) in the step's
-    ``holding.json``, under the host's lock; a list of another save is replaced."""
+    ``holding.json``, under the host's lock; a list of another save, or one that
+    holds nothing (:func:`read_holding`), is replaced."""
     os.makedirs(step_dir, exist_ok=True)
     with _locked(step_dir):
-        doc = read_holding(step_dir)
-        files: dict[str, Any] = dict(doc["files"]) if doc is not None and doc.get("save_id") == save_id else {}
-        for e in entries:
-            files[e.path] = {"nbytes": e.nbytes, "crc32c": e.crc32c}
-        data = json.dumps(
-            {"format": FORMAT, "version": VERSION, "save_id": save_id, "files": dict(sorted(files.items()))},
-            indent=1,
-        ).encode("utf-8")
+        files = held_files(step_dir, save_id)
+        files.update((e.path, e) for e in entries)
+        listed = {path: {"nbytes": e.nbytes, "crc32c": e.crc32c} for path, e in sorted(files.items())}
+        data = json.dumps({"format": FORMAT, "version": VERSION, "save_id": save_id, "files": listed}, indent=1).encode(
+            "utf-8"
+        )
         final = os.path.join(step_dir, HOLDING_NAME)
         tmp = f"{final}.partial-{secrets.token_hex(4)}"
         with open(tmp, "wb") as f:

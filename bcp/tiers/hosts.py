@@ -66,6 +66,14 @@ class HostMap:
                 return h
         raise ValueError(f"rank {rank} is not in the host map")
 
+    def host_of_rank(self) -> list[int]:
+        """Each rank's host, in rank order (one pass, for lookups of many ranks)."""
+        out = [0] * self.world_size
+        for h, ranks in enumerate(self.ranks):
+            for r in ranks:
+                out[r] = h
+        return out
+
     def local_index(self, rank: int) -> int:
         """The rank's position among its host's ranks."""
         return self.ranks[self.host_of(rank)].index(rank)

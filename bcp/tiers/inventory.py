@@ -16,7 +16,6 @@ stays a few integers per step however many files the job writes.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -27,16 +26,13 @@ from bcp.metadata import Manifest
 from bcp.metadata.checksum import crc32c
 from bcp.metadata.layout import MANIFEST_KEY, step_name, step_of
 
-from .paths import HOLDING_NAME
+from .holding import read_holding
+from .paths import HOLDING_NAME, read_regular
 
 log = logging.getLogger(__name__)
 
-#: The data files a host holds for one step, each checked (docs/tiers.md).
-HOLDING_KEY = HOLDING_NAME
 #: Manifests larger than this are not read (a local manifest is a few KiB to MiB).
 MAX_MANIFEST_BYTES = 256 << 20
-#: Holdings larger than this are not read.
-MAX_HOLDING_BYTES = 64 << 20
 _CRC = re.compile(rb'"manifest_crc32c"[ \t\n\r]*:[ \t\n\r]*"([0-9a-f]{8})"[ \t\n\r]*\}[ \t\n\r]*\Z')
 
 
@@ -93,61 +89,11 @@ def manifest_crc(data: bytes) -> int:
     return int(found.group(1), 16) if found else crc32c(data)
 
 
-def read_regular(path: str, limit: int) -> bytes | None:
-    """The bytes of a regular file (never through a link), or None when it is absent,
-    not a regular file or larger than ``limit``."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as e:  # a link (ELOOP), no permission: not a holding
-        log.warning("local tier: cannot read %s: %s", path, e)
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            return None
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def holding_names(data: bytes, where: str) -> tuple[str | None, list[str]]:
-    """(save id or None, file names) of a ``holding.json``: an object with ``files``
-    (a map of manifest path -> its checked size and digest, as bcp.tiers.holding
-    writes it; or names, or objects with a ``path``) and optionally ``save_id``, or a
-    bare list of names. Anything else holds nothing (a warning)."""
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as e:
-        log.warning("local tier: %s is not valid JSON (%s); this host holds nothing of that step", where, e)
-        return None, []
-    save_id = None
-    files = doc
-    if isinstance(doc, dict):
-        save_id = doc.get("save_id") if isinstance(doc.get("save_id"), str) else None
-        files = doc.get("files", [])
-    if isinstance(files, dict):  # the saving side's form: {manifest path: {"nbytes", "crc32c"}}
-        files = [{"path": k, **v} if isinstance(v, dict) else k for k, v in files.items()]
-    if not isinstance(files, list):
-        log.warning("local tier: %s lists no files; this host holds nothing of that step", where)
-        return None, []
-    names = []
-    for item in files:
-        if isinstance(item, dict):
-            item = item.get("path", item.get("name"))
-        if isinstance(item, str):
-            names.append(item)
-    return save_id, names
-
-
 def read_step(step: int, path: str) -> StepCopy | None:
     """This host's copy of ``step`` at ``path``: None without a readable manifest.
-    A data file counts when ``holding.json`` lists it (by its manifest path, or its
-    name within the generation) and it is a regular file of the manifest's size."""
+    A data file counts when ``holding.json`` (``holding.read_holding``) lists it for
+    the manifest's save, with the manifest's size and digest, and it is a regular
+    file of that size."""
     data = read_regular(os.path.join(path, MANIFEST_KEY), MAX_MANIFEST_BYTES)
     if data is None:
         return None
@@ -157,25 +103,22 @@ def read_step(step: int, path: str) -> StepCopy | None:
     except Exception as e:  # noqa: BLE001 - an unreadable copy is no copy; the others may do
         log.warning("local tier: ignoring step %d on this host: %s", step, e)
         return None
-    index = {f.path: i for i, f in enumerate(manifest.data_files)}
-    by_name = {f.path.rsplit("/", 1)[-1]: i for i, f in enumerate(manifest.data_files)}
-    held: set[int] = set()
-    raw = read_regular(os.path.join(path, HOLDING_KEY), MAX_HOLDING_BYTES)
-    if raw is not None:
-        save_id, names = holding_names(raw, os.path.join(path, HOLDING_KEY))
-        if save_id is not None and save_id != manifest.save_id:
-            log.warning(
-                "local tier: step %d: %s is of save %s, the manifest of save %s; nothing of it is held",
-                step,
-                HOLDING_KEY,
-                save_id,
-                manifest.save_id,
-            )
-            names = []
-        for name in names:
-            i = index.get(name, by_name.get(name))
-            if i is not None and _is_file_of_size(os.path.join(path, manifest.data_files[i].path), manifest, i):
-                held.add(i)
+    holding = read_holding(path)
+    listed = holding.files if holding is not None else {}
+    if holding is not None and holding.save_id != manifest.save_id:
+        log.warning(
+            "local tier: step %d: %s is of save %s, the manifest of save %s; nothing of it is held",
+            step,
+            HOLDING_NAME,
+            holding.save_id,
+            manifest.save_id,
+        )
+        listed = {}
+    held = {
+        i
+        for i, f in enumerate(manifest.data_files)
+        if listed.get(f.path) == f and _is_file_of_size(os.path.join(path, f.path), manifest, i)
+    }
     catalog = manifest.catalog
     has_catalog = _size_of(os.path.join(path, catalog.path)) == catalog.nbytes
     return StepCopy(

@@ -22,6 +22,7 @@ from bcp.metadata.layout import data_file_key, manifest_key
 
 from ..collectives import Coordinator, decide, run_phase
 from ..commit import parse_manifest
+from ..reader import fetch_metadata
 from .holding import add_held, file_spans, verify
 from .hosts import HostMap
 from .replicate import replicate
@@ -44,19 +45,15 @@ class LocalStep:
 def spread_metadata(coord: Coordinator, backend: Backend, step: int) -> LocalStep:
     """(all ranks, collective) Every rank gets the coordinator's manifest and catalog bytes."""
 
-    def read() -> tuple[bytes, bytes]:
-        data = backend.read(manifest_key())
-        return data, backend.read(parse_manifest(backend, data).catalog.path)
-
     # the coordinator reads; every rank gets the bytes, or the coordinator's error
-    manifest_bytes, catalog_bytes = decide(coord, "spreading the local step", read)
-    manifest = parse_manifest(backend, manifest_bytes)
+    metadata = decide(coord, "spreading the local step", fetch_metadata, backend)
+    manifest = parse_manifest(backend, metadata.manifest)
     catalog = Catalog.from_arrow(
-        catalog_bytes,
+        metadata.catalog,
         where=f"{backend.uri}/{manifest.catalog.path}",
         checksum_block_bytes=manifest.checksum_block_bytes,
     )
-    return LocalStep(step, manifest, manifest_bytes, catalog_bytes, file_spans(catalog))
+    return LocalStep(step, manifest, metadata.manifest, metadata.catalog, file_spans(catalog))
 
 
 def write_metadata(coord: Coordinator, hosts: HostMap, backend: Backend, local: LocalStep) -> None:

@@ -10,8 +10,10 @@ the host.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
+import stat
 
 from bcp.backends import Backend, backend_for
 from bcp.metadata.layout import STEP_PREFIX, step_name
@@ -20,6 +22,8 @@ from bcp.metadata.layout import STEP_PREFIX, step_name
 HOLDING_NAME = "holding.json"
 #: the lock file beside it (several ranks of a host add files to one holding.json)
 HOLDING_LOCK = "holding.lock"
+
+log = logging.getLogger(__name__)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d{{10}})$")
@@ -77,3 +81,26 @@ def check_apart(root: str, persistent_uri: str) -> None:
     a, b = os.path.realpath(root), os.path.realpath(uri)
     if os.path.commonpath([a, b]) in (a, b):
         raise ValueError(f"the local tier's root {root} and the persistent root {persistent_uri} must not nest")
+
+
+def read_regular(path: str, limit: int) -> bytes | None:
+    """The bytes of a regular file (never through a link), or None when it is absent,
+    not a regular file or larger than ``limit`` (a WARNING when it cannot be opened
+    for another reason: a link, no permission)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:  # a link (ELOOP), no permission
+        log.warning("local tier: cannot read %s: %s", path, e)
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

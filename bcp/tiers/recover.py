@@ -32,51 +32,34 @@ a tier is configured), at whatever world size the job restarted with:
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import secrets
 import shutil
-import socket
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-import torch
 
 from bcp.metadata import Manifest
 from bcp.metadata.layout import MANIFEST_KEY, step_name
 
 from ..collectives import Coordinator, GroupCoordinator, decide, portable, run_phase
-from ..commit import fetch_catalog, fetch_manifest
 from ..errors import CorruptCheckpointError
 from ..housekeeping import committed_steps
 from ..io_scheduler.read_plan import touched_rows
 from ..loader import LoadInfo, load_with_info, match_state
 from ..options import LoadOptions
-from ..reader import reader_from_bytes
+from ..reader import CheckpointMetadata, fetch_catalog, fetch_manifest, open_reader
 from ..state import detach_stateful
 from ..target import resolve_backend
-from ..tensor_io import byte_view
+from .exchange import CHUNK_BYTES, ROUND_BYTES, Exchange
+from .hosts import HostMap
 from .inventory import LocalChoice, StepCopy, choose_local, list_local, local_wins
+from .recovery_dir import RECOVERY_PREFIX, prepare, remove_leftovers
 
 log = logging.getLogger(__name__)
-
-#: Each transfer between two ranks is cut into pieces of at most this many bytes.
-CHUNK_BYTES = 64 << 20
-#: What one rank sends plus receives in one round of the exchange, at most (a single
-#: piece larger than this, impossible with the defaults, gets a round of its own).
-ROUND_BYTES = 256 << 20
-#: Recovery directories under a local root: ``recover-<nonce>`` (never a holding).
-RECOVERY_PREFIX = "recover-"
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def _host_id() -> str:
-    """This process's host: ``BCP_HOST_ID``, else the host name. (A private stand-in
-    for the tier's shared host identity.)"""
-    return os.environ.get("BCP_HOST_ID") or socket.gethostname()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +117,10 @@ def recover_latest_with_info(
     started = time.perf_counter()
     opts = load_options or LoadOptions()
     local_root = os.path.abspath(os.fspath(local_root))
-    hosts = _Hosts(coord.all_gather(_host_id()), coord.rank)
-    listing: list[StepCopy] | None = _list_host(local_root) if hosts.is_first else None
-    gathered = coord.gather(listing if hosts.is_first else None)
+    hosts = HostMap.gather(coord)
+    first = hosts.is_first(coord.rank)
+    listing: list[StepCopy] | None = _list_host(local_root) if first else None
+    gathered = coord.gather(listing if first else None)
     plan = decide(
         coord,
         "choosing the step to recover",
@@ -151,22 +135,20 @@ def recover_latest_with_info(
     choice, nonce = plan
     step_dir = os.path.join(local_root, step_name(choice.step))
     source = hosts.ranks[choice.source][0]
-    manifest_bytes, catalog_bytes = _from_rank(
-        coord, source, "reading the local step's metadata", _read_metadata, step_dir, choice
-    )
-    manifest = Manifest.from_json(manifest_bytes, where=f"{step_dir}/{MANIFEST_KEY} (local tier)")
-    held = frozenset(i for i, h in enumerate(choice.holders) if hosts.mine in h)
+    metadata = _from_rank(coord, source, "reading the local step's metadata", _read_metadata, step_dir, choice)
+    manifest = Manifest.from_json(metadata.manifest, where=f"{step_dir}/{MANIFEST_KEY} (local tier)")
+    mine = hosts.host_of(coord.rank)
+    held = frozenset(i for i, h in enumerate(choice.holders) if mine in h)
     recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
     try:
         run_phase(
             coord,
             "preparing the recovery directory",
-            _prepare,
+            prepare,
             recovery_dir,
             step_dir,
             manifest,
-            manifest_bytes,
-            catalog_bytes,
+            metadata,
             held,
         )
         wanted = run_phase(
@@ -176,14 +158,13 @@ def recover_latest_with_info(
             state,
             recovery_dir,
             manifest,
-            manifest_bytes,
-            catalog_bytes,
+            metadata,
             held,
             coord,
             opts,
         )
         fetch_started = time.perf_counter()
-        exchange = _Exchange(coord, hosts, choice, manifest, step_dir, recovery_dir, round_bytes, chunk_bytes)
+        exchange = Exchange(coord, hosts, choice, manifest, step_dir, recovery_dir, round_bytes, chunk_bytes)
         exchange.plan(coord.all_gather(wanted))
         error = exchange.run()
         coord.check(error, "fetching fragments from peer hosts")
@@ -191,7 +172,7 @@ def recover_latest_with_info(
         load_opts = dataclasses.replace(opts, storage_options=None, share_reads=False)
         loaded = load_with_info(state, recovery_dir, load_opts)
     finally:
-        if hosts.is_first:
+        if first:
             shutil.rmtree(recovery_dir, ignore_errors=True)
     seconds = time.perf_counter() - started
     log.info(
@@ -219,33 +200,14 @@ def recover_latest_with_info(
     )
 
 
-# -- hosts, inventory, choice --------------------------------------------------------------------
-
-
-class _Hosts:
-    """The job's hosts, in the order of their first ranks."""
-
-    def __init__(self, ids: list[str], rank: int) -> None:
-        order: dict[str, list[int]] = {}
-        for r, host in enumerate(ids):
-            order.setdefault(host, []).append(r)
-        self.names = list(order)
-        #: ranks of each host, ascending
-        self.ranks = [order[h] for h in self.names]
-        #: host index of each rank
-        where = {h: i for i, h in enumerate(self.names)}
-        self.of_rank = [where[h] for h in ids]
-        self.mine = self.of_rank[rank]
-        self.is_first = self.ranks[self.mine][0] == rank
+# -- inventory, choice, metadata --------------------------------------------------------------------
 
 
 def _list_host(root: str) -> list[StepCopy] | None:
     """This host's listing (never raises: a host that cannot list holds nothing), after
     removing the recovery directories a killed recovery left behind."""
     try:
-        for entry in os.scandir(root):
-            if entry.name.startswith(RECOVERY_PREFIX) and entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
+        remove_leftovers(root)
     except FileNotFoundError:
         return []
     except OSError as e:
@@ -260,7 +222,7 @@ def _list_host(root: str) -> list[StepCopy] | None:
 
 def _choose(
     gathered: list[Any] | None,
-    hosts: _Hosts,
+    hosts: HostMap,
     persistent_root: str | None,
     storage_options: Mapping[str, Any] | None,
 ) -> tuple[LocalChoice, str] | None:
@@ -327,7 +289,7 @@ def _from_rank(coord: Coordinator, src: int, phase: str, fn: Callable[..., Any],
     raise restored
 
 
-def _read_metadata(step_dir: str, choice: LocalChoice) -> tuple[bytes, bytes]:
+def _read_metadata(step_dir: str, choice: LocalChoice) -> CheckpointMetadata:
     """The chosen copy's manifest (the one the inventory saw) and its catalog, checked."""
     backend = resolve_backend(step_dir)
     manifest_bytes, manifest = fetch_manifest(backend)
@@ -336,69 +298,7 @@ def _read_metadata(step_dir: str, choice: LocalChoice) -> tuple[bytes, bytes]:
             f"{step_dir}/{MANIFEST_KEY} changed during recovery (save {manifest.save_id}, chosen {choice.save_id})",
             file=MANIFEST_KEY,
         )
-    return manifest_bytes, fetch_catalog(backend, manifest)
-
-
-# -- the recovery directory -----------------------------------------------------------------------
-
-
-def _prepare(
-    recovery_dir: str,
-    step_dir: str,
-    manifest: Manifest,
-    manifest_bytes: bytes,
-    catalog_bytes: bytes,
-    held: frozenset[int],
-) -> None:
-    """The host's recovery directory (ranks of one host may all run this at once):
-    hard links to the files held whole, sparse files of the manifest's sizes for the
-    others, then the catalog and the manifest."""
-    for i, entry in enumerate(manifest.data_files):
-        target = os.path.join(recovery_dir, *entry.path.split("/"))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        if i in held:
-            _link(os.path.join(step_dir, *entry.path.split("/")), target)
-        else:
-            _sparse(target, entry.nbytes)
-    _write_replace(os.path.join(recovery_dir, *manifest.catalog.path.split("/")), catalog_bytes)
-    _write_replace(os.path.join(recovery_dir, MANIFEST_KEY), manifest_bytes)
-
-
-def _link(source: str, target: str) -> None:
-    """``target`` the same file as ``source`` (a hard link: bcp's file backend refuses
-    symbolic links); a copy where the file system has no hard links."""
-    try:
-        os.link(source, target, follow_symlinks=False)
-    except FileExistsError:
-        if not os.path.samefile(source, target):
-            raise
-    except OSError as e:
-        if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
-            raise
-        log.warning("local tier: cannot hard-link %s (%s); copying it", source, e)
-        partial = f"{target}.{secrets.token_hex(4)}.partial"
-        shutil.copyfile(source, partial, follow_symlinks=False)
-        os.replace(partial, target)
-
-
-def _sparse(path: str, nbytes: int) -> None:
-    """A file of ``nbytes`` (holes until written). Several ranks may create it at once:
-    none truncates what another wrote (it has its final size from the first call)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | _NOFOLLOW, 0o644)
-    try:
-        if os.fstat(fd).st_size != nbytes:
-            os.ftruncate(fd, nbytes)
-    finally:
-        os.close(fd)
-
-
-def _write_replace(path: str, data: bytes) -> None:
-    """Write ``path`` whole through a partial file and a rename (identical bytes from
-    several ranks of a host: the last rename wins, with the same content)."""
-    partial = f"{path}.{secrets.token_hex(4)}.partial"
-    with open(partial, "wb") as f:
-        f.write(data)
-    os.replace(partial, path)
+    return CheckpointMetadata(manifest_bytes, fetch_catalog(backend, manifest))
 
 
 # -- what each rank needs --------------------------------------------------------------------------
@@ -408,8 +308,7 @@ def _wanted(
     state: Any,
     recovery_dir: str,
     manifest: Manifest,
-    manifest_bytes: bytes,
-    catalog_bytes: bytes,
+    metadata: CheckpointMetadata,
     held: frozenset[int],
     coord: Coordinator,
     opts: LoadOptions,
@@ -419,9 +318,7 @@ def _wanted(
     ``bcp.load`` matches it (same strictness, world size and replica choice), so a
     mismatch raises here, before any byte moves."""
     detached, _stateful = detach_stateful(state)
-    reader = reader_from_bytes(
-        resolve_backend(recovery_dir), manifest_bytes, catalog_bytes, allow_pickle=opts.allow_pickle
-    )
+    reader = open_reader(resolve_backend(recovery_dir), metadata, allow_pickle=opts.allow_pickle)
     index = {f.path: i for i, f in enumerate(manifest.data_files)}
     rows: set[tuple[int, int, int]] = set()
     try:
@@ -438,175 +335,3 @@ def _wanted(
     finally:
         reader.close()
     return np.array(sorted(rows), dtype=np.int64).reshape(-1, 3)
-
-
-# -- the exchange ----------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Piece:
-    sender: int
-    receiver: int
-    file: int
-    offset: int
-    nbytes: int
-
-
-class _Exchange:
-    """Every rank computes the same transfers and rounds from the gathered requests,
-    then carries out its own part."""
-
-    def __init__(
-        self,
-        coord: Coordinator,
-        hosts: _Hosts,
-        choice: LocalChoice,
-        manifest: Manifest,
-        step_dir: str,
-        recovery_dir: str,
-        round_bytes: int,
-        chunk_bytes: int,
-    ) -> None:
-        self.coord = coord
-        self.hosts = hosts
-        self.choice = choice
-        self.manifest = manifest
-        self.step_dir = step_dir
-        self.recovery_dir = recovery_dir
-        self.round_bytes = max(1, round_bytes)
-        self.chunk_bytes = max(1, min(chunk_bytes, self.round_bytes))
-        self.rounds_of: list[list[_Piece]] = []
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.rounds = 0
-
-    def plan(self, requests: list[np.ndarray]) -> None:
-        """Who sends what to whom, in which round (the same on every rank)."""
-        wanted: dict[tuple[int, int, int, int], int] = {}  # (host, file, offset, bytes) -> receiving rank
-        for rank, rows in enumerate(requests):
-            host = self.hosts.of_rank[rank]
-            for file, offset, nbytes in rows.tolist():
-                wanted.setdefault((host, file, offset, nbytes), rank)  # ranks ascend: the host's lowest asks
-        servers = {
-            file: [r for h in holders for r in self.hosts.ranks[h]] for file, holders in enumerate(self.choice.holders)
-        }
-        load = [0] * self.coord.world_size
-        pieces: list[_Piece] = []
-        for (_host, file, offset, nbytes), receiver in sorted(wanted.items(), key=lambda kv: (kv[0][1:], kv[1])):
-            sender = min(servers[file], key=lambda r: (load[r], r))
-            load[sender] += nbytes
-            for at in range(0, nbytes, self.chunk_bytes):
-                pieces.append(_Piece(sender, receiver, file, offset + at, min(self.chunk_bytes, nbytes - at)))
-        self.rounds_of = self._rounds(pieces)
-
-    def _rounds(self, pieces: list[_Piece]) -> list[list[_Piece]]:
-        """First fit: each piece in the earliest round where neither its sender nor its
-        receiver would move more than ``round_bytes``."""
-        used: list[dict[int, int]] = []
-        first_open: dict[int, int] = {}
-        rounds: list[list[_Piece]] = []
-        for p in pieces:
-            r = max(first_open.get(p.sender, 0), first_open.get(p.receiver, 0))
-            while r < len(rounds) and (
-                used[r].get(p.sender, 0) + p.nbytes > self.round_bytes
-                or used[r].get(p.receiver, 0) + p.nbytes > self.round_bytes
-            ):
-                r += 1
-            if r == len(rounds):
-                rounds.append([])
-                used.append({})
-            rounds[r].append(p)
-            for who in (p.sender, p.receiver):
-                used[r][who] = used[r].get(who, 0) + p.nbytes
-                while first_open.get(who, 0) < len(rounds) and used[first_open.get(who, 0)].get(who, 0) >= (
-                    self.round_bytes
-                ):
-                    first_open[who] = first_open.get(who, 0) + 1
-        return rounds
-
-    def run(self) -> BaseException | None:
-        """This rank's sends and receives, round by round. Returns the first error (a
-        file that could not be read or written): every transfer still happens, so no
-        peer waits forever, and the caller raises it on every rank."""
-        me = self.coord.rank
-        files: dict[tuple[str, int], int] = {}
-        error: BaseException | None = None
-        try:
-            for tag, pieces in enumerate(self.rounds_of):
-                sends = [p for p in pieces if p.sender == me]
-                recvs = [p for p in pieces if p.receiver == me]
-                if not sends and not recvs:
-                    continue
-                self.rounds += 1
-                failed = self._round(tag, sends, recvs, files)
-                error = error or failed
-        finally:
-            for fd in files.values():
-                os.close(fd)
-        return error
-
-    def _fd(self, files: dict[tuple[str, int], int], where: str, file: int) -> int:
-        key = (where, file)
-        if key not in files:
-            root = self.step_dir if where == "read" else self.recovery_dir
-            path = os.path.join(root, *self.manifest.data_files[file].path.split("/"))
-            flags = (os.O_RDONLY if where == "read" else os.O_WRONLY) | _NOFOLLOW
-            files[key] = os.open(path, flags)
-        return files[key]
-
-    def _round(
-        self, tag: int, sends: list[_Piece], recvs: list[_Piece], files: dict[tuple[str, int], int]
-    ) -> BaseException | None:
-        assert isinstance(self.coord, GroupCoordinator), "only one rank: nothing to exchange"
-        dist, group = self.coord.dist, self.coord.group
-        ranks = dist.get_process_group_ranks(group)
-        error: BaseException | None = None
-        outgoing: dict[int, list[_Piece]] = {}
-        incoming: dict[int, list[_Piece]] = {}
-        for p in sends:
-            outgoing.setdefault(p.receiver, []).append(p)
-        for p in recvs:
-            incoming.setdefault(p.sender, []).append(p)
-        works = []
-        inboxes: dict[int, torch.Tensor] = {}
-        for peer, ps in incoming.items():
-            inboxes[peer] = torch.empty(sum(p.nbytes for p in ps), dtype=torch.uint8)
-            works.append(dist.irecv(inboxes[peer], src=ranks[peer], group=group, tag=tag))
-        outboxes = []
-        for peer, ps in outgoing.items():
-            box = torch.empty(sum(p.nbytes for p in ps), dtype=torch.uint8)
-            view = byte_view(box)
-            at = 0
-            for p in ps:
-                try:
-                    got = os.preadv(self._fd(files, "read", p.file), [view[at : at + p.nbytes]], p.offset)
-                    if got != p.nbytes:
-                        raise CorruptCheckpointError(
-                            f"local tier: {self.manifest.data_files[p.file].path} in {self.step_dir} ended at "
-                            f"byte {p.offset + got}, before {p.offset + p.nbytes}",
-                            file=self.manifest.data_files[p.file].path,
-                            offset=p.offset + got,
-                        )
-                except (OSError, CorruptCheckpointError) as e:
-                    error = error or e
-                    view[at : at + p.nbytes] = bytes(p.nbytes)
-                at += p.nbytes
-            outboxes.append(box)
-            self.bytes_sent += at
-            works.append(dist.isend(box, dst=ranks[peer], group=group, tag=tag))
-        for work in works:
-            work.wait()
-        for peer, ps in incoming.items():
-            view = byte_view(inboxes[peer])
-            at = 0
-            for p in ps:
-                try:
-                    fd = self._fd(files, "write", p.file)
-                    done = 0
-                    while done < p.nbytes:
-                        done += os.pwritev(fd, [view[at + done : at + p.nbytes]], p.offset + done)
-                except OSError as e:
-                    error = error or e
-                at += p.nbytes
-            self.bytes_received += at
-        return error

@@ -15,7 +15,7 @@
 Collectives run in a fixed order on every rank: the main thread's on the
 caller's lane of bcp's groups, a save's commit and replication on the background
 lane (after ``async_save``), a drain's on a lane of its own ("drain"), created when
-the tier is (bcp.collectives, "lanes").
+the tier is (bcp.lanes).
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from bcp.backends import join_uri
 from bcp.metadata.layout import step_name
 
 from ..async_save import AfterCommit, AsyncSaveHandle, async_save
-from ..collectives import Coordinator, decide, lane_coordinator
+from ..collectives import Coordinator, decide
+from ..lanes import lane_coordinator
 from ..options import SaveOptions
 from ..saver import SaveInfo, SaveJob
-from ..target import join_uri, resolve_backend
+from ..target import resolve_backend
 from .config import LocalTier
 from .drain import Drain, drain_step
 from .hosts import HostMap, warn_if_short

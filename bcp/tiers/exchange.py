@@ -1,0 +1,206 @@
+"""The exchange of a recovery from the local tier (``bcp.tiers.recover``, step 5; docs/tiers.md, "Recovering").
+
+Every rank has listed the whole fragments its load will read from files its host
+does not hold; one ``all_gather`` gives every rank every list. From them each rank
+computes the same plan (:meth:`Exchange.plan`): each fragment is asked once per host
+(by the lowest rank wanting it) from a rank of a host holding its file, the serving
+ranks balanced by bytes, cut into pieces of at most ``chunk_bytes`` and packed into
+rounds of at most ``round_bytes`` sent plus received per rank. Then each rank carries
+out its own part (:meth:`Exchange.run`): uint8 tensors over bcp's gloo group
+(point-to-point), landing at their offsets in the host's recovery directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import torch
+
+from bcp.metadata import Manifest
+
+from ..collectives import Coordinator, GroupCoordinator
+from ..errors import CorruptCheckpointError
+from ..tensor_io import byte_view
+from .hosts import HostMap
+from .inventory import LocalChoice
+from .recovery_dir import NOFOLLOW
+
+#: Each transfer between two ranks is cut into pieces of at most this many bytes.
+CHUNK_BYTES = 64 << 20
+#: What one rank sends plus receives in one round of the exchange, at most (a single
+#: piece larger than this, impossible with the defaults, gets a round of its own).
+ROUND_BYTES = 256 << 20
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Piece:
+    """One transfer: ``nbytes`` of data file ``file`` (manifest index) from ``offset``."""
+
+    sender: int
+    receiver: int
+    file: int
+    offset: int
+    nbytes: int
+
+
+class Exchange:
+    """Every rank computes the same transfers and rounds from the gathered requests,
+    then carries out its own part."""
+
+    def __init__(
+        self,
+        coord: Coordinator,
+        hosts: HostMap,
+        choice: LocalChoice,
+        manifest: Manifest,
+        step_dir: str,
+        recovery_dir: str,
+        round_bytes: int,
+        chunk_bytes: int,
+    ) -> None:
+        self.coord = coord
+        self.hosts = hosts
+        self.choice = choice
+        self.manifest = manifest
+        self.step_dir = step_dir
+        self.recovery_dir = recovery_dir
+        self.round_bytes = max(1, round_bytes)
+        self.chunk_bytes = max(1, min(chunk_bytes, self.round_bytes))
+        self.rounds_of: list[list[Piece]] = []
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.rounds = 0
+
+    def plan(self, requests: list[np.ndarray]) -> None:
+        """Who sends what to whom, in which round (the same on every rank)."""
+        host_of = self.hosts.host_of_rank()
+        wanted: dict[tuple[int, int, int, int], int] = {}  # (host, file, offset, bytes) -> receiving rank
+        for rank, rows in enumerate(requests):
+            host = host_of[rank]
+            for file, offset, nbytes in rows.tolist():
+                wanted.setdefault((host, file, offset, nbytes), rank)  # ranks ascend: the host's lowest asks
+        servers = {
+            file: [r for h in holders for r in self.hosts.ranks[h]] for file, holders in enumerate(self.choice.holders)
+        }
+        load = [0] * self.coord.world_size
+        pieces: list[Piece] = []
+        for (_host, file, offset, nbytes), receiver in sorted(wanted.items(), key=lambda kv: (kv[0][1:], kv[1])):
+            sender = min(servers[file], key=lambda r: (load[r], r))
+            load[sender] += nbytes
+            for at in range(0, nbytes, self.chunk_bytes):
+                pieces.append(Piece(sender, receiver, file, offset + at, min(self.chunk_bytes, nbytes - at)))
+        self.rounds_of = self._rounds(pieces)
+
+    def _rounds(self, pieces: list[Piece]) -> list[list[Piece]]:
+        """First fit: each piece in the earliest round where neither its sender nor its
+        receiver would move more than ``round_bytes``."""
+        used: list[dict[int, int]] = []
+        first_open: dict[int, int] = {}
+        rounds: list[list[Piece]] = []
+        for p in pieces:
+            r = max(first_open.get(p.sender, 0), first_open.get(p.receiver, 0))
+            while r < len(rounds) and (
+                used[r].get(p.sender, 0) + p.nbytes > self.round_bytes
+                or used[r].get(p.receiver, 0) + p.nbytes > self.round_bytes
+            ):
+                r += 1
+            if r == len(rounds):
+                rounds.append([])
+                used.append({})
+            rounds[r].append(p)
+            for who in (p.sender, p.receiver):
+                used[r][who] = used[r].get(who, 0) + p.nbytes
+                while first_open.get(who, 0) < len(rounds) and used[first_open.get(who, 0)].get(who, 0) >= (
+                    self.round_bytes
+                ):
+                    first_open[who] = first_open.get(who, 0) + 1
+        return rounds
+
+    def run(self) -> BaseException | None:
+        """This rank's sends and receives, round by round. Returns the first error (a
+        file that could not be read or written): every transfer still happens, so no
+        peer waits forever, and the caller raises it on every rank."""
+        me = self.coord.rank
+        files: dict[tuple[str, int], int] = {}
+        error: BaseException | None = None
+        try:
+            for tag, pieces in enumerate(self.rounds_of):
+                sends = [p for p in pieces if p.sender == me]
+                recvs = [p for p in pieces if p.receiver == me]
+                if not sends and not recvs:
+                    continue
+                self.rounds += 1
+                failed = self._round(tag, sends, recvs, files)
+                error = error or failed
+        finally:
+            for fd in files.values():
+                os.close(fd)
+        return error
+
+    def _fd(self, files: dict[tuple[str, int], int], where: str, file: int) -> int:
+        key = (where, file)
+        if key not in files:
+            root = self.step_dir if where == "read" else self.recovery_dir
+            path = os.path.join(root, *self.manifest.data_files[file].path.split("/"))
+            flags = (os.O_RDONLY if where == "read" else os.O_WRONLY) | NOFOLLOW
+            files[key] = os.open(path, flags)
+        return files[key]
+
+    def _round(
+        self, tag: int, sends: list[Piece], recvs: list[Piece], files: dict[tuple[str, int], int]
+    ) -> BaseException | None:
+        assert isinstance(self.coord, GroupCoordinator), "only one rank: nothing to exchange"
+        dist, group = self.coord.dist, self.coord.group
+        ranks = dist.get_process_group_ranks(group)
+        error: BaseException | None = None
+        outgoing: dict[int, list[Piece]] = {}
+        incoming: dict[int, list[Piece]] = {}
+        for p in sends:
+            outgoing.setdefault(p.receiver, []).append(p)
+        for p in recvs:
+            incoming.setdefault(p.sender, []).append(p)
+        works = []
+        inboxes: dict[int, torch.Tensor] = {}
+        for peer, ps in incoming.items():
+            inboxes[peer] = torch.empty(sum(p.nbytes for p in ps), dtype=torch.uint8)
+            works.append(dist.irecv(inboxes[peer], src=ranks[peer], group=group, tag=tag))
+        outboxes = []
+        for peer, ps in outgoing.items():
+            box = torch.empty(sum(p.nbytes for p in ps), dtype=torch.uint8)
+            view = byte_view(box)
+            at = 0
+            for p in ps:
+                try:
+                    got = os.preadv(self._fd(files, "read", p.file), [view[at : at + p.nbytes]], p.offset)
+                    if got != p.nbytes:
+                        raise CorruptCheckpointError(
+                            f"local tier: {self.manifest.data_files[p.file].path} in {self.step_dir} ended at "
+                            f"byte {p.offset + got}, before {p.offset + p.nbytes}",
+                            file=self.manifest.data_files[p.file].path,
+                            offset=p.offset + got,
+                        )
+                except (OSError, CorruptCheckpointError) as e:
+                    error = error or e
+                    view[at : at + p.nbytes] = bytes(p.nbytes)
+                at += p.nbytes
+            outboxes.append(box)
+            self.bytes_sent += at
+            works.append(dist.isend(box, dst=ranks[peer], group=group, tag=tag))
+        for work in works:
+            work.wait()
+        for peer, ps in incoming.items():
+            view = byte_view(inboxes[peer])
+            at = 0
+            for p in ps:
+                try:
+                    fd = self._fd(files, "write", p.file)
+                    done = 0
+                    while done < p.nbytes:
+                        done += os.pwritev(fd, [view[at + done : at + p.nbytes]], p.offset + done)
+                except OSError as e:
+                    error = error or e
+                at += p.nbytes
+            self.bytes_received += at
+        return error
