@@ -15,13 +15,10 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-import mmap
 import os
 import re
 import shutil
 import stat
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,12 +27,19 @@ from urllib.parse import unquote, urlsplit
 
 from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
 from .errors import ObjectExistsError, StorageError, WriterClosedError, annotate
+from .file_reads import (
+    DIRECT_READ_FROM,
+    NOFOLLOW,
+    direct_split,
+    is_cached,
+    on_memory_fs,
+    pread_bounced,
+    pread_direct,
+    pread_full,
+)
 from .options import as_bool, reject_unknown
 
 log = logging.getLogger(__name__)
-
-#: Opening a final component that is a link fails (ELOOP) instead of following it.
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 #: ``scheme://`` at the start: a URI (one this backend refuses unless it is ``file://``)
 _URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
@@ -196,7 +200,7 @@ class FileBackend(Backend):
         pieces): the key's checks are remembered, and the last component is not
         ``lstat``-ed, because the read opens it with O_NOFOLLOW, which refuses a link
         there (:meth:`_open_for_read`). Where O_NOFOLLOW is missing: :meth:`_path`."""
-        if not _NOFOLLOW:
+        if not NOFOLLOW:
             return self._path(key)
         path = _key_path(self.root, key)
         self._refuse_links(key, path, final=False)
@@ -206,7 +210,7 @@ class FileBackend(Backend):
         """A read descriptor for ``path``; a link as the last component is refused as
         :meth:`_refuse_links` refuses it (O_NOFOLLOW fails with ELOOP)."""
         try:
-            return os.open(path, os.O_RDONLY | _NOFOLLOW)
+            return os.open(path, os.O_RDONLY | NOFOLLOW)
         except OSError as e:
             if e.errno != errno.ELOOP:
                 raise
@@ -223,20 +227,20 @@ class FileBackend(Backend):
             fd = self._open_for_read(key, path)
             try:
                 view = memoryview(buffer).cast("B")
-                if not self.direct_reads or len(view) < _DIRECT_READ_FROM or _on_memory_fs(fd):
-                    return _pread(fd, view, offset)
-                if _is_cached(path, len(view), offset):  # someone read it through the page cache: use that
-                    return _pread(fd, view, offset)
+                if not self.direct_reads or len(view) < DIRECT_READ_FROM or on_memory_fs(fd):
+                    return pread_full(fd, view, offset)
+                if is_cached(path, len(view), offset):  # someone read it through the page cache: use that
+                    return pread_full(fd, view, offset)
                 rest, at, cached = view, offset, 0
                 split = direct_split(rest, at)
                 if split is None:  # memory and file disagree modulo 4096: bounce through aligned memory
-                    return _pread_bounced(path, rest, at)
+                    return pread_bounced(path, rest, at)
                 head, middle = split
-                got = _pread(fd, rest[:head], at)
+                got = pread_full(fd, rest[:head], at)
                 if got == head:
-                    got += _pread_direct(path, rest[head : head + middle], at + head)
+                    got += pread_direct(path, rest[head : head + middle], at + head)
                     if got == head + middle:
-                        got += _pread(fd, rest[head + middle :], at + got)
+                        got += pread_full(fd, rest[head + middle :], at + got)
                 return cached + got
             except IsADirectoryError as e:  # open(2) accepts a directory; it is not an object
                 raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", path) from e
@@ -245,12 +249,12 @@ class FileBackend(Backend):
 
     def in_memory(self, key: str, offset: int, nbytes: int) -> bool:
         """Whether the file lies on tmpfs or ramfs, or the range is in the page cache
-        (the probe ``read_into`` makes before a large read: :func:`_is_cached`)."""
+        (the probe ``read_into`` makes before a large read: :func:`is_cached`)."""
         try:
             path = self._read_path(key)
             fd = self._open_for_read(key, path)
             try:
-                return _on_memory_fs(fd) or _is_cached(path, nbytes, offset)
+                return on_memory_fs(fd) or is_cached(path, nbytes, offset)
             finally:
                 os.close(fd)
         except (OSError, StorageError, ValueError):  # advice only: the read itself reports the error
@@ -362,9 +366,6 @@ class FileBackend(Backend):
             directory = os.path.dirname(directory)
 
 
-_DIRECT_ALIGN = 4096
-
-
 @functools.lru_cache(maxsize=4096)
 def _key_path(root: str, key: str) -> str:
     """The path of ``key`` under ``root`` after the key checks of :meth:`FileBackend._path`
@@ -373,152 +374,6 @@ def _key_path(root: str, key: str) -> str:
     if PARTIAL_MARKER in key:
         raise ValueError(f"invalid object key {key!r}: contains the reserved {PARTIAL_MARKER!r}")
     return os.path.join(root, *key.split("/"))
-
-
-def _address(view: memoryview) -> int | None:
-    try:
-        import ctypes
-
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    except TypeError:  # read-only buffer
-        return None
-
-
-#: Reads at least this large use O_DIRECT for their whole pages when ``direct_reads``.
-_DIRECT_READ_FROM = 4 << 20
-
-
-def _pread(fd: int, view: memoryview, offset: int) -> int:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return got
-
-
-#: statfs(2) f_type of the filesystems that keep files in memory: tmpfs, ramfs
-_MEMORY_FS_TYPES = frozenset({0x01021994, 0x858458F6})
-#: st_dev -> whether that filesystem keeps its files in memory (one fstatfs per filesystem)
-_memory_devices: dict[int, bool] = {}
-
-
-def _on_memory_fs(fd: int) -> bool:
-    """Whether the open file lies on tmpfs or ramfs: its pages are always in memory, a
-    read is a copy, and the page-cache probe (RWF_NOWAIT, which tmpfs refuses) and
-    O_DIRECT would only add system calls. False where fstatfs(2) cannot say."""
-    dev = os.fstat(fd).st_dev
-    known = _memory_devices.get(dev)
-    if known is None:
-        known = _memory_devices[dev] = _fs_type(fd) in _MEMORY_FS_TYPES
-    return known
-
-
-def _fs_type(fd: int) -> int | None:
-    """statfs(2) f_type of the filesystem holding ``fd`` (Linux; None elsewhere or on error)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
-    if libc.fstatfs(fd, buf) != 0:
-        return None
-    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
-
-
-def _is_cached(path: str, nbytes: int, offset: int) -> bool:
-    """Whether a page in the middle of the range is in the page cache (the edges may
-    be, from the buffered head and tail of an earlier direct read): a one-page
-    preadv2 with RWF_NOWAIT on its own descriptor with readahead off, because a
-    probe that starts readahead pulls the file through the cache and halved cold loads."""
-    flag = getattr(os, "RWF_NOWAIT", None)
-    if flag is None:
-        return False
-    probe_at = (offset + nbytes // 2) // 4096 * 4096
-    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        scratch = bytearray(4096)
-        return os.preadv(fd, [scratch], probe_at, flag) > 0
-    except BlockingIOError:
-        return False
-    except OSError as e:  # kernels or filesystems without RWF_NOWAIT
-        if e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
-            return False
-        raise
-    finally:
-        os.close(fd)
-
-
-def _open_direct(path: str) -> tuple[int, bool]:
-    """A read descriptor with O_DIRECT, or a buffered one where the filesystem refuses it."""
-    try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT | _NOFOLLOW), True
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        return os.open(path, os.O_RDONLY | _NOFOLLOW), False
-
-
-def _pread_direct(path: str, view: memoryview, offset: int) -> int:
-    """Read whole pages bypassing the page cache; a short read at end of file is
-    returned as such."""
-    fd, _direct = _open_direct(path)
-    try:
-        return _pread(fd, view, offset)
-    finally:
-        os.close(fd)
-
-
-_BOUNCE_BYTES = 8 << 20
-_bounce = threading.local()
-
-
-def _pread_bounced(path: str, view: memoryview, offset: int) -> int:
-    """O_DIRECT reads of the aligned pages covering the range into a reusable
-    page-aligned per-thread buffer, copied into ``view`` (a memcpy is several times
-    faster than the disk; a buffered read of a cold file here was 2-3x slower)."""
-    buf = getattr(_bounce, "buf", None)
-    if buf is None:
-        buf = _bounce.buf = mmap.mmap(-1, _BOUNCE_BYTES)  # page-aligned, reused by this thread
-    mv = memoryview(buf)
-    fd, direct = _open_direct(path)
-    try:
-        if not direct:
-            return _pread(fd, view, offset)
-        got, end = 0, offset + len(view)
-        start = offset // _DIRECT_ALIGN * _DIRECT_ALIGN
-        while start < end:
-            want = min(_BOUNCE_BYTES, -(-(end - start) // _DIRECT_ALIGN) * _DIRECT_ALIGN)
-            n = _pread(fd, mv[:want], start)
-            lo = max(offset, start)
-            hi = min(end, start + n)
-            if hi <= lo:
-                break
-            view[lo - offset : hi - offset] = mv[lo - start : hi - start]
-            got = hi - offset
-            if n < want:
-                break
-            start += want
-        return got
-    finally:
-        os.close(fd)
-
-
-def direct_split(view: memoryview, offset: int) -> tuple[int, int] | None:
-    """(head, middle) byte counts when the middle of the write can go O_DIRECT: it needs
-    file offset and memory address aligned to 4096 together, so they must agree
-    modulo 4096. None when they do not (or when there is no whole page)."""
-    if not len(view):
-        return None
-    address = _address(view)
-    if address is None or (address - offset) % _DIRECT_ALIGN:
-        return None
-    head = (-offset) % _DIRECT_ALIGN
-    middle = (len(view) - head) // _DIRECT_ALIGN * _DIRECT_ALIGN if len(view) > head else 0
-    return (head, middle) if middle else None
 
 
 class _FileWriter(ObjectWriter):

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import bcp
-from bcp.backends import backend_for
+from bcp.backends import backend_for, file_reads
 from bcp.backends import file as file_backend
 from bcp.backends.errors import StorageError
 from bcp.backends.wrappers import FaultInjectingBackend
@@ -171,7 +171,7 @@ def test_a_load_from_tmpfs_reads_from_memory_without_probing(monkeypatch):
     def no_probe(*_a):
         raise AssertionError("probed the page cache of a tmpfs file")
 
-    monkeypatch.setattr(file_backend, "_is_cached", no_probe)
+    monkeypatch.setattr(file_backend, "is_cached", no_probe)
     monkeypatch.setattr(read_exec, "IN_MEMORY_CHUNK", 1 << 16)
     uri = os.path.join("/dev/shm", f"bcp-test-{uuid.uuid4().hex[:8]}")
     try:
@@ -186,7 +186,7 @@ def test_a_load_from_tmpfs_reads_from_memory_without_probing(monkeypatch):
         assert backend_for(uri).in_memory("no/such/file", 0, 10) is False, "advice, not an error"
         fd = os.open(os.path.join(uri, "manifest.json"), os.O_RDONLY)
         try:
-            assert file_backend._on_memory_fs(fd)
+            assert file_reads.on_memory_fs(fd)
             view = memoryview(bytearray(5 << 20))
             assert backend_for(uri).read_into("manifest.json", 0, view) == os.fstat(fd).st_size
         finally:
@@ -206,8 +206,8 @@ def test_a_regular_file_is_not_on_a_memory_filesystem_unless_it_is(tmp_path):
     path.write_bytes(b"x" * 10)
     fd = os.open(path, os.O_RDONLY)
     try:
-        fs_type = file_backend._fs_type(fd)
-        assert file_backend._on_memory_fs(fd) == (fs_type in file_backend._MEMORY_FS_TYPES)
+        fs_type = file_reads.fs_type(fd)
+        assert file_reads.on_memory_fs(fd) == (fs_type in file_reads.MEMORY_FS_TYPES)
         assert fs_type is not None, "fstatfs answers on Linux"
     finally:
         os.close(fd)
