@@ -53,13 +53,12 @@ import torch
 
 import bcp
 from bcp import commit, housekeeping
-from bcp.backends import Backend, ObjectWriter, StorageError, backend_for, register_backend
+from bcp.backends import Backend, ObjectWriter, StorageError, backend_for, join_uri, register_backend
 from bcp.backends.file import PARTIAL_MARKER
 from bcp.backends.memory import clear_memory_store
 from bcp.backends.wrappers import ForwardingBackend, ForwardingWriter
 from bcp.errors import CheckpointError, CheckpointNotFoundError, CommitUncertainError, IncompleteCheckpointError
 from bcp.metadata.layout import LATEST_KEY, MANIFEST_KEY, step_name
-from bcp.target import join_uri
 from conftest import new_bucket, store_uri
 from helpers import assert_same
 

@@ -23,12 +23,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import bcp
-from bcp.backends import backend_for
+from bcp.backends import backend_for, join_uri
 from bcp.backends.memory import clear_memory_store
 from bcp.cli import main as cli_main
 from bcp.extras import EXTRAS, install_command, missing_extra, needs_extra
 from bcp.metadata.layout import LATEST_KEY, MANIFEST_KEY, data_file_key, generation_name, step_name
-from bcp.target import join_uri
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
