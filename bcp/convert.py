@@ -49,8 +49,8 @@ from typing import Any, TypeVar
 import torch
 
 from bcp.metadata import MANIFEST_KEY
+from bcp.metadata.geometry import Box
 
-from .boxes import Box
 from .errors import FormatError
 from .extras import needs_extra
 from .reader import CheckpointReader, PerRankChoice, check_per_rank_choice, open_checkpoint

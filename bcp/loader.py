@@ -32,8 +32,8 @@ from typing import Any, NamedTuple, Unpack
 import torch
 
 from bcp.backends import Capability
+from bcp.metadata.geometry import Box
 
-from .boxes import Box
 from .catalog_fetch import fetch_load_metadata, reader_from_head
 from .collectives import Coordinator, GroupCoordinator, coordinator_for, decide, run_phase
 from .errors import StateMismatchError, UnsupportedStateError, listed, prefix_hint

@@ -16,11 +16,11 @@ import torch
 
 from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import Catalog, FormatError, Fragment, Manifest, TensorEntry
+from bcp.metadata.geometry import Box, intersect
 from bcp.metadata.layout import manifest_key
 from bcp.target import resolve_backend
 
 from . import objcodec
-from .boxes import Box, intersect
 from .commit import fetch_metadata, parse_manifest
 from .errors import CorruptCheckpointError
 from .io_scheduler.device_copy import DeviceCopies, is_device_tensor
