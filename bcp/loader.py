@@ -32,8 +32,8 @@ from typing import Any, NamedTuple, Unpack
 import torch
 
 from bcp.backends import Backend, Capability
+from bcp.metadata.geometry import Box
 
-from .boxes import Box
 from .collectives import Coordinator, GroupCoordinator, decide, run_phase
 from .errors import StateMismatchError, UnsupportedStateError, listed, prefix_hint
 from .io_scheduler.read_exec import ReadStats

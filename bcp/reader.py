@@ -23,11 +23,11 @@ import torch
 from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import Catalog, FormatError, Fragment, Manifest, TensorEntry, crc32c
 from bcp.metadata.catalog.sections import TRAILER, is_v2
+from bcp.metadata.geometry import Box, intersect
 from bcp.metadata.layout import manifest_key
 from bcp.target import resolve_backend
 
 from . import objcodec
-from .boxes import Box, intersect
 from .commit import parse_manifest, replaces_atomically
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 from .housekeeping import missing_checkpoint_error

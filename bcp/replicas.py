@@ -1,7 +1,7 @@
 """Replicas must agree: a tensor every rank holds in full is stored once.
 
 A plain tensor (or a DTensor box replicated over a mesh dimension) is written by
-one of its holders only (``bcp.save_plan`` deduplicates it), so a value that
+one of its holders only (``bcp.planning`` deduplicates it), so a value that
 differs per rank (an RNG state, a per-rank counter) would come back from one rank
 to all, silently. Each rank therefore sends, in the ``Hello`` it sends at every save,
 a CRC32C of the logical row-major bytes of each replicated box it holds (only the
@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 from bcp.metadata.checksum import crc32c_raw
+from bcp.metadata.geometry import Box
 
-from .boxes import Box
 from .errors import ReplicaMismatchError
 from .options import REPLICA_CHECKS
-from .save_plan import LayoutMeta
+from .planning import LayoutMeta
 from .tensor_io import flat_bytes, host_contiguous, raw
 
 #: "small": boxes of at most this many bytes are checked (RNG states, counters, small

@@ -4,7 +4,7 @@
    encode objects.
 2. (coordinator) gather every rank's hello (layout digests, cached plans held,
    objects), refuse an existing checkpoint, settle the objects. Unless the plan of
-   this exact job-wide layout is cached (``bcp.plan_cache``): gather the layouts' box
+   this exact job-wide layout is cached (``bcp.planning.cache``): gather the layouts' box
    arrays (metadata once per digest), validate that shards tile every tensor,
    deduplicate replicas, balance bytes over ranks, scatter each rank's writes as
    indices into its own boxes.
@@ -33,11 +33,11 @@ import torch
 
 from bcp.backends import Backend
 from bcp.metadata import FileEntry, Fragment, Manifest, ObjectEntry
+from bcp.metadata.geometry import Box
 from bcp.metadata.layout import catalog_key, data_file_key, generation_name
 
 from . import objcodec
 from ._version import __version__
-from .boxes import Box
 from .collectives import Coordinator, decide, run_phase
 from .commit import (
     ExistingCheckpoint,
@@ -49,14 +49,14 @@ from .commit import (
     write_catalog,
 )
 from .errors import CheckpointExistsError, CommitUncertainError, ShardingError, UnsupportedStateError
-from .fragment_rows import merge_reports, row_stats
 from .io_scheduler.staging import default_pool
 from .io_scheduler.write_pipeline import WriteItem, WritePipeline, WriterReport, fragment_table
 from .lanes import coordinator_for
 from .options import SaveOptions, SaveOptionsKwargs
-from .plan_cache import PlanCache, PlanSummary, plan_cache_for, plan_key, save_order
+from .planning import GlobalPlan, LayoutMeta, LocalLayout, TensorPlan, plan_save
+from .planning.cache import PlanCache, PlanSummary, plan_cache_for, plan_key, save_order
+from .planning.writer_rows import merge_reports, row_stats
 from .replicas import ReplicaSummer, ReplicaSums, check_replicas
-from .save_plan import GlobalPlan, LayoutMeta, LocalLayout, LocalPlan, TensorPlan, plan_save
 from .shards import PerRank, holds_replica, local_pieces
 from .state import flatten_state, path_to_json, path_to_str
 from .target import Target, resolve_backend
@@ -122,7 +122,6 @@ class Hello(NamedTuple):
 class _Prepared:
     """Step 1's result on one rank."""
 
-    plan: LocalPlan
     layout: LocalLayout
     #: one per box of ``layout``, in its flat order (box i is written from items[i])
     items: list[WriteItem]
@@ -182,7 +181,7 @@ def _prepare_tensors(
                 summer.add(len(tensors), piece.box, tensor_plan.global_shape, piece.tensor)
         tensors.append(tensor_plan)
     replicas = summer.finish() if summer.enabled else None
-    return _Prepared(LocalPlan(rank, tuple(tensors)), LocalLayout.build(rank, tensors), items, objects, replicas)
+    return _Prepared(LocalLayout.build(rank, tensors), items, objects, replicas)
 
 
 def planned_writes(state: Mapping[str, Any], coord: Coordinator) -> list[WriteItem]:

@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .boxes import Box, flat_range_to_boxes
+from bcp.metadata.geometry import Box, flat_range_to_boxes
+
 from .errors import UnsupportedStateError
 
 

@@ -8,7 +8,7 @@ Timed, CPU seconds of this process, on the coordinator's side of bcp.saver:
   second save, same layout: _coordinate (a hit: nothing else runs on the coordinator).
 Every rank also digests its own layout at every save (LocalLayout.digest(), shown per
 rank; ranks do it in parallel). Message sizes are pickled bytes, as gather_object sends
-them: the old per-rank message (a LocalPlan of TensorPlan objects) beside the hello and
+them: the old per-rank message (the rank and its TensorPlan objects) beside the hello and
 the LocalLayout that replace it.
 
     python bench/plan_cache_scale.py [--ranks 1024] [--tensors 2000]
@@ -27,8 +27,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bcp.backends import backend_for
 from bcp.options import SaveOptions
-from bcp.plan_cache import PlanCache
-from bcp.save_plan import LocalPlan, TensorPlan
+from bcp.planning import TensorPlan
+from bcp.planning.cache import PlanCache
 from bcp.saver import Hello, _coordinate, _plan
 from plan_scale import fsdp_layouts
 
@@ -88,10 +88,10 @@ def main() -> None:
             zip(meta.fqns, meta.key_paths, meta.dtypes, meta.shapes, strict=True), layout.boxes(), strict=True
         )
     )
-    old = len(pickle.dumps(LocalPlan(1, tensors)))
+    old = len(pickle.dumps((1, tensors)))  # what ranks sent before LocalLayout
     hello = len(pickle.dumps(Hello(digests[1], layout.meta_digest, frozenset({b"k" * 16, b"j" * 16}), {})))
     arrays = len(pickle.dumps(layout.without_meta()))
-    print(f"  per-rank message before: LocalPlan pickle     {old:>10,} B")
+    print(f"  per-rank message before: TensorPlan pickle    {old:>10,} B")
     print(f"  per-rank message now:    hello (every save)   {hello:>10,} B")
     print(f"                           LocalLayout (miss)   {arrays:>10,} B (+ metadata once: {len(layout.meta):,} B)")
     print(f"                           writes (miss)        {len(pickle.dumps(plan.writes[1])):>10,} B")

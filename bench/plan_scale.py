@@ -39,7 +39,8 @@ import time
 
 import numpy as np
 
-from bcp.save_plan import LayoutMeta, LocalLayout, _meta_digest, plan_save
+from bcp.planning import LayoutMeta, LocalLayout, plan_save
+from bcp.planning.layout import meta_digest
 
 DCP_EXPONENT = 1.67  # DCP's planning time grows as boxes^1.67 (256 -> 1,024 ranks x 2,000)
 
@@ -60,7 +61,7 @@ def fsdp_layouts(ranks: int, tensors: int) -> list[LocalLayout]:
     fq = names(tensors)
     paths = [f'[["d","model"],["d","layers"],["d",{i // 8}],["d","w{i % 8}"]]' for i in range(tensors)]
     meta = LayoutMeta(tuple(fq), tuple(paths), ("bfloat16",) * tensors, tuple(dims), (None,) * tensors).encode()
-    digest = _meta_digest(meta)
+    digest = meta_digest(meta)
     rows = np.array([s[0] for s in dims], dtype=np.int64)
     cols = np.array([s[1] for s in dims], dtype=np.int32)
     size = -(-rows // ranks)
@@ -80,7 +81,7 @@ def single_layouts(kind: str) -> list[LocalLayout]:
     """One 8,192 x 8,192 bf16 tensor in 4,096 boxes: along dim 1, or a 64 x 64 mesh."""
     n, world = 8192, 4096
     meta = LayoutMeta(("w",), ('[["d","w"]]',), ("bfloat16",), ((n, n),), (None,)).encode()
-    digest = _meta_digest(meta)
+    digest = meta_digest(meta)
     counts = np.ones(1, dtype=np.int32)
     out = []
     for r in range(world):

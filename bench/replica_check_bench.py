@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 import bcp
+from bcp.planning import LayoutMeta, TensorPlan
 from bcp.replicas import ReplicaSummer, check_replicas
-from bcp.save_plan import LayoutMeta, TensorPlan
 from bcp.shards import holds_replica, local_pieces
 from bcp.state import flatten_state
 from distributed_bench import spawn

@@ -95,7 +95,7 @@ def plan_cache_job(rank: int, world: int, root: str) -> None:
 def cache_lost_on_one_rank_job(rank: int, world: int, root: str) -> None:
     """A rank that lost its cached writes (here: cleared) makes the job plan again,
     instead of writing from a plan it no longer has."""
-    from bcp.plan_cache import clear_plan_caches
+    from bcp.planning.cache import clear_plan_caches
 
     bcp.save(_state(rank, world, 3, 1), f"{root}/a")
     if rank == 1:

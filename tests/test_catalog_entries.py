@@ -13,8 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bcp.metadata import Catalog, FormatError, Fragment, itemsize
-from bcp.metadata.catalog import tiling_problem
-from bcp.metadata.entries import simple_tilings
+from bcp.metadata.geometry import simple_tilings, tiling_problem
 from helpers import examples
 from test_load_plan_fast import SHAPES, dest_boxes, stored_layout
 

@@ -16,9 +16,7 @@ def test_the_catalog_is_a_package_of_small_modules():
     modules = library_modules()
     package = sorted(m for m in modules if m.startswith(f"{PACKAGE}.catalog."))
     assert f"{PACKAGE}.catalog" in modules and modules[f"{PACKAGE}.catalog"].name == "__init__.py"
-    assert {f"{PACKAGE}.catalog.{m}" for m in ("core", "sections", "tiling", "arrow", "validate", "budget")} <= set(
-        package
-    )
+    assert {f"{PACKAGE}.catalog.{m}" for m in ("core", "sections", "arrow", "validate", "budget")} <= set(package)
     assert f"{PACKAGE}.sections" not in modules, "the v2 layout lives in the catalog package"
     sizes = {m: len(modules[m].read_text().splitlines()) for m in package}
     assert max(sizes.values()) <= 400, sizes

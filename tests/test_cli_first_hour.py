@@ -33,7 +33,6 @@ from bcp.commit import commit, write_catalog
 from bcp.metadata import MANIFEST_KEY, Catalog
 from bcp.metadata.layout import catalog_key, data_file_key, generation_name
 from bcp.metadata.manifest import reseal
-from bcp.save_plan import LocalLayout
 from bcp.saver import _decide_objects, _prepare, build_manifest, write_rank_data
 from bcp.verify import verify_checkpoint
 
@@ -224,7 +223,7 @@ def save_with_replicas(states: list[dict], uri: str, block: int = 64) -> None:
     for one box (FORMAT.md, "replicas"), and a reader uses any one of them."""
     backend = backend_for(uri)
     prepared = [_prepare(s, r, False) for r, s in enumerate(states)]
-    layouts = [LocalLayout.build(r, p.plan.tensors) for r, p in enumerate(prepared)]
+    layouts = [p.layout for p in prepared]
     save_id = uuid.uuid4().hex[:16]
     gen = generation_name(save_id)
     frags, files = [], []

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import bcp
 import bcp.metadata.catalog as catalog_mod
-import bcp.metadata.catalog.tiling as tiling_mod
+import bcp.metadata.geometry as geometry
 from bcp.backends import backend_for
 from bcp.errors import CorruptCheckpointError
 from bcp.metadata import MANIFEST_KEY, Catalog, FileEntry, FormatError, Fragment, Manifest, block_checksums, crc32c
@@ -128,7 +128,7 @@ def test_a_hole_alone_is_refused_naming_the_counts(tmp_path):
 
 def test_tiling_along_dim_1_is_accepted_and_cheap():
     """Tensors sharded on dim 1 (every box spans dim 0): the check stays linear."""
-    from bcp.metadata.catalog import tiling_problem
+    from bcp.metadata.geometry import tiling_problem
 
     n = 200_000
     offs = np.stack([np.zeros(n, np.int64), np.arange(n, dtype=np.int64)], axis=1)
@@ -175,18 +175,18 @@ def box_sets(draw):
 @settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(box_sets(), st.booleans())
 def test_tiling_check_agrees_with_cell_counting(case, sweep):
-    from bcp.metadata.catalog import tiling_problem
+    from bcp.metadata.geometry import tiling_problem
 
     shape, boxes = case
     ndim = len(shape)
     offs = np.array([o for o, _n in boxes], dtype=np.int64).reshape(len(boxes), ndim)
     lens = np.array([n for _o, n in boxes], dtype=np.int64).reshape(len(boxes), ndim)
-    limit = tiling_mod._MAX_CORNERS
-    tiling_mod._MAX_CORNERS = 0 if sweep else limit  # force the sweep fallback
+    limit = geometry.MAX_CORNERS
+    geometry.MAX_CORNERS = 0 if sweep else limit  # force the sweep fallback
     try:
         got = tiling_problem(shape, offs, lens) is None
     finally:
-        tiling_mod._MAX_CORNERS = limit
+        geometry.MAX_CORNERS = limit
     assert got == _cells(shape, boxes), (shape, boxes)
 
 

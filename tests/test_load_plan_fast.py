@@ -12,10 +12,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from bcp.boxes import Box, common_runs, flat_range_to_boxes, intersect
 from bcp.errors import CorruptCheckpointError
 from bcp.io_scheduler.read_plan import RunSet, overlap_pairs, overlap_volumes, plan_tensor_reads, touched_rows
 from bcp.metadata import Catalog, Fragment, TensorEntry, itemsize
+from bcp.metadata.geometry import Box, BoxArrays, common_runs, flat_range_to_boxes, intersect
 from helpers import examples
 
 # -- the reference: the planner before the columnar catalog ------------------------------
@@ -209,7 +209,7 @@ def test_overlap_pairs_match_brute_force(ndim, groups, data):
                 o[d], n[d] = 0, 5
     fo, fl, fg = arrays(frs)
     bo, bl, bg = arrays(bxs)
-    bi, fi = overlap_pairs(fo, fl, bo, bl, fg, bg)
+    bi, fi = overlap_pairs(BoxArrays(fo, fl, fg), BoxArrays(bo, bl, bg))
     want = [
         (i, j)
         for i, (o, n, g) in enumerate(bxs)
@@ -222,7 +222,7 @@ def test_overlap_pairs_match_brute_force(ndim, groups, data):
     extents = np.full((groups, ndim), 10, np.int64)
     extents[:, sorted(whole)] = 5
     for ext in (None, extents):
-        vb, vf, vol = overlap_volumes(fo, fl, bo, bl, fg, bg, extents=ext)
+        vb, vf, vol = overlap_volumes(BoxArrays(fo, fl, fg), BoxArrays(bo, bl, bg), extents=ext)
         assert sorted(zip(vb.tolist(), vf.tolist(), vol.tolist(), strict=True)) == shared
 
 

@@ -16,8 +16,8 @@ import bcp
 import dist_jobs
 import replica_jobs
 from bcp.metadata.checksum import crc32c
+from bcp.planning import LayoutMeta
 from bcp.replicas import SMALL_REPLICA_BYTES, ReplicaSummer, ReplicaSums, box_key, check_replicas
-from bcp.save_plan import LayoutMeta
 from bcp.saver import _prepare
 from helpers import examples
 

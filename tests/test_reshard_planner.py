@@ -23,7 +23,7 @@ from bcp.commit import commit, write_catalog
 from bcp.errors import ShardingError
 from bcp.metadata import Catalog
 from bcp.metadata.layout import catalog_key, data_file_key, generation_name
-from bcp.save_plan import LocalLayout, plan_save
+from bcp.planning import plan_save
 from bcp.saver import _decide_objects, _prepare, build_manifest, write_rank_data
 from bcp.shards import FlatShard, TensorShard, local_pieces
 from helpers import examples, tensor_bytes_equal
@@ -35,7 +35,7 @@ def simulated_save(states: list[dict], uri: str, block: int = 64):
     """What bcp.save does across ranks, with the collectives replaced by lists."""
     backend = backend_for(uri)
     prepared = [_prepare(s, r, False) for r, s in enumerate(states)]
-    layouts = [LocalLayout.build(r, p.plan.tensors) for r, p in enumerate(prepared)]
+    layouts = [p.layout for p in prepared]
     plan = plan_save(layouts)
     objects = _decide_objects([p.objects for p in prepared])
     save_id = uuid.uuid4().hex[:16]
@@ -180,7 +180,7 @@ def test_replicated_boxes_are_balanced_over_ranks():
 
 def _plan_of(*rank_states):
     """The plan and, per rank, the (fqn, box) pairs it writes."""
-    layouts = [LocalLayout.build(r, _prepare(s, r, False).plan.tensors) for r, s in enumerate(rank_states)]
+    layouts = [_prepare(s, r, False).layout for r, s in enumerate(rank_states)]
     plan = plan_save(layouts)
     return plan, {r: [layouts[r].boxes()[i] for i in idx.tolist()] for r, idx in plan.writes.items()}
 

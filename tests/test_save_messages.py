@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from bcp.collectives import Coordinator, portable
 from bcp.errors import RankFailedError
-from bcp.fragment_rows import Merged, merge_reports, row_stats
 from bcp.io_scheduler.write_pipeline import REPORT_SCHEMA, WriterReport, fragment_table
 from bcp.metadata import CATALOG_SCHEMA, Catalog, FileEntry, FormatError, Fragment
-from bcp.save_plan import LayoutMeta, TensorPlan
+from bcp.planning import LayoutMeta, TensorPlan
+from bcp.planning.writer_rows import Merged, merge_reports, row_stats
 from helpers import examples
 
 # -- status rounds ------------------------------------------------------------------------
@@ -283,8 +283,8 @@ def test_reports_travel_compact_and_read_back_as_fragments():
 def test_plan_cache_keeps_the_last_two_plans_and_their_metadata():
     import numpy as np
 
-    from bcp.plan_cache import PlanCache, PlanSummary, plan_key
-    from bcp.save_plan import LayoutMeta
+    from bcp.planning import LayoutMeta
+    from bcp.planning.cache import PlanCache, PlanSummary, plan_key
 
     cache = PlanCache(keep=2)
     meta = {bytes([i]) * 16: LayoutMeta((f"t{i}",), ("[]",), ("float32",), ((2,),), (None,)) for i in range(3)}
@@ -304,7 +304,7 @@ def test_a_second_save_of_the_same_layout_plans_nothing(tmp_path, monkeypatch):
 
     import bcp
     import bcp.saver
-    from bcp.plan_cache import clear_plan_caches
+    from bcp.planning.cache import clear_plan_caches
 
     clear_plan_caches()
     calls = []

@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bcp.boxes import Box
 from bcp.errors import ShardingError
 from bcp.metadata import itemsize
-from bcp.save_plan import GlobalPlan, LayoutMeta, LocalLayout, TensorPlan, plan_save
+from bcp.metadata.geometry import Box
+from bcp.planning import GlobalPlan, LayoutMeta, LocalLayout, TensorPlan, plan_save
 from helpers import examples
 
 DTYPES = ["float32", "bfloat16", "int8", "float64"]
@@ -270,10 +270,10 @@ def fsdp(world: int, shapes: list[tuple[int, ...]], dim: int = 0, empty_at: int 
 
 @pytest.mark.parametrize("empty_at", [None, 0, 1])
 def test_fsdp_with_empty_shards_takes_the_matrix_path(monkeypatch, empty_at):
-    import bcp.save_plan as sp
+    import bcp.planning.plan as sp
 
     ls = fsdp(8, [(3, 4), (16, 2), (0, 5), (), (5,)], empty_at=empty_at)
-    monkeypatch.setattr(sp, "_plan_general", lambda *a: pytest.fail("general path used"))
+    monkeypatch.setattr(sp, "plan_general", lambda *a: pytest.fail("general path used"))
     plan = plan_save(ls)
     monkeypatch.undo()
     ref = reference_plan(ls)
@@ -316,9 +316,9 @@ def test_malformed_layouts_are_refused():
     with pytest.raises(ShardingError, match="counts"):
         plan_save([LocalLayout(0, lay.meta, lay.meta_digest, np.array([-1], np.int32), lay.offsets, lay.lengths)])
     for meta in [b"{", b'[["a","[]","float32",[-1],null]]', b'[["a","[]","nonsense",[1],null]]', b'[["a"]]']:
-        from bcp.save_plan import _meta_digest
+        from bcp.planning.layout import meta_digest
 
-        bad = LocalLayout(0, meta, _meta_digest(meta), lay.counts, lay.offsets, lay.lengths)
+        bad = LocalLayout(0, meta, meta_digest(meta), lay.counts, lay.offsets, lay.lengths)
         with pytest.raises(ShardingError):
             plan_save([bad])
 

@@ -14,9 +14,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bcp.boxes import Box, intersect
 from bcp.io_scheduler.shared_read import Wanted, plan_shares, plan_sharing
 from bcp.metadata import Catalog, Fragment, itemsize
+from bcp.metadata.geometry import Box, intersect
 from helpers import examples
 from test_load_plan_fast import SHAPES, dest_boxes, grid, ref_choose_replicas, stored_layout
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from ..boxes import Box
+from bcp.metadata.geometry import Box
+
 from ..reader import CheckpointReader, PerRankChoice, check_per_rank_choice, open_checkpoint
 from ..saver import SaveInfo, save
 from ..state import build_nested

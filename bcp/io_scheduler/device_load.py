@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from bcp.metadata import TensorEntry
+from bcp.metadata.geometry import Box
 
-from ..boxes import Box
 from ..tensor_io import flat_bytes, raw
 from .device_copy import DeviceCopies, settle
 from .read_exec import ReadStats, execute_reads

@@ -21,10 +21,20 @@ from collections.abc import Sequence
 import numpy as np
 
 from bcp.metadata import Fragment, TensorEntry, itemsize
-from bcp.metadata.catalog import tiling_problem
-from bcp.metadata.catalog.spans import stable_order
+from bcp.metadata.geometry import (
+    Box,
+    BoxArrays,
+    ascending,
+    common_runs,
+    expand_windows,
+    regions_abut,
+    row_products,
+    rows_positive,
+    stable_order,
+    sweep_windows,
+    tiling_problem,
+)
 
-from ..boxes import Box, common_runs, row_products, rows_positive
 from ..errors import CorruptCheckpointError
 
 
@@ -52,76 +62,49 @@ _EMPTY = np.zeros(0, np.int64)
 _PAIR_CHUNK = 1 << 21
 
 
-def box_arrays(boxes: Sequence[Box], ndim: int) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, lengths) of ``boxes`` as (B, ndim) int64 arrays."""
-    flat = np.array([[*o, *n] for o, n in boxes], dtype=np.int64).reshape(len(boxes), 2 * ndim)
-    return flat[:, :ndim], flat[:, ndim:]
-
-
 def overlap_pairs(
-    f_off: np.ndarray,
-    f_len: np.ndarray,
-    b_off: np.ndarray,
-    b_len: np.ndarray,
-    f_group: np.ndarray | None = None,
-    b_group: np.ndarray | None = None,
-    *,
-    extents: np.ndarray | None = None,
-    ordered: bool = True,
+    frags: BoxArrays, boxes: BoxArrays, *, extents: np.ndarray | None = None, ordered: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
     """Every (box i, fragment j) whose boxes share at least one element, as two index
-    arrays sorted by box, then fragment. Rows are (N, D) int64 boxes; ``f_group`` and
-    ``b_group`` (default: all 0) keep boxes of different tensors apart (boxes of one
-    group only meet fragments of the same group). Empty boxes meet nothing; with D = 0
-    (scalars) every box meets every fragment of its group.
+    arrays sorted by box, then fragment. Rows are (N, D) int64 boxes; their groups
+    (default: all 0) keep boxes of different tensors apart (boxes of one group only
+    meet fragments of the same group). Empty boxes meet nothing; with D = 0 (scalars)
+    every box meets every fragment of its group.
 
     Per group, the dimension cut most often is chosen; fragments are sorted by their
     start on it, and a box's candidates are the window of fragments that start before
-    it ends and whose running maximum end lies past its start (two binary searches).
-    Candidates are then tested on every dimension. Disjoint fragments along one
-    dimension (FSDP's dim 0, TP's dim 1) give windows of exactly the fragments met.
-    ``extents`` (groups, D): the shape of each group's tensor, when known (saves a
-    pass); ``ordered=False`` returns the pairs in no particular order.
+    it ends and whose running maximum end lies past its start
+    (:func:`~bcp.metadata.geometry.sweep_windows`). Candidates are then tested on
+    every dimension. Disjoint fragments along one dimension (FSDP's dim 0, TP's dim
+    1) give windows of exactly the fragments met. ``extents`` (groups, D): the shape
+    of each group's tensor, when known (saves a pass); ``ordered=False`` returns the
+    pairs in no particular order.
 
     Memory: the candidates are tested in chunks of about 2 million pairs."""
-    n_dim = f_off.shape[1] if f_off.ndim == 2 else 0
-    if len(f_off) == 0 or len(b_off) == 0:
+    if len(frags) == 0 or len(boxes) == 0:
         return _EMPTY, _EMPTY
-    if f_group is None and b_group is None and n_dim:
-        return _pairs_one_tensor(f_off, f_len, b_off, b_len)
-    bi, fi, _v = _pairs_general(f_off, f_len, b_off, b_len, f_group, b_group, extents=extents, ordered=ordered)
+    if frags.group is None and boxes.group is None and frags.ndim:
+        return _pairs_one_tensor(frags, boxes)
+    bi, fi, _v = _pairs_general(frags, boxes, extents=extents, ordered=ordered)
     return bi, fi
 
 
 def overlap_volumes(
-    f_off: np.ndarray,
-    f_len: np.ndarray,
-    b_off: np.ndarray,
-    b_len: np.ndarray,
-    f_group: np.ndarray,
-    b_group: np.ndarray,
-    *,
-    extents: np.ndarray | None = None,
+    frags: BoxArrays, boxes: BoxArrays, *, extents: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`overlap_pairs` (grouped, in no particular order) with the number of
     elements each pair shares, computed alongside the overlap test (along a cut
     dimension only, where every other dimension is whole on both sides)."""
-    if len(f_off) == 0 or len(b_off) == 0:
+    if len(frags) == 0 or len(boxes) == 0:
         return _EMPTY, _EMPTY, _EMPTY
-    bi, fi, vol = _pairs_general(
-        f_off, f_len, b_off, b_len, f_group, b_group, extents=extents, ordered=False, volume=True
-    )
+    bi, fi, vol = _pairs_general(frags, boxes, extents=extents, ordered=False, volume=True)
     assert vol is not None
     return bi, fi, vol
 
 
 def _pairs_general(
-    f_off: np.ndarray,
-    f_len: np.ndarray,
-    b_off: np.ndarray,
-    b_len: np.ndarray,
-    f_group: np.ndarray | None,
-    b_group: np.ndarray | None,
+    frags: BoxArrays,
+    boxes: BoxArrays,
     *,
     extents: np.ndarray | None = None,
     ordered: bool = True,
@@ -130,14 +113,13 @@ def _pairs_general(
     """overlap_pairs over many tensors at once, in bounded chunks of candidates, with
     each pair's shared element count when ``volume``. ``extents`` (groups, D), when
     known: every box of group g lies inside extents[g]."""
-    n_dim = f_off.shape[1] if f_off.ndim == 2 else 0
-    if n_dim == 0:  # scalars: one dimension of length 1 behaves the same
-        f_off, f_len = np.zeros((len(f_off), 1), np.int64), np.ones((len(f_off), 1), np.int64)
-        b_off, b_len = np.zeros((len(b_off), 1), np.int64), np.ones((len(b_off), 1), np.int64)
+    fg, bg = frags.groups(), boxes.groups()
+    if frags.ndim == 0:  # scalars: one dimension of length 1 behaves the same
+        frags = BoxArrays(np.zeros((len(frags), 1), np.int64), np.ones((len(frags), 1), np.int64))
+        boxes = BoxArrays(np.zeros((len(boxes), 1), np.int64), np.ones((len(boxes), 1), np.int64))
         extents = None if extents is None else np.ones((len(extents), 1), np.int64)
-        n_dim = 1
-    fg = np.zeros(len(f_off), np.int64) if f_group is None else np.asarray(f_group, np.int64)
-    bg = np.zeros(len(b_off), np.int64) if b_group is None else np.asarray(b_group, np.int64)
+    f_off, f_len, b_off, b_len = frags.offsets, frags.lengths, boxes.offsets, boxes.lengths
+    n_dim = f_off.shape[1]
     # empty boxes and fragments meet nothing: their cut-dimension extents are emptied
     # below (cheaper than dropping them from every array)
     f_dead = None if f_len.min() > 0 else ~rows_positive(f_len)
@@ -165,7 +147,7 @@ def _pairs_general(
             np.maximum.at(extent, fg, fe)
             np.maximum.at(extent, bg, be)
         if int(extent.sum()) + groups >= 1 << 62:  # coordinates would overflow: one group at a time
-            return _pairs_by_group(f_off, f_len, b_off, b_len, fg, bg, volume)
+            return _pairs_by_group(BoxArrays(f_off, f_len, fg), BoxArrays(b_off, b_len, bg), volume)
         base = np.zeros(groups, np.int64)
         np.cumsum(extent[:-1] + 1, out=base[1:])
         f_base, b_base = base[fg], base[bg]
@@ -177,17 +159,16 @@ def _pairs_general(
     # both sides sorted along the cut coordinate: the searches and the candidate
     # gathers below then walk memory in order (millions of boxes stay cache-friendly)
     # (a catalog's rows usually are already; boxes usually are once grouped by tensor)
-    order = None if _ascending(fs) else np.argsort(fs)  # ties in any order: a window holds all of them
+    order = None if ascending(fs) else np.argsort(fs)  # ties in any order: a window holds all of them
     border = stable_order(bg) if groups > 1 else None
-    if not _ascending(bs if border is None else bs[border]):
+    if not ascending(bs if border is None else bs[border]):
         border = np.argsort(bs)
     starts, ends = (fs, fe) if order is None else (fs[order], fe[order])
-    reach = np.maximum.accumulate(ends)
     if border is not None:
         bs, be = bs[border], be[border]
     # dimensions other than the cut one that some box or fragment does not span whole
     # must be tested too; with none (FSDP, TP: one cut dimension) the test is 1-D
-    others = _partial_dims(f_off, f_len, b_off, b_len, fg, bg, cut, extents)
+    others = _partial_dims(frags, boxes, fg, bg, cut, extents)
     # shared elements = the overlap along the cut dimension x the overlap on ``others``
     # x the extents of the dimensions both sides span whole (per group); with cut
     # dimensions differing by group, ``others`` holds every dimension
@@ -198,16 +179,11 @@ def _pairs_general(
         if whole:
             rest = np.prod(extents[:, whole], axis=1)[fg if order is None else fg[order]]
     if others:
-        f_off, f_len = (
-            (f_off, f_len) if order is None else (np.take(f_off, order, axis=0), np.take(f_len, order, axis=0))
-        )
-        b_off, b_len = (
-            (b_off, b_len) if border is None else (np.take(b_off, border, axis=0), np.take(b_len, border, axis=0))
-        )
-        f_off, f_len, b_off, b_len = f_off[:, others], f_len[:, others], b_off[:, others], b_len[:, others]
-    first = np.searchsorted(reach, bs, side="right")
-    width = np.searchsorted(starts, be, side="left") - first
-    np.clip(width, 0, None, out=width)
+        f_side = frags if order is None else frags.take(order)
+        b_side = boxes if border is None else boxes.take(border)
+        f_off, f_len = f_side.offsets[:, others], f_side.lengths[:, others]
+        b_off, b_len = b_side.offsets[:, others], b_side.lengths[:, others]
+    first, width = sweep_windows(starts, ends, bs, be)
     out_b: list[np.ndarray] = []
     out_f: list[np.ndarray] = []
     out_v: list[np.ndarray] = []
@@ -216,16 +192,10 @@ def _pairs_general(
     while lo < len(b_off):
         hi = int(np.searchsorted(cum, (cum[lo - 1] if lo else 0) + _PAIR_CHUNK, side="right"))
         hi = max(hi, lo + 1)
-        w = width[lo:hi]
         n = int(cum[hi - 1] - (cum[lo - 1] if lo else 0))
         if n:
-            bi = np.repeat(np.arange(lo, hi), w)
-            step = np.ones(n, np.int64)  # positions first[i], first[i] + 1, ... for box i
-            heads = np.cumsum(w) - w
-            nonempty = w > 0
-            f_first = first[lo:hi][nonempty]
-            step[heads[nonempty]] = f_first - np.r_[-1, (f_first + w[nonempty] - 1)[:-1]]
-            fi = np.cumsum(step) - 1
+            bi, fi = expand_windows(first[lo:hi], width[lo:hi])
+            bi += lo
             low = np.maximum(bs[bi], starts[fi])
             span = np.minimum(be[bi], ends[fi]) - low
             meet = span > 0
@@ -261,50 +231,38 @@ def _pairs_general(
     return bi, fi, vols
 
 
-def _ascending(a: np.ndarray) -> bool:
-    return len(a) < 2 or bool((a[1:] >= a[:-1]).all())
-
-
 def _partial_dims(
-    f_off: np.ndarray,
-    f_len: np.ndarray,
-    b_off: np.ndarray,
-    b_len: np.ndarray,
-    fg: np.ndarray,
-    bg: np.ndarray,
-    cut: np.ndarray,
-    extents: np.ndarray | None,
+    frags: BoxArrays, boxes: BoxArrays, fg: np.ndarray, bg: np.ndarray, cut: np.ndarray, extents: np.ndarray | None
 ) -> list[int]:
     """Dimensions that are not the cut one of every group and that some fragment or box
     does not span whole (every dimension but a single shared cut one, without extents)."""
-    n_dim = f_off.shape[1]
+    n_dim = frags.offsets.shape[1]
     if extents is None or not (cut == cut[0]).all():
         return [d for d in range(n_dim) if not (cut == d).all()]
     out = []
     for d in range(n_dim):
         if d == int(cut[0]):
             continue
-        whole_f = (f_off[:, d] == 0).all() and (f_len[:, d] == extents[fg, d]).all()
-        whole_b = whole_f and (b_off[:, d] == 0).all() and (b_len[:, d] == extents[bg, d]).all()
+        whole_f = (frags.offsets[:, d] == 0).all() and (frags.lengths[:, d] == extents[fg, d]).all()
+        whole_b = whole_f and (boxes.offsets[:, d] == 0).all() and (boxes.lengths[:, d] == extents[bg, d]).all()
         if not whole_b:
             out.append(d)
     return out
 
 
-def _pairs_one_tensor(
-    f_off: np.ndarray, f_len: np.ndarray, b_off: np.ndarray, b_len: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+def _pairs_one_tensor(frags: BoxArrays, boxes: BoxArrays) -> tuple[np.ndarray, np.ndarray]:
     """overlap_pairs for one tensor (the planner's case: a few boxes, many fragments),
     with as few numpy calls as possible: no sort when the fragments are already in
     order along the cut dimension (a catalog's rows usually are). Empty boxes and
     fragments fall out of the final test (an empty extent meets nothing)."""
+    f_off, f_len, b_off, b_len = frags.offsets, frags.lengths, boxes.offsets, boxes.lengths
     k = int(np.count_nonzero(f_off, axis=0).argmax()) if f_off.shape[1] > 1 else 0
     fs = f_off[:, k]
     fe = fs + f_len[:, k]
-    order = None if len(fs) < 2 or bool((fs[1:] >= fs[:-1]).all()) else np.argsort(fs, kind="stable")
+    order = None if ascending(fs) else np.argsort(fs, kind="stable")
     starts, ends = (fs, fe) if order is None else (fs[order], fe[order])
-    reach = np.maximum.accumulate(ends)
-    if len(b_off) == 1:
+    if len(b_off) == 1:  # one box: scalar searches (the windows of sweep_windows, without arrays)
+        reach = np.maximum.accumulate(ends)
         b_start = int(b_off[0, k])
         lo = int(reach.searchsorted(b_start, side="right"))
         hi = int(starts.searchsorted(b_start + int(b_len[0, k]), side="left"))
@@ -314,14 +272,11 @@ def _pairs_one_tensor(
         pos = np.arange(lo, hi)
     else:
         bs = b_off[:, k]
-        first = np.searchsorted(reach, bs, side="right")
-        width = np.clip(np.searchsorted(starts, bs + b_len[:, k], side="left") - first, 0, None)
-        n = int(width.sum())
-        if n > _PAIR_CHUNK:  # many candidates: the general path tests them in bounded chunks
-            bi, fi, _v = _pairs_general(f_off, f_len, b_off, b_len, None, None)
+        first, width = sweep_windows(starts, ends, bs, bs + b_len[:, k])
+        if int(width.sum()) > _PAIR_CHUNK:  # many candidates: the general path tests them in bounded chunks
+            bi, fi, _v = _pairs_general(frags, boxes)
             return bi, fi
-        bi = np.repeat(np.arange(len(b_off)), width)
-        pos = np.arange(n) - np.repeat(np.cumsum(width) - width, width) + np.repeat(first, width)
+        bi, pos = expand_windows(first, width)
     fi = pos if order is None else order[pos]
     bo, bn = np.take(b_off, bi, axis=0), np.take(b_len, bi, axis=0)  # faster than [bi] for rows
     fo, fn = np.take(f_off, fi, axis=0), np.take(f_len, fi, axis=0)
@@ -334,20 +289,18 @@ def _pairs_one_tensor(
 
 
 def _pairs_by_group(
-    f_off: np.ndarray,
-    f_len: np.ndarray,
-    b_off: np.ndarray,
-    b_len: np.ndarray,
-    fg: np.ndarray,
-    bg: np.ndarray,
-    volume: bool,
+    frags: BoxArrays, boxes: BoxArrays, volume: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    fg, bg = frags.groups(), boxes.groups()
     out_b, out_f, out_v = [_EMPTY], [_EMPTY], [_EMPTY]
     for g in np.unique(bg).tolist():
         fr, br = np.flatnonzero(fg == g), np.flatnonzero(bg == g)
         if not len(fr):
             continue
-        bi, fi, vol = _pairs_general(f_off[fr], f_len[fr], b_off[br], b_len[br], None, None, volume=volume)
+        f_side, b_side = frags.take(fr), boxes.take(br)
+        bi, fi, vol = _pairs_general(
+            BoxArrays(f_side.offsets, f_side.lengths), BoxArrays(b_side.offsets, b_side.lengths), volume=volume
+        )
         out_b.append(br[bi])
         out_f.append(fr[fi])
         if vol is not None:
@@ -390,13 +343,12 @@ def touched_rows(
     """The fragment rows reading ``dest_boxes`` uses: (box index, row) of every pair
     that meets, one replica per distinct stored box, sorted by box then by the catalog
     order of each stored box's first copy; plus the boxes as (offsets, lengths) arrays."""
-    ndim = len(entry.global_shape)
-    b_off, b_len = box_arrays(dest_boxes, ndim)
+    wanted = BoxArrays.of(dest_boxes, len(entry.global_shape))
     if entry.num_fragments == 1 and not entry.offsets.any() and (entry.lengths == entry.global_shape).all():
         # one fragment holding the whole tensor (a single writer's save): it meets every non-empty box
-        bi = np.flatnonzero((b_len > 0).all(axis=1))
-        return bi, np.zeros(len(bi), np.int64), b_off, b_len
-    bi, fi = overlap_pairs(entry.offsets, entry.lengths, b_off, b_len)
+        bi = np.flatnonzero((wanted.lengths > 0).all(axis=1))
+        return bi, np.zeros(len(bi), np.int64), wanted.offsets, wanted.lengths
+    bi, fi = overlap_pairs(BoxArrays(entry.offsets, entry.lengths), wanted)
     hit = fi if len(dest_boxes) == 1 else np.unique(fi)  # one box: rows ascending, each once
     chosen, first = choose_among(entry, hit, prefer_rank)
     if len(chosen) != len(hit):
@@ -407,28 +359,7 @@ def touched_rows(
         bi, fi, key = bi[keep], fi[keep], key[keep]
         sort = np.lexsort((key, bi))
         bi, fi = bi[sort], fi[sort]
-    return bi, fi, b_off, b_len
-
-
-def _abut(b_off: Sequence[int], b_len: Sequence[int], offs: list[list[int]], lens: list[list[int]]) -> bool:
-    """Whether regions of a box (inside it, few) tile it as intervals along one
-    dimension that follow each other exactly (the usual reshard); False means "not
-    shown", and the general check decides."""
-    cut = [
-        d
-        for d in range(len(b_len))
-        if any(o[d] != b_off[d] or n[d] != b_len[d] for o, n in zip(offs, lens, strict=True))
-    ]
-    if len(cut) != 1:
-        return False
-    (d,) = cut
-    spans = sorted((o[d], o[d] + n[d]) for o, n in zip(offs, lens, strict=True))
-    at = b_off[d]
-    for start, end in spans:
-        if start != at:
-            return False
-        at = end
-    return at == b_off[d] + b_len[d]
+    return bi, fi, wanted.offsets, wanted.lengths
 
 
 def plan_tensor_reads(
@@ -459,7 +390,11 @@ def plan_tensor_reads(
         mine = regions[at:end]
         covered = sum(math.prod(r_len) for _o, r_len in mine)
         problem = None
-        if covered == need and end - at > 1 and not _abut(d_off, d_len, [o for o, _n in mine], [n for _o, n in mine]):
+        if (
+            covered == need
+            and end - at > 1
+            and not regions_abut(d_off, d_len, [o for o, _n in mine], [n for _o, n in mine])
+        ):
             # one fragment holding it all tiles it; more must neither overlap nor leave holes
             rel = np.array([[o - b for o, b in zip(r_off, d_off, strict=True)] for r_off, _n in mine], np.int64)
             problem = tiling_problem(d_len, rel, np.array([n for _o, n in mine], np.int64))

@@ -32,9 +32,8 @@ import numpy as np
 import torch
 
 from bcp.metadata import itemsize
-from bcp.metadata.catalog.spans import stable_order
+from bcp.metadata.geometry import Box, BoxArrays, row_products, stable_order
 
-from ..boxes import Box, row_products
 from ..collectives import GroupCoordinator, portable
 from ..reader import CheckpointReader
 from .read_exec import ReadStats
@@ -212,7 +211,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
             f_off[at : at + n, :d] = e.offsets
             f_len[at : at + n, :d] = e.lengths
             at += n
-    bi, fi, elems = overlap_volumes(f_off, f_len, b_off, b_len, f_tid, tids, extents=extents)
+    bi, fi, elems = overlap_volumes(BoxArrays(f_off, f_len, f_tid), BoxArrays(b_off, b_len, tids), extents=extents)
     if not len(bi):
         return _no_plan()
     # one key per distinct stored box: pairs with a replica other than the first are dropped

@@ -36,7 +36,7 @@ import torch
 from bcp.backends import Backend, ObjectWriter
 from bcp.metadata import CATALOG_SCHEMA, FileEntry, Fragment, block_checksums, digest_of_checksums
 
-from ..save_plan import TensorPlan
+from ..planning import TensorPlan
 from ..shards import Piece
 from ..tensor_io import flat_bytes, host_contiguous, storage_identity
 from .device_copy import DeviceCopies, is_device_tensor, settle

@@ -3,24 +3,23 @@
 A package split by job, each module importing only those below it (no cycle)::
 
     tensors    CATALOG_SCHEMA, MAX_TENSOR_BYTES, the tensor table rows refer to
-    tiling     whether a tensor's boxes tile it exactly
     budget     how many bytes decoding untrusted catalog bytes may allocate
     arrow      rows <-> Arrow columns and IPC files
     validate   checks on untrusted rows; decode_rows, the one way stored rows come in
-    spans      flat spans of boxes (which sections a box may need), stable ordering
+    spans      flat spans of boxes (which sections a box may need)
     sections   catalog v2 layout: constants, schemas, writing
     head       reading and checking a v2 catalog's trailer and head
     partial    a v2 catalog read in part: its held sections, reading more of them
     core       the Catalog
 
-The names below are the catalog's public API; everything else is imported from the
+Box geometry (tiling, overlap, stable order) is bcp.metadata.geometry's. The names
+below are the catalog's public API; everything else is imported from the
 module that owns it.
 """
 
 from .budget import DECODE_FLOOR_BYTES, DECODE_RATIO, check_ipc_budget, decode_budget
 from .core import TRAILER_BYTES, Catalog
 from .tensors import CATALOG_SCHEMA, MAX_TENSOR_BYTES, TensorArrays, TensorTable
-from .tiling import boxes_cover_exactly, tiling_problem
 from .validate import validate_fragment
 
 __all__ = [
@@ -32,9 +31,7 @@ __all__ = [
     "Catalog",
     "TensorArrays",
     "TensorTable",
-    "boxes_cover_exactly",
     "check_ipc_budget",
     "decode_budget",
-    "tiling_problem",
     "validate_fragment",
 ]

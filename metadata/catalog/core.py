@@ -6,7 +6,7 @@ while loading. Rows are held as numpy columns (:mod:`..rows`); a tensor's rows b
 Fragment objects only when a caller asks for them. This module is the Catalog
 itself: building it, decoding and encoding it (through :mod:`.validate`,
 :mod:`.sections` and :mod:`.head`), reading a v2 catalog in part (:mod:`.partial`) and
-handing out TensorEntry objects checked for exact tiling (:mod:`.tiling`).
+handing out TensorEntry objects checked for exact tiling (:mod:`bcp.metadata.geometry`).
 """
 
 from __future__ import annotations
@@ -16,17 +16,16 @@ from collections.abc import Iterable, Iterator, Mapping
 import numpy as np
 import pyarrow as pa
 
-from ..entries import gather_entries, simple_tilings
+from ..entries import gather_entries
 from ..errors import FormatError
+from ..geometry import simple_tilings, stable_order, tiling_problem
 from ..rows import Fragment, Rows, TensorEntry
 from .arrow import bind_rows, cast_columns, ipc_file, rows_table
 from .budget import decode_budget
 from .head import decode_head
 from .partial import Box, Fetch, HeldSections
 from .sections import TRAILER, encode, is_v2, read_trailer
-from .spans import stable_order
 from .tensors import CATALOG_SCHEMA, TensorTable
-from .tiling import tiling_problem
 from .validate import check_rows_in_files, decode_rows
 
 #: bytes of a v2 catalog's fixed trailer (sections.TRAILER.size)

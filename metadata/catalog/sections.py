@@ -29,9 +29,10 @@ import pyarrow as pa
 
 from ..checksum import crc32c
 from ..errors import FormatError
+from ..geometry import stable_order
 from ..rows import Rows
 from .arrow import ipc_file, rows_table
-from .spans import section_spans, stable_order, uniform_width
+from .spans import section_spans, uniform_width
 from .tensors import TensorTable
 
 VERSION = "2"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..geometry import stable_order
 from ..rows import Rows
 from .tensors import TensorTable
 
@@ -78,14 +79,6 @@ def _flat_spans_uniform(
         last += (o + ln - 1) * s
         live &= ln > 0
     return first, last, live
-
-
-def stable_order(keys: np.ndarray) -> np.ndarray:
-    """``np.argsort(keys, kind="stable")``; small non-negative keys are sorted as
-    uint16 (a radix sort, same order)."""
-    if len(keys) and int(keys.min()) >= 0 and int(keys.max()) < 1 << 16:
-        return np.argsort(keys.astype(np.uint16), kind="stable")
-    return np.argsort(keys, kind="stable")
 
 
 def section_spans(rows: Rows, tensors: TensorTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

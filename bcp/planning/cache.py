@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .save_plan import LayoutMeta
+from .layout import LayoutMeta
 
 #: Plans kept per coordinator group (and writes per rank): the last two layouts, so
 #: a job alternating between two (e.g. with and without an optimizer state) hits too.

@@ -21,10 +21,11 @@ from bcp.metadata.catalog import TensorTable
 from bcp.metadata.catalog.arrow import rows_table as _table
 from bcp.metadata.catalog.sections import encode
 from bcp.metadata.catalog.sections import subset as _subset
+from bcp.metadata.geometry import stable_order
 from bcp.metadata.rows import Rows
 
-from .io_scheduler.write_pipeline import WriterReport
-from .save_plan import LayoutMeta
+from ..io_scheduler.write_pipeline import WriterReport
+from .layout import LayoutMeta
 
 
 def padded_boxes(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -57,14 +58,7 @@ def sort_index(keys: Sequence[np.ndarray]) -> np.ndarray:
     """Stable order of rows by ``keys`` (int64 columns, most significant first): one
     argsort of a packed int64 key when the columns fit in 63 bits, else np.lexsort."""
     packed = packed_key(keys)
-    return np.lexsort(list(reversed(keys))) if packed is None else _stable_order(packed)
-
-
-def _stable_order(key: np.ndarray) -> np.ndarray:
-    """``np.argsort(key, kind="stable")``, without sorting keys already in order."""
-    if bool((key[1:] >= key[:-1]).all()):
-        return np.arange(len(key))
-    return np.argsort(key, kind="stable")
+    return np.lexsort(list(reversed(keys))) if packed is None else stable_order(packed)
 
 
 def _distinct(keys: Sequence[np.ndarray]) -> np.ndarray:
@@ -140,7 +134,7 @@ def merge_reports(reports: Sequence[WriterReport], metas: Sequence[LayoutMeta], 
         offsets, lengths = [c[by_writer] for c in offsets], [c[by_writer] for c in lengths]
         key = key[by_writer] if key is not None else None
     # stable, so rows of one (tensor, offsets) stay in writer order: the catalog order
-    catalog_order = _stable_order(key) if key is not None else sort_index([rows.tensor, *offsets[:-1]])
+    catalog_order = stable_order(key) if key is not None else sort_index([rows.tensor, *offsets[:-1]])
     present = np.bincount(rows.tensor, minlength=len(order)) > 0
     stats = _stats(
         rows.tensor,
