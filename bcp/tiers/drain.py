@@ -8,9 +8,10 @@ A drained step is copied, not saved again: no device-to-host copy, no planning.
    commits the manifest, create-only (``bcp.commit.commit``).
 A drain that fails removes its generation (the coordinator), unless the coordinator
 had committed it and only telling the other ranks failed (a rank died then): the
-step is whole and stays. One killed midway leaves an uncommitted step, which the manager's garbage collection removes, like
-any failed save. Drains run one at a time, each in its own thread, on a gloo group
-of their own, so training and the next local saves go on meanwhile.
+step is whole and stays. One killed midway leaves an uncommitted step, which the
+manager's garbage collection removes, like any failed save. Drains run one at a
+time, each in its own thread, on a gloo group of their own, so training and the
+next local saves go on meanwhile.
 """
 
 from __future__ import annotations
