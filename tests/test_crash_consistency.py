@@ -4,12 +4,15 @@ with the uninterrupted run's weights, byte for byte.
 
 This is the CI-sized run (a few crash points, spread over the three modes); the full runs (every
 event, sync and async, under load) are described in docs/reliability.md. The job
-is tests/chaos/manager_job.py.
+is tests/chaos/manager_job.py; tests/chaos/tier_job.py is the same training with the
+local tier on 2 simulated hosts (one process each, ckpt-chaos --ranks 2), killed on
+one host.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -19,6 +22,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "chaos" / "manager_job.py"
+TIER_JOB = ROOT / "tests" / "chaos" / "tier_job.py"
 
 
 def _chaos() -> str:
@@ -73,3 +77,47 @@ def test_killed_manager_job_always_resumes_exactly(mode, tmp_path):
     assert len(verdicts) >= 4, report  # the control run and crash points were judged
     assert "SILENT_DIVERGENCE" not in report and "HARD_FAIL" not in report, report
     assert all(v["raised"] is None for v in verdicts), report
+
+
+@pytest.mark.slow
+def test_killed_two_host_tier_job_always_resumes_exactly(tmp_path):
+    """The local tier's job on 2 simulated hosts, host 1's process killed at its file
+    events (its local saves, the replicas it receives, its part of the drains); the
+    resume recovers from the local tier or the drained steps and must end bit-exact."""
+    work = tmp_path / "chaos"
+    command = [
+        _chaos(),
+        "run",
+        "--ranks",
+        "2",
+        "--crash-rank",
+        "1",
+        "--result-file",
+        "{out}/final.pt",
+        "--step-regex",
+        r"resumed from step (\d+)",
+        "--modes",
+        "before,torn,term",
+        "--max-points",
+        "3",
+        "--timeout",
+        "240",
+        "--work",
+        str(work),
+        "--",
+        sys.executable,
+        str(TIER_JOB),
+        "{out}",
+        "4",
+    ]
+    # ckpt-chaos 0.1.8's run mode arms rank CKPT_CHAOS_CRASH_RANK (default 0), not --crash-rank: set both
+    env = dict(os.environ, CKPT_CHAOS_CRASH_RANK="1")
+    out = subprocess.run(command, capture_output=True, text=True, timeout=1500, cwd=tmp_path, env=env)
+    report = out.stdout + out.stderr
+    assert out.returncode == 0, report
+    results = [json.loads(p.read_text()) for p in work.glob("pt_*/result.json")]
+    assert len(results) >= 4, report  # the control run and crash points were judged
+    assert "SILENT_DIVERGENCE" not in report and "HARD_FAIL" not in report, report
+    assert all(r["outcome"]["raised"] is None for r in results), report
+    crashes = [r for r in results if r["label"] != "no crash (control)"]
+    assert crashes and all(r["crashed"] for r in crashes), f"a crash point did not kill host 1: {report}"

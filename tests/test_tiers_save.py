@@ -24,6 +24,7 @@ from bcp.tiers.hosts import HostMap, replica_hosts, transfers
 from bcp.tiers.paths import job_name, local_root, local_steps, step_dir
 from bcp.tiers.retention import expired_steps
 from bcp.tiers.room import host_rooms
+from bcp.verify import verify_checkpoint
 from helpers import assert_same
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
@@ -339,3 +340,16 @@ def test_a_rank_killed_mid_drain_leaves_no_committed_persistent_step(tmp_path):
     assert not os.path.exists(os.path.join(cfg["root"], "step_0000000001", "manifest.json"))
     manifest = bcp.open(step_dir(_host_root(cfg, 0), 1)).manifest
     assert _holding(cfg, 0, 1) == {_data_file(0, manifest), _data_file(1, manifest)}, "the local step is whole"
+
+
+def test_a_rank_killed_while_the_drain_commits_leaves_the_committed_step_whole(tmp_path):
+    """Found by tests/test_tiers_kill.py: the coordinator committed the drained step,
+    then could not tell the killed rank, and removed the generation its manifest names."""
+    cfg = _cfg(tmp_path, ranks_per_host=1, steps=[1], persist_every=1, faults={"1": "kill-drain-commit"}, timeout=20)
+    codes = tier_jobs.run(2, cfg)
+    assert codes[1] == tier_jobs.KILLED and codes[0] == tier_jobs.SURVIVED, f"rank 0 must fail, not hang: {codes}"
+    persistent = bcp.CheckpointManager(cfg["root"], gc_grace_seconds=3600)
+    assert persistent.steps() == [1], "the coordinator committed the drained step"
+    report = verify_checkpoint(persistent.uri(1))
+    assert report["ok"], f"a committed step lost its data: {report['problems']}"
+    assert_same(bcp.load(tier_jobs.template(), persistent.uri(1)), tier_jobs.expected(1))

@@ -2,17 +2,25 @@
 gloo processes with its own ``BCP_HOST_ID`` and local directory.
 
 Unlike dist_jobs.spawn, :func:`run` tolerates a rank killed on purpose (a fault
-point, ``os._exit`` from inside bcp): it returns every process's exit code, and the
-test checks what the surviving hosts' directories hold. Fault points are installed
-by the job from its configuration (the ``faults`` entry, rank -> name), by wrapping
-the seams bcp.tiers leaves for them (``replicate._write_chunk``, ``drain._upload_part``).
+point, ``os._exit`` from inside bcp, or a SIGKILL sent by :func:`run` itself after a
+delay: its ``kill`` argument): it returns every process's exit code, and the test
+checks what the surviving hosts' directories hold. Fault points are installed by the
+job from its configuration (the ``faults`` entry, rank -> name), by wrapping the
+seams bcp.tiers leaves for them (``replicate._write_chunk``, ``drain._upload_part``).
+
+A job may also start by recovering (``recover``: ``load_latest`` through the tier,
+the step and the run it matched written to ``recovered-rank<r>.json``) and save the
+steps after the one it recovered; values carry a ``run`` number, so a step saved
+again by a later job differs from the earlier save of the same step number.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -33,20 +41,20 @@ SURVIVED = 3
 W_SHAPE = (64, 256)
 
 
-def expected(step: int) -> dict[str, Any]:
-    """The whole state at ``step``, as one process would load it."""
-    w = torch.arange(W_SHAPE[0] * W_SHAPE[1], dtype=torch.float32).reshape(W_SHAPE) + 1000 * step
+def expected(step: int, run: int = 0) -> dict[str, Any]:
+    """The whole state at ``step`` as saved by the job numbered ``run``, as one process would load it."""
+    w = torch.arange(W_SHAPE[0] * W_SHAPE[1], dtype=torch.float32).reshape(W_SHAPE) + 1000 * step + 100000 * run
     return {
         "w": w,
-        "bias": torch.arange(5, dtype=torch.float64) + step,
-        "emb": (torch.arange(24, dtype=torch.float32).reshape(6, 4) * step).to(torch.bfloat16),
+        "bias": torch.arange(5, dtype=torch.float64) + step + 0.25 * run,
+        "emb": (torch.arange(24, dtype=torch.float32).reshape(6, 4) * step + run).to(torch.bfloat16),
         "step": step,
     }
 
 
-def local_state(rank: int, world: int, step: int) -> dict[str, Any]:
+def local_state(rank: int, world: int, step: int, run: int = 0) -> dict[str, Any]:
     """This rank's part of :func:`expected`: rows of ``w`` sharded over the ranks, the rest replicated."""
-    full = expected(step)
+    full = expected(step, run)
     rows = W_SHAPE[0] // world
     return {
         "w": bcp.TensorShard(full["w"][rank * rows : (rank + 1) * rows].clone(), W_SHAPE, (rank * rows, 0)),
@@ -95,6 +103,15 @@ def _install_fault(name: str) -> None:
             os._exit(KILLED)
 
         drain._upload_part = die
+    elif name == "kill-drain-commit":  # dies once the uploads are agreed, as the coordinator commits
+        real_decide = drain.decide
+
+        def die_at_commit(coord, phase, *args, **kwargs):
+            if phase == "draining: committing":
+                os._exit(KILLED)
+            return real_decide(coord, phase, *args, **kwargs)
+
+        drain.decide = die_at_commit
     else:
         raise ValueError(f"unknown fault {name!r}")
 
@@ -112,13 +129,46 @@ class _FakeStatvfs:
 # -- the job ------------------------------------------------------------------------------
 
 
-def tier_job(rank: int, world: int, cfg: dict[str, Any]) -> None:
+def host_of(rank: int, cfg: dict[str, Any]) -> str:
+    """The simulated host of ``rank``: ``host_of_rank`` when given, else ``ranks_per_host`` consecutive ranks."""
+    if "host_of_rank" in cfg:
+        return cfg["host_of_rank"][rank]
+    return f"host{rank // cfg['ranks_per_host']}"
+
+
+def matched_run(got: dict[str, Any], rank: int, world: int, step: int, runs: list[int]) -> int | None:
+    """The run whose save of ``step`` this rank's loaded state equals bit for bit (None: none of them)."""
+    for run in runs:
+        want = local_state(rank, world, step, run)
+        if (
+            got["step"] == step
+            and torch.equal(got["w"].local, want["w"].local)
+            and torch.equal(got["bias"], want["bias"])
+            and torch.equal(got["emb"], want["emb"])
+        ):
+            return run
+    return None
+
+
+def _progress(cfg: dict[str, Any], line: str) -> None:
+    """Append one line to the job's progress file (rank 0): what is known done, for a test that kills the job."""
+    fd = os.open(os.path.join(cfg["base"], "progress"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, f"{line}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def tier_job(rank: int, world: int, cfg: dict[str, Any], started: Any = None) -> None:
     """Save cfg["steps"] through a CheckpointManager with a local tier; each host
-    (``ranks_per_host`` consecutive ranks) has its own BCP_HOST_ID and directory."""
-    host = rank // cfg["ranks_per_host"]
-    os.environ["BCP_HOST_ID"] = f"host{host}"
+    (``ranks_per_host`` consecutive ranks, or ``host_of_rank``) has its own
+    BCP_HOST_ID and directory. With ``recover``, first load the newest step and save
+    ``then_save`` steps after it instead. ``started`` (an event) is set as the save of
+    step ``start_at`` (default: the first) begins."""
+    host = host_of(rank, cfg)
+    os.environ["BCP_HOST_ID"] = host
     tier = bcp.LocalTier(
-        dir=os.path.join(cfg["base"], f"host{host}"),
+        dir=os.path.join(cfg["base"], host),
         every=cfg.get("every", 1),
         replicas=cfg.get("replicas", 1),
         persist_every=cfg.get("persist_every", 2),
@@ -129,15 +179,33 @@ def tier_job(rank: int, world: int, cfg: dict[str, Any]) -> None:
     fault = cfg.get("faults", {}).get(str(rank))
     if fault is not None:
         _install_fault(fault)
-    if str(host) in cfg.get("no_room", {}):
-        manager._tier.statvfs = _FakeStatvfs(free=cfg["no_room"][str(host)], total=1 << 30)
+    no_room = cfg.get("no_room", {}).get(host.removeprefix("host"))
+    if no_room is not None:
+        manager._tier.statvfs = _FakeStatvfs(free=no_room, total=1 << 30)
+    steps = cfg.get("steps", [])
+    run = cfg.get("run", 0)
+    if cfg.get("recover"):
+        step, got = manager.load_latest(local_state(rank, world, 0, -1))
+        found = None if step is None else matched_run(got, rank, world, step, cfg.get("runs", [run]))
+        with open(os.path.join(cfg["base"], f"recovered-rank{rank}.json"), "w") as f:
+            json.dump({"step": step, "run": found}, f)
+        first = 1 if step is None else step + 1
+        steps = list(range(first, first + cfg.get("then_save", 0)))
     persisted_after: dict[str, list[int]] = {}
-    for step in cfg["steps"]:
-        manager.save(step, local_state(rank, world, step))
+    previous = None
+    for step in steps:
+        if started is not None and rank == 0 and step == cfg.get("start_at", steps[0]):
+            started.set()
+        manager.save(step, local_state(rank, world, step, run))
+        if rank == 0 and previous is not None:  # save() waited for the previous local save, replication included
+            _progress(cfg, f"local {previous}")
+        previous = step
         if cfg.get("wait_each"):
             manager.wait()
             persisted_after[str(step)] = manager.steps()
     manager.close()
+    if rank == 0 and previous is not None:
+        _progress(cfg, f"local {previous}")
     if cfg.get("load_back"):  # every drained step, at the world size that saved it
         for step in manager.steps():
             want = local_state(rank, world, step)
@@ -153,7 +221,7 @@ def tier_job(rank: int, world: int, cfg: dict[str, Any]) -> None:
 # -- running ranks ------------------------------------------------------------------------
 
 
-def _entry(rank: int, world: int, port: int, cfg: dict[str, Any], settings) -> None:
+def _entry(rank: int, world: int, port: int, cfg: dict[str, Any], started: Any, settings) -> None:
     adopt(settings)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ["BCP_COLLECTIVE_TIMEOUT"] = str(cfg.get("timeout", 60))
@@ -163,10 +231,10 @@ def _entry(rank: int, world: int, port: int, cfg: dict[str, Any], settings) -> N
 
     faulthandler.enable()
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    killing = any(f.startswith("kill") for f in cfg.get("faults", {}).values())
+    killing = cfg.get("killed", False) or any(f.startswith("kill") for f in cfg.get("faults", {}).values())
     status = 0
     try:
-        tier_job(rank, world, cfg)
+        tier_job(rank, world, cfg, started)
     except BaseException as e:  # noqa: BLE001 - a survivor of a killed rank fails as expected; reported by status
         if not killing:
             traceback.print_exc()
@@ -182,14 +250,34 @@ def _entry(rank: int, world: int, port: int, cfg: dict[str, Any], settings) -> N
     os._exit(status)  # no gloo teardown with a dead peer
 
 
-def run(world: int, cfg: dict[str, Any], timeout: float = 90) -> list[int | None]:
-    """Start ``world`` ranks of :func:`tier_job`; every process's exit status (None: killed at the timeout)."""
+def run(world: int, cfg: dict[str, Any], timeout: float = 90, kill: dict[str, Any] | None = None) -> list[int | None]:
+    """Start ``world`` ranks of :func:`tier_job`; every process's exit status (None: killed at the timeout).
+
+    ``kill``: ``{"ranks": [...], "after": seconds, "grace": seconds}``: once rank 0
+    is about to save step ``cfg["start_at"]`` (default: its first), wait ``after`` seconds, SIGKILL those ranks (a
+    process, or a whole simulated host, dying at a random point of a save, its
+    replication or its drain), then give the others ``grace`` seconds to end and
+    SIGKILL the rest (as a launcher tears a job down): their status is -9."""
     ctx = fork_context()  # ranks fork from a server that imported torch and bcp once
     port, settings = free_port(), parent_settings()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, cfg, settings)) for r in range(world)]
+    started = ctx.Event()
+    if kill is not None:
+        cfg = {**cfg, "killed": True}
+    procs = [ctx.Process(target=_entry, args=(r, world, port, cfg, started, settings)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
+    if kill is not None:
+        while not started.wait(0.05):  # rank 0 reaches its first save, or the job ended without one
+            if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
+                break
+        else:
+            time.sleep(kill["after"])
+        for r in kill["ranks"]:
+            if procs[r].pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(procs[r].pid, signal.SIGKILL)
+        deadline = min(deadline, time.monotonic() + kill.get("grace", 1.0))
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     codes = []
@@ -197,7 +285,7 @@ def run(world: int, cfg: dict[str, Any], timeout: float = 90) -> list[int | None
         if p.is_alive():
             p.kill()
             p.join()
-            codes.append(None)
+            codes.append(None if kill is None else p.exitcode)
         else:
             codes.append(p.exitcode)
     return codes

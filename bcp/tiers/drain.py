@@ -6,10 +6,12 @@ A drained step is copied, not saved again: no device-to-host copy, no planning.
    the backend allows), then the ranks agree that every upload succeeded.
 2. The coordinator uploads the catalog, checks that the generation is intact, and
    commits the manifest, create-only (``bcp.commit.commit``).
-A drain that fails removes its generation (the coordinator); one killed midway
-leaves an uncommitted step, which the manager's garbage collection removes, like
-any failed save. Drains run one at a time, each in its own thread, on a gloo group
-of their own, so training and the next local saves go on meanwhile.
+A drain that fails removes its generation (the coordinator), unless the coordinator
+had committed it and only telling the other ranks failed (a rank died then): the
+step is whole and stays. One killed midway leaves an uncommitted step, which the
+manager's garbage collection removes, like any failed save. Drains run one at a
+time, each in its own thread, on a gloo group of their own, so training and the
+next local saves go on meanwhile.
 """
 
 from __future__ import annotations
@@ -91,16 +93,25 @@ def drain_step(coord: Coordinator, local: Backend, remote: Backend, manifest: Ma
     data file from ``local``) to ``remote``, and commit it there."""
     mine = {f.path: f for f in manifest.data_files}.get(data_file_key(manifest.generation, coord.rank))
     decide(coord, "draining: checking the target", _check_absent, remote)
+    committed = False
+
+    def commit_here() -> None:
+        nonlocal committed
+        _commit_drain(remote, manifest, catalog_bytes)
+        committed = True
+
     try:
         if mine is not None:
             run_phase(coord, "draining: uploading data files", upload_file, local, remote, mine)
         else:
             run_phase(coord, "draining: uploading data files", lambda: None)
-        decide(coord, "draining: committing", _commit_drain, remote, manifest, catalog_bytes)
+        decide(coord, "draining: committing", commit_here)
     except CommitUncertainError:
         raise  # the manifest may be there: keep the data (docs/reliability.md)
-    except BaseException:
-        if coord.is_coordinator:
+    except BaseException as e:
+        if committed:  # committed, but the other ranks could not be told (a rank died): the step is whole
+            e.add_note(f"the drained step at {remote.uri} is committed: its manifest was written last")
+        elif coord.is_coordinator:
             discard_generation(remote, manifest.generation, why="the failed drain")
         raise
     log.info("local tier: drained %s", remote.uri)
