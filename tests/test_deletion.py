@@ -7,13 +7,13 @@ import uuid
 
 import pytest
 import torch
-from conftest import new_bucket, store_uri
 from hypothesis import given
 from hypothesis import strategies as st
 
 import bcp
 from bcp.backends import backend_for
 from bcp.backends.memory import clear_memory_store
+from conftest import new_bucket, store_uri
 
 STATE = {"w": torch.arange(12.0).reshape(3, 4), "step": 7}
 
