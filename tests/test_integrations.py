@@ -119,3 +119,26 @@ def test_a_missing_framework_names_its_extra(monkeypatch, framework):
     monkeypatch.delitem(sys.modules, f"bcp.integrations.{framework}", raising=False)
     with pytest.raises(ModuleNotFoundError, match=rf"pip install 'bcp-checkpoint\[{framework}\]'"):
         importlib.import_module(f"bcp.integrations.{framework}")
+
+
+def test_accelerate_enable_disable_and_mismatch(tmp_path):
+    from accelerate import Accelerator
+
+    from bcp.integrations.accelerate import disable, enable
+    from integration_jobs import Counter
+
+    acc = Accelerator(cpu=True)
+    enable(acc, str(tmp_path))
+    model = acc.prepare(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="automatic_checkpoint_naming is disabled"):
+        acc.save_state()
+    assert acc.save_state(str(tmp_path / "one")) == str(tmp_path / "one")
+    assert bcp.exists(str(tmp_path / "one")) and not (tmp_path / "one" / "model.safetensors").exists()
+    with bcp.open(str(tmp_path / "one")) as reader:
+        assert "models.0.weight" in reader.tensor_keys()  # unwrapped names
+    acc.register_for_checkpointing(Counter())  # one more object than the checkpoint holds
+    with pytest.raises(RuntimeError, match="0 custom but 1 are prepared or registered"):
+        acc.load_state(str(tmp_path / "one"))
+    disable(acc)
+    assert acc.save_state.__func__ is Accelerator.save_state
+    del model
