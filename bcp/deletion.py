@@ -51,7 +51,7 @@ def delete(
     Refuses with :class:`~bcp.CheckpointNotFoundError` when nothing is there (unless
     ``missing_ok``), with :class:`~bcp.IncompleteCheckpointError` when there is no
     ``manifest.json`` (unless ``uncommitted``: a save that never committed), and with
-    :class:`~bcp.CheckpointError` for a local path that is a symbolic link. On the
+    :class:`~bcp.CheckpointError` for a local path that is a symbolic link or a file. On the
     file backend no directory the deletion emptied is left, the checkpoint's own
     directory included."""
     backend = resolve_backend(uri, storage_options)
@@ -59,6 +59,8 @@ def delete(
     root = _local_root(backend)
     if root is not None and os.path.islink(root):
         raise CheckpointError(f"{where} is a symbolic link; bcp.delete does not delete through links")
+    if root is not None and os.path.lexists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"{where} is a file, not a bcp checkpoint (a directory); bcp.delete leaves it")
     found = checkpoint_objects(backend)
     if not found.keys and next(iter(backend.unfinished("")), None) is None:
         if missing_ok:

@@ -85,6 +85,16 @@ def test_delete_refuses_a_symbolic_link(tmp_path):
     assert bcp.exists(str(real)) and bcp.exists(str(link))
 
 
+def test_delete_refuses_a_file(tmp_path):
+    path = tmp_path / "model.ckpt"
+    path.write_bytes(b"a torch.save file")
+    assert not bcp.exists(str(path))
+    for missing_ok in (False, True):
+        with pytest.raises(bcp.CheckpointError, match="is a file, not a bcp checkpoint"):
+            bcp.delete(str(path), missing_ok=missing_ok)
+    assert path.read_bytes() == b"a torch.save file"
+
+
 def test_delete_on_s3(moto_server):
     uri = store_uri("moto", moto_server, new_bucket(moto_server), f"ckpt-{uuid.uuid4().hex[:8]}")
     bcp.save(STATE, uri)

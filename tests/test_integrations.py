@@ -76,6 +76,9 @@ def test_lightning_checkpoint_io_details(tmp_path):
     io.remove_checkpoint(path)
     io.remove_checkpoint(path)  # already gone: nothing to do
     assert list(tmp_path.iterdir()) == []
+    (tmp_path / "old.ckpt").write_bytes(b"torch.save")  # not bcp's: left, training goes on
+    io.remove_checkpoint(tmp_path / "old.ckpt")
+    assert (tmp_path / "old.ckpt").read_bytes() == b"torch.save"
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..deletion import delete
+from ..errors import CheckpointError
 from ..extras import needs_extra
 from ..lanes import LOCAL
 from ..reader import open_checkpoint
@@ -131,5 +132,9 @@ class BcpCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` with :func:`bcp.delete` (its objects only;
-        nothing when it is not there)."""
-        delete(os.fspath(path), missing_ok=True, storage_options=self.storage_options or None)
+        nothing when it is not there). What is not a bcp checkpoint is left, with a
+        warning, as ``bcp.delete`` refuses it."""
+        try:
+            delete(os.fspath(path), missing_ok=True, storage_options=self.storage_options or None)
+        except CheckpointError as e:  # not bcp's (a torch.save file, a symbolic link): left, training goes on
+            log.warning("BcpCheckpointIO.remove_checkpoint left %s: %s", path, e)
