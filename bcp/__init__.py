@@ -6,11 +6,13 @@ Usage:
     info = bcp.save({"model": model.state_dict(), "step": 100}, "/ckpt/step100")
     bcp.load(state, "/ckpt/step100")          # fills tensors in place
     reader = bcp.open("/ckpt/step100")        # no template needed
+    bcp.delete("/ckpt/step100")               # its objects only; refuses what is not a checkpoint
 """
 
 from . import backends, dataloader, metadata
 from ._version import __version__
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
+from .deletion import delete, exists
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -72,6 +74,8 @@ __all__ = [
     "async_save",
     "backends",
     "dataloader",
+    "delete",
+    "exists",
     "load",
     "load_with_info",
     "metadata",

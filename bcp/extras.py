@@ -21,6 +21,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "hf": ("safetensors",),
     "dataloader": ("torchdata",),
     "conformance": ("pytest",),
+    "lightning": ("lightning",),
+    "accelerate": ("accelerate",),
 }
 
 

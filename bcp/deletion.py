@@ -1,0 +1,94 @@
+"""``bcp.delete`` and ``bcp.exists``: the library's ``bcp rm``, for code (framework
+plugins, training scripts) that removes or probes one checkpoint by URI.
+
+The safety rules are ``bcp rm``'s: which objects are the checkpoint's is
+:func:`bcp.housekeeping.checkpoint_objects` (``manifest.json`` and ``gen-*/``);
+anything else at the location is not bcp's and is left; a location that holds no
+committed checkpoint is refused unless ``uncommitted=True``; a local location that
+is a symbolic link is always refused. Neither call is collective: call it from one
+rank (or from each rank on its own checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from bcp.backends import Backend
+from bcp.backends.file import FileBackend
+from bcp.metadata.layout import MANIFEST_KEY
+
+from .commit import delete_checkpoint
+from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
+from .housekeeping import checkpoint_objects
+from .target import Target, resolve_backend
+
+log = logging.getLogger(__name__)
+
+
+def exists(uri: Target, *, storage_options: Mapping[str, Any] | None = None) -> bool:
+    """Whether a committed bcp checkpoint is at ``uri`` (its ``manifest.json`` is
+    there). False for a location that is missing, empty, holds only an unfinished
+    save, or holds other files; the manifest's contents are not read (``bcp.open``
+    checks those)."""
+    backend = resolve_backend(uri, storage_options)
+    return backend.exists(MANIFEST_KEY)
+
+
+def delete(
+    uri: Target,
+    *,
+    missing_ok: bool = False,
+    uncommitted: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Delete the checkpoint at ``uri``: its manifest first (it stops being a committed
+    checkpoint at once), then its generations, partial files included. Returns the
+    keys of the objects left there because they are not bcp's (they are logged too).
+
+    Refuses with :class:`~bcp.CheckpointNotFoundError` when nothing is there (unless
+    ``missing_ok``), with :class:`~bcp.IncompleteCheckpointError` when there is no
+    ``manifest.json`` (unless ``uncommitted``: a save that never committed), and with
+    :class:`~bcp.CheckpointError` for a local path that is a symbolic link or a file. On the
+    file backend no directory the deletion emptied is left, the checkpoint's own
+    directory included."""
+    backend = resolve_backend(uri, storage_options)
+    where = backend.uri  # credentials redacted
+    root = _local_root(backend)
+    if root is not None and os.path.islink(root):
+        raise CheckpointError(f"{where} is a symbolic link; bcp.delete does not delete through links")
+    if root is not None and os.path.lexists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"{where} is a file, not a bcp checkpoint (a directory); bcp.delete leaves it")
+    found = checkpoint_objects(backend)
+    if not found.keys and next(iter(backend.unfinished("")), None) is None:
+        if missing_ok:
+            return []
+        raise CheckpointNotFoundError(f"no checkpoint at {where}: nothing is there")
+    if not found.committed and not uncommitted:
+        raise IncompleteCheckpointError(
+            f"{where} has no {MANIFEST_KEY}: not a committed bcp checkpoint ({len(found.keys)} object(s), "
+            f"{len(found.generations)} bcp generation(s)); pass uncommitted=True to delete its bcp objects anyway"
+        )
+    delete_checkpoint(backend, only_bcp=True)
+    if found.other_keys:
+        log.warning(
+            "bcp.delete %s: left %d object(s) that are not bcp's: %s",
+            where,
+            len(found.other_keys),
+            ", ".join(found.other_keys[:5]) + (", ..." if len(found.other_keys) > 5 else ""),
+        )
+    if root is not None:
+        try:
+            os.rmdir(root)  # only when empty: other files keep it
+        except OSError:
+            pass
+    log.info("bcp.delete %s: deleted %d object(s)", where, len(found.bcp_keys))
+    return list(found.other_keys)
+
+
+def _local_root(backend: Backend) -> str | None:
+    """The directory of a backend that stores files in a local directory, else None."""
+    inner = backend.unwrap()
+    return inner.root if isinstance(inner, FileBackend) else None

@@ -1,0 +1,10 @@
+"""bcp inside training frameworks: each module plugs bcp into one framework's own
+checkpointing, and imports that framework, so none is imported by ``import bcp`` or
+by this package (import the module you use; a missing framework names its extra).
+
+* :mod:`bcp.integrations.lightning`: ``Trainer(plugins=[BcpCheckpointIO()])``.
+* :mod:`bcp.integrations.accelerate`: ``enable(accelerator, uri)`` sends
+  ``Accelerator.save_state`` / ``load_state`` through bcp.
+
+docs/integrations.md says what each saves, and how it differs from the framework's own.
+"""
