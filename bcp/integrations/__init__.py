@@ -1,0 +1,1 @@
+"""Integrations of bcp with training frameworks and their checkpointing (docs/integrations.md)."""
