@@ -9,15 +9,21 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import uuid
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 
-from bcp.backends import backend_for
+from bcp.backends import IOHints, backend_for
+from bcp.backends.memory import MemoryBackend, clear_memory_store
 from bcp.errors import CheckpointExistsError, PickleNotAllowedError
 from bcp.integrations.dcp import CHECKSUMS_KEY, METADATA_KEY, BcpStorageReader, BcpStorageWriter
+from bcp.integrations.dcp_storage import ObjectStream
+from bcp.metadata.checksum import crc32c
 from conftest import new_bucket, store_uri
 from dcp_storage_jobs import round_trip_job
 from dist_jobs import spawn
@@ -202,3 +208,51 @@ def test_fsdp_state_round_trips_through_s3(moto_server):
     spawn(round_trip_job, 2, uri, None)
     names = set(backend_for(uri).list())
     assert {METADATA_KEY, CHECKSUMS_KEY, "__0_0.distcp", "__1_0.distcp"} <= names, names
+
+
+class EightByteParts(MemoryBackend):
+    """memory://, with 8-byte parts and parallel writes; records every write_at."""
+
+    calls: list[tuple[int, int]]
+
+    @property
+    def hints(self) -> IOHints:
+        return IOHints(part_size=8, concurrency=3)
+
+    def open_writer(self, key, *, size=None):
+        writer = super().open_writer(key, size=size)
+        write_at = writer.write_at
+
+        def recorded(offset, data):
+            self.calls.append((offset, len(data)))
+            write_at(offset, data)
+
+        writer.write_at = recorded
+        return writer
+
+
+@given(sizes=st.lists(st.integers(0, 30), max_size=12))
+@settings(deadline=None)
+def test_object_stream_cuts_parts_and_segments_wherever_writes_and_tells_fall(sizes):
+    """Whole 8-byte parts but the last, segments between tells, and the object's bytes
+    and CRC32C exactly what was written, whatever the sizes of the writes."""
+    backend = EightByteParts.from_uri(f"memory://stream-{uuid.uuid4().hex[:8]}/x")
+    backend.calls = []
+    data = bytes((i * 7) % 251 for i in range(sum(sizes)))
+    got: list = []
+    stream = ObjectStream(backend, "obj", got.append)
+    start = 0
+    for n in sizes:
+        stream.write(data[start : start + n])
+        stream.tell()
+        start += n
+    stream.close()
+    assert backend.read("obj") == data
+    ((key, size, crc, segments),) = got
+    assert (key, size, crc) == ("obj", len(data), crc32c(data))
+    assert [length for _, length, _ in segments] == [n for n in sizes if n]
+    assert all(crc32c(data[o : o + n]) == c for o, n, c in segments)
+    calls = sorted(backend.calls)
+    assert all(offset % 8 == 0 and n == 8 for offset, n in calls[:-1]), calls
+    assert sum(n for _, n in calls) == len(data)
+    clear_memory_store(backend.root.split("/")[0])

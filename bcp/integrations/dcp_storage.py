@@ -77,11 +77,18 @@ class ObjectStream:
         n = len(view)
         self._crc = crc32c(view, self._crc)
         self._segment_crc = crc32c(view, self._segment_crc)
-        self._buffer += view
         self._position += n
-        while len(self._buffer) >= self._part:
-            self._send(bytes(self._buffer[: self._part]))
-            del self._buffer[: self._part]
+        if self._buffer:  # complete the part begun by earlier writes
+            take = min(self._part - len(self._buffer), len(view))
+            self._buffer += view[:take]
+            view = view[take:]
+            if len(self._buffer) == self._part:
+                self._send(bytes(self._buffer))
+                self._buffer.clear()
+        while len(view) >= self._part:  # whole parts straight from the caller's buffer
+            self._send(bytes(view[: self._part]))
+            view = view[self._part :]
+        self._buffer += view
         return n
 
     def tell(self) -> int:
