@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bcp.backends import backend_for
+from bcp.backends.memory import clear_memory_store
 from bcp.errors import CorruptCheckpointError
 from bcp.integrations.transformers import MANIFEST_NAME, BcpCheckpointCallback, complete_checkpoints, restore_checkpoint
 from dist_jobs import spawn
@@ -29,7 +30,8 @@ def one_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("trainer")
     uri = str(work / "store")
     keep_one = BcpCheckpointCallback("memory://trainer-keep/run", keep_last=1)
-    return work, uri, keep_one, run(str(work), uri, extra_callbacks=[keep_one])
+    yield work, uri, keep_one, run(str(work), uri, extra_callbacks=[keep_one])
+    clear_memory_store("trainer-keep")
 
 
 def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(one_run):

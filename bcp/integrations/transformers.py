@@ -136,8 +136,6 @@ def read_manifest(backend: Backend, name: str) -> dict[str, dict[str, int]]:
         if doc.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"format {doc.get('format')!r}")
         files = {str(k): {"size": int(v["size"]), "crc32c": int(v["crc32c"])} for k, v in doc["files"].items()}
-    except ObjectNotFoundError:
-        raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise FormatError(f"{where}: not a bcp Trainer checkpoint manifest: {type(e).__name__}: {e}") from e
     for file in files:
