@@ -103,6 +103,12 @@ def test_a_checkpoint_dcps_writer_wrote_reads_with_verify_false_only(tmp_path):
         load(str(tmp_path / "c"), state)
 
 
+def test_async_save_through_the_writer(uri):
+    state = sample_state()
+    dcp.async_save(state, storage_writer=BcpStorageWriter(uri)).result()
+    assert_same(load(uri, state), state, "async_save")
+
+
 def test_large_tensor_is_written_in_parts_and_the_file_checksummed_whole(tmp_path):
     state = {"big": torch.randn(3_000_000)}  # 12 MB: two 8 MiB parts on the file backend
     save(state, str(tmp_path / "c"))
