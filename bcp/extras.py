@@ -23,6 +23,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "conformance": ("pytest",),
     "lightning": ("lightning",),
     "accelerate": ("accelerate",),
+    "transformers": ("transformers", "accelerate"),  # the Trainer needs accelerate
 }
 
 

@@ -1,0 +1,108 @@
+"""bcp.integrations.transformers: Trainer checkpoints mirrored to a bcp URI by
+BcpCheckpointCallback and restored by restore_checkpoint; a run resumed from the store
+is bit-identical to the uninterrupted one (1 process, and DDP over 2 gloo ranks)."""
+
+from __future__ import annotations
+
+import filecmp
+import importlib
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from bcp.backends import backend_for
+from bcp.backends.memory import clear_memory_store
+from bcp.errors import CorruptCheckpointError
+from bcp.integrations.transformers import MANIFEST_NAME, BcpCheckpointCallback, complete_checkpoints, restore_checkpoint
+from dist_jobs import spawn
+from trainer_jobs import SAVE_EVERY, STEPS, assert_resumed_bit_identical, ddp_job, params, run, trainer
+
+FILES = {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"}
+
+
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory):
+    """One uninterrupted run mirrored to a file URI (and, keeping only the last, to
+    memory://), and a run resumed from its checkpoint 2 restored from the file URI."""
+    work = tmp_path_factory.mktemp("trainer")
+    uri = str(work / "store")
+    keep_one = BcpCheckpointCallback("memory://trainer-keep/run", keep_last=1)
+    yield work, uri, keep_one, run(str(work), uri, extra_callbacks=[keep_one])
+    clear_memory_store("trainer-keep")
+
+
+def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(one_run):
+    _work, _uri, _keep, result = one_run
+    assert_resumed_bit_identical(result, "1 process")
+
+
+def test_every_file_of_the_checkpoint_round_trips_byte_for_byte(one_run):
+    _work, uri, _keep, result = one_run
+    restored, original = result["restored"], result["original"]
+    assert set(os.listdir(restored)) >= FILES
+    assert sorted(os.listdir(restored)) == sorted(os.listdir(original))
+    _match, mismatch, errors = filecmp.cmpfiles(original, restored, os.listdir(original), shallow=False)
+    assert mismatch == [] and errors == []
+    assert complete_checkpoints(backend_for(uri)) == [SAVE_EVERY, STEPS]
+
+
+def test_keep_last_deletes_older_checkpoints_from_the_store(one_run):
+    _work, _uri, keep_one, _result = one_run
+    assert keep_one.mirrored == [SAVE_EVERY, STEPS]
+    backend = backend_for("memory://trainer-keep/run")
+    assert complete_checkpoints(backend) == [STEPS]
+    assert not any(k.startswith(f"checkpoint-{SAVE_EVERY}/") for k in backend.list())
+
+
+def test_rng_state_matters_so_its_round_trip_is_tested(one_run, tmp_path):
+    """Without rng_state.pth the resumed run's dropout masks differ: the bit-identical
+    resume above depends on the RNG state coming back from the store."""
+    _work, uri, _keep, result = one_run
+    path = restore_checkpoint(uri, str(tmp_path / "restored"), step=SAVE_EVERY)
+    os.remove(os.path.join(path, "rng_state.pth"))
+    resumed, _ = trainer(str(tmp_path / "out"), str(tmp_path / "unused"))
+    resumed.train(resume_from_checkpoint=path)
+    got = params(resumed)
+    assert any(not torch.equal(got[k], v) for k, v in result["full"].items())
+
+
+def test_restore_takes_the_newest_complete_checkpoint(one_run, tmp_path):
+    _work, uri, _keep, _result = one_run
+    copy = str(tmp_path / "store")
+    shutil.copytree(uri, copy)
+    assert restore_checkpoint(copy, str(tmp_path / "a")) == str(tmp_path / "a" / f"checkpoint-{STEPS}")
+    os.remove(os.path.join(copy, f"checkpoint-{STEPS}", MANIFEST_NAME))  # an upload that did not finish
+    assert restore_checkpoint(copy, str(tmp_path / "b")) == str(tmp_path / "b" / f"checkpoint-{SAVE_EVERY}")
+    assert restore_checkpoint(str(tmp_path / "empty"), str(tmp_path / "c")) is None
+
+
+def test_a_corrupted_byte_is_detected_on_restore_naming_the_file(one_run, tmp_path):
+    _work, uri, _keep, _result = one_run
+    copy = str(tmp_path / "store")
+    shutil.copytree(uri, copy)
+    victim = tmp_path / "store" / f"checkpoint-{STEPS}" / "optimizer.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 1
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=rf"checkpoint-{STEPS}/optimizer\.pt: .* CRC32C") as caught:
+        restore_checkpoint(copy, str(tmp_path / "out"))
+    assert caught.value.file == f"checkpoint-{STEPS}/optimizer.pt"
+    assert not os.path.exists(tmp_path / "out" / f"checkpoint-{STEPS}" / "optimizer.pt")
+
+
+def test_missing_transformers_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "bcp.integrations.transformers")
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'bcp-checkpoint\[transformers\]'"):
+        importlib.import_module("bcp.integrations.transformers")
+
+
+@pytest.mark.slow
+def test_ddp_over_two_gloo_ranks_resumes_bit_identical(tmp_path):
+    spawn(ddp_job, 2, str(tmp_path), str(tmp_path / "store"), str(tmp_path / "result.pt"))
+    result = torch.load(tmp_path / "result.pt", weights_only=True)
+    assert_resumed_bit_identical(result, "2 ranks")
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(result["restored"]))
