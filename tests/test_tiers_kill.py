@@ -83,9 +83,9 @@ def _check_holdings(cfg: dict, host: str) -> None:
         if doc is None or not os.path.exists(os.path.join(d, MANIFEST_KEY)):
             continue  # nothing listed, or a step not (or no longer) known on this host
         manifest, spans = _saved_files(d)
-        assert doc["save_id"] == manifest.save_id, f"{host} step {s}: holding.json of another save"
+        assert doc.save_id == manifest.save_id, f"{host} step {s}: holding.json of another save"
         entries = {e.path: e for e in manifest.data_files}
-        for path in doc["files"]:
+        for path in doc.files:
             problem = verify(os.path.join(d, *path.split("/")), entries[path], spans, manifest.checksum_block_bytes)
             assert problem is None, f"{host} step {s} lists {path}: {problem}"
 
