@@ -396,10 +396,11 @@ class _FileWriter(ObjectWriter):
                         self.abort()
                         raise
             if size and on_memory_fs(fd):
-                # tmpfs, ramfs: preallocating would only zero-fill every page before the
-                # writes fill it again (a third of what the local tier's saves to
-                # /dev/shm blocked the caller for); the file gets its size, sparse
-                # (gaps the writes skip read as zeros, as after fallocate)
+                # tmpfs, ramfs: preallocating allocates every page on the caller's path
+                # (0.06 s for 256 MiB of /dev/shm here, before the writes' 0.075 s; the
+                # writes into a sparse file take 0.098 s, in the writer threads) and
+                # cannot prevent fragmentation; the file gets its size, sparse (gaps
+                # the writes skip read as zeros, as after fallocate)
                 try:
                     os.ftruncate(fd, size)
                 except OSError:
