@@ -395,7 +395,18 @@ class _FileWriter(ObjectWriter):
                     if e.errno != errno.EINVAL:
                         self.abort()
                         raise
-            if size:
+            if size and on_memory_fs(fd):
+                # tmpfs, ramfs: preallocating allocates every page on the caller's path
+                # (0.06 s for 256 MiB of /dev/shm here, before the writes' 0.075 s; the
+                # writes into a sparse file take 0.098 s, in the writer threads) and
+                # cannot prevent fragmentation; the file gets its size, sparse (gaps
+                # the writes skip read as zeros, as after fallocate)
+                try:
+                    os.ftruncate(fd, size)
+                except OSError:
+                    self.abort()
+                    raise
+            elif size:
                 try:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as e:  # tmpfs, some network filesystems cannot preallocate

@@ -132,8 +132,9 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
     # calibrate the step's matmuls to --step-seconds, with every rank stepping at once
     cfg["matmuls"] = 0
     fixed = slowest(statistics.median(timed(train_step) for _ in range(3)))  # AdamW + all-reduce
-    cfg["matmuls"] = 4
-    per = (slowest(statistics.median(timed(train_step) for _ in range(3))) - fixed) / 4
+    # a matmul timed alone: the difference of two noisy step timings could come out near
+    # zero on a loaded machine and ask for hundreds of thousands of matmuls per step
+    per = slowest(statistics.median(timed(lambda: [torch.mm(a, a) for _ in range(4)]) for _ in range(3))) / 4
     cfg["matmuls"] = max(1, round((cfg["step_seconds"] - fixed) / max(per, 1e-6)))
 
     tier = bcp.LocalTier(

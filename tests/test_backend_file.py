@@ -294,3 +294,48 @@ def test_large_reads_at_any_alignment_return_the_right_bytes(tmp_path, cold):
         got = backend.read_into("big.bin", offset, target)
         assert got == min(length, len(data) - offset)
         assert bytes(target[:got]) == data[offset : offset + got], f"wrong bytes at offset {offset}, phase {phase}"
+
+
+@pytest.mark.parametrize("on_memory", [True, False])
+def test_a_writer_of_known_size_preallocates_only_outside_memory_file_systems(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_memory: bool
+) -> None:
+    """tmpfs/ramfs (the local tier's /dev/shm): the partial file gets its size, sparse,
+    without posix_fallocate zero-filling its pages before the writes; elsewhere it is
+    preallocated. Either way a gap the writes skip reads as zeros after the commit."""
+    calls: list[int] = []
+    real = os.posix_fallocate
+
+    def counting(fd: int, offset: int, length: int) -> None:
+        calls.append(length)
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", counting)
+    monkeypatch.setattr(file_mod, "on_memory_fs", lambda _fd: on_memory)
+    fb = FileBackend(str(tmp_path), fsync=False)
+    size = 3 << 20
+    with fb.open_writer("k", size=size) as w:
+        (partial,) = _all_files(fb.root)
+        assert os.path.getsize(os.path.join(fb.root, partial)) == size, "the partial file lacks its size"
+        w.write_at(0, b"a" * 4096)
+        w.write_at(size - 4096, b"z" * 4096)  # the middle is never written
+        w.commit()
+    assert calls == ([] if on_memory else [size])
+    data = fb.read("k")
+    assert len(data) == size and data[:4096] == b"a" * 4096 and data[-4096:] == b"z" * 4096
+    assert data[4096:-4096] == bytes(size - 8192)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_a_writer_on_dev_shm_allocates_no_page_before_it_writes() -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as root:
+        fb = FileBackend(root, fsync=False)
+        with fb.open_writer("k", size=8 << 20) as w:
+            (partial,) = _all_files(root)
+            st = os.stat(os.path.join(root, partial))
+            if not file_mod.on_memory_fs(w.fd):  # type: ignore[attr-defined]
+                pytest.skip("/dev/shm is not tmpfs here")
+            assert st.st_size == 8 << 20 and st.st_blocks == 0, (st.st_size, st.st_blocks)
+            w.abort()

@@ -5,7 +5,6 @@ host, the choice of step, the exchange plan, and whole recoveries on simulated h
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import os
 import types
@@ -176,6 +175,9 @@ def test_the_newer_tier_wins_and_a_tie_goes_to_the_local_one():
 
 @st.composite
 def _exchanges(draw):
+    """Hosts, file holders, and each rank's (file, offset, bytes) requests: ranges of
+    3 fragments per file (at 0, 1000, 2000), ranks of one host asking overlapping,
+    touching or disjoint ranges, some empty."""
     hosts = draw(st.lists(st.integers(1, 3), min_size=2, max_size=4))  # ranks per host
     ids = [f"h{h}" for h, n in enumerate(hosts) for _ in range(n)]
     n_files = draw(st.integers(1, 4))
@@ -184,19 +186,20 @@ def _exchanges(draw):
     requests = []
     for r in range(len(ids)):
         mine = ids[r]
-        rows = [
-            (f, o, n)
-            for f in range(n_files)
-            if int(mine[1:]) not in holders[f]
-            for o, n in frags[f]
-            if draw(st.booleans())
-        ]
+        rows = []
+        for f in range(n_files):
+            if int(mine[1:]) in holders[f]:
+                continue
+            for o, n in frags[f]:
+                if draw(st.booleans()):
+                    lo = draw(st.integers(0, n))
+                    rows.append((f, o + lo, draw(st.integers(0, n - lo))))
         requests.append(rows)
     return ids, holders, requests, draw(st.integers(1, 2000)), draw(st.integers(1, 700))
 
 
 @given(_exchanges())
-def test_exchange_delivers_each_fragment_once_per_host_within_the_round_budget(case):
+def test_exchange_delivers_each_requested_byte_once_per_host_within_the_round_budget(case):
     import numpy as np
 
     from bcp.tiers.inventory import LocalChoice
@@ -208,22 +211,44 @@ def test_exchange_delivers_each_fragment_once_per_host_within_the_round_budget(c
     choice = LocalChoice(1, "ab", 0, holders, 0)
     ex = Exchange(types.SimpleNamespace(world_size=len(ids), rank=0), hosts, choice, None, "", "", round_bytes, chunk)  # type: ignore[arg-type]
     ex.plan([np.array(r, dtype=np.int64).reshape(-1, 3) for r in requests])
-    got: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    got: dict[tuple[int, int], list[int]] = {}  # (host, file) -> every byte delivered, with repeats
     for pieces in ex.rounds_of:
         moved: dict[int, int] = {}
         for p in pieces:
             assert of_rank[p.sender] in holders[p.file], "served by a host that does not hold the file"
             assert of_rank[p.receiver] not in holders[p.file]
-            got.setdefault((of_rank[p.receiver], p.file, p.offset // 1000), []).append((p.offset, p.nbytes))
+            assert 0 < p.nbytes <= chunk
+            assert any(f == p.file and n for f, _o, n in requests[p.receiver]), "received by a rank that asked none"
+            got.setdefault((of_rank[p.receiver], p.file), []).extend(range(p.offset, p.offset + p.nbytes))
             for who in (p.sender, p.receiver):
                 moved[who] = moved.get(who, 0) + p.nbytes
         assert max(moved.values()) <= round_bytes, "a round over its budget"
-    want = {(of_rank[r], f, o // 1000): (o, n) for r, rows in enumerate(requests) for f, o, n in rows}
+    want: dict[tuple[int, int], set[int]] = {}
+    for r, rows in enumerate(requests):
+        for f, o, n in rows:
+            if n:
+                want.setdefault((of_rank[r], f), set()).update(range(o, o + n))
     assert set(got) == set(want)
-    for key, (offset, nbytes) in want.items():
-        pieces = sorted(got[key])
-        assert pieces[0][0] == offset and sum(n for _o, n in pieces) == nbytes, "pieces do not tile the fragment"
-        assert all(a + n == b for (a, n), (b, _m) in itertools.pairwise(pieces))
+    for key, delivered in got.items():
+        assert len(delivered) == len(set(delivered)), f"{key}: a byte delivered twice to one host"
+        assert set(delivered) == want[key], f"{key}: delivered bytes differ from the union of the requests"
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 20)), max_size=12))
+def test_merged_ranges_are_the_disjoint_union_of_the_ranges(ranges):
+    import numpy as np
+
+    from bcp.tiers.exchange import merge_ranges
+
+    starts = np.array([s for s, _n in ranges], np.int64)
+    ends = np.array([s + n for s, n in ranges], np.int64)
+    lo, hi, group = merge_ranges(starts, ends)
+    assert (lo < np.append(lo[1:], 1 << 40)).all() and (hi[:-1] < lo[1:]).all(), "not disjoint, ascending, apart"
+    assert {x for a, b in zip(lo, hi, strict=True) for x in range(a, b)} == {
+        x for s, n in ranges for x in range(s, s + n)
+    } or all(n == 0 for _s, n in ranges)
+    for (s, n), g in zip(ranges, group.tolist(), strict=True):
+        assert lo[g] <= s and s + n <= hi[g], "an input range outside the merged range said to hold it"
 
 
 # -- one process: recover and the manager ---------------------------------------------------------
@@ -349,3 +374,20 @@ def test_three_ranks_recover_from_replicas_and_two_lost_hosts_fall_back(saved, t
     )
     two_lost = jobs.Scenario(**{**two_lost.__dict__, "ref": ref5})
     dist_jobs.spawn(jobs.scenarios_job, 3, [resized, two_lost])
+
+
+@pytest.mark.parametrize("world", [3, 2])
+def test_uneven_reshard_moves_only_the_bytes_the_load_reads_and_never_reads_a_hole(tmp_path, world):
+    """4 ranks saved uneven row, column and flat shards (64-byte checksum blocks) on 2
+    hosts, replicas=1; host B lost, host A and a new host recover at 3 (A, A, C) and 2
+    (A, C) ranks with other uneven cuts: bit-exact, the new host receives exactly its
+    load's reads (runs + the rest of the blocks they touch), host A none; with one
+    range left out of the exchange, every rank fails on a checksum mismatch."""
+    saved = str(tmp_path / "saved")
+    dist_jobs.spawn(jobs.uneven_save_job, 4, saved)
+    roots = [str(tmp_path / n) for n in ("a", "b", "c")]
+    jobs.lay_out(saved, roots[:2], [[0, 1], [2, 3]], replicas=1, lost=(1,))
+    os.makedirs(roots[2])
+    hosts = ("A", "A", "C") if world == 3 else ("A", "C")
+    dist_jobs.spawn(jobs.uneven_recover_job, world, hosts, {"A": roots[0], "C": roots[2]})
+    assert os.listdir(roots[2]) == [], "the new host's recovery directory is removed"

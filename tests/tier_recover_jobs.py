@@ -197,3 +197,94 @@ def _run(rank: int, world: int, sc: Scenario, root: str) -> None:
     assert_equal_to_reference(full_reference(model, opt), ref, f"{sc.name}: rank {rank}")
     assert torch.equal(loaded["extra"]["plain"], extra["plain"]), f"{sc.name}: plain tensor differs"
     assert loaded["extra"]["note"] == extra["note"] and loaded["extra"]["step"] == extra["step"]
+
+
+# -- uneven reshards: only the bytes the load reads move --------------------------------------------
+
+#: (global shape, sharded dim, cut points at 4 ranks): uneven row and column shards
+UNEVEN = {
+    "rows": ((37, 5), 0, (0, 11, 19, 30, 37)),
+    "cols": ((13, 29), 1, (0, 2, 15, 16, 29)),
+    "flat": ((203,), 0, (0, 90, 91, 150, 203)),
+}
+#: cut points of the recovering jobs (3 and 2 ranks), uneven and off the saved ones
+UNEVEN_AT = {
+    3: {"rows": (0, 5, 23, 37), "cols": (0, 10, 11, 29), "flat": (0, 1, 120, 203)},
+    2: {"rows": (0, 20, 37), "cols": (0, 7, 29), "flat": (0, 100, 203)},
+}
+UNEVEN_BLOCK = 64  # checksum block bytes: many blocks per fragment, partial ones at every cut
+
+
+def uneven_full(name: str) -> torch.Tensor:
+    """The whole tensor ``name``: distinct nonzero values (no block of them is all zeros)."""
+    shape, _dim, _cuts = UNEVEN[name]
+    n = 1
+    for s in shape:
+        n *= s
+    return (torch.arange(n, dtype=torch.float64) * 1.25 + 1).reshape(shape)
+
+
+def uneven_state(rank: int, cuts_of: dict[str, tuple[int, ...]], *, empty: bool = False) -> dict:
+    """This rank's shard of each UNEVEN tensor under ``cuts_of`` (zeros when ``empty``)."""
+    out: dict = {}
+    for name, (shape, dim, _cuts) in UNEVEN.items():
+        lo, hi = cuts_of[name][rank], cuts_of[name][rank + 1]
+        part = uneven_full(name).narrow(dim, lo, hi - lo).contiguous()
+        offsets = tuple(lo if d == dim else 0 for d in range(len(shape)))
+        out[name] = bcp.TensorShard(torch.zeros_like(part) if empty else part, shape, offsets)
+    return out
+
+
+def uneven_save_job(rank: int, world: int, out: str) -> None:
+    bcp.save(uneven_state(rank, {k: v[2] for k, v in UNEVEN.items()}), out, checksum_block_bytes=UNEVEN_BLOCK)
+
+
+def uneven_recover_job(rank: int, world: int, hosts: tuple[str, ...], roots: dict[str, str]) -> None:
+    """:func:`uneven_recover`, then again with one range dropped."""
+    for drop in (False, True):
+        uneven_recover(rank, world, hosts, roots, drop)
+        dist.barrier()
+
+
+def uneven_recover(rank: int, world: int, hosts: tuple[str, ...], roots: dict[str, str], drop: bool) -> None:
+    """Recover the uneven checkpoint at ``world`` ranks on ``hosts``: bit-exact, and the
+    rank of the new host (the last) receives exactly the bytes its load reads (its
+    runs and the rest of the checksum blocks they touch); with ``drop``, one range
+    that rank needs is left out of the exchange and every rank's load must fail on
+    its checksum, never read the hole as zeros."""
+    from bcp.lanes import coordinator_for
+    from bcp.tiers.exchange import Exchange
+    from bcp.tiers.recover import recover_latest_with_info
+
+    os.environ["BCP_HOST_ID"] = hosts[rank]
+    newcomer = world - 1
+    if drop:
+        planned = Exchange.plan
+
+        def plan_without_one(self: Exchange, requests: list) -> None:
+            planned(self, requests)
+            for pieces in self.rounds_of:  # the same on every rank: each drops the same piece
+                mine = [p for p in pieces if p.receiver == newcomer]
+                if mine:
+                    pieces.remove(mine[len(mine) // 2])
+                    return
+
+        Exchange.plan = plan_without_one  # type: ignore[method-assign]
+    template = uneven_state(rank, UNEVEN_AT[world], empty=True)
+    try:
+        info = recover_latest_with_info(
+            template, local_root=roots[hosts[rank]], persistent_root=None, coord=coordinator_for(None)
+        )
+    except (bcp.CorruptCheckpointError, bcp.RankFailedError) as e:
+        text = str(e) + "".join(getattr(e, "__notes__", []))
+        assert drop and "checksum mismatch" in text, text
+        return
+    assert not drop, "a range left out of the exchange was loaded without an error"
+    assert info is not None, "the local tier was not chosen"
+    for name, want in uneven_state(rank, UNEVEN_AT[world]).items():
+        assert torch.equal(info.state[name].local, want.local), f"{name} differs on rank {rank} of {world}"
+    reads = info.load.bytes_read + info.load.verify_bytes
+    if rank == newcomer:
+        assert info.bytes_received == reads > 0, (info.bytes_received, info.load)
+    else:
+        assert info.bytes_received == 0, "host A holds every file (its own and B's replica)"

@@ -1,12 +1,13 @@
 """The exchange of a recovery from the local tier (``bcp.tiers.recover``, step 5; docs/tiers.md, "Recovering").
 
-Every rank has listed the whole fragments its load will read from files its host
-does not hold; one ``all_gather`` gives every rank every list. From them each rank
-computes the same plan (:meth:`Exchange.plan`): each fragment is asked once per host
-(by the lowest rank wanting it) from a rank of a host holding its file, the serving
-ranks balanced by bytes, cut into pieces of at most ``chunk_bytes`` and packed into
-rounds of at most ``round_bytes`` sent plus received per rank. Then each rank carries
-out its own part (:meth:`Exchange.run`): uint8 tensors over bcp's gloo group
+Every rank has listed the byte ranges its load will read from files its host does
+not hold (its read plan's runs, widened to whole checksum blocks); one ``all_gather``
+gives every rank every list. From them each rank computes the same plan
+(:meth:`Exchange.plan`): the ranges of one host's ranks are merged per file, and each
+merged range is asked once (by the lowest rank wanting part of it) from a rank of a
+host holding its file, the serving ranks balanced by bytes, cut into pieces of at
+most ``chunk_bytes`` and packed into rounds of at most ``round_bytes`` sent plus
+received per rank. Then each rank carries out its own part (:meth:`Exchange.run`): uint8 tensors over bcp's gloo group
 (point-to-point), landing at their offsets in the host's recovery directory.
 """
 
@@ -32,6 +33,25 @@ CHUNK_BYTES = 64 << 20
 #: What one rank sends plus receives in one round of the exchange, at most (a single
 #: piece larger than this, impossible with the defaults, gets a round of its own).
 ROUND_BYTES = 256 << 20
+
+
+def merge_ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The union of the byte ranges [starts[i], ends[i]) as disjoint, ascending ranges
+    (lo, hi), ranges that overlap or touch merged into one; and, for each input range,
+    the index of the merged range holding it."""
+    if not len(starts):
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    reach = np.maximum.accumulate(e)
+    new = np.ones(len(s), dtype=bool)
+    new[1:] = s[1:] > reach[:-1]
+    first = np.flatnonzero(new)
+    last = np.append(first[1:] - 1, len(s) - 1)
+    group = np.empty(len(s), np.int64)
+    group[order] = np.cumsum(new) - 1
+    return s[first], reach[last], group
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,19 +94,34 @@ class Exchange:
         self.rounds = 0
 
     def plan(self, requests: list[np.ndarray]) -> None:
-        """Who sends what to whom, in which round (the same on every rank)."""
+        """Who sends what to whom, in which round (the same on every rank). ``requests``:
+        each rank's (file, offset, bytes) rows; the ranges of one host's ranks are merged
+        per file (each byte moves once per host), each merged range received by the
+        lowest rank that asked for part of it."""
         host_of = self.hosts.host_of_rank()
-        wanted: dict[tuple[int, int, int, int], int] = {}  # (host, file, offset, bytes) -> receiving rank
+        asked: dict[tuple[int, int], list[np.ndarray]] = {}  # (host, file) -> (start, end, rank) rows
         for rank, rows in enumerate(requests):
-            host = host_of[rank]
-            for file, offset, nbytes in rows.tolist():
-                wanted.setdefault((host, file, offset, nbytes), rank)  # ranks ascend: the host's lowest asks
+            rows = rows[rows[:, 2] > 0]
+            for file in np.unique(rows[:, 0]).tolist():
+                mine = rows[rows[:, 0] == file]
+                ends = mine[:, 1] + mine[:, 2]
+                asked.setdefault((host_of[rank], file), []).append(
+                    np.stack([mine[:, 1], ends, np.full(len(mine), rank, np.int64)], axis=1)
+                )
+        wanted: list[tuple[int, int, int, int, int]] = []  # (file, offset, bytes, host, receiving rank)
+        for (host, file), parts in asked.items():
+            rows = np.concatenate(parts)
+            lo, hi, group = merge_ranges(rows[:, 0], rows[:, 1])
+            receivers = np.full(len(lo), self.coord.world_size, np.int64)
+            np.minimum.at(receivers, group, rows[:, 2])
+            for a, b, r in zip(lo.tolist(), hi.tolist(), receivers.tolist(), strict=True):
+                wanted.append((file, a, b - a, host, r))
         servers = {
             file: [r for h in holders for r in self.hosts.ranks[h]] for file, holders in enumerate(self.choice.holders)
         }
         load = [0] * self.coord.world_size
         pieces: list[Piece] = []
-        for (_host, file, offset, nbytes), receiver in sorted(wanted.items(), key=lambda kv: (kv[0][1:], kv[1])):
+        for file, offset, nbytes, _host, receiver in sorted(wanted):
             sender = min(servers[file], key=lambda r: (load[r], r))
             load[sender] += nbytes
             for at in range(0, nbytes, self.chunk_bytes):

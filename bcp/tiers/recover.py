@@ -16,13 +16,19 @@ a tier is configured), at whatever world size the job restarted with:
    manifest, the catalog, a hard link to each data file the host holds whole, and a
    sparse file of the manifest's size for each other one (ranks of one host share it).
 5. **Fetch.** Each rank matches its template against the catalog (bcp's own
-   ``match_state``, resharding included) and lists the whole fragments its boxes touch
-   in files its host does not hold. One ``all_gather`` of those lists tells every rank
-   the whole exchange; each fragment is asked once per host (by the lowest rank
-   wanting it) from a rank of a host holding its file, the serving ranks balanced by
-   bytes. The bytes move as uint8 tensors over bcp's gloo group (point-to-point), in
-   rounds of at most ``round_bytes`` sent plus received per rank, and land at their
-   offsets in the sparse files.
+   ``match_state``, resharding included) and lists the byte ranges its load will read
+   in files its host does not hold: the load's own read plan (``plan_tensor_reads``,
+   the same boxes and replica choice), each run widened to the whole checksum blocks
+   it touches, since the load verifies every block it reads from. One ``all_gather``
+   of those lists tells every rank the whole exchange; the ranges of one host's ranks
+   are merged per file and each is asked once (by the lowest rank wanting part of it)
+   from a rank of a host holding its file, the serving ranks balanced by bytes. The
+   bytes move as uint8 tensors over bcp's gloo group (point-to-point), in rounds of
+   at most ``round_bytes`` sent plus received per rank, and land at their offsets in
+   the sparse files. (A byte the load reads that was not fetched would read as zero
+   and fail its block's CRC32C, unless zeros are what the block holds; the only
+   unfetched bytes a load reads are writers' padding between two fragments, which a
+   coalesced read skips over and never uses.)
 6. **Load.** An ordinary ``bcp.load`` from each host's recovery directory: matching,
    resharding, casting, placement and the CRC32C check of every byte read are bcp's
    own (ranks load from different directories with identical manifests; the
@@ -48,13 +54,13 @@ from bcp.metadata.layout import MANIFEST_KEY, step_name
 from ..collectives import Coordinator, GroupCoordinator, decide, portable, run_phase
 from ..errors import CorruptCheckpointError
 from ..housekeeping import committed_steps
-from ..io_scheduler.read_plan import touched_rows
+from ..io_scheduler.read_plan import plan_tensor_reads
 from ..loader import LoadInfo, load_with_info, match_state
 from ..options import LoadOptions
 from ..reader import CheckpointMetadata, fetch_catalog, fetch_manifest, open_reader
 from ..state import detach_stateful
 from ..target import resolve_backend
-from .exchange import CHUNK_BYTES, ROUND_BYTES, Exchange
+from .exchange import CHUNK_BYTES, ROUND_BYTES, Exchange, merge_ranges
 from .hosts import HostMap
 from .inventory import LocalChoice, StepCopy, choose_local, list_local, local_wins
 from .recovery_dir import RECOVERY_PREFIX, prepare, remove_leftovers
@@ -313,25 +319,37 @@ def _wanted(
     coord: Coordinator,
     opts: LoadOptions,
 ) -> np.ndarray:
-    """(N, 3) int64 rows (data file index, byte offset, bytes): the whole fragments this
-    rank's load will read from files its host does not hold. The template is matched as
-    ``bcp.load`` matches it (same strictness, world size and replica choice), so a
-    mismatch raises here, before any byte moves."""
+    """(N, 3) int64 rows (data file index, byte offset, bytes), disjoint and sorted: the
+    byte ranges this rank's load will read from files its host does not hold. The
+    template is matched as ``bcp.load`` matches it (same strictness, world size and
+    replica choice), so a mismatch raises here, before any byte moves; the runs are
+    bcp.load's own (:func:`~bcp.io_scheduler.read_plan.plan_tensor_reads`, one box at a
+    time, the same replica choice), each widened to the whole checksum blocks it
+    touches: the load reads exactly those bytes (the runs, and the rest of each block
+    it verifies), so every byte it reads has been fetched."""
     detached, _stateful = detach_stateful(state)
     reader = open_reader(resolve_backend(recovery_dir), metadata, allow_pickle=opts.allow_pickle)
     index = {f.path: i for i, f in enumerate(manifest.data_files)}
-    rows: set[tuple[int, int, int]] = set()
+    block = manifest.checksum_block_bytes
+    starts: dict[int, list[np.ndarray]] = {}
+    ends: dict[int, list[np.ndarray]] = {}
     try:
         plan = match_state(reader, detached, opts.strict, coord.world_size, opts.reshard_objects)
         for request in plan.tensor_requests:
             entry = reader.catalog.tensors[request.fqn]
-            # the reads of bcp.load's fill: one box at a time, the same replica choice
-            _bi, picked, _o, _l = touched_rows(entry, [request.box], prefer_rank=coord.rank)
-            for row in np.unique(picked).tolist():
-                nbytes = int(entry.sizes[row])
-                file = index[entry.file_names[int(entry.files[row])]]
-                if nbytes and file not in held:
-                    rows.add((file, int(entry.byte_offsets[row]), nbytes))
+            for runs in plan_tensor_reads(entry, [request.box], prefer_rank=coord.rank):
+                frag = runs.fragment
+                file = index[frag.file]
+                if file in held or not runs.nbytes:
+                    continue
+                first = runs.src // block
+                last = (runs.src + (runs.run_bytes - 1)) // block
+                starts.setdefault(file, []).append(frag.byte_offset + first * block)
+                ends.setdefault(file, []).append(frag.byte_offset + np.minimum((last + 1) * block, frag.nbytes))
     finally:
         reader.close()
-    return np.array(sorted(rows), dtype=np.int64).reshape(-1, 3)
+    rows = [np.empty((0, 3), np.int64)]
+    for file in sorted(starts):
+        lo, hi, _group = merge_ranges(np.concatenate(starts[file]), np.concatenate(ends[file]))
+        rows.append(np.stack([np.full(len(lo), file, np.int64), lo, hi - lo], axis=1))
+    return np.concatenate(rows).astype(np.int64)
