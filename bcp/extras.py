@@ -21,6 +21,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "hf": ("safetensors",),
     "dataloader": ("torchdata",),
     "conformance": ("pytest",),
+    "viz": ("matplotlib",),
 }
 
 
