@@ -225,6 +225,20 @@ def test_trace_command_finds_stragglers(tmp_path, capsys):
     assert op.seconds == pytest.approx(5.0)
 
 
+def test_trace_command_picks_an_operation(tmp_path, capsys):
+    out = tmp_path / "t"
+    first = bcp.save({"x": torch.ones(1000)}, tmp_path / "a", trace=out)
+    bcp.save({"x": torch.ones(1000)}, tmp_path / "b", trace=out)
+    bcp.load({"x": torch.zeros(1000)}, tmp_path / "a", trace=out)
+    assert cli_main(["trace", str(out), "--json", "--op", first.save_id]) == 0
+    ops = json.loads(capsys.readouterr().out)["operations"]
+    assert sorted((op["kind"], op["label"]) for op in ops) == [("load", first.save_id), ("save", first.save_id)]
+    assert cli_main(["trace", str(out), "--json", "--op", f"load-{first.save_id[:8]}"]) == 0
+    assert [op["kind"] for op in json.loads(capsys.readouterr().out)["operations"]] == ["load"]
+    assert cli_main(["trace", str(out), "--op", "nothing"]) == 1
+    assert "no trace of an operation" in capsys.readouterr().err
+
+
 def test_trace_command_refuses_an_empty_directory(tmp_path, capsys):
     assert cli_main(["trace", str(tmp_path)]) == 1
     assert "no trace files" in capsys.readouterr().err

@@ -31,6 +31,11 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=20.0,
         help="a rank this many percent slower than the median in a stage is a straggler (default 20)",
     )
+    p.add_argument(
+        "--op",
+        metavar="ID",
+        help="only the operations whose checkpoint id (or kind-id: save-ID, load-ID) starts with ID",
+    )
     p.add_argument("--png", help="also draw ranks x time, coloured by stage, to this PNG (the viz extra)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
@@ -74,6 +79,12 @@ def print_summary(op: OperationSummary, pct: float) -> None:
         )
 
 
+def _names(doc: dict) -> tuple[str, str]:
+    other = doc.get("otherData", {})
+    label = str(other.get("label", ""))
+    return label, f"{other.get('kind', '')}-{label}"
+
+
 def run(args: argparse.Namespace) -> int:
     if args.straggler_pct < 0:
         raise UsageError(f"--straggler-pct must be >= 0, got {args.straggler_pct}")
@@ -81,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
         docs = read_traces(args.dir)
     except TraceError as e:
         raise CliError(str(e)) from None
+    if args.op:
+        docs = [d for d in docs if any(name.startswith(args.op) for name in _names(d))]
+        if not docs:
+            raise CliError(f"{safe(args.dir)}: no trace of an operation whose id starts with {safe(args.op)!r}")
     output = Path(args.output) if args.output else Path(args.dir) / "merged.json"
     output.write_text(json.dumps(merge(docs)))
     summary = summarise(docs, straggler_pct=args.straggler_pct)
