@@ -17,6 +17,7 @@ import dataclasses
 import errno
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -95,6 +96,21 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+_retried_lock = threading.Lock()
+_retried = 0
+
+
+def retry_count() -> int:
+    """Attempts retried in this process so far, by every backend (metrics take differences)."""
+    return _retried
+
+
+def _count_retry() -> None:
+    global _retried
+    with _retried_lock:
+        _retried += 1
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
     """How hard to try. Delay before attempt ``n`` (n >= 1) is uniform in
@@ -161,6 +177,7 @@ class RetryPolicy:
                     self.attempts,
                     pause,
                 )
+                _count_retry()
                 sleep(pause)
                 attempt += 1
 

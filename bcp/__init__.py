@@ -32,6 +32,7 @@ from .errors import (
 from .lanes import LOCAL
 from .loader import LoadInfo, load, load_with_info
 from .manager import CheckpointManager
+from .metrics import LoggingMetrics, MetricsRecord, TensorBoardMetrics
 from .options import LoadOptions, SaveOptions
 from .reader import CheckpointReader, TensorMeta
 from .reader import open_checkpoint as open  # noqa: A004 - the public name is bcp.open
@@ -55,6 +56,8 @@ __all__ = [
     "LoadInfo",
     "LoadOptions",
     "LocalTier",
+    "LoggingMetrics",
+    "MetricsRecord",
     "PerRank",
     "PickleNotAllowedError",
     "RankFailedError",
@@ -66,6 +69,7 @@ __all__ = [
     "ShardingError",
     "StateMismatchError",
     "StorageError",
+    "TensorBoardMetrics",
     "TensorMeta",
     "TensorShard",
     "TrainingState",

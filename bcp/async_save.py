@@ -258,6 +258,8 @@ def async_save(
     if coord.world_size > 1:
         _lane_tail[coord.cache_key] = handle
     handle.blocking_seconds = time.perf_counter() - started
+    if job.trace is not None:  # what the caller waited for, on the timeline
+        job.trace.add("blocking", int(started * 1e9), time.perf_counter_ns(), 0, threading.current_thread())
     thread.start()
     return handle
 

@@ -24,6 +24,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "lightning": ("lightning",),
     "accelerate": ("accelerate",),
     "transformers": ("transformers", "accelerate"),  # the Trainer needs accelerate
+    "viz": ("matplotlib",),
 }
 
 

@@ -34,6 +34,7 @@ import torch
 from bcp.backends import Backend, Capability
 from bcp.metadata.geometry import Box
 
+from . import trace
 from .collectives import Coordinator, GroupCoordinator, decide, run_phase
 from .errors import StateMismatchError, UnsupportedStateError, listed, prefix_hint
 from .io_scheduler.read_exec import ReadStats
@@ -75,6 +76,8 @@ class LoadInfo:
     kind_mismatch: tuple[str, ...] = ()
     #: a suggested fix when the missing keys are stored under another prefix (``module.``, ``_orig_mod.``)
     hint: str | None = None
+    #: this rank's stages (seconds active, bytes) when traced (``trace=``), else empty
+    stages: Mapping[str, trace.StageTotal] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def skipped(self) -> bool:
@@ -125,24 +128,49 @@ def load_with_info(
 ) -> LoadInfo:
     """``bcp.load``, returning a :class:`LoadInfo` (the state is its ``state``)."""
     opts = LoadOptions.of(options, overrides)
-    reshard_objects, share_reads = opts.reshard_objects, opts.share_reads
     started = time.perf_counter()
     coord = coordinator_for(opts.process_group, "bcp.load")
+    session = trace.begin(opts.trace, coord.rank, "load")
+    try:
+        return _load(state, uri, opts, coord, session, started)
+    except BaseException:
+        if session is not None:
+            session.end(failed=True)
+        raise
+
+
+def _load(
+    state: Mapping[str, Any],
+    uri: Target,
+    opts: LoadOptions,
+    coord: Coordinator,
+    session: trace.Session | None,
+    started: float,
+) -> LoadInfo:
+    reshard_objects, share_reads = opts.reshard_objects, opts.share_reads
     state, stateful = run_phase(coord, "asking Stateful objects for their state_dict", detach_stateful, state)
     backend = resolve_backend(uri, opts.storage_options)
-    metadata = decide(coord, "reading the checkpoint metadata", _fetch_for_load, backend)
+    with trace.span("catalog"):
+        metadata = decide(coord, "reading the checkpoint metadata", _fetch_for_load, backend)
     reader = open_reader(backend, metadata, allow_pickle=opts.allow_pickle, verify=opts.verify)
+    if session is not None:
+        session.label = reader.manifest.save_id
     try:
-        plan = run_phase(
-            coord, "matching the state", match_state, reader, state, opts.strict, coord.world_size, reshard_objects
-        )
-        if metadata.head_only:
-            run_phase(coord, "reading the catalog", _require, reader, plan)
+        with trace.span("plan"):
+            plan = run_phase(
+                coord, "matching the state", match_state, reader, state, opts.strict, coord.world_size, reshard_objects
+            )
+            if metadata.head_only:
+                run_phase(coord, "reading the catalog", _require, reader, plan)
         if share_reads is None:
             share_reads = not (backend.capabilities & Capability.POSIX)
-        stats = run_phase(coord, "reading tensors", _read, reader, plan, coord, share_reads)
-        state = run_phase(coord, "placing objects", _place_objects, reader, state, plan, coord, reshard_objects)
-        state = run_phase(coord, "calling load_state_dict", _load_stateful, state, stateful)
+        with trace.span("read") as reading:
+            stats = run_phase(coord, "reading tensors", _read, reader, plan, coord, share_reads)
+            if reading is not None:
+                reading.nbytes = stats.bytes_read
+        with trace.span("objects"):
+            state = run_phase(coord, "placing objects", _place_objects, reader, state, plan, coord, reshard_objects)
+            state = run_phase(coord, "calling load_state_dict", _load_stateful, state, stateful)
     finally:
         reader.close()
     log.info(
@@ -152,6 +180,7 @@ def load_with_info(
         stats.requests,
         stats.verify_bytes,
     )
+    stages = session.end(stats.bytes_read, uri=reader.uri, save_id=reader.manifest.save_id) if session else {}
     return LoadInfo(
         uri=reader.uri,
         state=state,
@@ -164,6 +193,7 @@ def load_with_info(
         cast=tuple(f for f, _w, _g in plan.dtype_mismatch),
         kind_mismatch=tuple(f for f, _w, _g in plan.kind_mismatch),
         hint=plan.hint,
+        stages=stages,
     )
 
 
@@ -400,7 +430,8 @@ def _read(reader: CheckpointReader, plan: LoadPlan, coord: Coordinator, share_re
     from .io_scheduler.shared_read import fetch_shared
 
     assert isinstance(coord, GroupCoordinator), "coordinator_for gives more than one rank a GroupCoordinator"
-    held, stats = fetch_shared(reader, coord, [(r.fqn, r.box) for r in plan.tensor_requests])
+    with trace.span("shared"):
+        held, stats = fetch_shared(reader, coord, [(r.fqn, r.box) for r in plan.tensor_requests])
     stats.add(reader.fill(requests, prefer_rank=coord.rank, in_memory=held))
     return stats
 

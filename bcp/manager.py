@@ -22,17 +22,21 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from typing import Any, Unpack
 
 from bcp.backends import join_uri
+from bcp.backends.retry import retry_count
 from bcp.metadata.layout import step_name
 
+from . import trace
 from .async_save import AsyncSaveHandle, async_save, reserve_staging
 from .collectives import Coordinator, decide
 from .housekeeping import DEFAULT_GRACE_SECONDS, check_policy, committed_steps, plan_gc, run_gc, write_latest
 from .io_scheduler.staging import StagingReservation
 from .lanes import coordinator_for
-from .loader import load
+from .loader import LoadInfo, load_with_info
+from .metrics import MetricsCallback, MetricsRecord, stage_gbps
 from .options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
 from .saver import SaveInfo, save
 from .target import resolve_backend
@@ -65,6 +69,10 @@ class CheckpointManager:
     then saves every ``tier.every`` steps to each host's memory (replicated to other
     hosts) and copies every ``tier.persist_every`` steps to ``root_uri``; other steps
     are not saved. Without it, every :meth:`save` goes to ``root_uri``.
+
+    ``metrics=callback`` calls ``callback(bcp.MetricsRecord)`` once per save (when it
+    completes: an async one at :meth:`wait` or the next save) and once per load
+    (docs/observability.md); saves and loads are then traced in memory (``trace=True``).
     """
 
     def __init__(
@@ -80,6 +88,7 @@ class CheckpointManager:
         overlap: Any = None,
         gc_grace_seconds: float = DEFAULT_GRACE_SECONDS,
         tier: LocalTier | None = None,
+        metrics: MetricsCallback | None = None,
     ) -> None:
         check_policy(keep_last, keep_every, keep_best)
         if gc_grace_seconds < 0:
@@ -93,6 +102,9 @@ class CheckpointManager:
         self.overlap = overlap
         self.backend = resolve_backend(self.root_uri, self.storage_options)
         self._pending: tuple[AsyncSaveHandle, int] | None = None
+        self.metrics = metrics
+        #: (step, retry count at the call, seconds the call blocked) of the save whose record is due
+        self._due: tuple[int, int, float] | None = None
         self._reservation: StagingReservation | None = None
         # a restart: check every kept step once; a failure raises on every rank
         coord = self._coord("CheckpointManager()")
@@ -155,21 +167,30 @@ class CheckpointManager:
             )
         opts = SaveOptions.of(options, overrides)
         self._wait_pending()
+        called, retries = time.perf_counter(), retry_count()
+        if self.metrics is not None and opts.trace is None:
+            opts = dataclasses.replace(opts, trace=trace.directory_of(None) or True)
         meta = {"bcp_manager": {"step": int(step), "metrics": {k: float(v) for k, v in (metrics or {}).items()}}}
         opts = dataclasses.replace(
             opts, metadata=meta, storage_options=self.storage_options or None, process_group=self.process_group
         )
         if self._tier is not None:
             route = self._tier.save(step, state, opts, self.overlap)
-            if route == "local" and not self.async_save:
-                return self._tier.wait()
+            if route == "local":
+                self._due = (step, retries, time.perf_counter() - called)
+                if not self.async_save:
+                    info = self._wait_pending()
+                    self._tier.wait_drain()
+                    return info
             if route != "persistent":
                 return None
         if self.async_save:
             self._pending = (async_save(state, self.uri(step), opts, overlap=self.overlap), step)
+            self._due = (step, retries, self._pending[0].blocking_seconds)
             return None
         info = save(state, self.uri(step), opts)
         self._committed(step, "CheckpointManager.save")
+        self._report_save(info, (step, retries, info.seconds), "persistent")
         return info
 
     def wait(self) -> SaveInfo | None:
@@ -184,12 +205,48 @@ class CheckpointManager:
         """(all ranks) Finish the save in flight (a local one with its replication), not a drain."""
         local = self._tier.wait_local() if self._tier is not None else None
         if self._pending is None:
+            if local is not None:
+                self._report_save(local, self._due, "local")
             return local
         handle, step = self._pending
         self._pending = None
         info = handle.wait()
         self._committed(step, "CheckpointManager.wait")
+        self._report_save(info, self._due, "persistent")
         return info
+
+    def _report_save(self, info: SaveInfo, due: tuple[int, int, float] | None, tier: str) -> None:
+        """Hand the metrics callback the record of a completed save."""
+        self._due = None
+        if self.metrics is None or due is None:
+            return
+        step, retries, blocking = due
+        self.metrics(
+            MetricsRecord(
+                step=step,
+                kind="save",
+                blocking_seconds=blocking,
+                total_seconds=info.seconds,
+                bytes=info.rank_bytes_written,
+                gbps=stage_gbps(info.stages),
+                retries=retry_count() - retries,
+                tier="local" if tier == "local" else "persistent",
+            )
+        )
+
+    def _report_load(self, step: int, info: LoadInfo, retries: int) -> None:
+        if self.metrics is not None:
+            self.metrics(
+                MetricsRecord(
+                    step=step,
+                    kind="load",
+                    blocking_seconds=info.seconds,
+                    total_seconds=info.seconds,
+                    bytes=info.bytes_read,
+                    gbps=stage_gbps(info.stages),
+                    retries=retry_count() - retries,
+                )
+            )
 
     def load_latest(
         self, state: Any, options: LoadOptions | None = None, **overrides: Unpack[LoadOptionsKwargs]
@@ -207,6 +264,8 @@ class CheckpointManager:
             storage_options=self.storage_options or None,
             process_group=self.process_group,
         )
+        if self.metrics is not None and opts.trace is None:
+            opts = dataclasses.replace(opts, trace=trace.directory_of(None) or True)
         if self._tier is not None:
             # the local tier's recovery (docs/tiers.md, "Recovering"): a local step newer than the root's
             recovered = self._recover_from_local_tier(state, opts)
@@ -217,9 +276,11 @@ class CheckpointManager:
         if step is None:
             self.reserve_staging(state)
             return None, state
-        loaded = load(state, self.uri(step), opts)
+        retries = retry_count()
+        info = load_with_info(state, self.uri(step), opts)
+        self._report_load(step, info, retries)
         self.reserve_staging(state)
-        return step, loaded
+        return step, info.state
 
     def _recover_from_local_tier(self, state: Any, opts: LoadOptions) -> tuple[int | None, Any] | None:
         """(all ranks) Load the newest complete local step when it is at least as new

@@ -22,6 +22,7 @@ from bcp.metadata import DEFAULT_BLOCK_BYTES
 from bcp.metadata.manifest import MAX_CHECKSUM_BLOCK_BYTES
 
 from .io_scheduler.staging import StagingPool
+from .trace import TraceOption
 
 #: ``SaveOptions.check_replicas``: which replicated tensors a save compares across ranks
 ReplicaCheck = Literal["small", "all", "off"]
@@ -54,6 +55,10 @@ class SaveOptions:
     #: (RNG states, counters, small buffers; about free), "all" every one (a CRC32C
     #: of every replicated byte on every rank), "off" none (docs/distributed.md)
     check_replicas: ReplicaCheck = "small"
+    #: a directory to write this rank's timeline to (Chrome trace JSON; ``bcp trace``
+    #: merges the ranks'), True: stage totals in ``SaveInfo.stages`` only; default:
+    #: ``$BCP_TRACE_DIR`` when set (docs/observability.md)
+    trace: TraceOption = None
 
     def __post_init__(self) -> None:
         if self.check_replicas not in REPLICA_CHECKS:
@@ -98,6 +103,7 @@ class SaveOptionsKwargs(TypedDict, total=False):
     streams: int | None
     pool: StagingPool | None
     check_replicas: ReplicaCheck
+    trace: TraceOption
 
 
 #: ``reshard_objects(fqn, values_by_saved_rank, rank, world_size) -> value for this rank``
@@ -125,6 +131,8 @@ class LoadOptions:
     #: read a fragment several ranks need once and send it to the others; default:
     #: on for object stores, off for POSIX filesystems (docs/distributed.md)
     share_reads: bool | None = None
+    #: as SaveOptions.trace: a directory for this rank's timeline, True (``LoadInfo.stages`` only)
+    trace: TraceOption = None
 
     @classmethod
     def of(cls, options: LoadOptions | None, overrides: Mapping[str, Any]) -> LoadOptions:
@@ -142,6 +150,7 @@ class LoadOptionsKwargs(TypedDict, total=False):
     reshard_objects: ReshardObjects | None
     verify: bool
     share_reads: bool | None
+    trace: TraceOption
 
 
 def _combine(cls: Any, what: str, options: Any, overrides: Mapping[str, Any]) -> Any:

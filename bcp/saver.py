@@ -36,7 +36,7 @@ from bcp.metadata import FileEntry, Fragment, Manifest, ObjectEntry
 from bcp.metadata.geometry import Box
 from bcp.metadata.layout import catalog_key, data_file_key, generation_name
 
-from . import objcodec
+from . import objcodec, trace
 from ._version import __version__
 from .collectives import Coordinator, decide, run_phase
 from .commit import (
@@ -49,8 +49,7 @@ from .commit import (
     write_catalog,
 )
 from .errors import CheckpointExistsError, CommitUncertainError, ShardingError, UnsupportedStateError
-from .io_scheduler.staging import default_pool
-from .io_scheduler.write_pipeline import WriteItem, WritePipeline, WriterReport, fragment_table
+from .io_scheduler.write_pipeline import WriteItem, WritePipeline, WriterReport, fragment_table, make_pipeline
 from .lanes import coordinator_for
 from .options import SaveOptions, SaveOptionsKwargs
 from .planning import GlobalPlan, LayoutMeta, LocalLayout, TensorPlan, plan_save
@@ -81,6 +80,8 @@ class SaveInfo:
     world_size: int = 1
     rank: int = 0
     rank_bytes_written: int = 0
+    #: this rank's stages (seconds active, bytes) when traced (``trace=``), else empty
+    stages: Mapping[str, trace.StageTotal] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def gbps(self) -> float:
@@ -298,6 +299,7 @@ class SaveJob:
         save_id: str,
         pipeline: WritePipeline,
         started: float,
+        session: trace.Session | None = None,
     ) -> None:
         self.coord = coord
         self.backend = backend
@@ -308,6 +310,7 @@ class SaveJob:
         self.generation = generation_name(save_id)
         self.pipeline = pipeline
         self.started = started
+        self.trace = session
         #: (coordinator) the ranks whose data files its own backend holds, which the
         #: commit checks are still there; None: every rank's. Ranks saving to different
         #: backends (the local tier, ``bcp.tiers``: each host's own root) set the ranks of
@@ -323,6 +326,17 @@ class SaveJob:
         cls, state: Mapping[str, Any], uri: Target, coord: Coordinator, options: SaveOptions, *, stage_all: bool
     ) -> SaveJob:
         started = time.perf_counter()
+        session = trace.begin(options.trace, coord.rank, "save")
+        try:
+            with trace.span("plan"):
+                return cls._start(state, uri, coord, options, started, session, stage_all=stage_all)
+        except BaseException:
+            if session is not None:
+                session.end(failed=True)
+            raise
+
+    @classmethod
+    def _start(cls, state, uri, coord, options, started, session, *, stage_all: bool) -> SaveJob:
         backend = resolve_backend(uri, options.storage_options)
         prepared: _Prepared = run_phase(
             coord,
@@ -343,6 +357,8 @@ class SaveJob:
             coord, "planning the save", _coordinate, backend, hellos, options, cache, share=lambda d: d.start
         )
         start = decision.start if isinstance(decision, SaveDecision) else decision
+        if session is not None:
+            session.label = start.save_id
         if start.cached:
             my_writes = held[start.key]
         else:
@@ -383,6 +399,7 @@ class SaveJob:
             start.save_id,
             pipeline,
             started,
+            session,
         )
 
     def stage(self, select=None, last: bool = True) -> None:
@@ -395,12 +412,21 @@ class SaveJob:
                 self.pipeline.close_queue()
 
     def complete(self) -> SaveInfo:
+        try:
+            return self._complete()
+        except BaseException:
+            if self.trace is not None:
+                self.trace.end(failed=True)
+            raise
+
+    def _complete(self) -> SaveInfo:
         coord, backend = self.coord, self.backend
         try:
             mine: WriterReport = run_phase(coord, "writing data", self.pipeline.finish)
             reports = coord.gather(mine)
             self.reported = True
-            stats = decide(coord, "committing the checkpoint", self._commit, reports)
+            with trace.span("commit"):
+                stats = decide(coord, "committing the checkpoint", self._commit, reports)
         except CommitUncertainError:
             raise  # the manifest may name this generation: keep it (docs/reliability.md)
         except BaseException as e:
@@ -415,6 +441,8 @@ class SaveJob:
             old = existing.manifest.generation
             if old != self.generation:
                 discard_generation(backend, old, why="the replaced generation")
+        mine_bytes = mine.file.nbytes if mine.file is not None else 0
+        stages = self.trace.end(mine_bytes, uri=backend.uri, save_id=self.save_id) if self.trace is not None else {}
         info = SaveInfo(
             uri=backend.uri,
             save_id=self.save_id,
@@ -426,7 +454,8 @@ class SaveJob:
             seconds=time.perf_counter() - self.started,
             world_size=coord.world_size,
             rank=coord.rank,
-            rank_bytes_written=mine.file.nbytes if mine.file is not None else 0,
+            rank_bytes_written=mine_bytes,
+            stages=stages,
         )
         log.info("%s", info)
         return info
@@ -457,22 +486,6 @@ class SaveJob:
         commit(self.backend, manifest, overwrite=self.options.overwrite)
         self.committed = True
         return manifest.stats
-
-
-def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=None, stage_all=False) -> WritePipeline:
-    pool = pool or default_pool()
-    if pool.slab_bytes % block:
-        raise ValueError(f"staging slab size {pool.slab_bytes} must be a multiple of the checksum block {block}")
-    return WritePipeline(
-        backend,
-        data_key,
-        rank,
-        items,
-        block=block,
-        pool=pool,
-        streams=streams or backend.hints.concurrency,
-        stage_all=stage_all,
-    )
 
 
 def _coordinate(backend: Backend, hellos: list[Hello], options: SaveOptions, cache: PlanCache) -> SaveDecision:
@@ -539,17 +552,6 @@ def _plan(decision: SaveDecision, layouts: list[LocalLayout], cache: PlanCache) 
 def _log_plan(plan: PlanSummary) -> None:
     share = ", ".join(f"{r}: {b / 2**20:.1f} MiB" for r, b in sorted(plan.bytes_per_rank.items()))
     log.info("save plan: %d tensors, %.1f MiB, bytes per rank {%s}", plan.tensors, plan.total_bytes / 2**20, share)
-
-
-def write_rank_data(backend: Backend, data_key: str, rank: int, items: list[WriteItem], block: int) -> WriterReport:
-    """Write this rank's assigned boxes into one data file (synchronously)."""
-    pipeline = make_pipeline(backend, data_key, rank, items, block)
-    try:
-        pipeline.stage()
-    except BaseException as e:  # noqa: BLE001 - raised by finish()
-        pipeline.error = pipeline.error or e
-        pipeline.close_queue()
-    return pipeline.finish()
 
 
 def build_manifest(

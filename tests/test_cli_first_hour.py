@@ -30,10 +30,11 @@ import bcp
 from bcp.backends import backend_for
 from bcp.cli import main
 from bcp.commit import commit, write_catalog
+from bcp.io_scheduler.write_pipeline import write_rank_data
 from bcp.metadata import MANIFEST_KEY, Catalog
 from bcp.metadata.layout import catalog_key, data_file_key, generation_name
 from bcp.metadata.manifest import reseal
-from bcp.saver import _decide_objects, _prepare, build_manifest, write_rank_data
+from bcp.saver import _decide_objects, _prepare, build_manifest
 from bcp.verify import verify_checkpoint
 
 

@@ -21,10 +21,11 @@ import bcp
 from bcp.backends import backend_for
 from bcp.commit import commit, write_catalog
 from bcp.errors import ShardingError
+from bcp.io_scheduler.write_pipeline import write_rank_data
 from bcp.metadata import Catalog
 from bcp.metadata.layout import catalog_key, data_file_key, generation_name
 from bcp.planning import plan_save
-from bcp.saver import _decide_objects, _prepare, build_manifest, write_rank_data
+from bcp.saver import _decide_objects, _prepare, build_manifest
 from bcp.shards import FlatShard, TensorShard, local_pieces
 from helpers import examples, tensor_bytes_equal
 

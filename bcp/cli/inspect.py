@@ -11,8 +11,9 @@ from typing import Any
 from ..backends import backend_for
 from ..backends.errors import redact
 from ..describe import describe
-from ..reader import open_checkpoint
-from .common import require_location
+from ..errors import listed
+from ..reader import CheckpointReader, open_checkpoint
+from .common import CliError, UsageError, require_location
 from .render import human, raw, safe, show
 
 NAME = "inspect"
@@ -23,6 +24,9 @@ DESCRIPTION = None
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("uri")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--layout", metavar="PNG", help="draw which writer rank holds which box of a tensor (viz extra)")
+    p.add_argument("--tensor", help="the tensor --layout draws (default: the largest)")
+    p.add_argument("--world", type=int, help="--layout also outlines how N ranks splitting dim 0 evenly read it")
 
 
 def _stats_as_expected(stats: dict[str, Any]) -> bool:
@@ -33,7 +37,10 @@ def _stats_as_expected(stats: dict[str, Any]) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     require_location(backend_for(args.uri), args.uri, list_objects=False)
-    doc = describe(open_checkpoint(args.uri, allow_pickle=False))
+    reader = open_checkpoint(args.uri, allow_pickle=False)
+    if args.layout:
+        return draw(reader, args)
+    doc = describe(reader)
     tensors = doc["tensors"]
     for t in tensors:
         if "error" in t:  # a catalog's text, shown on a terminal
@@ -75,3 +82,27 @@ def run(args: argparse.Namespace) -> int:
     if unreadable:
         print(f"bcp inspect: {unreadable} tensor(s) unreadable (shown above)", file=sys.stderr)
     return status
+
+
+def draw(reader: CheckpointReader, args: argparse.Namespace) -> int:
+    """``--layout``: one tensor's boxes by writer rank, as a PNG (:func:`bcp.viz.draw_layout`)."""
+    if args.world is not None and args.world < 1:
+        raise UsageError(f"--world must be >= 1, got {args.world}")
+    keys = reader.tensor_keys()
+    fqn = args.tensor if args.tensor is not None else max(keys, key=lambda k: reader.meta(k).nbytes, default=None)
+    if fqn is None:
+        raise CliError(f"{show(reader.uri)} holds no tensor to draw")
+    if fqn not in keys:
+        raise UsageError(f"no tensor {safe(fqn)!r} in {show(reader.uri)}; --tensor is one of: {safe(listed(keys))}")
+    meta = reader.meta(fqn)
+    if meta.shape.numel() == 0 or not len(meta.shape):
+        raise UsageError(f"{safe(fqn)} has shape {list(meta.shape)}: nothing to draw")
+    from ..viz import draw_layout
+
+    rects = draw_layout(meta.fragments, tuple(meta.shape), fqn, args.layout, world=args.world)
+    boxes = sum(r.kind == "fragment" for r in rects)
+    print(
+        f"{safe(fqn)} {list(meta.shape)}: {boxes} box(es) from {len({r.rank for r in rects if r.kind == 'fragment'})} "
+        f"writer rank(s) drawn to {safe(args.layout)}"
+    )
+    return 0

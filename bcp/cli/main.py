@@ -12,12 +12,12 @@ import traceback
 from ..backends.errors import redact
 from ..backends.registry import import_plugins
 from ..errors import CheckpointNotFoundError
-from . import bench, conformance, convert, gc, inspect, ls, rm, verify
+from . import bench, conformance, convert, gc, inspect, ls, rm, trace, verify
 from .common import CliError, UsageError, add_import_option, imports, one_line
 from .render import safe
 
 #: The commands, in the order --help lists them.
-COMMANDS = (conformance, ls, inspect, verify, convert, rm, gc, bench)
+COMMANDS = (conformance, ls, inspect, verify, convert, rm, gc, bench, trace)
 
 
 def build_parser() -> argparse.ArgumentParser:

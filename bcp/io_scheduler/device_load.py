@@ -27,6 +27,7 @@ import torch
 from bcp.metadata import TensorEntry
 from bcp.metadata.geometry import Box
 
+from .. import trace
 from ..tensor_io import flat_bytes, raw
 from .device_copy import DeviceCopies, settle
 from .read_exec import ReadStats, execute_reads
@@ -195,10 +196,11 @@ class DeviceFill:
             plans = [dataclasses.replace(p, dest=i) for i, piece in enumerate(job.pieces) for p in piece.plans]
             mem = [memoryview(v.numpy()).cast("B") for v in views]  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
             stats = execute_reads(backend, plans, mem, block_bytes=self.block, verify=verify, streams=1)
-            for piece, view in zip(job.pieces, views, strict=True):
-                events.extend(self._land(piece, view))
-            for event in events:  # the slab is reused only once its copies have run
-                event.synchronize()
+            with trace.span("h2d", sum(p.nbytes for p in job.pieces) if trace.enabled() else 0):
+                for piece, view in zip(job.pieces, views, strict=True):
+                    events.extend(self._land(piece, view))
+                for event in events:  # the slab is reused only once its copies have run
+                    event.synchronize()
             events = []
             return stats
         finally:

@@ -25,6 +25,7 @@ from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import Fragment, crc32c
 from bcp.metadata.checksum import crc32c_c
 
+from .. import trace
 from ..errors import CorruptCheckpointError
 from .read_plan import RunSet
 
@@ -49,7 +50,8 @@ class ReadStats:
 
 def _read(backend: Backend, frag: Fragment, start: int, view: memoryview, uri: str) -> None:
     try:
-        backend.read_exact(frag.file, frag.byte_offset + start, view)
+        with trace.span("fetch", len(view)):
+            backend.read_exact(frag.file, frag.byte_offset + start, view)
     except ObjectNotFoundError as e:
         raise CorruptCheckpointError(
             f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is missing",
@@ -183,7 +185,8 @@ def _fetch(backend: Backend, request: _Request, uri: str, block: int | None) -> 
         return
     scratch = memoryview(bytearray(request.nbytes))
     try:
-        backend.read_exact(request.file, request.offset, scratch)
+        with trace.span("fetch", request.nbytes):
+            backend.read_exact(request.file, request.offset, scratch)
     except (ObjectNotFoundError, EOFError):
         for part in request.parts:
             _fetch_part(backend, part, uri, block)
@@ -231,6 +234,11 @@ def _check_blocks(uri: str, frag: Fragment, start: int, view: memoryview, block:
     blocks = _whole_blocks(frag, start, len(view), block)
     if not blocks:
         return
+    with trace.span("verify", len(view)):
+        _check_whole_blocks(uri, frag, start, view, block, blocks)
+
+
+def _check_whole_blocks(uri: str, frag: Fragment, start: int, view: memoryview, block: int, blocks: range) -> None:
     lo = blocks.start * block - start
     hi = min(blocks.stop * block, frag.nbytes) - start  # the last block may be the fragment's short one
     crc = crc32c_c
@@ -318,7 +326,11 @@ def execute_reads(
         read held whole; the bytes read only for that."""
         read = [(p.start, len(p.target)) for p in parts_of[id(frag)]]
         edges = _edge_blocks(frag, read, block_bytes)
-        return _verify_fragment(backend, frag, _pieces(by_fragment[id(frag)]), block_bytes, edges) if edges else 0
+        if not edges:
+            return 0
+        checked = sum(min(block_bytes, frag.nbytes - e * block_bytes) for e in edges) if trace.enabled() else 0
+        with trace.span("verify", checked):
+            return _verify_fragment(backend, frag, _pieces(by_fragment[id(frag)]), block_bytes, edges)
 
     parts_of: defaultdict[int, list[_Part]] = defaultdict(list)
     for part in parts:

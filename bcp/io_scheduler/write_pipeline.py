@@ -36,11 +36,12 @@ import torch
 from bcp.backends import Backend, ObjectWriter
 from bcp.metadata import CATALOG_SCHEMA, FileEntry, Fragment, block_checksums, digest_of_checksums
 
+from .. import trace
 from ..planning import TensorPlan
 from ..shards import Piece
 from ..tensor_io import flat_bytes, host_contiguous, storage_identity
 from .device_copy import DeviceCopies, is_device_tensor, settle
-from .staging import Slab, StagingPool
+from .staging import Slab, StagingPool, default_pool
 
 #: Fragments of at least this many bytes start at a multiple of 4096 (direct I/O,
 #: page-aligned reads); smaller ones at a multiple of 64.
@@ -343,7 +344,10 @@ class WritePipeline:
                     self._uses_left[seg.item] = self._uses_left.get(seg.item, 0) + 1
             if not self.stage_all:
                 self._start_writers()
+        staged = trace.span("stage")
         try:
+            staged.__enter__()
+            before = self.bytes_staged
             keep = []
             for chunk in self._pending:
                 if self.error is not None:
@@ -353,7 +357,10 @@ class WritePipeline:
                 else:
                     keep.append(chunk)
             self._pending = keep
+            if isinstance(staged, trace.Span):
+                staged.nbytes = self.bytes_staged - before
         finally:
+            staged.__exit__()
             if last:
                 self.close_queue()
                 if self.stage_all:
@@ -404,7 +411,9 @@ class WritePipeline:
         slab = self.pool.acquire()
         out = slab.view(chunk.nbytes, shift=chunk.offset % 4096)  # same phase as the file: O_DIRECT-able
         cursor, events = 0, []
+        copying = trace.span("copy", chunk.nbytes)  # issuing the copies only, for device sources
         try:
+            copying.__enter__()
             for seg in chunk.segments:
                 if seg.at > cursor:
                     out[cursor : seg.at].zero_()  # padding: never leak an earlier save's bytes
@@ -416,6 +425,7 @@ class WritePipeline:
                 cursor = seg.at + seg.nbytes
             if cursor < chunk.nbytes:
                 out[cursor : chunk.nbytes].zero_()
+            copying.__exit__()
         except BaseException:
             settle(events)
             self.pool.release(slab)
@@ -446,10 +456,12 @@ class WritePipeline:
                     for event in staged.events:
                         event.synchronize()
                     view = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
-                    for seg in chunk.segments:
-                        sums = block_checksums(view[seg.at : seg.at + seg.nbytes], self.block)
-                        self.checksums[(seg.item, seg.start)] = sums
-                    self._writer.write_at(chunk.offset, view[: chunk.nbytes])
+                    with trace.span("checksum", sum(s.nbytes for s in chunk.segments) if trace.enabled() else 0):
+                        for seg in chunk.segments:
+                            sums = block_checksums(view[seg.at : seg.at + seg.nbytes], self.block)
+                            self.checksums[(seg.item, seg.start)] = sums
+                    with trace.span("write", chunk.nbytes):
+                        self._writer.write_at(chunk.offset, view[: chunk.nbytes])
             except BaseException as e:  # noqa: BLE001 - reported by finish()
                 self.error = self.error or e
             finally:
@@ -463,8 +475,9 @@ class WritePipeline:
         """Wait for the writers, make the file durable, return its fragment rows."""
         if not self.items:
             return WriterReport(REPORT_SCHEMA.empty_table(), None, self.rank)
-        for thread in self._threads:
-            thread.join()
+        with trace.span("drain"):  # waiting for the writers
+            for thread in self._threads:
+                thread.join()
         self.sources.clear()
         writer = self._writer
         if self.error is not None:
@@ -476,7 +489,8 @@ class WritePipeline:
             if self.size == 0:
                 writer.write_at(0, b"")
             rows, file_sums = self._rows()
-            writer.commit()
+            with trace.span("durable", self.size):
+                writer.commit()
         except BaseException:
             writer.abort_after_failure()
             raise
@@ -513,3 +527,31 @@ class WritePipeline:
             schema=REPORT_SCHEMA,
         )
         return rows, file_sums
+
+
+def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=None, stage_all=False) -> WritePipeline:
+    """A pipeline on ``pool`` (default: the process-wide one) with ``streams`` writers (default: the backend's hint)."""
+    pool = pool or default_pool()
+    if pool.slab_bytes % block:
+        raise ValueError(f"staging slab size {pool.slab_bytes} must be a multiple of the checksum block {block}")
+    return WritePipeline(
+        backend,
+        data_key,
+        rank,
+        items,
+        block=block,
+        pool=pool,
+        streams=streams or backend.hints.concurrency,
+        stage_all=stage_all,
+    )
+
+
+def write_rank_data(backend: Backend, data_key: str, rank: int, items: list[WriteItem], block: int) -> WriterReport:
+    """Write this rank's assigned boxes into one data file (synchronously)."""
+    pipeline = make_pipeline(backend, data_key, rank, items, block)
+    try:
+        pipeline.stage()
+    except BaseException as e:  # noqa: BLE001 - raised by finish()
+        pipeline.error = pipeline.error or e
+        pipeline.close_queue()
+    return pipeline.finish()
