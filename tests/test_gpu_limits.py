@@ -478,8 +478,8 @@ def test_manager_starts_the_reservation_after_the_resume_load(tmp_path, monkeypa
     import bcp.manager
 
     order: list[str] = []
-    real_load, real_reserve = bcp.manager.load, bcp.manager.reserve_staging
-    monkeypatch.setattr(bcp.manager, "load", lambda *a, **k: order.append("load") or real_load(*a, **k))
+    real_load, real_reserve = bcp.manager.load_with_info, bcp.manager.reserve_staging
+    monkeypatch.setattr(bcp.manager, "load_with_info", lambda *a, **k: order.append("load") or real_load(*a, **k))
     monkeypatch.setattr(
         bcp.manager, "reserve_staging", lambda *a, **k: order.append("reserve") or real_reserve(*a, **k)
     )
