@@ -129,6 +129,33 @@ def store_uri(kind: str, server, bucket: str, path: str = "", **extra) -> str:
     return f"{base}/{path}".rstrip("/") + "?" + urlencode(options)
 
 
+# -- torch's process-wide switches -------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _torch_switches_restored() -> Iterator[None]:
+    """Put back torch's process-wide switches after each test: a framework trained in
+    the test process (Lightning's ``deterministic=True``, transformers' full determinism)
+    turns on deterministic algorithms, under which ``torch.empty`` fills every new
+    tensor, which fails for dtypes without a fill (uint1-7, int1-7, float4), so a
+    later test would fail only because of the order the tests ran in."""
+    import torch
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    threads = torch.get_num_threads()
+    yield
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
+        deterministic,
+        warn_only,
+    ):
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 # -- test tiers ------------------------------------------------------------------------------
 #
 # Every test gets the markers of what it costs, at collection, so that no one has to
