@@ -44,74 +44,30 @@ def test_a_resumed_job_that_exits_without_saving_exits_cleanly(tmp_path):
     assert "resumed from step 1" in again.stdout and "terminate called" not in again.stderr
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_killed_manager_job_always_resumes_exactly(mode, tmp_path):
+def _run_chaos(tmp_path, chaos_options: list[str], job: list[str], env: dict | None = None) -> list[dict]:
+    """Run ckpt-chaos on ``job`` (its crash points in before/torn/term modes, the final
+    weights judged against the control run's); check that it passed, that the control
+    run and at least 3 crash points were judged and that no resume raised; every
+    point's result.json."""
     work = tmp_path / "chaos"
     command = [
         _chaos(),
         "run",
+        *chaos_options,
         "--result-file",
         "{out}/final.pt",
         "--step-regex",
         r"resumed from step (\d+)",
         "--modes",
         "before,torn,term",
-        "--max-points",
-        "4",
         "--timeout",
         "240",
         "--work",
         str(work),
         "--",
         sys.executable,
-        str(JOB),
-        "{out}",
-        mode,
-        "4",
+        *job,
     ]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
-    report = out.stdout + out.stderr
-    assert out.returncode == 0, report
-    verdicts = [json.loads(p.read_text())["outcome"] for p in work.glob("pt_*/result.json")]
-    assert len(verdicts) >= 4, report  # the control run and crash points were judged
-    assert "SILENT_DIVERGENCE" not in report and "HARD_FAIL" not in report, report
-    assert all(v["raised"] is None for v in verdicts), report
-
-
-@pytest.mark.slow
-def test_killed_two_host_tier_job_always_resumes_exactly(tmp_path):
-    """The local tier's job on 2 simulated hosts, host 1's process killed at its file
-    events (its local saves, the replicas it receives, its part of the drains); the
-    resume recovers from the local tier or the drained steps and must end bit-exact."""
-    work = tmp_path / "chaos"
-    command = [
-        _chaos(),
-        "run",
-        "--ranks",
-        "2",
-        "--crash-rank",
-        "1",
-        "--result-file",
-        "{out}/final.pt",
-        "--step-regex",
-        r"resumed from step (\d+)",
-        "--modes",
-        "before,torn,term",
-        "--max-points",
-        "3",
-        "--timeout",
-        "240",
-        "--work",
-        str(work),
-        "--",
-        sys.executable,
-        str(TIER_JOB),
-        "{out}",
-        "4",
-    ]
-    # ckpt-chaos 0.1.8's run mode arms rank CKPT_CHAOS_CRASH_RANK (default 0), not --crash-rank: set both
-    env = dict(os.environ, CKPT_CHAOS_CRASH_RANK="1")
     out = subprocess.run(command, capture_output=True, text=True, timeout=1500, cwd=tmp_path, env=env)
     report = out.stdout + out.stderr
     assert out.returncode == 0, report
@@ -119,5 +75,23 @@ def test_killed_two_host_tier_job_always_resumes_exactly(tmp_path):
     assert len(results) >= 4, report  # the control run and crash points were judged
     assert "SILENT_DIVERGENCE" not in report and "HARD_FAIL" not in report, report
     assert all(r["outcome"]["raised"] is None for r in results), report
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_killed_manager_job_always_resumes_exactly(mode, tmp_path):
+    _run_chaos(tmp_path, ["--max-points", "4"], [str(JOB), "{out}", mode, "4"])
+
+
+@pytest.mark.slow
+def test_killed_two_host_tier_job_always_resumes_exactly(tmp_path):
+    """The local tier's job on 2 simulated hosts, host 1's process killed at its file
+    events (its local saves, the replicas it receives, its part of the drains); the
+    resume recovers from the local tier or the drained steps and must end bit-exact."""
+    # ckpt-chaos 0.1.8's run mode arms rank CKPT_CHAOS_CRASH_RANK (default 0), not --crash-rank: set both
+    env = dict(os.environ, CKPT_CHAOS_CRASH_RANK="1")
+    options = ["--ranks", "2", "--crash-rank", "1", "--max-points", "3"]
+    results = _run_chaos(tmp_path, options, [str(TIER_JOB), "{out}", "4"], env)
     crashes = [r for r in results if r["label"] != "no crash (control)"]
-    assert crashes and all(r["crashed"] for r in crashes), f"a crash point did not kill host 1: {report}"
+    assert crashes and all(r["crashed"] for r in crashes), f"a crash point did not kill host 1: {results}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,18 @@ import bcp
 def main() -> None:
     out, mode = sys.argv[1], sys.argv[2]
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 8
+    train(out, steps, lambda: bcp.CheckpointManager(os.path.join(out, "ckpt"), async_save=(mode == "async")))
+
+
+def train(
+    out: str,
+    steps: int,
+    make_manager: Callable[[], bcp.CheckpointManager],
+    on_resume: Callable[[bcp.CheckpointManager], str] = lambda _manager: "",
+) -> None:
+    """Train ``steps`` steps on RANK of WORLD_SIZE, saving each through the manager
+    ``make_manager`` builds once the process group is up; resume first, print the
+    resumed step (and what ``on_resume`` says of the manager), write OUT/final.pt."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(1)
     if world > 1:
@@ -34,10 +47,11 @@ def main() -> None:
     wrapped = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     counter = torch.zeros(1, dtype=torch.int64)  # steps taken: a lost or doubled step shows in the weights
-    manager = bcp.CheckpointManager(os.path.join(out, "ckpt"), async_save=(mode == "async"))
+    manager = make_manager()
     state = {"model": model, "optim": opt, "counter": counter}
     step, state = manager.load_latest(state)
-    print("fresh start" if step is None else f"resumed from step {step}", flush=True)
+    extra = on_resume(manager)
+    print("fresh start" if step is None else f"resumed from step {step}{extra}", flush=True)
     start = 0 if step is None else step + 1
     for s in range(start, steps):
         x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1000 * s + rank))

@@ -22,49 +22,25 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
-import torch.distributed as dist
-
 import bcp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from manager_job import train  # the same training loop, with the local tier
 
 
 def main() -> None:
     out = sys.argv[1]
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 6
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
     os.environ["BCP_HOST_ID"] = f"host{rank}"
-    torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-    wrapped = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    counter = torch.zeros(1, dtype=torch.int64)  # steps taken: a lost or doubled step shows in the weights
-    tier = bcp.LocalTier(dir=os.path.join(out, f"host{rank}"), every=1, replicas=1, persist_every=2, chunk_bytes=4096)
-    manager = bcp.CheckpointManager(os.path.join(out, "ckpt"), tier=tier)
-    state = {"model": model, "optim": opt, "counter": counter}
-    step, state = manager.load_latest(state)
-    drained = manager.latest()
-    print("fresh start" if step is None else f"resumed from step {step} (newest drained step {drained})", flush=True)
-    start = 0 if step is None else step + 1
-    for s in range(start, steps):
-        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(1000 * s + rank))
-        loss = wrapped(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        counter += 1
-        with torch.no_grad():
-            model[0].bias += counter.item()  # a step applied twice or lost moves this by 1.0
-        manager.save(s, state)
-    manager.close()
-    if rank == 0:
-        final = {k: v.clone() for k, v in model.state_dict().items()} | {"counter": counter.clone()}
-        torch.save(final, os.path.join(out, "final.pt"))
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+
+    def make_manager() -> bcp.CheckpointManager:
+        tier = bcp.LocalTier(
+            dir=os.path.join(out, f"host{rank}"), every=1, replicas=1, persist_every=2, chunk_bytes=4096
+        )
+        return bcp.CheckpointManager(os.path.join(out, "ckpt"), tier=tier)
+
+    train(out, steps, make_manager, on_resume=lambda m: f" (newest drained step {m.latest()})")
 
 
 if __name__ == "__main__":
