@@ -56,9 +56,8 @@ from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FormatError,
-    PickleNotAllowedError,
 )
-from ..interop.dcp_metadata import MetadataUnpickler
+from ..interop.dcp_metadata import parse_metadata
 from ..metadata.checksum import crc32c
 from .dcp_storage import (
     CHECKSUMS_FORMAT,
@@ -266,9 +265,9 @@ class BcpStorageReader(StorageReader):
         return f"{self.backend.uri.rstrip('/')}/{key}"
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:  # DCP's fallback to per-rank metadata, which no bcp save writes
-            raise CheckpointNotFoundError(f"{self._where(METADATA_KEY)}: BcpStorageWriter writes no per-rank metadata")
         where = self._where(METADATA_KEY)
+        if kwargs.get("rank") is not None:  # DCP's fallback to per-rank metadata, which no bcp save writes
+            raise CheckpointNotFoundError(f"{where}: BcpStorageWriter writes no per-rank metadata")
         try:
             blob = self.backend.read(METADATA_KEY)
         except ObjectNotFoundError as e:
@@ -283,14 +282,7 @@ class BcpStorageReader(StorageReader):
                     f"but {CHECKSUMS_KEY} records {size} bytes with {crc:08x}",
                     file=METADATA_KEY,
                 )
-        try:
-            metadata = MetadataUnpickler(io.BytesIO(blob), path=where, allow_pickle=self.allow_pickle).load()
-        except (PickleNotAllowedError, FormatError):
-            raise
-        except Exception as e:  # any unpickling failure: a malformed file, named
-            raise FormatError(f"{where}: not a readable DCP metadata pickle: {type(e).__name__}: {e}") from e
-        if not isinstance(metadata, Metadata):
-            raise FormatError(f"{where}: holds a {type(metadata).__name__}, not DCP Metadata")
+        metadata = parse_metadata(io.BytesIO(blob), where=where, allow_pickle=self.allow_pickle)
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

@@ -101,16 +101,23 @@ def read_metadata(checkpoint_dir: str, *, allow_pickle: bool = False) -> Metadat
     :class:`MetadataUnpickler`."""
     path = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
     with open(path, "rb") as f:
-        try:
-            metadata = MetadataUnpickler(f, path=path, allow_pickle=allow_pickle).load()
-        except (PickleNotAllowedError, FormatError):
-            raise
-        except Exception as e:  # truncated, not a pickle, a constructor refusing its arguments, ...
-            raise FormatError(f"{path}: not a readable DCP metadata pickle: {type(e).__name__}: {e}") from e
+        return parse_metadata(f, where=path, allow_pickle=allow_pickle)
+
+
+def parse_metadata(stream: io.BufferedIOBase, *, where: str, allow_pickle: bool = False) -> Metadata:
+    """DCP ``Metadata`` from the pickled ``.metadata`` bytes in ``stream`` (from any
+    storage), unpickled by :class:`MetadataUnpickler`; anything else raises an error
+    naming ``where``."""
+    try:
+        metadata = MetadataUnpickler(stream, path=where, allow_pickle=allow_pickle).load()
+    except (PickleNotAllowedError, FormatError):
+        raise
+    except Exception as e:  # truncated, not a pickle, a constructor refusing its arguments, ...
+        raise FormatError(f"{where}: not a readable DCP metadata pickle: {type(e).__name__}: {e}") from e
     if not isinstance(metadata, Metadata):
-        raise FormatError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
+        raise FormatError(f"{where}: holds a {type(metadata).__name__}, not DCP Metadata")
     if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
-        raise FormatError(f"{path}: DCP Metadata without a state_dict_metadata mapping")
+        raise FormatError(f"{where}: DCP Metadata without a state_dict_metadata mapping")
     return metadata
 
 
