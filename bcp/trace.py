@@ -186,14 +186,22 @@ class Session:
     def end(self, nbytes: int = 0, **other: Any) -> dict[str, StageTotal]:
         """Close the session: record its whole span (``kind``), write the file when it
         has a directory, return the stage totals. A failure to write is logged, never raised."""
-        global _active
         record(self.kind, self.start, time.perf_counter_ns(), nbytes)
-        with _lock:
-            rest = tuple(s for s in _active or () if s is not self)
-            _active = rest or None
+        self._close()
         if self.directory is not None:
             self.path = self._write(other)
         return self.totals()
+
+    def cancel(self) -> None:
+        """Close the session without a file: it turned out to be no operation (a
+        recovery that found no local step)."""
+        self._close()
+
+    def _close(self) -> None:
+        global _active
+        with _lock:
+            rest = tuple(s for s in _active or () if s is not self)
+            _active = rest or None
 
     def _write(self, other: Mapping[str, Any]) -> Path | None:
         import logging
