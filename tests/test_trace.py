@@ -145,12 +145,15 @@ def _traced_job(rank: int, world: int, directory: str) -> None:
     template = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
     loaded = bcp.load_with_info(template, base / "ck", trace=base / "trace")
     assert torch.equal(loaded.state["w3"], state["w3"])
+    shared = bcp.load_with_info(template, base / "ck", trace=base / "shared", share_reads=True)
+    assert torch.equal(shared.state["big"], state["big"])
     facts = {
         "tensor_bytes": info.tensor_bytes,
         "rank_bytes_written": info.rank_bytes_written,
         "bytes_written": info.bytes_written,
         "bytes_read": loaded.bytes_read,
         "verify_bytes": loaded.verify_bytes,
+        "shared_bytes_read": shared.bytes_read,
     }
     (base / f"facts{rank}.json").write_text(json.dumps(facts))
     dist.barrier()
@@ -172,6 +175,16 @@ def test_traced_save_and_load_two_ranks(tmp_path, capsys):
         assert bytes_of(saves[rank], "save") == facts[rank]["rank_bytes_written"]
         assert bytes_of(loads[rank], "read") == bytes_of(loads[rank], "load") == facts[rank]["bytes_read"]
         assert facts[rank]["bytes_read"] <= bytes_of(loads[rank], "fetch") <= facts[rank]["bytes_written"]
+    # share_reads: each rank reads what it owns and receives the rest from the other over gloo
+    for rank in range(2):
+        doc = json.loads(next((tmp_path / "shared").glob(f"load-*.rank{rank}.json")).read_text())
+        check_nesting(doc, "load")
+        (exchange,) = [e for e in spans(doc) if e["name"] == "exchange"]
+        (shared,) = [e for e in spans(doc) if e["name"] == "shared"]
+        assert shared["ts"] <= exchange["ts"] and exchange["ts"] + exchange["dur"] <= shared["ts"] + shared["dur"] + 1
+        # what it read from storage and what it received make the whole state, once
+        assert exchange["args"]["bytes"] > 0
+        assert exchange["args"]["bytes"] + facts[rank]["shared_bytes_read"] == facts[rank]["tensor_bytes"]
     # replicated tensors are written once: the ranks' checksummed bytes add up to the job's
     assert sum(bytes_of(d, "checksum") for d in saves) == facts[0]["tensor_bytes"]
     assert sum(bytes_of(d, "save") for d in saves) == facts[0]["bytes_written"]
@@ -187,6 +200,26 @@ def test_traced_save_and_load_two_ranks(tmp_path, capsys):
     assert save["ranks"] == [0, 1]
     write = next(s for s in save["stages"] if s["stage"] == "checksum")
     assert write["bytes"] == facts[0]["tensor_bytes"]
+
+
+def test_async_save_and_the_manager_pass_trace_on(tmp_path):
+    state = make_state()
+    handle = bcp.async_save(state, tmp_path / "a", trace=tmp_path / "t1")
+    info = handle.wait()
+    doc = only_file(tmp_path / "t1", "save")
+    names = {e["name"] for e in spans(doc)}
+    assert names >= SAVE_STAGES | {"blocking"}, SAVE_STAGES - names
+    (blocking,) = [e for e in spans(doc) if e["name"] == "blocking"]
+    assert blocking["dur"] / 1e6 == pytest.approx(handle.blocking_seconds, abs=0.01)
+    assert bytes_of(doc, "save") == info.rank_bytes_written and info.stages["blocking"].seconds > 0
+
+    template = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+    with bcp.CheckpointManager(tmp_path / "run", async_save=False) as manager:
+        saved = manager.save(4, state, trace=tmp_path / "t2")
+        step, loaded = manager.load_latest(template, trace=tmp_path / "t2")
+    assert step == 4 and torch.equal(loaded["big"], state["big"])
+    assert saved is not None and only_file(tmp_path / "t2", "save")["otherData"]["save_id"] == saved.save_id
+    assert only_file(tmp_path / "t2", "load")["otherData"]["save_id"] == saved.save_id
 
 
 def synthetic(directory: pathlib.Path, world: int, slow_rank: int) -> None:
