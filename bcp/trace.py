@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -101,6 +102,12 @@ def directory_of(option: TraceOption) -> TraceOption:
     return option
 
 
+def host_name() -> str:
+    """The host a trace file says its rank ran on: ``BCP_HOST_ID`` when set, else the
+    host name (as the local tier names hosts; ``bcp trace`` adds up a host's ranks)."""
+    return os.environ.get("BCP_HOST_ID") or socket.gethostname()
+
+
 @dataclasses.dataclass(frozen=True)
 class StageTotal:
     """One stage on one rank: seconds it was active (overlapping spans counted once) and bytes moved."""
@@ -177,7 +184,7 @@ class Session:
             {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": name}}
             for tid, name in self.threads.items()
         ]
-        info = {"rank": self.rank, "kind": self.kind, "label": self.label, **other}
+        info = {"rank": self.rank, "host": host_name(), "kind": self.kind, "label": self.label, **other}
         return {"traceEvents": self.events + meta, "displayTimeUnit": "ms", "otherData": info}
 
     def totals(self) -> dict[str, StageTotal]:

@@ -18,6 +18,8 @@ import torch
 import bcp
 import tier_jobs
 from bcp import LocalTier
+from bcp.backends import backend_for
+from bcp.benchmark import storage_speed
 from bcp.cli import main as cli_main
 from bcp.metadata.layout import data_file_key
 from bcp.tiers.paths import local_root, step_dir
@@ -195,3 +197,14 @@ def test_retries_count_the_requests_the_store_throttled(moto_server, tmp_path, c
     assert read_stats(save_stats).slowdown == saved_retries == save.retries == 2
     assert read_stats(load_stats).slowdown == _retried(caplog) == load.retries == 3
     assert save.bytes > 0 and load.bytes == 1000 * 64 * 4
+
+
+def test_storage_speed_of_an_object_store_is_the_networks(moto_server):
+    """``bcp trace --measure s3://...``: a real multipart upload and ranged reads, then nothing left behind."""
+    bucket = new_bucket(moto_server)
+    uri = store_uri("moto", moto_server, bucket, "speed")
+    speed = storage_speed(uri, nbytes=6 << 20)
+    assert speed.kind == "network" and speed.nbytes == 10 << 20, "whole 5 MiB parts"
+    assert speed.write_gbps > 0 and speed.read_gbps > 0
+    backend = backend_for(uri)
+    assert list(backend.list()) == [] and backend.unwrap().pending_uploads() == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import shutil
 import tracemalloc
 
 import pytest
@@ -17,7 +18,7 @@ import bcp
 import dist_jobs
 from bcp import trace
 from bcp.cli import main as cli_main
-from bcp.trace_report import read_traces, stragglers, summarise
+from bcp.trace_report import Speeds, read_traces, storage_kind, stragglers, summarise
 
 SAVE_STAGES = {"save", "plan", "stage", "copy", "checksum", "write", "drain", "durable", "commit"}
 LOAD_STAGES = {"load", "catalog", "plan", "read", "fetch", "verify", "objects"}
@@ -72,6 +73,7 @@ def test_traced_save_and_load_one_process(tmp_path):
     info = bcp.save(state, tmp_path / "ck", trace=out)
     doc = only_file(out, "save")
     assert doc["otherData"]["save_id"] == info.save_id and doc["otherData"]["rank"] == 0
+    assert doc["otherData"]["host"] == trace.host_name()
     names = {e["name"] for e in spans(doc)}
     assert names >= SAVE_STAGES, SAVE_STAGES - names
     check_nesting(doc, "save")
@@ -222,8 +224,9 @@ def test_async_save_and_the_manager_pass_trace_on(tmp_path):
     assert only_file(tmp_path / "t2", "load")["otherData"]["save_id"] == saved.save_id
 
 
-def synthetic(directory: pathlib.Path, world: int, slow_rank: int) -> None:
-    """A save on ``world`` ranks where ``slow_rank`` writes for 3 s and the others for 1 s."""
+def synthetic(directory: pathlib.Path, world: int, slow_rank: int, *, hosts: int = 0, uri: str = "") -> None:
+    """A save on ``world`` ranks where ``slow_rank`` writes for 3 s and the others for 1 s,
+    2 GB each; with ``hosts``, consecutive ranks share a host ``h<i>``; ``uri``: the checkpoint's."""
     directory.mkdir()
     for rank in range(world):
         write_s = 3.0 if rank == slow_rank else 1.0
@@ -238,6 +241,10 @@ def synthetic(directory: pathlib.Path, world: int, slow_rank: int) -> None:
             for t in range(2)
         ]
         doc = {"traceEvents": events, "otherData": {"rank": rank, "kind": "save", "label": "s1"}}
+        if hosts:
+            doc["otherData"]["host"] = f"h{rank * hosts // world}"
+        if uri:
+            doc["otherData"]["uri"] = uri
         (directory / f"save-s1.rank{rank}.json").write_text(json.dumps(doc))
     (directory / "notes.json").write_text("not a trace")  # ignored: not a rank file
 
@@ -256,6 +263,80 @@ def test_trace_command_finds_stragglers(tmp_path, capsys):
     assert by_stage["plan"].stragglers == ()  # 0.2 s vs a 0.15 s median: within 50 %
     assert [s.stage for s in op.stages] == ["save", "plan", "write"]
     assert op.seconds == pytest.approx(5.0)
+
+
+def test_stages_against_measured_speeds_per_host(tmp_path):
+    synthetic(tmp_path / "t", 4, slow_rank=2, hosts=2, uri="/data/ck")
+    docs = read_traces(tmp_path / "t")
+    (op,) = summarise(docs, speeds=Speeds(disk=(4.0, 8.0)))
+    write = next(s for s in op.stages if s.stage == "write")
+    a = write.against
+    assert a is not None and (a.resource, a.direction, a.speed_gbps) == ("disk", "write", 4.0)
+    # host h1 (ranks 2 and 3): 4 GB while either wrote, 3 s (rank 2's [1, 4] s holds rank 3's [1, 2] s)
+    assert (a.host, a.nbytes, a.seconds) == ("h1", 4_000_000_000, pytest.approx(3.0))
+    assert a.gbps == pytest.approx(4 / 3) and a.share == pytest.approx(1 / 3) and a.at_speed_seconds == 1.0
+    assert all(s.against is None for s in op.stages if s.stage != "write"), "save and plan are not put against"
+    # no host in the files: each rank is its own host
+    shutil.rmtree(tmp_path / "t")
+    synthetic(tmp_path / "t", 4, slow_rank=2, uri="file:///data/ck")
+    (op,) = summarise(read_traces(tmp_path / "t"), speeds=Speeds(disk=(4.0, 8.0)))
+    a = next(s for s in op.stages if s.stage == "write").against
+    assert a is not None and (a.host, a.nbytes, a.seconds) == ("rank 2", 2_000_000_000, pytest.approx(3.0))
+    # an object store is reached through the network: the disk's speed does not apply
+    for uri, speeds, resource in [
+        ("s3://bucket/ck", Speeds(disk=(4.0, 4.0)), None),
+        ("s3://bucket/ck", Speeds(network=(1.0, 2.0)), "network"),
+        ("memory://ck", Speeds(disk=(1.0, 1.0), network=(1.0, 1.0)), None),
+    ]:
+        shutil.rmtree(tmp_path / "t")
+        synthetic(tmp_path / "t", 2, slow_rank=1, uri=uri)
+        (op,) = summarise(read_traces(tmp_path / "t"), speeds=speeds)
+        a = next(s for s in op.stages if s.stage == "write").against
+        assert (a.resource if a else None) == resource, uri
+
+
+@pytest.mark.parametrize(
+    ("uri", "kind"),
+    [
+        ("/abs/ck", "disk"),
+        ("rel/ck", "disk"),
+        ("file:///abs/ck", "disk"),
+        ("FILE:/abs/ck", "disk"),
+        ("s3://b/ck", "network"),
+        ("gs://b/ck", "network"),
+        ("hdfs://nn/ck", "network"),
+        ("memory://ck", None),
+    ],
+)
+def test_storage_kind(uri, kind):
+    assert storage_kind(uri) == kind
+
+
+def test_trace_command_measures_and_compares(tmp_path, capsys):
+    synthetic(tmp_path / "t", 4, slow_rank=2, hosts=2, uri=str(tmp_path / "ck"))
+    assert cli_main(["trace", str(tmp_path / "t"), "--disk-gbps", "4,8"]) == 0
+    text = capsys.readouterr().out
+    assert "write      disk write 4.00 GB/s: host h1 moved 3.7 GiB in 3.000 s = 1.33 GB/s, 33% of it" in text
+    assert "(1.000 s at that speed)" in text
+    # --measure: the disk where the checkpoints are, measured for real; its speeds are the ones compared
+    (tmp_path / "disk").mkdir()
+    argv = ["trace", str(tmp_path / "t"), "--json", "--measure", str(tmp_path / "disk"), "--measure-mib", "8"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    write_gbps, read_gbps = report["speeds"]["disk"]
+    assert write_gbps > 0 and read_gbps > 0 and report["speeds"]["network"] is None
+    assert f"write {write_gbps:.2f} GB/s, read {read_gbps:.2f} GB/s" in out.err and "(disk, 8.0 MiB)" in out.err
+    (op,) = report["operations"]
+    against = next(s for s in op["stages"] if s["stage"] == "write")["against"]
+    assert against["speed_gbps"] == write_gbps and against["host"] == "h1" and against["bytes"] == 4_000_000_000
+    assert list((tmp_path / "disk").iterdir()) == [], "the scratch object is deleted"
+    with pytest.raises(SystemExit) as usage:  # argparse's own refusal of the value
+        cli_main(["trace", str(tmp_path / "t"), "--disk-gbps", "0"])
+    assert usage.value.code == 2
+    assert "one or two speeds > 0" in capsys.readouterr().err
+    assert cli_main(["trace", str(tmp_path / "t"), "--measure", "memory://x"]) == 1
+    assert "no disk or network to measure" in capsys.readouterr().err
 
 
 def test_trace_command_picks_an_operation(tmp_path, capsys):
