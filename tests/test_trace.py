@@ -6,6 +6,7 @@ import json
 import logging
 import pathlib
 import shutil
+import sys
 import tracemalloc
 
 import pytest
@@ -337,6 +338,20 @@ def test_trace_command_measures_and_compares(tmp_path, capsys):
     assert "one or two speeds > 0" in capsys.readouterr().err
     assert cli_main(["trace", str(tmp_path / "t"), "--measure", "memory://x"]) == 1
     assert "no disk or network to measure" in capsys.readouterr().err
+
+
+def test_pictures_without_matplotlib_say_which_extra(tmp_path, capsys, monkeypatch):
+    synthetic(tmp_path / "t", 2, slow_rank=1)
+    bcp.save({"w": torch.ones(4, 4)}, tmp_path / "ck")
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ModuleNotFoundError
+    assert cli_main(["trace", str(tmp_path / "t"), "--png", str(tmp_path / "a.png")]) == 1
+    err = capsys.readouterr().err
+    assert "bcp-checkpoint[viz]" in err and len(err.strip().splitlines()) == 1, err
+    assert cli_main(["inspect", str(tmp_path / "ck"), "--layout", str(tmp_path / "b.png")]) == 1
+    assert "bcp-checkpoint[viz]" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.png"))
 
 
 def test_trace_command_picks_an_operation(tmp_path, capsys):
