@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any, Unpack
 
 from bcp.backends import join_uri
@@ -35,13 +36,15 @@ from .collectives import Coordinator, decide
 from .housekeeping import DEFAULT_GRACE_SECONDS, check_policy, committed_steps, plan_gc, run_gc, write_latest
 from .io_scheduler.staging import StagingReservation
 from .lanes import coordinator_for
-from .loader import LoadInfo, load_with_info
+from .loader import load_with_info
 from .metrics import MetricsCallback, MetricsRecord, stage_gbps
 from .options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
 from .saver import SaveInfo, save
 from .target import resolve_backend
 from .tiers import LocalTier
+from .tiers.recover import RecoveryInfo, recover_latest_with_info
 from .tiers.tier import Tier
+from .trace import StageTotal
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +106,9 @@ class CheckpointManager:
         self.backend = resolve_backend(self.root_uri, self.storage_options)
         self._pending: tuple[AsyncSaveHandle, int] | None = None
         self.metrics = metrics
-        #: (step, retry count at the call, seconds the call blocked) of the save whose record is due
-        self._due: tuple[int, int, float] | None = None
+        #: the save whose record is due: (step, retry count at the call, seconds the call blocked,
+        #: perf_counter seconds at the call)
+        self._due: tuple[int, int, float, float] | None = None
         self._reservation: StagingReservation | None = None
         # a restart: check every kept step once; a failure raises on every rank
         coord = self._coord("CheckpointManager()")
@@ -177,8 +181,8 @@ class CheckpointManager:
         if self._tier is not None:
             route = self._tier.save(step, state, opts, self.overlap)
             if route == "local":
-                self._due = (step, retries, time.perf_counter() - called)
-                if not self.async_save:
+                self._due = (step, retries, time.perf_counter() - called, called)
+                if not self.async_save:  # the record: when the local save and its replication are done
                     info = self._wait_pending()
                     self._tier.wait_drain()
                     return info
@@ -186,11 +190,11 @@ class CheckpointManager:
                 return None
         if self.async_save:
             self._pending = (async_save(state, self.uri(step), opts, overlap=self.overlap), step)
-            self._due = (step, retries, self._pending[0].blocking_seconds)
+            self._due = (step, retries, self._pending[0].blocking_seconds, called)
             return None
         info = save(state, self.uri(step), opts)
         self._committed(step, "CheckpointManager.save")
-        self._report_save(info, (step, retries, info.seconds), "persistent")
+        self._report_save(info, (step, retries, info.seconds, called), "persistent")
         return info
 
     def wait(self) -> SaveInfo | None:
@@ -215,18 +219,25 @@ class CheckpointManager:
         self._report_save(info, self._due, "persistent")
         return info
 
-    def _report_save(self, info: SaveInfo, due: tuple[int, int, float] | None, tier: str) -> None:
-        """Hand the metrics callback the record of a completed save."""
+    def _report_save(self, info: SaveInfo, due: tuple[int, int, float, float] | None, tier: str) -> None:
+        """Hand the metrics callback the record of a completed save. A local save's
+        total runs to the end of its replication (``Tier.done_at``), which a
+        synchronous manager waits for: then it is the blocking time too."""
         self._due = None
         if self.metrics is None or due is None:
             return
-        step, retries, blocking = due
+        step, retries, blocking, called = due
+        total = info.seconds
+        if tier == "local" and self._tier is not None:
+            total = max(self._tier.done_at - called, blocking)
+            if not self.async_save:
+                blocking = total
         self.metrics(
             MetricsRecord(
                 step=step,
                 kind="save",
                 blocking_seconds=blocking,
-                total_seconds=info.seconds,
+                total_seconds=total,
                 bytes=info.rank_bytes_written,
                 gbps=stage_gbps(info.stages),
                 retries=retry_count() - retries,
@@ -234,17 +245,24 @@ class CheckpointManager:
             )
         )
 
-    def _report_load(self, step: int, info: LoadInfo, retries: int) -> None:
+    def _report_load(
+        self, step: int, nbytes: int, stages: Mapping[str, StageTotal], since: tuple[float, int], tier: str
+    ) -> None:
+        """Hand the metrics callback the record of a load that ``load_latest`` started at
+        ``since`` (perf_counter seconds, retry count)."""
         if self.metrics is not None:
+            called, retries = since
+            seconds = time.perf_counter() - called
             self.metrics(
                 MetricsRecord(
                     step=step,
                     kind="load",
-                    blocking_seconds=info.seconds,
-                    total_seconds=info.seconds,
-                    bytes=info.bytes_read,
-                    gbps=stage_gbps(info.stages),
+                    blocking_seconds=seconds,
+                    total_seconds=seconds,
+                    bytes=nbytes,
+                    gbps=stage_gbps(stages),
                     retries=retry_count() - retries,
+                    tier="local" if tier == "local" else "persistent",
                 )
             )
 
@@ -258,6 +276,7 @@ class CheckpointManager:
         will need, in the background (``bcp.reserve_staging``), so the first save of
         the run finds it pinned."""
         self.wait()
+        since = (time.perf_counter(), retry_count())  # the load's own cost, from here
         # the manager's storage options and process group, whichever tier the step comes from
         opts = dataclasses.replace(
             LoadOptions.of(options, overrides),
@@ -270,25 +289,23 @@ class CheckpointManager:
             # the local tier's recovery (docs/tiers.md, "Recovering"): a local step newer than the root's
             recovered = self._recover_from_local_tier(state, opts)
             if recovered is not None:
+                self._report_load(recovered.step, recovered.load.bytes_read, recovered.stages, since, "local")
                 self.reserve_staging(state)
-                return recovered
+                return recovered.step, recovered.state
         step = decide(self._coord("CheckpointManager.load_latest"), "finding the latest step", self.latest)
         if step is None:
             self.reserve_staging(state)
             return None, state
-        retries = retry_count()
         info = load_with_info(state, self.uri(step), opts)
-        self._report_load(step, info, retries)
+        self._report_load(step, info.bytes_read, info.stages, since, "persistent")
         self.reserve_staging(state)
         return step, info.state
 
-    def _recover_from_local_tier(self, state: Any, opts: LoadOptions) -> tuple[int | None, Any] | None:
+    def _recover_from_local_tier(self, state: Any, opts: LoadOptions) -> RecoveryInfo | None:
         """(all ranks) Load the newest complete local step when it is at least as new
         as the root's newest (docs/tiers.md, "Recovering"); None: load from the root."""
-        from .tiers.recover import recover_latest
-
         assert self._tier is not None
-        return recover_latest(
+        return recover_latest_with_info(
             state,
             local_root=self._tier.root,
             persistent_root=self.root_uri,

@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -101,6 +102,12 @@ def directory_of(option: TraceOption) -> TraceOption:
     return option
 
 
+def host_name() -> str:
+    """The host a trace file says its rank ran on: ``BCP_HOST_ID`` when set, else the
+    host name (as the local tier names hosts; ``bcp trace`` adds up a host's ranks)."""
+    return os.environ.get("BCP_HOST_ID") or socket.gethostname()
+
+
 @dataclasses.dataclass(frozen=True)
 class StageTotal:
     """One stage on one rank: seconds it was active (overlapping spans counted once) and bytes moved."""
@@ -177,7 +184,7 @@ class Session:
             {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": name}}
             for tid, name in self.threads.items()
         ]
-        info = {"rank": self.rank, "kind": self.kind, "label": self.label, **other}
+        info = {"rank": self.rank, "host": host_name(), "kind": self.kind, "label": self.label, **other}
         return {"traceEvents": self.events + meta, "displayTimeUnit": "ms", "otherData": info}
 
     def totals(self) -> dict[str, StageTotal]:
@@ -186,14 +193,22 @@ class Session:
     def end(self, nbytes: int = 0, **other: Any) -> dict[str, StageTotal]:
         """Close the session: record its whole span (``kind``), write the file when it
         has a directory, return the stage totals. A failure to write is logged, never raised."""
-        global _active
         record(self.kind, self.start, time.perf_counter_ns(), nbytes)
-        with _lock:
-            rest = tuple(s for s in _active or () if s is not self)
-            _active = rest or None
+        self._close()
         if self.directory is not None:
             self.path = self._write(other)
         return self.totals()
+
+    def cancel(self) -> None:
+        """Close the session without a file: it turned out to be no operation (a
+        recovery that found no local step)."""
+        self._close()
+
+    def _close(self) -> None:
+        global _active
+        with _lock:
+            rest = tuple(s for s in _active or () if s is not self)
+            _active = rest or None
 
     def _write(self, other: Mapping[str, Any]) -> Path | None:
         import logging

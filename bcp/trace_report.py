@@ -6,6 +6,14 @@ chrome://tracing) and :func:`summarise`: per operation (a save or a load, known 
 its kind and checkpoint id) and per stage, the time each rank spent in it (the union
 of its spans: overlapping chunk spans of several threads count once), the slowest
 rank, the median, the stragglers and the stage's GB/s.
+
+Given the measured speeds of the disk and the network (:class:`Speeds`; ``bcp trace
+--disk-gbps/--network-gbps``, or ``--measure URI``: :func:`bcp.benchmark.storage_speed`),
+it also puts the stages that move bytes through one of them against its speed
+(:data:`MEASURED_STAGES`): per host (the ``host`` of the trace files: a host's ranks
+share its disk and network), the bytes its ranks moved in the stage over the time any
+of them was in it, for the host that spent longest in it; the share of the measured
+speed that is, and the time the bytes would take at that speed.
 """
 
 from __future__ import annotations
@@ -16,9 +24,10 @@ import re
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from .trace import StageTotal, stage_totals
+from .trace import StageTotal, active_seconds, stage_totals
 
 #: the files ``bcp.trace`` writes (the merged file does not match)
 RANK_FILE = re.compile(r".+\.rank(\d+)\.json$")
@@ -69,6 +78,70 @@ def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+Resource = Literal["disk", "network"]
+
+#: stage -> (what it moves bytes through, direction): "storage" is where the checkpoint
+#: is (a local path: the disk; anything else: the network to the store); "network" the
+#: network between ranks (gloo: shared reads, the local tier's peer exchange)
+MEASURED_STAGES: dict[str, tuple[str, str]] = {
+    "write": ("storage", "write"),
+    "fetch": ("storage", "read"),
+    "exchange": ("network", "read"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Speeds:
+    """Measured speeds in GB/s (10^9 bytes/s) of one host's disk and network, each
+    ``(write, read)``; None: not known."""
+
+    disk: tuple[float, float] | None = None
+    network: tuple[float, float] | None = None
+
+    def of(self, resource: Resource, direction: str) -> float | None:
+        pair = self.disk if resource == "disk" else self.network
+        if pair is None:
+            return None
+        return pair[0] if direction == "write" else pair[1]
+
+
+def storage_kind(uri: str) -> Resource | None:
+    """What a checkpoint at ``uri`` is moved through: "disk" (a local path), "network"
+    (an object store, HDFS, ...), None (``memory://``: neither)."""
+    scheme = urlsplit(uri).scheme.lower() if "://" in uri or uri.lower().startswith("file:") else ""
+    if scheme in ("", "file"):
+        return "disk"
+    return None if scheme == "memory" else "network"
+
+
+@dataclasses.dataclass(frozen=True)
+class Against:
+    """One stage against the measured speed of what it used, on its slowest host."""
+
+    resource: Resource
+    direction: str
+    #: the measured speed, GB/s
+    speed_gbps: float
+    host: str
+    #: the host's ranks' bytes in the stage, and the seconds any of them was in it
+    nbytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def share(self) -> float:
+        """The host's GB/s in the stage as a fraction of the measured speed."""
+        return self.gbps / self.speed_gbps
+
+    @property
+    def at_speed_seconds(self) -> float:
+        """How long the host's bytes take at the measured speed."""
+        return self.nbytes / (self.speed_gbps * 1e9)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageSummary:
     """One stage of one operation, over its ranks."""
@@ -80,6 +153,8 @@ class StageSummary:
     per_rank: dict[int, float]
     #: ranks more than the straggler threshold slower than the median
     stragglers: tuple[int, ...]
+    #: the stage against the measured speed of what it moves bytes through (speeds given)
+    against: Against | None = None
 
     @property
     def total_seconds(self) -> float:
@@ -113,7 +188,11 @@ class OperationSummary:
 
 
 def summarise(
-    docs: Sequence[dict[str, Any]], *, straggler_pct: float = 20.0, min_seconds: float = 0.001
+    docs: Sequence[dict[str, Any]],
+    *,
+    straggler_pct: float = 20.0,
+    min_seconds: float = 0.001,
+    speeds: Speeds | None = None,
 ) -> list[OperationSummary]:
     """Per operation, per stage: see the module's docstring. A straggler is a rank
     more than ``straggler_pct`` percent and ``min_seconds`` slower than the median."""
@@ -137,13 +216,43 @@ def summarise(
         for name in sorted(first, key=lambda n: first[n]):
             per_rank = {r: t[name].seconds for r, t in sorted(totals.items()) if name in t}
             nbytes = sum(t[name].nbytes for t in totals.values() if name in t)
+            against = _against(members, name, speeds) if speeds is not None and nbytes else None
             stages.append(
-                StageSummary(name, counts[name], nbytes, per_rank, stragglers(per_rank, straggler_pct, min_seconds))
+                StageSummary(
+                    name, counts[name], nbytes, per_rank, stragglers(per_rank, straggler_pct, min_seconds), against
+                )
             )
         whole = next((s for s in stages if s.stage == kind), None)
         seconds = whole.slowest[1] if whole is not None else 0.0
         out.append(OperationSummary(kind, label, tuple(sorted(totals)), seconds, tuple(stages)))
     return out
+
+
+def _against(docs: Sequence[dict[str, Any]], stage: str, speeds: Speeds) -> Against | None:
+    """``stage`` of one operation's rank files against its measured speed (None: not a
+    measured stage, or its speed is not known)."""
+    if stage not in MEASURED_STAGES:
+        return None
+    via, direction = MEASURED_STAGES[stage]
+    resource: Resource | None = "network"
+    if via == "storage":
+        uri = str(docs[0].get("otherData", {}).get("uri", ""))
+        resource = storage_kind(uri) if uri else None
+    speed = speeds.of(resource, direction) if resource is not None else None
+    if resource is None or speed is None or speed <= 0:
+        return None
+    intervals: dict[str, list[tuple[float, float]]] = {}
+    nbytes: dict[str, int] = {}
+    for doc in docs:
+        other = doc.get("otherData", {})
+        host = str(other.get("host") or f"rank {other.get('rank', 0)}")
+        for e in doc["traceEvents"]:
+            if e.get("ph") == "X" and e["name"] == stage:
+                intervals.setdefault(host, []).append((e["ts"], e["ts"] + e["dur"]))
+                nbytes[host] = nbytes.get(host, 0) + int(e.get("args", {}).get("bytes", 0))
+    seconds = {host: active_seconds(iv) / 1e6 for host, iv in intervals.items()}
+    host = max(seconds, key=lambda h: (seconds[h], h))
+    return Against(resource, direction, speed, host, nbytes[host], seconds[host])
 
 
 def stragglers(per_rank: dict[int, float], pct: float, min_seconds: float = 0.0) -> tuple[int, ...]:

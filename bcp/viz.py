@@ -4,9 +4,11 @@
 inside it, each stage's active time (its spans' union) as bars. :func:`draw_layout`
 (``bcp inspect URI --layout``): which writer rank holds which box of a tensor over
 its first two dimensions (a 1-d tensor: flat ranges), and with ``world`` how that
-many ranks splitting dimension 0 evenly would read it. Both return what they drew as
-data (:class:`Rect`), so a test can compare the picture with the trace or the catalog.
-matplotlib is imported only when a picture is drawn.
+many ranks would read it: dimension 0 split as ``torch.chunk`` splits it (DTensor's
+``Shard(0)``, FSDP2), and with the tensor's catalog entry, which writers' boxes
+bcp's own read plan reads each share from (:func:`reader_shares`). Both return what
+they drew as data (:class:`Rect`), so a test can compare the picture with the trace
+or the catalog. matplotlib is imported only when a picture is drawn.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bcp.metadata import TensorEntry
+
 from .extras import needs_extra
+from .io_scheduler.read_plan import touched_rows
 from .trace import active_seconds
 
 #: the picture's width in inches and dots per inch: a PNG is WIDTH * DPI pixels wide
@@ -107,6 +112,44 @@ def draw_timeline(docs: Sequence[dict[str, Any]], path: str | Path) -> list[Rect
     return rects
 
 
+@dataclasses.dataclass(frozen=True)
+class ReaderShare:
+    """What one rank of a target world size reads of a tensor."""
+
+    rank: int
+    #: rows ``[start, stop)`` of dimension 0 (elements of a 1-d tensor); empty when start == stop
+    start: int
+    stop: int
+    #: writer ranks of the stored boxes the read plan reads the share from (empty: not computed)
+    writers: tuple[int, ...] = ()
+    #: stored boxes read
+    boxes: int = 0
+
+
+def reader_rows(n: int, world: int) -> list[tuple[int, int]]:
+    """Rows ``[start, stop)`` of each of ``world`` ranks splitting ``n`` rows as
+    ``torch.chunk`` does (DTensor ``Shard(0)``, FSDP2): ``ceil(n / world)`` each, the
+    last ranks fewer or none."""
+    size = -(-n // world)
+    return [(min(r * size, n), min((r + 1) * size, n)) for r in range(world)]
+
+
+def reader_shares(entry: TensorEntry, world: int) -> list[ReaderShare]:
+    """Each of ``world`` ranks' rows (:func:`reader_rows`) and the stored boxes bcp's
+    read plan reads them from (the replica each rank would choose, as a load does)."""
+    shape = tuple(entry.global_shape)
+    out = []
+    for rank, (start, stop) in enumerate(reader_rows(shape[0], world)):
+        if stop <= start:
+            out.append(ReaderShare(rank, start, stop))
+            continue
+        box = ((start, *[0] * (len(shape) - 1)), (stop - start, *shape[1:]))
+        _boxes, rows, _offsets, _lengths = touched_rows(entry, [box], prefer_rank=rank)
+        writers = tuple(sorted({int(w) for w in entry.writer_ranks[rows]}))
+        out.append(ReaderShare(rank, start, stop, writers, len(rows)))
+    return out
+
+
 def _two_d(offsets: Sequence[int], lengths: Sequence[int]) -> tuple[float, float, float, float]:
     """A box as (x0, x1, y0, y1): dim 1 across and dim 0 down; a 1-d box is a flat range on one row."""
     if len(offsets) == 1:
@@ -114,9 +157,15 @@ def _two_d(offsets: Sequence[int], lengths: Sequence[int]) -> tuple[float, float
     return offsets[1], offsets[1] + lengths[1], offsets[0], offsets[0] + lengths[0]
 
 
-def layout_rects(fragments: Sequence[Any], shape: Sequence[int], world: int | None = None) -> list[Rect]:
+def layout_rects(
+    fragments: Sequence[Any],
+    shape: Sequence[int],
+    world: int | None = None,
+    shares: Sequence[ReaderShare] | None = None,
+) -> list[Rect]:
     """The fragments' boxes over the tensor's first two dims (one rectangle per distinct
-    2-d box and writer rank), and with ``world`` each reader rank's even share of dim 0."""
+    2-d box and writer rank), and each reader's share of dim 0: ``shares``, or with
+    ``world`` alone the rows of :func:`reader_rows` (no writers named)."""
     if not shape:
         raise ValueError("a 0-d tensor has no layout to draw")
     seen: dict[tuple, Rect] = {}
@@ -124,23 +173,34 @@ def layout_rects(fragments: Sequence[Any], shape: Sequence[int], world: int | No
         x0, x1, y0, y1 = _two_d(f.offsets, f.lengths)
         seen.setdefault((x0, x1, y0, y1, f.writer_rank), Rect(x0, x1, y0, y1, "fragment", f.writer_rank, f.file))
     rects = list(seen.values())
-    if world:
-        rows = shape[0]
-        for r in range(world):
-            lo, hi = rows * r // world, rows * (r + 1) // world
-            if hi > lo:
-                x0, x1, y0, y1 = _two_d((lo, *[0] * (len(shape) - 1)), (hi - lo, *shape[1:]))
-                rects.append(Rect(x0, x1, y0, y1, "read", r, f"reader {r}"))
+    if shares is None and world:
+        shares = [ReaderShare(r, lo, hi) for r, (lo, hi) in enumerate(reader_rows(shape[0], world))]
+    for share in shares or ():
+        lo, hi = share.start, share.stop
+        if hi > lo:
+            x0, x1, y0, y1 = _two_d((lo, *[0] * (len(shape) - 1)), (hi - lo, *shape[1:]))
+            label = f"reader {share.rank}"
+            if share.writers:
+                label += f" <- writer {', '.join(map(str, share.writers))}"
+            rects.append(Rect(x0, x1, y0, y1, "read", share.rank, label))
     return rects
 
 
 def draw_layout(
-    fragments: Sequence[Any], shape: Sequence[int], fqn: str, path: str | Path, world: int | None = None
+    fragments: Sequence[Any],
+    shape: Sequence[int],
+    fqn: str,
+    path: str | Path,
+    world: int | None = None,
+    *,
+    entry: TensorEntry | None = None,
 ) -> list[Rect]:
     """Draw which writer rank holds which box of tensor ``fqn`` (and with ``world``,
-    the readers' even row split as outlines) to the PNG ``path``; returns the rectangles."""
+    each reader's rows as outlines, labelled with the writers it reads from when the
+    catalog ``entry`` is given) to the PNG ``path``; returns the rectangles."""
     plt = _pyplot()
-    rects = layout_rects(fragments, shape, world)
+    shares = reader_shares(entry, world) if world and entry is not None else None
+    rects = layout_rects(fragments, shape, world, shares)
     writers = sorted({r.rank for r in rects if r.kind == "fragment"})
     colours = _colours(writers)
     fig, ax = plt.subplots(figsize=(WIDTH, 6.0), dpi=DPI)
@@ -151,7 +211,7 @@ def draw_layout(
             patch = plt.Rectangle(
                 (r.x0, r.y0), r.x1 - r.x0, r.y1 - r.y0, fill=False, edgecolor="black", linestyle="--", linewidth=1.5
             )
-            ax.text(r.x0, (r.y0 + r.y1) / 2, f" reader {r.rank}", va="center", fontsize="small")
+            ax.text(r.x0, (r.y0 + r.y1) / 2, f" {r.label}", va="center", fontsize="small")
         ax.add_patch(patch)
     width = shape[1] if len(shape) > 1 else shape[0]
     height = shape[0] if len(shape) > 1 else 1

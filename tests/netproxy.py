@@ -27,7 +27,12 @@ responses beyond their headers), chosen with a seeded random generator:
   is reset before any of the answer comes back (the client cannot tell whether it
   took effect: the case that idempotent commits are for).
 
-``methods`` limits the faults to some HTTP methods (uploads are PUT and POST).
+``methods`` limits the faults to some HTTP methods (uploads are PUT and POST), ``path``
+to the requests whose target (path and query) contains the given text.
+
+For a test that needs an exact count rather than a share: ``slowdown_first`` = N answers
+the first N requests the faults apply to ``503 SlowDown`` (counted as ``slowdown``),
+whatever the shares and the seed; the shares apply to the requests after them.
 
 Run it as a process (``python tests/netproxy.py --target http://127.0.0.1:PORT ...``;
 it prints ``listening PORT`` when ready) or use :func:`proxied`, which does that and
@@ -69,6 +74,8 @@ class Settings:
     reset: float = 0.0
     lost: float = 0.0
     methods: frozenset[str] = frozenset()
+    path: str = ""
+    slowdown_first: int = 0
     seed: int = 0
 
 
@@ -159,10 +166,15 @@ class Connection:
         #: a stalled request: the server's answer is dropped, never delivered
         self.swallow = False
 
-    def choose_fault(self, method: str) -> str | None:
+    def choose_fault(self, method: str, target: str) -> str | None:
         s = self.settings
         if s.methods and method not in s.methods:
             return None
+        if s.path and s.path not in target:
+            return None
+        if self.proxy.first_left > 0:
+            self.proxy.first_left -= 1
+            return "slowdown"
         draw = self.proxy.random.random()
         for kind, share in (("slowdown", s.slowdown), ("stall", s.stall), ("reset", s.reset), ("lost", s.lost)):
             if draw < share:
@@ -185,14 +197,15 @@ class Connection:
                 raise Reset() from None
             self.proxy.stats.requests += 1
             lines = head.decode("latin-1").split("\r\n")
-            method = lines[0].split(" ", 1)[0].upper()
+            method, _, rest = lines[0].partition(" ")
+            method, target = method.upper(), rest.rpartition(" ")[0]
             headers = {":method": method}
             for line in lines[1:]:
                 name, _, value = line.partition(":")
                 headers[name.strip().lower()] = value.strip()
             length = int(headers.get("content-length", "0") or 0)
             chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-            fault = self.choose_fault(method)
+            fault = self.choose_fault(method, target)
             if fault:
                 setattr(self.proxy.stats, fault, getattr(self.proxy.stats, fault) + 1)
             if fault == "slowdown":
@@ -331,6 +344,8 @@ class Proxy:
         self.target = (target_host, target_port)
         self.settings = settings
         self.random = random.Random(settings.seed)
+        #: requests still to answer 503 under ``slowdown_first``
+        self.first_left = settings.slowdown_first
         self.stats = Stats()
         self.bytes_up, self.bytes_down = [0], [0]
         self.tasks: set[asyncio.Task] = set()
@@ -379,7 +394,7 @@ def proxied(endpoint: str, *, stats: Path | None = None, **settings) -> Iterator
     for name, value in settings.items():
         if name == "methods":
             value = ",".join(sorted(value))
-        argv += [f"--{name}", str(value)]
+        argv += [f"--{name.replace('_', '-')}", str(value)]
     if stats is not None:
         argv += ["--stats", str(stats)]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
@@ -413,6 +428,10 @@ def main() -> None:
     parser.add_argument("--reset", type=float, default=0.0, help="share of requests reset mid-body")
     parser.add_argument("--lost", type=float, default=0.0, help="share of requests whose answer is lost")
     parser.add_argument("--methods", default="", help="comma-separated methods the faults apply to (default all)")
+    parser.add_argument("--path", default="", help="faults apply only to requests whose target contains this")
+    parser.add_argument(
+        "--slowdown-first", type=int, default=0, help="answer the first N requests the faults apply to 503 SlowDown"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stats", default=None, help="write counts here (JSON) on SIGTERM")
     args = parser.parse_args()
@@ -425,6 +444,8 @@ def main() -> None:
         reset=args.reset,
         lost=args.lost,
         methods=frozenset(m.upper() for m in args.methods.split(",") if m),
+        path=args.path,
+        slowdown_first=args.slowdown_first,
         seed=args.seed,
     )
     asyncio.run(serve(args.target, settings, args.stats, args.port))

@@ -73,6 +73,27 @@ def test_the_proxy_adds_latency_and_caps_bandwidth(moto_server):
     assert read >= (4 << 20) / 8e6 * 0.9  # 4 MiB at 8 MB/s: half a second at least
 
 
+def test_the_proxy_throttles_exactly_the_first_n_requests_it_may_fault(moto_server, tmp_path):
+    """``slowdown_first``: a count, not a share; ``path`` and ``methods`` say which requests count."""
+    bucket = new_bucket(moto_server)
+    direct = backend_for(store_uri("moto", moto_server, bucket))
+    direct.write("data/a", b"x" * 10)
+    direct.write("other", b"y")
+    stats = tmp_path / "stats.json"
+    with proxied(moto_server.endpoint, stats=stats, slowdown_first=2, path="/data/", methods={"GET"}) as endpoint:
+        once = backend_for(store_uri("moto", _via(endpoint), bucket, retries="0"))  # no retry: each fault shows
+        assert once.read("other") == b"y", "another path: never throttled"
+        once.write("data/b", b"z")  # a PUT: not a method the faults apply to
+        for _ in range(2):
+            with pytest.raises(bcp.StorageError, match="gave up after 1 attempt"):
+                once.read("data/a")
+        assert once.read("data/a") == b"x" * 10, "the third request for it goes through"
+        assert once.read("data/b") == b"z"
+    injected = read_stats(stats)
+    assert injected.slowdown == 2 and injected.requests >= 6, injected
+    assert injected.reset == injected.stall == injected.lost == 0
+
+
 @pytest.mark.parametrize("kind", ["moto", "rclone", "gcs"])
 @pytest.mark.parametrize(
     "fault",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import shutil
+import sys
 import tracemalloc
 
 import pytest
@@ -17,7 +19,7 @@ import bcp
 import dist_jobs
 from bcp import trace
 from bcp.cli import main as cli_main
-from bcp.trace_report import read_traces, stragglers, summarise
+from bcp.trace_report import Speeds, read_traces, storage_kind, stragglers, summarise
 
 SAVE_STAGES = {"save", "plan", "stage", "copy", "checksum", "write", "drain", "durable", "commit"}
 LOAD_STAGES = {"load", "catalog", "plan", "read", "fetch", "verify", "objects"}
@@ -72,6 +74,7 @@ def test_traced_save_and_load_one_process(tmp_path):
     info = bcp.save(state, tmp_path / "ck", trace=out)
     doc = only_file(out, "save")
     assert doc["otherData"]["save_id"] == info.save_id and doc["otherData"]["rank"] == 0
+    assert doc["otherData"]["host"] == trace.host_name()
     names = {e["name"] for e in spans(doc)}
     assert names >= SAVE_STAGES, SAVE_STAGES - names
     check_nesting(doc, "save")
@@ -145,12 +148,15 @@ def _traced_job(rank: int, world: int, directory: str) -> None:
     template = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
     loaded = bcp.load_with_info(template, base / "ck", trace=base / "trace")
     assert torch.equal(loaded.state["w3"], state["w3"])
+    shared = bcp.load_with_info(template, base / "ck", trace=base / "shared", share_reads=True)
+    assert torch.equal(shared.state["big"], state["big"])
     facts = {
         "tensor_bytes": info.tensor_bytes,
         "rank_bytes_written": info.rank_bytes_written,
         "bytes_written": info.bytes_written,
         "bytes_read": loaded.bytes_read,
         "verify_bytes": loaded.verify_bytes,
+        "shared_bytes_read": shared.bytes_read,
     }
     (base / f"facts{rank}.json").write_text(json.dumps(facts))
     dist.barrier()
@@ -172,6 +178,16 @@ def test_traced_save_and_load_two_ranks(tmp_path, capsys):
         assert bytes_of(saves[rank], "save") == facts[rank]["rank_bytes_written"]
         assert bytes_of(loads[rank], "read") == bytes_of(loads[rank], "load") == facts[rank]["bytes_read"]
         assert facts[rank]["bytes_read"] <= bytes_of(loads[rank], "fetch") <= facts[rank]["bytes_written"]
+    # share_reads: each rank reads what it owns and receives the rest from the other over gloo
+    for rank in range(2):
+        doc = json.loads(next((tmp_path / "shared").glob(f"load-*.rank{rank}.json")).read_text())
+        check_nesting(doc, "load")
+        (exchange,) = [e for e in spans(doc) if e["name"] == "exchange"]
+        (shared,) = [e for e in spans(doc) if e["name"] == "shared"]
+        assert shared["ts"] <= exchange["ts"] and exchange["ts"] + exchange["dur"] <= shared["ts"] + shared["dur"] + 1
+        # what it read from storage and what it received make the whole state, once
+        assert exchange["args"]["bytes"] > 0
+        assert exchange["args"]["bytes"] + facts[rank]["shared_bytes_read"] == facts[rank]["tensor_bytes"]
     # replicated tensors are written once: the ranks' checksummed bytes add up to the job's
     assert sum(bytes_of(d, "checksum") for d in saves) == facts[0]["tensor_bytes"]
     assert sum(bytes_of(d, "save") for d in saves) == facts[0]["bytes_written"]
@@ -189,8 +205,29 @@ def test_traced_save_and_load_two_ranks(tmp_path, capsys):
     assert write["bytes"] == facts[0]["tensor_bytes"]
 
 
-def synthetic(directory: pathlib.Path, world: int, slow_rank: int) -> None:
-    """A save on ``world`` ranks where ``slow_rank`` writes for 3 s and the others for 1 s."""
+def test_async_save_and_the_manager_pass_trace_on(tmp_path):
+    state = make_state()
+    handle = bcp.async_save(state, tmp_path / "a", trace=tmp_path / "t1")
+    info = handle.wait()
+    doc = only_file(tmp_path / "t1", "save")
+    names = {e["name"] for e in spans(doc)}
+    assert names >= SAVE_STAGES | {"blocking"}, SAVE_STAGES - names
+    (blocking,) = [e for e in spans(doc) if e["name"] == "blocking"]
+    assert blocking["dur"] / 1e6 == pytest.approx(handle.blocking_seconds, abs=0.01)
+    assert bytes_of(doc, "save") == info.rank_bytes_written and info.stages["blocking"].seconds > 0
+
+    template = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+    with bcp.CheckpointManager(tmp_path / "run", async_save=False) as manager:
+        saved = manager.save(4, state, trace=tmp_path / "t2")
+        step, loaded = manager.load_latest(template, trace=tmp_path / "t2")
+    assert step == 4 and torch.equal(loaded["big"], state["big"])
+    assert saved is not None and only_file(tmp_path / "t2", "save")["otherData"]["save_id"] == saved.save_id
+    assert only_file(tmp_path / "t2", "load")["otherData"]["save_id"] == saved.save_id
+
+
+def synthetic(directory: pathlib.Path, world: int, slow_rank: int, *, hosts: int = 0, uri: str = "") -> None:
+    """A save on ``world`` ranks where ``slow_rank`` writes for 3 s and the others for 1 s,
+    2 GB each; with ``hosts``, consecutive ranks share a host ``h<i>``; ``uri``: the checkpoint's."""
     directory.mkdir()
     for rank in range(world):
         write_s = 3.0 if rank == slow_rank else 1.0
@@ -205,6 +242,10 @@ def synthetic(directory: pathlib.Path, world: int, slow_rank: int) -> None:
             for t in range(2)
         ]
         doc = {"traceEvents": events, "otherData": {"rank": rank, "kind": "save", "label": "s1"}}
+        if hosts:
+            doc["otherData"]["host"] = f"h{rank * hosts // world}"
+        if uri:
+            doc["otherData"]["uri"] = uri
         (directory / f"save-s1.rank{rank}.json").write_text(json.dumps(doc))
     (directory / "notes.json").write_text("not a trace")  # ignored: not a rank file
 
@@ -223,6 +264,94 @@ def test_trace_command_finds_stragglers(tmp_path, capsys):
     assert by_stage["plan"].stragglers == ()  # 0.2 s vs a 0.15 s median: within 50 %
     assert [s.stage for s in op.stages] == ["save", "plan", "write"]
     assert op.seconds == pytest.approx(5.0)
+
+
+def test_stages_against_measured_speeds_per_host(tmp_path):
+    synthetic(tmp_path / "t", 4, slow_rank=2, hosts=2, uri="/data/ck")
+    docs = read_traces(tmp_path / "t")
+    (op,) = summarise(docs, speeds=Speeds(disk=(4.0, 8.0)))
+    write = next(s for s in op.stages if s.stage == "write")
+    a = write.against
+    assert a is not None and (a.resource, a.direction, a.speed_gbps) == ("disk", "write", 4.0)
+    # host h1 (ranks 2 and 3): 4 GB while either wrote, 3 s (rank 2's [1, 4] s holds rank 3's [1, 2] s)
+    assert (a.host, a.nbytes, a.seconds) == ("h1", 4_000_000_000, pytest.approx(3.0))
+    assert a.gbps == pytest.approx(4 / 3) and a.share == pytest.approx(1 / 3) and a.at_speed_seconds == 1.0
+    assert all(s.against is None for s in op.stages if s.stage != "write"), "save and plan are not put against"
+    # no host in the files: each rank is its own host
+    shutil.rmtree(tmp_path / "t")
+    synthetic(tmp_path / "t", 4, slow_rank=2, uri="file:///data/ck")
+    (op,) = summarise(read_traces(tmp_path / "t"), speeds=Speeds(disk=(4.0, 8.0)))
+    a = next(s for s in op.stages if s.stage == "write").against
+    assert a is not None and (a.host, a.nbytes, a.seconds) == ("rank 2", 2_000_000_000, pytest.approx(3.0))
+    # an object store is reached through the network: the disk's speed does not apply
+    for uri, speeds, resource in [
+        ("s3://bucket/ck", Speeds(disk=(4.0, 4.0)), None),
+        ("s3://bucket/ck", Speeds(network=(1.0, 2.0)), "network"),
+        ("memory://ck", Speeds(disk=(1.0, 1.0), network=(1.0, 1.0)), None),
+    ]:
+        shutil.rmtree(tmp_path / "t")
+        synthetic(tmp_path / "t", 2, slow_rank=1, uri=uri)
+        (op,) = summarise(read_traces(tmp_path / "t"), speeds=speeds)
+        a = next(s for s in op.stages if s.stage == "write").against
+        assert (a.resource if a else None) == resource, uri
+
+
+@pytest.mark.parametrize(
+    ("uri", "kind"),
+    [
+        ("/abs/ck", "disk"),
+        ("rel/ck", "disk"),
+        ("file:///abs/ck", "disk"),
+        ("FILE:/abs/ck", "disk"),
+        ("s3://b/ck", "network"),
+        ("gs://b/ck", "network"),
+        ("hdfs://nn/ck", "network"),
+        ("memory://ck", None),
+    ],
+)
+def test_storage_kind(uri, kind):
+    assert storage_kind(uri) == kind
+
+
+def test_trace_command_measures_and_compares(tmp_path, capsys):
+    synthetic(tmp_path / "t", 4, slow_rank=2, hosts=2, uri=str(tmp_path / "ck"))
+    assert cli_main(["trace", str(tmp_path / "t"), "--disk-gbps", "4,8"]) == 0
+    text = capsys.readouterr().out
+    assert "write      disk write 4.00 GB/s: host h1 moved 3.7 GiB in 3.000 s = 1.33 GB/s, 33% of it" in text
+    assert "(1.000 s at that speed)" in text
+    # --measure: the disk where the checkpoints are, measured for real; its speeds are the ones compared
+    (tmp_path / "disk").mkdir()
+    argv = ["trace", str(tmp_path / "t"), "--json", "--measure", str(tmp_path / "disk"), "--measure-mib", "8"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    write_gbps, read_gbps = report["speeds"]["disk"]
+    assert write_gbps > 0 and read_gbps > 0 and report["speeds"]["network"] is None
+    assert f"write {write_gbps:.2f} GB/s, read {read_gbps:.2f} GB/s" in out.err and "(disk, 8.0 MiB)" in out.err
+    (op,) = report["operations"]
+    against = next(s for s in op["stages"] if s["stage"] == "write")["against"]
+    assert against["speed_gbps"] == write_gbps and against["host"] == "h1" and against["bytes"] == 4_000_000_000
+    assert list((tmp_path / "disk").iterdir()) == [], "the scratch object is deleted"
+    with pytest.raises(SystemExit) as usage:  # argparse's own refusal of the value
+        cli_main(["trace", str(tmp_path / "t"), "--disk-gbps", "0"])
+    assert usage.value.code == 2
+    assert "one or two speeds > 0" in capsys.readouterr().err
+    assert cli_main(["trace", str(tmp_path / "t"), "--measure", "memory://x"]) == 1
+    assert "no disk or network to measure" in capsys.readouterr().err
+
+
+def test_pictures_without_matplotlib_say_which_extra(tmp_path, capsys, monkeypatch):
+    synthetic(tmp_path / "t", 2, slow_rank=1)
+    bcp.save({"w": torch.ones(4, 4)}, tmp_path / "ck")
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ModuleNotFoundError
+    assert cli_main(["trace", str(tmp_path / "t"), "--png", str(tmp_path / "a.png")]) == 1
+    err = capsys.readouterr().err
+    assert "bcp-checkpoint[viz]" in err and len(err.strip().splitlines()) == 1, err
+    assert cli_main(["inspect", str(tmp_path / "ck"), "--layout", str(tmp_path / "b.png")]) == 1
+    assert "bcp-checkpoint[viz]" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.png"))
 
 
 def test_trace_command_picks_an_operation(tmp_path, capsys):

@@ -3,10 +3,13 @@ the size asked for, and the rectangles drawn are the trace's stages / the catalo
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import bcp
 import dist_jobs
@@ -17,7 +20,7 @@ from test_trace import synthetic
 pytest.importorskip("matplotlib")
 from matplotlib.image import imread
 
-from bcp.viz import DPI, WIDTH, draw_layout, draw_timeline
+from bcp.viz import DPI, WIDTH, draw_layout, draw_timeline, reader_rows, reader_shares
 
 
 def test_timeline_png(tmp_path, capsys):
@@ -32,6 +35,14 @@ def test_timeline_png(tmp_path, capsys):
     assert cli_main(["trace", str(tmp_path / "t"), "--png", str(tmp_path / "b.png")]) == 0
     assert imread(tmp_path / "b.png").shape == image.shape
     assert "picture:" in capsys.readouterr().out
+
+
+@given(st.integers(0, 40), st.integers(1, 9))
+def test_reader_rows_split_as_torch_chunk(n, world):
+    rows = reader_rows(n, world)
+    sizes = [len(c) for c in torch.arange(n).chunk(world)] if n else []
+    assert [b - a for a, b in rows] == sizes + [0] * (world - len(sizes))
+    assert rows[0][0] == 0 and rows[-1][1] == n and all(a[1] == b[0] for a, b in itertools.pairwise(rows))
 
 
 def _sharded_save_job(rank: int, world: int, uri: str) -> None:
@@ -59,14 +70,32 @@ def test_layout_png_matches_the_catalog(tmp_path, capsys):
     }
     assert drawn == stored == {(0, 6, 0, 4, 0), (0, 6, 4, 8, 1)}
     reads = sorted((r.y0, r.y1, r.rank) for r in rects if r.kind == "read")
-    assert reads == [(0, 2, 0), (2, 5, 1), (5, 8, 2)]  # 8 rows over 3 readers, evenly
+    assert reads == [(0, 3, 0), (3, 6, 1), (6, 8, 2)]  # 8 rows over 3 readers as torch.chunk splits them
+    # with the catalog entry, each reader's share names the writers bcp's read plan reads it from
+    rects = draw_layout(meta.fragments, tuple(meta.shape), "w", tmp_path / "w.png", world=3, entry=meta.entry)
+    labels = sorted(r.label for r in rects if r.kind == "read")
+    assert labels == ["reader 0 <- writer 0", "reader 1 <- writer 0, 1", "reader 2 <- writer 1"]
+    shares = reader_shares(meta.entry, 5)  # 2 rows each; the fifth reader gets none
+    assert [(s.start, s.stop, s.writers, s.boxes) for s in shares] == [
+        (0, 2, (0,), 1),
+        (2, 4, (0,), 1),
+        (4, 6, (1,), 1),
+        (6, 8, (1,), 1),
+        (8, 8, (), 0),
+    ]
 
     flat = reader.meta("v")
     ranges = draw_layout(flat.fragments, tuple(flat.shape), "v", tmp_path / "v.png")
     assert sorted((r.x0, r.x1, r.rank) for r in ranges) == [(0, 5, 0), (5, 10, 1)]
 
     out = pathlib.Path(tmp_path / "cli.png")
-    assert cli_main(["inspect", uri, "--layout", str(out), "--tensor", "w", "--world", "2"]) == 0
-    assert imread(out).ndim == 3 and "2 box(es) from 2 writer rank(s)" in capsys.readouterr().out
+    assert cli_main(["inspect", uri, "--layout", str(out), "--tensor", "w", "--world", "3"]) == 0
+    text = capsys.readouterr().out
+    assert imread(out).ndim == 3 and "2 box(es) from 2 writer rank(s)" in text
+    assert "reader 1: rows 3-5 from 2 stored box(es) of writer rank(s) 0, 1" in text
+    assert cli_main(["inspect", uri, "--layout", str(out), "--tensor", "v", "--world", "5"]) == 0
+    text = capsys.readouterr().out
+    assert "reader 2: elements 4-5 from 2 stored box(es) of writer rank(s) 0, 1" in text
+    assert "reader 4: elements 8-9 from 1 stored box(es) of writer rank(s) 1" in text
     assert cli_main(["inspect", uri, "--layout", str(out), "--tensor", "nope"]) == 2
     assert "--tensor is one of" in capsys.readouterr().err

@@ -11,12 +11,14 @@ seams bcp.tiers leaves for them (``replicate._write_chunk``, ``drain._upload_par
 A job may also start by recovering (``recover``: ``load_latest`` through the tier,
 the step and the run it matched written to ``recovered-rank<r>.json``) and save the
 steps after the one it recovered; values carry a ``run`` number, so a step saved
-again by a later job differs from the earlier save of the same step number.
+again by a later job differs from the earlier save of the same step number. With
+``metrics``, each rank writes the manager's metrics records (``metrics-rank<r>.json``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -175,7 +177,8 @@ def tier_job(rank: int, world: int, cfg: dict[str, Any], started: Any = None) ->
         keep=cfg.get("keep", 2),
         chunk_bytes=cfg.get("chunk_bytes", 4096),
     )
-    manager = bcp.CheckpointManager(cfg["root"], tier=tier)
+    records: list[bcp.MetricsRecord] = []
+    manager = bcp.CheckpointManager(cfg["root"], tier=tier, metrics=records.append if cfg.get("metrics") else None)
     fault = cfg.get("faults", {}).get(str(rank))
     if fault is not None:
         _install_fault(fault)
@@ -213,6 +216,12 @@ def tier_job(rank: int, world: int, cfg: dict[str, Any], started: Any = None) ->
             assert torch.equal(got["w"].local, want["w"].local), f"rank {rank}: step {step} differs"
             assert torch.equal(got["bias"], want["bias"]) and torch.equal(got["emb"], want["emb"])
             assert got["step"] == step
+    if cfg.get("metrics"):
+        with open(os.path.join(cfg["base"], f"metrics-rank{rank}.json"), "w") as f:
+            json.dump(
+                [{f.name: getattr(r, f.name) for f in dataclasses.fields(r)} | {"gbps": dict(r.gbps)} for r in records],
+                f,
+            )
     if rank == 0 and persisted_after:
         with open(os.path.join(cfg["base"], "persisted_after.json"), "w") as f:
             json.dump(persisted_after, f)

@@ -26,7 +26,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--layout", metavar="PNG", help="draw which writer rank holds which box of a tensor (viz extra)")
     p.add_argument("--tensor", help="the tensor --layout draws (default: the largest)")
-    p.add_argument("--world", type=int, help="--layout also outlines how N ranks splitting dim 0 evenly read it")
+    p.add_argument(
+        "--world",
+        type=int,
+        help="--layout also outlines how N ranks read it (dim 0 split as torch.chunk / DTensor Shard(0) split it)",
+    )
 
 
 def _stats_as_expected(stats: dict[str, Any]) -> bool:
@@ -97,12 +101,24 @@ def draw(reader: CheckpointReader, args: argparse.Namespace) -> int:
     meta = reader.meta(fqn)
     if meta.shape.numel() == 0 or not len(meta.shape):
         raise UsageError(f"{safe(fqn)} has shape {list(meta.shape)}: nothing to draw")
-    from ..viz import draw_layout
+    from ..viz import draw_layout, reader_shares
 
-    rects = draw_layout(meta.fragments, tuple(meta.shape), fqn, args.layout, world=args.world)
+    rects = draw_layout(meta.fragments, tuple(meta.shape), fqn, args.layout, world=args.world, entry=meta.entry)
     boxes = sum(r.kind == "fragment" for r in rects)
     print(
         f"{safe(fqn)} {list(meta.shape)}: {boxes} box(es) from {len({r.rank for r in rects if r.kind == 'fragment'})} "
         f"writer rank(s) drawn to {safe(args.layout)}"
     )
+    if args.world:
+        unit = "rows" if len(meta.shape) > 1 else "elements"
+        print(f"read by {args.world} rank(s), dim 0 split as torch.chunk splits it:")
+        for share in reader_shares(meta.entry, args.world):
+            if share.stop <= share.start:
+                print(f"  reader {share.rank}: nothing")
+                continue
+            writers = ", ".join(map(str, share.writers))
+            print(
+                f"  reader {share.rank}: {unit} {share.start}-{share.stop - 1} from {share.boxes} stored box(es) "
+                f"of writer rank(s) {writers}"
+            )
     return 0

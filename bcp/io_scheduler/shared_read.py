@@ -34,6 +34,7 @@ import torch
 from bcp.metadata import itemsize
 from bcp.metadata.geometry import Box, BoxArrays, row_products, stable_order
 
+from .. import trace
 from ..collectives import GroupCoordinator, portable
 from ..reader import CheckpointReader
 from .read_exec import ReadStats
@@ -512,22 +513,30 @@ def fetch_shared(
             fqn, box = key
             held[key] = reader.empty(fqn, box)  # after checking the files holding it
             stats.add(reader.fill([(fqn, box, held[key])]))
-    works = []
-    ranks = dist.get_process_group_ranks(coord.group)
-    for i, (tag, key, owner) in enumerate(zip(part.tags.tolist(), keys, owners, strict=True)):
-        if owner == coord.rank:
-            wire = held[key].reshape(-1).view(torch.uint8) if held[key].numel() else None
-            if wire is not None:
-                works += [
-                    dist.isend(wire, dst=ranks[r], group=coord.group, tag=tag) for r in part.receivers_of(i).tolist()
-                ]
-        else:
-            fqn, box = key
-            held[key] = reader.empty(fqn, box)  # bounded like the owner's: by the bytes stored
-            if held[key].numel():
-                works.append(
-                    dist.irecv(held[key].reshape(-1).view(torch.uint8), src=ranks[owner], group=coord.group, tag=tag)
-                )
-    for work in works:
-        work.wait()
+    received = 0
+    with trace.span("exchange") as exchanging:  # bytes: those received from the other ranks
+        works = []
+        ranks = dist.get_process_group_ranks(coord.group)
+        for i, (tag, key, owner) in enumerate(zip(part.tags.tolist(), keys, owners, strict=True)):
+            if owner == coord.rank:
+                wire = held[key].reshape(-1).view(torch.uint8) if held[key].numel() else None
+                if wire is not None:
+                    works += [
+                        dist.isend(wire, dst=ranks[r], group=coord.group, tag=tag)
+                        for r in part.receivers_of(i).tolist()
+                    ]
+            else:
+                fqn, box = key
+                held[key] = reader.empty(fqn, box)  # bounded like the owner's: by the bytes stored
+                if held[key].numel():
+                    received += held[key].numel() * held[key].element_size()
+                    works.append(
+                        dist.irecv(
+                            held[key].reshape(-1).view(torch.uint8), src=ranks[owner], group=coord.group, tag=tag
+                        )
+                    )
+        for work in works:
+            work.wait()
+        if exchanging is not None:
+            exchanging.nbytes = received
     return held, stats

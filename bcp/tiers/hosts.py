@@ -11,17 +11,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 from collections.abc import Sequence
 
 from ..collectives import Coordinator
+from ..trace import host_name
 
 log = logging.getLogger(__name__)
 
 
 def host_id() -> str:
-    """This process's host: ``BCP_HOST_ID``, else the host name."""
-    return os.environ.get("BCP_HOST_ID") or socket.gethostname()
+    """This process's host: ``BCP_HOST_ID``, else the host name (the name its trace files carry)."""
+    return host_name()
 
 
 def failure_domain() -> str | None:

@@ -33,6 +33,11 @@ a tier is configured), at whatever world size the job restarted with:
    resharding, casting, placement and the CRC32C check of every byte read are bcp's
    own (ranks load from different directories with identical manifests; the
    coordinator reads the metadata from its own). The directory is removed after.
+
+With ``load_options.trace`` (or ``BCP_TRACE_DIR``) a recovery is traced as an operation
+of kind "recover" (docs/observability.md): spans ``inventory`` (steps 1-2),
+``metadata``, ``prepare``, ``match``, ``exchange`` (bytes received from peers) and the
+load's own spans; its stage totals come back in :attr:`RecoveryInfo.stages`.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import numpy as np
 from bcp.metadata import Manifest
 from bcp.metadata.layout import MANIFEST_KEY, step_name
 
+from .. import trace
 from ..collectives import Coordinator, GroupCoordinator, decide, portable, run_phase
 from ..errors import CorruptCheckpointError
 from ..housekeeping import committed_steps
@@ -88,6 +94,8 @@ class RecoveryInfo:
     rounds: int
     #: the ordinary load from the recovery directory
     load: LoadInfo
+    #: this rank's stages of the whole recovery (seconds active, bytes) when traced, else empty
+    stages: Mapping[str, trace.StageTotal] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def recover_latest(
@@ -120,61 +128,96 @@ def recover_latest_with_info(
 ) -> RecoveryInfo | None:
     """:func:`recover_latest`, returning a :class:`RecoveryInfo` (None: use the
     persistent tier). ``round_bytes`` and ``chunk_bytes`` bound the exchange's memory."""
-    started = time.perf_counter()
     opts = load_options or LoadOptions()
-    local_root = os.path.abspath(os.fspath(local_root))
-    hosts = HostMap.gather(coord)
-    first = hosts.is_first(coord.rank)
-    listing: list[StepCopy] | None = _list_host(local_root) if first else None
-    gathered = coord.gather(listing if first else None)
-    plan = decide(
-        coord,
-        "choosing the step to recover",
-        _choose,
-        gathered,
-        hosts,
-        persistent_root,
-        opts.storage_options,
-    )
+    root = os.path.abspath(os.fspath(local_root))
+    session = trace.begin(opts.trace, coord.rank, "recover")
+    try:
+        info = _recover(state, root, persistent_root, coord, opts, round_bytes, chunk_bytes)
+    except BaseException:
+        if session is not None:
+            session.end(failed=True)
+        raise
+    if session is None:
+        return info
+    if info is None:  # nothing recovered: no operation to show
+        session.cancel()
+        return None
+    session.label = info.save_id
+    stages = session.end(info.load.bytes_read, uri=root, save_id=info.save_id, step=info.step)
+    return dataclasses.replace(info, stages=stages)
+
+
+def _recover(
+    state: Any,
+    local_root: str,
+    persistent_root: str | None,
+    coord: Coordinator,
+    opts: LoadOptions,
+    round_bytes: int,
+    chunk_bytes: int,
+) -> RecoveryInfo | None:
+    """:func:`recover_latest_with_info`'s steps, each a span when traced."""
+    started = time.perf_counter()
+    with trace.span("inventory"):
+        hosts = HostMap.gather(coord)
+        first = hosts.is_first(coord.rank)
+        listing: list[StepCopy] | None = _list_host(local_root) if first else None
+        gathered = coord.gather(listing if first else None)
+        plan = decide(
+            coord,
+            "choosing the step to recover",
+            _choose,
+            gathered,
+            hosts,
+            persistent_root,
+            opts.storage_options,
+        )
     if plan is None:
         return None
     choice, nonce = plan
     step_dir = os.path.join(local_root, step_name(choice.step))
     source = hosts.ranks[choice.source][0]
-    metadata = _from_rank(coord, source, "reading the local step's metadata", _read_metadata, step_dir, choice)
-    manifest = Manifest.from_json(metadata.manifest, where=f"{step_dir}/{MANIFEST_KEY} (local tier)")
+    with trace.span("metadata"):
+        metadata = _from_rank(coord, source, "reading the local step's metadata", _read_metadata, step_dir, choice)
+        manifest = Manifest.from_json(metadata.manifest, where=f"{step_dir}/{MANIFEST_KEY} (local tier)")
     mine = hosts.host_of(coord.rank)
     held = frozenset(i for i, h in enumerate(choice.holders) if mine in h)
     recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
     try:
-        run_phase(
-            coord,
-            "preparing the recovery directory",
-            prepare,
-            recovery_dir,
-            step_dir,
-            manifest,
-            metadata,
-            held,
-        )
-        wanted = run_phase(
-            coord,
-            "matching the state for recovery",
-            _wanted,
-            state,
-            recovery_dir,
-            manifest,
-            metadata,
-            held,
-            coord,
-            opts,
-        )
+        with trace.span("prepare"):
+            run_phase(
+                coord,
+                "preparing the recovery directory",
+                prepare,
+                recovery_dir,
+                step_dir,
+                manifest,
+                metadata,
+                held,
+            )
+        with trace.span("match"):
+            wanted = run_phase(
+                coord,
+                "matching the state for recovery",
+                _wanted,
+                state,
+                recovery_dir,
+                manifest,
+                metadata,
+                held,
+                coord,
+                opts,
+            )
         fetch_started = time.perf_counter()
-        exchange = Exchange(coord, hosts, choice, manifest, step_dir, recovery_dir, round_bytes, chunk_bytes)
-        exchange.plan(coord.all_gather(wanted))
-        error = exchange.run()
-        coord.check(error, "fetching fragments from peer hosts")
+        with trace.span("exchange") as exchanging:
+            exchange = Exchange(coord, hosts, choice, manifest, step_dir, recovery_dir, round_bytes, chunk_bytes)
+            exchange.plan(coord.all_gather(wanted))
+            error = exchange.run()
+            coord.check(error, "fetching fragments from peer hosts")
+            if exchanging is not None:
+                exchanging.nbytes = exchange.bytes_received
         fetch_seconds = time.perf_counter() - fetch_started
+        # the load traces itself; its spans land in this recovery's session too
         load_opts = dataclasses.replace(opts, storage_options=None, share_reads=False)
         loaded = load_with_info(state, recovery_dir, load_opts)
     finally:

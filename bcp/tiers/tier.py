@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -84,6 +85,8 @@ class Tier:
         #: this rank's data file size at the last local save (the room check's estimate)
         self._last_bytes: int | None = None
         self._pinned: set[int] = set()
+        #: perf_counter seconds when the last local save was complete: committed, spread and replicated
+        self.done_at = 0.0
         self._pin_lock = threading.Lock()
 
     @property
@@ -146,6 +149,7 @@ class Tier:
         local = after_commit(
             job.coord, self.hosts, cfg.replicas, cfg.chunk_bytes, job.backend, step_dir(self.root, step), step
         )
+        self.done_at = time.perf_counter()  # read after wait_local: the handle's event orders it
         if drain:
             self._start_drain(local, job.backend)
         if self.is_host_first:
