@@ -33,8 +33,8 @@ def test_strategies_refuse_a_full_checkpoint_setting():
         BcpModelParallelStrategy(save_distributed_checkpoint=False)
     with pytest.raises(ValueError, match="state_dict_type='sharded'"):
         BcpFSDPStrategy(state_dict_type="full")
-    s = BcpModelParallelStrategy(2, 1, storage_options={"fsync": False})
-    assert s._save_distributed_checkpoint is True and s.storage_options == {"fsync": False}
+    s = BcpModelParallelStrategy(2, 1, storage_options={"fsync": False}, save_distributed_checkpoint=True)
+    assert s.storage_options == {"fsync": False} and not s.allow_pickle
 
 
 @pytest.mark.slow

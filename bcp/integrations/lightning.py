@@ -15,6 +15,14 @@ order, so the plugin also stores the containers' types and order (``LAYOUT_KEY``
 ``load_checkpoint`` returns a dict equal to the one saved, ``OrderedDict`` s, tuples
 and key order included. Values with no safe encoding (a user's class among the
 hyper-parameters) are refused naming their key unless ``allow_pickle=True``.
+
+Lightning's FSDP and model-parallel strategies never hand sharded checkpoints to a
+``CheckpointIO``, so for them the strategy itself is replaced:
+``Trainer(strategy=BcpModelParallelStrategy(...))`` (FSDP2 and tensor parallelism) or
+``BcpFSDPStrategy(...)`` (FSDP1). Every rank then calls ``bcp.save`` with its DTensor
+shards of the weights and optimizer states (no gather) beside rank 0's rest of the
+dict, and ``bcp.load`` into the state dicts of the current layout (any number of
+ranks, any mesh); ``ModelCheckpoint``'s removals are :func:`bcp.delete` from rank 0.
 """
 
 from __future__ import annotations
