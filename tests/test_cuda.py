@@ -447,3 +447,34 @@ def _nccl_entry(rank: int, port: int, root: str) -> None:
         _one_gpu_job(0, 1, root)
     finally:
         dist.destroy_process_group()
+
+
+# -- Lightning's FSDPStrategy (FSDP1) through bcp: bcp.integrations.lightning.BcpFSDPStrategy
+
+
+def _fsdp1(world: int, job, root: str) -> None:
+    """``job`` on ``world`` GPUs, each rank started as a launcher would (Lightning sets up NCCL)."""
+    pytest.importorskip("lightning")
+    import torch.multiprocessing as mp
+
+    from dist_jobs import free_port
+    from lightning_sharded_jobs import fsdp1_entry
+
+    mp.start_processes(fsdp1_entry, args=(world, free_port(), job, (root,)), nprocs=world, start_method="spawn")
+
+
+def test_lightning_fsdp1_resume_is_bit_identical_on_one_gpu(tmp_path):
+    from lightning_sharded_jobs import fsdp1_resume
+
+    _fsdp1(1, fsdp1_resume, str(tmp_path))
+    with bcp.open(str(tmp_path / "first" / "epoch=1.ckpt")) as reader:  # readable anywhere: no GPU, no FSDP
+        assert reader.read("state_dict.net.0.weight").shape == (5, 3)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_lightning_fsdp1_resume_on_two_gpus_and_on_another_number(tmp_path):
+    from lightning_sharded_jobs import fsdp1_reload, fsdp1_resume, fsdp1_save
+
+    _fsdp1(2, fsdp1_resume, str(tmp_path / "same"))
+    _fsdp1(2, fsdp1_save, str(tmp_path / "cross"))
+    _fsdp1(1, fsdp1_reload, str(tmp_path / "cross"))

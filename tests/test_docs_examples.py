@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import pathlib
 import re
 import signal
@@ -160,9 +161,12 @@ def time_limit(seconds: int, where: str) -> Iterator[None]:
 def run(program: Program) -> dict:
     """Run the program in the current directory, with one intra-op thread (the examples'
     tensors are tiny; more threads only contend on a shared 2-core machine); returns
-    its namespace."""
+    its namespace. The environment is put back afterwards: frameworks set variables
+    (Lightning's strategies: LOCAL_RANK, MASTER_PORT, OMP_NUM_THREADS) that later tests
+    would otherwise inherit."""
     namespace: dict = {"__name__": "__main__", "__docs_train_one_step__": train_one_step}
     threads = torch.get_num_threads()
+    environment = dict(os.environ)
     torch.set_num_threads(1)
     try:
         with time_limit(SECONDS, program.where):
@@ -171,6 +175,8 @@ def run(program: Program) -> dict:
     finally:
         wait_all()  # no async save of this program outlives it
         torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(environment)
     return namespace
 
 

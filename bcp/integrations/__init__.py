@@ -2,7 +2,8 @@
 checkpointing, and imports that framework, so none is imported by ``import bcp`` or
 by this package (import the module you use; a missing framework names its extra).
 
-* :mod:`bcp.integrations.lightning`: ``Trainer(plugins=[BcpCheckpointIO()])``.
+* :mod:`bcp.integrations.lightning`: ``Trainer(plugins=[BcpCheckpointIO()])``; under
+  FSDP and tensor parallelism ``Trainer(strategy=BcpModelParallelStrategy(...))``.
 * :mod:`bcp.integrations.accelerate`: ``enable(accelerator, uri)`` sends
   ``Accelerator.save_state`` / ``load_state`` through bcp.
 * :mod:`bcp.integrations.transformers`: ``BcpCheckpointCallback(uri)`` keeps the
