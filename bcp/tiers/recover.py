@@ -42,6 +42,7 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -123,19 +124,14 @@ def recover_latest_with_info(
     started = time.perf_counter()
     opts = load_options or LoadOptions()
     local_root = os.path.abspath(os.fspath(local_root))
+    # the coordinator lists the persistent root (round trips to a store) while the
+    # hosts list their local roots
+    persistent = _PersistentNewest(persistent_root, opts.storage_options) if coord.is_coordinator else None
     hosts = HostMap.gather(coord)
     first = hosts.is_first(coord.rank)
     listing: list[StepCopy] | None = _list_host(local_root) if first else None
     gathered = coord.gather(listing if first else None)
-    plan = decide(
-        coord,
-        "choosing the step to recover",
-        _choose,
-        gathered,
-        hosts,
-        persistent_root,
-        opts.storage_options,
-    )
+    plan = decide(coord, "choosing the step to recover", _choose, gathered, hosts, persistent)
     if plan is None:
         return None
     choice, nonce = plan
@@ -226,23 +222,42 @@ def _list_host(root: str) -> list[StepCopy] | None:
         return None
 
 
+class _PersistentNewest:
+    """(coordinator) The persistent root's newest committed step, listed in a thread of
+    its own from construction; :meth:`result` waits for it (None: no step, no root, or
+    a listing that failed, with a WARNING: the local tier may still do, and the
+    fallback reports the failure again)."""
+
+    def __init__(self, root: str | None, storage_options: Mapping[str, Any] | None) -> None:
+        self.root = root
+        self.storage_options = storage_options
+        self._step: int | None = None
+        self._thread = threading.Thread(target=self._list, name="bcp-recover-list", daemon=True)
+        if root is not None:
+            self._thread.start()
+
+    def _list(self) -> None:
+        assert self.root is not None
+        try:
+            steps = committed_steps(resolve_backend(self.root, self.storage_options))
+            self._step = steps[-1] if steps else None
+        except Exception as e:  # noqa: BLE001 - reported here, never raised
+            log.warning("local tier: cannot list the persistent root %s: %s", self.root, e)
+
+    def result(self) -> int | None:
+        if self.root is not None:
+            self._thread.join()
+        return self._step
+
+
 def _choose(
-    gathered: list[Any] | None,
-    hosts: HostMap,
-    persistent_root: str | None,
-    storage_options: Mapping[str, Any] | None,
+    gathered: list[Any] | None, hosts: HostMap, newest: _PersistentNewest | None
 ) -> tuple[LocalChoice, str] | None:
     """(coordinator) The local step to recover and a fresh directory name, or None."""
-    assert gathered is not None
+    assert gathered is not None and newest is not None
     listings = [gathered[ranks[0]] for ranks in hosts.ranks]
     choice = choose_local(listings)
-    persistent = None
-    if persistent_root is not None:
-        try:
-            steps = committed_steps(resolve_backend(persistent_root, storage_options))
-            persistent = steps[-1] if steps else None
-        except Exception as e:  # noqa: BLE001 - the local tier may still do; the fallback reports it again
-            log.warning("local tier: cannot list the persistent root %s: %s", persistent_root, e)
+    persistent = newest.result()
     if choice is None:
         if any(listings):
             log.warning(
