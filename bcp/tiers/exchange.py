@@ -25,6 +25,7 @@ from bcp.metadata import Manifest
 from ..collectives import Coordinator, GroupCoordinator
 from ..errors import CorruptCheckpointError
 from ..tensor_io import byte_view
+from .arrival import Arrivals
 from .hosts import HostMap
 from .inventory import LocalChoice
 from .recovery_dir import NOFOLLOW
@@ -94,6 +95,8 @@ class Exchange:
         #: round (memory touched for the first time fills at a fraction of memcpy speed); the
         #: two hold at most ``round_bytes`` together
         self._buffers: dict[str, torch.Tensor] = {}
+        #: told of each piece this rank has written, when the host's ranks load meanwhile
+        self.arrivals: Arrivals | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
         self.rounds = 0
@@ -248,6 +251,8 @@ class Exchange:
                     done = 0
                     while done < p.nbytes:
                         done += os.pwritev(fd, [view[at + done : at + p.nbytes]], p.offset + done)
+                    if self.arrivals is not None:
+                        self.arrivals.landed(p.file, p.offset, p.offset + p.nbytes)
                 except OSError as e:
                     error = error or e
                 at += p.nbytes

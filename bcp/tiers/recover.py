@@ -61,6 +61,7 @@ from ..options import LoadOptions
 from ..reader import CheckpointMetadata, fetch_catalog, fetch_manifest, open_reader
 from ..state import detach_stateful
 from ..target import resolve_backend
+from .arrival import Arrivals, GatedBackend
 from .exchange import CHUNK_BYTES, ROUND_BYTES, Exchange, merge_ranges
 from .hosts import HostMap
 from .inventory import LocalChoice, StepCopy, choose_local, list_local, local_wins
@@ -98,13 +99,21 @@ def recover_latest(
     persistent_root: str | None,
     coord: Coordinator,
     load_options: LoadOptions | None = None,
+    exchange_coord: Coordinator | None = None,
 ) -> tuple[int | None, Any] | None:
     """(all ranks) Load the newest step the local tier holds entirely into ``state``,
     if it is not older than the persistent tier's newest committed step (at
     ``persistent_root``, read with ``load_options.storage_options``). Returns
-    ``(step, loaded state)``, or None: the caller loads from persistent storage."""
+    ``(step, loaded state)``, or None: the caller loads from persistent storage.
+    ``exchange_coord``: a coordinator of the same ranks on a gloo group nothing else
+    uses meanwhile; with it the exchange runs while the ranks load (``arrival.py``)."""
     info = recover_latest_with_info(
-        state, local_root=local_root, persistent_root=persistent_root, coord=coord, load_options=load_options
+        state,
+        local_root=local_root,
+        persistent_root=persistent_root,
+        coord=coord,
+        load_options=load_options,
+        exchange_coord=exchange_coord,
     )
     return None if info is None else (info.step, info.state)
 
@@ -118,6 +127,7 @@ def recover_latest_with_info(
     load_options: LoadOptions | None = None,
     round_bytes: int = ROUND_BYTES,
     chunk_bytes: int = CHUNK_BYTES,
+    exchange_coord: Coordinator | None = None,
 ) -> RecoveryInfo | None:
     """:func:`recover_latest`, returning a :class:`RecoveryInfo` (None: use the
     persistent tier). ``round_bytes`` and ``chunk_bytes`` bound the exchange's memory."""
@@ -168,11 +178,16 @@ def recover_latest_with_info(
         fetch_started = time.perf_counter()
         exchange = Exchange(coord, hosts, choice, manifest, step_dir, recovery_dir, round_bytes, chunk_bytes)
         exchange.plan(coord.all_gather(wanted))
-        error = exchange.run()
-        coord.check(error, "fetching fragments from peer hosts")
-        fetch_seconds = time.perf_counter() - fetch_started
         load_opts = dataclasses.replace(opts, storage_options=None, share_reads=False)
-        loaded = load_with_info(state, recovery_dir, load_opts)
+        if exchange_coord is None or coord.world_size == 1:
+            coord.check(exchange.run(), FETCH_PHASE)
+            fetch_seconds = time.perf_counter() - fetch_started
+            loaded = load_with_info(state, recovery_dir, load_opts)
+        else:
+            fetched = {e.path: i for i, e in enumerate(manifest.data_files) if i not in held}
+            loaded, fetch_seconds = _load_while_fetching(
+                state, exchange, exchange_coord, recovery_dir, fetched, load_opts
+            )
     finally:
         if first:
             shutil.rmtree(recovery_dir, ignore_errors=True)
@@ -200,6 +215,48 @@ def recover_latest_with_info(
         rounds=exchange.rounds,
         load=loaded,
     )
+
+
+FETCH_PHASE = "fetching fragments from peer hosts"
+
+
+def _load_while_fetching(
+    state: Any,
+    exchange: Exchange,
+    exchange_coord: Coordinator,
+    recovery_dir: str,
+    fetched: dict[str, int],
+    load_opts: LoadOptions,
+) -> tuple[LoadInfo, float]:
+    """The exchange in a thread on ``exchange_coord``'s group while this rank loads
+    through a :class:`GatedBackend`; an exchange error wins over the load's."""
+    started = time.perf_counter()
+    arrivals = Arrivals()
+    exchange.coord = exchange_coord
+    exchange.arrivals = arrivals
+    outcome: dict[str, Any] = {}
+
+    def fetch() -> None:
+        failure: BaseException | None = None
+        try:
+            exchange_coord.check(exchange.run(), FETCH_PHASE)
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+            failure = e
+        outcome["seconds"] = time.perf_counter() - started
+        outcome["error"] = failure
+        arrivals.end(failure)
+
+    thread = threading.Thread(target=fetch, name="bcp-recover-exchange", daemon=True)
+    thread.start()
+    loaded: LoadInfo | None = None
+    try:
+        loaded = load_with_info(state, GatedBackend(resolve_backend(recovery_dir), fetched, arrivals), load_opts)
+    finally:
+        thread.join()  # every transfer happens, so no peer waits forever
+        if outcome.get("error") is not None:
+            raise outcome["error"]
+    assert loaded is not None
+    return loaded, outcome["seconds"]
 
 
 # -- inventory, choice, metadata --------------------------------------------------------------------
