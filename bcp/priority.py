@@ -20,12 +20,13 @@ log = logging.getLogger(__name__)
 
 #: the environment variable: how much to add to the nice value of bcp's background threads
 ENV = "BCP_BACKGROUND_NICE"
-#: its default (0: background threads keep the process's priority)
-DEFAULT_NICE = 0
+#: its default: measured to cut the training stall of a CPU-bound job several-fold while
+#: its saves still finish between two saves (docs/tiers.md, "Training stall"); 0 turns it off
+DEFAULT_NICE = 10
 
 
 def background_nice() -> int:
-    """The increment of ``BCP_BACKGROUND_NICE`` (0-19; an invalid value counts as the default)."""
+    """The increment of ``BCP_BACKGROUND_NICE`` (0-19, default 10; an invalid value counts as the default)."""
     text = os.environ.get(ENV)
     if not text:
         return DEFAULT_NICE

@@ -153,28 +153,13 @@ def recover_latest_with_info(
     held = frozenset(i for i, h in enumerate(choice.holders) if mine in h)
     recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
     try:
-        run_phase(
-            coord,
-            "preparing the recovery directory",
-            prepare,
-            recovery_dir,
-            step_dir,
-            manifest,
-            metadata,
-            held,
-        )
-        wanted = run_phase(
-            coord,
-            "matching the state for recovery",
-            _wanted,
-            state,
-            recovery_dir,
-            manifest,
-            metadata,
-            held,
-            coord,
-            opts,
-        )
+
+        def prepare_and_match() -> np.ndarray:
+            prepare(recovery_dir, step_dir, manifest, metadata, held)
+            return _wanted(state, recovery_dir, manifest, metadata, held, coord, opts)
+
+        # one phase: every rank of the host has built the directory before any byte lands in it
+        wanted = run_phase(coord, "preparing the recovery directory and matching the state", prepare_and_match)
         fetch_started = time.perf_counter()
         exchange = Exchange(coord, hosts, choice, manifest, step_dir, recovery_dir, round_bytes, chunk_bytes)
         exchange.plan(coord.all_gather(wanted))
