@@ -398,3 +398,28 @@ def test_a_rank_killed_while_the_drain_commits_leaves_the_committed_step_whole(t
     report = verify_checkpoint(persistent.uri(1))
     assert report["ok"], f"a committed step lost its data: {report['problems']}"
     assert_same(bcp.load(tier_jobs.template(), persistent.uri(1)), tier_jobs.expected(1))
+
+
+def test_one_process_fast_local_saves_with_overlap_hold_the_values_at_the_call(tmp_path):
+    root, shm = tmp_path / "ck", tmp_path / "shm"
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    manager = bcp.CheckpointManager(root, tier=LocalTier(dir=shm, persist_every=None, keep=3))
+    manager.overlap = opt
+    expected = {}
+    for step in (1, 2, 3):
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+        state = {"model": model.state_dict(), "optim": opt.state_dict()["state"]}
+        expected[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        manager.save(step, state)
+        assert manager._tier.last_fast == (step > 1), f"step {step}: the fast path from the second local save on"
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()  # changes the parameters right after the call: waits for their copy
+    manager.close()
+    local = local_root(shm, str(root))
+    assert local_steps(local) == [1, 2, 3]
+    for step in (1, 2, 3):
+        template = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+        out = bcp.load(template, step_dir(local, step), strict=False)
+        assert_same(out["model"], expected[step])
