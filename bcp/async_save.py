@@ -40,10 +40,12 @@ import torch
 
 from bcp.metadata import DEFAULT_BLOCK_BYTES
 
+from .collectives import Coordinator
 from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
-from .io_scheduler.write_pipeline import Chunk, WriteItem, layout, plan_chunks, plan_part_chunks
+from .io_scheduler.write_pipeline import Chunk, WriteItem, WritePipeline, layout, plan_chunks, plan_part_chunks
 from .lanes import at_exit, background_coordinator, coordinator_for, group_destroyed
 from .options import SaveOptions, SaveOptionsKwargs
+from .priority import lower_this_thread
 from .saver import SaveInfo, SaveJob, planned_writes
 from .shards import local_pieces
 from .state import flatten_state
@@ -62,8 +64,21 @@ _lane_tail: dict[Any, AsyncSaveHandle] = {}
 class AsyncSaveHandle:
     """A save in progress. ``wait()`` returns its SaveInfo or raises its error."""
 
-    def __init__(self, job: SaveJob, blocking_seconds: float, after: AsyncSaveHandle | None = None) -> None:
+    def __init__(
+        self,
+        job: SaveJob | None,
+        blocking_seconds: float,
+        after: AsyncSaveHandle | None = None,
+        *,
+        plan: Callable[[], SaveJob | None] | None = None,
+        uri: str = "",
+    ) -> None:
         self._job = job
+        #: a save planned in the background (:func:`async_save_planned_later`): returns its
+        #: job, or None when the save is skipped (nothing written)
+        self._plan = plan
+        self._uri = job.backend.uri if job is not None else uri
+        self.skipped = False
         #: the save of the same process group whose commit must come first (collectives in call order)
         self._after = after
         self._done = threading.Event()
@@ -80,16 +95,23 @@ class AsyncSaveHandle:
     def _run(self, background_stage=None) -> None:
         try:
             if background_stage is not None:
-                background_stage()
+                background_stage()  # training's next step() waits for this: at full priority
+            lower_this_thread()  # writing, the commit, a local tier's replication: after training
             if self._after is not None:
                 self._after._done.wait()  # its commit's collectives come first, on every rank
                 self._after = None
+            if self._plan is not None:
+                self._job = self._plan()
+                if self._job is None:
+                    self.skipped = True
+                    return
+            assert self._job is not None, "a job, or a plan that makes it"
             self._result = self._job.complete()
             if self._after_commit is not None:  # the local tier's hook point: see AfterCommit
                 self._after_commit(self._job, self._result)
         except BaseException as e:  # noqa: BLE001 - re-raised from wait()
             self._error = e
-            if group_destroyed(self._job.coord):
+            if self._job is not None and group_destroyed(self._job.coord):
                 note = (
                     f"torch.distributed's process group was destroyed (dist.destroy_process_group()) while the "
                     f"async save to {self.uri} was in flight: {self._outcome()}. Call wait() on the handle (or "
@@ -104,6 +126,8 @@ class AsyncSaveHandle:
     def _outcome(self) -> str:
         """What a failed commit left, as far as this rank knows."""
         job = self._job
+        if job is None:
+            return "nothing was written (the save was still planning)"
         if job.committed:
             return "the checkpoint IS committed (this rank wrote its manifest), the other ranks could not be told"
         if job.coord.is_coordinator or not job.reported:
@@ -115,19 +139,26 @@ class AsyncSaveHandle:
 
     def wait(self, timeout: float | None = None) -> SaveInfo:
         if not self._done.wait(timeout):
-            raise TimeoutError(f"async save to {self._job.backend.uri} still running after {timeout} s")
+            raise TimeoutError(f"async save to {self.uri} still running after {timeout} s")
         self._reported = True
         if self._error is not None:
             raise self._error
         assert self._result is not None, "done without an error: complete() returned"
         return self._result
 
+    def wait_or_skipped(self) -> SaveInfo | None:
+        """``wait()``; None for a save planned in the background that was skipped."""
+        if self._done.wait() and self.skipped and self._error is None:
+            self._reported = True
+            return None
+        return self.wait()
+
     @property
     def uri(self) -> str:
-        return self._job.backend.uri
+        return self._uri
 
 
-def _optimizer_storages(optimizer: torch.optim.Optimizer) -> set[int]:
+def optimizer_storages(optimizer: torch.optim.Optimizer) -> set[int]:
     """data_ptr of every storage the optimizer changes in step(): parameters and state."""
     ptrs: set[int] = set()
 
@@ -208,60 +239,105 @@ def async_save(
 
     ``after_commit`` is the local tier's hook point (:class:`AfterCommit`).
     """
-    global _save_count
     started = time.perf_counter()
     opts = SaveOptions.of(options, overrides)
-    with _slots_lock:
-        slot = _save_count % 2
-        _save_count += 1
-        previous = _in_flight.get(slot)
-    if previous is not None:
-        previous._done.wait()  # at most two in flight: the save two back finishes first
+    slot = claim_slot()
     coord = coordinator_for(opts.process_group, "bcp.async_save")
     job = SaveJob.start(state, uri, coord, opts, stage_all=True)
     job.coord = background_coordinator(coord)  # the commit runs on the background lane
     if after_commit is not None:  # the local tier's hook point: see AfterCommit
         job.visible_ranks = after_commit.visible_ranks
-    background: Callable[[], None] | None = None
-    if overlap is None:
-        job.stage()
-        job.pipeline.copies.wait()  # device copies done: the caller may change or free anything
-    else:
-        owned = _optimizer_storages(overlap)
-        pipeline = job.pipeline
-
-        def later(chunk: Chunk) -> bool:
-            return all(
-                pipeline.items[s.item].piece.tensor.untyped_storage().data_ptr() in owned for s in chunk.segments
-            )
-
-        job.stage(select=lambda c: not later(c), last=False)  # what forward/backward may change: now
-        job.pipeline.copies.wait()
-    after = _lane_tail.get(coord.cache_key) if coord.world_size > 1 else None
-    handle = AsyncSaveHandle(job, 0.0, after)
+    handle = AsyncSaveHandle(job, 0.0, lane_tail(coord))
     handle._after_commit = after_commit.run if after_commit is not None else None
+    background = _stage_for_caller(handle, job.pipeline, job.stage, overlap)
+    handle.blocking_seconds = time.perf_counter() - started
+    if job.trace is not None:  # what the caller waited for, on the timeline
+        job.trace.add("blocking", int(started * 1e9), time.perf_counter_ns(), 0, threading.current_thread())
+    launch(handle, slot, coord, background)
+    return handle
+
+
+def _stage_for_caller(
+    handle: AsyncSaveHandle, pipeline: WritePipeline, stage: Callable[..., None], overlap: torch.optim.Optimizer | None
+) -> Callable[[], None] | None:
+    """Stage what the caller must wait for (everything, or with ``overlap`` what
+    forward/backward may change); return the background stager of the rest, if any."""
     if overlap is None:
+        stage()
+        pipeline.copies.wait()  # device copies done: the caller may change or free anything
         handle.staged.set()
-    else:
-        _overlapped_before_step(overlap, handle, job.pipeline.copies)
+        return None
+    owned = optimizer_storages(overlap)
 
-        def stage_rest() -> None:
-            try:
-                job.stage()  # the optimizer-owned rest, while training runs forward/backward
-            finally:
-                handle.staged.set()
+    def later(chunk: Chunk) -> bool:
+        return all(pipeline.items[s.item].piece.tensor.untyped_storage().data_ptr() in owned for s in chunk.segments)
 
-        background = stage_rest
+    stage(select=lambda c: not later(c), last=False)  # what forward/backward may change: now
+    pipeline.copies.wait()
+    _overlapped_before_step(overlap, handle, pipeline.copies)
+
+    def stage_rest() -> None:
+        try:
+            stage()  # the optimizer-owned rest, while training runs forward/backward
+        finally:
+            handle.staged.set()
+
+    return stage_rest
+
+
+def async_save_planned_later(
+    pipeline: WritePipeline,
+    stage: Callable[..., None],
+    plan: Callable[[], SaveJob | None],
+    coord: Coordinator,
+    uri: str,
+    *,
+    overlap: torch.optim.Optimizer | None = None,
+    after_commit: AfterCommit | None = None,
+) -> AsyncSaveHandle:
+    """(caller, no collective) The local tier's fast path: stage ``pipeline`` (a
+    deferred one: nothing is written) as ``async_save`` would, and return; in the
+    save's thread, once the background lane is free (``coord``, the background lane's
+    coordinator), ``plan()`` runs the save's collectives and returns its job (writing
+    starts then), or None: the save is skipped and its slabs are returned."""
+    started = time.perf_counter()
+    slot = claim_slot()
+    handle = AsyncSaveHandle(None, 0.0, lane_tail(coord), plan=plan, uri=uri)
+    handle._after_commit = after_commit.run if after_commit is not None else None
+    background = _stage_for_caller(handle, pipeline, stage, overlap)
+    handle.blocking_seconds = time.perf_counter() - started
+    launch(handle, slot, coord, background)
+    return handle
+
+
+def claim_slot() -> int:
+    """(caller) One of the two in-flight slots: the save two back finishes first."""
+    global _save_count
+    with _slots_lock:
+        slot = _save_count % 2
+        _save_count += 1
+        previous = _in_flight.get(slot)
+    if previous is not None:
+        previous._done.wait()
+    return slot
+
+
+def lane_tail(coord: Coordinator) -> AsyncSaveHandle | None:
+    """The async save of ``coord``'s process group whose background collectives come last so far."""
+    return _lane_tail.get(coord.cache_key) if coord.world_size > 1 else None
+
+
+def launch(
+    handle: AsyncSaveHandle, slot: int, coord: Coordinator, background: Callable[[], None] | None = None
+) -> None:
+    """Start ``handle``'s thread in ``slot`` (``claim_slot``); its background collectives
+    come after those of every save of ``coord``'s group launched before."""
     thread = threading.Thread(target=handle._run, args=(background,), name="bcp-async-save", daemon=True)
     with _slots_lock:
         _in_flight[slot] = handle
     if coord.world_size > 1:
         _lane_tail[coord.cache_key] = handle
-    handle.blocking_seconds = time.perf_counter() - started
-    if job.trace is not None:  # what the caller waited for, on the timeline
-        job.trace.add("blocking", int(started * 1e9), time.perf_counter_ns(), 0, threading.current_thread())
     thread.start()
-    return handle
 
 
 # -- the local tier's hook point (bcp.tiers) -----------------------------------------------

@@ -311,6 +311,7 @@ class CheckpointManager:
             persistent_root=self.root_uri,
             coord=self._coord("CheckpointManager.load_latest"),
             load_options=opts,
+            exchange_coord=self._tier.drain_coord,  # free: load_latest waited for the drains
         )
 
     def reserve_staging(self, state: Any) -> None:

@@ -120,7 +120,7 @@ class Hello(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Prepared:
+class Prepared:
     """Step 1's result on one rank."""
 
     layout: LocalLayout
@@ -136,9 +136,9 @@ class _Prepared:
         return {(item.plan.fqn, item.piece.box): item for item in self.items}
 
 
-def _prepare(
+def prepare_save(
     state: Mapping[str, Any], rank: int, allow_pickle: bool, *, check_replicas: str = "off", world_size: int = 1
-) -> _Prepared:
+) -> Prepared:
     leaves = flatten_state(state)
     objects: dict[str, LocalObject] = {}
     for leaf in leaves.values():
@@ -153,7 +153,7 @@ def _prepare(
 
 def _prepare_tensors(
     leaves: Mapping[Any, Any], rank: int, objects: dict[str, LocalObject], summer: ReplicaSummer | None = None
-) -> _Prepared:
+) -> Prepared:
     """The tensor part of step 1: each tensor's plan and local pieces (and, with
     ``summer``, the checksums of its replicated ones)."""
     summer = summer or ReplicaSummer("off")
@@ -182,7 +182,7 @@ def _prepare_tensors(
                 summer.add(len(tensors), piece.box, tensor_plan.global_shape, piece.tensor)
         tensors.append(tensor_plan)
     replicas = summer.finish() if summer.enabled else None
-    return _Prepared(LocalLayout.build(rank, tensors), items, objects, replicas)
+    return Prepared(LocalLayout.build(rank, tensors), items, objects, replicas)
 
 
 def planned_writes(state: Mapping[str, Any], coord: Coordinator) -> list[WriteItem]:
@@ -190,7 +190,7 @@ def planned_writes(state: Mapping[str, Any], coord: Coordinator) -> list[WriteIt
     now with ``coord``'s ranks: after deduplication and balancing (a DDP rank writes
     about 1/N of the state). Sizes staging reservations; writes nothing."""
     phase = "planning the staging reservation"
-    prepared: _Prepared = run_phase(coord, phase, lambda: _prepare_tensors(flatten_state(state), coord.rank, {}))
+    prepared: Prepared = run_phase(coord, phase, lambda: _prepare_tensors(flatten_state(state), coord.rank, {}))
     layouts = coord.gather(prepared.layout)
 
     def plan() -> GlobalPlan:
@@ -338,10 +338,10 @@ class SaveJob:
     @classmethod
     def _start(cls, state, uri, coord, options, started, session, *, stage_all: bool) -> SaveJob:
         backend = resolve_backend(uri, options.storage_options)
-        prepared: _Prepared = run_phase(
+        prepared: Prepared = run_phase(
             coord,
             "preparing the save",
-            _prepare,
+            prepare_save,
             state,
             coord.rank,
             options.allow_pickle,
@@ -354,7 +354,7 @@ class SaveJob:
         hello = Hello(layout.digest(), layout.meta_digest, frozenset(held), prepared.objects, prepared.replicas)
         hellos = coord.gather(hello)
         decision: SaveDecision | SaveStart = decide(
-            coord, "planning the save", _coordinate, backend, hellos, options, cache, share=lambda d: d.start
+            coord, "planning the save", coordinate_save, backend, hellos, options, cache, share=lambda d: d.start
         )
         start = decision.start if isinstance(decision, SaveDecision) else decision
         if session is not None:
@@ -488,7 +488,7 @@ class SaveJob:
         return manifest.stats
 
 
-def _coordinate(backend: Backend, hellos: list[Hello], options: SaveOptions, cache: PlanCache) -> SaveDecision:
+def coordinate_save(backend: Backend, hellos: list[Hello], options: SaveOptions, cache: PlanCache) -> SaveDecision:
     """(coordinator) Check the target, settle the objects, look the plan up."""
     existing = find_existing(backend)
     if existing is not None and not options.overwrite:

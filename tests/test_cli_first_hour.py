@@ -34,7 +34,7 @@ from bcp.io_scheduler.write_pipeline import write_rank_data
 from bcp.metadata import MANIFEST_KEY, Catalog
 from bcp.metadata.layout import catalog_key, data_file_key, generation_name
 from bcp.metadata.manifest import reseal
-from bcp.saver import _decide_objects, _prepare, build_manifest
+from bcp.saver import _decide_objects, build_manifest, prepare_save
 from bcp.verify import verify_checkpoint
 
 
@@ -223,7 +223,7 @@ def save_with_replicas(states: list[dict], uri: str, block: int = 64) -> None:
     the planner stores one copy of a replicated box, but the format allows several rows
     for one box (FORMAT.md, "replicas"), and a reader uses any one of them."""
     backend = backend_for(uri)
-    prepared = [_prepare(s, r, False) for r, s in enumerate(states)]
+    prepared = [prepare_save(s, r, False) for r, s in enumerate(states)]
     layouts = [p.layout for p in prepared]
     save_id = uuid.uuid4().hex[:16]
     gen = generation_name(save_id)

@@ -18,7 +18,7 @@ import replica_jobs
 from bcp.metadata.checksum import crc32c
 from bcp.planning import LayoutMeta
 from bcp.replicas import SMALL_REPLICA_BYTES, ReplicaSummer, ReplicaSums, box_key, check_replicas
-from bcp.saver import _prepare
+from bcp.saver import prepare_save
 from helpers import examples
 
 distributed = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
@@ -155,8 +155,8 @@ def test_box_key_is_zero_for_the_whole_tensor_and_tells_boxes_apart():
 
 def test_one_process_checks_nothing_and_the_option_is_validated():
     state = {"w": torch.ones(3), "rng": torch.get_rng_state()}
-    assert _prepare(state, 0, False, check_replicas="all", world_size=1).replicas is None
-    assert _prepare(state, 0, False, check_replicas="all", world_size=2).replicas.tensors.tolist() == [0, 1]
-    assert _prepare(state, 0, False, check_replicas="off", world_size=2).replicas is None
+    assert prepare_save(state, 0, False, check_replicas="all", world_size=1).replicas is None
+    assert prepare_save(state, 0, False, check_replicas="all", world_size=2).replicas.tensors.tolist() == [0, 1]
+    assert prepare_save(state, 0, False, check_replicas="off", world_size=2).replicas is None
     with pytest.raises(ValueError, match="check_replicas must be one of 'small', 'all', 'off'"):
         bcp.SaveOptions(check_replicas="some")

@@ -25,7 +25,7 @@ from bcp.io_scheduler.write_pipeline import write_rank_data
 from bcp.metadata import Catalog
 from bcp.metadata.layout import catalog_key, data_file_key, generation_name
 from bcp.planning import plan_save
-from bcp.saver import _decide_objects, _prepare, build_manifest
+from bcp.saver import _decide_objects, build_manifest, prepare_save
 from bcp.shards import FlatShard, TensorShard, local_pieces
 from helpers import examples, tensor_bytes_equal
 
@@ -35,7 +35,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.complex64, torch.bool
 def simulated_save(states: list[dict], uri: str, block: int = 64):
     """What bcp.save does across ranks, with the collectives replaced by lists."""
     backend = backend_for(uri)
-    prepared = [_prepare(s, r, False) for r, s in enumerate(states)]
+    prepared = [prepare_save(s, r, False) for r, s in enumerate(states)]
     layouts = [p.layout for p in prepared]
     plan = plan_save(layouts)
     objects = _decide_objects([p.objects for p in prepared])
@@ -181,7 +181,7 @@ def test_replicated_boxes_are_balanced_over_ranks():
 
 def _plan_of(*rank_states):
     """The plan and, per rank, the (fqn, box) pairs it writes."""
-    layouts = [_prepare(s, r, False).layout for r, s in enumerate(rank_states)]
+    layouts = [prepare_save(s, r, False).layout for r, s in enumerate(rank_states)]
     plan = plan_save(layouts)
     return plan, {r: [layouts[r].boxes()[i] for i in idx.tolist()] for r, idx in plan.writes.items()}
 
@@ -218,7 +218,7 @@ def test_per_rank_and_differing_objects_are_stored_per_rank():
     from bcp.shards import PerRank
 
     states = [{"w": torch.zeros(2), "same": 1, "differs": r, "marked": PerRank(7)} for r in range(3)]
-    objects = _decide_objects([_prepare(s, r, False).objects for r, s in enumerate(states)])
+    objects = _decide_objects([prepare_save(s, r, False).objects for r, s in enumerate(states)])
     assert [e.rank for e in objects["same"]] == [None]
     assert [(e.rank, e.value) for e in objects["differs"]] == [(0, 0), (1, 1), (2, 2)]
     assert [e.rank for e in objects["marked"]] == [0, 1, 2]

@@ -391,3 +391,49 @@ def test_uneven_reshard_moves_only_the_bytes_the_load_reads_and_never_reads_a_ho
     hosts = ("A", "A", "C") if world == 3 else ("A", "C")
     dist_jobs.spawn(jobs.uneven_recover_job, world, hosts, {"A": roots[0], "C": roots[2]})
     assert os.listdir(roots[2]) == [], "the new host's recovery directory is removed"
+
+
+# -- one process: reads that wait for the exchange ------------------------------------------------
+
+
+def test_a_gated_read_waits_for_its_bytes_and_a_failed_exchange_releases_it(tmp_path):
+    import threading
+
+    from bcp.backends import backend_for
+    from bcp.tiers.arrival import Arrivals, GatedBackend
+
+    (tmp_path / "f").write_bytes(bytes(range(100)))
+    (tmp_path / "held").write_bytes(b"x" * 10)
+    arrivals = Arrivals()
+    gated = GatedBackend(backend_for(str(tmp_path)), {"f": 0}, arrivals)
+    assert gated.read("held", 0, 10) == b"x" * 10, "a held file is read at once"
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(gated.read("f", 10, 30)))
+    reader.start()
+    arrivals.landed(0, 0, 20)
+    reader.join(0.2)
+    assert reader.is_alive() and not got, "bytes 20-40 have not landed: the read waits"
+    arrivals.landed(0, 20, 50)
+    reader.join(5)
+    assert got == [bytes(range(10, 40))], "landed in two pieces: the read goes on"
+    other = threading.Thread(target=lambda: got.append(gated.read("f", 60, 10)))
+    other.start()
+    other.join(0.2)
+    assert other.is_alive(), "bytes another rank of the host receives: wait for the exchange's end"
+    arrivals.end(None)
+    other.join(5)
+    assert got[-1] == bytes(range(60, 70))
+    failed = Arrivals()
+    errors: list[BaseException] = []
+
+    def read_failed() -> None:
+        try:
+            GatedBackend(backend_for(str(tmp_path)), {"f": 0}, failed).read("f", 0, 10)
+        except bcp.CorruptCheckpointError as e:
+            errors.append(e)
+
+    waiting = threading.Thread(target=read_failed)
+    waiting.start()
+    failed.end(ConnectionError("peer gone"))
+    waiting.join(5)
+    assert len(errors) == 1 and "exchange failed" in str(errors[0]) and "peer gone" in str(errors[0])

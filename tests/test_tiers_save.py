@@ -316,6 +316,51 @@ def test_no_room_on_one_host_skips_the_local_save_everywhere_and_falls_back_when
     assert_same(out, tier_jobs.expected(2))
 
 
+def _fast(cfg: dict) -> dict[str, bool]:
+    with open(os.path.join(cfg["base"], "fast.json")) as f:
+        return json.load(f)
+
+
+def _partial_files(cfg: dict, hosts: int) -> list[str]:
+    return [
+        os.path.join(d, name)
+        for h in range(hosts)
+        for d, _dirs, names in os.walk(_host_root(cfg, h))
+        for name in names
+        if "partial" in name
+    ]
+
+
+def test_a_fast_local_save_refused_for_room_writes_nothing_and_training_goes_on(tmp_path):
+    cfg = _cfg(
+        tmp_path, ranks_per_host=1, steps=[1, 2, 3, 4], persist_every=None, no_room={"1": 1 << 20}, no_room_from=3
+    )
+    assert tier_jobs.run(2, cfg) == [0, 0], "training goes on"
+    assert _fast(cfg) == {"1": False, "2": True, "3": True, "4": True}, "from the second local save on: fast"
+    for h in range(2):
+        assert local_steps(_host_root(cfg, h)) == [1, 2], f"host {h}: steps 3 and 4 refused before any byte"
+    assert _partial_files(cfg, 2) == [], "a refused save leaves no partial file"
+    assert _check_every_listed_file(cfg, 2) == 8, "steps 1 and 2: both shares held whole on both hosts"
+    for s in (1, 2):
+        out = bcp.load(tier_jobs.template(), step_dir(_host_root(cfg, 0), s))
+        assert_same(out, tier_jobs.expected(s))
+
+
+def test_a_fast_local_save_whose_layout_changed_is_skipped_and_the_next_one_plans_again(tmp_path):
+    cfg = _cfg(tmp_path, ranks_per_host=1, steps=[1, 2, 3, 4, 5], persist_every=None, grow_at=3, keep=3)
+    assert tier_jobs.run(2, cfg) == [0, 0]
+    assert _fast(cfg) == {"1": False, "2": True, "3": True, "4": False, "5": True}, "step 3 skipped: 4 plans anew"
+    for h in range(2):
+        assert local_steps(_host_root(cfg, h)) == [2, 4, 5], f"host {h}: step 3 not saved, nothing half-written"
+    assert _partial_files(cfg, 2) == []
+    assert _check_every_listed_file(cfg, 2) == 12
+    template = {**tier_jobs.template(), "extra": torch.zeros(3)}
+    for s in (4, 5):
+        out = bcp.load(template, step_dir(_host_root(cfg, 1), s))
+        assert_same({k: v for k, v in out.items() if k != "extra"}, tier_jobs.expected(s))
+        assert torch.equal(out["extra"], torch.full((3,), float(s))), f"step {s}: the new tensor"
+
+
 def test_a_host_killed_mid_replication_leaves_the_step_without_that_replica(tmp_path):
     cfg = _cfg(tmp_path, ranks_per_host=1, steps=[1], persist_every=None, faults={"1": "kill-replication"}, timeout=20)
     codes = tier_jobs.run(2, cfg)
@@ -353,3 +398,28 @@ def test_a_rank_killed_while_the_drain_commits_leaves_the_committed_step_whole(t
     report = verify_checkpoint(persistent.uri(1))
     assert report["ok"], f"a committed step lost its data: {report['problems']}"
     assert_same(bcp.load(tier_jobs.template(), persistent.uri(1)), tier_jobs.expected(1))
+
+
+def test_one_process_fast_local_saves_with_overlap_hold_the_values_at_the_call(tmp_path):
+    root, shm = tmp_path / "ck", tmp_path / "shm"
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    manager = bcp.CheckpointManager(root, tier=LocalTier(dir=shm, persist_every=None, keep=3))
+    manager.overlap = opt
+    expected = {}
+    for step in (1, 2, 3):
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+        state = {"model": model.state_dict(), "optim": opt.state_dict()["state"]}
+        expected[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        manager.save(step, state)
+        assert manager._tier.last_fast == (step > 1), f"step {step}: the fast path from the second local save on"
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()  # changes the parameters right after the call: waits for their copy
+    manager.close()
+    local = local_root(shm, str(root))
+    assert local_steps(local) == [1, 2, 3]
+    for step in (1, 2, 3):
+        template = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+        out = bcp.load(template, step_dir(local, step), strict=False)
+        assert_same(out["model"], expected[step])

@@ -183,7 +183,7 @@ def tier_job(rank: int, world: int, cfg: dict[str, Any], started: Any = None) ->
     if fault is not None:
         _install_fault(fault)
     no_room = cfg.get("no_room", {}).get(host.removeprefix("host"))
-    if no_room is not None:
+    if no_room is not None and "no_room_from" not in cfg:
         manager._tier.statvfs = _FakeStatvfs(free=no_room, total=1 << 30)
     steps = cfg.get("steps", [])
     run = cfg.get("run", 0)
@@ -195,11 +195,19 @@ def tier_job(rank: int, world: int, cfg: dict[str, Any], started: Any = None) ->
         first = 1 if step is None else step + 1
         steps = list(range(first, first + cfg.get("then_save", 0)))
     persisted_after: dict[str, list[int]] = {}
+    fast: dict[str, bool] = {}  # whether each save took the local tier's fast path (bcp.tiers.fast_save)
     previous = None
     for step in steps:
         if started is not None and rank == 0 and step == cfg.get("start_at", steps[0]):
             started.set()
-        manager.save(step, local_state(rank, world, step, run))
+        if no_room is not None and cfg.get("no_room_from") == step:
+            manager.wait()  # the save before reads the free space in its own thread
+            manager._tier.statvfs = _FakeStatvfs(free=no_room, total=1 << 30)
+        state = local_state(rank, world, step, run)
+        if step >= cfg.get("grow_at", step + 1):  # the state's layout changes: one tensor more
+            state["extra"] = torch.full((3,), float(step))
+        manager.save(step, state)
+        fast[str(step)] = manager._tier.last_fast
         if rank == 0 and previous is not None:  # save() waited for the previous local save, replication included
             _progress(cfg, f"local {previous}")
         previous = step
@@ -225,6 +233,9 @@ def tier_job(rank: int, world: int, cfg: dict[str, Any], started: Any = None) ->
     if rank == 0 and persisted_after:
         with open(os.path.join(cfg["base"], "persisted_after.json"), "w") as f:
             json.dump(persisted_after, f)
+    if rank == 0:
+        with open(os.path.join(cfg["base"], "fast.json"), "w") as f:
+            json.dump(fast, f)
 
 
 # -- running ranks ------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from bcp.metadata import CATALOG_SCHEMA, FileEntry, Fragment, block_checksums, d
 
 from .. import trace
 from ..planning import TensorPlan
+from ..priority import lower_this_thread
 from ..shards import Piece
 from ..tensor_io import flat_bytes, host_contiguous, storage_identity
 from .device_copy import DeviceCopies, is_device_tensor, settle
@@ -280,8 +281,12 @@ class WritePipeline:
         pool: StagingPool,
         streams: int,
         stage_all: bool,
+        deferred: bool = False,
     ) -> None:
         self.backend, self.data_key, self.rank, self.items = backend, data_key, rank, items
+        #: stage now, write later (:meth:`start_writing`, with the data file's key): nothing
+        #: reaches the backend before; a pool too small for every chunk raises StagingFull
+        self.deferred, self._begun, self._close_requested, self._writing = deferred, False, False, not deferred
         self.item_nbytes = [item.piece.tensor.numel() * item.piece.tensor.element_size() for item in items]
         self.block, self.pool, self.streams, self.stage_all = block, pool, max(1, streams), stage_all
         self.aligned_writes = backend.hints.aligned_writes
@@ -336,8 +341,10 @@ class WritePipeline:
         were not produced yet; ``last`` closes the queue afterwards."""
         if not self.items:
             return
-        if self._writer is None:
-            self._writer = self.backend.open_writer(self.data_key, size=self.size)
+        if not self._begun:
+            self._begun = True
+            if not self.deferred:
+                self._writer = self.backend.open_writer(self.data_key, size=self.size)
             self._pending = self.chunks()
             for chunk in self._pending:
                 for seg in chunk.segments:
@@ -385,9 +392,32 @@ class WritePipeline:
             self._threads.append(thread)
 
     def close_queue(self) -> None:
+        if not self._writing:  # deferred: closed once writing starts
+            self._close_requested = True
+            return
         self._start_writers()
         for _ in self._threads:
             self._queue.put(None)
+
+    def start_writing(self, data_key: str) -> None:
+        """(a deferred pipeline) Open ``data_key`` and write what was staged."""
+        self.data_key = data_key
+        self._writing = True
+        if self.items:
+            self._writer = self.backend.open_writer(data_key, size=self.size)
+        if self._close_requested:
+            self.close_queue()
+        else:
+            self._start_writers()
+
+    def discard(self) -> None:
+        """(a deferred pipeline that will not write) Return every staged slab."""
+        while not self._queue.empty():
+            staged = self._queue.get_nowait()
+            if staged is not None and staged.slab is not None:
+                settle(staged.events)
+                self.pool.release(staged.slab)
+        self._release_sources()
 
     def _produce(self, chunk: Chunk) -> None:
         for seg in chunk.segments:
@@ -407,6 +437,8 @@ class WritePipeline:
             if not self.aligned_writes or (data.data_ptr() - chunk.offset) % 4096 == 0:
                 return StagedChunk(chunk, None, data, [])  # zero-copy: the tensor's own memory
         if not self._threads and self.pool.would_block():
+            if self.deferred:
+                raise StagingFull(f"rank {self.rank}: the staging pool cannot hold the whole save before writing")
             self._start_writers()  # only writing frees slabs
         slab = self.pool.acquire()
         out = slab.view(chunk.nbytes, shift=chunk.offset % 4096)  # same phase as the file: O_DIRECT-able
@@ -444,6 +476,8 @@ class WritePipeline:
     # -- writer threads ---------------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        if self.stage_all:  # an async save's writers: behind training for the CPU
+            lower_this_thread()
         while True:
             task = self._queue.get()
             if task is None:
@@ -529,7 +563,11 @@ class WritePipeline:
         return rows, file_sums
 
 
-def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=None, stage_all=False) -> WritePipeline:
+class StagingFull(Exception):
+    """A deferred pipeline's chunks do not all fit in the staging pool at once."""
+
+
+def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=None, stage_all=False, deferred=False):
     """A pipeline on ``pool`` (default: the process-wide one) with ``streams`` writers (default: the backend's hint)."""
     pool = pool or default_pool()
     if pool.slab_bytes % block:
@@ -543,6 +581,7 @@ def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=N
         pool=pool,
         streams=streams or backend.hints.concurrency,
         stage_all=stage_all,
+        deferred=deferred,
     )
 
 

@@ -30,6 +30,7 @@ from ..async_save import wait_all as _wait_for_async_saves
 from ..collectives import Coordinator, decide, run_phase
 from ..commit import check_generation_intact, commit, discard_generation, find_existing, write_catalog
 from ..errors import CheckpointExistsError, CommitUncertainError, CorruptCheckpointError
+from ..priority import lower_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,9 @@ def upload_file(local: Backend, remote: Backend, entry: FileEntry) -> None:
             writer.write_at(0, b"")
         elif Capability.PARALLEL_WRITES in remote.capabilities and len(offsets) > 1:
             streams = max(1, min(remote.hints.concurrency, len(offsets)))
-            with concurrent.futures.ThreadPoolExecutor(streams, thread_name_prefix="bcp-drain") as pool:
+            with concurrent.futures.ThreadPoolExecutor(
+                streams, thread_name_prefix="bcp-drain", initializer=lower_this_thread
+            ) as pool:
                 for future in [pool.submit(copy, o) for o in offsets]:
                     future.result()
         else:
@@ -135,6 +138,7 @@ class Drain:
         return self
 
     def _run(self) -> None:
+        lower_this_thread()
         try:
             self._run_fn()
         except BaseException as e:  # noqa: BLE001 - raised from wait()

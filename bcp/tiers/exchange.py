@@ -4,11 +4,12 @@ Every rank has listed the byte ranges its load will read from files its host doe
 not hold (its read plan's runs, widened to whole checksum blocks); one ``all_gather``
 gives every rank every list. From them each rank computes the same plan
 (:meth:`Exchange.plan`): the ranges of one host's ranks are merged per file, and each
-merged range is asked once (by the lowest rank wanting part of it) from a rank of a
-host holding its file, the serving ranks balanced by bytes, cut into pieces of at
-most ``chunk_bytes`` and packed into rounds of at most ``round_bytes`` sent plus
-received per rank. Then each rank carries out its own part (:meth:`Exchange.run`): uint8 tensors over bcp's gloo group
-(point-to-point), landing at their offsets in the host's recovery directory.
+merged range is asked once (by the lowest rank wanting part of it) from a host holding
+its file, cut into pieces of at most ``chunk_bytes``, each piece served by the rank of a
+holding host that sends the fewest bytes so far, and packed into rounds of at most
+``round_bytes`` sent plus received per rank. Then each rank carries out its own part
+(:meth:`Exchange.run`): uint8 tensors over bcp's gloo group (point-to-point), landing
+at their offsets in the host's recovery directory.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from bcp.metadata import Manifest
 from ..collectives import Coordinator, GroupCoordinator
 from ..errors import CorruptCheckpointError
 from ..tensor_io import byte_view
+from .arrival import Arrivals
 from .hosts import HostMap
 from .inventory import LocalChoice
 from .recovery_dir import NOFOLLOW
@@ -89,6 +91,12 @@ class Exchange:
         self.round_bytes = max(1, round_bytes)
         self.chunk_bytes = max(1, min(chunk_bytes, self.round_bytes))
         self.rounds_of: list[list[Piece]] = []
+        #: direction -> this rank's messages of one round, back to back, reused from round to
+        #: round (memory touched for the first time fills at a fraction of memcpy speed); the
+        #: two hold at most ``round_bytes`` together
+        self._buffers: dict[str, torch.Tensor] = {}
+        #: told of each piece this rank has written, when the host's ranks load meanwhile
+        self.arrivals: Arrivals | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
         self.rounds = 0
@@ -119,13 +127,16 @@ class Exchange:
         servers = {
             file: [r for h in holders for r in self.hosts.ranks[h]] for file, holders in enumerate(self.choice.holders)
         }
+        # each piece (not each range) goes to the least-loaded rank holding its file: one
+        # large range is served by every rank of its holders at once, not by one of them
         load = [0] * self.coord.world_size
         pieces: list[Piece] = []
         for file, offset, nbytes, _host, receiver in sorted(wanted):
-            sender = min(servers[file], key=lambda r: (load[r], r))
-            load[sender] += nbytes
             for at in range(0, nbytes, self.chunk_bytes):
-                pieces.append(Piece(sender, receiver, file, offset + at, min(self.chunk_bytes, nbytes - at)))
+                size = min(self.chunk_bytes, nbytes - at)
+                sender = min(servers[file], key=lambda r: (load[r], r))
+                load[sender] += size
+                pieces.append(Piece(sender, receiver, file, offset + at, size))
         self.rounds_of = self._rounds(pieces)
 
     def _rounds(self, pieces: list[Piece]) -> list[list[Piece]]:
@@ -196,14 +207,21 @@ class Exchange:
             outgoing.setdefault(p.receiver, []).append(p)
         for p in recvs:
             incoming.setdefault(p.sender, []).append(p)
-        works = []
+        receiving = []
         inboxes: dict[int, torch.Tensor] = {}
+        inbound = self._buffer("in", sum(p.nbytes for p in recvs))
+        outbound = self._buffer("out", sum(p.nbytes for p in sends))
+        start = 0
         for peer, ps in incoming.items():
-            inboxes[peer] = torch.empty(sum(p.nbytes for p in ps), dtype=torch.uint8)
-            works.append(dist.irecv(inboxes[peer], src=ranks[peer], group=group, tag=tag))
-        outboxes = []
+            size = sum(p.nbytes for p in ps)
+            inboxes[peer] = inbound[start : start + size]
+            start += size
+            receiving.append((peer, dist.irecv(inboxes[peer], src=ranks[peer], group=group, tag=tag)))
+        sending = []
+        start = 0
         for peer, ps in outgoing.items():
-            box = torch.empty(sum(p.nbytes for p in ps), dtype=torch.uint8)
+            box = outbound[start : start + sum(p.nbytes for p in ps)]
+            start += box.numel()
             view = byte_view(box)
             at = 0
             for p in ps:
@@ -220,12 +238,11 @@ class Exchange:
                     error = error or e
                     view[at : at + p.nbytes] = bytes(p.nbytes)
                 at += p.nbytes
-            outboxes.append(box)
             self.bytes_sent += at
-            works.append(dist.isend(box, dst=ranks[peer], group=group, tag=tag))
-        for work in works:
+            sending.append(dist.isend(box, dst=ranks[peer], group=group, tag=tag))
+        for peer, work in receiving:  # each message written as soon as it is in
             work.wait()
-        for peer, ps in incoming.items():
+            ps = incoming[peer]
             view = byte_view(inboxes[peer])
             at = 0
             for p in ps:
@@ -234,8 +251,20 @@ class Exchange:
                     done = 0
                     while done < p.nbytes:
                         done += os.pwritev(fd, [view[at + done : at + p.nbytes]], p.offset + done)
+                    if self.arrivals is not None:
+                        self.arrivals.landed(p.file, p.offset, p.offset + p.nbytes)
                 except OSError as e:
                     error = error or e
                 at += p.nbytes
             self.bytes_received += at
+        for work in sending:
+            work.wait()
         return error
+
+    def _buffer(self, direction: str, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of this rank's buffer for ``direction`` (grown when short)."""
+        buf = self._buffers.get(direction)
+        if buf is None or buf.numel() < nbytes:
+            self._buffers.pop(direction, None)  # freed before the larger one is made
+            buf = self._buffers[direction] = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes]

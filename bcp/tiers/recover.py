@@ -47,6 +47,7 @@ import logging
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -66,6 +67,7 @@ from ..options import LoadOptions
 from ..reader import CheckpointMetadata, fetch_catalog, fetch_manifest, open_reader
 from ..state import detach_stateful
 from ..target import resolve_backend
+from .arrival import Arrivals, GatedBackend
 from .exchange import CHUNK_BYTES, ROUND_BYTES, Exchange, merge_ranges
 from .hosts import HostMap
 from .inventory import LocalChoice, StepCopy, choose_local, list_local, local_wins
@@ -105,13 +107,21 @@ def recover_latest(
     persistent_root: str | None,
     coord: Coordinator,
     load_options: LoadOptions | None = None,
+    exchange_coord: Coordinator | None = None,
 ) -> tuple[int | None, Any] | None:
     """(all ranks) Load the newest step the local tier holds entirely into ``state``,
     if it is not older than the persistent tier's newest committed step (at
     ``persistent_root``, read with ``load_options.storage_options``). Returns
-    ``(step, loaded state)``, or None: the caller loads from persistent storage."""
+    ``(step, loaded state)``, or None: the caller loads from persistent storage.
+    ``exchange_coord``: a coordinator of the same ranks on a gloo group nothing else
+    uses meanwhile; with it the exchange runs while the ranks load (``arrival.py``)."""
     info = recover_latest_with_info(
-        state, local_root=local_root, persistent_root=persistent_root, coord=coord, load_options=load_options
+        state,
+        local_root=local_root,
+        persistent_root=persistent_root,
+        coord=coord,
+        load_options=load_options,
+        exchange_coord=exchange_coord,
     )
     return None if info is None else (info.step, info.state)
 
@@ -125,6 +135,7 @@ def recover_latest_with_info(
     load_options: LoadOptions | None = None,
     round_bytes: int = ROUND_BYTES,
     chunk_bytes: int = CHUNK_BYTES,
+    exchange_coord: Coordinator | None = None,
 ) -> RecoveryInfo | None:
     """:func:`recover_latest`, returning a :class:`RecoveryInfo` (None: use the
     persistent tier). ``round_bytes`` and ``chunk_bytes`` bound the exchange's memory."""
@@ -132,7 +143,7 @@ def recover_latest_with_info(
     root = os.path.abspath(os.fspath(local_root))
     session = trace.begin(opts.trace, coord.rank, "recover")
     try:
-        info = _recover(state, root, persistent_root, coord, opts, round_bytes, chunk_bytes)
+        info = _recover(state, root, persistent_root, coord, opts, round_bytes, chunk_bytes, exchange_coord)
     except BaseException:
         if session is not None:
             session.end(failed=True)
@@ -155,23 +166,19 @@ def _recover(
     opts: LoadOptions,
     round_bytes: int,
     chunk_bytes: int,
+    exchange_coord: Coordinator | None,
 ) -> RecoveryInfo | None:
     """:func:`recover_latest_with_info`'s steps, each a span when traced."""
     started = time.perf_counter()
     with trace.span("inventory"):
+        # the coordinator lists the persistent root (round trips to a store) while the
+        # hosts list their local roots
+        persistent = _PersistentNewest(persistent_root, opts.storage_options) if coord.is_coordinator else None
         hosts = HostMap.gather(coord)
         first = hosts.is_first(coord.rank)
         listing: list[StepCopy] | None = _list_host(local_root) if first else None
         gathered = coord.gather(listing if first else None)
-        plan = decide(
-            coord,
-            "choosing the step to recover",
-            _choose,
-            gathered,
-            hosts,
-            persistent_root,
-            opts.storage_options,
-        )
+        plan = decide(coord, "choosing the step to recover", _choose, gathered, hosts, persistent)
     if plan is None:
         return None
     choice, nonce = plan
@@ -184,42 +191,31 @@ def _recover(
     held = frozenset(i for i, h in enumerate(choice.holders) if mine in h)
     recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
     try:
-        with trace.span("prepare"):
-            run_phase(
-                coord,
-                "preparing the recovery directory",
-                prepare,
-                recovery_dir,
-                step_dir,
-                manifest,
-                metadata,
-                held,
-            )
-        with trace.span("match"):
-            wanted = run_phase(
-                coord,
-                "matching the state for recovery",
-                _wanted,
-                state,
-                recovery_dir,
-                manifest,
-                metadata,
-                held,
-                coord,
-                opts,
-            )
+
+        def prepare_and_match() -> np.ndarray:
+            with trace.span("prepare"):
+                prepare(recovery_dir, step_dir, manifest, metadata, held)
+            with trace.span("match"):
+                return _wanted(state, recovery_dir, manifest, metadata, held, coord, opts)
+
+        # one phase: every rank of the host has built the directory before any byte lands in it
+        wanted = run_phase(coord, "preparing the recovery directory and matching the state", prepare_and_match)
         fetch_started = time.perf_counter()
-        with trace.span("exchange") as exchanging:
-            exchange = Exchange(coord, hosts, choice, manifest, step_dir, recovery_dir, round_bytes, chunk_bytes)
-            exchange.plan(coord.all_gather(wanted))
-            error = exchange.run()
-            coord.check(error, "fetching fragments from peer hosts")
-            if exchanging is not None:
-                exchanging.nbytes = exchange.bytes_received
-        fetch_seconds = time.perf_counter() - fetch_started
-        # the load traces itself; its spans land in this recovery's session too
+        exchange = Exchange(coord, hosts, choice, manifest, step_dir, recovery_dir, round_bytes, chunk_bytes)
+        exchange.plan(coord.all_gather(wanted))
         load_opts = dataclasses.replace(opts, storage_options=None, share_reads=False)
-        loaded = load_with_info(state, recovery_dir, load_opts)
+        if exchange_coord is None or coord.world_size == 1:
+            with trace.span("exchange") as exchanging:
+                coord.check(exchange.run(), FETCH_PHASE)
+                if exchanging is not None:
+                    exchanging.nbytes = exchange.bytes_received
+            fetch_seconds = time.perf_counter() - fetch_started
+            loaded = load_with_info(state, recovery_dir, load_opts)
+        else:
+            fetched = {e.path: i for i, e in enumerate(manifest.data_files) if i not in held}
+            loaded, fetch_seconds = _load_while_fetching(
+                state, exchange, exchange_coord, recovery_dir, fetched, load_opts
+            )
     finally:
         if first:
             shutil.rmtree(recovery_dir, ignore_errors=True)
@@ -249,6 +245,51 @@ def _recover(
     )
 
 
+FETCH_PHASE = "fetching fragments from peer hosts"
+
+
+def _load_while_fetching(
+    state: Any,
+    exchange: Exchange,
+    exchange_coord: Coordinator,
+    recovery_dir: str,
+    fetched: dict[str, int],
+    load_opts: LoadOptions,
+) -> tuple[LoadInfo, float]:
+    """The exchange in a thread on ``exchange_coord``'s group while this rank loads
+    through a :class:`GatedBackend`; an exchange error wins over the load's."""
+    started = time.perf_counter()
+    arrivals = Arrivals()
+    exchange.coord = exchange_coord
+    exchange.arrivals = arrivals
+    outcome: dict[str, Any] = {}
+
+    def fetch() -> None:
+        failure: BaseException | None = None
+        try:
+            with trace.span("exchange") as exchanging:  # spans of any thread land in the session
+                exchange_coord.check(exchange.run(), FETCH_PHASE)
+                if exchanging is not None:
+                    exchanging.nbytes = exchange.bytes_received
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+            failure = e
+        outcome["seconds"] = time.perf_counter() - started
+        outcome["error"] = failure
+        arrivals.end(failure)
+
+    thread = threading.Thread(target=fetch, name="bcp-recover-exchange", daemon=True)
+    thread.start()
+    loaded: LoadInfo | None = None
+    try:
+        loaded = load_with_info(state, GatedBackend(resolve_backend(recovery_dir), fetched, arrivals), load_opts)
+    finally:
+        thread.join()  # every transfer happens, so no peer waits forever
+        if outcome.get("error") is not None:
+            raise outcome["error"]
+    assert loaded is not None
+    return loaded, outcome["seconds"]
+
+
 # -- inventory, choice, metadata --------------------------------------------------------------------
 
 
@@ -269,23 +310,42 @@ def _list_host(root: str) -> list[StepCopy] | None:
         return None
 
 
+class _PersistentNewest:
+    """(coordinator) The persistent root's newest committed step, listed in a thread of
+    its own from construction; :meth:`result` waits for it (None: no step, no root, or
+    a listing that failed, with a WARNING: the local tier may still do, and the
+    fallback reports the failure again)."""
+
+    def __init__(self, root: str | None, storage_options: Mapping[str, Any] | None) -> None:
+        self.root = root
+        self.storage_options = storage_options
+        self._step: int | None = None
+        self._thread = threading.Thread(target=self._list, name="bcp-recover-list", daemon=True)
+        if root is not None:
+            self._thread.start()
+
+    def _list(self) -> None:
+        assert self.root is not None
+        try:
+            steps = committed_steps(resolve_backend(self.root, self.storage_options))
+            self._step = steps[-1] if steps else None
+        except Exception as e:  # noqa: BLE001 - reported here, never raised
+            log.warning("local tier: cannot list the persistent root %s: %s", self.root, e)
+
+    def result(self) -> int | None:
+        if self.root is not None:
+            self._thread.join()
+        return self._step
+
+
 def _choose(
-    gathered: list[Any] | None,
-    hosts: HostMap,
-    persistent_root: str | None,
-    storage_options: Mapping[str, Any] | None,
+    gathered: list[Any] | None, hosts: HostMap, newest: _PersistentNewest | None
 ) -> tuple[LocalChoice, str] | None:
     """(coordinator) The local step to recover and a fresh directory name, or None."""
-    assert gathered is not None
+    assert gathered is not None and newest is not None
     listings = [gathered[ranks[0]] for ranks in hosts.ranks]
     choice = choose_local(listings)
-    persistent = None
-    if persistent_root is not None:
-        try:
-            steps = committed_steps(resolve_backend(persistent_root, storage_options))
-            persistent = steps[-1] if steps else None
-        except Exception as e:  # noqa: BLE001 - the local tier may still do; the fallback reports it again
-            log.warning("local tier: cannot list the persistent root %s: %s", persistent_root, e)
+    persistent = newest.result()
     if choice is None:
         if any(listings):
             log.warning(

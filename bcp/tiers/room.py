@@ -69,20 +69,21 @@ def host_rooms(hosts: HostMap, records: list[tuple[int, int, int]]) -> list[Host
     return out
 
 
-def check_room(
-    coord: Coordinator, hosts: HostMap, root: str, own_bytes: int, replicas: int, statvfs: Statvfs = os.statvfs
-) -> list[HostRoom]:
-    """(all ranks, collective) The hosts that lack room for this local save (empty:
-    every host has room); the same list on every rank. A WARNING names them."""
+def own_record(root: str, own_bytes: int, replicas: int, statvfs: Statvfs = os.statvfs) -> tuple[int, int, int]:
+    """This rank's need and its local root's free and total space (bytes)."""
     try:
         st = statvfs(root)
         free, total = int(st.f_bavail) * int(st.f_frsize), int(st.f_blocks) * int(st.f_frsize)
     except OSError as e:
         log.warning("local tier: cannot read the free space of %s: %s", root, e)
         free, total = 0, 0
-    need = own_bytes * (1 + replicas)
-    rooms = host_rooms(hosts, coord.all_gather((need, free, total)))
-    short = [r for r in rooms if not r.enough]
+    return own_bytes * (1 + replicas), free, total
+
+
+def short_hosts(coord: Coordinator, hosts: HostMap, records: list[tuple[int, int, int]]) -> list[HostRoom]:
+    """The hosts whose ranks' ``records`` (every rank's :func:`own_record`) lack room;
+    a WARNING names them (on the coordinator and on a short host's first rank)."""
+    short = [r for r in host_rooms(hosts, records) if not r.enough]
     mine = hosts.hosts[hosts.host_of(coord.rank)]
     if short and (coord.is_coordinator or (hosts.is_first(coord.rank) and mine in {r.host for r in short})):
         log.warning(
@@ -91,3 +92,11 @@ def check_room(
             "; ".join(map(str, short)),
         )
     return short
+
+
+def check_room(
+    coord: Coordinator, hosts: HostMap, root: str, own_bytes: int, replicas: int, statvfs: Statvfs = os.statvfs
+) -> list[HostRoom]:
+    """(all ranks, collective) The hosts that lack room for this local save (empty:
+    every host has room); the same list on every rank. A WARNING names them."""
+    return short_hosts(coord, hosts, coord.all_gather(own_record(root, own_bytes, replicas, statvfs)))

@@ -28,22 +28,26 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+import numpy as np
+
 from bcp.backends import join_uri
 from bcp.metadata.layout import step_name
 
 from ..async_save import AfterCommit, AsyncSaveHandle, async_save
 from ..collectives import Coordinator, decide
-from ..lanes import lane_coordinator
+from ..lanes import background_coordinator, lane_coordinator
 from ..options import SaveOptions
+from ..planning.cache import plan_cache_for
 from ..saver import SaveInfo, SaveJob
 from ..target import resolve_backend
 from .config import LocalTier
 from .drain import Drain, drain_step
+from .fast_save import Verdict, save_fast
 from .hosts import HostMap, warn_if_short
 from .local_save import LocalStep, after_commit
 from .paths import check_apart, local_root, step_backend, step_dir
 from .retention import apply_retention, remove_stale
-from .room import Statvfs, check_room, state_bytes
+from .room import Statvfs, check_room, own_record, state_bytes
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,15 @@ class Tier:
         #: perf_counter seconds when the last local save was complete: committed, spread and replicated
         self.done_at = 0.0
         self._pin_lock = threading.Lock()
+        #: (the same on every rank) whether the next local save takes the fast path
+        #: (``fast_save.py``): the previous one committed, planned and fitted in staging
+        self._fast = False
+        #: (set by the save's thread, read after it) whether every rank's staging fitted
+        self._fits = False
+        #: this rank's writes of the last plan made on the caller's thread: (plan key, indices)
+        self._reuse: tuple[bytes, np.ndarray] | None = None
+        #: whether the last local save started took the fast path (tests, logs)
+        self.last_fast = False
 
     @property
     def is_host_first(self) -> bool:
@@ -106,20 +119,58 @@ class Tier:
         if not cfg.local_due(step):
             return "persistent" if drain else "none"
         own = self._last_bytes if self._last_bytes is not None else state_bytes(state)
-        short = check_room(self.coord, self.hosts, self.root, own, cfg.replicas, self.statvfs)
-        if short:
-            return "persistent" if drain else "none"
-        if self.is_host_first:
-            with self._pin_lock:
-                remove_stale(self.root, step, self._pinned)
         local_opts = dataclasses.replace(opts, storage_options=None, overwrite=False)
         hook = AfterCommit(
             run=lambda job, info: self._after_commit(job, info, step, drain),
             visible_ranks=frozenset(self.hosts.ranks[self.hosts.host_of(0)]),
         )
+        self.last_fast = self._fast and not drain and opts.trace is None  # the same on every rank
+        if self.last_fast:
+            key, writes = self._reuse if self._reuse is not None else (b"", None)
+            handle = save_fast(
+                state,
+                step_backend(self.root, step),
+                local_opts,
+                background_coordinator(self.coord),
+                self.hosts,
+                key=key,
+                writes=writes,
+                room=lambda: own_record(self.root, own, cfg.replicas, self.statvfs),
+                before_plan=lambda: self._remove_stale(step),
+                on_skip=self._skipped,
+                overlap=overlap,
+                after_commit=hook,
+            )
+            self._local = (handle, step)
+            return "local"
+        short = check_room(self.coord, self.hosts, self.root, own, cfg.replicas, self.statvfs)
+        if short:
+            return "persistent" if drain else "none"
+        self._remove_stale(step)
         handle = async_save(state, step_backend(self.root, step), local_opts, overlap=overlap, after_commit=hook)
+        held = plan_cache_for(self.coord.cache_key).held()
+        self._reuse = list(held.items())[-1] if held else None  # the plan just made: newest
         self._local = (handle, step)
         return "local"
+
+    def _remove_stale(self, step: int) -> None:
+        """(the host's first rank) Its copies of ``step`` and later ones, left by an earlier run."""
+        if self.is_host_first:
+            with self._pin_lock:
+                remove_stale(self.root, step, self._pinned)
+
+    def _skipped(self, verdict: Verdict) -> None:
+        """(the save's thread, every rank) A fast local save was skipped: a WARNING where
+        the room check's would be (the coordinator's is logged already), or for a new plan
+        on the coordinator; after a new plan, the next local save plans on the caller's thread."""
+        if verdict.short:
+            mine = self.hosts.hosts[self.hosts.host_of(self.coord.rank)]
+            if self.is_host_first and mine in verdict.short and not self.coord.is_coordinator:
+                log.warning("local tier: not enough room on this host, this step is not saved locally: %s", verdict.why)
+            return
+        self._fits = False
+        if self.coord.is_coordinator:
+            log.warning("local tier: this step is not saved locally: %s; the next local save plans anew", verdict.why)
 
     def wait_local(self) -> SaveInfo | None:
         """(all ranks) Finish the local save in flight (with its replication)."""
@@ -127,8 +178,14 @@ class Tier:
             return None
         handle, _step = self._local
         self._local = None
-        info = handle.wait()
-        self._last_bytes = info.rank_bytes_written
+        try:
+            info = handle.wait_or_skipped()
+        except BaseException:
+            self._fast = False  # an error raises on every rank: the next save plans anew everywhere
+            raise
+        self._fast = self._fits
+        if info is not None:
+            self._last_bytes = info.rank_bytes_written
         return info
 
     def wait_drain(self) -> None:
@@ -146,6 +203,9 @@ class Tier:
 
     def _after_commit(self, job: SaveJob, _info: SaveInfo, step: int, drain: bool) -> None:
         cfg = self.config
+        # the next local save may stage before planning when every rank's chunks fit in its pool at once
+        pipeline = job.pipeline
+        self._fits = not job.coord.any_failed(len(pipeline.chunks()) > pipeline.pool.max_slabs)
         local = after_commit(
             job.coord, self.hosts, cfg.replicas, cfg.chunk_bytes, job.backend, step_dir(self.root, step), step
         )
