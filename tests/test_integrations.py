@@ -145,3 +145,14 @@ def test_accelerate_enable_disable_and_mismatch(tmp_path):
     disable(acc)
     assert acc.save_state.__func__ is Accelerator.save_state
     del model
+
+
+def test_accelerate_checkpoint_names_go_before_a_query_string():
+    """A root with a query string (an S3 endpoint) keeps it at the end: the names land
+    where ``saved_iterations`` lists them, not inside the query."""
+    from bcp.integrations.accelerate import checkpoint_uri
+
+    assert checkpoint_uri("s3://b/run?endpoint_url=http://h:9", 3) == (
+        "s3://b/run/checkpoints/checkpoint_3?endpoint_url=http://h:9"
+    )
+    assert checkpoint_uri("/data/run/", 0) == "/data/run/checkpoints/checkpoint_0"

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..backends import join_uri
 from ..deletion import delete, exists
 from ..extras import needs_extra
 from ..reader import open_checkpoint
@@ -48,7 +49,7 @@ _OWN_CHECKPOINTING = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
 
 def checkpoint_uri(root: str, iteration: int) -> str:
     """Where automatic naming puts checkpoint ``iteration`` under ``root``."""
-    return f"{root.rstrip('/')}/checkpoints/checkpoint_{iteration}"
+    return join_uri(root, f"checkpoints/checkpoint_{iteration}")
 
 
 def saved_iterations(root: str, storage_options: Mapping[str, Any] | None = None) -> list[int]:

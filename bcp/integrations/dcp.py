@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..backends import Backend, ObjectExistsError, ObjectNotFoundError, backend_for
+from ..backends import Backend, ObjectExistsError, ObjectNotFoundError, backend_for, join_uri
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -262,7 +262,7 @@ class BcpStorageReader(StorageReader):
         self.load_id = str(uuid.uuid4())
 
     def _where(self, key: str) -> str:
-        return f"{self.backend.uri.rstrip('/')}/{key}"
+        return join_uri(self.backend.uri, key)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         where = self._where(METADATA_KEY)

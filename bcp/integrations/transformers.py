@@ -26,7 +26,7 @@ import re
 import uuid
 from typing import Any
 
-from ..backends import Backend, ObjectNotFoundError, backend_for
+from ..backends import Backend, ObjectNotFoundError, backend_for, join_uri
 from ..errors import CorruptCheckpointError, FormatError
 from ..extras import needs_extra
 from ..metadata.checksum import crc32c
@@ -130,7 +130,7 @@ def complete_checkpoints(backend: Backend) -> list[int]:
 
 def read_manifest(backend: Backend, name: str) -> dict[str, dict[str, int]]:
     """The files of the mirrored checkpoint ``name``: relative path -> size, CRC32C."""
-    where = f"{backend.uri.rstrip('/')}/{name}/{MANIFEST_NAME}"
+    where = join_uri(backend.uri, f"{name}/{MANIFEST_NAME}")
     try:
         doc = json.loads(backend.read(f"{name}/{MANIFEST_NAME}"))
         if doc.get("format") != MANIFEST_FORMAT:
@@ -163,7 +163,7 @@ def download_file(backend: Backend, key: str, path: str, size: int, crc: int) ->
         actual = backend.size(key)
         if actual != size or got_crc != crc:
             raise CorruptCheckpointError(
-                f"{backend.uri.rstrip('/')}/{key}: {actual} bytes with CRC32C {got_crc:08x} (of its first {size}), "
+                f"{join_uri(backend.uri, key)}: {actual} bytes with CRC32C {got_crc:08x} (of its first {size}), "
                 f"but {MANIFEST_NAME} records {size} bytes with {crc:08x}",
                 file=key,
             )
@@ -192,7 +192,7 @@ def restore_checkpoint(
         try:
             files = read_manifest(backend, name)
         except ObjectNotFoundError as e:
-            raise FileNotFoundError(f"{backend.uri.rstrip('/')}/{name}: no complete checkpoint of step {step}") from e
+            raise FileNotFoundError(f"{join_uri(backend.uri, name)}: no complete checkpoint of step {step}") from e
         target = os.path.join(os.fspath(local_dir), name)
         for file, entry in files.items():
             download_file(
