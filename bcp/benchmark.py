@@ -176,13 +176,17 @@ def storage_speed(uri: str, *, nbytes: int = 256 << 20) -> StorageSpeed:
     in flight, of ``hints.part_size`` or 8 MiB) as a save and a load drive it. On a
     local disk the file backend writes with O_DIRECT and fsync and reads with O_DIRECT,
     so the page cache plays no part: the figures are the disk's (and the network's for
-    an object store), for one process."""
+    an object store), for one process. Local directories the measurement had to create
+    are removed again when empty."""
     if nbytes <= 0:
         raise ValueError(f"nbytes must be > 0, got {nbytes}")
     backend = backend_for(uri)
     kind = storage_kind(backend.uri)
     if kind is None:
         raise ValueError(f"{backend.uri}: memory holds no disk or network to measure")
+    inner = backend.unwrap()
+    root = inner.root if isinstance(inner, FileBackend) else None
+    made = _missing_top(root) if root is not None else None  # left as it was, as save_load does
     hints = backend.hints
     part = hints.part_size or 8 << 20
     nbytes = -(-nbytes // part) * part  # whole parts: each write_at a part, as uploads need
@@ -215,4 +219,6 @@ def storage_speed(uri: str, *, nbytes: int = 256 << 20) -> StorageSpeed:
         parts.clear()
         view.release()
         buffer.close()
+        if made is not None and root is not None:
+            _remove_empty_dirs(root, made)
     return StorageSpeed(kind, nbytes, write_seconds, read_seconds)

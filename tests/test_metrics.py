@@ -208,3 +208,11 @@ def test_storage_speed_of_an_object_store_is_the_networks(moto_server):
     assert speed.write_gbps > 0 and speed.read_gbps > 0
     backend = backend_for(uri)
     assert list(backend.list()) == [] and backend.unwrap().pending_uploads() == []
+
+
+def test_storage_speed_on_a_new_local_directory_leaves_the_disk_as_it_was(tmp_path):
+    """``bcp trace --measure /new/dir``: the directories the measurement had to make go again."""
+    target = tmp_path / "new" / "dir"
+    speed = storage_speed(str(target), nbytes=1 << 20)
+    assert speed.kind == "disk" and speed.nbytes >= 1 << 20
+    assert list(tmp_path.iterdir()) == []
