@@ -246,6 +246,26 @@ class _ShardedBcp(ParallelStrategy):
         )
         log.debug("saved Lightning checkpoint %s (%s)", uri, info)
 
+    def _read_head(
+        self, uri: str, allow_pickle: bool, options: dict[str, Any] | None
+    ) -> tuple[Any, dict[Any, Any]] | BaseException:
+        """(global rank 0) The stored layout and the load template's top-level entries
+        (tensors on the meta device: only their shapes travel), or the error to raise on
+        every rank."""
+        try:
+            with open_checkpoint(uri, allow_pickle=allow_pickle, storage_options=options) as reader:
+                if LAYOUT_KEY not in reader.object_keys():
+                    raise CheckpointError(
+                        f"{uri} holds no {LAYOUT_KEY!r}: it was not saved by {type(self).__name__} or BcpCheckpointIO"
+                    )
+                layout = reader.read_object(LAYOUT_KEY)
+                if "state_dict" not in layout:
+                    raise KeyError(f"{uri} holds no 'state_dict' (the weights) to load")
+                shapes = {k: _placeholder(reader, k) for k in layout if k not in SHARDED_KEYS}
+        except Exception as e:  # noqa: BLE001 - broadcast, then raised on every rank
+            return e
+        return layout, {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in shapes.items()}
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load rank 0's ``checkpoint_path`` on every rank: the weights (and, when fitting,
         the optimizer states) in place, resharded from whatever layout and number of
@@ -254,15 +274,16 @@ class _ShardedBcp(ParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         allow_pickle = self.allow_pickle and weights_only is not True
         options = self.storage_options or None
-        with open_checkpoint(uri, allow_pickle=allow_pickle, storage_options=options) as reader:
-            if LAYOUT_KEY not in reader.object_keys():
-                raise CheckpointError(
-                    f"{uri} holds no {LAYOUT_KEY!r}: it was not saved by {type(self).__name__} or BcpCheckpointIO"
-                )
-            layout = reader.read_object(LAYOUT_KEY)
-            if "state_dict" not in layout:
-                raise KeyError(f"{uri} holds no 'state_dict' (the weights) to load")
-            template = {k: _placeholder(reader, k) for k in layout if k not in SHARDED_KEYS}
+        # rank 0 reads the layout and the catalog; the load below fetches the metadata once
+        # for every rank too, so no rank reads it on its own
+        head = self.broadcast(self._read_head(uri, allow_pickle, options) if self.global_rank == 0 else None)
+        if isinstance(head, BaseException):
+            raise head  # on every rank
+        assert head is not None, "rank 0 broadcast the head"
+        layout, shapes = head
+        template: dict[Any, Any] = {
+            k: torch.empty_like(v, device="cpu") if isinstance(v, torch.Tensor) else v for k, v in shapes.items()
+        }
         template[LAYOUT_KEY] = None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizers = list(self.optimizers) if fitting else []
