@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from .trace import StageTotal, active_seconds, stage_totals
+from .trace import StageTotal, stage_totals
 
 #: the files ``bcp.trace`` writes (the merged file does not match)
 RANK_FILE = re.compile(r".+\.rank(\d+)\.json$")
@@ -241,18 +241,14 @@ def _against(docs: Sequence[dict[str, Any]], stage: str, speeds: Speeds) -> Agai
     speed = speeds.of(resource, direction) if resource is not None else None
     if resource is None or speed is None or speed <= 0:
         return None
-    intervals: dict[str, list[tuple[float, float]]] = {}
-    nbytes: dict[str, int] = {}
+    events: dict[str, list[dict[str, Any]]] = {}  # host -> its ranks' spans of the stage
     for doc in docs:
         other = doc.get("otherData", {})
         host = str(other.get("host") or f"rank {other.get('rank', 0)}")
-        for e in doc["traceEvents"]:
-            if e.get("ph") == "X" and e["name"] == stage:
-                intervals.setdefault(host, []).append((e["ts"], e["ts"] + e["dur"]))
-                nbytes[host] = nbytes.get(host, 0) + int(e.get("args", {}).get("bytes", 0))
-    seconds = {host: active_seconds(iv) / 1e6 for host, iv in intervals.items()}
-    host = max(seconds, key=lambda h: (seconds[h], h))
-    return Against(resource, direction, speed, host, nbytes[host], seconds[host])
+        events.setdefault(host, []).extend(e for e in doc["traceEvents"] if e.get("name") == stage)
+    totals = {host: stage_totals(evs)[stage] for host, evs in events.items() if any(e.get("ph") == "X" for e in evs)}
+    host = max(totals, key=lambda h: (totals[h].seconds, h))
+    return Against(resource, direction, speed, host, totals[host].nbytes, totals[host].seconds)
 
 
 def stragglers(per_rank: dict[int, float], pct: float, min_seconds: float = 0.0) -> tuple[int, ...]:
