@@ -25,7 +25,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+
+from bcp.backends import split_scheme
 
 from .trace import StageTotal, stage_totals
 
@@ -108,8 +109,8 @@ class Speeds:
 def storage_kind(uri: str) -> Resource | None:
     """What a checkpoint at ``uri`` is moved through: "disk" (a local path), "network"
     (an object store, HDFS, ...), None (``memory://``: neither)."""
-    scheme = urlsplit(uri).scheme.lower() if "://" in uri or uri.lower().startswith("file:") else ""
-    if scheme in ("", "file"):
+    scheme, _ = split_scheme(uri)
+    if scheme == "file":
         return "disk"
     return None if scheme == "memory" else "network"
 
