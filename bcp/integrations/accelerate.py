@@ -22,13 +22,9 @@ their own checkpoint code in accelerate: enabling bcp for them is refused.
 from __future__ import annotations
 
 import logging
-import random
 import re
 from collections.abc import Mapping
 from typing import Any
-
-import numpy as np
-import torch
 
 from ..backends import join_uri
 from ..deletion import delete, exists
@@ -37,6 +33,7 @@ from ..reader import open_checkpoint
 from ..saver import save
 from ..shards import PerRank, RankValues
 from ..target import resolve_backend
+from ..training import rng_state, set_rng_state
 
 with needs_extra("accelerate", "bcp.integrations.accelerate"):
     from accelerate import Accelerator
@@ -110,7 +107,7 @@ class BcpState:
             "schedulers": {str(i): s.state_dict() for i, s in enumerate(acc._schedulers)},
             "dataloaders": {str(i): _loader_state(d) for i, d in enumerate(acc._dataloaders)},
             "custom": {str(i): o.state_dict() for i, o in enumerate(acc._custom_objects)},
-            "rng": PerRank(_rng_state(acc.step)),
+            "rng": PerRank({"step": acc.step, **rng_state()}),
             "iteration": acc.project_configuration.iteration,
         }
         if acc.scaler is not None:
@@ -165,7 +162,8 @@ class BcpState:
         if mine is None:
             log.warning("no RNG state saved for process %d in %s: RNG states not restored", acc.process_index, source)
         else:
-            acc.step = _set_rng_state(mine)
+            set_rng_state(mine)
+            acc.step = int(mine["step"])
         if acc.project_configuration.automatic_checkpoint_naming and isinstance(saved.get("iteration"), int):
             acc.project_configuration.iteration = saved["iteration"] + 1  # the next save_state does not collide
         log.info("loaded the accelerate state from %s", source)
@@ -190,27 +188,6 @@ def _load_loader_state(loader: Any, state: Mapping[str, Any] | None) -> None:
     sampler = loader.get_sampler() if hasattr(loader, "get_sampler") else None
     if "sampler" in state and sampler is not None:
         sampler.epoch, sampler.initial_seed = state["sampler"]["epoch"], state["sampler"]["initial_seed"]
-
-
-def _rng_state(step: int) -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "step": step,
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> int:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    return int(state["step"])
 
 
 def enable(accelerator: Accelerator, uri: str, *, storage_options: Mapping[str, Any] | None = None) -> BcpState:
