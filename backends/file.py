@@ -482,3 +482,11 @@ class _FileWriter(ObjectWriter):
 
 
 __all__ = ["PARTIAL_MARKER", "FileBackend", "ObjectExistsError"]
+
+
+def file_directory(backend: Backend) -> str | None:
+    """The local directory of a backend that stores files in one (the file backend, or a
+    wrapper or plugin built on it), else None: where callers must check links and
+    directories themselves."""
+    inner = backend.unwrap()
+    return inner.root if isinstance(inner, FileBackend) else None

@@ -23,7 +23,7 @@ import torch
 import bcp  # bcp.save and bcp.load, looked up at each call: the public functions, as a user calls them
 
 from .backends import Backend, backend_for, join_uri
-from .backends.file import FileBackend
+from .backends.file import file_directory
 from .trace_report import Resource, storage_kind
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,7 @@ def save_load(
     saves: list[float] = []
     loads: list[float] = []
     backend = backend_for(uri)
-    inner = backend.unwrap()
-    root = inner.root if isinstance(inner, FileBackend) else None
+    root = file_directory(backend)
     made = _missing_top(root) if root is not None else None
     scratch = f"bcp-bench-{os.getpid()}-{time.time_ns()}"
     try:
@@ -184,8 +183,7 @@ def storage_speed(uri: str, *, nbytes: int = 256 << 20) -> StorageSpeed:
     kind = storage_kind(backend.uri)
     if kind is None:
         raise ValueError(f"{backend.uri}: memory holds no disk or network to measure")
-    inner = backend.unwrap()
-    root = inner.root if isinstance(inner, FileBackend) else None
+    root = file_directory(backend)
     made = _missing_top(root) if root is not None else None  # left as it was, as save_load does
     hints = backend.hints
     part = hints.part_size or 8 << 20

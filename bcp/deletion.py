@@ -17,12 +17,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from bcp.backends import Backend
-from bcp.backends.file import FileBackend
+from bcp.backends.file import file_directory
 from bcp.metadata.layout import MANIFEST_KEY
 
 from .commit import delete_checkpoint
 from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
-from .housekeeping import checkpoint_objects
+from .housekeeping import CheckpointObjects, checkpoint_objects
 from .target import Target, resolve_backend
 
 log = logging.getLogger(__name__)
@@ -56,21 +56,11 @@ def delete(
     directory included."""
     backend = resolve_backend(uri, storage_options)
     where = backend.uri  # credentials redacted
-    root = _local_root(backend)
-    if root is not None and os.path.islink(root):
-        raise CheckpointError(f"{where} is a symbolic link; bcp.delete does not delete through links")
-    if root is not None and os.path.lexists(root) and not os.path.isdir(root):
-        raise CheckpointError(f"{where} is a file, not a bcp checkpoint (a directory); bcp.delete leaves it")
-    found = checkpoint_objects(backend)
-    if not found.keys and next(iter(backend.unfinished("")), None) is None:
+    found = deletable(backend, uncommitted=uncommitted, tool="bcp.delete", force="pass uncommitted=True")
+    if found is None:
         if missing_ok:
             return []
         raise CheckpointNotFoundError(f"no checkpoint at {where}: nothing is there")
-    if not found.committed and not uncommitted:
-        raise IncompleteCheckpointError(
-            f"{where} has no {MANIFEST_KEY}: not a committed bcp checkpoint ({len(found.keys)} object(s), "
-            f"{len(found.generations)} bcp generation(s)); pass uncommitted=True to delete its bcp objects anyway"
-        )
     delete_checkpoint(backend, only_bcp=True)
     if found.other_keys:
         log.warning(
@@ -79,6 +69,7 @@ def delete(
             len(found.other_keys),
             ", ".join(found.other_keys[:5]) + (", ..." if len(found.other_keys) > 5 else ""),
         )
+    root = file_directory(backend)
     if root is not None:
         try:
             os.rmdir(root)  # only when empty: other files keep it
@@ -88,7 +79,24 @@ def delete(
     return list(found.other_keys)
 
 
-def _local_root(backend: Backend) -> str | None:
-    """The directory of a backend that stores files in a local directory, else None."""
-    inner = backend.unwrap()
-    return inner.root if isinstance(inner, FileBackend) else None
+def deletable(backend: Backend, *, uncommitted: bool, tool: str, force: str) -> CheckpointObjects | None:
+    """The checks ``bcp.delete`` and ``bcp rm`` share before they delete: the objects of
+    the checkpoint at ``backend`` (None: nothing is there, not even a save's partial
+    files). Refuses a local location that is a symbolic link or a file, and one with no
+    ``manifest.json`` unless ``uncommitted`` (``force`` says how, ``tool`` who refuses)."""
+    where = backend.uri
+    root = file_directory(backend)
+    if root is not None and os.path.islink(root):
+        raise CheckpointError(f"{where} is a symbolic link; {tool} does not delete through links")
+    if root is not None and os.path.lexists(root) and not os.path.isdir(root):
+        raise CheckpointError(f"{where} is a file, not a bcp checkpoint (a directory); {tool} leaves it")
+    found = checkpoint_objects(backend)
+    if not found.keys and next(iter(backend.unfinished("")), None) is None:
+        return None
+    if not found.committed and not uncommitted:
+        raise IncompleteCheckpointError(
+            f"{where} has no {MANIFEST_KEY}: not a committed bcp checkpoint ({len(found.keys)} object(s), "
+            f"{len(found.generations)} bcp generation(s)); {force} to delete its bcp objects "
+            f"({MANIFEST_KEY}, gen-*/) anyway"
+        )
+    return found

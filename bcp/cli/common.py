@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from ..backends import Backend
 from ..backends.errors import redact
-from ..backends.file import FileBackend
+from ..backends.file import file_directory
 from ..errors import CheckpointError
 from .render import safe, show
 
@@ -49,18 +49,11 @@ def option(name: str, parse: Callable[[str], T], value: str) -> T:
         raise UsageError(text if name in text else f"{name}: {text}") from None
 
 
-def local_root(backend: Backend) -> str | None:
-    """The directory of a backend that stores files in a local directory (the file
-    backend, or a plugin built on it), else None."""
-    inner = backend.unwrap()
-    return inner.root if isinstance(inner, FileBackend) else None
-
-
 def require_location(backend: Backend, uri: str, *, list_objects: bool = True) -> None:
     """Refuse, as not found, a location that does not exist: a local path that is not
     there or is not a directory; on other stores (``list_objects``), a prefix with no
     objects at all (an object store has no empty directories to tell apart)."""
-    root = local_root(backend)
+    root = file_directory(backend)
     if root is not None:
         if not os.path.exists(root):
             raise NotFound(f"{show(uri)}: no such file or directory")

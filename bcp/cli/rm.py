@@ -1,17 +1,17 @@
-"""``bcp rm URI``: delete one checkpoint, its manifest first. Which objects are the
-checkpoint's is :func:`bcp.housekeeping.checkpoint_objects`; the deletion is
+"""``bcp rm URI``: delete one checkpoint, its manifest first. What may be deleted is
+decided as for ``bcp.delete`` (:func:`bcp.deletion.deletable`); the deletion is
 :func:`bcp.commit.delete_checkpoint`."""
 
 from __future__ import annotations
 
 import argparse
-import os
 
 from ..backends import backend_for
 from ..commit import delete_checkpoint
-from ..housekeeping import checkpoint_objects
+from ..deletion import deletable
+from ..errors import CheckpointError
 from ..metadata.layout import MANIFEST_KEY
-from .common import CliError, NotFound, require_location
+from .common import CliError, NotFound, one_line, require_location
 from .render import safe, show
 
 NAME = "rm"
@@ -35,20 +35,14 @@ def run(args: argparse.Namespace) -> int:
     manifest (unless --force), never through a symbolic link."""
     backend = backend_for(args.uri)
     where = show(args.uri)
-    root = getattr(backend.unwrap(), "root", None)
-    if backend.unwrap().scheme == "file" and isinstance(root, str) and os.path.islink(root):
-        raise CliError(f"{where} is a symbolic link; bcp rm does not delete through links (remove the link itself)")
     require_location(backend, args.uri)
-    found = checkpoint_objects(backend)
-    if not found.keys:
+    try:
+        found = deletable(backend, uncommitted=args.force, tool="bcp rm", force="pass --force")
+    except CheckpointError as e:  # one line, no traceback hint: the refusal is the answer
+        raise CliError(one_line(e)) from e
+    if found is None:
         raise NotFound(f"nothing at {where}")
     generations = found.generations
-    if not found.committed and not args.force:
-        raise CliError(
-            f"{where} has no {MANIFEST_KEY}: not a committed bcp checkpoint ({len(found.keys)} object(s), "
-            f"{len(generations)} bcp generation(s)); pass --force to delete its bcp objects "
-            f"({MANIFEST_KEY}, gen-*/) anyway"
-        )
     what = (
         f"{len(found.bcp_keys)} object(s) of {'the' if found.committed else 'an uncommitted'} checkpoint at {where}"
         f" ({MANIFEST_KEY if found.committed else 'no manifest'}; generation(s) {', '.join(generations) or '-'})"
