@@ -417,6 +417,7 @@ def training_stall(args, device: torch.device) -> dict:
             stalls.append(time.perf_counter() - t0 - 2 * plain)
         if pending is not None:
             pending.result() if hasattr(pending, "result") else pending.wait()
+        shutil.rmtree(root, ignore_errors=True)  # a mode's saves (6+ GB each at the default size) go before the next
         out[f"stall per save: {name} (first)"] = stalls[0]
         out[f"stall per save: {name} (later, median)"] = statistics.median(stalls[1:]) if len(stalls) > 1 else stalls[0]
     for hook in user_hooks:

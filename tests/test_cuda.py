@@ -228,7 +228,7 @@ def test_cast_and_strided_loads_stream_their_device_temporaries(tmp_path):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    out = bcp.load(template, str(tmp_path / "ck"))
+    out = bcp.load(template, str(tmp_path / "ck"), strict=False)  # casts fp32 -> bf16
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     # a temporary per destination, allocated before the first read, was 512 MiB here
