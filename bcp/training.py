@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 #: marks an RNG state captured by :func:`rng_state`
 RNG_MARK = "bcp_rng"
+#: a key in each saved param group of an optimizer that had not stepped yet (no state)
+UNSTEPPED_MARK = "bcp_unstepped"
 
 
 class CudaRng:
@@ -208,13 +210,23 @@ class TrainingState:
 
     def state_dict(self) -> dict[str, Any]:
         """The job's state as bcp saves it; with a fresh optimizer, the template a load
-        fills (get_state_dict gives its state already in the current layout)."""
+        fills (get_state_dict gives its state already in the current layout).
+
+        ``get_state_dict`` fills an optimizer that has no state yet by a dummy step at
+        learning rate 0 (so that its state has keys and shapes): that state is dropped
+        again here, so that asking for the state (a save, a load's template, a fresh
+        run's ``load_latest``) leaves such an optimizer as it was; its saved param
+        groups carry :data:`UNSTEPPED_MARK`, and a load of them leaves it without state."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        unstepped = [not optim.state for optim in self.optimizers]
         model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+        for optim, fresh in zip(self.optimizers, unstepped, strict=True):
+            if fresh:
+                optim.state.clear()  # the dummy step's state; its lr 0 changed no parameter
         state: dict[str, Any] = {"model": model_sd}
         if self.optimizers:
-            state["optim"] = optim_sd
+            state["optim"] = _mark_unstepped_groups(optim_sd, self.optimizers, unstepped)
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.dataloader is not None:
@@ -234,6 +246,10 @@ class TrainingState:
             model_state_dict=state["model"],
             optim_state_dict=state["optim"] if self.optimizers else {},
         )
+        for optim in self.optimizers:
+            marked = [group.pop(UNSTEPPED_MARK, False) for group in optim.param_groups]
+            if marked and all(marked):  # saved before its first step: no state, as then
+                optim.state.clear()
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.dataloader is not None:
@@ -253,6 +269,22 @@ class TrainingState:
         info = load_with_info(self.state_dict(), uri, **options)
         self.load_state_dict(info.state)
         return info
+
+
+def _mark_unstepped_groups(
+    optim_sd: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer], unstepped: Sequence[bool]
+) -> dict[str, Any]:
+    """``optim_sd`` with :data:`UNSTEPPED_MARK` in the param groups of the optimizers that
+    had not stepped (get_state_dict lists every optimizer's groups in order)."""
+    if not any(unstepped):
+        return optim_sd
+    marks = [fresh for optim, fresh in zip(optimizers, unstepped, strict=True) for _group in optim.param_groups]
+    groups = optim_sd["param_groups"]
+    if len(groups) != len(marks):
+        log.warning("get_state_dict gave %d param groups for %d: none marked unstepped", len(groups), len(marks))
+        return optim_sd
+    marked = [{**group, UNSTEPPED_MARK: True} if mark else group for group, mark in zip(groups, marks, strict=True)]
+    return {**optim_sd, "param_groups": marked}
 
 
 def _unwrap(value: Any) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import filecmp
 import importlib
+import json
 import os
 import shutil
 import sys
@@ -16,9 +17,27 @@ import torch
 from bcp.backends import backend_for
 from bcp.backends.memory import clear_memory_store
 from bcp.errors import CorruptCheckpointError
-from bcp.integrations.transformers import MANIFEST_NAME, BcpCheckpointCallback, complete_checkpoints, restore_checkpoint
+from bcp.integrations import transformers as bcp_transformers
+from bcp.integrations.transformers import (
+    MANIFEST_NAME,
+    BcpCheckpointCallback,
+    complete_checkpoints,
+    mirror_checkpoint,
+    read_manifest,
+    restore_checkpoint,
+)
 from dist_jobs import spawn
-from trainer_jobs import SAVE_EVERY, STEPS, assert_resumed_bit_identical, ddp_job, params, run, trainer
+from trainer_jobs import (
+    BIG_STEPS,
+    SAVE_EVERY,
+    STEPS,
+    assert_resumed_bit_identical,
+    big_ddp_job,
+    ddp_job,
+    params,
+    run,
+    trainer,
+)
 
 FILES = {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"}
 
@@ -106,3 +125,48 @@ def test_ddp_over_two_gloo_ranks_resumes_bit_identical(tmp_path):
     result = torch.load(tmp_path / "result.pt", weights_only=True)
     assert_resumed_bit_identical(result, "2 ranks")
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(result["restored"]))
+
+
+def test_temporary_and_vanished_files_are_left_out_and_stale_keys_deleted(tmp_path, monkeypatch):
+    """Only the final files of the folder reach the store: temporary names are skipped,
+    a file deleted before its upload is left out of the store and the manifest, and
+    keys of an earlier upload of the same step are gone."""
+    folder = tmp_path / "checkpoint-5"
+    (folder / "sub").mkdir(parents=True)
+    for name, data in {"model.safetensors": b"m" * 100, "sub/rng.pth": b"r", "gone.json": b"{}"}.items():
+        (folder / name).write_bytes(data)
+    (folder / ".tmpu0hIlS").write_bytes(b"half a model")
+    (folder / "optimizer.pt.bcp-0123abcd.tmp").write_bytes(b"half a download")
+    backend = backend_for(str(tmp_path / "store"))
+    backend.write("checkpoint-5/stale.bin", b"from an upload that never finished")
+    backend.write("checkpoint-5/model.safetensors", b"an older save of this step")
+    upload = bcp_transformers.upload_file
+
+    def upload_after_a_deletion(backend, key, path):
+        if key.endswith("gone.json") and os.path.exists(path):
+            os.remove(path)  # deleted after the listing, before its upload
+        return upload(backend, key, path)
+
+    monkeypatch.setattr(bcp_transformers, "upload_file", upload_after_a_deletion)
+    files = mirror_checkpoint(str(folder), backend, "checkpoint-5")
+    assert sorted(files) == ["model.safetensors", "sub/rng.pth"]
+    assert read_manifest(backend, "checkpoint-5") == files
+    assert sorted(backend.list("checkpoint-5/")) == sorted(
+        ["checkpoint-5/model.safetensors", "checkpoint-5/sub/rng.pth", f"checkpoint-5/{MANIFEST_NAME}"]
+    )
+    assert backend.read("checkpoint-5/model.safetensors") == b"m" * 100
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_32_mib_model_saved_every_step_on_several_ranks_mirrors_and_resumes(tmp_path, world):
+    """Rank 0 writes the 32 MiB model through a temporary file while the other ranks
+    are already in on_save: they list the folder only after the barrier, so the store
+    holds exactly the final files of each step, and the resume is bit-identical."""
+    summary = tmp_path / "summary.json"
+    spawn(big_ddp_job, world, str(tmp_path), str(tmp_path / "store"), str(summary))
+    done = json.loads(summary.read_text())
+    assert sorted(done["stored"]) == [f"checkpoint-{s}" for s in range(1, BIG_STEPS + 1)]
+    for keys in done["stored"].values():
+        assert not any(os.path.basename(k).startswith(".tmp") for k in keys), keys
+        assert {f"rng_state_{r}.pth" for r in range(world)} <= set(keys)

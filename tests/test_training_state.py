@@ -232,6 +232,94 @@ def test_training_state_under_a_checkpoint_manager_with_async_saves(tmp_path):
     assert torch.equal(model2[0].weight, want_weight)
 
 
+# -- a fresh run, and a save before the first step, change nothing ------------------------
+
+
+def _snapshot(model, opt) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer state tensor, cloned (the optimizer's step included)."""
+    out = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for index, state in opt.state_dict()["state"].items():
+        out.update({f"optim.{index}.{k}": torch.as_tensor(v).clone() for k, v in state.items()})
+    return out
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+
+
+def _plain_run(steps: int) -> dict[str, torch.Tensor]:
+    model, opt, sched, loader = _parts()
+    _train(model, opt, sched, iter(loader), steps)
+    return _snapshot(model, opt)
+
+
+@pytest.mark.parametrize("kind", ["training_state", "plain"])
+def test_a_fresh_runs_load_latest_leaves_every_object_untouched(tmp_path, kind):
+    """load_latest on an empty root returns (None, state) and changes nothing: the run
+    then equals the same loop without bcp bit for bit (the optimizer's step 5, not 6)."""
+    want = _plain_run(5)
+    model, opt, sched, loader = _parts()
+    if kind == "training_state":
+        state: dict = {"train": bcp.TrainingState(model, opt, sched, loader)}
+    else:
+        state = {"model": model, "optim": opt, "sched": sched}
+    manager = bcp.CheckpointManager(tmp_path / "run", async_save=True)
+    step, out = manager.load_latest(state)
+    assert step is None and out is state
+    assert opt.state_dict()["state"] == {} and all(p.grad is None for p in model.parameters())
+    _train(model, opt, sched, iter(loader), 5)
+    got = _snapshot(model, opt)
+    assert got["optim.0.step"] == 5
+    _assert_same(got, want)
+
+
+def test_saving_before_the_first_step_leaves_the_optimizer_fresh_and_resumes_bit_identical(tmp_path):
+    """TrainingState.save before any optimizer step: no optimizer state appears (no
+    dummy step survives), and a resume from that checkpoint, even into an optimizer
+    that has stepped, continues exactly as the run that never stopped."""
+    model, opt, sched, _loader = _parts()
+    bcp.TrainingState(model, opt, sched).save(tmp_path / "ck")
+    assert opt.state_dict()["state"] == {} and all(p.grad is None for p in model.parameters())
+    assert opt.param_groups[0]["lr"] == 0.1
+    _train(model, opt, sched, iter(range(4)), 4)
+    want = _snapshot(model, opt)
+    assert want["optim.0.step"] == 4
+
+    model2, opt2, sched2, _loader2 = _parts(seed=9)
+    _train(model2, opt2, sched2, iter(range(1)), 1)  # a stepped optimizer: the load empties it
+    bcp.TrainingState(model2, opt2, sched2).load(tmp_path / "ck")
+    assert opt2.state_dict()["state"] == {}
+    assert all("bcp_unstepped" not in group for group in opt2.param_groups)
+    _train(model2, opt2, sched2, iter(range(4)), 4)
+    _assert_same(_snapshot(model2, opt2), want)
+
+
+def test_one_stepped_and_one_fresh_optimizer_each_resume_as_saved(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    first, second = (torch.optim.AdamW(layer.parameters(), lr=0.1) for layer in model)
+    model(torch.randn(2, 4)).sum().backward()
+    first.step()
+    model.zero_grad(set_to_none=True)
+    bcp.TrainingState(model, [first, second], rng=False).save(tmp_path / "ck")
+    assert first.state and not second.state
+    want = _snapshot(model, first)
+
+    torch.manual_seed(1)
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    first2, second2 = (torch.optim.AdamW(layer.parameters(), lr=0.1) for layer in model2)
+    bcp.TrainingState(model2, [first2, second2], rng=False).load(tmp_path / "ck")
+    assert not second2.state and first2.state
+    _assert_same(_snapshot(model2, first2), want)
+
+
+@distributed
+def test_fsdp2_fresh_run_and_a_save_before_the_first_step_resume_bit_identical(tmp_path):
+    dist_jobs.spawn(training_jobs.fresh_fsdp_resume_job, 2, str(tmp_path / "run"))
+
+
 # -- RNG when the world changes ---------------------------------------------------------
 
 

@@ -181,3 +181,40 @@ def tp_training_save_job(rank: int, world: int, uri: str, ref_path: str) -> None
     ref = dist_jobs.full_reference(model, opt)
     if rank == 0:
         torch.save(ref, ref_path)
+
+
+def fresh_fsdp_resume_job(rank: int, world: int, root: str) -> None:
+    """FSDP2: a fresh run's load_latest and a save before the first step leave the
+    optimizer without state; that run, and one resumed from its step-0 checkpoint,
+    equal the loop without bcp bit for bit."""
+
+    def train(model, opt, sched, steps: int) -> dict:
+        for step in range(steps):
+            model(dist_jobs.batch(step, rank)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        return dist_jobs.flatten_tensors(dist_jobs.full_reference(model, opt))
+
+    model, opt, sched, _loader = fsdp_job_parts(world)
+    want = train(model, opt, sched, 3)
+
+    model, opt, sched, _loader = fsdp_job_parts(world)
+    manager = bcp.CheckpointManager(root, async_save=True)
+    job = bcp.TrainingState(model, opt, sched)
+    assert manager.load_latest({"train": job})[0] is None
+    manager.save(0, {"train": job})
+    manager.wait()
+    assert not opt.state, "neither load_latest nor the save leaves optimizer state"
+    got = train(model, opt, sched, 3)
+    assert got.keys() == want.keys() and want
+    for key, value in want.items():
+        assert torch.equal(got[key], value), f"uninterrupted: {key}"
+
+    model, opt, sched, _loader = fsdp_job_parts(world)
+    assert manager.load_latest({"train": bcp.TrainingState(model, opt, sched)})[0] == 0
+    assert not opt.state
+    got = train(model, opt, sched, 3)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), f"resumed from step 0: {key}"
+    manager.close()

@@ -45,6 +45,9 @@ MANIFEST_FORMAT = "bcp-trainer-files"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 #: Bytes read from a local file per write to the store.
 CHUNK_BYTES = 8 << 20
+#: Temporary files, never part of a checkpoint: ``.tmpXXXXXX`` (safetensors writes the
+#: model there, then renames it) and any name ending in ``.tmp`` (restore_checkpoint's own).
+TEMPORARY_RE = re.compile(r"^\.tmp|\.tmp$")
 
 
 def group() -> tuple[int, int]:
@@ -72,27 +75,43 @@ def upload_file(backend: Backend, key: str, path: str) -> tuple[int, int]:
     return size, crc
 
 
+def checkpoint_files(folder: str) -> list[str]:
+    """The files of the local checkpoint ``folder`` (relative, ``/``-separated), without
+    temporary ones."""
+    return sorted(
+        os.path.relpath(os.path.join(d, f), folder).replace(os.sep, "/")
+        for d, _dirs, files in os.walk(folder)
+        for f in files
+        if not TEMPORARY_RE.search(f)
+    )
+
+
 def mirror_checkpoint(folder: str, backend: Backend, name: str) -> dict[str, dict[str, int]]:
     """Upload the Trainer checkpoint ``folder`` to ``name/`` in ``backend``, on every
     rank of the default process group (call it on all of them, after the Trainer saved):
     each rank uploads the files it sees that fall to it, so the files of a rank-local
-    disk get there too, and rank 0 writes the manifest last. Returns the manifest's files."""
+    disk get there too, and rank 0 writes the manifest last. Returns the manifest's files.
+
+    The Trainer calls ``on_save`` on each rank as soon as that rank has written its own
+    files, while rank 0 may still be writing the model (through a temporary file it then
+    renames): every rank lists the folder only after a barrier, skips temporary files,
+    and a file gone by the time it is read is left out (logged), so the store holds only
+    files of the final checkpoint. Rank 0 first deletes whatever ``name/`` held (a
+    re-saved step, an upload that never finished)."""
     import torch.distributed as dist
 
     rank, world = group()
     manifest_key = f"{name}/{MANIFEST_NAME}"
-    if rank == 0 and backend.exists(manifest_key):  # re-saved step: no manifest names a mix
-        backend.delete(manifest_key)
-    local = sorted(
-        os.path.relpath(os.path.join(d, f), folder).replace(os.sep, "/")
-        for d, _dirs, files in os.walk(folder)
-        for f in files
-    )
-    seen: list[list[str]] = [local]
+    if rank == 0 and next(iter(backend.list(f"{name}/")), None) is not None:
+        if backend.exists(manifest_key):  # re-saved step: no manifest names a mix
+            backend.delete(manifest_key)
+        backend.delete_prefix(f"{name}/")
+    seen: list[list[str]] = [[] for _ in range(world)]
     if world > 1:
-        seen = [[] for _ in range(world)]
-        dist.barrier()  # every rank's files of this checkpoint are on disk
-        dist.all_gather_object(seen, local)
+        dist.barrier()  # every rank's files of this checkpoint are on disk, and name/ is empty
+        dist.all_gather_object(seen, checkpoint_files(folder))
+    else:
+        seen = [checkpoint_files(folder)]
     # file i goes to the i-th (round robin) of the ranks that see it
     owners: dict[str, int] = {}
     for i, file in enumerate(sorted({f for names in seen for f in names})):
@@ -101,7 +120,11 @@ def mirror_checkpoint(folder: str, backend: Backend, name: str) -> dict[str, dic
     mine = {}
     for file, owner in owners.items():
         if owner == rank:
-            size, crc = upload_file(backend, f"{name}/{file}", os.path.join(folder, file))
+            try:
+                size, crc = upload_file(backend, f"{name}/{file}", os.path.join(folder, file))
+            except FileNotFoundError:
+                log.warning("%s: %s was deleted before it was uploaded; left out", folder, file)
+                continue
             mine[file] = {"size": size, "crc32c": crc}
     everyone: list[dict[str, dict[str, int]]] = [mine]
     if world > 1:
