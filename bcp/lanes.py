@@ -172,8 +172,9 @@ def coordinator_for(process_group: Any = None, operation: str = "bcp") -> Coordi
     try:
         import torch.distributed as dist
     except ImportError:
-        dist = None
-    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        refuse_launched_without_group(operation)
+        return Coordinator()
+    if not (dist.is_available() and dist.is_initialized()):
         refuse_launched_without_group(operation)
         return Coordinator()
     _register_exit_handler()  # again: ahead of exit handlers registered since
