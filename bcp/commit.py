@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from bcp.backends import Backend, Capability, ObjectExistsError, ObjectNotFoundError
 from bcp.metadata import Catalog, FileEntry, Manifest, crc32c
 from bcp.metadata.errors import CorruptManifestError
-from bcp.metadata.layout import GENERATION_PREFIX, manifest_key
+from bcp.metadata.layout import GENERATION_PREFIX, MANIFEST_KEY, generation_of, manifest_key
 
 from .errors import (
     CheckpointExistsError,
@@ -65,6 +65,14 @@ def generation_started(generation: str) -> float | None:
     if not _TIMED_ID.match(save_id):
         return None
     return float(int(save_id[:_TIME_DIGITS], 16))
+
+
+#: Incomplete saves and partial files younger than this are left alone by gc and by an
+#: overwrite's cleanup: they may belong to a save still running (another process,
+#: another manager). One hour covers a large save on a slow store; a save running
+#: longer than it is still safe (it checks its objects before committing), it only
+#: may have to be repeated.
+DEFAULT_GRACE_SECONDS = 3600.0
 
 
 def is_young(generation: str, grace_seconds: float, now: float | None = None) -> bool:
@@ -322,3 +330,42 @@ def unused_generations(
     names = generations(backend, prefix) if found is None else set(found)
     live = manifest.generation
     return sorted(f"{prefix}{g}/" for g in names if g != live and not is_young(g, grace_seconds))
+
+
+def is_own_partial(name: str, prefix: str = "") -> bool:
+    """Whether the unfinished write ``name`` (as ``Backend.unfinished`` names it) is
+    part of the checkpoint under ``prefix``: inside one of its generations, or a
+    half-written ``manifest.json``. Anything else there is not bcp's to remove."""
+    if not name.startswith(prefix):
+        return False
+    rest = name[len(prefix) :]
+    return generation_of(rest) is not None or (rest.startswith(MANIFEST_KEY) and "/" not in rest)
+
+
+def remove_leftovers(backend: Backend, live: str, *, grace_seconds: float) -> list[str]:
+    """(coordinator, after an overwrite committed generation ``live`` at the backend's
+    root) Delete what killed saves of this location left: every other generation that
+    started ``grace_seconds`` ago or more, and half-written manifests as old. Younger
+    ones may belong to a save of the same location still running: the rule of
+    ``bcp gc`` (docs/manager.md). Best effort: a failure is logged, never raised (the
+    checkpoint is committed). Returns what was deleted."""
+    removed: list[str] = []
+    try:
+        names = generations(backend)
+        stale = [f"{g}/" for g in sorted(names) if g != live and not is_young(g, grace_seconds)]
+        partial = [  # a generation's partial files go with it
+            u.name
+            for u in backend.unfinished(MANIFEST_KEY)
+            if is_own_partial(u.name) and u.age_seconds >= grace_seconds
+        ]
+        for generation in stale:
+            delete_generation(backend, generation)  # whole directories: their partial files too
+            removed.append(generation)
+        for name in partial:
+            backend.delete_unfinished(name)
+            removed.append(name)
+    except Exception as e:  # noqa: BLE001 - leftovers are only space; bcp gc removes them later
+        log.warning("could not remove what killed saves left at %s: %s", backend.uri, e)
+    if removed:
+        log.info("removed %d leftover(s) of killed saves at %s: %s", len(removed), backend.uri, ", ".join(removed))
+    return removed

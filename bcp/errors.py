@@ -112,6 +112,19 @@ class RanksMissingError(CheckpointError, TimeoutError):
         self.operation = operation
 
 
+class ProcessGroupMissingError(CheckpointError, RuntimeError):
+    """The process was started as one of several processes of a job (a launcher set
+    ``WORLD_SIZE``, ``RANK``, ``SLURM_PROCID``, ...) but ``torch.distributed`` is not
+    initialised: every process would save or load alone, racing the others at one
+    location. ``variable`` is the environment variable that says so (``NAME=value``),
+    ``operation`` the call."""
+
+    def __init__(self, message: str, *, variable: str = "", operation: str = "") -> None:
+        super().__init__(message)
+        self.variable = variable
+        self.operation = operation
+
+
 #: keys a message names per kind of difference before it says "and N more"
 LISTED_KEYS = 8
 
@@ -267,6 +280,7 @@ __all__ = [
     "ObjectExistsError",
     "ObjectNotFoundError",
     "PickleNotAllowedError",
+    "ProcessGroupMissingError",
     "RankFailedError",
     "RanksMissingError",
     "ReplicaMismatchError",

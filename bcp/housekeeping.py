@@ -34,15 +34,10 @@ from bcp.metadata.layout import (
 )
 
 from . import commit
+from .commit import DEFAULT_GRACE_SECONDS
 from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 
 log = logging.getLogger(__name__)
-
-#: Incomplete saves and partial files younger than this are left alone by gc: they
-#: may belong to a save still running (another process, another manager). One hour
-#: covers a large save on a slow store; a save running longer than it is still safe
-#: (it checks its objects before committing), it only may have to be repeated.
-DEFAULT_GRACE_SECONDS = 3600.0
 
 
 @dataclasses.dataclass
@@ -65,11 +60,16 @@ def _step_and_generation(key: str) -> tuple[int | None, str | None]:
 
 
 def scan(
-    backend: Backend, *, sizes: bool = False, unfinished: bool | Iterable[Unfinished] = True
+    backend: Backend,
+    *,
+    sizes: bool = False,
+    unfinished: bool | Iterable[Unfinished] = True,
+    keys: Iterable[str] | None = None,
 ) -> dict[int, StepInfo]:
     """Every step directory under the root, committed or not (one listing, plus one of
     unfinished writes: a step holding only partial files still exists). ``unfinished``
-    may be the writes a caller already listed, so the store is not asked twice."""
+    may be the writes a caller already listed, and ``keys`` the objects, so the store
+    is not asked twice."""
     found: dict[int, StepInfo] = {}
     if unfinished:
         pending = backend.unfinished(STEP_PREFIX) if unfinished is True else unfinished
@@ -81,7 +81,7 @@ def scan(
             info.unfinished_age = min(info.unfinished_age, u.age_seconds)
             if generation is not None:
                 info.generations.add(generation)
-    for key in backend.list(STEP_PREFIX):
+    for key in backend.list(STEP_PREFIX) if keys is None else keys:
         step, generation = _step_and_generation(key)
         if step is None:
             continue
@@ -215,7 +215,7 @@ def missing_checkpoint_error(backend: Backend) -> CheckpointError:
     them), a save that never committed (``gen-*/`` or partial files at the location)
     and files that are none of bcp's. Costs listings, bounded: an error path only."""
     uri = backend.uri
-    if next(iter(backend.list("")), None) is None:
+    if next(iter(backend.list("")), None) is None and not _holds_partial_writes(backend):
         return CheckpointNotFoundError(f"no checkpoint at {uri}")
     steps = scan(backend, unfinished=False)
     if steps or backend.exists(LATEST_KEY):
@@ -246,6 +246,13 @@ def missing_checkpoint_error(backend: Backend) -> CheckpointError:
         f"no checkpoint at {uri}: it holds files, but no {MANIFEST_KEY} and nothing of a bcp checkpoint{more} "
         f"(no {GENERATION_PREFIX}*/ directory, no {STEP_PREFIX}N/ of a CheckpointManager): is it the right location?"
     )
+
+
+def _holds_partial_writes(backend: Backend) -> bool:
+    """Whether a killed writer left something at the location that ``list`` hides: a
+    partial file, or an empty directory inside a save's generation (an empty
+    directory elsewhere, made by anyone, is nothing)."""
+    return any(not u.name.endswith("/") or checkpoint_prefix_of(u.name) is not None for u in backend.unfinished(""))
 
 
 def _manager_root_message(uri: str, steps: dict[int, StepInfo]) -> str:
@@ -355,6 +362,9 @@ class GcPlan:
     unfinished: list[str] = dataclasses.field(default_factory=list)
     #: incomplete steps left alone because they may be saves in progress
     young: list[int] = dataclasses.field(default_factory=list)
+    #: unused generations of committed checkpoints, and partial files, left alone for the same reason
+    young_generations: list[str] = dataclasses.field(default_factory=list)
+    young_unfinished: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -373,9 +383,13 @@ def plan_gc(
     ones being written now, and any younger than ``grace_seconds``), committed steps
     the policy no longer keeps, unused generations in the kept steps of
     ``generations_of`` (None: every kept step; each costs a manifest read) and old
-    partial files. One listing and one walk of unfinished writes in all."""
+    partial files. With ``generations_of=None`` (``bcp gc``, a manager's start) also the
+    unused generations of every other committed checkpoint under the root, up to
+    ``FIND_MAX_DEPTH`` deep (the root itself, ``last.ckpt/``: killed overwrites). One
+    listing and one walk of unfinished writes in all."""
     pending = list(backend.unfinished(""))
-    found = scan(backend, unfinished=[u for u in pending if u.name.startswith(STEP_PREFIX)])
+    keys = list(backend.list("")) if generations_of is None else None
+    found = scan(backend, unfinished=[u for u in pending if u.name.startswith(STEP_PREFIX)], keys=keys)
     busy = set(busy)
     committed = sorted(s for s, i in found.items() if i.committed)
     metrics = {s: step_metrics(backend, s) for s in committed} if policy.get("keep_best") else None
@@ -388,29 +402,61 @@ def plan_gc(
     whole = {step_name(s) for s in (*incomplete, *expired)}
     spared = busy | set(young)
 
-    def stale(name: str, age_seconds: float) -> bool:
+    def stale(name: str) -> bool:
         step, generation = _step_and_generation(name)
-        if step is None and name.endswith("/"):
-            return False  # an empty directory that is not a step's: not bcp's to remove
-        if age_seconds < grace_seconds or name.split("/", 1)[0] in whole or step in spared:
+        if step is None:
+            if name.endswith("/"):
+                return False  # an empty directory that is not a step's: not bcp's to remove
+            path = checkpoint_prefix_of(name)
+            generation = None if path is None else generation_of(name[len(path) + 1 if path else 0 :])
+        if name.split("/", 1)[0] in whole or step in spared:
             return False
         return generation is None or not commit.is_young(generation, grace_seconds)
 
-    unfinished = sorted(u.name for u in pending if stale(u.name, u.age_seconds))
+    unused = [  # the step's generations come from the scan: only its manifest is read
+        g
+        for s in sorted(check)
+        for g in commit.unused_generations(backend, f"{step_name(s)}/", found=found[s].generations)
+    ]
+    if keys is not None:
+        unused += _unused_elsewhere(backend, keys, pending)
+    partial = [u for u in pending if stale(u.name)]
     return GcPlan(
         committed=committed,
         incomplete=incomplete,
         expired=expired,
-        orphan_generations=[  # the step's generations come from the scan: only its manifest is read
-            g
-            for s in sorted(check)
-            for g in commit.unused_generations(
-                backend, f"{step_name(s)}/", grace_seconds=grace_seconds, found=found[s].generations
-            )
-        ],
-        unfinished=unfinished,
+        orphan_generations=[g for g in unused if not commit.is_young(g, grace_seconds)],
+        unfinished=sorted(u.name for u in partial if u.age_seconds >= grace_seconds),
         young=young,
+        young_generations=[g for g in unused if commit.is_young(g, grace_seconds)],
+        young_unfinished=sorted(u.name for u in partial if u.age_seconds < grace_seconds),
     )
+
+
+def _unused_elsewhere(backend: Backend, keys: list[str], pending: list[Unfinished]) -> list[str]:
+    """The unused generations (``<path>/gen-<id>/``, whatever their age) of every
+    committed checkpoint under the root but the manager's own steps: an overwrite
+    killed there left them (a Lightning ``last.ckpt``, a root that is a checkpoint).
+    A checkpoint whose manifest cannot be read is skipped with a warning."""
+    generations: dict[str, set[str]] = {}
+    committed = []
+    for name in [*keys, *(u.name for u in pending)]:
+        path = checkpoint_prefix_of(name)
+        if path is None or ("/" not in path and _kind_of(path)[0] == "step"):
+            continue  # not a checkpoint's, or a step of this root (the scan's)
+        prefix = f"{path}/" if path else ""
+        found = generations.setdefault(path, set())
+        if (generation := generation_of(name[len(prefix) :])) is not None:
+            found.add(generation)
+        if name == manifest_key(prefix):
+            committed.append(prefix)
+    unused = []
+    for prefix in sorted(committed):
+        try:
+            unused += commit.unused_generations(backend, prefix, found=generations[prefix.rstrip("/")])
+        except Exception as e:  # noqa: BLE001 - one unreadable checkpoint must not stop gc
+            log.warning("gc: skipped %s: its manifest cannot be read: %s", join_uri(backend.uri, prefix), e)
+    return unused
 
 
 def run_gc(backend: Backend, plan: GcPlan) -> list[str]:
@@ -430,10 +476,10 @@ def run_gc(backend: Backend, plan: GcPlan) -> list[str]:
         attempt(f"step {step}", delete_step, backend, step)
     for step in plan.incomplete:
         attempt(f"incomplete step {step}", commit.delete_uncommitted, backend, f"{step_name(step)}/")
+    for name in plan.unfinished:  # first: some lie in the unused generations below
+        attempt(f"partial file {name}", backend.delete_unfinished, name)
     for generation in plan.orphan_generations:
         attempt(f"unused generation {generation}", commit.delete_generation, backend, generation)
-    for name in plan.unfinished:
-        attempt(f"partial file {name}", backend.delete_unfinished, name)
     return failures
 
 

@@ -2,7 +2,9 @@
 groups are created and released (the coordinators themselves: ``bcp.collectives``).
 
 Without an initialised process group, or with ``process_group=LOCAL``, an operation
-gets a single-rank coordinator and no group.
+gets a single-rank coordinator and no group; but a process that a launcher started as
+one of several (``WORLD_SIZE=2``, ``RANK=1``, ...) without an initialised process group
+is refused (``ProcessGroupMissingError``): this is the one place that decides.
 
 How bcp keeps its collectives apart. Collectives on one group must be issued in the
 same order on every rank, and gloo matches them by their order alone: two threads of
@@ -46,12 +48,12 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import gloo_network
 from .collectives import Coordinator, GroupCoordinator, OwnGroupCoordinator, collective_timeout
-from .errors import RankFailedError, RanksMissingError
+from .errors import ProcessGroupMissingError, RankFailedError, RanksMissingError
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +120,46 @@ def _group(dist: Any, base: tuple, lane: str, process_group: Any, timeout: datet
     return group
 
 
+#: environment variables by which launchers give a process the number of processes of
+#: its job: torchrun (and Lightning, accelerate, DeepSpeed), srun's tasks of one job
+#: step, Open MPI, MPICH / Intel MPI. ``SLURM_NTASKS`` is not one of them: it is also
+#: set in a batch script that runs a single process.
+WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+#: ... and its rank among them (any rank but 0 means there are several)
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def launched_among_several(environ: Mapping[str, str] | None = None) -> str | None:
+    """``NAME=value`` of the environment variable that says this process was started
+    as one of several processes of a job (a world size above 1, or a rank above 0);
+    None when none does (no launcher, or a launch of one process: ``WORLD_SIZE=1``)."""
+    env = os.environ if environ is None else environ
+    for names, above in ((WORLD_SIZE_VARIABLES, 1), (RANK_VARIABLES, 0)):
+        for name in names:
+            value = env.get(name, "").strip()
+            if value.isdigit() and int(value) > above:
+                return f"{name}={value}"
+    return None
+
+
+def refuse_launched_without_group(operation: str) -> None:
+    """Raise :class:`ProcessGroupMissingError` when a launcher started this process as
+    one of several but torch.distributed is not initialised: each process would save
+    (or load) as if alone, every one of them to the same location. Runs on every
+    rank, so every rank refuses the same way, before anything is written."""
+    variable = launched_among_several()
+    if variable is None:
+        return
+    raise ProcessGroupMissingError(
+        f"{operation}: this process was started as one of several processes of a job ({variable}) but "
+        f"torch.distributed is not initialised, so each process would save or load alone, all of them at "
+        f"the same location. Call torch.distributed.init_process_group() on every rank before bcp, or pass "
+        f"process_group=bcp.LOCAL to save or load from this process alone",
+        variable=variable,
+        operation=operation,
+    )
+
+
 def coordinator_for(process_group: Any = None, operation: str = "bcp") -> Coordinator:
     """(every rank of the group, on the caller's thread) The coordinator of one
     collective ``operation`` (named in errors): single-rank without torch.distributed
@@ -130,8 +172,10 @@ def coordinator_for(process_group: Any = None, operation: str = "bcp") -> Coordi
     try:
         import torch.distributed as dist
     except ImportError:
+        refuse_launched_without_group(operation)
         return Coordinator()
     if not (dist.is_available() and dist.is_initialized()):
+        refuse_launched_without_group(operation)
         return Coordinator()
     _register_exit_handler()  # again: ahead of exit handlers registered since
     base = _base_key(dist, process_group)

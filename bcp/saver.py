@@ -40,12 +40,14 @@ from . import objcodec, trace
 from ._version import __version__
 from .collectives import Coordinator, decide, run_phase
 from .commit import (
+    DEFAULT_GRACE_SECONDS,
     ExistingCheckpoint,
     check_generation_intact,
     commit,
     discard_generation,
     find_existing,
     new_save_id,
+    remove_leftovers,
     write_catalog,
 )
 from .errors import CheckpointExistsError, CommitUncertainError, ShardingError, UnsupportedStateError
@@ -441,6 +443,8 @@ class SaveJob:
             old = existing.manifest.generation
             if old != self.generation:
                 discard_generation(backend, old, why="the replaced generation")
+        if coord.is_coordinator and self.options.overwrite:  # killed overwrites' generations, once old
+            remove_leftovers(backend, self.generation, grace_seconds=DEFAULT_GRACE_SECONDS)
         mine_bytes = mine.file.nbytes if mine.file is not None else 0
         stages = self.trace.end(mine_bytes, uri=backend.uri, save_id=self.save_id) if self.trace is not None else {}
         info = SaveInfo(

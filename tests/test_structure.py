@@ -34,6 +34,7 @@ EXAMPLES = [
     bcp.errors.GroupConnectError("rank 2: set GLOO_SOCKET_IFNAME", rank=2, address="127.0.1.1"),
     bcp.errors.ConversionError("DCP could not write /x: KeyError: 'w'", errors={0: KeyError("w")}),
     bcp.errors.RanksMissingError("bcp.save: rank 1 did not call it", missing=[1], operation="bcp.save"),
+    bcp.errors.ProcessGroupMissingError("bcp.save: WORLD_SIZE=2", variable="WORLD_SIZE=2", operation="bcp.save"),
     bcp.errors.StateMismatchError(
         "file:///x",
         missing=["a"],

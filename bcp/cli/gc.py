@@ -1,5 +1,6 @@
 """``bcp gc ROOT``: delete a manager root's incomplete steps, unused generations and
-the steps a retention policy drops (:func:`bcp.housekeeping.plan_gc`, ``run_gc``)."""
+the steps a retention policy drops, and what killed overwrites left in any committed
+checkpoint under ROOT (:func:`bcp.housekeeping.plan_gc`, ``run_gc``)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,13 @@ def run(args: argparse.Namespace) -> int:
         f"step(s) {plan.incomplete}, {len(plan.orphan_generations)} unused generation(s), "
         f"{len(plan.unfinished)} partial write(s)"
     )
-    if plan.young:
-        print(f"left alone: incomplete step(s) {plan.young} younger than {args.min_age:g} s (maybe saves in progress)")
+    young = [f"incomplete step(s) {plan.young}"] if plan.young else []
+    if plan.young_generations:
+        young.append(f"{len(plan.young_generations)} unused generation(s)")
+    if plan.young_unfinished:
+        young.append(f"{len(plan.young_unfinished)} partial write(s)")
+    if young:
+        print(f"left alone: {', '.join(young)} younger than {args.min_age:g} s (maybe saves in progress)")
     if args.dry_run:
         return 0
     failures = run_gc(backend, plan)
