@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Self
 
-import botocore.exceptions
+import botocore.exceptions  # type: ignore[import-untyped]  # no stubs; s3fs depends on it
 import s3fs
 
 from .base import Buffer, Unfinished
