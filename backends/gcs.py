@@ -18,14 +18,15 @@ file's path, a dict, ``"google_default"``, ``"anon"``, a Credentials object: one
 process can use several accounts), or else Google's standard sources
 (GOOGLE_APPLICATION_CREDENTIALS, gcloud's application-default login, the metadata
 server), or ``anon=true`` for public buckets and emulators; never from the URI.
-gcsfs retries each HTTP request itself (up to 6 times, exponential backoff with
-jitter); it cannot be switched off per instance, so bcp's own retry loop around it
-defaults to 4 attempts here, not 6. gcsfs does not retry a request that bcp's
-``timeout`` abandoned (a stall): those attempts are bcp's.
+gcsfs retries each HTTP request itself (6 tries, backing off up to 32 s, logging a
+traceback when it gives up); bcp's filesystem class takes that loop out, so that
+:class:`~bcp.backends.wrappers.RetryingBackend` is the one loop and ``retry_deadline``
+bounds a failure (nested loops took 137 s against a 120 s deadline).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import logging
@@ -40,7 +41,7 @@ import gcsfs
 
 from .base import Buffer
 from .errors import TransientError, annotate
-from .objectstore import ObjectStoreBackend, StoreOptions, pop_store_options, split_bucket_uri
+from .objectstore import ObjectStoreBackend, StoreOptions, causes, pop_store_options, split_bucket_uri
 from .options import check_part_size, reject_unknown
 from .parts import PartWriter, crc32c_b64
 
@@ -49,6 +50,15 @@ log = logging.getLogger(__name__)
 DEFAULT_PART = 32 << 20  # fewer parts: fewer compose requests, which run one after another at commit
 COMPOSE_MAX = 32  # sources per compose request
 UPLOADS = ".bcp-uploads"
+
+
+class OneTryGCSFileSystem(gcsfs.GCSFileSystem):
+    """gcsfs with each HTTP request tried once: ``_request`` without gcsfs's
+    ``retry_request`` decorator (every JSON API call goes through it), so bcp's retry
+    loop alone decides, within its deadline. Its own class, so fsspec's instance cache
+    never hands it to code that expects gcsfs's retries."""
+
+    _request = getattr(gcsfs.GCSFileSystem._request, "__wrapped__", gcsfs.GCSFileSystem._request)
 
 
 def _check_token(token: Any) -> Any:
@@ -83,13 +93,14 @@ class GCSBackend(ObjectStoreBackend):
 
     scheme = "gs"
     credential_options = frozenset({"token"})
-    default_retry_attempts = 4  # gcsfs already retries every error, but not our timeouts (module notes)
 
     def __init__(
         self, uri: str, bucket: str, root: str, fs: gcsfs.GCSFileSystem, options: StoreOptions, *, api_base: str
     ) -> None:
         super().__init__(uri, bucket, root, fs, options)
         self.api_base = api_base
+        #: Whether a request has shown the bucket exists (or that asking cannot tell).
+        self._bucket_known = False
 
     @classmethod
     def from_uri(cls, uri: str, **options: Any) -> Self:
@@ -110,7 +121,7 @@ class GCSBackend(ObjectStoreBackend):
             kwargs["requests_timeout"] = aiohttp.ClientTimeout(
                 total=None, sock_connect=common.timeouts.connect, sock_read=common.timeouts.idle
             )
-        fs = gcsfs.GCSFileSystem(**kwargs)
+        fs = OneTryGCSFileSystem(**kwargs)
         if root.startswith(UPLOADS) or f"/{UPLOADS}" in root:
             raise ValueError(f"{uri!r}: {UPLOADS} is reserved for bcp's temporary upload parts")
         clean = f"gs://{bucket}/{root}".rstrip("/")
@@ -176,6 +187,23 @@ class GCSBackend(ObjectStoreBackend):
             list(pool.map(self._delete_name, names))
 
     # -- ObjectStoreBackend hooks ----------------------------------------------------------------
+
+    def _endpoint(self, error: BaseException) -> str:
+        return self.api_base
+
+    async def _explain(self, error: Exception) -> Exception | None:
+        """A missing bucket, or the endpoint unreachable. gcsfs turns every 404 into a
+        bare FileNotFoundError, so the first one asks for the bucket (one request per
+        backend; a bucket seen once is not asked for again)."""
+        if not self._bucket_known and any(isinstance(e, FileNotFoundError) for e in causes(error)):
+            try:
+                await asyncio.wait_for(self.fs._call("GET", "b/{}", self.bucket, json_out=True), self.timeouts.limit())
+            except FileNotFoundError:
+                return OSError(f"no such bucket {self.bucket!r} at {self.api_base}")
+            except Exception:  # noqa: BLE001 - cannot tell (e.g. no right to read the bucket): keep the error
+                pass
+            self._bucket_known = True
+        return await super()._explain(error)
 
     def _new_writer(self, key: str, size: int | None) -> PartWriter[GCSBackend]:
         return _ComposeWriter(self, key, size)

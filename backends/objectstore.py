@@ -14,6 +14,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import errno
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -115,6 +117,55 @@ def pop_store_options(options: dict[str, Any], *, default_part: int) -> StoreOpt
     )
 
 
+def causes(error: BaseException, limit: int = 8) -> Iterator[BaseException]:
+    """``error``, then the errors it was raised from (``__cause__``, else ``__context__``)."""
+    current: BaseException | None = error
+    for _ in range(limit):
+        if current is None:
+            return
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def endpoint_in(error: BaseException) -> str | None:
+    """Where the failed request went, from the SDK's error: ``scheme://host[:port]``
+    from botocore's ``endpoint_url``, ``host:port`` from aiohttp's, or None."""
+    for e in causes(error):
+        url = getattr(e, "kwargs", {}).get("endpoint_url") if isinstance(getattr(e, "kwargs", None), dict) else None
+        if isinstance(url, str) and url:
+            parts = urlsplit(url)
+            return f"{parts.scheme}://{parts.netloc}" if parts.netloc else url
+        host, port = getattr(e, "host", None), getattr(e, "port", None)
+        if isinstance(host, str) and host and isinstance(port, int):
+            return f"{host}:{port}"
+    return None
+
+
+#: Connection failures by errno, and what they mean for the endpoint.
+_UNREACHABLE = {
+    errno.ECONNREFUSED: "connection refused (nothing listens there)",
+    errno.ENETUNREACH: "network unreachable",
+    errno.EHOSTUNREACH: "host unreachable",
+}
+#: The SDKs' names for "the connection did not open in time" (botocore, aiohttp).
+_CONNECT_TIMEOUTS = frozenset({"ConnectTimeoutError", "ConnectionTimeoutError"})
+
+
+def connection_failure(error: BaseException, endpoint: str) -> OSError | None:
+    """A ``ConnectionError``/``TimeoutError`` naming ``endpoint`` when ``error`` (or an
+    error it came from) is a connection that could not be opened; None otherwise.
+    Both stay transient: the retry loop tries again, within its deadline."""
+    for e in causes(error):
+        code = getattr(e, "errno", None)
+        if isinstance(e, OSError) and code in _UNREACHABLE:
+            return ConnectionError(code, f"cannot connect to endpoint {endpoint}: {_UNREACHABLE[code]}")
+        if isinstance(e, socket.gaierror):
+            return ConnectionError(errno.EHOSTUNREACH, f"cannot connect to endpoint {endpoint}: unknown host")
+        if type(e).__name__ in _CONNECT_TIMEOUTS:
+            return TimeoutError(errno.ETIMEDOUT, f"cannot connect to endpoint {endpoint}: no answer to connect")
+    return None
+
+
 class ObjectStoreBackend(Backend):
     """A bucket (and key prefix ``root``) on an object store reached through the fsspec
     filesystem ``fs``. Subclasses implement ``from_uri``, ``size`` and the hooks."""
@@ -130,6 +181,7 @@ class ObjectStoreBackend(Backend):
         self.bucket, self.root, self.fs = bucket, root, fs
         self.part_size, self.concurrency = options.part_size, options.concurrency
         self.conditional_writes, self.timeouts = options.conditional_writes, options.timeouts
+        self.endpoint_url = options.endpoint_url
         if not self.conditional_writes:
             self.capabilities = type(self).capabilities & ~Capability.CREATE_ONLY
 
@@ -173,10 +225,10 @@ class ObjectStoreBackend(Backend):
                         f"no complete answer within {limit:.1f} s (options timeout={idle:g} s, "
                         f"min_throughput={self.timeouts.min_throughput} B/s; {nbytes} bytes); abandoned"
                     ) from None
-                quiet = self._quiet(e, time.monotonic() - start)
-                if quiet is e:
+                clearer = await self._explain(e) or self._quiet(e, time.monotonic() - start)
+                if clearer is e:
                     raise
-                raise quiet from e
+                raise clearer from e
 
         return asyncio.run_coroutine_threadsafe(bounded(), self.fs.loop).result()
 
@@ -189,6 +241,20 @@ class ObjectStoreBackend(Backend):
         return TimeoutError(
             f"no answer for {elapsed:.1f} s (option timeout={idle:g} s); {type(error).__name__}: {error}"
         )
+
+    async def _explain(self, error: Exception) -> Exception | None:
+        """An error that says what is wrong with the set-up, for ``error`` (the SDK's),
+        or None to keep it. Here: the endpoint refused the connection, or cannot be
+        reached; stores add their own cases (credentials, the bucket) and call this.
+        Runs on the event loop; the caller chains the result to ``error``."""
+        return connection_failure(error, self._endpoint(error))
+
+    def _endpoint(self, error: BaseException) -> str:
+        """The endpoint the failed request went to, as errors name it: the
+        ``endpoint_url`` option, else what the SDK's error says, else the store's."""
+        if self.endpoint_url:
+            return self.endpoint_url
+        return endpoint_in(error) or f"the default {self.scheme} endpoint"
 
     # -- hooks for subclasses -----------------------------------------------------------------
 

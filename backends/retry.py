@@ -8,7 +8,8 @@ whole object) and gives up after a bounded number of attempts and seconds with a
 :class:`~bcp.backends.errors.StorageError` that names the object and the attempts.
 
 The SDKs underneath have retry loops of their own; the bcp backends switch those
-off so that exactly one loop, this one, decides (nested loops multiply attempts).
+off so that exactly one loop, this one, decides (nested loops multiply attempts, and
+would outlast ``deadline``).
 """
 
 from __future__ import annotations
@@ -159,8 +160,10 @@ class RetryPolicy:
                     raise
                 elapsed = time.monotonic() - start
                 if attempt >= self.attempts or elapsed >= self.deadline:
+                    # a backend's StorageError already names the store; its reason is the news
+                    last = e.reason if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"
                     raise StorageError(
-                        f"gave up after {attempt} attempt(s) over {elapsed:.1f} s; last error: {type(e).__name__}: {e}",
+                        f"gave up after {attempt} attempt(s) over {elapsed:.1f} s; last error: {last}",
                         uri=uri,
                         key=key,
                         action=action,

@@ -19,16 +19,26 @@ logged or shown in errors. s3fs's and botocore's own retry loops are switched of
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any, Self
 
+import botocore.exceptions  # type: ignore[import-untyped]  # no stubs; s3fs depends on it
 import s3fs
 
 from .base import Buffer, Unfinished
 from .errors import StorageError, annotate
-from .objectstore import ObjectStoreBackend, StoreOptions, check_credential, pop_store_options, split_bucket_uri
+from .objectstore import (
+    ObjectStoreBackend,
+    StoreOptions,
+    causes,
+    check_credential,
+    pop_store_options,
+    split_bucket_uri,
+)
 from .options import MAX_PART_SIZE, PART_SIZE_MULTIPLE, check_part_size, reject_unknown
 from .parts import PartWriter, crc32c_b64
 
@@ -49,6 +59,20 @@ _CREDENTIAL_ALIASES = {
     "token": ("token", "aws_session_token", "session_token"),
 }
 _CREDENTIAL_OPTIONS = frozenset(name for names in _CREDENTIAL_ALIASES.values() for name in names)
+
+
+def credential_sources(profile: str | None) -> str:
+    """Where botocore looks for credentials, for an error that found none: the
+    files' paths and the variables' names, never a value."""
+    shared = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials"
+    config = os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config"
+    chosen = profile or os.environ.get("AWS_PROFILE")
+    where = f"profile {chosen!r} of " if chosen else ""
+    return (
+        "storage_options key and secret, the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), "
+        f"{where}the shared credentials file {shared} and the config file {config}, "
+        "and an instance or container role"
+    )
 
 
 def pop_credentials(options: dict[str, Any]) -> dict[str, str]:
@@ -85,10 +109,19 @@ class S3Backend(ObjectStoreBackend):
     credential_options = _CREDENTIAL_OPTIONS
 
     def __init__(
-        self, uri: str, bucket: str, root: str, fs: s3fs.S3FileSystem, options: StoreOptions, *, checksum: bool
+        self,
+        uri: str,
+        bucket: str,
+        root: str,
+        fs: s3fs.S3FileSystem,
+        options: StoreOptions,
+        *,
+        checksum: bool,
+        profile: str | None = None,
     ) -> None:
         super().__init__(uri, bucket, root, fs, options)
         self.checksum = checksum
+        self.profile = profile
 
     @classmethod
     def from_uri(cls, uri: str, **options: Any) -> Self:
@@ -130,7 +163,7 @@ class S3Backend(ObjectStoreBackend):
         )  # cached per options
         fs.retries = 1
         clean = f"s3://{bucket}/{root}".rstrip("/")
-        return cls(clean, bucket, root, fs, common, checksum=checksum == "crc32c")
+        return cls(clean, bucket, root, fs, common, checksum=checksum == "crc32c", profile=profile)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -151,6 +184,29 @@ class S3Backend(ObjectStoreBackend):
         self.call("put_object", **kwargs)
 
     # -- ObjectStoreBackend hooks ----------------------------------------------------------------
+
+    async def _explain(self, error: Exception) -> Exception | None:
+        """No credentials anywhere, a profile that is not there, a bucket that does not
+        exist (only requests with an answer body can tell: a HEAD's 404 cannot), or the
+        endpoint unreachable."""
+        for e in causes(error):
+            if isinstance(e, botocore.exceptions.NoCredentialsError | botocore.exceptions.PartialCredentialsError):
+                found = "no" if isinstance(e, botocore.exceptions.NoCredentialsError) else "incomplete"
+                return PermissionError(
+                    errno.EACCES,
+                    f"{found} AWS credentials found; looked in {credential_sources(self.profile)} "
+                    "(anon=true reads a public bucket without them)",
+                )
+            if isinstance(e, botocore.exceptions.ProfileNotFound):
+                config = os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config"
+                shared = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or "~/.aws/credentials"
+                return PermissionError(
+                    errno.EACCES, f"AWS profile {e.kwargs.get('profile')!r} is in neither {config} nor {shared}"
+                )
+            response = getattr(e, "response", None)
+            if isinstance(response, dict) and (response.get("Error") or {}).get("Code") == "NoSuchBucket":
+                return OSError(f"no such bucket {self.bucket!r} at {self._endpoint(error)}")
+        return await super()._explain(error)
 
     def _new_writer(self, key: str, size: int | None) -> PartWriter[S3Backend]:
         return _S3Writer(self, key, size)
