@@ -59,7 +59,7 @@ from bcp.metadata.layout import MANIFEST_KEY, step_name
 
 from .. import trace
 from ..collectives import Coordinator, GroupCoordinator, decide, portable, run_phase
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, FormatError, RankFailedError
 from ..housekeeping import committed_steps
 from ..io_scheduler.read_plan import plan_tensor_reads
 from ..loader import LoadInfo, load_with_info, match_state
@@ -68,10 +68,11 @@ from ..reader import CheckpointMetadata, fetch_catalog, fetch_manifest, open_rea
 from ..state import detach_stateful
 from ..target import resolve_backend
 from .arrival import Arrivals, GatedBackend
+from .config import LocalTier
 from .exchange import CHUNK_BYTES, ROUND_BYTES, Exchange, merge_ranges
 from .hosts import HostMap
 from .inventory import LocalChoice, StepCopy, choose_local, list_local, local_wins
-from .recovery_dir import RECOVERY_PREFIX, prepare, remove_leftovers
+from .recovery_dir import RECOVERY_PREFIX, BadCopy, check_copy, prepare, remove_leftovers
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +109,16 @@ def recover_latest(
     coord: Coordinator,
     load_options: LoadOptions | None = None,
     exchange_coord: Coordinator | None = None,
+    config: LocalTier | None = None,
 ) -> tuple[int | None, Any] | None:
     """(all ranks) Load the newest step the local tier holds entirely into ``state``,
     if it is not older than the persistent tier's newest committed step (at
     ``persistent_root``, read with ``load_options.storage_options``). Returns
     ``(step, loaded state)``, or None: the caller loads from persistent storage.
     ``exchange_coord``: a coordinator of the same ranks on a gloo group nothing else
-    uses meanwhile; with it the exchange runs while the ranks load (``arrival.py``)."""
+    uses meanwhile; with it the exchange runs while the ranks load (``arrival.py``).
+    ``config``: the tier's configuration, for how many steps a lost local tier may
+    have cost (its WARNING); without it that number is not known."""
     info = recover_latest_with_info(
         state,
         local_root=local_root,
@@ -122,6 +126,7 @@ def recover_latest(
         coord=coord,
         load_options=load_options,
         exchange_coord=exchange_coord,
+        config=config,
     )
     return None if info is None else (info.step, info.state)
 
@@ -136,6 +141,7 @@ def recover_latest_with_info(
     round_bytes: int = ROUND_BYTES,
     chunk_bytes: int = CHUNK_BYTES,
     exchange_coord: Coordinator | None = None,
+    config: LocalTier | None = None,
 ) -> RecoveryInfo | None:
     """:func:`recover_latest`, returning a :class:`RecoveryInfo` (None: use the
     persistent tier). ``round_bytes`` and ``chunk_bytes`` bound the exchange's memory."""
@@ -143,7 +149,7 @@ def recover_latest_with_info(
     root = os.path.abspath(os.fspath(local_root))
     session = trace.begin(opts.trace, coord.rank, "recover")
     try:
-        info = _recover(state, root, persistent_root, coord, opts, round_bytes, chunk_bytes, exchange_coord)
+        info = _recover(state, root, persistent_root, coord, opts, round_bytes, chunk_bytes, exchange_coord, config)
     except BaseException:
         if session is not None:
             session.end(failed=True)
@@ -167,21 +173,143 @@ def _recover(
     round_bytes: int,
     chunk_bytes: int,
     exchange_coord: Coordinator | None,
+    config: LocalTier | None,
 ) -> RecoveryInfo | None:
-    """:func:`recover_latest_with_info`'s steps, each a span when traced."""
+    """:func:`recover_latest_with_info`'s steps, each a span when traced. A recovery
+    that fails on corrupt bytes (a checksum or format error, on any rank) is tried
+    again, on every rank, once each host has checked and quarantined its bad copies
+    (:func:`_after_damage`): from other hosts' copies, an older local step, or the
+    persistent tier."""
     started = time.perf_counter()
-    with trace.span("inventory"):
-        # the coordinator lists the persistent root (round trips to a store) while the
-        # hosts list their local roots
-        persistent = _PersistentNewest(persistent_root, opts.storage_options) if coord.is_coordinator else None
-        hosts = HostMap.gather(coord)
-        first = hosts.is_first(coord.rank)
-        listing: list[StepCopy] | None = _list_host(local_root) if first else None
-        gathered = coord.gather(listing if first else None)
-        plan = decide(coord, "choosing the step to recover", _choose, gathered, hosts, persistent)
-    if plan is None:
+    # the coordinator lists the persistent root (round trips to a store) while the
+    # hosts list their local roots
+    persistent = _PersistentNewest(persistent_root, opts.storage_options) if coord.is_coordinator else None
+    hosts = HostMap.gather(coord)
+    first = hosts.is_first(coord.rank)
+    damaged: list[BadCopy] = []  # the copies quarantined so far (the same list on every rank)
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        with trace.span("inventory"):
+            listing: list[StepCopy] | None = _list_host(local_root) if first else None
+            gathered = coord.gather(listing if first else None)
+            plan = decide(
+                coord, "choosing the step to recover", _choose, gathered, hosts, persistent, config, tuple(damaged)
+            )
+        if plan is None:
+            return None
+        choice, nonce = plan
+        try:
+            info: RecoveryInfo | None = _attempt(
+                state, local_root, coord, opts, round_bytes, chunk_bytes, exchange_coord, hosts, choice, nonce, started
+            )
+            error: BaseException | None = None
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below; raised unless it is damage
+            info, error = None, e
+        step_dir = os.path.join(local_root, step_name(choice.step))
+        recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
+        damage = [d for d in coord.all_gather(_damage_of(error, recovery_dir, choice.step)) if d is not None]
+        if not damage:
+            coord.check(error, "recovering from the local tier")
+            if error is not None:
+                raise error
+            assert info is not None
+            return info
+        # some rank read corrupt bytes: every host checks the copies it served, then all retry
+        paths: set[str] | None = set()
+        for path, _reason in damage:
+            if path is None or paths is None:
+                paths = None
+            else:
+                paths.add(path)
+        mine = hosts.host_of(coord.rank)
+        held = [i for i, holders in enumerate(choice.holders) if mine in holders]
+        bad = check_copy(step_dir, choice.save_id, held, paths, hosts.hosts[mine]) if first else []
+        found = [b for per_rank in coord.all_gather(bad) for b in per_rank]
+        damaged.extend(found)
+        reason = damage[0][1]
+        if not found or attempt == MAX_ATTEMPTS:
+            # nothing to blame (or no end to it): the persistent tier, if it has a step
+            decide(coord, "giving up on the local tier", _give_up, persistent, config, choice.step, reason, found)
+            return None
+        if coord.is_coordinator:
+            log.warning(
+                "local tier: recovering step %d failed (%s); %d corrupt local cop%s quarantined: %s; trying again "
+                "without %s",
+                choice.step,
+                reason,
+                len(found),
+                "y" if len(found) == 1 else "ies",
+                "; ".join(b.describe() for b in found),
+                "it" if len(found) == 1 else "them",
+            )
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+#: Recoveries tried, each after quarantining what the one before found corrupt.
+MAX_ATTEMPTS = 4
+
+
+def _damage_of(error: BaseException | None, recovery_dir: str, step: int) -> tuple[str | None, str] | None:
+    """(file the error names or None, its message) when ``error`` is corrupt bytes of a
+    local copy (a checksum or format error, on this rank or, through RankFailedError,
+    another); None otherwise. The message no longer names the recovery directory: it
+    is gone by now."""
+    if isinstance(error, RankFailedError):
+        inner = [e for e in error.errors.values() if isinstance(e, (CorruptCheckpointError, FormatError))]
+        if not inner:
+            return None
+        error = inner[0]
+    if not isinstance(error, (CorruptCheckpointError, FormatError)):
         return None
-    choice, nonce = plan
+    text = str(error).replace(recovery_dir, f"local step {step}")
+    return getattr(error, "file", None), text
+
+
+def _give_up(
+    newest: _PersistentNewest | None,
+    config: LocalTier | None,
+    step: int,
+    reason: str,
+    found: list[BadCopy],
+) -> None:
+    """(coordinator) A recovery failed on corrupt bytes and another attempt would not
+    help: a WARNING when the persistent tier has a step to load instead, else the error."""
+    assert newest is not None
+    persistent = newest.result()
+    blamed = (
+        "quarantined: " + "; ".join(b.describe() for b in found)
+        if found
+        else "every local copy it read passed its check on its host (damaged in transfer?); nothing quarantined"
+    )
+    if persistent is None:
+        raise CorruptCheckpointError(
+            f"local tier: cannot recover step {step}: {reason}; {blamed}; and the persistent root has no step to "
+            "load instead"
+        )
+    log.warning(
+        "local tier: cannot recover step %d: %s; %s; loading persistent step %d instead: %s",
+        step,
+        reason,
+        blamed,
+        persistent,
+        _lost_after(persistent, config, [step]),
+    )
+
+
+def _attempt(
+    state: Any,
+    local_root: str,
+    coord: Coordinator,
+    opts: LoadOptions,
+    round_bytes: int,
+    chunk_bytes: int,
+    exchange_coord: Coordinator | None,
+    hosts: HostMap,
+    choice: LocalChoice,
+    nonce: str,
+    started: float,
+) -> RecoveryInfo:
+    """One recovery of the chosen step: metadata, recovery directory, exchange, load."""
+    first = hosts.is_first(coord.rank)
     step_dir = os.path.join(local_root, step_name(choice.step))
     source = hosts.ranks[choice.source][0]
     with trace.span("metadata"):
@@ -339,37 +467,139 @@ class _PersistentNewest:
 
 
 def _choose(
-    gathered: list[Any] | None, hosts: HostMap, newest: _PersistentNewest | None
+    gathered: list[Any] | None,
+    hosts: HostMap,
+    newest: _PersistentNewest | None,
+    config: LocalTier | None,
+    damaged: tuple[BadCopy, ...],
 ) -> tuple[LocalChoice, str] | None:
-    """(coordinator) The local step to recover and a fresh directory name, or None."""
+    """(coordinator) The local step to recover and a fresh directory name, or None. A
+    WARNING whenever the hosts hold less than a job that lost nothing would: local
+    steps lost, hosts without a copy, or a local tier that is empty or gone while the
+    persistent tier has a step. After ``damaged`` copies were quarantined with nothing
+    left to load at all, the error."""
     assert gathered is not None and newest is not None
     listings = [gathered[ranks[0]] for ranks in hosts.ranks]
     choice = choose_local(listings)
     persistent = newest.result()
-    if choice is None:
-        if any(listings):
+    seen = sorted({c.step for listing in listings for c in listing or ()})
+    if choice is not None and local_wins(choice.step, persistent):
+        lost = [s for s in seen if s > choice.step]
+        without = [
+            hosts.hosts[h]
+            for h, listing in enumerate(listings)
+            if not any((c.step, c.save_id) == (choice.step, choice.save_id) for c in listing or ())
+        ]
+        if lost or damaged:
             log.warning(
-                "local tier: no local step is held entirely by the %d surviving hosts; loading from the "
-                "persistent tier (newest step %s)",
+                "local tier: recovering step %d (save %s), not the newest the local tier held: %s",
+                choice.step,
+                choice.save_id,
+                _lost_list(lost, damaged),
+            )
+        elif without:
+            log.warning(
+                "local tier: %d of %d hosts (%s) hold no copy of step %d (new hosts, or their local tier was "
+                "lost); recovering it from the other hosts' copies, no step lost",
+                len(without),
                 len(listings),
+                ", ".join(without),
+                choice.step,
+            )
+        else:
+            log.info(
+                "local tier: recovering step %d (save %s) from %d hosts (persistent tier's newest: %s)",
+                choice.step,
+                choice.save_id,
+                len({h for holders in choice.holders for h in holders}),
                 persistent,
             )
+        return choice, secrets.token_hex(8)
+    # the persistent tier (or nothing): say what the local tier lost
+    lost = [s for s in seen if persistent is None or s > persistent]
+    if damaged and persistent is None:
+        raise CorruptCheckpointError(
+            "local tier: nothing left to recover: "
+            + "; ".join(b.describe() for b in damaged)
+            + "; no other local copy holds the step, and the persistent root has no step to load instead"
+        )
+    if persistent is None:
+        if lost:
+            log.warning(
+                "local tier: no local step is held entirely by the %d surviving hosts and the persistent root has "
+                "no step: starting from nothing; %s",
+                len(listings),
+                _lost_list(lost, damaged),
+            )
         return None
-    if not local_wins(choice.step, persistent):
+    if choice is None and not seen:
+        log.warning(
+            "local tier: none of the %d hosts holds a local step (their local tier is empty or gone); loading "
+            "persistent step %d instead: %s",
+            len(listings),
+            persistent,
+            _lost_after(persistent, config, lost),
+        )
+    elif choice is None or lost or damaged:
+        log.warning(
+            "local tier: %s; loading persistent step %d instead: %s",
+            f"no local step is held entirely by the {len(listings)} surviving hosts"
+            if choice is None
+            else f"the newest local step held entirely, {choice.step}, is older than persistent step {persistent}",
+            persistent,
+            _lost_list(lost, damaged) if lost or damaged else _lost_after(persistent, config, lost),
+        )
+    elif config is not None and config.local_due(persistent):
+        # persistent step P was saved to the local tier too (a multiple of every): its copies are gone
+        log.warning(
+            "local tier: the newest local step held entirely, %d, is older than persistent step %d: the local "
+            "tier lost its copies of step %d and later; loading persistent step %d instead: %s",
+            choice.step,
+            persistent,
+            persistent,
+            persistent,
+            _lost_after(persistent, config, lost),
+        )
+    else:
         log.info(
             "local tier: persistent step %s is newer than local step %d; loading from the persistent tier",
             persistent,
             choice.step,
         )
-        return None
-    log.info(
-        "local tier: recovering step %d (save %s) from %d hosts (persistent tier's newest: %s)",
-        choice.step,
-        choice.save_id,
-        len({h for holders in choice.holders for h in holders}),
-        persistent,
+    return None
+
+
+def _lost_list(lost: list[int], damaged: tuple[BadCopy, ...]) -> str:
+    """The local steps known to be lost (held in part, or held only by quarantined copies)."""
+    parts = []
+    if lost:
+        shown = ", ".join(str(s) for s in lost[-8:])
+        more = f" and {len(lost) - 8} older" if len(lost) > 8 else ""
+        parts.append(
+            f"{len(lost)} newer local step{'s' if len(lost) != 1 else ''} lost (step{'s' if len(lost) != 1 else ''} "
+            f"{shown}{more}: not held entirely by the surviving hosts)"
+        )
+    if damaged:
+        parts.append("corrupt copies quarantined: " + "; ".join(b.describe() for b in damaged))
+    return "; ".join(parts)
+
+
+def _lost_after(persistent: int, config: LocalTier | None, known: list[int]) -> str:
+    """How many local steps after persistent step ``persistent`` may be lost, when no
+    host says which: every local save from there up to the next drain."""
+    if known:
+        return _lost_list(known, ())
+    if config is None:
+        return "the steps saved to the local tier after it are lost (how many: not known here)"
+    every, drain = config.every, config.persist_every
+    if drain is None:
+        return "every step saved to the local tier after it is lost (this tier never drains: how many is not known)"
+    following = (persistent // drain + 1) * drain
+    most = following // every - persistent // every
+    return (
+        f"up to {most} step{'s' if most != 1 else ''} lost (the local saves every {every} step"
+        f"{'s' if every != 1 else ''} after step {persistent}, up to the next drain at step {following})"
     )
-    return choice, secrets.token_hex(8)
 
 
 def _from_rank(coord: Coordinator, src: int, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
