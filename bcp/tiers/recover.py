@@ -187,12 +187,21 @@ def _recover(
     hosts = HostMap.gather(coord)
     first = hosts.is_first(coord.rank)
     damaged: list[BadCopy] = []  # the copies quarantined so far (the same list on every rank)
+    reason: str | None = None  # what the first failed attempt read
     for attempt in range(1, MAX_ATTEMPTS + 1):
         with trace.span("inventory"):
             listing: list[StepCopy] | None = _list_host(local_root) if first else None
             gathered = coord.gather(listing if first else None)
             plan = decide(
-                coord, "choosing the step to recover", _choose, gathered, hosts, persistent, config, tuple(damaged)
+                coord,
+                "choosing the step to recover",
+                _choose,
+                gathered,
+                hosts,
+                persistent,
+                config,
+                tuple(damaged),
+                reason,
             )
         if plan is None:
             return None
@@ -225,7 +234,7 @@ def _recover(
         bad = check_copy(step_dir, choice.save_id, held, paths, hosts.hosts[mine]) if first else []
         found = [b for per_rank in coord.all_gather(bad) for b in per_rank]
         damaged.extend(found)
-        reason = damage[0][1]
+        reason = reason or damage[0][1]
         if not found or attempt == MAX_ATTEMPTS:
             # nothing to blame (or no end to it): the persistent tier, if it has a step
             decide(coord, "giving up on the local tier", _give_up, persistent, config, choice.step, reason, found)
@@ -472,12 +481,13 @@ def _choose(
     newest: _PersistentNewest | None,
     config: LocalTier | None,
     damaged: tuple[BadCopy, ...],
+    reason: str | None,
 ) -> tuple[LocalChoice, str] | None:
     """(coordinator) The local step to recover and a fresh directory name, or None. A
     WARNING whenever the hosts hold less than a job that lost nothing would: local
     steps lost, hosts without a copy, or a local tier that is empty or gone while the
-    persistent tier has a step. After ``damaged`` copies were quarantined with nothing
-    left to load at all, the error."""
+    persistent tier has a step. After ``damaged`` copies were quarantined (a recovery
+    failed on ``reason``) with nothing left to load at all, the error."""
     assert gathered is not None and newest is not None
     listings = [gathered[ranks[0]] for ranks in hosts.ranks]
     choice = choose_local(listings)
@@ -519,9 +529,10 @@ def _choose(
     lost = [s for s in seen if persistent is None or s > persistent]
     if damaged and persistent is None:
         raise CorruptCheckpointError(
-            "local tier: nothing left to recover: "
+            f"local tier: nothing left to recover after {reason}: corrupt copies quarantined: "
             + "; ".join(b.describe() for b in damaged)
-            + "; no other local copy holds the step, and the persistent root has no step to load instead"
+            + "; no other local copy holds the step, and the persistent root has no step to load instead",
+            file=damaged[0].moved_to or damaged[0].path,
         )
     if persistent is None:
         if lost:
