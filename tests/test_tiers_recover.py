@@ -312,8 +312,8 @@ def _roots(base, names: list[str], persistent: str) -> list[str]:
 def test_four_ranks_recover_from_replicas_and_refuse_what_is_not_held(saved, tmp_path):
     """2 hosts x 2 ranks saved, host B lost, replicas=1: the same world size recovers
     from A's replicas bit-exactly; a replica missing from holding.json, or two saves
-    of step 10 each half held, fall back to persistent step 5; a corrupt byte in a
-    fragment A serves fails the load."""
+    of step 10 each half held, fall back to persistent step 5; so does a corrupt
+    byte in a fragment A serves (B's copy is lost): A's replica is quarantined."""
     x, y, persistent = os.path.join(saved, "x"), os.path.join(saved, "y"), os.path.join(saved, "persistent")
     ref5, ref10 = os.path.join(saved, "ref5.pt"), os.path.join(saved, "ref10.pt")
     two = [[0, 1], [2, 3]]
@@ -348,10 +348,13 @@ def test_four_ranks_recover_from_replicas_and_refuse_what_is_not_held(saved, tmp
         byte = f.read(1)
         f.seek(0)
         f.write(bytes([byte[0] ^ 0x40]))
-    scenarios.append(jobs.Scenario("corrupt", hosts, dict(zip("AB", corrupt, strict=True)), persistent, "corrupt"))
+    scenarios.append(
+        jobs.Scenario("corrupt", hosts, dict(zip("AB", corrupt, strict=True)), persistent, "persistent", ref5)
+    )
 
     dist_jobs.spawn(jobs.scenarios_job, 4, scenarios)
     assert os.listdir(lost[1]) == [], "the recovery directory of the new host B is removed"
+    assert not os.path.exists(replica) and os.path.exists(replica + ".quarantined"), "the corrupt replica moved aside"
 
 
 @pytest.mark.slow

@@ -133,7 +133,7 @@ class Scenario:
     #: local root of each host id
     roots: dict[str, str]
     persistent_root: str
-    #: "local", "persistent", or "corrupt" (the load must raise)
+    #: "local" or "persistent": the tier the step must come from
     expect: str
     ref: str = ""
     #: through CheckpointManager.load_latest (else recover_latest_with_info)
@@ -164,15 +164,6 @@ def _run(rank: int, world: int, sc: Scenario, root: str) -> None:
     # root is <dir>/bcp/<job> (bcp.tiers.paths.local_root): the tier finds it from its dir
     tier = bcp.LocalTier(dir=os.path.dirname(os.path.dirname(root)), persist_every=None)
     manager = bcp.CheckpointManager(sc.persistent_root, async_save=False, tier=tier)
-    if sc.expect == "corrupt":
-        try:
-            manager.load_latest(state)
-        except (bcp.CorruptCheckpointError, bcp.RankFailedError) as e:
-            text = str(e) + "".join(getattr(e, "__notes__", []))
-            assert "checksum mismatch" in text, text
-        else:
-            raise AssertionError("a corrupt fragment served by a peer was loaded silently")
-        return
     if sc.via_manager:
         step, loaded = manager.load_latest(state)
     else:
