@@ -292,7 +292,8 @@ def _give_up(
     if persistent is None:
         raise CorruptCheckpointError(
             f"local tier: cannot recover step {step}: {reason}; {blamed}; and the persistent root has no step to "
-            "load instead"
+            "load instead",
+            file=(found[0].moved_to or found[0].path) if found else None,
         )
     log.warning(
         "local tier: cannot recover step %d: %s; %s; loading persistent step %d instead: %s",
