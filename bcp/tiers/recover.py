@@ -9,7 +9,8 @@ a tier is configured), at whatever world size the job restarted with:
    entirely (:func:`~bcp.tiers.inventory.choose_local`) and compares it with the
    persistent tier's newest committed step; the newer wins, a tie goes to the local
    one. Persistent (or nothing anywhere): :func:`recover_latest` returns None and the
-   caller loads from persistent storage as before.
+   caller loads from persistent storage as before, with a WARNING when the local tier
+   lost steps (:mod:`bcp.tiers.fallback`).
 3. **Metadata.** The first rank of a host holding the chosen copy sends the manifest
    and catalog bytes to every rank.
 4. **Recovery directory.** Each host gets ``<local root>/recover-<nonce>/``: the
@@ -33,6 +34,11 @@ a tier is configured), at whatever world size the job restarted with:
    resharding, casting, placement and the CRC32C check of every byte read are bcp's
    own (ranks load from different directories with identical manifests; the
    coordinator reads the metadata from its own). The directory is removed after.
+7. **Corrupt copies.** A checksum or format error on any rank (every rank learns of
+   it in one ``all_gather``): each host checks the copies it served and quarantines
+   the bad ones (:func:`bcp.tiers.recovery_dir.check_copy`), and all ranks start
+   again from 1, without them: another host's copy, an older local step, or the
+   persistent tier.
 
 With ``load_options.trace`` (or ``BCP_TRACE_DIR``) a recovery is traced as an operation
 of kind "recover" (docs/observability.md): spans ``inventory`` (steps 1-2),
@@ -45,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import secrets
 import shutil
 import threading
 import time
@@ -60,7 +65,6 @@ from bcp.metadata.layout import MANIFEST_KEY, step_name
 from .. import trace
 from ..collectives import Coordinator, GroupCoordinator, decide, portable, run_phase
 from ..errors import CorruptCheckpointError, FormatError, RankFailedError
-from ..housekeeping import committed_steps
 from ..io_scheduler.read_plan import plan_tensor_reads
 from ..loader import LoadInfo, load_with_info, match_state
 from ..options import LoadOptions
@@ -70,8 +74,9 @@ from ..target import resolve_backend
 from .arrival import Arrivals, GatedBackend
 from .config import LocalTier
 from .exchange import CHUNK_BYTES, ROUND_BYTES, Exchange, merge_ranges
+from .fallback import PersistentNewest, choose, give_up
 from .hosts import HostMap
-from .inventory import LocalChoice, StepCopy, choose_local, list_local, local_wins
+from .inventory import LocalChoice, StepCopy, list_local
 from .recovery_dir import RECOVERY_PREFIX, BadCopy, check_copy, prepare, remove_leftovers
 
 log = logging.getLogger(__name__)
@@ -183,7 +188,7 @@ def _recover(
     started = time.perf_counter()
     # the coordinator lists the persistent root (round trips to a store) while the
     # hosts list their local roots
-    persistent = _PersistentNewest(persistent_root, opts.storage_options) if coord.is_coordinator else None
+    persistent = PersistentNewest(persistent_root, opts.storage_options) if coord.is_coordinator else None
     hosts = HostMap.gather(coord)
     first = hosts.is_first(coord.rank)
     damaged: list[BadCopy] = []  # the copies quarantined so far (the same list on every rank)
@@ -195,7 +200,7 @@ def _recover(
             plan = decide(
                 coord,
                 "choosing the step to recover",
-                _choose,
+                choose,
                 gathered,
                 hosts,
                 persistent,
@@ -215,7 +220,13 @@ def _recover(
             info, error = None, e
         step_dir = os.path.join(local_root, step_name(choice.step))
         recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
-        damage = [d for d in coord.all_gather(_damage_of(error, recovery_dir, choice.step)) if d is not None]
+        try:
+            reports = coord.all_gather(_damage_of(error, recovery_dir, choice.step))
+        except Exception:
+            if error is not None:  # a peer gone: its own error says more than the gather's
+                raise error from None
+            raise
+        damage = [d for d in reports if d is not None]
         if not damage:
             coord.check(error, "recovering from the local tier")
             if error is not None:
@@ -237,7 +248,7 @@ def _recover(
         reason = reason or damage[0][1]
         if not found or attempt == MAX_ATTEMPTS:
             # nothing to blame (or no end to it): the persistent tier, if it has a step
-            decide(coord, "giving up on the local tier", _give_up, persistent, config, choice.step, reason, found)
+            decide(coord, "giving up on the local tier", give_up, persistent, config, choice.step, reason, found)
             return None
         if coord.is_coordinator:
             log.warning(
@@ -271,38 +282,6 @@ def _damage_of(error: BaseException | None, recovery_dir: str, step: int) -> tup
         return None
     text = str(error).replace(recovery_dir, f"local step {step}")
     return getattr(error, "file", None), text
-
-
-def _give_up(
-    newest: _PersistentNewest | None,
-    config: LocalTier | None,
-    step: int,
-    reason: str,
-    found: list[BadCopy],
-) -> None:
-    """(coordinator) A recovery failed on corrupt bytes and another attempt would not
-    help: a WARNING when the persistent tier has a step to load instead, else the error."""
-    assert newest is not None
-    persistent = newest.result()
-    blamed = (
-        "quarantined: " + "; ".join(b.describe() for b in found)
-        if found
-        else "every local copy it read passed its check on its host (damaged in transfer?); nothing quarantined"
-    )
-    if persistent is None:
-        raise CorruptCheckpointError(
-            f"local tier: cannot recover step {step}: {reason}; {blamed}; and the persistent root has no step to "
-            "load instead",
-            file=(found[0].moved_to or found[0].path) if found else None,
-        )
-    log.warning(
-        "local tier: cannot recover step %d: %s; %s; loading persistent step %d instead: %s",
-        step,
-        reason,
-        blamed,
-        persistent,
-        _lost_after(persistent, config, [step]),
-    )
 
 
 def _attempt(
@@ -446,172 +425,6 @@ def _list_host(root: str) -> list[StepCopy] | None:
     except Exception as e:  # noqa: BLE001 - this host then holds nothing; the others may hold all
         log.warning("local tier: cannot list %s: %s", root, e)
         return None
-
-
-class _PersistentNewest:
-    """(coordinator) The persistent root's newest committed step, listed in a thread of
-    its own from construction; :meth:`result` waits for it (None: no step, no root, or
-    a listing that failed, with a WARNING: the local tier may still do, and the
-    fallback reports the failure again)."""
-
-    def __init__(self, root: str | None, storage_options: Mapping[str, Any] | None) -> None:
-        self.root = root
-        self.storage_options = storage_options
-        self._step: int | None = None
-        self._thread = threading.Thread(target=self._list, name="bcp-recover-list", daemon=True)
-        if root is not None:
-            self._thread.start()
-
-    def _list(self) -> None:
-        assert self.root is not None
-        try:
-            steps = committed_steps(resolve_backend(self.root, self.storage_options))
-            self._step = steps[-1] if steps else None
-        except Exception as e:  # noqa: BLE001 - reported here, never raised
-            log.warning("local tier: cannot list the persistent root %s: %s", self.root, e)
-
-    def result(self) -> int | None:
-        if self.root is not None:
-            self._thread.join()
-        return self._step
-
-
-def _choose(
-    gathered: list[Any] | None,
-    hosts: HostMap,
-    newest: _PersistentNewest | None,
-    config: LocalTier | None,
-    damaged: tuple[BadCopy, ...],
-    reason: str | None,
-) -> tuple[LocalChoice, str] | None:
-    """(coordinator) The local step to recover and a fresh directory name, or None. A
-    WARNING whenever the hosts hold less than a job that lost nothing would: local
-    steps lost, hosts without a copy, or a local tier that is empty or gone while the
-    persistent tier has a step. After ``damaged`` copies were quarantined (a recovery
-    failed on ``reason``) with nothing left to load at all, the error."""
-    assert gathered is not None and newest is not None
-    listings = [gathered[ranks[0]] for ranks in hosts.ranks]
-    choice = choose_local(listings)
-    persistent = newest.result()
-    seen = sorted({c.step for listing in listings for c in listing or ()})
-    if choice is not None and local_wins(choice.step, persistent):
-        lost = [s for s in seen if s > choice.step]
-        without = [
-            hosts.hosts[h]
-            for h, listing in enumerate(listings)
-            if not any((c.step, c.save_id) == (choice.step, choice.save_id) for c in listing or ())
-        ]
-        if lost or damaged:
-            log.warning(
-                "local tier: recovering step %d (save %s), not the newest the local tier held: %s",
-                choice.step,
-                choice.save_id,
-                _lost_list(lost, damaged),
-            )
-        elif without:
-            log.warning(
-                "local tier: %d of %d hosts (%s) hold no copy of step %d (new hosts, or their local tier was "
-                "lost); recovering it from the other hosts' copies, no step lost",
-                len(without),
-                len(listings),
-                ", ".join(without),
-                choice.step,
-            )
-        else:
-            log.info(
-                "local tier: recovering step %d (save %s) from %d hosts (persistent tier's newest: %s)",
-                choice.step,
-                choice.save_id,
-                len({h for holders in choice.holders for h in holders}),
-                persistent,
-            )
-        return choice, secrets.token_hex(8)
-    # the persistent tier (or nothing): say what the local tier lost
-    lost = [s for s in seen if persistent is None or s > persistent]
-    if damaged and persistent is None:
-        raise CorruptCheckpointError(
-            f"local tier: nothing left to recover after {reason}: corrupt copies quarantined: "
-            + "; ".join(b.describe() for b in damaged)
-            + "; no other local copy holds the step, and the persistent root has no step to load instead",
-            file=damaged[0].moved_to or damaged[0].path,
-        )
-    if persistent is None:
-        if lost:
-            log.warning(
-                "local tier: no local step is held entirely by the %d surviving hosts and the persistent root has "
-                "no step: starting from nothing; %s",
-                len(listings),
-                _lost_list(lost, damaged),
-            )
-        return None
-    if choice is None and not seen:
-        log.warning(
-            "local tier: none of the %d hosts holds a local step (their local tier is empty or gone); loading "
-            "persistent step %d instead: %s",
-            len(listings),
-            persistent,
-            _lost_after(persistent, config, lost),
-        )
-    elif choice is None or lost or damaged:
-        log.warning(
-            "local tier: %s; loading persistent step %d instead: %s",
-            f"no local step is held entirely by the {len(listings)} surviving hosts"
-            if choice is None
-            else f"the newest local step held entirely, {choice.step}, is older than persistent step {persistent}",
-            persistent,
-            _lost_list(lost, damaged) if lost or damaged else _lost_after(persistent, config, lost),
-        )
-    elif config is not None and config.local_due(persistent):
-        # persistent step P was saved to the local tier too (a multiple of every): its copies are gone
-        log.warning(
-            "local tier: the newest local step held entirely, %d, is older than persistent step %d: the local "
-            "tier lost its copies of step %d and later; loading persistent step %d instead: %s",
-            choice.step,
-            persistent,
-            persistent,
-            persistent,
-            _lost_after(persistent, config, lost),
-        )
-    else:
-        log.info(
-            "local tier: persistent step %s is newer than local step %d; loading from the persistent tier",
-            persistent,
-            choice.step,
-        )
-    return None
-
-
-def _lost_list(lost: list[int], damaged: tuple[BadCopy, ...]) -> str:
-    """The local steps known to be lost (held in part, or held only by quarantined copies)."""
-    parts = []
-    if lost:
-        shown = ", ".join(str(s) for s in lost[-8:])
-        more = f" and {len(lost) - 8} older" if len(lost) > 8 else ""
-        parts.append(
-            f"{len(lost)} newer local step{'s' if len(lost) != 1 else ''} lost (step{'s' if len(lost) != 1 else ''} "
-            f"{shown}{more}: not held entirely by the surviving hosts)"
-        )
-    if damaged:
-        parts.append("corrupt copies quarantined: " + "; ".join(b.describe() for b in damaged))
-    return "; ".join(parts)
-
-
-def _lost_after(persistent: int, config: LocalTier | None, known: list[int]) -> str:
-    """How many local steps after persistent step ``persistent`` may be lost, when no
-    host says which: every local save from there up to the next drain."""
-    if known:
-        return _lost_list(known, ())
-    if config is None:
-        return "the steps saved to the local tier after it are lost (how many: not known here)"
-    every, drain = config.every, config.persist_every
-    if drain is None:
-        return "every step saved to the local tier after it is lost (this tier never drains: how many is not known)"
-    following = (persistent // drain + 1) * drain
-    most = following // every - persistent // every
-    return (
-        f"up to {most} step{'s' if most != 1 else ''} lost (the local saves every {every} step"
-        f"{'s' if every != 1 else ''} after step {persistent}, up to the next drain at step {following})"
-    )
 
 
 def _from_rank(coord: Coordinator, src: int, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
