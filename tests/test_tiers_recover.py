@@ -543,3 +543,37 @@ def test_a_lost_local_tier_warns_how_many_steps_may_be_lost(tmp_path, caplog):
         assert manager.load_latest(dict(_TEMPLATE))[0] == 4
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("lost its copies of step 4 and later" in m and "up to 4 steps lost" in m for m in warned), warned
+
+
+@given(st.integers(1, 5), st.one_of(st.none(), st.integers(1, 12)), st.integers(0, 40))
+def test_a_lost_local_tier_may_cost_the_local_saves_up_to_the_next_drain(every, drain, persistent):
+    """The bound a lost local tier's WARNING gives, against counting the steps: the
+    multiples of ``every`` after the persistent step, up to the next drain."""
+    from bcp.tiers.fallback import lost_after
+
+    text = lost_after(persistent, bcp.LocalTier(every=every, persist_every=drain), [])
+    if drain is None:
+        assert "not known" in text
+        return
+    following = next(s for s in range(persistent + 1, persistent + drain + 1) if s % drain == 0)
+    most = sum(1 for s in range(persistent + 1, following + 1) if s % every == 0)
+    assert f"up to {most} step" in text and f"next drain at step {following})" in text, text
+    assert "lost" in lost_after(persistent, None, []) and "steps 7, 9" in lost_after(persistent, None, [7, 9])
+
+
+def test_corrupt_bytes_no_host_can_blame_fall_back_to_the_persistent_step(tmp_path, caplog, monkeypatch):
+    """When every copy passes its host's check (bytes damaged between hosts; here the
+    check is made to pass), nothing is quarantined and the persistent step loads,
+    with a WARNING saying so; without a persistent step, the error says so too."""
+    import bcp.tiers.recovery_dir as recovery_dir
+
+    monkeypatch.setattr(recovery_dir, "verify", lambda *args: None)
+    manager, bad = _corrupt_local_step(tmp_path, "data", persistent_step=9)
+    with caplog.at_level(logging.WARNING, logger="bcp"):
+        step, state = manager.load_latest(dict(_TEMPLATE))
+    assert step == 9 and state["step"] == 9 and os.path.exists(bad)
+    warned = "\n".join(r.getMessage() for r in caplog.records)
+    assert "passed its check" in warned and "loading persistent step 9 instead" in warned, warned
+    alone, _bad = _corrupt_local_step(tmp_path / "alone", "data", persistent_step=None)
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"passed its check.*no step to load instead"):
+        alone.load_latest(dict(_TEMPLATE))

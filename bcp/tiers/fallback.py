@@ -199,28 +199,29 @@ def give_up(
     config: LocalTier | None,
     step: int,
     reason: str,
-    found: list[BadCopy],
+    blamed: bool,
+    damaged: tuple[BadCopy, ...],
 ) -> None:
-    """(coordinator) A recovery failed on corrupt bytes and another attempt would not
-    help: a WARNING when the persistent tier has a step to load instead, else the error."""
+    """(coordinator) A recovery failed on corrupt bytes (``reason``) and another attempt
+    would not help: the hosts found no bad copy this time (not ``blamed``), or the
+    attempts are spent. A WARNING when the persistent tier has a step to load instead,
+    else the error; both name every copy ``damaged`` (quarantined) so far."""
     assert newest is not None
     persistent = newest.result()
-    blamed = (
-        "quarantined: " + "; ".join(b.describe() for b in found)
-        if found
-        else "every local copy it read passed its check on its host (damaged in transfer?); nothing quarantined"
-    )
+    said = "" if blamed else "every local copy it read passed its check on its host (damaged between hosts?)"
+    if damaged:
+        said += ("; " if said else "") + "quarantined: " + "; ".join(b.describe() for b in damaged)
     if persistent is None:
         raise CorruptCheckpointError(
-            f"local tier: cannot recover step {step}: {reason}; {blamed}; and the persistent root has no step to "
+            f"local tier: cannot recover step {step}: {reason}; {said}; and the persistent root has no step to "
             "load instead",
-            file=(found[0].moved_to or found[0].path) if found else None,
+            file=(damaged[0].moved_to or damaged[0].path) if damaged else None,
         )
     log.warning(
         "local tier: cannot recover step %d: %s; %s; loading persistent step %d instead: %s",
         step,
         reason,
-        blamed,
+        said,
         persistent,
         lost_after(persistent, config, [step]),
     )

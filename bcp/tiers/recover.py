@@ -182,9 +182,9 @@ def _recover(
 ) -> RecoveryInfo | None:
     """:func:`recover_latest_with_info`'s steps, each a span when traced. A recovery
     that fails on corrupt bytes (a checksum or format error, on any rank) is tried
-    again, on every rank, once each host has checked and quarantined its bad copies
-    (:func:`_after_damage`): from other hosts' copies, an older local step, or the
-    persistent tier."""
+    again, on every rank, once each host has checked the copies it served and
+    quarantined the bad ones (:func:`~bcp.tiers.recovery_dir.check_copy`): from other
+    hosts' copies, an older local step, or the persistent tier."""
     started = time.perf_counter()
     # the coordinator lists the persistent root (round trips to a store) while the
     # hosts list their local roots
@@ -248,14 +248,24 @@ def _recover(
         reason = reason or damage[0][1]
         if not found or attempt == MAX_ATTEMPTS:
             # nothing to blame (or no end to it): the persistent tier, if it has a step
-            decide(coord, "giving up on the local tier", give_up, persistent, config, choice.step, reason, found)
+            decide(
+                coord,
+                "giving up on the local tier",
+                give_up,
+                persistent,
+                config,
+                choice.step,
+                damage[0][1],
+                bool(found),
+                tuple(damaged),
+            )
             return None
         if coord.is_coordinator:
             log.warning(
                 "local tier: recovering step %d failed (%s); %d corrupt local cop%s quarantined: %s; trying again "
                 "without %s",
                 choice.step,
-                reason,
+                damage[0][1],
                 len(found),
                 "y" if len(found) == 1 else "ies",
                 "; ".join(b.describe() for b in found),
