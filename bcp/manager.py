@@ -312,6 +312,7 @@ class CheckpointManager:
             coord=self._coord("CheckpointManager.load_latest"),
             load_options=opts,
             exchange_coord=self._tier.drain_coord,  # free: load_latest waited for the drains
+            config=self._tier.config,  # how many steps a lost local tier may have cost
         )
 
     def reserve_staging(self, state: Any) -> None:

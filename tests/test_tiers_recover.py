@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import types
 
@@ -311,8 +312,8 @@ def _roots(base, names: list[str], persistent: str) -> list[str]:
 def test_four_ranks_recover_from_replicas_and_refuse_what_is_not_held(saved, tmp_path):
     """2 hosts x 2 ranks saved, host B lost, replicas=1: the same world size recovers
     from A's replicas bit-exactly; a replica missing from holding.json, or two saves
-    of step 10 each half held, fall back to persistent step 5; a corrupt byte in a
-    fragment A serves fails the load."""
+    of step 10 each half held, fall back to persistent step 5; so does a corrupt
+    byte in a fragment A serves (B's copy is lost): A's replica is quarantined."""
     x, y, persistent = os.path.join(saved, "x"), os.path.join(saved, "y"), os.path.join(saved, "persistent")
     ref5, ref10 = os.path.join(saved, "ref5.pt"), os.path.join(saved, "ref10.pt")
     two = [[0, 1], [2, 3]]
@@ -347,10 +348,13 @@ def test_four_ranks_recover_from_replicas_and_refuse_what_is_not_held(saved, tmp
         byte = f.read(1)
         f.seek(0)
         f.write(bytes([byte[0] ^ 0x40]))
-    scenarios.append(jobs.Scenario("corrupt", hosts, dict(zip("AB", corrupt, strict=True)), persistent, "corrupt"))
+    scenarios.append(
+        jobs.Scenario("corrupt", hosts, dict(zip("AB", corrupt, strict=True)), persistent, "persistent", ref5)
+    )
 
     dist_jobs.spawn(jobs.scenarios_job, 4, scenarios)
     assert os.listdir(lost[1]) == [], "the recovery directory of the new host B is removed"
+    assert not os.path.exists(replica) and os.path.exists(replica + ".quarantined"), "the corrupt replica moved aside"
 
 
 @pytest.mark.slow
@@ -437,3 +441,139 @@ def test_a_gated_read_waits_for_its_bytes_and_a_failed_exchange_releases_it(tmp_
     failed.end(ConnectionError("peer gone"))
     waiting.join(5)
     assert len(errors) == 1 and "exchange failed" in str(errors[0]) and "peer gone" in str(errors[0])
+
+
+# -- a corrupt or missing local copy ---------------------------------------------------------------
+
+
+def test_two_hosts_quarantine_a_corrupt_own_copy_and_take_the_replica_or_the_persistent_step(tmp_path):
+    """2 gloo ranks as 2 hosts, a flipped byte in host A's own data file: with B's
+    replica, step 10 exactly; without, persistent step 5; both ranks together, the
+    WARNING naming the real file, and a second start that does not trip on it."""
+    dist_jobs.spawn(jobs.corrupt_copy_job, 2, str(tmp_path))
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x08]))
+
+
+_TEMPLATE = {"w": torch.zeros(4, 6), "b": torch.zeros(5, dtype=torch.bfloat16), "step": 0}
+
+
+def _corrupt_local_step(tmp_path, which: str, *, persistent_step: int | None) -> tuple[bcp.CheckpointManager, str]:
+    """A manager (root with ``persistent_step`` saved, if any) whose local tier holds
+    step 12 with one flipped byte in its data file or its catalog. Returns the
+    manager and the corrupted file."""
+    persistent = str(tmp_path / "persistent")
+    if persistent_step is not None:
+        bcp.CheckpointManager(persistent, async_save=False).save(persistent_step, _state(float(persistent_step)))
+    tier = bcp.LocalTier(dir=str(tmp_path / "shm"), replicas=0, persist_every=None)
+    step_dir = _local_step(tmp_path, local_root(tier.dir, persistent), 12, 12.0)
+    manifest = jobs.manifest_of(step_dir)
+    entry = manifest.data_files[0] if which == "data" else manifest.catalog
+    bad = os.path.join(step_dir, entry.path)
+    _flip(bad, entry.nbytes // 2 if which == "catalog" else 3)  # byte 3: inside the first tensor's bytes
+    return bcp.CheckpointManager(persistent, async_save=False, tier=tier), bad
+
+
+@pytest.mark.parametrize("which", ["data", "catalog"])
+def test_a_corrupt_local_copy_is_quarantined_and_the_persistent_step_loads(tmp_path, caplog, which):
+    """A flipped byte in the host's own data file (or catalog), no other copy: the
+    persistent step loads exactly, a WARNING names the real file and where it was
+    moved, and a second start loads the same without tripping on it."""
+    manager, bad = _corrupt_local_step(tmp_path, which, persistent_step=9)
+    with caplog.at_level(logging.WARNING, logger="bcp"):
+        step, state = manager.load_latest(dict(_TEMPLATE))
+    assert step == 9
+    assert_same(dict(state), _state(9.0))
+    warned = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert f"{bad} on host" in warned and f"quarantined as {bad}.quarantined" in warned, warned
+    assert "loading persistent step 9 instead" in warned and RECOVERY_PREFIX not in warned, warned
+    assert not os.path.exists(bad) and os.path.exists(bad + ".quarantined")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="bcp"):
+        step, state = manager.load_latest(dict(_TEMPLATE))
+    assert step == 9 and state["step"] == 9
+    again = "\n".join(r.getMessage() for r in caplog.records)
+    assert "checksum" not in again and "quarantined" not in again and "1 newer local step lost" in again, again
+
+
+def test_a_corrupt_local_copy_with_nothing_else_raises_naming_the_quarantined_file(tmp_path):
+    manager, bad = _corrupt_local_step(tmp_path, "data", persistent_step=None)
+    with pytest.raises(bcp.CorruptCheckpointError) as raised:
+        manager.load_latest(dict(_TEMPLATE))
+    text = str(raised.value)
+    assert f"quarantined as {bad}.quarantined" in text and RECOVERY_PREFIX not in text, text
+    assert "checksum mismatch" in text and os.path.exists(bad + ".quarantined")
+
+
+def test_a_lost_local_tier_warns_how_many_steps_may_be_lost(tmp_path, caplog):
+    """Steps 1-6 saved with a local save every step and a drain every 4th; the whole
+    local tier gone: the persistent step 4 loads, with a WARNING that up to 4 steps
+    (5-8) are lost. Local copies older than the persistent step: a WARNING too."""
+    import shutil
+
+    persistent = str(tmp_path / "persistent")
+    tier = bcp.LocalTier(dir=str(tmp_path / "shm"), replicas=0, persist_every=4)
+    with bcp.CheckpointManager(persistent, async_save=False, tier=tier) as manager:
+        for step in range(1, 7):
+            manager.save(step, _state(float(step)))
+    root = local_root(tier.dir, persistent)
+    assert {step_name(s) for s in (5, 6)} <= set(os.listdir(root))
+    shutil.rmtree(root)
+    manager = bcp.CheckpointManager(persistent, async_save=False, tier=tier)
+    with caplog.at_level(logging.WARNING, logger="bcp"):
+        step, state = manager.load_latest(dict(_TEMPLATE))
+    assert step == 4
+    assert_same(dict(state), _state(4.0))
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "local tier" in r.getMessage()]
+    assert any(
+        "none of the 1 hosts holds a local step" in m
+        and "loading persistent step 4 instead" in m
+        and "up to 4 steps lost" in m
+        for m in warned
+    ), warned
+    caplog.clear()
+    _local_step(tmp_path, root, 3, 3.0)  # only a step older than the persistent one survives
+    with caplog.at_level(logging.WARNING, logger="bcp"):
+        assert manager.load_latest(dict(_TEMPLATE))[0] == 4
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("lost its copies of step 4 and later" in m and "up to 4 steps lost" in m for m in warned), warned
+
+
+@given(st.integers(1, 5), st.one_of(st.none(), st.integers(1, 12)), st.integers(0, 40))
+def test_a_lost_local_tier_may_cost_the_local_saves_up_to_the_next_drain(every, drain, persistent):
+    """The bound a lost local tier's WARNING gives, against counting the steps: the
+    multiples of ``every`` after the persistent step, up to the next drain."""
+    from bcp.tiers.fallback import lost_after
+
+    text = lost_after(persistent, bcp.LocalTier(every=every, persist_every=drain), [])
+    if drain is None:
+        assert "not known" in text
+        return
+    following = next(s for s in range(persistent + 1, persistent + drain + 1) if s % drain == 0)
+    most = sum(1 for s in range(persistent + 1, following + 1) if s % every == 0)
+    assert f"up to {most} step" in text and f"next drain at step {following})" in text, text
+    assert "lost" in lost_after(persistent, None, []) and "steps 7, 9" in lost_after(persistent, None, [7, 9])
+
+
+def test_corrupt_bytes_no_host_can_blame_fall_back_to_the_persistent_step(tmp_path, caplog, monkeypatch):
+    """When every copy passes its host's check (bytes damaged between hosts; here the
+    check is made to pass), nothing is quarantined and the persistent step loads,
+    with a WARNING saying so; without a persistent step, the error says so too."""
+    import bcp.tiers.recovery_dir as recovery_dir
+
+    monkeypatch.setattr(recovery_dir, "verify", lambda *args: None)
+    manager, bad = _corrupt_local_step(tmp_path, "data", persistent_step=9)
+    with caplog.at_level(logging.WARNING, logger="bcp"):
+        step, state = manager.load_latest(dict(_TEMPLATE))
+    assert step == 9 and state["step"] == 9 and os.path.exists(bad)
+    warned = "\n".join(r.getMessage() for r in caplog.records)
+    assert "passed its check" in warned and "loading persistent step 9 instead" in warned, warned
+    alone, _bad = _corrupt_local_step(tmp_path / "alone", "data", persistent_step=None)
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"passed its check.*no step to load instead"):
+        alone.load_latest(dict(_TEMPLATE))

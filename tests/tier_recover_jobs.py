@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import shutil
@@ -23,7 +24,7 @@ import bcp
 from bcp.metadata import Manifest
 from bcp.metadata.layout import MANIFEST_KEY, step_name
 from bcp.tiers.holding import add_held
-from bcp.tiers.paths import HOLDING_NAME
+from bcp.tiers.paths import HOLDING_NAME, local_root
 from dist_jobs import assert_equal_to_reference, full_reference, restore, sharded_model, sharded_state, train
 
 _RANK = re.compile(r"rank(\d+)-\d+\.bin$")
@@ -132,7 +133,7 @@ class Scenario:
     #: local root of each host id
     roots: dict[str, str]
     persistent_root: str
-    #: "local", "persistent", or "corrupt" (the load must raise)
+    #: "local" or "persistent": the tier the step must come from
     expect: str
     ref: str = ""
     #: through CheckpointManager.load_latest (else recover_latest_with_info)
@@ -163,15 +164,6 @@ def _run(rank: int, world: int, sc: Scenario, root: str) -> None:
     # root is <dir>/bcp/<job> (bcp.tiers.paths.local_root): the tier finds it from its dir
     tier = bcp.LocalTier(dir=os.path.dirname(os.path.dirname(root)), persist_every=None)
     manager = bcp.CheckpointManager(sc.persistent_root, async_save=False, tier=tier)
-    if sc.expect == "corrupt":
-        try:
-            manager.load_latest(state)
-        except (bcp.CorruptCheckpointError, bcp.RankFailedError) as e:
-            text = str(e) + "".join(getattr(e, "__notes__", []))
-            assert "checksum mismatch" in text, text
-        else:
-            raise AssertionError("a corrupt fragment served by a peer was loaded silently")
-        return
     if sc.via_manager:
         step, loaded = manager.load_latest(state)
     else:
@@ -288,3 +280,84 @@ def uneven_recover(rank: int, world: int, hosts: tuple[str, ...], roots: dict[st
         assert info.bytes_received == reads > 0, (info.bytes_received, info.load)
     else:
         assert info.bytes_received == 0, "host A holds every file (its own and B's replica)"
+
+
+# -- a corrupt local copy: quarantined, then another copy or the persistent tier ---------------------
+
+
+def rows_state(rank: int, world: int, seed: int, *, empty: bool = False) -> dict:
+    """Rank ``rank``'s rows of an 8 x 8 tensor whose values depend on ``seed``, and the seed."""
+    full = torch.arange(64, dtype=torch.float32).reshape(8, 8) * seed + 1
+    rows = 8 // world
+    part = full[rank * rows : (rank + 1) * rows].clone()
+    shard = bcp.TensorShard(torch.zeros_like(part) if empty else part, (8, 8), (rank * rows, 0))
+    return {"w": shard, "step": -1 if empty else seed}
+
+
+class Records(logging.Handler):
+    """The WARNING records of bcp's loggers, while installed (``with Records() as r``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def text(self) -> str:
+        return "\n".join(r.getMessage() for r in self.records)
+
+    def __enter__(self) -> Records:
+        logging.getLogger("bcp").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("bcp").removeHandler(self)
+
+
+def corrupt_copy_job(rank: int, world: int, out: str) -> None:
+    """2 ranks, each its own host (A, B): persistent step 5, local step 10 laid out
+    with one replica and without, and one flipped byte in rank 0's own data file on
+    host A (inside its tensor). Both ranks load through ``load_latest`` together:
+    with the replica, step 10 exactly (rank 0's rows from B's copy); without, the
+    persistent step 5. Host A's WARNING names the real bad file, which is moved
+    aside; a second start loads the same step without tripping on it."""
+    host = "AB"[rank]
+    os.environ["BCP_HOST_ID"] = host
+    persistent = os.path.join(out, "persistent")
+    bcp.CheckpointManager(persistent, async_save=False).save(PERSISTENT_STEP, rows_state(rank, world, PERSISTENT_STEP))
+    saved = os.path.join(out, "x")
+    bcp.save(rows_state(rank, world, LOCAL_STEP), saved)
+    manifest = manifest_of(saved)
+    own = files_of_ranks(manifest, [0])[0]
+    for replicas, want in ((1, LOCAL_STEP), (0, PERSISTENT_STEP)):
+        dirs = {h: os.path.join(out, f"replicas{replicas}", h) for h in "AB"}
+        roots = [local_root(dirs[h], persistent) for h in "AB"]
+        bad = os.path.join(roots[0], step_name(LOCAL_STEP), own)
+        if rank == 0:
+            lay_out(saved, roots, [[0], [1]], replicas=replicas)
+            with open(bad, "r+b") as f:
+                data = f.read()
+                at = data.find(rows_state(0, world, LOCAL_STEP)["w"].local.numpy().tobytes())
+                assert at >= 0, "rank 0's rows are in its data file"
+                f.seek(at + 5)
+                f.write(bytes([data[at + 5] ^ 0x10]))
+        dist.barrier()
+        tier = bcp.LocalTier(dir=dirs[host], persist_every=None)
+        for start in ("first", "second"):
+            manager = bcp.CheckpointManager(persistent, async_save=False, tier=tier)
+            with Records() as records:
+                step, loaded = manager.load_latest(rows_state(rank, world, 0, empty=True))
+            where = f"replicas={replicas}, {start} start, rank {rank}"
+            assert step == want, f"{where}: loaded step {step}, expected {want}"
+            expected = rows_state(rank, world, want)
+            assert torch.equal(loaded["w"].local, expected["w"].local), f"{where}: wrong values"
+            assert loaded["step"] == want, where
+            text = records.text()
+            if start == "first" and rank == 0:  # host A's first rank, and the coordinator
+                assert bad in text and f"quarantined as {bad}.quarantined" in text, f"{where}: {text}"
+                assert "recover-" not in text, f"{where}: a message names the removed recovery directory: {text}"
+            if start == "second":
+                assert "quarantined" not in text and "checksum" not in text, f"{where}: tripped again: {text}"
+            dist.barrier()
+        assert not os.path.exists(bad) and os.path.exists(bad + ".quarantined"), where

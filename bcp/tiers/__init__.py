@@ -8,7 +8,10 @@ the manager drives the rest (:class:`bcp.tiers.tier.Tier`). Modules, one job eac
 ``local_save`` (after a local commit: metadata to every host, own share recorded),
 ``replicate`` (shares to replica hosts), ``retention`` (local steps kept per host),
 ``drain`` (a local step copied to persistent storage), ``inventory`` (what each
-host holds, the choice of step) and ``recover`` (fetching from peers and loading).
+host holds, the choice of step), ``recover`` (fetching from peers and loading),
+``recovery_dir`` (its directory, the check of a host's copy and quarantine),
+``exchange`` (the transfers between hosts) and ``fallback`` (what recovery loads
+instead, and says, when the local tier holds less than expected).
 """
 
 from .config import LocalTier

@@ -9,7 +9,8 @@ a tier is configured), at whatever world size the job restarted with:
    entirely (:func:`~bcp.tiers.inventory.choose_local`) and compares it with the
    persistent tier's newest committed step; the newer wins, a tie goes to the local
    one. Persistent (or nothing anywhere): :func:`recover_latest` returns None and the
-   caller loads from persistent storage as before.
+   caller loads from persistent storage as before, with a WARNING when the local tier
+   lost steps (:mod:`bcp.tiers.fallback`).
 3. **Metadata.** The first rank of a host holding the chosen copy sends the manifest
    and catalog bytes to every rank.
 4. **Recovery directory.** Each host gets ``<local root>/recover-<nonce>/``: the
@@ -33,6 +34,11 @@ a tier is configured), at whatever world size the job restarted with:
    resharding, casting, placement and the CRC32C check of every byte read are bcp's
    own (ranks load from different directories with identical manifests; the
    coordinator reads the metadata from its own). The directory is removed after.
+7. **Corrupt copies.** A checksum or format error on any rank (every rank learns of
+   it in one ``all_gather``): each host checks the copies it served and quarantines
+   the bad ones (:func:`bcp.tiers.recovery_dir.check_copy`), and all ranks start
+   again from 1, without them: another host's copy, an older local step, or the
+   persistent tier.
 
 With ``load_options.trace`` (or ``BCP_TRACE_DIR``) a recovery is traced as an operation
 of kind "recover" (docs/observability.md): spans ``inventory`` (steps 1-2),
@@ -45,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import secrets
 import shutil
 import threading
 import time
@@ -59,8 +64,7 @@ from bcp.metadata.layout import MANIFEST_KEY, step_name
 
 from .. import trace
 from ..collectives import Coordinator, GroupCoordinator, decide, portable, run_phase
-from ..errors import CorruptCheckpointError
-from ..housekeeping import committed_steps
+from ..errors import CorruptCheckpointError, FormatError, RankFailedError
 from ..io_scheduler.read_plan import plan_tensor_reads
 from ..loader import LoadInfo, load_with_info, match_state
 from ..options import LoadOptions
@@ -68,10 +72,12 @@ from ..reader import CheckpointMetadata, fetch_catalog, fetch_manifest, open_rea
 from ..state import detach_stateful
 from ..target import resolve_backend
 from .arrival import Arrivals, GatedBackend
+from .config import LocalTier
 from .exchange import CHUNK_BYTES, ROUND_BYTES, Exchange, merge_ranges
+from .fallback import PersistentNewest, choose, give_up
 from .hosts import HostMap
-from .inventory import LocalChoice, StepCopy, choose_local, list_local, local_wins
-from .recovery_dir import RECOVERY_PREFIX, prepare, remove_leftovers
+from .inventory import LocalChoice, StepCopy, list_local
+from .recovery_dir import RECOVERY_PREFIX, BadCopy, check_copy, prepare, remove_leftovers
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +114,16 @@ def recover_latest(
     coord: Coordinator,
     load_options: LoadOptions | None = None,
     exchange_coord: Coordinator | None = None,
+    config: LocalTier | None = None,
 ) -> tuple[int | None, Any] | None:
     """(all ranks) Load the newest step the local tier holds entirely into ``state``,
     if it is not older than the persistent tier's newest committed step (at
     ``persistent_root``, read with ``load_options.storage_options``). Returns
     ``(step, loaded state)``, or None: the caller loads from persistent storage.
     ``exchange_coord``: a coordinator of the same ranks on a gloo group nothing else
-    uses meanwhile; with it the exchange runs while the ranks load (``arrival.py``)."""
+    uses meanwhile; with it the exchange runs while the ranks load (``arrival.py``).
+    ``config``: the tier's configuration, for how many steps a lost local tier may
+    have cost (its WARNING); without it that number is not known."""
     info = recover_latest_with_info(
         state,
         local_root=local_root,
@@ -122,6 +131,7 @@ def recover_latest(
         coord=coord,
         load_options=load_options,
         exchange_coord=exchange_coord,
+        config=config,
     )
     return None if info is None else (info.step, info.state)
 
@@ -136,6 +146,7 @@ def recover_latest_with_info(
     round_bytes: int = ROUND_BYTES,
     chunk_bytes: int = CHUNK_BYTES,
     exchange_coord: Coordinator | None = None,
+    config: LocalTier | None = None,
 ) -> RecoveryInfo | None:
     """:func:`recover_latest`, returning a :class:`RecoveryInfo` (None: use the
     persistent tier). ``round_bytes`` and ``chunk_bytes`` bound the exchange's memory."""
@@ -143,7 +154,7 @@ def recover_latest_with_info(
     root = os.path.abspath(os.fspath(local_root))
     session = trace.begin(opts.trace, coord.rank, "recover")
     try:
-        info = _recover(state, root, persistent_root, coord, opts, round_bytes, chunk_bytes, exchange_coord)
+        info = _recover(state, root, persistent_root, coord, opts, round_bytes, chunk_bytes, exchange_coord, config)
     except BaseException:
         if session is not None:
             session.end(failed=True)
@@ -167,21 +178,137 @@ def _recover(
     round_bytes: int,
     chunk_bytes: int,
     exchange_coord: Coordinator | None,
+    config: LocalTier | None,
 ) -> RecoveryInfo | None:
-    """:func:`recover_latest_with_info`'s steps, each a span when traced."""
+    """:func:`recover_latest_with_info`'s steps, each a span when traced. A recovery
+    that fails on corrupt bytes (a checksum or format error, on any rank) is tried
+    again, on every rank, once each host has checked the copies it served and
+    quarantined the bad ones (:func:`~bcp.tiers.recovery_dir.check_copy`): from other
+    hosts' copies, an older local step, or the persistent tier."""
     started = time.perf_counter()
-    with trace.span("inventory"):
-        # the coordinator lists the persistent root (round trips to a store) while the
-        # hosts list their local roots
-        persistent = _PersistentNewest(persistent_root, opts.storage_options) if coord.is_coordinator else None
-        hosts = HostMap.gather(coord)
-        first = hosts.is_first(coord.rank)
-        listing: list[StepCopy] | None = _list_host(local_root) if first else None
-        gathered = coord.gather(listing if first else None)
-        plan = decide(coord, "choosing the step to recover", _choose, gathered, hosts, persistent)
-    if plan is None:
+    # the coordinator lists the persistent root (round trips to a store) while the
+    # hosts list their local roots
+    persistent = PersistentNewest(persistent_root, opts.storage_options) if coord.is_coordinator else None
+    hosts = HostMap.gather(coord)
+    first = hosts.is_first(coord.rank)
+    damaged: list[BadCopy] = []  # the copies quarantined so far (the same list on every rank)
+    reason: str | None = None  # what the first failed attempt read
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        with trace.span("inventory"):
+            listing: list[StepCopy] | None = _list_host(local_root) if first else None
+            gathered = coord.gather(listing if first else None)
+            plan = decide(
+                coord,
+                "choosing the step to recover",
+                choose,
+                gathered,
+                hosts,
+                persistent,
+                config,
+                tuple(damaged),
+                reason,
+            )
+        if plan is None:
+            return None
+        choice, nonce = plan
+        try:
+            info: RecoveryInfo | None = _attempt(
+                state, local_root, coord, opts, round_bytes, chunk_bytes, exchange_coord, hosts, choice, nonce, started
+            )
+            error: BaseException | None = None
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below; raised unless it is damage
+            info, error = None, e
+        step_dir = os.path.join(local_root, step_name(choice.step))
+        recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
+        try:
+            reports = coord.all_gather(_damage_of(error, recovery_dir, choice.step))
+        except Exception:
+            if error is not None:  # a peer gone: its own error says more than the gather's
+                raise error from None
+            raise
+        damage = [d for d in reports if d is not None]
+        if not damage:
+            coord.check(error, "recovering from the local tier")
+            if error is not None:
+                raise error
+            assert info is not None
+            return info
+        # some rank read corrupt bytes: every host checks the copies it served, then all retry
+        paths: set[str] | None = set()
+        for path, _reason in damage:
+            if path is None or paths is None:
+                paths = None
+            else:
+                paths.add(path)
+        mine = hosts.host_of(coord.rank)
+        held = [i for i, holders in enumerate(choice.holders) if mine in holders]
+        bad = check_copy(step_dir, choice.save_id, held, paths, hosts.hosts[mine]) if first else []
+        found = [b for per_rank in coord.all_gather(bad) for b in per_rank]
+        damaged.extend(found)
+        reason = reason or damage[0][1]
+        if not found or attempt == MAX_ATTEMPTS:
+            # nothing to blame (or no end to it): the persistent tier, if it has a step
+            decide(
+                coord,
+                "giving up on the local tier",
+                give_up,
+                persistent,
+                config,
+                choice.step,
+                damage[0][1],
+                bool(found),
+                tuple(damaged),
+            )
+            return None
+        if coord.is_coordinator:
+            log.warning(
+                "local tier: recovering step %d failed (%s); %d corrupt local cop%s quarantined: %s; trying again "
+                "without %s",
+                choice.step,
+                damage[0][1],
+                len(found),
+                "y" if len(found) == 1 else "ies",
+                "; ".join(b.describe() for b in found),
+                "it" if len(found) == 1 else "them",
+            )
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+#: Recoveries tried, each after quarantining what the one before found corrupt.
+MAX_ATTEMPTS = 4
+
+
+def _damage_of(error: BaseException | None, recovery_dir: str, step: int) -> tuple[str | None, str] | None:
+    """(file the error names or None, its message) when ``error`` is corrupt bytes of a
+    local copy (a checksum or format error, on this rank or, through RankFailedError,
+    another); None otherwise. The message no longer names the recovery directory: it
+    is gone by now."""
+    if isinstance(error, RankFailedError):
+        inner = [e for e in error.errors.values() if isinstance(e, (CorruptCheckpointError, FormatError))]
+        if not inner:
+            return None
+        error = inner[0]
+    if not isinstance(error, (CorruptCheckpointError, FormatError)):
         return None
-    choice, nonce = plan
+    text = str(error).replace(recovery_dir, f"local step {step}")
+    return getattr(error, "file", None), text
+
+
+def _attempt(
+    state: Any,
+    local_root: str,
+    coord: Coordinator,
+    opts: LoadOptions,
+    round_bytes: int,
+    chunk_bytes: int,
+    exchange_coord: Coordinator | None,
+    hosts: HostMap,
+    choice: LocalChoice,
+    nonce: str,
+    started: float,
+) -> RecoveryInfo:
+    """One recovery of the chosen step: metadata, recovery directory, exchange, load."""
+    first = hosts.is_first(coord.rank)
     step_dir = os.path.join(local_root, step_name(choice.step))
     source = hosts.ranks[choice.source][0]
     with trace.span("metadata"):
@@ -308,68 +435,6 @@ def _list_host(root: str) -> list[StepCopy] | None:
     except Exception as e:  # noqa: BLE001 - this host then holds nothing; the others may hold all
         log.warning("local tier: cannot list %s: %s", root, e)
         return None
-
-
-class _PersistentNewest:
-    """(coordinator) The persistent root's newest committed step, listed in a thread of
-    its own from construction; :meth:`result` waits for it (None: no step, no root, or
-    a listing that failed, with a WARNING: the local tier may still do, and the
-    fallback reports the failure again)."""
-
-    def __init__(self, root: str | None, storage_options: Mapping[str, Any] | None) -> None:
-        self.root = root
-        self.storage_options = storage_options
-        self._step: int | None = None
-        self._thread = threading.Thread(target=self._list, name="bcp-recover-list", daemon=True)
-        if root is not None:
-            self._thread.start()
-
-    def _list(self) -> None:
-        assert self.root is not None
-        try:
-            steps = committed_steps(resolve_backend(self.root, self.storage_options))
-            self._step = steps[-1] if steps else None
-        except Exception as e:  # noqa: BLE001 - reported here, never raised
-            log.warning("local tier: cannot list the persistent root %s: %s", self.root, e)
-
-    def result(self) -> int | None:
-        if self.root is not None:
-            self._thread.join()
-        return self._step
-
-
-def _choose(
-    gathered: list[Any] | None, hosts: HostMap, newest: _PersistentNewest | None
-) -> tuple[LocalChoice, str] | None:
-    """(coordinator) The local step to recover and a fresh directory name, or None."""
-    assert gathered is not None and newest is not None
-    listings = [gathered[ranks[0]] for ranks in hosts.ranks]
-    choice = choose_local(listings)
-    persistent = newest.result()
-    if choice is None:
-        if any(listings):
-            log.warning(
-                "local tier: no local step is held entirely by the %d surviving hosts; loading from the "
-                "persistent tier (newest step %s)",
-                len(listings),
-                persistent,
-            )
-        return None
-    if not local_wins(choice.step, persistent):
-        log.info(
-            "local tier: persistent step %s is newer than local step %d; loading from the persistent tier",
-            persistent,
-            choice.step,
-        )
-        return None
-    log.info(
-        "local tier: recovering step %d (save %s) from %d hosts (persistent tier's newest: %s)",
-        choice.step,
-        choice.save_id,
-        len({h for holders in choice.holders for h in holders}),
-        persistent,
-    )
-    return choice, secrets.token_hex(8)
 
 
 def _from_rank(coord: Coordinator, src: int, phase: str, fn: Callable[..., Any], *args: Any) -> Any:

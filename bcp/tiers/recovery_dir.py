@@ -5,20 +5,32 @@ hard link to each data file the host holds whole, and a sparse file of the
 manifest's size for each other one (ranks of one host share it); the exchange fills
 the holes, and an ordinary ``bcp.load`` reads from it. A recovery removes it after;
 one a killed recovery left is removed by the next listing (:func:`remove_leftovers`).
+
+When a recovery fails on a checksum or format error, each host checks its own copies
+of the files involved against the manifest (:func:`check_copy`) and moves a bad one
+aside (:func:`quarantine`): renamed to ``<name>.quarantined`` in its step directory,
+a name no listing counts, so the next recovery (and the next start) uses another
+host's copy or the persistent tier instead; it goes with its step directory
+(local retention, or the next save of that step number).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
 import secrets
 import shutil
+from collections.abc import Collection
 
-from bcp.metadata import Manifest
+from bcp.metadata import Catalog, FormatError, Manifest
 from bcp.metadata.layout import MANIFEST_KEY
 
-from ..reader import CheckpointMetadata
+from ..errors import CorruptCheckpointError
+from ..reader import CheckpointMetadata, fetch_catalog, fetch_manifest
+from ..target import resolve_backend
+from .holding import file_spans, verify
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +38,25 @@ log = logging.getLogger(__name__)
 RECOVERY_PREFIX = "recover-"
 #: open(2) flag refusing a symbolic link as the last path component (0 where there is none)
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: A local copy found corrupt is renamed to its name plus this (never counted as held).
+QUARANTINE_SUFFIX = ".quarantined"
+
+
+@dataclasses.dataclass(frozen=True)
+class BadCopy:
+    """One host's copy of a file of a local step that failed its check."""
+
+    host: str
+    #: the file's path on that host, as it was named
+    path: str
+    #: why it is bad
+    reason: str
+    #: where it is now (``path`` + QUARANTINE_SUFFIX), or None when it could not be moved
+    moved_to: str | None
+
+    def describe(self) -> str:
+        where = f"quarantined as {self.moved_to}" if self.moved_to else "could not be moved aside"
+        return f"{self.path} on host {self.host} ({self.reason}; {where})"
 
 
 def remove_leftovers(root: str) -> None:
@@ -92,3 +123,66 @@ def _write_replace(path: str, data: bytes) -> None:
     with open(partial, "wb") as f:
         f.write(data)
     os.replace(partial, path)
+
+
+def check_copy(
+    step_dir: str, save_id: str, held: Collection[int], paths: Collection[str] | None, host: str
+) -> list[BadCopy]:
+    """(a host's first rank) Check this host's copy of the local step at ``step_dir``
+    after a recovery from it failed on corrupt bytes: the catalog, and the data files
+    it served (``held``, indices into the manifest's ``data_files``) among ``paths``
+    (the files the errors named; None: every one), each against the manifest's size
+    and digest. Each bad one is quarantined. Never raises: a copy that cannot be
+    checked is left as it is (the caller then blames no one)."""
+    try:
+        backend = resolve_backend(step_dir)
+        _bytes, manifest = fetch_manifest(backend)
+    except Exception as e:  # noqa: BLE001 - the manifest was fine at the listing; report, blame nothing
+        log.warning("local tier: cannot check %s after a failed recovery: %s", step_dir, e)
+        return []
+    if manifest.save_id != save_id:
+        return []
+    out: list[BadCopy] = []
+    try:
+        catalog = fetch_catalog(backend, manifest)
+    except (CorruptCheckpointError, FormatError) as e:
+        out.append(quarantine(os.path.join(step_dir, *manifest.catalog.path.split("/")), str(e), host))
+        return out
+    except OSError as e:
+        log.warning("local tier: cannot read the catalog of %s: %s", step_dir, e)
+        return out
+    wanted = [
+        i
+        for i in sorted(held)
+        if 0 <= i < len(manifest.data_files) and (paths is None or manifest.data_files[i].path in paths)
+    ]
+    if not wanted:
+        return out
+    try:
+        spans = file_spans(
+            Catalog.from_arrow(catalog, where=step_dir, checksum_block_bytes=manifest.checksum_block_bytes)
+        )
+    except Exception as e:  # noqa: BLE001 - a catalog matching the manifest's CRC: a bug, not damage
+        log.warning("local tier: cannot read the catalog of %s: %s", step_dir, e)
+        return out
+    for i in wanted:
+        entry = manifest.data_files[i]
+        path = os.path.join(step_dir, *entry.path.split("/"))
+        problem = verify(path, entry, spans, manifest.checksum_block_bytes)
+        if problem is not None:
+            out.append(quarantine(path, problem, host))
+    return out
+
+
+def quarantine(path: str, reason: str, host: str) -> BadCopy:
+    """Move the corrupt local file ``path`` aside (renamed in place; see the module's
+    docstring), with a WARNING naming it."""
+    moved: str | None = path + QUARANTINE_SUFFIX
+    try:
+        os.replace(path, moved)  # type: ignore[arg-type]
+    except OSError as e:
+        log.warning("local tier: cannot move the corrupt %s aside: %s", path, e)
+        moved = None
+    bad = BadCopy(host, path, reason, moved)
+    log.warning("local tier: corrupt local copy: %s; recovery goes on without it", bad.describe())
+    return bad
