@@ -42,7 +42,13 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
 from ..errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
 from ..state import KeyPath, PathElem, fqn_of
@@ -198,7 +204,36 @@ def parse_metadata(stream: io.BufferedIOBase, *, where: str, allow_pickle: bool 
         raise FormatError(f"{where}: holds a {type(metadata).__name__}, not DCP Metadata")
     if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise FormatError(f"{where}: DCP Metadata without a state_dict_metadata mapping")
+    for fqn, meta in metadata.state_dict_metadata.items():
+        _check_entry(fqn, meta, where)
     return metadata
+
+
+def _shape(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) <= 64 and all(type(d) is int and d >= 0 for d in value)
+
+
+def _check_entry(fqn: Any, meta: Any, where: str) -> None:
+    """FormatError naming ``where`` and ``fqn`` unless ``meta`` is a DCP entry with the
+    fields DCP and bcp read: a crafted pickle can build a dataclass without them."""
+    if type(fqn) is not str:
+        raise FormatError(f"{where}: DCP metadata has the key {reprlib.repr(fqn)}, not a string")
+    if isinstance(meta, BytesStorageMetadata):
+        return
+    if not isinstance(meta, TensorStorageMetadata):
+        raise FormatError(f"{where}: DCP metadata for {fqn!r} is a {type(meta).__name__}, not a tensor or bytes entry")
+    tensor_nbytes(fqn, meta, where=where)
+    chunks = getattr(meta, "chunks", None)
+    size = meta.size
+    if not isinstance(chunks, list) or not all(
+        isinstance(c, ChunkStorageMetadata)
+        and _shape(getattr(c, "offsets", None))
+        and _shape(getattr(c, "sizes", None))
+        and len(c.offsets) == len(c.sizes) == len(size)
+        and all(o + n <= d for o, n, d in zip(c.offsets, c.sizes, size, strict=True))
+        for c in chunks
+    ):
+        raise FormatError(f"{where}: DCP metadata for {fqn!r} has chunks that do not lie inside its size {tuple(size)}")
 
 
 def _plain_name(name: Any) -> bool:
@@ -211,11 +246,12 @@ def _plain_name(name: Any) -> bool:
 def tensor_nbytes(fqn: str, meta: TensorStorageMetadata, *, where: str) -> int:
     """The bytes of the tensor ``meta`` declares; FormatError naming ``where`` and
     ``fqn`` for a size that is not non-negative ints or a dtype that is not one."""
-    size, dtype = meta.size, getattr(meta.properties, "dtype", None)
-    if not isinstance(size, tuple) or not all(type(d) is int and d >= 0 for d in size) or len(size) > 64:
+    size, dtype = getattr(meta, "size", None), getattr(getattr(meta, "properties", None), "dtype", None)
+    if not _shape(size):
         raise FormatError(f"{where}: DCP metadata gives {fqn!r} the size {reprlib.repr(size)}, not a tensor shape")
     if not isinstance(dtype, torch.dtype):
         raise FormatError(f"{where}: DCP metadata gives {fqn!r} the dtype {reprlib.repr(dtype)}, not a torch dtype")
+    assert isinstance(size, tuple)  # _shape
     return math.prod(size) * dtype.itemsize
 
 
@@ -309,8 +345,11 @@ class SafeBytesPlanner(DefaultLoadPlanner):
         try:
             self.loaded[fqn] = torch.load(value, map_location="cpu", weights_only=not self.allow_pickle)
         except pickle.UnpicklingError as e:
-            lines = str(e).splitlines()
+            lines = str(e).splitlines() or [type(e).__name__]
             self.refused[fqn] = next((line.strip() for line in lines if "Unsupported global" in line), lines[0])
+        except Exception as e:  # truncated or not torch.save's bytes at all: EOFError, RuntimeError, ...
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise FormatError(f"DCP entry {fqn!r}: not readable torch.save bytes: {type(e).__name__}: {first}") from e
 
 
 # -- nesting -----------------------------------------------------------------------------------------
