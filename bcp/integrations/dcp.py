@@ -268,7 +268,7 @@ class BcpStorageReader(StorageReader):
     # No **kwargs: DCP's load falls back to per-rank metadata (read_metadata(rank=r))
     # only for readers that take keyword arguments, and then reports both failures;
     # bcp writes no per-rank metadata, so the error of the one read is the whole story.
-    def read_metadata(self, *args: Any) -> Metadata:  # type: ignore[override]
+    def read_metadata(self, *args: Any) -> Metadata:
         where = self._where(METADATA_KEY)
         try:
             blob = self.backend.read(METADATA_KEY)
