@@ -401,6 +401,17 @@ def test_any_truncation_is_a_bcp_error_in_convert(saved, tmp_path, cut, metadata
     assert target.name in str(caught.value)
 
 
+@settings(max_examples=25)
+@given(mutation=mutations)
+def test_any_mutation_of_metadata_is_a_result_or_a_bcp_error_in_convert(saved, tmp_path, mutation):
+    path = copy_of(saved, tmp_path)
+    (path / METADATA_KEY).write_bytes(mutate((path / METADATA_KEY).read_bytes(), *mutation))
+    out = tmp_path / f"out-{len(list(tmp_path.iterdir()))}"
+    peak, raised = peak_bytes(lambda: from_dcp(str(path), str(out)))
+    assert raised is None or isinstance(raised, CheckpointError), f"{type(raised).__name__}: {raised}"
+    assert peak < 256 << 20, f"{peak:,} bytes converting a {(path / METADATA_KEY).stat().st_size:,}-byte .metadata"
+
+
 def test_declared_tensor_bytes_in_a_real_checkpoint_fit_their_storage(tmp_path):
     """The check from_dcp makes holds for what DCP writes (every dtype, empty tensors)."""
     state = {str(dt): torch.ones(3, 5, dtype=dt) for dt in (torch.float16, torch.bfloat16, torch.int8, torch.bool)}
