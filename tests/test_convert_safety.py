@@ -67,6 +67,33 @@ def test_a_dcp_metadata_that_runs_code_is_refused_by_the_cli(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_hostile_dcp_files_are_one_line_from_the_cli_naming_the_file(tmp_path):
+    """A truncated data file (a bare EOFError from DCP before issue 36) and a
+    34-byte .metadata asking for bytearray(3 GiB) (3.4 GiB of memory before the
+    error) are each one line naming the file, the second under a 3 GiB address-space limit."""
+    src = tmp_path / "dcp"
+    _dcp_checkpoint(src)
+    (data,) = src.glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:-64])
+    proc = cli("convert", str(src), str(tmp_path / "out"), "--to", "bcp")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert data.name in proc.stderr and "bytes" in proc.stderr and "EOFError" not in proc.stderr, proc.stderr
+
+    bomb = b"\x80\x04\x8c\x08builtins\x8c\tbytearray\x93\x8a\x05" + (3 << 30).to_bytes(5, "little") + b"\x85R."
+    (src / ".metadata").write_bytes(bomb)
+    limited = (
+        "import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+        "sys.argv = ['bcp', 'convert', sys.argv[1], sys.argv[2], '--to', 'bcp']; "
+        "runpy.run_module('bcp.cli', run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", limited, str(src), str(tmp_path / "out")], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert ".metadata" in proc.stderr and "bytearray" in proc.stderr and "MemoryError" not in proc.stderr, proc.stderr
+
+
 def test_code_hidden_inside_real_dcp_metadata_is_refused(tmp_path):
     """The payload sits deep inside an otherwise genuine Metadata (planner_data)."""
     from bcp.interop.dcp_metadata import read_metadata

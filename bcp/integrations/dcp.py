@@ -57,7 +57,7 @@ from ..errors import (
     CorruptCheckpointError,
     FormatError,
 )
-from ..interop.dcp_metadata import parse_metadata
+from ..interop.dcp_metadata import check_storage, parse_metadata
 from ..metadata.checksum import crc32c
 from .dcp_storage import (
     CHECKSUMS_FORMAT,
@@ -235,6 +235,7 @@ class BcpStorageReader(StorageReader):
         self.storage_options = storage_options
         self.storage_data: dict[Any, Any] = {}
         self.files: dict[str, FileEntry] = {}
+        self.sizes: dict[str, int] = {}  # data file -> its real size, from set_up_storage_reader
         self.load_id = str(uuid.uuid4())
         self._backend: Backend | None = None
         self.path = ""
@@ -256,7 +257,7 @@ class BcpStorageReader(StorageReader):
         return self.path
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self.storage_data, self.files = {}, {}
+        self.storage_data, self.files, self.sizes = {}, {}, {}
         if checkpoint_id:
             self._open(os.fspath(checkpoint_id))
         self.load_id = str(uuid.uuid4())
@@ -264,10 +265,11 @@ class BcpStorageReader(StorageReader):
     def _where(self, key: str) -> str:
         return join_uri(self.backend.uri, key)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    # No **kwargs: DCP's load falls back to per-rank metadata (read_metadata(rank=r))
+    # only for readers that take keyword arguments, and then reports both failures;
+    # bcp writes no per-rank metadata, so the error of the one read is the whole story.
+    def read_metadata(self, *args: Any) -> Metadata:
         where = self._where(METADATA_KEY)
-        if kwargs.get("rank") is not None:  # DCP's fallback to per-rank metadata, which no bcp save writes
-            raise CheckpointNotFoundError(f"{where}: BcpStorageWriter writes no per-rank metadata")
         try:
             blob = self.backend.read(METADATA_KEY)
         except ObjectNotFoundError as e:
@@ -300,8 +302,18 @@ class BcpStorageReader(StorageReader):
         return parse_checksums(raw, where)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if not isinstance(metadata.storage_data, dict):
-            raise FormatError(f"{self._where(METADATA_KEY)}: DCP metadata without storage_data")
+        """Every item's place checked against its file's real size (and, verifying,
+        that size against the sidecar's) before anything is allocated or read."""
+        self.sizes = check_storage(metadata, size_of=self.backend.size, where=self._where)
+        if self.verify:
+            for name, size in self.sizes.items():
+                entry = self.files.get(name)
+                if entry is None:
+                    raise CorruptCheckpointError(f"{self._where(name)}: not in {CHECKSUMS_KEY}", file=name)
+                if entry.size != size:
+                    raise CorruptCheckpointError(
+                        f"{self._where(name)}: {size} bytes, but {CHECKSUMS_KEY} records {entry.size}", file=name
+                    )
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -317,7 +329,18 @@ class BcpStorageReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(data))
                 continue
-            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            try:
+                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except Exception as e:  # not torch.save's bytes of a tensor
+                raise FormatError(
+                    f"{self._where(name)}: bytes {offset}..{offset + length} of {item.storage_index.fqn!r} are not a "
+                    f"saved tensor: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                ) from e
+            if not isinstance(tensor, torch.Tensor):
+                raise FormatError(
+                    f"{self._where(name)}: bytes {offset}..{offset + length} of {item.storage_index.fqn!r} hold a "
+                    f"{type(tensor).__name__}, not a tensor"
+                )
             tensor = narrow(tensor, item.storage_offsets, item.lengths)
             target = planner.resolve_tensor(item).detach()
             if target.size() != tensor.size():
@@ -332,20 +355,41 @@ class BcpStorageReader(StorageReader):
         return future
 
     def _location(self, index: Any) -> tuple[str, int, int]:
-        info = self.storage_data[index]
+        info = self.storage_data.get(index)
+        if info is None:
+            raise FormatError(f"{self._where(METADATA_KEY)}: no storage_data for {index.fqn!r} at {index.offset}")
         if getattr(info, "transform_descriptors", None):
             raise FormatError(
                 f"{self._where(info.relative_path)}: {index.fqn!r} was written through DCP stream "
                 f"extensions {info.transform_descriptors}, which BcpStorageReader does not apply"
             )
-        return str(info.relative_path), int(info.offset), int(info.length)
+        return info.relative_path, info.offset, info.length  # types checked by check_storage
+
+    def _read_exact(self, name: str, offset: int, buffer: memoryview) -> None:
+        try:
+            self.backend.read_exact(name, offset, buffer)
+        except EOFError as e:  # it shrank since set_up_storage_reader measured it
+            raise CorruptCheckpointError(
+                f"{self._where(name)}: ended before byte {offset + len(buffer)} (reading {len(buffer)} bytes "
+                f"from offset {offset}): the file is truncated",
+                file=name,
+                offset=offset,
+            ) from e
 
     def _read(self, name: str, offset: int, length: int) -> bytes | memoryview:
         """``length`` bytes of ``name`` from ``offset``, each checked against the
-        segment checksums that cover it (verify) or as stored."""
+        segment checksums that cover it (verify) or as stored; within the file's real
+        size (checked in set_up_storage_reader), so never allocated past it."""
+        size = self.sizes.get(name)
+        if size is None or offset + length > size:  # a plan set_up_storage_reader did not see
+            raise CorruptCheckpointError(
+                f"{self._where(name)}: bytes {offset}..{offset + length} are past its end ({size} bytes)",
+                file=name,
+                offset=offset,
+            )
         if not self.verify:
             buffer = bytearray(length)
-            self.backend.read_exact(name, offset, memoryview(buffer))
+            self._read_exact(name, offset, memoryview(buffer))
             return memoryview(buffer)
         entry = self.files.get(name)
         if entry is None:
@@ -366,9 +410,9 @@ class BcpStorageReader(StorageReader):
             )
         start = entry.segments[first][0]
         end = sum(entry.segments[last][:2])
-        buffer = bytearray(end - start)
+        buffer = bytearray(end - start)  # segments lie inside entry.size, the file's real size
         view = memoryview(buffer)
-        self.backend.read_exact(name, start, view)
+        self._read_exact(name, start, view)
         for seg_offset, seg_length, expected in entry.segments[first : last + 1]:
             got = crc32c(view[seg_offset - start : seg_offset - start + seg_length])
             if got != expected:

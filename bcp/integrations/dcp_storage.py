@@ -10,6 +10,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import threading
 from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -220,18 +221,98 @@ class FileEntry:
     segments: list[tuple[int, int, int]]
 
 
+#: The sidecar nests four deep (document, files, file, segments, segment); deeper is refused.
+MAX_CHECKSUMS_DEPTH = 8
+_U32 = 1 << 32
+
+
+class _Invalid(ValueError):
+    """A field of the sidecar that breaks its schema (becomes a FormatError)."""
+
+
+def _refuse_float(text: str) -> Any:
+    raise _Invalid(f"the number {text[:40]} is not an integer")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise _Invalid("an object repeats a key")
+    return out
+
+
+def _depth(raw: bytes) -> int:
+    """How deep the JSON's arrays and objects nest, counted without parsing (so a
+    million ``[`` cannot exhaust the parser's recursion); brackets inside strings
+    are counted too, an upper bound."""
+    depth = deepest = 0
+    for m in _BRACKETS.finditer(raw):
+        depth += 1 if m.group() in (b"[", b"{") else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+_BRACKETS = re.compile(rb"[\[\]{}]")
+
+
+def _obj(value: Any, keys: set[str], field: str) -> dict[str, Any]:
+    if type(value) is not dict or set(value) != keys:
+        got = sorted(value) if type(value) is dict else type(value).__name__
+        raise _Invalid(f"{field} must be an object with the keys {sorted(keys)}, not {got}")
+    return value
+
+
+def _int(value: Any, field: str, *, below: int | None = None) -> int:
+    if type(value) is not int or value < 0 or (below is not None and value >= below):
+        bound = f" below {below}" if below is not None else ""
+        raise _Invalid(f"{field} must be a non-negative integer{bound}, not {value!r}"[:200])
+    return value
+
+
 def parse_checksums(raw: bytes, where: str) -> tuple[tuple[int, int], dict[str, FileEntry]]:
-    """((size, crc32c) of ``.metadata``, name -> FileEntry) from the sidecar's JSON;
-    FormatError naming ``where`` and the field for anything else."""
+    """((size, crc32c) of ``.metadata``, name -> FileEntry) from the sidecar's JSON,
+    held to the schema :class:`~bcp.integrations.dcp.BcpStorageWriter` writes: exactly
+    its keys, integers that are ints (not floats, bools or strings), CRC32Cs below
+    2**32, segments sorted, apart and inside their file, nesting at most
+    :data:`MAX_CHECKSUMS_DEPTH`. FormatError naming ``where`` and the field otherwise."""
     try:
-        doc = json.loads(raw)
-        if doc.get("format") != CHECKSUMS_FORMAT or doc.get("version") != CHECKSUMS_VERSION:
-            raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
-        meta = (int(doc["metadata"]["size"]), int(doc["metadata"]["crc32c"]))
+        if _depth(raw) > MAX_CHECKSUMS_DEPTH:
+            raise _Invalid(f"nests deeper than {MAX_CHECKSUMS_DEPTH}")
+        doc = json.loads(
+            raw.decode("utf-8"),
+            parse_float=_refuse_float,
+            parse_constant=_refuse_float,
+            object_pairs_hook=_no_duplicates,
+        )
+        doc = _obj(doc, {"format", "version", "metadata", "files"}, "the document")
+        if doc["format"] != CHECKSUMS_FORMAT or type(doc["version"]) is not int or doc["version"] != CHECKSUMS_VERSION:
+            raise _Invalid(f"format {doc['format']!r} version {doc['version']!r}"[:200])
+        meta_doc = _obj(doc["metadata"], {"size", "crc32c"}, "metadata")
+        meta = (_int(meta_doc["size"], "metadata.size"), _int(meta_doc["crc32c"], "metadata.crc32c", below=_U32))
+        if type(doc["files"]) is not dict:
+            raise _Invalid(f"files must be an object, not {type(doc['files']).__name__}")
         files = {}
         for name, entry in doc["files"].items():
-            segments = sorted((int(o), int(n), int(c)) for o, n, c in entry["segments"])
-            files[str(name)] = FileEntry(int(entry["size"]), [s[0] for s in segments], segments)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise FormatError(f"{where}: not a bcp DCP checksum file: {type(e).__name__}: {e}") from e
+            field = f"files[{name!r}]"
+            entry = _obj(entry, {"size", "crc32c", "segments"}, field)
+            size = _int(entry["size"], f"{field}.size")
+            _int(entry["crc32c"], f"{field}.crc32c", below=_U32)
+            if type(entry["segments"]) is not list:
+                raise _Invalid(f"{field}.segments must be a list")
+            segments: list[tuple[int, int, int]] = []
+            for i, seg in enumerate(entry["segments"]):
+                if type(seg) is not list or len(seg) != 3:
+                    raise _Invalid(f"{field}.segments[{i}] must be [offset, length, crc32c]")
+                offset, length = _int(seg[0], f"{field}.segments[{i}]"), _int(seg[1], f"{field}.segments[{i}]")
+                crc = _int(seg[2], f"{field}.segments[{i}]", below=_U32)
+                end = segments[-1][0] + segments[-1][1] if segments else 0
+                if offset < end or offset + length > size:
+                    raise _Invalid(
+                        f"{field}.segments[{i}] covers bytes {offset}..{offset + length}: not after the one before "
+                        f"it and inside the file's {size} bytes"
+                    )
+                segments.append((offset, length, crc))
+            files[name] = FileEntry(size, [s[0] for s in segments], segments)
+    except (ValueError, RecursionError) as e:  # _Invalid, JSONDecodeError, UnicodeDecodeError
+        raise FormatError(f"{where}: not a bcp DCP checksum file: {e}") from e
     return meta, files

@@ -9,7 +9,10 @@
   non-tensor entries are pickles: without ``allow_pickle=True`` the metadata is
   unpickled with an allow-list of DCP's own types (:mod:`bcp.interop.dcp_metadata`)
   and the entries with ``weights_only=True``; an entry that needs more is skipped
-  (and named).
+  (and named). Every item's offset and length, and every tensor's declared size, are
+  checked against the data files' real sizes first
+  (:func:`bcp.interop.dcp_metadata.check_storage`): a truncated file is a
+  :class:`~bcp.errors.CorruptCheckpointError` naming it and the offset.
 
 DCP's own failures (``CheckpointException``, a ``BaseException``) are raised as a
 one-line :class:`~bcp.errors.ConversionError` (:func:`conversion_error`). This module
@@ -206,11 +209,17 @@ def from_dcp(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .dcp_metadata import DCPReader, SafeBytesPlanner, key_paths, read_metadata
+    from .dcp_metadata import DCPReader, SafeBytesPlanner, check_storage, key_paths, read_metadata
 
     metadata = read_metadata(src, allow_pickle=allow_pickle)
     paths = key_paths(metadata, where=os.path.join(src, DCP_METADATA_FILE))
     _check_nesting(paths, where=src)  # from .metadata alone: a bad one fails before anything is loaded
+    # every offset and declared size against the files' real sizes, before any allocation
+    check_storage(
+        metadata,
+        size_of=lambda name: os.path.getsize(os.path.join(src, name)),
+        where=lambda name: os.path.join(src, name),
+    )
     reader = DCPReader(src, metadata)
     planner = SafeBytesPlanner(allow_pickle=allow_pickle)
     scratch = tempfile.mkdtemp(prefix="bcp-convert-", dir=scratch_dir)

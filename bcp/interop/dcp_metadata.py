@@ -19,6 +19,12 @@ Non-tensor values in the data files are ``torch.save``\\ d pickles too:
 :class:`SafeBytesPlanner` loads them with ``weights_only=True`` unless
 ``allow_pickle``, and reports the ones that need more.
 
+Memory is bounded by the bytes present: every length a pickle opcode declares is
+checked against the data before the unpickler allocates it (:func:`check_pickle`), and
+the allow-listed constructors that copy or size their argument (``bytearray(n)``,
+``set(list)``, ...) share a budget of the file's size (:class:`MetadataUnpickler`):
+DCP's own metadata never builds more than it spells out.
+
 Torch private names (``_StorageInfo``, ``_MEM_FORMAT_ENCODING``, ``_get_layout``) are
 only named here, as strings: they are what torch writes into the pickle.
 """
@@ -26,15 +32,25 @@ only named here, as strings: they are what torch writes into the pickle.
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
+import pickletools
+import reprlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
-from ..errors import FormatError, PickleNotAllowedError
+from ..errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
 from ..state import KeyPath, PathElem, fqn_of
 from .formats import DCP_METADATA_FILE
 
@@ -74,14 +90,50 @@ def is_allowed(module: str, name: str) -> bool:
     return module == "torch" and name.isidentifier() and isinstance(getattr(torch, name, None), torch.dtype)
 
 
+#: Allowed constructors whose result grows with their argument (a copy of a list, a
+#: zero-filled buffer of a given size): each call is charged to the unpickler's budget.
+SIZED_CONSTRUCTORS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+        *(("pathlib", p) for p in _PATHS),
+        *(("pathlib._local", p) for p in _PATHS),
+        *(("builtins", b) for b in ("set", "frozenset", "bytearray")),
+    }
+)
+
+
+def _units(value: Any) -> int:
+    """What a constructor may build from ``value``: its length (its value, for the
+    size ``bytearray(n)`` takes), at least 1."""
+    if type(value) is int:
+        return max(value, 1)
+    try:
+        return max(len(value), 1)
+    except TypeError:
+        return 1
+
+
+def _count(n: int) -> str:
+    return f"{n:,} bytes" if n != 1 else "1 byte"
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """An unpickler that resolves only :data:`ALLOWED_GLOBALS` (everything, when
-    ``allow_pickle``); ``path`` is named in the error."""
+    ``allow_pickle``); ``path`` is named in the error. With ``limit`` (the size of
+    the pickle), the :data:`SIZED_CONSTRUCTORS` together may build at most that many
+    bytes or items: a legitimate pickle spells out every item it passes them, so a
+    call that asks for more (``bytearray(3 GiB)`` from 34 bytes, one list copied a
+    thousand times) is a FormatError before anything is allocated."""
 
-    def __init__(self, file: io.BufferedIOBase, *, path: str, allow_pickle: bool = False) -> None:
+    def __init__(
+        self, file: io.BufferedIOBase, *, path: str, allow_pickle: bool = False, limit: int | None = None
+    ) -> None:
         super().__init__(file)
         self.path = path
         self.allow_pickle = allow_pickle
+        self.limit = limit
+        self.spent = 0
 
     def find_class(self, module: str, name: str) -> Any:
         if not self.allow_pickle and not is_allowed(module, name):
@@ -90,10 +142,137 @@ class MetadataUnpickler(pickle.Unpickler):
                 "metadata types; pass allow_pickle=True (bcp convert --allow-pickle) only if you trust "
                 "whoever wrote this checkpoint: unpickling can run any code"
             )
-        return super().find_class(module, name)
+        found = super().find_class(module, name)
+        if self.limit is not None and (module, name) in SIZED_CONSTRUCTORS:
+            return self._bounded(found, f"{module}.{name}")
+        return found
+
+    def _bounded(self, constructor: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            units = sum(_units(a) for a in args) + 1
+            assert self.limit is not None  # only wrapped with a limit
+            if self.spent + units > self.limit:
+                raise FormatError(
+                    f"{self.path}: the pickle calls {name} for {_count(units)} after {_count(self.spent)} of "
+                    f"such calls, more than its {_count(self.limit)} can describe: not DCP metadata"
+                )
+            self.spent += units
+            return constructor(*args)
+
+        return call
 
     def persistent_load(self, pid: Any) -> Any:
         raise FormatError(f"{self.path}: DCP metadata holds a persistent id, which DCP never writes")
+
+
+class _Value:
+    """A value on the simulated stack of :func:`check_pickle`: how many items were
+    put into it, and (for a tuple) what it holds."""
+
+    __slots__ = ("items", "parts")
+
+    def __init__(self, items: int = 0, parts: tuple[Any, ...] = ()) -> None:
+        self.items = items
+        self.parts = parts
+
+
+def _state_items(state: Any) -> int:
+    """The items BUILD copies from ``state`` (a dict, or a (dict, slots) pair)."""
+    if isinstance(state, _Value) and len(state.parts) == 2:
+        return sum(p.items for p in state.parts if isinstance(p, _Value)) + state.items
+    return state.items if isinstance(state, _Value) else 0
+
+
+_CONTAINERS = {"EMPTY_DICT", "EMPTY_LIST", "EMPTY_SET", "EMPTY_TUPLE"}
+_FROM_MARK = {"DICT", "LIST", "TUPLE", "FROZENSET"}
+_INTO = {"SETITEMS", "APPENDS", "ADDITEMS"}
+
+
+def check_pickle(data: bytes, *, where: str) -> None:
+    """FormatError naming ``where`` and the offset unless ``data`` is a sequence of
+    pickle opcodes ending in STOP whose declared lengths fit in the bytes there are
+    (the C unpickler allocates a declared length before it reads, so 14 bytes could
+    otherwise make it allocate gigabytes), and whose BUILDs together copy no more
+    items into objects than the pickle's size: a stack machine follows which values
+    are containers and how many items each got, so one memoized dict handed to BUILD
+    for every object (a quadratic copy) is refused. DCP's pickles build each object
+    from a state spelled out once."""
+    stream = io.BytesIO(data)
+    pos = 0  # where the opcode being read starts
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[Any, Any] = {}
+    copied = 0
+
+    def to_mark() -> list[Any]:
+        at = marks.pop()
+        items = stack[at:]
+        del stack[at:]
+        return items
+
+    try:
+        for opcode, arg, _at in pickletools.genops(stream):
+            name = opcode.name
+            if name == "MARK":
+                marks.append(len(stack))
+            elif name in _CONTAINERS:
+                stack.append(_Value())
+            elif name in _INTO:
+                added = len(to_mark())
+                if isinstance(stack[-1], _Value):
+                    stack[-1].items += added
+            elif name in ("SETITEM", "APPEND"):
+                del stack[-(2 if name == "SETITEM" else 1) :]
+                if isinstance(stack[-1], _Value):
+                    stack[-1].items += 1
+            elif name in _FROM_MARK:
+                items = to_mark()
+                stack.append(_Value(len(items), tuple(items) if name == "TUPLE" else ()))
+            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+                n = int(name[-1])
+                items = stack[-n:]
+                if len(items) != n:
+                    raise ValueError(f"{name} on a stack of {len(items)}")
+                del stack[-n:]
+                stack.append(_Value(n, tuple(items)))
+            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = stack[-1]
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1]
+            elif name in ("GET", "BINGET", "LONG_BINGET"):
+                stack.append(memo[arg])
+            elif name == "BUILD":
+                copied += _state_items(stack.pop())
+                if copied > len(data):
+                    raise ValueError(f"its BUILDs copy {copied:,} items into objects, more than its size spells out")
+                if not stack:
+                    raise ValueError("BUILD without an object to build")
+            elif name == "POP":
+                if marks and marks[-1] == len(stack):
+                    marks.pop()
+                else:
+                    stack.pop()
+            elif name == "POP_MARK":
+                to_mark()
+            elif name == "DUP":
+                stack.append(stack[-1])
+            elif name == "STOP":
+                break
+            else:  # everything else makes a new value from what it pops
+                before = opcode.stack_before
+                if pickletools.markobject in before:
+                    to_mark()
+                    count = before.index(pickletools.markobject)
+                else:
+                    count = len(before)
+                if count > len(stack):
+                    raise ValueError(f"{name} on a stack of {len(stack)}")
+                del stack[len(stack) - count :]
+                stack.extend(_Value() for _ in opcode.stack_after)
+            pos = stream.tell()
+    except Exception as e:  # ValueError for a truncated or unknown opcode, UnicodeDecodeError, ...
+        text = str(e) if not isinstance(e, (IndexError, KeyError)) else f"{type(e).__name__}: stack or memo misused"
+        raise FormatError(f"{where}: not a readable DCP metadata pickle (the opcode at byte {pos}): {text}") from e
 
 
 def read_metadata(checkpoint_dir: str, *, allow_pickle: bool = False) -> Metadata:
@@ -106,10 +285,13 @@ def read_metadata(checkpoint_dir: str, *, allow_pickle: bool = False) -> Metadat
 
 def parse_metadata(stream: io.BufferedIOBase, *, where: str, allow_pickle: bool = False) -> Metadata:
     """DCP ``Metadata`` from the pickled ``.metadata`` bytes in ``stream`` (from any
-    storage), unpickled by :class:`MetadataUnpickler`; anything else raises an error
-    naming ``where``."""
+    storage), unpickled by :class:`MetadataUnpickler` after :func:`check_pickle`, with
+    the stream's size as its budget; anything else raises an error naming ``where``."""
+    data = stream.read()
+    check_pickle(data, where=where)
     try:
-        metadata = MetadataUnpickler(stream, path=where, allow_pickle=allow_pickle).load()
+        unpickler = MetadataUnpickler(io.BytesIO(data), path=where, allow_pickle=allow_pickle, limit=len(data))
+        metadata = unpickler.load()
     except (PickleNotAllowedError, FormatError):
         raise
     except Exception as e:  # truncated, not a pickle, a constructor refusing its arguments, ...
@@ -118,7 +300,112 @@ def parse_metadata(stream: io.BufferedIOBase, *, where: str, allow_pickle: bool 
         raise FormatError(f"{where}: holds a {type(metadata).__name__}, not DCP Metadata")
     if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise FormatError(f"{where}: DCP Metadata without a state_dict_metadata mapping")
+    for fqn, meta in metadata.state_dict_metadata.items():
+        _check_entry(fqn, meta, where)
     return metadata
+
+
+def _shape(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) <= 64 and all(type(d) is int and d >= 0 for d in value)
+
+
+def _check_entry(fqn: Any, meta: Any, where: str) -> None:
+    """FormatError naming ``where`` and ``fqn`` unless ``meta`` is a DCP entry with the
+    fields DCP and bcp read: a crafted pickle can build a dataclass without them."""
+    if type(fqn) is not str:
+        raise FormatError(f"{where}: DCP metadata has the key {reprlib.repr(fqn)}, not a string")
+    if isinstance(meta, BytesStorageMetadata):
+        return
+    if not isinstance(meta, TensorStorageMetadata):
+        raise FormatError(f"{where}: DCP metadata for {fqn!r} is a {type(meta).__name__}, not a tensor or bytes entry")
+    tensor_nbytes(fqn, meta, where=where)
+    chunks = getattr(meta, "chunks", None)
+    size = meta.size
+    if not isinstance(chunks, list) or not all(
+        isinstance(c, ChunkStorageMetadata)
+        and _shape(getattr(c, "offsets", None))
+        and _shape(getattr(c, "sizes", None))
+        and len(c.offsets) == len(c.sizes) == len(size)
+        and all(o + n <= d for o, n, d in zip(c.offsets, c.sizes, size, strict=True))
+        for c in chunks
+    ):
+        raise FormatError(f"{where}: DCP metadata for {fqn!r} has chunks that do not lie inside its size {tuple(size)}")
+
+
+def _plain_name(name: Any) -> bool:
+    """Whether a data file's ``relative_path`` stays inside the checkpoint."""
+    if type(name) is not str or not name or "\x00" in name or "\\" in name or name.startswith("/"):
+        return False
+    return all(part not in ("", ".", "..") for part in name.split("/"))
+
+
+def tensor_nbytes(fqn: str, meta: TensorStorageMetadata, *, where: str) -> int:
+    """The bytes of the tensor ``meta`` declares; FormatError naming ``where`` and
+    ``fqn`` for a size that is not non-negative ints or a dtype that is not one."""
+    size, dtype = getattr(meta, "size", None), getattr(getattr(meta, "properties", None), "dtype", None)
+    if not _shape(size):
+        raise FormatError(f"{where}: DCP metadata gives {fqn!r} the size {reprlib.repr(size)}, not a tensor shape")
+    if not isinstance(dtype, torch.dtype):
+        raise FormatError(f"{where}: DCP metadata gives {fqn!r} the dtype {reprlib.repr(dtype)}, not a torch dtype")
+    assert isinstance(size, tuple)  # _shape
+    return math.prod(size) * dtype.itemsize
+
+
+def check_storage(metadata: Metadata, *, size_of: Callable[[str], int], where: Callable[[str], str]) -> dict[str, int]:
+    """The real size of every data file ``metadata`` names (``size_of(name)``), once
+    every item's ``offset``/``length`` was checked to lie inside its file and every
+    tensor's declared bytes against the bytes stored for it, before anything is
+    allocated or read. A name that leaves the checkpoint (``../x``) or a field of the
+    wrong type: FormatError; an item past the end of its file, a missing file or a
+    tensor larger than its stored bytes: CorruptCheckpointError naming the file, the
+    key and the offset. ``where(name)`` is how a file is named in errors. Tensors
+    written through DCP's stream transforms (compression) skip the last check."""
+    md = where(DCP_METADATA_FILE)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise FormatError(f"{md}: DCP metadata without a storage_data mapping")
+    sizes: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    transformed: set[str] = set()
+    for index, info in storage.items():
+        fqn = getattr(index, "fqn", None)
+        name, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+        if type(fqn) is not str or not _plain_name(name) or type(offset) is not int or type(length) is not int:
+            raise FormatError(
+                f"{md}: DCP storage_data for {reprlib.repr(fqn)} is not a data file in the checkpoint with an "
+                f"offset and a length: {reprlib.repr(info)}"
+            )
+        assert isinstance(name, str) and isinstance(offset, int) and isinstance(length, int)  # checked above
+        if name not in sizes:
+            try:
+                sizes[name] = size_of(name)
+            except FileNotFoundError as e:
+                raise CorruptCheckpointError(
+                    f"{where(name)}: missing, but DCP metadata stores {fqn!r} in it", fqn=fqn, file=name
+                ) from e
+        if offset < 0 or length < 0 or offset + length > sizes[name]:
+            raise CorruptCheckpointError(
+                f"{where(name)}: DCP metadata stores {fqn!r} at bytes {offset}..{offset + length}, but the file has "
+                f"{_count(sizes[name])}: it is truncated or the metadata is corrupt",
+                fqn=fqn,
+                file=name,
+                offset=offset,
+            )
+        stored[fqn] = stored.get(fqn, 0) + length
+        if getattr(info, "transform_descriptors", None):
+            transformed.add(fqn)
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        nbytes = tensor_nbytes(fqn, meta, where=md)
+        if fqn not in transformed and nbytes > stored.get(fqn, 0):
+            raise CorruptCheckpointError(
+                f"{md}: {fqn!r} is declared as {_count(nbytes)}, but the data files hold "
+                f"{_count(stored.get(fqn, 0))} of it",
+                fqn=fqn,
+                file=DCP_METADATA_FILE,
+            )
+    return sizes
 
 
 class DCPReader(FileSystemReader):
@@ -154,8 +441,11 @@ class SafeBytesPlanner(DefaultLoadPlanner):
         try:
             self.loaded[fqn] = torch.load(value, map_location="cpu", weights_only=not self.allow_pickle)
         except pickle.UnpicklingError as e:
-            lines = str(e).splitlines()
+            lines = str(e).splitlines() or [type(e).__name__]
             self.refused[fqn] = next((line.strip() for line in lines if "Unsupported global" in line), lines[0])
+        except Exception as e:  # truncated or not torch.save's bytes at all: EOFError, RuntimeError, ...
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise FormatError(f"DCP entry {fqn!r}: not readable torch.save bytes: {type(e).__name__}: {first}") from e
 
 
 # -- nesting -----------------------------------------------------------------------------------------
@@ -194,9 +484,8 @@ def _key_path(fqn: str, dcp_path: Any, where: str) -> KeyPath:
             ok = False
             break
     if not ok or fqn_of(tuple(path)) != fqn:
-        text = repr(dcp_path)
         raise FormatError(
             f"{where}: DCP planner_data for {fqn!r} is not a path of keys and list indices that spells it: "
-            f"{text if len(text) <= 120 else text[:117] + '...'}"
+            f"{reprlib.repr(dcp_path)}"  # bounded: the path may be a list nested a million deep
         )
     return tuple(path)
