@@ -35,7 +35,6 @@ import io
 import math
 import os
 import pickle
-import pickletools
 import reprlib
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +52,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
 from ..state import KeyPath, PathElem, fqn_of
 from .formats import DCP_METADATA_FILE
+from .pickle_check import check_pickle
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _PATHS = ("PosixPath", "PurePosixPath", "PureWindowsPath")
@@ -163,116 +163,6 @@ class MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise FormatError(f"{self.path}: DCP metadata holds a persistent id, which DCP never writes")
-
-
-class _Value:
-    """A value on the simulated stack of :func:`check_pickle`: how many items were
-    put into it, and (for a tuple) what it holds."""
-
-    __slots__ = ("items", "parts")
-
-    def __init__(self, items: int = 0, parts: tuple[Any, ...] = ()) -> None:
-        self.items = items
-        self.parts = parts
-
-
-def _state_items(state: Any) -> int:
-    """The items BUILD copies from ``state`` (a dict, or a (dict, slots) pair)."""
-    if isinstance(state, _Value) and len(state.parts) == 2:
-        return sum(p.items for p in state.parts if isinstance(p, _Value)) + state.items
-    return state.items if isinstance(state, _Value) else 0
-
-
-_CONTAINERS = {"EMPTY_DICT", "EMPTY_LIST", "EMPTY_SET", "EMPTY_TUPLE"}
-_FROM_MARK = {"DICT", "LIST", "TUPLE", "FROZENSET"}
-_INTO = {"SETITEMS", "APPENDS", "ADDITEMS"}
-
-
-def check_pickle(data: bytes, *, where: str) -> None:
-    """FormatError naming ``where`` and the offset unless ``data`` is a sequence of
-    pickle opcodes ending in STOP whose declared lengths fit in the bytes there are
-    (the C unpickler allocates a declared length before it reads, so 14 bytes could
-    otherwise make it allocate gigabytes), and whose BUILDs together copy no more
-    items into objects than the pickle's size: a stack machine follows which values
-    are containers and how many items each got, so one memoized dict handed to BUILD
-    for every object (a quadratic copy) is refused. DCP's pickles build each object
-    from a state spelled out once."""
-    stream = io.BytesIO(data)
-    pos = 0  # where the opcode being read starts
-    stack: list[Any] = []
-    marks: list[int] = []
-    memo: dict[Any, Any] = {}
-    copied = 0
-
-    def to_mark() -> list[Any]:
-        at = marks.pop()
-        items = stack[at:]
-        del stack[at:]
-        return items
-
-    try:
-        for opcode, arg, _at in pickletools.genops(stream):
-            name = opcode.name
-            if name == "MARK":
-                marks.append(len(stack))
-            elif name in _CONTAINERS:
-                stack.append(_Value())
-            elif name in _INTO:
-                added = len(to_mark())
-                if isinstance(stack[-1], _Value):
-                    stack[-1].items += added
-            elif name in ("SETITEM", "APPEND"):
-                del stack[-(2 if name == "SETITEM" else 1) :]
-                if isinstance(stack[-1], _Value):
-                    stack[-1].items += 1
-            elif name in _FROM_MARK:
-                items = to_mark()
-                stack.append(_Value(len(items), tuple(items) if name == "TUPLE" else ()))
-            elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
-                n = int(name[-1])
-                items = stack[-n:]
-                if len(items) != n:
-                    raise ValueError(f"{name} on a stack of {len(items)}")
-                del stack[-n:]
-                stack.append(_Value(n, tuple(items)))
-            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-                memo[arg] = stack[-1]
-            elif name == "MEMOIZE":
-                memo[len(memo)] = stack[-1]
-            elif name in ("GET", "BINGET", "LONG_BINGET"):
-                stack.append(memo[arg])
-            elif name == "BUILD":
-                copied += _state_items(stack.pop())
-                if copied > len(data):
-                    raise ValueError(f"its BUILDs copy {copied:,} items into objects, more than its size spells out")
-                if not stack:
-                    raise ValueError("BUILD without an object to build")
-            elif name == "POP":
-                if marks and marks[-1] == len(stack):
-                    marks.pop()
-                else:
-                    stack.pop()
-            elif name == "POP_MARK":
-                to_mark()
-            elif name == "DUP":
-                stack.append(stack[-1])
-            elif name == "STOP":
-                break
-            else:  # everything else makes a new value from what it pops
-                before = opcode.stack_before
-                if pickletools.markobject in before:
-                    to_mark()
-                    count = before.index(pickletools.markobject)
-                else:
-                    count = len(before)
-                if count > len(stack):
-                    raise ValueError(f"{name} on a stack of {len(stack)}")
-                del stack[len(stack) - count :]
-                stack.extend(_Value() for _ in opcode.stack_after)
-            pos = stream.tell()
-    except Exception as e:  # ValueError for a truncated or unknown opcode, UnicodeDecodeError, ...
-        text = str(e) if not isinstance(e, (IndexError, KeyError)) else f"{type(e).__name__}: stack or memo misused"
-        raise FormatError(f"{where}: not a readable DCP metadata pickle (the opcode at byte {pos}): {text}") from e
 
 
 def read_metadata(checkpoint_dir: str, *, allow_pickle: bool = False) -> Metadata:
