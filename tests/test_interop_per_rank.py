@@ -195,13 +195,15 @@ def test_a_dcp_failure_is_one_line_and_leaves_the_output_as_it_was(tmp_path):
     assert not (tmp_path / "new").exists(), "a failed export left the directory it made"
 
 
-def test_a_dcp_failure_reading_is_a_conversion_error(tmp_path):
+def test_a_truncated_dcp_file_is_refused_before_dcp_reads_it(tmp_path):
+    """Checked against the file's real size before DCP reads (it used to surface as
+    DCP's own read failure, wrapped in a ConversionError): one line naming the file."""
     dcp.save({"w": torch.ones(1000)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     data = next(p for p in (tmp_path / "dcp").iterdir() if p.name.endswith(".distcp"))
     data.write_bytes(data.read_bytes()[:50])
-    with pytest.raises(ConversionError, match=r"PyTorch DCP could not read") as caught:
+    with pytest.raises(CorruptCheckpointError, match=r"the file has 50 bytes") as caught:
         from_dcp(str(tmp_path / "dcp"), str(tmp_path / "out"))
-    assert "\n" not in str(caught.value) and caught.value.errors
+    assert "\n" not in str(caught.value) and caught.value.file.endswith(data.name)
     assert not (tmp_path / "out").exists()
 
 
