@@ -53,7 +53,7 @@ def run_root(tmp_path) -> str:
     for step in (10, 20, 30):
         m.save(step, model_state(step), metrics={"loss": 1.0 / step})
     bcp.backends.backend_for(root).write(
-        f"{step_name(40)}/{data_file_key(generation_name('x'), 0)}", b"junk"
+        f"{step_name(40)}/{data_file_key(generation_name('0a'), 0)}", b"junk"
     )  # crashed save
     return root
 
@@ -412,7 +412,7 @@ def test_rm_force_deletes_only_bcps_objects_and_says_so(run_root):
     with open(os.path.join(uri, "notes.txt"), "w") as f:
         f.write("mine")
     dry = cli("rm", uri, "--force", "--dry-run")
-    assert dry.returncode == 0 and "would delete 1 object(s)" in dry.stdout and "gen-x" in dry.stdout, dry.stdout
+    assert dry.returncode == 0 and "would delete 1 object(s)" in dry.stdout and "gen-0a" in dry.stdout, dry.stdout
     assert "notes.txt" in dry.stdout
     proc = cli("rm", uri, "--force")
     assert proc.returncode == 0 and "deleted" in proc.stdout and "notes.txt" in proc.stdout, proc.stdout

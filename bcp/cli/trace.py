@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..trace_report import Against, OperationSummary, Speeds, TraceError, merge, read_traces, summarise
+from ..trace_report import Against, OperationSummary, Speeds, TraceError, merge, read_traces, summarise, write_merged
 from .common import CliError, UsageError
 from .render import human, safe
 
@@ -116,7 +116,7 @@ def against_json(a: Against | None) -> dict | None:
 
 
 def print_summary(op: OperationSummary, pct: float) -> None:
-    print(f"{op.kind} {safe(op.label)}: {len(op.ranks)} rank(s), {op.seconds:.3f} s (slowest rank)")
+    print(f"{safe(op.kind)} {safe(op.label)}: {len(op.ranks)} rank(s), {op.seconds:.3f} s (slowest rank)")
     print(
         f"  {'stage':<10} {'spans':>6} {'total s':>9} {'slowest s':>10} {'rank':>5} {'median s':>9} "
         f"{'bytes':>10} {'GB/s':>7}  stragglers (>{pct:g}% over median)"
@@ -160,7 +160,10 @@ def run(args: argparse.Namespace) -> int:
         if not docs:
             raise CliError(f"{safe(args.dir)}: no trace of an operation whose id starts with {safe(args.op)!r}")
     output = Path(args.output) if args.output else Path(args.dir) / "merged.json"
-    output.write_text(json.dumps(merge(docs)))
+    try:
+        write_merged(output, merge(docs))  # never through a link planted at the output's name
+    except TraceError as e:
+        raise CliError(str(e)) from None
     speeds = _speeds(args)
     summary = summarise(docs, straggler_pct=args.straggler_pct, speeds=speeds)
     if args.png:
