@@ -71,9 +71,7 @@ def _read_regular(path: Path, limit: int) -> bytes | None:
             log.warning("skipped %r: not a regular file", str(path))
             return None
         if st.st_size > limit:
-            log.warning(
-                "skipped %r: %d bytes, over the %d-byte limit of a trace file", str(path), st.st_size, limit
-            )
+            log.warning("skipped %r: %d bytes, over the %d-byte limit of a trace file", str(path), st.st_size, limit)
             return None
         chunks = []
         left = limit + 1  # a file growing while read is cut at the limit
@@ -155,10 +153,7 @@ def read_traces(directory: str | Path, *, max_file_bytes: int = MAX_TRACE_FILE_B
         doc["otherData"].setdefault("file", path.name)
         docs.append(doc)
     if not docs:
-        raise TraceError(
-            f"{root}: no trace files (*.rank<N>.json); save or load with "
-            f"trace={str(root)!r}"
-        )
+        raise TraceError(f"{root}: no trace files (*.rank<N>.json); save or load with trace={str(root)!r}")
     return docs
 
 

@@ -51,7 +51,20 @@ def option(name: str, parse: Callable[[str], T], value: str) -> T:
 
 
 #: The arguments of any command that name a location or a file (positional and options).
-LOCATION_ARGS = ("uri", "root", "src", "dst", "dir", "output", "png", "layout", "measure", "scratch_dir", "config", "json")
+LOCATION_ARGS = (
+    "uri",
+    "root",
+    "src",
+    "dst",
+    "dir",
+    "output",
+    "png",
+    "layout",
+    "measure",
+    "scratch_dir",
+    "config",
+    "json",
+)
 
 
 def refuse_empty_locations(args: argparse.Namespace) -> None:

@@ -13,8 +13,8 @@ from ..backends.errors import redact
 from ..describe import describe
 from ..errors import listed
 from ..reader import CheckpointReader, open_checkpoint
-from .common import CliError, UsageError, require_location
 from ..viz import MAX_WORLD
+from .common import CliError, UsageError, require_location
 from .render import human, raw, safe, show
 
 NAME = "inspect"

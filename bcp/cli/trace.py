@@ -21,9 +21,9 @@ DESCRIPTION = (
     "Merge DIR's trace files (*.rank<N>.json, written by a save or load with trace=DIR or BCP_TRACE_DIR=DIR) "
     "into one Chrome trace / Perfetto JSON file (open it in ui.perfetto.dev or chrome://tracing), and print "
     "per save or load, per stage: the time summed over ranks, the slowest rank, the median, the stragglers "
-    "and the stage's speed (its bytes over its slowest rank's time, in MiB/s or GiB/s). Given the disk's and the network's measured "
-    "speeds (--disk-gbps, --network-gbps, or --measure URI), also each stage that moves bytes through one of them "
-    "(write, fetch, exchange) against that speed, on the host that spent longest in it."
+    "and the stage's speed (its bytes over its slowest rank's time, in MiB/s or GiB/s). Given the disk's and "
+    "the network's measured speeds (--disk-gbps, --network-gbps, or --measure URI), also each stage that moves "
+    "bytes through one of them (write, fetch, exchange) against that speed, on the host that spent longest in it."
 )
 
 
