@@ -207,12 +207,26 @@ def get_backend_class(scheme: str, *, uri: str | None = None) -> type[Backend]:
     raise ValueError(f"unknown storage scheme {scheme!r}{where}; registered schemes: {known}")
 
 
+def check_not_empty(uri: str, what: str = "the URI") -> None:
+    """ValueError for an empty or whitespace-only ``uri``: as a plain path it would be
+    the current directory, so a variable left unset would save into (or ``bcp rm``
+    delete from) wherever the process happens to run. ``.`` names that directory on
+    purpose. Every backend is built through :func:`backend_for`, which calls this."""
+    if not uri.strip():
+        raise ValueError(
+            f"{what} is empty ({uri!r}): it names no location (as a path it would be the current directory); "
+            "give a path or URI, or '.' for the current directory"
+        )
+
+
 def backend_for(uri: str | os.PathLike[str], **options: Any) -> Backend:
     """Build the backend for ``uri`` (a URI, or a local path as a string or path object).
     A URI's query parameters become options; keyword arguments override them. A plain
-    path takes options as keyword arguments only (:func:`check_plain_path`)."""
+    path takes options as keyword arguments only (:func:`check_plain_path`). An empty
+    or whitespace-only ``uri`` is refused (:func:`check_not_empty`)."""
     if not isinstance(uri, str):
         uri = str(uri)  # os.PathLike
+    check_not_empty(uri)
     scheme, _ = split_scheme(uri)
     plain = is_plain_path(uri)
     if plain:

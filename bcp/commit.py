@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from bcp.backends import Backend, Capability, ObjectExistsError, ObjectNotFoundError
 from bcp.metadata import Catalog, FileEntry, Manifest, crc32c
 from bcp.metadata.errors import CorruptManifestError
-from bcp.metadata.layout import GENERATION_PREFIX, MANIFEST_KEY, generation_of, manifest_key
+from bcp.metadata.layout import GENERATION_PREFIX, MANIFEST_KEY, generation_of, is_generation, manifest_key
 
 from .errors import (
     CheckpointExistsError,
@@ -312,7 +312,8 @@ def generations(backend: Backend, prefix: str = "") -> set[str]:
     hold only unfinished writes (a save killed before any object was complete)."""
     keys = list(backend.list(f"{prefix}{GENERATION_PREFIX}"))
     keys += [u.name for u in backend.unfinished(f"{prefix}{GENERATION_PREFIX}")]
-    return {key[len(prefix) :].split("/", 1)[0] for key in keys}
+    names = {key[len(prefix) :].split("/", 1)[0] for key in keys}
+    return {name for name in names if is_generation(name)}  # a user's gen-mine/ is not bcp's
 
 
 def unused_generations(

@@ -69,14 +69,21 @@ def delete(
             len(found.other_keys),
             ", ".join(found.other_keys[:5]) + (", ..." if len(found.other_keys) > 5 else ""),
         )
+    remove_emptied_root(backend)
+    log.info("bcp.delete %s: deleted %d object(s)", where, len(found.bcp_keys))
+    return list(found.other_keys)
+
+
+def remove_emptied_root(backend: Backend) -> None:
+    """After a deletion, on the file backend: remove the checkpoint's own directory if
+    it is now empty (other files keep it), so ``bcp rm`` and ``bcp.delete`` leave no
+    empty directory behind."""
     root = file_directory(backend)
     if root is not None:
         try:
-            os.rmdir(root)  # only when empty: other files keep it
+            os.rmdir(root)  # only when empty; never a link (deletable refused those)
         except OSError:
             pass
-    log.info("bcp.delete %s: deleted %d object(s)", where, len(found.bcp_keys))
-    return list(found.other_keys)
 
 
 def deletable(backend: Backend, *, uncommitted: bool, tool: str, force: str) -> CheckpointObjects | None:

@@ -28,6 +28,7 @@ from bcp.metadata.layout import (
     MANIFEST_KEY,
     STEP_PREFIX,
     generation_of,
+    is_generation,
     manifest_key,
     step_name,
     step_of,
@@ -147,7 +148,7 @@ def checkpoint_prefix_of(key: str, max_depth: int = FIND_MAX_DEPTH) -> str | Non
     for depth in range(min(len(parts), max_depth + 1)):
         name = parts[depth]
         last = depth == len(parts) - 1
-        if (last and name == MANIFEST_KEY) or (not last and name.startswith(GENERATION_PREFIX)):
+        if (last and name == MANIFEST_KEY) or (not last and is_generation(name)):
             return "/".join(parts[:depth])
     return None
 

@@ -18,9 +18,16 @@ speed that is, and the time the bytes would take at that speed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
+import logging
+import math
+import os
 import re
+import secrets
+import stat
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +37,8 @@ from bcp.backends import split_scheme
 
 from .trace import StageTotal, stage_totals
 
+log = logging.getLogger(__name__)
+
 #: the files ``bcp.trace`` writes (the merged file does not match)
 RANK_FILE = re.compile(r".+\.rank(\d+)\.json$")
 
@@ -38,8 +47,93 @@ class TraceError(ValueError):
     """A trace directory with no rank files, or a file that is not a bcp trace."""
 
 
-def read_traces(directory: str | Path) -> list[dict[str, Any]]:
-    """Every rank file in ``directory`` (``*.rank<N>.json``), parsed, sorted by name."""
+#: The largest trace file ``read_traces`` reads (bytes); a larger one is skipped with a
+#: warning. A rank's file of a big save is a few MiB; this bounds the memory a planted
+#: file can make ``bcp trace`` use.
+MAX_TRACE_FILE_BYTES = 256 << 20
+
+
+def _read_regular(path: Path, limit: int) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file (not a link, FIFO or device: opened
+    with O_NOFOLLOW | O_NONBLOCK, so neither can block or redirect the read) of at most
+    ``limit`` bytes; None (and a warning naming it) otherwise."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            log.warning("skipped %r: a symbolic link, not a trace file", str(path))
+            return None
+        raise TraceError(f"{path}: cannot open: {e.strerror or e}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            log.warning("skipped %r: not a regular file", str(path))
+            return None
+        if st.st_size > limit:
+            log.warning("skipped %r: %d bytes, over the %d-byte limit of a trace file", str(path), st.st_size, limit)
+            return None
+        chunks = []
+        left = limit + 1  # a file growing while read is cut at the limit
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+        if len(data) > limit:
+            log.warning("skipped %r: grew over the %d-byte limit of a trace file", str(path), limit)
+            return None
+        return data
+    finally:
+        os.close(fd)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_trace(doc: object, where: str) -> dict[str, Any]:
+    """``doc`` if it is a trace document the summary can use: a ``traceEvents`` list
+    whose "X" events have a string ``name``, numbers ``ts`` and ``dur >= 0`` and an
+    number ``args.bytes >= 0`` (if any), and an ``otherData`` object whose ``rank`` (if
+    any) is an integer. TraceError naming ``where`` and the event otherwise."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        raise TraceError(f"{where}: not a Chrome trace document (no traceEvents list)")
+    other = doc.setdefault("otherData", {})
+    if not isinstance(other, dict):
+        raise TraceError(f"{where}: otherData is not an object")
+    rank = other.get("rank", 0)
+    if type(rank) is not int or rank < 0:
+        raise TraceError(f"{where}: otherData.rank is not a rank number: {rank!r:.80}")
+    for i, e in enumerate(doc["traceEvents"]):
+        if not isinstance(e, dict):
+            raise TraceError(f"{where}: traceEvents[{i}] is not an object")
+        if e.get("ph") != "X":
+            continue
+        args = e.get("args", {})
+        ok = (
+            isinstance(e.get("name"), str)
+            and _number(e.get("ts"))
+            and _number(e.get("dur"))
+            and e["dur"] >= 0
+            and isinstance(args, dict)
+            and _number(args.get("bytes", 0))
+            and args.get("bytes", 0) >= 0
+        )
+        if not ok:
+            raise TraceError(
+                f"{where}: traceEvents[{i}] is not a span bcp writes (a string name, numbers ts and dur >= 0, "
+                "a number args.bytes >= 0)"
+            )
+    return doc
+
+
+def read_traces(directory: str | Path, *, max_file_bytes: int = MAX_TRACE_FILE_BYTES) -> list[dict[str, Any]]:
+    """Every rank file in ``directory`` (``*.rank<N>.json``), parsed, sorted by name.
+    Only regular files are read (a link, FIFO or device is skipped with a warning, as
+    is a file over ``max_file_bytes``); each is checked (:func:`check_trace`)."""
     root = Path(directory)
     if not root.is_dir():
         raise TraceError(f"{root}: not a directory")
@@ -47,17 +141,45 @@ def read_traces(directory: str | Path) -> list[dict[str, Any]]:
     for path in sorted(root.iterdir()):
         if not RANK_FILE.match(path.name):
             continue
+        where = str(path)
+        data = _read_regular(path, max_file_bytes)
+        if data is None:
+            continue
         try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise TraceError(f"{path}: not a readable trace file: {e}") from e
-        if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
-            raise TraceError(f"{path}: not a Chrome trace document (no traceEvents list)")
-        doc.setdefault("otherData", {}).setdefault("file", path.name)
+            doc = json.loads(data)
+        except (ValueError, RecursionError) as e:
+            raise TraceError(f"{where}: not a readable trace file: {e}") from None
+        doc = check_trace(doc, where)
+        doc["otherData"].setdefault("file", path.name)
         docs.append(doc)
     if not docs:
         raise TraceError(f"{root}: no trace files (*.rank<N>.json); save or load with trace={str(root)!r}")
     return docs
+
+
+def write_merged(path: str | Path, doc: dict[str, Any]) -> None:
+    """Write ``doc`` as JSON to ``path`` without following a link planted there: into a
+    fresh temporary file beside it (O_CREAT | O_EXCL | O_NOFOLLOW), then renamed over
+    ``path`` (a rename replaces a link, never writes through it)."""
+    target = Path(path)
+    if target.is_dir() and not target.is_symlink():
+        raise TraceError(f"{target}: is a directory; name a file for the merged timeline")
+    data = json.dumps(doc).encode()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, flags, 0o644)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -126,10 +126,25 @@ class ReaderShare:
     boxes: int = 0
 
 
+#: The largest reader world size a layout is computed for (``bcp inspect --layout
+#: --world``): the shares are one entry per rank, so this bounds their memory and time.
+MAX_WORLD = 65536
+
+#: Reader outlines are labelled in the picture only up to this many readers (more is unreadable).
+MAX_LABELLED_READERS = 64
+
+
+def check_world(world: int) -> None:
+    """ValueError unless ``1 <= world <=`` :data:`MAX_WORLD`."""
+    if not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"a reader world size is 1 to {MAX_WORLD:,} ranks, got {world:,}")
+
+
 def reader_rows(n: int, world: int) -> list[tuple[int, int]]:
     """Rows ``[start, stop)`` of each of ``world`` ranks splitting ``n`` rows as
     ``torch.chunk`` does (DTensor ``Shard(0)``, FSDP2): ``ceil(n / world)`` each, the
-    last ranks fewer or none."""
+    last ranks fewer or none. ``world`` is at most :data:`MAX_WORLD`."""
+    check_world(world)
     size = -(-n // world)
     return [(min(r * size, n), min((r + 1) * size, n)) for r in range(world)]
 
@@ -211,7 +226,8 @@ def draw_layout(
             patch = plt.Rectangle(
                 (r.x0, r.y0), r.x1 - r.x0, r.y1 - r.y0, fill=False, edgecolor="black", linestyle="--", linewidth=1.5
             )
-            ax.text(r.x0, (r.y0 + r.y1) / 2, f" {r.label}", va="center", fontsize="small")
+            if world is not None and world <= MAX_LABELLED_READERS:
+                ax.text(r.x0, (r.y0 + r.y1) / 2, f" {r.label}", va="center", fontsize="small")
         ax.add_patch(patch)
     width = shape[1] if len(shape) > 1 else shape[0]
     height = shape[0] if len(shape) > 1 else 1

@@ -27,6 +27,16 @@ STEP_PREFIX = "step_"
 _STEP_RE = re.compile(r"^step_(\d+)/")
 
 
+#: A generation's name: ``gen-`` and a save id, lowercase hex digits (FORMAT.md). A
+#: ``gen-mine/`` of a user's is not bcp's, and housekeeping and ``bcp rm`` leave it.
+GENERATION_RE = re.compile(r"gen-[0-9a-f]+")
+
+
+def is_generation(name: str) -> bool:
+    """Whether ``name`` (one path segment) is a bcp generation's name."""
+    return GENERATION_RE.fullmatch(name) is not None
+
+
 def generation_name(save_id: str) -> str:
     """The prefix (without its slash) under which one save writes all its objects."""
     return f"{GENERATION_PREFIX}{save_id}"
@@ -49,7 +59,7 @@ def data_file_key(generation: str, rank: int, part: int = 0) -> str:
 def generation_of(key: str) -> str | None:
     """The generation a key (relative to its checkpoint) belongs to, or None."""
     head = key.split("/", 1)[0]
-    return head if head.startswith(GENERATION_PREFIX) and "/" in key else None
+    return head if is_generation(head) and "/" in key else None
 
 
 def manifest_key(prefix: str = "") -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import uuid
 
 import pytest
@@ -19,9 +20,10 @@ STATE = {"w": torch.arange(12.0).reshape(3, 4), "step": 7}
 
 
 def _bcp_key(key: str) -> bool:
-    """The rule of docs/integrations.md: manifest.json and everything under a gen-*/ directory."""
+    """The rule of docs/integrations.md: manifest.json and everything under a gen-<hex>/
+    directory (a user's gen-mine/ is not bcp's)."""
     head = key.split("/", 1)[0]
-    return key == "manifest.json" or (head.startswith("gen-") and "/" in key)
+    return key == "manifest.json" or (re.fullmatch("gen-[0-9a-f]+", head) is not None and "/" in key)
 
 
 def _empty_dirs(root: str) -> list[str]:
@@ -109,7 +111,7 @@ def test_delete_on_s3(moto_server):
         bcp.load(out, uri)
 
 
-_SEGMENT = st.sampled_from(["gen-", "gen-0a", "gen-x", "manifest.json", "m", "data", "a.b", "gen"])
+_SEGMENT = st.sampled_from(["gen-", "gen-0a", "gen-x", "gen-mine", "manifest.json", "m", "data", "a.b", "gen"])
 _KEY = st.lists(_SEGMENT, min_size=1, max_size=3).map("/".join)
 
 

@@ -60,7 +60,7 @@ def manager_root(tmp_path) -> str:
     for step in (3, 7):
         manager.save(step, small_state(step))
     # a crashed save of a later step: the newest *committed* one is still 7
-    backend_for(root).write(f"{step_name(9)}/{data_file_key(generation_name('x'), 0)}", b"junk")
+    backend_for(root).write(f"{step_name(9)}/{data_file_key(generation_name('0a'), 0)}", b"junk")
     return root
 
 
@@ -90,7 +90,7 @@ def test_bcp_inspect_on_a_manager_root_is_one_line_and_fails(manager_root, capsy
 def test_a_manager_root_without_a_committed_step_says_there_is_nothing_yet(memory_uri):
     backend = backend_for(memory_uri)
     backend.write(LATEST_KEY, b'{"step": 1}')
-    backend.write(f"{step_name(1)}/{data_file_key(generation_name('x'), 0)}", b"junk")
+    backend.write(f"{step_name(1)}/{data_file_key(generation_name('0a'), 0)}", b"junk")
     with pytest.raises(bcp.IncompleteCheckpointError, match=r"CheckpointManager root.*no committed step yet") as e:
         bcp.open(memory_uri)
     assert "load_latest(state) returns (None, state)" in str(e.value)

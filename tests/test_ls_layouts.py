@@ -27,7 +27,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 def save_incomplete(uri: str) -> None:
     """What a killed save leaves: a generation's data, no manifest."""
-    backend_for(uri).write(data_file_key(generation_name("20260101T000000-dead"), 0), b"partial")
+    backend_for(uri).write(data_file_key(generation_name("0dead"), 0), b"partial")
 
 
 def test_readme_layout_of_plain_saves_is_listed(tmp_path):
@@ -140,7 +140,7 @@ def test_prefix_of_a_key(parts, tail):
 def test_a_save_that_left_only_a_partial_file_is_incomplete(tmp_path):
     """A save killed in its first write leaves no listed object, only a partial file."""
     backend = backend_for(str(tmp_path))
-    writer = backend.open_writer(f"run/ck/{data_file_key(generation_name('20260101T000000-dead'), 0)}", size=4)
+    writer = backend.open_writer(f"run/ck/{data_file_key(generation_name('0dead'), 0)}", size=4)
     writer.write_at(0, b"part")
     try:
         assert list(backend.list("")) == [], "the partial file is listed"

@@ -123,13 +123,13 @@ def test_retention_deletes_manifest_first(root):
 def test_overwrite_leftover_generations_are_collected(root):
     m = bcp.CheckpointManager(root, async_save=False)
     m.save(1, state_for(1))
-    backend_for(root).write(f"{step_name(1)}/{data_file_key(generation_name('orphan'), 0)}", b"x")
+    backend_for(root).write(f"{step_name(1)}/{data_file_key(generation_name('0bad'), 0)}", b"x")
     plan = plan_gc(backend_for(root))
-    assert plan.orphan_generations == [f"{step_name(1)}/{generation_name('orphan')}/"]
+    assert plan.orphan_generations == [f"{step_name(1)}/{generation_name('0bad')}/"]
     listed = unused_generations(backend_for(root), f"{step_name(1)}/")  # its own listing, as the CLI's
     assert listed == plan.orphan_generations, "gc and the commit protocol name the same unused generations"
     bcp.CheckpointManager(root)
-    assert not any(generation_name("orphan") in k for k in backend_for(root).list(""))
+    assert not any(generation_name("0bad") in k for k in backend_for(root).list(""))
     assert_loads(root, 1)
 
 

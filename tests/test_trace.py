@@ -19,6 +19,7 @@ import bcp
 import dist_jobs
 from bcp import trace
 from bcp.cli import main as cli_main
+from bcp.cli.render import rate
 from bcp.trace_report import Speeds, read_traces, storage_kind, stragglers, summarise
 
 SAVE_STAGES = {"save", "plan", "stage", "copy", "checksum", "write", "drain", "durable", "commit"}
@@ -317,7 +318,7 @@ def test_trace_command_measures_and_compares(tmp_path, capsys):
     synthetic(tmp_path / "t", 4, slow_rank=2, hosts=2, uri=str(tmp_path / "ck"))
     assert cli_main(["trace", str(tmp_path / "t"), "--disk-gbps", "4,8"]) == 0
     text = capsys.readouterr().out
-    assert "write      disk write 4.00 GB/s: host h1 moved 3.7 GiB in 3.000 s = 1.33 GB/s, 33% of it" in text
+    assert "write      disk write 3.7 GiB/s: host h1 moved 3.7 GiB in 3.000 s = 1.2 GiB/s, 33% of it" in text
     assert "(1.000 s at that speed)" in text
     # --measure: the disk where the checkpoints are, measured for real; its speeds are the ones compared
     (tmp_path / "disk").mkdir()
@@ -327,7 +328,7 @@ def test_trace_command_measures_and_compares(tmp_path, capsys):
     report = json.loads(out.out)
     write_gbps, read_gbps = report["speeds"]["disk"]
     assert write_gbps > 0 and read_gbps > 0 and report["speeds"]["network"] is None
-    assert f"write {write_gbps:.2f} GB/s, read {read_gbps:.2f} GB/s" in out.err and "(disk, 8.0 MiB)" in out.err
+    assert f"write {rate(write_gbps * 1e9)}, read {rate(read_gbps * 1e9)}" in out.err and "(disk, 8.0 MiB)" in out.err
     (op,) = report["operations"]
     against = next(s for s in op["stages"] if s["stage"] == "write")["against"]
     assert against["speed_gbps"] == write_gbps and against["host"] == "h1" and against["bytes"] == 4_000_000_000

@@ -1,5 +1,5 @@
 """``bcp bench URI``: save and load a synthetic state through a URI
-(:func:`bcp.benchmark.save_load`) and print GB/s."""
+(:func:`bcp.benchmark.save_load`) and print its speeds."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import sys
 
 from ..benchmark import save_load
 from .common import UsageError, one_line
-from .render import human, safe, show
+from .render import human, rate, safe, show
 
 NAME = "bench"
-HELP = "save and load a synthetic state through URI; GB/s"
+HELP = "save and load a synthetic state through URI; speeds (MiB/s, GiB/s)"
 DESCRIPTION = None
 
 
@@ -23,9 +23,13 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def _print_run(index: int, nbytes: int, save_seconds: float, load_seconds: float) -> None:
     print(
-        f"  run {index + 1}: save {nbytes / save_seconds / 1e9:.2f} GB/s, load {nbytes / load_seconds / 1e9:.2f} GB/s",
+        f"  run {index + 1}: save {_speed(nbytes, save_seconds)}, load {_speed(nbytes, load_seconds)}",
         flush=True,
     )
+
+
+def _speed(nbytes: int, seconds: float) -> str:
+    return rate(nbytes / seconds) if seconds > 0 else "-"
 
 
 def _print_cleanup_error(prefix: str, error: Exception) -> None:
@@ -42,6 +46,6 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"{human(result.nbytes)} through {show(args.uri.partition('?')[0])}, median of {args.repeats}: "
-        f"save {result.save_gbps:.2f} GB/s, load {result.load_gbps:.2f} GB/s"
+        f"save {rate(result.save_gbps * 1e9)}, load {rate(result.load_gbps * 1e9)}"
     )
     return 0

@@ -11,6 +11,7 @@ from typing import TypeVar
 from ..backends import Backend
 from ..backends.errors import redact
 from ..backends.file import file_directory
+from ..backends.registry import check_not_empty
 from ..errors import CheckpointError
 from .render import safe, show
 
@@ -47,6 +48,36 @@ def option(name: str, parse: Callable[[str], T], value: str) -> T:
     except ValueError as e:
         text = one_line(e)
         raise UsageError(text if name in text else f"{name}: {text}") from None
+
+
+#: The arguments of any command that name a location or a file (positional and options).
+LOCATION_ARGS = (
+    "uri",
+    "root",
+    "src",
+    "dst",
+    "dir",
+    "output",
+    "png",
+    "layout",
+    "measure",
+    "scratch_dir",
+    "config",
+    "json",
+)
+
+
+def refuse_empty_locations(args: argparse.Namespace) -> None:
+    """A usage error for a location given as ``""`` or whitespace (``bcp rm "$UNSET"``):
+    as a path it would be the current directory (:func:`bcp.backends.registry.check_not_empty`)."""
+    for name in LOCATION_ARGS:
+        value = getattr(args, name, None)
+        if isinstance(value, str):
+            what = name.upper() if name in ("uri", "root", "src", "dst", "dir") else "--" + name.replace("_", "-")
+            try:
+                check_not_empty(value, what)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
 
 
 def require_location(backend: Backend, uri: str, *, list_objects: bool = True) -> None:

@@ -69,6 +69,50 @@ def _per_rank_choice(text: str) -> PerRankChoice:
 
 
 def run(args: argparse.Namespace) -> int:
+    created = _missing_directories(args.dst)
+    try:
+        return _run(args)
+    except BaseException:
+        _remove_empty(created)  # a failed convert leaves no directory it created
+        raise
+
+
+def _local_path(uri: str) -> str | None:
+    """The local path of a location given on the command line; None for other stores."""
+    if "://" not in uri:
+        return uri
+    return uri.removeprefix("file://").partition("?")[0] if uri.startswith("file://") else None
+
+
+def _missing_directories(dst: str) -> list[str]:
+    """DST and its ancestors that do not exist yet, deepest first: what a conversion
+    may create."""
+    path = _local_path(dst)
+    if path is None:
+        return []
+    missing = []
+    current = os.path.abspath(path)
+    while not os.path.lexists(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    return missing
+
+
+def _remove_empty(paths: list[str]) -> None:
+    """Remove each of ``paths`` (deepest first) that is now an empty directory (not a
+    link); anything with files in it is kept."""
+    for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            try:
+                os.rmdir(path)
+            except OSError:
+                return  # not empty: nor are its parents
+
+
+def _run(args: argparse.Namespace) -> int:
     prefix = args.prefix if args.prefix is not None else ("model." if args.model_only else None)
     strip = args.strip_prefix or (args.model_only and args.prefix is None)
     if args.to != "safetensors" and (args.dtype or args.rename or args.config):

@@ -13,6 +13,7 @@ from ..backends.errors import redact
 from ..describe import describe
 from ..errors import listed
 from ..reader import CheckpointReader, open_checkpoint
+from ..viz import MAX_WORLD
 from .common import CliError, UsageError, require_location
 from .render import human, raw, safe, show
 
@@ -24,12 +25,18 @@ DESCRIPTION = None
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("uri")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--layout", metavar="PNG", help="draw which writer rank holds which box of a tensor (viz extra)")
+    p.add_argument(
+        "--layout",
+        metavar="PNG",
+        help="draw which writer rank holds which box of a tensor to the file PNG (viz extra)",
+    )
     p.add_argument("--tensor", help="the tensor --layout draws (default: the largest)")
     p.add_argument(
         "--world",
         type=int,
-        help="--layout also outlines how N ranks read it (dim 0 split as torch.chunk / DTensor Shard(0) split it)",
+        metavar="N",
+        help="--layout also outlines how N ranks read it (dim 0 split as torch.chunk / DTensor Shard(0) split it); "
+        f"N is 1 to {MAX_WORLD:,}",
     )
 
 
@@ -90,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
 
 def draw(reader: CheckpointReader, args: argparse.Namespace) -> int:
     """``--layout``: one tensor's boxes by writer rank, as a PNG (:func:`bcp.viz.draw_layout`)."""
-    if args.world is not None and args.world < 1:
-        raise UsageError(f"--world must be >= 1, got {args.world}")
+    if args.world is not None and not 1 <= args.world <= MAX_WORLD:
+        raise UsageError(f"--world must be 1 to {MAX_WORLD:,}, got {args.world:,}")
     keys = reader.tensor_keys()
     fqn = args.tensor if args.tensor is not None else max(keys, key=lambda k: reader.meta(k).nbytes, default=None)
     if fqn is None:
@@ -112,13 +119,16 @@ def draw(reader: CheckpointReader, args: argparse.Namespace) -> int:
     if args.world:
         unit = "rows" if len(meta.shape) > 1 else "elements"
         print(f"read by {args.world} rank(s), dim 0 split as torch.chunk splits it:")
-        for share in reader_shares(meta.entry, args.world):
+        shares = reader_shares(meta.entry, args.world)
+        idle = [share.rank for share in shares if share.stop <= share.start]  # the last ranks, when rows run out
+        for share in shares:
             if share.stop <= share.start:
-                print(f"  reader {share.rank}: nothing")
                 continue
             writers = ", ".join(map(str, share.writers))
             print(
                 f"  reader {share.rank}: {unit} {share.start}-{share.stop - 1} from {share.boxes} stored box(es) "
                 f"of writer rank(s) {writers}"
             )
+        if idle:
+            print(f"  reader {idle[0]}: nothing" if len(idle) == 1 else f"  readers {idle[0]}-{idle[-1]}: nothing")
     return 0

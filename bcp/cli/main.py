@@ -13,7 +13,7 @@ from ..backends.errors import redact
 from ..backends.registry import import_plugins
 from ..errors import CheckpointNotFoundError
 from . import bench, conformance, convert, gc, inspect, ls, rm, trace, verify
-from .common import CliError, UsageError, add_import_option, imports, one_line
+from .common import CliError, UsageError, add_import_option, imports, one_line, refuse_empty_locations
 from .render import safe
 
 #: The commands, in the order --help lists them.
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_level is not None:  # unset, bcp's loggers follow the root (and a caller's set-up is kept)
         logging.getLogger("bcp").setLevel(args.log_level)
     try:
+        refuse_empty_locations(args)
         import_plugins(imports(args))  # before the command uses any URI
         return args.func(args)
     except KeyboardInterrupt:

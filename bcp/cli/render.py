@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import unicodedata
 
 from ..backends.errors import redact, redact_uri
@@ -37,13 +38,33 @@ def show(uri: str) -> str:
     return safe(redact_uri(str(uri)))
 
 
+_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
 def human(n: float) -> str:
-    """A byte count in B, KiB, MiB, GiB or TiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    """A byte count as people read it: ``512 B``, ``12.0 KiB``, ``1.5 GiB`` (binary
+    units, one decimal, never ``0.0 MiB`` or ``1024.0 KiB``). Every size the CLI prints
+    goes through here."""
+    if not math.isfinite(n):
+        return "-"
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    if round(n) < 1024:
+        return f"{sign}{round(n)} B"
+    value = float(n)
+    for unit in _UNITS:
+        value /= 1024
+        if round(value, 1) < 1024 or unit == _UNITS[-1]:
+            return f"{sign}{value:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def rate(bytes_per_second: float) -> str:
+    """A speed as people read it: :func:`human` per second (``850.0 MiB/s``,
+    ``1.2 GiB/s``; ``-`` when unknown). Every speed the CLI prints goes through here."""
+    if not math.isfinite(bytes_per_second) or bytes_per_second < 0:
+        return "-"
+    return f"{human(bytes_per_second)}/s"
 
 
 def age(then: datetime.datetime | None) -> str:

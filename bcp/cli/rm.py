@@ -8,7 +8,7 @@ import argparse
 
 from ..backends import backend_for
 from ..commit import delete_checkpoint
-from ..deletion import deletable
+from ..deletion import deletable, remove_emptied_root
 from ..errors import CheckpointError
 from ..metadata.layout import MANIFEST_KEY
 from .common import CliError, NotFound, one_line, require_location
@@ -56,5 +56,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"would delete {what}{left}")
         return 0
     delete_checkpoint(backend, only_bcp=True)  # the manifest first, then gen-*/ (partial files too)
+    remove_emptied_root(backend)  # no empty directory left behind
     print(f"deleted {what}{left}")
     return 0

@@ -11,9 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from ..trace_report import Against, OperationSummary, Speeds, TraceError, merge, read_traces, summarise
+from ..trace_report import Against, OperationSummary, Speeds, TraceError, merge, read_traces, summarise, write_merged
 from .common import CliError, UsageError
-from .render import human, safe
+from .render import human, rate, safe
 
 NAME = "trace"
 HELP = "merge the per-rank trace files of a traced save or load; per-stage summary, stragglers"
@@ -21,9 +21,9 @@ DESCRIPTION = (
     "Merge DIR's trace files (*.rank<N>.json, written by a save or load with trace=DIR or BCP_TRACE_DIR=DIR) "
     "into one Chrome trace / Perfetto JSON file (open it in ui.perfetto.dev or chrome://tracing), and print "
     "per save or load, per stage: the time summed over ranks, the slowest rank, the median, the stragglers "
-    "and the stage's GB/s (its bytes over its slowest rank's time). Given the disk's and the network's measured "
-    "speeds (--disk-gbps, --network-gbps, or --measure URI), also each stage that moves bytes through one of them "
-    "(write, fetch, exchange) against that speed, on the host that spent longest in it."
+    "and the stage's speed (its bytes over its slowest rank's time, in MiB/s or GiB/s). Given the disk's and "
+    "the network's measured speeds (--disk-gbps, --network-gbps, or --measure URI), also each stage that moves "
+    "bytes through one of them (write, fetch, exchange) against that speed, on the host that spent longest in it."
 )
 
 
@@ -116,18 +116,18 @@ def against_json(a: Against | None) -> dict | None:
 
 
 def print_summary(op: OperationSummary, pct: float) -> None:
-    print(f"{op.kind} {safe(op.label)}: {len(op.ranks)} rank(s), {op.seconds:.3f} s (slowest rank)")
+    print(f"{safe(op.kind)} {safe(op.label)}: {len(op.ranks)} rank(s), {op.seconds:.3f} s (slowest rank)")
     print(
         f"  {'stage':<10} {'spans':>6} {'total s':>9} {'slowest s':>10} {'rank':>5} {'median s':>9} "
-        f"{'bytes':>10} {'GB/s':>7}  stragglers (>{pct:g}% over median)"
+        f"{'bytes':>10} {'speed':>12}  stragglers (>{pct:g}% over median)"
     )
     for s in op.stages:
         rank, slowest = s.slowest
-        gbps = f"{s.gbps:7.2f}" if s.nbytes else f"{'-':>7}"
+        speed = rate(s.gbps * 1e9) if s.nbytes and s.gbps > 0 else "-"
         late = ", ".join(f"{r} ({s.per_rank[r]:.3f} s)" for r in s.stragglers) or "-"
         print(
             f"  {safe(s.stage):<10} {s.spans:>6} {s.total_seconds:>9.3f} {slowest:>10.3f} {rank:>5} "
-            f"{s.median_seconds:>9.3f} {human(s.nbytes) if s.nbytes else '-':>10} {gbps}  {late}"
+            f"{s.median_seconds:>9.3f} {human(s.nbytes) if s.nbytes else '-':>10} {speed:>12}  {late}"
         )
     measured = [s for s in op.stages if s.against is not None]
     if measured:
@@ -136,8 +136,8 @@ def print_summary(op: OperationSummary, pct: float) -> None:
         a = s.against
         assert a is not None
         print(
-            f"  {safe(s.stage):<10} {a.resource} {a.direction} {a.speed_gbps:.2f} GB/s: host {safe(a.host)} moved "
-            f"{human(a.nbytes)} in {a.seconds:.3f} s = {a.gbps:.2f} GB/s, {a.share:.0%} of it "
+            f"  {safe(s.stage):<10} {a.resource} {a.direction} {rate(a.speed_gbps * 1e9)}: host {safe(a.host)} moved "
+            f"{human(a.nbytes)} in {a.seconds:.3f} s = {rate(a.gbps * 1e9)}, {a.share:.0%} of it "
             f"({a.at_speed_seconds:.3f} s at that speed)"
         )
 
@@ -160,7 +160,10 @@ def run(args: argparse.Namespace) -> int:
         if not docs:
             raise CliError(f"{safe(args.dir)}: no trace of an operation whose id starts with {safe(args.op)!r}")
     output = Path(args.output) if args.output else Path(args.dir) / "merged.json"
-    output.write_text(json.dumps(merge(docs)))
+    try:
+        write_merged(output, merge(docs))  # never through a link planted at the output's name
+    except TraceError as e:
+        raise CliError(str(e)) from None
     speeds = _speeds(args)
     summary = summarise(docs, straggler_pct=args.straggler_pct, speeds=speeds)
     if args.png:
@@ -197,8 +200,8 @@ def _speeds(args: argparse.Namespace) -> Speeds | None:
             network = pair
         # on stderr: --json keeps stdout one document
         print(
-            f"measured {safe(args.measure)} ({speed.kind}, {human(speed.nbytes)}): write {pair[0]:.2f} GB/s, "
-            f"read {pair[1]:.2f} GB/s",
+            f"measured {safe(args.measure)} ({speed.kind}, {human(speed.nbytes)}): write {rate(pair[0] * 1e9)}, "
+            f"read {rate(pair[1] * 1e9)}",
             file=sys.stderr,
         )
     if disk is None and network is None:
