@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import logging
@@ -97,7 +98,12 @@ def open_regular(name: str, flags: int, dir_fd: int, where: str) -> int:
     """``name`` under ``dir_fd`` opened with ``flags`` never through a link and never
     blocking (O_NOFOLLOW | O_NONBLOCK; created 0600 with O_CREAT), refused
     (PermissionError naming ``where``) unless it is a regular file."""
-    fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK, FILE_MODE, dir_fd=dir_fd)
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK, FILE_MODE, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise PermissionError(f"local tier: {where} is a symbolic link; bcp never opens one: remove it") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise PermissionError(f"local tier: {where} is not a regular file; remove it")

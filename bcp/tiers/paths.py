@@ -98,10 +98,10 @@ def open_private_dir(parent_fd: int, name: str, path: str) -> int:
             raise
         try:
             st = os.lstat(name, dir_fd=parent_fd)
-            owner = _owner(st.st_uid)
+            owner, link = _owner(st.st_uid), stat.S_ISLNK(st.st_mode)
         except OSError:
-            owner = "unknown"
-        kind = "is a symbolic link" if e.errno == errno.ELOOP else "is not a directory"
+            owner, link = "unknown", e.errno == errno.ELOOP
+        kind = "is a symbolic link" if link else "is not a directory"
         raise _refuse(path, f"{kind} (owner {owner})", f"remove it (rm {path}) and start again") from None
     try:
         st = os.fstat(fd)
