@@ -449,3 +449,31 @@ def test_fuzz_the_tier_never_follows_links_blocks_loads_foreign_steps_or_deletes
             outcomes["worked"] = outcomes.get("worked", 0) + 1
         assert _tree(outside) == before, f"{where}: something outside the tier's tree changed"
     assert outcomes.get("refused", 0) >= 4 and outcomes.get("worked", 0) >= 15, outcomes
+
+
+# -- the file backend's file_mode ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o077])
+def test_the_file_backends_file_mode_is_exact_whatever_the_umask_and_off_by_default(tmp_path, umask):
+    from bcp.backends.file import FileBackend
+
+    old = os.umask(umask)
+    try:
+        private = FileBackend(str(tmp_path / "private"), fsync=False, file_mode=0o600)
+        private.write("a/b/c.bin", b"x")
+        with private.open_writer("a/d.bin") as w:
+            w.write_at(0, b"yz")
+            w.commit()
+        private.write_if_absent("e.bin", b"w")
+        plain = FileBackend(str(tmp_path / "plain"), fsync=False)
+        plain.write("a/b/c.bin", b"x")
+    finally:
+        os.umask(old)
+    mode = lambda *p: stat.S_IMODE(os.lstat(os.path.join(tmp_path, *p)).st_mode)  # noqa: E731
+    assert [mode("private", k) for k in ("a/b/c.bin", "a/d.bin", "e.bin")] == [0o600] * 3
+    assert mode("private", "a") == mode("private", "a/b") == 0o700
+    assert mode("plain", "a/b/c.bin") == 0o644 & ~umask and mode("plain", "a") == 0o777 & ~umask, "unchanged"
+    assert private.read("a/d.bin") == b"yz"
+    with pytest.raises(ValueError, match="file_mode"):
+        FileBackend(str(tmp_path / "x"), file_mode=0o1000)

@@ -80,22 +80,24 @@ def remove_step(root: str, step: int, job: str | None = None) -> None:
         return
     try:
         try:
-            step_fd = os.open(step_name(step), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
-        except OSError as e:  # replaced meanwhile (a link: ELOOP): next time
+            _unlink_manifest(root_fd, step_name(step))
+        except OSError as e:  # replaced meanwhile (a link: ELOOP), no permission: next time
             log.warning("local tier: could not delete step %d under %s: %s", step, root, e)
             return
-        try:
-            os.unlink(MANIFEST_KEY, dir_fd=step_fd)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.warning("local tier: could not delete step %d under %s: %s", step, root, e)
-            return
-        finally:
-            os.close(step_fd)
         shutil.rmtree(step_name(step), ignore_errors=True, dir_fd=root_fd)
     finally:
         os.close(root_fd)
+
+
+def _unlink_manifest(root_fd: int, name: str) -> None:
+    """Remove the manifest of the step directory ``name`` under ``root_fd`` (never through a link)."""
+    step_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+    try:
+        os.unlink(MANIFEST_KEY, dir_fd=step_fd)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(step_fd)
 
 
 def move_aside(root: str, step: int) -> str:
