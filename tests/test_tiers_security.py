@@ -477,3 +477,67 @@ def test_the_file_backends_file_mode_is_exact_whatever_the_umask_and_off_by_defa
     assert private.read("a/d.bin") == b"yz"
     with pytest.raises(ValueError, match="file_mode"):
         FileBackend(str(tmp_path / "x"), file_mode=0o1000)
+
+
+def test_a_tampered_job_id_of_the_local_root_lists_no_step(tmp_path):
+    from bcp.tiers.inventory import list_local
+
+    shm, root = tmp_path / "shm", tmp_path / "ck"
+    _manager(root, shm).save(1, _state(1))
+    local = local_root(shm, str(root))
+    assert [c.step for c in list_local(local)] == [1]
+    job = os.path.join(local, "job.json")
+    os.unlink(job)
+    os.mkfifo(job)  # unreadable as a job id: nothing is this job's, rather than everything
+    assert _within(20, lambda: list_local(local), shm) == []
+    os.unlink(job)
+    assert [c.step for c in list_local(local)] == [1], "a root no tier stamped lists every step"
+    manager = _manager(root, shm)  # the tier stamps it again when it starts
+    assert manager.load_latest(_template())[0] == 1
+
+
+def test_every_rank_of_every_host_binds_its_steps_to_the_one_job_id(tmp_path):
+    """2 simulated hosts x 2 ranks (gloo): the coordinator creates the persistent
+    root's id once; each host's local root and each of its step directories carry it."""
+    import tier_jobs
+    from bcp.backends import backend_for
+    from bcp.tiers.job import JOB_KEY, JOB_NAME, decode, read_job
+
+    cfg = {"base": str(tmp_path / "hosts"), "root": str(tmp_path / "persist"), "ranks_per_host": 2}
+    cfg["steps"], cfg["persist_every"] = [1, 2, 3], None
+    assert tier_jobs.run(4, cfg) == [0, 0, 0, 0]
+    job = decode(backend_for(cfg["root"]).read(JOB_KEY))
+    for host in ("host0", "host1"):
+        local = local_root(os.path.join(cfg["base"], host), cfg["root"])
+        steps = sorted(n for n in os.listdir(local) if n.startswith("step_"))
+        assert steps == ["step_0000000002", "step_0000000003"], (host, steps)
+        assert read_job(local) == job and all(read_job(os.path.join(local, s)) == job for s in steps), host
+        assert stat.S_IMODE(os.lstat(os.path.join(local, JOB_NAME)).st_mode) == 0o600
+
+
+@pytest.mark.parametrize("store", ["file", "memory", "moto"])
+def test_racing_first_starts_agree_on_one_job_id_on_a_create_only_store(tmp_path, store, request):
+    """The id is created once, create-only (the file backend's link(2), memory, S3's
+    If-None-Match on moto_server): 8 threads starting at once all get the same id."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bcp.backends import backend_for
+    from bcp.tiers.job import job_identity
+
+    if store == "moto":
+        from conftest import new_bucket, store_uri
+
+        server = request.getfixturevalue("moto_server")
+        uri = store_uri("moto", server, new_bucket(server), "ck")
+    else:
+        uri = str(tmp_path / "ck") if store == "file" else f"memory://race-{os.getpid()}-{tmp_path.name}/ck"
+    barrier = threading.Barrier(8)
+
+    def start(_: int) -> str:
+        backend = backend_for(uri)
+        barrier.wait()
+        return job_identity(backend)
+
+    with ThreadPoolExecutor(8) as pool:
+        ids = set(pool.map(start, range(8)))
+    assert len(ids) == 1 and ids == {job_identity(backend_for(uri))}

@@ -159,9 +159,12 @@ def _is_file_of_size(path: str, manifest: Manifest, i: int) -> bool:
 def list_local(root: str, job: str | None = None) -> list[StepCopy]:
     """Every local step under ``root`` this host has a manifest for, newest first: only
     this job's (``job``, by default the id the tier stamped on the local root; a root
-    without one, not made by a tier, lists every step)."""
+    without one, not made by a tier, lists every step; one whose ``job.json`` is there
+    but unreadable lists none)."""
     if job is None:
         job = read_job(root)
+        if job is None and os.path.lexists(os.path.join(root, JOB_NAME)):
+            job = "unreadable"  # fail closed: no step's job.json names it
     out = []
     for step, path in step_dirs(root):
         copy = read_step(step, path, job)
