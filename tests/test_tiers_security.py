@@ -541,3 +541,24 @@ def test_racing_first_starts_agree_on_one_job_id_on_a_create_only_store(tmp_path
     with ThreadPoolExecutor(8) as pool:
         ids = set(pool.map(start, range(8)))
     assert len(ids) == 1 and ids == {job_identity(backend_for(uri))}
+
+
+def test_a_refusal_on_one_host_raises_on_every_rank_at_once(tmp_path, capfd):
+    """Host 1's private directory belongs to another user: every rank of both hosts
+    fails at the manager's construction, in seconds, host 0's ranks with host 1's
+    refusal (agreed: not a broken connection, nor a wait of BCP_RENDEZVOUS_TIMEOUT)."""
+    import time
+
+    import tier_jobs
+
+    cfg = {"base": str(tmp_path / "hosts"), "root": str(tmp_path / "persist"), "ranks_per_host": 2, "steps": [1]}
+    squatted = os.path.dirname(local_root(os.path.join(cfg["base"], "host1"), cfg["root"]))
+    os.makedirs(squatted)
+    os.chown(squatted, OTHER, OTHER)
+    started = time.monotonic()
+    codes = tier_jobs.run(4, cfg, timeout=60)
+    assert all(c not in (0, None) for c in codes), codes
+    assert time.monotonic() - started < 20, "ranks waited for a rank that had refused"
+    assert os.listdir(squatted) == []
+    err = capfd.readouterr().err
+    assert "creating the local tier's directory failed on 2 of 4 ranks: rank 2: PermissionError" in err, err[-2000:]

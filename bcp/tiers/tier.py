@@ -34,7 +34,7 @@ from bcp.backends import join_uri
 from bcp.metadata.layout import step_name
 
 from ..async_save import AfterCommit, AsyncSaveHandle, async_save
-from ..collectives import Coordinator, decide
+from ..collectives import Coordinator, decide, run_phase
 from ..lanes import background_coordinator, lane_coordinator
 from ..options import SaveOptions
 from ..planning.cache import plan_cache_for
@@ -77,8 +77,13 @@ class Tier:
         self.housekeeping = housekeeping
         self.root = local_root(config.dir, root_uri)
         check_apart(self.root, root_uri)
-        os.makedirs(config.dir, exist_ok=True)  # the tier's dir is the user's; below it, bcp's private tree
-        self.root = make_private_root(config.dir, root_uri)
+
+        def private_root() -> str:
+            os.makedirs(config.dir, exist_ok=True)  # the tier's dir is the user's; below it, bcp's private tree
+            return make_private_root(config.dir, root_uri)
+
+        # a refusal on one host raises on every rank (the others would wait in the next collective)
+        self.root = run_phase(coord, "creating the local tier's directory", private_root)
         self.hosts = HostMap.gather(coord)
         #: this job's id (job.py): the persistent root's, read or created by the coordinator
         self.job: str = decide(
@@ -86,8 +91,10 @@ class Tier:
             "reading the local tier's job id",
             lambda: job_identity(resolve_backend(root_uri, self.storage_options)),
         )
-        if self.is_host_first:
-            stamp(self.root, self.job)
+        if self.is_host_first:  # every rank agrees that every host's first rank stamped its root
+            run_phase(coord, "binding the local root to the job", stamp, self.root, self.job)
+        else:
+            run_phase(coord, "binding the local root to the job", lambda: None)
         if coord.is_coordinator:
             warn_if_short(self.hosts, config.replicas)
         #: the drain's group, created now: groups are created collectively, in one order
@@ -169,7 +176,10 @@ class Tier:
         if self.is_host_first:
             with self._pin_lock:
                 remove_stale(self.root, step, self._pinned, self.job)
-            make_step_dir(step_dir(self.root, step), self.job)
+            try:
+                make_step_dir(step_dir(self.root, step), self.job)
+            except OSError as e:  # this host's copy is then never loaded (no job id); never an error here
+                log.warning("local tier: cannot stamp step %d under %s with the job id: %s", step, self.root, e)
 
     def _skipped(self, verdict: Verdict, step: int) -> None:
         """(the save's thread, every rank) A fast local save was skipped: a WARNING where
