@@ -24,7 +24,7 @@ import torch
 import bcp
 from bcp.metadata.layout import MANIFEST_KEY
 from bcp.tiers.holding import add_held
-from bcp.tiers.paths import HOLDING_LOCK, HOLDING_NAME, local_root, step_dir
+from bcp.tiers.paths import HOLDING_LOCK, HOLDING_NAME, job_name, local_root, step_dir
 
 #: uids of other users (none needs to exist: ownership is a number)
 OTHER = 12345
@@ -300,9 +300,12 @@ def test_a_dangling_link_as_the_holding_lock_creates_nothing(tmp_path):
 # -- fuzz: a hostile tree --------------------------------------------------------------------------
 
 
-def _plant(rng: random.Random, shm: str, root: str, outside: str, foreign: str) -> list[str]:
-    """Random hostile changes to the tier's tree; what was done, for the failure message."""
-    local = local_root(shm, root)
+def _plant(
+    rng: random.Random, shm: str, root: str, outside: str, foreign: str, victim: int = 0, another: int = OTHER
+) -> list[str]:
+    """Random hostile changes to the tier of user ``victim``; what was done, for the
+    failure message. ``another``: the uid of another user's directories."""
+    local = os.path.join(shm, f"bcp-{victim}", job_name(root))
     user_dir = os.path.dirname(local)
     done: list[str] = []
     steps = [1, 2]
@@ -333,11 +336,11 @@ def _plant(rng: random.Random, shm: str, root: str, outside: str, foreign: str) 
 
     actions: list[tuple[str, Callable[[], None]]] = [
         ("user dir -> link", lambda: (shutil.rmtree(user_dir), os.symlink(outside, user_dir))),
-        ("user dir owned by another", lambda: os.chown(user_dir, OTHER, OTHER)),
+        ("user dir owned by another", lambda: os.chown(user_dir, another, another)),
         ("user dir mode 0777", lambda: os.chmod(user_dir, 0o777)),
         ("user dir mode 0755", lambda: os.chmod(user_dir, 0o755)),
         ("job dir -> link", lambda: (shutil.rmtree(local), os.symlink(outside, local))),
-        ("job dir owned by another", lambda: os.chown(local, OTHER, OTHER)),
+        ("job dir owned by another", lambda: os.chown(local, another, another)),
         ("job dir mode 0707", lambda: os.chmod(local, 0o707)),
     ]
     for s in (0, 1, 2, 3, 7):
@@ -575,3 +578,102 @@ def test_a_refusal_on_one_host_raises_on_every_rank_at_once(tmp_path):
     for r in (0, 1):
         assert "creating the local tier's directory failed on 2 of 4 ranks: rank 2: PermissionError" in seen[r], seen[r]
     assert os.listdir(squatted) == []
+
+
+def _in_child(uid: int, fn: Callable[[], Any], seconds: int = 30) -> tuple[str, Any]:
+    """``fn()`` in a forked child running as ``uid``: ("ok", result), ("error", "Type: message")
+    or ("blocked", None) when it ran past ``seconds`` (SIGALRM ends it)."""
+    import json
+    import signal
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(seconds)
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                out = ["ok", fn()]
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                out = ["error", f"{type(e).__name__}: {e}"]
+            os.write(write, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 1 << 16):
+        chunks.append(chunk)
+    os.close(read)
+    _pid, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) == -14 or not chunks:
+        return "blocked", os.waitstatus_to_exitcode(status)
+    kind, value = json.loads(b"".join(chunks))
+    return kind, value
+
+
+def _chown_tree(top: str, uid: int, *, unless: int) -> None:
+    """Everything under ``top`` (links themselves, never followed) owned by ``uid``, but what ``unless`` owns."""
+    for dirpath, dirs, files in os.walk(top):
+        for name in [*dirs, *files, ""]:
+            path = os.path.join(dirpath, name) if name else dirpath
+            if os.lstat(path).st_uid != unless:
+                os.chown(path, uid, uid, follow_symlinks=False)
+
+
+def test_fuzz_as_a_second_user_against_a_third(tmp_path):
+    """The fuzz with real users: the job runs as uid OTHER in a forked child; the
+    hostile changes are made as root and belong to the job's own user (a confused
+    script, a tampered tree) or to a third user (THIRD, a squatter). The files outside
+    the tier belong to the job's user, so only bcp's own care keeps them intact."""
+    base = tempfile.mkdtemp(prefix="bcp-fuzz-", dir="/tmp")
+    try:
+        os.chmod(base, 0o1777)
+        foreign_shm = os.path.join(base, "foreign-shm")
+        _manager(os.path.join(base, "other"), foreign_shm).save(3, _state(7))
+        foreign = step_dir(local_root(foreign_shm, os.path.join(base, "other")), 3)
+        outcomes: dict[str, int] = {}
+        for seed in range(16):
+            rng = random.Random(1000 + seed)
+            case = os.path.join(base, f"case{seed}")
+            os.mkdir(case)
+            os.chmod(case, 0o1777)
+            shm, root = os.path.join(case, "shm"), os.path.join(case, "ck")
+
+            def first(shm: str = shm, root: str = root) -> int:
+                manager = _manager(root, shm, keep=3)
+                manager.save(1, _state(1))
+                manager.save(2, _state(2))
+                return 2
+
+            assert _in_child(OTHER, first) == ("ok", 2), f"seed {seed}: the job could not start"
+            outside = _outside(os.path.join(case, "outside"))
+            done = _plant(rng, shm, root, outside, os.path.join(foreign, ""), victim=OTHER, another=THIRD)
+            _chown_tree(case, OTHER, unless=THIRD)
+            before = _tree(outside)
+
+            def run(shm: str = shm, root: str = root) -> list[Any]:
+                manager = _manager(root, shm, keep=3)
+                step, state = manager.load_latest(_template())
+                seen = [step, float(state["w"][0])]
+                manager.save(3, _state(3))
+                manager.save(4, _state(4))
+                step, state = manager.load_latest(_template())
+                return [*seen, step, float(state["w"][0])]
+
+            kind, value = _in_child(OTHER, run)
+            where = f"seed {seed}: {done}"
+            assert kind != "blocked", f"{where}: blocked (status {value})"
+            if kind == "error":
+                assert value.startswith("PermissionError: ") and "\n" not in value and shm in value, f"{where}: {value}"
+            else:
+                step, loaded, after_step, after = value
+                assert loaded != 7.0 and (step is None or loaded == step), f"{where}: loaded step {step} = {loaded}"
+                assert (after_step, after) == (4, 4.0), f"{where}: after saving 3 and 4, loaded {value}"
+            outcomes[kind] = outcomes.get(kind, 0) + 1
+            assert _tree(outside) == before, f"{where}: something outside the tier's tree changed"
+        assert outcomes.get("error", 0) >= 2 and outcomes.get("ok", 0) >= 6, outcomes
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

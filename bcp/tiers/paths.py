@@ -12,7 +12,6 @@ not the host), its files 0600 (docs/tiers.md, "Security").
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 import os
@@ -82,6 +81,28 @@ def _refuse(path: str, what: str, fix: str) -> PermissionError:
     return PermissionError(f"local tier: {path} {what}; bcp refuses to use it: {fix}")
 
 
+def _foreign_owner(path: str, uid: int) -> PermissionError:
+    return _refuse(
+        path,
+        f"is owned by {_owner(uid)}, not by this user ({_owner(os.geteuid())})",
+        f"have it removed (sudo rm -r {path}), or give LocalTier another dir",
+    )
+
+
+def _unusable(parent_fd: int, name: str, path: str, error: OSError) -> PermissionError:
+    """Why ``name`` (``path``) could not be opened as a directory, as one line."""
+    try:
+        st = os.lstat(name, dir_fd=parent_fd)
+    except OSError as e:
+        return PermissionError(f"local tier: cannot open {path} ({e.strerror})")
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        kind = "is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a directory"
+        return _refuse(path, f"{kind} (owner {_owner(st.st_uid)})", f"remove it (rm {path}) and start again")
+    if st.st_uid != os.geteuid():
+        return _foreign_owner(path, st.st_uid)
+    return _refuse(path, f"cannot be opened ({error.strerror})", f"chmod 700 {path}")
+
+
 def open_private_dir(parent_fd: int, name: str, path: str) -> int:
     """A descriptor of the directory ``name`` under ``parent_fd`` (``path``, for
     messages), created 0700 when missing. Refused (PermissionError, one line naming the
@@ -91,27 +112,17 @@ def open_private_dir(parent_fd: int, name: str, path: str) -> int:
         os.mkdir(name, DIR_MODE, dir_fd=parent_fd)
     except FileExistsError:
         pass
+    except OSError as e:
+        parent = os.path.dirname(path)
+        raise PermissionError(f"local tier: cannot create {path} ({e.strerror}); check {parent}") from None
     try:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
-    except OSError as e:
-        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-            raise
-        try:
-            st = os.lstat(name, dir_fd=parent_fd)
-            owner, link = _owner(st.st_uid), stat.S_ISLNK(st.st_mode)
-        except OSError:
-            owner, link = "unknown", e.errno == errno.ELOOP
-        kind = "is a symbolic link" if link else "is not a directory"
-        raise _refuse(path, f"{kind} (owner {owner})", f"remove it (rm {path}) and start again") from None
+    except OSError as e:  # a link (ELOOP), not a directory (ENOTDIR), another user's (EACCES)
+        raise _unusable(parent_fd, name, path, e) from None
     try:
         st = os.fstat(fd)
-        me = os.geteuid()
-        if st.st_uid != me:
-            raise _refuse(
-                path,
-                f"is owned by {_owner(st.st_uid)}, not by this user ({_owner(me)})",
-                f"have it removed (sudo rm -r {path}), or give LocalTier another dir",
-            )
+        if st.st_uid != os.geteuid():
+            raise _foreign_owner(path, st.st_uid)
         if st.st_mode & 0o022:
             raise _refuse(
                 path,
