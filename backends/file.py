@@ -56,13 +56,38 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _fchmod_path(path: str, mode: int, flags: int) -> None:
+    """Set ``path``'s permission bits through a descriptor opened without following a link."""
+    fd = os.open(path, flags | NOFOLLOW)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
 class FileBackend(Backend):
     """Objects are files under a root directory; keys are relative paths."""
 
     scheme = "file"
     capabilities = Capability.CREATE_ONLY | Capability.RANGED_READ | Capability.PARALLEL_WRITES | Capability.POSIX
 
-    def __init__(self, root: str, *, fsync: bool = True, direct: bool = True, direct_reads: bool = True) -> None:
+    def __init__(
+        self,
+        root: str,
+        *,
+        fsync: bool = True,
+        direct: bool = True,
+        direct_reads: bool = True,
+        file_mode: int | None = None,
+    ) -> None:
+        """``file_mode``: the permission bits of every file this backend creates, set
+        with ``fchmod`` whatever the umask, and of the directories it creates (with the
+        search bit beside each read bit: 0o600 gives 0o700); None (the default): 0o644
+        and 0o777 less the umask, as ``open`` and ``mkdir`` give them. Only a caller's
+        argument, never a URI option: the local tier passes 0o600 (docs/tiers.md,
+        "Security")."""
+        if file_mode is not None and (isinstance(file_mode, bool) or not 0 <= file_mode <= 0o777):
+            raise ValueError(f"file_mode must be permission bits from 0 to 0o777, got {file_mode!r}")
         root = os.path.abspath(os.path.expanduser(root))
         super().__init__(root)
         self.root = root
@@ -73,6 +98,9 @@ class FileBackend(Backend):
         self.direct_reads = direct_reads and hasattr(os, "O_DIRECT")
         #: directories below the root found not to be symbolic links (see _refuse_links)
         self._checked_dirs: set[str] = set()
+        #: permission bits of created files (None: the umask's), and of created directories
+        self.file_mode = file_mode
+        self._dir_mode = None if file_mode is None else file_mode | ((file_mode & 0o444) >> 2)
 
     @classmethod
     def from_uri(cls, uri: str, **options) -> Self:
@@ -152,9 +180,11 @@ class FileBackend(Backend):
             path = os.path.dirname(path)
         for d in reversed(missing):
             try:
-                os.mkdir(d)
+                os.mkdir(d, 0o777 if self._dir_mode is None else self._dir_mode)
             except FileExistsError:
                 continue
+            if self._dir_mode is not None:
+                _fchmod_path(d, self._dir_mode, os.O_RDONLY | os.O_DIRECTORY)
             if self.fsync:
                 _fsync_dir(os.path.dirname(d))
 
@@ -420,12 +450,22 @@ class _FileWriter(ObjectWriter):
         while True:
             self.backend._make_dirs(os.path.dirname(self.final))
             try:
-                return os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                mode = self.backend.file_mode
+                fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644 if mode is None else mode)
             except FileNotFoundError:
                 # A concurrent delete pruned the directory we just made: make it again.
                 attempts_left -= 1
                 if not attempts_left:
                     raise
+                continue
+            if mode is not None:
+                try:
+                    os.fchmod(fd, mode)  # exactly these bits, whatever the umask took away
+                except OSError:
+                    os.close(fd)
+                    os.unlink(self.tmp)
+                    raise
+            return fd
 
     def _write_at(self, offset: int, data: Buffer) -> None:
         fd, dfd = self.fd, self.dfd

@@ -18,12 +18,14 @@ from hypothesis import strategies as st
 import bcp
 import dist_jobs
 import tier_recover_jobs as jobs
+from bcp.backends import backend_for
 from bcp.collectives import Coordinator
 from bcp.metadata.layout import MANIFEST_KEY, step_name
 from bcp.tiers.exchange import Exchange
 from bcp.tiers.holding import add_held
 from bcp.tiers.hosts import HostMap
 from bcp.tiers.inventory import StepCopy, choose_local, list_local, local_wins
+from bcp.tiers.job import JOB_NAME, job_identity, read_job
 from bcp.tiers.paths import HOLDING_NAME, local_root
 from bcp.tiers.recover import recover_latest, recover_latest_with_info
 from bcp.tiers.recovery_dir import RECOVERY_PREFIX
@@ -42,10 +44,11 @@ def _state(seed: float) -> dict:
 
 def _local_step(tmp_path, root: str, step: int, seed: float, *, hold: bool = True) -> str:
     """Save ``_state(seed)`` with one process and place it as local step ``step`` of
-    ``root`` (its one data file in holding.json when ``hold``). Returns the step dir."""
+    ``root`` (its one data file in holding.json when ``hold``; stamped with the job id
+    of the root when a tier stamped it). Returns the step dir."""
     ckpt = str(tmp_path / f"src-{step}-{seed}")
     bcp.save(_state(seed), ckpt)
-    jobs.lay_out(ckpt, [root], [[0]], replicas=0, step=step)
+    jobs.lay_out(ckpt, [root], [[0]], replicas=0, step=step, job=read_job(root) if os.path.isdir(root) else None)
     step_dir = os.path.join(root, step_name(step))
     if not hold:
         jobs.write_holding(step_dir, jobs.manifest_of(ckpt), [])
@@ -308,6 +311,11 @@ def _roots(base, names: list[str], persistent: str) -> list[str]:
     return [local_root(base / n, persistent) for n in names]
 
 
+def _job(persistent: str) -> str:
+    """The job id of the persistent root (read, or created as the tier would)."""
+    return job_identity(backend_for(persistent))
+
+
 @pytest.mark.slow
 def test_four_ranks_recover_from_replicas_and_refuse_what_is_not_held(saved, tmp_path):
     """2 hosts x 2 ranks saved, host B lost, replicas=1: the same world size recovers
@@ -316,23 +324,24 @@ def test_four_ranks_recover_from_replicas_and_refuse_what_is_not_held(saved, tmp
     byte in a fragment A serves (B's copy is lost): A's replica is quarantined."""
     x, y, persistent = os.path.join(saved, "x"), os.path.join(saved, "y"), os.path.join(saved, "persistent")
     ref5, ref10 = os.path.join(saved, "ref5.pt"), os.path.join(saved, "ref10.pt")
+    job = _job(persistent)
     two = [[0, 1], [2, 3]]
     hosts = ("A", "A", "B", "B")
     scenarios = []
 
     lost = _roots(tmp_path, ["lost-a", "lost-b"], persistent)
-    jobs.lay_out(x, lost, two, replicas=1, lost=(1,))
+    jobs.lay_out(x, lost, two, replicas=1, lost=(1,), job=job)
     scenarios.append(
         jobs.Scenario("B lost", hosts, dict(zip("AB", lost, strict=True)), persistent, "local", ref10, False)
     )
 
     stale = _roots(tmp_path, ["stale-a", "stale-b"], persistent)
-    jobs.lay_out(x, stale, two, replicas=0, lost=(1,))
-    jobs.lay_out(y, stale, two, replicas=0, lost=(0,))
+    jobs.lay_out(x, stale, two, replicas=0, lost=(1,), job=job)
+    jobs.lay_out(y, stale, two, replicas=0, lost=(0,), job=job)
     scenarios.append(jobs.Scenario("stale", hosts, dict(zip("AB", stale, strict=True)), persistent, "persistent", ref5))
 
     unlisted = _roots(tmp_path, ["unlisted-a", "unlisted-b"], persistent)
-    jobs.lay_out(x, unlisted, two, replicas=1, lost=(1,))
+    jobs.lay_out(x, unlisted, two, replicas=1, lost=(1,), job=job)
     manifest = jobs.manifest_of(x)
     step_a = os.path.join(unlisted[0], step_name(jobs.LOCAL_STEP))
     jobs.write_holding(step_a, manifest, jobs.files_of_ranks(manifest, [0, 1]))  # the replica is not listed
@@ -342,7 +351,7 @@ def test_four_ranks_recover_from_replicas_and_refuse_what_is_not_held(saved, tmp
     )
 
     corrupt = _roots(tmp_path, ["corrupt-a", "corrupt-b"], persistent)
-    jobs.lay_out(x, corrupt, two, replicas=1, lost=(1,))
+    jobs.lay_out(x, corrupt, two, replicas=1, lost=(1,), job=job)
     replica = os.path.join(corrupt[0], step_name(jobs.LOCAL_STEP), jobs.files_of_ranks(manifest, [2])[0])
     with open(replica, "r+b") as f:  # the first fragment of rank 2's file, which rank 2 fetches from A
         byte = f.read(1)
@@ -353,7 +362,7 @@ def test_four_ranks_recover_from_replicas_and_refuse_what_is_not_held(saved, tmp
     )
 
     dist_jobs.spawn(jobs.scenarios_job, 4, scenarios)
-    assert os.listdir(lost[1]) == [], "the recovery directory of the new host B is removed"
+    assert os.listdir(lost[1]) == [JOB_NAME], "the recovery directory of the new host B is removed"
     assert not os.path.exists(replica) and os.path.exists(replica + ".quarantined"), "the corrupt replica moved aside"
 
 
@@ -364,14 +373,15 @@ def test_three_ranks_recover_from_replicas_and_two_lost_hosts_fall_back(saved, t
     falls back to the persistent step."""
     x, persistent = os.path.join(saved, "x"), os.path.join(saved, "persistent")
     ref5, ref10 = os.path.join(saved, "ref5.pt"), os.path.join(saved, "ref10.pt")
+    job = _job(persistent)
     smaller = _roots(tmp_path, ["small-a", "small-b", "small-c"], persistent)
-    jobs.lay_out(x, smaller[:2], [[0, 1], [2, 3]], replicas=1, lost=(1,))
+    jobs.lay_out(x, smaller[:2], [[0, 1], [2, 3]], replicas=1, lost=(1,), job=job)
     os.makedirs(smaller[2])
     resized = jobs.Scenario("A + new host", ("A", "A", "C"), {"A": smaller[0], "C": smaller[2]}, persistent, "local")
     resized = jobs.Scenario(**{**resized.__dict__, "ref": ref10, "via_manager": False, "round_bytes": 2048})
 
     four = _roots(tmp_path, ["h0", "h1", "h2", "h3", "h4"], persistent)
-    jobs.lay_out(x, four[:4], [[0], [1], [2], [3]], replicas=1, lost=(1, 2))
+    jobs.lay_out(x, four[:4], [[0], [1], [2], [3]], replicas=1, lost=(1, 2), job=job)
     os.makedirs(four[4])
     two_lost = jobs.Scenario(
         "two hosts lost", ("h0", "h3", "h4"), {"h0": four[0], "h3": four[3], "h4": four[4]}, persistent, "persistent"

@@ -79,7 +79,8 @@ def test_job_name_is_a_safe_tail_and_a_hash_of_the_whole_uri(tmp_path):
     assert a.startswith("llama_7b-") and b.startswith("llama_7b-") and a != b
     assert job_name(str(tmp_path / "ck")) == job_name(f"{tmp_path}/ck/"[:-1])
     assert "/" not in job_name("gs://b/") and job_name("gs://b/").endswith(job_name("gs://b/")[-8:])
-    assert local_root("/dev/shm", "s3://bucket/runs/llama") == f"/dev/shm/bcp/{job_name('s3://bucket/runs/llama')}"
+    mine = f"/dev/shm/bcp-{os.geteuid()}/{job_name('s3://bucket/runs/llama')}"  # each user's private directory
+    assert local_root("/dev/shm", "s3://bucket/runs/llama") == mine
 
 
 def test_a_local_root_inside_the_persistent_root_is_refused(tmp_path):

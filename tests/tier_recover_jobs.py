@@ -24,6 +24,7 @@ import bcp
 from bcp.metadata import Manifest
 from bcp.metadata.layout import MANIFEST_KEY, step_name
 from bcp.tiers.holding import add_held
+from bcp.tiers.job import stamp
 from bcp.tiers.paths import HOLDING_NAME, local_root
 from dist_jobs import assert_equal_to_reference, full_reference, restore, sharded_model, sharded_state, train
 
@@ -56,19 +57,25 @@ def lay_out(
     replicas: int = 1,
     lost: tuple[int, ...] = (),
     step: int = LOCAL_STEP,
+    job: str | None = None,
 ) -> None:
     """Copy the checkpoint ``ckpt`` into the local root of each host as the local tier
     would leave it: host ``h`` holds its ranks' data files and, for ``replicas`` = k,
     the shares of hosts h-1 .. h-k (a share goes to the next hosts). Lost hosts get
-    an empty root. Existing contents of a root are kept (other steps)."""
+    an empty root. Existing contents of a root are kept (other steps). ``job``: the
+    job id (bcp.tiers.job) stamped on each root and step, as a tier of that job would."""
     manifest = manifest_of(ckpt)
     n = len(roots)
     for h, root in enumerate(roots):
         os.makedirs(root, exist_ok=True)
+        if job is not None:
+            stamp(root, job)
         if h in lost:
             continue
         dst = os.path.join(root, step_name(step))
         os.makedirs(os.path.join(dst, manifest.generation, "data"), exist_ok=True)
+        if job is not None:
+            stamp(dst, job)
         owners = [h] + [(h - k) % n for k in range(1, replicas + 1) if (h - k) % n != h]
         files = [f for o in dict.fromkeys(owners) for f in files_of_ranks(manifest, host_ranks[o])]
         for f in files:

@@ -3,7 +3,8 @@ drained to persistent storage one in M (docs/tiers.md).
 
 ``bcp.LocalTier`` is its configuration, given to ``CheckpointManager(tier=...)``;
 the manager drives the rest (:class:`bcp.tiers.tier.Tier`). Modules, one job each:
-``hosts`` (host identity, replica placement), ``paths`` (the local root),
+``hosts`` (host identity, replica placement), ``paths`` (the local root, private
+to its user), ``job`` (the job id binding local steps to the persistent root),
 ``room`` (the free-space check), ``holding`` (``holding.json``, file checks),
 ``local_save`` (after a local commit: metadata to every host, own share recorded),
 ``replicate`` (shares to replica hosts), ``retention`` (local steps kept per host),

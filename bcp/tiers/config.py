@@ -16,7 +16,7 @@ class LocalTier:
     (docs/tiers.md).
 
     ``CheckpointManager(root, tier=bcp.LocalTier())`` saves every ``every`` steps to
-    ``<dir>/bcp/<job>`` on each host (``<job>`` is derived from the manager's root
+    ``<dir>/bcp-<uid>/<job>`` on each host (``<job>`` is derived from the manager's root
     URI), sends each host's share to ``replicas`` other hosts, keeps the newest
     ``keep`` local steps per host, and copies every step that is a multiple of
     ``persist_every`` to the manager's root (None: never; the persistent tier then

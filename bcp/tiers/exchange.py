@@ -190,7 +190,7 @@ class Exchange:
         if key not in files:
             root = self.step_dir if where == "read" else self.recovery_dir
             path = os.path.join(root, *self.manifest.data_files[file].path.split("/"))
-            flags = (os.O_RDONLY if where == "read" else os.O_WRONLY) | NOFOLLOW
+            flags = (os.O_RDONLY if where == "read" else os.O_WRONLY) | NOFOLLOW | os.O_NONBLOCK
             files[key] = os.open(path, flags)
         return files[key]
 

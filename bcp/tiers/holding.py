@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import logging
 import os
 import secrets
+import stat
 from collections.abc import Iterator, Mapping, Sequence
 
 from bcp.metadata import Catalog, FileEntry, block_checksums, digest_of_checksums
 
-from .paths import HOLDING_LOCK, HOLDING_NAME, read_regular
+from .paths import FILE_MODE, HOLDING_LOCK, HOLDING_NAME, READ_FLAGS, read_regular
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +94,25 @@ def held_files(step_dir: str, save_id: str) -> dict[str, FileEntry]:
     return dict(holding.files) if holding is not None and holding.save_id == save_id else {}
 
 
+def open_regular(name: str, flags: int, dir_fd: int, where: str) -> int:
+    """``name`` under ``dir_fd`` opened with ``flags`` never through a link and never
+    blocking (O_NOFOLLOW | O_NONBLOCK; created 0600 with O_CREAT), refused
+    (PermissionError naming ``where``) unless it is a regular file."""
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK, FILE_MODE, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise PermissionError(f"local tier: {where} is a symbolic link; bcp never opens one: remove it") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise PermissionError(f"local tier: {where} is not a regular file; remove it")
+    return fd
+
+
 @contextlib.contextmanager
-def _locked(step_dir: str) -> Iterator[None]:
-    fd = os.open(os.path.join(step_dir, HOLDING_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+def _locked(dir_fd: int, step_dir: str) -> Iterator[None]:
+    fd = open_regular(HOLDING_LOCK, os.O_RDWR | os.O_CREAT, dir_fd, os.path.join(step_dir, HOLDING_LOCK))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -105,20 +123,29 @@ def _locked(step_dir: str) -> Iterator[None]:
 def add_held(step_dir: str, save_id: str, entries: Sequence[FileEntry]) -> None:
     """List ``entries`` (checked files of the save ``save_id``) in the step's
     ``holding.json``, under the host's lock; a list of another save, or one that
-    holds nothing (:func:`read_holding`), is replaced."""
-    os.makedirs(step_dir, exist_ok=True)
-    with _locked(step_dir):
-        files = held_files(step_dir, save_id)
-        files.update((e.path, e) for e in entries)
-        listed = {path: {"nbytes": e.nbytes, "crc32c": e.crc32c} for path, e in sorted(files.items())}
-        data = json.dumps({"format": FORMAT, "version": VERSION, "save_id": save_id, "files": listed}, indent=1).encode(
-            "utf-8"
-        )
-        final = os.path.join(step_dir, HOLDING_NAME)
-        tmp = f"{final}.partial-{secrets.token_hex(4)}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, final)
+    holds nothing (:func:`read_holding`), is replaced. Every file is opened relative
+    to the step directory's descriptor, never through a link, created 0600."""
+    os.makedirs(step_dir, mode=0o700, exist_ok=True)
+    dfd = os.open(step_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        with _locked(dfd, step_dir):
+            files = held_files(step_dir, save_id)
+            files.update((e.path, e) for e in entries)
+            listed = {path: {"nbytes": e.nbytes, "crc32c": e.crc32c} for path, e in sorted(files.items())}
+            doc = {"format": FORMAT, "version": VERSION, "save_id": save_id, "files": listed}
+            data = json.dumps(doc, indent=1).encode("utf-8")
+            tmp = f"{HOLDING_NAME}.partial-{secrets.token_hex(4)}"
+            fd = open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dfd, os.path.join(step_dir, tmp))
+            try:
+                os.fchmod(fd, FILE_MODE)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            os.replace(tmp, HOLDING_NAME, src_dir_fd=dfd, dst_dir_fd=dfd)
+    finally:
+        os.close(dfd)
 
 
 def file_spans(catalog: Catalog) -> dict[str, list[tuple[int, int]]]:
@@ -141,9 +168,12 @@ def file_digest(path: str, spans: Sequence[tuple[int, int]], block_bytes: int) -
     at most READ_BYTES."""
     step = max(block_bytes, READ_BYTES // block_bytes * block_bytes)
     sums: list[int] = []
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    fd = os.open(path, READ_FLAGS)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        size = st.st_size
         for offset, nbytes in spans:
             done = 0
             while done < nbytes:

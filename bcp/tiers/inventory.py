@@ -27,6 +27,7 @@ from bcp.metadata.checksum import crc32c
 from bcp.metadata.layout import MANIFEST_KEY, step_name, step_of
 
 from .holding import read_holding
+from .job import JOB_NAME, read_job
 from .paths import HOLDING_NAME, read_regular
 
 log = logging.getLogger(__name__)
@@ -89,11 +90,23 @@ def manifest_crc(data: bytes) -> int:
     return int(found.group(1), 16) if found else crc32c(data)
 
 
-def read_step(step: int, path: str) -> StepCopy | None:
-    """This host's copy of ``step`` at ``path``: None without a readable manifest.
-    A data file counts when ``holding.json`` (``holding.read_holding``) lists it for
-    the manifest's save, with the manifest's size and digest, and it is a regular
-    file of that size."""
+def read_step(step: int, path: str, job: str | None = None) -> StepCopy | None:
+    """This host's copy of ``step`` at ``path``: None without a readable manifest, or
+    (with ``job``, this job's id) when its ``job.json`` does not name ``job`` (a
+    WARNING: another job's step, or one bcp did not stamp; job.py). A data file counts
+    when ``holding.json`` (``holding.read_holding``) lists it for the manifest's save,
+    with the manifest's size and digest, and it is a regular file of that size."""
+    if job is not None:
+        owner = read_job(path)
+        if owner != job:
+            log.warning(
+                "local tier: ignoring step %d on this host: %s %s, not this job's (%s); it is never loaded",
+                step,
+                os.path.join(path, JOB_NAME),
+                "is missing or unreadable" if owner is None else f"names job {owner}",
+                job,
+            )
+            return None
     data = read_regular(os.path.join(path, MANIFEST_KEY), MAX_MANIFEST_BYTES)
     if data is None:
         return None
@@ -143,11 +156,18 @@ def _is_file_of_size(path: str, manifest: Manifest, i: int) -> bool:
     return _size_of(path) == manifest.data_files[i].nbytes
 
 
-def list_local(root: str) -> list[StepCopy]:
-    """Every local step under ``root`` this host has a manifest for, newest first."""
+def list_local(root: str, job: str | None = None) -> list[StepCopy]:
+    """Every local step under ``root`` this host has a manifest for, newest first: only
+    this job's (``job``, by default the id the tier stamped on the local root; a root
+    without one, not made by a tier, lists every step; one whose ``job.json`` is there
+    but unreadable lists none)."""
+    if job is None:
+        job = read_job(root)
+        if job is None and os.path.lexists(os.path.join(root, JOB_NAME)):
+            job = "unreadable"  # fail closed: no step's job.json names it
     out = []
     for step, path in step_dirs(root):
-        copy = read_step(step, path)
+        copy = read_step(step, path, job)
         if copy is not None:
             out.append(copy)
     return out

@@ -32,6 +32,7 @@ from bcp.metadata.layout import data_file_key
 from ..collectives import Coordinator
 from .holding import add_held, verify
 from .hosts import HostMap, transfers
+from .paths import READ_FLAGS
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def replicate(
     recvs = [_Stream(src, e, buffer(e)) for src, e in in_]
     try:
         if sends:
-            fd = os.open(_local_path(step_dir, sends[0].entry.path), os.O_RDONLY)
+            fd = os.open(_local_path(step_dir, sends[0].entry.path), READ_FLAGS)  # checked by record_own
             for s in sends:  # one file, sent to each replica host
                 s.fd = fd
         for r in recvs:

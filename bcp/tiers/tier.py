@@ -34,7 +34,7 @@ from bcp.backends import join_uri
 from bcp.metadata.layout import step_name
 
 from ..async_save import AfterCommit, AsyncSaveHandle, async_save
-from ..collectives import Coordinator, decide
+from ..collectives import Coordinator, decide, run_phase
 from ..lanes import background_coordinator, lane_coordinator
 from ..options import SaveOptions
 from ..planning.cache import plan_cache_for
@@ -44,9 +44,10 @@ from .config import LocalTier
 from .drain import Drain, drain_step
 from .fast_save import Verdict, save_fast
 from .hosts import HostMap, warn_if_short
+from .job import job_identity, make_step_dir, stamp
 from .local_save import LocalStep, after_commit
-from .paths import check_apart, local_root, step_backend, step_dir
-from .retention import apply_retention, remove_stale
+from .paths import check_apart, local_root, make_private_root, step_backend, step_dir
+from .retention import apply_retention, remove_stale, remove_step
 from .room import Statvfs, check_room, own_record, state_bytes
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,24 @@ class Tier:
         self.housekeeping = housekeeping
         self.root = local_root(config.dir, root_uri)
         check_apart(self.root, root_uri)
-        os.makedirs(self.root, exist_ok=True)
+
+        def private_root() -> str:
+            os.makedirs(config.dir, exist_ok=True)  # the tier's dir is the user's; below it, bcp's private tree
+            return make_private_root(config.dir, root_uri)
+
+        # a refusal on one host raises on every rank (the others would wait in the next collective)
+        self.root = run_phase(coord, "creating the local tier's directory", private_root)
         self.hosts = HostMap.gather(coord)
+        #: this job's id (job.py): the persistent root's, read or created by the coordinator
+        self.job: str = decide(
+            coord,
+            "reading the local tier's job id",
+            lambda: job_identity(resolve_backend(root_uri, self.storage_options)),
+        )
+        if self.is_host_first:  # every rank agrees that every host's first rank stamped its root
+            run_phase(coord, "binding the local root to the job", stamp, self.root, self.job)
+        else:
+            run_phase(coord, "binding the local root to the job", lambda: None)
         if coord.is_coordinator:
             warn_if_short(self.hosts, config.replicas)
         #: the drain's group, created now: groups are created collectively, in one order
@@ -137,7 +154,7 @@ class Tier:
                 writes=writes,
                 room=lambda: own_record(self.root, own, cfg.replicas, self.statvfs),
                 before_plan=lambda: self._remove_stale(step),
-                on_skip=self._skipped,
+                on_skip=lambda verdict: self._skipped(verdict, step),
                 overlap=overlap,
                 after_commit=hook,
             )
@@ -154,15 +171,24 @@ class Tier:
         return "local"
 
     def _remove_stale(self, step: int) -> None:
-        """(the host's first rank) Its copies of ``step`` and later ones, left by an earlier run."""
+        """(the host's first rank) Its copies of ``step`` and later ones, left by an earlier
+        run, go; the step's directory is made and stamped with the job id before any data."""
         if self.is_host_first:
             with self._pin_lock:
-                remove_stale(self.root, step, self._pinned)
+                remove_stale(self.root, step, self._pinned, self.job)
+            try:
+                make_step_dir(step_dir(self.root, step), self.job)
+            except OSError as e:  # this host's copy is then never loaded (no job id); never an error here
+                log.warning("local tier: cannot stamp step %d under %s with the job id: %s", step, self.root, e)
 
-    def _skipped(self, verdict: Verdict) -> None:
+    def _skipped(self, verdict: Verdict, step: int) -> None:
         """(the save's thread, every rank) A fast local save was skipped: a WARNING where
         the room check's would be (the coordinator's is logged already), or for a new plan
-        on the coordinator; after a new plan, the next local save plans on the caller's thread."""
+        on the coordinator; after a new plan, the next local save plans on the caller's thread.
+        The step's directory, made and stamped by ``_remove_stale`` and empty of data, goes."""
+        if self.is_host_first:
+            with self._pin_lock:
+                remove_step(self.root, step, self.job)
         if verdict.short:
             mine = self.hosts.hosts[self.hosts.host_of(self.coord.rank)]
             if self.is_host_first and mine in verdict.short and not self.coord.is_coordinator:
@@ -215,7 +241,7 @@ class Tier:
         if self.is_host_first:
             try:
                 with self._pin_lock:
-                    apply_retention(self.root, step, cfg.keep, self._pinned)
+                    apply_retention(self.root, step, cfg.keep, self._pinned, self.job)
             except OSError as e:  # one host's cleanup: retried at the next local save, never an error
                 log.warning("local tier: retention under %s failed: %s", self.root, e)
 
