@@ -482,7 +482,10 @@ def _corrupt_local_step(tmp_path, which: str, *, persistent_step: int | None) ->
     if persistent_step is not None:
         bcp.CheckpointManager(persistent, async_save=False).save(persistent_step, _state(float(persistent_step)))
     tier = bcp.LocalTier(dir=str(tmp_path / "shm"), replicas=0, persist_every=None)
-    step_dir = _local_step(tmp_path, local_root(tier.dir, persistent), 12, 12.0)
+    root = local_root(tier.dir, persistent)
+    os.makedirs(root)
+    jobs.stamp(root, _job(persistent))  # as this job's tier stamps its local root
+    step_dir = _local_step(tmp_path, root, 12, 12.0)
     manifest = jobs.manifest_of(step_dir)
     entry = manifest.data_files[0] if which == "data" else manifest.catalog
     bad = os.path.join(step_dir, entry.path)

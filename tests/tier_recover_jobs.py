@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 import bcp
+from bcp.backends import backend_for
 from bcp.metadata import Manifest
 from bcp.metadata.layout import MANIFEST_KEY, step_name
 from bcp.tiers.holding import add_held
-from bcp.tiers.job import stamp
+from bcp.tiers.job import job_identity, stamp
 from bcp.tiers.paths import HOLDING_NAME, local_root
 from dist_jobs import assert_equal_to_reference, full_reference, restore, sharded_model, sharded_state, train
 
@@ -341,8 +342,8 @@ def corrupt_copy_job(rank: int, world: int, out: str) -> None:
         dirs = {h: os.path.join(out, f"replicas{replicas}", h) for h in "AB"}
         roots = [local_root(dirs[h], persistent) for h in "AB"]
         bad = os.path.join(roots[0], step_name(LOCAL_STEP), own)
-        if rank == 0:
-            lay_out(saved, roots, [[0], [1]], replicas=replicas)
+        if rank == 0:  # stamped with the persistent root's job id, as the tier of this job would
+            lay_out(saved, roots, [[0], [1]], replicas=replicas, job=job_identity(backend_for(persistent)))
             with open(bad, "r+b") as f:
                 data = f.read()
                 at = data.find(rows_state(0, world, LOCAL_STEP)["w"].local.numpy().tobytes())
