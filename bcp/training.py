@@ -217,7 +217,11 @@ class TrainingState:
         learning rate 0 (so that its state has keys and shapes): that state is dropped
         again here, so that asking for the state (a save, a load's template, a fresh
         run's ``load_latest``) leaves such an optimizer as it was; its saved param
-        groups carry :data:`UNSTEPPED_MARK`, and a load of them leaves it without state."""
+        groups carry :data:`UNSTEPPED_MARK`, and a load of them leaves it without state.
+
+        After the first call with stepped optimizers, get_state_dict's FQN mapping is
+        reused (:class:`_StateDictCache`): the same result, read live from
+        ``model.state_dict()`` and ``optimizer.state_dict()``, at about their cost."""
         unstepped = [not optim.state for optim in self.optimizers]
         model_sd, optim_sd = self._model_and_optim(unstepped)
         state: dict[str, Any] = {"model": model_sd}
@@ -369,10 +373,10 @@ class _StateDictCache:
         for optim, fqns in zip(optimizers, self.pid_fqns, strict=True):
             osd = optim.state_dict()
             for pid, value in osd["state"].items():
-                fqn = fqns[pid] if isinstance(pid, int) and 0 <= pid < len(fqns) else None
-                if fqn is None:
+                name = fqns[pid] if isinstance(pid, int) and 0 <= pid < len(fqns) else None
+                if name is None:
                     return None  # the full path raises for it
-                state[fqn] = value
+                state[name] = value
             for group in osd["param_groups"]:
                 names = [fqns[pid] for pid in group["params"]]
                 if None in names:
