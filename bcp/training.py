@@ -207,6 +207,7 @@ class TrainingState:
         else:
             self.optimizers = tuple(optimizer)
         self.extra: MutableMapping[str, Any] = {} if extra is None else extra
+        self._cache: _StateDictCache | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """The job's state as bcp saves it; with a fresh optimizer, the template a load
@@ -216,14 +217,13 @@ class TrainingState:
         learning rate 0 (so that its state has keys and shapes): that state is dropped
         again here, so that asking for the state (a save, a load's template, a fresh
         run's ``load_latest``) leaves such an optimizer as it was; its saved param
-        groups carry :data:`UNSTEPPED_MARK`, and a load of them leaves it without state."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        groups carry :data:`UNSTEPPED_MARK`, and a load of them leaves it without state.
 
+        After the first call with stepped optimizers, get_state_dict's FQN mapping is
+        reused (:class:`_StateDictCache`): the same result, read live from
+        ``model.state_dict()`` and ``optimizer.state_dict()``, at about their cost."""
         unstepped = [not optim.state for optim in self.optimizers]
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
-        for optim, fresh in zip(self.optimizers, unstepped, strict=True):
-            if fresh:
-                optim.state.clear()  # the dummy step's state; its lr 0 changed no parameter
+        model_sd, optim_sd = self._model_and_optim(unstepped)
         state: dict[str, Any] = {"model": model_sd}
         if self.optimizers:
             state["optim"] = _mark_unstepped_groups(optim_sd, self.optimizers, unstepped)
@@ -235,6 +235,26 @@ class TrainingState:
             state["rng"] = PerRank(rng_state())
         state["extra"] = dict(self.extra)
         return state
+
+    def _model_and_optim(self, unstepped: Sequence[bool]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``get_state_dict(model, optimizers)``; after the first call, the same result from
+        ``model.state_dict()`` and each ``optimizer.state_dict()`` renamed through the FQN
+        mapping the first call learned (:class:`_StateDictCache`), while the model's keys
+        and parameters and the optimizers' parameters are the ones it learned them from
+        and every optimizer has stepped (else the full path, which learns again)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if not any(unstepped) and self._cache is not None:
+            fast = self._cache.state_dicts(self.model, self.optimizers)
+            if fast is not None:
+                return fast
+        cache = _StateDictCache.before(self.model, self.optimizers) if not any(unstepped) else None
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+        for optim, fresh in zip(self.optimizers, unstepped, strict=True):
+            if fresh:
+                optim.state.clear()  # the dummy step's state; its lr 0 changed no parameter
+        self._cache = cache.learn(model_sd) if cache is not None else None
+        return model_sd, optim_sd
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Put a loaded state back into model, optimizer, scheduler, dataloader, RNG and extra."""
@@ -269,6 +289,121 @@ class TrainingState:
         info = load_with_info(self.state_dict(), uri, **options)
         self.load_state_dict(info.state)
         return info
+
+
+class _StateDictCache:
+    """What ``get_state_dict`` computes that does not change between saves: the model's
+    state_dict keys and their renames to canonical FQNs (DDP's ``module.``, compile's
+    ``_orig_mod.``), and each optimizer's parameter index -> FQN.
+
+    Valid while the model's state_dict has the same keys with the same parameter objects
+    under them, and each optimizer holds the same parameter objects in the same order
+    (the cache holds them, so their ids stay theirs); values are always the live ones,
+    read at the call by one ``model.state_dict(keep_vars=True)`` (detached here, as
+    ``model.state_dict()`` detaches them) and each ``optimizer.state_dict()``, as the
+    full path reads them. FSDP1 (``FullyShardedDataParallel`` wrappers) is never
+    cached: its state dicts go through FSDP's own context."""
+
+    def __init__(self, live: dict[str, Any], optim_params: list[list[torch.Tensor]]) -> None:
+        self.keys = list(live)
+        self.params = [(k, v) for k, v in live.items() if isinstance(v, torch.nn.Parameter)]  # held: ids stay theirs
+        self.param_ids = [(k, id(v)) for k, v in self.params]
+        self.optim_params = optim_params
+        self.optim_ids = [[id(p) for p in ps] for ps in optim_params]
+        self.renames: list[tuple[str, str]] = []
+        self.pid_fqns: list[list[str | None]] = []
+
+    @classmethod
+    def before(cls, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> _StateDictCache | None:
+        """The structure to learn from, taken before the full path (None for FSDP1, or a
+        parameter the state dict does not hold under its name)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if FullyShardedDataParallel.fsdp_modules(model):
+            return None
+        live = model.state_dict(keep_vars=True)
+        if any(live.get(name) is not param for name, param in model.named_parameters()):
+            return None
+        return cls(live, [_optim_params(o) for o in optimizers])
+
+    def learn(self, model_sd: Mapping[str, Any]) -> _StateDictCache | None:
+        """The renames that take the model's state_dict keys to ``model_sd``'s (the full
+        path's result), found as get_model_state_dict makes them: kept keys stay in
+        place, renamed ones move to the end in order; None when that does not explain
+        ``model_sd`` (nothing cached). Optimizer indices map through the names of their
+        parameters (the first key holding each: named_parameters' order), renamed the
+        same way."""
+        raw, out = self.keys, list(model_sd)
+        if len(raw) != len(out) or len(set(out)) != len(out):
+            return None
+        out_set = set(out)
+        kept = [k for k in raw if k in out_set]
+        moved = [k for k in raw if k not in out_set]
+        if out[: len(kept)] != kept or not all(
+            _is_wrapper_rename(k, fqn) for k, fqn in zip(moved, out[len(kept) :], strict=True)
+        ):
+            return None
+        rename = dict(zip(moved, out[len(kept) :], strict=True))
+        fqn_of: dict[int, str] = {}
+        for key, param in self.params:
+            fqn_of.setdefault(id(param), rename.get(key, key))
+        self.renames = list(rename.items())
+        self.pid_fqns = [[fqn_of.get(i) for i in ids] for ids in self.optim_ids]
+        return self
+
+    def state_dicts(
+        self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """What ``get_state_dict`` gives now, or None when the cache does not fit."""
+        live = model.state_dict(keep_vars=True)
+        if list(live) != self.keys or any(id(live[k]) != i for k, i in self.param_ids):
+            return None
+        if len(optimizers) != len(self.optim_ids):
+            return None
+        if any([id(p) for p in _optim_params(o)] != ids for o, ids in zip(optimizers, self.optim_ids, strict=True)):
+            return None
+        model_sd = live  # model.state_dict()'s own dict (its type and version metadata), detached in place
+        for k, v in live.items():
+            if isinstance(v, torch.Tensor):
+                model_sd[k] = v.detach()
+        for key, fqn in self.renames:
+            model_sd[fqn] = model_sd.pop(key)
+        state: dict[str, Any] = {}
+        groups: list[dict[str, Any]] = []
+        for optim, fqns in zip(optimizers, self.pid_fqns, strict=True):
+            osd = optim.state_dict()
+            for pid, value in osd["state"].items():
+                name = fqns[pid] if isinstance(pid, int) and 0 <= pid < len(fqns) else None
+                if name is None:
+                    return None  # the full path raises for it
+                state[name] = value
+            for group in osd["param_groups"]:
+                names = [fqns[pid] for pid in group["params"]]
+                if None in names:
+                    return None
+                group["params"] = names
+                groups.append(group)
+        return model_sd, {"state": state, "param_groups": groups}
+
+
+def _optim_params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optim.param_groups for p in group["params"]]
+
+
+def _is_wrapper_rename(key: str, fqn: str) -> bool:
+    """Whether ``fqn`` is ``key`` without some wrapper segments (``module``,
+    ``_orig_mod``, activation checkpointing's ``_checkpoint_wrapped_module``): the only
+    renames get_model_state_dict makes."""
+    parts = iter(key.split("."))
+    for name in fqn.split("."):
+        for seg in parts:
+            if seg == name:
+                break
+            if seg not in ("module", "_orig_mod", "_checkpoint_wrapped_module"):
+                return False
+        else:
+            return False
+    return all(seg in ("module", "_orig_mod", "_checkpoint_wrapped_module") for seg in parts)
 
 
 def _mark_unstepped_groups(

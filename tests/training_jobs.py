@@ -218,3 +218,44 @@ def fresh_fsdp_resume_job(rank: int, world: int, root: str) -> None:
     for key, value in want.items():
         assert torch.equal(got[key], value), f"resumed from step 0: {key}"
     manager.close()
+
+
+def fsdp_cached_state_job(rank: int, world: int) -> None:
+    """FSDP2: TrainingState.state_dict() after the first call (cached) equals a fresh
+    TrainingState's (get_state_dict's full path), the live DTensors, across a first
+    step, scheduler steps, a load and an unshard/reshard; get_state_dict is called
+    only when the cache does not fit."""
+    from unittest import mock
+
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    from test_training_state_cache import assert_same_state
+
+    model, opt, sched, _loader = fsdp_job_parts(world)
+    ts = bcp.TrainingState(model, opt, sched, rng=False)
+
+    def check(live: bool = True) -> dict:
+        got = ts.state_dict()
+        assert_same_state(got, bcp.TrainingState(model, opt, sched, rng=False).state_dict(), "", live)
+        return got
+
+    def step(i: int) -> None:
+        model(dist_jobs.batch(i, rank)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+    with mock.patch.object(dsd, "get_state_dict", wraps=dsd.get_state_dict) as full:
+        check(live=False)  # before the first step: full path, nothing cached
+        step(0)
+        check()  # the first step: state appears, the full path learns
+        calls = full.call_count
+        for i in range(1, 3):
+            step(i)
+            saved = check()
+        assert full.call_count == calls + 2, "only the uncached references call get_state_dict"
+        ts.load_state_dict(saved)
+        check()
+        model.unshard()  # the unsharded parameters registered: the cache does not fit them
+        model.reshard()
+        check()
