@@ -8,6 +8,10 @@ equal float32 tensors of the same bytes):
 
 * ``memcpy into warm buffers``: ``Tensor.copy_`` tensor by tensor into buffers copied
   into once before (bench/memcpy_limit.py), the limit a load from memory is held to;
+  and the same on one thread: its CPU seconds per GB are the reference when the machine
+  is busy (a 2-thread copy waits for its second thread, a load's readers do not);
+* ``preadv of the data files, no checksum``: the bare copy out of the page cache or
+  tmpfs that any load from there pays (2 MiB pieces into one warm buffer);
 * ``crc32c (<impl>), 1 thread / 2 threads``: the checksum alone over the state's bytes,
   one call per tensor, for each CRC32C implementation importable here (the ``crc32c``
   package, ``crc32c_rs``; what ``bcp.metadata.checksum`` uses is marked), and XXH3 from
@@ -84,6 +88,37 @@ def warm_cache(path: str) -> None:
                     pass
 
 
+def one_thread(fn: Callable[[], object]) -> None:
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fn()
+    finally:
+        torch.set_num_threads(n)
+
+
+_scratch: dict[int, memoryview] = {}
+
+
+def read_files(path: str, piece: int = 2 << 20) -> None:
+    """Every file under ``path`` read with preadv into one warm buffer, in 2 MiB pieces
+    (the bare copy out of memory that a load cannot beat)."""
+    for d, _s, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                buf = _scratch.get(size)
+                if buf is None:
+                    buf = _scratch[size] = memoryview(bytearray(size))
+                for at in range(0, size, piece):
+                    os.preadv(fd, [buf[at : at + piece]], at)
+            finally:
+                os.close(fd)
+
+
 def checksum_step(fn: Callable, views: list, threads: int) -> Callable[[], None]:
     """The checksum alone over ``views`` (one call each), on ``threads`` threads."""
     if threads == 1:
@@ -134,6 +169,9 @@ def measure(label: str, state: dict, rounds: int, root: str, shm: str) -> None:
     memcpy = WarmMemcpy(state)
     views = [memoryview(t.numpy()).cast("B") for t in state.values() if t.numel()]
     steps: dict[str, Callable[[], object]] = {"memcpy into warm buffers": memcpy._copy}
+    steps["memcpy into warm buffers, 1 thread"] = lambda: one_thread(memcpy._copy)
+    for name, uri in uris.items():
+        steps[f"preadv of the data files, no checksum ({name[10:-1]})"] = lambda uri=uri: read_files(uri)
     for name, fn in checksums().items():
         for threads in (1, 2):
             steps[f"{name}, {threads} thread{'s' if threads > 1 else ''}"] = checksum_step(fn, views, threads)
@@ -154,13 +192,12 @@ def measure(label: str, state: dict, rounds: int, root: str, shm: str) -> None:
     base = statistics.median(wall["memcpy into warm buffers"])
     print(f"\n{label}: {len(state)} tensors, {nbytes / 2**30:.2f} GiB; {rounds} rounds")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
-    print(f"| case | median s | GB/s | x memcpy speed | CPU s per GB |\n|---|---:|---:|---:|---:|")
+    ref = statistics.median(cpu["memcpy into warm buffers, 1 thread"])
+    print("| case | median s | GB/s | x memcpy speed | CPU s per GB | x 1-thread memcpy CPU |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name in names:
-        med = statistics.median(wall[name])
-        print(
-            f"| {name} | {med:.3f} | {nbytes / med / 1e9:.2f} | {base / med:.2f}x | "
-            f"{statistics.median(cpu[name]) / (nbytes / 1e9):.3f} |"
-        )
+        med, c = statistics.median(wall[name]), statistics.median(cpu[name])
+        print(f"| {name} | {med:.3f} | {nbytes / med / 1e9:.2f} | {base / med:.2f}x | {c / (nbytes / 1e9):.3f} | {ref / c:.2f}x |")
     for uri in uris.values():
         shutil.rmtree(uri, ignore_errors=True)
 

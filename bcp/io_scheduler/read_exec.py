@@ -16,11 +16,13 @@ itself is never copied to check it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -33,6 +35,9 @@ from ..errors import CorruptCheckpointError
 from .read_plan import RunSet
 
 log = logging.getLogger(__name__)
+
+#: ``read(offset, buffer)`` of one file (:meth:`~bcp.backends.Backend.reading`)
+_ReadFn = Callable[[int, memoryview], None]
 
 
 @dataclasses.dataclass
@@ -53,17 +58,19 @@ class ReadStats:
         self.padding_bytes += other.padding_bytes
 
 
-def _read(backend: Backend, frag: Fragment, start: int, view: memoryview, uri: str) -> None:
+def _read(
+    backend: Backend, frag: Fragment, start: int, view: memoryview, uri: str, read: _ReadFn | None = None
+) -> None:
+    """Fill ``view`` with the fragment's bytes from ``start`` (through ``read``, a
+    :meth:`~bcp.backends.Backend.reading` function of the fragment's file, if given)."""
     try:
         with trace.span("fetch", len(view)):
-            backend.read_exact(frag.file, frag.byte_offset + start, view)
+            if read is None:
+                backend.read_exact(frag.file, frag.byte_offset + start, view)
+            else:
+                read(frag.byte_offset + start, view)
     except ObjectNotFoundError as e:
-        raise CorruptCheckpointError(
-            f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is missing",
-            fqn=frag.fqn,
-            file=frag.file,
-            offset=frag.byte_offset + start,
-        ) from e
+        raise _missing(uri, frag, start) from e
     except EOFError as e:
         raise CorruptCheckpointError(
             f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is truncated: {e}",
@@ -71,6 +78,27 @@ def _read(backend: Backend, frag: Fragment, start: int, view: memoryview, uri: s
             file=frag.file,
             offset=frag.byte_offset + start,
         ) from e
+
+
+def _missing(uri: str, frag: Fragment, start: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is missing",
+        fqn=frag.fqn,
+        file=frag.file,
+        offset=frag.byte_offset + start,
+    )
+
+
+@contextlib.contextmanager
+def _reading(backend: Backend, frag: Fragment, start: int, uri: str) -> Iterator[_ReadFn]:
+    """:meth:`~bcp.backends.Backend.reading` of the fragment's file; a missing file is
+    reported as :func:`_read` reports it."""
+    with contextlib.ExitStack() as stack:
+        try:
+            read = stack.enter_context(backend.reading(frag.file))
+        except ObjectNotFoundError as e:
+            raise _missing(uri, frag, start) from e
+        yield read
 
 
 class Run(NamedTuple):
@@ -214,14 +242,20 @@ def _fetch_part(backend: Backend, part: _Part, uri: str, block: int | None, *, r
         chunk = -(-IN_MEMORY_CHUNK // block) * block
         if n > chunk and (resident or (resident is None and backend.in_memory(frag.file, frag.byte_offset + start, n))):
             step = chunk
-    pos = 0
-    while pos < n:
-        end = n if step == n else min(n, ((start + pos) // step + 1) * step - start)
-        piece = target[pos:end]
-        _read(backend, frag, start + pos, piece, uri)
+    if step == n:
+        _read(backend, frag, start, target, uri)
         if block:
+            _check_blocks(uri, frag, start, target, block)
+        return
+    assert block  # pieces only when verifying
+    with _reading(backend, frag, start, uri) as read:  # one open for all the pieces
+        pos = 0
+        while pos < n:
+            end = min(n, ((start + pos) // step + 1) * step - start)
+            piece = target[pos:end]
+            _read(backend, frag, start + pos, piece, uri, read)
             _check_blocks(uri, frag, start + pos, piece, block)
-        pos = end
+            pos = end
 
 
 def _whole_blocks(frag: Fragment, start: int, nbytes: int, block: int) -> range:
