@@ -271,7 +271,8 @@ class FileBackend(Backend):
                     raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", path) from e
             if got < len(view):
                 raise EOFError(
-                    f"{key!r} in {self.uri} ended at byte {offset + got}; expected {len(view)} bytes from offset {offset}"
+                    f"{key!r} in {self.uri} ended at byte {offset + got}; "
+                    f"expected {len(view)} bytes from offset {offset}"
                 )
 
         try:

@@ -197,7 +197,8 @@ def measure(label: str, state: dict, rounds: int, root: str, shm: str) -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for name in names:
         med, c = statistics.median(wall[name]), statistics.median(cpu[name])
-        print(f"| {name} | {med:.3f} | {nbytes / med / 1e9:.2f} | {base / med:.2f}x | {c / (nbytes / 1e9):.3f} | {ref / c:.2f}x |")
+        gb = nbytes / 1e9
+        print(f"| {name} | {med:.3f} | {gb / med:.2f} | {base / med:.2f}x | {c / gb:.3f} | {ref / c:.2f}x |")
     for uri in uris.values():
         shutil.rmtree(uri, ignore_errors=True)
 

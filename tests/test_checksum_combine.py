@@ -165,6 +165,5 @@ def test_file_backend_reading_reports_what_read_exact_reports(tmp_path):
         assert bytes(buf) == (bytes(range(256)) * 4)[250:260]
         with pytest.raises(EOFError, match=r"'obj' .* ended at byte 1024; expected 10 bytes from offset 1020"):
             read(1020, memoryview(buf))
-    with pytest.raises(ObjectNotFoundError):
-        with backend.reading("missing"):
-            pass
+    with pytest.raises(ObjectNotFoundError), backend.reading("missing"):
+        pass
