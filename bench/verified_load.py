@@ -20,7 +20,8 @@ equal float32 tensors of the same bytes):
   same destination tensors, every block verified.
 
 Each row prints its median seconds, GB/s, its ratio to the memcpy of the same round set,
-CPU seconds (all threads) per GB, and the 1-thread memcpy's CPU seconds over the row's; the load average before and after is printed, since
+CPU seconds (all threads) per GB, and the 1-thread memcpy's CPU seconds over the row's;
+the load average before and after is printed, since
 the machine this was written on is shared (compare ratios from one run, never numbers
 across runs).
 """
