@@ -25,11 +25,13 @@ Notes for implementers
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Self
 
@@ -379,6 +381,14 @@ class Backend(abc.ABC):
                     f"expected {len(buffer)} bytes from offset {offset}"
                 )
             got += n
+
+    @contextlib.contextmanager
+    def reading(self, key: str) -> Iterator[Callable[[int, memoryview], None]]:
+        """``read(offset, buffer)``, filling ``buffer`` from ``offset`` of ``key`` as
+        :meth:`read_exact` does, for many reads of one object in a row: a backend may keep
+        the object open between them (the file backend does: a load from memory reads a
+        fragment in 2 MiB pieces). Default: :meth:`read_exact` each time."""
+        yield functools.partial(self.read_exact, key)
 
     def in_memory(self, key: str, offset: int, nbytes: int) -> bool:
         """Whether reading ``nbytes`` of ``key`` from ``offset`` copies bytes already in

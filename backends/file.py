@@ -12,6 +12,7 @@ Reads use ``os.preadv`` into the caller's buffer: no Python copies.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -21,7 +22,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Self
 from urllib.parse import unquote, urlsplit
 
@@ -276,6 +277,38 @@ class FileBackend(Backend):
                 raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", path) from e
             finally:
                 os.close(fd)
+
+    @contextlib.contextmanager
+    def reading(self, key: str) -> Iterator[Callable[[int, memoryview], None]]:
+        """One descriptor for many reads of ``key``: reads below
+        :data:`~.file_reads.DIRECT_READ_FROM` (a load's pieces from memory) are a
+        ``preadv`` each, without the open, the checks and the close of :meth:`read_into`
+        (about a tenth of a warm load's CPU time, read in 2 MiB pieces); larger ones go
+        through :meth:`read_exact`, which chooses O_DIRECT as usual."""
+        path = self._read_path(key)
+        with annotate(self.uri, key, "reading"):
+            fd = self._open_for_read(key, path)
+
+        def read(offset: int, buffer: memoryview) -> None:
+            view = memoryview(buffer).cast("B")
+            if self.direct_reads and len(view) >= DIRECT_READ_FROM:
+                self.read_exact(key, offset, view)
+                return
+            with annotate(self.uri, key, "reading"):
+                try:
+                    got = pread_full(fd, view, offset)
+                except IsADirectoryError as e:  # open(2) accepts a directory; it is not an object
+                    raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", path) from e
+            if got < len(view):
+                raise EOFError(
+                    f"{key!r} in {self.uri} ended at byte {offset + got}; "
+                    f"expected {len(view)} bytes from offset {offset}"
+                )
+
+        try:
+            yield read
+        finally:
+            os.close(fd)
 
     def in_memory(self, key: str, offset: int, nbytes: int) -> bool:
         """Whether the file lies on tmpfs or ramfs, or the range is in the page cache

@@ -2,7 +2,9 @@
 checksum block verified as soon as the read holding it has landed.
 
 Every block that lies wholly inside one read is checked right after that read, from
-the destination memory it landed in. A read of bytes already in memory (the page
+the destination memory it landed in: all of them with one CRC32C call, compared with
+their block checksums combined, and block by block only on a mismatch, to name the
+block (``_check_whole_blocks``). A read of bytes already in memory (the page
 cache, tmpfs, a memory store: :meth:`~bcp.backends.Backend.in_memory`) goes in
 pieces of :data:`IN_MEMORY_CHUNK` bytes, each checked at once, while it is still in
 the CPU cache, so a warm load passes over the destination once, not twice. A block
@@ -14,20 +16,28 @@ itself is never copied to check it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import threading
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import Fragment, crc32c
-from bcp.metadata.checksum import crc32c_c
+from bcp.metadata.checksum import combine_blocks, crc32c_c
 
 from .. import trace
 from ..errors import CorruptCheckpointError
 from .read_plan import RunSet
+
+log = logging.getLogger(__name__)
+
+#: ``read(offset, buffer)`` of one file (:meth:`~bcp.backends.Backend.reading`)
+_ReadFn = Callable[[int, memoryview], None]
 
 
 @dataclasses.dataclass
@@ -48,17 +58,19 @@ class ReadStats:
         self.padding_bytes += other.padding_bytes
 
 
-def _read(backend: Backend, frag: Fragment, start: int, view: memoryview, uri: str) -> None:
+def _read(
+    backend: Backend, frag: Fragment, start: int, view: memoryview, uri: str, read: _ReadFn | None = None
+) -> None:
+    """Fill ``view`` with the fragment's bytes from ``start`` (through ``read``, a
+    :meth:`~bcp.backends.Backend.reading` function of the fragment's file, if given)."""
     try:
         with trace.span("fetch", len(view)):
-            backend.read_exact(frag.file, frag.byte_offset + start, view)
+            if read is None:
+                backend.read_exact(frag.file, frag.byte_offset + start, view)
+            else:
+                read(frag.byte_offset + start, view)
     except ObjectNotFoundError as e:
-        raise CorruptCheckpointError(
-            f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is missing",
-            fqn=frag.fqn,
-            file=frag.file,
-            offset=frag.byte_offset + start,
-        ) from e
+        raise _missing(uri, frag, start) from e
     except EOFError as e:
         raise CorruptCheckpointError(
             f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is truncated: {e}",
@@ -66,6 +78,27 @@ def _read(backend: Backend, frag: Fragment, start: int, view: memoryview, uri: s
             file=frag.file,
             offset=frag.byte_offset + start,
         ) from e
+
+
+def _missing(uri: str, frag: Fragment, start: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is missing",
+        fqn=frag.fqn,
+        file=frag.file,
+        offset=frag.byte_offset + start,
+    )
+
+
+@contextlib.contextmanager
+def _reading(backend: Backend, frag: Fragment, start: int, uri: str) -> Iterator[_ReadFn]:
+    """:meth:`~bcp.backends.Backend.reading` of the fragment's file; a missing file is
+    reported as :func:`_read` reports it."""
+    with contextlib.ExitStack() as stack:
+        try:
+            read = stack.enter_context(backend.reading(frag.file))
+        except ObjectNotFoundError as e:
+            raise _missing(uri, frag, start) from e
+        yield read
 
 
 class Run(NamedTuple):
@@ -209,14 +242,20 @@ def _fetch_part(backend: Backend, part: _Part, uri: str, block: int | None, *, r
         chunk = -(-IN_MEMORY_CHUNK // block) * block
         if n > chunk and (resident or (resident is None and backend.in_memory(frag.file, frag.byte_offset + start, n))):
             step = chunk
-    pos = 0
-    while pos < n:
-        end = n if step == n else min(n, ((start + pos) // step + 1) * step - start)
-        piece = target[pos:end]
-        _read(backend, frag, start + pos, piece, uri)
+    if step == n:
+        _read(backend, frag, start, target, uri)
         if block:
+            _check_blocks(uri, frag, start, target, block)
+        return
+    assert block  # pieces only when verifying
+    with _reading(backend, frag, start, uri) as read:  # one open for all the pieces
+        pos = 0
+        while pos < n:
+            end = min(n, ((start + pos) // step + 1) * step - start)
+            piece = target[pos:end]
+            _read(backend, frag, start + pos, piece, uri, read)
             _check_blocks(uri, frag, start + pos, piece, block)
-        pos = end
+            pos = end
 
 
 def _whole_blocks(frag: Fragment, start: int, nbytes: int, block: int) -> range:
@@ -239,16 +278,36 @@ def _check_blocks(uri: str, frag: Fragment, start: int, view: memoryview, block:
 
 
 def _check_whole_blocks(uri: str, frag: Fragment, start: int, view: memoryview, block: int, blocks: range) -> None:
+    """One CRC call over the run's whole full-size blocks, compared with their block
+    checksums combined (:func:`~bcp.metadata.checksum.combine_blocks`), and one for a
+    short last block; only on a mismatch block by block, to name the block. Equal iff
+    the bytes' CRC32C equals the one the checksums imply, as with a check per block."""
     lo = blocks.start * block - start
-    hi = min(blocks.stop * block, frag.nbytes) - start  # the last block may be the fragment's short one
-    crc = crc32c_c
-    got = [crc(view[at : at + block]) for at in range(lo, hi, block)]
-    if got == list(frag.checksums[blocks.start : blocks.stop]):
+    stop = blocks.stop
+    hi = stop * block - start
+    if hi > frag.nbytes - start:  # the fragment's short last block: its own call
+        stop -= 1
+        hi = stop * block - start
+        tail = view[hi : frag.nbytes - start]
+        if crc32c_c(tail) != frag.checksums[stop]:
+            _name_block(uri, frag, start, view, block, range(stop, stop + 1))
+    if stop <= blocks.start:
         return
-    for b, value in zip(blocks, got, strict=True):
+    sums = frag.checksums[blocks.start : stop]
+    if crc32c_c(view[lo:hi]) != combine_blocks(sums, block):
+        _name_block(uri, frag, start, view, block, range(blocks.start, stop))
+
+
+def _name_block(uri: str, frag: Fragment, start: int, view: memoryview, block: int, blocks: range) -> None:
+    """Check ``blocks`` one by one and raise for the first that does not match."""
+    for b in blocks:
+        b_lo = b * block
+        b_hi = min(b_lo + block, frag.nbytes)
+        value = crc32c_c(view[b_lo - start : b_hi - start])
         if value != frag.checksums[b]:
-            b_lo = b * block
-            raise _mismatch(uri, frag, b, b_lo, min(b_lo + block, frag.nbytes), value)
+            raise _mismatch(uri, frag, b, b_lo, b_hi, value)
+    # Every block matched on its own: the bytes are verified; only the combining disagreed.
+    log.warning("tensor %r: file %r of %s: block checksums combined disagree with the blocks", frag.fqn, frag.file, uri)
 
 
 def _edge_blocks(frag: Fragment, parts: list[tuple[int, int]], block: int) -> list[int]:
