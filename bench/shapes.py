@@ -187,12 +187,10 @@ def count_sizes(total_bytes: int, n_tensors: int, *, spread: float = 1000.0) -> 
         raise ValueError(f"{total_bytes} bytes cannot make {n_tensors} float32 tensors of at least 1 element")
     golden = (math.sqrt(5) - 1) / 2
     weights = [spread ** ((i * golden) % 1.0) for i in range(n_tensors)]
-    scale = elems / sum(weights)
-    sizes = [max(1, int(w * scale)) for w in weights]
+    scale = (elems - n_tensors) / sum(weights)  # one element each, the rest by weight
+    sizes = [1 + int(w * scale) for w in weights]
     big = max(range(n_tensors), key=sizes.__getitem__)
-    sizes[big] += elems - sum(sizes)
-    if sizes[big] < 1:  # the minimum of 1 each overshot: take it back from the others
-        raise ValueError(f"{total_bytes} bytes are too few for {n_tensors} mixed tensors")
+    sizes[big] += elems - sum(sizes)  # the rounding remainder: >= 0, since every int() rounded down
     return sizes
 
 
