@@ -88,8 +88,9 @@ def build(spec: shapes.TransformerSpec, fsdp_world: int | None) -> tuple[torch.n
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (fsdp_world,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
+        for name, layer in model.named_modules():
+            if name.startswith("model.layers.") and name.count(".") == 2:  # each transformer block
+                fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
