@@ -30,7 +30,8 @@ transformer`` is bench/shapes.py's ``transformer_state`` on the device: float32
 parameters and AdamW moments (a mixed-precision job's master weights and optimizer
 state), the 0-dim ``step`` tensors on the CPU as AdamW keeps them; ``--tensors`` is
 ignored. Every case's checkpoints are removed once the case has measured them, so the
-disk holds at most about three copies of the state at once (18 GB at 6 GiB).
+disk holds at most two copies of the state at once (13 GB at 6 GiB), and the training
+loop at most two saves of its model's state.
     python bench/gpu_bench.py --device cpu --gib 0.1 --repeats 1 --hidden 256 --layers 2 --batch 64   # smoke run
 """
 
@@ -434,6 +435,7 @@ def training_stall(args, device: torch.device) -> dict:
             if pending is not None:
                 pending.result() if hasattr(pending, "result") else pending.wait()
                 pending = None
+                shutil.rmtree(root, ignore_errors=True)  # the finished saves: disk holds at most two at once
             sync(device)
             t0 = time.perf_counter()
             pending = save(k)

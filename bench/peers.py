@@ -37,7 +37,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shapes  # bench/ is not a package
-from memcpy_limit import WarmMemcpy
+from memcpy_limit import WarmMemcpy, fresh_memcpy_seconds
 
 SHAPES = ("equal", "transformer")
 
@@ -110,19 +110,6 @@ def empty_like(state, touch=True):
     import torch
 
     return shapes.map_tensors(state, lambda v: torch.zeros_like(v) if touch else torch.empty_like(v))
-
-
-def fresh_memcpy(state) -> float:
-    """Seconds to copy every tensor into newly allocated (never touched) memory: what a
-    first async_save's staging costs at best."""
-    import torch
-
-    srcs = list(shapes.tensors(state))
-    t0 = time.perf_counter()
-    out = [torch.empty_like(t).copy_(t) for t in srcs]
-    seconds = time.perf_counter() - t0
-    del out
-    return seconds
 
 
 def timed(fn) -> float:
@@ -200,7 +187,7 @@ def case_bcp(path, state, args):
     out["bcp reshard load, 1 of 3 row shards (cold cache)"] = seconds * nbytes(state) / part_bytes  # per state byte
     # async: the first call in a process allocates the staging pool; later calls reuse it.
     # Each beside a copy of the same tensors: into fresh memory (first), into warm memory (steady)
-    out[ASYNC_FRESH] = fresh_memcpy(state)
+    out[ASYNC_FRESH] = fresh_memcpy_seconds(list(shapes.tensors(state)))
     h = bcp.async_save(state, uri + "-async", overwrite=True)
     out[ASYNC_FIRST] = h.blocking_seconds
     out["bcp async_save total (first call)"] = h.wait().seconds
