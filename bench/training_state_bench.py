@@ -15,12 +15,13 @@ on a plain model in this process, and on FSDP2 (``fully_shard`` per layer and at
 root, CPU, gloo) on each of ``--worlds`` processes (times are the slowest rank's). The
 added cost is (TrainingState - pair) / tensors x 1,000, tensors counted in the pair
 (parameters, two moments and a step each; one rank's share under FSDP2). The last line
-gives the ``async_save`` one (the issue's target: at most 5 ms per 1,000 tensors after
-the first save), the worst of the FSDP2 worlds:
+gives, per setup, the larger of the two added costs (``state_dict()`` and ``async_save``
+blocking: the issue's target, at most 5 ms per 1,000 tensors after the first save, is
+met only where both are), the worst of the FSDP2 worlds:
 
     training_state_bench: plain <x> ms/1000 tensors, fsdp2 <y> ms/1000 tensors (target 5)
 
-    python bench/training_state_bench.py [--layers 24] [--d 128] [--calls 5] [--worlds 2,4]
+    python bench/training_state_bench.py [--layers 24] [--d 128] [--calls 7] [--worlds 2,4]
 """
 
 from __future__ import annotations
@@ -136,6 +137,11 @@ def added(res: dict[str, Any], base: str, ts: str) -> float:
     return (res[ts] - res[base]) * 1e3 / res["tensors"] * 1000
 
 
+def worst_added(res: dict[str, Any]) -> float:
+    """The larger of what TrainingState adds to state_dict() and to async_save blocking."""
+    return max(added(res, "pair", "ts_later"), added(res, "async_pair", "async_ts"))
+
+
 # -- FSDP2 ranks ------------------------------------------------------------------------------------
 
 
@@ -192,7 +198,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=24, help="transformer layers (13 parameters each, +3)")
     p.add_argument("--d", type=int, default=128, help="model width (small: the cost measured is per tensor)")
-    p.add_argument("--calls", type=int, default=5, help="timed calls of each row after the warm-up")
+    p.add_argument("--calls", type=int, default=7, help="timed calls of each row after the warm-up")
     p.add_argument("--worlds", default="2,4", help="FSDP2 world sizes, comma-separated ('' for none)")
     p.add_argument("--dir", default=None, help="where the async saves write (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds each FSDP2 job may take")
@@ -234,8 +240,8 @@ def main() -> None:
             f"| {name} | {res['tensors']} | {cells} | {added(res, 'pair', 'ts_later'):.2f} | "
             f"{added(res, 'async_pair', 'async_ts'):.2f} |"
         )
-    plain = added(results["plain, 1 process"], "async_pair", "async_ts")
-    fsdp = [added(r, "async_pair", "async_ts") for n, r in results.items() if n.startswith("FSDP2")]
+    plain = worst_added(results["plain, 1 process"])
+    fsdp = [worst_added(r) for n, r in results.items() if n.startswith("FSDP2")]
     worst = f"{max(fsdp):.2f}" if fsdp else "n/a"
     print(f"training_state_bench: plain {plain:.2f} ms/1000 tensors, fsdp2 {worst} ms/1000 tensors (target 5)")
 
