@@ -22,7 +22,16 @@ Measured in the same minutes, cases interleaved round by round (bcp, DCP, torch,
 First calls run in fresh subprocesses (pinned memory, once allocated, is cached by
 torch for the life of a process). Cold loads drop the files from the page cache.
 
-    python bench/gpu_bench.py [--gib 6] [--tensors 24] [--repeats 3] [--dir /tmp/bcp-gpu]
+    python bench/gpu_bench.py [--gib 6] [--tensors 24] [--repeats 3] [--dir /tmp/bcp-gpu] [--shape equal]
+    python bench/gpu_bench.py --shape transformer --gib 6   # the Llama-shaped state of bench/shapes.py
+
+``--shape equal`` (the default) is ``--tensors`` equal bf16 matrices; ``--shape
+transformer`` is bench/shapes.py's ``transformer_state`` on the device: float32
+parameters and AdamW moments (a mixed-precision job's master weights and optimizer
+state), the 0-dim ``step`` tensors on the CPU as AdamW keeps them; ``--tensors`` is
+ignored. Every case's checkpoints are removed once the case has measured them, so the
+disk holds at most two copies of the state at once (13 GB at 6 GiB), and the training
+loop at most two saves of its model's state.
     python bench/gpu_bench.py --device cpu --gib 0.1 --repeats 1 --hidden 256 --layers 2 --batch 64   # smoke run
 """
 
@@ -42,6 +51,7 @@ import warnings
 
 import torch
 
+import shapes
 from peers import drop_cache, fsync_tree
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -54,7 +64,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_state(gib: float, tensors: int, device: torch.device) -> dict:
+def make_state(gib: float, tensors: int, device: torch.device, shape: str = "equal") -> dict:
+    if shape == "transformer":
+        return shapes.transformer_state(gib, device=device)
     cols = 4096
     rows = max(1, int(gib * 2**30 / tensors / cols / 2))
     g = torch.Generator(device=device).manual_seed(0)
@@ -65,7 +77,17 @@ def make_state(gib: float, tensors: int, device: torch.device) -> dict:
 
 
 def nbytes(state: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
+    return shapes.nbytes(state)
+
+
+def describe(args) -> str:
+    if args.shape == "transformer":
+        s = shapes.transformer_spec(args.gib)
+        return (
+            f"transformer: {s.tensors()} float32 tensors ({s.layers} layers, d={s.d}, f={s.f}, vocab {s.vocab}; "
+            f"parameters, AdamW exp_avg/exp_avg_sq/step each)"
+        )
+    return f"equal: {args.tensors} bf16 tensors"
 
 
 def timed(fn, device) -> float:
@@ -89,15 +111,14 @@ class Cases:
         self.args, self.state, self.device = args, state, device
         self.size = nbytes(state)
         self.root = args.dir
+        self.sources = list(shapes.tensors(state))
         self.pinned = (
-            {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in state.items()}
+            [torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for v in self.sources]
             if device.type == "cuda"
             else None
         )
-        self.pageable = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in state.items()}
-        for t in self.pageable.values():
-            t.zero_()
-        self.templates = {k: torch.empty_like(v) for k, v in state.items()}
+        self.pageable = [torch.zeros(v.shape, dtype=v.dtype) for v in self.sources]
+        self.templates = shapes.map_tensors(state, torch.empty_like)
         self.pool = bcp.io_scheduler.staging.default_pool()
         bcp.reserve_staging(state).wait()
         self.dcp_stager = _pinned_dcp_stager()
@@ -107,15 +128,12 @@ class Cases:
         if self.pinned is not None:
             for _ in range(2):  # the second copy is into reused (touched, registered) memory
                 t = timed(
-                    lambda: [
-                        d.copy_(s, non_blocking=True)
-                        for d, s in zip(self.pinned.values(), self.state.values(), strict=True)
-                    ],
+                    lambda: [d.copy_(s, non_blocking=True) for d, s in zip(self.pinned, self.sources, strict=True)],
                     self.device,
                 )
             out["D2H copy into reused pinned memory"] = t
         out["D2H copy into pageable memory"] = timed(
-            lambda: [d.copy_(s) for d, s in zip(self.pageable.values(), self.state.values(), strict=True)], self.device
+            lambda: [d.copy_(s) for d, s in zip(self.pageable, self.sources, strict=True)], self.device
         )
         out.update(raw_disk(self.root, self.size))
         return out
@@ -135,11 +153,13 @@ class Cases:
             out["bcp async_save total (steady)"] = time.perf_counter() - t0
             # every thread of the process: writers spinning in cudaEventSynchronize show here
             out["bcp async_save CPU seconds, all threads (steady)"] = time.process_time() - cpu0
+            shutil.rmtree(uri_a, ignore_errors=True)  # disk: at most two copies of the state at once
         for label, load_uri in (("O_DIRECT reads", uri), ("buffered reads", f"file://{uri}?direct_reads=false")):
             drop_cache(uri)
             out[f"bcp load into {self.device.type} ({label}, cold)"] = timed(
                 lambda load_uri=load_uri: bcp.load(self.templates, load_uri), self.device
             )
+        shutil.rmtree(uri, ignore_errors=True)
         return out
 
     def dcp_cases(self) -> dict:
@@ -164,10 +184,12 @@ class Cases:
             future = getattr(result, "upload_completion", result)
             future.result()
             out[f"DCP async_save total ({label})"] = time.perf_counter() - t0
+            shutil.rmtree(da, ignore_errors=True)
         drop_cache(d)
         out[f"DCP load into {self.device.type} (cold)"] = timed(
             lambda: dcp.load(self.templates, storage_reader=dcp.FileSystemReader(d)), self.device
         )
+        shutil.rmtree(d, ignore_errors=True)
         return out
 
     def torch_cases(self) -> dict:
@@ -246,7 +268,7 @@ def raw_disk(root: str, size: int) -> dict:
 
 def first_call(args) -> dict:
     device = torch.device(args.device)
-    state = make_state(args.gib, args.tensors, device)
+    state = make_state(args.gib, args.tensors, device, args.shape)
     if args.reserve:
         bcp.reserve_staging(state).wait()  # at start-up, while the model is built, before training
     uri = fresh(os.path.join(args.dir, "bcp-first"))
@@ -257,6 +279,7 @@ def first_call(args) -> dict:
     handle.wait()
     total = time.perf_counter() - t0
     pool = bcp.io_scheduler.staging.default_pool()
+    shutil.rmtree(uri, ignore_errors=True)
     return {"blocking": blocking, "total": total, "standins": pool.standins_lent}
 
 
@@ -271,6 +294,8 @@ def run_first_call(args, reserve: bool) -> dict:
         str(args.gib),
         "--tensors",
         str(args.tensors),
+        "--shape",
+        args.shape,
         "--dir",
         args.dir,
     ] + (["--reserve"] if reserve else [])
@@ -295,7 +320,8 @@ def runtime_limits(args, state: dict, device: torch.device) -> dict:
     room = staging.cgroup_available()
     out["cgroup memory room (GB; -1: no limit)"] = room / 1e9 if room is not None else -1.0
     root = fresh(os.path.join(args.dir, "limits"))
-    src = {k: v.float() for k, v in list(state.items())[: max(1, len(state) // 4)]}  # fp32 checkpoint
+    flat = shapes.flatten(state)
+    src = {k: v.float() for k, v in list(flat.items())[: max(1, len(flat) // 4)]}  # fp32 checkpoint
     bcp.save(src, os.path.join(root, "fp32"))
     size = nbytes(src)
     del src
@@ -303,7 +329,7 @@ def runtime_limits(args, state: dict, device: torch.device) -> dict:
         ("cast fp32->bf16", lambda v: torch.empty(v.shape, dtype=torch.bfloat16, device=device)),
         ("strided fp32", lambda v: torch.empty(v.shape[::-1], dtype=torch.float32, device=device).t()),
     ):
-        template = {k: make(v) for k, v in list(state.items())[: max(1, len(state) // 4)]}
+        template = {k: make(v) for k, v in list(flat.items())[: max(1, len(flat) // 4)]}
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -318,12 +344,13 @@ def runtime_limits(args, state: dict, device: torch.device) -> dict:
         from bcp.training import reshard_rng_states, rng_state, set_rng_state
 
         reserved = torch.cuda.memory_reserved(device)
-        tensor_device = next(iter(state.values())).device  # with its index: the side streams' key
+        tensor_device = next(shapes.tensors(state)).device  # with its index: the side streams' key
         streams = []
         for k in range(6):
             handle = bcp.async_save(state, fresh(os.path.join(root, f"s{k}")))
             streams.append(handle._job.pipeline.copies._side[tensor_device])
             handle.wait()
+            shutil.rmtree(os.path.join(root, f"s{k}"), ignore_errors=True)
         out["side streams used by 6 async saves"] = len({id(s) for s in streams})
         out["device memory reserved growth over 6 async saves (GB)"] = (
             torch.cuda.memory_reserved(device) - reserved
@@ -408,6 +435,7 @@ def training_stall(args, device: torch.device) -> dict:
             if pending is not None:
                 pending.result() if hasattr(pending, "result") else pending.wait()
                 pending = None
+                shutil.rmtree(root, ignore_errors=True)  # the finished saves: disk holds at most two at once
             sync(device)
             t0 = time.perf_counter()
             pending = save(k)
@@ -437,9 +465,10 @@ def nbytes_nested(state) -> int:
 # -- report --------------------------------------------------------------------------------------
 
 
-def report(rows: dict[str, list], size: int, stall_rows: dict) -> None:
+def report(rows: dict[str, list], size: int, stall_rows: dict, shape: str = "") -> None:
     med = {k: statistics.median(v) for k, v in rows.items() if v and not isinstance(v[0], str)}
-    print(f"\nstate: {size / 1e9:.2f} GB; medians of {max(len(v) for v in rows.values())} interleaved rounds\n")
+    rounds = max(len(v) for v in rows.values())
+    print(f"\nstate: {shape + '; ' if shape else ''}{size / 1e9:.2f} GB; medians of {rounds} interleaved rounds\n")
     print(f"{'case':58s} {'seconds':>9s} {'GB/s':>8s}")
     for k, v in med.items():
         print(f"{k:58s} {v:9.3f} {size / v / 1e9 if v > 0 else float('inf'):8.2f}")
@@ -515,7 +544,8 @@ def report(rows: dict[str, list], size: int, stall_rows: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=6.0)
-    p.add_argument("--tensors", type=int, default=24)
+    p.add_argument("--tensors", type=int, default=24, help="tensors of the equal shape")
+    p.add_argument("--shape", choices=("equal", "transformer"), default="equal", help="bench/shapes.py's state")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default="/tmp/bcp-gpu")
     p.add_argument("--device", default="cuda")
@@ -552,7 +582,7 @@ def main() -> None:
             }
         )
         figures[f"pageable stand-in slabs lent by the first call ({tag})"] = first["standins"]
-    state = make_state(args.gib, args.tensors, device)
+    state = make_state(args.gib, args.tensors, device, args.shape)
     size = nbytes(state)
     cases = Cases(args, state, device)
     for r in range(args.repeats):
@@ -565,7 +595,7 @@ def main() -> None:
     figures.update(runtime_limits(args, state, device))
     del cases, state
     stall_rows = {} if args.no_loop else training_stall(args, device)
-    report(rows, size, figures | stall_rows)
+    report(rows, size, figures | stall_rows, describe(args))
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

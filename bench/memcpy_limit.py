@@ -12,6 +12,10 @@ run (the machine is shared: compare ratios from one run, never numbers across ru
 
 The copy is ``torch.Tensor.copy_`` tensor by tensor, with torch's default intra-op
 threads (bench/peers.py's "memcpy into warm buffers" row).
+
+:func:`fresh_memcpy_seconds` is the other limit: a copy into newly allocated memory
+(every page faulted in on first touch), what a first ``async_save`` staging its
+tensors into memory it has just allocated costs at best.
 """
 
 from __future__ import annotations
@@ -65,3 +69,14 @@ def warm_memcpy_seconds(src: Source, repeats: int = 1) -> list[float]:
     """Seconds of ``repeats`` copies of ``src`` into warm buffers (see :class:`WarmMemcpy`)."""
     memcpy = WarmMemcpy(src)
     return [memcpy() for _ in range(repeats)]
+
+
+def fresh_memcpy_seconds(src: Source, *, tensors: int = DEFAULT_TENSORS) -> float:
+    """Seconds of one copy of ``src`` into destination tensors allocated for it, never
+    touched before (``torch.empty_like`` then ``copy_``, tensor by tensor)."""
+    sources = _sources(src, tensors)
+    t0 = time.perf_counter()
+    out = [torch.empty_like(t).copy_(t) for t in sources]
+    seconds = time.perf_counter() - t0
+    del out
+    return seconds

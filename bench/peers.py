@@ -4,7 +4,18 @@ Every case runs in a fresh subprocess (clean page cache accounting and peak RSS)
 repeated; the table shows medians and ratios to the raw limits measured in the same
 run. Cold-cache loads drop the checkpoint's pages with posix_fadvise(DONTNEED).
 
-    python bench/peers.py [--gib 2] [--repeats 3] [--dir /tmp/bcp-peers] [--only CASE,...]
+    python bench/peers.py [--shape both] [--gib 2] [--repeats 3] [--dir /tmp/bcp-peers] [--only CASE,...]
+
+``--shape`` (bench/shapes.py): ``equal`` is 48 equal float32 tensors; ``transformer``
+a Llama-shaped ``{"model": ..., "optim": ...}`` state of the same ``--gib`` (AdamW
+moments and a step per parameter); ``both`` (the default) runs the two shapes' cases
+interleaved (repeat by repeat, case by case, shape by shape) and prints one table each.
+safetensors saves the tensors of a nested state under dotted keys (it takes one flat dict).
+
+The ``bcp`` case times ``async_save`` in one process beside copies of the same tensors:
+the first call (it allocates the staging pool) beside a memcpy into freshly allocated
+memory, and ``--async-calls`` steady-state calls each beside a memcpy into warm (touched,
+reused) memory; the table gives each blocking time's ratio to the memcpy beside it.
 
 The ``memory`` case loads from memory: the page cache (warm) and tmpfs (``--shm``,
 default /dev/shm), each beside a memcpy of the same bytes into warm buffers,
@@ -25,7 +36,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from memcpy_limit import WarmMemcpy  # bench/ is not a package
+import shapes  # bench/ is not a package
+from memcpy_limit import WarmMemcpy, fresh_memcpy_seconds
+
+SHAPES = ("equal", "transformer")
 
 BYTECHECKPOINT_PATH = os.environ.get("BYTECHECKPOINT_PATH", "/tmp/bytecp/site:/tmp/bytecp/deps")
 
@@ -33,21 +47,25 @@ BYTECHECKPOINT_PATH = os.environ.get("BYTECHECKPOINT_PATH", "/tmp/bytecp/site:/t
 # -- helpers run inside the case subprocess ------------------------------------------------
 
 
-def make_state(gib: float, tensors: int = 48) -> dict:
-    import torch
-
-    cols = 2736
-    rows = max(1, int(gib * 2**30 / tensors / cols / 4))
-    state = {}
-    for i in range(tensors):
-        t = torch.empty(rows, cols)
-        t.uniform_(-1, 1)
-        state[f"layer{i:02d}.weight"] = t
-    return state
+def make_state(gib: float, shape: str = "equal") -> dict:
+    """The state of a case: bench/shapes.py's ``equal`` (48 tensors) or ``transformer``."""
+    if shape == "transformer":
+        return shapes.transformer_state(gib)
+    return shapes.equal_state(gib)
 
 
 def nbytes(state) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
+    return shapes.nbytes(state)
+
+
+def describe(shape: str, gib: float) -> str:
+    if shape == "transformer":
+        s = shapes.transformer_spec(gib)
+        return (
+            f"transformer: {s.tensors()} tensors (model {s.n_params}, AdamW exp_avg/exp_avg_sq/step each; "
+            f"{s.layers} layers, d={s.d}, f={s.f}, vocab {s.vocab})"
+        )
+    return "equal: 48 float32 tensors"
 
 
 def fsync_tree(path: str) -> None:
@@ -87,13 +105,11 @@ def peak_rss() -> int:
 
 
 def empty_like(state, touch=True):
+    """The nested state with each tensor replaced by an empty one of its shape (zeroed:
+    touched, as a model's existing tensors are)."""
     import torch
 
-    out = {k: torch.empty_like(v) for k, v in state.items()}
-    if touch:
-        for t in out.values():
-            t.zero_()
-    return out
+    return shapes.map_tensors(state, lambda v: torch.zeros_like(v) if touch else torch.empty_like(v))
 
 
 def timed(fn) -> float:
@@ -131,7 +147,7 @@ def case_raw(path, state, _args):
 
     w = timed(write)
     r = timed(read)
-    m = WarmMemcpy(state)()
+    m = WarmMemcpy(list(shapes.tensors(state)))()
     os.remove(f)
     del torch
     return {"raw O_DIRECT write": w, "raw O_DIRECT read": r, "memcpy into warm buffers": m}
@@ -152,24 +168,57 @@ def case_bcp(path, state, args):
     out["bcp load (cold cache)"] = timed(lambda: bcp.load(dst, uri))
     warm_cache(uri)
     out["bcp load (warm cache)"] = timed(lambda: bcp.load(dst, uri))
+
     # reshard: what rank 1 of 3 reads when this checkpoint is loaded row-sharded over 3 ranks
-    part = {}
-    for k, t in state.items():
+    # (tensors of fewer than 3 rows, the 0-dim steps among them, are read whole)
+    def row_shard(t):
+        if t.dim() == 0 or t.shape[0] < 3:
+            return torch.zeros_like(t)
         rows = t.shape[0]
         lo, hi = rows // 3, 2 * rows // 3
-        part[k] = bcp.TensorShard(torch.zeros(hi - lo, t.shape[1]), tuple(t.shape), (lo, 0))
-    part_bytes = sum(p.local.numel() * 4 for p in part.values())
+        local = torch.zeros((hi - lo, *t.shape[1:]), dtype=t.dtype)
+        return bcp.TensorShard(local, tuple(t.shape), (lo,) + (0,) * (t.dim() - 1))
+
+    part = shapes.map_tensors(state, row_shard)
+    leaves = [p.local if isinstance(p, bcp.TensorShard) else p for p in _leaves(part)]
+    part_bytes = sum(t.nbytes for t in leaves if isinstance(t, torch.Tensor))
     drop_cache(uri)
     seconds = timed(lambda: bcp.load(part, uri))
     out["bcp reshard load, 1 of 3 row shards (cold cache)"] = seconds * nbytes(state) / part_bytes  # per state byte
-    # async: the first call in a process allocates the staging pool; later calls reuse it
-    for label in ("first call", "steady state"):
+    # async: the first call in a process allocates the staging pool; later calls reuse it.
+    # Each beside a copy of the same tensors: into fresh memory (first), into warm memory (steady)
+    out[ASYNC_FRESH] = fresh_memcpy_seconds(list(shapes.tensors(state)))
+    h = bcp.async_save(state, uri + "-async", overwrite=True)
+    out[ASYNC_FIRST] = h.blocking_seconds
+    out["bcp async_save total (first call)"] = h.wait().seconds
+    warm = WarmMemcpy(list(shapes.tensors(state)))
+    samples: dict[str, list[float]] = {ASYNC_WARM: [], ASYNC_STEADY: [], "bcp async_save total (steady state)": []}
+    for _ in range(args.async_calls):
+        samples[ASYNC_WARM].append(warm())
         h = bcp.async_save(state, uri + "-async", overwrite=True)
-        blocking = h.blocking_seconds
-        h.wait()
-        out[f"bcp async_save blocking ({label})"] = blocking
-        out[f"bcp async_save total ({label})"] = h.wait().seconds
+        samples[ASYNC_STEADY].append(h.blocking_seconds)
+        samples["bcp async_save total (steady state)"].append(h.wait().seconds)
+    out.update({k: statistics.median(v) for k, v in samples.items()})
     return out
+
+
+#: the async_save rows and the memcpy each is compared with (measured beside it in the bcp case)
+ASYNC_FIRST = "bcp async_save blocking (first call)"
+ASYNC_STEADY = "bcp async_save blocking (steady state)"
+ASYNC_FRESH = "memcpy into fresh memory (beside async first call)"
+ASYNC_WARM = "memcpy into warm memory (beside async steady state)"
+ASYNC_BESIDE = {ASYNC_FIRST: ASYNC_FRESH, ASYNC_STEADY: ASYNC_WARM}
+
+
+def _leaves(state):
+    if isinstance(state, dict):
+        for v in state.values():
+            yield from _leaves(v)
+    elif isinstance(state, list | tuple):
+        for v in state:
+            yield from _leaves(v)
+    else:
+        yield state
 
 
 #: rows of the memory case: a load, and the memcpy of the same bytes measured beside it
@@ -190,7 +239,7 @@ def case_memory(path, state, args):
             bcp.save(state, uri, overwrite=True)
             warm_cache(uri)
         dst = empty_like(state)
-        memcpy = WarmMemcpy(state)
+        memcpy = WarmMemcpy(list(shapes.tensors(state)))
         steps = {MEMORY_MEMCPY: memcpy}
         for label, uri in uris.items():
             bcp.load(dst, uri)  # first call: imports, plan caches
@@ -261,6 +310,7 @@ def case_safetensors(path, state, _args):
     from safetensors.torch import load_file, save_file
 
     f = os.path.join(path, "state.safetensors")
+    state = shapes.flatten(state)  # one flat dict of tensors: dotted keys for a nested state
 
     def save():
         save_file(state, f)
@@ -295,7 +345,7 @@ def case_bytecheckpoint(path, state, _args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29731")
     dist.init_process_group("gloo", rank=0, world_size=1)
     model = torch.nn.Module()
-    for k, v in state.items():
+    for k, v in shapes.flatten(state).items():
         model.register_parameter(k.replace(".", "_"), torch.nn.Parameter(v, requires_grad=False))
     d = os.path.join(path, "bytecp")
     out = {}
@@ -330,7 +380,7 @@ def run_case(name: str, args) -> None:
     path = os.path.join(args.dir, name)
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path, exist_ok=True)
-    state = make_state(args.gib)
+    state = make_state(args.gib, args.shape)
     result = CASES[name](path, state, args)
     result["_bytes"] = nbytes(state)
     print("RESULT " + json.dumps(result))
@@ -340,53 +390,34 @@ def run_case(name: str, args) -> None:
 # -- orchestration ------------------------------------------------------------------------------
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--gib", type=float, default=2.0)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dir", default="/tmp/bcp-peers")
-    p.add_argument("--only", default="")
-    p.add_argument("--settle", type=float, default=3.0, help="seconds of quiet between cases")
-    p.add_argument("--shm", default="/dev/shm", help="a tmpfs directory for the memory case")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds inside the memory case")
-    p.add_argument("--case", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.case:
-        run_case(args.case, args)
-        return
-    names = [n for n in CASES if not args.only or n in args.only.split(",")]
-    runs: dict[str, list[float]] = {}
-    notes: dict[str, str] = {}
-    size = None
-    for rep in range(args.repeats):
-        for name in names:
-            os.sync()
-            time.sleep(args.settle)  # the disk keeps working after a big write or delete: let it settle
-            cmd = [sys.executable, __file__, "--case", name, "--gib", str(args.gib), "--dir", args.dir]
-            cmd += ["--shm", args.shm, "--rounds", str(args.rounds)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode or not lines:
-                notes[name] = f"case failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"
-                continue
-            result = json.loads(lines[-1][7:])
-            size = result.pop("_bytes")
-            for k, v in result.items():
-                if isinstance(v, str):
-                    notes[k] = v
-                else:
-                    runs.setdefault(k, []).append(v)
-        print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+def ratio_of(k: str, med: dict[str, float]) -> str:
+    """The ratio printed beside row ``k``: to the limit or the memcpy it is compared with."""
+    raw_w, raw_r = med.get("raw O_DIRECT write"), med.get("raw O_DIRECT read")
+    memcpy, sync = med.get("memcpy into warm buffers"), med.get("bcp save")
+    v = med[k]
+    if k in ASYNC_BESIDE and med.get(ASYNC_BESIDE[k]):
+        return f"{v / med[ASYNC_BESIDE[k]]:.2f}x the {ASYNC_BESIDE[k].split(' (')[0]} time"
+    if k.startswith(("raw", "memcpy")):
+        return "(limit)"
+    if k in MEMORY_LOADS and med.get(MEMORY_MEMCPY):
+        return f"{med[MEMORY_MEMCPY] / v:.2f}x the memcpy beside it"
+    if "blocking" in k and memcpy:
+        return f"{v / memcpy:.2f}x the memcpy time"
+    if "total" in k and sync:
+        return f"{v / sync:.2f}x the bcp sync save time"
+    if ("save" in k or "write" in k) and raw_w:
+        return f"{raw_w / v:.2f}x raw write speed"
+    if raw_r:
+        return f"{raw_r / v:.2f}x raw read speed"
+    return ""
+
+
+def print_table(shape: str, gib: float, repeats: int, size: int, runs: dict[str, list[float]], notes: dict) -> None:
     med = {k: statistics.median(v) for k, v in runs.items()}
-    raw_w, raw_r, memcpy = (
-        med.get("raw O_DIRECT write"),
-        med.get("raw O_DIRECT read"),
-        med.get("memcpy into warm buffers"),
-    )
-    sync = med.get("bcp save")
     print(
-        f"\nstate: {size / 2**30:.2f} GiB in 48 float32 tensors; medians of {args.repeats} runs; "
-        f"ratios are throughput relative to the raw limit measured in this run\n"
+        f"\nshape {describe(shape, gib)}; {size / 2**30:.2f} GiB; medians of {repeats} runs; load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; ratios are throughput relative to the raw "
+        f"limit measured in this run, or time relative to the memcpy named\n"
     )
     print(f"| {'case':<56} | {'seconds':>8} | {'GB/s':>6} | ratio |")
     print(f"|{'-' * 58}|{'-' * 10}|{'-' * 8}|-------|")
@@ -394,24 +425,60 @@ def main() -> None:
         if k.endswith("peak extra memory"):
             print(f"| {k:<56} | {'':>8} | {'':>6} | {v / 2**20:.0f} MiB = {v / size:.2f}x state |")
             continue
-        gbps = size / v / 1e9
-        if k.startswith(("raw", "memcpy")):
-            ratio = "(limit)"
-        elif k in MEMORY_LOADS and med.get(MEMORY_MEMCPY):
-            ratio = f"{med[MEMORY_MEMCPY] / v:.2f}x the memcpy beside it"
-        elif "blocking" in k and memcpy:
-            ratio = f"{v / memcpy:.2f}x the memcpy time"
-        elif "total" in k and sync:
-            ratio = f"{v / sync:.2f}x the bcp sync save time"
-        elif ("save" in k or "write" in k) and raw_w:
-            ratio = f"{raw_w / v:.2f}x raw write speed"
-        elif raw_r:
-            ratio = f"{raw_r / v:.2f}x raw read speed"
-        else:
-            ratio = ""
-        print(f"| {k:<56} | {v:>8.3f} | {gbps:>6.2f} | {ratio} |")
+        print(f"| {k:<56} | {v:>8.3f} | {size / v / 1e9:>6.2f} | {ratio_of(k, med)} |")
     for k, v in notes.items():
-        print(f"| {k:<52} | | | | {v} |")
+        print(f"| {k:<56} | | | {v} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--gib", type=float, default=2.0)
+    p.add_argument("--shape", choices=(*SHAPES, "both"), default="both", help="bench/shapes.py's state")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default="/tmp/bcp-peers")
+    p.add_argument("--only", default="")
+    p.add_argument("--settle", type=float, default=3.0, help="seconds of quiet between cases")
+    p.add_argument("--shm", default="/dev/shm", help="a tmpfs directory for the memory case")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds inside the memory case")
+    p.add_argument("--async-calls", type=int, default=3, help="steady-state async_save calls in the bcp case")
+    p.add_argument("--case", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.case:
+        run_case(args.case, args)
+        return
+    names = [n for n in CASES if not args.only or n in args.only.split(",")]
+    chosen = SHAPES if args.shape == "both" else (args.shape,)
+    runs: dict[str, dict[str, list[float]]] = {s: {} for s in chosen}
+    notes: dict[str, dict[str, str]] = {s: {} for s in chosen}
+    sizes: dict[str, int] = {}
+    for rep in range(args.repeats):
+        for name in names:
+            for shape in chosen:
+                os.sync()
+                time.sleep(args.settle)  # the disk keeps working after a big write or delete: let it settle
+                cmd = [sys.executable, __file__, "--case", name, "--shape", shape, "--gib", str(args.gib)]
+                cmd += ["--dir", args.dir, "--shm", args.shm, "--rounds", str(args.rounds)]
+                cmd += ["--async-calls", str(args.async_calls)]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                if proc.returncode or not lines:
+                    notes[shape][name] = f"case failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"
+                    continue
+                result = json.loads(lines[-1][7:])
+                sizes[shape] = result.pop("_bytes")
+                for k, v in result.items():
+                    if isinstance(v, str):
+                        notes[shape][k] = v
+                    else:
+                        runs[shape].setdefault(k, []).append(v)
+        print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    for shape in chosen:
+        if shape not in sizes:
+            print(f"\nshape {shape}: every case failed")
+            for k, v in notes[shape].items():
+                print(f"| {k:<56} | | | {v} |")
+            continue
+        print_table(shape, args.gib, args.repeats, sizes[shape], runs[shape], notes[shape])
 
 
 if __name__ == "__main__":

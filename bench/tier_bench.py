@@ -30,6 +30,13 @@ Times of collective operations are the slowest rank's. The last line is
 
     python bench/tier_bench.py [--gib 1] [--repeats 3] [--latency-ms 30] [--bandwidth-mbs 20]
     python bench/tier_bench.py --quick   # a small state, one repetition: a smoke run
+    python bench/tier_bench.py --shape transformer   # bench/shapes.py's Llama-shaped state instead
+
+``--shape equal`` (the default) is the 8 weight matrices above; ``--shape transformer``
+is bench/shapes.py's Llama-shaped model of ``--gib`` (embedding, q/k/v/o with biases,
+gate/up/down, norms, lm_head): every parameter and both AdamW moments row-sharded
+(dim 0) over the ranks, and each parameter's 0-dim AdamW ``step`` tensor saved as it
+is (the same on every rank); recoveries check the steps too.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shutil
 import statistics
@@ -49,10 +57,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
 
+import shapes  # bench/ is not a package
 from netproxy import proxied
 from servers import free_port, make_bucket, running, test_environment
 
@@ -76,19 +86,51 @@ def span(rank: int, world: int, rows: int) -> tuple[int, int]:
     return rank * rows // world, (rank + 1) * rows // world
 
 
+def global_params(shape: str, gib: float) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, global shape) of every parameter of the state's model."""
+    if shape == "transformer":
+        return list(shapes.transformer_spec(gib).params())
+    rows = rows_per_rank(gib) * SAVE_WORLD
+    return [(f"w{i}", (rows, COLS)) for i in range(TENSORS)]
+
+
+def local_shape(gshape: tuple[int, ...], rank: int, world: int) -> tuple[int, ...]:
+    start, stop = span(rank, world, gshape[0])
+    return (stop - start, *gshape[1:])
+
+
 def state_of(
-    weights: list[torch.Tensor], moments: list[tuple[torch.Tensor, torch.Tensor]], rows: int, start: int, step: int
+    params: list[tuple[str, tuple[int, ...]]],
+    weights: list[torch.Tensor],
+    moments: list[tuple[torch.Tensor, torch.Tensor]],
+    rank: int,
+    world: int,
+    step: int,
+    steps: list[torch.Tensor] | None = None,
 ) -> dict:
-    """The saved state: this rank's rows of each weight and of its AdamW moments."""
+    """The saved state: this rank's rows (dim 0) of each weight and of its AdamW moments,
+    and with ``steps`` each parameter's AdamW step tensor (the same on every rank)."""
 
-    def shard(t: torch.Tensor) -> bcp.TensorShard:
-        return bcp.TensorShard(t.detach(), (rows, COLS), (start, 0))
+    def shard(t: torch.Tensor, gshape: tuple[int, ...]) -> bcp.TensorShard:
+        start = span(rank, world, gshape[0])[0]
+        return bcp.TensorShard(t.detach(), tuple(gshape), (start,) + (0,) * (len(gshape) - 1))
 
+    optim = {
+        name: {"exp_avg": shard(m, gs), "exp_avg_sq": shard(v, gs)}
+        for (name, gs), (m, v) in zip(params, moments, strict=True)
+    }
+    if steps is not None:
+        for (name, _gs), t in zip(params, steps, strict=True):
+            optim[name]["step"] = t
     return {
-        "model": {f"w{i}": shard(w) for i, w in enumerate(weights)},
-        "optim": {f"w{i}": {"exp_avg": shard(m), "exp_avg_sq": shard(v)} for i, (m, v) in enumerate(moments)},
+        "model": {name: shard(w, gs) for (name, gs), w in zip(params, weights, strict=True)},
+        "optim": optim,
         "step": step,
     }
+
+
+def steps_of(state: dict) -> list[torch.Tensor]:
+    return [moments["step"] for moments in state["optim"].values() if "step" in moments]
 
 
 def tensors_of(state: dict) -> list[torch.Tensor]:
@@ -116,10 +158,9 @@ def timed(fn) -> float:
 def save_job(rank: int, world: int, cfg: dict) -> dict:
     host = rank // RANKS_PER_HOST
     os.environ["BCP_HOST_ID"] = f"host{host}"
-    rows = cfg["rows"]
-    start, stop = span(rank, world, rows)
+    shapes_ = [tuple(gs) for _n, gs in cfg["params"]]
     g = torch.Generator().manual_seed(rank)
-    params = [torch.nn.Parameter(torch.randn(stop - start, COLS, generator=g)) for _ in range(TENSORS)]
+    params = [torch.nn.Parameter(torch.randn(local_shape(gs, rank, world), generator=g)) for gs in shapes_]
     for p in params:
         p.grad = torch.randn(p.shape, generator=g) * 1e-3
     opt = torch.optim.AdamW(params, lr=1e-4)
@@ -146,7 +187,8 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
     )
     manager = bcp.CheckpointManager(cfg["root"], tier=tier)
     moments = [(opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]) for p in params]
-    state = state_of(params, moments, rows, start, 0)
+    steps = [opt.state[p]["step"] for p in params] if cfg["shape"] == "transformer" else None
+    state = state_of(cfg["params"], params, moments, rank, world, 0, steps)
     share = tensors_of(state)
     share_bytes = sum(t.numel() * t.element_size() for t in share)
     buffers = [torch.empty_like(t) for t in share]
@@ -247,7 +289,9 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
     dist.barrier()
     t0 = time.perf_counter()
     manager.save(step, state)
-    torch.save({f"t{i}": t.clone() for i, t in enumerate(tensors_of(state))}, os.path.join(cfg["refs"], f"{rank}.pt"))
+    saved = {f"t{i}": t.clone() for i, t in enumerate(tensors_of(state))}
+    saved["steps"] = torch.stack([t.clone() for t in steps_of(state)]) if steps is not None else torch.zeros(0)
+    torch.save(saved, os.path.join(cfg["refs"], f"{rank}.pt"))
     manager.wait()
     res["drain_s"] = slowest(time.perf_counter() - t0)
     manager.close()
@@ -259,33 +303,34 @@ def save_job(rank: int, world: int, cfg: dict) -> dict:
 # -- the recovering job (3 ranks: host0's two and a new host) ---------------------------------------
 
 
-def reference(cfg: dict, world_rank: int, world: int) -> list[torch.Tensor]:
-    """The saved values of this rank's rows at ``world`` ranks, from the saving ranks' copies."""
-    rows = cfg["rows"]
+def reference(cfg: dict, world_rank: int, world: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The saved values of this rank's rows at ``world`` ranks, from the saving ranks'
+    copies (in ``tensors_of`` order), and the saved AdamW steps (empty for the equal shape)."""
     saved = [torch.load(os.path.join(cfg["refs"], f"{r}.pt"), mmap=True, weights_only=True) for r in range(SAVE_WORLD)]
-    start, stop = span(world_rank, world, rows)
+    gshapes = [tuple(gs) for _n, gs in cfg["params"]]
     out = []
-    for i in range(TENSORS * 3):
+    order = gshapes + [gs for gs in gshapes for _moment in range(2)]  # tensors_of's: weights, then m, v each
+    for i, gs in enumerate(order):
+        start, stop = span(world_rank, world, gs[0])
         full = torch.cat([s[f"t{i}"] for s in saved])
         out.append(full[start:stop].clone())
-    return out
+    return out, saved[0]["steps"].clone()
 
 
 def recover_job(rank: int, world: int, cfg: dict) -> dict:
     host = RECOVER_HOSTS[rank]
     os.environ["BCP_HOST_ID"] = host
-    rows = cfg["rows"]
-    start, stop = span(rank, world, rows)
-    want = reference(cfg, rank, world)
+    want, want_steps = reference(cfg, rank, world)
     tier = bcp.LocalTier(dir=os.path.join(cfg["base"], host), persist_every=None)
     with_tier = bcp.CheckpointManager(cfg["root"], async_save=False, tier=tier)
     without = bcp.CheckpointManager(cfg["root"], async_save=False)
 
     def template() -> dict:
-        def z() -> torch.Tensor:
-            return torch.zeros(stop - start, COLS)
-
-        return state_of([z() for _ in range(TENSORS)], [(z(), z()) for _ in range(TENSORS)], rows, start, -1)
+        locals_ = [local_shape(tuple(gs), rank, world) for _n, gs in cfg["params"]]
+        steps = [torch.tensor(-1.0) for _ in locals_] if cfg["shape"] == "transformer" else None
+        weights = [torch.zeros(s) for s in locals_]
+        moments = [(torch.zeros(s), torch.zeros(s)) for s in locals_]
+        return state_of(cfg["params"], weights, moments, rank, world, -1, steps)
 
     # what the local recovery moved (bcp.tiers.recover logs it at INFO): printed for the last repetition
     said: list[str] = []
@@ -308,6 +353,8 @@ def recover_job(rank: int, world: int, cfg: dict) -> dict:
             seconds = slowest(time.perf_counter() - t0)
             same = step == cfg["drain_step"] and loaded["step"] == cfg["drain_step"]
             same = same and all(torch.equal(g, w) for g, w in zip(tensors_of(loaded), want, strict=True))
+            got_steps = steps_of(loaded)
+            same = same and torch.equal(torch.stack(got_steps) if got_steps else torch.zeros(0), want_steps)
             flag = torch.tensor([0 if same else 1])
             dist.all_reduce(flag)
             ok = int(flag.item()) == 0
@@ -380,18 +427,20 @@ def main() -> None:
     p.add_argument("--bandwidth-mbs", type=float, default=20.0, help="MB/s per S3 connection and direction")
     p.add_argument("--step-seconds", type=float, default=0.7, help="a training step's compute (calibrated)")
     p.add_argument("--cycle", type=int, default=4, help="training steps between two local saves (overlap)")
+    p.add_argument("--shape", choices=("equal", "transformer"), default="equal", help="the state (see above)")
     p.add_argument("--quick", action="store_true", help="a small state, one repetition, short steps: a smoke run")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds each job may take")
     args = p.parse_args()
     if args.quick:
         args.gib, args.repeats, args.step_seconds, args.cycle = 1 / 64, 1, 0.1, 2
-    rows = rows_per_rank(args.gib) * SAVE_WORLD
-    total = rows * COLS * 4 * 3 * TENSORS
+    params = global_params(args.shape, args.gib)
+    total = sum(math.prod(gs) for _n, gs in params) * 4 * 3 + (4 * len(params) if args.shape == "transformer" else 0)
     work = Path(tempfile.mkdtemp(prefix="bcp-tierbench-"))
     base = tempfile.mkdtemp(prefix="bcp-tierbench-", dir="/dev/shm")
     (work / "refs").mkdir()
     print(
-        f"state {total / 2**30:.3f} GiB on 4 ranks / 2 hosts ({total / 4 / 2**20:.0f} MiB per rank: weights + AdamW "
+        f"state ({args.shape}: {len(params)} parameters) {total / 2**30:.3f} GiB on 4 ranks / 2 hosts "
+        f"({total / 4 / 2**20:.0f} MiB per rank: weights + AdamW "
         f"moments); local tier under {base}; S3 = rclone through a proxy adding {args.latency_ms:g} ms, "
         f"{args.bandwidth_mbs:g} MB/s per connection; medians of {args.repeats}; load average "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
@@ -405,7 +454,8 @@ def main() -> None:
             bucket = f"tier{uuid.uuid4().hex[:8]}"
             make_bucket(server, bucket)
             cfg = {
-                "rows": rows,
+                "params": params,
+                "shape": args.shape,
                 "base": base,
                 "refs": str(work / "refs"),
                 "root": f"s3://{bucket}/job?endpoint_url={endpoint}&conditional_writes=false",

@@ -1,0 +1,149 @@
+"""Per-tensor fixed costs: the same bytes as 100, 1,000 and 10,000 tensors.
+
+bench/shapes.py's ``count_state``: float32 tensors of mixed sizes (log-uniform over
+three decades) adding to exactly ``--gib``. For each count, in a fresh process per
+(repeat, count), counts interleaved repeat by repeat:
+
+* ``bcp.save`` (sync, to ``--dir``), a warm-up call then the median of ``--calls``;
+* ``bcp.async_save`` blocking, steady state (after a warm-up call that allocates the
+  staging pool), median of ``--calls``;
+* ``bcp.load`` from the page cache (the files read once through it) into existing
+  tensors, a warm-up call then the median of ``--calls``.
+
+A flat cost per tensor shows as a ratio near 1 between the largest and the smallest
+count (the issue's target: at most 1.3x). The last line is
+
+    tensor_count_scale: save <r>x, async <r>x, load <r>x (target 1.3x)
+
+    python bench/tensor_count_scale.py [--gib 1] [--counts 100,1000,10000] [--repeats 2] [--calls 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import shapes  # bench/ is not a package
+from peers import warm_cache
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+CASES = (("save", "bcp.save (sync)"), ("async", "async_save blocking (steady)"), ("load", "bcp.load (page cache)"))
+
+
+def run_count(n: int, args) -> dict[str, float]:
+    """One process's medians for ``n`` tensors."""
+    import torch
+
+    import bcp
+
+    state = shapes.count_state(int(args.gib * 2**30), n)
+    root = os.path.join(args.dir, f"n{n}")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    sync_uri, async_uri = os.path.join(root, "sync"), os.path.join(root, "async")
+    dst = {k: torch.zeros_like(v) for k, v in state.items()}
+
+    def save() -> float:
+        t0 = time.perf_counter()
+        bcp.save(state, sync_uri, overwrite=True)
+        return time.perf_counter() - t0
+
+    def async_blocking() -> float:
+        handle = bcp.async_save(state, async_uri, overwrite=True)
+        handle.wait()
+        return handle.blocking_seconds
+
+    def load() -> float:
+        t0 = time.perf_counter()
+        bcp.load(dst, sync_uri)
+        return time.perf_counter() - t0
+
+    out: dict[str, float] = {}
+    try:
+        for name, fn, prepare in (("save", save, None), ("async", async_blocking, None), ("load", load, warm_cache)):
+            fn()  # warm-up: imports, plan caches, the staging pool
+            samples = []
+            for _ in range(args.calls):
+                if prepare is not None:
+                    prepare(sync_uri)
+                samples.append(fn())
+            out[name] = statistics.median(samples)
+        if not all(torch.equal(dst[k], v) for k, v in state.items()):
+            raise SystemExit(f"tensor_count_scale: the load of {n} tensors differs from what was saved")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=1.0, help="total bytes of every state, GiB")
+    p.add_argument("--counts", default="100,1000,10000", help="tensor counts, comma-separated")
+    p.add_argument("--repeats", type=int, default=2, help="fresh processes per count, interleaved")
+    p.add_argument("--calls", type=int, default=3, help="timed calls per case in each process")
+    p.add_argument("--dir", default=None, help="where a scratch directory is made (default: the temp dir)")
+    p.add_argument("--count", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.count is not None:
+        print("RESULT " + json.dumps(run_count(args.count, args)), flush=True)
+        return
+    counts = [int(c) for c in args.counts.split(",")]
+    print(
+        f"{args.gib:g} GiB as {', '.join(f'{c:,}' for c in counts)} float32 tensors of mixed sizes; medians of "
+        f"{args.repeats} processes x {args.calls} calls; load average {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} cores",
+        flush=True,
+    )
+    runs: dict[int, dict[str, list[float]]] = {c: {k: [] for k, _l in CASES} for c in counts}
+    work = tempfile.mkdtemp(prefix="bcp-count-scale-", dir=args.dir)
+    try:
+        measure(counts, args, work, runs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(counts, args, runs)
+
+
+def measure(counts: list[int], args, work: str, runs: dict[int, dict[str, list[float]]]) -> None:
+    """Every (repeat, count) in its own process, counts interleaved."""
+    for _rep in range(args.repeats):
+        for n in counts:
+            cmd = [sys.executable, __file__, "--count", str(n), "--gib", str(args.gib), "--calls", str(args.calls)]
+            proc = subprocess.run([*cmd, "--dir", work], capture_output=True, text=True)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
+                raise SystemExit(f"tensor_count_scale: the run of {n} tensors failed: {tail}")
+            for k, v in json.loads(lines[-1][7:]).items():
+                runs[n][k].append(v)
+
+
+def report(counts: list[int], args, runs: dict[int, dict[str, list[float]]]) -> None:
+    med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in runs.items()}
+    size = int(args.gib * 2**30) // 4 * 4
+    print()
+    print("| tensors | " + " | ".join(f"{label} s" for _k, label in CASES) + " |")
+    print("|---:|" + "---:|" * len(CASES))
+    for n in counts:
+        cells = " | ".join(f"{med[n][k]:.3f} ({size / med[n][k] / 1e9:.2f} GB/s)" for k, _l in CASES)
+        print(f"| {n:,} | {cells} |")
+    lo, hi = min(counts), max(counts)
+    ratio = {k: med[hi][k] / med[lo][k] for k, _l in CASES}
+    print(f"| {hi:,} / {lo:,} | " + " | ".join(f"{ratio[k]:.2f}x" for k, _l in CASES) + " |")
+    print(
+        f"tensor_count_scale: save {ratio['save']:.2f}x, async {ratio['async']:.2f}x, load {ratio['load']:.2f}x "
+        f"(target 1.3x)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The benchmark states (bench/shapes.py) are what they say, and each benchmark script
+or option on them runs end to end at a tiny size and prints its rows (structure, never
+speed: the figures are the lead's, measured on a quiet machine)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+shapes = _module("shapes")
+
+
+def run(script: str, *args: str, timeout: float = 300) -> list[str]:
+    done = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout.strip().splitlines()
+
+
+# -- bench/shapes.py ------------------------------------------------------------------------------
+
+
+def test_transformer_state_is_laid_out_as_a_real_model_and_adamw_save_it():
+    spec = shapes.transformer_spec(0.002, layers=2)
+    state = shapes.transformer_state(0.002, layers=2)
+    model = shapes.llama_module(spec)
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    real_model, real_optim = model.state_dict(), opt.state_dict()
+    assert list(state) == ["model", "optim"]
+    assert [(k, v.shape) for k, v in state["model"].items()] == [(k, v.shape) for k, v in real_model.items()]
+    assert list(state["optim"]["state"]) == list(real_optim["state"])
+    for i, entry in real_optim["state"].items():
+        mine = state["optim"]["state"][i]
+        assert list(mine) == list(entry), i
+        assert [(t.shape, t.dtype) for t in mine.values()] == [(t.shape, t.dtype) for t in entry.values()], i
+    assert mine["step"].dim() == 0 and mine["step"].dtype == torch.float32
+    assert state["optim"]["param_groups"] == [{**real_optim["param_groups"][0], "lr": 1e-4}]
+    # every kind of tensor the issue names is there
+    names = " ".join(state["model"])
+    for part in ("embed_tokens", "q_proj.weight", "q_proj.bias", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        assert part in names, part
+    for part in ("input_layernorm", "post_attention_layernorm", "model.norm.weight", "lm_head.weight"):
+        assert part in names, part
+    assert sum(1 for _ in shapes.tensors(state)) == spec.tensors() == 4 * len(real_model)
+    assert shapes.nbytes(state) == spec.nbytes()
+
+
+def test_the_documented_size_table_is_what_the_code_builds():
+    docs = (BENCH.parent / "docs" / "benchmarks.md").read_text()
+    for row in shapes.size_table([1, 2, 4, 8]):
+        assert row in shapes.__doc__, row
+        assert row in docs, row
+    for gib in (1, 2, 4, 8):
+        spec = shapes.transformer_spec(gib)
+        assert abs(spec.nbytes() / 2**30 - gib) / gib < 0.1, (gib, spec)
+        assert spec.tensors() >= 400, spec  # hundreds of tensors, not 48
+
+
+@given(st.integers(1, 3000), st.integers(0, 1 << 22))
+def test_count_state_sizes_add_to_the_same_bytes_at_any_count(n, extra):
+    total = 4 * n + extra
+    sizes = shapes.count_sizes(total, n)
+    assert len(sizes) == n and min(sizes) >= 1
+    assert sum(sizes) * 4 == total // 4 * 4
+    if n >= 50 and total // 4 >= 2000 * n:  # room for the spread: sizes of every magnitude
+        assert max(sizes) / min(sizes) > 100
+
+
+def test_count_state_and_equal_state():
+    state = shapes.count_state(1 << 20, 100)
+    assert len(state) == 100 and shapes.nbytes(state) == 1 << 20
+    assert len({t.numel() for t in state.values()}) > 50
+    equal = shapes.equal_state(0.01, tensors=6)
+    assert len(equal) == 6 and len({t.shape for t in equal.values()}) == 1
+    with pytest.raises(ValueError, match="cannot make 10 float32 tensors"):
+        shapes.count_sizes(12, 10)
+
+
+def test_flatten_and_map_tensors_keep_the_nesting():
+    state = shapes.transformer_state(0.002, layers=1)
+    flat = shapes.flatten(state)
+    assert "optim.state.0.exp_avg" in flat and "model.lm_head.weight" in flat
+    assert len(flat) == sum(1 for _ in shapes.tensors(state))
+    zeros = shapes.map_tensors(state, torch.zeros_like)
+    assert zeros["optim"]["param_groups"] == state["optim"]["param_groups"]
+    assert all(not t.any() for t in shapes.tensors(zeros))
+
+
+# -- the scripts, tiny ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_peers_prints_a_table_per_shape_with_the_async_rows_beside_their_memcpy(tmp_path):
+    lines = run(
+        "peers.py",
+        *("--gib", "0.004", "--repeats", "1", "--settle", "0", "--async-calls", "1", "--only", "raw,bcp"),
+        *("--dir", str(tmp_path / "peers")),
+    )
+    out = "\n".join(lines)
+    assert "case failed" not in out, out
+    heads = [ln for ln in lines if ln.startswith("shape ")]
+    assert [h.split(":")[0] for h in heads] == ["shape equal", "shape transformer"], heads
+    assert re.search(r"shape transformer: \d+ tensors \(model \d+", heads[1]), heads[1]
+    for table in out.split("\nshape ")[1:]:
+        for row in ("raw O_DIRECT write", "memcpy into warm buffers", "bcp save", "bcp load (cold cache)"):
+            assert f"| {row} " in table, row
+        assert re.search(r"\| bcp async_save blocking \(first call\) .*x the memcpy into fresh memory time", table)
+        assert re.search(r"\| bcp async_save blocking \(steady state\) .*x the memcpy into warm memory time", table)
+        assert "| memcpy into fresh memory (beside async first call) " in table
+    assert not any((tmp_path / "peers").rglob("*")), "peers left files behind"
+
+
+@pytest.mark.slow
+def test_training_state_bench_prints_its_rows_and_last_line():
+    lines = run("training_state_bench.py", "--layers", "1", "--d", "16", "--calls", "1", "--worlds", "2")
+    rows = [ln for ln in lines if ln.startswith(("| plain", "| FSDP2"))]
+    assert [r.split("|")[1].strip() for r in rows] == ["plain, 1 process", "FSDP2, 2 ranks"], lines
+    assert all(len(r.strip("|").split("|")) == 9 for r in rows), rows
+    assert re.fullmatch(
+        r"training_state_bench: plain -?[0-9.]+ ms/1000 tensors, fsdp2 -?[0-9.]+ ms/1000 tensors \(target 5\)",
+        lines[-1],
+    ), lines[-1]
+
+
+@pytest.mark.slow
+def test_tensor_count_scale_prints_each_count_and_the_ratio(tmp_path):
+    lines = run(
+        "tensor_count_scale.py",
+        *("--gib", "0.001", "--counts", "10,100", "--repeats", "1", "--calls", "1", "--dir", str(tmp_path)),
+    )
+    counts = [ln.split("|")[1].strip() for ln in lines if ln.startswith("| ") and "GB/s" in ln]
+    assert counts == ["10", "100"], lines
+    assert any(ln.startswith("| 100 / 10 |") for ln in lines), lines
+    assert re.fullmatch(
+        r"tensor_count_scale: save [0-9.]+x, async [0-9.]+x, load [0-9.]+x \(target 1\.3x\)", lines[-1]
+    ), lines[-1]
+    assert list(tmp_path.iterdir()) == [], "the scratch directory was left behind"
+
+
+@pytest.mark.slow
+def test_gpu_bench_transformer_shape_runs_on_the_cpu(tmp_path):
+    lines = run(
+        "gpu_bench.py",
+        *("--device", "cpu", "--shape", "transformer", "--gib", "0.004", "--repeats", "1", "--no-loop"),
+        *("--dir", str(tmp_path / "gpu")),
+    )
+    out = "\n".join(lines)
+    assert re.search(r"state: transformer: \d+ float32 tensors", out), out[:2000]
+    for row in ("bcp save", "bcp async_save blocking (steady)", "DCP save", "torch.save + fsync"):
+        assert re.search(rf"^{re.escape(row)} +[0-9.]+", out, re.M), row
+    assert not (tmp_path / "gpu").exists()
+
+
+@pytest.mark.slow
+def test_tier_bench_transformer_shape_recovers_exactly():
+    lines = run("tier_bench.py", "--quick", "--shape", "transformer", timeout=600)
+    assert lines[0].startswith("state (transformer: "), lines[0]
+    assert re.fullmatch(r"tier_bench: local [0-9.]+ s, persistent [0-9.]+ s, ratio [0-9.]+, exact True", lines[-1])
