@@ -252,6 +252,37 @@ def plan_chunks(spans: list[tuple[int, int, int]], chunk_bytes: int) -> list[Chu
     return chunks
 
 
+def plan_packed_chunks(spans: list[tuple[int, int, int]], chunk_bytes: int, block: int) -> list[Chunk]:
+    """Chunks for (item, file offset, nbytes) spans given in file order, packed: each
+    chunk fills its slab as far as the next item allows, whatever the items' sizes.
+    An item that does not fit the room left is split at a multiple of ``block`` from
+    its start (each piece's block checksums are the item's), its head ending the
+    chunk and its tail starting the next. What an asynchronous save stages: the
+    staging memory it takes is then about the state's bytes (one slab per chunk),
+    where :func:`plan_chunks` gives each item of 1 MiB or more slabs of its own (a
+    4 MiB tensor would take a whole 32 MiB slab)."""
+    chunks: list[Chunk] = []
+    current: Chunk | None = None
+    for item, offset, nbytes in spans:
+        pos = 0
+        while pos < nbytes:
+            at = offset + pos
+            if current is not None:
+                room = current.offset + chunk_bytes - at
+                take = nbytes - pos if nbytes - pos <= room else max(0, room) // block * block
+                if take > 0:
+                    current.segments.append(Segment(item, pos, take, at - current.offset))
+                    current.nbytes = at + take - current.offset
+                    pos += take
+                    continue
+                current = None  # full: the rest starts a chunk of its own
+            take = min(chunk_bytes, nbytes - pos)
+            current = Chunk(at, take, [Segment(item, pos, take, 0)])
+            chunks.append(current)
+            pos += take
+    return chunks
+
+
 def plan_part_chunks(spans: list[tuple[int, int, int]], part_size: int, size: int) -> list[Chunk]:
     """One chunk per part of ``[0, size)`` (the last one shorter): what a multipart
     upload needs. Items are cut at part boundaries; bytes no item covers are padding."""
@@ -334,6 +365,8 @@ class WritePipeline:
         spans = [(i, self.offsets[i], self.item_nbytes[i]) for i in self.unique]
         if self.part_size is not None:
             return plan_part_chunks(spans, self.part_size, self.size)
+        if self.stage_all:  # everything is copied: fill the slabs (none is written from the tensor's memory)
+            return plan_packed_chunks(spans, self.pool.slab_bytes, self.block)
         return plan_chunks(spans, self.pool.slab_bytes)
 
     def stage(self, select=None, last: bool = True) -> None:
