@@ -277,3 +277,37 @@ def test_a_slab_made_for_a_save_is_touched_by_its_copy_not_zeroed_first():
     reserved.reserve(slab_bytes)
     assert _rss() - before >= slab_bytes // 2, "a reservation must touch its slabs ahead of the save"
     pool.release(slab)
+
+
+@given(st.integers(0, 300), st.integers(0, 17), st.integers(0, 17))
+def test_copy_bytes_copies_exactly_the_bytes_at_any_length_and_alignment(n, src_at, dst_at):
+    from bcp.io_scheduler.write_pipeline import copy_bytes
+
+    src = torch.randint(0, 256, (n + src_at,), dtype=torch.uint8)
+    dst = torch.zeros(n + dst_at + 8, dtype=torch.uint8)
+    copy_bytes(dst[dst_at : dst_at + n], src[src_at:])
+    assert torch.equal(dst[dst_at : dst_at + n], src[src_at:])
+    assert not dst[:dst_at].any() and not dst[dst_at + n :].any(), "bytes outside the destination changed"
+
+
+def test_staging_copies_count_elements_as_the_widest_integers(tmp_path, monkeypatch):
+    """A 64 KiB float32 tensor copied as 65,536 bytes crossed torch's 32,768-element
+    threshold for splitting a copy over threads: every small tensor's copy became a
+    parallel region (13-25 s for 10,000 such copies on a loaded machine instead of 0.2 s)."""
+    state = {f"t{i}": torch.randn(16384) for i in range(6)}  # 64 KiB each, packed into one slab
+    seen: list[tuple[torch.dtype, int]] = []
+    real_copy = torch.Tensor.copy_
+
+    def recording_copy(self, src, *args, **kwargs):
+        seen.append((self.dtype, self.numel()))
+        return real_copy(self, src, *args, **kwargs)
+
+    pool = StagingPool(8 * SLAB, SLAB)
+    monkeypatch.setattr(torch.Tensor, "copy_", recording_copy)
+    handle = bcp.async_save(state, str(tmp_path / "ck"), pool=pool, checksum_block_bytes=BLOCK)
+    monkeypatch.undo()
+    handle.wait()
+    assert len(seen) >= len(state)
+    assert all(dtype == torch.int64 for dtype, n in seen if n >= 8192), seen
+    r = bcp.open(str(tmp_path / "ck"))
+    assert all(torch.equal(r.read(k), v) for k, v in state.items())
