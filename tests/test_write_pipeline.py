@@ -290,10 +290,11 @@ def test_copy_bytes_copies_exactly_the_bytes_at_any_length_and_alignment(n, src_
     assert not dst[:dst_at].any() and not dst[dst_at + n :].any(), "bytes outside the destination changed"
 
 
-def test_staging_copies_count_elements_as_the_widest_integers(tmp_path, monkeypatch):
+def test_staging_copies_are_not_split_over_torchs_threads(tmp_path, monkeypatch):
     """A 64 KiB float32 tensor copied as 65,536 bytes crossed torch's 32,768-element
-    threshold for splitting a copy over threads: every small tensor's copy became a
-    parallel region (13-25 s for 10,000 such copies on a loaded machine instead of 0.2 s)."""
+    threshold for splitting a copy over its threads: every tensor's copy became an
+    OpenMP parallel region (13-25 s for 10,000 such copies on a loaded machine, 0.2 s
+    as one memmove each). Host bytes are staged without Tensor.copy_."""
     state = {f"t{i}": torch.randn(16384) for i in range(6)}  # 64 KiB each, packed into one slab
     seen: list[tuple[torch.dtype, int]] = []
     real_copy = torch.Tensor.copy_
@@ -307,7 +308,6 @@ def test_staging_copies_count_elements_as_the_widest_integers(tmp_path, monkeypa
     handle = bcp.async_save(state, str(tmp_path / "ck"), pool=pool, checksum_block_bytes=BLOCK)
     monkeypatch.undo()
     handle.wait()
-    assert len(seen) >= len(state)
-    assert all(dtype == torch.int64 for dtype, n in seen if n >= 8192), seen
+    assert not [n for _dtype, n in seen if n >= 32768], seen
     r = bcp.open(str(tmp_path / "ck"))
     assert all(torch.equal(r.read(k), v) for k, v in state.items())
