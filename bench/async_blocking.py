@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 import bcp
@@ -87,6 +88,14 @@ class Memcpy:
     def warm(self, kind: str = "warm") -> float:
         return cpu_timed(kind, self._warm)
 
+    def _memmove(self) -> None:
+        for d, s in zip(self.dst, self.src, strict=True):
+            np.copyto(d.view(-1).view(torch.uint8).numpy(), s.view(-1).view(torch.uint8).numpy())
+
+    def memmove(self) -> float:
+        """The same copy as one single-threaded memmove per tensor (numpy), as bcp stages."""
+        return cpu_timed("memmove", self._memmove)
+
     def fresh(self) -> float:
         out: list[torch.Tensor] = []
         seconds = cpu_timed("fresh", lambda: out.extend(torch.empty_like(s).copy_(s) for s in self.src))
@@ -139,17 +148,21 @@ def measure_shape(label: str, state, uri: str, samples: int, first: bool) -> Non
     t0 = time.perf_counter()
     first_process = blocking(state, uri, kind="once")  # the process's first save of this state: plans, fills the pool
     print(f"(first save of this state in the process: {first_process * 1e3:.1f} ms blocking)", flush=True)
-    steady, warm, fresh, first_calls = [], [], [], []
+    steady, warm, fresh, first_calls, memmove = [], [], [], [], []
     for _ in range(samples):
         steady.append(blocking(state, uri))
         warm.append(memcpy.warm())
+        memmove.append(memcpy.memmove())
         fresh.append(memcpy.fresh())
         if first:
             pool = StagingPool(default_budget())  # a new pool: the first call's slab allocation
             first_calls.append(blocking(state, uri, pool, kind="first"))
             del pool
     print("| case | bcp | reference | ratio | CPU seconds, bcp / reference |\n|---|---|---|---|---|")
+    bcp_cpu = list(CPU["bcp"])
     row("async_save blocking, steady state", steady, warm, "memcpy into warm buffers", 1.2, ("bcp", "warm"))
+    CPU["bcp"] = bcp_cpu
+    row("(same, against one-thread memmoves)", steady, memmove, "numpy memmove, warm", None, ("bcp", "memmove"))
     if first:
         row(
             "async_save blocking, first call (new pool)",

@@ -279,15 +279,18 @@ def test_a_slab_made_for_a_save_is_touched_by_its_copy_not_zeroed_first():
     pool.release(slab)
 
 
-@given(st.integers(0, 300), st.integers(0, 17), st.integers(0, 17))
-def test_copy_bytes_copies_exactly_the_bytes_at_any_length_and_alignment(n, src_at, dst_at):
-    from bcp.io_scheduler.write_pipeline import copy_bytes
-
-    src = torch.randint(0, 256, (n + src_at,), dtype=torch.uint8)
-    dst = torch.zeros(n + dst_at + 8, dtype=torch.uint8)
-    copy_bytes(dst[dst_at : dst_at + n], src[src_at:])
-    assert torch.equal(dst[dst_at : dst_at + n], src[src_at:])
-    assert not dst[:dst_at].any() and not dst[dst_at + n :].any(), "bytes outside the destination changed"
+@given(st.lists(st.tuples(st.integers(0, 3 * SLAB // 2), st.integers(0, 9)), min_size=1, max_size=8))
+def test_async_save_stages_views_of_any_length_and_offset_exactly(tmp_path_factory, views):
+    """Sources at odd storage offsets and of odd lengths, packed and split across slabs."""
+    g = torch.Generator().manual_seed(len(views))
+    state = {}
+    for i, (n, at) in enumerate(views):
+        base = torch.randint(0, 256, (n + at,), dtype=torch.uint8, generator=g)
+        state[f"v{i}"] = base[at:]
+    uri = str(tmp_path_factory.mktemp("views") / "ck")
+    bcp.async_save(state, uri, pool=StagingPool(4 * SLAB, SLAB), checksum_block_bytes=BLOCK).wait()
+    r = bcp.open(uri)
+    assert all(torch.equal(r.read(k), v) for k, v in state.items())
 
 
 def test_staging_copies_are_not_split_over_torchs_threads(tmp_path, monkeypatch):
