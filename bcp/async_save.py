@@ -41,15 +41,9 @@ import torch
 from bcp.metadata import DEFAULT_BLOCK_BYTES
 
 from .collectives import Coordinator
+from .io_scheduler.chunk_plan import Chunk, layout, plan_packed_chunks, plan_part_chunks
 from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
-from .io_scheduler.write_pipeline import (
-    Chunk,
-    WriteItem,
-    WritePipeline,
-    layout,
-    plan_packed_chunks,
-    plan_part_chunks,
-)
+from .io_scheduler.write_pipeline import WriteItem, WritePipeline
 from .lanes import at_exit, background_coordinator, coordinator_for, group_destroyed
 from .options import SaveOptions, SaveOptionsKwargs
 from .priority import lower_this_thread

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import bcp
 from bcp.backends import backend_for
 from bcp.backends.wrappers import ForwardingBackend
+from bcp.io_scheduler.chunk_plan import plan_chunks
 from bcp.io_scheduler.staging import StagingPool
-from bcp.io_scheduler.write_pipeline import plan_chunks
 from helpers import tensor_bytes_equal
 
 SLAB = 64 << 10
@@ -120,7 +120,7 @@ def _piece_items(sizes):
 
 @given(st.lists(st.integers(0, 3 * SLAB), max_size=14), st.sampled_from([SLAB, 2 * SLAB, 4 * SLAB]))
 def test_parts_tile_the_file_and_cut_fragments_between_checksum_blocks(sizes, part):
-    from bcp.io_scheduler.write_pipeline import layout, plan_part_chunks
+    from bcp.io_scheduler.chunk_plan import layout, plan_part_chunks
 
     placed = layout(_piece_items(sizes), part_size=part, block=BLOCK)
     offsets, unique, size = placed.offsets, placed.unique, placed.size
@@ -172,7 +172,7 @@ def test_the_file_ends_at_its_last_byte(sizes):
     """An empty item (the state's last tensor may be one) takes no place, so the
     declared file size is the end of the last byte written: a store that keeps only
     written bytes (the sqlite example) holds exactly that size."""
-    from bcp.io_scheduler.write_pipeline import layout
+    from bcp.io_scheduler.chunk_plan import layout
 
     placed = layout(_piece_items(sizes))
     ends = [placed.offsets[i] + sizes[i] for i in placed.unique if sizes[i]]
@@ -188,7 +188,7 @@ def test_the_file_ends_at_its_last_byte(sizes):
     st.sampled_from([BLOCK, 4 * BLOCK]),
 )
 def test_packed_chunks_fill_their_slabs_and_split_items_between_checksum_blocks(sizes, chunk, block):
-    from bcp.io_scheduler.write_pipeline import layout, plan_packed_chunks
+    from bcp.io_scheduler.chunk_plan import layout, plan_packed_chunks
 
     placed = layout(_piece_items(sizes))
     spans = [(i, placed.offsets[i], sizes[i]) for i in placed.unique]
