@@ -41,8 +41,9 @@ import torch
 from bcp.metadata import DEFAULT_BLOCK_BYTES
 
 from .collectives import Coordinator
+from .io_scheduler.chunk_plan import Chunk, layout, plan_packed_chunks, plan_part_chunks
 from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
-from .io_scheduler.write_pipeline import Chunk, WriteItem, WritePipeline, layout, plan_chunks, plan_part_chunks
+from .io_scheduler.write_pipeline import WriteItem, WritePipeline
 from .lanes import at_exit, background_coordinator, coordinator_for, group_destroyed
 from .options import SaveOptions, SaveOptionsKwargs
 from .priority import lower_this_thread
@@ -367,8 +368,8 @@ def staging_bytes(
     items: Sequence[WriteItem] | None = None,
 ) -> int:
     """Staging memory an async save of ``state`` takes on this rank: one slab per
-    chunk, the chunks laid out as the write pipeline lays them out (a fragment of
-    1 MiB or more fills whole slabs of its own, small ones share; with an object
+    chunk, the chunks laid out as the write pipeline lays them out (fragments
+    packed back to back, each slab filled before the next is taken; with an object
     store's ``part_size``, one chunk per part). ``items``: the boxes this rank
     writes (``bcp.saver.planned_writes``); default: every local piece of ``state``."""
     if items is not None:
@@ -382,7 +383,10 @@ def staging_bytes(
         ]
     placed = layout(pieces, part_size=part_size, block=block)
     spans = [(i, placed.offsets[i], pieces[i].tensor.numel() * pieces[i].tensor.element_size()) for i in placed.unique]
-    chunks = plan_part_chunks(spans, part_size, placed.size) if part_size else plan_chunks(spans, slab_bytes)
+    if part_size:
+        chunks = plan_part_chunks(spans, part_size, placed.size)
+    else:
+        chunks = plan_packed_chunks(spans, slab_bytes, block)
     return len(chunks) * slab_bytes
 
 

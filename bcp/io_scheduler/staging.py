@@ -234,7 +234,13 @@ class StagingPool:
         """``nbytes`` of pinned host memory (tests replace this)."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def _new_slab(self) -> Slab:
+    def _new_slab(self, *, touch: bool = True) -> Slab:
+        """A slab of the pool's own. ``touch``: write every page now (reservations and
+        the background pinner, ahead of the save). A pageable slab made inside
+        ``acquire`` is not touched: the save's copy into it is the first touch, so the
+        first save pays for its memory once, as a copy into fresh memory does, not a
+        zeroing pass and then the copy (every byte a save writes is copied or zeroed
+        explicitly, as for a stand-in)."""
         if self.pinned:
             # Exactly slab_bytes (see the module docstring); pinned memory is page-aligned.
             raw = self._pinned_buffer(self.slab_bytes)
@@ -244,9 +250,10 @@ class StagingPool:
             raw = self._pinned_buffer(self.slab_bytes + _ALIGN)
         else:
             raw = torch.empty(self.slab_bytes + 2 * _ALIGN, dtype=torch.uint8)
-        # Touch every page now: a slab reused for a larger chunk than before would
-        # otherwise pay first-touch cost (0.4-1 GB/s here) save after save.
-        raw.zero_()
+        if touch:
+            # Touch every page now: the save's copy runs at warm-memory speed (first touch
+            # is 0.4-1 GB/s here).
+            raw.zero_()
         return Slab(self._aligned(raw))
 
     def _aligned(self, raw: torch.Tensor) -> torch.Tensor:
@@ -275,7 +282,7 @@ class StagingPool:
                 self._allocated += 1
                 self._in_use += 1
         try:
-            return self._standin() if standin else self._new_slab()
+            return self._standin() if standin else self._new_slab(touch=False)
         except BaseException:
             with self._cond:
                 if standin:

@@ -1,0 +1,164 @@
+"""Where a rank's boxes go in its data file, and how the file is cut into chunks.
+
+Apart from ``write_pipeline`` (which stages and writes the chunks) because the same
+plan sizes staging reservations without a pipeline (``bcp.async_save.staging_bytes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from ..shards import Piece
+from ..tensor_io import storage_identity
+
+#: Fragments of at least this many bytes start at a multiple of 4096 (direct I/O,
+#: page-aligned reads); smaller ones at a multiple of 64.
+PAGE_ALIGN_FROM = 64 << 10
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Segment:
+    item: int  # index of the unique source
+    start: int  # byte offset within that source
+    nbytes: int
+    at: int  # byte offset within the chunk
+
+
+@dataclasses.dataclass(slots=True)
+class Chunk:
+    offset: int  # file offset
+    nbytes: int
+    segments: list[Segment]
+
+
+def _align(offset: int, nbytes: int, phase: int = 0) -> int:
+    """The first offset >= ``offset`` that is ``phase`` modulo 4096 (large fragments)
+    or a multiple of 64 (small ones)."""
+    if nbytes < PAGE_ALIGN_FROM:
+        return -(-offset // 64) * 64
+    return offset + (phase - offset) % 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class FileLayout:
+    """Where each item of a rank's data file lies."""
+
+    #: file offset of every item (an alias shares its source's offset)
+    offsets: list[int]
+    #: index of the item whose bytes each item uses (itself, unless it aliases an earlier one)
+    source: list[int]
+    #: indices of the items with bytes of their own, in file order
+    unique: list[int]
+    #: the file's size in bytes
+    size: int
+
+
+def layout(
+    pieces: Sequence[Piece], *, match_memory: bool = False, part_size: int | None = None, block: int = 64 << 10
+) -> FileLayout:
+    """Place each item in the file; an item sharing storage with an earlier one (a tied
+    weight) is written once and aliases it. With ``match_memory`` a large
+    CPU tensor is placed at an offset congruent to its address modulo 4096, so its
+    whole pages can be written with O_DIRECT straight from its memory. With
+    ``part_size`` (object stores) a fragment that crosses a part boundary starts at a
+    multiple of ``block``, so every part boundary cuts it between checksum blocks."""
+    offsets: list[int] = []
+    source: list[int] = []
+    unique: list[int] = []
+    first_at: dict[tuple, int] = {}
+    end = 0
+    for index, piece in enumerate(pieces):
+        ident = storage_identity(piece.tensor)
+        if ident in first_at:
+            offsets.append(offsets[first_at[ident]])
+            source.append(first_at[ident])
+            continue
+        nbytes = piece.tensor.numel() * piece.tensor.element_size()
+        first_at[ident] = index
+        t = piece.tensor
+        phase = t.data_ptr() % 4096 if match_memory and t.device.type == "cpu" and t.is_contiguous() else 0
+        # an empty item takes no place: aligning it would leave the file's declared
+        # size beyond its last written byte (stores that keep only what was written differ)
+        start = _align(end, nbytes, phase) if nbytes else end
+        if part_size and nbytes and start // part_size != (start + nbytes - 1) // part_size:
+            start = -(-start // block) * block
+        offsets.append(start)
+        source.append(index)
+        unique.append(index)
+        end = start + nbytes
+    return FileLayout(offsets, source, unique, end)
+
+
+#: Fragments smaller than this are packed together into one staged chunk (one write
+#: instead of many small ones); larger ones get chunks of their own, written from
+#: their own memory when the save is synchronous.
+PACK_BELOW = 1 << 20
+
+
+def plan_chunks(spans: list[tuple[int, int, int]], chunk_bytes: int) -> list[Chunk]:
+    """Chunks for (item, file offset, nbytes) spans given in file order."""
+    chunks: list[Chunk] = []
+    current: Chunk | None = None
+    for item, offset, nbytes in spans:
+        if nbytes == 0:
+            continue
+        if nbytes >= min(chunk_bytes, PACK_BELOW):
+            current = None
+            for s in range(0, nbytes, chunk_bytes):
+                n = min(chunk_bytes, nbytes - s)
+                chunks.append(Chunk(offset + s, n, [Segment(item, s, n, 0)]))
+            continue
+        if current is not None and offset + nbytes - current.offset <= chunk_bytes:
+            current.segments.append(Segment(item, 0, nbytes, offset - current.offset))
+            current.nbytes = offset + nbytes - current.offset
+        else:
+            current = Chunk(offset, nbytes, [Segment(item, 0, nbytes, 0)])
+            chunks.append(current)
+    return chunks
+
+
+def plan_packed_chunks(spans: list[tuple[int, int, int]], chunk_bytes: int, block: int) -> list[Chunk]:
+    """Chunks for (item, file offset, nbytes) spans given in file order, packed: each
+    chunk fills its slab as far as the next item allows, whatever the items' sizes.
+    An item that does not fit the room left is split at a multiple of ``block`` from
+    its start (each piece's block checksums are the item's), its head ending the
+    chunk and its tail starting the next. What an asynchronous save stages: the
+    staging memory it takes is then about the state's bytes (one slab per chunk),
+    where :func:`plan_chunks` gives each item of 1 MiB or more slabs of its own (a
+    4 MiB tensor would take a whole 32 MiB slab)."""
+    chunks: list[Chunk] = []
+    current: Chunk | None = None
+    for item, offset, nbytes in spans:
+        pos = 0
+        while pos < nbytes:
+            at = offset + pos
+            if current is not None:
+                room = current.offset + chunk_bytes - at
+                take = nbytes - pos if nbytes - pos <= room else max(0, room) // block * block
+                if take > 0:
+                    current.segments.append(Segment(item, pos, take, at - current.offset))
+                    current.nbytes = at + take - current.offset
+                    pos += take
+                    continue
+                current = None  # full: the rest starts a chunk of its own
+            take = min(chunk_bytes, nbytes - pos)
+            current = Chunk(at, take, [Segment(item, pos, take, 0)])
+            chunks.append(current)
+            pos += take
+    return chunks
+
+
+def plan_part_chunks(spans: list[tuple[int, int, int]], part_size: int, size: int) -> list[Chunk]:
+    """One chunk per part of ``[0, size)`` (the last one shorter): what a multipart
+    upload needs. Items are cut at part boundaries; bytes no item covers are padding."""
+    chunks = [Chunk(k, min(part_size, size - k), []) for k in range(0, size, part_size)]
+    for item, offset, nbytes in spans:
+        pos = 0
+        while pos < nbytes:
+            at = offset + pos
+            chunk = chunks[at // part_size]
+            n = min(nbytes - pos, chunk.offset + chunk.nbytes - at)
+            chunk.segments.append(Segment(item, pos, n, at - chunk.offset))
+            pos += n
+    return chunks
