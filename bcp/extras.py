@@ -30,7 +30,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 
 def install_command(extra: str) -> str:
     """The command that installs ``extra``, as the error messages give it."""
-    if extra not in EXTRAS and extra not in ("s3", "gcs", "all"):
+    # s3/gcs: named by bcp.backends.registry; fastcrc: bcp.metadata.checksum uses it when present, silently
+    if extra not in EXTRAS and extra not in ("s3", "gcs", "fastcrc", "all"):
         raise ValueError(f"unknown extra {extra!r}")
     return f"pip install '{DISTRIBUTION}[{extra}]'"
 
