@@ -40,7 +40,7 @@ from .. import trace
 from ..planning import TensorPlan
 from ..priority import lower_this_thread
 from ..shards import Piece
-from ..tensor_io import flat_bytes, host_contiguous, storage_identity
+from ..tensor_io import copy_bytes, flat_bytes, host_contiguous, storage_identity
 from .device_copy import DeviceCopies, is_device_tensor, settle
 from .staging import Slab, StagingPool, default_pool
 
@@ -453,7 +453,7 @@ class WritePipeline:
                 if is_device_tensor(src):
                     events.append(self.copies.to_host(out[seg.at : seg.at + seg.nbytes], src))
                 else:
-                    out[seg.at : seg.at + seg.nbytes].copy_(src)
+                    copy_bytes(out[seg.at : seg.at + seg.nbytes], src)
                 cursor = seg.at + seg.nbytes
             if cursor < chunk.nbytes:
                 out[cursor : chunk.nbytes].zero_()

@@ -1,0 +1,142 @@
+"""Per-tensor fixed costs: the same total bytes in 100, 1,000 or 10,000 tensors.
+
+Builds a state of n CPU float32 tensors of mixed sizes (log-uniform, a few 0-dim
+``step`` scalars like AdamW's) that sum to the same bytes for every n, then times, in
+one process, interleaved (n=100, n=1,000, n=10,000, n=100, ...), medians over rounds:
+  save    bcp.save(state, dir, overwrite=True)   (sync save: plan, stage, write, commit)
+  async   bcp.async_save(...) until it returns (the caller's blocking part), steady state
+  load    bcp.load(state, dir)                   (load plan, read, verify every block)
+Each is given as wall seconds and CPU seconds of the process (time.process_time: all
+threads), and "10k/100" the ratio of the largest n to the smallest (target <= 1.3).
+``--profile N`` prints a cProfile (cumulative, top 30) of one save and one load at n=N,
+to find what grows with the number of tensors. The checkpoints go to --dir (default
+a temporary directory under /dev/shm when it exists, so the disk's swings do not hide
+the fixed costs).
+
+    python bench/tensor_costs.py                              # 100, 1,000, 10,000 x 512 MiB
+    python bench/tensor_costs.py --total-mib 1024 --rounds 5
+    python bench/tensor_costs.py --profile 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import bcp
+
+
+def build_state(n: int, total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """n float32 tensors of mixed sizes summing to total_bytes (every 20th a 0-dim scalar)."""
+    rng = np.random.default_rng(seed)
+    scalars = n // 20
+    big = n - scalars
+    weights = np.exp(rng.uniform(0.0, np.log(4096.0), size=big))
+    elems = total_bytes // 4 - scalars
+    counts = np.maximum(1, np.floor(weights / weights.sum() * elems)).astype(np.int64)
+    counts[np.argmax(counts)] += elems - int(counts.sum())
+    state: dict[str, torch.Tensor] = {}
+    k = 0
+    for i in range(n):
+        if scalars and i % 20 == 19:
+            state[f"optim.state.{i}.step"] = torch.tensor(float(i))
+            continue
+        c = int(counts[k])
+        k += 1
+        cols = 1024 if c % 1024 == 0 and c >= 1024 else 1
+        state[f"model.layers.{i // 16}.w{i % 16}"] = torch.randn(c // cols, cols) if cols > 1 else torch.randn(c)
+    return state
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--counts", default="100,1000,10000")
+    ap.add_argument("--total-mib", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--profile", type=int, default=0, help="profile one save and one load at this n")
+    ap.add_argument("--ops", default="save,async,load")
+    args = ap.parse_args()
+    base = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    root = Path(tempfile.mkdtemp(prefix="bcp-tensor-costs-", dir=base))
+    total = args.total_mib << 20
+    counts = [int(x) for x in args.counts.split(",")]
+    ops = args.ops.split(",")
+    states = {n: build_state(n, total) for n in counts}
+    try:
+        if args.profile:
+            st = states.get(args.profile) or build_state(args.profile, total)
+            uri = str(root / f"p{args.profile}")
+            bcp.save(st, uri, overwrite=True)
+            bcp.load(st, uri)
+            for name, fn in (
+                ("save", lambda: bcp.save(st, uri, overwrite=True)),
+                ("load", lambda: bcp.load(st, uri)),
+            ):
+                prof = cProfile.Profile()
+                prof.enable()
+                fn()
+                prof.disable()
+                print(f"==== {name} n={args.profile}")
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+            return
+        results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for n in counts:  # warm: first save of each structure, async staging
+            uri = str(root / f"n{n}")
+            bcp.save(states[n], uri, overwrite=True)
+            if "async" in ops:
+                bcp.async_save(states[n], uri + "a", overwrite=True).wait()
+            bcp.load(states[n], uri)
+        for _ in range(args.rounds):
+            for n in counts:
+                uri = str(root / f"n{n}")
+                st = states[n]
+                if "save" in ops:
+                    results.setdefault(("save", n), []).append(timed(lambda: bcp.save(st, uri, overwrite=True)))
+                if "async" in ops:
+                    h: list[bcp.AsyncSaveHandle] = []
+                    results.setdefault(("async", n), []).append(
+                        timed(lambda: h.append(bcp.async_save(st, uri + "a", overwrite=True)))
+                    )
+                    h[0].wait()
+                if "load" in ops:
+                    results.setdefault(("load", n), []).append(timed(lambda: bcp.load(st, uri)))
+        print(f"{args.total_mib} MiB in n tensors, medians of {args.rounds} rounds, dir {root.parent}")
+        print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
+        head = "op     " + "".join(f"{'n=' + str(n):>22}" for n in counts) + f"{'ratio':>16}"
+        print(head)
+        print("       " + "".join(f"{'wall s':>11}{'cpu s':>11}" for _ in counts) + f"{'wall':>8}{'cpu':>8}")
+        for op in ops:
+            cells, walls, cpus = "", [], []
+            for n in counts:
+                w = statistics.median(r[0] for r in results[(op, n)])
+                c = statistics.median(r[1] for r in results[(op, n)])
+                walls.append(w)
+                cpus.append(c)
+                cells += f"{w:>11.3f}{c:>11.3f}"
+            print(f"{op:<7}{cells}{walls[-1] / walls[0]:>8.2f}{cpus[-1] / cpus[0]:>8.2f}")
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
