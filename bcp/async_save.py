@@ -41,6 +41,7 @@ import torch
 from bcp.metadata import DEFAULT_BLOCK_BYTES
 
 from .collectives import Coordinator
+from .gc_pause import gc_paused
 from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
 from .io_scheduler.write_pipeline import Chunk, WriteItem, WritePipeline, layout, plan_chunks, plan_part_chunks
 from .lanes import at_exit, background_coordinator, coordinator_for, group_destroyed
@@ -212,6 +213,7 @@ def _wait_for_overlapped(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: 
         copies.order_after()
 
 
+@gc_paused
 def async_save(
     state: Mapping[str, Any],
     uri: Target,

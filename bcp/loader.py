@@ -37,6 +37,7 @@ from bcp.metadata.geometry import Box
 from . import trace
 from .collectives import Coordinator, GroupCoordinator, decide, run_phase
 from .errors import StateMismatchError, UnsupportedStateError, listed, prefix_hint
+from .gc_pause import gc_paused
 from .io_scheduler.read_exec import ReadStats
 from .lanes import coordinator_for
 from .options import LoadOptions, LoadOptionsKwargs, ReshardObjects
@@ -123,6 +124,7 @@ def load(
     return load_with_info(state, uri, options, **overrides).state
 
 
+@gc_paused
 def load_with_info(
     state: Mapping[str, Any], uri: Target, options: LoadOptions | None = None, **overrides: Unpack[LoadOptionsKwargs]
 ) -> LoadInfo:
