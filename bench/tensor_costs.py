@@ -8,6 +8,8 @@ one process, interleaved (n=100, n=1,000, n=10,000, n=100, ...), medians over ro
   load    bcp.load(state, dir)                   (load plan, read, verify every block)
 Each is given as wall seconds and CPU seconds of the process (time.process_time: all
 threads), and "10k/100" the ratio of the largest n to the smallest (target <= 1.3).
+Below, the stage totals of bcp's trace (``trace=True``: plan, copy, checksum, stage,
+write, drain, durable, commit; load: catalog, plan, fetch, verify, read) per n.
 ``--profile N`` prints a cProfile (cumulative, top 30) of one save and one load at n=N,
 to find what grows with the number of tensors. The checkpoints go to --dir (default
 a temporary directory under /dev/shm when it exists, so the disk's swings do not hide
@@ -64,6 +66,27 @@ def timed(fn: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - w0, time.process_time() - c0
 
 
+class Run:
+    """One timed operation; ``finish`` waits for an async save and returns its stages."""
+
+    def __init__(self, op: str, state: dict[str, torch.Tensor], uri: str) -> None:
+        self.op, self.state, self.uri = op, state, uri
+        self.handle: bcp.AsyncSaveHandle | None = None
+        self.info: bcp.SaveInfo | bcp.LoadInfo | None = None
+
+    def __call__(self) -> None:
+        if self.op == "save":
+            self.info = bcp.save(self.state, self.uri, overwrite=True, trace=True)
+        elif self.op == "async":
+            self.handle = bcp.async_save(self.state, self.uri + "a", overwrite=True, trace=True)
+        else:
+            self.info = bcp.load_with_info(self.state, self.uri, trace=True)
+
+    def finish(self) -> dict[str, float]:
+        info = self.handle.wait() if self.handle is not None else self.info
+        return {k: v.seconds for k, v in (info.stages or {}).items()} if info is not None else {}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--counts", default="100,1000,10000")
@@ -98,6 +121,7 @@ def main() -> None:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(20)
             return
         results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        stages: dict[tuple[str, int], list[dict[str, float]]] = {}
         for n in counts:  # warm: first save of each structure, async staging
             uri = str(root / f"n{n}")
             bcp.save(states[n], uri, overwrite=True)
@@ -106,20 +130,12 @@ def main() -> None:
             bcp.load(states[n], uri)
         for _ in range(args.rounds):
             for n in counts:
-                uri = str(root / f"n{n}")
-                st = states[n]
-                if "save" in ops:
-                    results.setdefault(("save", n), []).append(timed(lambda: bcp.save(st, uri, overwrite=True)))
-                if "async" in ops:
-                    h: list[bcp.AsyncSaveHandle] = []
-                    results.setdefault(("async", n), []).append(
-                        timed(lambda: h.append(bcp.async_save(st, uri + "a", overwrite=True)))
-                    )
-                    h[0].wait()
-                if "load" in ops:
-                    results.setdefault(("load", n), []).append(timed(lambda: bcp.load(st, uri)))
+                for op in ops:
+                    run = Run(op, states[n], str(root / f"n{n}"))
+                    results.setdefault((op, n), []).append(timed(run))
+                    stages.setdefault((op, n), []).append(run.finish())
         print(f"{args.total_mib} MiB in n tensors, medians of {args.rounds} rounds, dir {root.parent}")
-        print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
+        print("load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
         head = "op     " + "".join(f"{'n=' + str(n):>22}" for n in counts) + f"{'ratio':>16}"
         print(head)
         print("       " + "".join(f"{'wall s':>11}{'cpu s':>11}" for _ in counts) + f"{'wall':>8}{'cpu':>8}")
@@ -132,6 +148,13 @@ def main() -> None:
                 cpus.append(c)
                 cells += f"{w:>11.3f}{c:>11.3f}"
             print(f"{op:<7}{cells}{walls[-1] / walls[0]:>8.2f}{cpus[-1] / cpus[0]:>8.2f}")
+        print("\nstage seconds (bcp trace spans, wall, medians; async: the save's whole timeline)")
+        for op in ops:
+            names = sorted({k for (o, _n), rows in stages.items() if o == op for row in rows for k in row})
+            for name in names:
+                vals = [statistics.median(row.get(name, 0.0) for row in stages[(op, n)]) for n in counts]
+                ratio = f"{vals[-1] / vals[0]:>8.2f}" if vals[0] > 0 else f"{'-':>8}"
+                print(f"{op + '.' + name:<16}" + "".join(f"{v:>11.4f}" for v in vals) + ratio)
     finally:
         import shutil
 
