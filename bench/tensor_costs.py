@@ -18,6 +18,11 @@ the fixed costs).
     python bench/tensor_costs.py                              # 100, 1,000, 10,000 x 512 MiB
     python bench/tensor_costs.py --total-mib 1024 --rounds 5
     python bench/tensor_costs.py --profile 10000
+    python bench/tensor_costs.py --ranks 2            # 2 gloo processes, the same state on each (DDP)
+
+With ``--ranks R`` the save and load run in R gloo processes on this machine, every
+rank holding the same n tensors (replicated: bcp writes each once, balanced over the
+ranks); the table then gives rank 0's wall and CPU seconds, medians, and no async row.
 """
 
 from __future__ import annotations
@@ -87,6 +92,60 @@ class Run:
         return {k: v.seconds for k, v in (info.stages or {}).items()} if info is not None else {}
 
 
+def _rank_main(rank: int, world: int, port: int, root: str, counts: list[int], total: int, rounds: int, out) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    states = {n: build_state(n, total) for n in counts}
+    res: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for n in counts:
+        bcp.save(states[n], f"{root}/d{n}", overwrite=True)
+        bcp.load(states[n], f"{root}/d{n}")
+    for _ in range(rounds):
+        for n in counts:
+            for op in ("save", "load"):
+                dist.barrier()
+                if op == "save":
+                    r = timed(lambda n=n: bcp.save(states[n], f"{root}/d{n}", overwrite=True))
+                else:
+                    r = timed(lambda n=n: bcp.load(states[n], f"{root}/d{n}"))
+                res.setdefault((op, n), []).append(r)
+    if rank == 0:
+        out.put(res)
+    dist.destroy_process_group()
+
+
+def distributed(ranks: int, root: Path, counts: list[int], total: int, rounds: int) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, ranks, port, str(root), counts, total, rounds, out))
+        for r in range(ranks)
+    ]
+    for proc in procs:
+        proc.start()
+    res = out.get()
+    for proc in procs:
+        proc.join()
+    print(f"{total >> 20} MiB in n tensors on each of {ranks} gloo ranks (replicated), rank 0, medians of {rounds}")
+    print("load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    print("op     " + "".join(f"{'n=' + str(n):>22}" for n in counts) + f"{'ratio':>16}")
+    for op in ("save", "load"):
+        walls = [statistics.median(r[0] for r in res[(op, n)]) for n in counts]
+        cpus = [statistics.median(r[1] for r in res[(op, n)]) for n in counts]
+        cells = "".join(f"{w:>11.3f}{c:>11.3f}" for w, c in zip(walls, cpus, strict=True))
+        print(f"{op:<7}{cells}{walls[-1] / walls[0]:>8.2f}{cpus[-1] / cpus[0]:>8.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--counts", default="100,1000,10000")
@@ -95,12 +154,21 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--profile", type=int, default=0, help="profile one save and one load at this n")
     ap.add_argument("--ops", default="save,async,load")
+    ap.add_argument("--ranks", type=int, default=1, help="run save and load in this many gloo processes")
     args = ap.parse_args()
     base = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     root = Path(tempfile.mkdtemp(prefix="bcp-tensor-costs-", dir=base))
     total = args.total_mib << 20
     counts = [int(x) for x in args.counts.split(",")]
     ops = args.ops.split(",")
+    if args.ranks > 1:
+        try:
+            distributed(args.ranks, root, counts, total, args.rounds)
+        finally:
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)
+        return
     states = {n: build_state(n, total) for n in counts}
     try:
         if args.profile:
