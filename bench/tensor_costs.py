@@ -46,6 +46,7 @@ import bcp
 def build_state(n: int, total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """n float32 tensors of mixed sizes summing to total_bytes (every 20th a 0-dim scalar)."""
     rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)  # every rank builds the same values
     scalars = n // 20
     big = n - scalars
     weights = np.exp(rng.uniform(0.0, np.log(4096.0), size=big))
@@ -61,7 +62,9 @@ def build_state(n: int, total_bytes: int, seed: int = 0) -> dict[str, torch.Tens
         c = int(counts[k])
         k += 1
         cols = 1024 if c % 1024 == 0 and c >= 1024 else 1
-        state[f"model.layers.{i // 16}.w{i % 16}"] = torch.randn(c // cols, cols) if cols > 1 else torch.randn(c)
+        state[f"model.layers.{i // 16}.w{i % 16}"] = (
+            torch.randn(c // cols, cols, generator=gen) if cols > 1 else torch.randn(c, generator=gen)
+        )
     return state
 
 
