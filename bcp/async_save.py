@@ -41,6 +41,7 @@ import torch
 from bcp.metadata import DEFAULT_BLOCK_BYTES
 
 from .collectives import Coordinator
+from .gc_pause import gc_paused
 from .io_scheduler.chunk_plan import Chunk, layout, plan_packed_chunks, plan_part_chunks
 from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
 from .io_scheduler.write_pipeline import WriteItem, WritePipeline
@@ -213,6 +214,7 @@ def _wait_for_overlapped(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: 
         copies.order_after()
 
 
+@gc_paused
 def async_save(
     state: Mapping[str, Any],
     uri: Target,

@@ -37,6 +37,7 @@ from bcp.metadata.geometry import Box
 from . import trace
 from .collectives import Coordinator, GroupCoordinator, decide, run_phase
 from .errors import StateMismatchError, UnsupportedStateError, listed, prefix_hint
+from .gc_pause import gc_paused
 from .io_scheduler.read_exec import ReadStats
 from .lanes import coordinator_for
 from .options import LoadOptions, LoadOptionsKwargs, ReshardObjects
@@ -123,6 +124,7 @@ def load(
     return load_with_info(state, uri, options, **overrides).state
 
 
+@gc_paused
 def load_with_info(
     state: Mapping[str, Any], uri: Target, options: LoadOptions | None = None, **overrides: Unpack[LoadOptionsKwargs]
 ) -> LoadInfo:
@@ -268,6 +270,10 @@ def match_state(
     #: a template holding DTensors (at any world size, one included): an optimizer's
     #: empty ``state`` must not be filled with plain full-size tensors beside them
     guard = any(is_dtensor(leaf.value) for leaf in leaves)
+    # every stored tensor's entry built together (one gather, one vectorised tiling
+    # check), not one at a time below: 0.1 ms a tensor less at 10,000 tensors
+    tensors = reader.catalog.tensors
+    reader.catalog.entries([leaf.fqn for leaf in leaves if leaf.is_tensor and leaf.fqn in tensors])
     for leaf in leaves:
         if leaf.is_tensor:
             _match_tensor(reader, leaf, plan)

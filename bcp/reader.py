@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from typing import Any, Literal
 
 import numpy as np
@@ -204,6 +205,17 @@ class CheckpointReader:
             by_tensor.setdefault(fqn, []).append(box)
         for fqn, boxes in by_tensor.items():  # only the rows these boxes meet, never every row
             entry = self._tensor_entry(fqn)
+            if (
+                entry.num_fragments == 1
+                and not any(entry.offsets[0].tolist())
+                and tuple(entry.lengths[0].tolist()) == entry.global_shape
+            ):
+                # one fragment holding the whole tensor meets every non-empty box (no numpy per tensor)
+                if entry.sizes[0] > 0 and any(math.prod(lengths) for _off, lengths in boxes):
+                    name = entry.file_names[int(entry.files[0])]
+                    if name not in self._sizes_checked:
+                        files.add(name)
+                continue
             _bi, rows, _off, _len = touched_rows(entry, boxes, prefer_rank)
             codes = np.unique(entry.files[rows[entry.sizes[rows] > 0]]).tolist()
             files.update(name for name in (entry.file_names[c] for c in codes) if name not in self._sizes_checked)
@@ -328,8 +340,7 @@ class CheckpointReader:
             views.append(byte_view(landing))
             for part, values in _held_parts(landing, box, mine):
                 copy_values(part, values)
-            for plan in plan_tensor_reads(entry, [box], prefer_rank=prefer_rank, in_memory=frozenset(mine)):
-                plans.append(dataclasses.replace(plan, dest=index))
+            plans += plan_tensor_reads(entry, [box], prefer_rank=prefer_rank, in_memory=frozenset(mine), dest=index)
         stats = execute_reads(
             self.backend, plans, views, block_bytes=self.manifest.checksum_block_bytes, verify=self.verify
         )

@@ -51,6 +51,7 @@ from .commit import (
     write_catalog,
 )
 from .errors import CheckpointExistsError, CommitUncertainError, ShardingError, UnsupportedStateError
+from .gc_pause import gc_paused
 from .io_scheduler.write_pipeline import WriteItem, WritePipeline, WriterReport, fragment_table, make_pipeline
 from .lanes import coordinator_for
 from .options import SaveOptions, SaveOptionsKwargs
@@ -222,6 +223,7 @@ def _decide_objects(all_objects: list[dict[str, LocalObject]]) -> dict[str, list
     return out
 
 
+@gc_paused
 def save(
     state: Mapping[str, Any], uri: Target, options: SaveOptions | None = None, **overrides: Unpack[SaveOptionsKwargs]
 ) -> SaveInfo:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -61,8 +62,16 @@ def path_from_json(doc: Any, *, fqn: str, where: str | None = None) -> KeyPath:
     return path
 
 
+#: one encoder for every key path: json.dumps with options builds a new one per call
+#: (a third of the cost, paid once per tensor of every save)
+_PATH_ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=1 << 16)
 def path_to_str(path: KeyPath) -> str:
-    return json.dumps(path_to_json(path), ensure_ascii=True, separators=(",", ":"))
+    """A key path as stored (compact JSON); remembered, since the same state is saved
+    again and again (keys are str or int, never bool, so equal paths encode equally)."""
+    return _PATH_ENCODER.encode(path_to_json(path))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
