@@ -14,10 +14,12 @@ Rules (FORMAT.md, "Keys"):
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -133,6 +135,29 @@ def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf]) -> No
             _walk(value, (*path, (kind, i)), leaves)
 
 
+#: set while bcp takes a Stateful's state_dict() to save it (flatten_state), unset while
+#: it takes one as a load's template (detach_stateful) or anyone else calls it
+_TAKEN_FOR_SAVE: contextvars.ContextVar[bool] = contextvars.ContextVar("bcp_taken_for_save", default=False)
+
+
+@contextlib.contextmanager
+def taking_for_save() -> Iterator[None]:
+    """Within it, :func:`taken_for_save` is True: the state_dict() calls are for a save."""
+    token = _TAKEN_FOR_SAVE.set(True)
+    try:
+        yield
+    finally:
+        _TAKEN_FOR_SAVE.reset(token)
+
+
+def taken_for_save() -> bool:
+    """Whether a ``state_dict()`` being called now is bcp saving it. A Stateful may record
+    in what it saves what a template must not hold (``bcp.TrainingState`` marks an
+    optimizer saved before its first step; the same mark in a template would be a key
+    that a strict DCP load finds missing from a checkpoint of a stepped optimizer)."""
+    return _TAKEN_FOR_SAVE.get()
+
+
 def is_stateful(value: Any) -> bool:
     """An object saved through its ``state_dict()`` and loaded through its
     ``load_state_dict()`` (DCP's ``Stateful``: modules, optimizers, schedulers,
@@ -171,7 +196,8 @@ def _walk(value: Any, path: KeyPath, leaves: dict[str, Leaf]) -> None:
     _refuse_sharded_tensor(value, path)
     _refuse_rank_values(value, path)
     if is_stateful(value):  # saved as what its state_dict() returns, as DCP does
-        value = value.state_dict()
+        with taking_for_save():
+            value = value.state_dict()
     traversable = isinstance(value, (list, tuple)) and not isinstance(value, torch.Size)
     traversable |= isinstance(value, Mapping) and all(_plain_key(k) for k in value)
     if traversable and _contains_tensor(value):

@@ -36,6 +36,7 @@ from .loader import LoadInfo, load_with_info
 from .options import LoadOptionsKwargs, SaveOptionsKwargs
 from .saver import SaveInfo, save
 from .shards import PerRank
+from .state import taken_for_save, taking_for_save
 from .target import Target
 
 log = logging.getLogger(__name__)
@@ -217,7 +218,8 @@ class TrainingState:
         learning rate 0 (so that its state has keys and shapes): that state is dropped
         again here, so that asking for the state (a save, a load's template, a fresh
         run's ``load_latest``) leaves such an optimizer as it was; its saved param
-        groups carry :data:`UNSTEPPED_MARK`, and a load of them leaves it without state.
+        groups carry :data:`UNSTEPPED_MARK` when bcp saves them (not in a load's template:
+        ``bcp.state.taken_for_save``), and a load of them leaves it without state.
 
         After the first call with stepped optimizers, get_state_dict's FQN mapping is
         reused (:class:`_StateDictCache`): the same result, read live from
@@ -226,7 +228,10 @@ class TrainingState:
         model_sd, optim_sd = self._model_and_optim(unstepped)
         state: dict[str, Any] = {"model": model_sd}
         if self.optimizers:
-            state["optim"] = _mark_unstepped_groups(optim_sd, self.optimizers, unstepped)
+            # marked only in what bcp saves: in a load's template the mark would be a key a
+            # strict load (DCP's) finds missing from a checkpoint of a stepped optimizer
+            marked = taken_for_save() and any(unstepped)
+            state["optim"] = _mark_unstepped_groups(optim_sd, self.optimizers, unstepped) if marked else optim_sd
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.dataloader is not None:
@@ -280,7 +285,9 @@ class TrainingState:
 
     def save(self, uri: Target, **options: Unpack[SaveOptionsKwargs]) -> SaveInfo:
         """``bcp.save`` of this state (collective when torch.distributed is initialised)."""
-        return save(self.state_dict(), uri, **options)
+        with taking_for_save():
+            state = self.state_dict()
+        return save(state, uri, **options)
 
     def load(self, uri: Target, **options: Unpack[LoadOptionsKwargs]) -> LoadInfo:
         """``bcp.load`` into this state, resharding per-rank objects with

@@ -409,3 +409,31 @@ def test_stateful_dataloader_state_reshards_to_more_ranks():
 def test_sampler_refuses_a_state_of_another_world():
     with pytest.raises(ValueError, match="reshard_sampler_states"):
         ShardedSampler(10, 0, 3).load_state_dict(ShardedSampler(10, 0, 2).state_dict())
+
+
+def test_the_unstepped_mark_is_in_what_bcp_saves_never_in_a_template():
+    """A fresh optimizer's param groups carry the mark only when bcp takes the state to
+    save it: in a template (state_dict() called by anyone else) it would be a key that a
+    strict DCP load finds missing from a checkpoint of a stepped optimizer."""
+    import torch.distributed.checkpoint as dcp
+
+    from bcp.state import taking_for_save
+    from bcp.training import UNSTEPPED_MARK
+
+    model = torch.nn.Linear(4, 3)
+    fresh = bcp.TrainingState(model, torch.optim.AdamW(model.parameters()), rng=False)
+    template = fresh.state_dict()
+    assert all(UNSTEPPED_MARK not in group for group in template["optim"]["param_groups"])
+    with taking_for_save():
+        saved = fresh.state_dict()
+    assert all(group[UNSTEPPED_MARK] is True for group in saved["optim"]["param_groups"])
+    stepped_model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(stepped_model.parameters())
+    stepped_model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        dcp.save(bcp.TrainingState(stepped_model, opt, rng=False).state_dict(), checkpoint_id=d, no_dist=True)
+        dcp.load(template, checkpoint_id=d, no_dist=True)  # strict: every template key is in the checkpoint
+    assert torch.equal(template["optim"]["state"]["weight"]["exp_avg"], opt.state[stepped_model.weight]["exp_avg"])
