@@ -252,7 +252,14 @@ first = timed(sys.argv[1] + "/first")
 pool = bcp.io_scheduler.staging.default_pool()
 pool.wait_pinned(120)
 later = min(timed(sys.argv[1] + f"/later{k}") for k in range(2))
-print(json.dumps({"first": first, "later": later, "standins": pool.standins_lent}))
+def fresh_copy():  # the same bytes copied to the host into freshly allocated (never touched) pageable memory
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    copies = [torch.empty(t.shape, dtype=t.dtype).copy_(t) for t in state.values()]
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+fresh = min(fresh_copy() for _ in range(2))
+print(json.dumps({"first": first, "later": later, "fresh": fresh, "standins": pool.standins_lent}))
 """
 
 
@@ -266,8 +273,9 @@ def test_first_async_save_without_a_reservation_does_not_wait_for_pinning(tmp_pa
     )
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["standins"] > 0, "the first save found nothing to lend: it pinned on the critical path"
-    # pinning 1 GiB on the critical path took about a second; pageable copies are a few times slower than pinned
-    assert got["first"] <= 2 * got["later"] + 0.5, got
+    # issue 37's target: the first call at most 2x a copy of the same bytes into fresh memory (pinning 1 GiB on the
+    # critical path, which this guards against, costs about a second more than that)
+    assert got["first"] <= 2 * got["fresh"] + 0.05, got
 
 
 def test_reservation_counts_one_slab_per_object_store_part(tmp_path):
@@ -341,7 +349,7 @@ def test_every_dtype_and_strided_views_round_trip_through_cuda(tmp_path, dtype):
     bcp.save(state, str(tmp_path / "s"))
     for uri in (tmp_path / "a", tmp_path / "s"):
         template = {k: torch.empty(v.shape, dtype=dtype, device="cuda") for k, v in expected.items()}
-        template["t"] = torch.empty(30, 40, dtype=dtype, device="cuda").t()  # a strided destination
+        template["t"] = torch.empty(40, 30, dtype=dtype, device="cuda").t()  # a strided destination of t's shape
         out = bcp.load(template, str(uri))
         for k, v in expected.items():
             got = raw(out[k]).cpu().view(dtype)  # integer views copy for every dtype
