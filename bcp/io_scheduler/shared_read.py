@@ -31,8 +31,16 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from bcp.metadata import itemsize
-from bcp.metadata.geometry import Box, BoxArrays, row_products, stable_order
+from bcp.metadata import TensorEntry, itemsize
+from bcp.metadata.geometry import (
+    Box,
+    BoxArrays,
+    ascending,
+    expand_windows,
+    row_products,
+    rows_positive,
+    stable_order,
+)
 
 from .. import trace
 from ..collectives import GroupCoordinator, portable
@@ -166,7 +174,7 @@ def _no_plan() -> SharePlan:
     return SharePlan(z.astype(np.int32), empty, empty, z.astype(np.int32), z, np.zeros(1, np.int64))
 
 
-def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan:
+def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index: bool = True) -> SharePlan:
     """(coordinator) The job-wide sharing plan for every rank's wanted boxes: the same
     shared fragments and needing ranks every rank used to compute over every rank's
     list, computed once and vectorised; owners balanced by needer set (module doc).
@@ -174,15 +182,20 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
     Ranks that want exactly the same boxes (data-parallel replicas: HSDP, DDP) are
     planned as one class: the boxes are matched against the stored fragments once per
     class, and the class's ranks are expanded only into the needers of the shared
-    fragments."""
+    fragments. Boxes of tensors stored as disjoint slices along one dimension (FSDP,
+    TP) are matched on that dimension alone (:class:`_CutIndex`), a batch of classes
+    at a time; the rest go through the general overlap test (``cut_index=False``:
+    every box does, the reference the tests compare against)."""
     names = list(reader.catalog.tensors)
     classes = _RankClasses.of(wanted)
     reps = [wanted[r] for r in classes.first]
-    tids = np.concatenate([w.tensors.astype(np.int64) for w in reps]) if reps else np.zeros(0, np.int64)
-    if len(tids) and (tids.min() < 0 or tids.max() >= len(names)):
-        raise ValueError("a wanted box names a tensor the catalog does not hold")
-    box_class = np.repeat(np.arange(len(reps)), [len(w.tensors) for w in reps])
-    used = np.flatnonzero(np.bincount(tids, minlength=len(names))).tolist()
+    per_tensor = np.zeros(len(names), np.int64)
+    for w in reps:
+        t = w.tensors
+        if len(t) and (int(t.min()) < 0 or int(t.max()) >= len(names)):
+            raise ValueError("a wanted box names a tensor the catalog does not hold")
+        per_tensor += np.bincount(t, minlength=len(names))
+    used = np.flatnonzero(per_tensor).tolist()
     if not used:
         return _no_plan()
     used_names = [names[t] for t in used]
@@ -196,50 +209,62 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
     for t in used:
         ndim_of[t] = len(shapes[t])
         extents[t, : len(shapes[t])] = shapes[t]
-    # the wanted boxes and every stored row of those tensors, padded to ``width``
-    # dimensions with (0, 1) where tensors differ in rank
-    b_off, b_len = _padded(tids, ndim_of, [w.offsets for w in reps], [w.lengths for w in reps], width)
-    f_tid = np.repeat(np.array(used, np.int64), [e.num_fragments for e in entries])
-    if ndims == {width}:
-        f_off = np.concatenate([e.offsets for e in entries]).reshape(-1, width)
-        f_len = np.concatenate([e.lengths for e in entries]).reshape(-1, width)
-    else:
-        f_off = np.zeros((len(f_tid), width), np.int64)
-        f_len = np.ones((len(f_tid), width), np.int64)
-        at = 0
-        for e in entries:
-            n, d = e.num_fragments, len(e.global_shape)
-            f_off[at : at + n, :d] = e.offsets
-            f_len[at : at + n, :d] = e.lengths
-            at += n
-    bi, fi, elems = overlap_volumes(BoxArrays(f_off, f_len, f_tid), BoxArrays(b_off, b_len, tids), extents=extents)
-    if not len(bi):
+    # stored rows of the used tensors are numbered tensor after tensor (``used`` order),
+    # each tensor's rows in catalog order: tensor ``used[i]`` holds rows fstart[i]..fstart[i + 1] - 1
+    fstart = np.r_[0, np.cumsum([e.num_fragments for e in entries])].astype(np.int64)
+    n_frags = int(fstart[-1])
+    slot = np.full(len(names), -1, np.int64)
+    slot[used] = np.arange(len(used))
+    index = _CutIndex.build(entries, used, fstart, extents, len(names)) if cut_index else None
+    one_box = True
+    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (fragment, class, elements) per pair
+    left: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # boxes for the general test
+    for lo, hi in _batches([len(w.tensors) for w in reps], _BOX_BATCH):
+        tids = np.concatenate([reps[c].tensors for c in range(lo, hi)]).astype(np.int64)
+        cls = np.repeat(np.arange(lo, hi), [len(reps[c].tensors) for c in range(lo, hi)])
+        one_box = one_box and _one_box_per_tensor(tids, cls)
+        offs = [reps[c].offsets for c in range(lo, hi)]
+        b_off, b_len = _padded(tids, ndim_of, offs, [reps[c].lengths for c in range(lo, hi)], width)
+        if index is None:
+            left.append((tids, b_off, b_len, cls))
+            continue
+        qi, fi, elems, rest = index.pairs(tids, b_off, b_len)
+        found.append((fi, cls[qi], elems))
+        if rest.any():
+            left.append((tids[rest], b_off[rest], b_len[rest], cls[rest]))
+    if left:
+        found.append(_general_pairs(entries, used, slot, fstart, shapes, extents, width, left))
+    fi = np.concatenate([f for f, _c, _e in found])
+    if not len(fi):
         return _no_plan()
-    # one key per distinct stored box: pairs with a replica other than the first are dropped
-    hit = np.zeros(len(f_tid), bool)
-    hit[fi] = True
-    box_of = _box_ids(f_tid, f_off, f_len, shapes, np.flatnonzero(hit))
-    first_copy = box_of[fi] == fi
-    if not first_copy.all():
-        bi, fi, elems = bi[first_copy], fi[first_copy], elems[first_copy]
+    cls = np.concatenate([c for _f, c, _e in found])
+    elems = np.concatenate([e for _f, _c, e in found])
+    del found
     # per fragment: elements wanted (every rank's boxes counted) and needing ranks
-    cls = box_class[bi]
-    wanted_elems = np.bincount(fi, weights=elems * classes.sizes[cls], minlength=len(f_tid))  # exact below 2**53
-    if _one_box_per_tensor(tids, box_class):
+    wanted_elems = np.bincount(fi, weights=elems * classes.sizes[cls], minlength=n_frags)  # exact below 2**53
+    del elems
+    if one_box:
         uf, uc = fi, cls  # each (fragment, class) pair once already
     else:
         key = np.unique(fi * len(reps) + cls)
         uf, uc = key // len(reps), key % len(reps)
-    n_ranks = np.bincount(uf, weights=classes.sizes[uc], minlength=len(f_tid))
-    box_numel = row_products(f_len)
-    shared = np.flatnonzero((n_ranks > 1) & (wanted_elems > box_numel))
+    del fi, cls
+    n_ranks = np.bincount(uf, weights=classes.sizes[uc], minlength=n_frags)
+    candidates = np.flatnonzero(n_ranks > 1)
+    if not len(candidates):
+        return _no_plan()
+    c_off, c_len = _rows_at(entries, fstart, candidates, width)
+    keep_c = wanted_elems[candidates] > row_products(c_len)
+    shared = candidates[keep_c]
     if not len(shared):
         return _no_plan()
     # tags in catalog order: tensors as the catalog lists them, each tensor's rows in order
-    k_tid, k_off, k_len = f_tid[shared], np.take(f_off, shared, axis=0), np.take(f_len, shared, axis=0)
-    tag_of = np.full(len(f_tid), -1, np.int64)
+    k_tid = np.array(used, np.int64)[np.searchsorted(fstart, shared, side="right") - 1]
+    k_off, k_len = c_off[keep_c], c_len[keep_c]
+    tag_of = np.full(n_frags, -1, np.int32 if len(shared) < 1 << 31 else np.int64)
     tag_of[shared] = np.arange(len(shared))
-    pk = tag_of[uf]
+    pk = tag_of[uf].astype(np.int64)
+    del tag_of
     keep = pk >= 0
     needers, starts, group = classes.needers(pk[keep], uc[keep], len(shared))
     item = np.array([itemsize(e.dtype) for e in entries], np.int64)
@@ -248,6 +273,193 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
     sizes = row_products(k_len) * item_of[k_tid]
     owners = _choose_owners(needers, starts, sizes, len(wanted), group)
     return SharePlan(k_tid.astype(np.int32), k_off, k_len, owners, needers, starts, classes.of_rank)
+
+
+#: Wanted boxes matched at once (bounds the memory of the per-box arrays)
+_BOX_BATCH = 1 << 20
+
+
+def _batches(lengths: list[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive ranges [lo, hi) of ``lengths`` holding about ``limit`` in all (at
+    least one item each)."""
+    out, lo, acc = [], 0, 0
+    for i, n in enumerate(lengths):
+        if acc and acc + n > limit:
+            out.append((lo, i))
+            lo, acc = i, 0
+        acc += n
+    if lo < len(lengths):
+        out.append((lo, len(lengths)))
+    return out
+
+
+def _rows_at(
+    entries: Sequence[TensorEntry], fstart: np.ndarray, rows: np.ndarray, width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and lengths of stored rows ``rows`` (ascending, numbered as fstart says),
+    padded to ``width`` dimensions with (0, 1)."""
+    off = np.zeros((len(rows), width), np.int64)
+    lens = np.ones((len(rows), width), np.int64)
+    which = np.searchsorted(fstart, rows, side="right") - 1
+    cuts = np.searchsorted(which, np.arange(len(entries) + 1)).tolist()
+    for i in np.unique(which).tolist():
+        a, b = cuts[i], cuts[i + 1]
+        e = entries[i]
+        d = len(e.global_shape)
+        local = rows[a:b] - fstart[i]
+        off[a:b, :d] = np.take(e.offsets, local, axis=0)
+        lens[a:b, :d] = np.take(e.lengths, local, axis=0)
+    return off, lens
+
+
+def _general_pairs(
+    entries: Sequence[TensorEntry],
+    used: list[int],
+    slot: np.ndarray,
+    fstart: np.ndarray,
+    shapes: dict[int, tuple[int, ...]],
+    extents: np.ndarray,
+    width: int,
+    left: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fragment, class, shared elements) of every pair of the ``left`` boxes (tensor,
+    offsets, lengths, class) by the general overlap test, against every stored row of
+    their tensors; pairs with a replica of a stored box other than its first are
+    dropped (one key per distinct stored box)."""
+    tids = np.concatenate([t for t, _o, _n, _c in left])
+    b_off = np.concatenate([o for _t, o, _n, _c in left])
+    b_len = np.concatenate([n for _t, _o, n, _c in left])
+    b_cls = np.concatenate([c for _t, _o, _n, c in left])
+    picked = np.unique(slot[tids]).tolist()
+    counts = [entries[i].num_fragments for i in picked]
+    f_tid = np.repeat(np.array([used[i] for i in picked], np.int64), counts)
+    glob = np.concatenate([np.arange(fstart[i], fstart[i + 1]) for i in picked]).astype(np.int64)
+    f_off, f_len = _rows_at(entries, fstart, glob, width)
+    bi, fl, elems = overlap_volumes(BoxArrays(f_off, f_len, f_tid), BoxArrays(b_off, b_len, tids), extents=extents)
+    if not len(bi):
+        return _EMPTY, _EMPTY, _EMPTY
+    hit = np.zeros(len(f_tid), bool)
+    hit[fl] = True
+    box_of = _box_ids(f_tid, f_off, f_len, shapes, np.flatnonzero(hit))
+    first_copy = box_of[fl] == fl
+    if not first_copy.all():
+        bi, fl, elems = bi[first_copy], fl[first_copy], elems[first_copy]
+    return glob[fl], b_cls[bi], elems
+
+
+_EMPTY = np.zeros(0, np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CutIndex:
+    """The stored rows of every tensor whose non-empty rows are disjoint slices along
+    one dimension (its cut; every other dimension whole), as intervals on one line:
+    tensor t's cut coordinate x sits at ``base[t] + x`` (tensors apart by their extent
+    plus one). The rows' intervals are disjoint and sorted, so the rows a box meets
+    (one whole on every other dimension, inside its tensor) are one window: from the
+    first row ending past its start to the last starting before its end. Windows are
+    looked up in two prefix-count tables over the line, or binary searches where the
+    line is long (flat 1-D tensors)."""
+
+    eligible: np.ndarray  # bool (names,)
+    cut: np.ndarray  # int64 (names,)
+    base: np.ndarray  # int64 (names,)
+    other: np.ndarray  # int64 (names,): elements per unit of the cut dimension
+    extents: np.ndarray  # int64 (names, width)
+    starts: np.ndarray  # (N,) sorted, on the line
+    ends: np.ndarray  # (N,)
+    rows: np.ndarray  # (N,) the stored row of each interval
+    ends_upto: np.ndarray | None  # (line,) intervals ending at or before x
+    starts_upto: np.ndarray | None  # (line,) intervals starting at or before x
+
+    @classmethod
+    def build(
+        cls, entries: Sequence[TensorEntry], used: list[int], fstart: np.ndarray, extents: np.ndarray, n_names: int
+    ) -> _CutIndex | None:
+        eligible = np.zeros(n_names, bool)
+        cut = np.zeros(n_names, np.int64)
+        other = np.ones(n_names, np.int64)
+        parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
+        for i, (t, e) in enumerate(zip(used, entries, strict=True)):
+            shape = e.global_shape
+            off, lens = e.offsets, e.lengths
+            if not shape:  # a scalar: one dimension of length 1
+                shape = (1,)
+                off, lens = np.zeros((len(off), 1), np.int64), np.ones((len(off), 1), np.int64)
+            live = np.flatnonzero(rows_positive(lens))
+            if len(live) < len(lens):
+                off, lens = off[live], lens[live]
+            partial = [d for d in range(len(shape)) if not ((off[:, d] == 0) & (lens[:, d] == shape[d])).all()]
+            if len(partial) > 1:
+                continue
+            k = partial[0] if partial else 0
+            s, n = off[:, k], lens[:, k]
+            if not ascending(s):
+                order = np.argsort(s, kind="stable")
+                s, n, live = s[order], n[order], live[order]
+            end = s + n
+            if len(s) > 1 and not (s[1:] >= end[:-1]).all():  # overlapping rows (replicas): the general test
+                continue
+            eligible[t], cut[t] = True, k
+            other[t] = math.prod(shape) // shape[k] if shape[k] else 0
+            parts.append((t, s, end, live + fstart[i]))
+        if not parts:
+            return None
+        ext = extents[np.arange(n_names), cut]
+        span = np.zeros(n_names, np.int64)
+        span[[t for t, *_ in parts]] = ext[[t for t, *_ in parts]] + 1
+        base = np.zeros(n_names, np.int64)
+        np.cumsum(span[:-1], out=base[1:])
+        line = int(span.sum())
+        total = sum(len(s) for _t, s, _e, _r in parts)
+        if line >= 1 << 62:
+            return None
+        small = line < 1 << 31 and int(fstart[-1]) < 1 << 31
+        dtype = np.int32 if small else np.int64
+        starts = np.concatenate([s + base[t] for t, s, _e, _r in parts]).astype(dtype)
+        ends = np.concatenate([e + base[t] for t, _s, e, _r in parts]).astype(dtype)
+        rows = np.concatenate([r for _t, _s, _e, r in parts]).astype(dtype)
+        ends_upto = starts_upto = None
+        if line <= 4 * total + (1 << 22):  # dense tables: a lookup each instead of binary searches
+            ends_upto = np.cumsum(np.bincount(ends, minlength=line), dtype=dtype)
+            starts_upto = np.cumsum(np.bincount(starts, minlength=line), dtype=dtype)
+        return cls(eligible, cut, base, other, extents, starts, ends, rows, ends_upto, starts_upto)
+
+    def pairs(
+        self, tids: np.ndarray, off: np.ndarray, lens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For boxes (tensor, (B, width) offsets, lengths): (box, stored row, shared
+        elements) of every pair met, for the boxes it can match, and a mask of the
+        boxes it cannot (for the general test)."""
+        ok = self.eligible[tids]
+        k = self.cut[tids]
+        rows = np.arange(len(tids))
+        uniform = bool(len(k)) and bool((k == k[0]).all())
+        if uniform:
+            s, n = off[:, int(k[0])], lens[:, int(k[0])]
+        else:
+            s, n = off[rows, k], lens[rows, k]
+        for d in range(off.shape[1]):
+            if uniform and d == int(k[0]):
+                continue
+            whole = (off[:, d] == 0) & (lens[:, d] == self.extents[tids, d])
+            ok &= whole if uniform else whole | (k == d)
+        ext = self.extents[tids, k]
+        ok &= (s >= 0) & (n >= 0) & (s + n <= ext)
+        live = ok & rows_positive(lens)
+        q = np.flatnonzero(live)
+        lo = self.base[tids[q]] + s[q]
+        hi = lo + n[q]
+        if self.ends_upto is not None and self.starts_upto is not None:
+            first = self.ends_upto[lo].astype(np.int64)
+            width = self.starts_upto[hi - 1] - first
+        else:
+            first = np.searchsorted(self.ends, lo, side="right")
+            width = np.searchsorted(self.starts, hi, side="left") - first
+        np.clip(width, 0, None, out=width)
+        qi, pos = expand_windows(first, width)
+        span = np.minimum(hi[qi], self.ends[pos]) - np.maximum(lo[qi], self.starts[pos])
+        return q[qi], self.rows[pos].astype(np.int64), span * self.other[tids[q[qi]]], ~ok
 
 
 def _one_box_per_tensor(tids: np.ndarray, box_class: np.ndarray) -> bool:
