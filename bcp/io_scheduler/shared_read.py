@@ -266,7 +266,11 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     pk = tag_of[uf].astype(np.int64)
     del tag_of
     keep = pk >= 0
-    needers, starts, group = classes.needers(pk[keep], uc[keep], len(shared))
+    tags, tag_cls = pk[keep], uc[keep]
+    del pk, uf, uc
+    if one_box:
+        tags, tag_cls = _by_tag(tags, tag_cls, len(shared), len(reps))
+    needers, starts, group = classes.needers(tags, tag_cls, len(shared))
     item = np.array([itemsize(e.dtype) for e in entries], np.int64)
     item_of = np.zeros(len(names), np.int64)
     item_of[used] = item
@@ -291,6 +295,27 @@ def _batches(lengths: list[int], limit: int) -> list[tuple[int, int]]:
     if lo < len(lengths):
         out.append((lo, len(lengths)))
     return out
+
+
+def _by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tag, class) pairs, each once, put in order of tag then class. Pairs come class
+    after class (the classes' batches), so a counting sort by tag, class by class,
+    does it in linear time (a sort of millions of keys takes seconds); otherwise as
+    they are (:meth:`_RankClasses.needers` sorts them)."""
+    if len(tags) < 2 or not ascending(classes) or ascending(tags * n_classes + classes):
+        return tags, classes
+    fill = np.cumsum(np.bincount(tags, minlength=k)) - np.bincount(tags, minlength=k)
+    bounds = np.searchsorted(classes, np.arange(n_classes + 1)).tolist()
+    dest = np.empty(len(tags), np.int64)
+    for c in range(n_classes):
+        a, b = bounds[c], bounds[c + 1]
+        if a < b:
+            mine = tags[a:b]  # each tag once within a class
+            dest[a:b] = fill[mine]
+            fill[mine] += 1
+    out_t, out_c = np.empty_like(tags), np.empty_like(classes)
+    out_t[dest], out_c[dest] = tags, classes
+    return out_t, out_c
 
 
 def _rows_at(
@@ -350,6 +375,73 @@ def _general_pairs(
 _EMPTY = np.zeros(0, np.int64)
 
 
+#: Stored rows examined at once when indexing them (bounds the memory of the pass)
+_ROW_BATCH = 1 << 20
+
+
+def _rank_runs(entries: Sequence[TensorEntry], limit: int) -> list[tuple[int, int]]:
+    """Consecutive ranges [a, b) of ``entries`` of one number of dimensions each,
+    holding about ``limit`` rows (at least one entry)."""
+    out, a, acc = [], 0, 0
+    for i, e in enumerate(entries):
+        if i > a and (acc + e.num_fragments > limit or len(e.global_shape) != len(entries[a].global_shape)):
+            out.append((a, i))
+            a, acc = i, 0
+        acc += e.num_fragments
+    if a < len(entries):
+        out.append((a, len(entries)))
+    return out
+
+
+def _cut_rows(
+    entries: Sequence[TensorEntry], extents: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """For tensors of one rank (``extents``: their shapes, padded with 1): whether each
+    is stored as disjoint slices along one dimension (every other dimension whole; empty
+    rows ignored), that dimension (the lowest not whole; 0 where every one is), and for
+    those that are, the non-empty rows' intervals on it (start, end, sorted by tensor
+    and start) with (row, tensor) of each: the row counted from the first entry's first
+    row, the tensor as its position in ``entries``."""
+    counts = np.array([e.num_fragments for e in entries], np.int64)
+    ndim = len(entries[0].global_shape)
+    if ndim:
+        off = np.concatenate([e.offsets for e in entries])
+        lens = np.concatenate([e.lengths for e in entries])
+    else:  # scalars: one dimension of length 1
+        off, lens = np.zeros((int(counts.sum()), 1), np.int64), np.ones((int(counts.sum()), 1), np.int64)
+    n_t = len(entries)
+    local = np.repeat(np.arange(n_t), counts)
+    live = rows_positive(lens)
+    n_partial = np.zeros(n_t, np.int64)
+    k = np.zeros(n_t, np.int64)
+    for d in reversed(range(off.shape[1])):
+        whole = (off[:, d] == 0) & (lens[:, d] == np.repeat(extents[:, d], counts))
+        has = np.bincount(local[live & ~whole], minlength=n_t) > 0
+        n_partial += has
+        k[has] = d
+    ok = n_partial <= 1
+    rows = np.flatnonzero(live & ok[local])
+    tl = local[rows]
+    kl = k[tl]
+    if (kl == kl[0]).all() if len(kl) else True:
+        col = int(kl[0]) if len(kl) else 0
+        s, n = off[rows, col], lens[rows, col]
+    else:
+        s, n = off[rows, kl], lens[rows, kl]
+    same = tl[1:] == tl[:-1]
+    if (same & (s[1:] < s[:-1])).any():
+        order = np.lexsort((s, tl))
+        rows, tl, s, n = rows[order], tl[order], s[order], n[order]
+        same = tl[1:] == tl[:-1]
+    e = s + n
+    overlap = same & (s[1:] < e[:-1])  # replicas or overlapping rows: the general test
+    if overlap.any():
+        ok[tl[1:][overlap]] = False
+        keep = ok[tl]
+        rows, tl, s, e = rows[keep], tl[keep], s[keep], e[keep]
+    return ok, k, s, e, (rows, tl)
+
+
 @dataclasses.dataclass(frozen=True)
 class _CutIndex:
     """The stored rows of every tensor whose non-empty rows are disjoint slices along
@@ -376,51 +468,42 @@ class _CutIndex:
     def build(
         cls, entries: Sequence[TensorEntry], used: list[int], fstart: np.ndarray, extents: np.ndarray, n_names: int
     ) -> _CutIndex | None:
+        """The index of ``entries`` (tensors ``used``, their rows numbered from
+        ``fstart``), None where no tensor qualifies or the line would be too long.
+        Vectorised over tensors of equal rank, a bounded number of rows at a time."""
         eligible = np.zeros(n_names, bool)
         cut = np.zeros(n_names, np.int64)
-        other = np.ones(n_names, np.int64)
-        parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = []
-        for i, (t, e) in enumerate(zip(used, entries, strict=True)):
-            shape = e.global_shape
-            off, lens = e.offsets, e.lengths
-            if not shape:  # a scalar: one dimension of length 1
-                shape = (1,)
-                off, lens = np.zeros((len(off), 1), np.int64), np.ones((len(off), 1), np.int64)
-            live = np.flatnonzero(rows_positive(lens))
-            if len(live) < len(lens):
-                off, lens = off[live], lens[live]
-            partial = [d for d in range(len(shape)) if not ((off[:, d] == 0) & (lens[:, d] == shape[d])).all()]
-            if len(partial) > 1:
-                continue
-            k = partial[0] if partial else 0
-            s, n = off[:, k], lens[:, k]
-            if not ascending(s):
-                order = np.argsort(s, kind="stable")
-                s, n, live = s[order], n[order], live[order]
-            end = s + n
-            if len(s) > 1 and not (s[1:] >= end[:-1]).all():  # overlapping rows (replicas): the general test
-                continue
-            eligible[t], cut[t] = True, k
-            other[t] = math.prod(shape) // shape[k] if shape[k] else 0
-            parts.append((t, s, end, live + fstart[i]))
-        if not parts:
+        base = np.zeros(n_names, np.int64)
+        bound = sum(max(e.global_shape, default=1) + 1 for e in entries)  # the line's length at most
+        if bound >= 1 << 62:
+            return None
+        dtype = np.int32 if bound < 1 << 31 and int(fstart[-1]) < 1 << 31 else np.int64
+        found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        line = 0
+        for a, b in _rank_runs(entries, _ROW_BATCH):
+            ts = np.array(used[a:b], np.int64)
+            ok, k, starts, ends, rows = _cut_rows(entries[a:b], extents[ts])
+            span = np.where(ok, extents[ts, k] + 1, 0)
+            base[ts] = line + np.cumsum(span) - span
+            line += int(span.sum())
+            eligible[ts], cut[ts] = ok, k
+            found.append(
+                (
+                    (starts + base[ts][rows[1]]).astype(dtype),
+                    (ends + base[ts][rows[1]]).astype(dtype),
+                    (rows[0] + fstart[a]).astype(dtype),
+                )
+            )
+        if not eligible.any():
             return None
         ext = extents[np.arange(n_names), cut]
-        span = np.zeros(n_names, np.int64)
-        span[[t for t, *_ in parts]] = ext[[t for t, *_ in parts]] + 1
-        base = np.zeros(n_names, np.int64)
-        np.cumsum(span[:-1], out=base[1:])
-        line = int(span.sum())
-        total = sum(len(s) for _t, s, _e, _r in parts)
-        if line >= 1 << 62:
-            return None
-        small = line < 1 << 31 and int(fstart[-1]) < 1 << 31
-        dtype = np.int32 if small else np.int64
-        starts = np.concatenate([s + base[t] for t, s, _e, _r in parts]).astype(dtype)
-        ends = np.concatenate([e + base[t] for t, _s, e, _r in parts]).astype(dtype)
-        rows = np.concatenate([r for _t, _s, _e, r in parts]).astype(dtype)
+        other = np.where(ext > 0, row_products(extents) // np.maximum(ext, 1), 0)
+        starts = np.concatenate([s for s, _e, _r in found])
+        ends = np.concatenate([e for _s, e, _r in found])
+        rows = np.concatenate([r for _s, _e, r in found])
+        del found
         ends_upto = starts_upto = None
-        if line <= 4 * total + (1 << 22):  # dense tables: a lookup each instead of binary searches
+        if line <= 4 * len(starts) + (1 << 22):  # dense tables: a lookup each instead of binary searches
             ends_upto = np.cumsum(np.bincount(ends, minlength=line), dtype=dtype)
             starts_upto = np.cumsum(np.bincount(starts, minlength=line), dtype=dtype)
         return cls(eligible, cut, base, other, extents, starts, ends, rows, ends_upto, starts_upto)
