@@ -240,19 +240,22 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     cls = np.concatenate([c for _f, c, _e in found])
     elems = np.concatenate([e for _f, _c, e in found])
     del found
-    # per fragment: elements wanted (every rank's boxes counted) and needing ranks
-    wanted_elems = np.bincount(fi, weights=elems * classes.sizes[cls], minlength=n_frags)  # exact below 2**53
-    del elems
+    # per fragment: needing ranks, and elements wanted (every rank's boxes counted)
     if one_box:
         uf, uc = fi, cls  # each (fragment, class) pair once already
     else:
-        key = np.unique(fi * len(reps) + cls)
+        key = np.unique(fi.astype(np.int64) * len(reps) + cls)
         uf, uc = key // len(reps), key % len(reps)
-    del fi, cls
-    n_ranks = np.bincount(uf, weights=classes.sizes[uc], minlength=n_frags)
+    if (classes.sizes == classes.sizes[0]).all():
+        n_ranks = np.bincount(uf, minlength=n_frags) * int(classes.sizes[0])
+    else:
+        n_ranks = np.bincount(uf, weights=classes.sizes[uc], minlength=n_frags)
     candidates = np.flatnonzero(n_ranks > 1)
+    del n_ranks
     if not len(candidates):
         return _no_plan()
+    wanted_elems = np.bincount(fi, weights=elems * classes.sizes[cls], minlength=n_frags)  # exact below 2**53
+    del fi, cls, elems
     c_off, c_len = _rows_at(entries, fstart, candidates, width)
     keep_c = wanted_elems[candidates] > row_products(c_len)
     shared = candidates[keep_c]
@@ -516,33 +519,41 @@ class _CutIndex:
         boxes it cannot (for the general test)."""
         ok = self.eligible[tids]
         k = self.cut[tids]
-        rows = np.arange(len(tids))
         uniform = bool(len(k)) and bool((k == k[0]).all())
         if uniform:
             s, n = off[:, int(k[0])], lens[:, int(k[0])]
         else:
+            rows = np.arange(len(tids))
             s, n = off[rows, k], lens[rows, k]
         for d in range(off.shape[1]):
             if uniform and d == int(k[0]):
                 continue
-            whole = (off[:, d] == 0) & (lens[:, d] == self.extents[tids, d])
+            whole = (off[:, d] == 0) & (lens[:, d] == self.extents[:, d][tids])
             ok &= whole if uniform else whole | (k == d)
-        ext = self.extents[tids, k]
-        ok &= (s >= 0) & (n >= 0) & (s + n <= ext)
-        live = ok & rows_positive(lens)
-        q = np.flatnonzero(live)
-        lo = self.base[tids[q]] + s[q]
-        hi = lo + n[q]
+        ok &= (s >= 0) & (n >= 0) & (s + n <= self.extents[np.arange(len(self.cut)), self.cut][tids])
+        live = ok & rows_positive(lens)  # empty boxes meet nothing
+        if live.all():
+            q = None
+            lo = self.base[tids] + s
+            hi = lo + n
+        else:
+            q = np.flatnonzero(live)
+            lo = self.base[tids[q]] + s[q]
+            hi = lo + n[q]
         if self.ends_upto is not None and self.starts_upto is not None:
-            first = self.ends_upto[lo].astype(np.int64)
+            first = self.ends_upto[lo]
             width = self.starts_upto[hi - 1] - first
         else:
             first = np.searchsorted(self.ends, lo, side="right")
             width = np.searchsorted(self.starts, hi, side="left") - first
-        np.clip(width, 0, None, out=width)
-        qi, pos = expand_windows(first, width)
+        if bool((width == 1).all()):  # one stored row each (the same layout)
+            qi, pos = np.arange(len(width)), first
+        else:
+            np.clip(width, 0, None, out=width)
+            qi, pos = expand_windows(first.astype(np.int64), width.astype(np.int64))
         span = np.minimum(hi[qi], self.ends[pos]) - np.maximum(lo[qi], self.starts[pos])
-        return q[qi], self.rows[pos].astype(np.int64), span * self.other[tids[q[qi]]], ~ok
+        box = qi if q is None else q[qi]
+        return box, self.rows[pos], span * self.other[tids[box]], ~ok
 
 
 def _one_box_per_tensor(tids: np.ndarray, box_class: np.ndarray) -> bool:
@@ -558,7 +569,7 @@ def _one_box_per_tensor(tids: np.ndarray, box_class: np.ndarray) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _RankClasses:
-    """Ranks grouped by identical wanted lists (byte for byte): ``first[c]`` is class
+    """Ranks grouped by identical wanted lists (value for value): ``first[c]`` is class
     c's lowest rank, its ranks (ascending) are ``members[mstarts[c]:mstarts[c + 1]]``."""
 
     first: list[int]
@@ -569,19 +580,37 @@ class _RankClasses:
 
     @classmethod
     def of(cls, wanted: Sequence[Wanted]) -> _RankClasses:
-        ids: dict[tuple[bytes, bytes, bytes], int] = {}
-        class_of = np.array(
-            [
-                ids.setdefault(
-                    (w.tensors.astype(np.int32).tobytes(), w.offsets.tobytes(), w.lengths.tobytes()), len(ids)
-                )
-                for w in wanted
-            ],
-            np.int64,
-        )
+        # a cheap fingerprint per list (lengths and wrapping dot products with fixed
+        # weights) finds the candidates; equal lists are then confirmed value for value
+        by_print: dict[tuple[int, ...], list[int]] = {}
+        lists: list[Wanted] = []
+        class_of = np.empty(len(wanted), np.int64)
+        for r, w in enumerate(wanted):
+            key = (
+                len(w.tensors),
+                len(w.offsets),
+                _fingerprint(w.tensors),
+                _fingerprint(w.offsets),
+                _fingerprint(w.lengths),
+            )
+            c = -1
+            for known in by_print.get(key, ()):
+                x = lists[known]
+                if (
+                    np.array_equal(x.tensors, w.tensors)
+                    and np.array_equal(x.offsets, w.offsets)
+                    and np.array_equal(x.lengths, w.lengths)
+                ):
+                    c = known
+                    break
+            if c < 0:
+                c = len(lists)
+                lists.append(w)
+                by_print.setdefault(key, []).append(c)
+            class_of[r] = c
         members = stable_order(class_of).astype(np.int64)  # ranks by class, ascending within
-        sizes = np.bincount(class_of, minlength=len(ids)).astype(np.int64)
-        first = members[np.r_[0, np.cumsum(sizes)[:-1]]].tolist() if len(ids) else []
+        sizes = np.bincount(class_of, minlength=len(lists)).astype(np.int64)
+        first = members[np.r_[0, np.cumsum(sizes)[:-1]]].tolist() if len(lists) else []
         return cls(first, class_of, sizes, members, np.r_[0, np.cumsum(sizes)].astype(np.int64))
 
     def needers(self, tags: np.ndarray, classes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -624,6 +653,22 @@ class _RankClasses:
                 label = _needer_groups(mine, np.concatenate(([0], np.cumsum(pairs[several]))))
             group[several] = n_classes + label.reshape(-1)
         return needers, starts, group
+
+
+_WEIGHTS = np.random.default_rng(0x5EED).integers(1, 1 << 62, 1 << 12, dtype=np.int64)
+
+
+def _fingerprint(a: np.ndarray) -> int:
+    """A wrapping dot product of ``a`` with fixed pseudo-random weights (the array
+    folded onto their length first): equal arrays give equal values, different ones
+    rarely do (integer array arithmetic wraps without warnings)."""
+    a = a.astype(np.int64, copy=False)
+    n = len(_WEIGHTS)
+    if len(a) > n:
+        whole = n * (len(a) // n)
+        a = np.concatenate([a[:whole].reshape(-1, n).sum(axis=0), a[whole:]])
+        return int(np.dot(a[:n], _WEIGHTS)) + int(np.dot(a[n:], _WEIGHTS[: len(a) - n]))
+    return int(np.dot(a, _WEIGHTS[: len(a)]))
 
 
 def _mix(x: np.ndarray, salt: int) -> np.ndarray:
