@@ -191,10 +191,10 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     reps = [wanted[r] for r in classes.first]
     per_tensor = np.zeros(len(names), np.int64)
     for w in reps:
-        t = w.tensors
-        if len(t) and (int(t.min()) < 0 or int(t.max()) >= len(names)):
+        codes = w.tensors
+        if len(codes) and (int(codes.min()) < 0 or int(codes.max()) >= len(names)):
             raise ValueError("a wanted box names a tensor the catalog does not hold")
-        per_tensor += np.bincount(t, minlength=len(names))
+        per_tensor += np.bincount(codes, minlength=len(names))
     used = np.flatnonzero(per_tensor).tolist()
     if not used:
         return _no_plan()
@@ -221,7 +221,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     left: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # boxes for the general test
     for lo, hi in _batches([len(w.tensors) for w in reps], _BOX_BATCH):
         tids = np.concatenate([reps[c].tensors for c in range(lo, hi)]).astype(np.int64)
-        cls = np.repeat(np.arange(lo, hi), [len(reps[c].tensors) for c in range(lo, hi)])
+        cls = np.repeat(np.arange(lo, hi, dtype=np.int32), [len(reps[c].tensors) for c in range(lo, hi)])
         one_box = one_box and _one_box_per_tensor(tids, cls)
         offs = [reps[c].offsets for c in range(lo, hi)]
         b_off, b_len = _padded(tids, ndim_of, offs, [reps[c].lengths for c in range(lo, hi)], width)
@@ -258,18 +258,22 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     del fi, cls, elems
     c_off, c_len = _rows_at(entries, fstart, candidates, width)
     keep_c = wanted_elems[candidates] > row_products(c_len)
-    shared = candidates[keep_c]
+    del wanted_elems
+    if keep_c.all():  # usually (replicas want whole rows): no copies
+        shared, k_off, k_len = candidates, c_off, c_len
+    else:
+        shared, k_off, k_len = candidates[keep_c], c_off[keep_c], c_len[keep_c]
+    del c_off, c_len
     if not len(shared):
         return _no_plan()
     # tags in catalog order: tensors as the catalog lists them, each tensor's rows in order
     k_tid = np.array(used, np.int64)[np.searchsorted(fstart, shared, side="right") - 1]
-    k_off, k_len = c_off[keep_c], c_len[keep_c]
     tag_of = np.full(n_frags, -1, np.int32 if len(shared) < 1 << 31 else np.int64)
     tag_of[shared] = np.arange(len(shared))
-    pk = tag_of[uf].astype(np.int64)
+    pk = tag_of[uf]
     del tag_of
     keep = pk >= 0
-    tags, tag_cls = pk[keep], uc[keep]
+    tags, tag_cls = pk[keep].astype(np.int64), uc[keep].astype(np.int64)
     del pk, uf, uc
     if one_box:
         tags, tag_cls = _by_tag(tags, tag_cls, len(shared), len(reps))
@@ -485,16 +489,16 @@ class _CutIndex:
         line = 0
         for a, b in _rank_runs(entries, _ROW_BATCH):
             ts = np.array(used[a:b], np.int64)
-            ok, k, starts, ends, rows = _cut_rows(entries[a:b], extents[ts])
+            ok, k, starts, ends, (row, tensor) = _cut_rows(entries[a:b], extents[ts])
             span = np.where(ok, extents[ts, k] + 1, 0)
             base[ts] = line + np.cumsum(span) - span
             line += int(span.sum())
             eligible[ts], cut[ts] = ok, k
             found.append(
                 (
-                    (starts + base[ts][rows[1]]).astype(dtype),
-                    (ends + base[ts][rows[1]]).astype(dtype),
-                    (rows[0] + fstart[a]).astype(dtype),
+                    (starts + base[ts][tensor]).astype(dtype),
+                    (ends + base[ts][tensor]).astype(dtype),
+                    (row + fstart[a]).astype(dtype),
                 )
             )
         if not eligible.any():
