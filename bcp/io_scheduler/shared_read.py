@@ -4,8 +4,9 @@ storage once, by one of them, and sent to the others over the process group.
 Planned once, by the coordinator: every rank sends it the boxes it wants as compact
 arrays (tensor indices in catalog order, offsets, lengths). Ranks whose lists are
 identical (data-parallel replicas) form one class and are matched once. The
-coordinator finds, vectorised over every tensor, the stored fragments (one per
-distinct box) those boxes meet and the ranks that need each; where that is more than
+coordinator finds, vectorised over every tensor (:mod:`.share_match`: slices of one
+dimension on int intervals, a lookup per box; the rest by the general overlap test),
+the stored fragments (one per distinct box) those boxes meet and the ranks that need each; where that is more than
 one rank and together they want more than the fragment holds, one of those ranks
 reads the whole fragment (verifying every checksum block) and sends it
 point-to-point. Shared fragments are numbered (their tags) in catalog order: tensors
