@@ -10,6 +10,7 @@ for (``entry.fragment(i)``) or for tools that want them all (``entry.fragments``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -212,6 +213,16 @@ class Rows:
     def __len__(self) -> int:
         return len(self.tensor)
 
+    @functools.cached_property
+    def fixed_ndim(self) -> int:
+        """The number of dimensions every row has, or -1 where rows differ (then
+        offsets and lengths cannot be read as (F, ndim) arrays)."""
+        cs = self.coord_starts
+        if not len(self.tensor) or int(cs[0]) != 0:
+            return -1
+        d = int(cs[1])
+        return d if int(cs[-1]) == d * len(self.tensor) and bool((np.diff(cs) == d).all()) else -1
+
     @staticmethod
     def empty() -> Rows:
         i64, i32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
@@ -302,14 +313,22 @@ class Rows:
         """Columns of ``rows`` (all of one tensor of ``ndim`` dimensions): offsets,
         lengths (F, ndim), byte offsets, sizes, files, writers, checksum starts and values."""
         n = len(rows)
-        pos = (self.coord_starts[rows][:, None] + np.arange(ndim, dtype=np.int64)[None, :]).reshape(-1)
+        if ndim and self.fixed_ndim == ndim:  # rows of a table (the usual case): row gathers, no index per value
+            offs = np.take(self.offsets.reshape(-1, ndim), rows, axis=0)
+            lens = np.take(self.lengths.reshape(-1, ndim), rows, axis=0)
+        else:
+            pos = (self.coord_starts[rows][:, None] + np.arange(ndim, dtype=np.int64)[None, :]).reshape(-1)
+            offs, lens = self.offsets[pos].reshape(n, ndim), self.lengths[pos].reshape(n, ndim)
         s0, s1 = self.sum_starts[rows], self.sum_starts[rows + 1]
         counts = s1 - s0
-        sum_starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])
-        sum_pos = np.repeat(s0 - sum_starts[:-1], counts) + np.arange(int(sum_starts[-1]), dtype=np.int64)
+        if bool((counts == 1).all()):  # one checksum block per row (small fragments): one gather
+            sum_starts, sum_pos = np.arange(n + 1, dtype=np.int64), s0
+        else:
+            sum_starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])
+            sum_pos = np.repeat(s0 - sum_starts[:-1], counts) + np.arange(int(sum_starts[-1]), dtype=np.int64)
         return (
-            self.offsets[pos].reshape(n, ndim),
-            self.lengths[pos].reshape(n, ndim),
+            offs,
+            lens,
             self.byte_offset[rows],
             self.nbytes[rows],
             self.file[rows],

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from bcp.metadata import Catalog, FormatError, Fragment, itemsize
 from bcp.metadata.geometry import simple_tilings, tiling_problem
+from bcp.metadata.rows import Rows
 from helpers import examples
 from test_load_plan_fast import SHAPES, dest_boxes, stored_layout
 
@@ -98,3 +99,33 @@ def test_the_usual_layouts_take_the_fast_path():
     off = np.array([o for o, _n in gap], np.int64)
     length = np.array([n for _o, n in gap], np.int64)
     assert simple_tilings([(10, 4)], off, length, [2]).tolist() == [False]
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    ranks=st.lists(st.integers(0, 3), min_size=1, max_size=12),
+    blocks=st.lists(st.integers(0, 3), min_size=12, max_size=12),
+    data=st.data(),
+)
+def test_rows_take_reads_each_rows_values(ranks, blocks, data):
+    """Rows.take gathers whole rows when every row has the same number of dimensions
+    (and one gather of checksums when each row has one): the same values, row for row,
+    as the general per-value gather for rows of mixed rank."""
+    frags = []
+    for i, nd in enumerate(ranks):
+        offs = tuple(data.draw(st.integers(0, 9)) for _ in range(nd))
+        lens = tuple(data.draw(st.integers(0, 9)) for _ in range(nd))
+        sums = tuple(range(i * 10, i * 10 + blocks[i]))
+        frags.append(Fragment("t", "[]", "float32", (9,) * nd, offs, lens, "f.bin", i * 100, 4, sums, i))
+    rows = Rows.from_fragments(frags, {}, {})
+    assert rows.fixed_ndim == (ranks[0] if len(set(ranks)) == 1 else -1)
+    for nd in set(ranks):
+        pick = [i for i, r in enumerate(ranks) if r == nd]
+        pick = data.draw(st.permutations(pick))
+        offs, lens, byte_offsets, _sizes, _files, writers, sum_starts, sums = rows.take(np.array(pick, np.int64), nd)
+        assert offs.shape == lens.shape == (len(pick), nd)
+        for j, i in enumerate(pick):
+            f = frags[i]
+            assert tuple(offs[j]) == f.offsets and tuple(lens[j]) == f.lengths
+            assert byte_offsets[j] == f.byte_offset and writers[j] == f.writer_rank
+            assert tuple(sums[sum_starts[j] : sum_starts[j + 1]]) == f.checksums

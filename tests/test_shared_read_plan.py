@@ -18,7 +18,7 @@ from bcp.io_scheduler.shared_read import Wanted, plan_shares, plan_sharing
 from bcp.metadata import Catalog, Fragment, itemsize
 from bcp.metadata.geometry import Box, intersect
 from helpers import examples
-from test_load_plan_fast import SHAPES, dest_boxes, grid, ref_choose_replicas, stored_layout
+from test_load_plan_fast import SHAPES, cuts, dest_boxes, grid, ref_choose_replicas, stored_layout
 
 SharedKey = tuple[str, Box]
 
@@ -148,3 +148,63 @@ def test_each_rank_gets_only_its_part():
         np.sort(np.concatenate([p.tags for p in parts])),
         np.sort(np.repeat(np.arange(4), [1 + len(rs) for _o, rs in shared.values()])),
     )
+
+
+@st.composite
+def sliced(draw, shape: tuple[int, ...], dim: int) -> list[Box]:
+    """``shape`` cut along ``dim`` only (uneven, possibly empty slices): FSDP on dim 0, TP on dim 1."""
+    c = draw(cuts(shape[dim], draw(st.integers(1, 5))))
+    return [
+        (
+            tuple(c[i] if d == dim else 0 for d in range(len(shape))),
+            tuple(c[i + 1] - c[i] if d == dim else s for d, s in enumerate(shape)),
+        )
+        for i in range(len(c) - 1)
+    ]
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(shapes=st.lists(SHAPES, min_size=1, max_size=4), ranks=st.integers(1, 6), data=st.data())
+def test_cut_index_plan_equals_general_plan(shapes, ranks, data):
+    """Boxes matched on the cut dimension (slices of one dimension, same or another
+    layout, data-parallel classes, boxes cut another way) give the same plan, array
+    for array, as every box through the general overlap test, and the reference's
+    shared fragments and needing ranks (every wanted byte of a shared fragment comes
+    from it, once per rank)."""
+    names = [f"t{i}" for i in range(len(shapes))]
+    tensors = {}
+    for n, s in zip(names, shapes, strict=True):
+        if s and data.draw(st.booleans(), label=f"{n} sliced"):
+            stored = data.draw(sliced(s, data.draw(st.integers(0, len(s) - 1))), label=f"stored {n}")
+            stored = data.draw(st.permutations(stored)) if data.draw(st.booleans()) else stored
+        else:
+            stored = data.draw(stored_layout(s), label=f"stored {n}")
+        tensors[n] = (s, stored, data.draw(st.sampled_from(["float32", "bfloat16"])))
+    reader = reader_of(tensors)
+    groups = data.draw(st.integers(1, ranks), label="data-parallel groups")
+    per_group = []
+    for g in range(groups):
+        mine = []
+        for n, s in zip(names, shapes, strict=True):
+            kind = data.draw(st.sampled_from(["stored", "slice", "boxes", "none"]), label=f"group {g} {n}")
+            if kind == "stored":  # the same layout: exactly a stored box
+                mine.append((n, tensors[n][1][g % len(tensors[n][1])]))
+            elif kind == "slice" and s:
+                cells = data.draw(sliced(s, data.draw(st.integers(0, len(s) - 1))))
+                mine.append((n, cells[g % len(cells)]))
+            elif kind == "boxes":
+                mine += [(n, b) for b in data.draw(dest_boxes(s))]
+        per_group.append(mine)
+    wanted = [per_group[data.draw(st.integers(0, groups - 1))] for _r in range(ranks)]
+    encoded = [Wanted.encode(reader, w) for w in wanted]
+    fast = plan_shares(reader, encoded)
+    general = plan_shares(reader, encoded, cut_index=False)
+    for field in ("tensors", "offsets", "lengths", "owners", "needers", "starts", "rank_class"):
+        a, b = getattr(fast, field), getattr(general, field)
+        assert np.array_equal(a, b), field
+    names_all = list(reader.catalog.tensors)
+    got = fast.as_dict(names_all, [len(reader.catalog.tensors[f].global_shape) for f in names_all])
+    want = ref_plan_sharing(reader, wanted)
+    assert sorted(got) == list(want)
+    for key, (owner, receivers) in got.items():
+        assert sorted([owner, *receivers]) == sorted([want[key][0], *want[key][1]])

@@ -4,8 +4,9 @@ storage once, by one of them, and sent to the others over the process group.
 Planned once, by the coordinator: every rank sends it the boxes it wants as compact
 arrays (tensor indices in catalog order, offsets, lengths). Ranks whose lists are
 identical (data-parallel replicas) form one class and are matched once. The
-coordinator finds, vectorised over every tensor, the stored fragments (one per
-distinct box) those boxes meet and the ranks that need each; where that is more than
+coordinator finds, vectorised over every tensor (:mod:`.share_match`: slices of one
+dimension on int intervals, a lookup per box; the rest by the general overlap test),
+the stored fragments (one per distinct box) those boxes meet and the ranks that need each; where that is more than
 one rank and together they want more than the fragment holds, one of those ranks
 reads the whole fragment (verifying every checksum block) and sends it
 point-to-point. Shared fragments are numbered (their tags) in catalog order: tensors
@@ -25,20 +26,32 @@ which is what object stores charge for.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
 from bcp.metadata import itemsize
-from bcp.metadata.geometry import Box, BoxArrays, row_products, stable_order
+from bcp.metadata.geometry import (
+    Box,
+    row_products,
+    stable_order,
+)
 
 from .. import trace
 from ..collectives import GroupCoordinator, portable
 from ..reader import CheckpointReader
 from .read_exec import ReadStats
-from .read_plan import overlap_volumes
+from .share_match import (
+    BOX_BATCH,
+    CutIndex,
+    box_batches,
+    by_tag,
+    general_pairs,
+    one_box_per_tensor,
+    padded_boxes,
+    rows_at,
+)
 
 SharedKey = tuple[str, Box]
 
@@ -166,7 +179,7 @@ def _no_plan() -> SharePlan:
     return SharePlan(z.astype(np.int32), empty, empty, z.astype(np.int32), z, np.zeros(1, np.int64))
 
 
-def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan:
+def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index: bool = True) -> SharePlan:
     """(coordinator) The job-wide sharing plan for every rank's wanted boxes: the same
     shared fragments and needing ranks every rank used to compute over every rank's
     list, computed once and vectorised; owners balanced by needer set (module doc).
@@ -174,15 +187,20 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
     Ranks that want exactly the same boxes (data-parallel replicas: HSDP, DDP) are
     planned as one class: the boxes are matched against the stored fragments once per
     class, and the class's ranks are expanded only into the needers of the shared
-    fragments."""
+    fragments. Boxes of tensors stored as disjoint slices along one dimension (FSDP,
+    TP) are matched on that dimension alone (:class:`CutIndex`), a batch of classes
+    at a time; the rest go through the general overlap test (``cut_index=False``:
+    every box does, the reference the tests compare against)."""
     names = list(reader.catalog.tensors)
     classes = _RankClasses.of(wanted)
     reps = [wanted[r] for r in classes.first]
-    tids = np.concatenate([w.tensors.astype(np.int64) for w in reps]) if reps else np.zeros(0, np.int64)
-    if len(tids) and (tids.min() < 0 or tids.max() >= len(names)):
-        raise ValueError("a wanted box names a tensor the catalog does not hold")
-    box_class = np.repeat(np.arange(len(reps)), [len(w.tensors) for w in reps])
-    used = np.flatnonzero(np.bincount(tids, minlength=len(names))).tolist()
+    per_tensor = np.zeros(len(names), np.int64)
+    for w in reps:
+        codes = w.tensors
+        if len(codes) and (int(codes.min()) < 0 or int(codes.max()) >= len(names)):
+            raise ValueError("a wanted box names a tensor the catalog does not hold")
+        per_tensor += np.bincount(codes, minlength=len(names))
+    used = np.flatnonzero(per_tensor).tolist()
     if not used:
         return _no_plan()
     used_names = [names[t] for t in used]
@@ -196,52 +214,75 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
     for t in used:
         ndim_of[t] = len(shapes[t])
         extents[t, : len(shapes[t])] = shapes[t]
-    # the wanted boxes and every stored row of those tensors, padded to ``width``
-    # dimensions with (0, 1) where tensors differ in rank
-    b_off, b_len = _padded(tids, ndim_of, [w.offsets for w in reps], [w.lengths for w in reps], width)
-    f_tid = np.repeat(np.array(used, np.int64), [e.num_fragments for e in entries])
-    if ndims == {width}:
-        f_off = np.concatenate([e.offsets for e in entries]).reshape(-1, width)
-        f_len = np.concatenate([e.lengths for e in entries]).reshape(-1, width)
-    else:
-        f_off = np.zeros((len(f_tid), width), np.int64)
-        f_len = np.ones((len(f_tid), width), np.int64)
-        at = 0
-        for e in entries:
-            n, d = e.num_fragments, len(e.global_shape)
-            f_off[at : at + n, :d] = e.offsets
-            f_len[at : at + n, :d] = e.lengths
-            at += n
-    bi, fi, elems = overlap_volumes(BoxArrays(f_off, f_len, f_tid), BoxArrays(b_off, b_len, tids), extents=extents)
-    if not len(bi):
+    # stored rows of the used tensors are numbered tensor after tensor (``used`` order),
+    # each tensor's rows in catalog order: tensor ``used[i]`` holds rows fstart[i]..fstart[i + 1] - 1
+    fstart = np.r_[0, np.cumsum([e.num_fragments for e in entries])].astype(np.int64)
+    n_frags = int(fstart[-1])
+    slot = np.full(len(names), -1, np.int64)
+    slot[used] = np.arange(len(used))
+    index = CutIndex.build(entries, used, fstart, extents, len(names)) if cut_index else None
+    one_box = True
+    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (fragment, class, elements) per pair
+    left: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # boxes for the general test
+    for lo, hi in box_batches([len(w.tensors) for w in reps], BOX_BATCH):
+        tids = np.concatenate([reps[c].tensors for c in range(lo, hi)]).astype(np.int64)
+        cls = np.repeat(np.arange(lo, hi, dtype=np.int32), [len(reps[c].tensors) for c in range(lo, hi)])
+        one_box = one_box and one_box_per_tensor(tids, cls)
+        offs = [reps[c].offsets for c in range(lo, hi)]
+        b_off, b_len = padded_boxes(tids, ndim_of, offs, [reps[c].lengths for c in range(lo, hi)], width)
+        if index is None:
+            left.append((tids, b_off, b_len, cls))
+            continue
+        qi, fi, elems, rest = index.pairs(tids, b_off, b_len)
+        found.append((fi, cls[qi], elems))
+        if rest.any():
+            left.append((tids[rest], b_off[rest], b_len[rest], cls[rest]))
+    if left:
+        found.append(general_pairs(entries, used, slot, fstart, shapes, extents, width, left))
+    fi = np.concatenate([f for f, _c, _e in found])
+    if not len(fi):
         return _no_plan()
-    # one key per distinct stored box: pairs with a replica other than the first are dropped
-    hit = np.zeros(len(f_tid), bool)
-    hit[fi] = True
-    box_of = _box_ids(f_tid, f_off, f_len, shapes, np.flatnonzero(hit))
-    first_copy = box_of[fi] == fi
-    if not first_copy.all():
-        bi, fi, elems = bi[first_copy], fi[first_copy], elems[first_copy]
-    # per fragment: elements wanted (every rank's boxes counted) and needing ranks
-    cls = box_class[bi]
-    wanted_elems = np.bincount(fi, weights=elems * classes.sizes[cls], minlength=len(f_tid))  # exact below 2**53
-    if _one_box_per_tensor(tids, box_class):
+    cls = np.concatenate([c for _f, c, _e in found])
+    elems = np.concatenate([e for _f, _c, e in found])
+    del found
+    # per fragment: needing ranks, and elements wanted (every rank's boxes counted)
+    if one_box:
         uf, uc = fi, cls  # each (fragment, class) pair once already
     else:
-        key = np.unique(fi * len(reps) + cls)
+        key = np.unique(fi.astype(np.int64) * len(reps) + cls)
         uf, uc = key // len(reps), key % len(reps)
-    n_ranks = np.bincount(uf, weights=classes.sizes[uc], minlength=len(f_tid))
-    box_numel = row_products(f_len)
-    shared = np.flatnonzero((n_ranks > 1) & (wanted_elems > box_numel))
+    if (classes.sizes == classes.sizes[0]).all():
+        n_ranks = np.bincount(uf, minlength=n_frags) * int(classes.sizes[0])
+    else:
+        n_ranks = np.bincount(uf, weights=classes.sizes[uc], minlength=n_frags)
+    candidates = np.flatnonzero(n_ranks > 1)
+    del n_ranks
+    if not len(candidates):
+        return _no_plan()
+    wanted_elems = np.bincount(fi, weights=elems * classes.sizes[cls], minlength=n_frags)  # exact below 2**53
+    del fi, cls, elems
+    c_off, c_len = rows_at(entries, fstart, candidates, width)
+    keep_c = wanted_elems[candidates] > row_products(c_len)
+    del wanted_elems
+    if keep_c.all():  # usually (replicas want whole rows): no copies
+        shared, k_off, k_len = candidates, c_off, c_len
+    else:
+        shared, k_off, k_len = candidates[keep_c], c_off[keep_c], c_len[keep_c]
+    del c_off, c_len
     if not len(shared):
         return _no_plan()
     # tags in catalog order: tensors as the catalog lists them, each tensor's rows in order
-    k_tid, k_off, k_len = f_tid[shared], np.take(f_off, shared, axis=0), np.take(f_len, shared, axis=0)
-    tag_of = np.full(len(f_tid), -1, np.int64)
+    k_tid = np.array(used, np.int64)[np.searchsorted(fstart, shared, side="right") - 1]
+    tag_of = np.full(n_frags, -1, np.int32 if len(shared) < 1 << 31 else np.int64)
     tag_of[shared] = np.arange(len(shared))
     pk = tag_of[uf]
+    del tag_of
     keep = pk >= 0
-    needers, starts, group = classes.needers(pk[keep], uc[keep], len(shared))
+    tags, tag_cls = pk[keep].astype(np.int64), uc[keep].astype(np.int64)
+    del pk, uf, uc
+    if one_box:
+        tags, tag_cls = by_tag(tags, tag_cls, len(shared), len(reps))
+    needers, starts, group = classes.needers(tags, tag_cls, len(shared))
     item = np.array([itemsize(e.dtype) for e in entries], np.int64)
     item_of = np.zeros(len(names), np.int64)
     item_of[used] = item
@@ -250,20 +291,9 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted]) -> SharePlan
     return SharePlan(k_tid.astype(np.int32), k_off, k_len, owners, needers, starts, classes.of_rank)
 
 
-def _one_box_per_tensor(tids: np.ndarray, box_class: np.ndarray) -> bool:
-    """Whether no class wants two boxes of one tensor (then every (fragment, class)
-    pair of the overlaps is distinct). Usually each list names its tensors in
-    ascending order, which shows it at once."""
-    same_class = box_class[1:] == box_class[:-1]
-    if ((tids[1:] > tids[:-1]) | ~same_class).all():
-        return True
-    keys = box_class * (int(tids.max()) + 1) + tids
-    return len(np.unique(keys)) == len(keys)
-
-
 @dataclasses.dataclass(frozen=True)
 class _RankClasses:
-    """Ranks grouped by identical wanted lists (byte for byte): ``first[c]`` is class
+    """Ranks grouped by identical wanted lists (value for value): ``first[c]`` is class
     c's lowest rank, its ranks (ascending) are ``members[mstarts[c]:mstarts[c + 1]]``."""
 
     first: list[int]
@@ -274,19 +304,37 @@ class _RankClasses:
 
     @classmethod
     def of(cls, wanted: Sequence[Wanted]) -> _RankClasses:
-        ids: dict[tuple[bytes, bytes, bytes], int] = {}
-        class_of = np.array(
-            [
-                ids.setdefault(
-                    (w.tensors.astype(np.int32).tobytes(), w.offsets.tobytes(), w.lengths.tobytes()), len(ids)
-                )
-                for w in wanted
-            ],
-            np.int64,
-        )
+        # a cheap fingerprint per list (lengths and wrapping dot products with fixed
+        # weights) finds the candidates; equal lists are then confirmed value for value
+        by_print: dict[tuple[int, ...], list[int]] = {}
+        lists: list[Wanted] = []
+        class_of = np.empty(len(wanted), np.int64)
+        for r, w in enumerate(wanted):
+            key = (
+                len(w.tensors),
+                len(w.offsets),
+                _fingerprint(w.tensors),
+                _fingerprint(w.offsets),
+                _fingerprint(w.lengths),
+            )
+            c = -1
+            for known in by_print.get(key, ()):
+                x = lists[known]
+                if (
+                    np.array_equal(x.tensors, w.tensors)
+                    and np.array_equal(x.offsets, w.offsets)
+                    and np.array_equal(x.lengths, w.lengths)
+                ):
+                    c = known
+                    break
+            if c < 0:
+                c = len(lists)
+                lists.append(w)
+                by_print.setdefault(key, []).append(c)
+            class_of[r] = c
         members = stable_order(class_of).astype(np.int64)  # ranks by class, ascending within
-        sizes = np.bincount(class_of, minlength=len(ids)).astype(np.int64)
-        first = members[np.r_[0, np.cumsum(sizes)[:-1]]].tolist() if len(ids) else []
+        sizes = np.bincount(class_of, minlength=len(lists)).astype(np.int64)
+        first = members[np.r_[0, np.cumsum(sizes)[:-1]]].tolist() if len(lists) else []
         return cls(first, class_of, sizes, members, np.r_[0, np.cumsum(sizes)].astype(np.int64))
 
     def needers(self, tags: np.ndarray, classes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -329,6 +377,22 @@ class _RankClasses:
                 label = _needer_groups(mine, np.concatenate(([0], np.cumsum(pairs[several]))))
             group[several] = n_classes + label.reshape(-1)
         return needers, starts, group
+
+
+_WEIGHTS = np.random.default_rng(0x5EED).integers(1, 1 << 62, 1 << 12, dtype=np.int64)
+
+
+def _fingerprint(a: np.ndarray) -> int:
+    """A wrapping dot product of ``a`` with fixed pseudo-random weights (the array
+    folded onto their length first): equal arrays give equal values, different ones
+    rarely do (integer array arithmetic wraps without warnings)."""
+    a = a.astype(np.int64, copy=False)
+    n = len(_WEIGHTS)
+    if len(a) > n:
+        whole = n * (len(a) // n)
+        a = np.concatenate([a[:whole].reshape(-1, n).sum(axis=0), a[whole:]])
+        return int(np.dot(a[:n], _WEIGHTS)) + int(np.dot(a[n:], _WEIGHTS[: len(a) - n]))
+    return int(np.dot(a, _WEIGHTS[: len(a)]))
 
 
 def _mix(x: np.ndarray, salt: int) -> np.ndarray:
@@ -424,51 +488,6 @@ def _water_level(have: list[int], total: int) -> float:
         if i + 1 == len(ascending) or fill <= ascending[i + 1]:
             return fill
     return 0.0
-
-
-def _padded(
-    tids: np.ndarray, ndim_of: np.ndarray, offs: list[np.ndarray], lens: list[np.ndarray], width: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Flat per-box values (each box ndim_of[tensor] values) as (B, width) arrays,
-    padded with offset 0 and length 1."""
-    flat_off = np.concatenate(offs) if offs else np.zeros(0, np.int64)
-    flat_len = np.concatenate(lens) if lens else np.zeros(0, np.int64)
-    nd = ndim_of[tids]
-    if int(nd.sum()) != len(flat_off) or len(flat_off) != len(flat_len):
-        raise ValueError("wanted boxes do not match their tensors' dimensions")
-    if len(tids) and (nd == width).all():  # every tensor of the same rank: a reshape
-        return flat_off.reshape(-1, width), flat_len.reshape(-1, width)
-    rows = np.repeat(np.arange(len(tids)), nd)
-    cols = np.arange(len(flat_off)) - np.repeat(np.cumsum(nd) - nd, nd)
-    out_off = np.zeros((len(tids), width), np.int64)
-    out_len = np.ones((len(tids), width), np.int64)
-    out_off[rows, cols] = flat_off
-    out_len[rows, cols] = flat_len
-    return out_off, out_len
-
-
-def _box_ids(
-    f_tid: np.ndarray, f_off: np.ndarray, f_len: np.ndarray, shapes: dict[int, tuple[int, ...]], rows: np.ndarray
-) -> np.ndarray:
-    """Per stored row of ``rows`` (others -1): the first row (in catalog order) holding
-    the same box of the same tensor, so replicas of a box share one id. ``f_tid`` is
-    grouped by tensor. A tensor whose rows together hold exactly as many elements as
-    it has holds no replica (its rows tile it, which the catalog checks for every
-    tensor it holds whole); only the others are searched for identical rows."""
-    ids = np.full(len(f_tid), -1, np.int64)
-    if not len(rows):
-        return ids
-    seg = np.flatnonzero(np.r_[True, f_tid[1:] != f_tid[:-1]])
-    held = np.add.reduceat(row_products(f_len), seg).tolist()
-    replicated_tensors = [t for t, n in zip(f_tid[seg].tolist(), held, strict=True) if n != math.prod(shapes[t])]
-    replicated = np.isin(f_tid[rows], replicated_tensors) if replicated_tensors else np.zeros(len(rows), bool)
-    ids[rows[~replicated]] = rows[~replicated]
-    dup = rows[replicated]
-    if len(dup):
-        keys = np.concatenate([f_tid[dup, None], f_off[dup], f_len[dup]], axis=1)
-        _u, first_idx, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-        ids[dup] = dup[first_idx][inverse.reshape(-1)]
-    return ids
 
 
 def plan_sharing(

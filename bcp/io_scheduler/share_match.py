@@ -1,0 +1,350 @@
+"""Matching wanted boxes to stored rows for the share_reads plan (coordinator).
+
+Split from :mod:`.shared_read`, which decides what is shared and by whom: here, which
+stored rows each class's wanted boxes meet and how many elements each pair shares.
+Tensors stored as disjoint slices along one dimension (FSDP, TP) go through
+:class:`CutIndex` (intervals on one line, windows from prefix-count tables, a batch of
+boxes at a time); every other box through the general overlap test of
+:mod:`.read_plan`. Both give the same pairs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from bcp.metadata import TensorEntry
+from bcp.metadata.geometry import BoxArrays, ascending, expand_windows, row_products, rows_positive
+
+from .read_plan import overlap_volumes
+
+#: Wanted boxes matched at once (bounds the memory of the per-box arrays)
+BOX_BATCH = 1 << 20
+
+
+def box_batches(lengths: list[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive ranges [lo, hi) of ``lengths`` holding about ``limit`` in all (at
+    least one item each)."""
+    out, lo, acc = [], 0, 0
+    for i, n in enumerate(lengths):
+        if acc and acc + n > limit:
+            out.append((lo, i))
+            lo, acc = i, 0
+        acc += n
+    if lo < len(lengths):
+        out.append((lo, len(lengths)))
+    return out
+
+
+def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tag, class) pairs, each once, put in order of tag then class. Pairs come class
+    after class (the classes' batches), so a counting sort by tag, class by class,
+    does it in linear time (a sort of millions of keys takes seconds); otherwise as
+    they are (:meth:`_RankClasses.needers` sorts them)."""
+    if len(tags) < 2 or not ascending(classes) or ascending(tags * n_classes + classes):
+        return tags, classes
+    fill = np.cumsum(np.bincount(tags, minlength=k)) - np.bincount(tags, minlength=k)
+    bounds = np.searchsorted(classes, np.arange(n_classes + 1)).tolist()
+    dest = np.empty(len(tags), np.int64)
+    for c in range(n_classes):
+        a, b = bounds[c], bounds[c + 1]
+        if a < b:
+            mine = tags[a:b]  # each tag once within a class
+            dest[a:b] = fill[mine]
+            fill[mine] += 1
+    out_t, out_c = np.empty_like(tags), np.empty_like(classes)
+    out_t[dest], out_c[dest] = tags, classes
+    return out_t, out_c
+
+
+def rows_at(
+    entries: Sequence[TensorEntry], fstart: np.ndarray, rows: np.ndarray, width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and lengths of stored rows ``rows`` (ascending, numbered as fstart says),
+    padded to ``width`` dimensions with (0, 1)."""
+    off = np.zeros((len(rows), width), np.int64)
+    lens = np.ones((len(rows), width), np.int64)
+    which = np.searchsorted(fstart, rows, side="right") - 1
+    cuts = np.searchsorted(which, np.arange(len(entries) + 1)).tolist()
+    for i in np.unique(which).tolist():
+        a, b = cuts[i], cuts[i + 1]
+        e = entries[i]
+        d = len(e.global_shape)
+        local = rows[a:b] - fstart[i]
+        off[a:b, :d] = np.take(e.offsets, local, axis=0)
+        lens[a:b, :d] = np.take(e.lengths, local, axis=0)
+    return off, lens
+
+
+def general_pairs(
+    entries: Sequence[TensorEntry],
+    used: list[int],
+    slot: np.ndarray,
+    fstart: np.ndarray,
+    shapes: dict[int, tuple[int, ...]],
+    extents: np.ndarray,
+    width: int,
+    left: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fragment, class, shared elements) of every pair of the ``left`` boxes (tensor,
+    offsets, lengths, class) by the general overlap test, against every stored row of
+    their tensors; pairs with a replica of a stored box other than its first are
+    dropped (one key per distinct stored box)."""
+    tids = np.concatenate([t for t, _o, _n, _c in left])
+    b_off = np.concatenate([o for _t, o, _n, _c in left])
+    b_len = np.concatenate([n for _t, _o, n, _c in left])
+    b_cls = np.concatenate([c for _t, _o, _n, c in left])
+    picked = np.unique(slot[tids]).tolist()
+    counts = [entries[i].num_fragments for i in picked]
+    f_tid = np.repeat(np.array([used[i] for i in picked], np.int64), counts)
+    glob = np.concatenate([np.arange(fstart[i], fstart[i + 1]) for i in picked]).astype(np.int64)
+    f_off, f_len = rows_at(entries, fstart, glob, width)
+    bi, fl, elems = overlap_volumes(BoxArrays(f_off, f_len, f_tid), BoxArrays(b_off, b_len, tids), extents=extents)
+    if not len(bi):
+        return _EMPTY, _EMPTY, _EMPTY
+    hit = np.zeros(len(f_tid), bool)
+    hit[fl] = True
+    box_of = _box_ids(f_tid, f_off, f_len, shapes, np.flatnonzero(hit))
+    first_copy = box_of[fl] == fl
+    if not first_copy.all():
+        bi, fl, elems = bi[first_copy], fl[first_copy], elems[first_copy]
+    return glob[fl], b_cls[bi], elems
+
+
+_EMPTY = np.zeros(0, np.int64)
+
+
+#: Stored rows examined at once when indexing them (bounds the memory of the pass)
+_ROW_BATCH = 1 << 20
+
+
+def _rank_runs(entries: Sequence[TensorEntry], limit: int) -> list[tuple[int, int]]:
+    """Consecutive ranges [a, b) of ``entries`` of one number of dimensions each,
+    holding about ``limit`` rows (at least one entry)."""
+    out, a, acc = [], 0, 0
+    for i, e in enumerate(entries):
+        if i > a and (acc + e.num_fragments > limit or len(e.global_shape) != len(entries[a].global_shape)):
+            out.append((a, i))
+            a, acc = i, 0
+        acc += e.num_fragments
+    if a < len(entries):
+        out.append((a, len(entries)))
+    return out
+
+
+def _cut_rows(
+    entries: Sequence[TensorEntry], extents: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """For tensors of one rank (``extents``: their shapes, padded with 1): whether each
+    is stored as disjoint slices along one dimension (every other dimension whole; empty
+    rows ignored), that dimension (the lowest not whole; 0 where every one is), and for
+    those that are, the non-empty rows' intervals on it (start, end, sorted by tensor
+    and start) with (row, tensor) of each: the row counted from the first entry's first
+    row, the tensor as its position in ``entries``."""
+    counts = np.array([e.num_fragments for e in entries], np.int64)
+    ndim = len(entries[0].global_shape)
+    if ndim:
+        off = np.concatenate([e.offsets for e in entries])
+        lens = np.concatenate([e.lengths for e in entries])
+    else:  # scalars: one dimension of length 1
+        off, lens = np.zeros((int(counts.sum()), 1), np.int64), np.ones((int(counts.sum()), 1), np.int64)
+    n_t = len(entries)
+    local = np.repeat(np.arange(n_t), counts)
+    live = rows_positive(lens)
+    n_partial = np.zeros(n_t, np.int64)
+    k = np.zeros(n_t, np.int64)
+    for d in reversed(range(off.shape[1])):
+        whole = (off[:, d] == 0) & (lens[:, d] == np.repeat(extents[:, d], counts))
+        has = np.bincount(local[live & ~whole], minlength=n_t) > 0
+        n_partial += has
+        k[has] = d
+    ok = n_partial <= 1
+    rows = np.flatnonzero(live & ok[local])
+    tl = local[rows]
+    kl = k[tl]
+    if (kl == kl[0]).all() if len(kl) else True:
+        col = int(kl[0]) if len(kl) else 0
+        s, n = off[rows, col], lens[rows, col]
+    else:
+        s, n = off[rows, kl], lens[rows, kl]
+    same = tl[1:] == tl[:-1]
+    if (same & (s[1:] < s[:-1])).any():
+        order = np.lexsort((s, tl))
+        rows, tl, s, n = rows[order], tl[order], s[order], n[order]
+        same = tl[1:] == tl[:-1]
+    e = s + n
+    overlap = same & (s[1:] < e[:-1])  # replicas or overlapping rows: the general test
+    if overlap.any():
+        ok[tl[1:][overlap]] = False
+        keep = ok[tl]
+        rows, tl, s, e = rows[keep], tl[keep], s[keep], e[keep]
+    return ok, k, s, e, (rows, tl)
+
+
+@dataclasses.dataclass(frozen=True)
+class CutIndex:
+    """The stored rows of every tensor whose non-empty rows are disjoint slices along
+    one dimension (its cut; every other dimension whole), as intervals on one line:
+    tensor t's cut coordinate x sits at ``base[t] + x`` (tensors apart by their extent
+    plus one). The rows' intervals are disjoint and sorted, so the rows a box meets
+    (one whole on every other dimension, inside its tensor) are one window: from the
+    first row ending past its start to the last starting before its end. Windows are
+    looked up in two prefix-count tables over the line, or binary searches where the
+    line is long (flat 1-D tensors)."""
+
+    eligible: np.ndarray  # bool (names,)
+    cut: np.ndarray  # int64 (names,)
+    base: np.ndarray  # int64 (names,)
+    other: np.ndarray  # int64 (names,): elements per unit of the cut dimension
+    extents: np.ndarray  # int64 (names, width)
+    starts: np.ndarray  # (N,) sorted, on the line
+    ends: np.ndarray  # (N,)
+    rows: np.ndarray  # (N,) the stored row of each interval
+    ends_upto: np.ndarray | None  # (line,) intervals ending at or before x
+    starts_upto: np.ndarray | None  # (line,) intervals starting at or before x
+
+    @classmethod
+    def build(
+        cls, entries: Sequence[TensorEntry], used: list[int], fstart: np.ndarray, extents: np.ndarray, n_names: int
+    ) -> CutIndex | None:
+        """The index of ``entries`` (tensors ``used``, their rows numbered from
+        ``fstart``), None where no tensor qualifies or the line would be too long.
+        Vectorised over tensors of equal rank, a bounded number of rows at a time."""
+        eligible = np.zeros(n_names, bool)
+        cut = np.zeros(n_names, np.int64)
+        base = np.zeros(n_names, np.int64)
+        bound = sum(max(e.global_shape, default=1) + 1 for e in entries)  # the line's length at most
+        if bound >= 1 << 62:
+            return None
+        dtype = np.int32 if bound < 1 << 31 and int(fstart[-1]) < 1 << 31 else np.int64
+        found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        line = 0
+        for a, b in _rank_runs(entries, _ROW_BATCH):
+            ts = np.array(used[a:b], np.int64)
+            ok, k, starts, ends, (row, tensor) = _cut_rows(entries[a:b], extents[ts])
+            span = np.where(ok, extents[ts, k] + 1, 0)
+            base[ts] = line + np.cumsum(span) - span
+            line += int(span.sum())
+            eligible[ts], cut[ts] = ok, k
+            found.append(
+                (
+                    (starts + base[ts][tensor]).astype(dtype),
+                    (ends + base[ts][tensor]).astype(dtype),
+                    (row + fstart[a]).astype(dtype),
+                )
+            )
+        if not eligible.any():
+            return None
+        ext = extents[np.arange(n_names), cut]
+        other = np.where(ext > 0, row_products(extents) // np.maximum(ext, 1), 0)
+        starts = np.concatenate([s for s, _e, _r in found])
+        ends = np.concatenate([e for _s, e, _r in found])
+        rows = np.concatenate([r for _s, _e, r in found])
+        del found
+        ends_upto = starts_upto = None
+        if line <= 4 * len(starts) + (1 << 22):  # dense tables: a lookup each instead of binary searches
+            ends_upto = np.cumsum(np.bincount(ends, minlength=line), dtype=dtype)
+            starts_upto = np.cumsum(np.bincount(starts, minlength=line), dtype=dtype)
+        return cls(eligible, cut, base, other, extents, starts, ends, rows, ends_upto, starts_upto)
+
+    def pairs(
+        self, tids: np.ndarray, off: np.ndarray, lens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For boxes (tensor, (B, width) offsets, lengths): (box, stored row, shared
+        elements) of every pair met, for the boxes it can match, and a mask of the
+        boxes it cannot (for the general test)."""
+        ok = self.eligible[tids]
+        k = self.cut[tids]
+        uniform = bool(len(k)) and bool((k == k[0]).all())
+        if uniform:
+            s, n = off[:, int(k[0])], lens[:, int(k[0])]
+        else:
+            rows = np.arange(len(tids))
+            s, n = off[rows, k], lens[rows, k]
+        for d in range(off.shape[1]):
+            if uniform and d == int(k[0]):
+                continue
+            whole = (off[:, d] == 0) & (lens[:, d] == self.extents[:, d][tids])
+            ok &= whole if uniform else whole | (k == d)
+        ok &= (s >= 0) & (n >= 0) & (s + n <= self.extents[np.arange(len(self.cut)), self.cut][tids])
+        live = ok & rows_positive(lens)  # empty boxes meet nothing
+        if live.all():
+            q = None
+            lo = self.base[tids] + s
+            hi = lo + n
+        else:
+            q = np.flatnonzero(live)
+            lo = self.base[tids[q]] + s[q]
+            hi = lo + n[q]
+        if self.ends_upto is not None and self.starts_upto is not None:
+            first = self.ends_upto[lo]
+            width = self.starts_upto[hi - 1] - first
+        else:
+            first = np.searchsorted(self.ends, lo, side="right")
+            width = np.searchsorted(self.starts, hi, side="left") - first
+        if bool((width == 1).all()):  # one stored row each (the same layout)
+            qi, pos = np.arange(len(width)), first
+        else:
+            np.clip(width, 0, None, out=width)
+            qi, pos = expand_windows(first.astype(np.int64), width.astype(np.int64))
+        span = np.minimum(hi[qi], self.ends[pos]) - np.maximum(lo[qi], self.starts[pos])
+        box = qi if q is None else q[qi]
+        return box, self.rows[pos], span * self.other[tids[box]], ~ok
+
+
+def one_box_per_tensor(tids: np.ndarray, box_class: np.ndarray) -> bool:
+    """Whether no class wants two boxes of one tensor (then every (fragment, class)
+    pair of the overlaps is distinct). Usually each list names its tensors in
+    ascending order, which shows it at once."""
+    same_class = box_class[1:] == box_class[:-1]
+    if ((tids[1:] > tids[:-1]) | ~same_class).all():
+        return True
+    keys = box_class * (int(tids.max()) + 1) + tids
+    return len(np.unique(keys)) == len(keys)
+
+
+def padded_boxes(
+    tids: np.ndarray, ndim_of: np.ndarray, offs: list[np.ndarray], lens: list[np.ndarray], width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Flat per-box values (each box ndim_of[tensor] values) as (B, width) arrays,
+    padded with offset 0 and length 1."""
+    flat_off = np.concatenate(offs) if offs else np.zeros(0, np.int64)
+    flat_len = np.concatenate(lens) if lens else np.zeros(0, np.int64)
+    nd = ndim_of[tids]
+    if int(nd.sum()) != len(flat_off) or len(flat_off) != len(flat_len):
+        raise ValueError("wanted boxes do not match their tensors' dimensions")
+    if len(tids) and (nd == width).all():  # every tensor of the same rank: a reshape
+        return flat_off.reshape(-1, width), flat_len.reshape(-1, width)
+    rows = np.repeat(np.arange(len(tids)), nd)
+    cols = np.arange(len(flat_off)) - np.repeat(np.cumsum(nd) - nd, nd)
+    out_off = np.zeros((len(tids), width), np.int64)
+    out_len = np.ones((len(tids), width), np.int64)
+    out_off[rows, cols] = flat_off
+    out_len[rows, cols] = flat_len
+    return out_off, out_len
+
+
+def _box_ids(
+    f_tid: np.ndarray, f_off: np.ndarray, f_len: np.ndarray, shapes: dict[int, tuple[int, ...]], rows: np.ndarray
+) -> np.ndarray:
+    """Per stored row of ``rows`` (others -1): the first row (in catalog order) holding
+    the same box of the same tensor, so replicas of a box share one id. ``f_tid`` is
+    grouped by tensor. A tensor whose rows together hold exactly as many elements as
+    it has holds no replica (its rows tile it, which the catalog checks for every
+    tensor it holds whole); only the others are searched for identical rows."""
+    ids = np.full(len(f_tid), -1, np.int64)
+    if not len(rows):
+        return ids
+    seg = np.flatnonzero(np.r_[True, f_tid[1:] != f_tid[:-1]])
+    held = np.add.reduceat(row_products(f_len), seg).tolist()
+    replicated_tensors = [t for t, n in zip(f_tid[seg].tolist(), held, strict=True) if n != math.prod(shapes[t])]
+    replicated = np.isin(f_tid[rows], replicated_tensors) if replicated_tensors else np.zeros(len(rows), bool)
+    ids[rows[~replicated]] = rows[~replicated]
+    dup = rows[replicated]
+    if len(dup):
+        keys = np.concatenate([f_tid[dup, None], f_off[dup], f_len[dup]], axis=1)
+        _u, first_idx, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        ids[dup] = dup[first_idx][inverse.reshape(-1)]
+    return ids
