@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 import shapes  # bench/ is not a package
 from netproxy import proxied
+from ranks import run_ranks
 from servers import free_port, make_bucket, running, test_environment
 
 os.environ.update(test_environment())
@@ -399,23 +400,8 @@ def _entry(job: str, rank: int, world: int, port: int, cfg: dict) -> None:
 
 
 def run(job: str, world: int, cfg: dict, timeout: float) -> dict:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(job, r, world, port, cfg)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    codes = [p.exitcode for p in procs]
-    if any(c != 0 for c in codes):
-        raise SystemExit(f"tier_bench: the {job} job failed (exit codes {codes})")
+    run_ranks(_entry, lambda r: (job, r, world, port, cfg), world, timeout, f"tier_bench: the {job} job")
     return json.loads(Path(cfg["out"]).read_text())
 
 

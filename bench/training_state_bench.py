@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 import shapes  # bench/ is not a package
+from ranks import run_ranks
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -174,23 +175,10 @@ def free_port() -> int:
 
 
 def run_fsdp(world: int, cfg: dict, timeout: float) -> dict[str, Any]:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, cfg)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    codes = [p.exitcode for p in procs]
-    if any(c != 0 for c in codes):
-        raise SystemExit(f"training_state_bench: the FSDP2 job on {world} ranks failed (exit codes {codes})")
+    run_ranks(
+        _entry, lambda r: (r, world, port, cfg), world, timeout, f"training_state_bench: the FSDP2 job on {world} ranks"
+    )
     return json.loads(Path(cfg["out"]).read_text())
 
 

@@ -41,6 +41,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from memcpy_limit import WarmMemcpy  # bench/ is not a package
+from peers import warm_cache
 
 
 def transformer_state(layers: int, d: int, vocab: int, ffn: int) -> dict:
@@ -79,14 +80,6 @@ def equal_state(nbytes: int, tensors: int = 48) -> dict:
 
 def state_bytes(state: dict) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def warm_cache(path: str) -> None:
-    for d, _s, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(d, name), "rb") as fh:
-                while fh.read(64 << 20):
-                    pass
 
 
 def one_thread(fn: Callable[[], object]) -> None:

@@ -1,0 +1,30 @@
+"""One spawned process per rank, waited for together within one deadline (for the
+bench/ scripts that run gloo jobs; bench/ is not a package)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def run_ranks(
+    target: Callable[..., None], args_of: Callable[[int], tuple[Any, ...]], world: int, timeout: float, what: str
+) -> None:
+    """Run ``target(*args_of(rank))`` in ``world`` spawned processes; kill those still
+    running after ``timeout`` seconds; SystemExit naming ``what`` unless every one exits 0."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args_of(rank)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    codes = [p.exitcode for p in procs]
+    if any(c != 0 for c in codes):
+        raise SystemExit(f"{what} failed (exit codes {codes})")
