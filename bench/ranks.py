@@ -28,3 +28,31 @@ def run_ranks(
     codes = [p.exitcode for p in procs]
     if any(c != 0 for c in codes):
         raise SystemExit(f"{what} failed (exit codes {codes})")
+
+
+def gloo_rank(rank: int, world: int, out: str, body: Callable[[], Any]) -> None:
+    """(in a spawned rank; MASTER_ADDR/MASTER_PORT set) Join the gloo group, run
+    ``body``, rank 0 writes its result as JSON to ``out``; exit 0, or 1 with the
+    traceback printed (the parent's :func:`run_ranks` reports it)."""
+    import json
+    import os
+    import sys
+    import traceback
+
+    import torch.distributed as dist
+
+    status = 0
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result = body()
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(result, f)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported by the exit status
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

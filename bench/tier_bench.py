@@ -51,7 +51,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 import uuid
 from pathlib import Path
 from typing import Any
@@ -64,7 +63,7 @@ import torch.distributed as dist
 
 import shapes  # bench/ is not a package
 from netproxy import proxied
-from ranks import run_ranks
+from ranks import gloo_rank, run_ranks
 from servers import free_port, make_bucket, running, test_environment
 
 os.environ.update(test_environment())
@@ -383,20 +382,7 @@ def recover_job(rank: int, world: int, cfg: dict) -> dict:
 def _entry(job: str, rank: int, world: int, port: int, cfg: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), BCP_COLLECTIVE_TIMEOUT="900")
     torch.set_num_threads(1)
-    status = 0
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        res = (save_job if job == "save" else recover_job)(rank, world, cfg)
-        if rank == 0:
-            Path(cfg["out"]).write_text(json.dumps(res))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported by the exit status
-        traceback.print_exc()
-        status = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    gloo_rank(rank, world, cfg["out"], lambda: (save_job if job == "save" else recover_job)(rank, world, cfg))
 
 
 def run(job: str, world: int, cfg: dict, timeout: float) -> dict:

@@ -35,7 +35,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 import shapes  # bench/ is not a package
-from ranks import run_ranks
+from ranks import gloo_rank, run_ranks
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -150,22 +149,12 @@ def _entry(rank: int, world: int, port: int, cfg: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    status = 0
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        spec = shapes.TransformerSpec(**cfg["spec"])
-        model, opt = build(spec, world)
-        res = measure(model, opt, cfg["root"], cfg["calls"])
-        if rank == 0:
-            Path(cfg["out"]).write_text(json.dumps(res))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported by the exit status
-        traceback.print_exc()
-        status = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+
+    def body() -> Any:
+        model, opt = build(shapes.TransformerSpec(**cfg["spec"]), world)
+        return measure(model, opt, cfg["root"], cfg["calls"])
+
+    gloo_rank(rank, world, cfg["out"], body)
 
 
 def free_port() -> int:
