@@ -74,7 +74,7 @@ def _prose() -> str:
         "nested keys included",  # list() recurses
         "NON_ATOMIC_REPLACE",
         "test_overwrite_never_mixes_for_concurrent_readers",
-        "pip install bcp-checkpoint pytest",  # the suite needs pytest
+        "bcp-checkpoint[conformance] @ file:///path/to/clone",  # from a clone, with pytest (the extra)
         "python -P -m bcp.conformance.killed_save",
     ],
 )
