@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .errors import UnsupportedStateError
@@ -36,25 +35,6 @@ def copy_values(dst: torch.Tensor, src: torch.Tensor) -> None:
             raw(dst).copy_(raw(src))
         else:
             dst.copy_(src)
-
-
-#: below this many bytes a host copy is one memcpy in the calling thread: torch's copy
-#: kernel splits anything over 32k elements across its OpenMP threads, and that
-#: fork/join costs more than a small copy (0.1-0.2 ms a call on a busy host: 10,000
-#: tensors of 50 KiB took 2 s of CPU instead of 0.07 s)
-SMALL_COPY_BYTES = 4 << 20
-
-
-def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[:] = src for two flat uint8 tensors of the same length; a small copy between
-    CPU tensors goes through numpy (one memmove, the GIL released), a large one or a
-    device one through torch's parallel kernel."""
-    n = src.numel()
-    if n < SMALL_COPY_BYTES and src.device.type == "cpu" and dst.device.type == "cpu":
-        if n:
-            np.copyto(dst.numpy(), src.numpy())
-        return
-    dst.copy_(src)
 
 
 def host_contiguous(t: torch.Tensor) -> torch.Tensor:
