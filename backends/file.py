@@ -484,6 +484,7 @@ class _FileWriter(ObjectWriter):
             self.backend._make_dirs(os.path.dirname(self.final))
             try:
                 mode = self.backend.file_mode
+                # link-ok: O_CREAT|O_EXCL fails on any existing name, a planted link or FIFO included
                 fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644 if mode is None else mode)
             except FileNotFoundError:
                 # A concurrent delete pruned the directory we just made: make it again.

@@ -125,6 +125,7 @@ def add_held(step_dir: str, save_id: str, entries: Sequence[FileEntry]) -> None:
     ``holding.json``, under the host's lock; a list of another save, or one that
     holds nothing (:func:`read_holding`), is replaced. Every file is opened relative
     to the step directory's descriptor, never through a link, created 0600."""
+    # link-ok: inside the private 0700 root; a link planted as step_dir fails the O_NOFOLLOW open below
     os.makedirs(step_dir, mode=0o700, exist_ok=True)
     dfd = os.open(step_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
