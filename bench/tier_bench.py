@@ -376,13 +376,111 @@ def recover_job(rank: int, world: int, cfg: dict) -> dict:
     }
 
 
+# -- local-tier recovery against a page-cached file root (4 ranks, all present) ----------------------
+
+
+def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
+    """One step saved to the local tier and drained to a file root; then, interleaved
+    repeat by repeat, ``load_latest`` of a manager with the tier (recovered from the
+    local tier: every host holds its ranks' files, nothing to fetch) and of one without
+    it (the same step from the file root, its pages in the page cache), on the same 4
+    ranks into the same layout, each checked bit-exact. Times are the slowest rank's,
+    wall and CPU (``time.process_time``: this rank's threads)."""
+    host = f"host{rank // RANKS_PER_HOST}"
+    os.environ["BCP_HOST_ID"] = host
+    g = torch.Generator().manual_seed(100 + rank)
+    locals_ = [local_shape(tuple(gs), rank, world) for _n, gs in cfg["params"]]
+    weights = [torch.randn(s, generator=g) for s in locals_]
+    moments = [(torch.randn(s, generator=g), torch.rand(s, generator=g)) for s in locals_]
+    steps = [torch.tensor(float(i + 1)) for i in range(len(locals_))] if cfg["shape"] == "transformer" else None
+    step = cfg["lvf_step"]
+    state = state_of(cfg["params"], weights, moments, rank, world, step, steps)
+    tier_dir = os.path.join(cfg["lvf_base"], host)
+    saver = bcp.CheckpointManager(
+        cfg["lvf_root"], tier=bcp.LocalTier(dir=tier_dir, every=1, replicas=1, persist_every=step, keep=2)
+    )
+    saver.save(step, state)
+    saver.wait()  # saved locally, replicated to the other host, drained to the file root
+    saver.close()
+    want, want_steps = tensors_of(state), steps_of(state)
+    del state, weights, moments
+    with_tier = bcp.CheckpointManager(
+        cfg["lvf_root"], async_save=False, tier=bcp.LocalTier(dir=tier_dir, persist_every=None)
+    )
+    from_file = bcp.CheckpointManager(cfg["lvf_root"], async_save=False)
+
+    def template() -> dict:
+        steps_ = [torch.tensor(-1.0) for _ in locals_] if steps is not None else None
+        zeros = [torch.zeros(s) for s in locals_]
+        return state_of(cfg["params"], zeros, [(torch.zeros(s), torch.zeros(s)) for s in locals_], rank, world, -1, steps_)
+
+    times: dict[str, list[tuple[float, float]]] = {"local": [], "file": []}
+    exact = True
+    # rep 0 warms both up: the file root's pages are read into the page cache (not counted)
+    for rep in range(cfg["repeats"] + 1):
+        for name, manager in (("local", with_tier), ("file", from_file)):
+            target = template()
+            dist.barrier()
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            got, loaded = manager.load_latest(target)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            seconds, cpu_s = slowest(wall), slowest(cpu)
+            same = got == step and loaded["step"] == step
+            same = same and all(torch.equal(a, b) for a, b in zip(tensors_of(loaded), want, strict=True))
+            same = same and all(torch.equal(a, b) for a, b in zip(steps_of(loaded), want_steps, strict=True))
+            flag = torch.tensor([0 if same else 1])
+            dist.all_reduce(flag)
+            ok = int(flag.item()) == 0
+            exact = exact and ok
+            if rep > 0:
+                times[name].append((seconds, cpu_s))
+            if rank == 0:
+                tag = "warm-up" if rep == 0 else f"rep {rep}"
+                print(
+                    f"  all ranks present, {tag}: {'local-tier recovery' if name == 'local' else 'file-root load'} "
+                    f"{seconds:.3f} s ({cpu_s:.3f} CPU-s), exact {ok}",
+                    flush=True,
+                )
+            del loaded, target
+    with_tier.close()
+    from_file.close()
+    share = sum(t.numel() * t.element_size() for t in want)
+    return {
+        "share_bytes": share,
+        **{f"{name}_s": statistics.median(s for s, _c in rows) for name, rows in times.items()},
+        **{f"{name}_cpu_s": statistics.median(c for _s, c in rows) for name, rows in times.items()},
+        "exact": exact,
+    }
+
+
+def local_vs_file_rows(res: dict) -> list[str]:
+    """The table rows of :func:`local_vs_file_job`'s result and its summary line."""
+    share = res["share_bytes"]
+    ratio = res["file_s"] / res["local_s"]
+    return [
+        f"| recovery on 4 ranks (all present), local tier | {res['local_s']:.3f} | {share / res['local_s'] / 1e9:.2f} "
+        f"| {res['local_cpu_s']:.3f} CPU-s; {ratio:.2f}x the file-root load's speed |",
+        f"| load of the same step from a page-cached file root, same 4 ranks | {res['file_s']:.3f} | "
+        f"{share / res['file_s'] / 1e9:.2f} | {res['file_cpu_s']:.3f} CPU-s |",
+    ]
+
+
+def local_vs_file_line(res: dict) -> str:
+    ratio = res["file_s"] / res["local_s"]
+    return (
+        f"tier_bench local-vs-file: local {res['local_s']:.3f} s ({res['local_cpu_s']:.3f} CPU-s), file "
+        f"{res['file_s']:.3f} s ({res['file_cpu_s']:.3f} CPU-s), ratio {ratio:.2f}, exact {res['exact']}"
+    )
+
+
 # -- processes ---------------------------------------------------------------------------------------
 
 
 def _entry(job: str, rank: int, world: int, port: int, cfg: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), BCP_COLLECTIVE_TIMEOUT="900")
     torch.set_num_threads(1)
-    gloo_rank(rank, world, cfg["out"], lambda: (save_job if job == "save" else recover_job)(rank, world, cfg))
+    jobs = {"save": save_job, "recover": recover_job, "local-vs-file": local_vs_file_job}
+    gloo_rank(rank, world, cfg["out"], lambda: jobs[job](rank, world, cfg))
 
 
 def run(job: str, world: int, cfg: dict, timeout: float) -> dict:
@@ -402,43 +500,75 @@ def main() -> None:
     p.add_argument("--shape", choices=("equal", "transformer"), default="equal", help="the state (see above)")
     p.add_argument("--quick", action="store_true", help="a small state, one repetition, short steps: a smoke run")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds each job may take")
+    p.add_argument(
+        "--only",
+        choices=("all", "local-vs-file"),
+        default="all",
+        help="local-vs-file: only the local-tier recovery beside a load from a page-cached file root (no S3)",
+    )
+    p.add_argument("--dir", default=None, help="where the file root goes (default: a temporary directory on disk)")
     args = p.parse_args()
     if args.quick:
         args.gib, args.repeats, args.step_seconds, args.cycle = 1 / 64, 1, 0.1, 2
     params = global_params(args.shape, args.gib)
     total = sum(math.prod(gs) for _n, gs in params) * 4 * 3 + (4 * len(params) if args.shape == "transformer" else 0)
-    work = Path(tempfile.mkdtemp(prefix="bcp-tierbench-"))
+    work = Path(tempfile.mkdtemp(prefix="bcp-tierbench-", dir=args.dir))
     base = tempfile.mkdtemp(prefix="bcp-tierbench-", dir="/dev/shm")
     (work / "refs").mkdir()
     print(
         f"state ({args.shape}: {len(params)} parameters) {total / 2**30:.3f} GiB on 4 ranks / 2 hosts "
         f"({total / 4 / 2**20:.0f} MiB per rank: weights + AdamW "
-        f"moments); local tier under {base}; S3 = rclone through a proxy adding {args.latency_ms:g} ms, "
-        f"{args.bandwidth_mbs:g} MB/s per connection; medians of {args.repeats}; load average "
+        f"moments); local tier under {base}; "
+        + (
+            ""
+            if args.only == "local-vs-file"
+            else f"S3 = rclone through a proxy adding {args.latency_ms:g} ms, "
+            f"{args.bandwidth_mbs:g} MB/s per connection; "
+        )
+        + f"file root under {work}; medians of {args.repeats}; load average "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
         flush=True,
     )
+    cfg: dict[str, Any] = {
+        "params": params,
+        "shape": args.shape,
+        "repeats": args.repeats,
+        "lvf_base": os.path.join(base, "local-vs-file"),
+        "lvf_root": str(work / "file-root"),
+        "lvf_step": 1,
+        "out": str(work / "local-vs-file.json"),
+    }
     try:
+        lvf = run("local-vs-file", SAVE_WORLD, cfg, args.timeout)
+        shutil.rmtree(cfg["lvf_base"], ignore_errors=True)
+        shutil.rmtree(cfg["lvf_root"], ignore_errors=True)
+        if args.only == "local-vs-file":
+            print()
+            print(f"| measure ({lvf['share_bytes'] / 2**20:.0f} MiB per rank) | seconds | GB/s per rank | vs |")
+            print("|---|---:|---:|---|")
+            for row in local_vs_file_rows(lvf):
+                print(row)
+            print(local_vs_file_line(lvf))
+            return
         with (
             running("rclone") as server,
             proxied(server.endpoint, latency=args.latency_ms / 1000, bandwidth=args.bandwidth_mbs * 1e6) as endpoint,
         ):
             bucket = f"tier{uuid.uuid4().hex[:8]}"
             make_bucket(server, bucket)
-            cfg = {
-                "params": params,
-                "shape": args.shape,
-                "base": base,
-                "refs": str(work / "refs"),
-                "root": f"s3://{bucket}/job?endpoint_url={endpoint}&conditional_writes=false",
-                "repeats": args.repeats,
-                "step_seconds": args.step_seconds,
-                "cycle": args.cycle,
-                "mat": 256 if args.quick else 512,
-                "matmuls": 1,
-                "drain_step": args.repeats + 1 + 2 * args.repeats + 1,
-                "out": str(work / "save.json"),
-            }
+            cfg.update(
+                {
+                    "base": base,
+                    "refs": str(work / "refs"),
+                    "root": f"s3://{bucket}/job?endpoint_url={endpoint}&conditional_writes=false",
+                    "step_seconds": args.step_seconds,
+                    "cycle": args.cycle,
+                    "mat": 256 if args.quick else 512,
+                    "matmuls": 1,
+                    "drain_step": args.repeats + 1 + 2 * args.repeats + 1,
+                    "out": str(work / "save.json"),
+                }
+            )
             saved = run("save", SAVE_WORLD, cfg, args.timeout)
             shutil.rmtree(os.path.join(base, "host1"))  # host1 is lost
             cfg["out"] = str(work / "recover.json")
@@ -471,6 +601,8 @@ def main() -> None:
             f"| overlap=optimizer: stall per local save, {label} | {saved[f'{name}_stall_s']:.3f} | | "
             f"{stall_pct[name]:.1f}% of a {saved[f'{name}_step_s']:.3f} s step |"
         )
+    for row in local_vs_file_rows(lvf):
+        print(row)
     print(f"| recovery on 3 ranks (host1 lost), local tier | {rec['local_s']:.2f} | | |")
     print(
         f"| recovery on 3 ranks, persistent tier (S3) | {rec['persistent_s']:.2f} | | "
@@ -479,8 +611,10 @@ def main() -> None:
     print(
         f"targets: save blocks <= 1.2x memcpy: {block_s / copy_s <= 1.2}; stall <= 5%: CPU-bound step "
         f"{stall_pct['cpu'] <= 5}, device-bound model {stall_pct['device'] <= 5}; "
-        f"persistent/local >= 5: {rec['persistent_s'] / rec['local_s'] >= 5}"
+        f"persistent/local >= 5: {rec['persistent_s'] / rec['local_s'] >= 5}; local recovery faster than a "
+        f"page-cached file-root load: {lvf['local_s'] < lvf['file_s']}"
     )
+    print(local_vs_file_line(lvf))
     ratio = rec["persistent_s"] / rec["local_s"]
     print(
         f"tier_bench: local {rec['local_s']:.2f} s, persistent {rec['persistent_s']:.2f} s, ratio {ratio:.1f}, "
