@@ -412,7 +412,9 @@ def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
     def template() -> dict:
         steps_ = [torch.tensor(-1.0) for _ in locals_] if steps is not None else None
         zeros = [torch.zeros(s) for s in locals_]
-        return state_of(cfg["params"], zeros, [(torch.zeros(s), torch.zeros(s)) for s in locals_], rank, world, -1, steps_)
+        return state_of(
+            cfg["params"], zeros, [(torch.zeros(s), torch.zeros(s)) for s in locals_], rank, world, -1, steps_
+        )
 
     times: dict[str, list[tuple[float, float]]] = {"local": [], "file": []}
     exact = True

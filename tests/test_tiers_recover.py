@@ -272,6 +272,28 @@ def test_single_process_recovery_is_bit_exact_and_removes_its_directory(tmp_path
     assert nothing is None
 
 
+def test_a_host_holding_every_file_recovers_with_a_plain_load_and_no_read_plan_of_its_own(tmp_path, monkeypatch):
+    """Nothing to fetch (every data file held here): no exchange and no second match and
+    read plan before the load's own, so the recovery costs a load plus its inventory."""
+    import bcp.tiers.recover as recover
+
+    root = str(tmp_path / "local")
+    _local_step(tmp_path, root, 10, 3.0)
+
+    def no_plan(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a read plan for the exchange was made though the host holds every file")
+
+    monkeypatch.setattr(recover, "_wanted", no_plan)
+    template = {"w": torch.zeros(4, 6), "b": torch.zeros(5, dtype=torch.bfloat16), "step": 0}
+    info = recover_latest_with_info(
+        template, local_root=root, persistent_root=None, coord=Coordinator(), load_options=bcp.LoadOptions(trace=True)
+    )
+    assert info is not None and info.step == 10
+    assert_same(dict(info.state), _state(3.0))
+    assert "exchange" not in info.stages, sorted(info.stages)
+    assert {"inventory", "metadata", "prepare", "match", "read"} <= set(info.stages), sorted(info.stages)
+
+
 def test_manager_takes_the_newer_tier_and_the_local_one_on_a_tie(tmp_path):
     persistent = str(tmp_path / "persistent")
     manager = bcp.CheckpointManager(persistent, async_save=False)

@@ -29,7 +29,10 @@ a tier is configured), at whatever world size the job restarted with:
    the sparse files. (A byte the load reads that was not fetched would read as zero
    and fail its block's CRC32C, unless zeros are what the block holds; the only
    unfetched bytes a load reads are writers' padding between two fragments, which a
-   coalesced read skips over and never uses.)
+   coalesced read skips over and never uses.) A host holding every data file of the
+   step lists nothing and makes no read plan for it; when no host fetches anything
+   (every rank present, or each host holding a whole copy) there is no exchange and
+   step 6 is a plain load, at the cost of a load from the local root.
 6. **Load.** An ordinary ``bcp.load`` from each host's recovery directory: matching,
    resharding, casting, placement and the CRC32C check of every byte read are bcp's
    own (ranks load from different directories with identical manifests; the
@@ -323,6 +326,10 @@ def _attempt(
             with trace.span("prepare"):
                 prepare(recovery_dir, step_dir, manifest, metadata, held)
             with trace.span("match"):
+                if len(held) == len(manifest.data_files):
+                    # the host holds every file: nothing to fetch, so no read plan to make here (the
+                    # load makes its own, and matches the template as it always does)
+                    return np.empty((0, 3), np.int64)
                 return _wanted(state, recovery_dir, manifest, metadata, held, coord, opts)
 
         # one phase: every rank of the host has built the directory before any byte lands in it
@@ -331,7 +338,10 @@ def _attempt(
         exchange = Exchange(coord, hosts, choice, manifest, step_dir, recovery_dir, round_bytes, chunk_bytes)
         exchange.plan(coord.all_gather(wanted))
         load_opts = dataclasses.replace(opts, storage_options=None, share_reads=False)
-        if exchange_coord is None or coord.world_size == 1:
+        if not exchange.rounds_of:  # the same on every rank: no host fetches anything, a plain load
+            fetch_seconds = time.perf_counter() - fetch_started
+            loaded = load_with_info(state, recovery_dir, load_opts)
+        elif exchange_coord is None or coord.world_size == 1:
             with trace.span("exchange") as exchanging:
                 coord.check(exchange.run(), FETCH_PHASE)
                 if exchanging is not None:
