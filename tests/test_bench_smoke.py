@@ -178,3 +178,43 @@ def test_tier_bench_transformer_shape_recovers_exactly():
     lines = run("tier_bench.py", "--quick", "--shape", "transformer", timeout=600)
     assert lines[0].startswith("state (transformer: "), lines[0]
     assert re.fullmatch(r"tier_bench: local [0-9.]+ s, persistent [0-9.]+ s, ratio [0-9.]+, exact True", lines[-1])
+
+
+def test_traces_prints_each_case_as_a_table_with_its_stages(tmp_path, capsys, monkeypatch):
+    """bench/traces.py at a tiny size, in this process: a table per case, each with the
+    stages that case goes through, every row with its seconds, bytes, GB/s, share and
+    bound; nothing left behind."""
+    traces = _module("traces")
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "shm").mkdir()
+    monkeypatch.setattr(
+        sys, "argv", ["traces.py", "--gib", "0.002", "--dir", str(tmp_path / "disk"), "--shm", str(tmp_path / "shm")]
+    )
+    traces.main()
+    out = capsys.readouterr().out
+    save = {"save", "plan", "checksum", "write", "durable", "commit"}
+    load = {"load", "catalog", "plan", "read", "fetch", "verify", "objects"}
+    want = {
+        "sync save": save,
+        "async_save (steady)": save | {"blocking"},
+        "cold load": load,
+        "warm load": load,
+        "load from /dev/shm": load,
+    }
+    blocks = re.split(r"^\*\*(.+?)\*\* ", out, flags=re.M)[1:]
+    assert [blocks[i] for i in range(0, len(blocks), 2)] == list(want), out[:3000]
+    for case, body in zip(blocks[0::2], blocks[1::2], strict=True):
+        rows = [ln for ln in body.splitlines() if ln.startswith("| ") and not ln.startswith("| stage ")]
+        stages = {r.split("|")[1].strip() for r in rows}
+        assert want[case] <= stages, (case, want[case] - stages)
+        for r in rows:
+            cells = [c.strip() for c in r.strip("|").split("|")]
+            assert len(cells) == 6 and re.fullmatch(r"[0-9.]+", cells[1]), r
+            assert re.fullmatch(r"[0-9]+%", cells[4]) and cells[5] not in ("", "?"), r
+            assert "{" not in cells[5], r
+    assert "of which the call blocked" in out
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"traces: sync save [0-9.]+ s, async_save \(steady\) [0-9.]+ s, .*load from /dev/shm [0-9.]+ s", last
+    )
+    assert not list((tmp_path / "disk").iterdir()) and not list((tmp_path / "shm").iterdir()), "left files behind"
