@@ -16,7 +16,6 @@ import contextlib
 import errno
 import functools
 import logging
-import mmap
 import os
 import re
 import shutil
@@ -33,7 +32,6 @@ from .file_reads import (
     DIRECT_ALIGN,
     DIRECT_READ_FROM,
     NOFOLLOW,
-    buffer_address,
     direct_split,
     is_cached,
     on_memory_fs,
@@ -41,6 +39,7 @@ from .file_reads import (
     pread_direct,
     pread_full,
 )
+from .file_writes import cut, pwritev_all, whole_pages
 from .options import as_bool, reject_unknown
 
 log = logging.getLogger(__name__)
@@ -538,13 +537,13 @@ class _FileWriter(ObjectWriter):
             head = (-offset) % DIRECT_ALIGN
             middle = (total - head) // DIRECT_ALIGN * DIRECT_ALIGN if total > head else 0
             if dfd is None or not middle:
-                _pwritev_all(fd, views, offset)
+                pwritev_all(fd, views, offset)
                 return
-            first, rest = _cut(views, head)
-            inner, last = _cut(rest, middle)
-            _pwritev_all(fd, first, offset)  # partial pages go through the page cache
-            _pwritev_all(dfd, _whole_pages(inner, middle), offset + head)
-            _pwritev_all(fd, last, offset + head + middle)
+            first, rest = cut(views, head)
+            inner, last = cut(rest, middle)
+            pwritev_all(fd, first, offset)  # partial pages go through the page cache
+            pwritev_all(dfd, whole_pages(inner, middle), offset + head)
+            pwritev_all(fd, last, offset + head + middle)
 
     @staticmethod
     def _pwrite(fd: int, view: memoryview, offset: int) -> None:
@@ -584,75 +583,6 @@ class _FileWriter(ObjectWriter):
             os.unlink(self.tmp)
         except FileNotFoundError:
             pass
-
-
-#: The most buffers one ``pwritev`` takes.
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
-
-
-def _cut(views: list[memoryview], nbytes: int) -> tuple[list[memoryview], list[memoryview]]:
-    """``views`` split after their first ``nbytes`` bytes."""
-    head: list[memoryview] = []
-    for i, v in enumerate(views):
-        if nbytes >= len(v):
-            head.append(v)
-            nbytes -= len(v)
-            continue
-        if nbytes:
-            head.append(v[:nbytes])
-        return head, [v[nbytes:], *views[i + 1 :]]
-    return head, []
-
-
-def _whole_pages(views: list[memoryview], nbytes: int) -> list[memoryview]:
-    """``views`` (``nbytes`` in all, a multiple of the page) as page-aligned buffers
-    of whole pages: runs of whole pages that lie page-aligned in memory as they are,
-    everything else copied into aligned pages of a scratch mapping."""
-    scratch: mmap.mmap | None = None
-    used = 0
-    out: list[memoryview] = []
-    page: memoryview | None = None  # the scratch page being filled
-    fill = 0
-    for v in views:
-        i, n = 0, len(v)
-        address = buffer_address(v)
-        while i < n:
-            if not fill and n - i >= DIRECT_ALIGN and address is not None and (address + i) % DIRECT_ALIGN == 0:
-                k = (n - i) // DIRECT_ALIGN * DIRECT_ALIGN
-                out.append(v[i : i + k])
-                i += k
-                continue
-            if page is None:
-                if scratch is None:
-                    scratch = mmap.mmap(-1, nbytes)  # page-aligned; only the pages used are touched
-                # whole pages of this part at once where it has them, else one page
-                room = max(DIRECT_ALIGN, (n - i) // DIRECT_ALIGN * DIRECT_ALIGN) if not fill else DIRECT_ALIGN
-                page = memoryview(scratch)[used : used + room]
-                used += room
-            take = min(len(page) - fill, n - i)
-            page[fill : fill + take] = v[i : i + take]
-            fill += take
-            i += take
-            if fill == len(page):
-                out.append(page)
-                page, fill = None, 0
-    if page is not None:
-        raise ValueError(f"{nbytes} bytes are not whole pages")
-    return out
-
-
-def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
-    """Write ``views`` back to back from ``offset``, ``_IOV_MAX`` at a time, resuming after short writes."""
-    views = [v for v in views if len(v)]
-    while views:
-        group = views[:_IOV_MAX]
-        done = os.pwritev(fd, group, offset)
-        offset += done
-        wrote = sum(len(v) for v in group)
-        if done == wrote:
-            views = views[len(group) :]
-            continue
-        _written, views = _cut(views, done)
 
 
 __all__ = ["PARTIAL_MARKER", "FileBackend", "ObjectExistsError"]
