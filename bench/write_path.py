@@ -8,7 +8,7 @@ medians, the ratio of the medians and the median of the per-repeat ratios, with 
 CPU time of each save (``time.process_time``: what the save itself costs, which the
 disk's swings do not change).
 
-``--count`` adds one save with ``os.pwrite``/``os.fsync``/``os.fdatasync`` counted
+``--count`` adds one save with ``os.pwrite``/``os.pwritev``/``os.fsync``/``os.fdatasync`` counted
 (outside the timed repeats): how many write requests a save issues, of which sizes,
 O_DIRECT or through the page cache, and how many flushes.
 
@@ -57,7 +57,7 @@ def raw_write(path: str, size: int, buf: mmap.mmap) -> None:
 def counted_save(state, uri: str) -> dict[str, int]:
     """One save with its write requests and flushes counted by kind."""
     counts: collections.Counter = collections.Counter()
-    pwrite, fsync, fdatasync = os.pwrite, os.fsync, os.fdatasync
+    pwrite, pwritev, fsync, fdatasync = os.pwrite, os.pwritev, os.fsync, os.fdatasync
 
     def direct(fd: int) -> bool:
         return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
@@ -71,6 +71,15 @@ def counted_save(state, uri: str) -> dict[str, int]:
             counts[f"pwrite {kind} >= 16 MiB"] += 1
         return pwrite(fd, data, offset)
 
+    def counting_pwritev(fd, buffers, offset):
+        n = sum(len(memoryview(b).cast("B")) for b in buffers)
+        kind = "O_DIRECT" if direct(fd) else "buffered"
+        counts[f"pwritev {kind}"] += 1
+        counts[f"pwritev {kind} bytes"] += n
+        if n >= 16 << 20:
+            counts[f"pwritev {kind} >= 16 MiB"] += 1
+        return pwritev(fd, buffers, offset)
+
     def counting(name, fn):
         def call(fd):
             counts[name] += 1
@@ -79,12 +88,13 @@ def counted_save(state, uri: str) -> dict[str, int]:
         return call
 
     os.pwrite = counting_pwrite  # type: ignore[assignment]
+    os.pwritev = counting_pwritev  # type: ignore[assignment]
     os.fsync = counting("fsync", fsync)  # type: ignore[assignment]
     os.fdatasync = counting("fdatasync", fdatasync)  # type: ignore[assignment]
     try:
         bcp.save(state, uri, overwrite=True)
     finally:
-        os.pwrite, os.fsync, os.fdatasync = pwrite, fsync, fdatasync  # type: ignore[assignment]
+        os.pwrite, os.pwritev, os.fsync, os.fdatasync = pwrite, pwritev, fsync, fdatasync  # type: ignore[assignment]
     return dict(counts)
 
 
