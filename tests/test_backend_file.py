@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import bcp.backends.file as file_mod
 from bcp.backends import Backend, ObjectNotFoundError, StorageError, WriterClosedError, backend_for
@@ -339,3 +341,49 @@ def test_a_writer_on_dev_shm_allocates_no_page_before_it_writes() -> None:
                 pytest.skip("/dev/shm is not tmpfs here")
             assert st.st_size == 8 << 20 and st.st_blocks == 0, (st.st_size, st.st_blocks)
             w.abort()
+
+
+# -- many buffers in one request (write_parts) ---------------------------------------------
+
+_PAGE_SOURCE = bytes(range(256)) * 64  # 16 KiB of a known pattern
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    offset=st.integers(0, 3 * 4096),
+    parts=st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 3 * 4096 + 100)), min_size=1, max_size=8),
+)
+def test_write_parts_writes_the_concatenation_with_one_direct_request(tmp_path_factory, offset, parts) -> None:
+    """Parts of any length, at any memory alignment, land back to back exactly; the
+    whole pages between go to the O_DIRECT descriptor in one pwritev, never one
+    request a part (a buffered write only for the partial pages at either end)."""
+    import mmap
+
+    fb = FileBackend(str(tmp_path_factory.mktemp("parts")))
+    arena = mmap.mmap(-1, 8 * 4096)  # page-aligned memory, so some parts lie aligned
+    arena.write(_PAGE_SOURCE * 2)
+    views = [memoryview(arena)[skip : skip + n] for skip, n in parts]
+    expected = b"".join(bytes(v) for v in views)
+    writer = fb.open_writer("k", size=offset + len(expected))
+    calls: list[tuple[int, int]] = []
+    pwritev = os.pwritev
+
+    def counting(fd, buffers, at):
+        calls.append((fd, len(buffers)))
+        return pwritev(fd, buffers, at)
+
+    file_mod.os.pwritev = counting  # type: ignore[attr-defined]
+    try:
+        if offset:
+            writer.write_at(0, bytes(offset))
+        writer.write_parts(offset, views)  # type: ignore[attr-defined]
+    finally:
+        file_mod.os.pwritev = pwritev  # type: ignore[attr-defined]
+    direct_fd = writer.dfd  # type: ignore[attr-defined]
+    writer.commit()
+    with open(_object_path(fb, "k"), "rb") as f:
+        assert f.read() == bytes(offset) + expected
+    whole_pages = (offset + len(expected)) // 4096 > -(-offset // 4096)
+    if direct_fd is not None and whole_pages:
+        assert [fd for fd, _n in calls].count(direct_fd) == 1
+    assert len(calls) <= 3

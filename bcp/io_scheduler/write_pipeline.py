@@ -7,7 +7,10 @@ fragments are packed into one chunk. A producer (the calling thread) stages chun
 into pool slabs, or, in a synchronous save of contiguous CPU tensors, hands the
 tensor memory itself to the writers (no copy at all). ``streams`` writer threads
 checksum and write chunks concurrently at their file offsets. The pool's capacity
-bounds the bytes in flight; the file is made durable once, at commit.
+bounds the bytes in flight; the file is made durable once, at commit. A synchronous
+save of host tensors to a writer with ``write_parts`` (the file backend) instead cuts
+the file into batches of :data:`BATCH_BYTES`, each checksummed and written in one
+request straight from the tensors' memory (docs/decisions.md).
 
 Device (CUDA) tensors are copied into pinned slabs on a side stream ordered after
 the caller's work at the time the pipeline was built (``bcp.io_scheduler.device_copy``); a writer
@@ -62,6 +65,11 @@ class StagedChunk:
     data: torch.Tensor
     #: device-to-host copy events the bytes wait for (empty for host sources)
     events: list
+    #: a batch (:attr:`WritePipeline.batched`): each segment's bytes in the source's
+    #: memory, and the parts to write back to back from the chunk's offset (the
+    #: segments with zeros between them)
+    views: list | None = None
+    parts: list | None = None
 
 
 def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
@@ -75,6 +83,20 @@ def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
     as bytes 13-25 s, 1,000 copies of 800 KiB 2-5 s with torch and 0.04-0.26 s with
     numpy; 48 copies of 16 MiB 0.16-0.29 s with numpy, 0.95 s to minutes with torch."""
     dst[:] = src
+
+
+#: A synchronous save of host tensors to a writer that takes many buffers in one
+#: request (``write_parts``: the file backend) writes the file in batches of this many
+#: bytes, each one request straight from the tensors' memory (docs/decisions.md,
+#: "Sync save: one request per 64 MiB"). bench/peers.py's raw limit uses 64 MiB too.
+BATCH_BYTES = 64 << 20
+
+#: Writer threads for batches: two, so one checksums its batch while the other's
+#: request is on the disk (measured: docs/decisions.md).
+BATCH_STREAMS = 2
+
+#: Zeros for the padding between a batch's segments (gaps are under a page).
+_ZEROS = bytes(2 * 4096)
 
 
 class WriteItem(NamedTuple):
@@ -215,6 +237,8 @@ class WritePipeline:
         self._threads: list[threading.Thread] = []
         self._writer: ObjectWriter | None = None
         self._pending: list[Chunk] = []
+        #: write in batches from the tensors' memory (decided when the writer opens)
+        self.batched = False
         self._uses_left: dict[int, int] = {}
         #: device-to-host copies; "the call" is now (this runs in the caller's thread)
         self.copies = DeviceCopies()
@@ -233,8 +257,22 @@ class WritePipeline:
             t = self.copies.contiguous(t)
         return flat_bytes(t) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
+    def _can_batch(self) -> bool:
+        """Whether the save can write batches (:data:`BATCH_BYTES`) straight from the
+        tensors' memory: synchronous, host tensors only, and a writer that takes many
+        buffers in one request."""
+        return (
+            not self.stage_all
+            and not self.deferred
+            and self.part_size is None
+            and callable(getattr(self._writer, "write_parts", None))
+            and not any(is_device_tensor(item.piece.tensor) for item in self.items)
+        )
+
     def chunks(self) -> list[Chunk]:
         spans = [(i, self.offsets[i], self.item_nbytes[i]) for i in self.unique]
+        if self.batched:
+            return plan_packed_chunks(spans, BATCH_BYTES, self.block)
         if self.part_size is not None:
             return plan_part_chunks(spans, self.part_size, self.size)
         if self.stage_all:  # everything is copied: fill the slabs (none is written from the tensor's memory)
@@ -250,6 +288,9 @@ class WritePipeline:
             self._begun = True
             if not self.deferred:
                 self._writer = self.backend.open_writer(self.data_key, size=self.size)
+            self.batched = self._can_batch()
+            if self.batched:
+                self.streams = min(self.streams, BATCH_STREAMS)
             self._pending = self.chunks()
             for chunk in self._pending:
                 for seg in chunk.segments:
@@ -335,6 +376,8 @@ class WritePipeline:
             self._forget_sources(chunk)
 
     def _stage_chunk(self, chunk: Chunk) -> StagedChunk:
+        if self.batched:
+            return self._batch(chunk)
         first = self.sources[chunk.segments[0].item] if chunk.segments else None
         whole = len(chunk.segments) == 1 and chunk.segments[0].at == 0 and chunk.segments[0].nbytes == chunk.nbytes
         if first is not None and not self.stage_all and whole and not is_device_tensor(first):
@@ -376,6 +419,22 @@ class WritePipeline:
         self.bytes_staged += chunk.nbytes
         return StagedChunk(chunk, slab, out, events)
 
+    def _batch(self, chunk: Chunk) -> StagedChunk:
+        """A batch: its segments' bytes as views of the sources' memory (no copy), with
+        the zeros of the padding between them."""
+        views, parts, cursor = [], [], 0
+        for seg in chunk.segments:
+            array = self._arrays.get(seg.item)
+            if array is None:
+                array = self._arrays[seg.item] = self.sources[seg.item].numpy()
+            if seg.at > cursor:
+                parts.append(memoryview(_ZEROS)[: seg.at - cursor])
+            view = memoryview(array[seg.start : seg.start + seg.nbytes]).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
+            views.append(view)
+            parts.append(view)
+            cursor = seg.at + seg.nbytes
+        return StagedChunk(chunk, None, _RELEASED, [], views, parts)
+
     def _forget_sources(self, chunk: Chunk) -> None:
         """Drop a source once its last chunk is staged (a device temporary's memory
         returns to the allocator, reusable only behind the side stream's copies)."""
@@ -399,6 +458,9 @@ class WritePipeline:
             try:
                 if self.error is None:
                     assert self._writer is not None, "stage() opens the writer before queueing chunks"
+                    if staged.parts is not None:
+                        self._write_batch(staged)
+                        continue
                     for event in staged.events:
                         event.synchronize()
                     view = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
@@ -414,6 +476,17 @@ class WritePipeline:
                 if slab is not None:
                     settle(staged.events)  # a copy still landing in the slab must not meet its next use
                     self.pool.release(slab)
+
+    def _write_batch(self, staged: StagedChunk) -> None:
+        """Checksum a batch's segments, then write it in one request (the other
+        writer's request is on the disk meanwhile)."""
+        chunk = staged.chunk
+        assert staged.views is not None and staged.parts is not None
+        with trace.span("checksum", sum(s.nbytes for s in chunk.segments) if trace.enabled() else 0):
+            for seg, view in zip(chunk.segments, staged.views, strict=True):
+                self.checksums[(seg.item, seg.start)] = block_checksums(view, self.block)
+        with trace.span("write", chunk.nbytes):
+            self._writer.write_parts(chunk.offset, staged.parts)  # type: ignore[union-attr]  # _can_batch checked it
 
     # -- any thread ---------------------------------------------------------------------------
 
