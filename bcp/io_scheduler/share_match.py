@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bcp.metadata import TensorEntry
+from bcp.metadata.rows import TensorBoxes
 from bcp.metadata.geometry import BoxArrays, ascending, expand_windows, row_products, rows_positive
 
 from .read_plan import overlap_volumes
@@ -60,7 +60,7 @@ def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tup
 
 
 def rows_at(
-    entries: Sequence[TensorEntry], fstart: np.ndarray, rows: np.ndarray, width: int
+    entries: Sequence[TensorBoxes], fstart: np.ndarray, rows: np.ndarray, width: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Offsets and lengths of stored rows ``rows`` (ascending, numbered as fstart says),
     padded to ``width`` dimensions with (0, 1)."""
@@ -79,7 +79,7 @@ def rows_at(
 
 
 def general_pairs(
-    entries: Sequence[TensorEntry],
+    entries: Sequence[TensorBoxes],
     used: list[int],
     slot: np.ndarray,
     fstart: np.ndarray,
@@ -120,7 +120,7 @@ _EMPTY = np.zeros(0, np.int64)
 _ROW_BATCH = 1 << 20
 
 
-def _rank_runs(entries: Sequence[TensorEntry], limit: int) -> list[tuple[int, int]]:
+def _rank_runs(entries: Sequence[TensorBoxes], limit: int) -> list[tuple[int, int]]:
     """Consecutive ranges [a, b) of ``entries`` of one number of dimensions each,
     holding about ``limit`` rows (at least one entry)."""
     out, a, acc = [], 0, 0
@@ -135,7 +135,7 @@ def _rank_runs(entries: Sequence[TensorEntry], limit: int) -> list[tuple[int, in
 
 
 def _cut_rows(
-    entries: Sequence[TensorEntry], extents: np.ndarray
+    entries: Sequence[TensorBoxes], extents: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """For tensors of one rank (``extents``: their shapes, padded with 1): whether each
     is stored as disjoint slices along one dimension (every other dimension whole; empty
@@ -207,7 +207,7 @@ class CutIndex:
 
     @classmethod
     def build(
-        cls, entries: Sequence[TensorEntry], used: list[int], fstart: np.ndarray, extents: np.ndarray, n_names: int
+        cls, entries: Sequence[TensorBoxes], used: list[int], fstart: np.ndarray, extents: np.ndarray, n_names: int
     ) -> CutIndex | None:
         """The index of ``entries`` (tensors ``used``, their rows numbered from
         ``fstart``), None where no tensor qualifies or the line would be too long.

@@ -204,9 +204,9 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     if not used:
         return _no_plan()
     used_names = [names[t] for t in used]
-    shapes = {t: tuple(reader.catalog.tensors[names[t]].global_shape) for t in used}
+    shapes = {t: tuple(reader.catalog.shape(names[t])) for t in used}
     reader.catalog.require([(names[t], ((0,) * len(shapes[t]), shapes[t])) for t in used])
-    entries = reader.catalog.entries(used_names)
+    entries = reader.catalog.boxes(used_names)  # offsets and lengths only, tiling checked
     ndims = {len(s) for s in shapes.values()}
     width = max(1, *ndims)
     ndim_of = np.zeros(len(names), np.int64)
@@ -498,7 +498,7 @@ def plan_sharing(
     cutting a fragment into disjoint parts) are not shared: nothing would be saved."""
     plan = plan_shares(reader, [Wanted.encode(reader, w) for w in wanted_by_rank])
     names = list(reader.catalog.tensors)
-    return plan.as_dict(names, [len(reader.catalog.tensors[f].global_shape) for f in names])
+    return plan.as_dict(names, [len(reader.catalog.shape(f)) for f in names])
 
 
 def fetch_shared(
@@ -522,7 +522,7 @@ def fetch_shared(
             error.add_note("raised on the coordinator while planning shared reads")
         raise error
     names = list(reader.catalog.tensors)
-    ndims = {t: len(reader.catalog.tensors[names[t]].global_shape) for t in set(part.tensors.tolist())}
+    ndims = {t: len(reader.catalog.shape(names[t])) for t in set(part.tensors.tolist())}
     keys = part.keys(names, ndims)
     stats = ReadStats()
     held: dict[SharedKey, torch.Tensor] = {}

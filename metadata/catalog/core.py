@@ -19,7 +19,7 @@ import pyarrow as pa
 from ..entries import gather_entries
 from ..errors import FormatError
 from ..geometry import simple_tilings, stable_order, tiling_problem
-from ..rows import Fragment, Rows, TensorEntry
+from ..rows import Fragment, Rows, TensorBoxes, TensorEntry
 from .arrow import bind_rows, cast_columns, ipc_file, rows_table
 from .budget import decode_budget
 from .head import decode_head
@@ -197,6 +197,59 @@ class Catalog:
             self._build_entries(todo)
         return [self._entry(t) for t in codes]
 
+    def shape(self, fqn: str) -> tuple[int, ...]:
+        """The global shape of tensor ``fqn`` (KeyError if the catalog lacks it), from
+        the tensor table: no entry is built (``tensors[fqn]`` builds one, every row)."""
+        tensors = self._table_of_tensors
+        return tensors.shapes[tensors.index[fqn]]
+
+    def boxes(self, fqns: Iterable[str]) -> list[TensorBoxes]:
+        """The stored boxes of ``fqns`` (KeyError for a name not in the catalog), checked
+        for exact tiling as :meth:`entries` checks them, but only offsets and lengths
+        gathered (one gather per number of dimensions) and nothing cached: for the
+        share_reads coordinator, which matches every rank's boxes against every tensor
+        and reads no bytes (an entry's other columns cost about twice the gather)."""
+        index = self._table_of_tensors.index
+        tensors = self._table_of_tensors
+        codes = [index[f] for f in fqns]
+        out: dict[int, TensorBoxes] = {}
+        by_ndim: dict[int, list[int]] = {}
+        for t in dict.fromkeys(codes):
+            entry = self._cache.get(t)
+            if entry is not None or self._given is not None:
+                entry = entry if entry is not None else self._entry(t)
+                out[t] = TensorBoxes(entry.fqn, entry.dtype, entry.global_shape, entry.offsets, entry.lengths)
+            else:
+                by_ndim.setdefault(len(tensors.shapes[t]), []).append(t)
+        for ndim, todo in by_ndim.items():
+            row_ids = [self._rows_of(t) for t in todo]
+            counts = [len(r) for r in row_ids]
+            offs, lens = self._rows.take_boxes(np.concatenate(row_ids), ndim)
+            self._check_tilings(todo, offs, lens, counts)
+            bounds = np.r_[0, np.cumsum(counts)].tolist()
+            for i, t in enumerate(todo):
+                a, b = bounds[i], bounds[i + 1]
+                out[t] = TensorBoxes(tensors.names[t], tensors.dtypes[t], tensors.shapes[t], offs[a:b], lens[a:b])
+        return [out[t] for t in codes]
+
+    def _check_tilings(self, codes: list[int], offs: np.ndarray, lens: np.ndarray, counts: list[int]) -> None:
+        """FormatError unless the rows of tensors ``codes`` (all of one number of
+        dimensions; ``counts[i]`` rows each, tensor after tensor in ``offs``/``lens``)
+        tile their shapes exactly (tensors not held whole are skipped): the usual
+        layouts in one vectorised pass, the rest one by one."""
+        tensors = self._table_of_tensors
+        if not self._check_tiling or not codes or not len(tensors.shapes[codes[0]]):
+            return
+        simple = simple_tilings([tensors.shapes[t] for t in codes], offs, lens, counts)
+        bounds = np.r_[0, np.cumsum(counts)].tolist()
+        for i in np.flatnonzero(~simple).tolist():
+            t = codes[i]
+            if self._complete(t):
+                a, b = bounds[i], bounds[i + 1]
+                problem = tiling_problem(tensors.shapes[t], offs[a:b], lens[a:b])
+                if problem is not None:
+                    raise FormatError(f"{self._where}: tensor {tensors.names[t]!r}: {problem}")
+
     def _build_entries(self, todo: list[int]) -> None:
         tensors = self._table_of_tensors
         by_ndim: dict[int, list[int]] = {}
@@ -205,11 +258,7 @@ class Catalog:
         for ndim, codes in by_ndim.items():
             row_ids = [self._rows_of(t) for t in codes]
             built, offs, lens = gather_entries(self._rows, row_ids, ndim, codes, self._new_entry)
-            if self._check_tiling and ndim:
-                simple = simple_tilings([tensors.shapes[t] for t in codes], offs, lens, [len(r) for r in row_ids])
-                for i in np.flatnonzero(~simple).tolist():
-                    if self._complete(codes[i]):
-                        self._check_tiled(codes[i], built[i])
+            self._check_tilings(codes, offs, lens, [len(r) for r in row_ids])
             for t, entry in zip(codes, built, strict=True):
                 self._cache[t] = entry
 
