@@ -218,9 +218,9 @@ def test_the_coordinator_plans_from_stored_boxes_not_entries(monkeypatch):
     tile is still refused with the catalog's FormatError."""
     from bcp.metadata import FormatError
 
-    def blob(stored):
+    def blob(stored):  # a row of 4 float32 is one 16-byte checksum block
         frags = [
-            Fragment("w", "[]", "float32", (12, 4), o, n, f"f{i}.bin", 0, math.prod(n) * 4, (0,) * n[0], i)  # 16-byte blocks
+            Fragment("w", "[]", "float32", (12, 4), o, n, f"f{i}.bin", 0, math.prod(n) * 4, (0,) * n[0], i)
             for i, (o, n) in enumerate(stored)
         ]
         return Catalog(frags).to_arrow()

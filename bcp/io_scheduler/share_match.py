@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bcp.metadata.rows import TensorBoxes
 from bcp.metadata.geometry import BoxArrays, ascending, expand_windows, row_products, rows_positive
+from bcp.metadata.rows import TensorBoxes
 
 from .read_plan import overlap_volumes
 
