@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bcp.metadata.geometry import BoxArrays, ascending, expand_windows, row_products, rows_positive
+from bcp.metadata.geometry import BoxArrays, ascending, expand_windows, row_products, rows_positive, stable_order
 from bcp.metadata.rows import TensorBoxes
 
 from .read_plan import overlap_volumes
@@ -40,23 +40,13 @@ def box_batches(lengths: list[int], limit: int) -> list[tuple[int, int]]:
 
 def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
     """(tag, class) pairs, each once, put in order of tag then class. Pairs come class
-    after class (the classes' batches), so a counting sort by tag, class by class,
-    does it in linear time (a sort of millions of keys takes seconds); otherwise as
-    they are (:meth:`_RankClasses.needers` sorts them)."""
+    after class (the classes' batches), so a stable sort by tag does it (a two-pass
+    radix sort: :func:`stable_order`); otherwise as they are
+    (:meth:`_RankClasses.labels` sorts them)."""
     if len(tags) < 2 or not ascending(classes) or ascending(tags * n_classes + classes):
         return tags, classes
-    fill = np.cumsum(np.bincount(tags, minlength=k)) - np.bincount(tags, minlength=k)
-    bounds = np.searchsorted(classes, np.arange(n_classes + 1)).tolist()
-    dest = np.empty(len(tags), np.int64)
-    for c in range(n_classes):
-        a, b = bounds[c], bounds[c + 1]
-        if a < b:
-            mine = tags[a:b]  # each tag once within a class
-            dest[a:b] = fill[mine]
-            fill[mine] += 1
-    out_t, out_c = np.empty_like(tags), np.empty_like(classes)
-    out_t[dest], out_c[dest] = tags, classes
-    return out_t, out_c
+    order = stable_order(tags)
+    return tags[order], classes[order]
 
 
 def rows_at(
