@@ -170,6 +170,7 @@ def class_parts(
     members = stable_order(rank_class).astype(np.int64)  # ranks by class, ascending within
     sizes = np.bincount(rank_class, minlength=n_classes).astype(np.int64)
     mstarts = np.r_[0, np.cumsum(sizes)].astype(np.int64)
+    mstarts_list = mstarts.tolist()
     k = len(owners)
     tag_of_pair = np.repeat(np.arange(k, dtype=np.int64), np.diff(pair_starts))
     by_class = stable_order(pair_classes)  # pairs by class, tag order within
@@ -200,8 +201,10 @@ def class_parts(
         if a < b:
             sa, sb = int(sstarts[a]), int(sstarts[b])
             peers, local = np.unique(sent[sa:sb], return_inverse=True)
-            ranks_of, n = _expand(members, mstarts, peers)
-            peer_starts = np.r_[0, np.cumsum(n)].astype(np.int64)
+            bounds = mstarts_list  # a rank sends to few classes: slices, not an expansion
+            ranks_of = np.concatenate([members[bounds[p] : bounds[p + 1]] for p in peers.tolist()])
+            peer_starts = np.zeros(len(peers) + 1, np.int64)
+            np.cumsum(sizes[peers], out=peer_starts[1:])
             sends, send_starts = local.reshape(-1).astype(np.int64), sstarts[a : b + 1] - sa
         else:
             ranks_of, peer_starts, sends, send_starts = none[0], np.zeros(1, np.int64), none[0], np.zeros(1, np.int64)
