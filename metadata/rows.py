@@ -208,6 +208,11 @@ class TensorBoxes:
         self.fqn, self.dtype, self.global_shape = fqn, dtype, global_shape
         self.offsets, self.lengths = _frozen(offsets), _frozen(lengths)
 
+    @classmethod
+    def of(cls, entry: TensorEntry) -> TensorBoxes:
+        """The boxes of an entry already built (its arrays, not copies)."""
+        return cls(entry.fqn, entry.dtype, entry.global_shape, entry.offsets, entry.lengths)
+
     @property
     def num_fragments(self) -> int:
         return len(self.offsets)

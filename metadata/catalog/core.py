@@ -16,9 +16,9 @@ from collections.abc import Iterable, Iterator, Mapping
 import numpy as np
 import pyarrow as pa
 
-from ..entries import gather_entries
+from ..entries import check_tilings, gather_boxes, gather_entries
 from ..errors import FormatError
-from ..geometry import simple_tilings, stable_order, tiling_problem
+from ..geometry import stable_order
 from ..rows import Fragment, Rows, TensorBoxes, TensorEntry
 from .arrow import bind_rows, cast_columns, ipc_file, rows_table
 from .budget import decode_budget
@@ -188,8 +188,7 @@ class Catalog:
         """The entries of ``fqns`` (KeyError for a name not in the catalog), those not
         built yet built together: one gather of their rows per number of dimensions
         and one vectorised tiling check (:mod:`.entries`) instead of one of each per
-        tensor. For callers that need many tensors (a rank loading its FSDP shards,
-        the coordinator planning shared reads)."""
+        tensor. For callers that need many tensors (a rank loading its FSDP shards)."""
         index = self._table_of_tensors.index
         codes = [index[f] for f in fqns]
         todo = [t for t in dict.fromkeys(codes) if t not in self._cache]
@@ -198,57 +197,26 @@ class Catalog:
         return [self._entry(t) for t in codes]
 
     def shape(self, fqn: str) -> tuple[int, ...]:
-        """The global shape of tensor ``fqn`` (KeyError if the catalog lacks it), from
-        the tensor table: no entry is built (``tensors[fqn]`` builds one, every row)."""
-        tensors = self._table_of_tensors
-        return tensors.shapes[tensors.index[fqn]]
+        """The global shape of ``fqn`` (KeyError if not held) without building its entry."""
+        return self._table_of_tensors.shapes[self._table_of_tensors.index[fqn]]
 
     def boxes(self, fqns: Iterable[str]) -> list[TensorBoxes]:
-        """The stored boxes of ``fqns`` (KeyError for a name not in the catalog), checked
-        for exact tiling as :meth:`entries` checks them, but only offsets and lengths
-        gathered (one gather per number of dimensions) and nothing cached: for the
-        share_reads coordinator, which matches every rank's boxes against every tensor
-        and reads no bytes (an entry's other columns cost about twice the gather)."""
-        index = self._table_of_tensors.index
+        """The stored boxes of ``fqns`` (KeyError if not held), tiling checked as in
+        :meth:`entries`, nothing cached, only offsets and lengths gathered: the share_reads
+        coordinator matches every rank's boxes and reads no bytes (:mod:`.entries`)."""
         tensors = self._table_of_tensors
-        codes = [index[f] for f in fqns]
-        out: dict[int, TensorBoxes] = {}
-        by_ndim: dict[int, list[int]] = {}
-        for t in dict.fromkeys(codes):
-            entry = self._cache.get(t)
-            if entry is not None or self._given is not None:
-                entry = entry if entry is not None else self._entry(t)
-                out[t] = TensorBoxes(entry.fqn, entry.dtype, entry.global_shape, entry.offsets, entry.lengths)
-            else:
-                by_ndim.setdefault(len(tensors.shapes[t]), []).append(t)
-        for ndim, todo in by_ndim.items():
-            row_ids = [self._rows_of(t) for t in todo]
-            counts = [len(r) for r in row_ids]
-            offs, lens = self._rows.take_boxes(np.concatenate(row_ids), ndim)
-            self._check_tilings(todo, offs, lens, counts)
-            bounds = np.r_[0, np.cumsum(counts)].tolist()
-            for i, t in enumerate(todo):
-                a, b = bounds[i], bounds[i + 1]
-                out[t] = TensorBoxes(tensors.names[t], tensors.dtypes[t], tensors.shapes[t], offs[a:b], lens[a:b])
+        codes = [tensors.index[f] for f in fqns]
+        held = [t for t in dict.fromkeys(codes) if t in self._cache or self._given is not None]
+        out = {t: TensorBoxes.of(self._entry(t)) for t in held}
+        todo = {t: self._rows_of(t) for t in dict.fromkeys(codes) if t not in out}
+        out.update(gather_boxes(self._rows, tensors, todo, self._check_tilings))
         return [out[t] for t in codes]
 
     def _check_tilings(self, codes: list[int], offs: np.ndarray, lens: np.ndarray, counts: list[int]) -> None:
-        """FormatError unless the rows of tensors ``codes`` (all of one number of
-        dimensions; ``counts[i]`` rows each, tensor after tensor in ``offs``/``lens``)
-        tile their shapes exactly (tensors not held whole are skipped): the usual
-        layouts in one vectorised pass, the rest one by one."""
-        tensors = self._table_of_tensors
-        if not self._check_tiling or not codes or not len(tensors.shapes[codes[0]]):
-            return
-        simple = simple_tilings([tensors.shapes[t] for t in codes], offs, lens, counts)
-        bounds = np.r_[0, np.cumsum(counts)].tolist()
-        for i in np.flatnonzero(~simple).tolist():
-            t = codes[i]
-            if self._complete(t):
-                a, b = bounds[i], bounds[i + 1]
-                problem = tiling_problem(tensors.shapes[t], offs[a:b], lens[a:b])
-                if problem is not None:
-                    raise FormatError(f"{self._where}: tensor {tensors.names[t]!r}: {problem}")
+        """FormatError unless the rows of tensors ``codes`` (``counts[i]`` rows each,
+        tensor after tensor) tile their shapes exactly; tensors not held whole skipped."""
+        if self._check_tiling:
+            check_tilings(self._table_of_tensors, codes, offs, lens, counts, self._complete, self._where)
 
     def _build_entries(self, todo: list[int]) -> None:
         tensors = self._table_of_tensors
@@ -282,8 +250,8 @@ class Catalog:
         else:
             arrays = self._rows.take(rows, len(shape))
         entry = self._new_entry(t, arrays, frags)
-        if check and self._check_tiling and self._complete(t):
-            self._check_tiled(t, entry)
+        if check:
+            self._check_tilings([t], entry.offsets, entry.lengths, [entry.num_fragments])
         if check:
             self._cache[t] = entry
         return entry
@@ -309,11 +277,6 @@ class Catalog:
             checksum_values=sums,
             fragments=frags,
         )
-
-    def _check_tiled(self, t: int, entry: TensorEntry) -> None:
-        problem = tiling_problem(entry.global_shape, entry.offsets, entry.lengths)
-        if problem is not None:
-            raise FormatError(f"{self._where}: tensor {entry.fqn!r}: {problem}")
 
     def _complete(self, t: int) -> bool:
         """Whether every stored row of tensor ``t`` is held."""
