@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import bcp.errors
 from bcp.io_scheduler.share_parts import SHARE_PART_VERSION, SharePart
 from bcp.io_scheduler.shared_read import Wanted, plan_shares
 from bcp.metadata.geometry import stable_order
@@ -148,6 +149,6 @@ def test_a_rank_refuses_a_malformed_part(kind):
     part = two_rank_part()
     change, words = BROKEN[kind]
     bad = dataclasses.replace(part, **change(part))
-    with pytest.raises(ValueError, match="share_reads plan part for rank 0") as caught:
+    with pytest.raises(bcp.errors.CheckpointError, match="share_reads plan part for rank 0") as caught:
         bad.check(rank=0, world=2, ndims=[2])
     assert words in str(caught.value) and "\n" not in str(caught.value)

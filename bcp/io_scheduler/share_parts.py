@@ -9,8 +9,8 @@ ranks) and, for the fragments this rank owns, the classes that need them with th
 classes' ranks: the receivers (every needing rank but the owner, ascending) are
 decoded on the rank. The coordinator's work and memory grow with (fragment, class)
 pairs, not (fragment, rank) ones. A rank refuses a part that is not of this version,
-not for it, or not self-consistent, with one line saying what is wrong
-(:meth:`SharePart.check`): the plan crosses a process boundary."""
+not for it, or not self-consistent, with a one-line CheckpointError saying what
+is wrong (:meth:`SharePart.check`): the plan crosses a process boundary."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from bcp.metadata.geometry import Box, expand_windows, stable_order
+
+from ..errors import CheckpointError
 
 SharedKey = tuple[str, Box]
 
@@ -59,14 +61,14 @@ class SharePart:
     peer_starts: np.ndarray  # int64 (peer classes + 1,)
 
     def check(self, *, rank: int, world: int, ndims: Sequence[int] | None = None) -> None:
-        """ValueError, one line, unless this is a part of this version for ``rank`` of
+        """CheckpointError, one line, unless this is a part of this version for ``rank`` of
         ``world`` ranks whose arrays agree with each other (and, with ``ndims``, the
         number of dimensions of each tensor of the catalog, name real tensors)."""
         where = f"share_reads plan part for rank {rank}"
         if not isinstance(self.version, int) or self.version != SHARE_PART_VERSION:
-            raise ValueError(f"{where}: version {self.version!r}, this bcp reads version {SHARE_PART_VERSION}")
+            raise CheckpointError(f"{where}: version {self.version!r}, this bcp reads version {SHARE_PART_VERSION}")
         if (self.rank, self.world) != (rank, world):
-            raise ValueError(f"{where}: made for rank {self.rank} of {self.world}, this is rank {rank} of {world}")
+            raise CheckpointError(f"{where}: made for rank {self.rank} of {self.world}, this is rank {rank} of {world}")
         arrays = [
             "tags",
             "tensors",
@@ -82,36 +84,36 @@ class SharePart:
             a = getattr(self, name)
             want = 2 if name in ("offsets", "lengths") else 1
             if not isinstance(a, np.ndarray) or a.ndim != want or a.dtype.kind not in "iu":
-                raise ValueError(f"{where}: {name} is not a {want}-D integer array")
+                raise CheckpointError(f"{where}: {name} is not a {want}-D integer array")
         k = len(self.tags)
         if not (len(self.tensors) == len(self.owners) == k and self.offsets.shape == self.lengths.shape):
-            raise ValueError(f"{where}: tags, tensors, owners, offsets and lengths differ in length")
+            raise CheckpointError(f"{where}: tags, tensors, owners, offsets and lengths differ in length")
         if len(self.offsets) != k:
-            raise ValueError(f"{where}: {len(self.offsets)} boxes for {k} tags")
+            raise CheckpointError(f"{where}: {len(self.offsets)} boxes for {k} tags")
         if k and (int(self.tags[0]) < 0 or not bool((self.tags[1:] > self.tags[:-1]).all())):
-            raise ValueError(f"{where}: tags are not ascending from 0")
+            raise CheckpointError(f"{where}: tags are not ascending from 0")
         if k and (int(self.owners.min()) < 0 or int(self.owners.max()) >= world):
-            raise ValueError(f"{where}: an owner is not a rank of {world}")
+            raise CheckpointError(f"{where}: an owner is not a rank of {world}")
         if bool((self.offsets < 0).any()) or bool((self.lengths < 0).any()):
-            raise ValueError(f"{where}: a box has a negative offset or length")
+            raise CheckpointError(f"{where}: a box has a negative offset or length")
         if ndims is not None and k:
             if int(self.tensors.min()) < 0 or int(self.tensors.max()) >= len(ndims):
-                raise ValueError(f"{where}: a tensor index is not in the catalog's {len(ndims)} tensors")
+                raise CheckpointError(f"{where}: a tensor index is not in the catalog's {len(ndims)} tensors")
             if int(np.asarray(ndims, np.int64)[self.tensors].max()) > self.offsets.shape[1]:
-                raise ValueError(f"{where}: boxes have fewer dimensions than their tensors")
+                raise CheckpointError(f"{where}: boxes have fewer dimensions than their tensors")
         owned = int(np.count_nonzero(self.owners == rank))
         self._check_starts(where, "send_starts", self.send_starts, owned + 1, len(self.send_classes))
         n_peers = len(self.peer_starts) - 1
         self._check_starts(where, "peer_starts", self.peer_starts, max(n_peers, 0) + 1, len(self.peer_ranks))
         if len(self.send_classes) and (int(self.send_classes.min()) < 0 or int(self.send_classes.max()) >= n_peers):
-            raise ValueError(f"{where}: a sending class is not one of its {n_peers} peer classes")
+            raise CheckpointError(f"{where}: a sending class is not one of its {n_peers} peer classes")
         if len(self.peer_ranks) and (int(self.peer_ranks.min()) < 0 or int(self.peer_ranks.max()) >= world):
-            raise ValueError(f"{where}: a peer is not a rank of {world}")
+            raise CheckpointError(f"{where}: a peer is not a rank of {world}")
 
     @staticmethod
     def _check_starts(where: str, name: str, starts: np.ndarray, n: int, total: int) -> None:
         if len(starts) != n or int(starts[0]) != 0 or int(starts[-1]) != total or bool((np.diff(starts) < 0).any()):
-            raise ValueError(f"{where}: {name} does not run from 0 to {total} in {n - 1} steps")
+            raise CheckpointError(f"{where}: {name} does not run from 0 to {total} in {n - 1} steps")
 
     @functools.cached_property
     def _receivers(self) -> tuple[np.ndarray, np.ndarray]:

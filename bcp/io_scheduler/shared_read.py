@@ -41,6 +41,7 @@ from bcp.metadata.geometry import (
 
 from .. import trace
 from ..collectives import GroupCoordinator, portable
+from ..errors import CheckpointError
 from ..reader import CheckpointReader
 from .read_exec import ReadStats
 from .share_match import (
@@ -526,9 +527,16 @@ def fetch_shared(
             error.add_note("raised on the coordinator while planning shared reads")
         raise error
     names = list(reader.catalog.tensors)
-    if tag_kind != "ok" or not isinstance(part, SharePart):
-        raise ValueError(f"share_reads plan part for rank {coord.rank}: {type(part).__name__}, not a SharePart")
-    part.check(rank=coord.rank, world=coord.world_size, ndims=[len(reader.catalog.shape(f)) for f in names])
+    problem: CheckpointError | None = None
+    try:  # a part is checked before any rank sends or receives: agreed, so none waits on a rank that refused
+        if tag_kind != "ok" or not isinstance(part, SharePart):
+            raise CheckpointError(
+                f"share_reads plan part for rank {coord.rank}: {type(part).__name__}, not a SharePart"
+            )
+        part.check(rank=coord.rank, world=coord.world_size, ndims=[len(reader.catalog.shape(f)) for f in names])
+    except CheckpointError as e:
+        problem = e
+    coord.check(problem, "checking the share_reads plan")
     ndims = {t: len(reader.catalog.shape(names[t])) for t in set(part.tensors.tolist())}
     keys = part.keys(names, ndims)
     stats = ReadStats()
