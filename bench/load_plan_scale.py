@@ -28,7 +28,7 @@ What is timed, CPU seconds of one process, each case in a fresh subprocess:
   cost; quadratic, so only for small R).
 
 Peak RSS: the child's peak resident memory; "extra" is its growth during the timed
-part (peak reset just before it, /proc/self/clear_refs). "entries", for ``plan`` rows,
+part (peak reset just before it, /proc/self/clear_refs). "entries/parts", for ``plan`` rows,
 is the part of the CPU seconds spent building the catalog's per-tensor entries
 (TensorEntry columns, with the catalog's whole-tensor tiling check) that the planner
 then reads; for ``share`` rows it is the part spent in ``SharePlan.parts`` (the plan
@@ -301,7 +301,7 @@ def main() -> None:
             result = run_share(impl, int(ranks), int(load), int(tensors), int(dp))
         print(json.dumps(result))
         return
-    print(f"{'case':<34} {'impl':<5} {'CPU s':>8} {'entries':>8} {'extra GB':>9} {'peak GB':>8} {'items':>9}")
+    print(f"{'case':<34} {'impl':<5} {'CPU s':>8} {'entries/parts':>13} {'extra GB':>9} {'peak GB':>8} {'items':>9}")
     for ranks in [int(x) for x in a.ranks.split(",")]:
         loads = [ranks, ranks * 3 // 4]
         for load in loads if a.only != "share" else []:
@@ -318,7 +318,7 @@ def main() -> None:
                 match = statistics.median(r["match"] for r in rs)
                 extra = statistics.median(r["extra_gb"] for r in rs)
                 peak = statistics.median(r["peak_gb"] for r in rs)
-                row = f"{sec:>8.3f} {match:>8.3f} {extra:>9.3f} {peak:>8.2f} {rs[0]['items']:>9}"
+                row = f"{sec:>8.3f} {match:>13.3f} {extra:>9.3f} {peak:>8.2f} {rs[0]['items']:>9}"
                 print(f"{case:<34} {impl:<5} {row}", flush=True)
         for load in loads if a.only != "plan" else []:
             case = f"share {ranks} -> {load} x {a.tensors} dp{a.share_dp}"
@@ -332,7 +332,7 @@ def main() -> None:
                 match = statistics.median(r["match"] for r in rs)
                 extra = statistics.median(r["extra_gb"] for r in rs)
                 peak = statistics.median(r["peak_gb"] for r in rs)
-                row = f"{sec:>8.3f} {match:>8.3f} {extra:>9.3f} {peak:>8.2f} {rs[0]['shared']:>9}"
+                row = f"{sec:>8.3f} {match:>13.3f} {extra:>9.3f} {peak:>8.2f} {rs[0]['shared']:>9}"
                 print(f"{case:<34} {impl:<5} {row}", flush=True)
 
 
