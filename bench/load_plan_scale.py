@@ -28,12 +28,15 @@ What is timed, CPU seconds of one process, each case in a fresh subprocess:
   cost; quadratic, so only for small R).
 
 Peak RSS: the child's peak resident memory; "extra" is its growth during the timed
-part (peak reset just before it, /proc/self/clear_refs). "entries" is the part of the
-CPU seconds spent building the catalog's per-tensor entries (TensorEntry columns, with
-the catalog's whole-tensor tiling check) that the planner then reads.
+part (peak reset just before it, /proc/self/clear_refs). "entries/parts", for ``plan`` rows,
+is the part of the CPU seconds spent building the catalog's per-tensor entries
+(TensorEntry columns, with the catalog's whole-tensor tiling check) that the planner
+then reads; for ``share`` rows it is the part spent in ``SharePlan.parts`` (the plan
+itself gathers only the stored boxes, ``Catalog.boxes``, and counts them in the rest).
 
     python bench/load_plan_scale.py                  # 256 and 1,024 ranks
     python bench/load_plan_scale.py --ranks 256 --old
+    python bench/load_plan_scale.py --ranks 1024,4096 --only share --share-dp 2
 """
 
 from __future__ import annotations
@@ -255,19 +258,20 @@ def run_share(impl: str, ranks: int, load: int, tensors: int, dp: int) -> dict:
     base = rss_now()
     exact = reset_peak()
     t0 = time.process_time()
-    cat.entries(names)  # the catalog's entries (the coordinator's own load builds them too)
-    t1 = time.process_time()
     if impl == "bcp":
-        plan = plan_shares(reader, wanted)
+        plan = plan_shares(reader, wanted)  # gathers the used tensors' stored boxes (Catalog.boxes)
+        t1 = time.process_time()
         parts = plan.parts(load)
         shared = len(plan.owners)
         assert sum(len(p.tags) for p in parts) == len(plan.needers)
     else:
+        cat.entries(names)
+        t1 = time.process_time()
         shared = old_share_one_rank(cat, lists)
     t2 = time.process_time()
     peak = peak_rss()
     extra = (peak - base) / 1e9 if exact else float("nan")
-    return {"seconds": t2 - t0, "match": t1 - t0, "shared": shared, "extra_gb": extra, "peak_gb": peak / 1e9}
+    return {"seconds": t2 - t0, "match": t2 - t1, "shared": shared, "extra_gb": extra, "peak_gb": peak / 1e9}
 
 
 # -- driver ------------------------------------------------------------------------------
@@ -286,6 +290,7 @@ def main() -> None:
     p.add_argument("--old", action="store_true", help="also the previous planners (slow: 20+ s at 1,024 ranks)")
     p.add_argument("--share-old-up-to", type=int, default=0, help="largest rank count for the old share_reads plan")
     p.add_argument("--share-dp", type=int, default=1, help="ranks wanting each chunk in the share case")
+    p.add_argument("--only", choices=["plan", "share"], help="run one kind of case")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -296,10 +301,10 @@ def main() -> None:
             result = run_share(impl, int(ranks), int(load), int(tensors), int(dp))
         print(json.dumps(result))
         return
-    print(f"{'case':<34} {'impl':<5} {'CPU s':>8} {'entries':>8} {'extra GB':>9} {'peak GB':>8} {'items':>9}")
+    print(f"{'case':<34} {'impl':<5} {'CPU s':>8} {'entries/parts':>13} {'extra GB':>9} {'peak GB':>8} {'items':>9}")
     for ranks in [int(x) for x in a.ranks.split(",")]:
         loads = [ranks, ranks * 3 // 4]
-        for load in loads:
+        for load in loads if a.only != "share" else []:
             case = f"plan {ranks} -> {load} x {a.tensors}"
             runs: dict[str, list[dict]] = {"bcp": [], "dcp": []}
             for _ in range(a.repeat):
@@ -313,9 +318,9 @@ def main() -> None:
                 match = statistics.median(r["match"] for r in rs)
                 extra = statistics.median(r["extra_gb"] for r in rs)
                 peak = statistics.median(r["peak_gb"] for r in rs)
-                row = f"{sec:>8.3f} {match:>8.3f} {extra:>9.3f} {peak:>8.2f} {rs[0]['items']:>9}"
+                row = f"{sec:>8.3f} {match:>13.3f} {extra:>9.3f} {peak:>8.2f} {rs[0]['items']:>9}"
                 print(f"{case:<34} {impl:<5} {row}", flush=True)
-        for load in loads:
+        for load in loads if a.only != "plan" else []:
             case = f"share {ranks} -> {load} x {a.tensors} dp{a.share_dp}"
             impls = ["bcp", *(["old"] if ranks <= a.share_old_up_to else [])]
             for impl in impls:
@@ -327,7 +332,7 @@ def main() -> None:
                 match = statistics.median(r["match"] for r in rs)
                 extra = statistics.median(r["extra_gb"] for r in rs)
                 peak = statistics.median(r["peak_gb"] for r in rs)
-                row = f"{sec:>8.3f} {match:>8.3f} {extra:>9.3f} {peak:>8.2f} {rs[0]['shared']:>9}"
+                row = f"{sec:>8.3f} {match:>13.3f} {extra:>9.3f} {peak:>8.2f} {rs[0]['shared']:>9}"
                 print(f"{case:<34} {impl:<5} {row}", flush=True)
 
 

@@ -12,11 +12,17 @@ live in :mod:`bcp.metadata.geometry`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .rows import Rows, TensorEntry
+from .errors import FormatError
+from .geometry import simple_tilings, tiling_problem
+from .rows import Rows, TensorBoxes, TensorEntry
+
+if TYPE_CHECKING:
+    from .catalog.tensors import TensorTable
 
 
 def gather_entries(
@@ -54,4 +60,69 @@ def gather_entries(
     return out, offs, lens
 
 
-__all__ = ["gather_entries"]
+def check_tilings(
+    tensors: TensorTable,
+    codes: Sequence[int],
+    offs: np.ndarray,
+    lens: np.ndarray,
+    counts: Sequence[int],
+    complete: Callable[[int], bool],
+    where: str,
+) -> None:
+    """FormatError unless the rows of tensors ``codes`` (all of one number of
+    dimensions; ``counts[i]`` rows each, tensor after tensor in ``offs``/``lens``) tile
+    their shapes exactly; tensors not ``complete`` (not every row held) are skipped.
+    The usual layouts in one vectorised pass, the rest one by one."""
+    if not codes or not len(tensors.shapes[codes[0]]):
+        return
+    simple = simple_tilings([tensors.shapes[t] for t in codes], offs, lens, counts)
+    bounds = np.r_[0, np.cumsum(counts)].tolist()
+    for i in np.flatnonzero(~simple).tolist():
+        t = codes[i]
+        if complete(t):
+            problem = tiling_problem(
+                tensors.shapes[t], offs[bounds[i] : bounds[i + 1]], lens[bounds[i] : bounds[i + 1]]
+            )
+            if problem is not None:
+                raise FormatError(f"{where}: tensor {tensors.names[t]!r}: {problem}")
+
+
+def gather_boxes(
+    rows: Rows,
+    tensors: TensorTable,
+    row_ids: Mapping[int, np.ndarray],
+    check: Callable[[list[int], np.ndarray, np.ndarray, list[int]], None],
+) -> dict[int, TensorBoxes]:
+    """Tensor code -> its TensorBoxes, for the tensors of ``row_ids`` (code -> its
+    rows): one gather of offsets and lengths per number of dimensions, each group
+    passed to ``check(codes, offsets, lengths, counts)`` (the tiling check) first; the
+    boxes are views of the gather."""
+    by_ndim: dict[int, list[int]] = {}
+    for t in row_ids:
+        by_ndim.setdefault(len(tensors.shapes[t]), []).append(t)
+    out: dict[int, TensorBoxes] = {}
+    for ndim, codes in by_ndim.items():
+        counts = [len(row_ids[t]) for t in codes]
+        offs, lens = rows.take_boxes(np.concatenate([row_ids[t] for t in codes]), ndim)
+        check(codes, offs, lens, counts)
+        out.update(_views(tensors, codes, offs, lens, counts))
+    return out
+
+
+def _views(
+    tensors: TensorTable, codes: Sequence[int], offs: np.ndarray, lens: np.ndarray, counts: Sequence[int]
+) -> dict[int, TensorBoxes]:
+    bounds = np.r_[0, np.cumsum(counts)].tolist()
+    return {
+        t: TensorBoxes(
+            tensors.names[t],
+            tensors.dtypes[t],
+            tensors.shapes[t],
+            offs[bounds[i] : bounds[i + 1]],
+            lens[bounds[i] : bounds[i + 1]],
+        )
+        for i, t in enumerate(codes)
+    }
+
+
+__all__ = ["check_tilings", "gather_boxes", "gather_entries"]

@@ -194,6 +194,30 @@ class TensorEntry:
         )
 
 
+class TensorBoxes:
+    """One tensor's stored boxes only (``Catalog.boxes``): what planning that never
+    reads bytes needs (the share_reads coordinator matching every rank's boxes), without
+    the byte offsets, files, writers and checksums a :class:`TensorEntry` gathers.
+    Arrays are read-only (views of one gather, or of a cached entry's columns)."""
+
+    __slots__ = ("dtype", "fqn", "global_shape", "lengths", "offsets")
+
+    def __init__(
+        self, fqn: str, dtype: str, global_shape: tuple[int, ...], offsets: np.ndarray, lengths: np.ndarray
+    ) -> None:
+        self.fqn, self.dtype, self.global_shape = fqn, dtype, global_shape
+        self.offsets, self.lengths = _frozen(offsets), _frozen(lengths)
+
+    @classmethod
+    def of(cls, entry: TensorEntry) -> TensorBoxes:
+        """The boxes of an entry already built (its arrays, not copies)."""
+        return cls(entry.fqn, entry.dtype, entry.global_shape, entry.offsets, entry.lengths)
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.offsets)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rows:
     """Fragment rows as flat columns. Tensor and file columns are codes into tables
@@ -309,16 +333,21 @@ class Rows:
             sums=sums_col.flatten().to_numpy(zero_copy_only=False).astype(np.uint32, copy=False),
         )
 
+    def take_boxes(self, rows: np.ndarray, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+        """Offsets and lengths (F, ndim) of ``rows`` (all of ``ndim`` dimensions)."""
+        n = len(rows)
+        if ndim and self.fixed_ndim == ndim:  # rows of a table (the usual case): row gathers, no index per value
+            return np.take(self.offsets.reshape(-1, ndim), rows, axis=0), np.take(
+                self.lengths.reshape(-1, ndim), rows, axis=0
+            )
+        pos = (self.coord_starts[rows][:, None] + np.arange(ndim, dtype=np.int64)[None, :]).reshape(-1)
+        return self.offsets[pos].reshape(n, ndim), self.lengths[pos].reshape(n, ndim)
+
     def take(self, rows: np.ndarray, ndim: int) -> tuple[np.ndarray, ...]:
         """Columns of ``rows`` (all of one tensor of ``ndim`` dimensions): offsets,
         lengths (F, ndim), byte offsets, sizes, files, writers, checksum starts and values."""
         n = len(rows)
-        if ndim and self.fixed_ndim == ndim:  # rows of a table (the usual case): row gathers, no index per value
-            offs = np.take(self.offsets.reshape(-1, ndim), rows, axis=0)
-            lens = np.take(self.lengths.reshape(-1, ndim), rows, axis=0)
-        else:
-            pos = (self.coord_starts[rows][:, None] + np.arange(ndim, dtype=np.int64)[None, :]).reshape(-1)
-            offs, lens = self.offsets[pos].reshape(n, ndim), self.lengths[pos].reshape(n, ndim)
+        offs, lens = self.take_boxes(rows, ndim)
         s0, s1 = self.sum_starts[rows], self.sum_starts[rows + 1]
         counts = s1 - s0
         if bool((counts == 1).all()):  # one checksum block per row (small fragments): one gather

@@ -469,3 +469,33 @@ def partial_catalog_load_job(rank: int, world: int, layout: str, uri: str, ref_p
     load_sharded_job(rank, world, layout, uri, ref_path)
     if rank == 0:
         assert seen == [True], f"the coordinator should have read only the catalog's head: {seen}"
+
+
+def malformed_share_part_job(rank: int, world: int, uri: str, ref_path: str) -> None:
+    """The coordinator sends rank 1 a share_reads part of another version: every rank
+    raises before any exchange (rank 1 its CheckpointError, the others RankFailedError)."""
+    import dataclasses
+
+    from bcp.io_scheduler import shared_read
+
+    parts_of = shared_read.SharePlan.parts
+
+    def corrupt(self, world_size):
+        parts = parts_of(self, world_size)
+        parts[1] = dataclasses.replace(parts[1], version=99)
+        return parts
+
+    shared_read.SharePlan.parts = corrupt
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "loader": None, "rng": None, "step": 0}
+    try:
+        bcp.load(state, uri, share_reads=True, reshard_objects=reshard_sampler_state)
+    except bcp.RankFailedError as e:
+        assert rank != 1 and "checking the share_reads plan" in str(e) and "version 99" in str(e), (rank, e)
+    except bcp.errors.CheckpointError as e:
+        assert rank == 1 and "share_reads plan part for rank 1: version 99" in str(e), (rank, e)
+    else:
+        raise AssertionError(f"rank {rank} loaded with a malformed share_reads part")
+    finally:
+        shared_read.SharePlan.parts = parts_of

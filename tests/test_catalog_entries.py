@@ -129,3 +129,53 @@ def test_rows_take_reads_each_rows_values(ranks, blocks, data):
             assert tuple(offs[j]) == f.offsets and tuple(lens[j]) == f.lengths
             assert byte_offsets[j] == f.byte_offset and writers[j] == f.writer_rank
             assert tuple(sums[sum_starts[j] : sum_starts[j + 1]]) == f.checksums
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(shapes=st.lists(SHAPES, min_size=1, max_size=4), data=st.data())
+def test_boxes_equal_the_entries_boxes_without_building_entries(shapes, data):
+    """Catalog.boxes (what the share_reads coordinator gathers): each tensor's offsets,
+    lengths, dtype and shape as its entry has them, the same FormatError for a tensor
+    that does not tile, and no entry built (or cached) for it; names repeated and in
+    any order; a tensor whose entry is cached already gives that entry's columns."""
+    layouts = {}
+    for i, shape in enumerate(shapes):
+        boxes = data.draw(stored_layout(shape), label=f"t{i}")
+        if data.draw(st.integers(0, 4), label=f"t{i} damaged") == 0:
+            boxes = data.draw(dest_boxes(shape), label=f"t{i} arbitrary boxes")
+        layouts[f"t{i}"] = (shape, boxes)
+    blob = stored_bytes(layouts)
+    names = list(layouts)
+    ask = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=6), label="asked")
+    cat = decoded(blob)
+    if data.draw(st.booleans(), label="one entry cached first"):
+        try:
+            cat.tensors[ask[0]]
+        except FormatError:
+            pass
+    errors = {}
+    for fqn in set(ask):
+        try:
+            decoded(blob).tensors[fqn]
+        except FormatError as e:
+            errors[fqn] = str(e)
+    if errors:
+        with pytest.raises(FormatError) as caught:
+            cat.boxes(ask)
+        assert str(caught.value) in errors.values()
+        return
+    calls = []
+    entries_of = Catalog.entries
+    try:
+        Catalog.entries = lambda self, fqns: calls.append(fqns)  # type: ignore[method-assign]
+        got = cat.boxes(ask)
+    finally:
+        Catalog.entries = entries_of  # type: ignore[method-assign]
+    assert not calls
+    for fqn, boxes in zip(ask, got, strict=True):
+        want = decoded(blob).tensors[fqn]
+        assert (boxes.fqn, boxes.dtype, boxes.global_shape) == (want.fqn, want.dtype, want.global_shape)
+        assert cat.shape(fqn) == want.global_shape
+        assert boxes.num_fragments == want.num_fragments
+        assert np.array_equal(boxes.offsets, want.offsets) and np.array_equal(boxes.lengths, want.lengths)
+        assert not boxes.offsets.flags.writeable

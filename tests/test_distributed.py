@@ -66,6 +66,12 @@ def test_zero_redundant_load_reads_each_byte_once(tmp_path, share):
     dist_jobs.spawn(dist_jobs.shared_read_job, 3, uri, ref, share)
 
 
+def test_a_malformed_share_part_is_refused_on_every_rank_before_any_exchange(tmp_path):
+    uri, ref = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
+    dist_jobs.spawn(dist_jobs.ddp_save_job, 2, uri, ref)
+    dist_jobs.spawn(dist_jobs.malformed_share_part_job, 3, uri, ref)
+
+
 def test_a_failing_rank_means_no_commit_and_an_error_on_every_rank(tmp_path):
     dist_jobs.spawn(dist_jobs.failing_rank_job, 2, str(tmp_path / "ck"))
 

@@ -257,11 +257,18 @@ def test_regions_abut_only_when_they_tile(data, shape):
         st.lists(st.integers(0, 5), max_size=40),
         st.lists(st.integers(-(1 << 40), 1 << 40), max_size=40),
         st.lists(st.integers(0, 1 << 20), max_size=40).map(sorted),
-    )
+        st.lists(st.sampled_from([0, 1, 0xFFFF, 1 << 16, (1 << 16) + 1, (1 << 32) - 1]), max_size=40),
+    ),
+    long=st.integers(0, 5_000),
+    seed=st.integers(0, 3),
 )
-def test_stable_order_is_numpys_stable_argsort(keys):
+def test_stable_order_is_numpys_stable_argsort(keys, long, seed):
     a = np.array(keys, np.int64)
     assert stable_order(a).tolist() == np.argsort(a, kind="stable").tolist()
+    # long arrays of keys below 2**32, many equal: the two-pass radix order
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, [1 << 17, 1 << 32][seed % 2], long + (1 << 12)) // [1, 1 << 12][seed // 2]
+    assert np.array_equal(stable_order(b), np.argsort(b, kind="stable"))
 
 
 @settings(max_examples=examples(300), deadline=None)

@@ -11,6 +11,7 @@ import math
 import types
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -208,3 +209,35 @@ def test_cut_index_plan_equals_general_plan(shapes, ranks, data):
     assert sorted(got) == list(want)
     for key, (owner, receivers) in got.items():
         assert sorted([owner, *receivers]) == sorted([want[key][0], *want[key][1]])
+
+
+def test_the_coordinator_plans_from_stored_boxes_not_entries(monkeypatch):
+    """At thousands of ranks the catalog holds millions of rows: the plan gathers their
+    offsets and lengths (Catalog.boxes, tiling checked) and builds no TensorEntry
+    (whose byte offsets, files and checksums it never reads); a tensor that does not
+    tile is still refused with the catalog's FormatError."""
+    from bcp.metadata import FormatError
+
+    def blob(stored):  # a row of 4 float32 is one 16-byte checksum block
+        frags = [
+            Fragment("w", "[]", "float32", (12, 4), o, n, f"f{i}.bin", 0, math.prod(n) * 4, (0,) * n[0], i)
+            for i, (o, n) in enumerate(stored)
+        ]
+        return Catalog(frags).to_arrow()
+
+    stored = [((r * 3, 0), (3, 4)) for r in range(4)]
+    wanted = [[("w", ((0, 0), (12, 4)))]] * 3
+
+    def no_entries(self, fqns):
+        raise AssertionError("the share plan built entries")
+
+    monkeypatch.setattr(Catalog, "entries", no_entries)
+    monkeypatch.setattr(Catalog, "_entry", no_entries)
+    cat = Catalog.from_arrow(blob(stored), where="test", checksum_block_bytes=16)
+    reader = types.SimpleNamespace(catalog=cat)
+    plan = plan_shares(reader, [Wanted.encode(reader, w) for w in wanted])
+    assert len(plan.owners) == 4 and np.array_equal(np.diff(plan.starts), [3, 3, 3, 3])
+    overlapping = [((0, 0), (6, 4)), ((3, 0), (6, 4)), ((9, 0), (3, 4)), ((0, 0), (0, 4))]
+    bad = types.SimpleNamespace(catalog=Catalog.from_arrow(blob(overlapping), where="test", checksum_block_bytes=16))
+    with pytest.raises(FormatError, match="'w'"):
+        plan_shares(bad, [Wanted.encode(bad, w) for w in wanted])

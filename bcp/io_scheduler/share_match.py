@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bcp.metadata import TensorEntry
-from bcp.metadata.geometry import BoxArrays, ascending, expand_windows, row_products, rows_positive
+from bcp.metadata.geometry import BoxArrays, ascending, expand_windows, row_products, rows_positive, stable_order
+from bcp.metadata.rows import TensorBoxes
 
 from .read_plan import overlap_volumes
 
@@ -40,27 +40,17 @@ def box_batches(lengths: list[int], limit: int) -> list[tuple[int, int]]:
 
 def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
     """(tag, class) pairs, each once, put in order of tag then class. Pairs come class
-    after class (the classes' batches), so a counting sort by tag, class by class,
-    does it in linear time (a sort of millions of keys takes seconds); otherwise as
-    they are (:meth:`_RankClasses.needers` sorts them)."""
+    after class (the classes' batches), so a stable sort by tag does it (a two-pass
+    radix sort: :func:`stable_order`); otherwise as they are
+    (:meth:`_RankClasses.labels` sorts them)."""
     if len(tags) < 2 or not ascending(classes) or ascending(tags * n_classes + classes):
         return tags, classes
-    fill = np.cumsum(np.bincount(tags, minlength=k)) - np.bincount(tags, minlength=k)
-    bounds = np.searchsorted(classes, np.arange(n_classes + 1)).tolist()
-    dest = np.empty(len(tags), np.int64)
-    for c in range(n_classes):
-        a, b = bounds[c], bounds[c + 1]
-        if a < b:
-            mine = tags[a:b]  # each tag once within a class
-            dest[a:b] = fill[mine]
-            fill[mine] += 1
-    out_t, out_c = np.empty_like(tags), np.empty_like(classes)
-    out_t[dest], out_c[dest] = tags, classes
-    return out_t, out_c
+    order = stable_order(tags)
+    return tags[order], classes[order]
 
 
 def rows_at(
-    entries: Sequence[TensorEntry], fstart: np.ndarray, rows: np.ndarray, width: int
+    entries: Sequence[TensorBoxes], fstart: np.ndarray, rows: np.ndarray, width: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Offsets and lengths of stored rows ``rows`` (ascending, numbered as fstart says),
     padded to ``width`` dimensions with (0, 1)."""
@@ -79,7 +69,7 @@ def rows_at(
 
 
 def general_pairs(
-    entries: Sequence[TensorEntry],
+    entries: Sequence[TensorBoxes],
     used: list[int],
     slot: np.ndarray,
     fstart: np.ndarray,
@@ -120,7 +110,7 @@ _EMPTY = np.zeros(0, np.int64)
 _ROW_BATCH = 1 << 20
 
 
-def _rank_runs(entries: Sequence[TensorEntry], limit: int) -> list[tuple[int, int]]:
+def _rank_runs(entries: Sequence[TensorBoxes], limit: int) -> list[tuple[int, int]]:
     """Consecutive ranges [a, b) of ``entries`` of one number of dimensions each,
     holding about ``limit`` rows (at least one entry)."""
     out, a, acc = [], 0, 0
@@ -135,7 +125,7 @@ def _rank_runs(entries: Sequence[TensorEntry], limit: int) -> list[tuple[int, in
 
 
 def _cut_rows(
-    entries: Sequence[TensorEntry], extents: np.ndarray
+    entries: Sequence[TensorBoxes], extents: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """For tensors of one rank (``extents``: their shapes, padded with 1): whether each
     is stored as disjoint slices along one dimension (every other dimension whole; empty
@@ -207,7 +197,7 @@ class CutIndex:
 
     @classmethod
     def build(
-        cls, entries: Sequence[TensorEntry], used: list[int], fstart: np.ndarray, extents: np.ndarray, n_names: int
+        cls, entries: Sequence[TensorBoxes], used: list[int], fstart: np.ndarray, extents: np.ndarray, n_names: int
     ) -> CutIndex | None:
         """The index of ``entries`` (tensors ``used``, their rows numbered from
         ``fstart``), None where no tensor qualifies or the line would be too long.

@@ -26,6 +26,7 @@ which is what object stores charge for.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -40,6 +41,7 @@ from bcp.metadata.geometry import (
 
 from .. import trace
 from ..collectives import GroupCoordinator, portable
+from ..errors import CheckpointError
 from ..reader import CheckpointReader
 from .read_exec import ReadStats
 from .share_match import (
@@ -52,6 +54,7 @@ from .share_match import (
     padded_boxes,
     rows_at,
 )
+from .share_parts import SharePart, class_parts
 
 SharedKey = tuple[str, Box]
 
@@ -78,46 +81,39 @@ class Wanted:
 
 
 @dataclasses.dataclass(frozen=True)
-class SharePart:
-    """What one rank does in the exchange, in tag order (a tag is the fragment's index
-    in the job-wide plan): for each shared fragment it takes part in, the tensor, the
-    stored box, the owner, and (owner only) the receiving ranks,
-    ``receivers[recv_starts[i]:recv_starts[i + 1]]`` for its i-th tag (empty unless
-    this rank owns it)."""
-
-    tags: np.ndarray  # int64 (K,)
-    tensors: np.ndarray  # int32 (K,)
-    offsets: np.ndarray  # int64 (K, D), padded past each tensor's ndim
-    lengths: np.ndarray  # int64 (K, D)
-    owners: np.ndarray  # int32 (K,)
-    receivers: np.ndarray  # int64, flat
-    recv_starts: np.ndarray  # int64 (K + 1,)
-
-    def receivers_of(self, i: int) -> np.ndarray:
-        """The ranks this rank sends its i-th fragment to (empty unless it owns it)."""
-        return self.receivers[self.recv_starts[i] : self.recv_starts[i + 1]]
-
-    def keys(self, names: Sequence[str], ndims: Mapping[int, int]) -> list[SharedKey]:
-        out = []
-        for t, o, n in zip(self.tensors.tolist(), self.offsets.tolist(), self.lengths.tolist(), strict=True):
-            d = ndims[t]
-            out.append((names[t], (tuple(o[:d]), tuple(n[:d]))))
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
 class SharePlan:
-    """The job-wide plan (coordinator): shared fragments in tag order."""
+    """The job-wide plan (coordinator): shared fragments in tag order, each with the
+    rank classes needing it (``pair_classes[pair_starts[k]:pair_starts[k + 1]]``,
+    ascending), ranks in classes as ``rank_class`` says. Kept per class: the needing
+    ranks of every fragment (``needers``, ``starts``) are expanded only when asked."""
 
     tensors: np.ndarray  # int32 (K,)
     offsets: np.ndarray  # int64 (K, D)
     lengths: np.ndarray  # int64 (K, D)
     owners: np.ndarray  # int32 (K,)
-    #: needing ranks of fragment k (owner included), ascending: needers[starts[k]:starts[k+1]]
-    needers: np.ndarray
-    starts: np.ndarray
+    pair_classes: np.ndarray  # int64, flat
+    pair_starts: np.ndarray  # int64 (K + 1,)
     #: ranks with equal classes want the same boxes, so take part in the same fragments
-    rank_class: np.ndarray | None = None
+    rank_class: np.ndarray
+
+    @functools.cached_property
+    def _needers(self) -> tuple[np.ndarray, np.ndarray]:
+        return _RankClasses.of_classes(self.rank_class).expand(self.pair_classes, self.pair_starts)
+
+    @property
+    def needers(self) -> np.ndarray:
+        """Needing ranks of fragment k (owner included), ascending: needers[starts[k]:starts[k+1]]."""
+        return self._needers[0]
+
+    @property
+    def starts(self) -> np.ndarray:
+        return self._needers[1]
+
+    @property
+    def n_needers(self) -> int:
+        """(fragment, needing rank) pairs in all, without expanding them."""
+        sizes = np.bincount(self.rank_class, minlength=int(self.rank_class.max()) + 1 if len(self.rank_class) else 0)
+        return int(sizes[self.pair_classes].sum()) if len(self.pair_classes) else 0
 
     def as_dict(
         self, names: Sequence[str], ndims: Sequence[int] | Mapping[int, int]
@@ -137,46 +133,23 @@ class SharePlan:
         return out
 
     def parts(self, world: int) -> list[SharePart]:
-        """Each rank's part (vectorised: a few array operations per rank)."""
-        counts = np.diff(self.starts)
-        tags = np.repeat(np.arange(len(self.owners)), counts)
-        order = stable_order(self.needers)  # by rank, then tag
-        by_rank = tags[order]
-        bounds = np.r_[0, np.cumsum(np.bincount(self.needers, minlength=world))]
-        # every (fragment, needer other than its owner), grouped by owner, then by tag
-        # and needer (the needers array is in tag order, ascending within a tag)
-        owner_of = self.owners.astype(np.int64)[tags]
-        sends = np.flatnonzero(self.needers != owner_of)
-        sender = owner_of[sends]
-        by_sender = stable_order(sender)
-        sends, sender = sends[by_sender], sender[by_sender]
-        send_to = self.needers[sends]
-        send_bounds = np.searchsorted(sender, np.arange(world + 1))
-        width = self.offsets.shape[1]
-        boxes = np.concatenate([self.offsets, self.lengths], axis=1)  # one gather per rank, not two
-        out = []
-        same: dict[int, tuple[np.ndarray, ...]] = {}  # class -> what its ranks share
-        for r in range(world):
-            c = -1 - r if self.rank_class is None else int(self.rank_class[r])
-            if c not in same:
-                mine = by_rank[bounds[r] : bounds[r + 1]]
-                box = np.take(boxes, mine, axis=0)  # row gathers: np.take is several times faster
-                same[c] = (mine, self.tensors[mine], box[:, :width], box[:, width:], self.owners[mine], counts[mine])
-            mine, tensors, offsets, lengths, owners, needing = same[c]
-            n_recv = np.where(owners == r, needing - 1, 0)
-            recv_starts = np.zeros(len(mine) + 1, np.int64)
-            np.cumsum(n_recv, out=recv_starts[1:])
-            out.append(
-                SharePart(
-                    mine, tensors, offsets, lengths, owners, send_to[send_bounds[r] : send_bounds[r + 1]], recv_starts
-                )
-            )
-        return out
+        """Each rank's part (:mod:`.share_parts`: arrays per class, receivers decoded
+        on the rank)."""
+        return class_parts(
+            world,
+            self.tensors,
+            self.offsets,
+            self.lengths,
+            self.owners,
+            self.pair_classes,
+            self.pair_starts,
+            self.rank_class,
+        )
 
 
-def _no_plan() -> SharePlan:
+def _no_plan(rank_class: np.ndarray) -> SharePlan:
     z, empty = np.zeros(0, np.int64), np.zeros((0, 1), np.int64)
-    return SharePlan(z.astype(np.int32), empty, empty, z.astype(np.int32), z, np.zeros(1, np.int64))
+    return SharePlan(z.astype(np.int32), empty, empty, z.astype(np.int32), z, np.zeros(1, np.int64), rank_class)
 
 
 def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index: bool = True) -> SharePlan:
@@ -202,11 +175,11 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
         per_tensor += np.bincount(codes, minlength=len(names))
     used = np.flatnonzero(per_tensor).tolist()
     if not used:
-        return _no_plan()
+        return _no_plan(classes.of_rank)
     used_names = [names[t] for t in used]
-    shapes = {t: tuple(reader.catalog.tensors[names[t]].global_shape) for t in used}
+    shapes = {t: tuple(reader.catalog.shape(names[t])) for t in used}
     reader.catalog.require([(names[t], ((0,) * len(shapes[t]), shapes[t])) for t in used])
-    entries = reader.catalog.entries(used_names)
+    entries = reader.catalog.boxes(used_names)  # offsets and lengths only, tiling checked
     ndims = {len(s) for s in shapes.values()}
     width = max(1, *ndims)
     ndim_of = np.zeros(len(names), np.int64)
@@ -241,7 +214,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
         found.append(general_pairs(entries, used, slot, fstart, shapes, extents, width, left))
     fi = np.concatenate([f for f, _c, _e in found])
     if not len(fi):
-        return _no_plan()
+        return _no_plan(classes.of_rank)
     cls = np.concatenate([c for _f, c, _e in found])
     elems = np.concatenate([e for _f, _c, e in found])
     del found
@@ -258,7 +231,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     candidates = np.flatnonzero(n_ranks > 1)
     del n_ranks
     if not len(candidates):
-        return _no_plan()
+        return _no_plan(classes.of_rank)
     wanted_elems = np.bincount(fi, weights=elems * classes.sizes[cls], minlength=n_frags)  # exact below 2**53
     del fi, cls, elems
     c_off, c_len = rows_at(entries, fstart, candidates, width)
@@ -270,7 +243,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
         shared, k_off, k_len = candidates[keep_c], c_off[keep_c], c_len[keep_c]
     del c_off, c_len
     if not len(shared):
-        return _no_plan()
+        return _no_plan(classes.of_rank)
     # tags in catalog order: tensors as the catalog lists them, each tensor's rows in order
     k_tid = np.array(used, np.int64)[np.searchsorted(fstart, shared, side="right") - 1]
     tag_of = np.full(n_frags, -1, np.int32 if len(shared) < 1 << 31 else np.int64)
@@ -282,13 +255,13 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     del pk, uf, uc
     if one_box:
         tags, tag_cls = by_tag(tags, tag_cls, len(shared), len(reps))
-    needers, starts, group = classes.needers(tags, tag_cls, len(shared))
+    tag_cls, pair_starts, group = classes.labels(tags, tag_cls, len(shared))
     item = np.array([itemsize(e.dtype) for e in entries], np.int64)
     item_of = np.zeros(len(names), np.int64)
     item_of[used] = item
     sizes = row_products(k_len) * item_of[k_tid]
-    owners = _choose_owners(needers, starts, sizes, len(wanted), group)
-    return SharePlan(k_tid.astype(np.int32), k_off, k_len, owners, needers, starts, classes.of_rank)
+    owners = _choose_owners(classes, tag_cls, pair_starts, sizes, len(wanted), group)
+    return SharePlan(k_tid.astype(np.int32), k_off, k_len, owners, tag_cls, pair_starts, classes.of_rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,46 +310,72 @@ class _RankClasses:
         first = members[np.r_[0, np.cumsum(sizes)[:-1]]].tolist() if len(lists) else []
         return cls(first, class_of, sizes, members, np.r_[0, np.cumsum(sizes)].astype(np.int64))
 
-    def needers(self, tags: np.ndarray, classes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    @classmethod
+    def of_classes(cls, class_of: np.ndarray) -> _RankClasses:
+        """The classes of a plan, from each rank's class."""
+        members = stable_order(class_of).astype(np.int64)
+        sizes = np.bincount(class_of, minlength=int(class_of.max()) + 1 if len(class_of) else 0).astype(np.int64)
+        starts = np.r_[0, np.cumsum(sizes)].astype(np.int64)
+        return cls(members[starts[:-1]].tolist(), class_of, sizes, members, starts)
+
+    def labels(self, tags: np.ndarray, classes: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For shared fragments 0..k-1 met by the (tag, class) pairs (each pair once):
-        every fragment's needing ranks, ascending, as flat values and starts, and a
-        label per fragment equal for equal needer sets (its class where one class
-        needs it; other labels numbered past the classes)."""
+        the pairs' classes in order of tag then class, the starts of each fragment's,
+        and a label per fragment equal for equal needer sets (its class where one class
+        needs it; other labels numbered past the classes). Equal needer sets are equal
+        sets of classes: classes partition the ranks."""
         n_classes = len(self.sizes)
         key = tags * n_classes + classes
         if len(key) > 1 and not (key[1:] >= key[:-1]).all():  # usually in order already
             order = np.argsort(key, kind="stable")
             tags, classes = tags[order], classes[order]
         pairs = np.bincount(tags, minlength=k)  # classes needing each fragment
-        s = int(self.sizes[0])
-        if (self.sizes == s).all():  # every class of s ranks: rows of a table
-            counts = pairs * s
-            needers = np.take(self.members.reshape(-1, s), classes, axis=0).reshape(-1)
-        else:
-            n = self.sizes[classes]
-            counts = np.bincount(tags, weights=n, minlength=k).astype(np.int64)
-            within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-            needers = self.members[np.repeat(self.mstarts[classes], n) + within]
-        starts = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
-        pair_starts = np.concatenate(([0], np.cumsum(pairs)))
+        pair_starts = np.concatenate(([0], np.cumsum(pairs))).astype(np.int64)
         group = np.full(k, -1, np.int64)
         one = np.flatnonzero(pairs == 1)
         group[one] = classes[pair_starts[one]]
         several = np.flatnonzero(pairs > 1)
         if len(several):
-            # ranks ascending within a fragment unless two of its classes' rank ranges interleave
-            lowest, highest = self.members[self.mstarts[:-1]], self.members[self.mstarts[1:] - 1]
-            same = tags[1:] == tags[:-1]
-            if (highest[classes[:-1]][same] > lowest[classes[1:]][same]).any():
-                needers = needers[np.lexsort((needers, np.repeat(np.arange(k), counts)))]
-            # equal needer sets are equal sets of classes (classes partition the ranks)
             mine = classes[np.repeat(pairs > 1, pairs)]
             if (pairs[several] == 2).all():  # two classes each (a chunk boundary): one exact key per pair
                 _keys, label = np.unique(mine[0::2] * n_classes + mine[1::2], return_inverse=True)
             else:
                 label = _needer_groups(mine, np.concatenate(([0], np.cumsum(pairs[several]))))
             group[several] = n_classes + label.reshape(-1)
-        return needers, starts, group
+        return classes.astype(np.int64), pair_starts, group
+
+    def ranks_of(self, classes: np.ndarray) -> np.ndarray:
+        """The ranks of ``classes`` (a few), ascending."""
+        if len(classes) == 1:
+            c = int(classes[0])
+            return self.members[self.mstarts[c] : self.mstarts[c + 1]]
+        return np.sort(np.concatenate([self.members[self.mstarts[c] : self.mstarts[c + 1]] for c in classes.tolist()]))
+
+    def expand(self, classes: np.ndarray, pair_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every fragment's needing ranks, ascending, as flat values and starts, from
+        its classes ``classes[pair_starts[k]:pair_starts[k + 1]]`` (ascending)."""
+        k = len(pair_starts) - 1
+        pairs = np.diff(pair_starts)
+        if not len(self.sizes):
+            return np.zeros(0, np.int64), np.zeros(k + 1, np.int64)
+        s = int(self.sizes[0])
+        if (self.sizes == s).all():  # every class of s ranks: rows of a table
+            counts = pairs * s
+            needers = np.take(self.members.reshape(-1, s), classes, axis=0).reshape(-1)
+        else:
+            n = self.sizes[classes]
+            counts = np.bincount(np.repeat(np.arange(k), pairs), weights=n, minlength=k).astype(np.int64)
+            within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+            needers = self.members[np.repeat(self.mstarts[classes], n) + within]
+        starts = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+        if (pairs > 1).any():
+            # ranks ascending within a fragment unless two of its classes' rank ranges interleave
+            lowest, highest = self.members[self.mstarts[:-1]], self.members[self.mstarts[1:] - 1]
+            same = np.ones(len(classes), bool)
+            same[pair_starts[:-1][pairs > 0]] = False  # each fragment's first pair follows another fragment's
+            if (highest[classes[:-1]][same[1:]] > lowest[classes[1:]][same[1:]]).any():
+                needers = needers[np.lexsort((needers, np.repeat(np.arange(k), counts)))]
+        return needers, starts
 
 
 _WEIGHTS = np.random.default_rng(0x5EED).integers(1, 1 << 62, 1 << 12, dtype=np.int64)
@@ -433,7 +432,12 @@ def _needer_groups(needers: np.ndarray, starts: np.ndarray) -> np.ndarray:
 
 
 def _choose_owners(
-    needers: np.ndarray, starts: np.ndarray, sizes: np.ndarray, world: int, group: np.ndarray
+    classes: _RankClasses,
+    pair_classes: np.ndarray,
+    pair_starts: np.ndarray,
+    sizes: np.ndarray,
+    world: int,
+    group: np.ndarray,
 ) -> np.ndarray:
     """The owner of each shared fragment (in tag order), one of its needers, balancing
     bytes to fetch: fragments are grouped by needer set (``group``: equal labels for
@@ -442,8 +446,9 @@ def _choose_owners(
     rule). A larger group's bytes are water-filled over its needers (each needer's
     target brings its load towards a common level), then its fragments, in tag order,
     are cut into consecutive runs matching those targets (a fragment goes to the
-    needer whose target holds its midpoint)."""
-    k = len(starts) - 1
+    needer whose target holds its midpoint). A group's needers are the ranks of its
+    first fragment's classes (``pair_classes[pair_starts[k]:pair_starts[k + 1]]``)."""
+    k = len(pair_starts) - 1
     owners = np.zeros(k, np.int32)
     if not k:
         return owners
@@ -460,7 +465,7 @@ def _choose_owners(
     for g in range(len(bounds) - 1):
         frags = order[bounds[g] : bounds[g + 1]]
         f0 = int(frags[0])
-        members = needers[starts[f0] : starts[f0 + 1]]
+        members = classes.ranks_of(pair_classes[pair_starts[f0] : pair_starts[f0 + 1]])
         if len(frags) == 1:
             owner = int(members[np.argmin(load[members])])
             owners[f0] = owner
@@ -498,7 +503,7 @@ def plan_sharing(
     cutting a fragment into disjoint parts) are not shared: nothing would be saved."""
     plan = plan_shares(reader, [Wanted.encode(reader, w) for w in wanted_by_rank])
     names = list(reader.catalog.tensors)
-    return plan.as_dict(names, [len(reader.catalog.tensors[f].global_shape) for f in names])
+    return plan.as_dict(names, [len(reader.catalog.shape(f)) for f in names])
 
 
 def fetch_shared(
@@ -522,7 +527,17 @@ def fetch_shared(
             error.add_note("raised on the coordinator while planning shared reads")
         raise error
     names = list(reader.catalog.tensors)
-    ndims = {t: len(reader.catalog.tensors[names[t]].global_shape) for t in set(part.tensors.tolist())}
+    problem: CheckpointError | None = None
+    try:  # a part is checked before any rank sends or receives: agreed, so none waits on a rank that refused
+        if tag_kind != "ok" or not isinstance(part, SharePart):
+            raise CheckpointError(
+                f"share_reads plan part for rank {coord.rank}: {type(part).__name__}, not a SharePart"
+            )
+        part.check(rank=coord.rank, world=coord.world_size, ndims=[len(reader.catalog.shape(f)) for f in names])
+    except CheckpointError as e:
+        problem = e
+    coord.check(problem, "checking the share_reads plan")
+    ndims = {t: len(reader.catalog.shape(names[t])) for t in set(part.tensors.tolist())}
     keys = part.keys(names, ndims)
     stats = ReadStats()
     held: dict[SharedKey, torch.Tensor] = {}

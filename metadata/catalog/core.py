@@ -16,10 +16,10 @@ from collections.abc import Iterable, Iterator, Mapping
 import numpy as np
 import pyarrow as pa
 
-from ..entries import gather_entries
+from ..entries import check_tilings, gather_boxes, gather_entries
 from ..errors import FormatError
-from ..geometry import simple_tilings, stable_order, tiling_problem
-from ..rows import Fragment, Rows, TensorEntry
+from ..geometry import stable_order
+from ..rows import Fragment, Rows, TensorBoxes, TensorEntry
 from .arrow import bind_rows, cast_columns, ipc_file, rows_table
 from .budget import decode_budget
 from .head import decode_head
@@ -188,14 +188,35 @@ class Catalog:
         """The entries of ``fqns`` (KeyError for a name not in the catalog), those not
         built yet built together: one gather of their rows per number of dimensions
         and one vectorised tiling check (:mod:`.entries`) instead of one of each per
-        tensor. For callers that need many tensors (a rank loading its FSDP shards,
-        the coordinator planning shared reads)."""
+        tensor. For callers that need many tensors (a rank loading its FSDP shards)."""
         index = self._table_of_tensors.index
         codes = [index[f] for f in fqns]
         todo = [t for t in dict.fromkeys(codes) if t not in self._cache]
         if self._given is None and len(todo) > 1:
             self._build_entries(todo)
         return [self._entry(t) for t in codes]
+
+    def shape(self, fqn: str) -> tuple[int, ...]:
+        """The global shape of ``fqn`` (KeyError if not held) without building its entry."""
+        return self._table_of_tensors.shapes[self._table_of_tensors.index[fqn]]
+
+    def boxes(self, fqns: Iterable[str]) -> list[TensorBoxes]:
+        """The stored boxes of ``fqns`` (KeyError if not held), tiling checked as in
+        :meth:`entries`, nothing cached, only offsets and lengths gathered: the share_reads
+        coordinator matches every rank's boxes and reads no bytes (:mod:`.entries`)."""
+        tensors = self._table_of_tensors
+        codes = [tensors.index[f] for f in fqns]
+        held = [t for t in dict.fromkeys(codes) if t in self._cache or self._given is not None]
+        out = {t: TensorBoxes.of(self._entry(t)) for t in held}
+        todo = {t: self._rows_of(t) for t in dict.fromkeys(codes) if t not in out}
+        out.update(gather_boxes(self._rows, tensors, todo, self._check_tilings))
+        return [out[t] for t in codes]
+
+    def _check_tilings(self, codes: list[int], offs: np.ndarray, lens: np.ndarray, counts: list[int]) -> None:
+        """FormatError unless the rows of tensors ``codes`` (``counts[i]`` rows each,
+        tensor after tensor) tile their shapes exactly; tensors not held whole skipped."""
+        if self._check_tiling:
+            check_tilings(self._table_of_tensors, codes, offs, lens, counts, self._complete, self._where)
 
     def _build_entries(self, todo: list[int]) -> None:
         tensors = self._table_of_tensors
@@ -205,11 +226,7 @@ class Catalog:
         for ndim, codes in by_ndim.items():
             row_ids = [self._rows_of(t) for t in codes]
             built, offs, lens = gather_entries(self._rows, row_ids, ndim, codes, self._new_entry)
-            if self._check_tiling and ndim:
-                simple = simple_tilings([tensors.shapes[t] for t in codes], offs, lens, [len(r) for r in row_ids])
-                for i in np.flatnonzero(~simple).tolist():
-                    if self._complete(codes[i]):
-                        self._check_tiled(codes[i], built[i])
+            self._check_tilings(codes, offs, lens, [len(r) for r in row_ids])
             for t, entry in zip(codes, built, strict=True):
                 self._cache[t] = entry
 
@@ -233,8 +250,8 @@ class Catalog:
         else:
             arrays = self._rows.take(rows, len(shape))
         entry = self._new_entry(t, arrays, frags)
-        if check and self._check_tiling and self._complete(t):
-            self._check_tiled(t, entry)
+        if check:
+            self._check_tilings([t], entry.offsets, entry.lengths, [entry.num_fragments])
         if check:
             self._cache[t] = entry
         return entry
@@ -260,11 +277,6 @@ class Catalog:
             checksum_values=sums,
             fragments=frags,
         )
-
-    def _check_tiled(self, t: int, entry: TensorEntry) -> None:
-        problem = tiling_problem(entry.global_shape, entry.offsets, entry.lengths)
-        if problem is not None:
-            raise FormatError(f"{self._where}: tensor {entry.fqn!r}: {problem}")
 
     def _complete(self, t: int) -> bool:
         """Whether every stored row of tensor ``t`` is held."""

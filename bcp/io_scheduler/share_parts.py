@@ -1,0 +1,229 @@
+"""The share_reads plan as each rank receives it: compact by rank class, versioned,
+checked on arrival.
+
+Split from :mod:`.shared_read` (which plans): the coordinator's plan is kept per rank
+class (ranks wanting identical boxes, data-parallel replicas), never expanded into
+every shared fragment's needing ranks. Every rank of a class takes part in the same
+fragments, so its part carries the class's arrays (the same objects for each of its
+ranks) and, for the fragments this rank owns, the classes that need them with those
+classes' ranks: the receivers (every needing rank but the owner, ascending) are
+decoded on the rank. The coordinator's work and memory grow with (fragment, class)
+pairs, not (fragment, rank) ones. A rank refuses a part that is not of this version,
+not for it, or not self-consistent, with a one-line CheckpointError saying what
+is wrong (:meth:`SharePart.check`): the plan crosses a process boundary."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from bcp.metadata.geometry import Box, expand_windows, stable_order
+
+from ..errors import CheckpointError
+
+SharedKey = tuple[str, Box]
+
+#: the layout of :class:`SharePart`; a rank refuses a part of another
+SHARE_PART_VERSION = 2
+
+
+def _expand(values: np.ndarray, starts: np.ndarray, which: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``values[starts[i]:starts[i + 1]]`` for each i of ``which``, flat, and each
+    one's count."""
+    n = starts[which + 1] - starts[which]
+    _q, pos = expand_windows(starts[which].astype(np.int64), n.astype(np.int64))
+    return values[pos], n
+
+
+@dataclasses.dataclass(frozen=True)
+class SharePart:
+    """What one rank does in the exchange, in tag order (a tag is the fragment's index
+    in the job-wide plan): for each shared fragment it takes part in, the tensor, the
+    stored box and the owner; for each one it owns (in tag order), the classes needing
+    it, ``send_classes[send_starts[j]:send_starts[j + 1]]``, numbered into
+    ``peer_starts`` (class ``c``'s ranks are ``peer_ranks[peer_starts[c]:peer_starts[c + 1]]``).
+    ``receivers_of(i)`` decodes the ranks this rank sends its i-th fragment to."""
+
+    version: int
+    rank: int
+    world: int
+    tags: np.ndarray  # int64 (K,)
+    tensors: np.ndarray  # int32 (K,)
+    offsets: np.ndarray  # int64 (K, D), padded past each tensor's ndim
+    lengths: np.ndarray  # int64 (K, D)
+    owners: np.ndarray  # int32 (K,)
+    send_classes: np.ndarray  # int64, flat
+    send_starts: np.ndarray  # int64 (owned + 1,)
+    peer_ranks: np.ndarray  # int64, flat
+    peer_starts: np.ndarray  # int64 (peer classes + 1,)
+
+    def check(self, *, rank: int, world: int, ndims: Sequence[int] | None = None) -> None:
+        """CheckpointError, one line, unless this is a part of this version for ``rank`` of
+        ``world`` ranks whose arrays agree with each other (and, with ``ndims``, the
+        number of dimensions of each tensor of the catalog, name real tensors)."""
+        where = f"share_reads plan part for rank {rank}"
+        if not isinstance(self.version, int) or self.version != SHARE_PART_VERSION:
+            raise CheckpointError(f"{where}: version {self.version!r}, this bcp reads version {SHARE_PART_VERSION}")
+        if (self.rank, self.world) != (rank, world):
+            raise CheckpointError(f"{where}: made for rank {self.rank} of {self.world}, this is rank {rank} of {world}")
+        arrays = [
+            "tags",
+            "tensors",
+            "offsets",
+            "lengths",
+            "owners",
+            "send_classes",
+            "send_starts",
+            "peer_ranks",
+            "peer_starts",
+        ]
+        for name in arrays:
+            a = getattr(self, name)
+            want = 2 if name in ("offsets", "lengths") else 1
+            if not isinstance(a, np.ndarray) or a.ndim != want or a.dtype.kind not in "iu":
+                raise CheckpointError(f"{where}: {name} is not a {want}-D integer array")
+        k = len(self.tags)
+        if not (len(self.tensors) == len(self.owners) == k and self.offsets.shape == self.lengths.shape):
+            raise CheckpointError(f"{where}: tags, tensors, owners, offsets and lengths differ in length")
+        if len(self.offsets) != k:
+            raise CheckpointError(f"{where}: {len(self.offsets)} boxes for {k} tags")
+        if k and (int(self.tags[0]) < 0 or not bool((self.tags[1:] > self.tags[:-1]).all())):
+            raise CheckpointError(f"{where}: tags are not ascending from 0")
+        if k and (int(self.owners.min()) < 0 or int(self.owners.max()) >= world):
+            raise CheckpointError(f"{where}: an owner is not a rank of {world}")
+        if bool((self.offsets < 0).any()) or bool((self.lengths < 0).any()):
+            raise CheckpointError(f"{where}: a box has a negative offset or length")
+        if ndims is not None and k:
+            if int(self.tensors.min()) < 0 or int(self.tensors.max()) >= len(ndims):
+                raise CheckpointError(f"{where}: a tensor index is not in the catalog's {len(ndims)} tensors")
+            if int(np.asarray(ndims, np.int64)[self.tensors].max()) > self.offsets.shape[1]:
+                raise CheckpointError(f"{where}: boxes have fewer dimensions than their tensors")
+        owned = int(np.count_nonzero(self.owners == rank))
+        self._check_starts(where, "send_starts", self.send_starts, owned + 1, len(self.send_classes))
+        n_peers = len(self.peer_starts) - 1
+        self._check_starts(where, "peer_starts", self.peer_starts, max(n_peers, 0) + 1, len(self.peer_ranks))
+        if len(self.send_classes) and (int(self.send_classes.min()) < 0 or int(self.send_classes.max()) >= n_peers):
+            raise CheckpointError(f"{where}: a sending class is not one of its {n_peers} peer classes")
+        if len(self.peer_ranks) and (int(self.peer_ranks.min()) < 0 or int(self.peer_ranks.max()) >= world):
+            raise CheckpointError(f"{where}: a peer is not a rank of {world}")
+
+    @staticmethod
+    def _check_starts(where: str, name: str, starts: np.ndarray, n: int, total: int) -> None:
+        if len(starts) != n or int(starts[0]) != 0 or int(starts[-1]) != total or bool((np.diff(starts) < 0).any()):
+            raise CheckpointError(f"{where}: {name} does not run from 0 to {total} in {n - 1} steps")
+
+    @functools.cached_property
+    def _receivers(self) -> tuple[np.ndarray, np.ndarray]:
+        """(receivers flat, starts (K + 1,)): every needing rank of each owned tag but
+        this one, ascending; none for the others."""
+        mine = np.flatnonzero(self.owners == self.rank)
+        classes, per_tag = _expand(self.send_classes, self.send_starts, np.arange(len(mine)))
+        ranks, per_class = _expand(self.peer_ranks, self.peer_starts, classes)
+        tag_of = np.repeat(np.repeat(np.arange(len(mine)), per_tag), per_class)
+        if len(ranks) > 1 and not bool((np.diff(ranks) > 0)[tag_of[1:] == tag_of[:-1]].all()):
+            order = np.lexsort((ranks, tag_of))
+            ranks, tag_of = ranks[order], tag_of[order]
+        keep = ranks != self.rank
+        ranks, tag_of = ranks[keep], tag_of[keep]
+        counts = np.zeros(len(self.tags), np.int64)
+        counts[mine] = np.bincount(tag_of, minlength=len(mine))
+        starts = np.zeros(len(self.tags) + 1, np.int64)
+        np.cumsum(counts, out=starts[1:])
+        return ranks.astype(np.int64), starts
+
+    @property
+    def receivers(self) -> np.ndarray:
+        return self._receivers[0]
+
+    @property
+    def recv_starts(self) -> np.ndarray:
+        return self._receivers[1]
+
+    def receivers_of(self, i: int) -> np.ndarray:
+        """The ranks this rank sends its i-th fragment to (empty unless it owns it)."""
+        rs, starts = self._receivers
+        return rs[starts[i] : starts[i + 1]]
+
+    def keys(self, names: Sequence[str], ndims: Mapping[int, int]) -> list[SharedKey]:
+        out = []
+        for t, o, n in zip(self.tensors.tolist(), self.offsets.tolist(), self.lengths.tolist(), strict=True):
+            d = ndims[t]
+            out.append((names[t], (tuple(o[:d]), tuple(n[:d]))))
+        return out
+
+
+def class_parts(
+    world: int,
+    tensors: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    owners: np.ndarray,
+    pair_classes: np.ndarray,
+    pair_starts: np.ndarray,
+    rank_class: np.ndarray,
+) -> list[SharePart]:
+    """Each rank's part of a plan whose shared fragment k (tag k) is needed by classes
+    ``pair_classes[pair_starts[k]:pair_starts[k + 1]]`` (ascending), ranks in classes
+    as ``rank_class`` says. Arrays per class, a few small operations per rank."""
+    n_classes = int(rank_class.max()) + 1 if len(rank_class) else 0
+    members = stable_order(rank_class).astype(np.int64)  # ranks by class, ascending within
+    sizes = np.bincount(rank_class, minlength=n_classes).astype(np.int64)
+    mstarts = np.r_[0, np.cumsum(sizes)].astype(np.int64)
+    mstarts_list = mstarts.tolist()
+    k = len(owners)
+    tag_of_pair = np.repeat(np.arange(k, dtype=np.int64), np.diff(pair_starts))
+    by_class = stable_order(pair_classes)  # pairs by class, tag order within
+    class_tags = tag_of_pair[by_class]
+    del tag_of_pair, by_class
+    cbounds = np.r_[0, np.cumsum(np.bincount(pair_classes, minlength=n_classes))].tolist()
+    # what each rank sends, for every rank at once: tags by owner (tag order within),
+    # each with the classes needing it
+    by_owner = stable_order(owners)
+    obounds = np.searchsorted(owners[by_owner], np.arange(world + 1)).tolist()
+    sent, per_tag = _expand(pair_classes, pair_starts, by_owner)
+    sstarts = np.r_[0, np.cumsum(per_tag)].astype(np.int64)
+    del per_tag
+    width = offsets.shape[1]
+    boxes = np.concatenate([offsets, lengths], axis=1)  # one gather per class, not two
+    per_class: list[tuple[np.ndarray, ...]] = []
+    for c in range(n_classes):
+        mine = class_tags[cbounds[c] : cbounds[c + 1]]
+        box = np.take(boxes, mine, axis=0)
+        per_class.append((mine, tensors[mine], box[:, :width], box[:, width:], owners[mine]))
+    none = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros((0, width), np.int64))
+    nothing = (none[0], none[1], none[2], none[2], none[1])
+    out = []
+    for r in range(world):
+        c = int(rank_class[r]) if r < len(rank_class) else -1
+        mine, c_tensors, c_off, c_len, c_owners = per_class[c] if c >= 0 else nothing
+        a, b = obounds[r], obounds[r + 1]
+        if a < b:
+            sa, sb = int(sstarts[a]), int(sstarts[b])
+            peers, local = np.unique(sent[sa:sb], return_inverse=True)
+            bounds = mstarts_list  # a rank sends to few classes: slices, not an expansion
+            ranks_of = np.concatenate([members[bounds[p] : bounds[p + 1]] for p in peers.tolist()])
+            peer_starts = np.zeros(len(peers) + 1, np.int64)
+            np.cumsum(sizes[peers], out=peer_starts[1:])
+            sends, send_starts = local.reshape(-1).astype(np.int64), sstarts[a : b + 1] - sa
+        else:
+            ranks_of, peer_starts, sends, send_starts = none[0], np.zeros(1, np.int64), none[0], np.zeros(1, np.int64)
+        out.append(
+            SharePart(
+                SHARE_PART_VERSION,
+                r,
+                world,
+                mine,
+                c_tensors,
+                c_off,
+                c_len,
+                c_owners,
+                sends,
+                send_starts,
+                ranks_of,
+                peer_starts,
+            )
+        )
+    return out

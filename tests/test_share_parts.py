@@ -1,0 +1,154 @@
+"""Each rank's part of the share_reads plan, encoded per rank class (bcp/io_scheduler/
+share_parts.py), decodes to exactly the part the previous per-fragment encoding gave
+(kept here as the reference: every shared fragment's needing ranks expanded, sorted
+by rank), for random layouts, rank counts and data-parallel classes; and a rank
+refuses a part that is not of this version, not its own, or not self-consistent."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bcp.errors
+from bcp.io_scheduler.share_parts import SHARE_PART_VERSION, SharePart
+from bcp.io_scheduler.shared_read import Wanted, plan_shares
+from bcp.metadata.geometry import stable_order
+from helpers import examples
+from test_load_plan_fast import SHAPES, dest_boxes, stored_layout
+from test_shared_read_plan import reader_of, sliced
+
+
+def ref_parts(plan, world: int) -> list[tuple[np.ndarray, ...]]:
+    """The previous SharePlan.parts, from the expanded needers: per rank (tags, tensors,
+    offsets, lengths, owners, receivers flat, recv_starts)."""
+    needers, starts, owners = plan.needers, plan.starts, plan.owners
+    counts = np.diff(starts)
+    tags = np.repeat(np.arange(len(owners)), counts)
+    by_rank = tags[stable_order(needers)]
+    bounds = np.r_[0, np.cumsum(np.bincount(needers, minlength=world))]
+    owner_of = owners.astype(np.int64)[tags]
+    sends = np.flatnonzero(needers != owner_of)
+    sender = owner_of[sends]
+    order = stable_order(sender)
+    sends, sender = sends[order], sender[order]
+    send_to = needers[sends]
+    send_bounds = np.searchsorted(sender, np.arange(world + 1))
+    out = []
+    for r in range(world):
+        mine = by_rank[bounds[r] : bounds[r + 1]]
+        n_recv = np.where(owners[mine] == r, counts[mine] - 1, 0)
+        recv_starts = np.r_[0, np.cumsum(n_recv)]
+        out.append(
+            (
+                mine,
+                plan.tensors[mine],
+                plan.offsets[mine],
+                plan.lengths[mine],
+                owners[mine],
+                send_to[send_bounds[r] : send_bounds[r + 1]],
+                recv_starts,
+            )
+        )
+    return out
+
+
+@st.composite
+def job(draw):
+    """A reader over random stored layouts and every rank's wanted boxes: ranks in
+    data-parallel groups (identical lists), groups wanting stored boxes, slices cut
+    another way, or arbitrary boxes."""
+    shapes = draw(st.lists(SHAPES, min_size=1, max_size=4))
+    ranks = draw(st.integers(1, 9))
+    names = [f"t{i}" for i in range(len(shapes))]
+    tensors = {}
+    for n, s in zip(names, shapes, strict=True):
+        if s and draw(st.booleans()):
+            stored = draw(sliced(s, draw(st.integers(0, len(s) - 1))))
+        else:
+            stored = draw(stored_layout(s))
+        tensors[n] = (s, stored, draw(st.sampled_from(["float32", "bfloat16"])))
+    reader = reader_of(tensors)
+    groups = draw(st.integers(1, ranks))
+    per_group = []
+    for g in range(groups):
+        mine = []
+        for n, s in zip(names, shapes, strict=True):
+            kind = draw(st.sampled_from(["stored", "slice", "boxes", "whole", "none"]))
+            if kind == "stored":
+                mine.append((n, tensors[n][1][g % len(tensors[n][1])]))
+            elif kind == "slice" and s:
+                cells = draw(sliced(s, draw(st.integers(0, len(s) - 1))))
+                mine.append((n, cells[g % len(cells)]))
+            elif kind == "boxes":
+                mine += [(n, b) for b in draw(dest_boxes(s))]
+            elif kind == "whole":
+                mine.append((n, ((0,) * len(s), s)))
+        per_group.append(mine)
+    wanted = [per_group[draw(st.integers(0, groups - 1))] for _r in range(ranks)]
+    return reader, wanted
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(case=job(), extra=st.integers(0, 2))
+def test_class_parts_decode_to_the_per_fragment_parts(case, extra):
+    reader, wanted = case
+    plan = plan_shares(reader, [Wanted.encode(reader, w) for w in wanted])
+    world = len(wanted) + extra  # ranks past the plan's get empty parts
+    names = list(reader.catalog.tensors)
+    ndims = [len(reader.catalog.shape(f)) for f in names]
+    got = plan.parts(world)
+    assert len(got) == world
+    assert plan.n_needers == len(plan.needers) == sum(len(p.tags) for p in got)
+    for r, (part, want) in enumerate(zip(got, ref_parts(plan, world), strict=True)):
+        part.check(rank=r, world=world, ndims=ndims)
+        tags, tensors, offsets, lengths, owners, receivers, recv_starts = want
+        assert part.version == SHARE_PART_VERSION and (part.rank, part.world) == (r, world)
+        assert np.array_equal(part.tags, tags)
+        assert np.array_equal(part.tensors, tensors)
+        assert np.array_equal(part.offsets, offsets) and np.array_equal(part.lengths, lengths)
+        assert np.array_equal(part.owners, owners)
+        assert np.array_equal(part.receivers, receivers), (r, part.receivers, receivers)
+        assert np.array_equal(part.recv_starts, recv_starts)
+        for i in range(len(part.tags)):
+            assert np.array_equal(part.receivers_of(i), receivers[recv_starts[i] : recv_starts[i + 1]])
+
+
+def two_rank_part() -> SharePart:
+    """Rank 0's part of a plan where ranks 0 and 1 both want all of one tensor."""
+    stored = [((r * 3, 0), (3, 4)) for r in range(4)]
+    reader = reader_of({"w": ((12, 4), stored, "float32")})
+    wanted = [[("w", ((0, 0), (12, 4)))]] * 2
+    part = plan_shares(reader, [Wanted.encode(reader, w) for w in wanted]).parts(2)[0]
+    part.check(rank=0, world=2, ndims=[2])
+    assert len(part.tags) == 4 and len(part.send_starts) > 1, "rank 0 owns some of the four fragments"
+    return part
+
+
+BROKEN = {
+    "another version": (lambda p: {"version": SHARE_PART_VERSION + 1}, "version"),
+    "another rank": (lambda p: {"rank": 1}, "made for rank 1"),
+    "another world": (lambda p: {"world": 3}, "of 3"),
+    "tags out of order": (lambda p: {"tags": p.tags[::-1].copy()}, "ascending"),
+    "a tag missing": (lambda p: {"tags": p.tags[1:]}, "differ in length"),
+    "an owner out of range": (lambda p: {"owners": p.owners + 5}, "owner"),
+    "a float array": (lambda p: {"offsets": p.offsets.astype(float)}, "integer"),
+    "a negative length": (lambda p: {"lengths": -p.lengths}, "negative"),
+    "an unknown tensor": (lambda p: {"tensors": p.tensors + 1}, "tensor index"),
+    "sends cut short": (lambda p: {"send_starts": p.send_starts[:-1]}, "send_starts"),
+    "a peer out of range": (lambda p: {"peer_ranks": p.peer_ranks + 7}, "peer"),
+    "a sending class out of range": (lambda p: {"send_classes": p.send_classes + 9}, "sending class"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BROKEN))
+def test_a_rank_refuses_a_malformed_part(kind):
+    part = two_rank_part()
+    change, words = BROKEN[kind]
+    bad = dataclasses.replace(part, **change(part))
+    with pytest.raises(bcp.errors.CheckpointError, match="share_reads plan part for rank 0") as caught:
+        bad.check(rank=0, world=2, ndims=[2])
+    assert words in str(caught.value) and "\n" not in str(caught.value)
