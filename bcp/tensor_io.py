@@ -62,12 +62,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """Writable view of the bytes of a dense CPU tensor (no copy)."""
     if not t.is_cpu or not t.is_contiguous():
         raise ValueError("byte_view needs a contiguous CPU tensor")
-    # reshape of a contiguous tensor is a view (whatever the strides of its size-1
-    # dimensions); a 1-D uint8 array's memoryview is already flat bytes
-    flat = t.detach()
-    if flat.dim() != 1:
-        flat = flat.reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
+    # a 1-D uint8 array's memoryview is flat bytes already (no cast)
+    return memoryview(flat_bytes(t).numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
 
 
 def storage_identity(t: torch.Tensor) -> tuple:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import mmap
 import os
 import threading
 from collections import defaultdict
@@ -216,9 +217,17 @@ def _fetch(backend: Backend, request: _Request, uri: str, block: int | None) -> 
         first = request.parts[0]
         with _reading(backend, first.fragment, first.start, uri) as read:
             for part in request.parts:
-                _fetch_part(backend, part, uri, block, resident=True, read=read)
+                frag, start, target = part
+                n = len(target)
+                if start or n != frag.nbytes or not 0 < n <= block or trace.enabled():
+                    _fetch_part(backend, part, uri, block, resident=True, read=read)
+                    continue
+                # a whole fragment of one block (a small tensor): one read, one CRC
+                _read(backend, frag, 0, target, uri, read)
+                if crc32c_c(target) != frag.checksums[0]:
+                    _name_block(uri, frag, 0, target, block, range(1))
         return
-    scratch = memoryview(bytearray(request.nbytes))
+    scratch = _scratch(request.nbytes, request.offset)
     try:
         with trace.span("fetch", request.nbytes):
             backend.read_exact(request.file, request.offset, scratch)
@@ -230,6 +239,20 @@ def _fetch(backend: Backend, request: _Request, uri: str, block: int | None) -> 
         part.target[:] = scratch[at : at + len(part.target)]
         if block:
             _check_blocks(uri, part.fragment, part.start, part.target, block)
+
+
+#: the page size O_DIRECT aligns file offsets and memory to
+PAGE = 4096
+
+
+def _scratch(nbytes: int, offset: int) -> memoryview:
+    """Scratch memory for a coalesced request of ``nbytes`` from file ``offset``, whose
+    address agrees with ``offset`` modulo the page size: a storage read of it can then
+    go O_DIRECT straight into it (an unaligned buffer is read through a bounce buffer,
+    one more copy of every byte). Anonymous mmap memory is page-aligned and freed with
+    its last view."""
+    phase = offset % PAGE
+    return memoryview(mmap.mmap(-1, phase + nbytes))[phase:] if nbytes else memoryview(bytearray(0))
 
 
 def _fetch_part(
@@ -384,14 +407,13 @@ def execute_reads(
             group[1].append(Run(int(plan.src[0]), plan.dest, int(plan.dst[0]), plan.run_bytes))
         else:
             group[1].extend(
-                Run(s, plan.dest, d, plan.run_bytes)
-                for s, d in zip(plan.src.tolist(), plan.dst.tolist(), strict=True)
+                Run(s, plan.dest, d, plan.run_bytes) for s, d in zip(plan.src.tolist(), plan.dst.tolist(), strict=True)
             )
-    spans = dict(groups.values())
+    spans = list(groups.values())
     # keyed by id() of the one Fragment object per row that ``spans`` kept
     by_fragment: dict[int, list[tuple[int, memoryview]]] = {}
     parts: list[_Part] = []
-    for frag, runs in spans.items():
+    for frag, runs in spans:
         if len(runs) > 1:
             runs.sort()
             merged: list[Run] = []
@@ -440,7 +462,7 @@ def execute_reads(
         for request in requests:
             _fetch(backend, request, uri, block)
         if verify:
-            for frag in spans:
+            for frag, _runs in spans:
                 stats.verify_bytes += finish(frag)
     else:
         remaining = {key: len(ps) for key, ps in parts_of.items()}
