@@ -196,3 +196,23 @@ def test_load_cpu_bench_prints_the_rows_the_issue_asks_for(tmp_path):
     assert [r.rsplit(", ", 1)[-1] for r in rows[2:]] == ["cold", "warm"], lines
     assert re.fullmatch(r"load_cpu: 100/10 cpu [0-9.]+x wall [0-9.]+x", lines[-1]), lines[-1]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_plain_tensor_leaves_are_matched_without_the_shard_machinery(tmp_path, monkeypatch):
+    """A plain tensor or Parameter leaf asks for its whole tensor directly; a subclass
+    of torch.Tensor still goes through local_pieces; every value loads."""
+    import bcp.loader
+
+    class Sub(torch.Tensor):
+        pass
+
+    state = {"a": torch.randn(3, 4), "p": torch.nn.Parameter(torch.randn(5)), "s": torch.randn(2).as_subclass(Sub)}
+    uri = str(tmp_path / "ck")
+    bcp.save(state, uri)
+    seen = []
+    real = bcp.loader.local_pieces
+    monkeypatch.setattr(bcp.loader, "local_pieces", lambda v, fqn: seen.append(fqn) or real(v, fqn))
+    dst = {"a": torch.zeros(3, 4), "p": torch.nn.Parameter(torch.zeros(5)), "s": torch.zeros(2).as_subclass(Sub)}
+    bcp.load(dst, uri)
+    assert seen == ["s"]
+    assert all(torch.equal(dst[k].detach(), v.detach()) for k, v in state.items())
