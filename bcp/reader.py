@@ -342,14 +342,14 @@ class CheckpointReader:
                 and not dest.is_conj()
                 and not dest.is_neg()
             ):
-                landing = dest.detach()
+                landing = dest  # byte_view and copy_values work on it without autograd
             else:
                 landing = torch.empty(tuple(box[1]), dtype=dtype)
                 copies.append((dest, landing))
             index = len(views)
             views.append(byte_view(landing))
             if mine:
-                for part, values in _held_parts(landing, box, mine):
+                for part, values in _held_parts(landing.detach(), box, mine):
                     copy_values(part, values)
             plans += plan_tensor_reads(
                 entry, [box], prefer_rank=prefer_rank, in_memory=frozenset(mine) if mine else none, dest=index

@@ -216,3 +216,18 @@ def test_plain_tensor_leaves_are_matched_without_the_shard_machinery(tmp_path, m
     bcp.load(dst, uri)
     assert seen == ["s"]
     assert all(torch.equal(dst[k].detach(), v.detach()) for k, v in state.items())
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (3, 5), (2, 1, 4)])
+def test_the_whole_fragment_plan_holds_the_catalog_row(tmp_path, shape):
+    """The usual plan (one writer saved the tensor whole, all of it wanted) carries the
+    very row the catalog holds: same file, offset, size, checksums, box."""
+    from bcp.io_scheduler.read_plan import plan_tensor_reads
+
+    t = torch.randn(shape)
+    uri = str(tmp_path / "ck")
+    bcp.save({"t": t}, uri, checksum_block_bytes=16)
+    entry = bcp.open(uri).catalog.tensors["t"]
+    (plan,) = plan_tensor_reads(entry, [((0,) * len(shape), shape)], dest=3)
+    assert plan.fragment == entry.fragment(0) and plan.dest == 3
+    assert plan.src.tolist() == [0] and plan.dst.tolist() == [0] and plan.run_bytes == t.numel() * 4

@@ -388,7 +388,21 @@ def _whole_from_one_fragment(
     numel = math.prod(shape)
     if not numel or (in_memory and ((0,) * len(shape), shape) in in_memory):
         return []
-    return [RunSet(entry.fragment(0), dest, _ZERO, _ZERO, numel * size)]
+    # the row as entry.fragment(0) gives it, from the coordinates known already
+    frag = Fragment(
+        entry.fqn,
+        entry.key_path,
+        entry.dtype,
+        shape,
+        (0,) * len(shape),
+        shape,
+        entry.file_names[int(entry.files[0])],
+        int(entry.byte_offsets[0]),
+        int(entry.sizes[0]),
+        entry.checksums(0),
+        int(entry.writer_ranks[0]),
+    )
+    return [RunSet(frag, dest, _ZERO, _ZERO, numel * size)]
 
 
 def plan_tensor_reads(
