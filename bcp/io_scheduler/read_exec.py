@@ -19,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import mmap
 import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
+
+import numpy as np
 
 from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import Fragment, crc32c
@@ -249,10 +250,11 @@ def _scratch(nbytes: int, offset: int) -> memoryview:
     """Scratch memory for a coalesced request of ``nbytes`` from file ``offset``, whose
     address agrees with ``offset`` modulo the page size: a storage read of it can then
     go O_DIRECT straight into it (an unaligned buffer is read through a bounce buffer,
-    one more copy of every byte). Anonymous mmap memory is page-aligned and freed with
-    its last view."""
-    phase = offset % PAGE
-    return memoryview(mmap.mmap(-1, phase + nbytes))[phase:] if nbytes else memoryview(bytearray(0))
+    one more copy of every byte). Private process memory (an anonymous shared mapping
+    is shmem: its page faults cost twice the system time here), not zero-filled by us."""
+    buf = np.empty(nbytes + PAGE, np.uint8)
+    shift = (offset - buf.ctypes.data) % PAGE
+    return memoryview(buf)[shift : shift + nbytes]
 
 
 def _fetch_part(
