@@ -254,7 +254,7 @@ def _scratch(nbytes: int, offset: int) -> memoryview:
     is shmem: its page faults cost twice the system time here), not zero-filled by us."""
     buf = np.empty(nbytes + PAGE, np.uint8)
     shift = (offset - buf.ctypes.data) % PAGE
-    return memoryview(buf)[shift : shift + nbytes]
+    return memoryview(buf)[shift : shift + nbytes]  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
 
 
 def _fetch_part(
