@@ -336,6 +336,10 @@ def _full_size_error(reader: CheckpointReader, fqns: list[str], world_size: int)
     )
 
 
+#: exact types of a plain tensor leaf (a DTensor or other subclass goes through local_pieces)
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan) -> None:
     """A tensor-like leaf: the boxes this rank holds, if shape and kind match. A plain
     tensor asks for the whole tensor on this rank, whatever layout saved it."""
@@ -349,13 +353,20 @@ def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan) -> None:
             plan.missing.append(fqn)
         return
     plan.consumed.add(fqn)
-    shape, dtype, pieces, _replicated = local_pieces(leaf.value, fqn)
+    value = leaf.value
+    if type(value) in _PLAIN_TENSORS:  # the whole tensor, as local_pieces gives it, without its checks for shards
+        shape, dtype = tuple(value.shape), value.dtype
+        requests = [TensorRequest(fqn, ((0,) * len(shape), shape), value)]
+    else:
+        shape, dtype, pieces, _replicated = local_pieces(value, fqn)
+        requests = [TensorRequest(fqn, p.box, p.tensor) for p in pieces]
     if tuple(shape) != entry.global_shape:
         plan.shape_mismatch.append((fqn, tuple(shape), entry.global_shape))
         return
-    if dtype_name(dtype, fqn=fqn) != entry.dtype:
-        plan.dtype_mismatch.append((fqn, dtype_name(dtype, fqn=fqn), entry.dtype))
-    plan.tensor_requests += [TensorRequest(fqn, p.box, p.tensor) for p in pieces]
+    name = dtype_name(dtype, fqn=fqn)
+    if name != entry.dtype:
+        plan.dtype_mismatch.append((fqn, name, entry.dtype))
+    plan.tensor_requests += requests
 
 
 def _is_optimizer_state(state: Mapping[str, Any], leaf: Leaf) -> bool:

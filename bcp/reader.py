@@ -196,7 +196,8 @@ class CheckpointReader:
         size the manifest declares (the catalog was checked against the manifest when
         it was decoded, so every planned byte then lies inside a file that exists).
         A sparse file counts with its apparent size: storage reports no other."""
-        if len(self._sizes_checked) == len(self.manifest.data_files):
+        declared = {f.path: f.nbytes for f in self.manifest.data_files}
+        if len(self._sizes_checked) == len(declared):
             return  # every file checked already (the usual case after the first tensor)
         self.catalog.require(requests)  # a catalog read in part fetches the rows these boxes need
         files: set[str] = set()
@@ -204,6 +205,8 @@ class CheckpointReader:
         for fqn, box in requests:
             by_tensor.setdefault(fqn, []).append(box)
         for fqn, boxes in by_tensor.items():  # only the rows these boxes meet, never every row
+            if len(files) + len(self._sizes_checked) == len(declared):
+                break  # every file is to be checked already: the other tensors can add none
             entry = self._tensor_entry(fqn)
             if (
                 entry.num_fragments == 1
@@ -221,7 +224,6 @@ class CheckpointReader:
             files.update(name for name in (entry.file_names[c] for c in codes) if name not in self._sizes_checked)
         if not files:
             return
-        declared = {f.path: f.nbytes for f in self.manifest.data_files}
         for file in sorted(files):
             try:
                 size = self.backend.size(file)
@@ -293,16 +295,23 @@ class CheckpointReader:
         destinations are filled through slabs of ``pool`` (default: the process-wide
         pool; see ``bcp.io_scheduler.device_load``); the call returns once every byte has landed."""
         in_memory = in_memory or {}
+        entries: list[TensorEntry] = []
         for fqn, box, dest in requests:  # everything checked before any allocation
-            self._check_box(fqn, self._tensor_entry(fqn), box)
+            entry = self._tensor_entry(fqn)
+            self._check_box(fqn, entry, box)
             if dest.is_meta:
                 raise ValueError(
                     f"{fqn!r}: cannot load into a meta tensor; allocate it first (module.to_empty(device=...))"
                 )
+            entries.append(entry)
         wanted = [(fqn, box) for fqn, box, _dest in requests]
-        self.catalog.require(wanted)  # a catalog read in part fetches the rows these boxes need
+        if not self.catalog.is_whole:
+            self.catalog.require(wanted)  # a catalog read in part fetches the rows these boxes need
+            entries = [self._tensor_entry(fqn) for fqn, _box in wanted]  # with the rows read just now
         self.check_sizes(wanted, prefer_rank=prefer_rank)
-        devices = sorted({dest.device for _f, _b, dest in requests if is_device_tensor(dest)}, key=str)
+        devices = sorted(
+            {dest.device for _f, _b, dest in requests if not dest.is_cpu and is_device_tensor(dest)}, key=str
+        )
         device_fill: DeviceFill | None = None
         if devices:
             device_copies = DeviceCopies()
@@ -316,31 +325,35 @@ class CheckpointReader:
         views: list[memoryview] = []
         plans: list[RunSet] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for fqn, box, dest in requests:
-            entry = self._tensor_entry(fqn)
+        none: frozenset[Box] = frozenset()
+        for (fqn, box, dest), entry in zip(requests, entries, strict=True):
             dtype = torch_dtype(entry.dtype, fqn=fqn)
-            mine = held.get(fqn, {})
+            mine = held.get(fqn) if held else None
             if device_fill is not None and is_device_tensor(dest):
+                mine = mine or {}
                 for part, values in _held_parts(dest.detach(), box, mine):
                     device_fill.add_host_part(part, values)
                 device_fill.add(entry, box, dest, dtype, frozenset(mine))
                 continue
             if (
-                dest.device.type == "cpu"
-                and dest.is_contiguous()
+                dest.is_cpu
                 and dest.dtype == dtype
+                and dest.is_contiguous()
                 and not dest.is_conj()
                 and not dest.is_neg()
             ):
-                landing = dest.detach()
+                landing = dest  # byte_view and copy_values work on it without autograd
             else:
                 landing = torch.empty(tuple(box[1]), dtype=dtype)
                 copies.append((dest, landing))
             index = len(views)
             views.append(byte_view(landing))
-            for part, values in _held_parts(landing, box, mine):
-                copy_values(part, values)
-            plans += plan_tensor_reads(entry, [box], prefer_rank=prefer_rank, in_memory=frozenset(mine), dest=index)
+            if mine:
+                for part, values in _held_parts(landing.detach(), box, mine):
+                    copy_values(part, values)
+            plans += plan_tensor_reads(
+                entry, [box], prefer_rank=prefer_rank, in_memory=frozenset(mine) if mine else none, dest=index
+            )
         stats = execute_reads(
             self.backend, plans, views, block_bytes=self.manifest.checksum_block_bytes, verify=self.verify
         )
@@ -358,7 +371,10 @@ class CheckpointReader:
 
     @staticmethod
     def _check_box(fqn: str, entry: TensorEntry, box: Box) -> None:
-        ndim = len(entry.global_shape)
+        shape = entry.global_shape
+        ndim = len(shape)
+        if len(box[0]) == ndim and tuple(box[1]) == shape and not any(box[0]):
+            return  # the whole tensor (the usual request), checked without the loop below
         if (
             len(box[0]) != ndim
             or len(box[1]) != ndim

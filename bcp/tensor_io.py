@@ -60,9 +60,10 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """Writable view of the bytes of a dense CPU tensor (no copy)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
+    if not t.is_cpu or not t.is_contiguous():
         raise ValueError("byte_view needs a contiguous CPU tensor")
-    return memoryview(flat_bytes(t).numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
+    # a 1-D uint8 array's memoryview is flat bytes already (no cast)
+    return memoryview(flat_bytes(t).numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
 
 
 def storage_identity(t: torch.Tensor) -> tuple:

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+import numpy as np
+
 from bcp.backends import Backend, ObjectNotFoundError
 from bcp.metadata import Fragment, crc32c
 from bcp.metadata.checksum import combine_blocks, crc32c_c
@@ -212,11 +214,21 @@ def _fetch(backend: Backend, request: _Request, uri: str, block: int | None) -> 
         block
         and request.nbytes >= len(request.parts) * IN_PLACE_FROM_MEMORY
         and backend.in_memory(request.file, request.offset, request.nbytes)
-    ):  # from memory, a scratch buffer would only add a copy
-        for part in request.parts:
-            _fetch_part(backend, part, uri, block, resident=True)
+    ):  # from memory, a scratch buffer would only add a copy; one open file for every part
+        first = request.parts[0]
+        with _reading(backend, first.fragment, first.start, uri) as read:
+            for part in request.parts:
+                frag, start, target = part
+                n = len(target)
+                if start or n != frag.nbytes or not 0 < n <= block or trace.enabled():
+                    _fetch_part(backend, part, uri, block, resident=True, read=read)
+                    continue
+                # a whole fragment of one block (a small tensor): one read, one CRC
+                _read(backend, frag, 0, target, uri, read)
+                if crc32c_c(target) != frag.checksums[0]:
+                    _name_block(uri, frag, 0, target, block, range(1))
         return
-    scratch = memoryview(bytearray(request.nbytes))
+    scratch = _scratch(request.nbytes, request.offset)
     try:
         with trace.span("fetch", request.nbytes):
             backend.read_exact(request.file, request.offset, scratch)
@@ -230,11 +242,35 @@ def _fetch(backend: Backend, request: _Request, uri: str, block: int | None) -> 
             _check_blocks(uri, part.fragment, part.start, part.target, block)
 
 
-def _fetch_part(backend: Backend, part: _Part, uri: str, block: int | None, *, resident: bool | None = None) -> None:
+#: the page size O_DIRECT aligns file offsets and memory to
+PAGE = 4096
+
+
+def _scratch(nbytes: int, offset: int) -> memoryview:
+    """Scratch memory for a coalesced request of ``nbytes`` from file ``offset``, whose
+    address agrees with ``offset`` modulo the page size: a storage read of it can then
+    go O_DIRECT straight into it (an unaligned buffer is read through a bounce buffer,
+    one more copy of every byte). Private process memory (an anonymous shared mapping
+    is shmem: its page faults cost twice the system time here), not zero-filled by us."""
+    buf = np.empty(nbytes + PAGE, np.uint8)
+    shift = (offset - buf.ctypes.data) % PAGE
+    return memoryview(buf)[shift : shift + nbytes]  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
+
+
+def _fetch_part(
+    backend: Backend,
+    part: _Part,
+    uri: str,
+    block: int | None,
+    *,
+    resident: bool | None = None,
+    read: _ReadFn | None = None,
+) -> None:
     """Read one part in place. Without verification, or from storage, in one read;
     from memory (``resident``, or else ``backend.in_memory``), in pieces of
     :data:`IN_MEMORY_CHUNK` cut at fragment offsets that are multiples of it, each
-    piece's whole blocks checked while they are still in the CPU cache."""
+    piece's whole blocks checked while they are still in the CPU cache. ``read``: a
+    :meth:`~bcp.backends.Backend.reading` function of the part's file, already open."""
     frag, start, target = part
     n = len(target)
     step = n
@@ -243,12 +279,14 @@ def _fetch_part(backend: Backend, part: _Part, uri: str, block: int | None, *, r
         if n > chunk and (resident or (resident is None and backend.in_memory(frag.file, frag.byte_offset + start, n))):
             step = chunk
     if step == n:
-        _read(backend, frag, start, target, uri)
+        _read(backend, frag, start, target, uri, read)
         if block:
             _check_blocks(uri, frag, start, target, block)
         return
     assert block  # pieces only when verifying
-    with _reading(backend, frag, start, uri) as read:  # one open for all the pieces
+    with contextlib.ExitStack() as stack:
+        if read is None:  # one open for all the pieces
+            read = stack.enter_context(_reading(backend, frag, start, uri))
         pos = 0
         while pos < n:
             end = min(n, ((start + pos) // step + 1) * step - start)
@@ -270,7 +308,13 @@ def _check_blocks(uri: str, frag: Fragment, start: int, view: memoryview, block:
     """Verify each block of ``frag`` that lies wholly inside ``view``, which holds the
     fragment's bytes from ``start``. One comprehension per read: this runs for every
     block a load reads, so it keeps Python's work per block to a slice and a call."""
-    blocks = _whole_blocks(frag, start, len(view), block)
+    n = len(view)
+    if not start and n == frag.nbytes and 0 < n <= block and not trace.enabled():
+        # a whole fragment of one block (a small tensor): one CRC, no ranges
+        if crc32c_c(view) != frag.checksums[0]:
+            _name_block(uri, frag, start, view, block, range(1))
+        return
+    blocks = _whole_blocks(frag, start, n, block)
     if not blocks:
         return
     with trace.span("verify", len(view)):
@@ -347,26 +391,46 @@ def execute_reads(
     (every byte is verified before this returns). Small runs that follow each other
     in a file are fetched together (see :func:`coalesce`)."""
     stats = ReadStats()
-    spans: dict[Fragment, list[Run]] = defaultdict(list)
-    for plan in plans:  # a fragment is its row: equal rows are the same stored bytes and checksums
-        spans[plan.fragment] += [
-            Run(s, plan.dest, d, plan.run_bytes) for s, d in zip(plan.src.tolist(), plan.dst.tolist(), strict=True)
-        ]
-    # keyed by id() of the one Fragment object per row that ``spans`` kept (a Fragment's
-    # hash covers its checksums: thousands of ints for a large one)
+    # a fragment is its row: equal rows are the same stored bytes and checksums, so
+    # their runs are read and verified together. Keyed by where the bytes lie (a
+    # Fragment's own hash covers its checksums: thousands of ints for a large one);
+    # two unequal fragments claiming the same bytes (a hostile catalog) stay apart.
+    groups: dict[tuple, tuple[Fragment, list[Run]]] = {}
+    for plan in plans:
+        frag = plan.fragment
+        key: tuple = (frag.file, frag.byte_offset, frag.nbytes, frag.fqn)
+        group = groups.get(key)
+        if group is not None and group[0] is not frag and group[0] != frag:
+            key = (*key, id(frag))
+            group = groups.get(key)
+        if group is None:
+            group = groups[key] = (frag, [])
+        if len(plan.src) == 1:
+            group[1].append(Run(int(plan.src[0]), plan.dest, int(plan.dst[0]), plan.run_bytes))
+        else:
+            group[1].extend(
+                Run(s, plan.dest, d, plan.run_bytes) for s, d in zip(plan.src.tolist(), plan.dst.tolist(), strict=True)
+            )
+    spans = list(groups.values())
+    # keyed by id() of the one Fragment object per row that ``spans`` kept
     by_fragment: dict[int, list[tuple[int, memoryview]]] = {}
     parts: list[_Part] = []
-    for frag, runs in spans.items():
-        runs.sort()
-        merged: list[Run] = []
-        for run in runs:  # coalesce runs adjacent both in the fragment and in one destination
-            if merged and merged[-1].continued_by(run):
-                merged[-1] = merged[-1]._replace(nbytes=merged[-1].nbytes + run.nbytes)
-            else:
-                merged.append(run)
-        landed = [(r.start, dest_views[r.dest][r.dest_offset : r.dest_offset + r.nbytes]) for r in merged]
+    for frag, runs in spans:
+        if len(runs) > 1:
+            runs.sort()
+            merged: list[Run] = []
+            for run in runs:  # coalesce runs adjacent both in the fragment and in one destination
+                if merged and merged[-1].continued_by(run):
+                    merged[-1] = merged[-1]._replace(nbytes=merged[-1].nbytes + run.nbytes)
+                else:
+                    merged.append(run)
+            runs = merged
+        landed = [(r.start, dest_views[r.dest][r.dest_offset : r.dest_offset + r.nbytes]) for r in runs]
         by_fragment[id(frag)] = landed
         for s, target in landed:
+            if len(target) <= READ_PIECE_BYTES:
+                parts.append(_Part(frag, s, target))
+                continue
             for off in range(0, len(target), READ_PIECE_BYTES):
                 parts.append(_Part(frag, s + off, target[off : off + READ_PIECE_BYTES]))
     streams = streams or backend.hints.concurrency
@@ -383,8 +447,10 @@ def execute_reads(
     def finish(frag: Fragment) -> int:
         """Verify the blocks of a fragment, all of whose reads have landed, that no one
         read held whole; the bytes read only for that."""
-        read = [(p.start, len(p.target)) for p in parts_of[id(frag)]]
-        edges = _edge_blocks(frag, read, block_bytes)
+        mine = parts_of[id(frag)]
+        if len(mine) == 1 and not mine[0].start and len(mine[0].target) == frag.nbytes:
+            return 0  # read whole by one part: every block was checked with it
+        edges = _edge_blocks(frag, [(p.start, len(p.target)) for p in mine], block_bytes)
         if not edges:
             return 0
         checked = sum(min(block_bytes, frag.nbytes - e * block_bytes) for e in edges) if trace.enabled() else 0
@@ -398,7 +464,7 @@ def execute_reads(
         for request in requests:
             _fetch(backend, request, uri, block)
         if verify:
-            for frag in spans:
+            for frag, _runs in spans:
                 stats.verify_bytes += finish(frag)
     else:
         remaining = {key: len(ps) for key, ps in parts_of.items()}

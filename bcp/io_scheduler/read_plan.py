@@ -362,6 +362,11 @@ def touched_rows(
     return bi, fi, wanted.offsets, wanted.lengths
 
 
+#: the run offsets of a whole-fragment plan (read-only: shared by every such plan)
+_ZERO = np.zeros(1, np.int64)
+_ZERO.setflags(write=False)
+
+
 def _whole_from_one_fragment(
     entry: TensorEntry, dest_boxes: list[Box], size: int, in_memory: frozenset[Box], dest: int
 ) -> list[RunSet] | None:
@@ -375,13 +380,29 @@ def _whole_from_one_fragment(
     d_off, d_len = dest_boxes[0]
     if tuple(d_len) != shape or any(d_off):
         return None
-    f_off, f_len = entry.offsets[0].tolist(), entry.lengths[0].tolist()
-    if any(f_off) or tuple(f_len) != shape:
+    # the one row is the whole tensor iff it starts at 0 and spans the shape; one
+    # comparison of its coordinates as a list (no numpy call per dimension)
+    coords = entry.offsets[0].tolist() + entry.lengths[0].tolist() if shape else []
+    if coords != [0] * len(shape) + list(shape):
         return None
     numel = math.prod(shape)
-    if not numel or (in_memory and (tuple(f_off), tuple(f_len)) in in_memory):
+    if not numel or (in_memory and ((0,) * len(shape), shape) in in_memory):
         return []
-    return [RunSet(entry.fragment(0), dest, np.zeros(1, np.int64), np.zeros(1, np.int64), numel * size)]
+    # the row as entry.fragment(0) gives it, from the coordinates known already
+    frag = Fragment(
+        entry.fqn,
+        entry.key_path,
+        entry.dtype,
+        shape,
+        (0,) * len(shape),
+        shape,
+        entry.file_names[int(entry.files[0])],
+        int(entry.byte_offsets[0]),
+        int(entry.sizes[0]),
+        entry.checksums(0),
+        int(entry.writer_ranks[0]),
+    )
+    return [RunSet(frag, dest, _ZERO, _ZERO, numel * size)]
 
 
 def plan_tensor_reads(
