@@ -7,7 +7,10 @@ plan sizes staging reservations without a pipeline (``bcp.async_save.staging_byt
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
 
 from ..shards import Piece
 from ..tensor_io import storage_identity
@@ -162,3 +165,24 @@ def plan_part_chunks(spans: list[tuple[int, int, int]], part_size: int, size: in
             chunk.segments.append(Segment(item, pos, n, at - chunk.offset))
             pos += n
     return chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """Everything a write pipeline works out from its items before copying a byte:
+    kept with the rank's prepared tensors (``bcp.planning.local``) and reused while
+    the structure, this rank's writes and the backend and pool settings are unchanged.
+    Read-only once made (two saves in flight may share it)."""
+
+    file_layout: FileLayout
+    chunks: list[Chunk]
+    #: bytes of every item
+    item_nbytes: list[int]
+    #: the devices whose tensors are copied on a side stream, sorted
+    devices: list[torch.device]
+    #: per item: a dense host tensor (its bytes are its own memory, read as they are)
+    host_dense: list[bool]
+    #: per unique item: how many segments read it
+    uses: Mapping[int, int]
+    #: the items with the caller's tensors let go (what the pipeline keeps once staged)
+    released: list[Any]

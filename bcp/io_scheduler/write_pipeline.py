@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +43,7 @@ from ..shards import Piece
 from ..tensor_io import flat_bytes, host_contiguous
 from .chunk_plan import (
     Chunk,
+    PipelinePlan,
     layout,
     plan_chunks,
     plan_packed_chunks,
@@ -183,12 +184,12 @@ class WritePipeline:
         streams: int,
         stage_all: bool,
         deferred: bool = False,
+        plan: PipelinePlan | None = None,
     ) -> None:
         self.backend, self.data_key, self.rank, self.items = backend, data_key, rank, items
         #: stage now, write later (:meth:`start_writing`, with the data file's key): nothing
         #: reaches the backend before; a pool too small for every chunk raises StagingFull
         self.deferred, self._begun, self._close_requested, self._writing = deferred, False, False, not deferred
-        self.item_nbytes = [item.piece.tensor.numel() * item.piece.tensor.element_size() for item in items]
         self.block, self.pool, self.streams, self.stage_all = block, pool, max(1, streams), stage_all
         self.aligned_writes = backend.hints.aligned_writes
         self.part_size = backend.hints.part_size
@@ -197,12 +198,10 @@ class WritePipeline:
                 f"{backend.uri}: part_size {self.part_size} must be at most the staging slab size "
                 f"{pool.slab_bytes} and a multiple of the checksum block {block}"
             )
-        self.file_layout = layout(
-            [item.piece for item in items],
-            match_memory=self.aligned_writes and not stage_all,
-            part_size=self.part_size,
-            block=block,
-        )
+        #: the file layout, chunks and the like (given: kept from an earlier save of the same structure)
+        self.plan = plan if plan is not None else self._make_plan(items)
+        self.item_nbytes = self.plan.item_nbytes
+        self.file_layout = self.plan.file_layout
         self.offsets, self.unique, self.size = self.file_layout.offsets, self.file_layout.unique, self.file_layout.size
         self.sources: dict[int, torch.Tensor] = {}
         #: host sources' bytes as numpy arrays (staged with numpy: see copy_bytes)
@@ -218,7 +217,41 @@ class WritePipeline:
         self._uses_left: dict[int, int] = {}
         #: device-to-host copies; "the call" is now (this runs in the caller's thread)
         self.copies = DeviceCopies()
-        self.copies.start(sorted({i.piece.tensor.device for i in items if is_device_tensor(i.piece.tensor)}, key=str))
+        self.copies.start(self.plan.devices)
+
+    def _make_plan(self, items: list[WriteItem]) -> PipelinePlan:
+        tensors = [item.piece.tensor for item in items]
+        placed = layout(
+            [item.piece for item in items],
+            match_memory=self.aligned_writes and not self.stage_all,
+            part_size=self.part_size,
+            block=self.block,
+        )
+        nbytes = [t.numel() * t.element_size() for t in tensors]
+        spans = [(i, placed.offsets[i], nbytes[i]) for i in placed.unique]
+        if self.part_size is not None:
+            chunks = plan_part_chunks(spans, self.part_size, placed.size)
+        elif self.stage_all:  # everything is copied: fill the slabs (none is written from the tensor's memory)
+            chunks = plan_packed_chunks(spans, self.pool.slab_bytes, self.block)
+        else:
+            chunks = plan_chunks(spans, self.pool.slab_bytes)
+        uses: dict[int, int] = {}
+        for chunk in chunks:
+            for seg in chunk.segments:
+                uses[seg.item] = uses.get(seg.item, 0) + 1
+        device = [is_device_tensor(t) for t in tensors]
+        return PipelinePlan(
+            file_layout=placed,
+            chunks=chunks,
+            item_nbytes=nbytes,
+            devices=sorted({t.device for t, d in zip(tensors, device, strict=True) if d}, key=str),
+            host_dense=[
+                not d and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+                for t, d in zip(tensors, device, strict=True)
+            ],
+            uses=uses,
+            released=[WriteItem(item.plan, Piece(item.piece.box, _RELEASED), item.tensor) for item in items],
+        )
 
     # -- calling thread ---------------------------------------------------------------------
 
@@ -226,7 +259,10 @@ class WritePipeline:
         """The item's bytes as a flat uint8 tensor (on its device). A device tensor
         that is not dense row-major is made so on the side stream (after the caller's
         work, before the copies that read it)."""
-        t = self.items[index].piece.tensor.detach()
+        t = self.items[index].piece.tensor
+        if self.plan.host_dense[index]:  # its own memory, as it is
+            return flat_bytes(t) if self.item_nbytes[index] else torch.empty(0, dtype=torch.uint8)
+        t = t.detach()
         if not is_device_tensor(t):
             t = host_contiguous(t)
         elif not t.is_contiguous() or t.is_conj() or t.is_neg():
@@ -234,12 +270,7 @@ class WritePipeline:
         return flat_bytes(t) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
     def chunks(self) -> list[Chunk]:
-        spans = [(i, self.offsets[i], self.item_nbytes[i]) for i in self.unique]
-        if self.part_size is not None:
-            return plan_part_chunks(spans, self.part_size, self.size)
-        if self.stage_all:  # everything is copied: fill the slabs (none is written from the tensor's memory)
-            return plan_packed_chunks(spans, self.pool.slab_bytes, self.block)
-        return plan_chunks(spans, self.pool.slab_bytes)
+        return list(self.plan.chunks)
 
     def stage(self, select=None, last: bool = True) -> None:
         """Produce the chunks ``select(chunk)`` accepts (every chunk when None) that
@@ -251,9 +282,7 @@ class WritePipeline:
             if not self.deferred:
                 self._writer = self.backend.open_writer(self.data_key, size=self.size)
             self._pending = self.chunks()
-            for chunk in self._pending:
-                for seg in chunk.segments:
-                    self._uses_left[seg.item] = self._uses_left.get(seg.item, 0) + 1
+            self._uses_left = dict(self.plan.uses)
             if not self.stage_all:
                 self._start_writers()
         staged = trace.span("stage")
@@ -284,7 +313,7 @@ class WritePipeline:
         copies still in flight keep their sources' memory reserved (record_stream)."""
         self.sources.clear()
         self._arrays.clear()
-        self.items = [WriteItem(item.plan, Piece(item.piece.box, _RELEASED), item.tensor) for item in self.items]
+        self.items = self.plan.released
 
     def _start_writers(self) -> None:
         """Writers start at once for a synchronous save; an asynchronous one stages
@@ -480,12 +509,37 @@ class StagingFull(Exception):
     """A deferred pipeline's chunks do not all fit in the staging pool at once."""
 
 
-def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=None, stage_all=False, deferred=False):
-    """A pipeline on ``pool`` (default: the process-wide one) with ``streams`` writers (default: the backend's hint)."""
+#: Pipeline plans kept per prepared structure (this rank's writes x backend and pool settings).
+KEEP_PIPELINE_PLANS = 4
+
+
+def make_pipeline(
+    backend,
+    data_key,
+    rank,
+    items,
+    block,
+    *,
+    pool=None,
+    streams=None,
+    stage_all=False,
+    deferred=False,
+    plans: MutableMapping[Any, PipelinePlan] | None = None,
+    writes: np.ndarray | None = None,
+):
+    """A pipeline on ``pool`` (default: the process-wide one) with ``streams`` writers
+    (default: the backend's hint). ``plans``: pipeline plans kept for the structure of
+    ``items`` (``bcp.planning.local``), by ``writes`` (the indices ``items`` were taken
+    from) and the settings the plan depends on; used when there, else kept there."""
     pool = pool or default_pool()
     if pool.slab_bytes % block:
         raise ValueError(f"staging slab size {pool.slab_bytes} must be a multiple of the checksum block {block}")
-    return WritePipeline(
+    key = None
+    if plans is not None and writes is not None:
+        hints = backend.hints
+        key = (np.asarray(writes).tobytes(), stage_all, hints.aligned_writes, hints.part_size, block, pool.slab_bytes)
+    plan = plans.get(key) if plans is not None and key is not None else None
+    pipeline = WritePipeline(
         backend,
         data_key,
         rank,
@@ -495,7 +549,13 @@ def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=N
         streams=streams or backend.hints.concurrency,
         stage_all=stage_all,
         deferred=deferred,
+        plan=plan,
     )
+    if plans is not None and key is not None and plan is None:
+        plans[key] = pipeline.plan
+        while len(plans) > KEEP_PIPELINE_PLANS:
+            del plans[next(iter(plans))]
+    return pipeline
 
 
 def write_rank_data(backend: Backend, data_key: str, rank: int, items: list[WriteItem], block: int) -> WriterReport:
