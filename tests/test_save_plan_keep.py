@@ -328,3 +328,56 @@ def test_pipeline_plans_are_keyed_by_the_settings(tmp_path):
     p3 = make_pipeline(backend, "k", 0, prepared.items, 4096, pool=small, stage_all=True, plans=memo, writes=writes)
     assert p1.plan is not p2.plan and p3.plan is p1.plan and len(memo) == 2
     assert max(c.nbytes for c in p2.plan.chunks) > 64 << 10 >= max(c.nbytes for c in p1.plan.chunks)
+
+
+class Loud(str):
+    """A key whose str() is not its format(): the FQN takes str(), as fqn_of does."""
+
+    def __str__(self) -> str:
+        return "loud"
+
+    def __format__(self, spec: str) -> str:
+        return "quiet"
+
+
+keys = st.one_of(st.text(alphabet="ab.", max_size=2), st.integers(0, 3))
+trees = st.recursive(
+    st.sampled_from(["tensor", "param", 1.5]),
+    lambda kids: st.one_of(st.lists(kids, max_size=3), st.dictionaries(keys, kids, max_size=3)),
+    max_leaves=8,
+)
+
+
+def build(tree):
+    if tree == "tensor":
+        return torch.zeros(1)
+    if tree == "param":
+        return torch.nn.Parameter(torch.zeros(1))
+    if isinstance(tree, list):
+        return [build(t) for t in tree]
+    if isinstance(tree, dict):
+        return {k: build(v) for k, v in tree.items()}
+    return tree
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(tree=st.dictionaries(keys, trees, max_size=4))
+def test_flattening_names_every_leaf_by_its_path(tree):
+    """The FQN built key by key equals fqn_of(path); collisions are still refused."""
+    from bcp.state import fqn_of
+
+    state = build(tree)
+    try:
+        leaves = flatten_state(state)
+    except bcp.UnsupportedStateError as e:
+        assert "flatten" in str(e)
+        return
+    for fqn, leaf in leaves.items():
+        assert fqn == leaf.fqn == fqn_of(leaf.path)
+
+
+def test_a_key_is_named_by_its_str():
+    leaves = flatten_state({"m": {Loud("x"): torch.zeros(1), 2: [torch.ones(1)]}})
+    assert list(leaves) == ["m.loud", "m.2.0"]
+    with pytest.raises(bcp.UnsupportedStateError, match="same key 'a.b'"):
+        flatten_state({"a.b": torch.zeros(1), "a": {"b": torch.zeros(1)}})

@@ -355,16 +355,23 @@ class WritePipeline:
         self._release_sources()
 
     def _produce(self, chunk: Chunk) -> None:
+        host_dense = self.plan.host_dense if self.stage_all else ()
         for seg in chunk.segments:
-            if seg.item not in self.sources:
-                self.sources[seg.item] = self._flat_source(seg.item)
+            item = seg.item
+            if item in self.sources or item in self._arrays:
+                continue
+            if item < len(host_dense) and host_dense[item]:  # staged from its own bytes, as numpy
+                t = self.items[item].piece.tensor
+                self._arrays[item] = flat_bytes(t).numpy() if self.item_nbytes[item] else np.empty(0, np.uint8)
+            else:
+                self.sources[item] = self._flat_source(item)
         try:
             self._queue.put(self._stage_chunk(chunk))
         finally:
             self._forget_sources(chunk)
 
     def _stage_chunk(self, chunk: Chunk) -> StagedChunk:
-        first = self.sources[chunk.segments[0].item] if chunk.segments else None
+        first = self.sources.get(chunk.segments[0].item) if chunk.segments else None
         whole = len(chunk.segments) == 1 and chunk.segments[0].at == 0 and chunk.segments[0].nbytes == chunk.nbytes
         if first is not None and not self.stage_all and whole and not is_device_tensor(first):
             seg = chunk.segments[0]
@@ -385,15 +392,16 @@ class WritePipeline:
             for seg in chunk.segments:
                 if seg.at > cursor:
                     out_bytes[cursor : seg.at] = 0  # padding: never leak an earlier save's bytes
-                source = self.sources[seg.item]
-                if is_device_tensor(source):
-                    src = source[seg.start : seg.start + seg.nbytes]
-                    events.append(self.copies.to_host(out[seg.at : seg.at + seg.nbytes], src))
-                else:
-                    array = self._arrays.get(seg.item)
-                    if array is None:
-                        array = self._arrays[seg.item] = source.numpy()
-                    copy_bytes(out_bytes[seg.at : seg.at + seg.nbytes], array[seg.start : seg.start + seg.nbytes])
+                array = self._arrays.get(seg.item)
+                if array is None:
+                    source = self.sources[seg.item]
+                    if is_device_tensor(source):
+                        src = source[seg.start : seg.start + seg.nbytes]
+                        events.append(self.copies.to_host(out[seg.at : seg.at + seg.nbytes], src))
+                        cursor = seg.at + seg.nbytes
+                        continue
+                    array = self._arrays[seg.item] = source.numpy()
+                copy_bytes(out_bytes[seg.at : seg.at + seg.nbytes], array[seg.start : seg.start + seg.nbytes])
                 cursor = seg.at + seg.nbytes
             if cursor < chunk.nbytes:
                 out_bytes[cursor : chunk.nbytes] = 0

@@ -8,7 +8,9 @@ one per coordinator group, in its :class:`bcp.planning.cache.PlanCache`) under a
 fingerprint of every tensor leaf, compared as a whole at each save:
 
 * a plain tensor (``torch.Tensor`` or ``nn.Parameter`` exactly): its key path, dtype,
-  shape, strides, storage offset, address, device, layout and conjugate/negative bits.
+  shape, strides, storage offset, address, device, conjugate/negative bits and whether
+  bcp copies it as a device tensor (a tensor of another layout has no strides: planned,
+  and refused, the usual way).
   The address and offset give the storage's address, so two tensors share memory
   (a tied weight, written once) exactly when they did before;
 * any other tensor-like leaf (DTensor, TensorShard, FlatShard, a tensor subclass):
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 
 from ..io_scheduler.chunk_plan import PipelinePlan
-from ..io_scheduler.device_copy import is_device_tensor
+from ..io_scheduler import device_copy
 from ..io_scheduler.write_pipeline import WriteItem
 from ..replicas import ReplicaSummer, ReplicaSums
 from ..shards import LocalTensor, Piece, holds_replica, local_pieces
@@ -74,7 +76,8 @@ class Prepared:
 
 def tensor_signature(t: torch.Tensor) -> tuple:
     """What of a tensor's memory its plan depends on (raises for a tensor without
-    strides or storage: such a tensor is planned, and refused, the usual way)."""
+    strides or storage: such a tensor is planned, and refused, the usual way).
+    :func:`fingerprint` has the same fields inline for plain tensors."""
     return (
         t.dtype,
         t.shape,
@@ -82,10 +85,9 @@ def tensor_signature(t: torch.Tensor) -> tuple:
         t.storage_offset(),
         t.data_ptr(),
         t.device,
-        t.layout,
         t.is_conj(),
         t.is_neg(),
-        is_device_tensor(t),  # the copy path bcp takes (tests swap the CUDA seam)
+        device_copy.api.is_device(t),  # the copy path bcp takes (tests swap the CUDA seam)
     )
 
 
@@ -96,11 +98,25 @@ def fingerprint(leaves: Mapping[Any, Any], rank: int) -> tuple[tuple | None, lis
     :class:`LocalTensor`."""
     sigs: list[Any] = [rank]
     values: list[Any] = []
+    is_device = device_copy.api.is_device  # the copy path bcp takes (tests swap the CUDA seam)
     try:
         for leaf in leaves.values():
             v = leaf.value
-            if type(v) in PLAIN_TENSORS:
-                sigs.append((leaf.path, *tensor_signature(v)))
+            if type(v) in PLAIN_TENSORS:  # tensor_signature, inline: this loop runs for every tensor
+                sigs.append(
+                    (
+                        leaf.path,
+                        v.dtype,
+                        v.shape,
+                        v.stride(),
+                        v.storage_offset(),
+                        v.data_ptr(),
+                        v.device,
+                        v.is_conj(),
+                        v.is_neg(),
+                        is_device(v),
+                    )
+                )
                 values.append(v)
             elif leaf.is_tensor:
                 local = local_pieces(v, leaf.fqn)
