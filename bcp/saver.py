@@ -56,7 +56,7 @@ from .lanes import coordinator_for
 from .options import SaveOptions, SaveOptionsKwargs
 from .planning import GlobalPlan, LayoutMeta, LocalLayout, plan_save
 from .planning.cache import PlanCache, PlanSummary, plan_cache_for, plan_key, save_order
-from .planning.local import LocalPlans, Prepared, prepare_tensors
+from .planning.local import PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
 from .planning.writer_rows import merge_reports, row_stats
 from .replicas import ReplicaSummer, ReplicaSums, check_replicas
 from .shards import PerRank
@@ -134,7 +134,7 @@ def prepare_save(
     leaves = flatten_state(state)
     objects: dict[str, LocalObject] = {}
     for leaf in leaves.values():
-        if not leaf.is_tensor:
+        if type(leaf.value) not in PLAIN_TENSORS and not leaf.is_tensor:
             per_rank = isinstance(leaf.value, PerRank)
             value = leaf.value.value if per_rank else leaf.value
             encoded = objcodec.encode(value, fqn=leaf.fqn, allow_pickle=allow_pickle)

@@ -124,7 +124,7 @@ def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf], fqn: 
     if isinstance(container, Mapping):
         seen: dict[str, Any] = {}
         for key, value in container.items():
-            if not _plain_key(key):
+            if type(key) is not str and not _plain_key(key):
                 raise UnsupportedStateError(
                     f"key {key!r} at the top of the state is a {type(key).__name__}; top-level keys must be str or int"
                 )

@@ -355,20 +355,21 @@ class WritePipeline:
         self._release_sources()
 
     def _produce(self, chunk: Chunk) -> None:
-        host_dense = self.plan.host_dense if self.stage_all else ()
+        dense = self.plan.host_dense if self.stage_all else None  # those are read in _stage_chunk
         for seg in chunk.segments:
             item = seg.item
-            if item in self.sources or item in self._arrays:
-                continue
-            if item < len(host_dense) and host_dense[item]:  # staged from its own bytes, as numpy
-                t = self.items[item].piece.tensor
-                self._arrays[item] = flat_bytes(t).numpy() if self.item_nbytes[item] else np.empty(0, np.uint8)
-            else:
+            if (dense is None or not dense[item]) and item not in self.sources:
                 self.sources[item] = self._flat_source(item)
         try:
             self._queue.put(self._stage_chunk(chunk))
         finally:
             self._forget_sources(chunk)
+
+    def _host_array(self, item: int) -> np.ndarray:
+        """A dense host item's bytes as a numpy array (no copy)."""
+        if not self.item_nbytes[item]:
+            return np.empty(0, np.uint8)
+        return flat_bytes(self.items[item].piece.tensor).numpy()
 
     def _stage_chunk(self, chunk: Chunk) -> StagedChunk:
         first = self.sources.get(chunk.segments[0].item) if chunk.segments else None
@@ -386,6 +387,7 @@ class WritePipeline:
         out = slab.view(chunk.nbytes, shift=chunk.offset % 4096)  # same phase as the file: O_DIRECT-able
         out_bytes = out.numpy()  # host copies and padding go through numpy: few Python operations a segment
         cursor, events = 0, []
+        dense = self.plan.host_dense if self.stage_all else None
         copying = trace.span("copy", chunk.nbytes)  # issuing the copies only, for device sources
         try:
             copying.__enter__()
@@ -393,7 +395,11 @@ class WritePipeline:
                 if seg.at > cursor:
                     out_bytes[cursor : seg.at] = 0  # padding: never leak an earlier save's bytes
                 array = self._arrays.get(seg.item)
-                if array is None:
+                if array is None and dense is not None and dense[seg.item]:
+                    array = self._host_array(seg.item)
+                    if self._uses_left[seg.item] > 1:  # read by a later chunk too
+                        self._arrays[seg.item] = array
+                elif array is None:
                     source = self.sources[seg.item]
                     if is_device_tensor(source):
                         src = source[seg.start : seg.start + seg.nbytes]
@@ -416,9 +422,10 @@ class WritePipeline:
     def _forget_sources(self, chunk: Chunk) -> None:
         """Drop a source once its last chunk is staged (a device temporary's memory
         returns to the allocator, reusable only behind the side stream's copies)."""
+        uses = self._uses_left
         for seg in chunk.segments:
-            self._uses_left[seg.item] -= 1
-            if self._uses_left[seg.item] == 0:
+            left = uses[seg.item] = uses[seg.item] - 1
+            if not left:
                 self.sources.pop(seg.item, None)
                 self._arrays.pop(seg.item, None)
 
