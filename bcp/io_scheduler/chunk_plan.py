@@ -180,8 +180,9 @@ class PipelinePlan:
     item_nbytes: list[int]
     #: the devices whose tensors are copied on a side stream, sorted
     devices: list[torch.device]
-    #: per item: a dense host tensor (its bytes are its own memory, read as they are)
-    host_dense: list[bool]
+    #: per item: 0, or a dense host tensor (its bytes are its own memory, read as they
+    #: are): 1, or 2 when its dtype has a numpy twin (read through ``Tensor.numpy``)
+    host_dense: list[int]
     #: per unique item: how many segments read it
     uses: Mapping[int, int]
     #: the items with the caller's tensors let go (what the pipeline keeps once staged)

@@ -165,6 +165,23 @@ def fragment_table(fragments: Sequence[Fragment]) -> pa.Table:
     )
 
 
+#: Dtypes ``Tensor.numpy`` takes (the others are read through a uint8 view).
+NUMPY_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
+)
+
 #: What a released item's piece holds instead of the caller's tensor.
 _RELEASED = torch.empty(0, dtype=torch.uint8)
 
@@ -246,7 +263,9 @@ class WritePipeline:
             item_nbytes=nbytes,
             devices=sorted({t.device for t, d in zip(tensors, device, strict=True) if d}, key=str),
             host_dense=[
-                not d and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+                (2 if t.dtype in NUMPY_DTYPES else 1)
+                if not d and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+                else 0
                 for t, d in zip(tensors, device, strict=True)
             ],
             uses=uses,
@@ -369,7 +388,10 @@ class WritePipeline:
         """A dense host item's bytes as a numpy array (no copy)."""
         if not self.item_nbytes[item]:
             return np.empty(0, np.uint8)
-        return flat_bytes(self.items[item].piece.tensor).numpy()
+        t = self.items[item].piece.tensor
+        if self.plan.host_dense[item] == 2:  # two torch calls instead of four: this runs for every tensor
+            return (t.detach() if t.requires_grad else t).numpy().reshape(-1).view(np.uint8)
+        return flat_bytes(t).numpy()
 
     def _stage_chunk(self, chunk: Chunk) -> StagedChunk:
         first = self.sources.get(chunk.segments[0].item) if chunk.segments else None

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from ..io_scheduler.chunk_plan import PipelinePlan
 from ..io_scheduler import device_copy
+from ..io_scheduler.chunk_plan import PipelinePlan
 from ..io_scheduler.write_pipeline import WriteItem
 from ..replicas import ReplicaSummer, ReplicaSums
 from ..shards import LocalTensor, Piece, holds_replica, local_pieces
@@ -211,8 +211,8 @@ def prepare_tensors(
     key, values = fingerprint(leaves, rank) if plans is not None else (None, [])
     kept = plans.get(key) if plans is not None else None
     if kept is not None:
-        items = kept.items(values)
-        return Prepared(kept.layout, items, objects, kept.sum_replicas(items, summer), kept)
+        reused = kept.items(values)
+        return Prepared(kept.layout, reused, objects, kept.sum_replicas(reused, summer), kept)
     tensors: list[TensorPlan] = []
     items: list[WriteItem] = []
     piece_of: list[int] = []
