@@ -41,14 +41,7 @@ from ..planning import TensorPlan
 from ..priority import lower_this_thread
 from ..shards import Piece
 from ..tensor_io import flat_bytes, host_contiguous
-from .chunk_plan import (
-    Chunk,
-    PipelinePlan,
-    layout,
-    plan_chunks,
-    plan_packed_chunks,
-    plan_part_chunks,
-)
+from .chunk_plan import Chunk, PipelinePlan, plan_pipeline
 from .device_copy import DeviceCopies, is_device_tensor, settle
 from .staging import Slab, StagingPool, default_pool
 
@@ -165,23 +158,6 @@ def fragment_table(fragments: Sequence[Fragment]) -> pa.Table:
     )
 
 
-#: Dtypes ``Tensor.numpy`` takes (the others are read through a uint8 view).
-NUMPY_DTYPES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-    }
-)
-
 #: What a released item's piece holds instead of the caller's tensor.
 _RELEASED = torch.empty(0, dtype=torch.uint8)
 
@@ -237,38 +213,14 @@ class WritePipeline:
         self.copies.start(self.plan.devices)
 
     def _make_plan(self, items: list[WriteItem]) -> PipelinePlan:
-        tensors = [item.piece.tensor for item in items]
-        placed = layout(
+        return plan_pipeline(
             [item.piece for item in items],
             match_memory=self.aligned_writes and not self.stage_all,
             part_size=self.part_size,
             block=self.block,
-        )
-        nbytes = [t.numel() * t.element_size() for t in tensors]
-        spans = [(i, placed.offsets[i], nbytes[i]) for i in placed.unique]
-        if self.part_size is not None:
-            chunks = plan_part_chunks(spans, self.part_size, placed.size)
-        elif self.stage_all:  # everything is copied: fill the slabs (none is written from the tensor's memory)
-            chunks = plan_packed_chunks(spans, self.pool.slab_bytes, self.block)
-        else:
-            chunks = plan_chunks(spans, self.pool.slab_bytes)
-        uses: dict[int, int] = {}
-        for chunk in chunks:
-            for seg in chunk.segments:
-                uses[seg.item] = uses.get(seg.item, 0) + 1
-        device = [is_device_tensor(t) for t in tensors]
-        return PipelinePlan(
-            file_layout=placed,
-            chunks=chunks,
-            item_nbytes=nbytes,
-            devices=sorted({t.device for t, d in zip(tensors, device, strict=True) if d}, key=str),
-            host_dense=[
-                (2 if t.dtype in NUMPY_DTYPES else 1)
-                if not d and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-                else 0
-                for t, d in zip(tensors, device, strict=True)
-            ],
-            uses=uses,
+            slab_bytes=self.pool.slab_bytes,
+            packed=self.stage_all,
+            is_device=is_device_tensor,
             released=[WriteItem(item.plan, Piece(item.piece.box, _RELEASED), item.tensor) for item in items],
         )
 
