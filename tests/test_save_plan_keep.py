@@ -66,6 +66,19 @@ def test_the_second_save_of_a_structure_reuses_its_plan(tmp_path):
     assert (plans.built, plans.reused) == (2, 1)
 
 
+def test_saves_cycling_through_three_structures_reuse_each(tmp_path):
+    """A process saving three states in turn (a model, its optimizer, a benchmark's
+    sizes) plans each once: neither the rank's kept structures nor the coordinator's
+    plans are evicted by the third."""
+    clear_plan_caches()
+    states = [{f"t{i}": torch.randn(3) for i in range(n)} for n in (1, 2, 3)]
+    for _ in range(3):
+        for n, state in enumerate(states):
+            bcp.async_save(state, str(tmp_path / f"s{n}"), overwrite=True).wait()
+    assert (local_plans().built, local_plans().reused) == (3, 6)
+    assert len(plan_cache_for("local").held()) == 3
+
+
 def test_the_pipeline_plan_is_kept_with_the_structure(tmp_path):
     """The file layout and chunks are made once per (structure, writes, settings)."""
     clear_plan_caches()

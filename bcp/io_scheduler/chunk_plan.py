@@ -206,6 +206,15 @@ class PipelinePlan:
     released: list[Any]
 
 
+def count_uses(chunks: Sequence[Chunk]) -> dict[int, int]:
+    """Item -> how many segments of ``chunks`` read it."""
+    uses: dict[int, int] = {}
+    for chunk in chunks:
+        for seg in chunk.segments:
+            uses[seg.item] = uses.get(seg.item, 0) + 1
+    return uses
+
+
 def plan_pipeline(
     pieces: Sequence[Piece],
     *,
@@ -230,10 +239,6 @@ def plan_pipeline(
         chunks = plan_packed_chunks(spans, slab_bytes, block)
     else:
         chunks = plan_chunks(spans, slab_bytes)
-    uses: dict[int, int] = {}
-    for chunk in chunks:
-        for seg in chunk.segments:
-            uses[seg.item] = uses.get(seg.item, 0) + 1
     device = [is_device(t) for t in tensors]
     return PipelinePlan(
         file_layout=placed,
@@ -246,6 +251,6 @@ def plan_pipeline(
             else 0
             for t, d in zip(tensors, device, strict=True)
         ],
-        uses=uses,
+        uses=count_uses(chunks),
         released=released,
     )

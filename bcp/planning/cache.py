@@ -28,9 +28,9 @@ import numpy as np
 from .layout import LayoutMeta
 from .local import LocalPlans
 
-#: Plans kept per coordinator group (and writes per rank): the last two layouts, so
-#: a job alternating between two (e.g. with and without an optimizer state) hits too.
-KEEP_PLANS = 2
+#: Plans kept per coordinator group (and writes per rank): the last four layouts, so
+#: a job cycling through a few (e.g. with and without an optimizer state) hits too.
+KEEP_PLANS = 4
 
 
 @dataclasses.dataclass(frozen=True)

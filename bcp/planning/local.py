@@ -49,10 +49,9 @@ from .layout import LocalLayout, TensorPlan
 #: may describe its memory otherwise, and goes through ``local_pieces``).
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
-#: Structures kept per coordinator group (a job alternating between two hits both).
-KEEP_LOCAL = 2
-#: Pipeline plans kept per structure (this rank's writes x backend and pool settings).
-KEEP_PIPELINES = 4
+#: Structures kept per coordinator group (a job cycling through a few, e.g. the model
+#: alone, with its optimizer, and a benchmark's several states, hits each).
+KEEP_LOCAL = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +91,7 @@ def tensor_signature(t: torch.Tensor) -> tuple:
 
 
 def fingerprint(leaves: Mapping[Any, Any], rank: int) -> tuple[tuple | None, list[Any]]:
-    """(key, values): ``key`` compares equal between two saves exactly when their
+    """(key, values): ``key`` compares equal between two saves only when their
     tensors' plans are equal (None: not fingerprintable, plan afresh); ``values``
     holds, per tensor leaf in order, the tensor itself (a plain one) or its
     :class:`LocalTensor`."""
