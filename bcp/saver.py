@@ -33,7 +33,6 @@ import torch
 
 from bcp.backends import Backend
 from bcp.metadata import FileEntry, Fragment, Manifest, ObjectEntry
-from bcp.metadata.geometry import Box
 from bcp.metadata.layout import catalog_key, data_file_key, generation_name
 
 from . import objcodec, trace
@@ -52,18 +51,17 @@ from .commit import (
 )
 from .errors import CheckpointExistsError, CommitUncertainError, ShardingError, UnsupportedStateError
 from .gc_pause import gc_paused
-from .io_scheduler.write_pipeline import WriteItem, WritePipeline, WriterReport, fragment_table, make_pipeline
+from .io_scheduler.write_pipeline import WriteItem, WritePipeline, make_pipeline
 from .lanes import coordinator_for
 from .options import SaveOptions, SaveOptionsKwargs
-from .planning import GlobalPlan, LayoutMeta, LocalLayout, TensorPlan, plan_save
+from .planning import GlobalPlan, LayoutMeta, LocalLayout, plan_save
 from .planning.cache import PlanCache, PlanSummary, plan_cache_for, plan_key, save_order
-from .planning.writer_rows import merge_reports, row_stats
+from .planning.local import PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
+from .planning.writer_rows import WriterReport, fragment_table, merge_reports, row_stats
 from .replicas import ReplicaSummer, ReplicaSums, check_replicas
-from .shards import PerRank, holds_replica, local_pieces
-from .state import flatten_state, path_to_json, path_to_str
+from .shards import PerRank
+from .state import flatten_state, path_to_json
 from .target import Target, resolve_backend
-from .tensor_io import check_saveable, storage_identity
-from .torch_dtypes import dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -122,70 +120,27 @@ class Hello(NamedTuple):
     replicas: ReplicaSums | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Prepared:
-    """Step 1's result on one rank."""
-
-    layout: LocalLayout
-    #: one per box of ``layout``, in its flat order (box i is written from items[i])
-    items: list[WriteItem]
-    objects: dict[str, LocalObject]
-    #: checksums of the replicated boxes, taken now: the values at the call
-    replicas: ReplicaSums | None = None
-
-    @property
-    def pieces(self) -> dict[tuple[str, Box], WriteItem]:
-        """(fqn, box) -> the item writing it."""
-        return {(item.plan.fqn, item.piece.box): item for item in self.items}
-
-
 def prepare_save(
-    state: Mapping[str, Any], rank: int, allow_pickle: bool, *, check_replicas: str = "off", world_size: int = 1
+    state: Mapping[str, Any],
+    rank: int,
+    allow_pickle: bool,
+    *,
+    check_replicas: str = "off",
+    world_size: int = 1,
+    plans: LocalPlans | None = None,
 ) -> Prepared:
+    """Step 1 on this rank (``plans``: where the tensors' plan of an unchanged
+    structure is kept between saves, ``bcp.planning.local``)."""
     leaves = flatten_state(state)
     objects: dict[str, LocalObject] = {}
     for leaf in leaves.values():
-        if not leaf.is_tensor:
+        if type(leaf.value) not in PLAIN_TENSORS and not leaf.is_tensor:
             per_rank = isinstance(leaf.value, PerRank)
             value = leaf.value.value if per_rank else leaf.value
             encoded = objcodec.encode(value, fqn=leaf.fqn, allow_pickle=allow_pickle)
             objects[leaf.fqn] = LocalObject(path_to_json(leaf.path), encoded, per_rank)
     summer = ReplicaSummer(check_replicas if world_size > 1 else "off")  # one rank has nothing to compare
-    return _prepare_tensors(leaves, rank, objects, summer)
-
-
-def _prepare_tensors(
-    leaves: Mapping[Any, Any], rank: int, objects: dict[str, LocalObject], summer: ReplicaSummer | None = None
-) -> Prepared:
-    """The tensor part of step 1: each tensor's plan and local pieces (and, with
-    ``summer``, the checksums of its replicated ones)."""
-    summer = summer or ReplicaSummer("off")
-    tensors: list[TensorPlan] = []
-    items: list[WriteItem] = []
-    first_fqn_of: dict[tuple, str] = {}
-    for leaf in leaves.values():
-        if not leaf.is_tensor:
-            continue
-        shape, dtype, local, _replicated = local_pieces(leaf.value, leaf.fqn)
-        for piece in local:
-            check_saveable(piece.tensor, leaf.fqn)
-        ident = tuple(storage_identity(p.tensor) for p in local)
-        alias = first_fqn_of.setdefault(ident, leaf.fqn)
-        tensor_plan = TensorPlan(
-            fqn=leaf.fqn,
-            key_path=path_to_str(leaf.path),
-            dtype=dtype_name(dtype, fqn=leaf.fqn),
-            global_shape=tuple(shape),
-            boxes=tuple(p.box for p in local),
-            alias_of=None if alias == leaf.fqn else alias,
-        )
-        items.extend(WriteItem(tensor_plan, piece, len(tensors)) for piece in local)  # LocalLayout's flat order
-        if summer.enabled and holds_replica(leaf.value):
-            for piece in local:
-                summer.add(len(tensors), piece.box, tensor_plan.global_shape, piece.tensor)
-        tensors.append(tensor_plan)
-    replicas = summer.finish() if summer.enabled else None
-    return Prepared(LocalLayout.build(rank, tensors), items, objects, replicas)
+    return prepare_tensors(leaves, rank, objects, summer, plans)
 
 
 def planned_writes(state: Mapping[str, Any], coord: Coordinator) -> list[WriteItem]:
@@ -193,7 +148,7 @@ def planned_writes(state: Mapping[str, Any], coord: Coordinator) -> list[WriteIt
     now with ``coord``'s ranks: after deduplication and balancing (a DDP rank writes
     about 1/N of the state). Sizes staging reservations; writes nothing."""
     phase = "planning the staging reservation"
-    prepared: Prepared = run_phase(coord, phase, lambda: _prepare_tensors(flatten_state(state), coord.rank, {}))
+    prepared: Prepared = run_phase(coord, phase, lambda: prepare_tensors(flatten_state(state), coord.rank, {}))
     layouts = coord.gather(prepared.layout)
 
     def plan() -> GlobalPlan:
@@ -342,6 +297,7 @@ class SaveJob:
     @classmethod
     def _start(cls, state, uri, coord, options, started, session, *, stage_all: bool) -> SaveJob:
         backend = resolve_backend(uri, options.storage_options)
+        cache = plan_cache_for(coord.cache_key)
         prepared: Prepared = run_phase(
             coord,
             "preparing the save",
@@ -351,11 +307,12 @@ class SaveJob:
             options.allow_pickle,
             check_replicas=options.check_replicas,
             world_size=coord.world_size,
+            plans=cache.local,
         )
-        cache = plan_cache_for(coord.cache_key)
         held = cache.held()
         layout = prepared.layout
-        hello = Hello(layout.digest(), layout.meta_digest, frozenset(held), prepared.objects, prepared.replicas)
+        digest = prepared.local.digest if prepared.local is not None else layout.digest()
+        hello = Hello(digest, layout.meta_digest, frozenset(held), prepared.objects, prepared.replicas)
         hellos = coord.gather(hello)
         decision: SaveDecision | SaveStart = decide(
             coord, "planning the save", coordinate_save, backend, hellos, options, cache, share=lambda d: d.start
@@ -394,6 +351,8 @@ class SaveJob:
             pool=options.pool,
             streams=options.streams,
             stage_all=stage_all,
+            plans=prepared.local.pipelines if prepared.local is not None else None,
+            writes=my_writes,
         )
         return cls(
             coord,

@@ -106,7 +106,7 @@ def flatten_state(state: Mapping) -> dict[str, Leaf]:
             f"the state must be a mapping (a dict of named entries), got {type(state).__name__}"
         )
     leaves: dict[str, Leaf] = {}
-    _walk_children(state, (), leaves)
+    _walk_children(state, (), leaves, "")
     return leaves
 
 
@@ -114,11 +114,17 @@ def _plain_key(key: Any) -> bool:
     return isinstance(key, (str, int)) and not isinstance(key, bool)
 
 
-def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf]) -> None:
+#: Leaves with nothing to expand or refuse, taken at once (exact types: a subclass may be
+#: anything, a legacy ShardedTensor among them): flattening runs for every tensor of every save.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf], fqn: str) -> None:
+    """``fqn``: the container's own (``fqn_of(path)``), its children's prefix."""
     if isinstance(container, Mapping):
         seen: dict[str, Any] = {}
         for key, value in container.items():
-            if not _plain_key(key):
+            if type(key) is not str and not _plain_key(key):
                 raise UnsupportedStateError(
                     f"key {key!r} at the top of the state is a {type(key).__name__}; top-level keys must be str or int"
                 )
@@ -128,11 +134,11 @@ def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf]) -> No
                     f"both flatten to {str(key)!r}"
                 )
             seen[str(key)] = key
-            _walk(value, (*path, ("d", key)), leaves)
+            _walk(value, (*path, ("d", key)), leaves, f"{fqn}.{key!s}" if path else str(key))
     else:
         kind = "t" if isinstance(container, tuple) else "l"
         for i, value in enumerate(container):
-            _walk(value, (*path, (kind, i)), leaves)
+            _walk(value, (*path, (kind, i)), leaves, f"{fqn}.{i!s}" if path else str(i))
 
 
 #: set while bcp takes a Stateful's state_dict() to save it (flatten_state), unset while
@@ -192,7 +198,11 @@ def _refuse_rank_values(value: Any, path: KeyPath) -> None:
         )
 
 
-def _walk(value: Any, path: KeyPath, leaves: dict[str, Leaf]) -> None:
+def _walk(value: Any, path: KeyPath, leaves: dict[str, Leaf], fqn: str) -> None:
+    """``fqn``: ``fqn_of(path)``, built key by key on the way down."""
+    if type(value) in _PLAIN_TENSORS and fqn not in leaves:
+        leaves[fqn] = Leaf(fqn, path, value)
+        return
     _refuse_sharded_tensor(value, path)
     _refuse_rank_values(value, path)
     if is_stateful(value):  # saved as what its state_dict() returns, as DCP does
@@ -201,9 +211,8 @@ def _walk(value: Any, path: KeyPath, leaves: dict[str, Leaf]) -> None:
     traversable = isinstance(value, (list, tuple)) and not isinstance(value, torch.Size)
     traversable |= isinstance(value, Mapping) and all(_plain_key(k) for k in value)
     if traversable and _contains_tensor(value):
-        _walk_children(value, path, leaves)
+        _walk_children(value, path, leaves, fqn)
         return
-    fqn = fqn_of(path)
     if fqn in leaves:
         raise UnsupportedStateError(
             f"two entries flatten to the same key {fqn!r}: {path_to_str(leaves[fqn].path)} and {path_to_str(path)} "

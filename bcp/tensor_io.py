@@ -67,5 +67,15 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 
 def storage_identity(t: torch.Tensor) -> tuple:
-    """Equal for two tensors that are the same view of the same memory (tied weights)."""
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    """Equal for two tensors that are the same view of the same memory (tied weights);
+    a lazily conjugated or negated view of it has other values and is not the same."""
+    return (
+        t.device,
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t.dtype,
+        t.is_conj(),
+        t.is_neg(),
+    )

@@ -31,11 +31,10 @@ import pyarrow as pa
 
 from bcp.backends import backend_for
 from bcp.commit import write_catalog
-from bcp.io_scheduler.write_pipeline import REPORT_SCHEMA, WriterReport
 from bcp.metadata import Catalog, FileEntry
 from bcp.metadata.layout import data_file_key, generation_name
 from bcp.planning import LayoutMeta, TensorPlan
-from bcp.planning.writer_rows import merge_reports
+from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport, merge_reports
 
 
 def reports(ranks: int, tensors: int, seed: int = 0) -> tuple[list[WriterReport], LayoutMeta]:

@@ -14,10 +14,9 @@ from hypothesis import strategies as st
 
 from bcp.collectives import Coordinator, portable
 from bcp.errors import RankFailedError
-from bcp.io_scheduler.write_pipeline import REPORT_SCHEMA, WriterReport, fragment_table
 from bcp.metadata import CATALOG_SCHEMA, Catalog, FileEntry, FormatError, Fragment
 from bcp.planning import LayoutMeta, TensorPlan
-from bcp.planning.writer_rows import Merged, merge_reports, row_stats
+from bcp.planning.writer_rows import REPORT_SCHEMA, Merged, WriterReport, fragment_table, merge_reports, row_stats
 from helpers import examples
 
 # -- status rounds ------------------------------------------------------------------------

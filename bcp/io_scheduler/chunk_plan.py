@@ -7,10 +7,30 @@ plan sizes staging reservations without a pipeline (``bcp.async_save.staging_byt
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
 
 from ..shards import Piece
 from ..tensor_io import storage_identity
+
+#: Dtypes ``Tensor.numpy`` takes (the others are staged through a uint8 view).
+NUMPY_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
+)
 
 #: Fragments of at least this many bytes start at a multiple of 4096 (direct I/O,
 #: page-aligned reads); smaller ones at a multiple of 64.
@@ -162,3 +182,75 @@ def plan_part_chunks(spans: list[tuple[int, int, int]], part_size: int, size: in
             chunk.segments.append(Segment(item, pos, n, at - chunk.offset))
             pos += n
     return chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """Everything a write pipeline works out from its items before copying a byte:
+    kept with the rank's prepared tensors (``bcp.planning.local``) and reused while
+    the structure, this rank's writes and the backend and pool settings are unchanged.
+    Read-only once made (two saves in flight may share it)."""
+
+    file_layout: FileLayout
+    chunks: list[Chunk]
+    #: bytes of every item
+    item_nbytes: list[int]
+    #: the devices whose tensors are copied on a side stream, sorted
+    devices: list[torch.device]
+    #: per item: 0, or a dense host tensor (its bytes are its own memory, read as they
+    #: are): 1, or 2 when its dtype has a numpy twin (read through ``Tensor.numpy``)
+    host_dense: list[int]
+    #: per unique item: how many segments read it
+    uses: Mapping[int, int]
+    #: the items with the caller's tensors let go (what the pipeline keeps once staged)
+    released: list[Any]
+
+
+def count_uses(chunks: Sequence[Chunk]) -> dict[int, int]:
+    """Item -> how many segments of ``chunks`` read it."""
+    uses: dict[int, int] = {}
+    for chunk in chunks:
+        for seg in chunk.segments:
+            uses[seg.item] = uses.get(seg.item, 0) + 1
+    return uses
+
+
+def plan_pipeline(
+    pieces: Sequence[Piece],
+    *,
+    match_memory: bool,
+    part_size: int | None,
+    block: int,
+    slab_bytes: int,
+    packed: bool,
+    is_device: Callable[[torch.Tensor], bool],
+    released: list[Any],
+) -> PipelinePlan:
+    """A write pipeline's plan for ``pieces`` (:func:`layout`'s options; ``packed``:
+    every chunk is staged, :func:`plan_packed_chunks`, else :func:`plan_chunks`; with
+    ``part_size``, :func:`plan_part_chunks`)."""
+    tensors = [p.tensor for p in pieces]
+    placed = layout(pieces, match_memory=match_memory, part_size=part_size, block=block)
+    nbytes = [t.numel() * t.element_size() for t in tensors]
+    spans = [(i, placed.offsets[i], nbytes[i]) for i in placed.unique]
+    if part_size is not None:
+        chunks = plan_part_chunks(spans, part_size, placed.size)
+    elif packed:  # everything is copied: fill the slabs (none is written from the tensor's memory)
+        chunks = plan_packed_chunks(spans, slab_bytes, block)
+    else:
+        chunks = plan_chunks(spans, slab_bytes)
+    device = [is_device(t) for t in tensors]
+    return PipelinePlan(
+        file_layout=placed,
+        chunks=chunks,
+        item_nbytes=nbytes,
+        devices=sorted({t.device for t, d in zip(tensors, device, strict=True) if d}, key=str),
+        host_dense=[
+            (2 if t.dtype in NUMPY_DTYPES else 1)
+            if not d and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            else 0
+            for t, d in zip(tensors, device, strict=True)
+        ],
+        uses=count_uses(chunks),
+        released=released,
+    )

@@ -29,28 +29,23 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import MutableMapping
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from bcp.backends import Backend, ObjectWriter
-from bcp.metadata import CATALOG_SCHEMA, FileEntry, Fragment, block_checksums, digest_of_checksums
+from bcp.metadata import FileEntry, block_checksums, digest_of_checksums
 
 from .. import trace
 from ..planning import TensorPlan
+from ..planning.writer_rows import REPORT_SCHEMA, WriterReport
 from ..priority import lower_this_thread
 from ..shards import Piece
 from ..tensor_io import flat_bytes, host_contiguous
-from .chunk_plan import (
-    Chunk,
-    layout,
-    plan_chunks,
-    plan_packed_chunks,
-    plan_part_chunks,
-)
+from .chunk_plan import Chunk, PipelinePlan, count_uses, plan_packed_chunks, plan_pipeline
 from .device_copy import DeviceCopies, is_device_tensor, settle
 from .staging import Slab, StagingPool, default_pool
 
@@ -108,84 +103,6 @@ class WriteItem(NamedTuple):
     tensor: int = 0
 
 
-#: The columns of a writer's report: a catalog row without what the coordinator
-#: knows from the rank's layout metadata (``tensor`` indexes it) or from the report
-#: itself (file, writer rank). About 60 bytes a row instead of 230.
-REPORT_SCHEMA = pa.schema(
-    [
-        pa.field("tensor", pa.int32(), nullable=False),
-        pa.field("offsets", pa.list_(pa.int64()), nullable=False),
-        pa.field("lengths", pa.list_(pa.int64()), nullable=False),
-        pa.field("byte_offset", pa.int64(), nullable=False),
-        pa.field("nbytes", pa.int64(), nullable=False),
-        pa.field("checksums", pa.list_(pa.uint32()), nullable=False),
-    ]
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class WriterReport:
-    """What one rank wrote: its fragment rows as an Arrow table (REPORT_SCHEMA; the
-    coordinator merges every rank's tables with no Python object per row), its data
-    file (None: nothing to write) and its rank."""
-
-    rows: pa.Table
-    file: FileEntry | None
-    rank: int = 0
-    #: this rank's tensors by index, for :attr:`fragments` (kept here: never sent)
-    tensors: Mapping[int, TensorPlan] = dataclasses.field(default_factory=dict, compare=False, repr=False)
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "tensors": {}}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-
-    def catalog_rows(self) -> pa.Table:
-        """The rows in CATALOG_SCHEMA's columns (on the writer, which knows its tensors)."""
-        plans = [self.tensors[i] for i in self.rows.column("tensor").to_pylist()]
-        n = len(plans)
-        columns = {
-            "fqn": pa.array([t.fqn for t in plans], pa.string()),
-            "key_path": pa.array([t.key_path for t in plans], pa.string()),
-            "dtype": pa.array([t.dtype for t in plans], pa.string()),
-            "global_shape": pa.array([t.global_shape for t in plans], pa.list_(pa.int64())),
-            "file": pa.array([self.file.path if self.file is not None else ""] * n, pa.string()),
-            "writer_rank": pa.array(np.full(n, self.rank, np.int32)),
-        }
-        columns.update(
-            {name: self.rows.column(name) for name in ("offsets", "lengths", "byte_offset", "nbytes", "checksums")}
-        )
-        return pa.table([columns[name] for name in CATALOG_SCHEMA.names], schema=CATALOG_SCHEMA)
-
-    @property
-    def fragments(self) -> list[Fragment]:
-        """The rows as Fragment objects (for tests and tools; the save keeps the table)."""
-        return self.fragments_of(self.catalog_rows())
-
-    @staticmethod
-    def fragments_of(table: pa.Table) -> list[Fragment]:
-        """Rows in CATALOG_SCHEMA's columns (strings plain or dictionary-encoded) as Fragments."""
-        table = table.select(CATALOG_SCHEMA.names).cast(CATALOG_SCHEMA)
-        columns = [table.column(name).to_pylist() for name in CATALOG_SCHEMA.names]
-        columns = [
-            [tuple(v) for v in c] if isinstance(t, pa.ListType) else c
-            for c, t in zip(columns, CATALOG_SCHEMA.types, strict=True)
-        ]
-        return [Fragment(*row) for row in zip(*columns, strict=True)]
-
-
-def fragment_table(fragments: Sequence[Fragment]) -> pa.Table:
-    """Fragment objects as a table in CATALOG_SCHEMA's columns."""
-    return pa.table(
-        {
-            field.name: pa.array([getattr(f, field.name) for f in fragments], type=field.type)
-            for field in CATALOG_SCHEMA
-        },
-        schema=CATALOG_SCHEMA,
-    )
-
-
 #: What a released item's piece holds instead of the caller's tensor.
 _RELEASED = torch.empty(0, dtype=torch.uint8)
 
@@ -205,12 +122,12 @@ class WritePipeline:
         streams: int,
         stage_all: bool,
         deferred: bool = False,
+        plan: PipelinePlan | None = None,
     ) -> None:
         self.backend, self.data_key, self.rank, self.items = backend, data_key, rank, items
         #: stage now, write later (:meth:`start_writing`, with the data file's key): nothing
         #: reaches the backend before; a pool too small for every chunk raises StagingFull
         self.deferred, self._begun, self._close_requested, self._writing = deferred, False, False, not deferred
-        self.item_nbytes = [item.piece.tensor.numel() * item.piece.tensor.element_size() for item in items]
         self.block, self.pool, self.streams, self.stage_all = block, pool, max(1, streams), stage_all
         self.aligned_writes = backend.hints.aligned_writes
         self.part_size = backend.hints.part_size
@@ -219,12 +136,10 @@ class WritePipeline:
                 f"{backend.uri}: part_size {self.part_size} must be at most the staging slab size "
                 f"{pool.slab_bytes} and a multiple of the checksum block {block}"
             )
-        self.file_layout = layout(
-            [item.piece for item in items],
-            match_memory=self.aligned_writes and not stage_all,
-            part_size=self.part_size,
-            block=block,
-        )
+        #: the file layout, chunks and the like (given: kept from an earlier save of the same structure)
+        self.plan = plan if plan is not None else self._make_plan(items)
+        self.item_nbytes = self.plan.item_nbytes
+        self.file_layout = self.plan.file_layout
         self.offsets, self.unique, self.size = self.file_layout.offsets, self.file_layout.unique, self.file_layout.size
         self.sources: dict[int, torch.Tensor] = {}
         #: host sources' bytes as numpy arrays (staged with numpy: see copy_bytes)
@@ -242,7 +157,19 @@ class WritePipeline:
         self._uses_left: dict[int, int] = {}
         #: device-to-host copies; "the call" is now (this runs in the caller's thread)
         self.copies = DeviceCopies()
-        self.copies.start(sorted({i.piece.tensor.device for i in items if is_device_tensor(i.piece.tensor)}, key=str))
+        self.copies.start(self.plan.devices)
+
+    def _make_plan(self, items: list[WriteItem]) -> PipelinePlan:
+        return plan_pipeline(
+            [item.piece for item in items],
+            match_memory=self.aligned_writes and not self.stage_all,
+            part_size=self.part_size,
+            block=self.block,
+            slab_bytes=self.pool.slab_bytes,
+            packed=self.stage_all,
+            is_device=is_device_tensor,
+            released=[WriteItem(item.plan, Piece(item.piece.box, _RELEASED), item.tensor) for item in items],
+        )
 
     # -- calling thread ---------------------------------------------------------------------
 
@@ -250,7 +177,10 @@ class WritePipeline:
         """The item's bytes as a flat uint8 tensor (on its device). A device tensor
         that is not dense row-major is made so on the side stream (after the caller's
         work, before the copies that read it)."""
-        t = self.items[index].piece.tensor.detach()
+        t = self.items[index].piece.tensor
+        if self.plan.host_dense[index]:  # its own memory, as it is
+            return flat_bytes(t) if self.item_nbytes[index] else torch.empty(0, dtype=torch.uint8)
+        t = t.detach()
         if not is_device_tensor(t):
             t = host_contiguous(t)
         elif not t.is_contiguous() or t.is_conj() or t.is_neg():
@@ -270,14 +200,10 @@ class WritePipeline:
         )
 
     def chunks(self) -> list[Chunk]:
-        spans = [(i, self.offsets[i], self.item_nbytes[i]) for i in self.unique]
-        if self.batched:
+        if self.batched:  # the batches are cut when the writer opens (they depend on it)
+            spans = [(i, self.offsets[i], self.item_nbytes[i]) for i in self.unique]
             return plan_packed_chunks(spans, BATCH_BYTES, self.block)
-        if self.part_size is not None:
-            return plan_part_chunks(spans, self.part_size, self.size)
-        if self.stage_all:  # everything is copied: fill the slabs (none is written from the tensor's memory)
-            return plan_packed_chunks(spans, self.pool.slab_bytes, self.block)
-        return plan_chunks(spans, self.pool.slab_bytes)
+        return list(self.plan.chunks)
 
     def stage(self, select=None, last: bool = True) -> None:
         """Produce the chunks ``select(chunk)`` accepts (every chunk when None) that
@@ -292,9 +218,7 @@ class WritePipeline:
             if self.batched:
                 self.streams = min(self.streams, BATCH_STREAMS)
             self._pending = self.chunks()
-            for chunk in self._pending:
-                for seg in chunk.segments:
-                    self._uses_left[seg.item] = self._uses_left.get(seg.item, 0) + 1
+            self._uses_left = count_uses(self._pending) if self.batched else dict(self.plan.uses)
             if not self.stage_all:
                 self._start_writers()
         staged = trace.span("stage")
@@ -325,7 +249,7 @@ class WritePipeline:
         copies still in flight keep their sources' memory reserved (record_stream)."""
         self.sources.clear()
         self._arrays.clear()
-        self.items = [WriteItem(item.plan, Piece(item.piece.box, _RELEASED), item.tensor) for item in self.items]
+        self.items = self.plan.released
 
     def _start_writers(self) -> None:
         """Writers start at once for a synchronous save; an asynchronous one stages
@@ -367,18 +291,29 @@ class WritePipeline:
         self._release_sources()
 
     def _produce(self, chunk: Chunk) -> None:
+        dense = self.plan.host_dense if self.stage_all else None  # those are read in _stage_chunk
         for seg in chunk.segments:
-            if seg.item not in self.sources:
-                self.sources[seg.item] = self._flat_source(seg.item)
+            item = seg.item
+            if (dense is None or not dense[item]) and item not in self.sources:
+                self.sources[item] = self._flat_source(item)
         try:
             self._queue.put(self._stage_chunk(chunk))
         finally:
             self._forget_sources(chunk)
 
+    def _host_array(self, item: int) -> np.ndarray:
+        """A dense host item's bytes as a numpy array (no copy)."""
+        if not self.item_nbytes[item]:
+            return np.empty(0, np.uint8)
+        t = self.items[item].piece.tensor
+        if self.plan.host_dense[item] == 2:  # two torch calls instead of four: this runs for every tensor
+            return (t.detach() if t.requires_grad else t).numpy().reshape(-1).view(np.uint8)
+        return flat_bytes(t).numpy()
+
     def _stage_chunk(self, chunk: Chunk) -> StagedChunk:
         if self.batched:
             return self._batch(chunk)
-        first = self.sources[chunk.segments[0].item] if chunk.segments else None
+        first = self.sources.get(chunk.segments[0].item) if chunk.segments else None
         whole = len(chunk.segments) == 1 and chunk.segments[0].at == 0 and chunk.segments[0].nbytes == chunk.nbytes
         if first is not None and not self.stage_all and whole and not is_device_tensor(first):
             seg = chunk.segments[0]
@@ -393,21 +328,27 @@ class WritePipeline:
         out = slab.view(chunk.nbytes, shift=chunk.offset % 4096)  # same phase as the file: O_DIRECT-able
         out_bytes = out.numpy()  # host copies and padding go through numpy: few Python operations a segment
         cursor, events = 0, []
+        dense = self.plan.host_dense if self.stage_all else None
         copying = trace.span("copy", chunk.nbytes)  # issuing the copies only, for device sources
         try:
             copying.__enter__()
             for seg in chunk.segments:
                 if seg.at > cursor:
                     out_bytes[cursor : seg.at] = 0  # padding: never leak an earlier save's bytes
-                source = self.sources[seg.item]
-                if is_device_tensor(source):
-                    src = source[seg.start : seg.start + seg.nbytes]
-                    events.append(self.copies.to_host(out[seg.at : seg.at + seg.nbytes], src))
-                else:
-                    array = self._arrays.get(seg.item)
-                    if array is None:
-                        array = self._arrays[seg.item] = source.numpy()
-                    copy_bytes(out_bytes[seg.at : seg.at + seg.nbytes], array[seg.start : seg.start + seg.nbytes])
+                array = self._arrays.get(seg.item)
+                if array is None and dense is not None and dense[seg.item]:
+                    array = self._host_array(seg.item)
+                    if self._uses_left[seg.item] > 1:  # read by a later chunk too
+                        self._arrays[seg.item] = array
+                elif array is None:
+                    source = self.sources[seg.item]
+                    if is_device_tensor(source):
+                        src = source[seg.start : seg.start + seg.nbytes]
+                        events.append(self.copies.to_host(out[seg.at : seg.at + seg.nbytes], src))
+                        cursor = seg.at + seg.nbytes
+                        continue
+                    array = self._arrays[seg.item] = source.numpy()
+                copy_bytes(out_bytes[seg.at : seg.at + seg.nbytes], array[seg.start : seg.start + seg.nbytes])
                 cursor = seg.at + seg.nbytes
             if cursor < chunk.nbytes:
                 out_bytes[cursor : chunk.nbytes] = 0
@@ -438,9 +379,10 @@ class WritePipeline:
     def _forget_sources(self, chunk: Chunk) -> None:
         """Drop a source once its last chunk is staged (a device temporary's memory
         returns to the allocator, reusable only behind the side stream's copies)."""
+        uses = self._uses_left
         for seg in chunk.segments:
-            self._uses_left[seg.item] -= 1
-            if self._uses_left[seg.item] == 0:
+            left = uses[seg.item] = uses[seg.item] - 1
+            if not left:
                 self.sources.pop(seg.item, None)
                 self._arrays.pop(seg.item, None)
 
@@ -553,12 +495,37 @@ class StagingFull(Exception):
     """A deferred pipeline's chunks do not all fit in the staging pool at once."""
 
 
-def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=None, stage_all=False, deferred=False):
-    """A pipeline on ``pool`` (default: the process-wide one) with ``streams`` writers (default: the backend's hint)."""
+#: Pipeline plans kept per prepared structure (this rank's writes x backend and pool settings).
+KEEP_PIPELINE_PLANS = 4
+
+
+def make_pipeline(
+    backend,
+    data_key,
+    rank,
+    items,
+    block,
+    *,
+    pool=None,
+    streams=None,
+    stage_all=False,
+    deferred=False,
+    plans: MutableMapping[Any, PipelinePlan] | None = None,
+    writes: np.ndarray | None = None,
+):
+    """A pipeline on ``pool`` (default: the process-wide one) with ``streams`` writers
+    (default: the backend's hint). ``plans``: pipeline plans kept for the structure of
+    ``items`` (``bcp.planning.local``), by ``writes`` (the indices ``items`` were taken
+    from) and the settings the plan depends on; used when there, else kept there."""
     pool = pool or default_pool()
     if pool.slab_bytes % block:
         raise ValueError(f"staging slab size {pool.slab_bytes} must be a multiple of the checksum block {block}")
-    return WritePipeline(
+    key = None
+    if plans is not None and writes is not None:
+        hints = backend.hints
+        key = (np.asarray(writes).tobytes(), stage_all, hints.aligned_writes, hints.part_size, block, pool.slab_bytes)
+    plan = plans.get(key) if plans is not None and key is not None else None
+    pipeline = WritePipeline(
         backend,
         data_key,
         rank,
@@ -568,7 +535,13 @@ def make_pipeline(backend, data_key, rank, items, block, *, pool=None, streams=N
         streams=streams or backend.hints.concurrency,
         stage_all=stage_all,
         deferred=deferred,
+        plan=plan,
     )
+    if plans is not None and key is not None and plan is None:
+        plans[key] = pipeline.plan
+        while len(plans) > KEEP_PIPELINE_PLANS:
+            del plans[next(iter(plans))]
+    return pipeline
 
 
 def write_rank_data(backend: Backend, data_key: str, rank: int, items: list[WriteItem], block: int) -> WriterReport:

@@ -6,7 +6,8 @@ digest of every rank's :meth:`LocalLayout.digest`, in rank order. The coordinato
 keeps the last :data:`KEEP_PLANS` plans' summaries (what the commit and the log
 need, not the per-rank writes) and the decoded metadata they used; every rank keeps
 its own writes of those plans. A save whose key the coordinator knows and every rank
-still holds sends no box arrays and plans and scatters nothing.
+still holds sends no box arrays and plans and scatters nothing. Each rank also keeps
+its own prepared tensors of an unchanged structure (``bcp.planning.local``).
 
 One cache per coordinator group (process group) and process; saves run their
 planning one at a time per process (``SaveJob.start`` on the caller's thread), and a
@@ -25,10 +26,11 @@ from typing import Any
 import numpy as np
 
 from .layout import LayoutMeta
+from .local import LocalPlans
 
-#: Plans kept per coordinator group (and writes per rank): the last two layouts, so
-#: a job alternating between two (e.g. with and without an optimizer state) hits too.
-KEEP_PLANS = 2
+#: Plans kept per coordinator group (and writes per rank): the last four layouts, so
+#: a job cycling through a few (e.g. with and without an optimizer state) hits too.
+KEEP_PLANS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,8 @@ class PlanCache:
         self._metas: dict[bytes, LayoutMeta] = {}
         #: (every rank) key -> this rank's writes (indices into its flat box list)
         self._writes: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        #: (every rank) this rank's prepared tensors by structure (``bcp.planning.local``)
+        self.local = LocalPlans()
 
     # -- every rank -----------------------------------------------------------------------
 
@@ -124,6 +128,7 @@ class PlanCache:
             self._plans.clear()
             self._metas.clear()
             self._writes.clear()
+        self.local.clear()
 
 
 _CACHES: dict[Any, PlanCache] = {}

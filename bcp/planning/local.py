@@ -1,0 +1,262 @@
+"""A rank's prepared tensors (step 1 of a save), kept between saves of the same structure.
+
+Preparing turns every tensor leaf into its plan (:class:`TensorPlan`), the rank's
+:class:`LocalLayout` and one :class:`WriteItem` per local box: about 20 us a tensor,
+paid at every save though none of it depends on the tensors' values. A training job
+saves the same structure again and again, so the result is kept (:class:`LocalPlans`,
+one per coordinator group, in its :class:`bcp.planning.cache.PlanCache`) under a
+fingerprint of every tensor leaf, compared as a whole at each save:
+
+* a plain tensor (``torch.Tensor`` or ``nn.Parameter`` exactly): its key path, dtype,
+  shape, strides, storage offset, address, device, conjugate/negative bits and whether
+  bcp copies it as a device tensor (a tensor of another layout has no strides: planned,
+  and refused, the usual way).
+  The address and offset give the storage's address, so two tensors share memory
+  (a tied weight, written once) exactly when they did before;
+* any other tensor-like leaf (DTensor, TensorShard, FlatShard, a tensor subclass):
+  its type, global shape, dtype and every local piece's box and the piece's
+  fingerprint, from :func:`bcp.shards.local_pieces` run at every save.
+
+Any difference (a key added, removed or moved, a new dtype or shape, memory
+reallocated, a placement changed) plans again from scratch; the fingerprint holds
+no tensor, so the cache keeps no caller memory alive. The write pipeline's plan (the
+file layout and its chunks, ``bcp.io_scheduler.chunk_plan.PipelinePlan``) depends
+on nothing else but this rank's writes and the backend and pool settings, and is
+kept with it. Checksums of replicated boxes are data: taken at every save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..io_scheduler import device_copy
+from ..io_scheduler.chunk_plan import PipelinePlan
+from ..io_scheduler.write_pipeline import WriteItem
+from ..replicas import ReplicaSummer, ReplicaSums
+from ..shards import LocalTensor, Piece, holds_replica, local_pieces
+from ..state import path_to_str
+from ..tensor_io import check_saveable, storage_identity
+from ..torch_dtypes import dtype_name
+from .layout import LocalLayout, TensorPlan
+
+#: Tensor types whose leaf is its own single piece (checked by exact type: a subclass
+#: may describe its memory otherwise, and goes through ``local_pieces``).
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+#: Structures kept per coordinator group (a job cycling through a few, e.g. the model
+#: alone, with its optimizer, and a benchmark's several states, hits each).
+KEEP_LOCAL = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Step 1's result on one rank."""
+
+    layout: LocalLayout
+    #: one per box of ``layout``, in its flat order (box i is written from items[i])
+    items: list[WriteItem]
+    objects: dict[str, Any]
+    #: checksums of the replicated boxes, taken now: the values at the call
+    replicas: ReplicaSums | None = None
+    #: the kept plan this came from or went into (None: not kept)
+    local: LocalPlan | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def pieces(self) -> dict[tuple[str, Any], WriteItem]:
+        """(fqn, box) -> the item writing it."""
+        return {(item.plan.fqn, item.piece.box): item for item in self.items}
+
+
+def tensor_signature(t: torch.Tensor) -> tuple:
+    """What of a tensor's memory its plan depends on (raises for a tensor without
+    strides or storage: such a tensor is planned, and refused, the usual way).
+    :func:`fingerprint` has the same fields inline for plain tensors."""
+    return (
+        t.dtype,
+        t.shape,
+        t.stride(),
+        t.storage_offset(),
+        t.data_ptr(),
+        t.device,
+        t.is_conj(),
+        t.is_neg(),
+        device_copy.api.is_device(t),  # the copy path bcp takes (tests swap the CUDA seam)
+    )
+
+
+def fingerprint(leaves: Mapping[Any, Any], rank: int) -> tuple[tuple | None, list[Any]]:
+    """(key, values): ``key`` compares equal between two saves only when their
+    tensors' plans are equal (None: not fingerprintable, plan afresh); ``values``
+    holds, per tensor leaf in order, the tensor itself (a plain one) or its
+    :class:`LocalTensor`."""
+    sigs: list[Any] = [rank]
+    values: list[Any] = []
+    is_device = device_copy.api.is_device  # the copy path bcp takes (tests swap the CUDA seam)
+    try:
+        for leaf in leaves.values():
+            v = leaf.value
+            if type(v) in PLAIN_TENSORS:  # tensor_signature, inline: this loop runs for every tensor
+                sigs.append(
+                    (
+                        leaf.path,
+                        v.dtype,
+                        v.shape,
+                        v.stride(),
+                        v.storage_offset(),
+                        v.data_ptr(),
+                        v.device,
+                        v.is_conj(),
+                        v.is_neg(),
+                        is_device(v),
+                    )
+                )
+                values.append(v)
+            elif leaf.is_tensor:
+                local = local_pieces(v, leaf.fqn)
+                boxes = tuple((p.box, tensor_signature(p.tensor)) for p in local.pieces)
+                sigs.append((leaf.path, type(v), local.global_shape, local.dtype, holds_replica(v), boxes))
+                values.append(local)
+    except Exception:  # noqa: BLE001 - planned the usual way, which names the problem
+        return None, []
+    return tuple(sigs), values
+
+
+@dataclasses.dataclass
+class LocalPlan:
+    """What preparing gives for one structure, without a tensor (see the module docstring)."""
+
+    layout: LocalLayout
+    digest: bytes
+    #: per box in flat order: its tensor's plan, its box and its tensor index
+    plans: list[TensorPlan]
+    boxes: list[Any]
+    tensor_of: list[int]
+    #: per box: the index of its piece in its leaf's pieces (-1: a plain tensor, the leaf itself)
+    piece_of: list[int]
+    #: per tensor, in order: whether its leaf holds a replica (``holds_replica``)
+    replicated: list[bool]
+    #: the write pipeline's plans, by ``bcp.io_scheduler.write_pipeline.pipeline_key``
+    pipelines: OrderedDict[Any, PipelinePlan] = dataclasses.field(default_factory=OrderedDict)
+
+    def items(self, values: list[Any]) -> list[WriteItem]:
+        """The write items of this save's tensors (``fingerprint``'s ``values``)."""
+        return [
+            WriteItem(plan, Piece(box, values[t] if k < 0 else values[t].pieces[k].tensor), t)
+            for plan, box, t, k in zip(self.plans, self.boxes, self.tensor_of, self.piece_of, strict=True)
+        ]
+
+    def sum_replicas(self, items: list[WriteItem], summer: ReplicaSummer) -> ReplicaSums | None:
+        if not summer.enabled:
+            return None
+        for item in items:
+            if self.replicated[item.tensor]:
+                summer.add(item.tensor, item.piece.box, item.plan.global_shape, item.piece.tensor)
+        return summer.finish()
+
+
+class LocalPlans:
+    """One coordinator group's kept structures, newest last; counts what it did (tests)."""
+
+    def __init__(self, keep: int = KEEP_LOCAL) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._plans: OrderedDict[tuple, LocalPlan] = OrderedDict()
+        #: saves planned from scratch / reused a kept plan
+        self.built = 0
+        self.reused = 0
+
+    def get(self, key: tuple | None) -> LocalPlan | None:
+        if key is None:
+            return None
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                self.reused += 1
+            return plan
+
+    def put(self, key: tuple | None, plan: LocalPlan) -> None:
+        with self._lock:
+            self.built += 1
+            if key is None:
+                return
+            self._plans[key] = plan
+            self._plans.move_to_end(key)
+            while len(self._plans) > self.keep:
+                self._plans.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+
+def prepare_tensors(
+    leaves: Mapping[Any, Any],
+    rank: int,
+    objects: dict[str, Any],
+    summer: ReplicaSummer | None = None,
+    plans: LocalPlans | None = None,
+) -> Prepared:
+    """The tensor part of step 1: each tensor's plan and local pieces (and, with
+    ``summer``, the checksums of its replicated ones); from ``plans`` when it keeps
+    this structure, else planned and kept there."""
+    summer = summer or ReplicaSummer("off")
+    key, values = fingerprint(leaves, rank) if plans is not None else (None, [])
+    kept = plans.get(key) if plans is not None else None
+    if kept is not None:
+        reused = kept.items(values)
+        return Prepared(kept.layout, reused, objects, kept.sum_replicas(reused, summer), kept)
+    tensors: list[TensorPlan] = []
+    items: list[WriteItem] = []
+    piece_of: list[int] = []
+    replicated: list[bool] = []
+    first_fqn_of: dict[tuple, str] = {}
+    for leaf in leaves.values():
+        if not leaf.is_tensor:
+            continue
+        plain = type(leaf.value) in PLAIN_TENSORS
+        shape, dtype, local, _replicated = local_pieces(leaf.value, leaf.fqn)
+        for piece in local:
+            check_saveable(piece.tensor, leaf.fqn)
+        ident = tuple(storage_identity(p.tensor) for p in local)
+        alias = first_fqn_of.setdefault(ident, leaf.fqn)
+        tensor_plan = TensorPlan(
+            fqn=leaf.fqn,
+            key_path=path_to_str(leaf.path),
+            dtype=dtype_name(dtype, fqn=leaf.fqn),
+            global_shape=tuple(shape),
+            boxes=tuple(p.box for p in local),
+            alias_of=None if alias == leaf.fqn else alias,
+        )
+        items.extend(WriteItem(tensor_plan, piece, len(tensors)) for piece in local)  # LocalLayout's flat order
+        piece_of.extend([-1] if plain else range(len(local)))
+        holds = holds_replica(leaf.value)
+        replicated.append(holds)
+        if summer.enabled and holds:
+            for piece in local:
+                summer.add(len(tensors), piece.box, tensor_plan.global_shape, piece.tensor)
+        tensors.append(tensor_plan)
+    replicas = summer.finish() if summer.enabled else None
+    layout = LocalLayout.build(rank, tensors)
+    kept = None
+    if plans is not None:
+        kept = LocalPlan(
+            layout,
+            layout.digest(),
+            [i.plan for i in items],
+            [i.piece.box for i in items],
+            [i.tensor for i in items],
+            piece_of,
+            replicated,
+        )
+        plans.put(key, kept)
+    return Prepared(layout, items, objects, replicas, kept)
+
+
+__all__ = ["LocalPlan", "LocalPlans", "LocalTensor", "Prepared", "fingerprint", "prepare_tensors"]
