@@ -309,9 +309,7 @@ class CheckpointReader:
             self.catalog.require(wanted)  # a catalog read in part fetches the rows these boxes need
             entries = [self._tensor_entry(fqn) for fqn, _box in wanted]  # with the rows read just now
         self.check_sizes(wanted, prefer_rank=prefer_rank)
-        devices = sorted(
-            {dest.device for _f, _b, dest in requests if not dest.is_cpu and is_device_tensor(dest)}, key=str
-        )
+        devices = sorted({dest.device for _f, _b, dest in requests if is_device_tensor(dest)}, key=str)
         device_fill: DeviceFill | None = None
         if devices:
             device_copies = DeviceCopies()
