@@ -6,9 +6,9 @@ Knows nothing of tensors or of the checkpoint engine (README, "Layout").
 if __name__ != "bcp.backends":  # the folder imported under its own name: a second copy of every class
     raise ImportError(f"this folder is the package bcp.backends; write `import bcp.backends`, not `import {__name__}`")
 
-from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
-from .errors import ObjectExistsError, ObjectNotFoundError, StorageError, TransientError, WriterClosedError
-from .registry import (
+from bcp.backends.base import Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
+from bcp.backends.errors import ObjectExistsError, ObjectNotFoundError, StorageError, TransientError, WriterClosedError
+from bcp.backends.registry import (
     backend_for,
     get_backend_class,
     import_plugins,

@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Self
 
-from .errors import ObjectExistsError, WriterClosedError, redact_uri
-from .retry import is_transient
+from bcp.backends.errors import ObjectExistsError, WriterClosedError, redact_uri
+from bcp.backends.retry import is_transient
 
 log = logging.getLogger(__name__)
 

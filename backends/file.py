@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Self
 from urllib.parse import unquote, urlsplit
 
-from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
-from .errors import ObjectExistsError, StorageError, WriterClosedError, annotate
-from .file_reads import (
+from bcp.backends.base import Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
+from bcp.backends.errors import ObjectExistsError, StorageError, WriterClosedError, annotate
+from bcp.backends.file_reads import (
     DIRECT_ALIGN,
     DIRECT_READ_FROM,
     NOFOLLOW,
@@ -39,8 +39,8 @@ from .file_reads import (
     pread_direct,
     pread_full,
 )
-from .file_writes import cut, pwritev_all, whole_pages
-from .options import as_bool, reject_unknown
+from bcp.backends.file_writes import cut, pwritev_all, whole_pages
+from bcp.backends.options import as_bool, reject_unknown
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 
-from .file_reads import DIRECT_ALIGN, buffer_address
+from bcp.backends.file_reads import DIRECT_ALIGN, buffer_address
 
 #: The most buffers one ``pwritev`` takes.
 IOV_MAX = os.sysconf("SCIOV_MAX") if hasattr(os, "sysconf") and "SCIOV_MAX" in os.sysconf_names else 1024

@@ -39,11 +39,11 @@ from urllib.parse import quote
 import aiohttp
 import gcsfs
 
-from .base import Buffer
-from .errors import TransientError, annotate
-from .objectstore import ObjectStoreBackend, StoreOptions, causes, pop_store_options, split_bucket_uri
-from .options import check_part_size, reject_unknown
-from .parts import PartWriter, crc32c_b64
+from bcp.backends.base import Buffer
+from bcp.backends.errors import TransientError, annotate
+from bcp.backends.objectstore import ObjectStoreBackend, StoreOptions, causes, pop_store_options, split_bucket_uri
+from bcp.backends.options import check_part_size, reject_unknown
+from bcp.backends.parts import PartWriter, crc32c_b64
 
 log = logging.getLogger(__name__)
 

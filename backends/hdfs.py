@@ -24,10 +24,10 @@ from urllib.parse import unquote, urlsplit
 
 import pyarrow.fs as pafs
 
-from .base import Capability
-from .errors import annotate
-from .options import as_int, as_size, reject_unknown
-from .streaming import Stream, StreamedFileBackend, stream_options
+from bcp.backends.base import Capability
+from bcp.backends.errors import annotate
+from bcp.backends.options import as_int, as_size, reject_unknown
+from bcp.backends.streaming import Stream, StreamedFileBackend, stream_options
 
 DEFAULT_PART = 8 << 20
 

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from typing import Self
 from urllib.parse import unquote, urlsplit
 
-from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from .errors import ObjectExistsError, ObjectNotFoundError
-from .options import reject_unknown
+from bcp.backends.base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
+from bcp.backends.errors import ObjectExistsError, ObjectNotFoundError
+from bcp.backends.options import reject_unknown
 
 _OBJECTS: dict[str, bytes] = {}
 _LOCK = threading.Lock()

@@ -26,9 +26,9 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from .base import Backend
-from .errors import is_secret_name, redact, redact_uri
-from .options import refuse_uri_credentials
+from bcp.backends.base import Backend
+from bcp.backends.errors import is_secret_name, redact, redact_uri
+from bcp.backends.options import refuse_uri_credentials
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ def get_backend_class(scheme: str, *, uri: str | None = None) -> type[Backend]:
     scheme = scheme.lower()
     target = _registered.get(scheme)
     if target is None and scheme.startswith(FSSPEC_PREFIX) and scheme not in _registered:
-        from .fsspec_backend import FsspecBackend
+        from bcp.backends.fsspec_backend import FsspecBackend
 
         return FsspecBackend
     if target is not None:
@@ -243,8 +243,8 @@ def backend_for(uri: str | os.PathLike[str], **options: Any) -> Backend:
     log.debug("backend %s for %s", cls.__name__, redact_uri(base))
     try:
         if getattr(cls, "network", False):
-            from .retry import policy_from_options
-            from .wrappers import RetryingBackend
+            from bcp.backends.retry import policy_from_options
+            from bcp.backends.wrappers import RetryingBackend
 
             policy = policy_from_options(options, default_attempts=getattr(cls, "default_retry_attempts", None))
             return RetryingBackend(cls.from_uri(base, **options), policy)

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 # TransientError lives in .errors; importing it here keeps bcp.backends.retry.TransientError working.
-from .errors import ObjectExistsError, ObjectNotFoundError, StorageError, TransientError
-from .options import as_float, as_int
+from bcp.backends.errors import ObjectExistsError, ObjectNotFoundError, StorageError, TransientError
+from bcp.backends.options import as_float, as_int
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from typing import Any, Self
 import botocore.exceptions  # type: ignore[import-untyped]  # no stubs; s3fs depends on it
 import s3fs
 
-from .base import Buffer, Unfinished
-from .errors import StorageError, annotate
-from .objectstore import (
+from bcp.backends.base import Buffer, Unfinished
+from bcp.backends.errors import StorageError, annotate
+from bcp.backends.objectstore import (
     ObjectStoreBackend,
     StoreOptions,
     causes,
@@ -39,8 +39,8 @@ from .objectstore import (
     pop_store_options,
     split_bucket_uri,
 )
-from .options import MAX_PART_SIZE, PART_SIZE_MULTIPLE, check_part_size, reject_unknown
-from .parts import PartWriter, crc32c_b64
+from bcp.backends.options import MAX_PART_SIZE, PART_SIZE_MULTIPLE, check_part_size, reject_unknown
+from bcp.backends.parts import PartWriter, crc32c_b64
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ import uuid
 from collections.abc import Iterator
 from typing import Protocol
 
-from .base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from .errors import annotate
-from .options import as_int, as_size
+from bcp.backends.base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
+from bcp.backends.errors import annotate
+from bcp.backends.options import as_int, as_size
 
 #: Temporary files start with this; backends hide them from ``list``.
 PARTIAL_PREFIX = ".bcp-partial-"

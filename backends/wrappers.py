@@ -13,9 +13,9 @@ import threading
 import time
 from collections.abc import Iterator
 
-from .base import Backend, Buffer, ObjectWriter, Unfinished
-from .errors import ObjectExistsError, TransientError
-from .retry import RetryPolicy
+from bcp.backends.base import Backend, Buffer, ObjectWriter, Unfinished
+from bcp.backends.errors import ObjectExistsError, TransientError
+from bcp.backends.retry import RetryPolicy
 
 
 class ForwardingBackend(Backend):

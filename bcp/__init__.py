@@ -9,11 +9,11 @@ Usage:
     bcp.delete("/ckpt/step100")               # its objects only; refuses what is not a checkpoint
 """
 
-from . import backends, dataloader, metadata
-from ._version import __version__
-from .async_save import AsyncSaveHandle, async_save, reserve_staging
-from .deletion import delete, exists
-from .errors import (
+from bcp import backends, dataloader, metadata
+from bcp._version import __version__
+from bcp.async_save import AsyncSaveHandle, async_save, reserve_staging
+from bcp.deletion import delete, exists
+from bcp.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -29,17 +29,17 @@ from .errors import (
     StorageError,
     UnsupportedStateError,
 )
-from .lanes import LOCAL
-from .loader import LoadInfo, load, load_with_info
-from .manager import CheckpointManager
-from .metrics import LoggingMetrics, MetricsRecord, TensorBoardMetrics
-from .options import LoadOptions, SaveOptions
-from .reader import CheckpointReader, TensorMeta
-from .reader import open_checkpoint as open  # noqa: A004 - the public name is bcp.open
-from .saver import SaveInfo, save
-from .shards import FlatShard, PerRank, RankValues, TensorShard
-from .tiers import LocalTier
-from .training import TrainingState, reshard_per_rank
+from bcp.lanes import LOCAL
+from bcp.loader import LoadInfo, load, load_with_info
+from bcp.manager import CheckpointManager
+from bcp.metrics import LoggingMetrics, MetricsRecord, TensorBoardMetrics
+from bcp.options import LoadOptions, SaveOptions
+from bcp.reader import CheckpointReader, TensorMeta
+from bcp.reader import open_checkpoint as open  # noqa: A004 - the public name is bcp.open
+from bcp.saver import SaveInfo, save
+from bcp.shards import FlatShard, PerRank, RankValues, TensorShard
+from bcp.tiers import LocalTier
+from bcp.training import TrainingState, reshard_per_rank
 
 __all__ = [
     "LOCAL",

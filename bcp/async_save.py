@@ -38,20 +38,19 @@ from typing import Any, Unpack
 
 import torch
 
+from bcp.collectives import Coordinator
+from bcp.gc_pause import gc_paused
+from bcp.io_scheduler.chunk_plan import Chunk, layout, plan_packed_chunks, plan_part_chunks
+from bcp.io_scheduler.staging import StagingPool, StagingReservation, default_pool
+from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline
+from bcp.lanes import at_exit, background_coordinator, coordinator_for, group_destroyed
 from bcp.metadata import DEFAULT_BLOCK_BYTES
-
-from .collectives import Coordinator
-from .gc_pause import gc_paused
-from .io_scheduler.chunk_plan import Chunk, layout, plan_packed_chunks, plan_part_chunks
-from .io_scheduler.staging import StagingPool, StagingReservation, default_pool
-from .io_scheduler.write_pipeline import WriteItem, WritePipeline
-from .lanes import at_exit, background_coordinator, coordinator_for, group_destroyed
-from .options import SaveOptions, SaveOptionsKwargs
-from .priority import lower_this_thread
-from .saver import SaveInfo, SaveJob, planned_writes
-from .shards import local_pieces
-from .state import flatten_state
-from .target import Target
+from bcp.options import SaveOptions, SaveOptionsKwargs
+from bcp.priority import lower_this_thread
+from bcp.saver import SaveInfo, SaveJob, planned_writes
+from bcp.shards import local_pieces
+from bcp.state import flatten_state
+from bcp.target import Target
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import bcp  # bcp.save and bcp.load, looked up at each call: the public functions, as a user calls them
-
-from .backends import Backend, backend_for, join_uri
-from .backends.file import file_directory
-from .trace_report import Resource, storage_kind
+from bcp.backends import Backend, backend_for, join_uri
+from bcp.backends.file import file_directory
+from bcp.trace_report import Resource, storage_kind
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from .errors import RankFailedError
+from bcp.errors import RankFailedError
 
 log = logging.getLogger(__name__)
 

@@ -22,16 +22,15 @@ import time
 from collections.abc import Callable, Iterable
 
 from bcp.backends import Backend, Capability, ObjectExistsError, ObjectNotFoundError
-from bcp.metadata import Catalog, FileEntry, Manifest, crc32c
-from bcp.metadata.errors import CorruptManifestError
-from bcp.metadata.layout import GENERATION_PREFIX, MANIFEST_KEY, generation_of, is_generation, manifest_key
-
-from .errors import (
+from bcp.errors import (
     CheckpointExistsError,
     CommitUncertainError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
+from bcp.metadata import Catalog, FileEntry, Manifest, crc32c
+from bcp.metadata.errors import CorruptManifestError
+from bcp.metadata.layout import GENERATION_PREFIX, MANIFEST_KEY, generation_of, is_generation, manifest_key
 
 log = logging.getLogger(__name__)
 

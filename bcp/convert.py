@@ -32,10 +32,10 @@ names its public functions, so that importing it loads neither safetensors nor
 
 from __future__ import annotations
 
-from .interop.dcp import DCP_BATCH_BYTES, DCPExportInfo, from_dcp, to_dcp
-from .interop.formats import INDEX_NAME, detect_format
-from .interop.per_rank import RANK_KEY, export_object, per_rank_keys, rank_key
-from .interop.safetensors import (
+from bcp.interop.dcp import DCP_BATCH_BYTES, DCPExportInfo, from_dcp, to_dcp
+from bcp.interop.formats import INDEX_NAME, detect_format
+from bcp.interop.per_rank import RANK_KEY, export_object, per_rank_keys, rank_key
+from bcp.interop.safetensors import (
     CONFIG_NAME,
     SAFETENSORS_DTYPES,
     from_safetensors,
@@ -44,7 +44,7 @@ from .interop.safetensors import (
     safetensors_files,
     to_safetensors,
 )
-from .interop.selection import (
+from bcp.interop.selection import (
     DTYPE_NAMES,
     Progress,
     RenameRule,
@@ -54,7 +54,7 @@ from .interop.selection import (
     plan_shards,
     select,
 )
-from .interop.torch_save import FILE_BACKED_BATCH_BYTES, from_torch, to_torch
+from bcp.interop.torch_save import FILE_BACKED_BATCH_BYTES, from_torch, to_torch
 
 __all__ = [
     "CONFIG_NAME",

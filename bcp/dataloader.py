@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import UnsupportedStateError
+from bcp.errors import UnsupportedStateError
 
 #: marks a ShardedSampler state, so a reshard hook can tell it from other objects
 SAMPLER_MARK = "bcp_sharded_sampler"

@@ -2,7 +2,7 @@
 plugins, training scripts) that removes or probes one checkpoint by URI.
 
 The safety rules are ``bcp rm``'s: which objects are the checkpoint's is
-:func:`bcp.housekeeping.checkpoint_objects` (``manifest.json`` and ``gen-*/``);
+:func:`bcp.discovery.checkpoint_objects` (``manifest.json`` and ``gen-*/``);
 anything else at the location is not bcp's and is left; a location that holds no
 committed checkpoint is refused unless ``uncommitted=True``; a local location that
 is a symbolic link is always refused. Neither call is collective: call it from one
@@ -18,12 +18,11 @@ from typing import Any
 
 from bcp.backends import Backend
 from bcp.backends.file import file_directory
+from bcp.commit import delete_checkpoint
+from bcp.discovery import CheckpointObjects, checkpoint_objects
+from bcp.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from bcp.metadata.layout import MANIFEST_KEY
-
-from .commit import delete_checkpoint
-from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
-from .housekeeping import CheckpointObjects, checkpoint_objects
-from .target import Target, resolve_backend
+from bcp.target import Target, resolve_backend
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .errors import CheckpointError
-from .reader import CheckpointReader
+from bcp.errors import CheckpointError
+from bcp.reader import CheckpointReader
 
 log = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from .collectives import collective_timeout
-from .errors import GroupConnectError, RankFailedError
+from bcp.collectives import collective_timeout
+from bcp.errors import GroupConnectError, RankFailedError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -51,9 +51,9 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import gloo_network
-from .collectives import Coordinator, GroupCoordinator, OwnGroupCoordinator, collective_timeout
-from .errors import ProcessGroupMissingError, RankFailedError, RanksMissingError
+from bcp import gloo_network
+from bcp.collectives import Coordinator, GroupCoordinator, OwnGroupCoordinator, collective_timeout
+from bcp.errors import ProcessGroupMissingError, RankFailedError, RanksMissingError
 
 log = logging.getLogger(__name__)
 

@@ -31,21 +31,20 @@ from typing import Any, NamedTuple, Unpack
 
 import torch
 
+from bcp import trace
 from bcp.backends import Backend, Capability
+from bcp.collectives import Coordinator, GroupCoordinator, decide, run_phase
+from bcp.errors import StateMismatchError, UnsupportedStateError, listed, prefix_hint
+from bcp.gc_pause import gc_paused
+from bcp.io_scheduler.read_exec import ReadStats
+from bcp.lanes import coordinator_for
 from bcp.metadata.geometry import Box
-
-from . import trace
-from .collectives import Coordinator, GroupCoordinator, decide, run_phase
-from .errors import StateMismatchError, UnsupportedStateError, listed, prefix_hint
-from .gc_pause import gc_paused
-from .io_scheduler.read_exec import ReadStats
-from .lanes import coordinator_for
-from .options import LoadOptions, LoadOptionsKwargs, ReshardObjects
-from .reader import CheckpointMetadata, CheckpointReader, fetch_metadata, open_reader
-from .shards import PerRank, is_dtensor, local_pieces
-from .state import KeyPath, Leaf, build_nested, detach_stateful, flatten_state, get_at, replace_at
-from .target import Target, resolve_backend
-from .torch_dtypes import dtype_name
+from bcp.options import LoadOptions, LoadOptionsKwargs, ReshardObjects
+from bcp.reader import CheckpointMetadata, CheckpointReader, fetch_metadata, open_reader
+from bcp.shards import PerRank, is_dtensor, local_pieces
+from bcp.state import KeyPath, Leaf, build_nested, detach_stateful, flatten_state, get_at, replace_at
+from bcp.target import Target, resolve_backend
+from bcp.torch_dtypes import dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -444,7 +443,7 @@ def _read(reader: CheckpointReader, plan: LoadPlan, coord: Coordinator, share_re
     requests: list[tuple[str, Box, torch.Tensor]] = list(plan.tensor_requests)
     if not share_reads or coord.world_size == 1:
         return reader.fill(requests, prefer_rank=coord.rank)
-    from .io_scheduler.shared_read import fetch_shared
+    from bcp.io_scheduler.shared_read import fetch_shared
 
     assert isinstance(coord, GroupCoordinator), "coordinator_for gives more than one rank a GroupCoordinator"
     with trace.span("shared"):

@@ -26,25 +26,26 @@ import time
 from collections.abc import Mapping
 from typing import Any, Unpack
 
+from bcp import trace
+from bcp.async_save import AsyncSaveHandle, async_save, reserve_staging
 from bcp.backends import join_uri
 from bcp.backends.retry import retry_count
+from bcp.collectives import Coordinator, decide
+from bcp.commit import DEFAULT_GRACE_SECONDS
+from bcp.discovery import committed_steps
+from bcp.io_scheduler.staging import StagingReservation
+from bcp.lanes import coordinator_for
+from bcp.loader import load_with_info
 from bcp.metadata.layout import step_name
-
-from . import trace
-from .async_save import AsyncSaveHandle, async_save, reserve_staging
-from .collectives import Coordinator, decide
-from .housekeeping import DEFAULT_GRACE_SECONDS, check_policy, committed_steps, plan_gc, run_gc, write_latest
-from .io_scheduler.staging import StagingReservation
-from .lanes import coordinator_for
-from .loader import load_with_info
-from .metrics import MetricsCallback, MetricsRecord, stage_gbps
-from .options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
-from .saver import SaveInfo, save
-from .target import resolve_backend
-from .tiers import LocalTier
-from .tiers.recover import RecoveryInfo, recover_latest_with_info
-from .tiers.tier import Tier
-from .trace import StageTotal
+from bcp.metrics import MetricsCallback, MetricsRecord, stage_gbps
+from bcp.options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
+from bcp.retention import check_policy, plan_gc, run_gc, write_latest
+from bcp.saver import SaveInfo, save
+from bcp.target import resolve_backend
+from bcp.tiers import LocalTier
+from bcp.tiers.recover import RecoveryInfo, recover_latest_with_info
+from bcp.tiers.tier import Tier
+from bcp.trace import StageTotal
 
 log = logging.getLogger(__name__)
 

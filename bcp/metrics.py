@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
-from .trace import StageTotal
+from bcp.trace import StageTotal
 
 log = logging.getLogger(__name__)
 

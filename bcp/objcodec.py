@@ -20,11 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from bcp.errors import CheckpointError, FormatError, PickleNotAllowedError, UnsupportedStateError
 from bcp.metadata.manifest import MANIFEST_KEY, MAX_OBJECT_DEPTH
-
-from .errors import CheckpointError, FormatError, PickleNotAllowedError, UnsupportedStateError
-from .tensor_io import byte_view, host_contiguous
-from .torch_dtypes import dtype_name, torch_dtype
+from bcp.tensor_io import byte_view, host_contiguous
+from bcp.torch_dtypes import dtype_name, torch_dtype
 
 TAG = "$bcp"
 _NP_KINDS = "biufcmMSU"

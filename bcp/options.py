@@ -18,11 +18,10 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Literal, TypedDict
 
+from bcp.io_scheduler.staging import StagingPool
 from bcp.metadata import DEFAULT_BLOCK_BYTES
 from bcp.metadata.manifest import MAX_CHECKSUM_BLOCK_BYTES
-
-from .io_scheduler.staging import StagingPool
-from .trace import TraceOption
+from bcp.trace import TraceOption
 
 #: ``SaveOptions.check_replicas``: which replicated tensors a save compares across ranks
 ReplicaCheck = Literal["small", "all", "off"]

@@ -21,26 +21,25 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from bcp import objcodec
 from bcp.backends import Backend, ObjectNotFoundError
+from bcp.commit import parse_manifest, replaces_atomically
+from bcp.discovery import missing_checkpoint_error
+from bcp.errors import CorruptCheckpointError, IncompleteCheckpointError
+from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor
+from bcp.io_scheduler.device_load import DeviceFill
+from bcp.io_scheduler.read_exec import ReadStats, execute_reads
+from bcp.io_scheduler.read_plan import RunSet, plan_tensor_reads, touched_rows
+from bcp.io_scheduler.staging import StagingPool, default_pool
 from bcp.metadata import Catalog, FormatError, Fragment, Manifest, TensorEntry, crc32c
 from bcp.metadata.catalog.sections import TRAILER, is_v2
 from bcp.metadata.geometry import Box, intersect
 from bcp.metadata.layout import manifest_key
+from bcp.shards import RankValues
+from bcp.state import KeyPath, build_nested, path_from_json
 from bcp.target import resolve_backend
-
-from . import objcodec
-from .commit import parse_manifest, replaces_atomically
-from .errors import CorruptCheckpointError, IncompleteCheckpointError
-from .housekeeping import missing_checkpoint_error
-from .io_scheduler.device_copy import DeviceCopies, is_device_tensor
-from .io_scheduler.device_load import DeviceFill
-from .io_scheduler.read_exec import ReadStats, execute_reads
-from .io_scheduler.read_plan import RunSet, plan_tensor_reads, touched_rows
-from .io_scheduler.staging import StagingPool, default_pool
-from .shards import RankValues
-from .state import KeyPath, build_nested, path_from_json
-from .tensor_io import byte_view, copy_values
-from .torch_dtypes import torch_dtype
+from bcp.tensor_io import byte_view, copy_values
+from bcp.torch_dtypes import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -490,7 +489,7 @@ def fetch_metadata(backend: Backend, *, allow_head_only: bool = False) -> Checkp
 
 def fetch_manifest(backend: Backend) -> tuple[bytes, Manifest]:
     """The committed manifest's bytes, parsed; distinguishes nothing there from a save
-    that never committed (``housekeeping.missing_checkpoint_error``)."""
+    that never committed (``discovery.missing_checkpoint_error``)."""
     try:
         manifest_bytes = backend.read(manifest_key())
     except ObjectNotFoundError:

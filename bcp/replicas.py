@@ -23,13 +23,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from bcp.errors import ReplicaMismatchError
 from bcp.metadata.checksum import crc32c_raw
 from bcp.metadata.geometry import Box
-
-from .errors import ReplicaMismatchError
-from .options import REPLICA_CHECKS
-from .planning import LayoutMeta
-from .tensor_io import flat_bytes, host_contiguous, raw
+from bcp.options import REPLICA_CHECKS
+from bcp.planning import LayoutMeta
+from bcp.tensor_io import flat_bytes, host_contiguous, raw
 
 #: "small": boxes of at most this many bytes are checked (RNG states, counters, small
 #: buffers). Measured (docs/benchmarks.md, bench/replica_check_bench.py --sweep): up to

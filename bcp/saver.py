@@ -31,14 +31,11 @@ from typing import Any, NamedTuple, Unpack
 import pyarrow as pa
 import torch
 
+from bcp import objcodec, trace
+from bcp._version import __version__
 from bcp.backends import Backend
-from bcp.metadata import FileEntry, Fragment, Manifest, ObjectEntry
-from bcp.metadata.layout import catalog_key, data_file_key, generation_name
-
-from . import objcodec, trace
-from ._version import __version__
-from .collectives import Coordinator, decide, run_phase
-from .commit import (
+from bcp.collectives import Coordinator, decide, run_phase
+from bcp.commit import (
     DEFAULT_GRACE_SECONDS,
     ExistingCheckpoint,
     check_generation_intact,
@@ -49,19 +46,21 @@ from .commit import (
     remove_leftovers,
     write_catalog,
 )
-from .errors import CheckpointExistsError, CommitUncertainError, ShardingError, UnsupportedStateError
-from .gc_pause import gc_paused
-from .io_scheduler.write_pipeline import WriteItem, WritePipeline, make_pipeline
-from .lanes import coordinator_for
-from .options import SaveOptions, SaveOptionsKwargs
-from .planning import GlobalPlan, LayoutMeta, LocalLayout, plan_save
-from .planning.cache import PlanCache, PlanSummary, plan_cache_for, plan_key, save_order
-from .planning.local import PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
-from .planning.writer_rows import WriterReport, fragment_table, merge_reports, row_stats
-from .replicas import ReplicaSummer, ReplicaSums, check_replicas
-from .shards import PerRank
-from .state import flatten_state, path_to_json
-from .target import Target, resolve_backend
+from bcp.errors import CheckpointExistsError, CommitUncertainError, ShardingError, UnsupportedStateError
+from bcp.gc_pause import gc_paused
+from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline, make_pipeline
+from bcp.lanes import coordinator_for
+from bcp.metadata import FileEntry, Fragment, Manifest, ObjectEntry
+from bcp.metadata.layout import catalog_key, data_file_key, generation_name
+from bcp.options import SaveOptions, SaveOptionsKwargs
+from bcp.planning import GlobalPlan, LayoutMeta, LocalLayout, plan_save
+from bcp.planning.cache import PlanCache, PlanSummary, plan_cache_for, plan_key, save_order
+from bcp.planning.local import PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
+from bcp.planning.writer_rows import WriterReport, fragment_table, merge_reports, row_stats
+from bcp.replicas import ReplicaSummer, ReplicaSums, check_replicas
+from bcp.shards import PerRank
+from bcp.state import flatten_state, path_to_json
+from bcp.target import Target, resolve_backend
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from bcp.errors import UnsupportedStateError
 from bcp.metadata.geometry import Box, flat_range_to_boxes
-
-from .errors import UnsupportedStateError
 
 
 @dataclasses.dataclass

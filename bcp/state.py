@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError, UnsupportedStateError
-from .shards import RankValues, is_tensor_like
+from bcp.errors import FormatError, UnsupportedStateError
+from bcp.shards import RankValues, is_tensor_like
 
 #: ("d", key) dict entry, ("l", i) list item, ("t", i) tuple item
 PathElem = tuple[str, str | int]

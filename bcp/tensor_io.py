@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UnsupportedStateError
+from bcp.errors import UnsupportedStateError
 
 
 def check_saveable(t: torch.Tensor, fqn: str) -> None:

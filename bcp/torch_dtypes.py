@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from bcp.errors import FormatError, UnsupportedStateError
 from bcp.metadata.dtypes import DTYPE_ITEMSIZE
-
-from .errors import FormatError, UnsupportedStateError
 
 # Built from torch at import: a dtype this torch lacks (older releases) is simply absent.
 _BY_NAME: dict[str, torch.dtype] = {

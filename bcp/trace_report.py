@@ -34,8 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bcp.backends import split_scheme
-
-from .trace import StageTotal, stage_totals
+from bcp.trace import StageTotal, stage_totals
 
 log = logging.getLogger(__name__)
 

@@ -29,15 +29,15 @@ from typing import Any, Unpack
 import numpy as np
 import torch
 
-from .dataloader import is_dataloader_state, is_sampler_state, reshard_dataloader_states
-from .errors import UnsupportedStateError
-from .extras import missing_extra
-from .loader import LoadInfo, load_with_info
-from .options import LoadOptionsKwargs, SaveOptionsKwargs
-from .saver import SaveInfo, save
-from .shards import PerRank
-from .state import taken_for_save, taking_for_save
-from .target import Target
+from bcp.dataloader import is_dataloader_state, is_sampler_state, reshard_dataloader_states
+from bcp.errors import UnsupportedStateError
+from bcp.extras import missing_extra
+from bcp.loader import LoadInfo, load_with_info
+from bcp.options import LoadOptionsKwargs, SaveOptionsKwargs
+from bcp.saver import SaveInfo, save
+from bcp.shards import PerRank
+from bcp.state import taken_for_save, taking_for_save
+from bcp.target import Target
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,11 @@ from typing import Any
 
 import numpy as np
 
+from bcp.errors import CheckpointError, PickleNotAllowedError
+from bcp.io_scheduler.read_exec import execute_reads
+from bcp.io_scheduler.read_plan import RunSet
 from bcp.metadata import Fragment, TensorEntry
-
-from .errors import CheckpointError, PickleNotAllowedError
-from .io_scheduler.read_exec import execute_reads
-from .io_scheduler.read_plan import RunSet
-from .reader import open_checkpoint
+from bcp.reader import open_checkpoint
 
 #: Bytes read and checked per batch (the memory verify holds for data, besides the
 #: reader's coalescing scratch).

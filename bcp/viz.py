@@ -18,11 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bcp.extras import needs_extra
+from bcp.io_scheduler.read_plan import touched_rows
 from bcp.metadata import TensorEntry
-
-from .extras import needs_extra
-from .io_scheduler.read_plan import touched_rows
-from .trace import active_seconds
+from bcp.trace import active_seconds
 
 #: the picture's width in inches and dots per inch: a PNG is WIDTH * DPI pixels wide
 WIDTH, DPI = 12.0, 100

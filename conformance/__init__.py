@@ -15,8 +15,8 @@ It also runs against any URI, with a report: ``bcp conformance URI``,
 import sys
 
 if __name__ == "bcp.conformance":
-    from .checkpoint_contract import CheckpointContractTests
-    from .object_contract import (
+    from bcp.conformance.checkpoint_contract import CheckpointContractTests
+    from bcp.conformance.object_contract import (
         OBJECT_CONTRACT_GROUPS,
         AtomicCommitTests,
         BackendContractTests,
@@ -33,7 +33,7 @@ if __name__ == "bcp.conformance":
         RangedReadTests,
         RoundTripTests,
     )
-    from .runner import run_suite
+    from bcp.conformance.runner import run_suite
 elif "_pytest" not in sys.modules:  # the folder imported under its own name: a second copy of every class
     raise ImportError(
         f"this folder is the package bcp.conformance; write `import bcp.conformance`, not `import {__name__}`"

@@ -9,8 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from bcp.backends import Backend, Capability, ObjectExistsError, ObjectWriter
-
-from .object_base import (
+from bcp.conformance.object_base import (
     THREAD_TIMEOUT,
     THREADS,
     ObjectContractBase,

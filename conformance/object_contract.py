@@ -36,7 +36,7 @@ does not declare them.
 
 from __future__ import annotations
 
-from .object_base import (
+from bcp.conformance.object_base import (
     INVALID_KEYS,
     IRREGULAR_PARTS,
     KEYED_OPS,
@@ -49,9 +49,9 @@ from .object_base import (
     in_threads,
     payload,
 )
-from .object_commit import AtomicCommitTests, ConcurrencyTests, CreateOnlyWriteTests, OverwriteTests
-from .object_data import MultipartWriteTests, RangedReadTests, RoundTripTests
-from .object_keys import DeleteTests, ExistsTests, KeyTests, ListingTests, MissingObjectTests
+from bcp.conformance.object_commit import AtomicCommitTests, ConcurrencyTests, CreateOnlyWriteTests, OverwriteTests
+from bcp.conformance.object_data import MultipartWriteTests, RangedReadTests, RoundTripTests
+from bcp.conformance.object_keys import DeleteTests, ExistsTests, KeyTests, ListingTests, MissingObjectTests
 
 #: The per-operation groups, in the order they run and are reported.
 OBJECT_CONTRACT_GROUPS: tuple[type[ObjectContractBase], ...] = (

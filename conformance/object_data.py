@@ -10,8 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from bcp.backends import Backend, Buffer, Capability
-
-from .object_base import THREADS, ObjectContractBase, check_bytes, expect_raises, payload
+from bcp.conformance.object_base import THREADS, ObjectContractBase, check_bytes, expect_raises, payload
 
 
 class RoundTripTests(ObjectContractBase):

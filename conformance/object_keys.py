@@ -8,8 +8,14 @@ from typing import ClassVar
 import pytest
 
 from bcp.backends import Backend, ObjectNotFoundError
-
-from .object_base import INVALID_KEYS, KEYED_OPS, READ_OPS, ObjectContractBase, check_bytes, expect_raises
+from bcp.conformance.object_base import (
+    INVALID_KEYS,
+    KEYED_OPS,
+    READ_OPS,
+    ObjectContractBase,
+    check_bytes,
+    expect_raises,
+)
 
 
 class ListingTests(ObjectContractBase):

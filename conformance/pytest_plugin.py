@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from .report import Check
+    from bcp.conformance.report import Check
 
 
 def pytest_addoption(parser) -> None:
@@ -86,7 +86,7 @@ def target_uri(config) -> str | None:
 
 class ReportPlugin:
     def __init__(self, config) -> None:
-        from .report import Report
+        from bcp.conformance.report import Report
 
         self.config = config
         self.report = Report(uri=_public_uri(config.getoption("--bcp-uri")), level=config.getoption("--bcp-level"))
@@ -95,7 +95,7 @@ class ReportPlugin:
         self.headings: dict[str, str] = {}
 
     def pytest_collection_modifyitems(self, config, items) -> None:
-        from .report import heading_of
+        from bcp.conformance.report import heading_of
 
         for item in items:
             name = getattr(item, "originalname", None) or item.name
@@ -112,7 +112,7 @@ class ReportPlugin:
             items[:] = keep
 
     def pytest_runtest_logreport(self, report) -> None:
-        from .report import OTHER, Check
+        from bcp.conformance.report import OTHER, Check
 
         name = report.nodeid.split("::")[-1]
         check = self._checks.get(report.nodeid)
@@ -149,7 +149,7 @@ class ReportPlugin:
 def _failure_line(report) -> str:
     """The assertion's own message (which names the guarantee), on one line; a very
     long one is cut at a word boundary (report.shorten)."""
-    from .report import shorten
+    from bcp.conformance.report import shorten
 
     crash = getattr(report.longrepr, "reprcrash", None)
     text = crash.message if crash is not None else str(report.longrepr)

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import FormatError
-from .geometry import simple_tilings, tiling_problem
-from .rows import Rows, TensorBoxes, TensorEntry
+from bcp.metadata.errors import FormatError
+from bcp.metadata.geometry import simple_tilings, tiling_problem
+from bcp.metadata.rows import Rows, TensorBoxes, TensorEntry
 
 if TYPE_CHECKING:
-    from .catalog.tensors import TensorTable
+    from bcp.metadata.catalog.tensors import TensorTable
 
 
 def gather_entries(

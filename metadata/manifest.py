@@ -21,9 +21,9 @@ import math
 import re
 from typing import Any
 
-from .checksum import crc32c
-from .errors import CorruptManifestError, FormatError
-from .layout import DATA_FILE_NAME_RE, MANIFEST_KEY, catalog_key, generation_name
+from bcp.metadata.checksum import crc32c
+from bcp.metadata.errors import CorruptManifestError, FormatError
+from bcp.metadata.layout import DATA_FILE_NAME_RE, MANIFEST_KEY, catalog_key, generation_name
 
 __all__ = [
     "CRC_FIELD",

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from .dtypes import itemsize
-from .errors import FormatError
+from bcp.metadata.dtypes import itemsize
+from bcp.metadata.errors import FormatError
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -486,7 +486,7 @@ _LOG_LEVELS = """
 import logging, sys
 from bcp.cli import main
 main(["--log-level", "DEBUG", "ls", sys.argv[1]])
-print(logging.getLogger("bcp.housekeeping").isEnabledFor(logging.DEBUG),
+print(logging.getLogger("bcp.retention").isEnabledFor(logging.DEBUG),
       logging.getLogger("botocore").isEnabledFor(logging.DEBUG), logging.getLogger().level)
 """
 

@@ -26,7 +26,7 @@ from bcp.backends.memory import clear_memory_store
 from bcp.benchmark import save_load
 from bcp.commit import delete_checkpoint
 from bcp.describe import describe
-from bcp.housekeeping import checkpoint_objects, list_checkpoints
+from bcp.discovery import checkpoint_objects, list_checkpoints
 from bcp.metadata.layout import MANIFEST_KEY
 from bcp.metadata.manifest import reseal
 

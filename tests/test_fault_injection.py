@@ -52,7 +52,7 @@ import pytest
 import torch
 
 import bcp
-from bcp import commit, housekeeping
+from bcp import commit, discovery, retention
 from bcp.backends import Backend, ObjectWriter, StorageError, backend_for, join_uri, register_backend
 from bcp.backends.file import PARTIAL_MARKER
 from bcp.backends.memory import clear_memory_store
@@ -317,7 +317,7 @@ def gc_checkpoint(uri: str) -> None:
 
 def gc_root(uri: str) -> None:
     backend = backend_for(uri)
-    housekeeping.run_gc(backend, housekeeping.plan_gc(backend, keep_last=1, **_zero_grace(housekeeping.plan_gc)))
+    retention.run_gc(backend, retention.plan_gc(backend, keep_last=1, **_zero_grace(retention.plan_gc)))
 
 
 def _name(key: str) -> str:
@@ -440,8 +440,8 @@ class ManagerNextStep(Scenario):
         if f'"step": {step}'.encode() not in latest:
             problems.append(f"latest.json is {latest!r}, not step {step}")
         gc_root(uri)
-        if housekeeping.committed_steps(clean) != [step]:
-            problems.append(f"committed steps after gc: {housekeeping.committed_steps(clean)}, expected [{step}]")
+        if discovery.committed_steps(clean) != [step]:
+            problems.append(f"committed steps after gc: {discovery.committed_steps(clean)}, expected [{step}]")
         allowed = {LATEST_KEY} | committed_objects(clean, f"{step_name(step)}/")
         problems += [f"left after gc: {x}" for x in store.leftovers(uri, allowed)]
         return problems

@@ -16,9 +16,10 @@ import dist_jobs
 from bcp.backends import backend_for
 from bcp.backends.memory import clear_memory_store
 from bcp.commit import unused_generations
-from bcp.housekeeping import plan_gc, scan, select_kept
+from bcp.discovery import scan
 from bcp.metadata import MANIFEST_KEY
 from bcp.metadata.layout import data_file_key, generation_name, step_name
+from bcp.retention import plan_gc, select_kept
 
 
 def state_for(step: int) -> dict:
@@ -108,7 +109,7 @@ def test_retention_deletes_manifest_first(root):
         real_delete(self, key)
         raise Stop
 
-    from bcp.housekeeping import delete_step
+    from bcp.retention import delete_step
 
     type(backend).delete = delete
     try:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import bcp
 import dist_jobs
+from bcp import retention
 from bcp.backends import (
     Backend,
     Capability,
@@ -290,7 +291,7 @@ def test_gc_finds_and_aborts_the_upload_of_a_killed_save(moto_server, moto_bucke
     """A save killed mid-upload leaves only a multipart upload, which listing does not
     show: gc still finds the step through ``unfinished()`` and aborts the upload once
     it is older than the grace period, never while it may be a save in progress."""
-    from bcp import commit, housekeeping
+    from bcp import commit
     from bcp.metadata.layout import step_name
 
     s3 = _s3(moto_server, moto_bucket)
@@ -302,11 +303,11 @@ def test_gc_finds_and_aborts_the_upload_of_a_killed_save(moto_server, moto_bucke
     # (moto reports a fixed initiation date from 2010, so the upload's own age is not checked here)
     assert pending.name.startswith(f"{step_name(3)}/{generation}/")
     assert list(s3.list("")) == []
-    young = housekeeping.plan_gc(s3)
+    young = retention.plan_gc(s3)
     assert young.young == [3] and young.incomplete == [] and young.unfinished == []
-    old = housekeeping.plan_gc(s3, grace_seconds=0)
+    old = retention.plan_gc(s3, grace_seconds=0)
     assert old.incomplete == [3]
-    assert housekeeping.run_gc(s3, old) == []
+    assert retention.run_gc(s3, old) == []
     assert s3.pending_uploads() == []
 
 

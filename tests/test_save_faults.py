@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import bcp
-from bcp import commit, housekeeping
+from bcp import commit, discovery, retention
 from bcp.backends import Backend, ObjectWriter, backend_for
 from bcp.backends.errors import StorageError
 from bcp.backends.file import PARTIAL_MARKER, FileBackend
@@ -199,9 +199,9 @@ def test_gc_during_a_save_leaves_it_alone(tmp_path):
 
     def gc_now():
         backend = backend_for(str(root))
-        plan = housekeeping.plan_gc(backend, keep_last=1)
+        plan = retention.plan_gc(backend, keep_last=1)
         plans.append(plan)
-        housekeeping.run_gc(backend, plan)
+        retention.run_gc(backend, plan)
 
     _save_step_through(root, 2, _state(2), gc_now)
     assert plans[0].young == [2] and plans[0].incomplete == []
@@ -224,7 +224,7 @@ def test_a_save_whose_data_was_deleted_under_it_fails_and_commits_nothing(tmp_pa
 
     def gc_without_grace():
         backend = backend_for(str(root))
-        housekeeping.run_gc(backend, housekeeping.plan_gc(backend, keep_last=1, grace_seconds=0))
+        retention.run_gc(backend, retention.plan_gc(backend, keep_last=1, grace_seconds=0))
 
     with pytest.raises(IncompleteCheckpointError, match="deleted while it was writing"):
         _save_step_through(root, 2, _state(2), gc_without_grace)
@@ -273,10 +273,10 @@ def test_a_step_that_is_a_link_is_not_followed_by_gc_or_delete(tmp_path):
     (elsewhere / "gen-x" / "data" / "precious.bin").write_bytes(b"keep me")
     (root / step_name(7)).symlink_to(elsewhere, target_is_directory=True)
     backend = backend_for(str(root))
-    assert 7 not in housekeeping.scan(backend)  # never listed through the link
-    housekeeping.run_gc(backend, housekeeping.plan_gc(backend, grace_seconds=0))
+    assert 7 not in discovery.scan(backend)  # never listed through the link
+    retention.run_gc(backend, retention.plan_gc(backend, grace_seconds=0))
     with pytest.raises(StorageError, match="symbolic link"):
-        housekeeping.delete_step(backend, 7)
+        retention.delete_step(backend, 7)
     with pytest.raises(StorageError, match="symbolic link"):
         backend.delete_prefix(f"{step_name(7)}/")
     assert (elsewhere / "gen-x" / "data" / "precious.bin").read_bytes() == b"keep me"
@@ -312,19 +312,19 @@ def _killed_save(root, step: int, age_seconds: float) -> str:
 def test_partial_files_of_killed_saves_are_found_and_removed_once_old(tmp_path):
     root = tmp_path / "run"
     bcp.CheckpointManager(root, async_save=False).save(1, _state(1))
-    _killed_save(root, 2, age_seconds=2 * housekeeping.DEFAULT_GRACE_SECONDS)
+    _killed_save(root, 2, age_seconds=2 * commit.DEFAULT_GRACE_SECONDS)
     young = _killed_save(root, 3, age_seconds=10)
     # a killed manifest write beside a committed checkpoint
     stray = root / step_name(1) / f"{MANIFEST_KEY}{PARTIAL_MARKER}0123456789ab"
     stray.write_bytes(b"{")
-    old = time.time() - 2 * housekeeping.DEFAULT_GRACE_SECONDS
+    old = time.time() - 2 * commit.DEFAULT_GRACE_SECONDS
     os.utime(stray, (old, old))
     backend = backend_for(str(root))
     assert backend.list(step_name(2)) is not None and not list(backend.list(step_name(2)))  # listing hides it
-    plan = housekeeping.plan_gc(backend)
+    plan = retention.plan_gc(backend)
     assert plan.incomplete == [2] and plan.young == [3]
     assert plan.unfinished == [f"{step_name(1)}/{stray.name}"]
-    housekeeping.run_gc(backend, plan)
+    retention.run_gc(backend, plan)
     assert [u.name for u in backend.unfinished()] == [young]
     assert not (root / step_name(2)).exists()
     _loads_as(root / step_name(1), _state(1))

@@ -31,7 +31,7 @@ import torch
 
 import bcp
 import tier_jobs
-from bcp.housekeeping import committed_steps
+from bcp.discovery import committed_steps
 from bcp.metadata.layout import MANIFEST_KEY
 from bcp.target import resolve_backend
 from bcp.tiers.holding import read_holding, verify

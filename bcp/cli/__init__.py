@@ -17,6 +17,6 @@ module per command, which parses and prints: the work is in the library
 :mod:`bcp.benchmark`, :mod:`bcp.conformance`).
 """
 
-from .main import build_parser, main
+from bcp.cli.main import build_parser, main
 
 __all__ = ["build_parser", "main"]

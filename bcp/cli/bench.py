@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..benchmark import save_load
-from .common import UsageError, one_line
-from .render import human, rate, safe, show
+from bcp.benchmark import save_load
+from bcp.cli.common import UsageError, one_line
+from bcp.cli.render import human, rate, safe, show
 
 NAME = "bench"
 HELP = "save and load a synthetic state through URI; speeds (MiB/s, GiB/s)"

@@ -8,12 +8,12 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..backends import Backend
-from ..backends.errors import redact
-from ..backends.file import file_directory
-from ..backends.registry import check_not_empty
-from ..errors import CheckpointError
-from .render import safe, show
+from bcp.backends import Backend
+from bcp.backends.errors import redact
+from bcp.backends.file import file_directory
+from bcp.backends.registry import check_not_empty
+from bcp.cli.render import safe, show
+from bcp.errors import CheckpointError
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import imports
+from bcp.cli.common import imports
 
 NAME = "conformance"
 HELP = "check that a storage backend keeps bcp's contracts"

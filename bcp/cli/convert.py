@@ -7,11 +7,11 @@ from __future__ import annotations
 import argparse
 import os
 
-from .. import convert
-from ..backends.options import as_size
-from ..reader import PerRankChoice, open_checkpoint
-from .common import NotFound, UsageError, option
-from .render import human, progress, safe, show
+from bcp import convert
+from bcp.backends.options import as_size
+from bcp.cli.common import NotFound, UsageError, option
+from bcp.cli.render import human, progress, safe, show
+from bcp.reader import PerRankChoice, open_checkpoint
 
 NAME = "convert"
 HELP = "bcp to safetensors / torch.save / DCP, or safetensors / torch / DCP to bcp"

@@ -1,17 +1,17 @@
 """``bcp gc ROOT``: delete a manager root's incomplete steps, unused generations and
 the steps a retention policy drops, and what killed overwrites left in any committed
-checkpoint under ROOT (:func:`bcp.housekeeping.plan_gc`, ``run_gc``)."""
+checkpoint under ROOT (:func:`bcp.retention.plan_gc`, ``run_gc``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ..backends import backend_for
-from ..backends.errors import redact
-from ..housekeeping import plan_gc, run_gc
-from .common import UsageError, require_location
-from .render import safe
+from bcp.backends import backend_for
+from bcp.backends.errors import redact
+from bcp.cli.common import UsageError, require_location
+from bcp.cli.render import safe
+from bcp.retention import plan_gc, run_gc
 
 NAME = "gc"
 HELP = "delete incomplete steps, unused generations and steps a policy drops"

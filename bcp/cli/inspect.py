@@ -8,14 +8,14 @@ import json
 import sys
 from typing import Any
 
-from ..backends import backend_for
-from ..backends.errors import redact
-from ..describe import describe
-from ..errors import listed
-from ..reader import CheckpointReader, open_checkpoint
-from ..viz import MAX_WORLD
-from .common import CliError, UsageError, require_location
-from .render import human, raw, safe, show
+from bcp.backends import backend_for
+from bcp.backends.errors import redact
+from bcp.cli.common import CliError, UsageError, require_location
+from bcp.cli.render import human, raw, safe, show
+from bcp.describe import describe
+from bcp.errors import listed
+from bcp.reader import CheckpointReader, open_checkpoint
+from bcp.viz import MAX_WORLD
 
 NAME = "inspect"
 HELP = "manifest, tensors and objects of one checkpoint"
@@ -108,7 +108,7 @@ def draw(reader: CheckpointReader, args: argparse.Namespace) -> int:
     meta = reader.meta(fqn)
     if meta.shape.numel() == 0 or not len(meta.shape):
         raise UsageError(f"{safe(fqn)} has shape {list(meta.shape)}: nothing to draw")
-    from ..viz import draw_layout, reader_shares
+    from bcp.viz import draw_layout, reader_shares
 
     rects = draw_layout(meta.fragments, tuple(meta.shape), fqn, args.layout, world=args.world, entry=meta.entry)
     boxes = sum(r.kind == "fragment" for r in rects)

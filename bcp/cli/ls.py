@@ -1,5 +1,5 @@
 """``bcp ls ROOT``: the checkpoints under a root, in any layout
-(:func:`bcp.housekeeping.list_checkpoints`), as a table or JSON."""
+(:func:`bcp.discovery.list_checkpoints`), as a table or JSON."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 import sys
 from typing import Any
 
-from ..backends import backend_for
-from ..housekeeping import FIND_MAX_DEPTH, ListedCheckpoint, list_checkpoints
-from .common import one_line, require_location
-from .render import age, human, safe, show
+from bcp.backends import backend_for
+from bcp.cli.common import one_line, require_location
+from bcp.cli.render import age, human, safe, show
+from bcp.discovery import FIND_MAX_DEPTH, ListedCheckpoint, list_checkpoints
 
 NAME = "ls"
 HELP = "checkpoints under a root, in any layout: committed or incomplete, size, age, kind"

@@ -9,12 +9,12 @@ import logging
 import sys
 import traceback
 
-from ..backends.errors import redact
-from ..backends.registry import import_plugins
-from ..errors import CheckpointNotFoundError
-from . import bench, conformance, convert, gc, inspect, ls, rm, trace, verify
-from .common import CliError, UsageError, add_import_option, imports, one_line, refuse_empty_locations
-from .render import safe
+from bcp.backends.errors import redact
+from bcp.backends.registry import import_plugins
+from bcp.cli import bench, conformance, convert, gc, inspect, ls, rm, trace, verify
+from bcp.cli.common import CliError, UsageError, add_import_option, imports, one_line, refuse_empty_locations
+from bcp.cli.render import safe
+from bcp.errors import CheckpointNotFoundError
 
 #: The commands, in the order --help lists them.
 COMMANDS = (conformance, ls, inspect, verify, convert, rm, gc, bench, trace)

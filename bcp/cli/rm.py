@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import argparse
 
-from ..backends import backend_for
-from ..commit import delete_checkpoint
-from ..deletion import deletable, remove_emptied_root
-from ..errors import CheckpointError
-from ..metadata.layout import MANIFEST_KEY
-from .common import CliError, NotFound, one_line, require_location
-from .render import safe, show
+from bcp.backends import backend_for
+from bcp.cli.common import CliError, NotFound, one_line, require_location
+from bcp.cli.render import safe, show
+from bcp.commit import delete_checkpoint
+from bcp.deletion import deletable, remove_emptied_root
+from bcp.errors import CheckpointError
+from bcp.metadata.layout import MANIFEST_KEY
 
 NAME = "rm"
 HELP = "delete one checkpoint (its manifest first)"

@@ -11,9 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from ..trace_report import Against, OperationSummary, Speeds, TraceError, merge, read_traces, summarise, write_merged
-from .common import CliError, UsageError
-from .render import human, rate, safe
+from bcp.cli.common import CliError, UsageError
+from bcp.cli.render import human, rate, safe
+from bcp.trace_report import Against, OperationSummary, Speeds, TraceError, merge, read_traces, summarise, write_merged
 
 NAME = "trace"
 HELP = "merge the per-rank trace files of a traced save or load; per-stage summary, stragglers"
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     speeds = _speeds(args)
     summary = summarise(docs, straggler_pct=args.straggler_pct, speeds=speeds)
     if args.png:
-        from ..viz import draw_timeline
+        from bcp.viz import draw_timeline
 
         draw_timeline(docs, args.png)
     if args.json:
@@ -190,7 +190,7 @@ def _speeds(args: argparse.Namespace) -> Speeds | None:
     if args.measure:
         if args.measure_mib < 1:
             raise UsageError(f"--measure-mib must be >= 1, got {args.measure_mib}")
-        from ..benchmark import storage_speed
+        from bcp.benchmark import storage_speed
 
         speed = storage_speed(args.measure, nbytes=args.measure_mib << 20)
         pair = (speed.write_gbps, speed.read_gbps)

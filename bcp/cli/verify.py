@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from .. import verify
-from ..backends import backend_for
-from ..backends.errors import redact
-from .common import require_location
-from .render import human, progress, safe
+from bcp import verify
+from bcp.backends import backend_for
+from bcp.backends.errors import redact
+from bcp.cli.common import require_location
+from bcp.cli.render import human, progress, safe
 
 NAME = "verify"
 HELP = "re-read every fragment; check checksums, sizes and coverage"

@@ -26,14 +26,14 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..backends import join_uri
-from ..deletion import delete, exists
-from ..extras import needs_extra
-from ..reader import open_checkpoint
-from ..saver import save
-from ..shards import PerRank, RankValues
-from ..target import resolve_backend
-from ..training import rng_state, set_rng_state
+from bcp.backends import join_uri
+from bcp.deletion import delete, exists
+from bcp.extras import needs_extra
+from bcp.reader import open_checkpoint
+from bcp.saver import save
+from bcp.shards import PerRank, RankValues
+from bcp.target import resolve_backend
+from bcp.training import rng_state, set_rng_state
 
 with needs_extra("accelerate", "bcp.integrations.accelerate"):
     from accelerate import Accelerator

@@ -50,16 +50,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..backends import Backend, ObjectExistsError, ObjectNotFoundError, backend_for, join_uri
-from ..errors import (
+from bcp.backends import Backend, ObjectExistsError, ObjectNotFoundError, backend_for, join_uri
+from bcp.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FormatError,
 )
-from ..interop.dcp_metadata import check_storage, parse_metadata
-from ..metadata.checksum import crc32c
-from .dcp_storage import (
+from bcp.integrations.dcp_storage import (
     CHECKSUMS_FORMAT,
     CHECKSUMS_KEY,
     CHECKSUMS_VERSION,
@@ -70,6 +68,8 @@ from .dcp_storage import (
     is_bcp_uri,
     parse_checksums,
 )
+from bcp.interop.dcp_metadata import check_storage, parse_metadata
+from bcp.metadata.checksum import crc32c
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from ..backends import Backend, Buffer, Capability, backend_for, registered_backends, split_scheme
-from ..errors import FormatError
-from ..metadata.checksum import crc32c
+from bcp.backends import Backend, Buffer, Capability, backend_for, registered_backends, split_scheme
+from bcp.errors import FormatError
+from bcp.metadata.checksum import crc32c
 
 #: DCP's metadata object: written last, its presence is what makes a checkpoint complete.
 METADATA_KEY = ".metadata"

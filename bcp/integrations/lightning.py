@@ -44,14 +44,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from bcp.backends import registered_backends
-
-from ..deletion import delete
-from ..errors import CheckpointError, StateMismatchError
-from ..extras import needs_extra
-from ..lanes import LOCAL
-from ..loader import load_with_info
-from ..reader import CheckpointReader, open_checkpoint
-from ..saver import save
+from bcp.deletion import delete
+from bcp.errors import CheckpointError, StateMismatchError
+from bcp.extras import needs_extra
+from bcp.lanes import LOCAL
+from bcp.loader import load_with_info
+from bcp.reader import CheckpointReader, open_checkpoint
+from bcp.saver import save
 
 with needs_extra("lightning", "bcp.integrations.lightning"):
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO

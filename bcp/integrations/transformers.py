@@ -26,11 +26,11 @@ import re
 import uuid
 from typing import Any
 
-from ..backends import Backend, ObjectNotFoundError, backend_for, join_uri
-from ..errors import CorruptCheckpointError, FormatError
-from ..extras import needs_extra
-from ..metadata.checksum import crc32c
-from .dcp_storage import ObjectStream
+from bcp.backends import Backend, ObjectNotFoundError, backend_for, join_uri
+from bcp.errors import CorruptCheckpointError, FormatError
+from bcp.extras import needs_extra
+from bcp.integrations.dcp_storage import ObjectStream
+from bcp.metadata.checksum import crc32c
 
 with needs_extra("transformers", "bcp.integrations.transformers"):
     import accelerate  # noqa: F401 - the Trainer needs it: name the extra now, not at TrainingArguments

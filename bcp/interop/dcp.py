@@ -33,14 +33,14 @@ from typing import Any
 
 import torch
 
-from ..errors import ConversionError, FormatError
-from ..reader import CheckpointReader, PerRankChoice, check_per_rank_choice, open_checkpoint
-from ..saver import SaveInfo, save
-from ..state import KeyPath, build_nested
-from .files import file_backed, publish_dir, stale_files
-from .formats import DCP_METADATA_FILE
-from .per_rank import export_object, per_rank_keys
-from .selection import Progress, select
+from bcp.errors import ConversionError, FormatError
+from bcp.interop.files import file_backed, publish_dir, stale_files
+from bcp.interop.formats import DCP_METADATA_FILE
+from bcp.interop.per_rank import export_object, per_rank_keys
+from bcp.interop.selection import Progress, select
+from bcp.reader import CheckpointReader, PerRankChoice, check_per_rank_choice, open_checkpoint
+from bcp.saver import SaveInfo, save
+from bcp.state import KeyPath, build_nested
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def to_dcp(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from .dcp_writer import BatchedFileSystemWriter, StreamingSavePlanner
+    from bcp.interop.dcp_writer import BatchedFileSystemWriter, StreamingSavePlanner
 
     check_per_rank_choice(per_rank)
     reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
@@ -209,7 +209,7 @@ def from_dcp(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .dcp_metadata import DCPReader, SafeBytesPlanner, check_storage, key_paths, read_metadata
+    from bcp.interop.dcp_metadata import DCPReader, SafeBytesPlanner, check_storage, key_paths, read_metadata
 
     metadata = read_metadata(src, allow_pickle=allow_pickle)
     paths = key_paths(metadata, where=os.path.join(src, DCP_METADATA_FILE))

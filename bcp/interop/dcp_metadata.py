@@ -49,10 +49,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
-from ..state import KeyPath, PathElem, fqn_of
-from .formats import DCP_METADATA_FILE
-from .pickle_check import check_pickle
+from bcp.errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
+from bcp.interop.formats import DCP_METADATA_FILE
+from bcp.interop.pickle_check import check_pickle
+from bcp.state import KeyPath, PathElem, fqn_of
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _PATHS = ("PosixPath", "PurePosixPath", "PureWindowsPath")

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .selection import plan_shards
+from bcp.interop.selection import plan_shards
 
 
 class StreamingSavePlanner(DefaultSavePlanner):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..reader import CheckpointReader, PerRankChoice
+from bcp.reader import CheckpointReader, PerRankChoice
 
 #: An export that keeps every rank's value of a per-rank object (``per_rank="all"``)
 #: writes ``{rank_key(0): value of rank 0, rank_key(1): ...}`` where the object was.

@@ -8,7 +8,7 @@ import io
 import pickletools
 from typing import Any
 
-from ..errors import FormatError
+from bcp.errors import FormatError
 
 
 class _Value:

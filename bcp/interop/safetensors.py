@@ -18,12 +18,21 @@ from collections.abc import Sequence
 
 import torch
 
-from ..extras import needs_extra
-from ..reader import CheckpointReader, open_checkpoint
-from ..saver import SaveInfo, save
-from .files import publish, stale_files
-from .formats import INDEX_NAME
-from .selection import Progress, RenameRule, apply_renames, cast_dtype, output_names, parse_rename, plan_shards, select
+from bcp.extras import needs_extra
+from bcp.interop.files import publish, stale_files
+from bcp.interop.formats import INDEX_NAME
+from bcp.interop.selection import (
+    Progress,
+    RenameRule,
+    apply_renames,
+    cast_dtype,
+    output_names,
+    parse_rename,
+    plan_shards,
+    select,
+)
+from bcp.reader import CheckpointReader, open_checkpoint
+from bcp.saver import SaveInfo, save
 
 log = logging.getLogger(__name__)
 

@@ -17,14 +17,13 @@ from typing import Any
 
 import torch
 
+from bcp.interop.files import file_backed, publish
+from bcp.interop.per_rank import export_object
+from bcp.interop.selection import Progress, select
 from bcp.metadata.geometry import Box
-
-from ..reader import CheckpointReader, PerRankChoice, check_per_rank_choice, open_checkpoint
-from ..saver import SaveInfo, save
-from ..state import build_nested
-from .files import file_backed, publish
-from .per_rank import export_object
-from .selection import Progress, select
+from bcp.reader import CheckpointReader, PerRankChoice, check_per_rank_choice, open_checkpoint
+from bcp.saver import SaveInfo, save
+from bcp.state import build_nested
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from ..shards import Piece
-from ..tensor_io import storage_identity
+from bcp.shards import Piece
+from bcp.tensor_io import storage_identity
 
 #: Dtypes ``Tensor.numpy`` takes (the others are staged through a uint8 view).
 NUMPY_DTYPES = frozenset(

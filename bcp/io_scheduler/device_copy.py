@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..tensor_io import raw
+from bcp.tensor_io import raw
 
 
 class CudaApi:

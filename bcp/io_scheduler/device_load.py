@@ -24,15 +24,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from bcp import trace
+from bcp.io_scheduler.device_copy import DeviceCopies, settle
+from bcp.io_scheduler.read_exec import ReadStats, execute_reads
+from bcp.io_scheduler.read_plan import RunSet, plan_tensor_reads
+from bcp.io_scheduler.staging import StagingPool
 from bcp.metadata import TensorEntry
 from bcp.metadata.geometry import Box
-
-from .. import trace
-from ..tensor_io import flat_bytes, raw
-from .device_copy import DeviceCopies, settle
-from .read_exec import ReadStats, execute_reads
-from .read_plan import RunSet, plan_tensor_reads
-from .staging import StagingPool
+from bcp.tensor_io import flat_bytes, raw
 
 #: Pieces smaller than this share slabs; larger ones get a slab of their own, placed
 #: so that the memory address and the file offset agree modulo 4096 (O_DIRECT).

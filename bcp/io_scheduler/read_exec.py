@@ -28,13 +28,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from bcp import trace
 from bcp.backends import Backend, ObjectNotFoundError
+from bcp.errors import CorruptCheckpointError
+from bcp.io_scheduler.read_plan import RunSet
 from bcp.metadata import Fragment, crc32c
 from bcp.metadata.checksum import combine_blocks, crc32c_c
-
-from .. import trace
-from ..errors import CorruptCheckpointError
-from .read_plan import RunSet
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bcp.errors import CorruptCheckpointError
 from bcp.metadata import Fragment, TensorEntry, itemsize
 from bcp.metadata.geometry import (
     Box,
@@ -34,8 +35,6 @@ from bcp.metadata.geometry import (
     sweep_windows,
     tiling_problem,
 )
-
-from ..errors import CorruptCheckpointError
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -15,10 +15,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bcp.io_scheduler.read_plan import overlap_volumes
 from bcp.metadata.geometry import BoxArrays, ascending, expand_windows, row_products, rows_positive, stable_order
 from bcp.metadata.rows import TensorBoxes
-
-from .read_plan import overlap_volumes
 
 #: Wanted boxes matched at once (bounds the memory of the per-box arrays)
 BOX_BATCH = 1 << 20

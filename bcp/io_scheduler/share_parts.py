@@ -20,9 +20,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from bcp.errors import CheckpointError
 from bcp.metadata.geometry import Box, expand_windows, stable_order
-
-from ..errors import CheckpointError
 
 SharedKey = tuple[str, Box]
 

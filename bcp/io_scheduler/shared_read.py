@@ -32,19 +32,11 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from bcp.metadata import itemsize
-from bcp.metadata.geometry import (
-    Box,
-    row_products,
-    stable_order,
-)
-
-from .. import trace
-from ..collectives import GroupCoordinator, portable
-from ..errors import CheckpointError
-from ..reader import CheckpointReader
-from .read_exec import ReadStats
-from .share_match import (
+from bcp import trace
+from bcp.collectives import GroupCoordinator, portable
+from bcp.errors import CheckpointError
+from bcp.io_scheduler.read_exec import ReadStats
+from bcp.io_scheduler.share_match import (
     BOX_BATCH,
     CutIndex,
     box_batches,
@@ -54,7 +46,14 @@ from .share_match import (
     padded_boxes,
     rows_at,
 )
-from .share_parts import SharePart, class_parts
+from bcp.io_scheduler.share_parts import SharePart, class_parts
+from bcp.metadata import itemsize
+from bcp.metadata.geometry import (
+    Box,
+    row_products,
+    stable_order,
+)
+from bcp.reader import CheckpointReader
 
 SharedKey = tuple[str, Box]
 

@@ -36,18 +36,17 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from bcp import trace
 from bcp.backends import Backend, ObjectWriter
+from bcp.io_scheduler.chunk_plan import Chunk, PipelinePlan, count_uses, plan_packed_chunks, plan_pipeline
+from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor, settle
+from bcp.io_scheduler.staging import Slab, StagingPool, default_pool
 from bcp.metadata import FileEntry, block_checksums, digest_of_checksums
-
-from .. import trace
-from ..planning import TensorPlan
-from ..planning.writer_rows import REPORT_SCHEMA, WriterReport
-from ..priority import lower_this_thread
-from ..shards import Piece
-from ..tensor_io import flat_bytes, host_contiguous
-from .chunk_plan import Chunk, PipelinePlan, count_uses, plan_packed_chunks, plan_pipeline
-from .device_copy import DeviceCopies, is_device_tensor, settle
-from .staging import Slab, StagingPool, default_pool
+from bcp.planning import TensorPlan
+from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
+from bcp.priority import lower_this_thread
+from bcp.shards import Piece
+from bcp.tensor_io import flat_bytes, host_contiguous
 
 
 @dataclasses.dataclass(slots=True)

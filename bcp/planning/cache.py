@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from .layout import LayoutMeta
-from .local import LocalPlans
+from bcp.planning.layout import LayoutMeta
+from bcp.planning.local import LocalPlans
 
 #: Plans kept per coordinator group (and writes per rank): the last four layouts, so
 #: a job cycling through a few (e.g. with and without an optimizer state) hits too.

@@ -15,12 +15,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from bcp.errors import ShardingError
 from bcp.metadata.geometry import Box, overlapping_pair, simple_tilings, tiling_problem
-
-from ..errors import ShardingError
-from .balance import Assignments
-from .layout import LayoutMeta, LocalLayout
-from .table import JobTensors, PlanRows
+from bcp.planning.balance import Assignments
+from bcp.planning.layout import LayoutMeta, LocalLayout
+from bcp.planning.table import JobTensors, PlanRows
 
 
 def gather_all(

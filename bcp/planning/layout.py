@@ -16,10 +16,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bcp.errors import ShardingError
 from bcp.metadata import itemsize
 from bcp.metadata.geometry import Box
-
-from ..errors import ShardingError
 
 #: Box values are stored as int32 when every offset and offset + length fits.
 _INT32_MAX = (1 << 31) - 1

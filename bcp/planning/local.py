@@ -35,15 +35,15 @@ from typing import Any
 
 import torch
 
-from ..io_scheduler import device_copy
-from ..io_scheduler.chunk_plan import PipelinePlan
-from ..io_scheduler.write_pipeline import WriteItem
-from ..replicas import ReplicaSummer, ReplicaSums
-from ..shards import LocalTensor, Piece, holds_replica, local_pieces
-from ..state import path_to_str
-from ..tensor_io import check_saveable, storage_identity
-from ..torch_dtypes import dtype_name
-from .layout import LocalLayout, TensorPlan
+from bcp.io_scheduler import device_copy
+from bcp.io_scheduler.chunk_plan import PipelinePlan
+from bcp.io_scheduler.write_pipeline import WriteItem
+from bcp.planning.layout import LocalLayout, TensorPlan
+from bcp.replicas import ReplicaSummer, ReplicaSums
+from bcp.shards import LocalTensor, Piece, holds_replica, local_pieces
+from bcp.state import path_to_str
+from bcp.tensor_io import check_saveable, storage_identity
+from bcp.torch_dtypes import dtype_name
 
 #: Tensor types whose leaf is its own single piece (checked by exact type: a subclass
 #: may describe its memory otherwise, and goes through ``local_pieces``).

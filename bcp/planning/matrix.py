@@ -14,10 +14,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from bcp.metadata.geometry import abut_running
-
-from .balance import CHUNK, Assignments
-from .layout import LayoutMeta, LocalLayout
-from .table import JobTensors, PlanRows
+from bcp.planning.balance import CHUNK, Assignments
+from bcp.planning.layout import LayoutMeta, LocalLayout
+from bcp.planning.table import JobTensors, PlanRows
 
 
 def plan_matrix(layouts: Sequence[LocalLayout], m: LayoutMeta, table: JobTensors, acc: Assignments) -> np.ndarray:

@@ -20,11 +20,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .balance import Assignments
-from .general import gather_all, plan_general
-from .layout import LayoutMeta, LocalLayout
-from .matrix import gather_matrix, plan_matrix
-from .table import check_layouts, job_tensors, resolve_meta
+from bcp.planning.balance import Assignments
+from bcp.planning.general import gather_all, plan_general
+from bcp.planning.layout import LayoutMeta, LocalLayout
+from bcp.planning.matrix import gather_matrix, plan_matrix
+from bcp.planning.table import check_layouts, job_tensors, resolve_meta
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -15,6 +15,6 @@ host holds, the choice of step), ``recover`` (fetching from peers and loading),
 instead, and says, when the local tier holds less than expected).
 """
 
-from .config import LocalTier
+from bcp.tiers.config import LocalTier
 
 __all__ = ["LocalTier"]

@@ -18,8 +18,7 @@ import threading
 
 from bcp.backends import Backend
 from bcp.backends.wrappers import ForwardingBackend
-
-from ..errors import CorruptCheckpointError
+from bcp.errors import CorruptCheckpointError
 
 
 class Arrivals:

@@ -20,15 +20,14 @@ import os
 import numpy as np
 import torch
 
+from bcp.collectives import Coordinator, GroupCoordinator
+from bcp.errors import CorruptCheckpointError
 from bcp.metadata import Manifest
-
-from ..collectives import Coordinator, GroupCoordinator
-from ..errors import CorruptCheckpointError
-from ..tensor_io import byte_view
-from .arrival import Arrivals
-from .hosts import HostMap
-from .inventory import LocalChoice
-from .recovery_dir import NOFOLLOW
+from bcp.tensor_io import byte_view
+from bcp.tiers.arrival import Arrivals
+from bcp.tiers.hosts import HostMap
+from bcp.tiers.inventory import LocalChoice
+from bcp.tiers.recovery_dir import NOFOLLOW
 
 #: Each transfer between two ranks is cut into pieces of at most this many bytes.
 CHUNK_BYTES = 64 << 20

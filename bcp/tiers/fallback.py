@@ -17,13 +17,13 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import CorruptCheckpointError
-from ..housekeeping import committed_steps
-from ..target import resolve_backend
-from .config import LocalTier
-from .hosts import HostMap
-from .inventory import LocalChoice, choose_local, local_wins
-from .recovery_dir import BadCopy
+from bcp.discovery import committed_steps
+from bcp.errors import CorruptCheckpointError
+from bcp.target import resolve_backend
+from bcp.tiers.config import LocalTier
+from bcp.tiers.hosts import HostMap
+from bcp.tiers.inventory import LocalChoice, choose_local, local_wins
+from bcp.tiers.recovery_dir import BadCopy
 
 log = logging.getLogger(__name__)
 

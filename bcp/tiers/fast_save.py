@@ -39,17 +39,16 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from bcp.async_save import AfterCommit, AsyncSaveHandle, async_save_planned_later
 from bcp.backends import Backend
+from bcp.collectives import Coordinator, SentError, decide, portable
+from bcp.io_scheduler.write_pipeline import StagingFull, make_pipeline
 from bcp.metadata.layout import data_file_key, generation_name
-
-from ..async_save import AfterCommit, AsyncSaveHandle, async_save_planned_later
-from ..collectives import Coordinator, SentError, decide, portable
-from ..io_scheduler.write_pipeline import StagingFull, make_pipeline
-from ..options import SaveOptions
-from ..planning.cache import plan_cache_for
-from ..saver import Hello, Prepared, SaveDecision, SaveJob, coordinate_save, prepare_save
-from .hosts import HostMap
-from .room import short_hosts
+from bcp.options import SaveOptions
+from bcp.planning.cache import plan_cache_for
+from bcp.saver import Hello, Prepared, SaveDecision, SaveJob, coordinate_save, prepare_save
+from bcp.tiers.hosts import HostMap
+from bcp.tiers.room import short_hosts
 
 log = logging.getLogger(__name__)
 

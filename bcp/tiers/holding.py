@@ -32,8 +32,7 @@ import stat
 from collections.abc import Iterator, Mapping, Sequence
 
 from bcp.metadata import Catalog, FileEntry, block_checksums, digest_of_checksums
-
-from .paths import FILE_MODE, HOLDING_LOCK, HOLDING_NAME, READ_FLAGS, read_regular
+from bcp.tiers.paths import FILE_MODE, HOLDING_LOCK, HOLDING_NAME, READ_FLAGS, read_regular
 
 log = logging.getLogger(__name__)
 

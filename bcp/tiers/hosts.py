@@ -13,8 +13,8 @@ import logging
 import os
 from collections.abc import Sequence
 
-from ..collectives import Coordinator
-from ..trace import host_name
+from bcp.collectives import Coordinator
+from bcp.trace import host_name
 
 log = logging.getLogger(__name__)
 

@@ -25,10 +25,9 @@ from collections.abc import Sequence
 from bcp.metadata import Manifest
 from bcp.metadata.checksum import crc32c
 from bcp.metadata.layout import MANIFEST_KEY, step_name, step_of
-
-from .holding import read_holding
-from .job import JOB_NAME, read_job
-from .paths import HOLDING_NAME, read_regular
+from bcp.tiers.holding import read_holding
+from bcp.tiers.job import JOB_NAME, read_job
+from bcp.tiers.paths import HOLDING_NAME, read_regular
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,7 @@ import secrets
 import stat
 
 from bcp.backends import Backend, Capability, ObjectExistsError, ObjectNotFoundError
-
-from .paths import FILE_MODE, read_regular
+from bcp.tiers.paths import FILE_MODE, read_regular
 
 log = logging.getLogger(__name__)
 

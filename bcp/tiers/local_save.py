@@ -17,15 +17,14 @@ import os
 import time
 
 from bcp.backends import Backend
+from bcp.collectives import Coordinator, decide, run_phase
+from bcp.commit import parse_manifest
 from bcp.metadata import Catalog, Manifest
 from bcp.metadata.layout import data_file_key, manifest_key
-
-from ..collectives import Coordinator, decide, run_phase
-from ..commit import parse_manifest
-from ..reader import fetch_metadata
-from .holding import add_held, file_spans, verify
-from .hosts import HostMap
-from .replicate import replicate
+from bcp.reader import fetch_metadata
+from bcp.tiers.holding import add_held, file_spans, verify
+from bcp.tiers.hosts import HostMap
+from bcp.tiers.replicate import replicate
 
 log = logging.getLogger(__name__)
 

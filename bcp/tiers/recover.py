@@ -62,25 +62,24 @@ from typing import Any
 
 import numpy as np
 
+from bcp import trace
+from bcp.collectives import Coordinator, GroupCoordinator, decide, portable, run_phase
+from bcp.errors import CorruptCheckpointError, FormatError, RankFailedError
+from bcp.io_scheduler.read_plan import plan_tensor_reads
+from bcp.loader import LoadInfo, load_with_info, match_state
 from bcp.metadata import Manifest
 from bcp.metadata.layout import MANIFEST_KEY, step_name
-
-from .. import trace
-from ..collectives import Coordinator, GroupCoordinator, decide, portable, run_phase
-from ..errors import CorruptCheckpointError, FormatError, RankFailedError
-from ..io_scheduler.read_plan import plan_tensor_reads
-from ..loader import LoadInfo, load_with_info, match_state
-from ..options import LoadOptions
-from ..reader import CheckpointMetadata, fetch_catalog, fetch_manifest, open_reader
-from ..state import detach_stateful
-from ..target import resolve_backend
-from .arrival import Arrivals, GatedBackend
-from .config import LocalTier
-from .exchange import CHUNK_BYTES, ROUND_BYTES, Exchange, merge_ranges
-from .fallback import PersistentNewest, choose, give_up
-from .hosts import HostMap
-from .inventory import LocalChoice, StepCopy, list_local
-from .recovery_dir import RECOVERY_PREFIX, BadCopy, check_copy, prepare, remove_leftovers
+from bcp.options import LoadOptions
+from bcp.reader import CheckpointMetadata, fetch_catalog, fetch_manifest, open_reader
+from bcp.state import detach_stateful
+from bcp.target import resolve_backend
+from bcp.tiers.arrival import Arrivals, GatedBackend
+from bcp.tiers.config import LocalTier
+from bcp.tiers.exchange import CHUNK_BYTES, ROUND_BYTES, Exchange, merge_ranges
+from bcp.tiers.fallback import PersistentNewest, choose, give_up
+from bcp.tiers.hosts import HostMap
+from bcp.tiers.inventory import LocalChoice, StepCopy, list_local
+from bcp.tiers.recovery_dir import RECOVERY_PREFIX, BadCopy, check_copy, prepare, remove_leftovers
 
 log = logging.getLogger(__name__)
 

@@ -24,13 +24,12 @@ import secrets
 import shutil
 from collections.abc import Collection
 
+from bcp.errors import CorruptCheckpointError
 from bcp.metadata import Catalog, FormatError, Manifest
 from bcp.metadata.layout import MANIFEST_KEY
-
-from ..errors import CorruptCheckpointError
-from ..reader import CheckpointMetadata, fetch_catalog, fetch_manifest
-from ..target import resolve_backend
-from .holding import file_spans, verify
+from bcp.reader import CheckpointMetadata, fetch_catalog, fetch_manifest
+from bcp.target import resolve_backend
+from bcp.tiers.holding import file_spans, verify
 
 log = logging.getLogger(__name__)
 

@@ -26,13 +26,12 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from bcp.backends import Backend, ObjectWriter
+from bcp.collectives import Coordinator
 from bcp.metadata import FileEntry, Manifest
 from bcp.metadata.layout import data_file_key
-
-from ..collectives import Coordinator
-from .holding import add_held, verify
-from .hosts import HostMap, transfers
-from .paths import READ_FLAGS
+from bcp.tiers.holding import add_held, verify
+from bcp.tiers.hosts import HostMap, transfers
+from bcp.tiers.paths import READ_FLAGS
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..collectives import Coordinator
-from ..shards import local_pieces
-from ..state import flatten_state
-from .hosts import HostMap
+from bcp.collectives import Coordinator
+from bcp.shards import local_pieces
+from bcp.state import flatten_state
+from bcp.tiers.hosts import HostMap
 
 log = logging.getLogger(__name__)
 

@@ -30,25 +30,24 @@ from typing import Any, Literal
 
 import numpy as np
 
+from bcp.async_save import AfterCommit, AsyncSaveHandle, async_save
 from bcp.backends import join_uri
+from bcp.collectives import Coordinator, decide, run_phase
+from bcp.lanes import background_coordinator, lane_coordinator
 from bcp.metadata.layout import step_name
-
-from ..async_save import AfterCommit, AsyncSaveHandle, async_save
-from ..collectives import Coordinator, decide, run_phase
-from ..lanes import background_coordinator, lane_coordinator
-from ..options import SaveOptions
-from ..planning.cache import plan_cache_for
-from ..saver import SaveInfo, SaveJob
-from ..target import resolve_backend
-from .config import LocalTier
-from .drain import Drain, drain_step
-from .fast_save import Verdict, save_fast
-from .hosts import HostMap, warn_if_short
-from .job import job_identity, make_step_dir, stamp
-from .local_save import LocalStep, after_commit
-from .paths import check_apart, local_root, make_private_root, step_backend, step_dir
-from .retention import apply_retention, remove_stale, remove_step
-from .room import Statvfs, check_room, own_record, state_bytes
+from bcp.options import SaveOptions
+from bcp.planning.cache import plan_cache_for
+from bcp.saver import SaveInfo, SaveJob
+from bcp.target import resolve_backend
+from bcp.tiers.config import LocalTier
+from bcp.tiers.drain import Drain, drain_step
+from bcp.tiers.fast_save import Verdict, save_fast
+from bcp.tiers.hosts import HostMap, warn_if_short
+from bcp.tiers.job import job_identity, make_step_dir, stamp
+from bcp.tiers.local_save import LocalStep, after_commit
+from bcp.tiers.paths import check_apart, local_root, make_private_root, step_backend, step_dir
+from bcp.tiers.retention import apply_retention, remove_stale, remove_step
+from bcp.tiers.room import Statvfs, check_room, own_record, state_bytes
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ below are the catalog's public API; everything else is imported from the
 module that owns it.
 """
 
-from .budget import DECODE_FLOOR_BYTES, DECODE_RATIO, check_ipc_budget, decode_budget
-from .core import TRAILER_BYTES, Catalog
-from .tensors import CATALOG_SCHEMA, MAX_TENSOR_BYTES, TensorArrays, TensorTable
-from .validate import validate_fragment
+from bcp.metadata.catalog.budget import DECODE_FLOOR_BYTES, DECODE_RATIO, check_ipc_budget, decode_budget
+from bcp.metadata.catalog.core import TRAILER_BYTES, Catalog
+from bcp.metadata.catalog.tensors import CATALOG_SCHEMA, MAX_TENSOR_BYTES, TensorArrays, TensorTable
+from bcp.metadata.catalog.validate import validate_fragment
 
 __all__ = [
     "CATALOG_SCHEMA",

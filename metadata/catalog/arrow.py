@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from ..errors import FormatError
-from ..rows import Rows
-from .tensors import CATALOG_SCHEMA, TensorTable
+from bcp.metadata.catalog.tensors import CATALOG_SCHEMA, TensorTable
+from bcp.metadata.errors import FormatError
+from bcp.metadata.rows import Rows
 
 
 def ipc_file(table: pa.Table) -> bytes:

@@ -16,17 +16,17 @@ from collections.abc import Iterable, Iterator, Mapping
 import numpy as np
 import pyarrow as pa
 
-from ..entries import check_tilings, gather_boxes, gather_entries
-from ..errors import FormatError
-from ..geometry import stable_order
-from ..rows import Fragment, Rows, TensorBoxes, TensorEntry
-from .arrow import bind_rows, cast_columns, ipc_file, rows_table
-from .budget import decode_budget
-from .head import decode_head
-from .partial import Box, Fetch, HeldSections
-from .sections import TRAILER, encode, is_v2, read_trailer
-from .tensors import CATALOG_SCHEMA, TensorTable
-from .validate import check_rows_in_files, decode_rows
+from bcp.metadata.catalog.arrow import bind_rows, cast_columns, ipc_file, rows_table
+from bcp.metadata.catalog.budget import decode_budget
+from bcp.metadata.catalog.head import decode_head
+from bcp.metadata.catalog.partial import Box, Fetch, HeldSections
+from bcp.metadata.catalog.sections import TRAILER, encode, is_v2, read_trailer
+from bcp.metadata.catalog.tensors import CATALOG_SCHEMA, TensorTable
+from bcp.metadata.catalog.validate import check_rows_in_files, decode_rows
+from bcp.metadata.entries import check_tilings, gather_boxes, gather_entries
+from bcp.metadata.errors import FormatError
+from bcp.metadata.geometry import stable_order
+from bcp.metadata.rows import Fragment, Rows, TensorBoxes, TensorEntry
 
 #: bytes of a v2 catalog's fixed trailer (sections.TRAILER.size)
 TRAILER_BYTES = TRAILER.size

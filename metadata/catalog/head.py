@@ -14,14 +14,14 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from ..checksum import crc32c
-from ..errors import FormatError
-from .arrow import read_ipc_columns, string_codes
-from .budget import check_ipc_budget
-from .sections import HEAD_PREFIX, SECTIONS_SCHEMA, SPANS_SCHEMA, TENSORS_SCHEMA
-from .spans import EMPTY_SPAN
-from .tensors import MAX_TENSOR_BYTES, TensorTable
-from .validate import itemsize_or_zero
+from bcp.metadata.catalog.arrow import read_ipc_columns, string_codes
+from bcp.metadata.catalog.budget import check_ipc_budget
+from bcp.metadata.catalog.sections import HEAD_PREFIX, SECTIONS_SCHEMA, SPANS_SCHEMA, TENSORS_SCHEMA
+from bcp.metadata.catalog.spans import EMPTY_SPAN
+from bcp.metadata.catalog.tensors import MAX_TENSOR_BYTES, TensorTable
+from bcp.metadata.catalog.validate import itemsize_or_zero
+from bcp.metadata.checksum import crc32c
+from bcp.metadata.errors import FormatError
 
 
 @dataclasses.dataclass

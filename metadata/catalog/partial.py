@@ -14,14 +14,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ..checksum import crc32c
-from ..errors import FormatError
-from ..rows import Rows
-from .budget import decode_budget
-from .head import Head
-from .spans import flat_spans, section_spans
-from .tensors import TensorTable
-from .validate import check_rows_in_files, decode_rows
+from bcp.metadata.catalog.budget import decode_budget
+from bcp.metadata.catalog.head import Head
+from bcp.metadata.catalog.spans import flat_spans, section_spans
+from bcp.metadata.catalog.tensors import TensorTable
+from bcp.metadata.catalog.validate import check_rows_in_files, decode_rows
+from bcp.metadata.checksum import crc32c
+from bcp.metadata.errors import FormatError
+from bcp.metadata.rows import Rows
 
 #: ``fetch(offset, length)``: bytes of the catalog file (a ranged read)
 Fetch = Callable[[int, int], bytes]

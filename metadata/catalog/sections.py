@@ -27,13 +27,13 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from ..checksum import crc32c
-from ..errors import FormatError
-from ..geometry import stable_order
-from ..rows import Rows
-from .arrow import ipc_file, rows_table
-from .spans import section_spans, uniform_width
-from .tensors import TensorTable
+from bcp.metadata.catalog.arrow import ipc_file, rows_table
+from bcp.metadata.catalog.spans import section_spans, uniform_width
+from bcp.metadata.catalog.tensors import TensorTable
+from bcp.metadata.checksum import crc32c
+from bcp.metadata.errors import FormatError
+from bcp.metadata.geometry import stable_order
+from bcp.metadata.rows import Rows
 
 VERSION = "2"
 MAGIC = b"BCPCAT2\x00"

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..geometry import stable_order
-from ..rows import Rows
-from .tensors import TensorTable
+from bcp.metadata.catalog.tensors import TensorTable
+from bcp.metadata.geometry import stable_order
+from bcp.metadata.rows import Rows
 
 #: (first, last) of a (section, tensor) whose fragments there are all empty
 EMPTY_SPAN = (0, -1)

@@ -15,12 +15,12 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from ..dtypes import itemsize
-from ..errors import FormatError
-from ..rows import Fragment, Rows
-from .arrow import bind_rows, cast_columns, read_ipc_columns, string_codes
-from .budget import check_expansion, check_ipc_budget, decode_budget
-from .tensors import CATALOG_SCHEMA, MAX_TENSOR_BYTES, TensorTable
+from bcp.metadata.catalog.arrow import bind_rows, cast_columns, read_ipc_columns, string_codes
+from bcp.metadata.catalog.budget import check_expansion, check_ipc_budget, decode_budget
+from bcp.metadata.catalog.tensors import CATALOG_SCHEMA, MAX_TENSOR_BYTES, TensorTable
+from bcp.metadata.dtypes import itemsize
+from bcp.metadata.errors import FormatError
+from bcp.metadata.rows import Fragment, Rows
 
 
 def decode_rows(

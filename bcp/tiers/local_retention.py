@@ -27,9 +27,8 @@ from collections.abc import Collection
 
 from bcp.metadata import MANIFEST_KEY
 from bcp.metadata.layout import step_name
-
-from .job import read_job
-from .paths import local_steps, step_dir
+from bcp.tiers.job import read_job
+from bcp.tiers.paths import local_steps, step_dir
 
 log = logging.getLogger(__name__)
 
