@@ -7,7 +7,6 @@ if __name__ != "bcp.backends":  # the folder imported under its own name: a seco
     raise ImportError(f"this folder is the package bcp.backends; write `import bcp.backends`, not `import {__name__}`")
 
 from bcp.backends.base import Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
-from bcp.backends.errors import ObjectExistsError, ObjectNotFoundError, StorageError, TransientError, WriterClosedError
 from bcp.backends.registry import (
     backend_for,
     get_backend_class,
@@ -17,6 +16,13 @@ from bcp.backends.registry import (
     register_backend,
     registered_backends,
     split_scheme,
+)
+from bcp.backends.storage_errors import (
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageError,
+    TransientError,
+    WriterClosedError,
 )
 
 __all__ = [

@@ -11,9 +11,9 @@ Notes for implementers
   misses one fails when it is constructed, not at the first call.
 * Keys are ``/``-separated relative paths: no leading ``/``, no empty, ``.`` or
   ``..`` components. Unicode is allowed. :func:`check_key` enforces this; call it.
-* Raise :class:`~bcp.backends.errors.ObjectNotFoundError` (a ``FileNotFoundError``)
+* Raise :class:`~bcp.backends.storage_errors.ObjectNotFoundError` (a ``FileNotFoundError``)
   for a missing object, and wrap every other failure once in
-  :class:`~bcp.backends.errors.StorageError` (``errors.annotate`` does both).
+  :class:`~bcp.backends.storage_errors.StorageError` (``errors.annotate`` does both).
 * Declare what the store can do in ``capabilities``; the engine picks its commit
   protocol from it and the conformance suite picks what to test.
 * Writers subclass :class:`ObjectWriter` and implement its hooks (``_write_at``,
@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Self
 
-from bcp.backends.errors import ObjectExistsError, WriterClosedError, redact_uri
 from bcp.backends.retry import is_transient
+from bcp.backends.storage_errors import ObjectExistsError, WriterClosedError, redact_uri
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class ObjectWriter(abc.ABC):
     This class owns the lifecycle, so that every writer keeps it the same way: a writer
     is *open*, then *committed* or *aborted* (docs/writing-a-backend.md, "The writer
     lifecycle"). ``write_at`` and ``commit`` on a finished writer raise
-    :class:`~bcp.backends.errors.WriterClosedError`; ``abort`` is idempotent and does
+    :class:`~bcp.backends.storage_errors.WriterClosedError`; ``abort`` is idempotent and does
     nothing once committed; a failed commit aborts the writer (see ``retryable_commit``);
     leaving a ``with`` block with the writer still open aborts it. Subclasses implement
     the hooks ``_write_at``, ``_commit`` and ``_abort`` and call ``super().__init__``.

@@ -27,7 +27,6 @@ from typing import Self
 from urllib.parse import unquote, urlsplit
 
 from bcp.backends.base import Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
-from bcp.backends.errors import ObjectExistsError, StorageError, WriterClosedError, annotate
 from bcp.backends.file_reads import (
     DIRECT_ALIGN,
     DIRECT_READ_FROM,
@@ -40,7 +39,8 @@ from bcp.backends.file_reads import (
     pread_full,
 )
 from bcp.backends.file_writes import cut, pwritev_all, whole_pages
-from bcp.backends.options import as_bool, reject_unknown
+from bcp.backends.storage_errors import ObjectExistsError, StorageError, WriterClosedError, annotate
+from bcp.backends.uri_options import as_bool, reject_unknown
 
 log = logging.getLogger(__name__)
 

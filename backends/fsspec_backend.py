@@ -26,9 +26,9 @@ from typing import Any, Self
 import fsspec
 import fsspec.core
 
-from bcp.backends.errors import annotate
-from bcp.backends.options import as_bool, as_float, as_int, check_part_size, reject_unknown
+from bcp.backends.storage_errors import annotate
 from bcp.backends.streaming import Stream, StreamedFileBackend, stream_options
+from bcp.backends.uri_options import as_bool, as_float, as_int, check_part_size, reject_unknown
 
 DEFAULT_PART = 8 << 20
 

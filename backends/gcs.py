@@ -40,10 +40,10 @@ import aiohttp
 import gcsfs
 
 from bcp.backends.base import Buffer
-from bcp.backends.errors import TransientError, annotate
 from bcp.backends.objectstore import ObjectStoreBackend, StoreOptions, causes, pop_store_options, split_bucket_uri
-from bcp.backends.options import check_part_size, reject_unknown
 from bcp.backends.parts import PartWriter, crc32c_b64
+from bcp.backends.storage_errors import TransientError, annotate
+from bcp.backends.uri_options import check_part_size, reject_unknown
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from urllib.parse import unquote, urlsplit
 import pyarrow.fs as pafs
 
 from bcp.backends.base import Capability
-from bcp.backends.errors import annotate
-from bcp.backends.options import as_int, as_size, reject_unknown
+from bcp.backends.storage_errors import annotate
 from bcp.backends.streaming import Stream, StreamedFileBackend, stream_options
+from bcp.backends.uri_options import as_int, as_size, reject_unknown
 
 DEFAULT_PART = 8 << 20
 

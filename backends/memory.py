@@ -10,8 +10,8 @@ from typing import Self
 from urllib.parse import unquote, urlsplit
 
 from bcp.backends.base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from bcp.backends.errors import ObjectExistsError, ObjectNotFoundError
-from bcp.backends.options import reject_unknown
+from bcp.backends.storage_errors import ObjectExistsError, ObjectNotFoundError
+from bcp.backends.uri_options import reject_unknown
 
 _OBJECTS: dict[str, bytes] = {}
 _LOCK = threading.Lock()

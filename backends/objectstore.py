@@ -22,10 +22,10 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from bcp.backends.base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from bcp.backends.errors import ObjectExistsError, ObjectNotFoundError, annotate, redact_uri
-from bcp.backends.options import as_bool, as_int, as_size, as_timeout, refuse_uri_credentials
 from bcp.backends.parts import PartWriter
 from bcp.backends.retry import is_transient
+from bcp.backends.storage_errors import ObjectExistsError, ObjectNotFoundError, annotate, redact_uri
+from bcp.backends.uri_options import as_bool, as_int, as_size, as_timeout, refuse_uri_credentials
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 import crc32c
 
 from bcp.backends.base import Backend, Buffer, ObjectWriter
-from bcp.backends.errors import StorageError, annotate
+from bcp.backends.storage_errors import StorageError, annotate
 
 
 def crc32c_b64(data: Buffer) -> str:

@@ -27,8 +27,8 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from bcp.backends.base import Backend
-from bcp.backends.errors import is_secret_name, redact, redact_uri
-from bcp.backends.options import refuse_uri_credentials
+from bcp.backends.storage_errors import is_secret_name, redact, redact_uri
+from bcp.backends.uri_options import refuse_uri_credentials
 
 log = logging.getLogger(__name__)
 

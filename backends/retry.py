@@ -5,7 +5,7 @@ when a prefix is hot; connections reset). One policy, applied at the backend
 boundary around each request, retries only what is safe to retry (every bcp request
 is idempotent: a ranged GET, a part upload under a fixed part number, a PUT of a
 whole object) and gives up after a bounded number of attempts and seconds with a
-:class:`~bcp.backends.errors.StorageError` that names the object and the attempts.
+:class:`~bcp.backends.storage_errors.StorageError` that names the object and the attempts.
 
 The SDKs underneath have retry loops of their own; the bcp backends switch those
 off so that exactly one loop, this one, decides (nested loops multiply attempts, and
@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 # TransientError lives in .errors; importing it here keeps bcp.backends.retry.TransientError working.
-from bcp.backends.errors import ObjectExistsError, ObjectNotFoundError, StorageError, TransientError
-from bcp.backends.options import as_float, as_int
+from bcp.backends.storage_errors import ObjectExistsError, ObjectNotFoundError, StorageError, TransientError
+from bcp.backends.uri_options import as_float, as_int
 
 log = logging.getLogger(__name__)
 

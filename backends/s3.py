@@ -30,7 +30,6 @@ import botocore.exceptions  # type: ignore[import-untyped]  # no stubs; s3fs dep
 import s3fs
 
 from bcp.backends.base import Buffer, Unfinished
-from bcp.backends.errors import StorageError, annotate
 from bcp.backends.objectstore import (
     ObjectStoreBackend,
     StoreOptions,
@@ -39,8 +38,9 @@ from bcp.backends.objectstore import (
     pop_store_options,
     split_bucket_uri,
 )
-from bcp.backends.options import MAX_PART_SIZE, PART_SIZE_MULTIPLE, check_part_size, reject_unknown
 from bcp.backends.parts import PartWriter, crc32c_b64
+from bcp.backends.storage_errors import StorageError, annotate
+from bcp.backends.uri_options import MAX_PART_SIZE, PART_SIZE_MULTIPLE, check_part_size, reject_unknown
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from bcp.backends.base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from bcp.backends.errors import annotate
-from bcp.backends.options import as_int, as_size
+from bcp.backends.storage_errors import annotate
+from bcp.backends.uri_options import as_int, as_size
 
 #: Temporary files start with this; backends hide them from ``list``.
 PARTIAL_PREFIX = ".bcp-partial-"

@@ -14,8 +14,8 @@ import time
 from collections.abc import Iterator
 
 from bcp.backends.base import Backend, Buffer, ObjectWriter, Unfinished
-from bcp.backends.errors import ObjectExistsError, TransientError
 from bcp.backends.retry import RetryPolicy
+from bcp.backends.storage_errors import ObjectExistsError, TransientError
 
 
 class ForwardingBackend(Backend):

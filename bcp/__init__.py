@@ -12,6 +12,7 @@ Usage:
 from bcp import backends, dataloader, metadata
 from bcp._version import __version__
 from bcp.async_save import AsyncSaveHandle, async_save, reserve_staging
+from bcp.coordination.lanes import LOCAL
 from bcp.deletion import delete, exists
 from bcp.errors import (
     CheckpointError,
@@ -29,7 +30,6 @@ from bcp.errors import (
     StorageError,
     UnsupportedStateError,
 )
-from bcp.lanes import LOCAL
 from bcp.loader import LoadInfo, load, load_with_info
 from bcp.manager import CheckpointManager
 from bcp.metrics import LoggingMetrics, MetricsRecord, TensorBoardMetrics

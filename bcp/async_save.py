@@ -9,7 +9,7 @@ so it never corrupts k. A third waits for the first.
 
 Collectives: planning runs on the caller's lane of bcp's gloo groups, the commit
 on the background lane; the commits of one process group run one at a time, in
-the order of their ``async_save`` calls (``bcp.lanes`` says why that keeps
+the order of their ``async_save`` calls (``bcp.coordination.lanes`` says why that keeps
 every rank's collectives in one order). An async save still in flight at exit is
 finished by bcp's exit handler before its groups are released.
 
@@ -38,15 +38,15 @@ from typing import Any, Unpack
 
 import torch
 
-from bcp.collectives import Coordinator
+from bcp.coordination.collectives import Coordinator
+from bcp.coordination.lanes import at_exit, background_coordinator, coordinator_for, group_destroyed
+from bcp.coordination.priority import lower_this_thread
 from bcp.gc_pause import gc_paused
 from bcp.io_scheduler.chunk_plan import Chunk, layout, plan_packed_chunks, plan_part_chunks
 from bcp.io_scheduler.staging import StagingPool, StagingReservation, default_pool
 from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline
-from bcp.lanes import at_exit, background_coordinator, coordinator_for, group_destroyed
 from bcp.metadata import DEFAULT_BLOCK_BYTES
 from bcp.options import SaveOptions, SaveOptionsKwargs
-from bcp.priority import lower_this_thread
 from bcp.saver import SaveInfo, SaveJob, planned_writes
 from bcp.shards import local_pieces
 from bcp.state import flatten_state

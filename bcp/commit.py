@@ -29,8 +29,8 @@ from bcp.errors import (
     IncompleteCheckpointError,
 )
 from bcp.metadata import Catalog, FileEntry, Manifest, crc32c
-from bcp.metadata.errors import CorruptManifestError
-from bcp.metadata.layout import GENERATION_PREFIX, MANIFEST_KEY, generation_of, is_generation, manifest_key
+from bcp.metadata.format_errors import CorruptManifestError
+from bcp.metadata.keys import GENERATION_PREFIX, MANIFEST_KEY, generation_of, is_generation, manifest_key
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from bcp.backends.file import file_directory
 from bcp.commit import delete_checkpoint
 from bcp.discovery import CheckpointObjects, checkpoint_objects
 from bcp.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
-from bcp.metadata.layout import MANIFEST_KEY
+from bcp.metadata.keys import MANIFEST_KEY
 from bcp.target import Target, resolve_backend
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from bcp import commit
 from bcp.backends import Backend, ObjectNotFoundError, Unfinished, join_uri
 from bcp.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
-from bcp.metadata.layout import (
+from bcp.metadata.keys import (
     GENERATION_PREFIX,
     LATEST_KEY,
     MANIFEST_KEY,

@@ -1,24 +1,24 @@
 """Every error bcp raises, importable from one place (docs/errors.md has the tree).
 
 Two roots: :class:`CheckpointError` for anything about a checkpoint or a state
-(defined in ``bcp.metadata.errors`` so the format layer can raise one), and
+(defined in ``bcp.metadata.format_errors`` so the format layer can raise one), and
 :class:`StorageError`, an ``OSError``, for the store underneath (defined in
-``bcp.backends.errors``). Every error here pickles with its type and fields, so a
-rank's failure reaches the other ranks intact (``bcp.collectives``).
+``bcp.backends.storage_errors``). Every error here pickles with its type and fields, so a
+rank's failure reaches the other ranks intact (``bcp.coordination.collectives``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from bcp.backends.errors import (
+from bcp.backends.storage_errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
     TransientError,
     WriterClosedError,
 )
-from bcp.metadata.errors import CheckpointError, FormatError
+from bcp.metadata.format_errors import CheckpointError, FormatError
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

@@ -33,11 +33,11 @@ import torch
 
 from bcp import trace
 from bcp.backends import Backend, Capability
-from bcp.collectives import Coordinator, GroupCoordinator, decide, run_phase
+from bcp.coordination.collectives import Coordinator, GroupCoordinator, decide, run_phase
+from bcp.coordination.lanes import coordinator_for
 from bcp.errors import StateMismatchError, UnsupportedStateError, listed, prefix_hint
 from bcp.gc_pause import gc_paused
 from bcp.io_scheduler.read_exec import ReadStats
-from bcp.lanes import coordinator_for
 from bcp.metadata.geometry import Box
 from bcp.options import LoadOptions, LoadOptionsKwargs, ReshardObjects
 from bcp.reader import CheckpointMetadata, CheckpointReader, fetch_metadata, open_reader
@@ -443,7 +443,7 @@ def _read(reader: CheckpointReader, plan: LoadPlan, coord: Coordinator, share_re
     requests: list[tuple[str, Box, torch.Tensor]] = list(plan.tensor_requests)
     if not share_reads or coord.world_size == 1:
         return reader.fill(requests, prefer_rank=coord.rank)
-    from bcp.io_scheduler.shared_read import fetch_shared
+    from bcp.shared_read import fetch_shared
 
     assert isinstance(coord, GroupCoordinator), "coordinator_for gives more than one rank a GroupCoordinator"
     with trace.span("shared"):

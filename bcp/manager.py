@@ -10,7 +10,7 @@ multi-process job: every rank calls them. Only the coordinator (rank 0 of the
 group) writes ``latest.json``, applies retention and deletes; ``load_latest``
 broadcasts the coordinator's choice of step so every rank loads the same one.
 Its collectives run on the caller's lane of bcp's groups, each operation after a
-rendezvous of every rank (``bcp.lanes``); an async save's commit runs on the
+rendezvous of every rank (``bcp.coordination.lanes``); an async save's commit runs on the
 background lane, so a pending save never shares a group with the manager's own
 collectives or with ``bcp.save`` / ``bcp.load`` calls made meanwhile.
 ``process_group=bcp.LOCAL`` keeps a manager of this process alone (a rank-0-only
@@ -30,13 +30,13 @@ from bcp import trace
 from bcp.async_save import AsyncSaveHandle, async_save, reserve_staging
 from bcp.backends import join_uri
 from bcp.backends.retry import retry_count
-from bcp.collectives import Coordinator, decide
 from bcp.commit import DEFAULT_GRACE_SECONDS
+from bcp.coordination.collectives import Coordinator, decide
+from bcp.coordination.lanes import coordinator_for
 from bcp.discovery import committed_steps
 from bcp.io_scheduler.staging import StagingReservation
-from bcp.lanes import coordinator_for
 from bcp.loader import load_with_info
-from bcp.metadata.layout import step_name
+from bcp.metadata.keys import step_name
 from bcp.metrics import MetricsCallback, MetricsRecord, stage_gbps
 from bcp.options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
 from bcp.retention import check_policy, plan_gc, run_gc, write_latest

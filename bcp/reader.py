@@ -34,7 +34,7 @@ from bcp.io_scheduler.staging import StagingPool, default_pool
 from bcp.metadata import Catalog, FormatError, Fragment, Manifest, TensorEntry, crc32c
 from bcp.metadata.catalog.sections import TRAILER, is_v2
 from bcp.metadata.geometry import Box, intersect
-from bcp.metadata.layout import manifest_key
+from bcp.metadata.keys import manifest_key
 from bcp.shards import RankValues
 from bcp.state import KeyPath, build_nested, path_from_json
 from bcp.target import resolve_backend

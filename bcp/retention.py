@@ -19,7 +19,7 @@ from bcp import commit
 from bcp.backends import Backend, Unfinished, join_uri
 from bcp.commit import DEFAULT_GRACE_SECONDS
 from bcp.discovery import StepInfo, checkpoint_prefix_of, kind_of, scan, step_and_generation, step_metrics
-from bcp.metadata.layout import (
+from bcp.metadata.keys import (
     LATEST_KEY,
     STEP_PREFIX,
     generation_of,

@@ -14,7 +14,7 @@
    means no commit and an error on every rank.
 
 The commit protocol itself (generations, create-only manifest, discarding) is
-``bcp.commit``; the key layout is ``bcp.metadata.layout``.
+``bcp.commit``; the key layout is ``bcp.metadata.keys``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import torch
 from bcp import objcodec, trace
 from bcp._version import __version__
 from bcp.backends import Backend
-from bcp.collectives import Coordinator, decide, run_phase
 from bcp.commit import (
     DEFAULT_GRACE_SECONDS,
     ExistingCheckpoint,
@@ -46,16 +45,17 @@ from bcp.commit import (
     remove_leftovers,
     write_catalog,
 )
+from bcp.coordination.collectives import Coordinator, decide, run_phase
+from bcp.coordination.lanes import coordinator_for
 from bcp.errors import CheckpointExistsError, CommitUncertainError, ShardingError, UnsupportedStateError
 from bcp.gc_pause import gc_paused
 from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline, make_pipeline
-from bcp.lanes import coordinator_for
+from bcp.kept_plans import PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
 from bcp.metadata import FileEntry, Fragment, Manifest, ObjectEntry
-from bcp.metadata.layout import catalog_key, data_file_key, generation_name
+from bcp.metadata.keys import catalog_key, data_file_key, generation_name
 from bcp.options import SaveOptions, SaveOptionsKwargs
 from bcp.planning import GlobalPlan, LayoutMeta, LocalLayout, plan_save
 from bcp.planning.cache import PlanCache, PlanSummary, plan_cache_for, plan_key, save_order
-from bcp.planning.local import PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
 from bcp.planning.writer_rows import WriterReport, fragment_table, merge_reports, row_stats
 from bcp.replicas import ReplicaSummer, ReplicaSums, check_replicas
 from bcp.shards import PerRank
@@ -129,7 +129,7 @@ def prepare_save(
     plans: LocalPlans | None = None,
 ) -> Prepared:
     """Step 1 on this rank (``plans``: where the tensors' plan of an unchanged
-    structure is kept between saves, ``bcp.planning.local``)."""
+    structure is kept between saves, ``bcp.kept_plans``)."""
     leaves = flatten_state(state)
     objects: dict[str, LocalObject] = {}
     for leaf in leaves.values():
@@ -306,7 +306,7 @@ class SaveJob:
             options.allow_pickle,
             check_replicas=options.check_replicas,
             world_size=coord.world_size,
-            plans=cache.local,
+            plans=cache.local(LocalPlans),
         )
         held = cache.held()
         layout = prepared.layout

@@ -32,7 +32,7 @@ import pyarrow as pa
 from bcp.backends import backend_for
 from bcp.commit import write_catalog
 from bcp.metadata import Catalog, FileEntry
-from bcp.metadata.layout import data_file_key, generation_name
+from bcp.metadata.keys import data_file_key, generation_name
 from bcp.planning import LayoutMeta, TensorPlan
 from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport, merge_reports
 

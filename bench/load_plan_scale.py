@@ -57,11 +57,11 @@ import numpy as np
 import pyarrow as pa
 
 from bcp.io_scheduler.read_plan import plan_tensor_reads
-from bcp.io_scheduler.shared_read import Wanted, plan_shares
 from bcp.metadata import CATALOG_SCHEMA, Catalog
 from bcp.metadata.catalog import TRAILER_BYTES
 from bcp.metadata.geometry import common_runs, intersect
-from bcp.metadata.layout import data_file_key, generation_name
+from bcp.metadata.keys import data_file_key, generation_name
+from bcp.shared_read import Wanted, plan_shares
 
 
 def chunk_bounds(rows: int, ranks: int) -> list[tuple[int, int]]:

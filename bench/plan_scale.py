@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 from bcp.planning import LayoutMeta, LocalLayout, plan_save
-from bcp.planning.layout import meta_digest
+from bcp.planning.local_layout import meta_digest
 
 DCP_EXPONENT = 1.67  # DCP's planning time grows as boxes^1.67 (256 -> 1,024 ranks x 2,000)
 

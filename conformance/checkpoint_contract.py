@@ -32,7 +32,7 @@ import torch
 
 import bcp
 from bcp.backends import Backend, backend_for, join_uri, split_scheme
-from bcp.metadata.layout import data_file_key, generation_name
+from bcp.metadata.keys import data_file_key, generation_name
 
 #: How long the killed-save tests wait for the child to start writing.
 CHILD_TIMEOUT = 120.0

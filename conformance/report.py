@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from bcp.backends.errors import redact, redact_uri
+from bcp.backends.storage_errors import redact, redact_uri
 
 #: The class attribute in which a test class declares the heading of the tests it defines.
 HEADING_ATTRIBUTE = "report_heading"

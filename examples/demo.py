@@ -84,7 +84,7 @@ def manager_demo(root: str, hidden: int, steps: int) -> bool:
     keep_last=2, a crash (and a save killed half-way), a restart from the newest
     committed step; the resumed losses must equal an uninterrupted run's."""
     from bcp.discovery import scan
-    from bcp.metadata.layout import data_file_key, generation_name, step_name
+    from bcp.metadata.keys import data_file_key, generation_name, step_name
 
     print(f"\n-- CheckpointManager: {root}, save every 3 steps, keep_last=2, async")
     random.seed(7)

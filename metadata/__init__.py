@@ -10,7 +10,7 @@ if __name__ != "bcp.metadata":  # the folder imported under its own name: a seco
 from bcp.metadata.catalog import CATALOG_SCHEMA, Catalog, validate_fragment
 from bcp.metadata.checksum import ALGORITHM, DEFAULT_BLOCK_BYTES, block_checksums, crc32c, digest_of_checksums
 from bcp.metadata.dtypes import DTYPE_ITEMSIZE, itemsize
-from bcp.metadata.errors import FormatError
+from bcp.metadata.format_errors import FormatError
 from bcp.metadata.geometry import covers_exactly as boxes_cover_exactly  # its name in bcp.metadata since 0.1
 from bcp.metadata.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_KEY, FileEntry, Manifest, ObjectEntry
 from bcp.metadata.rows import Fragment, TensorEntry

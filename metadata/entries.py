@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bcp.metadata.errors import FormatError
+from bcp.metadata.format_errors import FormatError
 from bcp.metadata.geometry import simple_tilings, tiling_problem
 from bcp.metadata.rows import Rows, TensorBoxes, TensorEntry
 

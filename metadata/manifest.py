@@ -22,8 +22,8 @@ import re
 from typing import Any
 
 from bcp.metadata.checksum import crc32c
-from bcp.metadata.errors import CorruptManifestError, FormatError
-from bcp.metadata.layout import DATA_FILE_NAME_RE, MANIFEST_KEY, catalog_key, generation_name
+from bcp.metadata.format_errors import CorruptManifestError, FormatError
+from bcp.metadata.keys import DATA_FILE_NAME_RE, MANIFEST_KEY, catalog_key, generation_name
 
 __all__ = [
     "CRC_FIELD",

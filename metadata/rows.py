@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from bcp.metadata.dtypes import itemsize
-from bcp.metadata.errors import FormatError
+from bcp.metadata.format_errors import FormatError
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

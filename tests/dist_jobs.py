@@ -476,7 +476,7 @@ def malformed_share_part_job(rank: int, world: int, uri: str, ref_path: str) -> 
     raises before any exchange (rank 1 its CheckpointError, the others RankFailedError)."""
     import dataclasses
 
-    from bcp.io_scheduler import shared_read
+    from bcp import shared_read
 
     parts_of = shared_read.SharePlan.parts
 

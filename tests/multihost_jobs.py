@@ -47,8 +47,8 @@ def main() -> None:
     import bcp
 
     lines = Lines()
-    logging.getLogger("bcp.gloo_network").addHandler(lines)
-    logging.getLogger("bcp.gloo_network").setLevel(logging.INFO)
+    logging.getLogger("bcp.coordination.gloo_network").addHandler(lines)
+    logging.getLogger("bcp.coordination.gloo_network").setLevel(logging.INFO)
     full = torch.arange(world * 4 * 3, dtype=torch.float32).reshape(world * 4, 3)
     rows = slice(rank * 4, (rank + 1) * 4)
     report: dict = {"rank": rank}

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import bcp
-import bcp.collectives
+import bcp.coordination.collectives
 
 ROWS = 1 << 14  # 256 KiB of float32 per rank and tensor
 
@@ -37,7 +37,10 @@ def jitter(rank: int, seed: int = 0) -> None:
             delay = rng.uniform(0, 0.015 if background else 0.003)
         time.sleep(delay)
 
-    for cls in (bcp.collectives.GroupCoordinator, getattr(bcp.collectives, "OwnGroupCoordinator", None)):
+    for cls in (
+        bcp.coordination.collectives.GroupCoordinator,
+        getattr(bcp.coordination.collectives, "OwnGroupCoordinator", None),
+    ):
         if cls is None:  # (a bcp without groups of its own)
             continue
         for name in ("all_gather", "gather", "broadcast", "any_failed", "scatter"):

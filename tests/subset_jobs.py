@@ -16,7 +16,7 @@ import torch.distributed as dist
 import bcp
 import bcp.saver
 from bcp.metadata import MANIFEST_KEY
-from bcp.metadata.layout import step_name
+from bcp.metadata.keys import step_name
 from order_jobs import check, state, template
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import bcp
-from bcp.priority import background_nice, lower_this_thread
+from bcp.coordination.priority import background_nice, lower_this_thread
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 

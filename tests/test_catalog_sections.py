@@ -32,7 +32,7 @@ from bcp.errors import CorruptCheckpointError
 from bcp.metadata import Catalog, FileEntry, FormatError, Fragment, Manifest, block_checksums, crc32c
 from bcp.metadata.catalog import sections
 from bcp.metadata.catalog.head import decode_head
-from bcp.metadata.layout import MANIFEST_KEY, catalog_key, data_file_key, generation_name
+from bcp.metadata.keys import MANIFEST_KEY, catalog_key, data_file_key, generation_name
 from bcp.shards import TensorShard
 from helpers import examples
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import bcp
 from bcp.backends import backend_for
 from bcp.backends import file as file_backend
-from bcp.backends.errors import ObjectNotFoundError
+from bcp.backends.storage_errors import ObjectNotFoundError
 from bcp.errors import CorruptCheckpointError
 from bcp.io_scheduler import read_exec
 from bcp.metadata import checksum

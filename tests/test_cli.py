@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import bcp
-from bcp.metadata.layout import data_file_key, generation_name, step_name
+from bcp.metadata.keys import data_file_key, generation_name, step_name
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

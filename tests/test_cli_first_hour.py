@@ -32,7 +32,7 @@ from bcp.cli import main
 from bcp.commit import commit, write_catalog
 from bcp.io_scheduler.write_pipeline import write_rank_data
 from bcp.metadata import MANIFEST_KEY, Catalog
-from bcp.metadata.layout import catalog_key, data_file_key, generation_name
+from bcp.metadata.keys import catalog_key, data_file_key, generation_name
 from bcp.metadata.manifest import reseal
 from bcp.saver import _decide_objects, build_manifest, prepare_save
 from bcp.verify import verify_checkpoint
@@ -519,7 +519,7 @@ def test_bench_cleans_up_after_a_real_ctrl_c(tmp_path):
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], ids=oct)
 def test_exported_files_get_the_mode_open_gives(saved, tmp_path, umask):
     from bcp import convert
-    from bcp.interop.files import current_umask
+    from bcp.convert.files import current_umask
 
     config = tmp_path / "config.json"
     config.write_text("{}")

@@ -27,7 +27,7 @@ from bcp.benchmark import save_load
 from bcp.commit import delete_checkpoint
 from bcp.describe import describe
 from bcp.discovery import checkpoint_objects, list_checkpoints
-from bcp.metadata.layout import MANIFEST_KEY
+from bcp.metadata.keys import MANIFEST_KEY
 from bcp.metadata.manifest import reseal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def test_the_benchmark_reports_each_run_and_leaves_no_directory_it_made(tmp_path
         save_load(str(target), repeats=0)
 
 
-# -- the shape of bcp.cli, bcp.interop and bcp.convert -----------------------------------------------
+# -- the shape of bcp.cli, bcp.convert and bcp.convert -----------------------------------------------
 
 #: bcp.convert's names that docs/interop.md, docs/manager.md and README.md use
 DOCUMENTED = ["from_dcp", "to_dcp", "to_torch", "to_safetensors", "from_safetensors", "from_torch", "rank_key"]
@@ -121,7 +121,7 @@ def test_bcp_convert_names_the_interop_functions():
     for name in [*DOCUMENTED, *bcp.convert.__all__]:
         value = getattr(bcp.convert, name)
         if inspect.isfunction(value) or inspect.isclass(value):
-            assert value.__module__.startswith("bcp.interop."), name
+            assert value.__module__.startswith("bcp.convert."), name
 
 
 def test_importing_the_cli_and_bcp_convert_loads_neither_safetensors_nor_dcp():

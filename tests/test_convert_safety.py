@@ -16,7 +16,7 @@ import torch
 
 import bcp
 from bcp.convert import INDEX_NAME, from_dcp, to_safetensors
-from bcp.interop.dcp_metadata import MetadataUnpickler, is_allowed
+from bcp.convert.dcp_metadata import MetadataUnpickler, is_allowed
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -96,7 +96,7 @@ def test_hostile_dcp_files_are_one_line_from_the_cli_naming_the_file(tmp_path):
 
 def test_code_hidden_inside_real_dcp_metadata_is_refused(tmp_path):
     """The payload sits deep inside an otherwise genuine Metadata (planner_data)."""
-    from bcp.interop.dcp_metadata import read_metadata
+    from bcp.convert.dcp_metadata import read_metadata
 
     src = tmp_path / "dcp"
     _dcp_checkpoint(src)
@@ -112,7 +112,7 @@ def test_code_hidden_inside_real_dcp_metadata_is_refused(tmp_path):
 def test_allow_pickle_accepts_a_global_outside_the_allow_list(tmp_path):
     import datetime
 
-    from bcp.interop.dcp_metadata import read_metadata
+    from bcp.convert.dcp_metadata import read_metadata
 
     src = tmp_path / "dcp"
     _dcp_checkpoint(src)

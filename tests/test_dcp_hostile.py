@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from bcp.convert.dcp_format import from_dcp
+from bcp.convert.dcp_metadata import SafeBytesPlanner, parse_metadata
 from bcp.errors import CheckpointError, CorruptCheckpointError, FormatError
 from bcp.integrations.dcp import CHECKSUMS_KEY, METADATA_KEY, BcpStorageReader, BcpStorageWriter
 from bcp.integrations.dcp_storage import parse_checksums
-from bcp.interop.dcp import from_dcp
-from bcp.interop.dcp_metadata import SafeBytesPlanner, parse_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -175,7 +175,7 @@ def test_to_dcp_refuses_a_non_empty_directory_and_overwrite_replaces_only_dcp_fi
 
 
 def test_a_planner_path_that_does_not_spell_its_key_is_a_format_error(tmp_path):
-    from bcp.interop.dcp_metadata import key_paths, read_metadata
+    from bcp.convert.dcp_metadata import key_paths, read_metadata
 
     dcp.save({"a": {"b": torch.ones(2)}}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     metadata = read_metadata(str(tmp_path / "dcp"))
@@ -229,7 +229,7 @@ def test_tensors_inside_a_tuple_reach_dcp(tmp_path):
 def test_planner_data_that_puts_a_value_under_another_value_is_a_format_error(tmp_path):
     import pickle
 
-    from bcp.interop.dcp_metadata import read_metadata
+    from bcp.convert.dcp_metadata import read_metadata
 
     src = tmp_path / "dcp"
     dcp.save({"a": torch.ones(2), "b": torch.ones(2)}, checkpoint_id=str(src), no_dist=True)

@@ -58,7 +58,7 @@ from bcp.backends.file import PARTIAL_MARKER
 from bcp.backends.memory import clear_memory_store
 from bcp.backends.wrappers import ForwardingBackend, ForwardingWriter
 from bcp.errors import CheckpointError, CheckpointNotFoundError, CommitUncertainError, IncompleteCheckpointError
-from bcp.metadata.layout import LATEST_KEY, MANIFEST_KEY, step_name
+from bcp.metadata.keys import LATEST_KEY, MANIFEST_KEY, step_name
 from conftest import new_bucket, store_uri
 from helpers import assert_same
 

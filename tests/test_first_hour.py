@@ -27,7 +27,7 @@ from bcp.backends import backend_for, join_uri
 from bcp.backends.memory import clear_memory_store
 from bcp.cli import main as cli_main
 from bcp.extras import EXTRAS, install_command, missing_extra, needs_extra
-from bcp.metadata.layout import LATEST_KEY, MANIFEST_KEY, data_file_key, generation_name, step_name
+from bcp.metadata.keys import LATEST_KEY, MANIFEST_KEY, data_file_key, generation_name, step_name
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -120,7 +120,7 @@ def test_no_module_is_over_600_lines_and_each_says_why_it_exists():
 
 def test_packages_by_job_exist_and_their_old_modules_are_gone():
     modules = library_modules()
-    for package in ("bcp.cli", "bcp.interop", "bcp.planning", "bcp.metadata.catalog", "bcp.io_scheduler", "bcp.tiers"):
+    for package in ("bcp.cli", "bcp.convert", "bcp.planning", "bcp.metadata.catalog", "bcp.io_scheduler", "bcp.tiers"):
         assert modules[package].name == "__init__.py", package
     for gone in ("bcp.save_plan", "bcp.dcp_metadata", "bcp.boxes", "bcp.metadata.sections", "bcp.plan_cache"):
         assert gone not in modules, f"{gone} moved into its package"
@@ -150,3 +150,70 @@ def test_the_checker_sees_a_cycle_through_a_function_level_import(tmp_path):
     (tmp_path / "pkg" / "b.py").write_text("def f():\n    from pkg import a\n")
     found, cycles = map_problems(library_modules(tmp_path, {"pkg": "pkg"}))
     assert found == [] and cycles == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
+# -- packages (issue 38) ---------------------------------------------------------------------------
+
+
+def package_of(module: str, modules: dict[str, Path]) -> str:
+    """The node a module belongs to in the package graph: a layer (``bcp.backends``,
+    ``bcp.metadata``, ``bcp.conformance``) or a package of the engine (``bcp.tiers``, ...)
+    as a whole; a module at the engine's top (``bcp.reader``) stands for itself."""
+    for layer in LAYERS:
+        if layer != "bcp" and (module == layer or module.startswith(f"{layer}.")):
+            return layer
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or modules[module].name == "__init__.py" else module
+
+
+def package_cycles(modules: dict[str, Path]) -> list[list[str]]:
+    """Cycles between packages: an import that climbs back up (``io_scheduler.x`` imports
+    ``reader`` while ``reader`` imports ``io_scheduler.y``) is no module-level cycle, but
+    it ties the two packages into one."""
+    graph: dict[str, set[str]] = {package_of(m, modules): set() for m in modules}
+    for name, path in modules.items():
+        for target, _taken, _line in imports(name, path, modules):
+            if target in modules and package_of(target, modules) != package_of(name, modules):
+                graph[package_of(name, modules)].add(package_of(target, modules))
+    return _cycles(graph)
+
+
+def test_no_import_climbs_back_up_between_packages():
+    cycles = package_cycles(library_modules())
+    assert cycles == [], "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_package_check_sees_an_import_that_climbs_back_up(tmp_path):
+    for name, text in {
+        "__init__.py": "",
+        "reader.py": "from pkg.sched import a\n",
+        "sched/__init__.py": "",
+        "sched/a.py": "x = 1\n",
+        "sched/b.py": "def f():\n    from pkg import reader\n",
+    }.items():
+        (tmp_path / "pkg" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pkg" / name).write_text(text)
+    modules = library_modules(tmp_path, {"pkg": "pkg"})
+    assert map_problems(modules) == ([], [])  # no module-level cycle ...
+    assert package_cycles(modules) == [["pkg.reader", "pkg.sched", "pkg.reader"]]  # ... but a package-level one
+
+
+def test_no_two_modules_of_the_library_share_a_name():
+    by_name: dict[str, list[str]] = {}
+    for module, path in library_modules().items():
+        if path.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(path.stem, []).append(module)
+    assert {n: ms for n, ms in by_name.items() if len(ms) > 1} == {}
+
+
+def test_library_imports_are_spelled_absolute():
+    """One spelling: ``from bcp.backends import ...``, never ``from ..backends`` (the
+    folder ``bcp/backends`` does not exist on disk) nor ``from .x`` (a move rewrites
+    absolute names with one search)."""
+    relative = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in library_modules().values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level
+    ]
+    assert relative == []

@@ -23,7 +23,7 @@ import bcp
 from bcp.backends import backend_for
 from bcp.cli import main as cli_main
 from bcp.commit import new_save_id
-from bcp.metadata.layout import GENERATION_PREFIX, MANIFEST_KEY
+from bcp.metadata.keys import GENERATION_PREFIX, MANIFEST_KEY
 
 SCRIPT = pathlib.Path(__file__).with_name("killed_overwrite_script.py")
 HOURS_AGO = 2 * 3600.0  # older than the grace period (one hour)

@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bcp
+from bcp.coordination.lanes import RANK_VARIABLES, WORLD_SIZE_VARIABLES, launched_among_several
 from bcp.errors import ProcessGroupMissingError
-from bcp.lanes import RANK_VARIABLES, WORLD_SIZE_VARIABLES, launched_among_several
 
 SCRIPT = pathlib.Path(__file__).with_name("no_group_script.py")
 LAUNCH_VARIABLES = (*WORLD_SIZE_VARIABLES, *RANK_VARIABLES, "SLURM_NTASKS", "LOCAL_WORLD_SIZE")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import bcp
 from bcp.backends import backend_for
 from bcp.discovery import FIND_MAX_DEPTH, checkpoint_prefix_of, find_checkpoints
-from bcp.metadata.layout import data_file_key, generation_name, step_name
+from bcp.metadata.keys import data_file_key, generation_name, step_name
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

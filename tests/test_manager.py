@@ -18,7 +18,7 @@ from bcp.backends.memory import clear_memory_store
 from bcp.commit import unused_generations
 from bcp.discovery import scan
 from bcp.metadata import MANIFEST_KEY
-from bcp.metadata.layout import data_file_key, generation_name, step_name
+from bcp.metadata.keys import data_file_key, generation_name, step_name
 from bcp.retention import plan_gc, select_kept
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import bcp
 from bcp.backends import backend_for, file_reads
 from bcp.backends import file as file_backend
-from bcp.backends.errors import StorageError
+from bcp.backends.storage_errors import StorageError
 from bcp.backends.wrappers import FaultInjectingBackend
 from bcp.errors import CorruptCheckpointError
 from bcp.io_scheduler import read_exec

@@ -21,7 +21,7 @@ from bcp import LocalTier
 from bcp.backends import backend_for
 from bcp.benchmark import storage_speed
 from bcp.cli import main as cli_main
-from bcp.metadata.layout import data_file_key
+from bcp.metadata.keys import data_file_key
 from bcp.tiers.paths import local_root, step_dir
 from conftest import new_bucket, store_uri
 from helpers import assert_same

@@ -187,7 +187,7 @@ def test_a_late_rank_is_waited_for_the_bound_counts_once_every_rank_arrived(host
 
 
 def _fake_host(monkeypatch, *, default: str, addresses: list[tuple[str, str]], route: str | None) -> None:
-    from bcp import gloo_network
+    from bcp.coordination import gloo_network
 
     monkeypatch.setattr(gloo_network, "interface_addresses", lambda: addresses)
     monkeypatch.setattr(gloo_network, "gloo_default_address", lambda: (default, f"the host name resolves to {default}"))
@@ -213,7 +213,7 @@ ETH = [("lo", "127.0.0.1"), ("eth0", "10.0.0.5"), ("docker0", "172.17.0.1")]
     ],
 )
 def test_the_interface_chosen(monkeypatch, env, default, route, expected):
-    from bcp import gloo_network
+    from bcp.coordination import gloo_network
 
     _fake_host(monkeypatch, default=default, addresses=ETH, route=route)
     choice = gloo_network.choose(env)
@@ -228,7 +228,7 @@ def test_the_interface_chosen(monkeypatch, env, default, route, expected):
 
 def test_interface_addresses_are_the_ones_psutil_lists():
     psutil = pytest.importorskip("psutil")
-    from bcp import gloo_network
+    from bcp.coordination import gloo_network
 
     if sys.platform != "linux":
         pytest.skip("read from Linux ioctls and /proc")
@@ -245,7 +245,7 @@ def test_interface_addresses_are_the_ones_psutil_lists():
 
 
 def test_the_environment_is_restored_even_when_creation_fails(monkeypatch):
-    from bcp import gloo_network
+    from bcp.coordination import gloo_network
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     seen = []
@@ -266,7 +266,7 @@ def test_the_environment_is_restored_even_when_creation_fails(monkeypatch):
 def test_the_watchdog_raises_in_the_caller_and_later_calls_fail_at_once(monkeypatch):
     import threading
 
-    from bcp import gloo_network
+    from bcp.coordination import gloo_network
     from bcp.errors import GroupConnectError
 
     monkeypatch.setattr(gloo_network, "_STUCK", [])
@@ -296,7 +296,7 @@ def test_the_watchdog_raises_in_the_caller_and_later_calls_fail_at_once(monkeypa
 
 
 def test_a_bad_connect_timeout_names_the_variable(monkeypatch):
-    from bcp import gloo_network
+    from bcp.coordination import gloo_network
 
     monkeypatch.setenv("BCP_GLOO_CONNECT_TIMEOUT", "30s")
     with pytest.raises(ValueError, match="BCP_GLOO_CONNECT_TIMEOUT"):

@@ -23,7 +23,7 @@ from bcp.backends.memory import MemoryBackend, _MemoryWriter
 from bcp.backends.wrappers import ForwardingBackend
 from bcp.commit import generations, parse_manifest, replaces_atomically
 from bcp.conformance import OverwriteTests
-from bcp.metadata.layout import manifest_key
+from bcp.metadata.keys import manifest_key
 from bcp.reader import fetch_manifest
 from broken_backends import DeclaredNonAtomicBackend, DeleteFirstBackend
 from test_conformance_suite import run_cli

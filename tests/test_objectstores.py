@@ -34,7 +34,7 @@ from bcp.backends.retry import RetryPolicy, is_transient
 from bcp.backends.s3 import S3Backend
 from bcp.backends.wrappers import FaultInjectingBackend, RetryingBackend
 from bcp.conformance import BackendContractTests
-from bcp.metadata.layout import GENERATION_PREFIX, generation_of
+from bcp.metadata.keys import GENERATION_PREFIX, generation_of
 from conftest import new_bucket, store_uri
 from servers import SECRET_KEY
 
@@ -292,7 +292,7 @@ def test_gc_finds_and_aborts_the_upload_of_a_killed_save(moto_server, moto_bucke
     show: gc still finds the step through ``unfinished()`` and aborts the upload once
     it is older than the grace period, never while it may be a save in progress."""
     from bcp import commit
-    from bcp.metadata.layout import step_name
+    from bcp.metadata.keys import step_name
 
     s3 = _s3(moto_server, moto_bucket)
     part = 5 * MiB

@@ -10,8 +10,8 @@ import torch
 
 import bcp
 from bcp.backends import backend_for
-from bcp.backends.errors import StorageError, redact, redact_uri
 from bcp.backends.memory import clear_memory_store
+from bcp.backends.storage_errors import StorageError, redact, redact_uri
 
 SECRET = "s3cr3t-Pa55"
 

@@ -15,7 +15,7 @@ import torch
 import bcp
 from bcp.backends import backend_for
 from bcp.metadata import MANIFEST_KEY
-from bcp.metadata.layout import GENERATION_PREFIX
+from bcp.metadata.keys import GENERATION_PREFIX
 from bcp.metadata.manifest import reseal
 from helpers import assert_same
 

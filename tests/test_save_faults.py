@@ -22,12 +22,12 @@ import torch
 import bcp
 from bcp import commit, discovery, retention
 from bcp.backends import Backend, ObjectWriter, backend_for
-from bcp.backends.errors import StorageError
 from bcp.backends.file import PARTIAL_MARKER, FileBackend
 from bcp.backends.memory import MemoryBackend
+from bcp.backends.storage_errors import StorageError
 from bcp.backends.wrappers import ForwardingBackend
 from bcp.errors import CheckpointError, CommitUncertainError, IncompleteCheckpointError
-from bcp.metadata.layout import MANIFEST_KEY, step_name
+from bcp.metadata.keys import MANIFEST_KEY, step_name
 from bcp.metadata.manifest import reseal
 
 from .helpers import assert_same

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bcp.collectives import Coordinator, portable
+from bcp.coordination.collectives import Coordinator, portable
 from bcp.errors import RankFailedError
 from bcp.metadata import CATALOG_SCHEMA, Catalog, FileEntry, FormatError, Fragment
 from bcp.planning import LayoutMeta, TensorPlan

@@ -316,7 +316,7 @@ def test_malformed_layouts_are_refused():
     with pytest.raises(ShardingError, match="counts"):
         plan_save([LocalLayout(0, lay.meta, lay.meta_digest, np.array([-1], np.int32), lay.offsets, lay.lengths)])
     for meta in [b"{", b'[["a","[]","float32",[-1],null]]', b'[["a","[]","nonsense",[1],null]]', b'[["a"]]']:
-        from bcp.planning.layout import meta_digest
+        from bcp.planning.local_layout import meta_digest
 
         bad = LocalLayout(0, meta, meta_digest(meta), lay.counts, lay.offsets, lay.lengths)
         with pytest.raises(ShardingError):

@@ -1,4 +1,4 @@
-"""A rank's prepared tensors kept between saves (``bcp.planning.local``, issue 37).
+"""A rank's prepared tensors kept between saves (``bcp.kept_plans``, issue 37).
 
 The second save of an unchanged structure must not plan again (counted, not
 timed); a save whose structure changed in any way the plan depends on (keys and
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import bcp
 from bcp.io_scheduler.write_pipeline import make_pipeline
+from bcp.kept_plans import LocalPlans, fingerprint
 from bcp.planning.cache import clear_plan_caches, plan_cache_for
-from bcp.planning.local import LocalPlans, fingerprint
 from bcp.saver import prepare_save
 from bcp.state import flatten_state
 from cuda_fakes import fake_cuda  # noqa: F401 - the fixture
@@ -28,7 +28,7 @@ from helpers import examples, tensor_bytes_equal
 
 def local_plans() -> LocalPlans:
     """The single-process save's kept structures (its coordinator's cache key is "local")."""
-    return plan_cache_for("local").local
+    return plan_cache_for("local").local(LocalPlans)
 
 
 def read_back(uri: str) -> dict:
@@ -323,7 +323,7 @@ def test_a_tensor_that_becomes_a_device_tensor_takes_the_device_path(tmp_path, f
 def test_pipeline_plans_are_keyed_by_the_settings(tmp_path):
     """A plan made for one slab size or backend is not used for another."""
     from bcp.io_scheduler.staging import StagingPool
-    from bcp.planning.local import prepare_tensors
+    from bcp.kept_plans import prepare_tensors
     from bcp.target import resolve_backend
 
     state = {f"t{i}": torch.randn(10_000 * (i + 1)) for i in range(8)}

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import bcp.errors
 from bcp.io_scheduler.share_parts import SHARE_PART_VERSION, SharePart
-from bcp.io_scheduler.shared_read import Wanted, plan_shares
 from bcp.metadata.geometry import stable_order
+from bcp.shared_read import Wanted, plan_shares
 from helpers import examples
 from test_load_plan_fast import SHAPES, dest_boxes, stored_layout
 from test_shared_read_plan import reader_of, sliced

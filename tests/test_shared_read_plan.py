@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bcp.io_scheduler.shared_read import Wanted, plan_shares, plan_sharing
 from bcp.metadata import Catalog, Fragment, itemsize
 from bcp.metadata.geometry import Box, intersect
+from bcp.shared_read import Wanted, plan_shares, plan_sharing
 from helpers import examples
 from test_load_plan_fast import SHAPES, cuts, dest_boxes, grid, ref_choose_replicas, stored_layout
 

@@ -16,7 +16,7 @@ import torch
 import bcp
 import bcp.errors
 from bcp.backends import StorageError
-from bcp.metadata.errors import CheckpointError
+from bcp.metadata.format_errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_format_and_sharding_errors_are_checkpoint_errors():
 
 
 def test_unpicklable_error_is_carried_as_its_message():
-    from bcp.collectives import portable
+    from bcp.coordination.collectives import portable
 
     class Holding(Exception):
         def __init__(self, message):
@@ -105,7 +105,7 @@ def test_unpicklable_error_is_carried_as_its_message():
 
 
 def test_large_error_travels_as_its_message():
-    from bcp.collectives import MAX_ERROR_PICKLE_BYTES, portable
+    from bcp.coordination.collectives import MAX_ERROR_PICKLE_BYTES, portable
 
     big = bcp.UnsupportedStateError("too big")
     big.payload = b"x" * (MAX_ERROR_PICKLE_BYTES + 1)  # type: ignore[attr-defined]
@@ -115,7 +115,7 @@ def test_large_error_travels_as_its_message():
 
 
 def test_error_that_cannot_be_rebuilt_falls_back_to_its_message():
-    from bcp.collectives import SentError
+    from bcp.coordination.collectives import SentError
 
     sent = SentError("Weird", "no such class here", b"not a pickle")
     back = sent.restore()

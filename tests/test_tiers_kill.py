@@ -32,7 +32,7 @@ import torch
 import bcp
 import tier_jobs
 from bcp.discovery import committed_steps
-from bcp.metadata.layout import MANIFEST_KEY
+from bcp.metadata.keys import MANIFEST_KEY
 from bcp.target import resolve_backend
 from bcp.tiers.holding import read_holding, verify
 from bcp.tiers.inventory import choose_local, list_local

@@ -19,8 +19,8 @@ import bcp
 import dist_jobs
 import tier_recover_jobs as jobs
 from bcp.backends import backend_for
-from bcp.collectives import Coordinator
-from bcp.metadata.layout import MANIFEST_KEY, step_name
+from bcp.coordination.collectives import Coordinator
+from bcp.metadata.keys import MANIFEST_KEY, step_name
 from bcp.tiers.exchange import Exchange
 from bcp.tiers.holding import add_held
 from bcp.tiers.hosts import HostMap

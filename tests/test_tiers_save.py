@@ -21,8 +21,8 @@ from bcp.metadata import Catalog, FileEntry, Manifest
 from bcp.tiers import LocalTier
 from bcp.tiers.holding import add_held, file_spans, held_files, read_holding, verify
 from bcp.tiers.hosts import HostMap, replica_hosts, transfers
+from bcp.tiers.local_retention import expired_steps
 from bcp.tiers.paths import job_name, local_root, local_steps, step_dir
-from bcp.tiers.retention import expired_steps
 from bcp.tiers.room import host_rooms
 from bcp.verify import verify_checkpoint
 from helpers import assert_same

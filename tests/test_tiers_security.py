@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import bcp
-from bcp.metadata.layout import MANIFEST_KEY
+from bcp.metadata.keys import MANIFEST_KEY
 from bcp.tiers.holding import add_held
 from bcp.tiers.paths import HOLDING_LOCK, HOLDING_NAME, job_name, local_root, step_dir
 

@@ -13,8 +13,8 @@ import pyarrow.fs as pafs
 import pytest
 
 import bcp.backends as backends
-import bcp.backends.errors as errors_mod
 import bcp.backends.retry as retry_mod
+import bcp.backends.storage_errors as errors_mod
 from bcp.backends import (
     Backend,
     Buffer,

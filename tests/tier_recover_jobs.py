@@ -23,7 +23,7 @@ import torch.distributed as dist
 import bcp
 from bcp.backends import backend_for
 from bcp.metadata import Manifest
-from bcp.metadata.layout import MANIFEST_KEY, step_name
+from bcp.metadata.keys import MANIFEST_KEY, step_name
 from bcp.tiers.holding import add_held
 from bcp.tiers.job import job_identity, stamp
 from bcp.tiers.paths import HOLDING_NAME, local_root
@@ -165,7 +165,7 @@ def scenarios_job(rank: int, world: int, scenarios: list[Scenario]) -> None:
 
 
 def _run(rank: int, world: int, sc: Scenario, root: str) -> None:
-    from bcp.lanes import coordinator_for
+    from bcp.coordination.lanes import coordinator_for
     from bcp.tiers.recover import recover_latest_with_info
 
     model, opt, state = template(world)
@@ -252,7 +252,7 @@ def uneven_recover(rank: int, world: int, hosts: tuple[str, ...], roots: dict[st
     runs and the rest of the checksum blocks they touch); with ``drop``, one range
     that rank needs is left out of the exchange and every rank's load must fail on
     its checksum, never read the hole as zeros."""
-    from bcp.lanes import coordinator_for
+    from bcp.coordination.lanes import coordinator_for
     from bcp.tiers.exchange import Exchange
     from bcp.tiers.recover import recover_latest_with_info
 

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from bcp.backends import Backend
-from bcp.backends.errors import redact
 from bcp.backends.file import file_directory
 from bcp.backends.registry import check_not_empty
+from bcp.backends.storage_errors import redact
 from bcp.cli.render import safe, show
 from bcp.errors import CheckpointError
 

@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from bcp.backends import backend_for
-from bcp.backends.errors import redact
+from bcp.backends.storage_errors import redact
 from bcp.cli.common import UsageError, require_location
 from bcp.cli.render import safe
 from bcp.retention import plan_gc, run_gc

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from bcp.backends import backend_for
-from bcp.backends.errors import redact
+from bcp.backends.storage_errors import redact
 from bcp.cli.common import CliError, UsageError, require_location
 from bcp.cli.render import human, raw, safe, show
 from bcp.describe import describe

@@ -9,15 +9,15 @@ import logging
 import sys
 import traceback
 
-from bcp.backends.errors import redact
 from bcp.backends.registry import import_plugins
-from bcp.cli import bench, conformance, convert, gc, inspect, ls, rm, trace, verify
+from bcp.backends.storage_errors import redact
+from bcp.cli import bench, conformance, convert_command, gc, inspect, ls, rm, trace_command, verify_command
 from bcp.cli.common import CliError, UsageError, add_import_option, imports, one_line, refuse_empty_locations
 from bcp.cli.render import safe
 from bcp.errors import CheckpointNotFoundError
 
 #: The commands, in the order --help lists them.
-COMMANDS = (conformance, ls, inspect, verify, convert, rm, gc, bench, trace)
+COMMANDS = (conformance, ls, inspect, verify_command, convert_command, rm, gc, bench, trace_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +85,7 @@ def _library_failure(error: BaseException) -> Exception | None:
     api = sys.modules.get("torch.distributed.checkpoint.api")
     if api is None or not isinstance(error, api.CheckpointException):
         return None
-    from bcp.interop.dcp import conversion_error
+    from bcp.convert.dcp_format import conversion_error
 
     converted = conversion_error(error, "PyTorch DCP failed")
     converted.__cause__ = error

@@ -8,7 +8,7 @@ import json
 import math
 import unicodedata
 
-from bcp.backends.errors import redact, redact_uri
+from bcp.backends.storage_errors import redact, redact_uri
 
 _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 

@@ -12,7 +12,7 @@ from bcp.cli.render import safe, show
 from bcp.commit import delete_checkpoint
 from bcp.deletion import deletable, remove_emptied_root
 from bcp.errors import CheckpointError
-from bcp.metadata.layout import MANIFEST_KEY
+from bcp.metadata.keys import MANIFEST_KEY
 
 NAME = "rm"
 HELP = "delete one checkpoint (its manifest first)"

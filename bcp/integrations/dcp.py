@@ -18,11 +18,11 @@ gives its own checkpoints (docs/integrations.md, "DCP storage"):
   it never looks complete, and two saves racing for one URI cannot both win.
 
 DCP's ``.metadata`` is a pickle. The reader unpickles it with bcp's allow-list
-(:class:`bcp.interop.dcp_metadata.MetadataUnpickler`: DCP's own metadata types only)
+(:class:`bcp.convert.dcp_metadata.MetadataUnpickler`: DCP's own metadata types only)
 unless ``allow_pickle=True``. Data items are DCP's: tensors are read back with
 ``torch.load(weights_only=True)``, as DCP does; non-tensor items go to the load
 planner's ``load_bytes`` (DCP's ``DefaultLoadPlanner`` unpickles them without limits;
-``bcp.interop.dcp_metadata.SafeBytesPlanner`` does not).
+``bcp.convert.dcp_metadata.SafeBytesPlanner`` does not).
 
 The writer reuses DCP's ``FileSystemWriter`` for planning and for the bytes of the data
 files (the way DCP's own fsspec writer does, with ``self.fs`` set to a filesystem of
@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from bcp.backends import Backend, ObjectExistsError, ObjectNotFoundError, backend_for, join_uri
+from bcp.convert.dcp_metadata import check_storage, parse_metadata
 from bcp.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -68,7 +69,6 @@ from bcp.integrations.dcp_storage import (
     is_bcp_uri,
     parse_checksums,
 )
-from bcp.interop.dcp_metadata import check_storage, parse_metadata
 from bcp.metadata.checksum import crc32c
 
 log = logging.getLogger(__name__)

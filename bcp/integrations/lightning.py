@@ -44,10 +44,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from bcp.backends import registered_backends
+from bcp.coordination.lanes import LOCAL
 from bcp.deletion import delete
 from bcp.errors import CheckpointError, StateMismatchError
 from bcp.extras import needs_extra
-from bcp.lanes import LOCAL
 from bcp.loader import load_with_info
 from bcp.reader import CheckpointReader, open_checkpoint
 from bcp.saver import save

@@ -187,7 +187,7 @@ def plan_part_chunks(spans: list[tuple[int, int, int]], part_size: int, size: in
 @dataclasses.dataclass(frozen=True)
 class PipelinePlan:
     """Everything a write pipeline works out from its items before copying a byte:
-    kept with the rank's prepared tensors (``bcp.planning.local``) and reused while
+    kept with the rank's prepared tensors (``bcp.kept_plans``) and reused while
     the structure, this rank's writes and the backend and pool settings are unchanged.
     Read-only once made (two saves in flight may share it)."""
 

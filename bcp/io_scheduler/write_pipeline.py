@@ -38,13 +38,13 @@ import torch
 
 from bcp import trace
 from bcp.backends import Backend, ObjectWriter
+from bcp.coordination.priority import lower_this_thread
 from bcp.io_scheduler.chunk_plan import Chunk, PipelinePlan, count_uses, plan_packed_chunks, plan_pipeline
 from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor, settle
 from bcp.io_scheduler.staging import Slab, StagingPool, default_pool
 from bcp.metadata import FileEntry, block_checksums, digest_of_checksums
 from bcp.planning import TensorPlan
 from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
-from bcp.priority import lower_this_thread
 from bcp.shards import Piece
 from bcp.tensor_io import flat_bytes, host_contiguous
 
@@ -514,7 +514,7 @@ def make_pipeline(
 ):
     """A pipeline on ``pool`` (default: the process-wide one) with ``streams`` writers
     (default: the backend's hint). ``plans``: pipeline plans kept for the structure of
-    ``items`` (``bcp.planning.local``), by ``writes`` (the indices ``items`` were taken
+    ``items`` (``bcp.kept_plans``), by ``writes`` (the indices ``items`` were taken
     from) and the settings the plan depends on; used when there, else kept there."""
     pool = pool or default_pool()
     if pool.slab_bytes % block:

@@ -12,7 +12,7 @@ Box geometry (overlap, tiling) is :mod:`bcp.metadata.geometry`, shared with the
 read planner and the catalog.
 """
 
-from bcp.planning.layout import LayoutMeta, LocalLayout, TensorPlan
+from bcp.planning.local_layout import LayoutMeta, LocalLayout, TensorPlan
 from bcp.planning.plan import GlobalPlan, plan_save
 
 __all__ = ["GlobalPlan", "LayoutMeta", "LocalLayout", "TensorPlan", "plan_save"]

@@ -7,7 +7,7 @@ keeps the last :data:`KEEP_PLANS` plans' summaries (what the commit and the log
 need, not the per-rank writes) and the decoded metadata they used; every rank keeps
 its own writes of those plans. A save whose key the coordinator knows and every rank
 still holds sends no box arrays and plans and scatters nothing. Each rank also keeps
-its own prepared tensors of an unchanged structure (``bcp.planning.local``).
+its own prepared tensors of an unchanged structure (``bcp.kept_plans``).
 
 One cache per coordinator group (process group) and process; saves run their
 planning one at a time per process (``SaveJob.start`` on the caller's thread), and a
@@ -20,13 +20,12 @@ import dataclasses
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from bcp.planning.layout import LayoutMeta
-from bcp.planning.local import LocalPlans
+from bcp.planning.local_layout import LayoutMeta
 
 #: Plans kept per coordinator group (and writes per rank): the last four layouts, so
 #: a job cycling through a few (e.g. with and without an optimizer state) hits too.
@@ -65,6 +64,13 @@ def save_order(meta_digests: Iterable[bytes], metas: Mapping[bytes, LayoutMeta])
     return tuple(order)
 
 
+class Clearable(Protocol):
+    def clear(self) -> None: ...
+
+
+L = TypeVar("L", bound=Clearable)
+
+
 class PlanCache:
     """One process's cache for one coordinator group (see the module docstring)."""
 
@@ -77,10 +83,18 @@ class PlanCache:
         self._metas: dict[bytes, LayoutMeta] = {}
         #: (every rank) key -> this rank's writes (indices into its flat box list)
         self._writes: OrderedDict[bytes, np.ndarray] = OrderedDict()
-        #: (every rank) this rank's prepared tensors by structure (``bcp.planning.local``)
-        self.local = LocalPlans()
+        #: (every rank) this rank's prepared tensors by structure (``bcp.kept_plans``,
+        #: made by the save on first use: planning knows nothing of tensors)
+        self._local: Clearable | None = None
 
     # -- every rank -----------------------------------------------------------------------
+
+    def local(self, make: Callable[[], L]) -> L:
+        """This rank's kept local plans, made by ``make()`` on first use."""
+        with self._lock:
+            if self._local is None:
+                self._local = make()
+            return self._local  # type: ignore[return-value]  # the one kind the save makes
 
     def held(self) -> dict[bytes, np.ndarray]:
         """This rank's writes by key, as they are now (what it tells the coordinator
@@ -128,7 +142,9 @@ class PlanCache:
             self._plans.clear()
             self._metas.clear()
             self._writes.clear()
-        self.local.clear()
+            local = self._local
+        if local is not None:
+            local.clear()
 
 
 _CACHES: dict[Any, PlanCache] = {}

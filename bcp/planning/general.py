@@ -18,7 +18,7 @@ import numpy as np
 from bcp.errors import ShardingError
 from bcp.metadata.geometry import Box, overlapping_pair, simple_tilings, tiling_problem
 from bcp.planning.balance import Assignments
-from bcp.planning.layout import LayoutMeta, LocalLayout
+from bcp.planning.local_layout import LayoutMeta, LocalLayout
 from bcp.planning.table import JobTensors, PlanRows
 
 

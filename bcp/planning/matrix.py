@@ -15,7 +15,7 @@ import numpy as np
 
 from bcp.metadata.geometry import abut_running
 from bcp.planning.balance import CHUNK, Assignments
-from bcp.planning.layout import LayoutMeta, LocalLayout
+from bcp.planning.local_layout import LayoutMeta, LocalLayout
 from bcp.planning.table import JobTensors, PlanRows
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from bcp.planning.balance import Assignments
 from bcp.planning.general import gather_all, plan_general
-from bcp.planning.layout import LayoutMeta, LocalLayout
+from bcp.planning.local_layout import LayoutMeta, LocalLayout
 from bcp.planning.matrix import gather_matrix, plan_matrix
 from bcp.planning.table import check_layouts, job_tensors, resolve_meta
 

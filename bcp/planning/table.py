@@ -11,7 +11,7 @@ import numpy as np
 
 from bcp.errors import ShardingError
 from bcp.metadata import itemsize
-from bcp.planning.layout import MAX_EXTENT, LayoutMeta, LocalLayout, meta_digest
+from bcp.planning.local_layout import MAX_EXTENT, LayoutMeta, LocalLayout, meta_digest
 
 #: Rows of boxes the paths hand over: tensor id, rank, index in the rank's box list,
 #: offsets and lengths padded (with 0 and 1) to the largest number of dimensions.

@@ -23,7 +23,7 @@ from bcp.metadata.catalog.sections import encode
 from bcp.metadata.catalog.sections import subset as _subset
 from bcp.metadata.geometry import stable_order
 from bcp.metadata.rows import Rows
-from bcp.planning.layout import LayoutMeta, TensorPlan
+from bcp.planning.local_layout import LayoutMeta, TensorPlan
 
 #: The columns of a writer's report: a catalog row without what the coordinator
 #: knows from the rank's layout metadata (``tensor`` indexes it) or from the report

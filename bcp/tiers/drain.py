@@ -24,12 +24,12 @@ from collections.abc import Callable
 
 from bcp.async_save import wait_all as _wait_for_async_saves
 from bcp.backends import Backend, Capability, ObjectWriter
-from bcp.collectives import Coordinator, decide, run_phase
 from bcp.commit import check_generation_intact, commit, discard_generation, find_existing, write_catalog
+from bcp.coordination.collectives import Coordinator, decide, run_phase
+from bcp.coordination.priority import lower_this_thread
 from bcp.errors import CheckpointExistsError, CommitUncertainError, CorruptCheckpointError
 from bcp.metadata import FileEntry, Manifest
-from bcp.metadata.layout import data_file_key
-from bcp.priority import lower_this_thread
+from bcp.metadata.keys import data_file_key
 
 log = logging.getLogger(__name__)
 

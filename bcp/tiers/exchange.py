@@ -20,7 +20,7 @@ import os
 import numpy as np
 import torch
 
-from bcp.collectives import Coordinator, GroupCoordinator
+from bcp.coordination.collectives import Coordinator, GroupCoordinator
 from bcp.errors import CorruptCheckpointError
 from bcp.metadata import Manifest
 from bcp.tensor_io import byte_view

@@ -41,9 +41,9 @@ import torch
 
 from bcp.async_save import AfterCommit, AsyncSaveHandle, async_save_planned_later
 from bcp.backends import Backend
-from bcp.collectives import Coordinator, SentError, decide, portable
+from bcp.coordination.collectives import Coordinator, SentError, decide, portable
 from bcp.io_scheduler.write_pipeline import StagingFull, make_pipeline
-from bcp.metadata.layout import data_file_key, generation_name
+from bcp.metadata.keys import data_file_key, generation_name
 from bcp.options import SaveOptions
 from bcp.planning.cache import plan_cache_for
 from bcp.saver import Hello, Prepared, SaveDecision, SaveJob, coordinate_save, prepare_save

@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Sequence
 
-from bcp.collectives import Coordinator
+from bcp.coordination.collectives import Coordinator
 from bcp.trace import host_name
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from bcp.metadata import Manifest
 from bcp.metadata.checksum import crc32c
-from bcp.metadata.layout import MANIFEST_KEY, step_name, step_of
+from bcp.metadata.keys import MANIFEST_KEY, step_name, step_of
 from bcp.tiers.holding import read_holding
 from bcp.tiers.job import JOB_NAME, read_job
 from bcp.tiers.paths import HOLDING_NAME, read_regular

@@ -26,7 +26,7 @@ import stat
 from collections.abc import Collection
 
 from bcp.metadata import MANIFEST_KEY
-from bcp.metadata.layout import step_name
+from bcp.metadata.keys import step_name
 from bcp.tiers.job import read_job
 from bcp.tiers.paths import local_steps, step_dir
 

@@ -17,10 +17,10 @@ import os
 import time
 
 from bcp.backends import Backend
-from bcp.collectives import Coordinator, decide, run_phase
 from bcp.commit import parse_manifest
+from bcp.coordination.collectives import Coordinator, decide, run_phase
 from bcp.metadata import Catalog, Manifest
-from bcp.metadata.layout import data_file_key, manifest_key
+from bcp.metadata.keys import data_file_key, manifest_key
 from bcp.reader import fetch_metadata
 from bcp.tiers.holding import add_held, file_spans, verify
 from bcp.tiers.hosts import HostMap

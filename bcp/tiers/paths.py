@@ -20,7 +20,7 @@ import stat
 
 from bcp.backends import Backend
 from bcp.backends.file import FileBackend
-from bcp.metadata.layout import STEP_PREFIX, step_name
+from bcp.metadata.keys import STEP_PREFIX, step_name
 
 #: holding.json: the data files this host holds for one step, each checked (holding.py)
 HOLDING_NAME = "holding.json"

@@ -63,12 +63,12 @@ from typing import Any
 import numpy as np
 
 from bcp import trace
-from bcp.collectives import Coordinator, GroupCoordinator, decide, portable, run_phase
+from bcp.coordination.collectives import Coordinator, GroupCoordinator, decide, portable, run_phase
 from bcp.errors import CorruptCheckpointError, FormatError, RankFailedError
 from bcp.io_scheduler.read_plan import plan_tensor_reads
 from bcp.loader import LoadInfo, load_with_info, match_state
 from bcp.metadata import Manifest
-from bcp.metadata.layout import MANIFEST_KEY, step_name
+from bcp.metadata.keys import MANIFEST_KEY, step_name
 from bcp.options import LoadOptions
 from bcp.reader import CheckpointMetadata, fetch_catalog, fetch_manifest, open_reader
 from bcp.state import detach_stateful

@@ -26,7 +26,7 @@ from collections.abc import Collection
 
 from bcp.errors import CorruptCheckpointError
 from bcp.metadata import Catalog, FormatError, Manifest
-from bcp.metadata.layout import MANIFEST_KEY
+from bcp.metadata.keys import MANIFEST_KEY
 from bcp.reader import CheckpointMetadata, fetch_catalog, fetch_manifest
 from bcp.target import resolve_backend
 from bcp.tiers.holding import file_spans, verify

@@ -26,9 +26,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from bcp.backends import Backend, ObjectWriter
-from bcp.collectives import Coordinator
+from bcp.coordination.collectives import Coordinator
 from bcp.metadata import FileEntry, Manifest
-from bcp.metadata.layout import data_file_key
+from bcp.metadata.keys import data_file_key
 from bcp.tiers.holding import add_held, verify
 from bcp.tiers.hosts import HostMap, transfers
 from bcp.tiers.paths import READ_FLAGS

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from bcp.collectives import Coordinator
+from bcp.coordination.collectives import Coordinator
 from bcp.shards import local_pieces
 from bcp.state import flatten_state
 from bcp.tiers.hosts import HostMap

@@ -15,7 +15,7 @@
 Collectives run in a fixed order on every rank: the main thread's on the
 caller's lane of bcp's groups, a save's commit and replication on the background
 lane (after ``async_save``), a drain's on a lane of its own ("drain"), created when
-the tier is (bcp.lanes).
+the tier is (bcp.coordination.lanes).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import numpy as np
 
 from bcp.async_save import AfterCommit, AsyncSaveHandle, async_save
 from bcp.backends import join_uri
-from bcp.collectives import Coordinator, decide, run_phase
-from bcp.lanes import background_coordinator, lane_coordinator
-from bcp.metadata.layout import step_name
+from bcp.coordination.collectives import Coordinator, decide, run_phase
+from bcp.coordination.lanes import background_coordinator, lane_coordinator
+from bcp.metadata.keys import step_name
 from bcp.options import SaveOptions
 from bcp.planning.cache import plan_cache_for
 from bcp.saver import SaveInfo, SaveJob
@@ -44,9 +44,9 @@ from bcp.tiers.drain import Drain, drain_step
 from bcp.tiers.fast_save import Verdict, save_fast
 from bcp.tiers.hosts import HostMap, warn_if_short
 from bcp.tiers.job import job_identity, make_step_dir, stamp
+from bcp.tiers.local_retention import apply_retention, remove_stale, remove_step
 from bcp.tiers.local_save import LocalStep, after_commit
 from bcp.tiers.paths import check_apart, local_root, make_private_root, step_backend, step_dir
-from bcp.tiers.retention import apply_retention, remove_stale, remove_step
 from bcp.tiers.room import Statvfs, check_room, own_record, state_bytes
 
 log = logging.getLogger(__name__)

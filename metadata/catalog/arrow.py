@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from bcp.metadata.catalog.tensors import CATALOG_SCHEMA, TensorTable
-from bcp.metadata.errors import FormatError
+from bcp.metadata.format_errors import FormatError
 from bcp.metadata.rows import Rows
 
 

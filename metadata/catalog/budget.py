@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # binds pa.compute
 
-from bcp.metadata.errors import FormatError
+from bcp.metadata.format_errors import FormatError
 
 #: Decoding may use at most this many bytes of Arrow buffers per byte of the catalog
 #: file, and never less than DECODE_FLOOR_BYTES. bcp's own catalogs decode to about

@@ -24,7 +24,7 @@ from bcp.metadata.catalog.sections import TRAILER, encode, is_v2, read_trailer
 from bcp.metadata.catalog.tensors import CATALOG_SCHEMA, TensorTable
 from bcp.metadata.catalog.validate import check_rows_in_files, decode_rows
 from bcp.metadata.entries import check_tilings, gather_boxes, gather_entries
-from bcp.metadata.errors import FormatError
+from bcp.metadata.format_errors import FormatError
 from bcp.metadata.geometry import stable_order
 from bcp.metadata.rows import Fragment, Rows, TensorBoxes, TensorEntry
 

@@ -21,7 +21,7 @@ from bcp.metadata.catalog.spans import EMPTY_SPAN
 from bcp.metadata.catalog.tensors import MAX_TENSOR_BYTES, TensorTable
 from bcp.metadata.catalog.validate import itemsize_or_zero
 from bcp.metadata.checksum import crc32c
-from bcp.metadata.errors import FormatError
+from bcp.metadata.format_errors import FormatError
 
 
 @dataclasses.dataclass

@@ -20,7 +20,7 @@ from bcp.metadata.catalog.spans import flat_spans, section_spans
 from bcp.metadata.catalog.tensors import TensorTable
 from bcp.metadata.catalog.validate import check_rows_in_files, decode_rows
 from bcp.metadata.checksum import crc32c
-from bcp.metadata.errors import FormatError
+from bcp.metadata.format_errors import FormatError
 from bcp.metadata.rows import Rows
 
 #: ``fetch(offset, length)``: bytes of the catalog file (a ranged read)

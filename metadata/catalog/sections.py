@@ -31,7 +31,7 @@ from bcp.metadata.catalog.arrow import ipc_file, rows_table
 from bcp.metadata.catalog.spans import section_spans, uniform_width
 from bcp.metadata.catalog.tensors import TensorTable
 from bcp.metadata.checksum import crc32c
-from bcp.metadata.errors import FormatError
+from bcp.metadata.format_errors import FormatError
 from bcp.metadata.geometry import stable_order
 from bcp.metadata.rows import Rows
 

@@ -19,7 +19,7 @@ from bcp.metadata.catalog.arrow import bind_rows, cast_columns, read_ipc_columns
 from bcp.metadata.catalog.budget import check_expansion, check_ipc_budget, decode_budget
 from bcp.metadata.catalog.tensors import CATALOG_SCHEMA, MAX_TENSOR_BYTES, TensorTable
 from bcp.metadata.dtypes import itemsize
-from bcp.metadata.errors import FormatError
+from bcp.metadata.format_errors import FormatError
 from bcp.metadata.rows import Fragment, Rows
 
 

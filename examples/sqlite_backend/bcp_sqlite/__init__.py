@@ -21,7 +21,7 @@ from bcp.backends import (
     ObjectWriter,
     check_key,
 )
-from bcp.backends.errors import ObjectNotFoundError, StorageError
+from bcp.backends.storage_errors import ObjectNotFoundError, StorageError
 
 _SUFFIXES = (".db", ".sqlite", ".sqlite3")
 _SCHEMA = """

@@ -13,7 +13,7 @@ This module holds what runs on a group once it exists: the coordinators
 gloo group, :class:`OwnGroupCoordinator` over bcp's own ``ProcessGroupGloo``), the
 phases (:func:`run_phase`, :func:`decide`, :func:`share_result`) and the way errors
 travel (:func:`portable`). Which group each operation uses, and when the groups are
-created and released, is ``bcp.lanes``'.
+created and released, is ``bcp.coordination.lanes``'.
 """
 
 from __future__ import annotations
@@ -190,7 +190,8 @@ class GroupCoordinator(Coordinator):
 
 class OwnGroupCoordinator(Coordinator):
     """Collectives over a ``ProcessGroupGloo`` of bcp's own (built by
-    ``bcp.lanes.background_coordinator``), called directly: torch's object collectives accept only registered groups, so
+    ``bcp.coordination.lanes.background_coordinator``), called directly: torch's
+    object collectives accept only registered groups, so
     objects travel as pickles framed with their length and padded to the longest."""
 
     def __init__(self, pg: Any, rank: int, world_size: int, cache_key: Any) -> None:

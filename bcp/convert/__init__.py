@@ -15,7 +15,7 @@ entry (``bcp.convert.to_safetensors(...)``, ``bcp convert`` on the command line)
   bcp in bounded batches only when the writer asks for them. Memory: one batch.
 * PyTorch DCP checkpoint -> bcp: every tensor is loaded by DCP into a file-backed
   buffer, then saved with the nesting DCP recorded rebuilt; DCP's pickles are read
-  with an allow-list (:mod:`bcp.interop.dcp_metadata`) unless ``allow_pickle=True``.
+  with an allow-list (:mod:`bcp.convert.dcp_metadata`) unless ``allow_pickle=True``.
 
 Objects saved per rank keep every rank's value in the torch and DCP exports, under
 ``__rank_<r>__`` keys (:func:`export_object`), unless one saved rank is chosen. DCP's
@@ -25,17 +25,31 @@ Memory stays bounded by the shard size (safetensors out) or is file-backed page
 cache, which the kernel can reclaim (everything else), so a checkpoint larger than
 RAM converts.
 
-The code is in :mod:`bcp.interop`, one module per format and job; this module only
-names its public functions, so that importing it loads neither safetensors nor
-``torch.distributed.checkpoint``.
+This package holds the formats, one module per format and job (the frameworks are
+:mod:`bcp.integrations`); this module only names their public functions, so that
+importing it loads neither safetensors nor ``torch.distributed.checkpoint``:
+
+* :mod:`~bcp.convert.formats`: the file names that identify each format, and
+  :func:`~bcp.convert.formats.detect_format`.
+* :mod:`~bcp.convert.selection`: which keys an export takes, under which names
+  (prefix, rename rules), in which dtype, in which batches.
+* :mod:`~bcp.convert.files`: writing local output files (publish with the umask's
+  mode, stale files of an earlier export, file-backed scratch tensors).
+* :mod:`~bcp.convert.per_rank`: per-rank objects in exports (``__rank_<r>__`` keys).
+* :mod:`~bcp.convert.safetensors`, :mod:`~bcp.convert.torch_save`,
+  :mod:`~bcp.convert.dcp_format`: each format, both directions.
+* :mod:`~bcp.convert.dcp_metadata`: reading DCP's pickled ``.metadata`` without
+  running code chosen by its author; :mod:`~bcp.convert.dcp_writer`: DCP's planner
+  and writer, streamed in batches. Both import ``torch.distributed.checkpoint`` at
+  once, so :mod:`~bcp.convert.dcp_format` imports them only when a DCP conversion runs.
 """
 
 from __future__ import annotations
 
-from bcp.interop.dcp import DCP_BATCH_BYTES, DCPExportInfo, from_dcp, to_dcp
-from bcp.interop.formats import INDEX_NAME, detect_format
-from bcp.interop.per_rank import RANK_KEY, export_object, per_rank_keys, rank_key
-from bcp.interop.safetensors import (
+from bcp.convert.dcp_format import DCP_BATCH_BYTES, DCPExportInfo, from_dcp, to_dcp
+from bcp.convert.formats import INDEX_NAME, detect_format
+from bcp.convert.per_rank import RANK_KEY, export_object, per_rank_keys, rank_key
+from bcp.convert.safetensors import (
     CONFIG_NAME,
     SAFETENSORS_DTYPES,
     from_safetensors,
@@ -44,7 +58,7 @@ from bcp.interop.safetensors import (
     safetensors_files,
     to_safetensors,
 )
-from bcp.interop.selection import (
+from bcp.convert.selection import (
     DTYPE_NAMES,
     Progress,
     RenameRule,
@@ -54,7 +68,7 @@ from bcp.interop.selection import (
     plan_shards,
     select,
 )
-from bcp.interop.torch_save import FILE_BACKED_BATCH_BYTES, from_torch, to_torch
+from bcp.convert.torch_save import FILE_BACKED_BATCH_BYTES, from_torch, to_torch
 
 __all__ = [
     "CONFIG_NAME",

@@ -18,10 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
-from bcp.extras import needs_extra
-from bcp.interop.files import publish, stale_files
-from bcp.interop.formats import INDEX_NAME
-from bcp.interop.selection import (
+from bcp.convert.files import publish, stale_files
+from bcp.convert.formats import INDEX_NAME
+from bcp.convert.selection import (
     Progress,
     RenameRule,
     apply_renames,
@@ -31,6 +30,7 @@ from bcp.interop.selection import (
     plan_shards,
     select,
 )
+from bcp.extras import needs_extra
 from bcp.reader import CheckpointReader, open_checkpoint
 from bcp.saver import SaveInfo, save
 
@@ -77,7 +77,7 @@ def to_safetensors(
 
     Names: the stored keys under ``prefix`` (``prefix`` dropped with ``strip_prefix``),
     then each ``rename`` rule (``"REGEX=REPLACEMENT"`` or a compiled pair, see
-    :func:`~bcp.interop.selection.parse_rename`) applied in order with ``re.sub``; two
+    :func:`~bcp.convert.selection.parse_rename`) applied in order with ``re.sub``; two
     keys that end with one name are a ValueError naming both. ``dtype`` casts the
     floating-point tensors (only those), shard by shard. ``config`` is a JSON file (a
     Hugging Face ``config.json``) checked and copied into ``dst_dir`` as

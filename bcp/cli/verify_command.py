@@ -7,7 +7,7 @@ import json
 
 from bcp import verify
 from bcp.backends import backend_for
-from bcp.backends.errors import redact
+from bcp.backends.storage_errors import redact
 from bcp.cli.common import require_location
 from bcp.cli.render import human, progress, safe
 

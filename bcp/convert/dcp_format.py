@@ -2,16 +2,16 @@
 
 * Out: written by DCP's own writer and planner (so DCP's load finds the state's
   nesting as it flattens it), the tensors read from bcp in bounded batches only when
-  the writer asks for them (:mod:`bcp.interop.dcp_writer`), into a staging directory
+  the writer asks for them (:mod:`bcp.convert.dcp_writer`), into a staging directory
   moved into place once complete. Memory: one batch.
 * In: every tensor is loaded by DCP into a file-backed buffer, then saved with the
   nesting DCP recorded (``planner_data``) rebuilt. DCP's ``.metadata`` and its
   non-tensor entries are pickles: without ``allow_pickle=True`` the metadata is
-  unpickled with an allow-list of DCP's own types (:mod:`bcp.interop.dcp_metadata`)
+  unpickled with an allow-list of DCP's own types (:mod:`bcp.convert.dcp_metadata`)
   and the entries with ``weights_only=True``; an entry that needs more is skipped
   (and named). Every item's offset and length, and every tensor's declared size, are
   checked against the data files' real sizes first
-  (:func:`bcp.interop.dcp_metadata.check_storage`): a truncated file is a
+  (:func:`bcp.convert.dcp_metadata.check_storage`): a truncated file is a
   :class:`~bcp.errors.CorruptCheckpointError` naming it and the offset.
 
 DCP's own failures (``CheckpointException``, a ``BaseException``) are raised as a
@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
+from bcp.convert.files import file_backed, publish_dir, stale_files
+from bcp.convert.formats import DCP_METADATA_FILE
+from bcp.convert.per_rank import export_object, per_rank_keys
+from bcp.convert.selection import Progress, select
 from bcp.errors import ConversionError, FormatError
-from bcp.interop.files import file_backed, publish_dir, stale_files
-from bcp.interop.formats import DCP_METADATA_FILE
-from bcp.interop.per_rank import export_object, per_rank_keys
-from bcp.interop.selection import Progress, select
 from bcp.reader import CheckpointReader, PerRankChoice, check_per_rank_choice, open_checkpoint
 from bcp.saver import SaveInfo, save
 from bcp.state import KeyPath, build_nested
@@ -104,7 +104,7 @@ def to_dcp(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from bcp.interop.dcp_writer import BatchedFileSystemWriter, StreamingSavePlanner
+    from bcp.convert.dcp_writer import BatchedFileSystemWriter, StreamingSavePlanner
 
     check_per_rank_choice(per_rank)
     reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
@@ -209,7 +209,7 @@ def from_dcp(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from bcp.interop.dcp_metadata import DCPReader, SafeBytesPlanner, check_storage, key_paths, read_metadata
+    from bcp.convert.dcp_metadata import DCPReader, SafeBytesPlanner, check_storage, key_paths, read_metadata
 
     metadata = read_metadata(src, allow_pickle=allow_pickle)
     paths = key_paths(metadata, where=os.path.join(src, DCP_METADATA_FILE))

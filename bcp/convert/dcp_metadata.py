@@ -49,9 +49,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from bcp.convert.formats import DCP_METADATA_FILE
+from bcp.convert.pickle_check import check_pickle
 from bcp.errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
-from bcp.interop.formats import DCP_METADATA_FILE
-from bcp.interop.pickle_check import check_pickle
 from bcp.state import KeyPath, PathElem, fqn_of
 
 _DCP = "torch.distributed.checkpoint.metadata"

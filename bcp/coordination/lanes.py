@@ -1,5 +1,5 @@
 """bcp's gloo groups: which group each operation's collectives use, and when the
-groups are created and released (the coordinators themselves: ``bcp.collectives``).
+groups are created and released (the coordinators themselves: ``bcp.coordination.collectives``).
 
 Without an initialised process group, or with ``process_group=LOCAL``, an operation
 gets a single-rank coordinator and no group; but a process that a launcher started as
@@ -51,8 +51,8 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from bcp import gloo_network
-from bcp.collectives import Coordinator, GroupCoordinator, OwnGroupCoordinator, collective_timeout
+from bcp.coordination import gloo_network
+from bcp.coordination.collectives import Coordinator, GroupCoordinator, OwnGroupCoordinator, collective_timeout
 from bcp.errors import ProcessGroupMissingError, RankFailedError, RanksMissingError
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def _group(dist: Any, base: tuple, lane: str, process_group: Any, timeout: datet
             create = lambda: dist.new_group(  # noqa: E731
                 ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
             )
-        # the interface gloo listens on, and a bound on connecting (bcp.gloo_network)
+        # the interface gloo listens on, and a bound on connecting (bcp.coordination.gloo_network)
         group = gloo_network.create_group(create, process_group, arrival_timeout=timeout)
         _GROUPS[key] = group
     return group
@@ -270,7 +270,7 @@ def _rendezvous(dist: Any, base: tuple, process_group: Any, operation: str, time
         group = _group(dist, base, "rendezvous", process_group, timeout)
         dist.monitored_barrier(group, timeout=timeout, wait_all_ranks=True)
     except (RuntimeError, RankFailedError) as e:  # DistError, DistStoreError: gloo's timeouts and closed pairs;
-        # RankFailedError: a rank never came to create the rendezvous group (bcp.gloo_network)
+        # RankFailedError: a rank never came to create the rendezvous group (bcp.coordination.gloo_network)
         error = _missing_error(dist, process_group, group, operation, timeout, e)
         _BROKEN[base] = f"an earlier {operation} was not called by every rank ({e})"
         raise error from e

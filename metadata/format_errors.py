@@ -3,7 +3,7 @@
 ``CheckpointError`` lives here, in the lowest layer that knows what a checkpoint
 is, so that a malformed file (``FormatError``) is a checkpoint error like every
 other; the engine's errors (``bcp.errors``) derive from it too. Storage errors
-(``bcp.backends.errors``) are ``OSError``\\ s instead: they are about the store, not
+(``bcp.backends.storage_errors``) are ``OSError``\\ s instead: they are about the store, not
 the checkpoint. docs/errors.md shows the whole tree.
 """
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from bcp import trace
-from bcp.collectives import GroupCoordinator, portable
+from bcp.coordination.collectives import GroupCoordinator, portable
 from bcp.errors import CheckpointError
 from bcp.io_scheduler.read_exec import ReadStats
 from bcp.io_scheduler.share_match import (

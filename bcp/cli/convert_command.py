@@ -8,7 +8,7 @@ import argparse
 import os
 
 from bcp import convert
-from bcp.backends.options import as_size
+from bcp.backends.uri_options import as_size
 from bcp.cli.common import NotFound, UsageError, option
 from bcp.cli.render import human, progress, safe, show
 from bcp.reader import PerRankChoice, open_checkpoint

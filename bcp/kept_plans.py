@@ -38,7 +38,7 @@ import torch
 from bcp.io_scheduler import device_copy
 from bcp.io_scheduler.chunk_plan import PipelinePlan
 from bcp.io_scheduler.write_pipeline import WriteItem
-from bcp.planning.layout import LocalLayout, TensorPlan
+from bcp.planning.local_layout import LocalLayout, TensorPlan
 from bcp.replicas import ReplicaSummer, ReplicaSums
 from bcp.shards import LocalTensor, Piece, holds_replica, local_pieces
 from bcp.state import path_to_str

@@ -2,7 +2,7 @@
 streamed: DCP plans over placeholders, and the tensors are read from bcp batch by
 batch just before the writer writes them, so memory holds about one batch.
 
-Imports ``torch.distributed.checkpoint`` at once: :mod:`bcp.interop.dcp` imports this
+Imports ``torch.distributed.checkpoint`` at once: :mod:`bcp.convert.dcp_format` imports this
 module only when an export runs.
 """
 
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from bcp.interop.selection import plan_shards
+from bcp.convert.selection import plan_shards
 
 
 class StreamingSavePlanner(DefaultSavePlanner):

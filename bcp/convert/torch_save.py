@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from bcp.interop.files import file_backed, publish
-from bcp.interop.per_rank import export_object
-from bcp.interop.selection import Progress, select
+from bcp.convert.files import file_backed, publish
+from bcp.convert.per_rank import export_object
+from bcp.convert.selection import Progress, select
 from bcp.metadata.geometry import Box
 from bcp.reader import CheckpointReader, PerRankChoice, check_per_rank_choice, open_checkpoint
 from bcp.saver import SaveInfo, save
@@ -47,7 +47,7 @@ def to_torch(
     ``torch.load(weights_only=True)``. An object saved per rank is written as
     ``{"__rank_0__": value of rank 0, "__rank_1__": ...}`` (``per_rank="all"``), or as
     one saved rank's value (``per_rank=R``): see
-    :func:`~bcp.interop.per_rank.export_object`."""
+    :func:`~bcp.convert.per_rank.export_object`."""
     check_per_rank_choice(per_rank)
     reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
     scratch = tempfile.mkdtemp(prefix="bcp-convert-", dir=scratch_dir or os.path.dirname(os.path.abspath(dst_file)))
@@ -70,7 +70,7 @@ def _read_file_backed(
     reader: CheckpointReader, keys: list[str], scratch: str, progress: Progress | None, per_rank: PerRankChoice
 ) -> dict:
     """key -> value: tensors in file-backed memory, objects decoded (per-rank ones as
-    :func:`~bcp.interop.per_rank.export_object` writes them)."""
+    :func:`~bcp.convert.per_rank.export_object` writes them)."""
     out: dict[str, Any] = {}
     batch: list[tuple[str, Box, torch.Tensor]] = []
     held = 0

@@ -1,6 +1,6 @@
 """Where bcp's gloo group listens, and a bound on how long connecting it may take.
 
-bcp runs its collectives on a gloo group of its own (``bcp.lanes``), also in
+bcp runs its collectives on a gloo group of its own (``bcp.coordination.lanes``), also in
 NCCL jobs. Gloo listens on the address the host name resolves to unless
 ``GLOO_SOCKET_IFNAME`` names an interface; on hosts whose name resolves to a loopback
 address (127.0.1.1 is the Debian/Ubuntu default), to no local address (gloo then
@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from bcp.collectives import collective_timeout
+from bcp.coordination.collectives import collective_timeout
 from bcp.errors import GroupConnectError, RankFailedError
 
 log = logging.getLogger(__name__)
