@@ -18,10 +18,11 @@ from bcp.backends import (
     Capability,
     IOHints,
     ObjectExistsError,
+    ObjectNotFoundError,
     ObjectWriter,
+    StorageError,
     check_key,
 )
-from bcp.backends.storage_errors import ObjectNotFoundError, StorageError
 
 _SUFFIXES = (".db", ".sqlite", ".sqlite3")
 _SCHEMA = """
