@@ -273,8 +273,12 @@ def test_single_process_recovery_is_bit_exact_and_removes_its_directory(tmp_path
 
 
 def test_a_host_holding_every_file_recovers_with_a_plain_load_and_no_read_plan_of_its_own(tmp_path, monkeypatch):
-    """Nothing to fetch (every data file held here): no exchange and no second match and
-    read plan before the load's own, so the recovery costs a load plus its inventory."""
+    """Nothing to fetch (every data file held here): no exchange, no second match and
+    read plan before the load's own, no recovery directory (the load reads the local
+    step itself), and the load neither reads nor decodes-and-checks twice the manifest
+    and catalog the recovery read: the recovery costs a load plus its inventory."""
+    import bcp.loader as loader
+    import bcp.reader as reader
     import bcp.tiers.recover as recover
 
     root = str(tmp_path / "local")
@@ -283,7 +287,21 @@ def test_a_host_holding_every_file_recovers_with_a_plain_load_and_no_read_plan_o
     def no_plan(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("a read plan for the exchange was made though the host holds every file")
 
+    def no_directory(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a recovery directory was built though the host holds every file")
+
+    fetched: list[str] = []
+    real_fetch = reader.fetch_catalog
+
+    def counting_fetch(backend, manifest):  # type: ignore[no-untyped-def]
+        fetched.append(backend.uri)
+        return real_fetch(backend, manifest)
+
     monkeypatch.setattr(recover, "_wanted", no_plan)
+    monkeypatch.setattr(recover, "prepare", no_directory)
+    monkeypatch.setattr(recover, "fetch_catalog", counting_fetch)
+    monkeypatch.setattr(reader, "fetch_catalog", counting_fetch)
+    monkeypatch.setattr(loader, "fetch_metadata", lambda *a, **k: no_plan())
     template = {"w": torch.zeros(4, 6), "b": torch.zeros(5, dtype=torch.bfloat16), "step": 0}
     info = recover_latest_with_info(
         template, local_root=root, persistent_root=None, coord=Coordinator(), load_options=bcp.LoadOptions(trace=True)
@@ -291,7 +309,11 @@ def test_a_host_holding_every_file_recovers_with_a_plain_load_and_no_read_plan_o
     assert info is not None and info.step == 10
     assert_same(dict(info.state), _state(3.0))
     assert "exchange" not in info.stages, sorted(info.stages)
-    assert {"inventory", "metadata", "prepare", "match", "read"} <= set(info.stages), sorted(info.stages)
+    assert {"inventory", "metadata", "read"} <= set(info.stages), sorted(info.stages)
+    assert not {"prepare", "match", "catalog"} & set(info.stages), sorted(info.stages)
+    assert len(fetched) == 1, f"the catalog was read {len(fetched)} times: {fetched}"
+    assert info.load.uri.endswith(step_name(10)), info.load.uri
+    assert sorted(os.listdir(root)) == [step_name(10)]
 
 
 def test_manager_takes_the_newer_tier_and_the_local_one_on_a_tie(tmp_path):

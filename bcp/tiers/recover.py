@@ -66,12 +66,12 @@ from bcp.metadata import Manifest
 from bcp.metadata.layout import MANIFEST_KEY, step_name
 
 from .. import trace
-from ..collectives import Coordinator, GroupCoordinator, decide, portable, run_phase
+from ..collectives import Coordinator, GroupCoordinator, decide, portable
 from ..errors import CorruptCheckpointError, FormatError, RankFailedError
 from ..io_scheduler.read_plan import plan_tensor_reads
-from ..loader import LoadInfo, load_with_info, match_state
+from ..loader import LoadInfo, load_with_metadata, match_state
 from ..options import LoadOptions
-from ..reader import CheckpointMetadata, fetch_catalog, fetch_manifest, open_reader
+from ..reader import CheckpointMetadata, check_catalog, fetch_catalog, fetch_manifest, open_reader
 from ..state import detach_stateful
 from ..target import resolve_backend
 from .arrival import Arrivals, GatedBackend
@@ -203,20 +203,34 @@ def _recover(
             plan = decide(
                 coord,
                 "choosing the step to recover",
-                choose,
+                _choose_and_read,
+                local_root,
+                coord.rank,
                 gathered,
                 hosts,
                 persistent,
                 config,
                 tuple(damaged),
                 reason,
+                share=_shared,
             )
         if plan is None:
             return None
-        choice, nonce = plan
+        choice, nonce, metadata = plan
         try:
             info: RecoveryInfo | None = _attempt(
-                state, local_root, coord, opts, round_bytes, chunk_bytes, exchange_coord, hosts, choice, nonce, started
+                state,
+                local_root,
+                coord,
+                opts,
+                round_bytes,
+                chunk_bytes,
+                exchange_coord,
+                hosts,
+                choice,
+                nonce,
+                started,
+                metadata,
             )
             error: BaseException | None = None
         except Exception as e:  # noqa: BLE001 - every rank learns of it below; raised unless it is damage
@@ -224,14 +238,16 @@ def _recover(
         step_dir = os.path.join(local_root, step_name(choice.step))
         recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
         try:
-            reports = coord.all_gather(_damage_of(error, recovery_dir, choice.step))
+            # one round: each rank's damage and whether it failed at all
+            reports = coord.all_gather((_damage_of(error, recovery_dir, choice.step), error is not None))
         except Exception:
             if error is not None:  # a peer gone: its own error says more than the gather's
                 raise error from None
             raise
-        damage = [d for d in reports if d is not None]
+        damage = [d for d, _failed in reports if d is not None]
         if not damage:
-            coord.check(error, "recovering from the local tier")
+            if any(failed for _d, failed in reports):
+                coord.check(error, "recovering from the local tier")
             if error is not None:
                 raise error
             assert info is not None
@@ -280,6 +296,35 @@ def _recover(
 #: Recoveries tried, each after quarantining what the one before found corrupt.
 MAX_ATTEMPTS = 4
 
+#: What the coordinator read of the chosen step's metadata: ("ok", bytes) or ("error", the error)
+Prefetched = tuple[str, Any] | None
+
+
+def _choose_and_read(
+    local_root: str, rank: int, gathered: list[Any] | None, hosts: HostMap, *args: Any
+) -> tuple[LocalChoice, str, Prefetched] | None:
+    """(coordinator) :func:`~bcp.tiers.fallback.choose`, and, when the chosen source
+    host's first rank is this one, the step's manifest and catalog read here
+    (:func:`_read_metadata`, an error kept to be raised by every rank's attempt), so
+    they travel with the choice in one broadcast instead of a second one."""
+    plan = choose(gathered, hosts, *args)
+    if plan is None:
+        return None
+    choice, nonce = plan
+    if hosts.ranks[choice.source][0] != rank:
+        return choice, nonce, None
+    try:
+        return choice, nonce, ("ok", _read_metadata(os.path.join(local_root, step_name(choice.step)), choice))
+    except Exception as e:  # noqa: BLE001 - raised by every rank's attempt, where damage is handled
+        return choice, nonce, ("error", e)
+
+
+def _shared(plan: tuple[LocalChoice, str, Prefetched] | None) -> Any:
+    """What the other ranks receive of :func:`_choose_and_read`'s result: an error as sent."""
+    if plan is None or plan[2] is None or plan[2][0] == "ok":
+        return plan
+    return plan[0], plan[1], ("error", portable(plan[2][1]))
+
 
 def _damage_of(error: BaseException | None, recovery_dir: str, step: int) -> tuple[str | None, str] | None:
     """(file the error names or None, its message) when ``error`` is corrupt bytes of a
@@ -309,52 +354,67 @@ def _attempt(
     choice: LocalChoice,
     nonce: str,
     started: float,
+    prefetched: Prefetched,
 ) -> RecoveryInfo:
-    """One recovery of the chosen step: metadata, recovery directory, exchange, load."""
+    """One recovery of the chosen step: metadata, recovery directory, exchange, load.
+    ``prefetched``: the metadata the coordinator read with the choice (it is the source)."""
     first = hosts.is_first(coord.rank)
     step_dir = os.path.join(local_root, step_name(choice.step))
     source = hosts.ranks[choice.source][0]
     with trace.span("metadata"):
-        metadata = _from_rank(coord, source, "reading the local step's metadata", _read_metadata, step_dir, choice)
+        if prefetched is None:
+            metadata = _from_rank(coord, source, "reading the local step's metadata", _read_metadata, step_dir, choice)
+        else:
+            metadata = _prefetched(prefetched, source)
         manifest = Manifest.from_json(metadata.manifest, where=f"{step_dir}/{MANIFEST_KEY} (local tier)")
+        if coord.rank != source:  # bytes from a peer: checked here as a load checks the bytes it reads
+            _check_received(step_dir, manifest, metadata, choice)
     mine = hosts.host_of(coord.rank)
     held = frozenset(i for i, h in enumerate(choice.holders) if mine in h)
+    n_files = len(manifest.data_files)
+    # every host holds every file: no host fetches, so no directory, read plan or exchange anywhere
+    everywhere = all(len(set(h)) == len(hosts.hosts) for h in choice.holders)
     recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
+    # a host holding every file loads its local step itself (read-only), with no recovery directory
+    load_dir = step_dir if len(held) == n_files else recovery_dir
     try:
 
         def prepare_and_match() -> np.ndarray:
+            if len(held) == n_files:
+                # the host holds every file: nothing to fetch, so no directory and no read plan to make
+                # here (the load makes its own, and matches the template as it always does)
+                return np.empty((0, 3), np.int64)
             with trace.span("prepare"):
                 prepare(recovery_dir, step_dir, manifest, metadata, held)
             with trace.span("match"):
-                if len(held) == len(manifest.data_files):
-                    # the host holds every file: nothing to fetch, so no read plan to make here (the
-                    # load makes its own, and matches the template as it always does)
-                    return np.empty((0, 3), np.int64)
                 return _wanted(state, recovery_dir, manifest, metadata, held, coord, opts)
 
-        # one phase: every rank of the host has built the directory before any byte lands in it
-        wanted = run_phase(coord, "preparing the recovery directory and matching the state", prepare_and_match)
         fetch_started = time.perf_counter()
         exchange = Exchange(coord, hosts, choice, manifest, step_dir, recovery_dir, round_bytes, chunk_bytes)
-        exchange.plan(coord.all_gather(wanted))
+        if not everywhere:
+            # one round: every rank of the host has built the directory before any byte lands in it, and
+            # every rank learns what every other wants (or that one failed)
+            exchange.plan(
+                _gather_outcomes(coord, "preparing the recovery directory and matching the state", prepare_and_match)
+            )
         load_opts = dataclasses.replace(opts, storage_options=None, share_reads=False)
         if not exchange.rounds_of:  # the same on every rank: no host fetches anything, a plain load
             fetch_seconds = time.perf_counter() - fetch_started
-            loaded = load_with_info(state, recovery_dir, load_opts)
+            loaded = load_with_metadata(state, load_dir, metadata, load_opts)
         elif exchange_coord is None or coord.world_size == 1:
             with trace.span("exchange") as exchanging:
                 coord.check(exchange.run(), FETCH_PHASE)
                 if exchanging is not None:
                     exchanging.nbytes = exchange.bytes_received
             fetch_seconds = time.perf_counter() - fetch_started
-            loaded = load_with_info(state, recovery_dir, load_opts)
+            loaded = load_with_metadata(state, load_dir, metadata, load_opts)
         else:
             fetched = {e.path: i for i, e in enumerate(manifest.data_files) if i not in held}
             loaded, fetch_seconds = _load_while_fetching(
-                state, exchange, exchange_coord, recovery_dir, fetched, load_opts
+                state, exchange, exchange_coord, load_dir, fetched, load_opts, metadata
             )
     finally:
-        if first:
+        if first and load_dir == recovery_dir:
             shutil.rmtree(recovery_dir, ignore_errors=True)
     seconds = time.perf_counter() - started
     log.info(
@@ -392,6 +452,7 @@ def _load_while_fetching(
     recovery_dir: str,
     fetched: dict[str, int],
     load_opts: LoadOptions,
+    metadata: CheckpointMetadata,
 ) -> tuple[LoadInfo, float]:
     """The exchange in a thread on ``exchange_coord``'s group while this rank loads
     through a :class:`GatedBackend`; an exchange error wins over the load's."""
@@ -418,7 +479,8 @@ def _load_while_fetching(
     thread.start()
     loaded: LoadInfo | None = None
     try:
-        loaded = load_with_info(state, GatedBackend(resolve_backend(recovery_dir), fetched, arrivals), load_opts)
+        backend = GatedBackend(resolve_backend(recovery_dir), fetched, arrivals)
+        loaded = load_with_metadata(state, backend, metadata, load_opts)
     finally:
         thread.join()  # every transfer happens, so no peer waits forever
         if outcome.get("error") is not None:
@@ -471,6 +533,46 @@ def _from_rank(coord: Coordinator, src: int, phase: str, fn: Callable[..., Any],
     restored = payload.restore()
     restored.add_note(f"raised on rank {src} while {phase}")
     raise restored
+
+
+def _gather_outcomes(coord: Coordinator, phase: str, fn: Callable[[], Any]) -> list[Any]:
+    """(all ranks) Every rank's ``fn()`` in one ``all_gather`` (a ``run_phase`` and an
+    ``all_gather`` in one round); if any rank raised, every rank raises as
+    :meth:`~bcp.collectives.Coordinator.check` does."""
+    try:
+        outcome: tuple[bool, Any] = (True, fn())
+        error: BaseException | None = None
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
+        outcome, error = (False, None), e
+    results = coord.all_gather(outcome)
+    if not all(ok for ok, _r in results):
+        coord.check(error, phase)  # every rank agrees some rank failed: raises on each
+        raise AssertionError("unreachable")  # pragma: no cover
+    return [r for _ok, r in results]
+
+
+def _prefetched(prefetched: tuple[str, Any], source: int) -> CheckpointMetadata:
+    """The metadata the coordinator (rank ``source``) sent with the choice, or its error raised."""
+    tag, payload = prefetched
+    if tag == "ok":
+        assert isinstance(payload, CheckpointMetadata)
+        return payload
+    if isinstance(payload, BaseException):  # the coordinator's own error
+        raise payload
+    restored = payload.restore()
+    restored.add_note(f"raised on rank {source} while reading the local step's metadata")
+    raise restored
+
+
+def _check_received(step_dir: str, manifest: Manifest, metadata: CheckpointMetadata, choice: LocalChoice) -> None:
+    """The manifest and catalog bytes a peer sent: the chosen save's, the catalog the
+    one the manifest names (its size and CRC32C), as a load reading them would check."""
+    if manifest.save_id != choice.save_id or metadata.head_only:
+        raise CorruptCheckpointError(
+            f"{step_dir}/{MANIFEST_KEY} (local tier, as sent): save {manifest.save_id} sent, {choice.save_id} chosen",
+            file=MANIFEST_KEY,
+        )
+    check_catalog(f"{step_dir} (local tier, as sent)", manifest, metadata.catalog)
 
 
 def _read_metadata(step_dir: str, choice: LocalChoice) -> CheckpointMetadata:
