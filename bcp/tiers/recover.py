@@ -12,10 +12,13 @@ a tier is configured), at whatever world size the job restarted with:
    caller loads from persistent storage as before, with a WARNING when the local tier
    lost steps (:mod:`bcp.tiers.fallback`).
 3. **Metadata.** The first rank of a host holding the chosen copy sends the manifest
-   and catalog bytes to every rank.
-4. **Recovery directory.** Each host gets ``<local root>/recover-<nonce>/``: the
-   manifest, the catalog, a hard link to each data file the host holds whole, and a
-   sparse file of the manifest's size for each other one (ranks of one host share it).
+   and catalog bytes to every rank (with the choice, in its broadcast, when that rank
+   is the coordinator); every rank checks them (save id, catalog size and CRC32C).
+4. **Recovery directory.** Each host not holding every data file gets
+   ``<local root>/recover-<nonce>/``: the manifest, the catalog, a hard link to each
+   data file the host holds whole, and a sparse file of the manifest's size for each
+   other one (ranks of one host share it). A host holding every file loads from its
+   local step directly (read-only).
 5. **Fetch.** Each rank matches its template against the catalog (bcp's own
    ``match_state``, resharding included) and lists the byte ranges its load will read
    in files its host does not hold: the load's own read plan (``plan_tensor_reads``,
@@ -32,11 +35,14 @@ a tier is configured), at whatever world size the job restarted with:
    coalesced read skips over and never uses.) A host holding every data file of the
    step lists nothing and makes no read plan for it; when no host fetches anything
    (every rank present, or each host holding a whole copy) there is no exchange and
-   step 6 is a plain load, at the cost of a load from the local root.
-6. **Load.** An ordinary ``bcp.load`` from each host's recovery directory: matching,
-   resharding, casting, placement and the CRC32C check of every byte read are bcp's
-   own (ranks load from different directories with identical manifests; the
-   coordinator reads the metadata from its own). The directory is removed after.
+   step 6 is a plain load, at the cost of a load from the local root; when every host
+   holds every file not even the ``all_gather`` of requests runs. The directory
+   building and the request lists travel in one ``all_gather`` (an error on any rank
+   raises on all).
+6. **Load.** An ordinary load (:func:`bcp.loader.load_with_metadata`) from each
+   host's recovery directory or local step, from the metadata of step 3 (not read or
+   broadcast again): matching, resharding, casting, placement and the CRC32C check of
+   every byte read are bcp's own. The directory is removed after.
 7. **Corrupt copies.** A checksum or format error on any rank (every rank learns of
    it in one ``all_gather``): each host checks the copies it served and quarantines
    the bad ones (:func:`bcp.tiers.recovery_dir.check_copy`), and all ranks start
@@ -45,8 +51,8 @@ a tier is configured), at whatever world size the job restarted with:
 
 With ``load_options.trace`` (or ``BCP_TRACE_DIR``) a recovery is traced as an operation
 of kind "recover" (docs/observability.md): spans ``inventory`` (steps 1-2),
-``metadata``, ``prepare``, ``match``, ``exchange`` (bytes received from peers) and the
-load's own spans; its stage totals come back in :attr:`RecoveryInfo.stages`.
+``metadata``, ``prepare`` and ``match`` (a host fetching), ``exchange`` (bytes received
+from peers) and the load's own spans (no ``catalog``: the metadata is step 3's); its stage totals come back in :attr:`RecoveryInfo.stages`.
 """
 
 from __future__ import annotations
@@ -367,8 +373,9 @@ def _attempt(
         else:
             metadata = _prefetched(prefetched, source)
         manifest = Manifest.from_json(metadata.manifest, where=f"{step_dir}/{MANIFEST_KEY} (local tier)")
-        if coord.rank != source:  # bytes from a peer: checked here as a load checks the bytes it reads
-            _check_received(step_dir, manifest, metadata, choice)
+        # checked as a load checks the bytes it reads; on every rank alike (the same bytes), so that
+        # all raise or none does before the load's first collective
+        _check_received(step_dir, manifest, metadata, choice)
     mine = hosts.host_of(coord.rank)
     held = frozenset(i for i, h in enumerate(choice.holders) if mine in h)
     n_files = len(manifest.data_files)
@@ -565,8 +572,9 @@ def _prefetched(prefetched: tuple[str, Any], source: int) -> CheckpointMetadata:
 
 
 def _check_received(step_dir: str, manifest: Manifest, metadata: CheckpointMetadata, choice: LocalChoice) -> None:
-    """The manifest and catalog bytes a peer sent: the chosen save's, the catalog the
-    one the manifest names (its size and CRC32C), as a load reading them would check."""
+    """The manifest and catalog bytes the source rank sent: the chosen save's, the
+    catalog the one the manifest names (its size and CRC32C), as a load reading them
+    would check (the load decodes them and checks them against the data files)."""
     if manifest.save_id != choice.save_id or metadata.head_only:
         raise CorruptCheckpointError(
             f"{step_dir}/{MANIFEST_KEY} (local tier, as sent): save {manifest.save_id} sent, {choice.save_id} chosen",
