@@ -52,7 +52,8 @@ a tier is configured), at whatever world size the job restarted with:
 With ``load_options.trace`` (or ``BCP_TRACE_DIR``) a recovery is traced as an operation
 of kind "recover" (docs/observability.md): spans ``inventory`` (steps 1-2),
 ``metadata``, ``prepare`` and ``match`` (a host fetching), ``exchange`` (bytes received
-from peers) and the load's own spans (no ``catalog``: the metadata is step 3's); its stage totals come back in :attr:`RecoveryInfo.stages`.
+from peers) and the load's own spans (no ``catalog``: the metadata is step 3's); its
+stage totals come back in :attr:`RecoveryInfo.stages`.
 """
 
 from __future__ import annotations
@@ -156,14 +157,19 @@ def recover_latest_with_info(
     chunk_bytes: int = CHUNK_BYTES,
     exchange_coord: Coordinator | None = None,
     config: LocalTier | None = None,
+    hosts: HostMap | None = None,
 ) -> RecoveryInfo | None:
     """:func:`recover_latest`, returning a :class:`RecoveryInfo` (None: use the
-    persistent tier). ``round_bytes`` and ``chunk_bytes`` bound the exchange's memory."""
+    persistent tier). ``round_bytes`` and ``chunk_bytes`` bound the exchange's memory.
+    ``hosts``: the host map of ``coord``'s ranks when the caller knows it already (the
+    tier gathered it when it started); else it is gathered here."""
     opts = load_options or LoadOptions()
     root = os.path.abspath(os.fspath(local_root))
     session = trace.begin(opts.trace, coord.rank, "recover")
     try:
-        info = _recover(state, root, persistent_root, coord, opts, round_bytes, chunk_bytes, exchange_coord, config)
+        info = _recover(
+            state, root, persistent_root, coord, opts, round_bytes, chunk_bytes, exchange_coord, config, hosts
+        )
     except BaseException:
         if session is not None:
             session.end(failed=True)
@@ -188,6 +194,7 @@ def _recover(
     chunk_bytes: int,
     exchange_coord: Coordinator | None,
     config: LocalTier | None,
+    known_hosts: HostMap | None,
 ) -> RecoveryInfo | None:
     """:func:`recover_latest_with_info`'s steps, each a span when traced. A recovery
     that fails on corrupt bytes (a checksum or format error, on any rank) is tried
@@ -198,7 +205,9 @@ def _recover(
     # the coordinator lists the persistent root (round trips to a store) while the
     # hosts list their local roots
     persistent = PersistentNewest(persistent_root, opts.storage_options) if coord.is_coordinator else None
-    hosts = HostMap.gather(coord)
+    hosts = known_hosts if known_hosts is not None else HostMap.gather(coord)
+    if hosts.world_size != coord.world_size:
+        raise ValueError(f"a host map of {hosts.world_size} ranks given for a group of {coord.world_size}")
     first = hosts.is_first(coord.rank)
     damaged: list[BadCopy] = []  # the copies quarantined so far (the same list on every rank)
     reason: str | None = None  # what the first failed attempt read
