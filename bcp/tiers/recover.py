@@ -253,15 +253,16 @@ def _recover(
         step_dir = os.path.join(local_root, step_name(choice.step))
         recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
         try:
-            # one round: each rank's damage and whether it failed at all
-            reports = coord.all_gather((_damage_of(error, recovery_dir, choice.step), error is not None))
+            # one all-reduce when every rank succeeded (the usual case); each rank's damage only when one failed
+            failed = coord.any_failed(error is not None)
+            reports = coord.all_gather(_damage_of(error, recovery_dir, choice.step)) if failed else []
         except Exception:
             if error is not None:  # a peer gone: its own error says more than the gather's
                 raise error from None
             raise
-        damage = [d for d, _failed in reports if d is not None]
+        damage = [d for d in reports if d is not None]
         if not damage:
-            if any(failed for _d, failed in reports):
+            if failed:
                 coord.check(error, "recovering from the local tier")
             if error is not None:
                 raise error
