@@ -411,6 +411,27 @@ def test_four_ranks_recover_from_replicas_and_refuse_what_is_not_held(saved, tmp
 
 
 @pytest.mark.slow
+def test_every_host_holding_every_file_recovers_in_one_broadcast_and_no_directory(saved, tmp_path):
+    """2 hosts x 2 ranks, replicas=1: each host holds every file. The recovery through
+    the manager sends the choice and the metadata in one broadcast, gathers no
+    requests, builds no recovery directory (each host loads its local step), and the
+    load reads no metadata of its own; the state is bit-exact."""
+    x, persistent = os.path.join(saved, "x"), os.path.join(saved, "persistent")
+    roots = _roots(tmp_path, ["all-a", "all-b"], persistent)
+    jobs.lay_out(x, roots, [[0, 1], [2, 3]], replicas=1, job=_job(persistent))
+    scenario = jobs.Scenario(
+        "all held",
+        ("A", "A", "B", "B"),
+        dict(zip("AB", roots, strict=True)),
+        persistent,
+        "local",
+        os.path.join(saved, "ref10.pt"),
+        all_held=True,
+    )
+    dist_jobs.spawn(jobs.scenarios_job, 4, [scenario])
+
+
+@pytest.mark.slow
 def test_three_ranks_recover_from_replicas_and_two_lost_hosts_fall_back(saved, tmp_path):
     """Host A (2 ranks) and a new host recover 2 x 2 ranks' step from A's replicas;
     4 hosts x 1 rank with replicas=1 losing hosts 1 and 2 (each other's replica)
