@@ -280,6 +280,7 @@ def test_a_host_holding_every_file_recovers_with_a_plain_load_and_no_read_plan_o
     import bcp.loader as loader
     import bcp.reader as reader
     import bcp.tiers.recover as recover
+    import bcp.tiers.recovery_dir as recovery_dir
 
     root = str(tmp_path / "local")
     _local_step(tmp_path, root, 10, 3.0)
@@ -297,9 +298,9 @@ def test_a_host_holding_every_file_recovers_with_a_plain_load_and_no_read_plan_o
         fetched.append(backend.uri)
         return real_fetch(backend, manifest)
 
-    monkeypatch.setattr(recover, "_wanted", no_plan)
+    monkeypatch.setattr(recover, "wanted_ranges", no_plan)
     monkeypatch.setattr(recover, "prepare", no_directory)
-    monkeypatch.setattr(recover, "fetch_catalog", counting_fetch)
+    monkeypatch.setattr(recovery_dir, "fetch_catalog", counting_fetch)
     monkeypatch.setattr(reader, "fetch_catalog", counting_fetch)
     monkeypatch.setattr(loader, "fetch_metadata", lambda *a, **k: no_plan())
     template = {"w": torch.zeros(4, 6), "b": torch.zeros(5, dtype=torch.bfloat16), "step": 0}

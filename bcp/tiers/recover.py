@@ -75,19 +75,25 @@ from bcp.metadata.layout import MANIFEST_KEY, step_name
 from .. import trace
 from ..collectives import Coordinator, GroupCoordinator, decide, portable
 from ..errors import CorruptCheckpointError, FormatError, RankFailedError
-from ..io_scheduler.read_plan import plan_tensor_reads
-from ..loader import LoadInfo, load_with_metadata, match_state
+from ..loader import LoadInfo, load_with_metadata
 from ..options import LoadOptions
-from ..reader import CheckpointMetadata, check_catalog, fetch_catalog, fetch_manifest, open_reader
-from ..state import detach_stateful
+from ..reader import CheckpointMetadata
 from ..target import resolve_backend
 from .arrival import Arrivals, GatedBackend
 from .config import LocalTier
-from .exchange import CHUNK_BYTES, ROUND_BYTES, Exchange, merge_ranges
+from .exchange import CHUNK_BYTES, ROUND_BYTES, Exchange, wanted_ranges
 from .fallback import PersistentNewest, choose, give_up
 from .hosts import HostMap
 from .inventory import LocalChoice, StepCopy, list_local
-from .recovery_dir import RECOVERY_PREFIX, BadCopy, check_copy, prepare, remove_leftovers
+from .recovery_dir import (
+    RECOVERY_PREFIX,
+    BadCopy,
+    check_copy,
+    check_received,
+    prepare,
+    read_metadata,
+    remove_leftovers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +327,7 @@ def _choose_and_read(
 ) -> tuple[LocalChoice, str, Prefetched] | None:
     """(coordinator) :func:`~bcp.tiers.fallback.choose`, and, when the chosen source
     host's first rank is this one, the step's manifest and catalog read here
-    (:func:`_read_metadata`, an error kept to be raised by every rank's attempt), so
+    (:func:`read_metadata`, an error kept to be raised by every rank's attempt), so
     they travel with the choice in one broadcast instead of a second one."""
     plan = choose(gathered, hosts, *args)
     if plan is None:
@@ -330,7 +336,7 @@ def _choose_and_read(
     if hosts.ranks[choice.source][0] != rank:
         return choice, nonce, None
     try:
-        return choice, nonce, ("ok", _read_metadata(os.path.join(local_root, step_name(choice.step)), choice))
+        return choice, nonce, ("ok", read_metadata(os.path.join(local_root, step_name(choice.step)), choice))
     except Exception as e:  # noqa: BLE001 - raised by every rank's attempt, where damage is handled
         return choice, nonce, ("error", e)
 
@@ -379,13 +385,13 @@ def _attempt(
     source = hosts.ranks[choice.source][0]
     with trace.span("metadata"):
         if prefetched is None:
-            metadata = _from_rank(coord, source, "reading the local step's metadata", _read_metadata, step_dir, choice)
+            metadata = _from_rank(coord, source, "reading the local step's metadata", read_metadata, step_dir, choice)
         else:
             metadata = _prefetched(prefetched, source)
         manifest = Manifest.from_json(metadata.manifest, where=f"{step_dir}/{MANIFEST_KEY} (local tier)")
         # checked as a load checks the bytes it reads; on every rank alike (the same bytes), so that
         # all raise or none does before the load's first collective
-        _check_received(step_dir, manifest, metadata, choice)
+        check_received(step_dir, manifest, metadata, choice)
     mine = hosts.host_of(coord.rank)
     held = frozenset(i for i, h in enumerate(choice.holders) if mine in h)
     n_files = len(manifest.data_files)
@@ -404,7 +410,7 @@ def _attempt(
             with trace.span("prepare"):
                 prepare(recovery_dir, step_dir, manifest, metadata, held)
             with trace.span("match"):
-                return _wanted(state, recovery_dir, manifest, metadata, held, coord, opts)
+                return wanted_ranges(state, recovery_dir, manifest, metadata, held, coord, opts)
 
         fetch_started = time.perf_counter()
         exchange = Exchange(coord, hosts, choice, manifest, step_dir, recovery_dir, round_bytes, chunk_bytes)
@@ -579,75 +585,3 @@ def _prefetched(prefetched: tuple[str, Any], source: int) -> CheckpointMetadata:
     restored = payload.restore()
     restored.add_note(f"raised on rank {source} while reading the local step's metadata")
     raise restored
-
-
-def _check_received(step_dir: str, manifest: Manifest, metadata: CheckpointMetadata, choice: LocalChoice) -> None:
-    """The manifest and catalog bytes the source rank sent: the chosen save's, the
-    catalog the one the manifest names (its size and CRC32C), as a load reading them
-    would check (the load decodes them and checks them against the data files)."""
-    if manifest.save_id != choice.save_id or metadata.head_only:
-        raise CorruptCheckpointError(
-            f"{step_dir}/{MANIFEST_KEY} (local tier, as sent): save {manifest.save_id} sent, {choice.save_id} chosen",
-            file=MANIFEST_KEY,
-        )
-    check_catalog(f"{step_dir} (local tier, as sent)", manifest, metadata.catalog)
-
-
-def _read_metadata(step_dir: str, choice: LocalChoice) -> CheckpointMetadata:
-    """The chosen copy's manifest (the one the inventory saw) and its catalog, checked."""
-    backend = resolve_backend(step_dir)
-    manifest_bytes, manifest = fetch_manifest(backend)
-    if manifest.save_id != choice.save_id:
-        raise CorruptCheckpointError(
-            f"{step_dir}/{MANIFEST_KEY} changed during recovery (save {manifest.save_id}, chosen {choice.save_id})",
-            file=MANIFEST_KEY,
-        )
-    return CheckpointMetadata(manifest_bytes, fetch_catalog(backend, manifest))
-
-
-# -- what each rank needs --------------------------------------------------------------------------
-
-
-def _wanted(
-    state: Any,
-    recovery_dir: str,
-    manifest: Manifest,
-    metadata: CheckpointMetadata,
-    held: frozenset[int],
-    coord: Coordinator,
-    opts: LoadOptions,
-) -> np.ndarray:
-    """(N, 3) int64 rows (data file index, byte offset, bytes), disjoint and sorted: the
-    byte ranges this rank's load will read from files its host does not hold. The
-    template is matched as ``bcp.load`` matches it (same strictness, world size and
-    replica choice), so a mismatch raises here, before any byte moves; the runs are
-    bcp.load's own (:func:`~bcp.io_scheduler.read_plan.plan_tensor_reads`, one box at a
-    time, the same replica choice), each widened to the whole checksum blocks it
-    touches: the load reads exactly those bytes (the runs, and the rest of each block
-    it verifies), so every byte it reads has been fetched."""
-    detached, _stateful = detach_stateful(state)
-    reader = open_reader(resolve_backend(recovery_dir), metadata, allow_pickle=opts.allow_pickle)
-    index = {f.path: i for i, f in enumerate(manifest.data_files)}
-    block = manifest.checksum_block_bytes
-    starts: dict[int, list[np.ndarray]] = {}
-    ends: dict[int, list[np.ndarray]] = {}
-    try:
-        plan = match_state(reader, detached, opts.strict, coord.world_size, opts.reshard_objects)
-        for request in plan.tensor_requests:
-            entry = reader.catalog.tensors[request.fqn]
-            for runs in plan_tensor_reads(entry, [request.box], prefer_rank=coord.rank):
-                frag = runs.fragment
-                file = index[frag.file]
-                if file in held or not runs.nbytes:
-                    continue
-                first = runs.src // block
-                last = (runs.src + (runs.run_bytes - 1)) // block
-                starts.setdefault(file, []).append(frag.byte_offset + first * block)
-                ends.setdefault(file, []).append(frag.byte_offset + np.minimum((last + 1) * block, frag.nbytes))
-    finally:
-        reader.close()
-    rows = [np.empty((0, 3), np.int64)]
-    for file in sorted(starts):
-        lo, hi, _group = merge_ranges(np.concatenate(starts[file]), np.concatenate(ends[file]))
-        rows.append(np.stack([np.full(len(lo), file, np.int64), lo, hi - lo], axis=1))
-    return np.concatenate(rows).astype(np.int64)
