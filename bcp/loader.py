@@ -133,7 +133,29 @@ def load_with_info(
     coord = coordinator_for(opts.process_group, "bcp.load")
     session = trace.begin(opts.trace, coord.rank, "load")
     try:
-        return _load(state, uri, opts, coord, session, started)
+        return _load(state, uri, opts, coord, session, started, None)
+    except BaseException:
+        if session is not None:
+            session.end(failed=True)
+        raise
+
+
+@gc_paused
+def load_with_metadata(
+    state: Mapping[str, Any], uri: Target, metadata: CheckpointMetadata, options: LoadOptions | None = None
+) -> LoadInfo:
+    """(all ranks) :func:`load_with_info` of the checkpoint at ``uri`` whose manifest and
+    catalog bytes every rank already holds (``metadata``, checked where they were read:
+    the local tier's recovery broadcast them, :func:`bcp.tiers.recover`), so that no
+    rank reads or broadcasts them again. They are decoded and checked against each
+    other and the data files here as :func:`~bcp.reader.open_reader` always does; every
+    byte read from ``uri`` is verified as in any load."""
+    opts = options or LoadOptions()
+    started = time.perf_counter()
+    coord = coordinator_for(opts.process_group, "bcp.load")
+    session = trace.begin(opts.trace, coord.rank, "load")
+    try:
+        return _load(state, uri, opts, coord, session, started, metadata)
     except BaseException:
         if session is not None:
             session.end(failed=True)
@@ -147,12 +169,15 @@ def _load(
     coord: Coordinator,
     session: trace.Session | None,
     started: float,
+    metadata: CheckpointMetadata | None,
 ) -> LoadInfo:
+    """The load; ``metadata``: the manifest and catalog every rank holds already (not read again)."""
     reshard_objects, share_reads = opts.reshard_objects, opts.share_reads
     state, stateful = run_phase(coord, "asking Stateful objects for their state_dict", detach_stateful, state)
     backend = resolve_backend(uri, opts.storage_options)
-    with trace.span("catalog"):
-        metadata = decide(coord, "reading the checkpoint metadata", _fetch_for_load, backend)
+    if metadata is None:
+        with trace.span("catalog"):
+            metadata = decide(coord, "reading the checkpoint metadata", _fetch_for_load, backend)
     reader = open_reader(backend, metadata, allow_pickle=opts.allow_pickle, verify=opts.verify)
     if session is not None:
         session.label = reader.manifest.save_id

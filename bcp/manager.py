@@ -314,6 +314,7 @@ class CheckpointManager:
             load_options=opts,
             exchange_coord=self._tier.drain_coord,  # free: load_latest waited for the drains
             config=self._tier.config,  # how many steps a lost local tier may have cost
+            hosts=self._tier.hosts,  # gathered when the tier started: one round less
         )
 
     def reserve_staging(self, state: Any) -> None:

@@ -510,13 +510,20 @@ def fetch_catalog(backend: Backend, manifest: Manifest) -> bytes:
         data = backend.read(cat.path)
     except ObjectNotFoundError as e:
         raise CorruptCheckpointError(f"catalog {cat.path!r} of {backend.uri} is missing", file=cat.path) from e
+    check_catalog(backend.uri, manifest, data)
+    return data
+
+
+def check_catalog(uri: str, manifest: Manifest, data: bytes) -> None:
+    """CorruptCheckpointError unless ``data`` is the whole catalog ``manifest`` names
+    (its size and CRC32C): for bytes read here, or received from another rank."""
+    cat = manifest.catalog
     if len(data) != cat.nbytes or crc32c(data) != cat.crc32c:
         raise CorruptCheckpointError(
-            f"catalog {cat.path!r} of {backend.uri} does not match the manifest "
+            f"catalog {cat.path!r} of {uri} does not match the manifest "
             f"({len(data)} bytes, crc32c {crc32c(data):#010x}; expected {cat.nbytes} bytes, {cat.crc32c:#010x})",
             file=cat.path,
         )
-    return data
 
 
 def _ranged(backend: Backend, key: str, offset: int, length: int) -> bytes:

@@ -273,9 +273,14 @@ def test_single_process_recovery_is_bit_exact_and_removes_its_directory(tmp_path
 
 
 def test_a_host_holding_every_file_recovers_with_a_plain_load_and_no_read_plan_of_its_own(tmp_path, monkeypatch):
-    """Nothing to fetch (every data file held here): no exchange and no second match and
-    read plan before the load's own, so the recovery costs a load plus its inventory."""
+    """Nothing to fetch (every data file held here): no exchange, no second match and
+    read plan before the load's own, no recovery directory (the load reads the local
+    step itself), and the load neither reads nor decodes-and-checks twice the manifest
+    and catalog the recovery read: the recovery costs a load plus its inventory."""
+    import bcp.loader as loader
+    import bcp.reader as reader
     import bcp.tiers.recover as recover
+    import bcp.tiers.recovery_dir as recovery_dir
 
     root = str(tmp_path / "local")
     _local_step(tmp_path, root, 10, 3.0)
@@ -283,7 +288,21 @@ def test_a_host_holding_every_file_recovers_with_a_plain_load_and_no_read_plan_o
     def no_plan(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("a read plan for the exchange was made though the host holds every file")
 
-    monkeypatch.setattr(recover, "_wanted", no_plan)
+    def no_directory(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a recovery directory was built though the host holds every file")
+
+    fetched: list[str] = []
+    real_fetch = reader.fetch_catalog
+
+    def counting_fetch(backend, manifest):  # type: ignore[no-untyped-def]
+        fetched.append(backend.uri)
+        return real_fetch(backend, manifest)
+
+    monkeypatch.setattr(recover, "wanted_ranges", no_plan)
+    monkeypatch.setattr(recover, "prepare", no_directory)
+    monkeypatch.setattr(recovery_dir, "fetch_catalog", counting_fetch)
+    monkeypatch.setattr(reader, "fetch_catalog", counting_fetch)
+    monkeypatch.setattr(loader, "fetch_metadata", lambda *a, **k: no_plan())
     template = {"w": torch.zeros(4, 6), "b": torch.zeros(5, dtype=torch.bfloat16), "step": 0}
     info = recover_latest_with_info(
         template, local_root=root, persistent_root=None, coord=Coordinator(), load_options=bcp.LoadOptions(trace=True)
@@ -291,7 +310,11 @@ def test_a_host_holding_every_file_recovers_with_a_plain_load_and_no_read_plan_o
     assert info is not None and info.step == 10
     assert_same(dict(info.state), _state(3.0))
     assert "exchange" not in info.stages, sorted(info.stages)
-    assert {"inventory", "metadata", "prepare", "match", "read"} <= set(info.stages), sorted(info.stages)
+    assert {"inventory", "metadata", "read"} <= set(info.stages), sorted(info.stages)
+    assert not {"prepare", "match", "catalog"} & set(info.stages), sorted(info.stages)
+    assert len(fetched) == 1, f"the catalog was read {len(fetched)} times: {fetched}"
+    assert info.load.uri.endswith(step_name(10)), info.load.uri
+    assert sorted(os.listdir(root)) == [step_name(10)]
 
 
 def test_manager_takes_the_newer_tier_and_the_local_one_on_a_tie(tmp_path):
@@ -386,6 +409,27 @@ def test_four_ranks_recover_from_replicas_and_refuse_what_is_not_held(saved, tmp
     dist_jobs.spawn(jobs.scenarios_job, 4, scenarios)
     assert os.listdir(lost[1]) == [JOB_NAME], "the recovery directory of the new host B is removed"
     assert not os.path.exists(replica) and os.path.exists(replica + ".quarantined"), "the corrupt replica moved aside"
+
+
+@pytest.mark.slow
+def test_every_host_holding_every_file_recovers_in_one_broadcast_and_no_directory(saved, tmp_path):
+    """2 hosts x 2 ranks, replicas=1: each host holds every file. The recovery through
+    the manager sends the choice and the metadata in one broadcast, gathers no
+    requests, builds no recovery directory (each host loads its local step), and the
+    load reads no metadata of its own; the state is bit-exact."""
+    x, persistent = os.path.join(saved, "x"), os.path.join(saved, "persistent")
+    roots = _roots(tmp_path, ["all-a", "all-b"], persistent)
+    jobs.lay_out(x, roots, [[0, 1], [2, 3]], replicas=1, job=_job(persistent))
+    scenario = jobs.Scenario(
+        "all held",
+        ("A", "A", "B", "B"),
+        dict(zip("AB", roots, strict=True)),
+        persistent,
+        "local",
+        os.path.join(saved, "ref10.pt"),
+        all_held=True,
+    )
+    dist_jobs.spawn(jobs.scenarios_job, 4, [scenario])
 
 
 @pytest.mark.slow

@@ -148,6 +148,8 @@ class Scenario:
     via_manager: bool = True
     #: recover_latest_with_info's bound on a round (small: many rounds of small pieces)
     round_bytes: int | None = None
+    #: every host holds every file: assert the recovery's object collectives and that no directory is built
+    all_held: bool = False
 
 
 def scenarios_job(rank: int, world: int, scenarios: list[Scenario]) -> None:
@@ -172,7 +174,14 @@ def _run(rank: int, world: int, sc: Scenario, root: str) -> None:
     # root is <dir>/bcp/<job> (bcp.tiers.paths.local_root): the tier finds it from its dir
     tier = bcp.LocalTier(dir=os.path.dirname(os.path.dirname(root)), persist_every=None)
     manager = bcp.CheckpointManager(sc.persistent_root, async_save=False, tier=tier)
-    if sc.via_manager:
+    if sc.via_manager and sc.all_held:
+        counts = _counted(lambda: manager.load_latest(state))
+        step, loaded = counts.pop("result")
+        # the choice and the chosen step's metadata travel in one broadcast; every rank agrees
+        # with all-reduces only: no metadata broadcast by the load, no all_gather of requests
+        assert counts.get("broadcast_object_list", 0) == 1, f"{sc.name}: rank {rank}: {counts}"
+        assert counts.get("all_gather_object", 0) == 0, f"{sc.name}: rank {rank}: {counts}"
+    elif sc.via_manager:
         step, loaded = manager.load_latest(state)
     else:
         bounds = {} if sc.round_bytes is None else {"round_bytes": sc.round_bytes, "chunk_bytes": sc.round_bytes // 2}
@@ -197,6 +206,38 @@ def _run(rank: int, world: int, sc: Scenario, root: str) -> None:
     assert_equal_to_reference(full_reference(model, opt), ref, f"{sc.name}: rank {rank}")
     assert torch.equal(loaded["extra"]["plain"], extra["plain"]), f"{sc.name}: plain tensor differs"
     assert loaded["extra"]["note"] == extra["note"] and loaded["extra"]["step"] == extra["step"]
+
+
+def _counted(call) -> dict:
+    """``call()``'s result (key "result") and how many times it called each of
+    torch.distributed's object collectives, with no recovery directory built."""
+    import bcp.tiers.recover as recover
+
+    counts: dict = {}
+    names = ("broadcast_object_list", "all_gather_object", "gather_object")
+    saved = {n: getattr(dist, n) for n in names}
+    saved_prepare = recover.prepare
+
+    def counting(name: str):
+        def wrapper(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return saved[name](*args, **kwargs)
+
+        return wrapper
+
+    def no_directory(*_args, **_kwargs):
+        raise AssertionError("a recovery directory was built though every host holds every file")
+
+    for n in names:
+        setattr(dist, n, counting(n))
+    recover.prepare = no_directory
+    try:
+        counts["result"] = call()
+    finally:
+        for n in names:
+            setattr(dist, n, saved[n])
+        recover.prepare = saved_prepare
+    return counts
 
 
 # -- uneven reshards: only the bytes the load reads move --------------------------------------------

@@ -1,8 +1,8 @@
 """The exchange of a recovery from the local tier (``bcp.tiers.recover``, step 5; docs/tiers.md, "Recovering").
 
 Every rank has listed the byte ranges its load will read from files its host does
-not hold (its read plan's runs, widened to whole checksum blocks); one ``all_gather``
-gives every rank every list. From them each rank computes the same plan
+not hold (its read plan's runs, widened to whole checksum blocks: :func:`wanted_ranges`);
+one ``all_gather`` gives every rank every list. From them each rank computes the same plan
 (:meth:`Exchange.plan`): the ranges of one host's ranks are merged per file, and each
 merged range is asked once (by the lowest rank wanting part of it) from a host holding
 its file, cut into pieces of at most ``chunk_bytes``, each piece served by the rank of a
@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import numpy as np
 import torch
 
 from bcp.coordination.collectives import Coordinator, GroupCoordinator
 from bcp.errors import CorruptCheckpointError
+from bcp.io_scheduler.read_plan import plan_tensor_reads
+from bcp.loader import match_state
 from bcp.metadata import Manifest
+from bcp.options import LoadOptions
+from bcp.reader import CheckpointMetadata, open_reader
+from bcp.state import detach_stateful
+from bcp.target import resolve_backend
 from bcp.tensor_io import byte_view
 from bcp.tiers.arrival import Arrivals
 from bcp.tiers.hosts import HostMap
@@ -267,3 +274,51 @@ class Exchange:
             self._buffers.pop(direction, None)  # freed before the larger one is made
             buf = self._buffers[direction] = torch.empty(nbytes, dtype=torch.uint8)
         return buf[:nbytes]
+
+
+# -- what each rank needs --------------------------------------------------------------------------
+
+
+def wanted_ranges(
+    state: Any,
+    recovery_dir: str,
+    manifest: Manifest,
+    metadata: CheckpointMetadata,
+    held: frozenset[int],
+    coord: Coordinator,
+    opts: LoadOptions,
+) -> np.ndarray:
+    """(N, 3) int64 rows (data file index, byte offset, bytes), disjoint and sorted: the
+    byte ranges this rank's load will read from files its host does not hold. The
+    template is matched as ``bcp.load`` matches it (same strictness, world size and
+    replica choice), so a mismatch raises here, before any byte moves; the runs are
+    bcp.load's own (:func:`~bcp.io_scheduler.read_plan.plan_tensor_reads`, one box at a
+    time, the same replica choice), each widened to the whole checksum blocks it
+    touches: the load reads exactly those bytes (the runs, and the rest of each block
+    it verifies), so every byte it reads has been fetched."""
+    detached, _stateful = detach_stateful(state)
+    reader = open_reader(resolve_backend(recovery_dir), metadata, allow_pickle=opts.allow_pickle)
+    index = {f.path: i for i, f in enumerate(manifest.data_files)}
+    block = manifest.checksum_block_bytes
+    starts: dict[int, list[np.ndarray]] = {}
+    ends: dict[int, list[np.ndarray]] = {}
+    try:
+        plan = match_state(reader, detached, opts.strict, coord.world_size, opts.reshard_objects)
+        for request in plan.tensor_requests:
+            entry = reader.catalog.tensors[request.fqn]
+            for runs in plan_tensor_reads(entry, [request.box], prefer_rank=coord.rank):
+                frag = runs.fragment
+                file = index[frag.file]
+                if file in held or not runs.nbytes:
+                    continue
+                first = runs.src // block
+                last = (runs.src + (runs.run_bytes - 1)) // block
+                starts.setdefault(file, []).append(frag.byte_offset + first * block)
+                ends.setdefault(file, []).append(frag.byte_offset + np.minimum((last + 1) * block, frag.nbytes))
+    finally:
+        reader.close()
+    rows = [np.empty((0, 3), np.int64)]
+    for file in sorted(starts):
+        lo, hi, _group = merge_ranges(np.concatenate(starts[file]), np.concatenate(ends[file]))
+        rows.append(np.stack([np.full(len(lo), file, np.int64), lo, hi - lo], axis=1))
+    return np.concatenate(rows).astype(np.int64)

@@ -12,10 +12,13 @@ a tier is configured), at whatever world size the job restarted with:
    caller loads from persistent storage as before, with a WARNING when the local tier
    lost steps (:mod:`bcp.tiers.fallback`).
 3. **Metadata.** The first rank of a host holding the chosen copy sends the manifest
-   and catalog bytes to every rank.
-4. **Recovery directory.** Each host gets ``<local root>/recover-<nonce>/``: the
-   manifest, the catalog, a hard link to each data file the host holds whole, and a
-   sparse file of the manifest's size for each other one (ranks of one host share it).
+   and catalog bytes to every rank (with the choice, in its broadcast, when that rank
+   is the coordinator); every rank checks them (save id, catalog size and CRC32C).
+4. **Recovery directory.** Each host not holding every data file gets
+   ``<local root>/recover-<nonce>/``: the manifest, the catalog, a hard link to each
+   data file the host holds whole, and a sparse file of the manifest's size for each
+   other one (ranks of one host share it). A host holding every file loads from its
+   local step directly (read-only).
 5. **Fetch.** Each rank matches its template against the catalog (bcp's own
    ``match_state``, resharding included) and lists the byte ranges its load will read
    in files its host does not hold: the load's own read plan (``plan_tensor_reads``,
@@ -32,11 +35,14 @@ a tier is configured), at whatever world size the job restarted with:
    coalesced read skips over and never uses.) A host holding every data file of the
    step lists nothing and makes no read plan for it; when no host fetches anything
    (every rank present, or each host holding a whole copy) there is no exchange and
-   step 6 is a plain load, at the cost of a load from the local root.
-6. **Load.** An ordinary ``bcp.load`` from each host's recovery directory: matching,
-   resharding, casting, placement and the CRC32C check of every byte read are bcp's
-   own (ranks load from different directories with identical manifests; the
-   coordinator reads the metadata from its own). The directory is removed after.
+   step 6 is a plain load, at the cost of a load from the local root; when every host
+   holds every file not even the ``all_gather`` of requests runs. The directory
+   building and the request lists travel in one ``all_gather`` (an error on any rank
+   raises on all).
+6. **Load.** An ordinary load (:func:`bcp.loader.load_with_metadata`) from each
+   host's recovery directory or local step, from the metadata of step 3 (not read or
+   broadcast again): matching, resharding, casting, placement and the CRC32C check of
+   every byte read are bcp's own. The directory is removed after.
 7. **Corrupt copies.** A checksum or format error on any rank (every rank learns of
    it in one ``all_gather``): each host checks the copies it served and quarantines
    the bad ones (:func:`bcp.tiers.recovery_dir.check_copy`), and all ranks start
@@ -45,8 +51,9 @@ a tier is configured), at whatever world size the job restarted with:
 
 With ``load_options.trace`` (or ``BCP_TRACE_DIR``) a recovery is traced as an operation
 of kind "recover" (docs/observability.md): spans ``inventory`` (steps 1-2),
-``metadata``, ``prepare``, ``match``, ``exchange`` (bytes received from peers) and the
-load's own spans; its stage totals come back in :attr:`RecoveryInfo.stages`.
+``metadata``, ``prepare`` and ``match`` (a host fetching), ``exchange`` (bytes received
+from peers) and the load's own spans (no ``catalog``: the metadata is step 3's); its
+stage totals come back in :attr:`RecoveryInfo.stages`.
 """
 
 from __future__ import annotations
@@ -63,23 +70,29 @@ from typing import Any
 import numpy as np
 
 from bcp import trace
-from bcp.coordination.collectives import Coordinator, GroupCoordinator, decide, portable, run_phase
+from bcp.coordination.collectives import Coordinator, GroupCoordinator, decide, portable
 from bcp.errors import CorruptCheckpointError, FormatError, RankFailedError
-from bcp.io_scheduler.read_plan import plan_tensor_reads
-from bcp.loader import LoadInfo, load_with_info, match_state
+from bcp.loader import LoadInfo, load_with_metadata
 from bcp.metadata import Manifest
 from bcp.metadata.keys import MANIFEST_KEY, step_name
 from bcp.options import LoadOptions
-from bcp.reader import CheckpointMetadata, fetch_catalog, fetch_manifest, open_reader
-from bcp.state import detach_stateful
+from bcp.reader import CheckpointMetadata
 from bcp.target import resolve_backend
 from bcp.tiers.arrival import Arrivals, GatedBackend
 from bcp.tiers.config import LocalTier
-from bcp.tiers.exchange import CHUNK_BYTES, ROUND_BYTES, Exchange, merge_ranges
+from bcp.tiers.exchange import CHUNK_BYTES, ROUND_BYTES, Exchange, wanted_ranges
 from bcp.tiers.fallback import PersistentNewest, choose, give_up
 from bcp.tiers.hosts import HostMap
 from bcp.tiers.inventory import LocalChoice, StepCopy, list_local
-from bcp.tiers.recovery_dir import RECOVERY_PREFIX, BadCopy, check_copy, prepare, remove_leftovers
+from bcp.tiers.recovery_dir import (
+    RECOVERY_PREFIX,
+    BadCopy,
+    check_copy,
+    check_received,
+    prepare,
+    read_metadata,
+    remove_leftovers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +162,19 @@ def recover_latest_with_info(
     chunk_bytes: int = CHUNK_BYTES,
     exchange_coord: Coordinator | None = None,
     config: LocalTier | None = None,
+    hosts: HostMap | None = None,
 ) -> RecoveryInfo | None:
     """:func:`recover_latest`, returning a :class:`RecoveryInfo` (None: use the
-    persistent tier). ``round_bytes`` and ``chunk_bytes`` bound the exchange's memory."""
+    persistent tier). ``round_bytes`` and ``chunk_bytes`` bound the exchange's memory.
+    ``hosts``: the host map of ``coord``'s ranks when the caller knows it already (the
+    tier gathered it when it started); else it is gathered here."""
     opts = load_options or LoadOptions()
     root = os.path.abspath(os.fspath(local_root))
     session = trace.begin(opts.trace, coord.rank, "recover")
     try:
-        info = _recover(state, root, persistent_root, coord, opts, round_bytes, chunk_bytes, exchange_coord, config)
+        info = _recover(
+            state, root, persistent_root, coord, opts, round_bytes, chunk_bytes, exchange_coord, config, hosts
+        )
     except BaseException:
         if session is not None:
             session.end(failed=True)
@@ -181,6 +199,7 @@ def _recover(
     chunk_bytes: int,
     exchange_coord: Coordinator | None,
     config: LocalTier | None,
+    known_hosts: HostMap | None,
 ) -> RecoveryInfo | None:
     """:func:`recover_latest_with_info`'s steps, each a span when traced. A recovery
     that fails on corrupt bytes (a checksum or format error, on any rank) is tried
@@ -191,7 +210,9 @@ def _recover(
     # the coordinator lists the persistent root (round trips to a store) while the
     # hosts list their local roots
     persistent = PersistentNewest(persistent_root, opts.storage_options) if coord.is_coordinator else None
-    hosts = HostMap.gather(coord)
+    hosts = known_hosts if known_hosts is not None else HostMap.gather(coord)
+    if hosts.world_size != coord.world_size:
+        raise ValueError(f"a host map of {hosts.world_size} ranks given for a group of {coord.world_size}")
     first = hosts.is_first(coord.rank)
     damaged: list[BadCopy] = []  # the copies quarantined so far (the same list on every rank)
     reason: str | None = None  # what the first failed attempt read
@@ -202,20 +223,34 @@ def _recover(
             plan = decide(
                 coord,
                 "choosing the step to recover",
-                choose,
+                _choose_and_read,
+                local_root,
+                coord.rank,
                 gathered,
                 hosts,
                 persistent,
                 config,
                 tuple(damaged),
                 reason,
+                share=_shared,
             )
         if plan is None:
             return None
-        choice, nonce = plan
+        choice, nonce, metadata = plan
         try:
             info: RecoveryInfo | None = _attempt(
-                state, local_root, coord, opts, round_bytes, chunk_bytes, exchange_coord, hosts, choice, nonce, started
+                state,
+                local_root,
+                coord,
+                opts,
+                round_bytes,
+                chunk_bytes,
+                exchange_coord,
+                hosts,
+                choice,
+                nonce,
+                started,
+                metadata,
             )
             error: BaseException | None = None
         except Exception as e:  # noqa: BLE001 - every rank learns of it below; raised unless it is damage
@@ -223,14 +258,17 @@ def _recover(
         step_dir = os.path.join(local_root, step_name(choice.step))
         recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
         try:
-            reports = coord.all_gather(_damage_of(error, recovery_dir, choice.step))
+            # one all-reduce when every rank succeeded (the usual case); each rank's damage only when one failed
+            failed = coord.any_failed(error is not None)
+            reports = coord.all_gather(_damage_of(error, recovery_dir, choice.step)) if failed else []
         except Exception:
             if error is not None:  # a peer gone: its own error says more than the gather's
                 raise error from None
             raise
         damage = [d for d in reports if d is not None]
         if not damage:
-            coord.check(error, "recovering from the local tier")
+            if failed:
+                coord.check(error, "recovering from the local tier")
             if error is not None:
                 raise error
             assert info is not None
@@ -279,6 +317,35 @@ def _recover(
 #: Recoveries tried, each after quarantining what the one before found corrupt.
 MAX_ATTEMPTS = 4
 
+#: What the coordinator read of the chosen step's metadata: ("ok", bytes) or ("error", the error)
+Prefetched = tuple[str, Any] | None
+
+
+def _choose_and_read(
+    local_root: str, rank: int, gathered: list[Any] | None, hosts: HostMap, *args: Any
+) -> tuple[LocalChoice, str, Prefetched] | None:
+    """(coordinator) :func:`~bcp.tiers.fallback.choose`, and, when the chosen source
+    host's first rank is this one, the step's manifest and catalog read here
+    (:func:`read_metadata`, an error kept to be raised by every rank's attempt), so
+    they travel with the choice in one broadcast instead of a second one."""
+    plan = choose(gathered, hosts, *args)
+    if plan is None:
+        return None
+    choice, nonce = plan
+    if hosts.ranks[choice.source][0] != rank:
+        return choice, nonce, None
+    try:
+        return choice, nonce, ("ok", read_metadata(os.path.join(local_root, step_name(choice.step)), choice))
+    except Exception as e:  # noqa: BLE001 - raised by every rank's attempt, where damage is handled
+        return choice, nonce, ("error", e)
+
+
+def _shared(plan: tuple[LocalChoice, str, Prefetched] | None) -> Any:
+    """What the other ranks receive of :func:`_choose_and_read`'s result: an error as sent."""
+    if plan is None or plan[2] is None or plan[2][0] == "ok":
+        return plan
+    return plan[0], plan[1], ("error", portable(plan[2][1]))
+
 
 def _damage_of(error: BaseException | None, recovery_dir: str, step: int) -> tuple[str | None, str] | None:
     """(file the error names or None, its message) when ``error`` is corrupt bytes of a
@@ -308,52 +375,68 @@ def _attempt(
     choice: LocalChoice,
     nonce: str,
     started: float,
+    prefetched: Prefetched,
 ) -> RecoveryInfo:
-    """One recovery of the chosen step: metadata, recovery directory, exchange, load."""
+    """One recovery of the chosen step: metadata, recovery directory, exchange, load.
+    ``prefetched``: the metadata the coordinator read with the choice (it is the source)."""
     first = hosts.is_first(coord.rank)
     step_dir = os.path.join(local_root, step_name(choice.step))
     source = hosts.ranks[choice.source][0]
     with trace.span("metadata"):
-        metadata = _from_rank(coord, source, "reading the local step's metadata", _read_metadata, step_dir, choice)
+        if prefetched is None:
+            metadata = _from_rank(coord, source, "reading the local step's metadata", read_metadata, step_dir, choice)
+        else:
+            metadata = _prefetched(prefetched, source)
         manifest = Manifest.from_json(metadata.manifest, where=f"{step_dir}/{MANIFEST_KEY} (local tier)")
+        # checked as a load checks the bytes it reads; on every rank alike (the same bytes), so that
+        # all raise or none does before the load's first collective
+        check_received(step_dir, manifest, metadata, choice)
     mine = hosts.host_of(coord.rank)
     held = frozenset(i for i, h in enumerate(choice.holders) if mine in h)
+    n_files = len(manifest.data_files)
+    # every host holds every file: no host fetches, so no directory, read plan or exchange anywhere
+    everywhere = all(len(set(h)) == len(hosts.hosts) for h in choice.holders)
     recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
+    # a host holding every file loads its local step itself (read-only), with no recovery directory
+    load_dir = step_dir if len(held) == n_files else recovery_dir
     try:
 
         def prepare_and_match() -> np.ndarray:
+            if len(held) == n_files:
+                # the host holds every file: nothing to fetch, so no directory and no read plan to make
+                # here (the load makes its own, and matches the template as it always does)
+                return np.empty((0, 3), np.int64)
             with trace.span("prepare"):
                 prepare(recovery_dir, step_dir, manifest, metadata, held)
             with trace.span("match"):
-                if len(held) == len(manifest.data_files):
-                    # the host holds every file: nothing to fetch, so no read plan to make here (the
-                    # load makes its own, and matches the template as it always does)
-                    return np.empty((0, 3), np.int64)
-                return _wanted(state, recovery_dir, manifest, metadata, held, coord, opts)
+                return wanted_ranges(state, recovery_dir, manifest, metadata, held, coord, opts)
 
-        # one phase: every rank of the host has built the directory before any byte lands in it
-        wanted = run_phase(coord, "preparing the recovery directory and matching the state", prepare_and_match)
         fetch_started = time.perf_counter()
         exchange = Exchange(coord, hosts, choice, manifest, step_dir, recovery_dir, round_bytes, chunk_bytes)
-        exchange.plan(coord.all_gather(wanted))
+        if not everywhere:
+            # one round: every rank of the host has built the directory before any byte lands in it, and
+            # every rank learns what every other wants (or that one failed)
+            exchange.plan(
+                _gather_outcomes(coord, "preparing the recovery directory and matching the state", prepare_and_match)
+            )
         load_opts = dataclasses.replace(opts, storage_options=None, share_reads=False)
         if not exchange.rounds_of:  # the same on every rank: no host fetches anything, a plain load
             fetch_seconds = time.perf_counter() - fetch_started
-            loaded = load_with_info(state, recovery_dir, load_opts)
+            loaded = load_with_metadata(state, load_dir, metadata, load_opts)
         elif exchange_coord is None or coord.world_size == 1:
             with trace.span("exchange") as exchanging:
                 coord.check(exchange.run(), FETCH_PHASE)
                 if exchanging is not None:
                     exchanging.nbytes = exchange.bytes_received
             fetch_seconds = time.perf_counter() - fetch_started
-            loaded = load_with_info(state, recovery_dir, load_opts)
+            loaded = load_with_metadata(state, load_dir, metadata, load_opts)
         else:
             fetched = {e.path: i for i, e in enumerate(manifest.data_files) if i not in held}
             loaded, fetch_seconds = _load_while_fetching(
-                state, exchange, exchange_coord, recovery_dir, fetched, load_opts
+                state, exchange, exchange_coord, load_dir, fetched, load_opts, metadata
             )
     finally:
-        if first:
+        if first and load_dir == recovery_dir:
             shutil.rmtree(recovery_dir, ignore_errors=True)
     seconds = time.perf_counter() - started
     log.info(
@@ -391,6 +474,7 @@ def _load_while_fetching(
     recovery_dir: str,
     fetched: dict[str, int],
     load_opts: LoadOptions,
+    metadata: CheckpointMetadata,
 ) -> tuple[LoadInfo, float]:
     """The exchange in a thread on ``exchange_coord``'s group while this rank loads
     through a :class:`GatedBackend`; an exchange error wins over the load's."""
@@ -417,7 +501,8 @@ def _load_while_fetching(
     thread.start()
     loaded: LoadInfo | None = None
     try:
-        loaded = load_with_info(state, GatedBackend(resolve_backend(recovery_dir), fetched, arrivals), load_opts)
+        backend = GatedBackend(resolve_backend(recovery_dir), fetched, arrivals)
+        loaded = load_with_metadata(state, backend, metadata, load_opts)
     finally:
         thread.join()  # every transfer happens, so no peer waits forever
         if outcome.get("error") is not None:
@@ -472,61 +557,30 @@ def _from_rank(coord: Coordinator, src: int, phase: str, fn: Callable[..., Any],
     raise restored
 
 
-def _read_metadata(step_dir: str, choice: LocalChoice) -> CheckpointMetadata:
-    """The chosen copy's manifest (the one the inventory saw) and its catalog, checked."""
-    backend = resolve_backend(step_dir)
-    manifest_bytes, manifest = fetch_manifest(backend)
-    if manifest.save_id != choice.save_id:
-        raise CorruptCheckpointError(
-            f"{step_dir}/{MANIFEST_KEY} changed during recovery (save {manifest.save_id}, chosen {choice.save_id})",
-            file=MANIFEST_KEY,
-        )
-    return CheckpointMetadata(manifest_bytes, fetch_catalog(backend, manifest))
-
-
-# -- what each rank needs --------------------------------------------------------------------------
-
-
-def _wanted(
-    state: Any,
-    recovery_dir: str,
-    manifest: Manifest,
-    metadata: CheckpointMetadata,
-    held: frozenset[int],
-    coord: Coordinator,
-    opts: LoadOptions,
-) -> np.ndarray:
-    """(N, 3) int64 rows (data file index, byte offset, bytes), disjoint and sorted: the
-    byte ranges this rank's load will read from files its host does not hold. The
-    template is matched as ``bcp.load`` matches it (same strictness, world size and
-    replica choice), so a mismatch raises here, before any byte moves; the runs are
-    bcp.load's own (:func:`~bcp.io_scheduler.read_plan.plan_tensor_reads`, one box at a
-    time, the same replica choice), each widened to the whole checksum blocks it
-    touches: the load reads exactly those bytes (the runs, and the rest of each block
-    it verifies), so every byte it reads has been fetched."""
-    detached, _stateful = detach_stateful(state)
-    reader = open_reader(resolve_backend(recovery_dir), metadata, allow_pickle=opts.allow_pickle)
-    index = {f.path: i for i, f in enumerate(manifest.data_files)}
-    block = manifest.checksum_block_bytes
-    starts: dict[int, list[np.ndarray]] = {}
-    ends: dict[int, list[np.ndarray]] = {}
+def _gather_outcomes(coord: Coordinator, phase: str, fn: Callable[[], Any]) -> list[Any]:
+    """(all ranks) Every rank's ``fn()`` in one ``all_gather`` (a ``run_phase`` and an
+    ``all_gather`` in one round); if any rank raised, every rank raises as
+    :meth:`~bcp.coordination.collectives.Coordinator.check` does."""
     try:
-        plan = match_state(reader, detached, opts.strict, coord.world_size, opts.reshard_objects)
-        for request in plan.tensor_requests:
-            entry = reader.catalog.tensors[request.fqn]
-            for runs in plan_tensor_reads(entry, [request.box], prefer_rank=coord.rank):
-                frag = runs.fragment
-                file = index[frag.file]
-                if file in held or not runs.nbytes:
-                    continue
-                first = runs.src // block
-                last = (runs.src + (runs.run_bytes - 1)) // block
-                starts.setdefault(file, []).append(frag.byte_offset + first * block)
-                ends.setdefault(file, []).append(frag.byte_offset + np.minimum((last + 1) * block, frag.nbytes))
-    finally:
-        reader.close()
-    rows = [np.empty((0, 3), np.int64)]
-    for file in sorted(starts):
-        lo, hi, _group = merge_ranges(np.concatenate(starts[file]), np.concatenate(ends[file]))
-        rows.append(np.stack([np.full(len(lo), file, np.int64), lo, hi - lo], axis=1))
-    return np.concatenate(rows).astype(np.int64)
+        outcome: tuple[bool, Any] = (True, fn())
+        error: BaseException | None = None
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
+        outcome, error = (False, None), e
+    results = coord.all_gather(outcome)
+    if not all(ok for ok, _r in results):
+        coord.check(error, phase)  # every rank agrees some rank failed: raises on each
+        raise AssertionError("unreachable")  # pragma: no cover
+    return [r for _ok, r in results]
+
+
+def _prefetched(prefetched: tuple[str, Any], source: int) -> CheckpointMetadata:
+    """The metadata the coordinator (rank ``source``) sent with the choice, or its error raised."""
+    tag, payload = prefetched
+    if tag == "ok":
+        assert isinstance(payload, CheckpointMetadata)
+        return payload
+    if isinstance(payload, BaseException):  # the coordinator's own error
+        raise payload
+    restored = payload.restore()
+    restored.add_note(f"raised on rank {source} while reading the local step's metadata")
+    raise restored

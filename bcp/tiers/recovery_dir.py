@@ -6,6 +6,9 @@ manifest's size for each other one (ranks of one host share it); the exchange fi
 the holes, and an ordinary ``bcp.load`` reads from it. A recovery removes it after;
 one a killed recovery left is removed by the next listing (:func:`remove_leftovers`).
 
+Also here: the chosen step's manifest and catalog as its source reads them
+(:func:`read_metadata`) and as every rank checks them once sent (:func:`check_received`).
+
 When a recovery fails on a checksum or format error, each host checks its own copies
 of the files involved against the manifest (:func:`check_copy`) and moves a bad one
 aside (:func:`quarantine`): renamed to ``<name>.quarantined`` in its step directory,
@@ -27,9 +30,10 @@ from collections.abc import Collection
 from bcp.errors import CorruptCheckpointError
 from bcp.metadata import Catalog, FormatError, Manifest
 from bcp.metadata.keys import MANIFEST_KEY
-from bcp.reader import CheckpointMetadata, fetch_catalog, fetch_manifest
+from bcp.reader import CheckpointMetadata, check_catalog, fetch_catalog, fetch_manifest
 from bcp.target import resolve_backend
 from bcp.tiers.holding import file_spans, verify
+from bcp.tiers.inventory import LocalChoice
 
 log = logging.getLogger(__name__)
 
@@ -185,3 +189,30 @@ def quarantine(path: str, reason: str, host: str) -> BadCopy:
     bad = BadCopy(host, path, reason, moved)
     log.warning("local tier: corrupt local copy: %s; recovery goes on without it", bad.describe())
     return bad
+
+
+# -- the chosen step's metadata ---------------------------------------------------------------------
+
+
+def check_received(step_dir: str, manifest: Manifest, metadata: CheckpointMetadata, choice: LocalChoice) -> None:
+    """The manifest and catalog bytes the source rank sent: the chosen save's, the
+    catalog the one the manifest names (its size and CRC32C), as a load reading them
+    would check (the load decodes them and checks them against the data files)."""
+    if manifest.save_id != choice.save_id or metadata.head_only:
+        raise CorruptCheckpointError(
+            f"{step_dir}/{MANIFEST_KEY} (local tier, as sent): save {manifest.save_id} sent, {choice.save_id} chosen",
+            file=MANIFEST_KEY,
+        )
+    check_catalog(f"{step_dir} (local tier, as sent)", manifest, metadata.catalog)
+
+
+def read_metadata(step_dir: str, choice: LocalChoice) -> CheckpointMetadata:
+    """The chosen copy's manifest (the one the inventory saw) and its catalog, checked."""
+    backend = resolve_backend(step_dir)
+    manifest_bytes, manifest = fetch_manifest(backend)
+    if manifest.save_id != choice.save_id:
+        raise CorruptCheckpointError(
+            f"{step_dir}/{MANIFEST_KEY} changed during recovery (save {manifest.save_id}, chosen {choice.save_id})",
+            file=MANIFEST_KEY,
+        )
+    return CheckpointMetadata(manifest_bytes, fetch_catalog(backend, manifest))
