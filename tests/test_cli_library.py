@@ -109,13 +109,13 @@ def test_the_benchmark_reports_each_run_and_leaves_no_directory_it_made(tmp_path
         save_load(str(target), repeats=0)
 
 
-# -- the shape of bcp.cli, bcp.convert and bcp.convert -----------------------------------------------
+# -- the shape of bcp.cli and bcp.convert -----------------------------------------------------------
 
 #: bcp.convert's names that docs/interop.md, docs/manager.md and README.md use
 DOCUMENTED = ["from_dcp", "to_dcp", "to_torch", "to_safetensors", "from_safetensors", "from_torch", "rank_key"]
 
 
-def test_bcp_convert_names_the_interop_functions():
+def test_bcp_convert_names_the_format_functions():
     import bcp.convert
 
     for name in [*DOCUMENTED, *bcp.convert.__all__]:
@@ -133,7 +133,7 @@ def test_importing_the_cli_and_bcp_convert_loads_neither_safetensors_nor_dcp():
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr[-2000:]
 
 
-@pytest.mark.parametrize("package", ["cli", "interop"])
+@pytest.mark.parametrize("package", ["cli", "convert"])
 def test_package_modules_are_small_and_share_no_private_names(package):
     files = sorted((ROOT / "bcp" / package).glob("*.py"))
     assert len(files) >= 8

@@ -97,8 +97,10 @@ def test_local_tier_saves_and_each_load_give_one_record(tmp_path, capsys, async_
     (op,) = json.loads(capsys.readouterr().out)["operations"]
     assert op["kind"] == "recover" and op["ranks"] == [0]
     stages = {s["stage"] for s in op["stages"]}
-    assert {"recover", "inventory", "metadata", "prepare", "match", "load", "fetch"} <= stages
-    assert "exchange" not in stages, "the host holds every file: a plain load, no exchange"
+    assert {"recover", "inventory", "metadata", "load", "fetch"} <= stages
+    # the host holds every file: a plain load from the local step, from the metadata the
+    # recovery read (no exchange, no recovery directory, no second catalog read)
+    assert not stages & {"exchange", "prepare", "match", "catalog"}, stages
 
     # the local tier lost: the root's step 2, one record, tier persistent
     records.clear()
