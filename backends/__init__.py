@@ -1,6 +1,7 @@
 """Storage backends for bcp: one small interface, a registry keyed by URI scheme.
 
-Knows nothing of tensors or of the checkpoint engine (README, "Layout").
+Knows nothing of tensors or of the checkpoint engine. Its modules, one line each:
+docs/architecture.md.
 """
 
 if __name__ != "bcp.backends":  # the folder imported under its own name: a second copy of every class

@@ -10,6 +10,7 @@ e.g. :class:`RangedReadTests`), to subclass while working on that operation.
 
 It also runs against any URI, with a report: ``bcp conformance URI``,
 ``pytest --pyargs bcp.conformance --bcp-uri URI``, or :func:`run_suite` from Python.
+Its modules, one line each: docs/architecture.md.
 """
 
 import sys

@@ -1,7 +1,7 @@
 """The checkpoint catalog and manifest: which fragments of which tensors live where.
 
 Pure format code (FORMAT.md is the spec). Knows nothing of torch.distributed, of
-storage, or of the engine.
+storage, or of the engine. Its modules, one line each: docs/architecture.md.
 """
 
 if __name__ != "bcp.metadata":  # the folder imported under its own name: a second copy of every class

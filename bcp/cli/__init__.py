@@ -9,12 +9,8 @@ Exit status, the same for every command:
   message), an option value out of range or options that do not go together.
 * 130: interrupted (Ctrl-C).
 
-The modules: :mod:`~bcp.cli.main` (the parser, the one-line errors and the exit
-status), :mod:`~bcp.cli.common` (the refusals, locations, ``--import``),
-:mod:`~bcp.cli.render` (what reaches the terminal: escaping, sizes, ages), and one
-module per command, which parses and prints: the work is in the library
-(:mod:`bcp.housekeeping`, :mod:`bcp.describe`, :mod:`bcp.verify`, :mod:`bcp.convert`,
-:mod:`bcp.benchmark`, :mod:`bcp.conformance`).
+Each command is one module that parses and prints; the work is in the library.
+docs/architecture.md names every module and the library function behind each command.
 """
 
 from bcp.cli.main import build_parser, main

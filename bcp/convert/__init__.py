@@ -26,22 +26,9 @@ cache, which the kernel can reclaim (everything else), so a checkpoint larger th
 RAM converts.
 
 This package holds the formats, one module per format and job (the frameworks are
-:mod:`bcp.integrations`); this module only names their public functions, so that
-importing it loads neither safetensors nor ``torch.distributed.checkpoint``:
-
-* :mod:`~bcp.convert.formats`: the file names that identify each format, and
-  :func:`~bcp.convert.formats.detect_format`.
-* :mod:`~bcp.convert.selection`: which keys an export takes, under which names
-  (prefix, rename rules), in which dtype, in which batches.
-* :mod:`~bcp.convert.files`: writing local output files (publish with the umask's
-  mode, stale files of an earlier export, file-backed scratch tensors).
-* :mod:`~bcp.convert.per_rank`: per-rank objects in exports (``__rank_<r>__`` keys).
-* :mod:`~bcp.convert.safetensors`, :mod:`~bcp.convert.torch_save`,
-  :mod:`~bcp.convert.dcp_format`: each format, both directions.
-* :mod:`~bcp.convert.dcp_metadata`: reading DCP's pickled ``.metadata`` without
-  running code chosen by its author; :mod:`~bcp.convert.dcp_writer`: DCP's planner
-  and writer, streamed in batches. Both import ``torch.distributed.checkpoint`` at
-  once, so :mod:`~bcp.convert.dcp_format` imports them only when a DCP conversion runs.
+:mod:`bcp.integrations`); this module only names their public functions, and imports
+neither safetensors nor ``torch.distributed.checkpoint`` until a conversion needs
+them. Its modules, one line each, are in docs/architecture.md.
 """
 
 from __future__ import annotations

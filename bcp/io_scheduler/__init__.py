@@ -1,10 +1,8 @@
 """The I/O scheduler: how tensor bytes move between memory and storage.
 
-Saving: ``write_pipeline`` cuts each rank's boxes into chunks, stages them through
-the bounded pinned-memory pool of ``staging`` (device copies ordered by
-``device_copy``) and streams them to the data file with checksums. Loading:
-``read_plan`` turns wanted boxes into coalesced byte ranges, ``read_exec`` runs
-them with bounded concurrency and verification, ``device_load`` lands them on a
-device through pinned slabs, and ``shared_read`` lets one rank read a range for
-all ranks that need it.
+Saving cuts each rank's boxes into chunks, stages them through bounded host memory
+and streams them to its data file with checksums; loading turns wanted boxes into
+coalesced byte ranges and reads them straight into destination memory, verified as
+they land. Part of the engine: it works on the engine's plans and pieces. Its modules,
+one line each: docs/architecture.md.
 """

@@ -1,15 +1,11 @@
 """Save planning: what each rank writes.
 
-* :mod:`.layout`: what a rank sends (:class:`LocalLayout`, :class:`LayoutMeta`,
-  :class:`TensorPlan`);
-* :mod:`.plan`: the coordinator's plan (:func:`plan_save`, :class:`GlobalPlan`),
-  from :mod:`.table` (the job's tensors, layouts checked), :mod:`.matrix` (the FSDP
-  fast path), :mod:`.general` (any layout) and :mod:`.balance` (LPT over replicas);
-* :mod:`.cache`: plans kept between saves of an unchanged layout;
-* :mod:`.writer_rows`: every writer's fragment rows, merged at commit.
-
-Box geometry (overlap, tiling) is :mod:`bcp.metadata.geometry`, shared with the
-read planner and the catalog.
+Each rank sends the coordinator its layout (the tensors and the boxes it holds); the
+coordinator's plan says which rank writes which box, replicas stored once and
+balanced over their holders, and is kept for the next save of an unchanged layout.
+Pure: no process group, no I/O. Box geometry (overlap, tiling) is
+:mod:`bcp.metadata.geometry`, shared with the read planner and the catalog. Its
+modules, one line each: docs/architecture.md.
 """
 
 from bcp.planning.local_layout import LayoutMeta, LocalLayout, TensorPlan

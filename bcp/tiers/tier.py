@@ -7,7 +7,7 @@
   which each rank writes to its own host's local root; once it commits, its
   background thread spreads the metadata, records the holdings, replicates, starts
   the drain when the step is a multiple of ``persist_every``, and applies local
-  retention (``local_save.py``, ``drain.py``, ``retention.py``);
+  retention (``local_save.py``, ``drain.py``, ``local_retention.py``);
 * a step due for draining that the local tier did not save (not a multiple of
   ``every``, or no room on some host): the manager saves it to persistent storage
   as it would without a tier.

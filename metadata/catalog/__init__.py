@@ -1,16 +1,7 @@
 """The fragment catalog (fragments.arrow): which fragment of which tensor lives where.
 
-A package split by job, each module importing only those below it (no cycle)::
-
-    tensors    CATALOG_SCHEMA, MAX_TENSOR_BYTES, the tensor table rows refer to
-    budget     how many bytes decoding untrusted catalog bytes may allocate
-    arrow      rows <-> Arrow columns and IPC files
-    validate   checks on untrusted rows; decode_rows, the one way stored rows come in
-    spans      flat spans of boxes (which sections a box may need)
-    sections   catalog v2 layout: constants, schemas, writing
-    head       reading and checking a v2 catalog's trailer and head
-    partial    a v2 catalog read in part: its held sections, reading more of them
-    core       the Catalog
+A package split by job, each module importing only those below it (no cycle); its
+modules, one line each, are in docs/architecture.md.
 
 Box geometry (tiling, overlap, stable order) is bcp.metadata.geometry's. The names
 below are the catalog's public API; everything else is imported from the
