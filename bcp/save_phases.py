@@ -242,7 +242,7 @@ def coordinate_save(backend: Backend, hellos: list[Hello], options: SaveOptions,
         plan = None  # some rank no longer holds its writes of that plan: plan again
     replicas = tuple(h.replicas for h in hellos)
     if plan is not None:
-        check_replicas(replicas, meta_digests, plan.metas)  # else once every metadata is here (bcp.saver)
+        check_replicas(replicas, meta_digests, plan.metas)  # else once every metadata is here (bcp.saver's planning)
     meta_from: dict[bytes, int] = {}
     if plan is None:
         known = cache.metas()

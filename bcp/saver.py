@@ -98,8 +98,8 @@ def start_save(
     state: Mapping[str, Any], uri: Target, coord: Coordinator, options: SaveOptions, *, stage_all: bool
 ) -> SaveJob:
     """(all ranks, collective) Prepare, plan, agree on the generation, open this
-    rank's pipeline: the job ``stage`` and ``complete`` then finish (``stage_all``:
-    an async save's, which the caller may change the state after staging)."""
+    rank's pipeline; the job's ``stage`` and ``complete`` finish the save
+    (``stage_all``: an async save, whose caller may change the state once staged)."""
     started = time.perf_counter()
     session = trace.begin(options.trace, coord.rank, "save")
     try:
