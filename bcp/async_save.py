@@ -47,7 +47,8 @@ from bcp.io_scheduler.staging import StagingPool, StagingReservation, default_po
 from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline
 from bcp.metadata import DEFAULT_BLOCK_BYTES
 from bcp.options import SaveOptions, SaveOptionsKwargs
-from bcp.saver import SaveInfo, SaveJob, planned_writes
+from bcp.save_phases import SaveInfo, SaveJob
+from bcp.saver import planned_writes, start_save
 from bcp.shards import local_pieces
 from bcp.state import flatten_state
 from bcp.target import Target
@@ -245,7 +246,7 @@ def async_save(
     opts = SaveOptions.of(options, overrides)
     slot = claim_slot()
     coord = coordinator_for(opts.process_group, "bcp.async_save")
-    job = SaveJob.start(state, uri, coord, opts, stage_all=True)
+    job = start_save(state, uri, coord, opts, stage_all=True)
     job.coord = background_coordinator(coord)  # the commit runs on the background lane
     if after_commit is not None:  # the local tier's hook point: see AfterCommit
         job.visible_ranks = after_commit.visible_ranks

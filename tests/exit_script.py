@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import bcp
-import bcp.saver
+import bcp.save_phases
 
 ROWS = 1 << 18  # 1 MiB of float32 per row of 4
 
@@ -34,13 +34,13 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    real_commit = bcp.saver.SaveJob._commit
+    real_commit = bcp.save_phases.SaveJob.commit_checkpoint
 
     def slow_commit(self, reports):
         time.sleep(1.0)  # the save is surely still in flight when the script ends
         return real_commit(self, reports)
 
-    bcp.saver.SaveJob._commit = slow_commit  # type: ignore[method-assign]
+    bcp.save_phases.SaveJob.commit_checkpoint = slow_commit  # type: ignore[method-assign]
     if mode == "manager":
         bcp.CheckpointManager(uri).save(7, state(rank, world))
         print(f"rank {rank}: script done", flush=True)

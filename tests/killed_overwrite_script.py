@@ -15,14 +15,14 @@ import time
 import torch
 
 import bcp
-import bcp.saver
+import bcp.save_phases
 from bcp.backends import file
 
 
 def main() -> None:
     uri, ago = sys.argv[1], float(sys.argv[2])
-    real_id = bcp.saver.new_save_id
-    bcp.saver.new_save_id = lambda: real_id(now=time.time() - ago)
+    real_id = bcp.save_phases.new_save_id
+    bcp.save_phases.new_save_id = lambda: real_id(now=time.time() - ago)
 
     def hang(self) -> None:
         print("writing", flush=True)  # the partial file holds the data: kill here

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import bcp
-import bcp.saver
+import bcp.save_phases
 from bcp.metadata import MANIFEST_KEY
 from bcp.metadata.keys import step_name
 from order_jobs import check, state, template
@@ -128,13 +128,13 @@ def subgroup_job(rank: int, world: int, root: str) -> None:
 def manager_close_job(rank: int, world: int, root: str) -> None:
     """close() returns only once the pending async save is committed, with retention
     and latest.json applied: even when the commit is slow."""
-    real_commit = bcp.saver.SaveJob._commit
+    real_commit = bcp.save_phases.SaveJob.commit_checkpoint
 
     def slow_commit(self, reports):
         time.sleep(0.5)
         return real_commit(self, reports)
 
-    bcp.saver.SaveJob._commit = slow_commit  # type: ignore[method-assign]
+    bcp.save_phases.SaveJob.commit_checkpoint = slow_commit  # type: ignore[method-assign]
     manager = bcp.CheckpointManager(root, keep_last=1)
     manager.save(1, state(rank, world, 1))
     manager.save(2, state(rank, world, 2))
@@ -146,5 +146,5 @@ def manager_close_job(rank: int, world: int, root: str) -> None:
     assert manager.steps() == [2] and manager.latest() == 2
     with open(os.path.join(root, "latest.json")) as f:
         assert json.load(f)["step"] == 2
-    bcp.saver.SaveJob._commit = real_commit  # type: ignore[method-assign]
+    bcp.save_phases.SaveJob.commit_checkpoint = real_commit  # type: ignore[method-assign]
     check(manager.uri(2), rank, world, 2)

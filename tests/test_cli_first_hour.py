@@ -30,11 +30,10 @@ import bcp
 from bcp.backends import backend_for
 from bcp.cli import main
 from bcp.commit import commit, write_catalog
-from bcp.io_scheduler.write_pipeline import write_rank_data
 from bcp.metadata import MANIFEST_KEY, Catalog
-from bcp.metadata.keys import catalog_key, data_file_key, generation_name
+from bcp.metadata.keys import catalog_key, generation_name
 from bcp.metadata.manifest import reseal
-from bcp.saver import _decide_objects, build_manifest, prepare_save
+from bcp.save_phases import build_manifest, decide_objects, open_pipeline, prepare_save, stage
 from bcp.verify import verify_checkpoint
 
 
@@ -223,6 +222,7 @@ def save_with_replicas(states: list[dict], uri: str, block: int = 64) -> None:
     the planner stores one copy of a replicated box, but the format allows several rows
     for one box (FORMAT.md, "replicas"), and a reader uses any one of them."""
     backend = backend_for(uri)
+    options = bcp.SaveOptions(checksum_block_bytes=block)
     prepared = [prepare_save(s, r, False) for r, s in enumerate(states)]
     layouts = [p.layout for p in prepared]
     save_id = uuid.uuid4().hex[:16]
@@ -230,12 +230,13 @@ def save_with_replicas(states: list[dict], uri: str, block: int = 64) -> None:
     frags, files = [], []
     for r, p in enumerate(prepared):
         items = [p.pieces[box] for box in layouts[r].boxes()]  # all of them, not plan_save's choice
-        report = write_rank_data(backend, data_file_key(gen, r), r, items, block)
+        pipeline = open_pipeline(backend, r, save_id, items, options, stage_all=False)
+        stage(pipeline)
+        report = pipeline.finish()
         frags += report.fragments
         files += [report.file] if report.file else []
     catalog = write_catalog(backend, catalog_key(gen), Catalog(frags))
-    objects = _decide_objects([p.objects for p in prepared])
-    options = bcp.SaveOptions(checksum_block_bytes=block)
+    objects = decide_objects([p.objects for p in prepared])
     manifest = build_manifest(save_id, catalog, frags, tuple(files), objects, len(states), options)
     commit(backend, manifest, overwrite=False)
 

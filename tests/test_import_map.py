@@ -217,3 +217,77 @@ def test_library_imports_are_spelled_absolute():
         if isinstance(node, ast.ImportFrom) and node.level
     ]
     assert relative == []
+
+
+# -- one save orchestration (issue 38) ---------------------------------------------------------
+
+#: the save's named phases: the one place the saves share
+PHASES = "bcp.save_phases"
+#: the saves composed from them
+SAVES = ("bcp.saver", "bcp.async_save", "bcp.tiers.fast_save", "bcp.tiers.drain")
+
+
+def imported(module: str, modules: dict[str, Path]) -> set[str]:
+    return {target for target, _taken, _line in imports(module, modules[module], modules)}
+
+
+def test_the_local_tier_never_imports_the_saver_and_every_save_composes_the_phases():
+    """The local tier's save, the persistent save and the drain share only the
+    phases module: no module of ``bcp.tiers`` imports ``bcp.saver`` (before, the fast
+    save re-entered six of its internals), and the phases import none of the saves."""
+    modules = library_modules()
+    tiers = [m for m in modules if m.startswith("bcp.tiers.")]
+    assert len(tiers) > 10  # the whole package was found
+    offenders = {m: sorted(t for t in imported(m, modules) if t == "bcp.saver") for m in tiers}
+    assert {m: t for m, t in offenders.items() if t} == {}
+    for save in SAVES:
+        assert PHASES in imported(save, modules), f"{save} does not compose {PHASES}"
+    assert not imported(PHASES, modules) & {*SAVES, "bcp.tiers"}, f"{PHASES} imports a save that composes it"
+
+
+def parked_errors(path: Path) -> list[str]:
+    """Functions that park an error on an object not their own: ``x.error = x.error or e``
+    (``self.error`` is an object recording its own error, e.g. a pipeline's writer thread)."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(func):
+            if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.BoolOp):
+                continue
+            for target in node.targets:
+                first = node.value.values[0]
+                if (
+                    isinstance(target, ast.Attribute)
+                    and target.attr == "error"
+                    and isinstance(first, ast.Attribute)
+                    and ast.dump(first) == ast.dump(target).replace("Store()", "Load()")
+                    and not (isinstance(target.value, ast.Name) and target.value.id == "self")
+                ):
+                    found.append(func.name)
+    return found
+
+
+def test_a_staging_error_is_parked_in_one_place():
+    """Before, ``bcp.saver``, ``bcp.tiers.fast_save`` and ``write_rank_data`` each kept
+    their own copy of parking a staging error for the writing thread to report."""
+    modules = library_modules()
+    parked = {m: names for m, p in modules.items() if (names := parked_errors(p))}
+    assert parked == {PHASES: ["park_staging_error"]}
+    defined = [
+        m
+        for m, p in modules.items()
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name == "park_staging_error"
+    ]
+    assert defined == [PHASES]
+
+
+def test_the_parking_check_sees_a_copy(tmp_path):
+    (tmp_path / "a.py").write_text(
+        "def stage(p):\n    try:\n        p.stage()\n    except BaseException as e:\n"
+        "        p.pipeline.error = p.pipeline.error or e\n"
+        "class W:\n    def loop(self, e):\n        self.error = self.error or e\n"
+    )
+    assert parked_errors(tmp_path / "a.py") == ["stage"]

@@ -18,7 +18,7 @@ import replica_jobs
 from bcp.metadata.checksum import crc32c
 from bcp.planning import LayoutMeta
 from bcp.replicas import SMALL_REPLICA_BYTES, ReplicaSummer, ReplicaSums, box_key, check_replicas
-from bcp.saver import prepare_save
+from bcp.save_phases import prepare_save
 from helpers import examples
 
 distributed = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")

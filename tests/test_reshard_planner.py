@@ -21,11 +21,10 @@ import bcp
 from bcp.backends import backend_for
 from bcp.commit import commit, write_catalog
 from bcp.errors import ShardingError
-from bcp.io_scheduler.write_pipeline import write_rank_data
 from bcp.metadata import Catalog
-from bcp.metadata.keys import catalog_key, data_file_key, generation_name
+from bcp.metadata.keys import catalog_key, generation_name
 from bcp.planning import plan_save
-from bcp.saver import _decide_objects, build_manifest, prepare_save
+from bcp.save_phases import build_manifest, decide_objects, open_pipeline, prepare_save, stage
 from bcp.shards import FlatShard, TensorShard, local_pieces
 from helpers import examples, tensor_bytes_equal
 
@@ -35,21 +34,23 @@ DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.complex64, torch.bool
 def simulated_save(states: list[dict], uri: str, block: int = 64):
     """What bcp.save does across ranks, with the collectives replaced by lists."""
     backend = backend_for(uri)
+    options = bcp.SaveOptions(checksum_block_bytes=block)
     prepared = [prepare_save(s, r, False) for r, s in enumerate(states)]
     layouts = [p.layout for p in prepared]
     plan = plan_save(layouts)
-    objects = _decide_objects([p.objects for p in prepared])
+    objects = decide_objects([p.objects for p in prepared])
     save_id = uuid.uuid4().hex[:16]
     gen = generation_name(save_id)
     frags, files = [], []
     for r, p in enumerate(prepared):
         boxes = layouts[r].boxes()
         items = [p.pieces[boxes[i]] for i in plan.writes[r].tolist()]
-        report = write_rank_data(backend, data_file_key(gen, r), r, items, block)
+        pipeline = open_pipeline(backend, r, save_id, items, options, stage_all=False)
+        stage(pipeline)
+        report = pipeline.finish()
         frags += report.fragments
         files += [report.file] if report.file else []
     catalog = write_catalog(backend, catalog_key(gen), Catalog(frags))
-    options = bcp.SaveOptions(checksum_block_bytes=block)
     commit(
         backend, build_manifest(save_id, catalog, frags, tuple(files), objects, len(states), options), overwrite=False
     )
@@ -218,7 +219,7 @@ def test_per_rank_and_differing_objects_are_stored_per_rank():
     from bcp.shards import PerRank
 
     states = [{"w": torch.zeros(2), "same": 1, "differs": r, "marked": PerRank(7)} for r in range(3)]
-    objects = _decide_objects([prepare_save(s, r, False).objects for r, s in enumerate(states)])
+    objects = decide_objects([prepare_save(s, r, False).objects for r, s in enumerate(states)])
     assert [e.rank for e in objects["same"]] == [None]
     assert [(e.rank, e.value) for e in objects["differs"]] == [(0, 0), (1, 1), (2, 2)]
     assert [e.rank for e in objects["marked"]] == [0, 1, 2]

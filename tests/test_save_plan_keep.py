@@ -20,7 +20,7 @@ import bcp
 from bcp.io_scheduler.write_pipeline import make_pipeline
 from bcp.kept_plans import LocalPlans, fingerprint
 from bcp.planning.cache import clear_plan_caches, plan_cache_for
-from bcp.saver import prepare_save
+from bcp.save_phases import prepare_save
 from bcp.state import flatten_state
 from cuda_fakes import fake_cuda  # noqa: F401 - the fixture
 from helpers import examples, tensor_bytes_equal

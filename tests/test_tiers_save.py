@@ -424,3 +424,39 @@ def test_one_process_fast_local_saves_with_overlap_hold_the_values_at_the_call(t
         template = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
         out = bcp.load(template, step_dir(local, step), strict=False)
         assert_same(out["model"], expected[step])
+
+
+def test_a_fast_local_save_never_enters_the_persistent_saver(tmp_path):
+    """The local tier's fast save composes the save's phases (``bcp.save_phases``):
+    from the caller's copy to the commit, on every thread, no function of
+    ``bcp/saver.py`` runs (before, it re-entered six of the saver's internals)."""
+    import sys
+
+    import bcp.saver
+
+    saver_file = bcp.saver.__file__
+    manager = bcp.CheckpointManager(tmp_path / "ck", tier=LocalTier(dir=tmp_path / "shm", persist_every=None, keep=3))
+    state = {"w": torch.arange(64.0), "step": 1}
+    manager.save(1, state)  # the first local save plans as bcp.async_save does
+    manager.wait()
+    entered: list[str] = []
+
+    def profile(frame, event, _arg):
+        if event == "call" and frame.f_code.co_filename == saver_file:
+            entered.append(frame.f_code.co_qualname)
+
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+    try:
+        for step in (2, 3):
+            manager.save(step, {**state, "step": step})
+            assert manager._tier.last_fast, f"step {step}: the fast path"
+        manager.wait()
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+        sys.setprofile(None)
+    manager.close()
+    assert entered == []
+    local = local_root(tmp_path / "shm", str(tmp_path / "ck"))
+    assert local_steps(local) == [1, 2, 3]
+    assert bcp.load({"w": torch.zeros(64), "step": 0}, step_dir(local, 3))["step"] == 3

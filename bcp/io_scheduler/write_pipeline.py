@@ -541,14 +541,3 @@ def make_pipeline(
         while len(plans) > KEEP_PIPELINE_PLANS:
             del plans[next(iter(plans))]
     return pipeline
-
-
-def write_rank_data(backend: Backend, data_key: str, rank: int, items: list[WriteItem], block: int) -> WriterReport:
-    """Write this rank's assigned boxes into one data file (synchronously)."""
-    pipeline = make_pipeline(backend, data_key, rank, items, block)
-    try:
-        pipeline.stage()
-    except BaseException as e:  # noqa: BLE001 - raised by finish()
-        pipeline.error = pipeline.error or e
-        pipeline.close_queue()
-    return pipeline.finish()

@@ -10,7 +10,7 @@ still holds sends no box arrays and plans and scatters nothing. Each rank also k
 its own prepared tensors of an unchanged structure (``bcp.kept_plans``).
 
 One cache per coordinator group (process group) and process; saves run their
-planning one at a time per process (``SaveJob.start`` on the caller's thread), and a
+planning one at a time per process (``bcp.saver.start_save`` on the caller's thread), and a
 lock keeps the cache consistent should two threads save at once.
 """
 

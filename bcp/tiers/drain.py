@@ -24,12 +24,12 @@ from collections.abc import Callable
 
 from bcp.async_save import wait_all as _wait_for_async_saves
 from bcp.backends import Backend, Capability, ObjectWriter
-from bcp.commit import check_generation_intact, commit, discard_generation, find_existing, write_catalog
 from bcp.coordination.collectives import Coordinator, decide, run_phase
 from bcp.coordination.priority import lower_this_thread
-from bcp.errors import CheckpointExistsError, CommitUncertainError, CorruptCheckpointError
+from bcp.errors import CorruptCheckpointError
 from bcp.metadata import FileEntry, Manifest
 from bcp.metadata.keys import data_file_key
+from bcp.save_phases import check_target, commit_generation, keep_or_discard
 
 log = logging.getLogger(__name__)
 
@@ -75,19 +75,23 @@ def upload_file(local: Backend, remote: Backend, entry: FileEntry) -> None:
 
 
 def _check_absent(remote: Backend) -> None:
-    if find_existing(remote) is not None:
-        raise CheckpointExistsError(f"a committed checkpoint already exists at {remote.uri}; the drain is not made")
+    check_target(remote, overwrite=False, otherwise="the drain is not made")
 
 
 def _commit_drain(remote: Backend, manifest: Manifest, catalog_bytes: bytes) -> None:
     """(coordinator) The catalog, the generation check, then the manifest."""
-    catalog = write_catalog(remote, manifest.catalog.path, catalog_bytes)
-    if catalog != manifest.catalog:
-        raise CorruptCheckpointError(
-            f"the catalog drained to {remote.uri} does not match its manifest", file=manifest.catalog.path
-        )
-    check_generation_intact(remote, manifest.generation, [catalog.path, *(f.path for f in manifest.data_files)])
-    commit(remote, manifest, overwrite=False)
+
+    def same_catalog(catalog: FileEntry) -> Manifest:
+        if catalog != manifest.catalog:
+            raise CorruptCheckpointError(
+                f"the catalog drained to {remote.uri} does not match its manifest", file=manifest.catalog.path
+            )
+        return manifest
+
+    paths = [f.path for f in manifest.data_files]
+    commit_generation(
+        remote, manifest.generation, manifest.catalog.path, catalog_bytes, paths, same_catalog, overwrite=False
+    )
 
 
 def drain_step(coord: Coordinator, local: Backend, remote: Backend, manifest: Manifest, catalog_bytes: bytes) -> None:
@@ -102,20 +106,13 @@ def drain_step(coord: Coordinator, local: Backend, remote: Backend, manifest: Ma
         _commit_drain(remote, manifest, catalog_bytes)
         committed = True
 
-    try:
+    note = f"the drained step at {remote.uri} is committed: its manifest was written last"
+    with keep_or_discard(coord, remote, manifest.generation, lambda: committed, note, "the failed drain"):
         if mine is not None:
             run_phase(coord, "draining: uploading data files", upload_file, local, remote, mine)
         else:
             run_phase(coord, "draining: uploading data files", lambda: None)
         decide(coord, "draining: committing", commit_here)
-    except CommitUncertainError:
-        raise  # the manifest may be there: keep the data (docs/reliability.md)
-    except BaseException as e:
-        if committed:  # committed, but the other ranks could not be told (a rank died): the step is whole
-            e.add_note(f"the drained step at {remote.uri} is committed: its manifest was written last")
-        elif coord.is_coordinator:
-            discard_generation(remote, manifest.generation, why="the failed drain")
-        raise
     log.info("local tier: drained %s", remote.uri)
 
 

@@ -42,11 +42,21 @@ import torch
 from bcp.async_save import AfterCommit, AsyncSaveHandle, async_save_planned_later
 from bcp.backends import Backend
 from bcp.coordination.collectives import Coordinator, SentError, decide, portable
-from bcp.io_scheduler.write_pipeline import StagingFull, make_pipeline
-from bcp.metadata.keys import data_file_key, generation_name
+from bcp.io_scheduler.write_pipeline import StagingFull
+from bcp.kept_plans import Prepared
 from bcp.options import SaveOptions
 from bcp.planning.cache import plan_cache_for
-from bcp.saver import Hello, Prepared, SaveDecision, SaveJob, coordinate_save, prepare_save
+from bcp.save_phases import (
+    Hello,
+    SaveDecision,
+    SaveJob,
+    coordinate_save,
+    hello,
+    open_pipeline,
+    prepare_save,
+    stage,
+    start_writing,
+)
 from bcp.tiers.hosts import HostMap
 from bcp.tiers.room import short_hosts
 
@@ -139,37 +149,18 @@ def save_fast(
     items = (
         [prepared.items[i] for i in writes.tolist()] if usable and prepared is not None and writes is not None else []
     )
-    pipeline = make_pipeline(
-        backend,
-        "",
-        coord.rank,
-        items,
-        opts.checksum_block_bytes,
-        pool=opts.pool,
-        streams=opts.streams,
-        stage_all=True,
-        deferred=True,
-    )
+    pipeline = open_pipeline(backend, coord.rank, None, items, opts, stage_all=True)  # deferred: no save id yet
 
-    def stage(select: Any = None, last: bool = True) -> None:
-        try:
-            pipeline.stage(select=select, last=last)
-        except BaseException as e:  # noqa: BLE001 - reported by the background thread
-            pipeline.error = pipeline.error or e
-            if last:
-                pipeline.close_queue()
+    def stage_here(select: Any = None, last: bool = True) -> None:
+        stage(pipeline, select, last)
 
     def plan() -> SaveJob | None:
         try:
             before_plan()
             full = isinstance(pipeline.error, StagingFull)
             failure = error or (None if full else pipeline.error)
-            hello = None
-            if prepared is not None:
-                layout = prepared.layout
-                held = frozenset(plan_cache_for(coord.cache_key).held())
-                hello = Hello(layout.digest(), layout.meta_digest, held, prepared.objects, prepared.replicas)
-            report = Report(room(), hello, portable(failure) if failure else None, usable and not full)
+            first = hello(prepared, plan_cache_for(coord.cache_key).held()) if prepared is not None else None
+            report = Report(room(), first, portable(failure) if failure else None, usable and not full)
             reports = coord.gather(report)
             outcome = decide(coord, PHASE, _verdict, coord, reports, hosts, backend, opts, key, share=lambda v: v[0])
             verdict, decision = outcome if coord.is_coordinator else (outcome, None)
@@ -181,11 +172,11 @@ def save_fast(
             on_skip(verdict)
             return None
         start = verdict.start
-        pipeline.start_writing(data_file_key(generation_name(start.save_id), coord.rank))
+        start_writing(pipeline, start.save_id)
         job = SaveJob(coord, backend, opts, decision, start.save_id, pipeline, started)
         job.visible_ranks = after_commit.visible_ranks
         return job
 
     return async_save_planned_later(
-        pipeline, stage, plan, coord, backend.uri, overlap=overlap, after_commit=after_commit
+        pipeline, stage_here, plan, coord, backend.uri, overlap=overlap, after_commit=after_commit
     )

@@ -37,7 +37,7 @@ from bcp.coordination.lanes import background_coordinator, lane_coordinator
 from bcp.metadata.keys import step_name
 from bcp.options import SaveOptions
 from bcp.planning.cache import plan_cache_for
-from bcp.saver import SaveInfo, SaveJob
+from bcp.save_phases import SaveInfo, SaveJob
 from bcp.target import resolve_backend
 from bcp.tiers.config import LocalTier
 from bcp.tiers.drain import Drain, drain_step
