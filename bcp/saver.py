@@ -45,8 +45,8 @@ from bcp.commit import (
     remove_leftovers,
     write_catalog,
 )
-from bcp.coordination.collectives import Coordinator, decide, run_phase
-from bcp.coordination.lanes import coordinator_for
+from bcp.coordination.collectives import Coordinator, decide, gather_decide, gather_decide_scatter, run_phase
+from bcp.coordination.lanes import ready
 from bcp.errors import CheckpointExistsError, CommitUncertainError, ShardingError, UnsupportedStateError
 from bcp.gc_pause import gc_paused
 from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline, make_pipeline
@@ -193,7 +193,7 @@ def save(
     of a tensor stored once (a plain tensor, a replicated DTensor): docs/distributed.md.
     """
     opts = SaveOptions.of(options, overrides)
-    job = SaveJob.start(state, uri, coordinator_for(opts.process_group, "bcp.save"), opts, stage_all=False)
+    job = SaveJob.start(state, uri, ready(opts.process_group, "bcp.save").caller, opts, stage_all=False)
     job.stage()
     return job.complete()
 
@@ -312,9 +312,12 @@ class SaveJob:
         layout = prepared.layout
         digest = prepared.local.digest if prepared.local is not None else layout.digest()
         hello = Hello(digest, layout.meta_digest, frozenset(held), prepared.objects, prepared.replicas)
-        hellos = coord.gather(hello)
-        decision: SaveDecision | SaveStart = decide(
-            coord, "planning the save", coordinate_save, backend, hellos, options, cache, share=lambda d: d.start
+        decision: SaveDecision | SaveStart = gather_decide(
+            coord,
+            "planning the save",
+            hello,
+            lambda hellos: coordinate_save(backend, hellos, options, cache),
+            share=lambda d: d.start,
         )
         start = decision.start if isinstance(decision, SaveDecision) else decision
         if session is not None:
@@ -324,21 +327,17 @@ class SaveJob:
         else:
             # box arrays from every rank; the metadata only from the rank asked for it
             sent = layout if start.meta_from.get(layout.meta_digest) == coord.rank else layout.without_meta()
-            layouts = coord.gather(sent)
-            planned: tuple[SaveDecision, GlobalPlan] | None = decide(
+            # each rank receives only its own writes, as an index array into its boxes
+            planned: tuple[SaveDecision, GlobalPlan] | None
+            planned, my_writes = gather_decide_scatter(
                 coord,
                 "planning the save",
-                _plan,
-                decision,
-                layouts,
-                cache,
-                share=lambda _result: None,
+                sent,
+                lambda layouts: _plan(decision, layouts, cache),  # type: ignore[arg-type]  # (coordinator) a SaveDecision
+                lambda done: [done[1].writes[r] for r in range(coord.world_size)],
             )
-            plan = planned[1] if planned is not None else None
             if planned is not None:
                 decision = planned[0]
-            # each rank receives only its own writes, as an index array into its boxes
-            my_writes = coord.scatter([plan.writes[r] for r in range(coord.world_size)] if plan is not None else None)
         cache.remember_writes(start.key, my_writes)  # newest last: evicted in the coordinator's order
         items = [prepared.items[i] for i in my_writes.tolist()]
         pipeline = make_pipeline(
@@ -385,10 +384,8 @@ class SaveJob:
         coord, backend = self.coord, self.backend
         try:
             mine: WriterReport = run_phase(coord, "writing data", self.pipeline.finish)
-            reports = coord.gather(mine)
-            self.reported = True
             with trace.span("commit"):
-                stats = decide(coord, "committing the checkpoint", self._commit, reports)
+                stats = gather_decide(coord, "committing the checkpoint", mine, self._commit, sent=self._sent)
         except CommitUncertainError:
             raise  # the manifest may name this generation: keep it (docs/reliability.md)
         except BaseException as e:
@@ -423,6 +420,10 @@ class SaveJob:
         )
         log.info("%s", info)
         return info
+
+    def _sent(self) -> None:
+        """This rank's report reached the coordinator: from here it may commit."""
+        self.reported = True
 
     def _commit(self, reports: list[WriterReport]) -> dict[str, int]:
         """(coordinator) Catalog rows in save order, the catalog, then the manifest."""
