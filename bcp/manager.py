@@ -32,7 +32,7 @@ from bcp.backends import join_uri
 from bcp.backends.retry import retry_count
 from bcp.commit import DEFAULT_GRACE_SECONDS
 from bcp.coordination.collectives import Coordinator, decide
-from bcp.coordination.lanes import coordinator_for, ready
+from bcp.coordination.lanes import ready
 from bcp.discovery import committed_steps
 from bcp.io_scheduler.staging import StagingReservation
 from bcp.loader import load_with_info
@@ -353,7 +353,7 @@ class CheckpointManager:
 
     def _coord(self, operation: str) -> Coordinator:
         """The coordinator of one collective operation of the manager (caller lane)."""
-        return coordinator_for(self.process_group, operation)
+        return ready(self.process_group, operation).caller
 
     def _committed(self, step: int, operation: str) -> None:
         # Only the step just written can have gained an unused generation (an overwrite).
