@@ -4,6 +4,7 @@ the ``bcp.coordination`` package."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -83,15 +84,22 @@ def _state(rank: int) -> dict[str, Any]:
     return {"w": bcp.PerRank(torch.arange(64, dtype=torch.float32) + rank), "shared": torch.ones(8)}
 
 
-def no_group_created_in_manager_saves_job(rank: int, world: int, root: str, async_save: bool) -> None:
-    """After ``CheckpointManager()``, its saves (and their commits) create no group."""
-    manager = bcp.CheckpointManager(root, keep_last=2, async_save=async_save)
+def no_group_created_in_manager_saves_job(rank: int, world: int, root: str, async_save: bool, tier: str) -> None:
+    """After ``CheckpointManager()``, its saves (their commits, a local tier's replication
+    and drains, a load) create no group."""
+    local = None
+    if tier:  # one host per rank; steps 2 and 4 drained to the root
+        os.environ["BCP_HOST_ID"] = f"host{rank}"
+        local = bcp.LocalTier(dir=os.path.join(tier, f"host{rank}"), every=1, persist_every=2, keep=2)
+    manager = bcp.CheckpointManager(root, keep_last=2, async_save=async_save, tier=local)
     with counting_group_creations() as created:
-        for step in (1, 2, 3):
+        for step in (1, 2, 3, 4):
             manager.save(step, _state(rank))
         manager.wait()
+        step, _got = manager.load_latest(_state(rank))
     assert created == [], f"rank {rank}: groups created inside the manager's saves: {created}"
-    assert manager.steps() == [2, 3]
+    assert manager.steps() == [2, 4] if tier else [3, 4], manager.steps()
+    assert step == 4
 
 
 def free_async_save_groups_before_phases_job(rank: int, world: int, root: str) -> None:

@@ -9,9 +9,10 @@ import coordination_jobs
 import dist_jobs
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_a_managers_saves_create_no_group(tmp_path, async_save):
-    dist_jobs.spawn(coordination_jobs.no_group_created_in_manager_saves_job, 2, str(tmp_path / "ck"), async_save)
+@pytest.mark.parametrize(("async_save", "tier"), [(False, False), (True, False), (True, True)])
+def test_a_managers_saves_create_no_group(tmp_path, async_save, tier):
+    local = str(tmp_path / "local") if tier else ""
+    dist_jobs.spawn(coordination_jobs.no_group_created_in_manager_saves_job, 2, str(tmp_path / "ck"), async_save, local)
 
 
 def test_the_first_async_save_creates_its_groups_before_its_first_phase(tmp_path):
