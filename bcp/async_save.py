@@ -39,7 +39,7 @@ from typing import Any, Unpack
 import torch
 
 from bcp.coordination.collectives import Coordinator
-from bcp.coordination.lanes import at_exit, background_coordinator, coordinator_for, group_destroyed
+from bcp.coordination.lanes import at_exit, coordinator_for, group_destroyed, ready
 from bcp.coordination.priority import lower_this_thread
 from bcp.gc_pause import gc_paused
 from bcp.io_scheduler.chunk_plan import Chunk, layout, plan_packed_chunks, plan_part_chunks
@@ -245,9 +245,10 @@ def async_save(
     started = time.perf_counter()
     opts = SaveOptions.of(options, overrides)
     slot = claim_slot()
-    coord = coordinator_for(opts.process_group, "bcp.async_save")
+    lanes = ready(opts.process_group, "bcp.async_save")  # every group exists before the first phase
+    coord = lanes.caller
     job = start_save(state, uri, coord, opts, stage_all=True)
-    job.coord = background_coordinator(coord)  # the commit runs on the background lane
+    job.coord = lanes.background  # the commit runs on the background lane
     if after_commit is not None:  # the local tier's hook point: see AfterCommit
         job.visible_ranks = after_commit.visible_ranks
     handle = AsyncSaveHandle(job, 0.0, lane_tail(coord))

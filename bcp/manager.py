@@ -32,7 +32,7 @@ from bcp.backends import join_uri
 from bcp.backends.retry import retry_count
 from bcp.commit import DEFAULT_GRACE_SECONDS
 from bcp.coordination.collectives import Coordinator, decide
-from bcp.coordination.lanes import coordinator_for
+from bcp.coordination.lanes import ready
 from bcp.discovery import committed_steps
 from bcp.io_scheduler.staging import StagingReservation
 from bcp.loader import load_with_info
@@ -111,8 +111,10 @@ class CheckpointManager:
         #: perf_counter seconds at the call)
         self._due: tuple[int, int, float, float] | None = None
         self._reservation: StagingReservation | None = None
+        # every group its saves, commits, drains and loads use, before any of them (bcp.coordination.lanes.ready)
+        self._lanes = ready(process_group, "CheckpointManager()", lanes=("drain",) if tier is not None else ())
+        coord = self._lanes.caller
         # a restart: check every kept step once; a failure raises on every rank
-        coord = self._coord("CheckpointManager()")
         decide(coord, "cleaning up the checkpoint root", self._housekeeping, None)
         self._tier: Tier | None = None
         if tier is not None:
@@ -123,7 +125,7 @@ class CheckpointManager:
                 self.root_uri,
                 storage_options=self.storage_options,
                 process_group=process_group,
-                coord=coord,
+                lanes=self._lanes,
                 housekeeping=self._housekeeping,
             )
 
@@ -351,7 +353,7 @@ class CheckpointManager:
 
     def _coord(self, operation: str) -> Coordinator:
         """The coordinator of one collective operation of the manager (caller lane)."""
-        return coordinator_for(self.process_group, operation)
+        return ready(self.process_group, operation).caller
 
     def _committed(self, step: int, operation: str) -> None:
         # Only the step just written can have gained an unused generation (an overwrite).

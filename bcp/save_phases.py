@@ -48,7 +48,7 @@ from bcp.commit import (
     remove_leftovers,
     write_catalog,
 )
-from bcp.coordination.collectives import Coordinator, decide, run_phase
+from bcp.coordination.collectives import Coordinator, gather_decide, run_phase
 from bcp.errors import CheckpointExistsError, CommitUncertainError, UnsupportedStateError
 from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline, make_pipeline
 from bcp.kept_plans import PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
@@ -410,21 +410,22 @@ class SaveJob:
                 self.trace.end(failed=True)
             raise
 
-    def write(self) -> tuple[WriterReport, list[WriterReport] | None]:
+    def write(self) -> WriterReport:
         """(all ranks, collective) Wait for the writers and make this rank's file durable
-        (any rank's error raises on every rank); the coordinator gets every rank's rows."""
-        mine: WriterReport = run_phase(self.coord, "writing data", self.pipeline.finish)
-        reports = self.coord.gather(mine)
+        (any rank's error raises on every rank): this rank's rows, for the commit."""
+        return run_phase(self.coord, "writing data", self.pipeline.finish)
+
+    def _sent(self) -> None:
+        """This rank's report reached the coordinator: from here it may commit."""
         self.reported = True
-        return mine, reports
 
     def _complete(self) -> SaveInfo:
         coord, backend = self.coord, self.backend
         note = f"the checkpoint at {backend.uri} is committed: its manifest was written first"
         with keep_or_discard(coord, backend, self.generation, lambda: self.committed, note, "the partial save"):
-            mine, reports = self.write()
-            with trace.span("commit"):
-                stats = decide(coord, "committing the checkpoint", self.commit_checkpoint, reports)
+            mine = self.write()
+            with trace.span("commit"):  # every rank's rows gathered on the coordinator, which commits
+                stats = gather_decide(coord, "committing the checkpoint", mine, self.commit_checkpoint, sent=self._sent)
         existing = self.decision.existing if self.decision is not None else None
         if existing is not None and existing.manifest is not None:
             old = existing.manifest.generation

@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from typing import Any, Unpack
 
 from bcp import trace
-from bcp.coordination.collectives import Coordinator, decide, run_phase
-from bcp.coordination.lanes import coordinator_for
+from bcp.coordination.collectives import Coordinator, gather_decide, gather_decide_scatter, run_phase
+from bcp.coordination.lanes import ready
 from bcp.errors import ShardingError
 from bcp.gc_pause import gc_paused
 from bcp.io_scheduler.write_pipeline import WriteItem
@@ -62,14 +62,9 @@ def planned_writes(state: Mapping[str, Any], coord: Coordinator) -> list[WriteIt
     about 1/N of the state). Sizes staging reservations; writes nothing."""
     phase = "planning the staging reservation"
     prepared: Prepared = run_phase(coord, phase, lambda: prepare_tensors(flatten_state(state), coord.rank, {}))
-    layouts = coord.gather(prepared.layout)
-
-    def plan() -> GlobalPlan:
-        assert layouts is not None, "the coordinator gathers every layout"
-        return plan_save(layouts)
-
-    planned: GlobalPlan | None = decide(coord, phase, plan, share=lambda _plan: None)
-    mine = coord.scatter([planned.writes[r] for r in range(coord.world_size)] if planned is not None else None)
+    _planned, mine = gather_decide_scatter(
+        coord, phase, prepared.layout, plan_save, lambda planned: [planned.writes[r] for r in range(coord.world_size)]
+    )
     return [prepared.items[i] for i in mine.tolist()]
 
 
@@ -89,7 +84,7 @@ def save(
     of a tensor stored once (a plain tensor, a replicated DTensor): docs/distributed.md.
     """
     opts = SaveOptions.of(options, overrides)
-    job = start_save(state, uri, coordinator_for(opts.process_group, "bcp.save"), opts, stage_all=False)
+    job = start_save(state, uri, ready(opts.process_group, "bcp.save").caller, opts, stage_all=False)
     job.stage()
     return job.complete()
 
@@ -136,9 +131,12 @@ def _start(
     )
     held = cache.held()
     layout = prepared.layout
-    hellos = coord.gather(hello(prepared, held))
-    decision: SaveDecision | SaveStart = decide(
-        coord, "planning the save", coordinate_save, backend, hellos, options, cache, share=lambda d: d.start
+    decision: SaveDecision | SaveStart = gather_decide(
+        coord,
+        "planning the save",
+        hello(prepared, held),
+        lambda hellos: coordinate_save(backend, hellos, options, cache),
+        share=lambda d: d.start,
     )
     start = decision.start if isinstance(decision, SaveDecision) else decision
     if session is not None:
@@ -148,15 +146,17 @@ def _start(
     else:
         # box arrays from every rank; the metadata only from the rank asked for it
         sent = layout if start.meta_from.get(layout.meta_digest) == coord.rank else layout.without_meta()
-        layouts = coord.gather(sent)
-        planned: tuple[SaveDecision, GlobalPlan] | None = decide(
-            coord, "planning the save", _plan, decision, layouts, cache, share=lambda _result: None
+        # each rank receives only its own writes, as an index array into its boxes
+        planned: tuple[SaveDecision, GlobalPlan] | None
+        planned, my_writes = gather_decide_scatter(
+            coord,
+            "planning the save",
+            sent,
+            lambda layouts: _plan(decision, layouts, cache),  # type: ignore[arg-type]  # (coordinator) a SaveDecision
+            lambda done: [done[1].writes[r] for r in range(coord.world_size)],
         )
-        plan = planned[1] if planned is not None else None
         if planned is not None:
             decision = planned[0]
-        # each rank receives only its own writes, as an index array into its boxes
-        my_writes = coord.scatter([plan.writes[r] for r in range(coord.world_size)] if plan is not None else None)
     cache.remember_writes(start.key, my_writes)  # newest last: evicted in the coordinator's order
     items = [prepared.items[i] for i in my_writes.tolist()]
     pipeline = open_pipeline(

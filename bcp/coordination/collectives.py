@@ -314,3 +314,38 @@ def decide(
             outcome = e
     shared = share_result(coord, outcome, phase)
     return result if coord.is_coordinator else shared
+
+
+def gather_decide(
+    coord: Coordinator,
+    phase: str,
+    mine: Any,
+    fn: Callable[[Any], Any],
+    *,
+    share: Callable[[Any], Any] | None = None,
+    sent: Callable[[], None] | None = None,
+) -> Any:
+    """One phase that the coordinator settles from what every rank sends: each rank's
+    ``mine`` is gathered on the coordinator, which runs ``fn(gathered)``; then as
+    :func:`decide`. ``sent()`` runs on every rank once the gather is done (a save
+    records that its report reached the coordinator). The collectives are those of
+    ``coord.gather`` then ``decide``, in that order."""
+    gathered = coord.gather(mine)
+    if sent is not None:
+        sent()
+    return decide(coord, phase, fn, gathered, share=share)
+
+
+def gather_decide_scatter(
+    coord: Coordinator,
+    phase: str,
+    mine: Any,
+    fn: Callable[[Any], Any],
+    parts: Callable[[Any], list[Any]],
+) -> tuple[Any, Any]:
+    """:func:`gather_decide` whose result stays on the coordinator (the other ranks get
+    None), followed by a scatter of ``parts(result)``, one object per rank: returns
+    ``(result, this rank's part)``."""
+    result = gather_decide(coord, phase, mine, fn, share=lambda _result: None)
+    part = coord.scatter(parts(result) if coord.is_coordinator else None)
+    return result, part

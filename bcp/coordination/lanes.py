@@ -43,6 +43,7 @@ then releases the groups.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import logging
 import os
@@ -218,6 +219,40 @@ def background_coordinator(coord: Coordinator) -> Coordinator:
         return OwnGroupCoordinator(own, coord.rank, coord.world_size, coord.cache_key)
     group = _group(dist, coord.cache_key, "background", coord.process_group, collective_timeout())
     return GroupCoordinator(group, cache_key=coord.cache_key, process_group=coord.process_group)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lanes:
+    """The coordinators of every lane of one process group, all of their groups
+    created (:func:`ready`): what a save, its commit, a drain and a load use, so that
+    no group is created inside a save's phases."""
+
+    #: the caller's thread (save, load, the manager's collectives)
+    caller: Coordinator
+    #: an async save's commit (its background thread)
+    background: Coordinator
+    #: further lanes by name ("drain": the local tier's drains)
+    others: Mapping[str, Coordinator] = dataclasses.field(default_factory=dict)
+
+    def lane(self, name: str) -> Coordinator:
+        """The coordinator of lane ``name``, asked for when ready() was called."""
+        return self.others[name]
+
+
+def ready(process_group: Any = None, operation: str = "bcp", *, lanes: tuple[str, ...] = ()) -> Lanes:
+    """(every rank of the group, on the caller's thread, before any phase) The one
+    entry into bcp's groups: the rendezvous of ``operation``, then the caller's lane,
+    the background lane and each lane of ``lanes``, each created on first use and kept
+    for the process (the network choice of ``bcp.coordination.gloo_network`` is made
+    as each is created). ``CheckpointManager`` calls it when constructed, ``bcp.save``
+    and ``bcp.async_save`` at each call (a dictionary look-up once the groups exist),
+    so a save's phases only run collectives on groups that exist already."""
+    caller = coordinator_for(process_group, operation)
+    return Lanes(
+        caller=caller,
+        background=background_coordinator(caller),
+        others={name: lane_coordinator(caller, name) for name in lanes},
+    )
 
 
 #: (base key, lane) -> bcp's own ProcessGroupGloo, or None where one could not be built

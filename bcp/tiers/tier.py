@@ -14,8 +14,8 @@
 
 Collectives run in a fixed order on every rank: the main thread's on the
 caller's lane of bcp's groups, a save's commit and replication on the background
-lane (after ``async_save``), a drain's on a lane of its own ("drain"), created when
-the tier is (bcp.coordination.lanes).
+lane, a drain's on a lane of its own ("drain"), all created with the manager
+(``bcp.coordination.lanes.ready``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import numpy as np
 
 from bcp.async_save import AfterCommit, AsyncSaveHandle, async_save
 from bcp.backends import join_uri
-from bcp.coordination.collectives import Coordinator, decide, run_phase
-from bcp.coordination.lanes import background_coordinator, lane_coordinator
+from bcp.coordination.collectives import decide, run_phase
+from bcp.coordination.lanes import Lanes
 from bcp.metadata.keys import step_name
 from bcp.options import SaveOptions
 from bcp.planning.cache import plan_cache_for
@@ -65,10 +65,12 @@ class Tier:
         *,
         storage_options: Mapping[str, Any] | None,
         process_group: Any,
-        coord: Coordinator,
+        lanes: Lanes,
         housekeeping: Callable[[list[int] | None], None],
     ) -> None:
-        """(all ranks, collective) Learn the hosts, create the drain group."""
+        """(all ranks, collective) Learn the hosts. ``lanes``: the manager's groups,
+        ready (``bcp.coordination.lanes.ready``), a "drain" lane among them."""
+        coord = lanes.caller
         self.config = config
         self.root_uri = root_uri
         self.storage_options = dict(storage_options or {})
@@ -96,8 +98,10 @@ class Tier:
             run_phase(coord, "binding the local root to the job", lambda: None)
         if coord.is_coordinator:
             warn_if_short(self.hosts, config.replicas)
-        #: the drain's group, created now: groups are created collectively, in one order
-        self.drain_coord = lane_coordinator(coord, "drain")
+        #: the drain's lane, created with the manager's: groups are created collectively, in one order
+        self.drain_coord = lanes.lane("drain")
+        #: an async local save's commit and replication (the fast path hands it over itself)
+        self.background_coord = lanes.background
         #: how free space is read (tests replace it)
         self.statvfs: Statvfs = os.statvfs
         self._local: tuple[AsyncSaveHandle, int] | None = None
@@ -147,7 +151,7 @@ class Tier:
                 state,
                 step_backend(self.root, step),
                 local_opts,
-                background_coordinator(self.coord),
+                self.background_coord,
                 self.hosts,
                 key=key,
                 writes=writes,
