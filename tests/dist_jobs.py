@@ -301,13 +301,13 @@ def failing_rank_job(rank: int, world: int, uri: str) -> None:
     import os as _os
 
     state = {"w": bcp.TensorShard(torch.full((4, 3), float(rank)), (4 * world, 3), (4 * rank, 0)), "step": 1}
-    real = _os.pwrite
-    if rank == 1:
+    real, real_v = _os.pwrite, _os.pwritev
+    if rank == 1:  # every way the file backend writes (one buffer, or a sync save's batch of many)
 
-        def broken(fd, data, offset):
+        def broken(*_args):
             raise OSError(5, "Input/output error")
 
-        _os.pwrite = broken
+        _os.pwrite = _os.pwritev = broken
     try:
         bcp.save(state, uri)
     except Exception as e:  # noqa: BLE001 - each rank raises its own type; the message is checked
@@ -316,7 +316,7 @@ def failing_rank_job(rank: int, world: int, uri: str) -> None:
     else:
         raise AssertionError(f"rank {rank}: save succeeded although rank 1 failed")
     finally:
-        _os.pwrite = real
+        _os.pwrite, _os.pwritev = real, real_v
     dist.barrier()
     assert not _os.path.exists(_os.path.join(uri, MANIFEST_KEY)), "a failed save committed"
     leftovers = [f for _d, _s, fs in _os.walk(uri) for f in fs]
