@@ -30,12 +30,12 @@ import bcp
 from bcp.backends import backend_for
 from bcp.cli import main
 from bcp.commit import commit, write_catalog
-from bcp.io_scheduler.write_pipeline import write_rank_data
 from bcp.metadata import MANIFEST_KEY, Catalog
 from bcp.metadata.keys import catalog_key, data_file_key, generation_name
 from bcp.metadata.manifest import reseal
 from bcp.saver import _decide_objects, build_manifest, prepare_save
 from bcp.verify import verify_checkpoint
+from helpers import write_rank_data
 
 
 def run(*argv: str) -> tuple[int, str, str]:

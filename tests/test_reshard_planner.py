@@ -21,13 +21,12 @@ import bcp
 from bcp.backends import backend_for
 from bcp.commit import commit, write_catalog
 from bcp.errors import ShardingError
-from bcp.io_scheduler.write_pipeline import write_rank_data
 from bcp.metadata import Catalog
 from bcp.metadata.keys import catalog_key, data_file_key, generation_name
 from bcp.planning import plan_save
 from bcp.saver import _decide_objects, build_manifest, prepare_save
 from bcp.shards import FlatShard, TensorShard, local_pieces
-from helpers import examples, tensor_bytes_equal
+from helpers import examples, tensor_bytes_equal, write_rank_data
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.complex64, torch.bool, torch.float64]
 
