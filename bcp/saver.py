@@ -25,7 +25,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Unpack
 
 import pyarrow as pa
@@ -49,6 +49,7 @@ from bcp.coordination.collectives import Coordinator, decide, run_phase
 from bcp.coordination.lanes import coordinator_for
 from bcp.errors import CheckpointExistsError, CommitUncertainError, ShardingError, UnsupportedStateError
 from bcp.gc_pause import gc_paused
+from bcp.io_scheduler.chunk_plan import Chunk
 from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline, make_pipeline
 from bcp.kept_plans import PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
 from bcp.metadata import FileEntry, Fragment, Manifest, ObjectEntry
@@ -294,7 +295,17 @@ class SaveJob:
             raise
 
     @classmethod
-    def _start(cls, state, uri, coord, options, started, session, *, stage_all: bool) -> SaveJob:
+    def _start(
+        cls,
+        state: Mapping[str, Any],
+        uri: Target,
+        coord: Coordinator,
+        options: SaveOptions,
+        started: float,
+        session: trace.Session | None,
+        *,
+        stage_all: bool,
+    ) -> SaveJob:
         backend = resolve_backend(uri, options.storage_options)
         cache = plan_cache_for(coord.cache_key)
         prepared: Prepared = run_phase(
@@ -364,7 +375,7 @@ class SaveJob:
             session,
         )
 
-    def stage(self, select=None, last: bool = True) -> None:
+    def stage(self, select: Callable[[Chunk], bool] | None = None, last: bool = True) -> None:
         """Hand chunks to the writers (those ``select`` accepts; all when None)."""
         try:
             self.pipeline.stage(select=select, last=last)
