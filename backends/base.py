@@ -90,10 +90,6 @@ class _State(enum.Enum):
     ABORTED = "aborted"
 
 
-#: The public methods of the lifecycle and the hooks they call.
-_HOOKS = (("write_at", "_write_at"), ("commit", "_commit"), ("abort", "_abort"))
-
-
 class ObjectWriter(abc.ABC):
     """Writes one object, possibly in parts, and makes it visible atomically.
 
@@ -119,8 +115,7 @@ class ObjectWriter(abc.ABC):
     """
 
     #: The root URI of the store (``Backend.uri``), for error messages and wrappers.
-    #: The empty default is for writers of the old interface that never call
-    #: ``super().__init__``; the conformance suite requires the real values.
+    #: The conformance suite requires the real value (``super().__init__`` sets it).
     uri: str = ""
     #: The key being written, exactly as passed to ``Backend.open_writer``.
     key: str = ""
@@ -131,34 +126,19 @@ class ObjectWriter(abc.ABC):
     #: leaves the writer open, so a retry loop can call ``commit`` again; any other
     #: failure aborts it. For writers whose ``_commit`` can simply run again.
     retryable_commit: bool = False
-    #: Written for the old interface (overrides ``commit`` itself): it managed its own
-    #: failures, so a failed commit leaves it open for the caller to retry or abort.
-    _legacy_commit: bool = False
 
     _state: _State
     _lifecycle: threading.RLock
 
     def __new__(cls, *args: object, **kwargs: object) -> Self:
-        # Here, not in __init__: writers written for the old interface never call super().__init__.
+        # Here, not in __init__: the lifecycle holds even for a writer that forgets super().__init__.
         self = super().__new__(cls)
         self._state = _State.OPEN
-        self._lifecycle = threading.RLock()  # re-entrant: an old-style commit may call self.abort()
+        self._lifecycle = threading.RLock()  # re-entrant: a failed commit aborts under it
         return self
 
     def __init__(self, uri: str, key: str) -> None:
         self.uri, self.key = uri, key
-
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        """Adopt writers written for the old interface, which overrode ``write_at``,
-        ``commit`` and ``abort`` themselves: those become the class's hooks, so the
-        lifecycle checks apply to it too and it still constructs."""
-        super().__init_subclass__(**kwargs)
-        for public, hook in _HOOKS:
-            if public in cls.__dict__ and getattr(getattr(cls, hook), "__isabstractmethod__", False):
-                setattr(cls, hook, cls.__dict__[public])
-                delattr(cls, public)
-                if public == "commit":
-                    cls._legacy_commit = True
 
     # -- the lifecycle ------------------------------------------------------------------
 
@@ -182,7 +162,7 @@ class ObjectWriter(abc.ABC):
             try:
                 self._commit()
             except BaseException as e:
-                retry = self._legacy_commit or (self.retryable_commit and is_transient(e))
+                retry = self.retryable_commit and is_transient(e)
                 if self._state is _State.OPEN and not retry:
                     self.abort_after_failure()
                 raise

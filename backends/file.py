@@ -106,7 +106,7 @@ class FileBackend(Backend):
         self._dir_mode = None if file_mode is None else file_mode | ((file_mode & 0o444) >> 2)
 
     @classmethod
-    def from_uri(cls, uri: str, **options) -> Self:
+    def from_uri(cls, uri: str, **options: object) -> Self:
         """``file:///abs/path``, ``file://localhost/abs/path``, ``file:/abs/path`` (RFC
         8089's one-slash form; percent-escapes decoded), or a plain path taken as it is
         (``bcp.backends.backend_for`` refuses a ``?`` in one before it gets here)."""

@@ -36,7 +36,7 @@ class MemoryBackend(Backend):
         self.root = root.strip("/")
 
     @classmethod
-    def from_uri(cls, uri: str, **options) -> Self:
+    def from_uri(cls, uri: str, **options: object) -> Self:
         reject_unknown("memory", uri.partition("?")[0], options, known=())
         parts = urlsplit(uri)
         root = "/".join(p for p in (parts.netloc, unquote(parts.path).strip("/")) if p)

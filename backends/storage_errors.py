@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 #: Names whose values are secrets (signed URLs, tokens, keys, passwords), in query
 #: strings, ``name=value`` / ``name: value`` text, JSON and Python reprs.
@@ -91,11 +91,12 @@ class StorageError(OSError):
     def __str__(self) -> str:  # OSError.__str__ would format errno fields instead
         return self.args[0]
 
-    def __reduce__(self):  # keep pickling (multiprocessing, collectives) working, notes and added fields too
+    # keep pickling (multiprocessing, collectives) working, notes and added fields too
+    def __reduce__(self) -> tuple[Callable[..., StorageError], tuple[object, ...], dict[str, object]]:
         return (_rebuild, (type(self), self.reason, self.uri, self.key, self.action), dict(vars(self)))
 
 
-def _rebuild(cls, reason, uri, key, action):
+def _rebuild(cls: type[StorageError], reason: str, uri: str, key: str, action: str) -> StorageError:
     return cls(reason, uri=uri, key=key, action=action)
 
 

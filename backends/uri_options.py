@@ -10,7 +10,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECAS
 _POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 
 
-def as_size(name: str, value) -> int:
+def as_size(name: str, value: object) -> int:
     """Bytes from an int or a string: ``"64MiB"`` and ``"8M"`` are binary,
     ``"5GB"`` is decimal (as Hugging Face shard sizes are), ``"1048576"`` bytes."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -22,7 +22,7 @@ def as_size(name: str, value) -> int:
     return int(float(m.group(1)) * (1000 if decimal else 1024) ** _POWERS[m.group(2).upper()])
 
 
-def as_bool(name: str, value) -> bool:
+def as_bool(name: str, value: object) -> bool:
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -33,9 +33,9 @@ def as_bool(name: str, value) -> bool:
     raise ValueError(f"option {name}={value!r} is not a boolean (true/false)")
 
 
-def as_int(name: str, value, *, minimum: int = 0) -> int:
+def as_int(name: str, value: object, *, minimum: int = 0) -> int:
     try:
-        n = int(value)
+        n = int(value)  # type: ignore[call-overload]  # any value: int() raises what the except turns into a message
     except (TypeError, ValueError):
         raise ValueError(f"option {name}={value!r} is not an integer") from None
     if n < minimum:
@@ -43,12 +43,12 @@ def as_int(name: str, value, *, minimum: int = 0) -> int:
     return n
 
 
-def as_timeout(value) -> float | None:
+def as_timeout(value: object) -> float | None:
     """Seconds from ``timeout=...``; None for ``0``/``none`` (no limit of bcp's own)."""
     if value is None or str(value).strip().lower() == "none":
         return None
     try:
-        seconds = float(value)
+        seconds = float(value)  # type: ignore[arg-type]  # any value: float() raises what the except reports
     except (TypeError, ValueError):
         raise ValueError(f"option timeout={value!r} is not a number of seconds (0 or none: no limit)") from None
     if not seconds >= 0 or seconds == float("inf"):
@@ -92,10 +92,10 @@ def reject_unknown(kind: str, uri: str, options: dict, known: Iterable[str] | No
         raise TypeError(f"unknown option(s) for the {kind} backend ({uri}): {', '.join(sorted(options))}; {takes}")
 
 
-def as_float(name: str, value, *, minimum: float = 0.0) -> float:
+def as_float(name: str, value: object, *, minimum: float = 0.0) -> float:
     """A finite number >= ``minimum`` from a float, an int or text (``"0.5"``)."""
     try:
-        number = float(value)
+        number = float(value)  # type: ignore[arg-type]  # any value: float() raises what the except reports
     except (TypeError, ValueError):
         raise ValueError(f"option {name}={value!r} is not a number") from None
     if not math.isfinite(number) or number < minimum:

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Self, TypeVar
 
-from bcp.backends.base import Backend, Buffer, ObjectWriter, Unfinished
+from bcp.backends.base import Backend, Buffer, IOHints, ObjectWriter, Unfinished
 from bcp.backends.retry import RetryPolicy
 from bcp.backends.storage_errors import ObjectExistsError, TransientError
+
+T = TypeVar("T")
 
 
 class ForwardingBackend(Backend):
@@ -30,11 +33,11 @@ class ForwardingBackend(Backend):
         self.network = getattr(inner, "network", False)
 
     @classmethod
-    def from_uri(cls, uri: str, **options):  # pragma: no cover - wrappers are built directly
+    def from_uri(cls, uri: str, **options: object) -> Self:  # pragma: no cover - wrappers are built directly
         raise TypeError(f"{cls.__name__} wraps a backend; build it with {cls.__name__}(backend)")
 
     @property
-    def hints(self):
+    def hints(self) -> IOHints:
         return self.inner.hints
 
     def unwrap(self) -> Backend:
@@ -90,7 +93,7 @@ class RetryingBackend(ForwardingBackend):
         super().__init__(inner)
         self.policy = policy or RetryPolicy()
 
-    def _call(self, action: str, key: str, fn):
+    def _call(self, action: str, key: str, fn: Callable[[], T]) -> T:
         return self.policy.call(fn, uri=self.uri, key=key, action=action)
 
     def open_writer(self, key: str, *, size: int | None = None) -> ObjectWriter:
@@ -118,7 +121,7 @@ class RetryingBackend(ForwardingBackend):
     def write_if_absent(self, key: str, data: Buffer) -> None:
         failed_before = False
 
-        def attempt():
+        def attempt() -> None:
             nonlocal failed_before
             try:
                 return self.inner.write_if_absent(key, data)
@@ -197,7 +200,7 @@ class FaultInjectingBackend(ForwardingBackend):
         inner: Backend,
         *,
         fail_every: int = 0,
-        actions=ACTIONS,
+        actions: Iterable[str] = ACTIONS,
         fail_after: bool = False,
         latency: float = 0.0,
         truncate_every: int = 0,
@@ -239,7 +242,7 @@ class FaultInjectingBackend(ForwardingBackend):
             return PermissionError(reason)
         return TransientError(reason, uri=self.uri, key=key, action=action)
 
-    def _run(self, action: str, key: str, fn):
+    def _run(self, action: str, key: str, fn: Callable[[], T]) -> T:
         with self._lock:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)

@@ -94,7 +94,7 @@ class AsyncSaveHandle:
         #: AfterCommit.run (the local tier's hook point), or None
         self._after_commit: Callable[[SaveJob, SaveInfo], None] | None = None
 
-    def _run(self, background_stage=None) -> None:
+    def _run(self, background_stage: Callable[[], None] | None = None) -> None:
         try:
             if background_stage is not None:
                 background_stage()  # training's next step() waits for this: at full priority

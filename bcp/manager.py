@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from types import TracebackType
 from typing import Any, Unpack
 
 from bcp import trace
@@ -39,7 +40,7 @@ from bcp.loader import load_with_info
 from bcp.metadata.keys import step_name
 from bcp.metrics import MetricsCallback, MetricsRecord, stage_gbps
 from bcp.options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
-from bcp.retention import check_policy, plan_gc, run_gc, write_latest
+from bcp.retention import RetentionPolicy, check_policy, plan_gc, run_gc, write_latest
 from bcp.saver import SaveInfo, save
 from bcp.target import resolve_backend
 from bcp.tiers import LocalTier
@@ -99,7 +100,7 @@ class CheckpointManager:
             raise ValueError(f"gc_grace_seconds must be >= 0, got {gc_grace_seconds}")
         self.gc_grace_seconds = gc_grace_seconds
         self.root_uri = os.fspath(root_uri)
-        self.policy = {"keep_last": keep_last, "keep_every": keep_every, "keep_best": keep_best}
+        self.policy: RetentionPolicy = {"keep_last": keep_last, "keep_every": keep_every, "keep_best": keep_best}
         self.async_save = async_save
         self.storage_options = dict(storage_options or {})
         self.process_group = process_group
@@ -340,7 +341,9 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
         elif self._pending is not None or self._tier is not None:  # an error in training: still finish what was staged

@@ -30,7 +30,7 @@ _NP_KINDS = "biufcmMSU"
 _INT64_MAX = (1 << 63) - 1
 
 
-def _b64(data) -> str:
+def _b64(data: bytes | bytearray | memoryview) -> str:
     return base64.b64encode(bytes(data)).decode("ascii")
 
 

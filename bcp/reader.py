@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import math
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -31,7 +32,7 @@ from bcp.io_scheduler.device_load import DeviceFill
 from bcp.io_scheduler.read_exec import ReadStats, execute_reads
 from bcp.io_scheduler.read_plan import RunSet, plan_tensor_reads, touched_rows
 from bcp.io_scheduler.staging import StagingPool, default_pool
-from bcp.metadata import Catalog, FormatError, Fragment, Manifest, TensorEntry, crc32c
+from bcp.metadata import Catalog, FormatError, Fragment, Manifest, ObjectEntry, TensorEntry, crc32c
 from bcp.metadata.catalog.sections import TRAILER, is_v2
 from bcp.metadata.geometry import Box, intersect
 from bcp.metadata.keys import manifest_key
@@ -388,7 +389,7 @@ class CheckpointReader:
             kind = "an object, not a tensor" if fqn in self.manifest.objects else "not in the checkpoint"
             raise KeyError(f"{fqn!r} is {kind} ({self.uri})") from None
 
-    def _object_entry(self, fqn: str, rank: int | None = None):
+    def _object_entry(self, fqn: str, rank: int | None = None) -> ObjectEntry:
         entries = self.manifest.objects.get(fqn)
         if not entries:
             kind = "a tensor, not an object" if fqn in self.catalog.tensors else "not in the checkpoint"
@@ -421,7 +422,7 @@ class CheckpointReader:
     def __enter__(self) -> CheckpointReader:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -430,7 +431,9 @@ class CheckpointReader:
         )
 
 
-def _held_parts(landing: torch.Tensor, box: Box, held: dict[Box, torch.Tensor]):
+def _held_parts(
+    landing: torch.Tensor, box: Box, held: dict[Box, torch.Tensor]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(part of ``landing``, the values for it) for each fragment in ``held`` (stored
     box -> values already in memory) that overlaps ``box``, the box ``landing`` holds."""
     for (f_off, f_len), values in held.items():

@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypedDict, Unpack
 
 from bcp import commit
 from bcp.backends import Backend, Unfinished, join_uri
@@ -60,7 +61,15 @@ def select_kept(
     return kept
 
 
-def check_policy(keep_last, keep_every, keep_best) -> None:
+class RetentionPolicy(TypedDict, total=False):
+    """The retention keywords ``plan_gc`` passes on to :func:`select_kept`."""
+
+    keep_last: int | None
+    keep_every: int | None
+    keep_best: tuple[str, int, str] | None
+
+
+def check_policy(keep_last: int | None, keep_every: int | None, keep_best: tuple[str, int, str] | None) -> None:
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     if keep_every is not None and keep_every < 1:
@@ -108,7 +117,7 @@ def plan_gc(
     busy: Iterable[int] = (),
     generations_of: Iterable[int] | None = None,
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
-    **policy,
+    **policy: Unpack[RetentionPolicy],
 ) -> GcPlan:
     """What ``gc`` would delete, from one listing: incomplete steps (except ``busy``
     ones being written now, and any younger than ``grace_seconds``), committed steps
@@ -196,7 +205,7 @@ def run_gc(backend: Backend, plan: GcPlan) -> list[str]:
     Returns the failures, one line each."""
     failures: list[str] = []
 
-    def attempt(what: str, fn, *args) -> None:
+    def attempt(what: str, fn: Callable[..., object], *args: object) -> None:
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001 - each failure is reported; the others still run

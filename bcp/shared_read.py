@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -107,29 +107,6 @@ class SharePlan:
     @property
     def starts(self) -> np.ndarray:
         return self._needers[1]
-
-    @property
-    def n_needers(self) -> int:
-        """(fragment, needing rank) pairs in all, without expanding them."""
-        sizes = np.bincount(self.rank_class, minlength=int(self.rank_class.max()) + 1 if len(self.rank_class) else 0)
-        return int(sizes[self.pair_classes].sum()) if len(self.pair_classes) else 0
-
-    def as_dict(
-        self, names: Sequence[str], ndims: Sequence[int] | Mapping[int, int]
-    ) -> dict[SharedKey, tuple[int, list[int]]]:
-        """(fqn, stored box) -> (owner, receiving ranks)."""
-        out: dict[SharedKey, tuple[int, list[int]]] = {}
-        needers, starts = self.needers.tolist(), self.starts.tolist()
-        rows = zip(
-            self.tensors.tolist(), self.offsets.tolist(), self.lengths.tolist(), self.owners.tolist(), strict=True
-        )
-        for k, (t, o, n, owner) in enumerate(rows):
-            d = ndims[t]
-            out[(names[t], (tuple(o[:d]), tuple(n[:d])))] = (
-                owner,
-                [r for r in needers[starts[k] : starts[k + 1]] if r != owner],
-            )
-        return out
 
     def parts(self, world: int) -> list[SharePart]:
         """Each rank's part (:mod:`.share_parts`: arrays per class, receivers decoded
@@ -492,17 +469,6 @@ def _water_level(have: list[int], total: int) -> float:
         if i + 1 == len(ascending) or fill <= ascending[i + 1]:
             return fill
     return 0.0
-
-
-def plan_sharing(
-    reader: CheckpointReader, wanted_by_rank: list[list[tuple[str, Box]]]
-) -> dict[SharedKey, tuple[int, list[int]]]:
-    """(fqn, stored box) -> (owner rank, receiving ranks) for fragments some of whose
-    bytes several ranks want. Fragments that ranks split between them (a reshard
-    cutting a fragment into disjoint parts) are not shared: nothing would be saved."""
-    plan = plan_shares(reader, [Wanted.encode(reader, w) for w in wanted_by_rank])
-    names = list(reader.catalog.tensors)
-    return plan.as_dict(names, [len(reader.catalog.shape(f)) for f in names])
 
 
 def fetch_shared(

@@ -25,7 +25,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import overload
 
 import pytest
 import torch
@@ -75,7 +76,11 @@ def realistic_state(seed: int = 0, scale: int = 1) -> dict:
     }
 
 
-def template_like(state):
+@overload
+def template_like(state: Mapping[str, object]) -> dict[str, object]: ...
+@overload
+def template_like(state: object) -> object: ...
+def template_like(state: object) -> object:
     """Same structure, tensors zeroed, objects blanked: what a resuming job passes."""
     if isinstance(state, torch.Tensor):
         return torch.zeros_like(state)
@@ -98,7 +103,7 @@ def same_bytes(got: torch.Tensor, want: torch.Tensor) -> bool:
     return got.dtype == want.dtype and got.shape == want.shape and torch.equal(raw_bytes(got), raw_bytes(want))
 
 
-def assert_same(got, want, where: str = "state") -> None:
+def assert_same(got: object, want: object, where: str = "state") -> None:
     """``got`` is ``want`` after a round trip: the same containers and objects, and
     tensors bit for bit (:func:`same_bytes`)."""
     if isinstance(want, torch.Tensor):
@@ -112,7 +117,7 @@ def assert_same(got, want, where: str = "state") -> None:
         for k, v in want.items():
             assert_same(lookup[str(k)], v, f"{where}.{k}")
     elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{where}: length differs"
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), f"{where}: length differs"
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
             assert_same(a, b, f"{where}[{i}]")
     else:

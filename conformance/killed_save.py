@@ -23,7 +23,7 @@ import time
 import torch
 
 import bcp
-from bcp.backends import Buffer, backend_for
+from bcp.backends import Buffer, ObjectWriter, backend_for
 from bcp.backends.registry import import_plugins
 from bcp.backends.wrappers import ForwardingBackend, ForwardingWriter
 
@@ -38,7 +38,7 @@ class _AnnouncingWriter(ForwardingWriter):
 class _AnnouncingBackend(ForwardingBackend):
     """Announces the first data write, then slows every part down."""
 
-    def open_writer(self, key, *, size=None):
+    def open_writer(self, key: str, *, size: int | None = None) -> ObjectWriter:
         writer = self.inner.open_writer(key, size=size)
         return _AnnouncingWriter(writer) if key.endswith(".bin") else writer
 

@@ -47,7 +47,7 @@ def probe(backend: Backend, *, total_bytes: int = 256 * MiB, small_reads: int = 
         for streams in (1, 2, 4, 8, 16):
             buffers = [bytearray(piece) for _ in range(streams)]
 
-            def read(index_offset, buffers=buffers, streams=streams):
+            def read(index_offset: tuple[int, int], buffers: list[bytearray] = buffers, streams: int = streams) -> None:
                 index, offset = index_offset
                 backend.read_exact(key, offset, memoryview(buffers[index % streams])[: min(piece, total - offset)])
 

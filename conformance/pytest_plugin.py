@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from bcp.conformance.report import Check
 
 
-def pytest_addoption(parser) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("bcp-conformance", "bcp storage conformance suite")
     group.addoption("--bcp-uri", default=None, help="root URI of an empty location in the store under test")
     group.addoption(
@@ -49,7 +49,7 @@ def pytest_addoption(parser) -> None:
     )
 
 
-def pytest_configure(config) -> None:
+def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes more than a few seconds (skipped by --bcp-level quick)")
     imports = config.getoption("--bcp-import", default=[]) or []
     if imports:
@@ -63,7 +63,7 @@ def pytest_configure(config) -> None:
         config.pluginmanager.register(ReportPlugin(config), "bcp-conformance-report")
 
 
-def target_uri(config) -> str | None:
+def target_uri(config: pytest.Config) -> str | None:
     """--bcp-uri with every --bcp-option merged into its query string."""
     from urllib.parse import parse_qsl, urlencode
 
@@ -85,7 +85,7 @@ def target_uri(config) -> str | None:
 
 
 class ReportPlugin:
-    def __init__(self, config) -> None:
+    def __init__(self, config: pytest.Config) -> None:
         from bcp.conformance.report import Report
 
         self.config = config
@@ -94,7 +94,7 @@ class ReportPlugin:
         #: nodeid -> heading, taken from each collected test's class (see report.heading_of).
         self.headings: dict[str, str] = {}
 
-    def pytest_collection_modifyitems(self, config, items) -> None:
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         from bcp.conformance.report import heading_of
 
         for item in items:
@@ -111,7 +111,7 @@ class ReportPlugin:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
 
-    def pytest_runtest_logreport(self, report) -> None:
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         from bcp.conformance.report import OTHER, Check
 
         name = report.nodeid.split("::")[-1]
@@ -122,6 +122,8 @@ class ReportPlugin:
             self.report.checks.append(check)
         check.seconds += report.duration
         for key, value in report.user_properties:
+            if not isinstance(value, dict):  # the suite records dicts under both keys
+                continue
             if key == "figures":
                 check.figures = value
             elif key == "backend":
@@ -134,11 +136,11 @@ class ReportPlugin:
             check.outcome = "failed" if report.when == "call" else "error"
             check.why = _failure_line(report)
 
-    def pytest_terminal_summary(self, terminalreporter) -> None:
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_sep("=", "bcp conformance report")
         terminalreporter.write_line(self.report.to_text())
 
-    def pytest_sessionfinish(self, session) -> None:
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
         path = self.config.getoption("--bcp-report")
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -146,7 +148,7 @@ class ReportPlugin:
                 f.write(self.report.to_json())
 
 
-def _failure_line(report) -> str:
+def _failure_line(report: pytest.TestReport) -> str:
     """The assertion's own message (which names the guarantee), on one line; a very
     long one is cut at a word boundary (report.shorten)."""
     from bcp.conformance.report import shorten

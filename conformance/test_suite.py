@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from bcp.backends import Capability, backend_for, join_uri
+from bcp.backends import Backend, Capability, backend_for, join_uri
 from bcp.conformance.checkpoint_contract import CheckpointContractTests
 from bcp.conformance.object_contract import BackendContractTests
 from bcp.conformance.probe import probe
@@ -17,7 +18,7 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="session")
-def bcp_uri(pytestconfig) -> str:
+def bcp_uri(pytestconfig: pytest.Config) -> str:
     uri = target_uri(pytestconfig)
     if not uri:
         pytest.skip("no store given: run with --bcp-uri URI (or use `bcp conformance URI`)")
@@ -25,7 +26,7 @@ def bcp_uri(pytestconfig) -> str:
 
 
 @pytest.fixture(scope="session")
-def backend_facts(bcp_uri) -> dict:
+def backend_facts(bcp_uri: str) -> dict:
     b = backend_for(bcp_uri)
     inner = b.unwrap()
     caps = [c.name for c in Capability if c.name and c in b.capabilities and c is not Capability.NONE]
@@ -40,7 +41,9 @@ def backend_facts(bcp_uri) -> dict:
 
 class TestObjectContract(BackendContractTests):
     @pytest.fixture
-    def backend(self, bcp_uri, backend_facts, record_property):
+    def backend(
+        self, bcp_uri: str, backend_facts: dict, record_property: Callable[[str, object], None]
+    ) -> Iterator[Backend]:
         record_property("backend", backend_facts)
         b = backend_for(join_uri(bcp_uri, f"obj-contract-{uuid.uuid4().hex[:12]}"))
         yield b
@@ -52,7 +55,7 @@ class TestObjectContract(BackendContractTests):
 
 class TestCheckpointContract(CheckpointContractTests):
     @pytest.fixture
-    def store_uri(self, bcp_uri) -> str:
+    def store_uri(self, bcp_uri: str) -> str:
         return bcp_uri
 
 
@@ -61,7 +64,9 @@ class TestPerformanceProbe:
 
     report_heading = "performance (reported, not judged)"
 
-    def test_performance_probe(self, bcp_uri, pytestconfig, record_property) -> None:
+    def test_performance_probe(
+        self, bcp_uri: str, pytestconfig: pytest.Config, record_property: Callable[[str, object], None]
+    ) -> None:
         full = pytestconfig.getoption("--bcp-level") == "full"
         mib = pytestconfig.getoption("--bcp-probe-mib") or (256 if full else 32)
         figures = probe(

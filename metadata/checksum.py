@@ -22,9 +22,13 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 from functools import cache
+from typing import TYPE_CHECKING
 
 import crc32c as _crc32c_pkg
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 ALGORITHM = "crc32c"
 #: Default block size. Each fragment is split into blocks from its first byte.
@@ -56,19 +60,19 @@ IMPLEMENTATION, _impl = _pick()
 crc32c_c: Callable[..., int] = _impl
 
 
-def crc32c(data, value: int = 0) -> int:
+def crc32c(data: Buffer, value: int = 0) -> int:
     """CRC32C of ``data`` (any contiguous buffer), continuing from ``value``."""
     return _impl(memoryview(data).cast("B"), value)
 
 
-def crc32c_raw(data, value: int = 0) -> int:
+def crc32c_raw(data: Buffer, value: int = 0) -> int:
     """CRC32C of the raw bytes of ``data``, a C-contiguous buffer of any format, taken
     as is (no memoryview made: for many small buffers, where that costs more than the
     CRC itself)."""
     return _impl(data, value)
 
 
-def block_checksums(data, block_bytes: int) -> list[int]:
+def block_checksums(data: Buffer, block_bytes: int) -> list[int]:
     """CRC32C of each ``block_bytes`` block of ``data`` (the last one may be short).
     An empty buffer has no blocks."""
     view = memoryview(data).cast("B")

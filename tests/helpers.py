@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from hypothesis import settings
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from bcp.metadata.geometry import Box
+    from bcp.reader import CheckpointReader
+    from bcp.shared_read import SharePlan
+
+    SharedKey = tuple[str, Box]
 
 
 def examples(n: int) -> int:
@@ -89,3 +98,43 @@ def fsdp_catalog_rows(tensors: int = 200, ranks: int = 64) -> list:
         for i in range(tensors)
         for r in range(ranks)
     ]
+
+
+# -- test-only helpers moved out of the library (issue 38: no library caller) --------------
+
+
+def share_plan_dict(
+    plan: SharePlan, names: Sequence[str], ndims: Sequence[int] | Mapping[int, int]
+) -> dict[SharedKey, tuple[int, list[int]]]:
+    """A ``SharePlan`` as (fqn, stored box) -> (owner, receiving ranks), for comparing
+    it with a reference plan."""
+    out: dict[SharedKey, tuple[int, list[int]]] = {}
+    needers, starts = plan.needers.tolist(), plan.starts.tolist()
+    rows = zip(plan.tensors.tolist(), plan.offsets.tolist(), plan.lengths.tolist(), plan.owners.tolist(), strict=True)
+    for k, (t, o, n, owner) in enumerate(rows):
+        d = ndims[t]
+        out[(names[t], (tuple(o[:d]), tuple(n[:d])))] = (
+            owner,
+            [r for r in needers[starts[k] : starts[k + 1]] if r != owner],
+        )
+    return out
+
+
+def share_plan_pairs(plan: SharePlan) -> int:
+    """A ``SharePlan``'s (fragment, needing rank) pairs in all, counted per rank class
+    without expanding them."""
+    rc = plan.rank_class
+    sizes = np.bincount(rc, minlength=int(rc.max()) + 1 if len(rc) else 0)
+    return int(sizes[plan.pair_classes].sum()) if len(plan.pair_classes) else 0
+
+
+def plan_sharing(
+    reader: CheckpointReader, wanted_by_rank: list[list[tuple[str, Box]]]
+) -> dict[SharedKey, tuple[int, list[int]]]:
+    """(fqn, stored box) -> (owner rank, receiving ranks) for the fragments several
+    ranks want bytes of (``bcp.shared_read.plan_shares`` as a dict)."""
+    from bcp.shared_read import Wanted, plan_shares
+
+    plan = plan_shares(reader, [Wanted.encode(reader, w) for w in wanted_by_rank])
+    names = list(reader.catalog.tensors)
+    return share_plan_dict(plan, names, [len(reader.catalog.shape(f)) for f in names])

@@ -13,6 +13,7 @@ The library is one namespace from four folders (pyproject's ``package-dir``):
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -291,3 +292,135 @@ def test_the_parking_check_sees_a_copy(tmp_path):
         "class W:\n    def loop(self, e):\n        self.error = self.error or e\n"
     )
     assert parked_errors(tmp_path / "a.py") == ["stage"]
+
+
+# -- dead code (issue 38) -------------------------------------------------------------------------
+
+#: Top-level functions that nothing in the library names, called from outside by name.
+#: Each with the caller that finds it.
+CALLED_FROM_OUTSIDE = {
+    # pytest calls a plugin's hooks by name (entry point pytest11 = bcp.conformance.pytest_plugin)
+    "bcp.conformance.pytest_plugin.pytest_addoption": "pytest hook",
+    "bcp.conformance.pytest_plugin.pytest_configure": "pytest hook",
+    # the conformance suite's fixtures, which pytest injects by parameter name
+    "bcp.conformance.test_suite.bcp_uri": "pytest fixture",
+    "bcp.conformance.test_suite.backend_facts": "pytest fixture",
+    # the memory store is process-wide; its users (tests, notebooks) empty it between runs
+    "bcp.backends.memory.clear_memory_store": "memory:// store's reset",
+    # the plan caches are process-wide; the way to plan from scratch again (tests, benchmarks)
+    "bcp.planning.cache.clear_plan_caches": "plan caches' reset",
+    # the identity the vectorised combiner (_Combiner) computes in bulk, kept as its reference
+    "bcp.metadata.checksum.crc32c_combine": "CRC32C combine identity",
+}
+
+
+def _names_used(tree: ast.AST) -> set[str]:
+    """Every name a module reads: names, attributes, names imported, strings (``__all__``)."""
+    used: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            used.add(node.attr)
+        elif isinstance(node, ast.alias):
+            used.add(node.name.rpartition(".")[2])
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            used.add(node.value)
+    return used
+
+
+def unused_functions(modules: dict[str, Path], public_text: str = "") -> list[str]:
+    """``module.function`` for each top-level function that no module of the library
+    uses (its own module included, past its definition) and ``public_text`` (the docs,
+    the README, pyproject's entry points) does not name."""
+    trees = {name: ast.parse(path.read_text(), str(path)) for name, path in modules.items()}
+    used: set[str] = set()
+    for tree in trees.values():
+        used |= _names_used(tree)
+    out = []
+    for name, tree in trees.items():
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.name in used:
+                continue
+            named = re.search(rf"\b{re.escape(node.name)}\b", public_text)
+            if f"{name}.{node.name}" not in CALLED_FROM_OUTSIDE and not named:
+                out.append(f"{name}.{node.name}")
+    return out
+
+
+def public_text() -> str:
+    """What users are told exists: the README, every docs page, pyproject.toml (scripts
+    and entry points)."""
+    pages = [ROOT / "README.md", ROOT / "pyproject.toml", *sorted((ROOT / "docs").rglob("*.md"))]
+    return "\n".join(p.read_text() for p in pages)
+
+
+def test_every_top_level_function_of_the_library_has_a_caller():
+    """Dead code cannot come back silently: a function only tests call lives in tests/
+    (tests/helpers.py), one nothing calls is deleted. Before issue 38 this found
+    ``read_plan.choose_replicas`` (no caller) and ``write_pipeline.write_rank_data``,
+    ``shared_read.plan_sharing``, ``tiers.recover.recover_latest`` (tests only)."""
+    modules = library_modules()
+    assert unused_functions(modules, public_text()) == []
+    defined = {
+        f"{name}.{node.name}"
+        for name, path in modules.items()
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+    assert set(CALLED_FROM_OUTSIDE) <= defined, "an allowed function no longer exists: take it off the list"
+
+
+def test_the_dead_code_check_sees_a_function_nothing_calls(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("from pkg.a import kept\n")
+    (tmp_path / "pkg" / "a.py").write_text(
+        "def kept():\n    return _used()\n\ndef _used():\n    return 1\n\n"
+        "def dead():\n    return 2\n\ndef documented():\n    return 3\n"
+    )
+    modules = library_modules(tmp_path, {"pkg": "pkg"})
+    assert unused_functions(modules, "call `documented()`") == ["pkg.a.dead"]
+
+
+def unannotated_functions(modules: dict[str, Path]) -> list[str]:
+    """``module:line name`` for each function (nested ones and methods too) with a
+    parameter or a return left unannotated, as mypy's ``disallow_untyped_defs`` sees it:
+    ``self``/``cls`` of a method need none, nor does ``__init__``'s return."""
+    out = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        methods = {
+            id(f)
+            for c in ast.walk(tree)
+            if isinstance(c, ast.ClassDef)
+            for f in c.body
+            if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, [a.vararg, a.kwarg])]
+            static = any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in node.decorator_list)
+            if id(node) in methods and not static and a.posonlyargs + a.args:
+                params = params[1:]
+            if any(p.annotation is None for p in params) or (node.returns is None and node.name != "__init__"):
+                out.append(f"{name}:{node.lineno} {node.name}")
+    return out
+
+
+def test_every_function_of_the_library_is_annotated():
+    """pyproject's mypy runs with ``disallow_untyped_defs``; this says the same in the
+    fast tier, without mypy's minute. Before issue 38, 55 functions lacked annotations."""
+    assert unannotated_functions(library_modules()) == []
+
+
+def test_the_annotation_check_sees_a_missing_annotation(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text(
+        "class C:\n    def __init__(self, x: int):\n        pass\n\n    def m(self, y) -> None:\n        pass\n\n"
+        "    @staticmethod\n    def s(z: int) -> int:\n        return z\n\n"
+        "def f(*args: int, **kw: int):\n    def inner(v: int) -> int:\n        return v\n    return inner\n"
+    )
+    assert sorted(unannotated_functions(library_modules(tmp_path, {"pkg": "pkg"}))) == ["pkg.a:12 f", "pkg.a:5 m"]

@@ -17,7 +17,7 @@ import bcp.errors
 from bcp.io_scheduler.share_parts import SHARE_PART_VERSION, SharePart
 from bcp.metadata.geometry import stable_order
 from bcp.shared_read import Wanted, plan_shares
-from helpers import examples
+from helpers import examples, share_plan_pairs
 from test_load_plan_fast import SHAPES, dest_boxes, stored_layout
 from test_shared_read_plan import reader_of, sliced
 
@@ -102,7 +102,7 @@ def test_class_parts_decode_to_the_per_fragment_parts(case, extra):
     ndims = [len(reader.catalog.shape(f)) for f in names]
     got = plan.parts(world)
     assert len(got) == world
-    assert plan.n_needers == len(plan.needers) == sum(len(p.tags) for p in got)
+    assert share_plan_pairs(plan) == len(plan.needers) == sum(len(p.tags) for p in got)
     for r, (part, want) in enumerate(zip(got, ref_parts(plan, world), strict=True)):
         part.check(rank=r, world=world, ndims=ndims)
         tags, tensors, offsets, lengths, owners, receivers, recv_starts = want

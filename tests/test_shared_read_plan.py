@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from bcp.metadata import Catalog, Fragment, itemsize
 from bcp.metadata.geometry import Box, intersect
-from bcp.shared_read import Wanted, plan_shares, plan_sharing
-from helpers import examples
+from bcp.shared_read import Wanted, plan_shares
+from helpers import examples, plan_sharing, share_plan_dict
 from test_load_plan_fast import SHAPES, cuts, dest_boxes, grid, ref_choose_replicas, stored_layout
 
 SharedKey = tuple[str, Box]
@@ -130,7 +130,7 @@ def test_each_rank_gets_only_its_part():
     wanted = [[("w", ((0, 0), shape))]] * 3 + [[("w", ((0, 0), (3, 4)))], []]
     plan = plan_shares(reader, [Wanted.encode(reader, w) for w in wanted])
     parts = plan.parts(5)
-    shared = plan.as_dict(["w"], [2])
+    shared = share_plan_dict(plan, ["w"], [2])
     assert len(shared) == 4 and all(len(rs) + 1 in (3, 4) for _o, rs in shared.values())
     owners = {owner for owner, _rs in shared.values()}
     assert owners <= {0, 1, 2, 3} and len(owners) >= 3, f"reads not spread: {shared}"
@@ -204,7 +204,7 @@ def test_cut_index_plan_equals_general_plan(shapes, ranks, data):
         a, b = getattr(fast, field), getattr(general, field)
         assert np.array_equal(a, b), field
     names_all = list(reader.catalog.tensors)
-    got = fast.as_dict(names_all, [len(reader.catalog.tensors[f].global_shape) for f in names_all])
+    got = share_plan_dict(fast, names_all, [len(reader.catalog.tensors[f].global_shape) for f in names_all])
     want = ref_plan_sharing(reader, wanted)
     assert sorted(got) == list(want)
     for key, (owner, receivers) in got.items():

@@ -27,7 +27,7 @@ from bcp.tiers.hosts import HostMap
 from bcp.tiers.inventory import StepCopy, choose_local, list_local, local_wins
 from bcp.tiers.job import JOB_NAME, job_identity, read_job
 from bcp.tiers.paths import HOLDING_NAME, local_root
-from bcp.tiers.recover import recover_latest, recover_latest_with_info
+from bcp.tiers.recover import recover_latest_with_info
 from bcp.tiers.recovery_dir import RECOVERY_PREFIX
 from helpers import assert_same
 
@@ -268,7 +268,9 @@ def test_single_process_recovery_is_bit_exact_and_removes_its_directory(tmp_path
     assert info.bytes_received == info.bytes_sent == 0 and info.load.bytes_read > 0
     assert not [n for n in os.listdir(root) if n.startswith(RECOVERY_PREFIX)]
     assert sorted(os.listdir(root)) == [step_name(10)], "the local step itself is untouched"
-    nothing = recover_latest(template, local_root=str(tmp_path / "none"), persistent_root=None, coord=Coordinator())
+    nothing = recover_latest_with_info(
+        template, local_root=str(tmp_path / "none"), persistent_root=None, coord=Coordinator()
+    )
     assert nothing is None
 
 

@@ -189,59 +189,18 @@ def test_a_writer_missing_a_hook_fails_when_constructed() -> None:
         NoAbort("rec://store", "k")
 
 
-def test_a_writer_of_the_old_interface_gets_the_lifecycle() -> None:
-    """Writers written before the hooks existed overrode the public methods (and did
-    not call ``super().__init__``): they still construct, and are kept in order."""
-
-    class OldStyle(ObjectWriter):
-        def __init__(self) -> None:
-            self.key = "old"
-            self.calls: list[str] = []
-
-        def write_at(self, offset: int, data: Buffer) -> None:
-            self.calls.append("write")
-
-        def commit(self) -> None:
-            self.calls.append("commit")
-
-        def abort(self) -> None:
-            self.calls.append("abort")
-
-    with OldStyle() as w:
-        w.write_at(0, b"x")
-        w.commit()
-    with pytest.raises(WriterClosedError):
-        w.write_at(0, b"y")
-    assert w.calls == ["write", "commit"], f"the lifecycle did not wrap the old-style methods: {w.calls}"
-
-
-def test_an_old_interface_writer_whose_commit_failed_can_be_retried() -> None:
-    """Old writers managed their own failed commits (a retry loop committed them
-    again): the lifecycle leaves them open instead of aborting them."""
-    from bcp.backends import StorageError
-
-    class FlakyOldStyle(ObjectWriter):
-        def __init__(self) -> None:
-            self.key, self.tries = "old", 0
-
-        def write_at(self, offset: int, data: Buffer) -> None:
-            pass
-
-        def commit(self) -> None:
-            self.tries += 1
-            if self.tries == 1:
-                raise StorageError("503 SlowDown", uri="mem://", key="old", action="committing")
-
-        def abort(self) -> None:
-            raise AssertionError("a failed commit of an old-style writer must not abort it")
-
-    w = FlakyOldStyle()
-    with pytest.raises(StorageError, match="SlowDown"):
-        w.commit()
-    w.commit()
-    assert w.tries == 2
-    with pytest.raises(WriterClosedError):
-        w.write_at(0, b"late")
+@pytest.mark.parametrize("public", ["write_at", "commit", "abort"])
+def test_a_writer_overriding_the_public_methods_instead_of_the_hooks_is_refused(public: str) -> None:
+    """No writer interface without the hooks was ever published, so there is no adapter
+    for one: a writer that overrides a public method instead of its hook does not
+    construct, naming the hook it lacks (rather than silently losing the lifecycle)."""
+    hooks = {"write_at": "_write_at", "commit": "_commit", "abort": "_abort"}
+    body = {
+        name: (lambda self, *a: None) for name in ["_write_at", "_commit", "_abort", public] if name != hooks[public]
+    }
+    Partial = type("Partial", (ObjectWriter,), body)
+    with pytest.raises(TypeError, match=hooks[public]):
+        Partial("rec://store", "k")
 
 
 def test_forwarding_writer_follows_the_inner_writer() -> None:

@@ -11,7 +11,7 @@ from bcp.backends import backend_for
 from bcp.backends.storage_errors import redact
 from bcp.cli.common import UsageError, require_location
 from bcp.cli.render import safe
-from bcp.retention import plan_gc, run_gc
+from bcp.retention import RetentionPolicy, plan_gc, run_gc
 
 NAME = "gc"
 HELP = "delete incomplete steps, unused generations and steps a policy drops"
@@ -34,7 +34,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    policy = {"keep_last": args.keep_last, "keep_every": args.keep_every}
+    policy: RetentionPolicy = {"keep_last": args.keep_last, "keep_every": args.keep_every}
     for name, value in (("--keep-last", args.keep_last), ("--keep-every", args.keep_every)):
         if value is not None and value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")

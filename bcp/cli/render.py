@@ -7,8 +7,12 @@ import datetime
 import json
 import math
 import unicodedata
+from typing import TYPE_CHECKING
 
 from bcp.backends.storage_errors import redact, redact_uri
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -85,7 +89,7 @@ def raw(value: object, limit: int = 200) -> str:
     return safe(redact(text if len(text) <= limit else text[: limit - 3] + "..."))
 
 
-def progress(total: int, desc: str):
+def progress(total: int, desc: str) -> tqdm:
     """A byte progress bar on stderr (hidden when stderr is not a terminal)."""
     from tqdm import tqdm
 

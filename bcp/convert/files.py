@@ -81,7 +81,7 @@ def stale_files(
     )
 
 
-def file_backed(scratch: str, name: str, shape, dtype: torch.dtype) -> torch.Tensor:
+def file_backed(scratch: str, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor whose memory is a file in ``scratch`` (mmap, shared)."""
     nbytes = max(1, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
     path = os.path.join(scratch, f"{len(os.listdir(scratch)):08d}-{abs(hash(name)) % 10**8}.bin")

@@ -24,11 +24,14 @@ import logging
 import os
 import pickle
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, cast
 
 from bcp.errors import RankFailedError
 
 log = logging.getLogger(__name__)
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -266,15 +269,16 @@ class OwnGroupCoordinator(Coordinator):
         return everything[self.rank]
 
 
-def run_phase(coord: Coordinator, phase: str, fn, *args, **kwargs):
+def run_phase(coord: Coordinator, phase: str, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
     """Run ``fn`` on this rank, then agree with every rank whether all succeeded."""
+    result: _T | None = None
     try:
         result = fn(*args, **kwargs)
         error = None
     except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
-        result, error = None, e
+        error = e
     coord.check(error, phase)
-    return result
+    return cast(_T, result)  # fn returned it: check() raised on every rank otherwise
 
 
 def share_result(coord: Coordinator, result: Any, phase: str) -> Any:

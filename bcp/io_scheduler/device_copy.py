@@ -34,6 +34,7 @@ too early shows up as wrong bytes on a machine without a GPU.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -123,7 +124,7 @@ class DeviceCopies:
         self._last: dict[torch.device, Any] = {}
         self._lock = threading.Lock()
 
-    def start(self, devices) -> None:
+    def start(self, devices: Iterable[torch.device]) -> None:
         """Order every later copy on ``devices`` after the work the caller queued so far.
         Must run in the caller's thread: current streams are per thread."""
         for device in devices:

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from bcp import trace
+from bcp.backends import Backend
 from bcp.io_scheduler.device_copy import DeviceCopies, settle
 from bcp.io_scheduler.read_exec import ReadStats, execute_reads
 from bcp.io_scheduler.read_plan import RunSet, plan_tensor_reads
@@ -179,7 +180,7 @@ class DeviceFill:
         events.append(self.copies.to_device(*_bitwise(piece.final, temp)))
         return events  # ``temp`` is freed here: the allocator reuses it only behind these copies
 
-    def _run_job(self, backend, job: _SlabJob, verify: bool) -> ReadStats:
+    def _run_job(self, backend: Backend, job: _SlabJob, verify: bool) -> ReadStats:
         slab = self.pool.acquire()
         events: list = []
         try:
@@ -206,7 +207,7 @@ class DeviceFill:
             settle(events)  # an error: still wait for what was queued before handing the slab back
             self.pool.release(slab)
 
-    def run(self, backend, *, verify: bool, streams: int) -> ReadStats:
+    def run(self, backend: Backend, *, verify: bool, streams: int) -> ReadStats:
         stats = ReadStats()
         jobs = self._jobs()
         try:

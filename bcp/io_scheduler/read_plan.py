@@ -329,13 +329,6 @@ def choose_among(entry: TensorEntry, rows: np.ndarray, prefer_rank: int = 0) -> 
     return rows[order[starts + prefer_rank % counts]], rows[order[starts]]
 
 
-def choose_replicas(entry: TensorEntry, prefer_rank: int = 0) -> list[Fragment]:
-    """One fragment per distinct stored box, in catalog order of each box's first copy;
-    replicas are spread by ``prefer_rank``."""
-    chosen, first = choose_among(entry, np.arange(entry.num_fragments), prefer_rank)
-    return [entry.fragment(i) for i in chosen[np.argsort(first, kind="stable")].tolist()]
-
-
 def touched_rows(
     entry: TensorEntry, dest_boxes: Sequence[Box], prefer_rank: int = 0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

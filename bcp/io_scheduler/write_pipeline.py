@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -204,7 +204,7 @@ class WritePipeline:
             return plan_packed_chunks(spans, BATCH_BYTES, self.block)
         return list(self.plan.chunks)
 
-    def stage(self, select=None, last: bool = True) -> None:
+    def stage(self, select: Callable[[Chunk], bool] | None = None, last: bool = True) -> None:
         """Produce the chunks ``select(chunk)`` accepts (every chunk when None) that
         were not produced yet; ``last`` closes the queue afterwards."""
         if not self.items:
@@ -499,19 +499,19 @@ KEEP_PIPELINE_PLANS = 4
 
 
 def make_pipeline(
-    backend,
-    data_key,
-    rank,
-    items,
-    block,
+    backend: Backend,
+    data_key: str,
+    rank: int,
+    items: list[WriteItem],
+    block: int,
     *,
-    pool=None,
-    streams=None,
-    stage_all=False,
-    deferred=False,
+    pool: StagingPool | None = None,
+    streams: int | None = None,
+    stage_all: bool = False,
+    deferred: bool = False,
     plans: MutableMapping[Any, PipelinePlan] | None = None,
     writes: np.ndarray | None = None,
-):
+) -> WritePipeline:
     """A pipeline on ``pool`` (default: the process-wide one) with ``streams`` writers
     (default: the backend's hint). ``plans``: pipeline plans kept for the structure of
     ``items`` (``bcp.kept_plans``), by ``writes`` (the indices ``items`` were taken

@@ -1,6 +1,6 @@
 """Recovering from the local tier (docs/tiers.md, "Recovering").
 
-All ranks call :func:`recover_latest` (``CheckpointManager.load_latest`` does, when
+All ranks call :func:`recover_latest_with_info` (``CheckpointManager.load_latest`` does, when
 a tier is configured), at whatever world size the job restarted with:
 
 1. **Inventory.** Each host's first rank lists its local root
@@ -8,7 +8,7 @@ a tier is configured), at whatever world size the job restarted with:
 2. **Choice.** The coordinator picks the newest local step that agreeing copies hold
    entirely (:func:`~bcp.tiers.inventory.choose_local`) and compares it with the
    persistent tier's newest committed step; the newer wins, a tie goes to the local
-   one. Persistent (or nothing anywhere): :func:`recover_latest` returns None and the
+   one. Persistent (or nothing anywhere): :func:`recover_latest_with_info` returns None and the
    caller loads from persistent storage as before, with a WARNING when the local tier
    lost steps (:mod:`bcp.tiers.fallback`).
 3. **Metadata.** The first rank of a host holding the chosen copy sends the manifest
@@ -121,36 +121,6 @@ class RecoveryInfo:
     stages: Mapping[str, trace.StageTotal] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
-def recover_latest(
-    state: Any,
-    *,
-    local_root: str,
-    persistent_root: str | None,
-    coord: Coordinator,
-    load_options: LoadOptions | None = None,
-    exchange_coord: Coordinator | None = None,
-    config: LocalTier | None = None,
-) -> tuple[int | None, Any] | None:
-    """(all ranks) Load the newest step the local tier holds entirely into ``state``,
-    if it is not older than the persistent tier's newest committed step (at
-    ``persistent_root``, read with ``load_options.storage_options``). Returns
-    ``(step, loaded state)``, or None: the caller loads from persistent storage.
-    ``exchange_coord``: a coordinator of the same ranks on a gloo group nothing else
-    uses meanwhile; with it the exchange runs while the ranks load (``arrival.py``).
-    ``config``: the tier's configuration, for how many steps a lost local tier may
-    have cost (its WARNING); without it that number is not known."""
-    info = recover_latest_with_info(
-        state,
-        local_root=local_root,
-        persistent_root=persistent_root,
-        coord=coord,
-        load_options=load_options,
-        exchange_coord=exchange_coord,
-        config=config,
-    )
-    return None if info is None else (info.step, info.state)
-
-
 def recover_latest_with_info(
     state: Any,
     *,
@@ -164,8 +134,15 @@ def recover_latest_with_info(
     config: LocalTier | None = None,
     hosts: HostMap | None = None,
 ) -> RecoveryInfo | None:
-    """:func:`recover_latest`, returning a :class:`RecoveryInfo` (None: use the
-    persistent tier). ``round_bytes`` and ``chunk_bytes`` bound the exchange's memory.
+    """(all ranks) Load the newest step the local tier holds entirely into ``state``,
+    if it is not older than the persistent tier's newest committed step (at
+    ``persistent_root``, read with ``load_options.storage_options``). Returns a
+    :class:`RecoveryInfo`, or None: the caller loads from persistent storage.
+    ``exchange_coord``: a coordinator of the same ranks on a gloo group nothing else
+    uses meanwhile; with it the exchange runs while the ranks load (``arrival.py``).
+    ``config``: the tier's configuration, for how many steps a lost local tier may
+    have cost (its WARNING); without it that number is not known.
+    ``round_bytes`` and ``chunk_bytes`` bound the exchange's memory.
     ``hosts``: the host map of ``coord``'s ranks when the caller knows it already (the
     tier gathered it when it started); else it is gathered here."""
     opts = load_options or LoadOptions()
