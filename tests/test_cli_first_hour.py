@@ -36,6 +36,7 @@ from bcp.metadata.keys import catalog_key, data_file_key, generation_name
 from bcp.metadata.manifest import reseal
 from bcp.saver import _decide_objects, build_manifest, prepare_save
 from bcp.verify import verify_checkpoint
+from helpers import examples
 
 
 def run(*argv: str) -> tuple[int, str, str]:
@@ -334,7 +335,7 @@ def replicated_for_flips(tmp_path_factory) -> Path:
     return root
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(data=st.data())
 def test_any_flipped_stored_byte_is_found_once_in_any_copy(replicated_for_flips, data):
     """Property: flip one byte of any data file. Inside a stored fragment (either copy):
@@ -424,7 +425,7 @@ def inspect_root(tmp_path_factory) -> Path:
     return root
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(
     field=st.sampled_from(sorted(INFORMATIVE)),
     value=JSON_VALUES | st.text() | st.dictionaries(st.text(), JSON_VALUES),
