@@ -59,5 +59,9 @@ def test_tier_bench_local_vs_file_prints_both_recoveries_side_by_side(smoke_run)
     assert len(found) == 1, lines
     m = found[0]
     assert m[4] == "True" and float(m[1]) > 0 and float(m[2]) > 0, m[0]
-    assert abs(float(m[3]) - float(m[2]) / float(m[1])) < 0.03 * float(m[3]) + 0.01, m[0]
+    # the ratio is file / local of the unrounded seconds: within what rounding the printed
+    # seconds (3 decimals) and the printed ratio (2) allows, however small the loads are
+    local, file, ratio, half = float(m[1]), float(m[2]), float(m[3]), 0.0005
+    low, high = (file - half) / (local + half), (file + half) / max(local - half, 1e-9)
+    assert low - 0.005 <= ratio <= high + 0.005, m[0]
     assert list(root.iterdir()) == [], "the file root was left behind"
