@@ -65,3 +65,14 @@ def test_tier_bench_local_vs_file_prints_both_recoveries_side_by_side(smoke_run)
     low, high = (file - half) / (local + half), (file + half) / max(local - half, 1e-9)
     assert low - 0.005 <= ratio <= high + 0.005, m[0]
     assert list(root.iterdir()) == [], "the file root was left behind"
+
+
+@pytest.mark.slow
+def test_tier_bench_transformer_shape_recovers_exactly(smoke_run):
+    """(Was a run of its own in tests/test_bench_smoke.py.) The first line names the
+    transformer state; the last reports both recoveries exact."""
+    done, _root = smoke_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[0].startswith("state (transformer: "), lines[0]
+    assert re.fullmatch(r"tier_bench: local [0-9.]+ s, persistent [0-9.]+ s, ratio [0-9.]+, exact True", lines[-1])
