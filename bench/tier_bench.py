@@ -29,7 +29,7 @@ Times of collective operations are the slowest rank's. The last line is
 ``tier_bench: local <s> s, persistent <s> s, ratio <r>, exact <True|False>``.
 
     python bench/tier_bench.py [--gib 1] [--repeats 3] [--latency-ms 30] [--bandwidth-mbs 20]
-    python bench/tier_bench.py --quick   # a small state, one repetition: a smoke run
+    python bench/tier_bench.py --quick   # a small state (1/64 GiB unless --gib), one repetition: a smoke run
     python bench/tier_bench.py --shape transformer   # bench/shapes.py's Llama-shaped state instead
 
 ``--shape equal`` (the default) is the 8 weight matrices above; ``--shape transformer``
@@ -493,7 +493,9 @@ def run(job: str, world: int, cfg: dict, timeout: float) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gib", type=float, default=1.0, help="the whole state (weights + AdamW moments), GiB")
+    p.add_argument(
+        "--gib", type=float, default=None, help="the whole state (weights + AdamW moments), GiB (1; 1/64 with --quick)"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--latency-ms", type=float, default=30.0, help="round trip the proxy adds to S3")
     p.add_argument("--bandwidth-mbs", type=float, default=20.0, help="MB/s per S3 connection and direction")
@@ -511,7 +513,9 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where the file root goes (default: a temporary directory on disk)")
     args = p.parse_args()
     if args.quick:
-        args.gib, args.repeats, args.step_seconds, args.cycle = 1 / 64, 1, 0.1, 2
+        args.repeats, args.step_seconds, args.cycle = 1, 0.1, 2
+    if args.gib is None:  # an explicit --gib wins over --quick's (the tests' smoke run is smaller still)
+        args.gib = 1 / 64 if args.quick else 1.0
     params = global_params(args.shape, args.gib)
     total = sum(math.prod(gs) for _n, gs in params) * 4 * 3 + (4 * len(params) if args.shape == "transformer" else 0)
     work = Path(tempfile.mkdtemp(prefix="bcp-tierbench-", dir=args.dir))

@@ -16,6 +16,7 @@ import bcp.backends.file as file_mod
 from bcp.backends import Backend, ObjectNotFoundError, StorageError, WriterClosedError, backend_for
 from bcp.backends.file import PARTIAL_MARKER, FileBackend
 from bcp.conformance import BackendContractTests
+from helpers import examples
 
 
 def _object_path(backend: FileBackend, key: str) -> str:
@@ -348,7 +349,7 @@ def test_a_writer_on_dev_shm_allocates_no_page_before_it_writes() -> None:
 _PAGE_SOURCE = bytes(range(256)) * 64  # 16 KiB of a known pattern
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     offset=st.integers(0, 3 * 4096),
     parts=st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 3 * 4096 + 100)), min_size=1, max_size=8),

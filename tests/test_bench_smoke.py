@@ -173,11 +173,8 @@ def test_gpu_bench_transformer_shape_runs_on_the_cpu(tmp_path):
     assert not (tmp_path / "gpu").exists()
 
 
-@pytest.mark.slow
-def test_tier_bench_transformer_shape_recovers_exactly():
-    lines = run("tier_bench.py", "--quick", "--shape", "transformer", timeout=600)
-    assert lines[0].startswith("state (transformer: "), lines[0]
-    assert re.fullmatch(r"tier_bench: local [0-9.]+ s, persistent [0-9.]+ s, ratio [0-9.]+, exact True", lines[-1])
+# bench/tier_bench.py's smoke run on the transformer shape: tests/test_tier_bench.py
+# (one run serves all its tests)
 
 
 def test_traces_prints_each_case_as_a_table_with_its_stages(tmp_path, capsys, monkeypatch):

@@ -287,7 +287,7 @@ def _shard_state(layout, box_of) -> dict:
     return state
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layouts(), st.integers(1, 6), st.integers(1, 5), st.data())
 def test_partial_fetch_loads_exactly_what_a_whole_fetch_loads(
     tmp_path_factory, monkeypatch, small, writers, ranks, data

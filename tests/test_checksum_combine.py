@@ -25,6 +25,7 @@ from bcp.backends.storage_errors import ObjectNotFoundError
 from bcp.errors import CorruptCheckpointError
 from bcp.io_scheduler import read_exec
 from bcp.metadata import checksum
+from helpers import examples
 
 
 @given(
@@ -39,7 +40,7 @@ def test_combined_block_checksums_equal_the_crc_of_the_blocks(data, block):
     assert checksum.combine_blocks(np.array(sums, np.uint32), block) == checksum.crc32c(data[:whole])
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(blocks=st.integers(0, 200), seed=st.integers(0, 2**32 - 1))
 def test_combination_of_many_groups_of_blocks(blocks, seed):
     """Counts across several groups of checksum.GROUP blocks (fold of the groups), 1 KiB blocks."""
@@ -86,7 +87,7 @@ def test_one_crc_call_per_piece_read_from_memory(tmp_path, monkeypatch):
     assert sorted(calls) == [12] + [8 * block] * 5
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     numel=st.integers(1, 3000),
     block=st.sampled_from([16, 64, 256, 1024]),

@@ -35,6 +35,7 @@ from bcp.metadata.keys import catalog_key, generation_name
 from bcp.metadata.manifest import reseal
 from bcp.save_phases import build_manifest, decide_objects, open_pipeline, prepare_save, stage
 from bcp.verify import verify_checkpoint
+from helpers import examples
 
 
 def run(*argv: str) -> tuple[int, str, str]:
@@ -335,7 +336,7 @@ def replicated_for_flips(tmp_path_factory) -> Path:
     return root
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(data=st.data())
 def test_any_flipped_stored_byte_is_found_once_in_any_copy(replicated_for_flips, data):
     """Property: flip one byte of any data file. Inside a stored fragment (either copy):
@@ -425,7 +426,7 @@ def inspect_root(tmp_path_factory) -> Path:
     return root
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(
     field=st.sampled_from(sorted(INFORMATIVE)),
     value=JSON_VALUES | st.text() | st.dictionaries(st.text(), JSON_VALUES),

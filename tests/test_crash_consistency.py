@@ -2,8 +2,10 @@
 tool ckpt-chaos (PyPI): every resume must continue from a committed step and end
 with the uninterrupted run's weights, byte for byte.
 
-This is the CI-sized run (a few crash points, spread over the three modes); the full runs (every
-event, sync and async, under load) are described in docs/reliability.md. The job
+This is the CI-sized run (a few crash points, spread over the three modes; ckpt-chaos
+runs two points at a time, as CI has 2 cores and a point's runs are one process each
+that mostly imports); the full runs (every event, sync and async, under load) are
+described in docs/reliability.md. The job
 is tests/chaos/manager_job.py; tests/chaos/tier_job.py is the same training with the
 local tier on 2 simulated hosts (one process each, ckpt-chaos --ranks 2), killed on
 one host.
@@ -83,7 +85,11 @@ def _run_chaos(
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_killed_manager_job_always_resumes_exactly(mode, tmp_path):
-    _run_chaos(tmp_path, ["--max-points", "4"], [str(JOB), "{out}", mode, "4"])
+    """4 points (ckpt-chaos spreads each mode's share evenly over the events): "before"
+    at the first file event (nothing written yet) and at the middle one (mid-save),
+    "torn" at the first write that can be torn, "term" (SIGTERM, then a kill) at the
+    first event."""
+    _run_chaos(tmp_path, ["--max-points", "4", "--jobs", "2"], [str(JOB), "{out}", mode, "4"])
 
 
 @pytest.mark.slow
@@ -94,8 +100,11 @@ def test_killed_two_host_tier_job_always_resumes_exactly(tmp_path):
     # ckpt-chaos 0.1.8's run mode arms rank CKPT_CHAOS_CRASH_RANK (default 0), not --crash-rank: set both
     env = dict(os.environ, CKPT_CHAOS_CRASH_RANK="1")
     # "torn" tears Python open() writes: the local tier writes none (every file through an
-    # O_NOFOLLOW descriptor), so before/term share the points, spread over host 1's events
-    options = ["--ranks", "2", "--crash-rank", "1", "--max-points", "4"]
+    # O_NOFOLLOW descriptor), so before/term share the points, spread over host 1's events.
+    # 3 points: "before" at host 1's first event (the job's directory, nothing written) and
+    # at its middle one (the local save of step 1), "term" at the first event; "term" at
+    # the middle event added a second kill of the same save with nothing new to judge.
+    options = ["--ranks", "2", "--crash-rank", "1", "--max-points", "3", "--jobs", "2"]
     results = _run_chaos(tmp_path, options, [str(TIER_JOB), "{out}", "4"], env, modes="before,term")
     crashes = [r for r in results if r["label"] != "no crash (control)"]
     assert crashes and all(r["crashed"] for r in crashes), f"a crash point did not kill host 1: {results}"

@@ -29,6 +29,7 @@ from bcp.convert.dcp_metadata import SafeBytesPlanner, parse_metadata
 from bcp.errors import CheckpointError, CorruptCheckpointError, FormatError
 from bcp.integrations.dcp import CHECKSUMS_KEY, METADATA_KEY, BcpStorageReader, BcpStorageWriter
 from bcp.integrations.dcp_storage import parse_checksums
+from helpers import examples
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -389,7 +390,7 @@ def test_any_mutation_of_the_data_or_metadata_through_the_reader_is_a_result_or_
         assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"]) and got["step"] == 3
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(cut=st.integers(0, 1 << 16), metadata=st.booleans())
 def test_any_truncation_is_a_bcp_error_in_convert(saved, tmp_path, cut, metadata):
     path = copy_of(saved, tmp_path)
@@ -401,7 +402,7 @@ def test_any_truncation_is_a_bcp_error_in_convert(saved, tmp_path, cut, metadata
     assert target.name in str(caught.value)
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(mutation=mutations)
 def test_any_mutation_of_metadata_is_a_result_or_a_bcp_error_in_convert(saved, tmp_path, mutation):
     path = copy_of(saved, tmp_path)

@@ -21,6 +21,7 @@ import dcp_jobs
 import dist_jobs
 from bcp.convert import from_dcp, rank_key, to_dcp, to_torch
 from bcp.errors import ConversionError, CorruptCheckpointError, UnsupportedStateError
+from helpers import examples
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
 
@@ -253,7 +254,7 @@ def _gaps_are_empty_dicts(value) -> bool:
     return True
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(value=empty_or_value)
 def test_a_strict_load_of_a_dcp_import_gives_back_every_empty_dict(tmp_path_factory, value):
     assume(_gaps_are_empty_dicts(value))

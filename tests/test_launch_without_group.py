@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import bcp
 from bcp.coordination.lanes import RANK_VARIABLES, WORLD_SIZE_VARIABLES, launched_among_several
 from bcp.errors import ProcessGroupMissingError
+from helpers import examples
 
 SCRIPT = pathlib.Path(__file__).with_name("no_group_script.py")
 LAUNCH_VARIABLES = (*WORLD_SIZE_VARIABLES, *RANK_VARIABLES, "SLURM_NTASKS", "LOCAL_WORLD_SIZE")
@@ -96,7 +97,7 @@ def test_a_launch_of_one_process_is_a_single_process(clean_env, tmp_path):
 numbers = st.one_of(st.integers(0, 9).map(str), st.sampled_from(["", " 2", "x", "-1", "01"]))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.dictionaries(st.sampled_from(LAUNCH_VARIABLES), numbers))
 def test_several_exactly_when_a_world_size_is_above_one_or_a_rank_above_zero(environ):
     several = any(

@@ -23,6 +23,7 @@ from bcp.errors import CorruptCheckpointError
 from bcp.io_scheduler import read_exec
 from bcp.io_scheduler.read_plan import RunSet
 from bcp.metadata import Fragment, crc32c
+from helpers import examples
 
 
 class Recording(FaultInjectingBackend):
@@ -46,7 +47,7 @@ class Recording(FaultInjectingBackend):
 layouts = st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 5000)), min_size=1, max_size=12)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     layout=layouts,
     data=st.data(),

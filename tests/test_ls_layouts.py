@@ -17,6 +17,7 @@ import bcp
 from bcp.backends import backend_for
 from bcp.discovery import FIND_MAX_DEPTH, checkpoint_prefix_of, find_checkpoints
 from bcp.metadata.keys import data_file_key, generation_name, step_name
+from helpers import examples
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -75,7 +76,7 @@ NAMES = st.sampled_from(["a", "b", "run", "step_0000000003", "step_0000000012", 
 LOCATIONS = st.lists(NAMES, min_size=0, max_size=FIND_MAX_DEPTH + 1).map("/".join)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layout=st.dictionaries(LOCATIONS, st.booleans(), max_size=6), stray=st.lists(LOCATIONS, max_size=3))
 def test_every_checkpoint_within_the_depth_is_found_and_nothing_else(layout, stray):
     """``layout``: location -> committed. ``stray``: objects that are not bcp's."""

@@ -20,6 +20,7 @@ from bcp.discovery import scan
 from bcp.metadata import MANIFEST_KEY
 from bcp.metadata.keys import data_file_key, generation_name, step_name
 from bcp.retention import plan_gc, select_kept
+from helpers import examples
 
 
 def state_for(step: int) -> dict:
@@ -224,5 +225,5 @@ class RetentionMachine(RuleBasedStateMachine):
             assert_loads(self.root, step)
 
 
-RetentionMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=12, deadline=None)
+RetentionMachine.TestCase.settings = settings(max_examples=examples(25), stateful_step_count=12, deadline=None)
 test_retention_under_generated_histories = RetentionMachine.TestCase

@@ -18,6 +18,7 @@ import dist_jobs
 import training_jobs
 from bcp.dataloader import ShardedSampler, reshard_dataloader_states, reshard_sampler_states
 from bcp.training import derived_rng_state, reshard_per_rank, reshard_rng_states, rng_state
+from helpers import examples
 
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
@@ -333,7 +334,7 @@ def _saved_rngs(n: int) -> dict[int, dict]:
     return states
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(saved=st.integers(1, 5), world=st.integers(1, 9))
 def test_rng_reshard_gives_every_rank_a_distinct_state(saved, world):
     values = _saved_rngs(saved)
@@ -363,7 +364,7 @@ def test_reshard_per_rank_refuses_objects_it_cannot_deal():
 # -- the sampler ------------------------------------------------------------------------
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     num=st.integers(0, 60),
     saved=st.integers(1, 5),

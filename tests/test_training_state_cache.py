@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import bcp
 import dist_jobs
 import training_jobs
+from helpers import examples
 
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
@@ -80,7 +81,7 @@ def test_after_the_first_call_get_state_dict_is_not_called_and_the_result_is_the
 OPS = ["step", "group", "lr", "sched", "load", "new_param", "new_module", "swap_opt", "fresh_opt"]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(st.lists(st.sampled_from(OPS), min_size=1, max_size=7))
 def test_every_call_equals_the_uncached_path_whatever_changed_between(ops):
     model = _model()
