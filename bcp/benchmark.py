@@ -109,16 +109,26 @@ def save_load(
 def _delete_scratch(backend: Backend, prefix: str, on_error: Callable[[str, Exception], None] | None) -> None:
     """Delete one scratch checkpoint, with the partial writes of a save that was
     interrupted (the file backend prunes the directories it empties). A failure is
-    reported, not raised: it must not hide the error that stopped the run."""
+    reported, not raised: it must not hide the error that stopped the run. A Ctrl-C
+    that lands during the deletion cuts it short: the deletion is finished, then the
+    interrupt goes on (a second Ctrl-C stops the deletion too)."""
     try:
-        for pending in backend.unfinished(prefix):
-            backend.delete_unfinished(pending.name)
-        backend.delete_prefix(prefix)
+        try:
+            _delete_prefix(backend, prefix)
+        except KeyboardInterrupt:
+            _delete_prefix(backend, prefix)
+            raise
     except Exception as e:  # noqa: BLE001 - reported, and the run's own outcome stands
         if on_error is None:
             log.warning("could not delete the scratch checkpoint %s: %s", prefix, e)
         else:
             on_error(prefix, e)
+
+
+def _delete_prefix(backend: Backend, prefix: str) -> None:
+    for pending in backend.unfinished(prefix):
+        backend.delete_unfinished(pending.name)
+    backend.delete_prefix(prefix)
 
 
 def _missing_top(path: str) -> str | None:

@@ -491,6 +491,27 @@ def test_bench_leaves_what_was_there_and_cleans_up_on_failure_and_ctrl_c(tmp_pat
     assert not target.exists()
 
 
+def test_a_ctrl_c_during_the_scratch_deletion_finishes_it_then_stops(tmp_path, monkeypatch):
+    """The interrupt that cut the real Ctrl-C run below short one time in three: it
+    landed while the scratch checkpoint was being deleted, and the deletion stopped."""
+    from bcp.benchmark import save_load
+
+    cls = type(backend_for(str(tmp_path)))
+    real, calls = cls.delete_prefix, []
+
+    def interrupted_once(self, prefix):
+        calls.append(prefix)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, prefix)
+
+    monkeypatch.setattr(cls, "delete_prefix", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        save_load(str(tmp_path / "b"), gib=0.001, repeats=3)
+    assert len(calls) == 2 and calls[0] == calls[1]  # the first run's deletion, finished once more
+    assert not (tmp_path / "b").exists(), list((tmp_path / "b").rglob("*"))
+
+
 def test_bench_cleans_up_after_a_real_ctrl_c(tmp_path):
     target = tmp_path / "b"
     proc = subprocess.Popen(
