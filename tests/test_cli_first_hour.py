@@ -512,6 +512,13 @@ def test_a_ctrl_c_during_the_scratch_deletion_finishes_it_then_stops(tmp_path, m
     assert not (tmp_path / "b").exists(), list((tmp_path / "b").rglob("*"))
 
 
+def _sigint_as_from_a_shell() -> None:
+    """(in the child, before exec) SIGINT at its default and unblocked, as a shell starts a
+    command: an ignored or blocked SIGINT would be inherited from the test process."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_bench_cleans_up_after_a_real_ctrl_c(tmp_path):
     target = tmp_path / "b"
     proc = subprocess.Popen(
@@ -519,6 +526,7 @@ def test_bench_cleans_up_after_a_real_ctrl_c(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_sigint_as_from_a_shell,
     )
     try:
         deadline = time.monotonic() + 120
