@@ -120,6 +120,7 @@ class TensorEntry:
         so none is frozen here (eight calls a tensor at 10,000 tensors)."""
         self.fqn, self.key_path, self.dtype, self.global_shape = fqn, key_path, dtype, global_shape
         self.file_names, self._fragments = file_names, fragments
+        arrays: tuple[np.ndarray, ...]
         if read_only:
             arrays = (offsets, lengths, byte_offsets, sizes, files, writer_ranks, checksum_starts, checksum_values)
         else:

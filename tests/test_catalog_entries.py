@@ -194,7 +194,8 @@ def test_entries_built_together_are_frozen_once_not_per_tensor(n, blocks):
     for i in range(n):
         nbytes = 16 * blocks[i]  # blocks[i] checksum blocks of 16 bytes
         sums = tuple(1000 * i + b for b in range(blocks[i]))
-        frags.append(Fragment(f"t{i}", "[]", "float32", (nbytes // 4,), (0,), (nbytes // 4,), "w0.bin", offset, nbytes, sums))
+        shape = (nbytes // 4,)
+        frags.append(Fragment(f"t{i}", "[]", "float32", shape, (0,), shape, "w0.bin", offset, nbytes, sums))
         offset += nbytes
     catalog = decoded(Catalog(frags).to_arrow())
     calls = []
@@ -211,5 +212,5 @@ def test_entries_built_together_are_frozen_once_not_per_tensor(n, blocks):
         for name in COLUMNS:
             column = getattr(entry, name)
             assert not column.flags.writeable, name
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match="read-only"):
                 column[...] = 0

@@ -286,10 +286,16 @@ def test_small_whole_tensors_from_memory_cost_one_read_and_one_crc_each(streams,
     end = frag.byte_offset + frag.nbytes
     with pytest.raises(CorruptCheckpointError, match=rf"'t7': file '{frag.file}' .*\[{frag.byte_offset}, {end}\)"):
         bcp.open(Resident(backend_for(uri))).read_tensors(list(state))
-    backend = backend_for(uri)
-    backend.write(frag.file, backend.read(frag.file)[: frag.byte_offset + 5])  # cut inside t7
-    with pytest.raises(CorruptCheckpointError) as info:
-        reader = bcp.open(Resident(backend_for(uri)))
-        reader._sizes_checked.update(f.path for f in reader.manifest.data_files)  # past the size check: the read's own
+
+    class EndsInsideT7(Resident):
+        """The file found at its declared size, then ending inside t7 when read."""
+
+        def read_exact(self, key, offset, buffer):
+            if key == frag.file and offset == frag.byte_offset:
+                raise EOFError(f"{key!r} ended at byte {offset + 5}")
+            super().read_exact(key, offset, buffer)
+
+    reader = bcp.open(EndsInsideT7(backend_for(uri)))
+    with pytest.raises(CorruptCheckpointError, match=r"'t7'.*truncated") as info:
         reader.read_tensors(list(state))
     assert info.value.fqn == "t7" and info.value.file == frag.file and info.value.offset == frag.byte_offset
