@@ -296,11 +296,13 @@ class FileBackend(Backend):
             if self.direct_reads and len(view) >= DIRECT_READ_FROM:
                 self.read_exact(key, offset, view)
                 return
-            with annotate(self.uri, key, "reading"):
-                try:
-                    got = pread_full(fd, view, offset)
-                except IsADirectoryError as e:  # open(2) accepts a directory; it is not an object
-                    raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", path) from e
+            try:
+                got = pread_full(fd, view, offset)
+            except OSError as e:  # as annotate() translates it, without a context manager per read
+                with annotate(self.uri, key, "reading"):
+                    if isinstance(e, IsADirectoryError):  # open(2) accepts a directory; it is not an object
+                        raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", path) from e
+                    raise
             if got < len(view):
                 raise EOFError(
                     f"{key!r} in {self.uri} ended at byte {offset + got}; "

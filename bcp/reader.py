@@ -295,15 +295,14 @@ class CheckpointReader:
         destinations are filled through slabs of ``pool`` (default: the process-wide
         pool; see ``bcp.io_scheduler.device_load``); the call returns once every byte has landed."""
         in_memory = in_memory or {}
-        entries: list[TensorEntry] = []
-        for fqn, box, dest in requests:  # everything checked before any allocation
-            entry = self._tensor_entry(fqn)
-            self._check_box(fqn, entry, box)
+        entries = self._entries([fqn for fqn, _box, _dest in requests])
+        check_box = self._check_box
+        for (fqn, box, dest), entry in zip(requests, entries, strict=True):  # everything checked before any allocation
+            check_box(fqn, entry, box)
             if dest.is_meta:
                 raise ValueError(
                     f"{fqn!r}: cannot load into a meta tensor; allocate it first (module.to_empty(device=...))"
                 )
-            entries.append(entry)
         wanted = [(fqn, box) for fqn, box, _dest in requests]
         if not self.catalog.is_whole:
             self.catalog.require(wanted)  # a catalog read in part fetches the rows these boxes need
@@ -324,8 +323,11 @@ class CheckpointReader:
         plans: list[RunSet] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         none: frozenset[Box] = frozenset()
+        dtypes: dict[str, torch.dtype] = {}  # one lookup per stored dtype name, not per tensor
         for (fqn, box, dest), entry in zip(requests, entries, strict=True):
-            dtype = torch_dtype(entry.dtype, fqn=fqn)
+            dtype = dtypes.get(entry.dtype)
+            if dtype is None:
+                dtype = dtypes[entry.dtype] = torch_dtype(entry.dtype, fqn=fqn)
             mine = held.get(fqn) if held else None
             if device_fill is not None and is_device_tensor(dest):
                 mine = mine or {}
@@ -381,6 +383,14 @@ class CheckpointReader:
             raise ValueError(
                 f"{fqn!r}: box offsets={list(box[0])} lengths={list(box[1])} is outside {list(entry.global_shape)}"
             )
+
+    def _entries(self, fqns: list[str]) -> list[TensorEntry]:
+        """The entries of ``fqns`` in one catalog call (those not built yet built
+        together); a name not stored raises :meth:`_tensor_entry`'s KeyError."""
+        try:
+            return self.catalog.entries(fqns)
+        except KeyError:
+            return [self._tensor_entry(fqn) for fqn in fqns]
 
     def _tensor_entry(self, fqn: str) -> TensorEntry:
         try:

@@ -35,12 +35,23 @@ def gather_entries(
     """The entries of tensors ``codes`` whose rows are ``row_ids[i]`` (all of ``ndim``
     dimensions), ``make(code, columns)`` building each entry from its columns (offsets,
     lengths, byte offsets, sizes, files, writers, checksum starts and values, as
-    :meth:`Rows.take` returns them); the columns are views of one gather, whose
-    offsets and lengths ((rows, ndim), tensor after tensor) come back too."""
+    :meth:`Rows.take` returns them); the columns are read-only views of one gather
+    (``make`` need not freeze them), whose offsets and lengths ((rows, ndim), tensor
+    after tensor) come back too."""
     counts = np.array([len(r) for r in row_ids], np.int64)
     every = np.concatenate(row_ids) if len(row_ids) else np.zeros(0, np.int64)
     offs, lens, byte_offsets, sizes, files, writers, sum_starts, sums = rows.take(every, ndim)
-    bounds = np.r_[0, np.cumsum(counts)].tolist()
+    bound_arr = np.r_[0, np.cumsum(counts)]
+    # each entry's checksum starts (its rows' and one past, from 0) for every entry at
+    # once: one array, each entry's a view of it (not one subtraction per tensor)
+    spans = counts + 1
+    rel_at = np.r_[0, np.cumsum(spans)]
+    pick = np.arange(int(rel_at[-1]), dtype=np.int64) + np.repeat(bound_arr[:-1] - rel_at[:-1], spans)
+    rel = sum_starts[pick] - np.repeat(sum_starts[bound_arr[:-1]], spans)
+    # read-only once here: every entry's columns are views of these, read-only with them
+    for column in (offs, lens, byte_offsets, sizes, files, writers, rel, sums):
+        column.setflags(write=False)
+    bounds, rel_bounds = bound_arr.tolist(), rel_at.tolist()
     sum_bounds = sum_starts[bounds].tolist()
     out = []
     for i in range(len(row_ids)):
@@ -53,7 +64,7 @@ def gather_entries(
             sizes[a:b],
             files[a:b],
             writers[a:b],
-            sum_starts[a : b + 1] - s0,
+            rel[rel_bounds[i] : rel_bounds[i + 1]],
             sums[s0:s1],
         )
         out.append(make(codes[i], columns))

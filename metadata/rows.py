@@ -114,13 +114,30 @@ class TensorEntry:
         checksum_starts: np.ndarray,
         checksum_values: np.ndarray,
         fragments: tuple[Fragment, ...] | None = None,
+        read_only: bool = False,
     ) -> None:
+        """``read_only``: every array is read-only already (views of a frozen gather),
+        so none is frozen here (eight calls a tensor at 10,000 tensors)."""
         self.fqn, self.key_path, self.dtype, self.global_shape = fqn, key_path, dtype, global_shape
-        self.offsets, self.lengths = _frozen(offsets), _frozen(lengths)
-        self.byte_offsets, self.sizes = _frozen(byte_offsets), _frozen(sizes)
-        self.files, self.file_names, self.writer_ranks = _frozen(files), file_names, _frozen(writer_ranks)
-        self._sum_starts, self._sum_values = _frozen(checksum_starts), _frozen(checksum_values)
-        self._fragments = fragments
+        self.file_names, self._fragments = file_names, fragments
+        arrays: tuple[np.ndarray, ...]
+        if read_only:
+            arrays = (offsets, lengths, byte_offsets, sizes, files, writer_ranks, checksum_starts, checksum_values)
+        else:
+            arrays = tuple(
+                _frozen(a)
+                for a in (offsets, lengths, byte_offsets, sizes, files, writer_ranks, checksum_starts, checksum_values)
+            )
+        (
+            self.offsets,
+            self.lengths,
+            self.byte_offsets,
+            self.sizes,
+            self.files,
+            self.writer_ranks,
+            self._sum_starts,
+            self._sum_values,
+        ) = arrays
 
     @property
     def nbytes(self) -> int:

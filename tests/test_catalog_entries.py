@@ -179,3 +179,38 @@ def test_boxes_equal_the_entries_boxes_without_building_entries(shapes, data):
         assert boxes.num_fragments == want.num_fragments
         assert np.array_equal(boxes.offsets, want.offsets) and np.array_equal(boxes.lengths, want.lengths)
         assert not boxes.offsets.flags.writeable
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(n=st.integers(2, 40), blocks=st.lists(st.integers(1, 5), min_size=40, max_size=40))
+def test_entries_built_together_are_frozen_once_not_per_tensor(n, blocks):
+    """A load of many tensors builds their entries together: the gathered columns are
+    made read-only once (every entry's columns are views of them), not eight numpy
+    calls per tensor; each entry's checksum starts, computed for all at once, still
+    read each fragment's own checksums, and no column can be written."""
+    import bcp.metadata.rows as rows_module
+
+    frags, offset = [], 0
+    for i in range(n):
+        nbytes = 16 * blocks[i]  # blocks[i] checksum blocks of 16 bytes
+        sums = tuple(1000 * i + b for b in range(blocks[i]))
+        shape = (nbytes // 4,)
+        frags.append(Fragment(f"t{i}", "[]", "float32", shape, (0,), shape, "w0.bin", offset, nbytes, sums))
+        offset += nbytes
+    catalog = decoded(Catalog(frags).to_arrow())
+    calls = []
+    real = rows_module._frozen
+    rows_module._frozen = lambda a: calls.append(1) or real(a)
+    try:
+        entries = catalog.entries([f"t{i}" for i in range(n)])
+    finally:
+        rows_module._frozen = real
+    assert calls == [], f"{len(calls)} freezing calls for {n} tensors"
+    for i, entry in enumerate(entries):
+        assert entry.checksums(0) == frags[i].checksums
+        assert entry.fragment(0) == frags[i]
+        for name in COLUMNS:
+            column = getattr(entry, name)
+            assert not column.flags.writeable, name
+            with pytest.raises(ValueError, match="read-only"):
+                column[...] = 0

@@ -261,3 +261,41 @@ def test_reads_from_memory_use_no_more_threads_than_cpus(monkeypatch):
         seen[resident] = names
     assert len(seen[True]) == 2 and len(seen[False]) > 2, seen
     assert all(n.startswith("bcp-reader") for n in seen[True] | seen[False])
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_small_whole_tensors_from_memory_cost_one_read_and_one_crc_each(streams, monkeypatch):
+    """Tensors of one checksum block each, found in memory, are read in place with one
+    read and one CRC call apiece, with no per-tensor wrapper (``_read``: a trace span
+    and a context manager, thousands of them in a load of many tensors); a corrupt one
+    is still named by tensor, file and byte range, and a file cut short by tensor."""
+    monkeypatch.setattr(read_exec, "IN_PLACE_FROM_MEMORY", 1024)
+    with_streams(monkeypatch, streams)
+    wrapped = []
+    real_read = read_exec._read
+    monkeypatch.setattr(read_exec, "_read", lambda *a, **k: wrapped.append(a[1].fqn) or real_read(*a, **k))
+    g = torch.Generator().manual_seed(5)
+    state = {f"t{i}": torch.randn(256 + 16 * i, generator=g) for i in range(12)}  # 1-1.7 KiB, one block each
+    uri = f"memory://mem-small-{uuid.uuid4().hex[:8]}/ck"
+    bcp.save(state, uri, checksum_block_bytes=4096)
+    got = bcp.open(Resident(backend_for(uri))).read_tensors(list(state))
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert wrapped == [], f"per-tensor read wrapper called for {wrapped}"
+    frag = bcp.open(uri).catalog.tensors["t7"].fragments[0]
+    corrupt(uri, frag.file, frag.byte_offset + 9)
+    end = frag.byte_offset + frag.nbytes
+    with pytest.raises(CorruptCheckpointError, match=rf"'t7': file '{frag.file}' .*\[{frag.byte_offset}, {end}\)"):
+        bcp.open(Resident(backend_for(uri))).read_tensors(list(state))
+
+    class EndsInsideT7(Resident):
+        """The file found at its declared size, then ending inside t7 when read."""
+
+        def read_exact(self, key, offset, buffer):
+            if key == frag.file and offset == frag.byte_offset:
+                raise EOFError(f"{key!r} ended at byte {offset + 5}")
+            super().read_exact(key, offset, buffer)
+
+    reader = bcp.open(EndsInsideT7(backend_for(uri)))
+    with pytest.raises(CorruptCheckpointError, match=r"'t7'.*truncated") as info:
+        reader.read_tensors(list(state))
+    assert info.value.fqn == "t7" and info.value.file == frag.file and info.value.offset == frag.byte_offset

@@ -70,15 +70,20 @@ def _read(
                 backend.read_exact(frag.file, frag.byte_offset + start, view)
             else:
                 read(frag.byte_offset + start, view)
-    except ObjectNotFoundError as e:
-        raise _missing(uri, frag, start) from e
-    except EOFError as e:
-        raise CorruptCheckpointError(
-            f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is truncated: {e}",
-            fqn=frag.fqn,
-            file=frag.file,
-            offset=frag.byte_offset + start,
-        ) from e
+    except (ObjectNotFoundError, EOFError) as e:
+        raise _read_error(uri, frag, start, e) from e
+
+
+def _read_error(uri: str, frag: Fragment, start: int, e: ObjectNotFoundError | EOFError) -> CorruptCheckpointError:
+    """The error naming the tensor, file and offset of a read of ``frag`` from ``start`` that failed with ``e``."""
+    if isinstance(e, ObjectNotFoundError):
+        return _missing(uri, frag, start)
+    return CorruptCheckpointError(
+        f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is truncated: {e}",
+        fqn=frag.fqn,
+        file=frag.file,
+        offset=frag.byte_offset + start,
+    )
 
 
 def _missing(uri: str, frag: Fragment, start: int) -> CorruptCheckpointError:
@@ -215,15 +220,20 @@ def _fetch(backend: Backend, request: _Request, uri: str, block: int | None) -> 
         and backend.in_memory(request.file, request.offset, request.nbytes)
     ):  # from memory, a scratch buffer would only add a copy; one open file for every part
         first = request.parts[0]
+        traced = trace.enabled()
         with _reading(backend, first.fragment, first.start, uri) as read:
             for part in request.parts:
                 frag, start, target = part
                 n = len(target)
-                if start or n != frag.nbytes or not 0 < n <= block or trace.enabled():
+                if start or n != frag.nbytes or not 0 < n <= block or traced:
                     _fetch_part(backend, part, uri, block, resident=True, read=read)
                     continue
-                # a whole fragment of one block (a small tensor): one read, one CRC
-                _read(backend, frag, 0, target, uri, read)
+                # a whole fragment of one block (a small tensor): one read, one CRC, no
+                # span or wrapper per tensor (thousands of them in a load of many tensors)
+                try:
+                    read(frag.byte_offset, target)
+                except (ObjectNotFoundError, EOFError) as e:
+                    raise _read_error(uri, frag, 0, e) from e
                 if crc32c_c(target) != frag.checksums[0]:
                     _name_block(uri, frag, 0, target, block, range(1))
         return

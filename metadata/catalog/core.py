@@ -103,6 +103,7 @@ class Catalog:
     ) -> None:
         self._table_of_tensors = tensors
         self._file_names = files
+        self._names_tuple: tuple[str, ...] | None = None
         self._given = given
         self._where = where
         self._check_tiling = check_tiling
@@ -225,7 +226,7 @@ class Catalog:
             by_ndim.setdefault(len(tensors.shapes[t]), []).append(t)
         for ndim, codes in by_ndim.items():
             row_ids = [self._rows_of(t) for t in codes]
-            built, offs, lens = gather_entries(self._rows, row_ids, ndim, codes, self._new_entry)
+            built, offs, lens = gather_entries(self._rows, row_ids, ndim, codes, self._new_read_only_entry)
             self._check_tilings(codes, offs, lens, [len(r) for r in row_ids])
             for t, entry in zip(codes, built, strict=True):
                 self._cache[t] = entry
@@ -256,8 +257,25 @@ class Catalog:
             self._cache[t] = entry
         return entry
 
+    def _new_read_only_entry(self, t: int, arrays: tuple[np.ndarray, ...]) -> TensorEntry:
+        """An entry of columns read-only already (:func:`gather_entries`'s views)."""
+        return self._new_entry(t, arrays, read_only=True)
+
+    def _file_names_tuple(self) -> tuple[str, ...]:
+        """The data file names as a tuple shared by every entry (rebuilt when a
+        section read in part adds names), not one copy per tensor."""
+        names = self._names_tuple
+        if names is None or len(names) != len(self._file_names):
+            names = self._names_tuple = tuple(self._file_names)
+        return names
+
     def _new_entry(
-        self, t: int, arrays: tuple[np.ndarray, ...], frags: tuple[Fragment, ...] | None = None
+        self,
+        t: int,
+        arrays: tuple[np.ndarray, ...],
+        frags: tuple[Fragment, ...] | None = None,
+        *,
+        read_only: bool = False,
     ) -> TensorEntry:
         tensors = self._table_of_tensors
         offs, lens, byte_offsets, sizes, files, writers, sum_starts, sums = arrays
@@ -271,11 +289,12 @@ class Catalog:
             byte_offsets=byte_offsets,
             sizes=sizes,
             files=files,
-            file_names=tuple(self._file_names),
+            file_names=self._file_names_tuple(),
             writer_ranks=writers,
             checksum_starts=sum_starts,
             checksum_values=sums,
             fragments=frags,
+            read_only=read_only,
         )
 
     def _complete(self, t: int) -> bool:
