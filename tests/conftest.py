@@ -223,24 +223,30 @@ def _names_used(roots: list[object], cls: type | None, home: str) -> set[str]:
     return names
 
 
-def _process_markers(item: pytest.Item) -> set[str]:
+def _process_markers(item: pytest.Item, memo: dict[tuple, frozenset[str]]) -> frozenset[str]:
+    """The markers of ``item``'s costs; ``memo`` holds them per (function, fixtures,
+    class), so the parametrized cases of one test (hundreds, some) are read once."""
     functions = _functions(getattr(item, "function", None))
     if not functions:
-        return set()
+        return frozenset()
     module, cls = getattr(item, "module", None), getattr(item, "cls", None)
-    home = functions[0].__code__.co_filename
-    fixtures = [getattr(cls, name, None) or getattr(module, name, None) for name in item.fixturenames]
-    names = _names_used([*functions, *fixtures], cls, home) | set(item.fixturenames)
-    found = {marker for marker, used in PROCESS_NAMES.items() if names & used}
-    if names & SERVER_FIXTURES:
-        found.add("server")
-    return found
+    key = (functions[0], cls, module, tuple(item.fixturenames))
+    if key not in memo:
+        home = functions[0].__code__.co_filename
+        fixtures = [getattr(cls, name, None) or getattr(module, name, None) for name in item.fixturenames]
+        names = _names_used([*functions, *fixtures], cls, home) | set(item.fixturenames)
+        found = {marker for marker, used in PROCESS_NAMES.items() if names & used}
+        if names & SERVER_FIXTURES:
+            found.add("server")
+        memo[key] = frozenset(found)
+    return memo[key]
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects anything
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    memo: dict[tuple, frozenset[str]] = {}
     for item in items:
-        for marker in sorted(_process_markers(item)):
+        for marker in sorted(_process_markers(item, memo)):
             item.add_marker(marker)
         if not any(item.get_closest_marker(m) for m in COSTLY):
             item.add_marker("fast")

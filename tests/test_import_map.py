@@ -13,6 +13,7 @@ The library is one namespace from four folders (pyproject's ``package-dir``):
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,11 +38,27 @@ def library_modules(root: Path = ROOT, layers: dict[str, str] = LAYERS) -> dict[
     return out
 
 
+@functools.cache
+def _parsed(path: Path, text: str) -> tuple[ast.Module, tuple[ast.AST, ...]]:
+    return (tree := ast.parse(text, str(path))), tuple(ast.walk(tree))
+
+
+def parse(path: Path) -> ast.Module:
+    """``path`` parsed, once per text: the checks below read the whole library, each
+    the same trees (they only read them; keyed on the text, so an edited file is read anew)."""
+    return _parsed(path, path.read_text())[0]
+
+
+def walk(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of ``path``'s tree (``ast.walk``), listed once per text."""
+    return _parsed(path, path.read_text())[1]
+
+
 def imports(name: str, path: Path, modules: dict[str, Path]) -> Iterator[tuple[str, str | None, int]]:
     """(module imported, name taken from it or None, line) for every import of the
     file, at any depth; ``from package import module`` counts as importing the module."""
     is_package = path.name == "__init__.py"
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in walk(path):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, None, node.lineno
@@ -113,9 +130,7 @@ def test_no_module_is_over_600_lines_and_each_says_why_it_exists():
     assert len(modules) > 100  # the whole library was found
     sizes = {m: len(p.read_text().splitlines()) for m, p in modules.items()}
     assert {m: n for m, n in sizes.items() if n > MAX_LINES} == {}
-    undocumented = [
-        m for m, p in modules.items() if p.stat().st_size and not ast.get_docstring(ast.parse(p.read_text()))
-    ]
+    undocumented = [m for m, p in modules.items() if p.stat().st_size and not ast.get_docstring(parse(p))]
     assert undocumented == []
 
 
@@ -214,7 +229,7 @@ def test_library_imports_are_spelled_absolute():
     relative = [
         f"{path.relative_to(ROOT)}:{node.lineno}"
         for path in library_modules().values()
-        for node in ast.walk(ast.parse(path.read_text()))
+        for node in walk(path)
         if isinstance(node, ast.ImportFrom) and node.level
     ]
     assert relative == []
@@ -249,9 +264,8 @@ def test_the_local_tier_never_imports_the_saver_and_every_save_composes_the_phas
 def parked_errors(path: Path) -> list[str]:
     """Functions that park an error on an object not their own: ``x.error = x.error or e``
     (``self.error`` is an object recording its own error, e.g. a pipeline's writer thread)."""
-    tree = ast.parse(path.read_text())
     found = []
-    for func in ast.walk(tree):
+    for func in walk(path):
         if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
         for node in ast.walk(func):
@@ -279,7 +293,7 @@ def test_a_staging_error_is_parked_in_one_place():
     defined = [
         m
         for m, p in modules.items()
-        for node in ast.walk(ast.parse(p.read_text()))
+        for node in walk(p)
         if isinstance(node, ast.FunctionDef) and node.name == "park_staging_error"
     ]
     assert defined == [PHASES]
@@ -314,10 +328,10 @@ CALLED_FROM_OUTSIDE = {
 }
 
 
-def _names_used(tree: ast.AST) -> set[str]:
+def _names_used(path: Path) -> set[str]:
     """Every name a module reads: names, attributes, names imported, strings (``__all__``)."""
     used: set[str] = set()
-    for node in ast.walk(tree):
+    for node in walk(path):
         if isinstance(node, ast.Name):
             used.add(node.id)
         elif isinstance(node, ast.Attribute):
@@ -333,10 +347,10 @@ def unused_functions(modules: dict[str, Path], public_text: str = "") -> list[st
     """``module.function`` for each top-level function that no module of the library
     uses (its own module included, past its definition) and ``public_text`` (the docs,
     the README, pyproject's entry points) does not name."""
-    trees = {name: ast.parse(path.read_text(), str(path)) for name, path in modules.items()}
+    trees = {name: parse(path) for name, path in modules.items()}
     used: set[str] = set()
-    for tree in trees.values():
-        used |= _names_used(tree)
+    for path in modules.values():
+        used |= _names_used(path)
     out = []
     for name, tree in trees.items():
         for node in tree.body:
@@ -365,7 +379,7 @@ def test_every_top_level_function_of_the_library_has_a_caller():
     defined = {
         f"{name}.{node.name}"
         for name, path in modules.items()
-        for node in ast.parse(path.read_text()).body
+        for node in parse(path).body
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
     }
     assert set(CALLED_FROM_OUTSIDE) <= defined, "an allowed function no longer exists: take it off the list"
@@ -388,15 +402,14 @@ def unannotated_functions(modules: dict[str, Path]) -> list[str]:
     ``self``/``cls`` of a method need none, nor does ``__init__``'s return."""
     out = []
     for name, path in modules.items():
-        tree = ast.parse(path.read_text(), str(path))
         methods = {
             id(f)
-            for c in ast.walk(tree)
+            for c in walk(path)
             if isinstance(c, ast.ClassDef)
             for f in c.body
             if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
         }
-        for node in ast.walk(tree):
+        for node in walk(path):
             if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
             a = node.args
@@ -424,3 +437,46 @@ def test_the_annotation_check_sees_a_missing_annotation(tmp_path):
         "def f(*args: int, **kw: int):\n    def inner(v: int) -> int:\n        return v\n    return inner\n"
     )
     assert sorted(unannotated_functions(library_modules(tmp_path, {"pkg": "pkg"}))) == ["pkg.a:12 f", "pkg.a:5 m"]
+
+
+# -- the checks' own cost (issue 38: a fast tier that stays fast) ---------------------------------
+
+
+def test_the_checks_parse_each_file_once_and_an_edited_file_again(tmp_path, monkeypatch):
+    """The checks above each read the whole library; they share one parse per file text."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text('"""p."""\nfrom pkg.a import f\n')
+    (tmp_path / "pkg" / "a.py").write_text('"""a."""\ndef f() -> int:\n    return 1\n')
+    modules = library_modules(tmp_path, {"pkg": "pkg"})
+    calls = []
+    real = ast.parse
+    monkeypatch.setattr(ast, "parse", lambda text, *a, **k: calls.append(text) or real(text, *a, **k))
+    for _ in range(2):
+        assert map_problems(modules) == ([], [])
+        assert unused_functions(modules) == []
+        assert unannotated_functions(modules) == []
+    assert len(calls) == 2, calls
+    (tmp_path / "pkg" / "a.py").write_text('"""a."""\ndef f():\n    return 1\n')
+    assert unannotated_functions(modules) == ["pkg.a:2 f"]
+    assert len(calls) == 3
+
+
+def test_the_tier_markers_are_worked_out_once_per_test_function(monkeypatch):
+    """Collection classifies every item (tests/conftest.py); the parametrized cases of
+    one function share the answer instead of walking its code again for each case."""
+    import types
+
+    import conftest
+
+    walks = []
+    real = conftest._names_used
+    monkeypatch.setattr(conftest, "_names_used", lambda *a: walks.append(a) or real(*a))
+
+    def test_case(x):
+        return subprocess.run(x)  # noqa: F821 - only its names are read
+
+    module = types.ModuleType("test_fake")
+    items = [types.SimpleNamespace(function=test_case, module=module, cls=None, fixturenames=["x"]) for _ in range(50)]
+    memo: dict = {}
+    found = {conftest._process_markers(item, memo) for item in items}
+    assert len(walks) == 1 and found == {frozenset({"subprocess"})}
