@@ -30,16 +30,18 @@ def gather_entries(
     row_ids: Sequence[np.ndarray],
     ndim: int,
     codes: Sequence[int],
-    make: Callable[[int, tuple[np.ndarray, ...]], TensorEntry],
+    make: Callable[[int, tuple[np.ndarray | None, ...]], TensorEntry],
 ) -> tuple[list[TensorEntry], np.ndarray, np.ndarray]:
     """The entries of tensors ``codes`` whose rows are ``row_ids[i]`` (all of ``ndim``
     dimensions), ``make(code, columns)`` building each entry from its columns (offsets,
     lengths, byte offsets, sizes, files, writers, checksum starts and values, as
-    :meth:`Rows.take` returns them); the columns are views of one gather, whose
+    :meth:`Rows.take` returns them, then the digests or None, as
+    :meth:`Rows.take_digests`); the columns are views of one gather, whose
     offsets and lengths ((rows, ndim), tensor after tensor) come back too."""
     counts = np.array([len(r) for r in row_ids], np.int64)
     every = np.concatenate(row_ids) if len(row_ids) else np.zeros(0, np.int64)
     offs, lens, byte_offsets, sizes, files, writers, sum_starts, sums = rows.take(every, ndim)
+    digests = rows.take_digests(every)
     bounds = np.r_[0, np.cumsum(counts)].tolist()
     sum_bounds = sum_starts[bounds].tolist()
     out = []
@@ -55,6 +57,7 @@ def gather_entries(
             writers[a:b],
             sum_starts[a : b + 1] - s0,
             sums[s0:s1],
+            None if digests is None else digests[a:b],
         )
         out.append(make(codes[i], columns))
     return out, offs, lens
