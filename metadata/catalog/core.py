@@ -11,18 +11,20 @@ handing out TensorEntry objects checked for exact tiling (:mod:`bcp.metadata.geo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from bcp.metadata.catalog.arrow import bind_rows, cast_columns, ipc_file, rows_table
+from bcp.metadata.catalog.arrow import bind_rows, cast_columns, catalog_columns, ipc_file, rows_table
 from bcp.metadata.catalog.budget import decode_budget
 from bcp.metadata.catalog.head import decode_head
 from bcp.metadata.catalog.partial import Box, Fetch, HeldSections
 from bcp.metadata.catalog.sections import TRAILER, encode, is_v2, read_trailer
 from bcp.metadata.catalog.tensors import CATALOG_SCHEMA, TensorTable
 from bcp.metadata.catalog.validate import check_rows_in_files, decode_rows
+from bcp.metadata.catalog.view import TensorsView
 from bcp.metadata.entries import check_tilings, gather_boxes, gather_entries
 from bcp.metadata.format_errors import FormatError
 from bcp.metadata.geometry import stable_order
@@ -30,26 +32,6 @@ from bcp.metadata.rows import Fragment, Rows, TensorBoxes, TensorEntry
 
 #: bytes of a v2 catalog's fixed trailer (sections.TRAILER.size)
 TRAILER_BYTES = TRAILER.size
-
-
-class _Tensors(Mapping):
-    """fqn -> TensorEntry, built on first use from the catalog's columns (a rank
-    loading its shards of a large checkpoint touches a small part of the catalog)."""
-
-    def __init__(self, catalog: Catalog) -> None:
-        self._catalog = catalog
-
-    def __getitem__(self, fqn: str) -> TensorEntry:
-        return self._catalog._entry(self._catalog._table_of_tensors.index[fqn])
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._catalog._table_of_tensors.names)
-
-    def __len__(self) -> int:
-        return len(self._catalog._table_of_tensors)
-
-    def __contains__(self, fqn: object) -> bool:
-        return fqn in self._catalog._table_of_tensors.index
 
 
 class Catalog:
@@ -109,7 +91,7 @@ class Catalog:
         self._check_tiling = check_tiling
         self._parts = None
         self._set_rows(rows)
-        self.tensors: Mapping[str, TensorEntry] = _Tensors(self)
+        self.tensors: Mapping[str, TensorEntry] = TensorsView(tensors, self._entry)
 
     def _set_rows(self, rows: Rows) -> None:
         self._rows = rows
@@ -128,7 +110,7 @@ class Catalog:
         missing = [n for n in CATALOG_SCHEMA.names if n not in table.column_names]
         if missing:
             raise ValueError(f"{where}: missing column(s) {', '.join(missing)}")
-        table = cast_columns(table.select(CATALOG_SCHEMA.names), where)
+        table = cast_columns(table.select(catalog_columns(table.column_names)), where)
         self = cls.__new__(cls)
         tensors = TensorTable()
         files: list[str] = []
@@ -226,7 +208,7 @@ class Catalog:
             by_ndim.setdefault(len(tensors.shapes[t]), []).append(t)
         for ndim, codes in by_ndim.items():
             row_ids = [self._rows_of(t) for t in codes]
-            built, offs, lens = gather_entries(self._rows, row_ids, ndim, codes, self._new_read_only_entry)
+            built, offs, lens = gather_entries(self._rows, row_ids, ndim, codes, self._read_only_entry)
             self._check_tilings(codes, offs, lens, [len(r) for r in row_ids])
             for t, entry in zip(codes, built, strict=True):
                 self._cache[t] = entry
@@ -239,27 +221,14 @@ class Catalog:
         rows = self._rows_of(t)
         frags = None if self._given is None else tuple(self._given[i] for i in rows.tolist())
         if frags is not None and any(len(f.offsets) != len(shape) for f in frags):
-            # Fragment lists are not validated: keep what was given, columns left empty
-            arrays: tuple[np.ndarray, ...] = (np.zeros((0, len(shape)), np.int64),) * 2 + (
-                np.zeros(0, np.int64),
-                np.zeros(0, np.int64),
-                np.zeros(0, np.int32),
-                np.zeros(0, np.int32),
-                np.zeros(1, np.int64),
-                np.zeros(0, np.uint32),
-            )
+            arrays: tuple[np.ndarray | None, ...] = Rows.no_columns(len(shape))  # given Fragments: kept as given
         else:
-            arrays = self._rows.take(rows, len(shape))
+            arrays = (*self._rows.take(rows, len(shape)), self._rows.take_digests(rows))
         entry = self._new_entry(t, arrays, frags)
         if check:
             self._check_tilings([t], entry.offsets, entry.lengths, [entry.num_fragments])
-        if check:
             self._cache[t] = entry
         return entry
-
-    def _new_read_only_entry(self, t: int, arrays: tuple[np.ndarray, ...]) -> TensorEntry:
-        """An entry of columns read-only already (:func:`gather_entries`'s views)."""
-        return self._new_entry(t, arrays, read_only=True)
 
     def _file_names_tuple(self) -> tuple[str, ...]:
         """The data file names as a tuple shared by every entry (rebuilt when a
@@ -269,16 +238,19 @@ class Catalog:
             names = self._names_tuple = tuple(self._file_names)
         return names
 
+    def _read_only_entry(self, t: int, arrays: tuple[Any, ...]) -> TensorEntry:
+        return self._new_entry(t, arrays, read_only=True)  # gather_entries' views: read-only already
+
     def _new_entry(
         self,
         t: int,
-        arrays: tuple[np.ndarray, ...],
+        arrays: tuple[Any, ...],
         frags: tuple[Fragment, ...] | None = None,
         *,
         read_only: bool = False,
     ) -> TensorEntry:
-        tensors = self._table_of_tensors
-        offs, lens, byte_offsets, sizes, files, writers, sum_starts, sums = arrays
+        tensors = self._table_of_tensors  # arrays: Rows.take's columns, then the digests (or None)
+        offs, lens, byte_offsets, sizes, files, writers, sum_starts, sums, digests = arrays
         return TensorEntry(
             tensors.names[t],
             tensors.key_paths[t],
@@ -295,6 +267,7 @@ class Catalog:
             checksum_values=sums,
             fragments=frags,
             read_only=read_only,
+            digests=digests,
         )
 
     def _complete(self, t: int) -> bool:
