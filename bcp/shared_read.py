@@ -215,10 +215,13 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     del n_ranks
     if not len(candidates):
         return _no_plan(classes.of_rank)
-    if (classes.sizes == classes.sizes[0]).all():  # exact below 2**53
-        wanted_elems = np.bincount(fi, weights=elems, minlength=n_frags) * float(classes.sizes[0])
-    else:
-        wanted_elems = np.bincount(fi, weights=elems * classes.sizes[cls], minlength=n_frags)
+    # exact below 2**53; classes of one size: no weight per pair
+    uniform = bool((classes.sizes == classes.sizes[0]).all())
+    weights = elems if uniform else elems * classes.sizes[cls]
+    wanted_elems: np.ndarray = np.bincount(fi, weights=weights, minlength=n_frags)
+    del weights
+    if uniform:
+        wanted_elems = wanted_elems * float(classes.sizes[0])
     del fi, cls, elems
     item = np.zeros(len(names), np.int64)
     item[used] = [itemsize(e.dtype) for e in entries]
@@ -251,9 +254,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     del tags
     sizes = row_products(k_len) * item[k_tid]
     owners = _choose_owners(classes, tag_cls, pair_starts, sizes, len(wanted), group)
-    return SharePlan(
-        k_tid.astype(np.int32), k_off, k_len, owners, tag_cls, pair_starts, classes.of_rank, class_tags
-    )
+    return SharePlan(k_tid.astype(np.int32), k_off, k_len, owners, tag_cls, pair_starts, classes.of_rank, class_tags)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -154,6 +154,18 @@ class SharePart:
         return out
 
 
+def small_unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` of non-empty non-negative ints, by
+    counting where they span a short range (a rank sends to a few neighbouring classes:
+    no sort per rank)."""
+    lo, hi = int(values.min()), int(values.max())
+    if hi - lo > 4 * len(values) + 64:
+        return np.unique(values, return_inverse=True)
+    seen = np.bincount(values - lo, minlength=hi - lo + 1) > 0
+    rank_of = np.cumsum(seen) - 1
+    return np.flatnonzero(seen) + lo, rank_of[values - lo]
+
+
 def class_parts(
     world: int,
     tensors: np.ndarray,
@@ -205,7 +217,7 @@ def class_parts(
         a, b = obounds[r], obounds[r + 1]
         if a < b:
             sa, sb = int(sstarts[a]), int(sstarts[b])
-            peers, local = np.unique(sent[sa:sb], return_inverse=True)
+            peers, local = small_unique(sent[sa:sb])
             bounds = mstarts_list  # a rank sends to few classes: slices, not an expansion
             ranks_of = np.concatenate([members[bounds[p] : bounds[p + 1]] for p in peers.tolist()])
             peer_starts = np.zeros(len(peers) + 1, np.int64)
