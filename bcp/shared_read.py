@@ -41,6 +41,7 @@ from bcp.io_scheduler.share_match import (
     CutIndex,
     box_batches,
     by_tag,
+    class_major,
     general_pairs,
     one_box_per_tensor,
     padded_boxes,
@@ -94,6 +95,9 @@ class SharePlan:
     pair_starts: np.ndarray  # int64 (K + 1,)
     #: ranks with equal classes want the same boxes, so take part in the same fragments
     rank_class: np.ndarray
+    #: the tags of the (tag, class) pairs ordered by class, tag order within (what
+    #: :meth:`parts` slices per class), where the matching produced them so; else None
+    class_tags: np.ndarray | None = None
 
     @functools.cached_property
     def _needers(self) -> tuple[np.ndarray, np.ndarray]:
@@ -120,6 +124,7 @@ class SharePlan:
             self.pair_classes,
             self.pair_starts,
             self.rank_class,
+            self.class_tags,
         )
 
 
@@ -186,8 +191,10 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
         found.append((fi, cls[qi], elems))
         if rest.any():
             left.append((tids[rest], b_off[rest], b_len[rest], cls[rest]))
+    del index  # the line's tables: not needed past the matching
     if left:
         found.append(general_pairs(entries, used, slot, fstart, shapes, extents, width, left))
+        del left
     fi = np.concatenate([f for f, _c, _e in found])
     if not len(fi):
         return _no_plan(classes.of_rank)
@@ -208,9 +215,18 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     del n_ranks
     if not len(candidates):
         return _no_plan(classes.of_rank)
-    wanted_elems = np.bincount(fi, weights=elems * classes.sizes[cls], minlength=n_frags)  # exact below 2**53
+    # exact below 2**53; classes of one size: no weight per pair
+    uniform = bool((classes.sizes == classes.sizes[0]).all())
+    weights = elems if uniform else elems * classes.sizes[cls]
+    wanted_elems: np.ndarray = np.bincount(fi, weights=weights, minlength=n_frags)
+    del weights
+    if uniform:
+        wanted_elems = wanted_elems * float(classes.sizes[0])
     del fi, cls, elems
+    item = np.zeros(len(names), np.int64)
+    item[used] = [itemsize(e.dtype) for e in entries]
     c_off, c_len = rows_at(entries, fstart, candidates, width)
+    del entries  # every stored box gathered: the largest arrays of the plan
     keep_c = wanted_elems[candidates] > row_products(c_len)
     del wanted_elems
     if keep_c.all():  # usually (replicas want whole rows): no copies
@@ -229,15 +245,16 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     keep = pk >= 0
     tags, tag_cls = pk[keep].astype(np.int64), uc[keep].astype(np.int64)
     del pk, uf, uc
+    class_tags = None
     if one_box:
+        if class_major(tag_cls, tags):  # the parts' order: kept, so that parts() need not sort back
+            class_tags = tags.astype(np.int32 if len(shared) < 1 << 31 else np.int64)
         tags, tag_cls = by_tag(tags, tag_cls, len(shared), len(reps))
     tag_cls, pair_starts, group = classes.labels(tags, tag_cls, len(shared))
-    item = np.array([itemsize(e.dtype) for e in entries], np.int64)
-    item_of = np.zeros(len(names), np.int64)
-    item_of[used] = item
-    sizes = row_products(k_len) * item_of[k_tid]
+    del tags
+    sizes = row_products(k_len) * item[k_tid]
     owners = _choose_owners(classes, tag_cls, pair_starts, sizes, len(wanted), group)
-    return SharePlan(k_tid.astype(np.int32), k_off, k_len, owners, tag_cls, pair_starts, classes.of_rank)
+    return SharePlan(k_tid.astype(np.int32), k_off, k_len, owners, tag_cls, pair_starts, classes.of_rank, class_tags)
 
 
 @dataclasses.dataclass(frozen=True)

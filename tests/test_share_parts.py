@@ -152,3 +152,44 @@ def test_a_rank_refuses_a_malformed_part(kind):
     with pytest.raises(bcp.errors.CheckpointError, match="share_reads plan part for rank 0") as caught:
         bad.check(rank=0, world=2, ndims=[2])
     assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(case=job())
+def test_parts_from_the_matchings_class_order_equal_parts_sorted_back(case):
+    """The plan keeps its (tag, class) pairs in the order the matching produced them,
+    class after class, where that is so (``class_tags``): the parts sliced from it are
+    the parts of the pairs sorted back by class, array for array."""
+    reader, wanted = case
+    plan = plan_shares(reader, [Wanted.encode(reader, w) for w in wanted])
+    pair_tags = np.repeat(np.arange(len(plan.owners)), np.diff(plan.pair_starts))
+    if plan.class_tags is not None:
+        assert np.array_equal(plan.class_tags, pair_tags[stable_order(plan.pair_classes)])
+    sorted_back = dataclasses.replace(plan, class_tags=None).parts(len(wanted))
+    for a, b in zip(plan.parts(len(wanted)), sorted_back, strict=True):
+        for field in dataclasses.fields(SharePart):
+            x, y = getattr(a, field.name), getattr(b, field.name)
+            assert np.array_equal(x, y) and np.asarray(x).dtype == np.asarray(y).dtype, field.name
+
+
+def test_an_fsdp_like_plan_keeps_its_class_order():
+    """Every class naming its tensors in catalog order (FSDP, HSDP): the plan keeps the
+    class order, so its parts need no sort."""
+    stored = [((r * 3, 0), (3, 4)) for r in range(4)]
+    reader = reader_of({"w": ((12, 4), stored, "float32"), "b": ((12,), [((0,), (6,)), ((6,), (6,))], "float32")})
+    halves = [[("w", ((0, 0), (6, 4))), ("b", ((0,), (6,)))], [("w", ((6, 0), (6, 4))), ("b", ((6,), (6,)))]]
+    wanted = [halves[0], halves[0], halves[1], halves[1]]
+    plan = plan_shares(reader, [Wanted.encode(reader, w) for w in wanted])
+    assert len(plan.owners) == 6 and plan.class_tags is not None
+    assert plan.class_tags.tolist() == [0, 1, 4, 2, 3, 5]
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(values=st.lists(st.integers(0, 300), min_size=1, max_size=40) | st.lists(st.integers(0, 5), min_size=1))
+def testsmall_unique_is_numpys_unique(values):
+    from bcp.io_scheduler.share_parts import small_unique
+
+    a = np.array(values, np.int64)
+    got, want = small_unique(a), np.unique(a, return_inverse=True)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1].reshape(-1))
+    assert np.array_equal(got[0][got[1]], a)

@@ -48,6 +48,15 @@ def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tup
     return tags[order], classes[order]
 
 
+def class_major(classes: np.ndarray, tags: np.ndarray) -> bool:
+    """Whether (tag, class) pairs are in order of class, then tag (each pair once): as
+    the matching yields them when every class names its tensors in catalog order."""
+    if len(tags) < 2:
+        return True
+    step = classes[1:] - classes[:-1]
+    return bool(((step > 0) | ((step == 0) & (tags[1:] > tags[:-1]))).all())
+
+
 def rows_at(
     entries: Sequence[TensorBoxes], fstart: np.ndarray, rows: np.ndarray, width: int
 ) -> tuple[np.ndarray, np.ndarray]:

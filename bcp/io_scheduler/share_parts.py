@@ -154,6 +154,18 @@ class SharePart:
         return out
 
 
+def small_unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` of non-empty non-negative ints, by
+    counting where they span a short range (a rank sends to a few neighbouring classes:
+    no sort per rank)."""
+    lo, hi = int(values.min()), int(values.max())
+    if hi - lo > 4 * len(values) + 64:
+        return np.unique(values, return_inverse=True)
+    seen = np.bincount(values - lo, minlength=hi - lo + 1) > 0
+    rank_of = np.cumsum(seen) - 1
+    return np.flatnonzero(seen) + lo, rank_of[values - lo]
+
+
 def class_parts(
     world: int,
     tensors: np.ndarray,
@@ -163,20 +175,24 @@ def class_parts(
     pair_classes: np.ndarray,
     pair_starts: np.ndarray,
     rank_class: np.ndarray,
+    class_tags: np.ndarray | None = None,
 ) -> list[SharePart]:
     """Each rank's part of a plan whose shared fragment k (tag k) is needed by classes
     ``pair_classes[pair_starts[k]:pair_starts[k + 1]]`` (ascending), ranks in classes
-    as ``rank_class`` says. Arrays per class, a few small operations per rank."""
+    as ``rank_class`` says. Arrays per class, a few small operations per rank.
+    ``class_tags``: the pairs' tags in order of class then tag, where the caller has
+    them (saves sorting the pairs back by class)."""
     n_classes = int(rank_class.max()) + 1 if len(rank_class) else 0
     members = stable_order(rank_class).astype(np.int64)  # ranks by class, ascending within
     sizes = np.bincount(rank_class, minlength=n_classes).astype(np.int64)
     mstarts = np.r_[0, np.cumsum(sizes)].astype(np.int64)
     mstarts_list = mstarts.tolist()
     k = len(owners)
-    tag_of_pair = np.repeat(np.arange(k, dtype=np.int64), np.diff(pair_starts))
-    by_class = stable_order(pair_classes)  # pairs by class, tag order within
-    class_tags = tag_of_pair[by_class]
-    del tag_of_pair, by_class
+    if class_tags is None:
+        tag_of_pair = np.repeat(np.arange(k, dtype=np.int64), np.diff(pair_starts))
+        by_class = stable_order(pair_classes)  # pairs by class, tag order within
+        class_tags = tag_of_pair[by_class]
+        del tag_of_pair, by_class
     cbounds = np.r_[0, np.cumsum(np.bincount(pair_classes, minlength=n_classes))].tolist()
     # what each rank sends, for every rank at once: tags by owner (tag order within),
     # each with the classes needing it
@@ -189,7 +205,7 @@ def class_parts(
     boxes = np.concatenate([offsets, lengths], axis=1)  # one gather per class, not two
     per_class: list[tuple[np.ndarray, ...]] = []
     for c in range(n_classes):
-        mine = class_tags[cbounds[c] : cbounds[c + 1]]
+        mine = class_tags[cbounds[c] : cbounds[c + 1]].astype(np.int64, copy=False)
         box = np.take(boxes, mine, axis=0)
         per_class.append((mine, tensors[mine], box[:, :width], box[:, width:], owners[mine]))
     none = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros((0, width), np.int64))
@@ -201,7 +217,7 @@ def class_parts(
         a, b = obounds[r], obounds[r + 1]
         if a < b:
             sa, sb = int(sstarts[a]), int(sstarts[b])
-            peers, local = np.unique(sent[sa:sb], return_inverse=True)
+            peers, local = small_unique(sent[sa:sb])
             bounds = mstarts_list  # a rank sends to few classes: slices, not an expansion
             ranks_of = np.concatenate([members[bounds[p] : bounds[p + 1]] for p in peers.tolist()])
             peer_starts = np.zeros(len(peers) + 1, np.int64)
