@@ -9,8 +9,9 @@ fingerprint of every tensor leaf, compared as a whole at each save:
 
 * a plain tensor (``torch.Tensor`` or ``nn.Parameter`` exactly): its key path, dtype,
   shape, strides, storage offset, address, device, conjugate/negative bits and whether
-  bcp copies it as a device tensor (a tensor of another layout has no strides: planned,
-  and refused, the usual way).
+  bcp copies it as a device tensor (with the real CUDA seam the device says so; a
+  stand-in seam is asked per tensor) (a tensor of another layout has no strides:
+  planned, and refused, the usual way).
   The address and offset give the storage's address, so two tensors share memory
   (a tied weight, written once) exactly when they did before;
 * any other tensor-like leaf (DTensor, TensorShard, FlatShard, a tensor subclass):
@@ -22,7 +23,9 @@ reallocated, a placement changed) plans again from scratch; the fingerprint hold
 no tensor, so the cache keeps no caller memory alive. The write pipeline's plan (the
 file layout and its chunks, ``bcp.io_scheduler.chunk_plan.PipelinePlan``) depends
 on nothing else but this rank's writes and the backend and pool settings, and is
-kept with it. Checksums of replicated boxes are data: taken at every save.
+kept with it; for an async save it holds the dense host tensors' addresses (their
+chunks are staged by raw copies), valid because the fingerprint holds them too.
+Checksums of replicated boxes are data: taken at every save.
 """
 
 from __future__ import annotations

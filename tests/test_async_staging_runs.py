@@ -102,7 +102,8 @@ def test_padding_is_zero_whatever_the_slab_held(tmp_path):
         bcp.async_save(state, str(tmp_path / "x"), pool=pool, overwrite=True).wait()
         data = [os.path.join(d, f) for d, _s, fs in os.walk(tmp_path / "x") for f in fs if f.endswith(".bin")]
         assert len(data) == 1
-        raw = open(data[0], "rb").read()
+        with open(data[0], "rb") as f:
+            raw = f.read()
         tensor_bytes = sum(t.numel() for t in state.values())
         assert len(raw) > tensor_bytes  # there is padding
         assert len(raw) - raw.count(0) == tensor_bytes and raw.count(0x5A) == tensor_bytes
