@@ -9,8 +9,9 @@ fingerprint of every tensor leaf, compared as a whole at each save:
 
 * a plain tensor (``torch.Tensor`` or ``nn.Parameter`` exactly): its key path, dtype,
   shape, strides, storage offset, address, device, conjugate/negative bits and whether
-  bcp copies it as a device tensor (a tensor of another layout has no strides: planned,
-  and refused, the usual way).
+  bcp copies it as a device tensor (with the real CUDA seam the device says so; a
+  stand-in seam is asked per tensor) (a tensor of another layout has no strides:
+  planned, and refused, the usual way).
   The address and offset give the storage's address, so two tensors share memory
   (a tied weight, written once) exactly when they did before;
 * any other tensor-like leaf (DTensor, TensorShard, FlatShard, a tensor subclass):
@@ -22,7 +23,9 @@ reallocated, a placement changed) plans again from scratch; the fingerprint hold
 no tensor, so the cache keeps no caller memory alive. The write pipeline's plan (the
 file layout and its chunks, ``bcp.io_scheduler.chunk_plan.PipelinePlan``) depends
 on nothing else but this rank's writes and the backend and pool settings, and is
-kept with it. Checksums of replicated boxes are data: taken at every save.
+kept with it; for an async save it holds the dense host tensors' addresses (their
+chunks are staged by raw copies), valid because the fingerprint holds them too.
+Checksums of replicated boxes are data: taken at every save.
 """
 
 from __future__ import annotations
@@ -90,19 +93,41 @@ def tensor_signature(t: torch.Tensor) -> tuple:
     )
 
 
-def fingerprint(leaves: Mapping[Any, Any], rank: int) -> tuple[tuple | None, list[Any]]:
+class Fingerprint:
+    """A fingerprint's fields with their hash computed once: a kept structure is
+    looked up (and moved to the end of the cache) by it, and a tuple of thousands of
+    per-tensor tuples would be hashed again at each lookup."""
+
+    __slots__ = ("_hash", "sigs")
+
+    def __init__(self, sigs: tuple) -> None:
+        self.sigs = sigs
+        self._hash = hash(sigs)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Fingerprint) and self._hash == other._hash and self.sigs == other.sigs
+
+
+def fingerprint(leaves: Mapping[Any, Any], rank: int) -> tuple[Fingerprint | None, list[Any]]:
     """(key, values): ``key`` compares equal between two saves only when their
     tensors' plans are equal (None: not fingerprintable, plan afresh); ``values``
     holds, per tensor leaf in order, the tensor itself (a plain one) or its
     :class:`LocalTensor`."""
     sigs: list[Any] = [rank]
     values: list[Any] = []
-    is_device = device_copy.api.is_device  # the copy path bcp takes (tests swap the CUDA seam)
+    api = device_copy.api  # the copy path bcp takes (tests swap the CUDA seam)
+    # With the real CUDA seam the device in each signature decides the copy path; a
+    # stand-in is asked per tensor (a trailing field).
+    per_tensor = None if getattr(api, "by_device", False) else api.is_device
+    add, keep = sigs.append, values.append
     try:
         for leaf in leaves.values():
             v = leaf.value
             if type(v) in PLAIN_TENSORS:  # tensor_signature, inline: this loop runs for every tensor
-                sigs.append(
+                add(
                     (
                         leaf.path,
                         v.dtype,
@@ -113,18 +138,30 @@ def fingerprint(leaves: Mapping[Any, Any], rank: int) -> tuple[tuple | None, lis
                         v.device,
                         v.is_conj(),
                         v.is_neg(),
-                        is_device(v),
+                    )
+                    if per_tensor is None
+                    else (
+                        leaf.path,
+                        v.dtype,
+                        v.shape,
+                        v.stride(),
+                        v.storage_offset(),
+                        v.data_ptr(),
+                        v.device,
+                        v.is_conj(),
+                        v.is_neg(),
+                        per_tensor(v),
                     )
                 )
-                values.append(v)
+                keep(v)
             elif leaf.is_tensor:
                 local = local_pieces(v, leaf.fqn)
                 boxes = tuple((p.box, tensor_signature(p.tensor)) for p in local.pieces)
-                sigs.append((leaf.path, type(v), local.global_shape, local.dtype, holds_replica(v), boxes))
-                values.append(local)
+                add((leaf.path, type(v), local.global_shape, local.dtype, holds_replica(v), boxes))
+                keep(local)
     except Exception:  # noqa: BLE001 - planned the usual way, which names the problem
         return None, []
-    return tuple(sigs), values
+    return Fingerprint((type(api), *sigs)), values
 
 
 @dataclasses.dataclass
@@ -166,12 +203,12 @@ class LocalPlans:
     def __init__(self, keep: int = KEEP_LOCAL) -> None:
         self.keep = keep
         self._lock = threading.Lock()
-        self._plans: OrderedDict[tuple, LocalPlan] = OrderedDict()
+        self._plans: OrderedDict[Fingerprint, LocalPlan] = OrderedDict()
         #: saves planned from scratch / reused a kept plan
         self.built = 0
         self.reused = 0
 
-    def get(self, key: tuple | None) -> LocalPlan | None:
+    def get(self, key: Fingerprint | None) -> LocalPlan | None:
         if key is None:
             return None
         with self._lock:
@@ -181,7 +218,7 @@ class LocalPlans:
                 self.reused += 1
             return plan
 
-    def put(self, key: tuple | None, plan: LocalPlan) -> None:
+    def put(self, key: Fingerprint | None, plan: LocalPlan) -> None:
         with self._lock:
             self.built += 1
             if key is None:
@@ -259,4 +296,4 @@ def prepare_tensors(
     return Prepared(layout, items, objects, replicas, kept)
 
 
-__all__ = ["LocalPlan", "LocalPlans", "LocalTensor", "Prepared", "fingerprint", "prepare_tensors"]
+__all__ = ["Fingerprint", "LocalPlan", "LocalPlans", "LocalTensor", "Prepared", "fingerprint", "prepare_tensors"]

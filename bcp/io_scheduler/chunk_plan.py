@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from bcp.shards import Piece
@@ -50,6 +51,11 @@ class Chunk:
     offset: int  # file offset
     nbytes: int
     segments: list[Segment]
+    #: set by :func:`plan_pipeline` for a staged chunk whose every segment is a dense host
+    #: tensor: its bytes as raw copies from the tensors' addresses. Valid only while the sources are the
+    #: tensors the plan was made for (``bcp.kept_plans`` reuses a plan only for tensors of
+    #: the same addresses, shapes, strides and dtypes).
+    copies: ChunkCopies | None = None
 
 
 def _align(offset: int, nbytes: int, phase: int = 0) -> int:
@@ -240,17 +246,63 @@ def plan_pipeline(
     else:
         chunks = plan_chunks(spans, slab_bytes)
     device = [is_device(t) for t in tensors]
+    host_dense = [
+        (2 if t.dtype in NUMPY_DTYPES else 1)
+        if not d and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+        else 0
+        for t, d in zip(tensors, device, strict=True)
+    ]
+    if packed or part_size is not None:  # every chunk is staged (copied into a slab)
+        address = [t.data_ptr() if dense else 0 for t, dense in zip(tensors, host_dense, strict=True)]
+        for chunk in chunks:
+            chunk.copies = chunk_copies(chunk, address)
     return PipelinePlan(
         file_layout=placed,
         chunks=chunks,
         item_nbytes=nbytes,
         devices=sorted({t.device for t, d in zip(tensors, device, strict=True) if d}, key=str),
-        host_dense=[
-            (2 if t.dtype in NUMPY_DTYPES else 1)
-            if not d and t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
-            else 0
-            for t, d in zip(tensors, device, strict=True)
-        ],
+        host_dense=host_dense,
         uses=count_uses(chunks),
         released=released,
     )
+
+
+#: Padding shorter than this is zeroed through :attr:`ChunkCopies.zeros` (one numpy
+#: assignment a chunk), longer padding by a ``memset`` run of its own.
+SHORT_PADDING = 256
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkCopies:
+    """A staged chunk of dense host tensors as raw copies (``WritePipeline._stage_runs``)."""
+
+    #: (offset in the chunk, source address or 0 for zeros, nbytes), in chunk order
+    runs: tuple[tuple[int, int, int], ...]
+    #: offsets in the chunk of every byte of the short padding (zeroed at once), or None
+    zeros: Any = None
+
+
+def chunk_copies(chunk: Chunk, address: Sequence[int]) -> ChunkCopies | None:
+    """``chunk``'s bytes as runs covering it exactly (the padding zeroed), when every
+    segment's source is dense host memory (``address[item]`` non-zero); else None.
+    Staging such a chunk costs one ``memmove`` a segment: no Python object per tensor."""
+    runs: list[tuple[int, int, int]] = []
+    short: list[tuple[int, int]] = []
+    cursor = 0
+
+    def pad(at: int, n: int) -> None:
+        if n >= SHORT_PADDING:
+            runs.append((at, 0, n))
+        elif n > 0:
+            short.append((at, n))
+
+    for seg in chunk.segments:
+        src = address[seg.item]
+        if not src:
+            return None
+        pad(cursor, seg.at - cursor)  # never leak an earlier save's bytes
+        runs.append((seg.at, src + seg.start, seg.nbytes))
+        cursor = seg.at + seg.nbytes
+    pad(cursor, chunk.nbytes - cursor)
+    zeros = np.concatenate([np.arange(at, at + n, dtype=np.intp) for at, n in short]) if short else None
+    return ChunkCopies(tuple(runs), zeros)

@@ -45,6 +45,11 @@ from bcp.tensor_io import raw
 class CudaApi:
     """The CUDA calls bcp makes, and nothing else."""
 
+    #: ``is_device`` depends on the tensor's device alone (callers that already compare
+    #: the device, as ``bcp.kept_plans.fingerprint`` does, need not ask per tensor); a
+    #: stand-in without this attribute is asked per tensor
+    by_device = True
+
     def is_device(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in CUDA memory (copies to and from it go through streams)."""
         return t.device.type == "cuda"

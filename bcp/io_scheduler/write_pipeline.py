@@ -26,6 +26,7 @@ then change if ``stage_all``, device sources once ``copies.wait()`` returns), th
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import queue
 import threading
@@ -39,7 +40,7 @@ import torch
 from bcp import trace
 from bcp.backends import Backend, ObjectWriter
 from bcp.coordination.priority import lower_this_thread
-from bcp.io_scheduler.chunk_plan import Chunk, PipelinePlan, count_uses, plan_packed_chunks, plan_pipeline
+from bcp.io_scheduler.chunk_plan import Chunk, ChunkCopies, PipelinePlan, count_uses, plan_packed_chunks, plan_pipeline
 from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor, settle
 from bcp.io_scheduler.staging import Slab, StagingPool, default_pool
 from bcp.metadata import FileEntry, block_checksums, digest_of_checksums
@@ -102,6 +103,11 @@ class WriteItem(NamedTuple):
     tensor: int = 0
 
 
+#: memmove / memset through ctypes: a foreign call releases the GIL for its duration, and
+#: costs about a third of a numpy slice assignment's Python work (a run per tensor).
+_MEMMOVE = ctypes.memmove
+_MEMSET = ctypes.memset
+
 #: What a released item's piece holds instead of the caller's tensor.
 _RELEASED = torch.empty(0, dtype=torch.uint8)
 
@@ -157,6 +163,8 @@ class WritePipeline:
         #: device-to-host copies; "the call" is now (this runs in the caller's thread)
         self.copies = DeviceCopies()
         self.copies.start(self.plan.devices)
+        #: the calling thread: only it stages chunks by their runs (:meth:`_stage_runs`)
+        self._caller = threading.get_ident()
 
     def _make_plan(self, items: list[WriteItem]) -> PipelinePlan:
         return plan_pipeline(
@@ -290,6 +298,9 @@ class WritePipeline:
         self._release_sources()
 
     def _produce(self, chunk: Chunk) -> None:
+        if chunk.copies is not None and self.stage_all and threading.get_ident() == self._caller:
+            self._queue.put(self._stage_runs(chunk, chunk.copies))
+            return
         dense = self.plan.host_dense if self.stage_all else None  # those are read in _stage_chunk
         for seg in chunk.segments:
             item = seg.item
@@ -358,6 +369,37 @@ class WritePipeline:
             raise
         self.bytes_staged += chunk.nbytes
         return StagedChunk(chunk, slab, out, events)
+
+    def _stage_runs(self, chunk: Chunk, copies: ChunkCopies) -> StagedChunk:
+        """Stage a chunk of dense host tensors by its runs (``Chunk.copies``): one
+        ``memmove`` a segment (each releases the GIL), the padding zeroed by ``memset``
+        or one numpy assignment, and no Python object per tensor. The addresses are the plan's, which is reused only
+        while every tensor keeps its address, shape, strides and dtype
+        (``bcp.kept_plans``); only the calling thread takes this path, during the call,
+        while the caller holds the state (an overlapped save's background staging
+        reads the tensors through numpy, bounds-checked, as they are then)."""
+        if not self._threads and self.pool.would_block():
+            if self.deferred:
+                raise StagingFull(f"rank {self.rank}: the staging pool cannot hold the whole save before writing")
+            self._start_writers()  # only writing frees slabs
+        slab = self.pool.acquire()
+        try:
+            out = slab.view(chunk.nbytes, shift=chunk.offset % 4096)  # same phase as the file: O_DIRECT-able
+            base = out.data_ptr()
+            with trace.span("copy", chunk.nbytes):
+                move, fill = _MEMMOVE, _MEMSET
+                for at, src, n in copies.runs:
+                    if src:
+                        move(base + at, src, n)
+                    else:
+                        fill(base + at, 0, n)
+                if copies.zeros is not None:
+                    out.numpy()[copies.zeros] = 0
+        except BaseException:
+            self.pool.release(slab)
+            raise
+        self.bytes_staged += chunk.nbytes
+        return StagedChunk(chunk, slab, out, [])
 
     def _batch(self, chunk: Chunk) -> StagedChunk:
         """A batch: its segments' bytes as views of the sources' memory (no copy), with

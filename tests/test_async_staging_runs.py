@@ -1,0 +1,155 @@
+"""An async save's blocking part costs little Python per tensor (issue 37, item 4).
+
+A steady-state ``async_save`` (the structure's plan kept, ``bcp.kept_plans``) stages a
+chunk of dense host tensors by raw copies planned once (``Chunk.copies``): one
+``memmove`` a tensor, the padding zeroed, no numpy or torch object per tensor. Counted,
+not timed: the Python-level calls (functions and C functions) the calling thread makes
+per extra tensor. And the copies stay exact: values at the call, every dtype, tensors
+split over slabs, padding zero whatever the slab held before.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bcp
+from bcp.io_scheduler.staging import StagingPool
+from bcp.planning.cache import clear_plan_caches
+from helpers import examples, tensor_bytes_equal
+
+#: Python-level calls (``call`` and ``c_call`` profile events) the calling thread makes per
+#: extra tensor in a steady-state async save of small host tensors. 21 before staging by
+#: raw copies; now: flattening (2), the fingerprint (7), the write item (2), the copy (1).
+CALLS_PER_TENSOR = 14
+
+
+def steady_calls(root: str, n: int) -> int:
+    """Calls the caller's thread makes in the second async save of ``n`` small tensors."""
+    g = torch.Generator().manual_seed(n)
+    sizes = torch.randint(1, 300, (n,), generator=g).tolist()
+    state = {f"t{i}": torch.randn(k, generator=g) for i, k in enumerate(sizes)}
+    uri = os.path.join(root, f"n{n}")
+    bcp.async_save(state, uri).wait()  # plans and keeps the structure
+    count = 0
+    me = threading.get_ident()
+
+    def profile(_frame, event, _arg):
+        nonlocal count
+        if event in ("call", "c_call") and threading.get_ident() == me:
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        handle = bcp.async_save(state, uri, overwrite=True)
+    finally:
+        sys.setprofile(None)
+    handle.wait()
+    loaded = bcp.open(uri).state()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    return count
+
+
+def test_steady_async_save_makes_few_python_calls_per_tensor(tmp_path):
+    clear_plan_caches()
+    few, many = steady_calls(str(tmp_path), 100), steady_calls(str(tmp_path), 500)
+    per_tensor = (many - few) / 400
+    assert per_tensor <= CALLS_PER_TENSOR, f"{per_tensor:.1f} calls per tensor"
+
+
+def test_staging_by_runs_is_used_only_in_the_calling_thread(tmp_path):
+    """The raw copies read the plan's addresses: valid during the call. Staging in
+    another thread (an overlapped save's rest) reads the tensors as they are then."""
+    from bcp.io_scheduler import write_pipeline
+
+    calls: list[int] = []
+    real = write_pipeline.WritePipeline._stage_runs
+
+    def counting(self, chunk, copies):
+        calls.append(threading.get_ident())
+        return real(self, chunk, copies)
+
+    clear_plan_caches()
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model.state_dict(), "extra": torch.arange(7.0)}
+    try:
+        write_pipeline.WritePipeline._stage_runs = counting  # type: ignore[method-assign]
+        for _ in range(2):
+            bcp.async_save(state, str(tmp_path / "x"), overwrite=True, overlap=opt).wait()
+    finally:
+        write_pipeline.WritePipeline._stage_runs = real  # type: ignore[method-assign]
+    assert calls and set(calls) == {threading.get_ident()}
+    loaded = bcp.open(str(tmp_path / "x")).state()
+    assert torch.equal(loaded["model"]["weight"], model.weight.detach())
+
+
+def test_padding_is_zero_whatever_the_slab_held(tmp_path):
+    """Slabs reused from a save of 0xFF bytes: the next save's padding is zeros (the
+    bytes of a data file that are not a tensor's are all zero)."""
+    pool = StagingPool(1 << 20, slab_bytes=256 << 10)
+    clear_plan_caches()
+    full = {"f": torch.full((1 << 20,), 255, dtype=torch.uint8)}
+    bcp.async_save(full, str(tmp_path / "ff"), pool=pool).wait()
+    state = {f"t{i}": torch.full((3 * i + 1,), 0x5A, dtype=torch.uint8) for i in range(200)}
+    state["big"] = torch.full((70_001,), 0x5A, dtype=torch.uint8)  # page-aligned: long padding before it
+    for _ in range(2):  # planned, then the kept plan's runs
+        bcp.async_save(state, str(tmp_path / "x"), pool=pool, overwrite=True).wait()
+        data = [os.path.join(d, f) for d, _s, fs in os.walk(tmp_path / "x") for f in fs if f.endswith(".bin")]
+        assert len(data) == 1
+        with open(data[0], "rb") as f:
+            raw = f.read()
+        tensor_bytes = sum(t.numel() for t in state.values())
+        assert len(raw) > tensor_bytes  # there is padding
+        assert len(raw) - raw.count(0) == tensor_bytes and raw.count(0x5A) == tensor_bytes
+
+
+DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8, torch.float64, torch.complex64)
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(
+    specs=st.lists(
+        st.tuples(
+            st.sampled_from(DTYPES), st.sampled_from([0, 1, 3, 17, 100, 1000, 20_000]), st.sampled_from(["", "t", "v"])
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    slab_kib=st.sampled_from([64, 128, 1024]),
+)
+def test_async_saves_by_runs_hold_the_values_at_each_call(tmp_path_factory, specs, slab_kib):
+    """Mixed dtypes and sizes (empty, tiny, split over slabs), dense or not (a transposed
+    view, a view tied to another entry); each of three saves of the same structure holds
+    the values at its call, though every tensor changes right after it."""
+    root = tmp_path_factory.mktemp("runs")
+    pool = StagingPool(8 << 20, slab_bytes=slab_kib << 10)
+    g = torch.Generator().manual_seed(len(specs))
+    state: dict = {}
+    for i, (dtype, n, kind) in enumerate(specs):
+        base = torch.randint(0, 100, (2 * n,), generator=g).to(dtype)
+        if kind == "t" and n:
+            state[f"x{i}"] = base.view(2, n).t()  # not dense: staged through its own copy
+        else:
+            state[f"x{i}"] = base[:n]
+        if kind == "v" and i:
+            state[f"tie{i}"] = state[f"x{i - 1}"]
+    handles = []
+    for step in range(3):
+        expect = {k: v.clone() for k, v in state.items()}
+        handles.append((expect, bcp.async_save(state, str(root / f"s{step}"), pool=pool, checksum_block_bytes=4096)))
+        for v in state.values():
+            if v.numel():
+                v.add_(1) if v.dtype != torch.bool else v.logical_not_()
+    for step, (expect, handle) in enumerate(handles):
+        handle.wait()
+        loaded = bcp.open(str(root / f"s{step}")).state()
+        assert list(loaded) == list(expect)
+        for k, v in expect.items():
+            assert loaded[k].dtype == v.dtype and loaded[k].shape == v.shape, k
+            assert tensor_bytes_equal(loaded[k], v), k
