@@ -34,7 +34,7 @@ from bcp.io_scheduler.read_plan import RunSet, plan_tensor_reads, touched_rows
 from bcp.io_scheduler.staging import StagingPool, default_pool
 from bcp.metadata import Catalog, FormatError, Fragment, Manifest, ObjectEntry, TensorEntry, crc32c
 from bcp.metadata.catalog.sections import TRAILER, is_v2
-from bcp.metadata.geometry import Box, intersect
+from bcp.metadata.geometry import Box, check_box_inside, intersect
 from bcp.metadata.keys import manifest_key
 from bcp.references import ParentFactory, describe_file, parent_factory, references_backend
 from bcp.shards import RankValues
@@ -187,7 +187,7 @@ class CheckpointReader:
         bounded by the bytes actually stored."""
         entry = self._tensor_entry(fqn)
         box = self._whole(entry) if box is None else box
-        self._check_box(fqn, entry, box)
+        check_box_inside(fqn, entry.global_shape, box)
         self.check_sizes([(fqn, box)])
         return torch.empty(tuple(box[1]), dtype=torch_dtype(entry.dtype, fqn=fqn))
 
@@ -298,9 +298,9 @@ class CheckpointReader:
         pool; see ``bcp.io_scheduler.device_load``); the call returns once every byte has landed."""
         in_memory = in_memory or {}
         entries = self._entries([fqn for fqn, _box, _dest in requests])
-        check_box = self._check_box
+        check_box = check_box_inside
         for (fqn, box, dest), entry in zip(requests, entries, strict=True):  # everything checked before any allocation
-            check_box(fqn, entry, box)
+            check_box(fqn, entry.global_shape, box)
             if dest.is_meta:
                 raise ValueError(
                     f"{fqn!r}: cannot load into a meta tensor; allocate it first (module.to_empty(device=...))"
@@ -370,21 +370,6 @@ class CheckpointReader:
     @staticmethod
     def _whole(entry: TensorEntry) -> Box:
         return (0,) * len(entry.global_shape), entry.global_shape
-
-    @staticmethod
-    def _check_box(fqn: str, entry: TensorEntry, box: Box) -> None:
-        shape = entry.global_shape
-        ndim = len(shape)
-        if len(box[0]) == ndim and tuple(box[1]) == shape and not any(box[0]):
-            return  # the whole tensor (the usual request), checked without the loop below
-        if (
-            len(box[0]) != ndim
-            or len(box[1]) != ndim
-            or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(box[0], box[1], entry.global_shape, strict=True))
-        ):
-            raise ValueError(
-                f"{fqn!r}: box offsets={list(box[0])} lengths={list(box[1])} is outside {list(entry.global_shape)}"
-            )
 
     def _entries(self, fqns: list[str]) -> list[TensorEntry]:
         """The entries of ``fqns`` in one catalog call (those not built yet built

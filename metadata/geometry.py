@@ -55,6 +55,19 @@ def intersect(a_off: Sequence[int], a_len: Sequence[int], b_off: Sequence[int], 
     return tuple(offs), tuple(lens)
 
 
+def check_box_inside(fqn: str, shape: tuple[int, ...], box: Box) -> None:
+    """ValueError naming ``fqn`` unless ``box`` (offsets, lengths) lies inside ``shape``."""
+    ndim = len(shape)
+    if len(box[0]) == ndim and tuple(box[1]) == shape and not any(box[0]):
+        return  # the whole tensor (the usual request), checked without the loop below
+    if (
+        len(box[0]) != ndim
+        or len(box[1]) != ndim
+        or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(box[0], box[1], shape, strict=True))
+    ):
+        raise ValueError(f"{fqn!r}: box offsets={list(box[0])} lengths={list(box[1])} is outside {list(shape)}")
+
+
 def row_major_strides(lengths: Sequence[int]) -> tuple[int, ...]:
     strides, acc = [], 1
     for n in reversed(lengths):
