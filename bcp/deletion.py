@@ -62,7 +62,9 @@ def delete(
         raise CheckpointNotFoundError(f"no checkpoint at {where}: nothing is there")
     done = delete_by_holds(uri, backend, storage_options)
     if done.retired:
-        log.warning("bcp.delete %s: kept generation(s) whole for newer checkpoints: %s", where, describe_retired(done.retired))
+        log.warning(
+            "bcp.delete %s: kept generation(s) whole for newer checkpoints: %s", where, describe_retired(done.retired)
+        )
     if found.other_keys:
         log.warning(
             "bcp.delete %s: left %d object(s) that are not bcp's: %s",

@@ -361,8 +361,10 @@ def list_checkpoints(backend: Backend) -> Listing:
             k = checker.keeper(h)
             if k is not None:
                 was = keepers.get(k.referrer)
-                keepers[k.referrer] = k if was is None else Keeper(
-                    k.referrer, was.files + k.files, was.nbytes + k.nbytes, was.committed and k.committed
+                keepers[k.referrer] = (
+                    k
+                    if was is None
+                    else Keeper(k.referrer, was.files + k.files, was.nbytes + k.nbytes, was.committed and k.committed)
                 )
         row.held_by = [keepers[r] for r in sorted(keepers)]
         if row.status == "incomplete" and row.held_by:

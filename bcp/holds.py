@@ -126,20 +126,25 @@ class HoldChecker:
         self.backend = backend
         self.grace_seconds = grace_seconds
         self.now = time.time() if now is None else now
-        self._manifests: dict[str, Manifest | None | _Unreadable] = {}
+        self._manifests: dict[str, Manifest | _Unreadable | None] = {}
         #: (path, save_id) of manifests this process deleted: their holds are stale at once
         self.gone: set[tuple[str, str]] = set()
 
-    def remember(self, path: str, manifest: Manifest | None | _Unreadable) -> None:
+    def remember(self, path: str, manifest: Manifest | _Unreadable | None) -> None:
         """A manifest a caller read already (``bcp ls`` reads each one)."""
         self._manifests[path] = manifest
 
-    def manifest(self, path: str) -> Manifest | None | _Unreadable:
+    def manifest(self, path: str) -> Manifest | _Unreadable | None:
         if path not in self._manifests:
             try:
                 self._manifests[path] = commit.read_manifest(self.backend, prefix_of(path))
             except Exception as e:  # noqa: BLE001 - unreadable: its holds stay live, logged
-                log.warning("holds: the manifest of %r at %s cannot be read (%s); its holds stay live", path, self.backend.uri, e)
+                log.warning(
+                    "holds: the manifest of %r at %s cannot be read (%s); its holds stay live",
+                    path,
+                    self.backend.uri,
+                    e,
+                )
                 self._manifests[path] = UNREADABLE
         return self._manifests[path]
 
@@ -183,9 +188,7 @@ def collect_generation(backend: Backend, path: str, generation: str, checker: Ho
     keepers = [k for h in seen if (k := checker.keeper(h)) is not None]
     if not keepers and seen:
         known = {h.key for h in seen}
-        keepers = [
-            k for h in list_holds(backend, path, generation) if h.key not in known and (k := checker.keeper(h))
-        ]
+        keepers = [k for h in list_holds(backend, path, generation) if h.key not in known and (k := checker.keeper(h))]
     if keepers:
         return keepers
     commit.delete_generation(backend, f"{prefix_of(path)}{generation}")

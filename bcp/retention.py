@@ -117,9 +117,7 @@ class GcPlan:
 
     @property
     def empty(self) -> bool:
-        return not (
-            self.incomplete or self.expired or self.orphan_generations or self.unfinished or self.stale_holds
-        )
+        return not (self.incomplete or self.expired or self.orphan_generations or self.unfinished or self.stale_holds)
 
 
 def plan_gc(

@@ -33,7 +33,7 @@ def _parent(uri_factory):
 
 
 def test_keep_last_deleting_a_referenced_step_keeps_its_bytes_then_collects_them(uri_factory):
-    root, b = _parent(uri_factory)
+    _root, b = _parent(uri_factory)
     s1, s2, s3, s4 = (step_name(i) for i in (1, 2, 3, 4))
     m1 = make(b, s1)
     make(b, s2, own_files(m1, s1))  # step 2 reads step 1's file
@@ -71,7 +71,7 @@ def test_a_manager_keeps_a_referenced_step_and_its_referrer_loads_its_own_state(
 
 
 def test_a_stale_hold_keeps_nothing_and_a_young_uncommitted_one_does(uri_factory):
-    root, b = _parent(uri_factory)
+    _root, b = _parent(uri_factory)
     m1 = make(b, "a")
     m2 = make(b, "b")
     make(b, "x", own_files(m1, "a"), commit=False, save_id=new_save_id(OLD))  # killed long ago
@@ -85,7 +85,7 @@ def test_a_stale_hold_keeps_nothing_and_a_young_uncommitted_one_does(uri_factory
 
 
 def test_a_hold_of_a_referrer_committed_without_the_reference_is_stale(uri_factory):
-    root, b = _parent(uri_factory)
+    _root, b = _parent(uri_factory)
     m1 = make(b, "a")
     m2 = make(b, "r")  # committed, lists no file of a
     b.write(f"a/{m1.generation}/holds/r.{m2.save_id}", b"")
@@ -94,7 +94,7 @@ def test_a_hold_of_a_referrer_committed_without_the_reference_is_stale(uri_facto
 
 
 def test_gc_deletes_stale_holds_in_live_generations(uri_factory):
-    root, b = _parent(uri_factory)
+    _root, b = _parent(uri_factory)
     m1 = make(b, step_name(1))
     dead = f"{step_name(1)}/{m1.generation}/holds/{step_name(5)}.{new_save_id(OLD)}"
     b.write(dead, b"")
@@ -107,7 +107,7 @@ def test_gc_deletes_stale_holds_in_live_generations(uri_factory):
 
 
 def test_deleting_the_referrer_collects_the_retired_generation_at_once(uri_factory):
-    root, b = _parent(uri_factory)
+    _root, b = _parent(uri_factory)
     m1 = make(b, "a")
     make(b, "b", own_files(m1, "a"))
     assert delete_checkpoint(b, "a").retired  # retired: b reads it
@@ -121,7 +121,7 @@ def test_the_race_a_hold_written_after_the_first_listing_keeps_the_generation(ur
     deleter's second look) is in progress: the generation stays."""
     import bcp.holds as holds_mod
 
-    root, b = _parent(uri_factory)
+    _root, b = _parent(uri_factory)
     m1 = make(b, "a")
     real = holds_mod.list_holds
     calls = []
@@ -250,7 +250,9 @@ def test_random_saves_deletes_and_gc_keep_what_is_read_and_collect_the_rest(ops)
         run_gc(b, plan_gc(b))  # settle: killed saves' holds are stale, so their bytes go
         needed = {(name, g) for name, m in live.items() for g in [m.generation]}  # type: ignore[attr-defined]
         needed |= {
-            (f.checkpoint, f.path.split("/", 1)[0]) for m in live.values() for f in m.references  # type: ignore[attr-defined]
+            (f.checkpoint, f.path.split("/", 1)[0])
+            for m in live.values()
+            for f in m.references  # type: ignore[attr-defined]
         }
         present = {(k.split("/")[0], k.split("/")[1]) for k in b.list("") if k.split("/")[1].startswith("gen-")}
         assert present == needed
@@ -266,7 +268,7 @@ def test_a_deletion_cut_at_any_file_event_leaves_every_committed_checkpoint_whol
     with missing bytes."""
     from bcp.backends.wrappers import ForwardingBackend
 
-    root, b = _parent(uri_factory)
+    _root, b = _parent(uri_factory)
     m1 = make(b, "a")
     m2 = make(b, "b", own_files(m1, "a"))
     make(b, "c", own_files(m2, "b"))

@@ -61,9 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no checkpoints under {show(args.root)} (looked {FIND_MAX_DEPTH} levels deep)")
         return 0
-    print(
-        f"{'step':>12}  {'status':<10} {'own':>10} {'shared':>10} {'objects':>7} {'age':>6}  {'kind':<9}  location"
-    )
+    print(f"{'step':>12}  {'status':<10} {'own':>10} {'shared':>10} {'objects':>7} {'age':>6}  {'kind':<9}  location")
     for r in rows:
         mark = "  <- latest" if r.latest else ""
         why = f"  ({one_line(r.error)})" if r.error is not None else ""
