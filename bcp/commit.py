@@ -30,7 +30,7 @@ from bcp.errors import (
 )
 from bcp.metadata import Catalog, FileEntry, Manifest, crc32c
 from bcp.metadata.format_errors import CorruptManifestError
-from bcp.metadata.keys import GENERATION_PREFIX, MANIFEST_KEY, generation_of, is_generation, manifest_key
+from bcp.metadata.keys import GENERATION_PREFIX, HOLDS_DIR, MANIFEST_KEY, generation_of, is_generation, manifest_key
 
 log = logging.getLogger(__name__)
 
@@ -287,9 +287,22 @@ def delete_uncommitted(backend: Backend, prefix: str) -> None:
     backend.delete_prefix(prefix)
 
 
+def is_held(backend: Backend, generation: str) -> bool:
+    """Whether a newer checkpoint has put a hold on ``generation`` (``gen-<id>/holds/*``,
+    FORMAT.md "Holds"). Such a generation is never deleted here: whether the hold is
+    live needs the referrer's manifest, beside the checkpoint; ``bcp gc`` of the parent
+    (:mod:`bcp.holds`) collects it once its holds are stale."""
+    return next(iter(backend.list(f"{generation.rstrip('/')}/{HOLDS_DIR}/")), None) is not None
+
+
 def discard_generation(backend: Backend, generation: str, *, why: str = "the partial save") -> None:
-    """Delete one generation's objects; failures are logged (the caller's error matters more)."""
+    """Delete one generation's objects, unless it is held (:func:`is_held`: an
+    overwrite's replaced generation that a newer checkpoint reads stays whole, retired);
+    failures are logged (the caller's error matters more)."""
     try:
+        if is_held(backend, generation):
+            log.info("kept %s %s at %s whole: newer checkpoints hold its bytes", why, generation, backend.uri)
+            return
         delete_generation(backend, generation)
     except Exception as e:  # noqa: BLE001 - leftovers are only space (under a manager root, gc removes them)
         log.warning("could not remove %s %s at %s: %s", why, generation, backend.uri, e)
@@ -352,7 +365,9 @@ def remove_leftovers(backend: Backend, live: str, *, grace_seconds: float) -> li
     removed: list[str] = []
     try:
         names = generations(backend)
-        stale = [f"{g}/" for g in sorted(names) if g != live and not is_young(g, grace_seconds)]
+        stale = [
+            f"{g}/" for g in sorted(names) if g != live and not is_young(g, grace_seconds) and not is_held(backend, g)
+        ]
         partial = [  # a generation's partial files go with it
             u.name
             for u in backend.unfinished(MANIFEST_KEY)

@@ -16,12 +16,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from bcp.backends import Backend
+from bcp.backends import Backend, backend_for
 from bcp.backends.file import file_directory
-from bcp.commit import delete_checkpoint
 from bcp.discovery import CheckpointObjects, checkpoint_objects
 from bcp.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
-from bcp.metadata.keys import MANIFEST_KEY
+from bcp.holds import Deletion, HoldChecker, delete_checkpoint, describe_retired
+from bcp.metadata.keys import MANIFEST_KEY, split_parent
 from bcp.target import Target, resolve_backend
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,11 @@ def delete(
         if missing_ok:
             return []
         raise CheckpointNotFoundError(f"no checkpoint at {where}: nothing is there")
-    delete_checkpoint(backend, only_bcp=True)
+    done = delete_by_holds(uri, backend, storage_options)
+    if done.retired:
+        log.warning(
+            "bcp.delete %s: kept generation(s) whole for newer checkpoints: %s", where, describe_retired(done.retired)
+        )
     if found.other_keys:
         log.warning(
             "bcp.delete %s: left %d object(s) that are not bcp's: %s",
@@ -71,6 +75,28 @@ def delete(
     remove_emptied_root(backend)
     log.info("bcp.delete %s: deleted %d object(s)", where, len(found.bcp_keys))
     return list(found.other_keys)
+
+
+def parent_of(target: Target, backend: Backend, storage_options: Mapping[str, Any] | None) -> tuple[Backend, str]:
+    """The backend of the checkpoint's parent (same storage options) and its name there:
+    holds name siblings, whose manifests say which of its bytes must stay. A Backend
+    object has no URI to find a parent from: the checkpoint itself, name ``""`` (every
+    hold on it then counts as live)."""
+    if isinstance(target, Backend):
+        return backend, ""
+    try:
+        parent, name = split_parent(os.fspath(target))
+    except ValueError:
+        return backend, ""
+    return backend_for(parent, **dict(storage_options or {})), name
+
+
+def delete_by_holds(target: Target, backend: Backend, storage_options: Mapping[str, Any] | None = None) -> Deletion:
+    """Delete the checkpoint at ``target`` (``backend``: its own) by the holds' rule
+    (:func:`bcp.holds.delete_checkpoint`): its manifest first, then every generation no
+    newer sibling holds; held ones stay whole (retired), each with who keeps it."""
+    parent, name = parent_of(target, backend, storage_options)
+    return delete_checkpoint(parent, name, HoldChecker(parent), only_bcp=True)
 
 
 def remove_emptied_root(backend: Backend) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from bcp import commit
 from bcp.backends import Backend, ObjectNotFoundError, Unfinished, join_uri
 from bcp.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
+from bcp.holds import UNREADABLE, Hold, HoldChecker, Keeper, parse_hold
 from bcp.metadata.keys import (
     GENERATION_PREFIX,
     LATEST_KEY,
@@ -43,6 +44,8 @@ class StepInfo:
     generations: set[str] = dataclasses.field(default_factory=set)
     #: the youngest unfinished write's age in seconds (inf: none)
     unfinished_age: float = math.inf
+    #: the holds on its generations (newer checkpoints that refer to its bytes)
+    holds: list[Hold] = dataclasses.field(default_factory=list)
 
 
 def step_and_generation(key: str) -> tuple[int | None, str | None]:
@@ -90,6 +93,8 @@ def _count_object(info: StepInfo | FoundCheckpoint, backend: Backend, key: str, 
     info.objects += 1
     if key == manifest_key(prefix):
         info.committed = True
+    elif (hold := parse_hold(key)) is not None and hold.owner == prefix.rstrip("/"):
+        info.holds.append(hold)
     if sizes:
         try:
             info.bytes += backend.size(key)
@@ -120,6 +125,7 @@ class FoundCheckpoint:
     step: int | None = None
     objects: int = 0
     bytes: int = 0
+    holds: list[Hold] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -298,7 +304,8 @@ class ListedCheckpoint:
     path: str
     kind: str
     step: int | None
-    #: ``committed``, ``incomplete``, or ``unreadable`` (a manifest that cannot be read)
+    #: ``committed``, ``incomplete``, ``unreadable`` (a manifest that cannot be read) or
+    #: ``retired`` (deleted, its bytes kept whole for the newer checkpoints in ``held_by``)
     status: str
     objects: int
     bytes: int
@@ -310,6 +317,12 @@ class ListedCheckpoint:
     latest: bool = False
     #: why the manifest is unreadable
     error: Exception | None = None
+    #: bytes of the sibling checkpoints' data files it reads (references, FORMAT.md
+    #: "References"): shared with them, not stored under it (``bytes`` is what is)
+    shared_bytes: int = 0
+    #: the checkpoints keeping its bytes alive (live holds on its generations), each
+    #: with the bytes of its files they read; a ``retired`` location is kept only for them
+    held_by: list[Keeper] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -326,18 +339,36 @@ def list_checkpoints(backend: Backend) -> Listing:
     is no time-zone aware ISO time) makes its checkpoint ``unreadable``, with the error,
     and hides none of the others."""
     found = find_checkpoints(backend, sizes=True)
+    checker = HoldChecker(backend)
     rows = []
     for c in found.checkpoints:
         row = ListedCheckpoint(c.path, c.kind, c.step, "committed" if c.committed else "incomplete", c.objects, c.bytes)
         if c.committed:
+            manifest = None
             try:
                 manifest = commit.read_manifest(backend, f"{c.path}/" if c.path else "")
                 row.created = manifest.created if manifest else None
                 row.created_at = _created_at(row.created)
+                row.shared_bytes = sum(f.nbytes for f in manifest.references) if manifest else 0
             except Exception as e:  # one bad manifest is shown as such; the listing goes on
                 log.debug("checkpoint %r of %s is unreadable", c.path, backend.uri, exc_info=True)
                 row.status, row.created, row.created_at, row.error = "unreadable", None, None, e
+            checker.remember(c.path, manifest if row.status == "committed" else UNREADABLE)
         rows.append(row)
+    for c, row in zip(found.checkpoints, rows, strict=True):
+        keepers: dict[str, Keeper] = {}
+        for h in c.holds:
+            k = checker.keeper(h)
+            if k is not None:
+                was = keepers.get(k.referrer)
+                keepers[k.referrer] = (
+                    k
+                    if was is None
+                    else Keeper(k.referrer, was.files + k.files, was.nbytes + k.nbytes, was.committed and k.committed)
+                )
+        row.held_by = [keepers[r] for r in sorted(keepers)]
+        if row.status == "incomplete" and row.held_by:
+            row.status = "retired"  # no manifest: kept only for the checkpoints that read its bytes
     newest: dict[str, ListedCheckpoint] = {}
     for row in rows:
         if row.kind == "step" and row.status == "committed":

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import TypedDict, Unpack
 
-from bcp import commit
+from bcp import commit, holds
 from bcp.backends import Backend, Unfinished, join_uri
 from bcp.commit import DEFAULT_GRACE_SECONDS
 from bcp.discovery import StepInfo, checkpoint_prefix_of, kind_of, scan, step_and_generation, step_metrics
@@ -78,8 +78,10 @@ def check_policy(keep_last: int | None, keep_every: int | None, keep_best: tuple
         raise ValueError(f"keep_best must be (metric, N >= 1, 'min' or 'max'), got {keep_best!r}")
 
 
-def delete_step(backend: Backend, step: int) -> None:
-    commit.delete_checkpoint(backend, f"{step_name(step)}/")
+def delete_step(backend: Backend, step: int, checker: holds.HoldChecker | None = None) -> holds.Deletion:
+    """Delete one step by the holds' rule (:func:`bcp.holds.delete_checkpoint`): its
+    manifest first, then its generations that no newer checkpoint holds."""
+    return holds.delete_checkpoint(backend, step_name(step), checker, only_bcp=False)
 
 
 def _is_busy(info: StepInfo, grace_seconds: float) -> bool:
@@ -105,10 +107,17 @@ class GcPlan:
     #: unused generations of committed checkpoints, and partial files, left alone for the same reason
     young_generations: list[str] = dataclasses.field(default_factory=list)
     young_unfinished: list[str] = dataclasses.field(default_factory=list)
+    #: generations kept whole because newer checkpoints read their bytes (FORMAT.md,
+    #: "Holds"): of steps without a manifest, and unused ones of committed checkpoints
+    retired: list[str] = dataclasses.field(default_factory=list)
+    #: holds no live referrer stands behind, on the generations of kept checkpoints
+    stale_holds: list[str] = dataclasses.field(default_factory=list)
+    #: the grace period the plan was made with (a save younger than it keeps its holds live)
+    grace_seconds: float = DEFAULT_GRACE_SECONDS
 
     @property
     def empty(self) -> bool:
-        return not (self.incomplete or self.expired or self.orphan_generations or self.unfinished)
+        return not (self.incomplete or self.expired or self.orphan_generations or self.unfinished or self.stale_holds)
 
 
 def plan_gc(
@@ -135,9 +144,20 @@ def plan_gc(
     metrics = {s: step_metrics(backend, s) for s in committed} if policy.get("keep_best") else None
     kept = select_kept(committed, metrics=metrics, **policy)
     check = kept if generations_of is None else kept & set(generations_of)
+    checker = holds.HoldChecker(backend, grace_seconds=grace_seconds)
     uncommitted = [s for s, i in sorted(found.items()) if not i.committed and s not in busy]
+    # a step with holds and no manifest is retired (or was): judged generation by generation
+    held_steps = [s for s in uncommitted if found[s].holds]
+    uncommitted = [s for s in uncommitted if not found[s].holds]
     young = [s for s in uncommitted if _is_busy(found[s], grace_seconds)]
     incomplete = [s for s in uncommitted if s not in young]
+    retired: list[str] = []
+    unused_retired: list[str] = []
+    for s in held_steps:
+        live = {h.generation for h in found[s].holds if checker.live(h)}
+        for g in sorted(found[s].generations):
+            where = f"{step_name(s)}/{g}/"
+            (retired if g in live else unused_retired).append(where)
     expired = [s for s in committed if s not in kept]
     whole = {step_name(s) for s in (*incomplete, *expired)}
     spared = busy | set(young)
@@ -158,8 +178,19 @@ def plan_gc(
         for s in sorted(check)
         for g in commit.unused_generations(backend, f"{step_name(s)}/", found=found[s].generations)
     ]
+    stale_holds = [
+        h.key
+        for s in sorted(check)
+        for h in found[s].holds
+        if holds.owns_generation(checker, step_name(s), h.generation) and not checker.live(h)
+    ]
     if keys is not None:
         unused += _unused_elsewhere(backend, keys, pending)
+    # an unused generation that a newer checkpoint reads is retired, not garbage
+    held = {f"{holds.prefix_of(h.owner)}{h.generation}/" for h in holds.holds_in(keys or ()) if checker.live(h)}
+    held |= {f"{holds.prefix_of(h.owner)}{h.generation}/" for s in check for h in found[s].holds if checker.live(h)}
+    retired += [g for g in unused if g in held]
+    unused = [g for g in unused if g not in held] + unused_retired
     partial = [u for u in pending if stale(u.name)]
     return GcPlan(
         committed=committed,
@@ -170,6 +201,9 @@ def plan_gc(
         young=young,
         young_generations=[g for g in unused if commit.is_young(g, grace_seconds)],
         young_unfinished=sorted(u.name for u in partial if u.age_seconds < grace_seconds),
+        retired=sorted(retired),
+        stale_holds=stale_holds,
+        grace_seconds=grace_seconds,
     )
 
 
@@ -212,15 +246,27 @@ def run_gc(backend: Backend, plan: GcPlan) -> list[str]:
             log.warning("gc: could not delete %s: %s", what, e)
             failures.append(f"{what}: {e}")
 
+    checker = holds.HoldChecker(backend, grace_seconds=plan.grace_seconds)
     for step in plan.expired:
-        attempt(f"step {step}", delete_step, backend, step)
+        attempt(f"step {step}", delete_step, backend, step, checker)
     for step in plan.incomplete:
         attempt(f"incomplete step {step}", commit.delete_uncommitted, backend, f"{step_name(step)}/")
     for name in plan.unfinished:  # first: some lie in the unused generations below
         attempt(f"partial file {name}", backend.delete_unfinished, name)
     for generation in plan.orphan_generations:
-        attempt(f"unused generation {generation}", commit.delete_generation, backend, generation)
+        attempt(f"unused generation {generation}", _collect, backend, generation, checker)
+    for key in plan.stale_holds:
+        attempt(f"stale hold {key}", backend.delete, key)
     return failures
+
+
+def _collect(backend: Backend, generation: str, checker: holds.HoldChecker) -> None:
+    """Delete one unused generation (``[<path>/]gen-<id>/``) unless a live hold appeared
+    on it since the plan (it then stays, retired)."""
+    path, _, name = generation.rstrip("/").rpartition("/")
+    keepers = holds.collect_generation(backend, path, name, checker)
+    if keepers:
+        log.info("gc: kept %s: %s", generation, holds.describe_retired({name: keepers}))
 
 
 # -- what `bcp ls` and `bcp rm` show -------------------------------------------------------------

@@ -14,7 +14,7 @@ from bcp.cli.render import age, human, safe, show
 from bcp.discovery import FIND_MAX_DEPTH, ListedCheckpoint, list_checkpoints
 
 NAME = "ls"
-HELP = "checkpoints under a root, in any layout: committed or incomplete, size, age, kind"
+HELP = "checkpoints under a root, in any layout: committed, incomplete or retired, own and shared bytes, age, kind"
 DESCRIPTION = (
     "List the checkpoints under ROOT: ROOT itself, a manager's step_<N> directories, and any "
     "other location up to 3 levels below ROOT (one listing, stopped after 1,000,000 objects)."
@@ -35,6 +35,11 @@ def as_json(row: ListedCheckpoint) -> dict[str, Any]:
         "status": row.status,
         "objects": row.objects,
         "bytes": row.bytes,
+        "shared_bytes": row.shared_bytes,
+        "held_by": [
+            {"checkpoint": k.referrer, "files": k.files, "bytes": k.nbytes, "committed": k.committed}
+            for k in row.held_by
+        ],
         "created": row.created,
         "latest": row.latest,
     }
@@ -56,14 +61,16 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no checkpoints under {show(args.root)} (looked {FIND_MAX_DEPTH} levels deep)")
         return 0
-    print(f"{'step':>12}  {'status':<10} {'size':>10} {'objects':>7} {'age':>6}  {'kind':<9}  location")
+    print(f"{'step':>12}  {'status':<10} {'own':>10} {'shared':>10} {'objects':>7} {'age':>6}  {'kind':<9}  location")
     for r in rows:
         mark = "  <- latest" if r.latest else ""
         why = f"  ({one_line(r.error)})" if r.error is not None else ""
+        held = f"  (held by {', '.join(safe(k.referrer) for k in r.held_by)})" if r.held_by else ""
         step = "-" if r.step is None else r.step
         shown_age = age(r.created_at) if r.status == "committed" else "-"
+        shared = human(r.shared_bytes) if r.shared_bytes else "-"
         print(
-            f"{step:>12}  {r.status:<10} {human(r.bytes):>10} {r.objects:>7} "
-            f"{shown_age:>6}  {r.kind:<9}  {safe(r.path or '.')}{mark}{why}"
+            f"{step:>12}  {r.status:<10} {human(r.bytes):>10} {shared:>10} {r.objects:>7} "
+            f"{shown_age:>6}  {r.kind:<9}  {safe(r.path or '.')}{mark}{held}{why}"
         )
     return 0

@@ -8,16 +8,17 @@ import argparse
 
 from bcp.backends import backend_for
 from bcp.cli.common import CliError, NotFound, one_line, require_location
-from bcp.cli.render import safe, show
-from bcp.commit import delete_checkpoint
-from bcp.deletion import deletable, remove_emptied_root
+from bcp.cli.render import human, safe, show
+from bcp.deletion import deletable, delete_by_holds, parent_of, remove_emptied_root
 from bcp.errors import CheckpointError
+from bcp.holds import HoldChecker, Keeper, keepers_of
 from bcp.metadata.keys import MANIFEST_KEY
 
 NAME = "rm"
 HELP = "delete one checkpoint (its manifest first)"
 DESCRIPTION = (
-    "Delete the checkpoint at URI: manifest.json first, then its generations (gen-*/). "
+    "Delete the checkpoint at URI: manifest.json first, then its generations (gen-*/), except those newer "
+    "incremental checkpoints read: they stay whole (retired), and the checkpoints that keep them are named. "
     "Other objects there are left and named. A location without manifest.json is refused unless --force; "
     "a local location that is a symbolic link is always refused."
 )
@@ -53,9 +54,31 @@ def run(args: argparse.Namespace) -> int:
         shown = ", ".join(safe(k) for k in others[:5]) + (", ..." if len(others) > 5 else "")
         left = f"; leaving {len(others)} object(s) that are not bcp's: {shown}"
     if args.dry_run:
+        parent, name = parent_of(args.uri, backend, None)
         print(f"would delete {what}{left}")
+        for line in kept_lines(keepers_of(parent, name, HoldChecker(parent)), "would keep"):
+            print(line)
         return 0
-    delete_checkpoint(backend, only_bcp=True)  # the manifest first, then gen-*/ (partial files too)
+    done = delete_by_holds(args.uri, backend)  # the manifest first, then unheld gen-*/ (partial files too)
     remove_emptied_root(backend)  # no empty directory left behind
     print(f"deleted {what}{left}")
+    for line in kept_lines(done.retired, "kept"):
+        print(line)
+    for generation in done.collected:
+        print(f"collected {safe(generation)}: its last referrer was this checkpoint")
     return 0
+
+
+def kept_lines(retired: dict[str, list[Keeper]], verb: str) -> list[str]:
+    """One line per generation kept whole (retired), naming the newer checkpoints that
+    keep it and which of its bytes each reads."""
+    lines = []
+    for generation, keepers in sorted(retired.items()):
+        who = []
+        for k in sorted(keepers, key=lambda k: k.referrer):
+            if k.committed:
+                who.append(f"{safe(k.referrer)} reads {k.files} file(s), {human(k.nbytes)}")
+            else:
+                who.append(f"{safe(k.referrer)} (a save in progress, or outside what bcp can check)")
+        lines.append(f"{verb} {generation} whole (retired): newer checkpoints keep its bytes alive: {'; '.join(who)}")
+    return lines

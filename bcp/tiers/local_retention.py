@@ -25,6 +25,9 @@ import shutil
 import stat
 from collections.abc import Collection
 
+from bcp.backends.file import FileBackend
+from bcp.commit import read_manifest
+from bcp.holds import HoldChecker, holds_in, list_holds, release
 from bcp.metadata import MANIFEST_KEY
 from bcp.metadata.keys import step_name
 from bcp.tiers.job import read_job
@@ -77,15 +80,57 @@ def remove_step(root: str, step: int, job: str | None = None) -> None:
     except OSError as e:
         log.warning("local tier: could not delete step %d under %s: %s", step, root, e)
         return
+    backend = FileBackend(root)
+    checker = HoldChecker(backend)
+    name = step_name(step)
+    try:
+        manifest = read_manifest(backend, f"{name}/")
+    except Exception:  # noqa: BLE001 - unreadable: deleted all the same, its holds judged by age
+        manifest = None
     try:
         try:
-            _unlink_manifest(root_fd, step_name(step))
+            _unlink_manifest(root_fd, name)
         except OSError as e:  # replaced meanwhile (a link: ELOOP), no permission: next time
             log.warning("local tier: could not delete step %d under %s: %s", step, root, e)
             return
-        shutil.rmtree(step_name(step), ignore_errors=True, dir_fd=root_fd)
+        checker.deleted(name, manifest)
+        kept = _retired(backend, checker, name)
+        if not kept:
+            shutil.rmtree(name, ignore_errors=True, dir_fd=root_fd)
+        else:
+            _remove_all_but(root_fd, name, kept)
+            log.info("local tier: kept %s of step %d whole: newer local steps read its bytes", sorted(kept), step)
+        if manifest is not None:
+            release(backend, name, manifest, checker)  # its holds on older steps, and what they alone kept
+    except Exception as e:  # noqa: BLE001 - what stays is only space, deleted at the next attempt
+        log.warning("local tier: could not finish deleting step %d under %s: %s", step, root, e)
     finally:
         os.close(root_fd)
+
+
+def _retired(backend: FileBackend, checker: HoldChecker, name: str) -> set[str]:
+    """The generations of the step directory ``name`` that a live hold keeps (FORMAT.md, "Holds")."""
+    held = {h.generation for h in holds_in(backend.list(f"{name}/")) if h.owner == name}
+    return {g for g in held if any(checker.live(h) for h in list_holds(backend, name, g))}
+
+
+def _remove_all_but(root_fd: int, name: str, kept: set[str]) -> None:
+    """Empty the step directory ``name`` but for the ``kept`` generations (never following a link)."""
+    step_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root_fd)
+    try:
+        for entry in os.listdir(step_fd):
+            if entry in kept:
+                continue
+            if _kind_at(step_fd, entry) == "dir":
+                shutil.rmtree(entry, ignore_errors=True, dir_fd=step_fd)
+            else:
+                os.unlink(entry, dir_fd=step_fd)
+    finally:
+        os.close(step_fd)
+
+
+def _kind_at(dir_fd: int, entry: str) -> str:
+    return "dir" if stat.S_ISDIR(os.lstat(entry, dir_fd=dir_fd).st_mode) else "other"
 
 
 def _unlink_manifest(root_fd: int, name: str) -> None:
@@ -148,7 +193,7 @@ def apply_retention(
 ) -> list[int]:
     """Delete the expired local steps (:func:`expired_steps`); returns them."""
     expired = expired_steps(root, current, keep, pinned, job)
-    for s in expired:
+    for s in reversed(expired):  # newest first: a referrer's holds go before its bases are judged
         remove_step(root, s, job)
     if expired:
         log.info("local tier: deleted local steps %s under %s", expired, root)
@@ -166,7 +211,7 @@ def remove_stale(root: str, step: int, pinned: Collection[int] = (), job: str | 
     if step in foreign:
         move_aside(root, step)
     stale = [s for s in later if s not in foreign]
-    for s in stale:
+    for s in reversed(stale):
         remove_step(root, s, job)
     if stale:
         log.info("local tier: deleted stale local steps %s under %s (from an earlier run)", stale, root)
