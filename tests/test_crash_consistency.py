@@ -9,6 +9,11 @@ described in docs/reliability.md. The job
 is tests/chaos/manager_job.py; tests/chaos/tier_job.py is the same training with the
 local tier on 2 simulated hosts (one process each, ckpt-chaos --ranks 2), killed on
 one host.
+
+ckpt-chaos starts every run's process (the fault-free one, the control, each crash and
+each resume) as ``tests/chaos/fork_server.py run``: a fork of a server that imported
+torch and bcp once runs the job script, armed by ckpt-chaos's own start-up hook, instead
+of a process importing them anew (3-4 s of CPU a run; the same file events, checked).
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import pathlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "chaos" / "manager_job.py"
 TIER_JOB = ROOT / "tests" / "chaos" / "tier_job.py"
+FORK_SERVER = ROOT / "tests" / "chaos" / "fork_server.py"
 
 
 def _chaos() -> str:
@@ -34,10 +41,32 @@ def _chaos() -> str:
     return exe
 
 
+@pytest.fixture(scope="module")
+def job_server(tmp_path_factory) -> Iterator[list[str]]:
+    """A fork server for the jobs (tests/chaos/fork_server.py); the command prefix that runs a script through it."""
+    sock = str(tmp_path_factory.mktemp("chaos-server") / "s")
+    assert len(sock) < 100, f"a Unix socket path must be short: {sock}"
+    server = subprocess.Popen(
+        [sys.executable, str(FORK_SERVER), "serve", sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = server.stdout.readline()
+        assert line.strip() == "ready", f"the fork server did not start: {line!r}"
+        yield [sys.executable, str(FORK_SERVER), "run", sock]
+    finally:
+        server.stdin.close()  # the server ends when its stdin does
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
 def test_a_resumed_job_that_exits_without_saving_exits_cleanly(tmp_path):
     """Found by ckpt-chaos: a job resumed at its last step (nothing left to save) exited
     while the staging reservation that load_latest starts was still allocating, and
-    the process aborted ("terminate called without an active exception")."""
+    the process aborted ("terminate called without an active exception"). Plain
+    processes, not the fork server: the race needs a real interpreter's teardown."""
     run = [sys.executable, str(JOB), str(tmp_path), "async", "2"]
     first = subprocess.run(run, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0 and "fresh start" in first.stdout, first.stdout + first.stderr
@@ -69,7 +98,6 @@ def _run_chaos(
         "--work",
         str(work),
         "--",
-        sys.executable,
         *job,
     ]
     out = subprocess.run(command, capture_output=True, text=True, timeout=1500, cwd=tmp_path, env=env)
@@ -84,16 +112,16 @@ def _run_chaos(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_killed_manager_job_always_resumes_exactly(mode, tmp_path):
+def test_killed_manager_job_always_resumes_exactly(mode, tmp_path, job_server):
     """4 points (ckpt-chaos spreads each mode's share evenly over the events): "before"
     at the first file event (nothing written yet) and at the middle one (mid-save),
     "torn" at the first write that can be torn, "term" (SIGTERM, then a kill) at the
     first event."""
-    _run_chaos(tmp_path, ["--max-points", "4", "--jobs", "2"], [str(JOB), "{out}", mode, "4"])
+    _run_chaos(tmp_path, ["--max-points", "4", "--jobs", "2"], [*job_server, str(JOB), "{out}", mode, "4"])
 
 
 @pytest.mark.slow
-def test_killed_two_host_tier_job_always_resumes_exactly(tmp_path):
+def test_killed_two_host_tier_job_always_resumes_exactly(tmp_path, job_server):
     """The local tier's job on 2 simulated hosts, host 1's process killed at its file
     events (its local saves, the replicas it receives, its part of the drains); the
     resume recovers from the local tier or the drained steps and must end bit-exact."""
@@ -105,6 +133,6 @@ def test_killed_two_host_tier_job_always_resumes_exactly(tmp_path):
     # at its middle one (the local save of step 1), "term" at the first event; "term" at
     # the middle event added a second kill of the same save with nothing new to judge.
     options = ["--ranks", "2", "--crash-rank", "1", "--max-points", "3", "--jobs", "2"]
-    results = _run_chaos(tmp_path, options, [str(TIER_JOB), "{out}", "4"], env, modes="before,term")
+    results = _run_chaos(tmp_path, options, [*job_server, str(TIER_JOB), "{out}", "4"], env, modes="before,term")
     crashes = [r for r in results if r["label"] != "no crash (control)"]
     assert crashes and all(r["crashed"] for r in crashes), f"a crash point did not kill host 1: {results}"
