@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import bcp
-from bcp import commit, discovery, retention
+from bcp import commit, discovery, holds, retention
 from bcp.backends import Backend, ObjectWriter, backend_for
 from bcp.backends.file import PARTIAL_MARKER, FileBackend
 from bcp.backends.memory import MemoryBackend
@@ -391,14 +391,14 @@ def test_an_error_opening_a_data_file_is_reported_as_itself(tmp_path, monkeypatc
 
 def test_an_old_step_that_cannot_be_deleted_never_fails_a_save(tmp_path, monkeypatch, caplog):
     root = tmp_path / "run"
-    real = commit.delete_checkpoint
+    real = holds.delete_checkpoint
 
-    def refuse_step_1(backend, prefix=""):
-        if prefix == f"{step_name(1)}/":
-            raise StorageError("Permission denied", uri=backend.uri, key=prefix, action="deleting")
-        return real(backend, prefix)
+    def refuse_step_1(backend, name, *args, **kwargs):
+        if name == step_name(1):
+            raise StorageError("Permission denied", uri=backend.uri, key=name, action="deleting")
+        return real(backend, name, *args, **kwargs)
 
-    monkeypatch.setattr(commit, "delete_checkpoint", refuse_step_1)
+    monkeypatch.setattr(holds, "delete_checkpoint", refuse_step_1)
     for sync in (True, False):
         manager = bcp.CheckpointManager(root, keep_last=1, async_save=not sync)
         with caplog.at_level(logging.WARNING, logger="bcp"):
