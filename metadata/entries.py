@@ -30,17 +30,19 @@ def gather_entries(
     row_ids: Sequence[np.ndarray],
     ndim: int,
     codes: Sequence[int],
-    make: Callable[[int, tuple[np.ndarray, ...]], TensorEntry],
+    make: Callable[[int, tuple[np.ndarray | None, ...]], TensorEntry],
 ) -> tuple[list[TensorEntry], np.ndarray, np.ndarray]:
     """The entries of tensors ``codes`` whose rows are ``row_ids[i]`` (all of ``ndim``
     dimensions), ``make(code, columns)`` building each entry from its columns (offsets,
     lengths, byte offsets, sizes, files, writers, checksum starts and values, as
-    :meth:`Rows.take` returns them); the columns are read-only views of one gather
+    :meth:`Rows.take` returns them, then the digests or None, as
+    :meth:`Rows.take_digests`); the columns are read-only views of one gather
     (``make`` need not freeze them), whose offsets and lengths ((rows, ndim), tensor
     after tensor) come back too."""
     counts = np.array([len(r) for r in row_ids], np.int64)
     every = np.concatenate(row_ids) if len(row_ids) else np.zeros(0, np.int64)
     offs, lens, byte_offsets, sizes, files, writers, sum_starts, sums = rows.take(every, ndim)
+    digests = rows.take_digests(every)
     bound_arr = np.r_[0, np.cumsum(counts)]
     # each entry's checksum starts (its rows' and one past, from 0) for every entry at
     # once: one array, each entry's a view of it (not one subtraction per tensor)
@@ -51,6 +53,8 @@ def gather_entries(
     # read-only once here: every entry's columns are views of these, read-only with them
     for column in (offs, lens, byte_offsets, sizes, files, writers, rel, sums):
         column.setflags(write=False)
+    if digests is not None:
+        digests.setflags(write=False)
     bounds, rel_bounds = bound_arr.tolist(), rel_at.tolist()
     sum_bounds = sum_starts[bounds].tolist()
     out = []
@@ -66,6 +70,7 @@ def gather_entries(
             writers[a:b],
             rel[rel_bounds[i] : rel_bounds[i + 1]],
             sums[s0:s1],
+            None if digests is None else digests[a:b],
         )
         out.append(make(codes[i], columns))
     return out, offs, lens

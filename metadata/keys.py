@@ -6,6 +6,13 @@ once and readers, writers, housekeeping and tests agree on it::
     <checkpoint>/manifest.json                      the commit record
     <checkpoint>/gen-<save id>/fragments.arrow      the catalog of one save
     <checkpoint>/gen-<save id>/data/rank<r>-<n>.bin tensor bytes written by rank r
+    <checkpoint>/gen-<save id>/holds/<name>.<id>    empty: checkpoint <name> (save <id>)
+                                                    refers to bytes of this generation
+
+An incremental checkpoint (FORMAT.md, "References") reads data files of its
+*siblings*, the checkpoints beside it under the same parent URI, at
+``<sibling>/gen-<id>/data/<file>`` of the parent (:func:`split_parent`,
+:func:`reference_key`).
 
 A root managed by ``CheckpointManager`` holds one checkpoint per step::
 
@@ -45,6 +52,97 @@ def generation_name(save_id: str) -> str:
 #: What a data file's name (after ``<generation>/data/``) may be: one path segment,
 #: so a manifest cannot name an object outside its generation.
 DATA_FILE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+#: A sibling checkpoint's name (FORMAT.md, "References"): one path segment, never
+#: ``.`` or ``..`` (a name cannot start with a dot), so a reference never leaves the parent.
+SIBLING_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+HOLDS_DIR = "holds"
+_SAVE_ID_RE = re.compile(r"[0-9a-f]+")
+#: ``scheme://authority`` of a URI (the rest is its path), as backends split them.
+_URI_HEAD_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?]*")
+
+
+def is_sibling_name(name: str) -> bool:
+    """Whether ``name`` may name a sibling checkpoint (and a referrer in a hold's name)."""
+    return SIBLING_NAME_RE.fullmatch(name) is not None
+
+
+def holds_prefix(generation: str) -> str:
+    """Where the holds on ``generation`` live, relative to its checkpoint (ends in ``/``)."""
+    return f"{generation}/{HOLDS_DIR}/"
+
+
+def hold_key(generation: str, referrer: str, save_id: str) -> str:
+    """The hold checkpoint ``referrer`` (save ``save_id``) puts on ``generation`` of the
+    checkpoint that owns the bytes, relative to that owner: ``gen-<id>/holds/<referrer>.<save_id>``.
+    ValueError for a name that would not parse back (:func:`parse_hold_key`)."""
+    if not is_generation(generation):
+        raise ValueError(f"hold: {generation!r} is not a generation name (gen-<lowercase hex>)")
+    if not is_sibling_name(referrer):
+        raise ValueError(f"hold: referrer {referrer!r} is not a checkpoint name ([A-Za-z0-9_][A-Za-z0-9._-]*)")
+    if not _SAVE_ID_RE.fullmatch(save_id):
+        raise ValueError(f"hold: save id {save_id!r} is not lowercase hex digits")
+    return f"{holds_prefix(generation)}{referrer}.{save_id}"
+
+
+def parse_hold_key(key: str) -> tuple[str, str, str] | None:
+    """``(generation, referrer, save_id)`` of a hold's key relative to its owner
+    checkpoint (:func:`hold_key`'s inverse), or None for any other key. The referrer
+    may hold dots: the save id is what follows the last one."""
+    generation, sep, rest = key.partition("/")
+    if not sep or not is_generation(generation) or not rest.startswith(f"{HOLDS_DIR}/"):
+        return None
+    name = rest[len(HOLDS_DIR) + 1 :]
+    referrer, dot, save_id = name.rpartition(".")
+    if not dot or not is_sibling_name(referrer) or not _SAVE_ID_RE.fullmatch(save_id):
+        return None
+    return generation, referrer, save_id
+
+
+def reference_key(checkpoint: str, path: str) -> str:
+    """Key, relative to the parent, of data file ``path`` (``gen-<id>/data/NAME``) of
+    sibling ``checkpoint``. ValueError unless both are as FORMAT.md allows (the manifest
+    reader has checked them already: this is the last guard before a read)."""
+    generation, sep, rest = path.partition("/")
+    data, sep2, name = rest.partition("/")
+    if not (
+        is_sibling_name(checkpoint)
+        and sep
+        and sep2
+        and is_generation(generation)
+        and data == "data"
+        and DATA_FILE_NAME_RE.fullmatch(name)
+    ):
+        raise ValueError(f"reference {checkpoint!r}/{path!r} is not <sibling>/gen-<id>/data/<file>")
+    return f"{checkpoint}/{path}"
+
+
+def split_parent(uri: str) -> tuple[str, str]:
+    """``(parent URI, last segment)`` of a checkpoint's URI or path: the inverse of
+    joining a name below the parent (``s3://b/run/step_1?region=x`` gives
+    ``("s3://b/run?region=x", "step_1")``; ``ckpt`` gives ``(".", "ckpt")``; ``/ckpt``
+    gives ``("/", "ckpt")``). Trailing slashes are ignored; the query string stays with
+    the parent. ValueError for a URI with no last segment (``s3://bucket``, ``/``) or
+    one that is ``.`` or ``..``. The name is not checked against SIBLING_NAME_RE
+    (:func:`is_sibling_name` does that where a name must be one)."""
+    base, sep, query = uri.partition("?")
+    m = _URI_HEAD_RE.match(base)
+    if m is not None:
+        head, path = m.group(0), base[m.end() :]
+    elif base[:5].lower() == "file:":
+        head, path = base[:5], base[5:]
+    else:
+        head, path = "", base
+    parent_path, slash, name = path.rstrip("/").rpartition("/")
+    if not name or name in (".", ".."):
+        raise ValueError(f"{uri!r} has no parent: its last path segment {name!r} does not name a checkpoint")
+    if slash:
+        authority = m is not None and len(head) > head.index("://") + 3  # s3://bucket: its root is the bucket
+        parent = head + (parent_path or ("" if authority else "/"))
+    else:  # a relative path of one segment
+        parent = head + "."
+    return parent + sep + query, name
 
 
 def catalog_key(generation: str) -> str:

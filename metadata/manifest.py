@@ -23,15 +23,24 @@ from typing import Any
 
 from bcp.metadata.checksum import crc32c
 from bcp.metadata.format_errors import CorruptManifestError, FormatError
-from bcp.metadata.keys import DATA_FILE_NAME_RE, MANIFEST_KEY, catalog_key, generation_name
+from bcp.metadata.keys import (
+    DATA_FILE_NAME_RE,
+    MANIFEST_KEY,
+    catalog_key,
+    generation_name,
+    is_generation,
+    is_sibling_name,
+)
 
 __all__ = [
     "CRC_FIELD",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "LATEST_VERSION",
     "MANIFEST_KEY",
     "MAX_JSON_DEPTH",
     "MAX_OBJECT_DEPTH",
+    "REFERENCES_VERSION",
     "FileEntry",
     "Manifest",
     "ObjectEntry",
@@ -41,7 +50,13 @@ __all__ = [
 
 FORMAT_NAME = "bcp-checkpoint"
 #: 2: the manifest carries ``manifest_crc32c``. Version 1 (without it) is still read.
+#: What bcp writes for a checkpoint without references (every full save).
 FORMAT_VERSION = 2
+#: 3: data files may be references to a sibling's (``data_files[].checkpoint``); bcp
+#: writes it only for a checkpoint that has one, so full ones stay readable by 2's readers.
+REFERENCES_VERSION = 3
+#: The newest version this bcp reads.
+LATEST_VERSION = REFERENCES_VERSION
 #: The first version whose manifests must carry their own checksum.
 CRC_REQUIRED_FROM = 2
 CRC_FIELD = "manifest_crc32c"
@@ -65,16 +80,28 @@ _SAVE_ID = re.compile(r"[0-9a-f]+")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FileEntry:
-    """A data or catalog object of the checkpoint."""
+    """A data or catalog object of the checkpoint, or (``checkpoint`` set, version 3) a
+    data file of a sibling checkpoint that this one refers to (FORMAT.md, "References")."""
 
     path: str
     nbytes: int
     #: data files: CRC32C over the block checksums (metadata.checksum.digest_of_checksums);
     #: the catalog: CRC32C of its bytes.
     crc32c: int
+    #: None: the file is this checkpoint's own (``path`` under its generation). A name:
+    #: the sibling checkpoint (same parent URI) whose generation holds the bytes, read at
+    #: ``<checkpoint>/<path>`` of the parent (:func:`bcp.metadata.keys.reference_key`).
+    checkpoint: str | None = None
+
+    @property
+    def is_reference(self) -> bool:
+        return self.checkpoint is not None
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "nbytes": self.nbytes, "crc32c": self.crc32c}
+        doc: dict[str, Any] = {"path": self.path, "nbytes": self.nbytes, "crc32c": self.crc32c}
+        if self.checkpoint is not None:
+            doc["checkpoint"] = self.checkpoint
+        return doc
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,14 +132,36 @@ class Manifest:
     user_metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     stats: dict[str, int] = dataclasses.field(default_factory=dict)
     format: str = FORMAT_NAME
-    version: int = FORMAT_VERSION
+    #: 0 (the default): chosen from the data files, REFERENCES_VERSION when one is a
+    #: reference, else FORMAT_VERSION; an explicit version is kept (a manifest read back)
+    #: but must be REFERENCES_VERSION or later when a data file is a reference.
+    version: int = 0
     byte_order: str = "little"
     checksum_algorithm: str = "crc32c"
+
+    def __post_init__(self) -> None:
+        referring = any(f.checkpoint is not None for f in self.data_files)
+        if self.version == 0:
+            object.__setattr__(self, "version", REFERENCES_VERSION if referring else FORMAT_VERSION)
+        elif referring and self.version < REFERENCES_VERSION:
+            raise ValueError(
+                f"manifest version {self.version} cannot hold references; they need version {REFERENCES_VERSION}"
+            )
 
     @property
     def generation(self) -> str:
         """Key prefix of every data and catalog object of this save."""
         return self.catalog.path.split("/", 1)[0]
+
+    @property
+    def references(self) -> tuple[FileEntry, ...]:
+        """The data files that belong to sibling checkpoints (``checkpoint`` set)."""
+        return tuple(f for f in self.data_files if f.checkpoint is not None)
+
+    @property
+    def own_files(self) -> tuple[FileEntry, ...]:
+        """The data files under this checkpoint's own generation."""
+        return tuple(f for f in self.data_files if f.checkpoint is None)
 
     def to_json(self) -> bytes:
         """The file's bytes, ending with their own CRC32C (``manifest_crc32c``)."""
@@ -156,10 +205,10 @@ class Manifest:
         version = doc.get("version")
         if type(version) is not int or version < 1:
             raise FormatError(f"{where}: invalid format version {version!r}")
-        if version > FORMAT_VERSION:
+        if version > LATEST_VERSION:
             raise FormatError(
                 f"{where}: format version {version} was written by a newer bcp "
-                f"(this one reads up to {FORMAT_VERSION}); upgrade bcp to load it"
+                f"(this one reads up to {LATEST_VERSION}); upgrade bcp to load it"
             )
         _check_crc_field(doc, trailer, version, where)
         return _Fields(where).manifest(doc, version)
@@ -313,12 +362,10 @@ class _Fields:
         if catalog.path != catalog_key(generation):
             raise self.bad("catalog.path", catalog.path, repr(catalog_key(generation)))
         files = self.list_(self.get(doc, "data_files", "data_files"), "data_files")
-        data_files = tuple(self.file_entry(f, f"data_files[{i}]") for i, f in enumerate(files))
+        data_files = tuple(self.file_entry(f, f"data_files[{i}]", version=version) for i, f in enumerate(files))
         seen: set[str] = set()
         for i, f in enumerate(data_files):
-            head, _, name = f.path.rpartition("/")
-            if head != f"{generation}/data" or not DATA_FILE_NAME_RE.fullmatch(name):
-                raise self.bad(f"data_files[{i}].path", f.path, f"a file name under {generation}/data/")
+            self.data_path(f, f"data_files[{i}]", generation)
             if f.path in seen:
                 raise self.bad(f"data_files[{i}].path", f.path, "each data file listed once")
             seen.add(f.path)
@@ -338,12 +385,41 @@ class _Fields:
             version=version,
         )
 
-    def file_entry(self, doc: Any, field: str) -> FileEntry:
+    def file_entry(self, doc: Any, field: str, *, version: int = 0) -> FileEntry:
+        """A ``{"path", "nbytes", "crc32c"}`` entry; with ``version`` (a data file's),
+        also its ``checkpoint`` (a reference: version 3 or later, a sibling's name)."""
         doc = self.dict_(doc, field)
         path = self.str_(self.get(doc, "path", f"{field}.path"), f"{field}.path")
         nbytes = self.int_(self.get(doc, "nbytes", f"{field}.nbytes"), f"{field}.nbytes", 0, _INT64_MAX)
         crc = self.int_(self.get(doc, "crc32c", f"{field}.crc32c"), f"{field}.crc32c", 0, 0xFFFFFFFF)
-        return FileEntry(path=path, nbytes=nbytes, crc32c=crc)
+        checkpoint = None
+        if "checkpoint" in doc:
+            if not version:
+                raise self.bad(f"{field}.checkpoint", doc["checkpoint"], "no such field (only data files refer)")
+            if version < REFERENCES_VERSION:
+                raise FormatError(
+                    f"{self.where}: field {field + '.checkpoint'!r} (a reference) needs format version "
+                    f"{REFERENCES_VERSION}; the manifest says version {version}"
+                )
+            checkpoint = self.str_(doc["checkpoint"], f"{field}.checkpoint")
+            if not is_sibling_name(checkpoint):
+                raise self.bad(
+                    f"{field}.checkpoint", checkpoint, "a sibling checkpoint's name ([A-Za-z0-9_][A-Za-z0-9._-]*)"
+                )
+        return FileEntry(path=path, nbytes=nbytes, crc32c=crc, checkpoint=checkpoint)
+
+    def data_path(self, f: FileEntry, field: str, generation: str) -> None:
+        """``gen-<save_id>/data/NAME`` for an own file; ``gen-<id>/data/NAME`` of another
+        generation for a reference (generation ids are unique, so its path names its owner)."""
+        head, _, name = f.path.rpartition("/")
+        gen, _, data = head.partition("/")
+        if f.checkpoint is None:
+            if head != f"{generation}/data" or not DATA_FILE_NAME_RE.fullmatch(name):
+                raise self.bad(f"{field}.path", f.path, f"a file name under {generation}/data/")
+        elif not (is_generation(gen) and data == "data" and DATA_FILE_NAME_RE.fullmatch(name)):
+            raise self.bad(f"{field}.path", f.path, "gen-<id>/data/NAME of the referenced checkpoint")
+        elif gen == generation:
+            raise self.bad(f"{field}.path", f.path, f"a generation other than this checkpoint's own ({generation})")
 
     def object_entries(self, fqn: str, entries: Any, world_size: int) -> list[ObjectEntry]:
         field = f"objects[{fqn!r}]"

@@ -42,15 +42,39 @@ class Fragment:
     #: CRC32C of each checksum block of the fragment's bytes (block size in the manifest).
     checksums: tuple[int, ...]
     writer_rank: int = 0
+    #: XXH3-128 of the fragment's bytes (16 bytes, canonical big-endian form) when the
+    #: catalog has the optional ``digest`` column (incremental saves); None otherwise.
+    digest: bytes | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.lengths)
 
 
+#: Bytes of a fragment's digest (the catalog's optional ``digest`` column): XXH3-128.
+DIGEST_BYTES = 16
+
+
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.setflags(write=False)
     return a
+
+
+def digest_bytes(digests: np.ndarray | None, i: int) -> bytes | None:
+    """Row ``i`` of a (F, 16) uint8 digest column as bytes, None without the column."""
+    return None if digests is None else digests[i].tobytes()
+
+
+def _digest_matrix(values: Sequence[bytes | None], where: str) -> np.ndarray | None:
+    """(F, 16) uint8 of the digests of Fragment objects: None when none has one; a
+    FormatError when only some do or one is not 16 bytes (a column has no nulls)."""
+    present = [v is not None for v in values]
+    if not any(present):
+        return None
+    if not all(present) or any(len(v) != DIGEST_BYTES for v in values if v is not None):
+        i = next(i for i, v in enumerate(values) if v is None or len(v) != DIGEST_BYTES)
+        raise FormatError(f"{where} row {i}: digest {values[i]!r} is not {DIGEST_BYTES} bytes (all rows or none)")
+    return np.frombuffer(b"".join(values), np.uint8).reshape(-1, DIGEST_BYTES).copy()  # type: ignore[arg-type]
 
 
 class TensorEntry:
@@ -66,6 +90,7 @@ class TensorEntry:
         "_sum_starts",
         "_sum_values",
         "byte_offsets",
+        "digests",
         "dtype",
         "file_names",
         "files",
@@ -96,6 +121,9 @@ class TensorEntry:
     file_names: tuple[str, ...]
     #: (F,) int32
     writer_ranks: np.ndarray
+    #: (F, 16) uint8: each fragment's XXH3-128 digest; None when the catalog has no
+    #: ``digest`` column (never trusted for loading: the block checksums are)
+    digests: np.ndarray | None
 
     def __init__(
         self,
@@ -115,11 +143,13 @@ class TensorEntry:
         checksum_values: np.ndarray,
         fragments: tuple[Fragment, ...] | None = None,
         read_only: bool = False,
+        digests: np.ndarray | None = None,
     ) -> None:
         """``read_only``: every array is read-only already (views of a frozen gather),
         so none is frozen here (eight calls a tensor at 10,000 tensors)."""
         self.fqn, self.key_path, self.dtype, self.global_shape = fqn, key_path, dtype, global_shape
         self.file_names, self._fragments = file_names, fragments
+        self.digests = digests if digests is None or read_only else _frozen(digests)
         arrays: tuple[np.ndarray, ...]
         if read_only:
             arrays = (offsets, lengths, byte_offsets, sizes, files, writer_ranks, checksum_starts, checksum_values)
@@ -167,6 +197,7 @@ class TensorEntry:
             int(self.sizes[i]),
             self.checksums(i),
             int(self.writer_ranks[i]),
+            digest_bytes(self.digests, i),
         )
 
     @property
@@ -189,6 +220,7 @@ class TensorEntry:
                     s,
                     tuple(sums[starts[i] : starts[i + 1]]),
                     w,
+                    digest_bytes(self.digests, i),
                 )
                 for i, (o, n, f, b, s, w) in enumerate(
                     zip(
@@ -250,6 +282,9 @@ class Rows:
     writer: np.ndarray  # (F,) int32
     sum_starts: np.ndarray  # (F+1,) int64 into sums
     sums: np.ndarray  # uint32, flat
+    #: (F, 16) uint8: the optional ``digest`` column (XXH3-128 of each fragment's bytes);
+    #: None when the catalog has none
+    digests: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tensor)
@@ -273,10 +308,16 @@ class Rows:
 
     @staticmethod
     def concat(parts: Sequence[Rows]) -> Rows:
+        """Rows of ``parts`` back to back. Digests are kept when every part has them
+        (and dropped when none has); ValueError when only some have (the caller names
+        its sources: a catalog's sections either all carry the column or none does)."""
         if len(parts) == 1:
             return parts[0]
         if not parts:
             return Rows.empty()
+        with_digests = [p.digests is not None for p in parts if len(p)]
+        if any(with_digests) and not all(with_digests):
+            raise ValueError("rows with and without the digest column cannot be joined")
 
         def starts(firsts: list[np.ndarray], sizes: list[int]) -> np.ndarray:
             shift = np.cumsum([0, *sizes[:-1]])
@@ -293,6 +334,11 @@ class Rows:
             writer=np.concatenate([p.writer for p in parts]),
             sum_starts=starts([p.sum_starts for p in parts], [len(p.sums) for p in parts]),
             sums=np.concatenate([p.sums for p in parts]),
+            digests=(
+                np.concatenate([_digests_or_empty(p) for p in parts]).reshape(-1, DIGEST_BYTES)
+                if any(with_digests)
+                else None
+            ),
         )
 
     @staticmethod
@@ -318,6 +364,7 @@ class Rows:
             writer=np.fromiter((f.writer_rank for f in frags), np.int32, n),
             sum_starts=np.concatenate([np.zeros(1, np.int64), np.cumsum(nsums)]),
             sums=np.fromiter(itertools.chain.from_iterable(f.checksums for f in frags), np.uint32),
+            digests=_digest_matrix([f.digest for f in frags], "catalog"),
         )
 
     @staticmethod
@@ -337,6 +384,7 @@ class Rows:
             raise FormatError(f"catalog row {i}: offsets and lengths differ in length")
         sums_col = table.column("checksums").combine_chunks()
         sum_starts = sums_col.offsets.to_numpy().astype(np.int64)
+        digests = digest_column(table.column(DIGEST_COLUMN)) if DIGEST_COLUMN in table.column_names else None
         return Rows(
             tensor=tensor.astype(np.int32, copy=False),
             coord_starts=coord_starts,
@@ -348,6 +396,7 @@ class Rows:
             writer=_numpy(table, "writer_rank", np.int32),
             sum_starts=sum_starts - sum_starts[0],
             sums=sums_col.flatten().to_numpy(zero_copy_only=False).astype(np.uint32, copy=False),
+            digests=digests,
         )
 
     def take_boxes(self, rows: np.ndarray, ndim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -360,9 +409,14 @@ class Rows:
         pos = (self.coord_starts[rows][:, None] + np.arange(ndim, dtype=np.int64)[None, :]).reshape(-1)
         return self.offsets[pos].reshape(n, ndim), self.lengths[pos].reshape(n, ndim)
 
+    def take_digests(self, rows: np.ndarray) -> np.ndarray | None:
+        """The digests (F, 16) of ``rows``, None when these rows have no digest column."""
+        return None if self.digests is None else self.digests[rows]
+
     def take(self, rows: np.ndarray, ndim: int) -> tuple[np.ndarray, ...]:
         """Columns of ``rows`` (all of one tensor of ``ndim`` dimensions): offsets,
-        lengths (F, ndim), byte offsets, sizes, files, writers, checksum starts and values."""
+        lengths (F, ndim), byte offsets, sizes, files, writers, checksum starts and
+        values (digests: :meth:`take_digests`)."""
         n = len(rows)
         offs, lens = self.take_boxes(rows, ndim)
         s0, s1 = self.sum_starts[rows], self.sum_starts[rows + 1]
@@ -382,6 +436,32 @@ class Rows:
             sum_starts,
             self.sums[sum_pos],
         )
+
+
+#: The optional catalog column of fragment digests (FORMAT.md, "References").
+DIGEST_COLUMN = "digest"
+DIGEST_TYPE = pa.binary(DIGEST_BYTES)
+
+
+def digest_column(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A fixed_size_binary(16) column (type and nulls checked by the caller) as (F, 16) uint8."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    n = len(array)
+    data = array.buffers()[1]
+    if data is None or not n:
+        return np.zeros((0, DIGEST_BYTES), np.uint8)
+    flat = np.frombuffer(data, np.uint8)[array.offset * DIGEST_BYTES : (array.offset + n) * DIGEST_BYTES]
+    return flat.reshape(n, DIGEST_BYTES)
+
+
+def digest_array(digests: np.ndarray) -> pa.Array:
+    """(F, 16) uint8 digests as a fixed_size_binary(16) Arrow array (no nulls)."""
+    flat = np.ascontiguousarray(digests, dtype=np.uint8).reshape(-1)
+    return pa.FixedSizeBinaryArray.from_buffers(DIGEST_TYPE, len(flat) // DIGEST_BYTES, [None, pa.py_buffer(flat)])
+
+
+def _digests_or_empty(rows: Rows) -> np.ndarray:
+    return rows.digests if rows.digests is not None else np.zeros((0, DIGEST_BYTES), np.uint8)
 
 
 def _numpy(table: pa.Table, name: str, dtype: type) -> np.ndarray:

@@ -200,7 +200,7 @@ for _ in range(300):  # deeper than readers accept (200), shallow enough for jso
 _MUTATIONS = {
     "version true": _set("version", True),
     "version 0": _set("version", 0),
-    "version 3": _set("version", 3),
+    "version 4": _set("version", 4),
     "version text": _set("version", "2"),
     "world_size 0": _set("world_size", 0),
     "world_size -1": _set("world_size", -1),

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from bcp.metadata.catalog.tensors import CATALOG_SCHEMA, TensorTable
 from bcp.metadata.format_errors import FormatError
-from bcp.metadata.rows import Rows
+from bcp.metadata.rows import DIGEST_COLUMN, DIGEST_TYPE, Rows, digest_array
 
 
 def ipc_file(table: pa.Table) -> bytes:
@@ -73,13 +73,24 @@ def rows_table(tensors: TensorTable, file_names: Sequence[str], rows: Rows, vers
         _list_array(rows.sum_starts, rows.sums, schema.field("checksums").type),
         pa.array(rows.writer, pa.int32()),
     ]
-    table = pa.Table.from_arrays(columns, names=schema.names)
+    names = list(schema.names)
+    if rows.digests is not None:  # the optional column: only catalogs of incremental saves carry it
+        columns.append(digest_array(rows.digests))
+        names.append(DIGEST_COLUMN)
+    table = pa.Table.from_arrays(columns, names=names)
     return table.replace_schema_metadata({"bcp.catalog.version": version})
+
+
+def catalog_columns(names: Sequence[str]) -> list[str]:
+    """The columns of CATALOG_SCHEMA, then ``digest`` when ``names`` has it."""
+    return [*CATALOG_SCHEMA.names, *([DIGEST_COLUMN] if DIGEST_COLUMN in names else [])]
 
 
 def cast_columns(table: pa.Table, where: str) -> pa.Table:
     """The columns in CATALOG_SCHEMA's types, except that dictionary-encoded string
-    columns stay encoded (decoding them costs a string per row)."""
+    columns stay encoded (decoding them costs a string per row); the optional
+    ``digest`` column kept when present, which must be fixed_size_binary(16) as stored
+    (a digest is never converted from another type)."""
     columns = []
     for field in CATALOG_SCHEMA:
         col = table.column(field.name)
@@ -92,7 +103,16 @@ def cast_columns(table: pa.Table, where: str) -> pa.Table:
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
             raise FormatError(f"{where}: columns do not have the catalog types: {e}") from e
         columns.append(col)
-    return pa.Table.from_arrays(columns, names=CATALOG_SCHEMA.names)
+    names = list(CATALOG_SCHEMA.names)
+    if DIGEST_COLUMN in table.column_names:
+        col = table.column(DIGEST_COLUMN)
+        if col.type != DIGEST_TYPE:
+            raise FormatError(f"{where}: column {DIGEST_COLUMN!r} is {col.type}; expected {DIGEST_TYPE}")
+        if col.null_count:
+            raise FormatError(f"{where}: column {DIGEST_COLUMN!r} has null values (it has none or a digest per row)")
+        columns.append(col)
+        names.append(DIGEST_COLUMN)
+    return pa.Table.from_arrays(columns, names=names)
 
 
 def string_codes(column: pa.ChunkedArray, where: str) -> tuple[np.ndarray, list[str]]:
@@ -178,9 +198,10 @@ def bind_rows(table: pa.Table, tensors: TensorTable, files: list[str], *, where:
     return Rows.from_table(table, local, file_map[file_codes] if n else np.zeros(0, np.int32))
 
 
-def read_ipc_columns(data: bytes, names: Sequence[str], where: str) -> pa.Table:
-    """The columns ``names`` of an Arrow IPC file, fully validated by Arrow; a
-    FormatError naming ``where`` when the file is unreadable or lacks a column."""
+def read_ipc_columns(data: bytes, names: Sequence[str], where: str, optional: Sequence[str] = ()) -> pa.Table:
+    """The columns ``names`` of an Arrow IPC file, then those of ``optional`` it has,
+    fully validated by Arrow; a FormatError naming ``where`` when the file is
+    unreadable or lacks a column of ``names``."""
     try:
         table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
         table.validate(full=True)
@@ -189,4 +210,4 @@ def read_ipc_columns(data: bytes, names: Sequence[str], where: str) -> pa.Table:
     missing = [n for n in names if n not in table.column_names]
     if missing:
         raise FormatError(f"{where}: missing column(s) {', '.join(missing)}")
-    return table.select(list(names))
+    return table.select([*names, *(n for n in optional if n in table.column_names)])

@@ -12,11 +12,12 @@ handing out TensorEntry objects checked for exact tiling (:mod:`bcp.metadata.geo
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from bcp.metadata.catalog.arrow import bind_rows, cast_columns, ipc_file, rows_table
+from bcp.metadata.catalog.arrow import bind_rows, cast_columns, catalog_columns, ipc_file, rows_table
 from bcp.metadata.catalog.budget import decode_budget
 from bcp.metadata.catalog.head import decode_head
 from bcp.metadata.catalog.partial import Box, Fetch, HeldSections
@@ -128,7 +129,7 @@ class Catalog:
         missing = [n for n in CATALOG_SCHEMA.names if n not in table.column_names]
         if missing:
             raise ValueError(f"{where}: missing column(s) {', '.join(missing)}")
-        table = cast_columns(table.select(CATALOG_SCHEMA.names), where)
+        table = cast_columns(table.select(catalog_columns(table.column_names)), where)
         self = cls.__new__(cls)
         tensors = TensorTable()
         files: list[str] = []
@@ -240,24 +241,24 @@ class Catalog:
         frags = None if self._given is None else tuple(self._given[i] for i in rows.tolist())
         if frags is not None and any(len(f.offsets) != len(shape) for f in frags):
             # Fragment lists are not validated: keep what was given, columns left empty
-            arrays: tuple[np.ndarray, ...] = (np.zeros((0, len(shape)), np.int64),) * 2 + (
+            arrays: tuple[np.ndarray | None, ...] = (np.zeros((0, len(shape)), np.int64),) * 2 + (
                 np.zeros(0, np.int64),
                 np.zeros(0, np.int64),
                 np.zeros(0, np.int32),
                 np.zeros(0, np.int32),
                 np.zeros(1, np.int64),
                 np.zeros(0, np.uint32),
+                None,
             )
         else:
-            arrays = self._rows.take(rows, len(shape))
+            arrays = (*self._rows.take(rows, len(shape)), self._rows.take_digests(rows))
         entry = self._new_entry(t, arrays, frags)
         if check:
             self._check_tilings([t], entry.offsets, entry.lengths, [entry.num_fragments])
-        if check:
             self._cache[t] = entry
         return entry
 
-    def _new_read_only_entry(self, t: int, arrays: tuple[np.ndarray, ...]) -> TensorEntry:
+    def _new_read_only_entry(self, t: int, arrays: tuple[Any, ...]) -> TensorEntry:
         """An entry of columns read-only already (:func:`gather_entries`'s views)."""
         return self._new_entry(t, arrays, read_only=True)
 
@@ -272,13 +273,13 @@ class Catalog:
     def _new_entry(
         self,
         t: int,
-        arrays: tuple[np.ndarray, ...],
+        arrays: tuple[Any, ...],
         frags: tuple[Fragment, ...] | None = None,
         *,
         read_only: bool = False,
     ) -> TensorEntry:
-        tensors = self._table_of_tensors
-        offs, lens, byte_offsets, sizes, files, writers, sum_starts, sums = arrays
+        tensors = self._table_of_tensors  # arrays: Rows.take's columns, then the digests (or None)
+        offs, lens, byte_offsets, sizes, files, writers, sum_starts, sums, digests = arrays
         return TensorEntry(
             tensors.names[t],
             tensors.key_paths[t],
@@ -295,6 +296,7 @@ class Catalog:
             checksum_values=sums,
             fragments=frags,
             read_only=read_only,
+            digests=digests,
         )
 
     def _complete(self, t: int) -> bool:

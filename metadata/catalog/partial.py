@@ -100,8 +100,20 @@ class HeldSections:
             for k in range(a, b + 1):
                 lo = int(head.sec_offset[k]) - start
                 section = data[lo : lo + int(head.sec_length[k])]
-                self.rows[k] = self._decode(k, section, tensors, file_names, f"{where} (section {k})")
+                rows = self._decode(k, section, tensors, file_names, f"{where} (section {k})")
+                self._check_digests(k, rows, where)
+                self.rows[k] = rows
                 self.loaded[k] = True
+
+    def _check_digests(self, k: int, rows: Rows, where: str) -> None:
+        """FormatError unless section ``k`` agrees with the sections held on having the
+        optional ``digest`` column (a column of a catalog: all its rows have it, or none)."""
+        for j, held in self.rows.items():
+            if len(held) and len(rows) and (held.digests is None) != (rows.digests is None):
+                has, lacks = (j, k) if rows.digests is None else (k, j)
+                raise FormatError(
+                    f"{where}: section {has} has the digest column and section {lacks} has not (all or none)"
+                )
 
     def _decode(self, k: int, data: bytes, tensors: TensorTable, file_names: list[str], where: str) -> Rows:
         """Section ``k``'s rows, checked against the head: CRC32C, budget, every row,

@@ -165,6 +165,7 @@ def _slice(rows: Rows, lo: int, hi: int) -> Rows:
         writer=rows.writer[lo:hi],
         sum_starts=rows.sum_starts[lo : hi + 1] - s0,
         sums=rows.sums[s0:s1],
+        digests=None if rows.digests is None else rows.digests[lo:hi],
     )
 
 
@@ -199,6 +200,7 @@ def subset(rows: Rows, idx: np.ndarray, widths: dict[int, int] | None = None) ->
         writer=rows.writer[idx],
         sum_starts=sum_starts,
         sums=sums,
+        digests=rows.take_digests(idx),
     )
 
 

@@ -20,7 +20,7 @@ from bcp.metadata.catalog.budget import check_expansion, check_ipc_budget, decod
 from bcp.metadata.catalog.tensors import CATALOG_SCHEMA, MAX_TENSOR_BYTES, TensorTable
 from bcp.metadata.dtypes import itemsize
 from bcp.metadata.format_errors import FormatError
-from bcp.metadata.rows import Fragment, Rows
+from bcp.metadata.rows import DIGEST_COLUMN, Fragment, Rows
 
 
 def decode_rows(
@@ -39,7 +39,7 @@ def decode_rows(
     (default: :func:`decode_budget` of the file) that decoding counted."""
     budget = decode_budget(len(data)) if budget is None else budget
     used = check_ipc_budget(data, where=where, budget=budget)
-    table = read_ipc_columns(data, CATALOG_SCHEMA.names, where)
+    table = read_ipc_columns(data, CATALOG_SCHEMA.names, where, optional=(DIGEST_COLUMN,))
     check_expansion(table, where=where, budget=budget)  # strings stay encoded: counted, not charged
     table = cast_columns(table, where)
     if table.num_rows and any(table.column(n).null_count for n in CATALOG_SCHEMA.names):
