@@ -1,0 +1,85 @@
+"""Pieces of an incremental save: fragments cut into boxes of whole dim-0 rows, and
+their XXH3-128 digests (metadata/FORMAT.md, "References"; ``bcp.incremental``).
+
+Apart from ``bcp.incremental`` because preparing a save (``bcp.kept_plans``) cuts the
+pieces, and must not import the reading side that matching needs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import xxhash
+
+from bcp.shards import Piece
+from bcp.tensor_io import flat_bytes, host_contiguous
+
+if TYPE_CHECKING:
+    from bcp.io_scheduler.write_pipeline import WriteItem
+
+#: The most bytes a piece of an incremental save holds (a row larger than that is one piece).
+PIECE_BYTES = 4 << 20
+
+
+# -- pieces ------------------------------------------------------------------------------------
+
+
+def rows_per_piece(box_lengths: Sequence[int], dtype: torch.dtype, piece_bytes: int) -> int:
+    """Rows of a box (whole dim-0 rows of ``box_lengths``) in one piece: at most
+    ``piece_bytes``, at least one row."""
+    row = int(np.prod(box_lengths[1:], dtype=np.int64)) * dtype.itemsize if len(box_lengths) > 1 else dtype.itemsize
+    return max(1, piece_bytes // row) if row else 0
+
+
+def cut_pieces(piece: Piece, dtype: torch.dtype, piece_bytes: int) -> list[Piece]:
+    """``piece`` cut at the global row indices that are multiples of the rows per piece
+    (FORMAT.md): a row-range update then changes only the pieces it touches."""
+    offsets, lengths = piece.box
+    if not lengths or lengths[0] <= 1:
+        return [piece]
+    rows = rows_per_piece(lengths, dtype, piece_bytes)
+    if not rows or (rows >= lengths[0] and offsets[0] // rows == (offsets[0] + lengths[0] - 1) // rows):
+        return [piece]
+    start, end = offsets[0], offsets[0] + lengths[0]
+    out = []
+    a = start
+    while a < end:
+        b = min(end, (a // rows + 1) * rows)
+        box = ((a, *offsets[1:]), (b - a, *lengths[1:]))
+        out.append(Piece(box, piece.tensor[a - start : b - start]))
+        a = b
+    return out
+
+
+def piece_digest(tensor: torch.Tensor) -> bytes:
+    """XXH3-128 of the tensor's stored bytes (row-major, as the data file holds them),
+    canonical (big-endian) form."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = host_contiguous(t)
+    if not t.numel():
+        return xxhash.xxh3_128_digest(b"")
+    return xxhash.xxh3_128_digest(flat_bytes(t).numpy())  # type: ignore[arg-type]  # a buffer
+
+
+def digest_items(items: Sequence[WriteItem], threads: int) -> np.ndarray:
+    """(n, 16) uint8: each item's digest, computed on ``threads`` threads (xxhash
+    releases the GIL for large buffers)."""
+    out = np.zeros((len(items), 16), np.uint8)
+    if not items:
+        return out
+    if threads <= 1 or len(items) == 1:
+        digests = [piece_digest(i.piece.tensor) for i in items]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bcp-digest") as pool:
+            digests = list(pool.map(lambda i: piece_digest(i.piece.tensor), items))
+    out[:] = np.frombuffer(b"".join(digests), np.uint8).reshape(-1, 16)
+    return out
+
+
+__all__ = ["PIECE_BYTES", "cut_pieces", "digest_items", "piece_digest", "rows_per_piece"]
