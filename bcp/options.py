@@ -60,7 +60,7 @@ class SaveOptions:
     trace: TraceOption = None
     #: an earlier checkpoint beside this one (same parent URI, committed): write only the
     #: pieces whose bytes differ from it and refer to its stored bytes for the others
-    #: (docs/incremental.md); implies ``incremental``
+    #: (metadata/FORMAT.md, "References"); implies ``incremental``
     base: str | None = None
     #: cut fragments into pieces of whole rows and record each piece's XXH3-128 digest,
     #: so a later save can take this one as its base (a save without ``base`` writes every byte)
