@@ -27,10 +27,15 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
     catalog rows cannot be read, the error as one line) and ``objects`` (fqn -> the
     value's ``repr``, cut at :data:`OBJECT_REPR_CHARS`; ``<per rank: N>`` for one saved
     per rank, ``<error>`` for one that cannot be read, a pickled one among them).
+    ``references`` lists the data files of sibling checkpoints an incremental
+    checkpoint reads (``{path, checkpoint, bytes}``, ``checkpoint`` the owner); when
+    there are any, each tensor also says how many of its ``fragments`` lie in them
+    (``referenced``).
 
     ``created``, the versions, ``stats`` and ``user_metadata`` are informative
     (FORMAT.md): they are what the manifest holds, checked only for their JSON types."""
     m = reader.manifest
+    referenced = {f.path for f in m.references}
     tensors: list[dict[str, Any]] = []
     for fqn in reader.tensor_keys():
         try:
@@ -40,15 +45,17 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             tensors.append({"fqn": fqn, "error": " | ".join(lines) or type(e).__name__})
             continue
-        tensors.append(
-            {
-                "fqn": fqn,
-                "shape": list(meta.shape),
-                "dtype": str(meta.dtype).removeprefix("torch."),
-                "fragments": len(meta.fragments),
-                "bytes": meta.nbytes,
-            }
-        )
+        row: dict[str, Any] = {
+            "fqn": fqn,
+            "shape": list(meta.shape),
+            "dtype": str(meta.dtype).removeprefix("torch."),
+            "fragments": meta.entry.num_fragments,
+            "bytes": meta.nbytes,
+        }
+        if referenced:
+            names = meta.entry.file_names
+            row["referenced"] = sum(names[c] in referenced for c in meta.entry.files.tolist())
+        tensors.append(row)
     objects = {}
     for fqn in reader.object_keys():
         per_rank = reader.is_per_rank(fqn)
@@ -70,6 +77,7 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
         "stats": m.stats,
         "user_metadata": m.user_metadata,
         "data_files": len(m.data_files),
+        "references": [{"path": f.path, "checkpoint": f.checkpoint, "bytes": f.nbytes} for f in m.references],
         "tensors": tensors,
         "objects": objects,
     }

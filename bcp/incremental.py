@@ -29,6 +29,7 @@ from bcp.metadata.keys import generation_of, hold_key, is_sibling_name, manifest
 from bcp.metadata.rows import Rows, TensorEntry
 from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
 from bcp.reader import fetch_metadata, open_reader
+from bcp.references import parent_factory
 from bcp.target import Target, resolve_backend
 
 log = logging.getLogger(__name__)
@@ -134,9 +135,10 @@ def match(
     every = list(range(len(items)))
     if base is None or base.manifest.checksum_block_bytes != block or not items:
         return Reuse([], every, [], {})
-    backend = resolve_backend(base.uri, dict(storage_options or {}))  # type: ignore[call-overload]
+    options = dict(storage_options or {})  # type: ignore[call-overload]
+    backend = resolve_backend(base.uri, options)
     metadata = fetch_metadata(backend, allow_head_only=True)
-    reader = open_reader(backend, metadata)
+    reader = open_reader(backend, metadata, parent=parent_factory(base.uri, options))
     if reader.manifest.save_id != base.manifest.save_id:
         return Reuse([], every, [], {})  # the base changed after the coordinator held it
     catalog = reader.catalog

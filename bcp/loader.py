@@ -41,6 +41,7 @@ from bcp.io_scheduler.read_exec import ReadStats
 from bcp.metadata.geometry import Box
 from bcp.options import LoadOptions, LoadOptionsKwargs, ReshardObjects
 from bcp.reader import CheckpointMetadata, CheckpointReader, fetch_metadata, open_reader
+from bcp.references import parent_factory
 from bcp.shards import PerRank, is_dtensor, local_pieces
 from bcp.state import KeyPath, Leaf, build_nested, detach_stateful, flatten_state, get_at, replace_at
 from bcp.target import Target, resolve_backend
@@ -178,7 +179,8 @@ def _load(
     if metadata is None:
         with trace.span("catalog"):
             metadata = decide(coord, "reading the checkpoint metadata", _fetch_for_load, backend)
-    reader = open_reader(backend, metadata, allow_pickle=opts.allow_pickle, verify=opts.verify)
+    parent = parent_factory(uri, opts.storage_options)  # an incremental checkpoint reads its siblings' files
+    reader = open_reader(backend, metadata, allow_pickle=opts.allow_pickle, verify=opts.verify, parent=parent)
     if session is not None:
         session.label = reader.manifest.save_id
     try:

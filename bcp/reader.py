@@ -36,6 +36,7 @@ from bcp.metadata import Catalog, FormatError, Fragment, Manifest, ObjectEntry, 
 from bcp.metadata.catalog.sections import TRAILER, is_v2
 from bcp.metadata.geometry import Box, intersect
 from bcp.metadata.keys import manifest_key
+from bcp.references import ParentFactory, describe_file, parent_factory, references_backend
 from bcp.shards import RankValues
 from bcp.state import KeyPath, build_nested, path_from_json
 from bcp.target import resolve_backend
@@ -224,14 +225,15 @@ class CheckpointReader:
             files.update(name for name in (entry.file_names[c] for c in codes) if name not in self._sizes_checked)
         if not files:
             return
+        named = describe_file(self.backend)
         for file in sorted(files):
             try:
                 size = self.backend.size(file)
             except ObjectNotFoundError as e:
-                raise CorruptCheckpointError(f"data file {file!r} of {self.uri} is missing", file=file, offset=0) from e
+                raise CorruptCheckpointError(f"data file {named(file)} is missing", file=file, offset=0) from e
             if size != declared[file]:
                 raise CorruptCheckpointError(
-                    f"data file {file!r} of {self.uri} holds {size} bytes; the manifest says {declared[file]}",
+                    f"data file {named(file)} holds {size} bytes; the manifest says {declared[file]}",
                     file=file,
                     offset=min(size, declared[file]),
                 )
@@ -555,31 +557,26 @@ def _ranged(backend: Backend, key: str, offset: int, length: int) -> bytes:
     return data
 
 
-def declared_sizes(backend: Backend, manifest: Manifest) -> dict[str, int]:
-    """The manifest's data files: path -> bytes (a path listed twice with two sizes is
-    a FormatError)."""
-    sizes: dict[str, int] = {}
-    for f in manifest.data_files:  # the manifest's own checks are metadata.manifest's; these guard the reads
-        if f.nbytes < 0 or sizes.setdefault(f.path, f.nbytes) != f.nbytes:
-            raise FormatError(
-                f"{backend.uri}/{manifest_key()}: data file {f.path!r} is listed with size {f.nbytes} "
-                f"(and {sizes.get(f.path, f.nbytes)})"
-            )
-    return sizes
-
-
 def open_reader(
-    backend: Backend, metadata: CheckpointMetadata, *, allow_pickle: bool = False, verify: bool = True
+    backend: Backend,
+    metadata: CheckpointMetadata,
+    *,
+    allow_pickle: bool = False,
+    verify: bool = True,
+    parent: ParentFactory | None = None,
 ) -> CheckpointReader:
     """A reader over ``metadata`` (from :func:`fetch_metadata`, possibly read by another
     rank): the manifest parsed, the catalog decoded (whole, or from its head: its
     sections are then read from ``backend`` when ``reader.catalog.require`` asks for
     them, each checked against the head) and checked against the manifest's data
-    files, and every stored entry given a place of its own (``check_keys``)."""
+    files, and every stored entry given a place of its own (``check_keys``). An
+    incremental checkpoint's references are read on the backend ``parent`` builds (its
+    parent URI's: :func:`bcp.references.parent_factory`); without one, it is refused."""
     manifest = parse_manifest(backend, metadata.manifest)
+    backend = references_backend(backend, manifest, parent)
     path = manifest.catalog.path
     where = f"{backend.uri}/{path}"
-    sizes = declared_sizes(backend, manifest)
+    sizes = {f.path: f.nbytes for f in manifest.data_files}  # each once, sizes >= 0: the manifest parser checked
     if metadata.head_only:
 
         def fetch(offset: int, length: int) -> bytes:
@@ -605,4 +602,5 @@ def open_checkpoint(
 ) -> CheckpointReader:
     """Open the committed checkpoint at ``uri`` (``bcp.open``). Reads manifest and catalog only."""
     backend = resolve_backend(uri, storage_options)
-    return open_reader(backend, fetch_metadata(backend), allow_pickle=allow_pickle, verify=verify)
+    parent = parent_factory(uri, storage_options)
+    return open_reader(backend, fetch_metadata(backend), allow_pickle=allow_pickle, verify=verify, parent=parent)

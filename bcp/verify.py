@@ -31,6 +31,7 @@ from bcp.io_scheduler.read_exec import execute_reads
 from bcp.io_scheduler.read_plan import RunSet
 from bcp.metadata import Fragment, TensorEntry
 from bcp.reader import open_checkpoint
+from bcp.references import describe_file
 
 #: Bytes read and checked per batch (the memory verify holds for data, besides the
 #: reader's coalescing scratch).
@@ -97,15 +98,20 @@ def verify_checkpoint(uri: str, *, progress: Callable[[int, str], Any] | None = 
     reader = open_checkpoint(uri, verify=True)  # parses manifest and catalog, checks the catalog CRC
     backend = reader.backend
     bad_files: set[str] = set()
+    refs, where = {f.path for f in reader.manifest.references}, describe_file(backend)
+
+    def named(path: str) -> str:  # a reference: where, in which sibling, the file lies
+        return where(path) if path in refs else repr(path)
+
     for entry in reader.manifest.data_files:
         try:
             size = backend.size(entry.path)
         except FileNotFoundError:
-            problems.append(f"data file {entry.path!r} is missing")
+            problems.append(f"data file {named(entry.path)} is missing")
             bad_files.add(entry.path)
             continue
         if size != entry.nbytes:
-            problems.append(f"data file {entry.path!r} has {size} bytes; the manifest says {entry.nbytes}")
+            problems.append(f"data file {named(entry.path)} has {size} bytes; the manifest says {entry.nbytes}")
             bad_files.add(entry.path)
     entries: list[TensorEntry] = []
     for fqn in reader.tensor_keys():

@@ -24,6 +24,7 @@ from bcp.metadata.keys import split_parent
 from bcp.pieces import cut_pieces, rows_per_piece
 from bcp.shards import Piece
 from bcp.target import resolve_backend
+from bcp.verify import verify_checkpoint
 
 PIECE = 256  # bytes: float32 rows of 16 values are 64 bytes, so a piece is 4 rows
 
@@ -114,8 +115,11 @@ def test_each_step_reads_back_and_writes_only_changed_pieces(uri_factory, shapes
         for u, s in zip(uris, saved, strict=True):  # every checkpoint still equals its step
             got = read_as_format(u)
             assert got.keys() == s.keys()
+            loaded = {k: torch.full_like(v, float("nan")) for k, v in s.items()}
+            bcp.load(loaded, u)  # and bcp's own loader reads it the same
             for k in s:
                 assert torch.equal(got[k], s[k]), (u, k)
+                assert torch.equal(loaded[k], s[k]), (u, k)
         owners = {f.checkpoint for f in bcp.open(uri).manifest.data_files} - {None}
         assert owners <= {split_parent(x)[1] for x in uris[:-1]}
 
@@ -219,13 +223,14 @@ def test_async_save_with_a_base_keeps_the_values_at_the_call(uri_factory):
     assert info.bytes_written == PIECE
     got = read_as_format(b)
     assert all(torch.equal(got[k], expect[k]) for k in expect)
+    assert all(torch.equal(v, expect[k]) for k, v in bcp.open(b).state().items())
 
 
 def test_two_gloo_ranks_save_with_a_base(tmp_path):
     import dist_jobs
-    import incremental_jobs
+    import incremental_save_jobs
 
-    dist_jobs.spawn(incremental_jobs.two_ranks_job, 2, str(tmp_path))
+    dist_jobs.spawn(incremental_save_jobs.two_ranks_job, 2, str(tmp_path))
     for name in ("s0", "s1"):
         got = read_as_format(str(tmp_path / name))
         assert set(got) == {"w", "s"}
@@ -234,3 +239,4 @@ def test_two_gloo_ranks_save_with_a_base(tmp_path):
     assert torch.equal(read_as_format(str(tmp_path / "s1"))["w"], w)
     s0, s1 = (read_as_format(str(tmp_path / n))["s"].numpy() for n in ("s0", "s1"))
     assert np.count_nonzero(s1 != s0) == 16  # rank 1's first shard row
+    assert verify_checkpoint(str(tmp_path / "s1"))["ok"]

@@ -71,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
     stored = sum(t.get("bytes", 0) for t in tensors)  # the catalog's sizes, not the manifest's stats
     objects = doc["objects"]
     print(f"  {len(tensors)} tensors, {human(stored)}; {doc['data_files']} data file(s); {len(objects)} objects")
+    owners: dict[str, list[int]] = {}
+    for ref in doc["references"]:  # an incremental checkpoint: files it reads from siblings
+        owners.setdefault(ref["checkpoint"], []).append(ref["bytes"])
+    for owner, sizes in owners.items():
+        print(f"  reads {len(sizes)} data file(s), {human(sum(sizes))}, of checkpoint {safe(owner)} beside it")
     if not _stats_as_expected(doc["stats"]):
         print(f"  stats: {raw(doc['stats'])}")
     if doc["user_metadata"]:
@@ -84,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         print(
             f"  {names[t['fqn']]:<{width}}  {t['shape']!s:<20} {safe(t['dtype']):<14} {t['fragments']:>5} "
-            f"{human(t['bytes']):>10}"
+            f"{human(t['bytes']):>10}" + (f"  ({t['referenced']} in a sibling)" if t.get("referenced") else "")
         )
     if objects:
         print("\n  objects:")

@@ -34,8 +34,12 @@ from bcp.errors import CorruptCheckpointError
 from bcp.io_scheduler.read_plan import RunSet
 from bcp.metadata import Fragment, crc32c
 from bcp.metadata.checksum import combine_blocks, crc32c_c
+from bcp.references import describe_file
 
 log = logging.getLogger(__name__)
+
+#: how an error names a data file (its key, and where it lies: :func:`bcp.references.describe_file`)
+FileName = Callable[[str], str]
 
 #: ``read(offset, buffer)`` of one file (:meth:`~bcp.backends.Backend.reading`)
 _ReadFn = Callable[[int, memoryview], None]
@@ -60,7 +64,7 @@ class ReadStats:
 
 
 def _read(
-    backend: Backend, frag: Fragment, start: int, view: memoryview, uri: str, read: _ReadFn | None = None
+    backend: Backend, frag: Fragment, start: int, view: memoryview, name: FileName, read: _ReadFn | None = None
 ) -> None:
     """Fill ``view`` with the fragment's bytes from ``start`` (through ``read``, a
     :meth:`~bcp.backends.Backend.reading` function of the fragment's file, if given)."""
@@ -71,24 +75,26 @@ def _read(
             else:
                 read(frag.byte_offset + start, view)
     except (ObjectNotFoundError, EOFError) as e:
-        raise _read_error(uri, frag, start, e) from e
+        raise _read_error(name, frag, start, e) from e
 
 
-def _read_error(uri: str, frag: Fragment, start: int, e: ObjectNotFoundError | EOFError) -> CorruptCheckpointError:
+def _read_error(
+    name: FileName, frag: Fragment, start: int, e: ObjectNotFoundError | EOFError
+) -> CorruptCheckpointError:
     """The error naming the tensor, file and offset of a read of ``frag`` from ``start`` that failed with ``e``."""
     if isinstance(e, ObjectNotFoundError):
-        return _missing(uri, frag, start)
+        return _missing(name, frag, start)
     return CorruptCheckpointError(
-        f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is truncated: {e}",
+        f"tensor {frag.fqn!r}: data file {name(frag.file)} is truncated: {e}",
         fqn=frag.fqn,
         file=frag.file,
         offset=frag.byte_offset + start,
     )
 
 
-def _missing(uri: str, frag: Fragment, start: int) -> CorruptCheckpointError:
+def _missing(name: FileName, frag: Fragment, start: int) -> CorruptCheckpointError:
     return CorruptCheckpointError(
-        f"tensor {frag.fqn!r}: data file {frag.file!r} of {uri} is missing",
+        f"tensor {frag.fqn!r}: data file {name(frag.file)} is missing",
         fqn=frag.fqn,
         file=frag.file,
         offset=frag.byte_offset + start,
@@ -96,14 +102,14 @@ def _missing(uri: str, frag: Fragment, start: int) -> CorruptCheckpointError:
 
 
 @contextlib.contextmanager
-def _reading(backend: Backend, frag: Fragment, start: int, uri: str) -> Iterator[_ReadFn]:
+def _reading(backend: Backend, frag: Fragment, start: int, name: FileName) -> Iterator[_ReadFn]:
     """:meth:`~bcp.backends.Backend.reading` of the fragment's file; a missing file is
     reported as :func:`_read` reports it."""
     with contextlib.ExitStack() as stack:
         try:
             read = stack.enter_context(backend.reading(frag.file))
         except ObjectNotFoundError as e:
-            raise _missing(uri, frag, start) from e
+            raise _missing(name, frag, start) from e
         yield read
 
 
@@ -206,13 +212,13 @@ def coalesce(
     return out
 
 
-def _fetch(backend: Backend, request: _Request, uri: str, block: int | None) -> None:
+def _fetch(backend: Backend, request: _Request, name: FileName, block: int | None) -> None:
     """Carry out one request, checking every block that lies wholly inside one of its
     parts as soon as it has landed (``block``: the checksum block size; None: no
     verification). A coalesced read that fails is retried part by part, so the error
     names the fragment (tensor, file, offset) that is truly missing."""
     if len(request.parts) == 1:
-        _fetch_part(backend, request.parts[0], uri, block)
+        _fetch_part(backend, request.parts[0], name, block)
         return
     if (
         block
@@ -221,21 +227,21 @@ def _fetch(backend: Backend, request: _Request, uri: str, block: int | None) -> 
     ):  # from memory, a scratch buffer would only add a copy; one open file for every part
         first = request.parts[0]
         traced = trace.enabled()
-        with _reading(backend, first.fragment, first.start, uri) as read:
+        with _reading(backend, first.fragment, first.start, name) as read:
             for part in request.parts:
                 frag, start, target = part
                 n = len(target)
                 if start or n != frag.nbytes or not 0 < n <= block or traced:
-                    _fetch_part(backend, part, uri, block, resident=True, read=read)
+                    _fetch_part(backend, part, name, block, resident=True, read=read)
                     continue
                 # a whole fragment of one block (a small tensor): one read, one CRC, no
                 # span or wrapper per tensor (thousands of them in a load of many tensors)
                 try:
                     read(frag.byte_offset, target)
                 except (ObjectNotFoundError, EOFError) as e:
-                    raise _read_error(uri, frag, 0, e) from e
+                    raise _read_error(name, frag, 0, e) from e
                 if crc32c_c(target) != frag.checksums[0]:
-                    _name_block(uri, frag, 0, target, block, range(1))
+                    _name_block(name, frag, 0, target, block, range(1))
         return
     scratch = _scratch(request.nbytes, request.offset)
     try:
@@ -243,12 +249,12 @@ def _fetch(backend: Backend, request: _Request, uri: str, block: int | None) -> 
             backend.read_exact(request.file, request.offset, scratch)
     except (ObjectNotFoundError, EOFError):
         for part in request.parts:
-            _fetch_part(backend, part, uri, block)
+            _fetch_part(backend, part, name, block)
         return
     for part, at in zip(request.parts, request.at, strict=True):
         part.target[:] = scratch[at : at + len(part.target)]
         if block:
-            _check_blocks(uri, part.fragment, part.start, part.target, block)
+            _check_blocks(name, part.fragment, part.start, part.target, block)
 
 
 #: the page size O_DIRECT aligns file offsets and memory to
@@ -269,7 +275,7 @@ def _scratch(nbytes: int, offset: int) -> memoryview:
 def _fetch_part(
     backend: Backend,
     part: _Part,
-    uri: str,
+    name: FileName,
     block: int | None,
     *,
     resident: bool | None = None,
@@ -288,20 +294,20 @@ def _fetch_part(
         if n > chunk and (resident or (resident is None and backend.in_memory(frag.file, frag.byte_offset + start, n))):
             step = chunk
     if step == n:
-        _read(backend, frag, start, target, uri, read)
+        _read(backend, frag, start, target, name, read)
         if block:
-            _check_blocks(uri, frag, start, target, block)
+            _check_blocks(name, frag, start, target, block)
         return
     assert block  # pieces only when verifying
     with contextlib.ExitStack() as stack:
         if read is None:  # one open for all the pieces
-            read = stack.enter_context(_reading(backend, frag, start, uri))
+            read = stack.enter_context(_reading(backend, frag, start, name))
         pos = 0
         while pos < n:
             end = min(n, ((start + pos) // step + 1) * step - start)
             piece = target[pos:end]
-            _read(backend, frag, start + pos, piece, uri, read)
-            _check_blocks(uri, frag, start + pos, piece, block)
+            _read(backend, frag, start + pos, piece, name, read)
+            _check_blocks(name, frag, start + pos, piece, block)
             pos = end
 
 
@@ -313,7 +319,7 @@ def _whole_blocks(frag: Fragment, start: int, nbytes: int, block: int) -> range:
     return range(first, max(first, last))
 
 
-def _check_blocks(uri: str, frag: Fragment, start: int, view: memoryview, block: int) -> None:
+def _check_blocks(name: FileName, frag: Fragment, start: int, view: memoryview, block: int) -> None:
     """Verify each block of ``frag`` that lies wholly inside ``view``, which holds the
     fragment's bytes from ``start``. One comprehension per read: this runs for every
     block a load reads, so it keeps Python's work per block to a slice and a call."""
@@ -321,16 +327,18 @@ def _check_blocks(uri: str, frag: Fragment, start: int, view: memoryview, block:
     if not start and n == frag.nbytes and 0 < n <= block and not trace.enabled():
         # a whole fragment of one block (a small tensor): one CRC, no ranges
         if crc32c_c(view) != frag.checksums[0]:
-            _name_block(uri, frag, start, view, block, range(1))
+            _name_block(name, frag, start, view, block, range(1))
         return
     blocks = _whole_blocks(frag, start, n, block)
     if not blocks:
         return
     with trace.span("verify", len(view)):
-        _check_whole_blocks(uri, frag, start, view, block, blocks)
+        _check_whole_blocks(name, frag, start, view, block, blocks)
 
 
-def _check_whole_blocks(uri: str, frag: Fragment, start: int, view: memoryview, block: int, blocks: range) -> None:
+def _check_whole_blocks(
+    name: FileName, frag: Fragment, start: int, view: memoryview, block: int, blocks: range
+) -> None:
     """One CRC call over the run's whole full-size blocks, compared with their block
     checksums combined (:func:`~bcp.metadata.checksum.combine_blocks`), and one for a
     short last block; only on a mismatch block by block, to name the block. Equal iff
@@ -343,24 +351,24 @@ def _check_whole_blocks(uri: str, frag: Fragment, start: int, view: memoryview, 
         hi = stop * block - start
         tail = view[hi : frag.nbytes - start]
         if crc32c_c(tail) != frag.checksums[stop]:
-            _name_block(uri, frag, start, view, block, range(stop, stop + 1))
+            _name_block(name, frag, start, view, block, range(stop, stop + 1))
     if stop <= blocks.start:
         return
     sums = frag.checksums[blocks.start : stop]
     if crc32c_c(view[lo:hi]) != combine_blocks(sums, block):
-        _name_block(uri, frag, start, view, block, range(blocks.start, stop))
+        _name_block(name, frag, start, view, block, range(blocks.start, stop))
 
 
-def _name_block(uri: str, frag: Fragment, start: int, view: memoryview, block: int, blocks: range) -> None:
+def _name_block(name: FileName, frag: Fragment, start: int, view: memoryview, block: int, blocks: range) -> None:
     """Check ``blocks`` one by one and raise for the first that does not match."""
     for b in blocks:
         b_lo = b * block
         b_hi = min(b_lo + block, frag.nbytes)
         value = crc32c_c(view[b_lo - start : b_hi - start])
         if value != frag.checksums[b]:
-            raise _mismatch(uri, frag, b, b_lo, b_hi, value)
+            raise _mismatch(name, frag, b, b_lo, b_hi, value)
     # Every block matched on its own: the bytes are verified; only the combining disagreed.
-    log.warning("tensor %r: file %r of %s: block checksums combined disagree with the blocks", frag.fqn, frag.file, uri)
+    log.warning("tensor %r: file %s: block checksums combined disagree with the blocks", frag.fqn, name(frag.file))
 
 
 def _edge_blocks(frag: Fragment, parts: list[tuple[int, int]], block: int) -> list[int]:
@@ -374,10 +382,10 @@ def _edge_blocks(frag: Fragment, parts: list[tuple[int, int]], block: int) -> li
     return sorted(out)
 
 
-def _mismatch(uri: str, frag: Fragment, b: int, b_start: int, b_end: int, crc: int) -> CorruptCheckpointError:
+def _mismatch(name: FileName, frag: Fragment, b: int, b_start: int, b_end: int, crc: int) -> CorruptCheckpointError:
     start = frag.byte_offset + b_start
     return CorruptCheckpointError(
-        f"checksum mismatch in tensor {frag.fqn!r}: file {frag.file!r} of {uri}, bytes "
+        f"checksum mismatch in tensor {frag.fqn!r}: file {name(frag.file)}, bytes "
         f"[{start}, {frag.byte_offset + b_end}) (crc32c {crc:#010x}, expected {frag.checksums[b]:#010x})",
         fqn=frag.fqn,
         file=frag.file,
@@ -451,7 +459,7 @@ def execute_reads(
         if streams > cpus and backend.in_memory(largest.file, largest.offset, largest.nbytes):
             streams = cpus  # copies from memory are CPU work: more threads than cores only thrash the caches
     block = block_bytes if verify else None
-    uri = backend.uri
+    name = describe_file(backend)
 
     def finish(frag: Fragment) -> int:
         """Verify the blocks of a fragment, all of whose reads have landed, that no one
@@ -471,7 +479,7 @@ def execute_reads(
         parts_of[id(part.fragment)].append(part)
     if streams <= 1 or len(requests) <= 1:
         for request in requests:
-            _fetch(backend, request, uri, block)
+            _fetch(backend, request, name, block)
         if verify:
             for frag, _runs in spans:
                 stats.verify_bytes += finish(frag)
@@ -482,7 +490,7 @@ def execute_reads(
         extra = [0]
 
         def read_task(request: _Request) -> None:
-            _fetch(backend, request, uri, block)
+            _fetch(backend, request, name, block)
             landed = []
             with lock:
                 for part in request.parts:
@@ -551,10 +559,10 @@ def _verify_fragment(
                 continue
             gap_end = min(pieces[j][0], b_end) if j < len(pieces) else b_end
             scratch = memoryview(bytearray(gap_end - cursor))
-            _read(backend, frag, cursor, scratch, backend.uri)
+            _read(backend, frag, cursor, scratch, describe_file(backend))
             extra += len(scratch)
             crc = crc32c(scratch, crc)
             cursor = gap_end
         if crc != frag.checksums[b]:
-            raise _mismatch(backend.uri, frag, b, b_start, b_end, crc)
+            raise _mismatch(describe_file(backend), frag, b, b_start, b_end, crc)
     return extra
