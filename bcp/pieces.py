@@ -8,7 +8,9 @@ pieces, and must not import the reading side that matching needs.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
+import os
+import threading
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -67,19 +69,54 @@ def piece_digest(tensor: torch.Tensor) -> bytes:
     return xxhash.xxh3_128_digest(flat_bytes(t).numpy())  # type: ignore[arg-type]  # a buffer
 
 
-def digest_items(items: Sequence[WriteItem], threads: int) -> np.ndarray:
-    """(n, 16) uint8: each item's digest, computed on ``threads`` threads (xxhash
-    releases the GIL for large buffers)."""
+#: Items below this many bytes are digested on the calling thread (a thread hop costs more).
+THREAD_FROM = 256 << 10
+
+_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """A process-wide pool of ``threads`` digest threads, started once: starting
+    threads at every save cost tens of milliseconds on a loaded machine."""
+    with _pools_lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            pool = _pools[threads] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bcp-digest")
+        return pool
+
+
+def start_digests(items: Sequence[WriteItem], threads: int) -> Callable[[], np.ndarray]:
+    """Start digesting ``items`` (large ones on up to ``threads`` threads, at most the CPU
+    count; xxhash releases the GIL for large buffers); the returned function finishes
+    (small items on the calling thread) and gives the (n, 16) uint8 digests. Started
+    early, the digests overlap the save's coordination (the base's holds are written then)."""
     out = np.zeros((len(items), 16), np.uint8)
-    if not items:
+    threads = max(1, min(threads, os.cpu_count() or 1))
+    large = [k for k, i in enumerate(items) if i.piece.tensor.numel() * i.piece.tensor.element_size() >= THREAD_FROM]
+    pending: dict[int, concurrent.futures.Future[bytes]] = {}
+    if threads > 1 and len(large) > 1:
+        pool = _pool(threads)
+        pending = {k: pool.submit(piece_digest, items[k].piece.tensor) for k in large}
+
+    def finish() -> np.ndarray:
+        try:
+            for k, item in enumerate(items):
+                if k not in pending:
+                    out[k] = np.frombuffer(piece_digest(item.piece.tensor), np.uint8)
+            for k, future in pending.items():
+                out[k] = np.frombuffer(future.result(), np.uint8)
+        finally:
+            for future in pending.values():
+                future.cancel()
         return out
-    if threads <= 1 or len(items) == 1:
-        digests = [piece_digest(i.piece.tensor) for i in items]
-    else:
-        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bcp-digest") as pool:
-            digests = list(pool.map(lambda i: piece_digest(i.piece.tensor), items))
-    out[:] = np.frombuffer(b"".join(digests), np.uint8).reshape(-1, 16)
-    return out
+
+    return finish
 
 
-__all__ = ["PIECE_BYTES", "cut_pieces", "digest_items", "piece_digest", "rows_per_piece"]
+def digest_items(items: Sequence[WriteItem], threads: int) -> np.ndarray:
+    """(n, 16) uint8: each item's digest (:func:`start_digests`, finished at once)."""
+    return start_digests(items, threads)()
+
+
+__all__ = ["PIECE_BYTES", "cut_pieces", "digest_items", "piece_digest", "rows_per_piece", "start_digests"]

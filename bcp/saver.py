@@ -37,7 +37,7 @@ from bcp.incremental import match
 from bcp.io_scheduler.write_pipeline import WriteItem
 from bcp.kept_plans import LocalPlans, Prepared, prepare_tensors
 from bcp.options import SaveOptions, SaveOptionsKwargs
-from bcp.pieces import digest_items
+from bcp.pieces import digest_items, start_digests
 from bcp.planning import GlobalPlan, LayoutMeta, LocalLayout, plan_save
 from bcp.planning.cache import PlanCache, PlanSummary, plan_cache_for, save_order
 from bcp.replicas import check_replicas
@@ -134,6 +134,10 @@ def _start(
     )
     held = cache.held()
     layout = prepared.layout
+    early = None
+    if options.is_incremental and coord.world_size == 1:
+        # one rank writes every box: digest them while the coordinator holds the base
+        early = start_digests(prepared.items, options.streams or backend.hints.concurrency)
     decision: SaveDecision | SaveStart = gather_decide(
         coord,
         "planning the save",
@@ -167,7 +171,10 @@ def _start(
         # digests of the values at the call (an async save returns only once they are
         # taken), then which pieces the base holds already: only the others are written
         with trace.span("digest"):
-            digests = digest_items(items, options.streams or backend.hints.concurrency)
+            if early is not None:
+                digests = early()[my_writes]
+            else:
+                digests = digest_items(items, options.streams or backend.hints.concurrency)
         found = run_phase(
             coord,
             "reading the base",
