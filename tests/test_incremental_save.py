@@ -240,3 +240,21 @@ def test_two_gloo_ranks_save_with_a_base(tmp_path):
     s0, s1 = (read_as_format(str(tmp_path / n))["s"].numpy() for n in ("s0", "s1"))
     assert np.count_nonzero(s1 != s0) == 16  # rank 1's first shard row
     assert verify_checkpoint(str(tmp_path / "s1"))["ok"]
+
+
+def test_an_incremental_save_on_s3_holds_and_refers_to_its_sibling(moto_server):
+    from conftest import new_bucket, store_uri
+
+    bucket = new_bucket(moto_server)
+    a, b = (store_uri("moto", moto_server, bucket, f"run/{n}") for n in ("a", "b"))
+    state = {"w": torch.randn(16, 16), "v": torch.randn(16, 16)}
+    bcp.save(state, a, incremental=True, piece_bytes=PIECE)
+    state["w"][5] += 1
+    info = bcp.save(state, b, base=a, piece_bytes=PIECE)
+    assert info.bytes_written == PIECE
+    assert own_bytes(b) == PIECE
+    parent = resolve_backend(split_parent(a)[0])
+    assert [k.rsplit("/", 1)[1] for k in parent.list("a/") if "/holds/" in k] == [f"b.{info.save_id}"]
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    bcp.load(loaded, b)
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
