@@ -76,6 +76,17 @@ _pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
 
+def _forget_pools_in_child() -> None:
+    """A forked child has none of the parent's threads: its pools would take work and
+    never run it (they count the parent's idle threads), so it starts its own."""
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools_in_child)
+
+
 def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
     """A process-wide pool of ``threads`` digest threads, started once: starting
     threads at every save cost tens of milliseconds on a loaded machine."""

@@ -258,3 +258,18 @@ def test_an_incremental_save_on_s3_holds_and_refers_to_its_sibling(moto_server):
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     bcp.load(loaded, b)
     assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_digests_work_in_a_forked_child_after_the_parent_used_its_pool():
+    import multiprocessing
+
+    from bcp.io_scheduler.write_pipeline import WriteItem
+    from bcp.pieces import digest_items
+
+    items = [WriteItem(None, Piece(((0,), (1 << 20,)), torch.full((1 << 20,), float(k))), 0) for k in range(4)]  # type: ignore[arg-type]
+    expect = digest_items(items, 2)  # the parent's pool has idle threads now
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply_async(digest_items, (items, 2)).get(timeout=60)
+    assert np.array_equal(got, expect)
+    assert bytes(expect[1]) == xxhash.xxh3_128_digest(items[1].piece.tensor.numpy().tobytes())
