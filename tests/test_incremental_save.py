@@ -273,3 +273,16 @@ def test_digests_work_in_a_forked_child_after_the_parent_used_its_pool():
         got = pool.apply_async(digest_items, (items, 2)).get(timeout=60)
     assert np.array_equal(got, expect)
     assert bytes(expect[1]) == xxhash.xxh3_128_digest(items[1].piece.tensor.numpy().tobytes())
+
+
+def test_tied_scalar_and_empty_tensors_are_reused_and_written_once(uri_factory):
+    w = torch.randn(32, 16)
+    state = {"a": w, "b": w, "z": torch.tensor(3.0), "e": torch.zeros(0, 16)}
+    u1, u2, u3 = uri_factory(), uri_factory(), uri_factory()
+    assert bcp.save(state, u1, incremental=True, piece_bytes=PIECE).bytes_written == 32 * 64 + 4
+    assert bcp.save(state, u2, base=u1, piece_bytes=PIECE).bytes_written == 0  # nothing changed: no own file
+    w[3] += 1
+    assert bcp.save(state, u3, base=u2, piece_bytes=PIECE).bytes_written == PIECE  # one piece, once for a and b
+    got = bcp.open(u3).state()
+    assert torch.equal(got["a"], w) and torch.equal(got["b"], w) and got["z"] == 3.0 and got["e"].shape == (0, 16)
+    assert torch.equal(read_as_format(u2)["a"], read_as_format(u1)["a"])
