@@ -215,3 +215,21 @@ def test_traces_prints_each_case_as_a_table_with_its_stages(tmp_path, capsys, mo
         r"traces: sync save [0-9.]+ s, async_save \(steady\) [0-9.]+ s, .*load from /dev/shm [0-9.]+ s", last
     )
     assert not list((tmp_path / "disk").iterdir()) and not list((tmp_path / "shm").iterdir()), "left files behind"
+
+
+def test_incremental_cost_runs_and_prints_its_line(tmp_path):
+    out = run(
+        "incremental_cost.py",
+        "--mib",
+        "4",
+        "--tensors",
+        "2",
+        "--rounds",
+        "2",
+        "--repeats",
+        "1",
+        "--dir",
+        str(tmp_path / "b"),
+    )
+    assert any(line.startswith("digest xxh3_128") for line in out)
+    assert re.fullmatch(r"incremental_cost: all changed, 4 MiB: time [\d.]+x, cpu [\d.]+x, bytes 1\.0000x", out[-1])
