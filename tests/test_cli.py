@@ -1,4 +1,7 @@
-"""The bcp command line, run as users run it (subprocess), and the conversions."""
+"""The bcp command line and the conversions. Most commands run in this process
+(tests/cli_runner.py: a subprocess costs seconds of imports); what only a real process
+shows (one line and no traceback on stderr, the console script, ``--log-level`` and a
+wrong one's exit status, the memory a conversion takes) runs as users run it."""
 
 from __future__ import annotations
 
@@ -14,9 +17,11 @@ import torch
 
 import bcp
 from bcp.metadata.keys import data_file_key, generation_name, step_name
+from cli_runner import cli
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli_process(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``bcp ARGS`` as users run it: ``python -m bcp.cli`` in a child process."""
     return subprocess.run(
         [sys.executable, "-m", "bcp.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -107,8 +112,9 @@ def test_verify_reports_a_missing_data_file(run_root):
 
 
 def test_errors_are_one_line_not_a_traceback(tmp_path):
-    proc = cli("inspect", str(tmp_path / "nothing"))
+    proc = cli_process("inspect", str(tmp_path / "nothing"))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "nothing" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stdout == "", proc.stderr
 
 
 # -- rm / gc --------------------------------------------------------------------------------------
@@ -271,6 +277,7 @@ def test_console_script_lists_every_command():
     proc = subprocess.run(
         [str(Path(sys.executable).with_name("bcp")), "--help"], capture_output=True, text=True, timeout=60, check=False
     )
+    assert proc.returncode == 0, proc.stderr
     for command in ("ls", "inspect", "verify", "convert", "rm", "gc", "bench", "conformance"):
         assert command in proc.stdout, f"bcp {command} is missing from --help"
 
@@ -482,12 +489,18 @@ def test_names_with_terminal_escapes_are_escaped(tmp_path):
     assert proc.returncode == 1 and "\x1b" not in proc.stderr and "no\\x1b[2Jthing" in proc.stderr
 
 
+#: One child for two checks: main() with --log-level DEBUG, its loggers' levels printed;
+#: then ``python -m bcp.cli --log-level LOUD ...`` run as ``-m`` runs it, whose exit status
+#: is the child's.
 _LOG_LEVELS = """
-import logging, sys
+import logging, runpy, sys
 from bcp.cli import main
 main(["--log-level", "DEBUG", "ls", sys.argv[1]])
 print(logging.getLogger("bcp.retention").isEnabledFor(logging.DEBUG),
-      logging.getLogger("botocore").isEnabledFor(logging.DEBUG), logging.getLogger().level)
+      logging.getLogger("botocore").isEnabledFor(logging.DEBUG), logging.getLogger().level, flush=True)
+print("--- LOUD", file=sys.stderr, flush=True)
+sys.argv = ["bcp", "--log-level", "LOUD", "ls", sys.argv[1]]
+runpy.run_module("bcp.cli", run_name="__main__", alter_sys=True)
 """
 
 
@@ -495,10 +508,10 @@ def test_log_level_applies_to_bcps_loggers_only(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", _LOG_LEVELS, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False
     )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split()[-3:] == ["True", "False", str(30)], proc.stdout
-    assert "DEBUG bcp." in proc.stderr, proc.stderr
-    assert cli("--log-level", "LOUD", "ls", str(tmp_path)).returncode == 2
+    debug, _, loud = proc.stderr.partition("--- LOUD\n")
+    assert proc.stdout.split()[-3:] == ["True", "False", str(30)], proc.stdout + proc.stderr
+    assert "DEBUG bcp." in debug, proc.stderr
+    assert proc.returncode == 2 and "unknown log level 'LOUD'" in loud, proc.stderr
 
 
 def test_the_conformance_report_redacts_the_uri_and_reasons():
