@@ -13,19 +13,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-#: Imported once by the fork server (installed modules only: the server does not get
-#: the script's sys.path; a module that fails to import is skipped).
-PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.fsdp", "bcp"]
+#: Imported once by the fork server, with a script's own ``preload`` (a module that
+#: fails to import is skipped).
+PRELOAD = ("numpy", "torch", "torch.distributed", "bcp")
 
 
 def run_ranks(
-    target: Callable[..., None], args_of: Callable[[int], tuple[Any, ...]], world: int, timeout: float, what: str
+    target: Callable[..., None],
+    args_of: Callable[[int], tuple[Any, ...]],
+    world: int,
+    timeout: float,
+    what: str,
+    preload: tuple[str, ...] = (),
 ) -> None:
     """Run ``target(*args_of(rank))`` in ``world`` processes started from the fork
-    server; kill those still running after ``timeout`` seconds; SystemExit naming
-    ``what`` unless every one exits 0."""
+    server (which imports :data:`PRELOAD` and ``preload`` when it starts: the first
+    call of a process decides); kill those still running after ``timeout`` seconds;
+    SystemExit naming ``what`` unless every one exits 0."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload([*PRELOAD, *preload])
     procs = [ctx.Process(target=target, args=args_of(rank)) for rank in range(world)]
     for p in procs:
         p.start()
