@@ -115,6 +115,34 @@ def test_errors_are_one_line_not_a_traceback(tmp_path):
     proc = cli_process("inspect", str(tmp_path / "nothing"))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "nothing" in proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stdout == "", proc.stderr
+    # the in-process runner the other tests use gives what the process gave
+    here = cli("inspect", str(tmp_path / "nothing"))
+    assert (here.returncode, here.stdout, here.stderr) == (proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_the_in_process_runner_prints_log_records_and_warnings_as_a_process_does(tmp_path, monkeypatch):
+    """tests/cli_runner.py: bcp's log records and Python warnings reach the command's
+    stderr (not pytest's capture), and the test process's logging is put back after."""
+    import logging
+    import warnings
+
+    import bcp.cli.ls
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    proc = cli("--log-level", "DEBUG", "ls", str(tmp_path))
+    assert proc.returncode == 0 and "DEBUG bcp." in proc.stderr, proc.stderr
+    assert (root.handlers, root.level, logging.getLogger("bcp").level) == (handlers, level, logging.NOTSET)
+    real = bcp.cli.ls.run
+
+    def warns(args):
+        warnings.warn("careful", UserWarning, stacklevel=1)
+        warnings.warn("old", DeprecationWarning, stacklevel=1)  # hidden in a fresh process
+        return real(args)
+
+    monkeypatch.setattr(bcp.cli.ls, "run", warns)
+    proc = cli("ls", str(tmp_path))
+    assert proc.returncode == 0 and "UserWarning: careful" in proc.stderr and "old" not in proc.stderr, proc.stderr
 
 
 # -- rm / gc --------------------------------------------------------------------------------------
