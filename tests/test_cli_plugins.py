@@ -11,9 +11,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ import torch
 import bcp
 from bcp.backends import registry
 from bcp.cli import main
-from side_by_side import SideBySide
 
 #: The console script, as users run it: unlike ``python -m``, it does not put the
 #: current directory on sys.path by itself.
@@ -96,82 +93,17 @@ def write_plugin(directory: Path, template: str) -> tuple[str, str]:
     return module, scheme
 
 
-def console_env() -> dict[str, str]:
-    """The environment with no PYTHONPATH pointing at the tests."""
-    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-
-
 def console(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     """``bcp ARGS`` in ``cwd``, with no PYTHONPATH pointing at the tests."""
-    env = console_env()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run([BCP, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env, check=False)
 
 
-def conformance_report(proc: subprocess.CompletedProcess, where: Path) -> tuple[subprocess.CompletedProcess, dict]:
-    """A ``bcp conformance ... --json where/report.json`` run and its report."""
-    report = where / "report.json"
+def conformance_report(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    report = tmp_path / f"report-{uuid.uuid4().hex[:6]}.json"
+    proc = console("conformance", *args, "--json", str(report), cwd=tmp_path, timeout=600)
     assert report.exists(), f"no report:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc, json.loads(report.read_text())
-
-
-# -- the console-script children of this module, started side by side (tests/side_by_side.py) -------
-
-
-class Child(NamedTuple):
-    """A submitted child: its directory, and the plugin module and scheme written there."""
-
-    where: Path
-    module: str
-    scheme: str
-
-
-IMPORT_FAILURES = [(None, "No module named"), ("raise RuntimeError('boom at import')", "RuntimeError: boom at import")]
-
-
-@pytest.fixture(scope="module")
-def children(tmp_path_factory) -> Iterator[tuple[SideBySide, dict[str, Child]]]:
-    """Every child process of this module's tests, submitted when the first one starts;
-    each test checks its own child's result as it did when it ran the child itself."""
-    runs, out = SideBySide(), {}
-
-    def console_child(name: str, template: str | None, *args: str, timeout: float = 300, store: bool = False) -> None:
-        where = tmp_path_factory.mktemp(name)
-        if store:
-            (where / "store").mkdir()
-        module, scheme = write_plugin(where, template) if template else ("", "")
-        args = tuple(a.format(where=where, module=module, scheme=scheme) for a in args)
-        out[name] = Child(where, module, scheme)
-        runs.submit(name, [BCP, *args], cwd=where, env=console_env(), timeout=timeout)
-
-    report = ("--json", "{where}/report.json")
-    console_child(
-        "killed", FILE_PLUGIN, "conformance", "{scheme}://{where}/store", "--import", "{module}", "-k", "killed",
-        *report, timeout=600,
-    )  # fmt: skip
-    for name, plugin, k in (("sub_uri", FLAT_PLUGIN, "sub_uri"), ("attrib", ANONYMOUS_WRITER_PLUGIN, "attrib")):
-        console_child(
-            name, plugin, "conformance", "{scheme}://store/root", "--quick", "--import", "{module}", "-k", k, *report,
-            timeout=600,
-        )  # fmt: skip
-
-    where = tmp_path_factory.mktemp("pytest_import")
-    module, scheme = write_plugin(where, FILE_PLUGIN)
-    out["pytest_import"] = Child(where, module, scheme)
-    pytest_args = ["--pyargs", "bcp.conformance", "-q", "-p", "no:cacheprovider"]
-    suite_args = ["--bcp-uri", f"{scheme}://{where}/store", "--bcp-import", module, "-k", "killed_save_leaves"]
-    env = {**os.environ, "PYTHONPATH": str(where)}
-    runs.submit("pytest_import", [sys.executable, "-m", "pytest", *pytest_args, *suite_args], cwd=where, env=env)
-
-    console_child("ls", FILE_PLUGIN, "ls", "{scheme}://{where}/store", "--import", "{module}", store=True)
-    for n, (source, _expected) in enumerate(IMPORT_FAILURES):
-        where = tmp_path_factory.mktemp(f"import_failure{n}")
-        module = f"plugin_{uuid.uuid4().hex[:8]}"
-        if source is not None:
-            (where / f"{module}.py").write_text(source + "\n")
-        out[f"import_failure{n}"] = Child(where, module, "")
-        runs.submit(f"import_failure{n}", [BCP, "--import", module, "ls", str(where)], cwd=where, env=console_env())
-    yield runs, out
-    runs.close()
 
 
 def checks(data: dict) -> dict[str, dict]:
@@ -191,9 +123,9 @@ def in_process(tmp_path, monkeypatch) -> Path:
 # -- the conformance suite and its child processes ---------------------------------------------
 
 
-def test_killed_save_checks_pass_with_import_of_a_module_in_the_current_directory(children):
-    runs, child = children[0], children[1]["killed"]  # bcp conformance SCHEME://DIR/store --import MODULE -k killed
-    proc, data = conformance_report(runs.result("killed"), child.where)
+def test_killed_save_checks_pass_with_import_of_a_module_in_the_current_directory(tmp_path):
+    module, scheme = write_plugin(tmp_path, FILE_PLUGIN)
+    proc, data = conformance_report(tmp_path, f"{scheme}://{tmp_path}/store", "--import", module, "-k", "killed")
     killed = {name: c for name, c in checks(data).items() if "killed" in name}
     assert len(killed) == 2, killed
     assert all(c["outcome"] == "passed" for c in killed.values()), killed
@@ -219,24 +151,33 @@ def test_killed_save_failure_names_the_childs_error(tmp_path, monkeypatch):
     assert f"unknown storage scheme {scheme!r}" in first and "--import" in first, first
 
 
-def test_import_option_of_pytest_reaches_the_child(children):
-    runs = children[0]  # python -m pytest --pyargs bcp.conformance --bcp-uri ... --bcp-import MODULE, PYTHONPATH=DIR
-    proc = runs.result("pytest_import")
+def test_import_option_of_pytest_reaches_the_child(tmp_path):
+    module, scheme = write_plugin(tmp_path, FILE_PLUGIN)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    pytest_args = ["--pyargs", "bcp.conformance", "-q", "-p", "no:cacheprovider"]
+    suite_args = ["--bcp-uri", f"{scheme}://{tmp_path}/store", "--bcp-import", module, "-k", "killed_save_leaves"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *pytest_args, *suite_args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:]
 
 
-def one_check(
-    children: tuple[SideBySide, dict[str, Child]], run: str, name: str
-) -> tuple[subprocess.CompletedProcess, dict]:
-    """The conformance run ``run`` (the checks matching a ``-k`` against a plugin imported
-    with --import): the run and the report of check ``name``."""
-    runs, child = children[0], children[1][run]
-    proc, data = conformance_report(runs.result(run), child.where)
+def one_check(tmp_path: Path, plugin: str, name: str, k: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run the conformance checks matching ``k`` against ``plugin`` (imported with
+    --import): the run and the report of check ``name``."""
+    module, scheme = write_plugin(tmp_path, plugin)
+    proc, data = conformance_report(tmp_path, f"{scheme}://store/root", "--quick", "--import", module, "-k", k)
     return proc, checks(data)[name]
 
 
-def test_backend_breaking_the_sub_uri_rule_fails_its_check(children):
-    proc, check = one_check(children, "sub_uri", "test_sub_uri_sees_the_roots_objects_under_sub")
+def test_backend_breaking_the_sub_uri_rule_fails_its_check(tmp_path):
+    proc, check = one_check(tmp_path, FLAT_PLUGIN, "test_sub_uri_sees_the_roots_objects_under_sub", "sub_uri")
     assert check["outcome"] == "failed" and "sub-URI rule" in check["why"], check
     assert proc.returncode == 1
 
@@ -250,8 +191,8 @@ def test_sub_uri_rule_breaks_the_manager_as_the_check_says(tmp_path, in_process)
     assert manager.steps() == [] and manager.latest() is None
 
 
-def test_writer_without_its_key_fails_the_attribute_check(children):
-    proc, check = one_check(children, "attrib", "test_writer_has_the_interface_attributes")
+def test_writer_without_its_key_fails_the_attribute_check(tmp_path):
+    proc, check = one_check(tmp_path, ANONYMOUS_WRITER_PLUGIN, "test_writer_has_the_interface_attributes", "attrib")
     assert check["outcome"] == "failed" and "writer.key" in check["why"], check
     assert proc.returncode == 1
 
@@ -290,17 +231,22 @@ def test_import_works_before_and_after_every_subcommand(in_process, capsys, comm
     assert "unknown storage scheme" not in err
 
 
-def test_import_of_a_module_in_the_current_directory_through_the_console_script(children):
-    proc = children[0].result("ls")  # bcp ls SCHEME://DIR/store --import MODULE, in DIR
+def test_import_of_a_module_in_the_current_directory_through_the_console_script(tmp_path):
+    module, scheme = write_plugin(tmp_path, FILE_PLUGIN)
+    (tmp_path / "store").mkdir()
+    proc = console("ls", f"{scheme}://{tmp_path}/store", "--import", module, cwd=tmp_path)
     assert proc.returncode == 0 and "no checkpoints" in proc.stdout, proc.stderr
 
 
-@pytest.mark.parametrize(("source", "expected"), IMPORT_FAILURES)
-def test_import_failure_is_one_line_naming_the_module(children, source, expected):
-    runs, out = children
-    n = IMPORT_FAILURES.index((source, expected))
-    module = out[f"import_failure{n}"].module  # bcp --import MODULE ls DIR, MODULE missing or raising
-    proc = runs.result(f"import_failure{n}")
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [(None, "No module named"), ("raise RuntimeError('boom at import')", "RuntimeError: boom at import")],
+)
+def test_import_failure_is_one_line_naming_the_module(tmp_path, source, expected):
+    module = f"plugin_{uuid.uuid4().hex[:8]}"
+    if source is not None:
+        (tmp_path / f"{module}.py").write_text(source + "\n")
+    proc = console("--import", module, "ls", str(tmp_path), cwd=tmp_path)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
