@@ -136,9 +136,26 @@ def start_rclone(workdir: Path) -> Server:
     return _start("rclone", argv, port, workdir)
 
 
+#: The emulator's listen backlog. Its HTTP server is single-threaded, so while it answers
+#: one request the others wait in the kernel's accept queue; the standard library's 5
+#: places overflow under a backend's parallel requests (8 deletes at once), and a client
+#: whose SYN was dropped sends it again only after 1 s: each such burst cost a second
+#: (measured: deleting 8 objects took 1.1 s, 0.1 s with this backlog).
+GCS_EMULATOR_BACKLOG = 128
+#: The emulator's own ``main``, as its console script runs it, with only the backlog raised.
+GCS_EMULATOR_MAIN = (
+    f"import socketserver, sys; socketserver.TCPServer.request_queue_size = {GCS_EMULATOR_BACKLOG}; "
+    "from gcp_storage_emulator.__main__ import main; sys.argv[0] = 'gcp-storage-emulator'; sys.exit(main())"
+)
+
+
 def start_gcs_emulator(workdir: Path) -> Server:
+    import importlib.util
+
+    if importlib.util.find_spec("gcp_storage_emulator") is None:
+        raise FileNotFoundError("gcp-storage-emulator is not installed in this Python")
     port = free_port()
-    argv = [_bin("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"]
+    argv = [sys.executable, "-c", GCS_EMULATOR_MAIN, "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"]
     return _start("gcs-emulator", argv, port, workdir, "/storage/v1/b")
 
 

@@ -9,161 +9,85 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 from conftest import new_bucket, store_uri
+from side_by_side import SideBySide
 
 TESTS = Path(__file__).parent
 
 
+def cli_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "bcp.cli", "conformance", *args]
+
+
+def cli_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+
+
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, "-m", "bcp.cli", "conformance", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=cwd,
-    )
+    return subprocess.run(cli_argv(*args), capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=cwd)
 
 
-def conformance(uri: str, tmp_path: Path, *extra: str) -> dict:
-    """Run the CLI; return its JSON report after checking it passed."""
-    report = tmp_path / f"report-{uuid.uuid4().hex[:6]}.json"
-    proc = run_cli(uri, "--json", str(report), *extra, cwd=tmp_path)
+# -- every child of this module, started side by side (tests/side_by_side.py) ----------------------
+#
+# Each test below checks the run of one child process (`bcp conformance`, pytest --pyargs,
+# the console script). The module submits them all when its first test starts, the longest
+# (the servers') first, and each test checks its own child's result as before.
+
+
+def submit_conformance(runs: SideBySide, name: str, uri: str, where: Path, *extra: str) -> None:
+    """Queue ``bcp conformance URI --json where/report.json EXTRA`` in ``where``."""
+    runs.submit(name, cli_argv(uri, "--json", str(where / "report.json"), *extra), cwd=where, env=cli_env())
+
+
+def conformance(runs: SideBySide, name: str, uri: str, where: Path) -> dict:
+    """The CLI run ``name`` (of ``uri``, in ``where``): its JSON report after checking it passed."""
+    proc = runs.result(name)
     assert proc.returncode == 0, f"conformance failed on {uri}:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    data = json.loads(report.read_text())
+    data = json.loads((where / "report.json").read_text())
     assert data["ok"] and data["counts"]["failed"] == 0 and data["counts"]["passed"] > 150, data["counts"]
     assert "RESULT: PASSED" in proc.stdout
     return data
 
 
-def _groups(data: dict) -> set[str]:
-    return {g for g, checks in data["groups"].items() if checks}
+class Run(NamedTuple):
+    """A submitted child: its name in the pool, the URI it checks, its directory."""
+
+    name: str
+    uri: str
+    where: Path
 
 
-def test_file_backend_passes_the_full_suite(tmp_path):
-    data = conformance(str(tmp_path / "store"), tmp_path, "--full", "--probe-mib", "16")
-    assert any(g.startswith("checkpoints") for g in _groups(data))
-    killed = [c for g, cs in data["groups"].items() for c in cs if "killed" in c["name"]]
-    assert len(killed) == 2 and all(c["outcome"] == "passed" for c in killed), killed
-    figures = data["figures"]
-    assert figures["write_GBps"] > 0 and figures["best_read_concurrency"] in (1, 2, 4, 8, 16)
-    assert data["backend"]["capabilities"].count("CREATE_ONLY") == 1
+@pytest.fixture(scope="module")
+def runs() -> Iterator[SideBySide]:
+    pool = SideBySide()
+    yield pool
+    pool.close()
 
 
-def test_memory_backend_passes_and_says_why_killed_checks_skip(tmp_path):
-    data = conformance(f"memory://conf-{uuid.uuid4().hex[:8]}/root", tmp_path, "--full", "--probe-mib", "16")
-    killed = [c for cs in data["groups"].values() for c in cs if "killed" in c["name"]]
-    assert killed and all(c["outcome"] == "skipped" and "one process" in c["why"] for c in killed)
-
-
-def test_generic_fsspec_backend_passes(tmp_path):
-    conformance(f"fsspec+file://{tmp_path}/store?part_size=1MiB", tmp_path, "--full", "--probe-mib", "16")
-
-
-def test_example_plugin_is_found_by_scheme_and_passes(tmp_path):
-    data = conformance(f"sqlite://{tmp_path}/check.db/suite", tmp_path, "--full", "--probe-mib", "8")
-    assert data["backend"]["class"] == "bcp_sqlite.SQLiteBackend", "the plugin was not found through its entry point"
-
-
-def test_s3_on_moto_passes_the_full_suite(tmp_path, moto_server):
-    uri = store_uri("moto", moto_server, new_bucket(moto_server), "suite")
-    data = conformance(uri, tmp_path, "--full", "--probe-mib", "16")
-    assert 10 << 20 < data["figures"]["object_bytes"] <= 16 << 20  # whole 5 MiB parts
-    assert "endpoint_url" not in data["uri"], "options (which may be private) leaked into the report"
-
-
-def test_s3_on_rclone_passes(tmp_path, rclone_server):
-    # rclone rewrites objects in place (see docs/backends.md): the overwrite-race checks are left out here.
-    uri = store_uri("rclone", rclone_server, new_bucket(rclone_server), "suite")
-    conformance(
-        uri,
-        tmp_path,
-        "--quick",
-        "--probe-mib",
-        "8",
-        "-k",
-        "not test_overwrite_is_atomic and not test_overwrite_never_mixes",
-    )
-
-
-def test_gcs_on_the_emulator_passes(tmp_path, gcs_server):
+@pytest.fixture(scope="module")
+def server_runs(runs, tmp_path_factory, moto_server, rclone_server, gcs_server, request) -> dict[str, Run]:
+    """The runs against moto, rclone and the GCS emulator (then the others: local_runs)."""
+    out = {}
+    where = tmp_path_factory.mktemp("conf-moto")
+    out["moto"] = Run("moto", store_uri("moto", moto_server, new_bucket(moto_server), "suite"), where)
+    submit_conformance(runs, "moto", out["moto"].uri, where, "--full", "--probe-mib", "16")
+    where = tmp_path_factory.mktemp("conf-gcs")
     uri = store_uri("gcs", gcs_server, new_bucket(gcs_server), "suite", part_size="256KiB", conditional_writes="false")
-    conformance(uri, tmp_path, "--quick", "--probe-mib", "4")  # the emulator moves a few MB/s: a small probe
-
-
-@pytest.mark.parametrize(
-    ("scheme", "group", "message"),
-    [
-        ("broken-visible", "atomic commit", "before the writer committed"),
-        ("broken-offbyone", "ranged reads", ""),
-    ],
-)
-def test_broken_backends_fail_naming_the_guarantee(tmp_path, scheme, group, message):
-    report = tmp_path / "r.json"
-    proc = run_cli(
-        f"{scheme}://x{uuid.uuid4().hex[:6]}/root",
-        "--quick",
-        "--import",
-        "broken_backends",
-        "--json",
-        str(report),
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 1, f"a broken backend passed the suite:\n{proc.stdout[-3000:]}"
-    assert "RESULT: FAILED" in proc.stdout
-    data = json.loads(report.read_text())
-    failed = [c for g, cs in data["groups"].items() if g.startswith(group) for c in cs if c["outcome"] == "failed"]
-    assert failed, f"no failure in the {group!r} group: {data['counts']}"
-    assert all(c["why"] for c in failed), "a failure does not say why"
-    if message:
-        assert any(message in c["why"] for c in failed), [c["why"] for c in failed]
-    assert f"FAIL {failed[0]['name']}" in proc.stdout
-
-
-def test_pytest_pyargs_entry(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--pyargs",
-            "bcp.conformance",
-            "--bcp-uri",
-            str(tmp_path / "store"),
-            "--bcp-level",
-            "quick",
-            "--bcp-probe-mib",
-            "8",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--bcp-report",
-            str(tmp_path / "r.json"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert "bcp conformance report" in proc.stdout and "RESULT: PASSED" in proc.stdout
-    assert json.loads((tmp_path / "r.json").read_text())["ok"]
-
-
-def test_pytest_pyargs_without_a_uri_skips_and_says_how(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--pyargs", "bcp.conformance", "-q", "-rs", "-p", "no:cacheprovider"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0 and "--bcp-uri" in proc.stdout and " passed" not in proc.stdout, proc.stdout[-2000:]
+    out["gcs"] = Run("gcs", uri, where)
+    submit_conformance(runs, "gcs", uri, where, "--quick", "--probe-mib", "4")  # the emulator moves a few MB/s
+    where = tmp_path_factory.mktemp("conf-rclone")
+    out["rclone"] = Run("rclone", store_uri("rclone", rclone_server, new_bucket(rclone_server), "suite"), where)
+    # rclone rewrites objects in place (see docs/backends.md): the overwrite-race checks are left out here.
+    skip_races = "not test_overwrite_is_atomic and not test_overwrite_never_mixes"
+    submit_conformance(runs, "rclone", out["rclone"].uri, where, "--quick", "--probe-mib", "8", "-k", skip_races)
+    request.getfixturevalue("local_runs")  # queued behind these, running while the tests check these
+    return out
 
 
 _HEADINGS_DUMP = """
@@ -177,50 +101,159 @@ def pytest_collection_finish(session):
         json.dump({"rows": rows, "order": plugin.report.order}, f)
 """
 
+BROKEN = [
+    ("broken-visible", "atomic commit", "before the writer committed"),
+    ("broken-offbyone", "ranged reads", ""),
+]
 
-def test_every_check_reports_under_the_heading_of_its_own_class(tmp_path):
+
+@pytest.fixture(scope="module")
+def local_runs(runs, tmp_path_factory) -> dict[str, Run]:
+    """Every other child of this module: stores in files and in memory, the example
+    plugin, broken backends, the pytest entry points and the console script."""
+    out = {}
+
+    def run(name: str, uri: str, *extra: str) -> None:
+        where = tmp_path_factory.mktemp(f"conf-{name}")
+        uri = uri.format(where=where)
+        out[name] = Run(name, uri, where)
+        submit_conformance(runs, name, uri, where, *extra)
+
+    run("file", "{where}/store", "--full", "--probe-mib", "16")
+    run("sqlite", "sqlite://{where}/check.db/suite", "--full", "--probe-mib", "8")
+    run("fsspec", "fsspec+file://{where}/store?part_size=1MiB", "--full", "--probe-mib", "16")
+    run("memory", f"memory://conf-{uuid.uuid4().hex[:8]}/root", "--full", "--probe-mib", "16")
+    for scheme, _group, _message in BROKEN:
+        run(scheme, f"{scheme}://x{uuid.uuid4().hex[:6]}/root", "--quick", "--import", "broken_backends")
+
+    where = tmp_path_factory.mktemp("conf-pyargs")
+    out["pyargs"] = Run("pyargs", str(where / "store"), where)
+    pyargs = [sys.executable, "-m", "pytest", "--pyargs", "bcp.conformance"]
+    runs.submit(
+        "pyargs",
+        [
+            *pyargs,
+            *("--bcp-uri", str(where / "store"), "--bcp-level", "quick", "--bcp-probe-mib", "8"),
+            *("-q", "-p", "no:cacheprovider", "--bcp-report", str(where / "r.json")),
+        ],
+        cwd=where,
+    )
+
+    where = tmp_path_factory.mktemp("conf-headings")
+    out["headings"] = Run("headings", str(where / "store"), where)
+    (where / "conf_headings_dump.py").write_text(_HEADINGS_DUMP)
+    (where / "pytest.ini").write_text("[pytest]\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(where), os.environ.get("PYTHONPATH", "")]),
+        "BCP_HEADINGS_DUMP": str(where / "headings.json"),
+    }
+    runs.submit(
+        "headings",
+        [
+            *pyargs,
+            *("--collect-only", "-q", "-c", str(where / "pytest.ini"), "--rootdir", str(where)),
+            *("-p", "no:cacheprovider", "-p", "conf_headings_dump", "--bcp-uri", str(where / "store")),
+        ],
+        cwd=where,
+        env=env,
+        timeout=300,
+    )
+
+    where = tmp_path_factory.mktemp("conf-no-uri")
+    out["no-uri"] = Run("no-uri", "", where)
+    runs.submit("no-uri", [*pyargs, "-q", "-rs", "-p", "no:cacheprovider"], cwd=where, timeout=300)
+
+    runs.submit("help", [str(Path(sys.executable).with_name("bcp")), "conformance", "--help"], timeout=60)
+    return out
+
+
+def _groups(data: dict) -> set[str]:
+    return {g for g, checks in data["groups"].items() if checks}
+
+
+def test_s3_on_moto_passes_the_full_suite(runs, server_runs):
+    run = server_runs["moto"]
+    data = conformance(runs, run.name, run.uri, run.where)
+    assert 10 << 20 < data["figures"]["object_bytes"] <= 16 << 20  # whole 5 MiB parts
+    assert "endpoint_url" not in data["uri"], "options (which may be private) leaked into the report"
+
+
+def test_gcs_on_the_emulator_passes(runs, server_runs):
+    run = server_runs["gcs"]
+    conformance(runs, run.name, run.uri, run.where)
+
+
+def test_s3_on_rclone_passes(runs, server_runs):
+    run = server_runs["rclone"]
+    conformance(runs, run.name, run.uri, run.where)
+
+
+def test_file_backend_passes_the_full_suite(runs, local_runs):
+    run = local_runs["file"]
+    data = conformance(runs, run.name, run.uri, run.where)
+    assert any(g.startswith("checkpoints") for g in _groups(data))
+    killed = [c for g, cs in data["groups"].items() for c in cs if "killed" in c["name"]]
+    assert len(killed) == 2 and all(c["outcome"] == "passed" for c in killed), killed
+    figures = data["figures"]
+    assert figures["write_GBps"] > 0 and figures["best_read_concurrency"] in (1, 2, 4, 8, 16)
+    assert data["backend"]["capabilities"].count("CREATE_ONLY") == 1
+
+
+def test_memory_backend_passes_and_says_why_killed_checks_skip(runs, local_runs):
+    run = local_runs["memory"]
+    data = conformance(runs, run.name, run.uri, run.where)
+    killed = [c for cs in data["groups"].values() for c in cs if "killed" in c["name"]]
+    assert killed and all(c["outcome"] == "skipped" and "one process" in c["why"] for c in killed)
+
+
+def test_generic_fsspec_backend_passes(runs, local_runs):
+    run = local_runs["fsspec"]
+    conformance(runs, run.name, run.uri, run.where)
+
+
+def test_example_plugin_is_found_by_scheme_and_passes(runs, local_runs):
+    run = local_runs["sqlite"]
+    data = conformance(runs, run.name, run.uri, run.where)
+    assert data["backend"]["class"] == "bcp_sqlite.SQLiteBackend", "the plugin was not found through its entry point"
+
+
+@pytest.mark.parametrize(("scheme", "group", "message"), BROKEN)
+def test_broken_backends_fail_naming_the_guarantee(runs, local_runs, scheme, group, message):
+    proc = runs.result(scheme)
+    assert proc.returncode == 1, f"a broken backend passed the suite:\n{proc.stdout[-3000:]}"
+    assert "RESULT: FAILED" in proc.stdout
+    data = json.loads((local_runs[scheme].where / "report.json").read_text())
+    failed = [c for g, cs in data["groups"].items() if g.startswith(group) for c in cs if c["outcome"] == "failed"]
+    assert failed, f"no failure in the {group!r} group: {data['counts']}"
+    assert all(c["why"] for c in failed), "a failure does not say why"
+    if message:
+        assert any(message in c["why"] for c in failed), [c["why"] for c in failed]
+    assert f"FAIL {failed[0]['name']}" in proc.stdout
+
+
+def test_pytest_pyargs_entry(runs, local_runs):
+    proc = runs.result("pyargs")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "bcp conformance report" in proc.stdout and "RESULT: PASSED" in proc.stdout
+    assert json.loads((local_runs["pyargs"].where / "r.json").read_text())["ok"]
+
+
+def test_pytest_pyargs_without_a_uri_skips_and_says_how(runs, local_runs):
+    proc = runs.result("no-uri")
+    assert proc.returncode == 0 and "--bcp-uri" in proc.stdout and " passed" not in proc.stdout, proc.stdout[-2000:]
+
+
+def test_every_check_reports_under_the_heading_of_its_own_class(runs, local_runs):
     """Collect the suite as `bcp conformance` does and take the report plugin's heading of
     every check: it must be the heading declared by the one class that defines the test,
     each heading must belong to one class, and every group must have checks."""
     from bcp.conformance import OBJECT_CONTRACT_GROUPS, BackendContractTests, CheckpointContractTests
     from bcp.conformance import test_suite as suite
 
-    (tmp_path / "conf_headings_dump.py").write_text(_HEADINGS_DUMP)
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    dump = tmp_path / "headings.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-        "BCP_HEADINGS_DUMP": str(dump),
-    }
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--pyargs",
-            "bcp.conformance",
-            "--collect-only",
-            "-q",
-            "-c",
-            str(tmp_path / "pytest.ini"),
-            "--rootdir",
-            str(tmp_path),
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "conf_headings_dump",
-            "--bcp-uri",
-            str(tmp_path / "store"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env=env,
-    )
+    proc = runs.result("headings")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads(dump.read_text())
+    data = json.loads((local_runs["headings"].where / "headings.json").read_text())
     rows = data["rows"]
     assert len(rows) >= 196, f"the suite lost checks: {len(rows)} collected"
 
@@ -277,9 +310,8 @@ def test_a_subclass_keeps_overridden_tests_under_their_group():
     assert heading_of(None, "test_anything") == OTHER
 
 
-def test_console_script_is_installed():
-    script = Path(sys.executable).with_name("bcp")
-    proc = subprocess.run([str(script), "conformance", "--help"], capture_output=True, text=True, timeout=60)
+def test_console_script_is_installed(runs, local_runs):
+    proc = runs.result("help")  # the script next to this Python: `bcp conformance --help`
     assert proc.returncode == 0 and "--quick" in proc.stdout
 
 

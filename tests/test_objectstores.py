@@ -147,6 +147,29 @@ class TestArrowLocalContract(BackendContractTests):
             return f.read()
 
 
+def test_the_gcs_emulator_queues_a_burst_of_connections_instead_of_dropping_them(gcs_server):
+    """tests/servers.py raises the emulator's listen backlog: it answers one request at a
+    time, and with the standard 5 places a burst of parallel requests had connections
+    dropped, each sent again only after 1 s. Here the server is held busy by one idle
+    connection while more connect: each must be queued at once."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    address = (urlsplit(gcs_server.endpoint).hostname, urlsplit(gcs_server.endpoint).port)
+    sockets = [socket.create_connection(address, timeout=5)]  # sends nothing: the server waits on it
+    try:
+        for n in range(1, 21):
+            try:
+                sockets.append(socket.create_connection(address, timeout=2))
+            except OSError as e:  # a dropped SYN: the next try comes after 1 s, then 3 s
+                pytest.fail(f"connection {n + 1} to the busy emulator was not queued: {e!r}")
+    finally:
+        for s in sockets:
+            s.close()
+    urllib.request.urlopen(gcs_server.endpoint + "/storage/v1/b", timeout=30).close()  # still serving
+
+
 # -- checkpoints through every store ------------------------------------------------------------
 
 
