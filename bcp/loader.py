@@ -41,7 +41,7 @@ from bcp.io_scheduler.read_exec import ReadStats
 from bcp.metadata.geometry import Box
 from bcp.options import LoadOptions, LoadOptionsKwargs, ReshardObjects
 from bcp.reader import CheckpointMetadata, CheckpointReader, fetch_metadata, open_reader
-from bcp.references import parent_factory
+from bcp.references import ParentFactory, parent_factory
 from bcp.shards import PerRank, is_dtensor, local_pieces
 from bcp.state import KeyPath, Leaf, build_nested, detach_stateful, flatten_state, get_at, replace_at
 from bcp.target import Target, resolve_backend
@@ -143,20 +143,27 @@ def load_with_info(
 
 @gc_paused
 def load_with_metadata(
-    state: Mapping[str, Any], uri: Target, metadata: CheckpointMetadata, options: LoadOptions | None = None
+    state: Mapping[str, Any],
+    uri: Target,
+    metadata: CheckpointMetadata,
+    options: LoadOptions | None = None,
+    *,
+    parent: ParentFactory | None = None,
 ) -> LoadInfo:
     """(all ranks) :func:`load_with_info` of the checkpoint at ``uri`` whose manifest and
     catalog bytes every rank already holds (``metadata``, checked where they were read:
     the local tier's recovery broadcast them, :func:`bcp.tiers.recover`), so that no
     rank reads or broadcasts them again. They are decoded and checked against each
     other and the data files here as :func:`~bcp.reader.open_reader` always does; every
-    byte read from ``uri`` is verified as in any load."""
+    byte read from ``uri`` is verified as in any load. ``parent``: where an incremental
+    checkpoint's references are read (default: ``uri``'s parent; the local tier's
+    recovery passes its own when ``uri`` is a Backend object)."""
     opts = options or LoadOptions()
     started = time.perf_counter()
     coord = coordinator_for(opts.process_group, "bcp.load")
     session = trace.begin(opts.trace, coord.rank, "load")
     try:
-        return _load(state, uri, opts, coord, session, started, metadata)
+        return _load(state, uri, opts, coord, session, started, metadata, parent)
     except BaseException:
         if session is not None:
             session.end(failed=True)
@@ -171,6 +178,7 @@ def _load(
     session: trace.Session | None,
     started: float,
     metadata: CheckpointMetadata | None,
+    parent: ParentFactory | None = None,
 ) -> LoadInfo:
     """The load; ``metadata``: the manifest and catalog every rank holds already (not read again)."""
     reshard_objects, share_reads = opts.reshard_objects, opts.share_reads
@@ -179,7 +187,8 @@ def _load(
     if metadata is None:
         with trace.span("catalog"):
             metadata = decide(coord, "reading the checkpoint metadata", _fetch_for_load, backend)
-    parent = parent_factory(uri, opts.storage_options)  # an incremental checkpoint reads its siblings' files
+    if parent is None:  # an incremental checkpoint reads its siblings' files
+        parent = parent_factory(uri, opts.storage_options)
     reader = open_reader(backend, metadata, allow_pickle=opts.allow_pickle, verify=opts.verify, parent=parent)
     if session is not None:
         session.label = reader.manifest.save_id

@@ -26,6 +26,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -261,7 +262,9 @@ def coordinate_save(
     save_id = new_save_id()
     base = None
     if options.base is not None:
-        base = hold_base(target if target is not None else backend.uri, options.base, save_id, options.storage_options)
+        # a Backend object given as the target (the local tier's step): its URI names the checkpoint
+        uri = target if isinstance(target, (str, os.PathLike)) else backend.uri
+        base = hold_base(uri, options.base, save_id, options.storage_options)
     start = SaveStart(save_id, key, plan is not None, meta_from, base)
     return SaveDecision(start, objects, existing, digests, meta_digests, plan, () if plan is not None else replicas)
 

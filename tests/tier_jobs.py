@@ -66,6 +66,20 @@ def local_state(rank: int, world: int, step: int, run: int = 0) -> dict[str, Any
     }
 
 
+#: (``frozen`` jobs) a row-sharded tensor that never changes, and a replicated one changed at step 1 only
+FROZEN_SHAPE = (64, 512)
+
+
+def frozen_state(rank: int, world: int, step: int, run: int = 0) -> dict[str, Any]:
+    """This rank's part of the unchanging tensors of a ``frozen`` job (an incremental local tier reuses them)."""
+    full = torch.arange(FROZEN_SHAPE[0] * FROZEN_SHAPE[1], dtype=torch.float32).reshape(FROZEN_SHAPE) + 7 * run
+    rows = FROZEN_SHAPE[0] // world
+    return {
+        "frozen": bcp.TensorShard(full[rank * rows : (rank + 1) * rows].clone(), FROZEN_SHAPE, (rank * rows, 0)),
+        "slow": torch.full((8, 64), float(min(step, 1) + 10 * run)),
+    }
+
+
 def template() -> dict[str, Any]:
     """A one-process load target for :func:`expected`."""
     return {
@@ -147,9 +161,39 @@ def matched_run(got: dict[str, Any], rank: int, world: int, step: int, runs: lis
             and torch.equal(got["w"].local, want["w"].local)
             and torch.equal(got["bias"], want["bias"])
             and torch.equal(got["emb"], want["emb"])
+            and _same_frozen(got, rank, world, step, run)
         ):
             return run
     return None
+
+
+def _same_frozen(got: dict[str, Any], rank: int, world: int, step: int, run: int) -> bool:
+    if "frozen" not in got:
+        return True
+    want = frozen_state(rank, world, step, run)
+    return torch.equal(got["frozen"].local, want["frozen"].local) and torch.equal(got["slow"], want["slow"])
+
+
+def _state(cfg: dict[str, Any], rank: int, world: int, step: int, run: int = 0) -> dict[str, Any]:
+    state = local_state(rank, world, step, run)
+    if cfg.get("frozen"):
+        state.update(frozen_state(rank, world, step, run))
+    return state
+
+
+def _count_uploads(cfg: dict[str, Any], rank: int) -> None:
+    """Each byte a drain uploads is counted in ``uploads-rank<r>`` (one line per part)."""
+    from bcp.tiers import drain
+
+    real = drain._upload_part
+    path = os.path.join(cfg["base"], f"uploads-rank{rank}")
+
+    def counted(writer, offset, data):
+        real(writer, offset, data)
+        with open(path, "a") as f:
+            f.write(f"{len(data)}\n")
+
+    drain._upload_part = counted
 
 
 def _progress(cfg: dict[str, Any], line: str) -> None:
@@ -176,7 +220,10 @@ def tier_job(rank: int, world: int, cfg: dict[str, Any], started: Any = None) ->
         persist_every=cfg.get("persist_every", 2),
         keep=cfg.get("keep", 2),
         chunk_bytes=cfg.get("chunk_bytes", 4096),
+        incremental=cfg.get("incremental", False),
     )
+    if cfg.get("count_uploads"):
+        _count_uploads(cfg, rank)
     records: list[bcp.MetricsRecord] = []
     manager = bcp.CheckpointManager(cfg["root"], tier=tier, metrics=records.append if cfg.get("metrics") else None)
     fault = cfg.get("faults", {}).get(str(rank))
@@ -188,7 +235,7 @@ def tier_job(rank: int, world: int, cfg: dict[str, Any], started: Any = None) ->
     steps = cfg.get("steps", [])
     run = cfg.get("run", 0)
     if cfg.get("recover"):
-        step, got = manager.load_latest(local_state(rank, world, 0, -1))
+        step, got = manager.load_latest(_state(cfg, rank, world, 0, -1))
         found = None if step is None else matched_run(got, rank, world, step, cfg.get("runs", [run]))
         with open(os.path.join(cfg["base"], f"recovered-rank{rank}.json"), "w") as f:
             json.dump({"step": step, "run": found}, f)
@@ -203,7 +250,7 @@ def tier_job(rank: int, world: int, cfg: dict[str, Any], started: Any = None) ->
         if no_room is not None and cfg.get("no_room_from") == step:
             manager.wait()  # the save before reads the free space in its own thread
             manager._tier.statvfs = _FakeStatvfs(free=no_room, total=1 << 30)
-        state = local_state(rank, world, step, run)
+        state = _state(cfg, rank, world, step, run)
         if step >= cfg.get("grow_at", step + 1):  # the state's layout changes: one tensor more
             state["extra"] = torch.full((3,), float(step))
         manager.save(step, state)
@@ -220,10 +267,10 @@ def tier_job(rank: int, world: int, cfg: dict[str, Any], started: Any = None) ->
     if cfg.get("load_back"):  # every drained step, at the world size that saved it
         for step in manager.steps():
             want = local_state(rank, world, step)
-            got = bcp.load(local_state(rank, world, 0), manager.uri(step))
+            got = bcp.load(_state(cfg, rank, world, 0, -1), manager.uri(step))
             assert torch.equal(got["w"].local, want["w"].local), f"rank {rank}: step {step} differs"
             assert torch.equal(got["bias"], want["bias"]) and torch.equal(got["emb"], want["emb"])
-            assert got["step"] == step
+            assert got["step"] == step and _same_frozen(got, rank, world, step, 0), f"rank {rank}: step {step} differs"
     if cfg.get("metrics"):
         with open(os.path.join(cfg["base"], f"metrics-rank{rank}.json"), "w") as f:
             json.dump(

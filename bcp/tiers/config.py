@@ -34,12 +34,18 @@ class LocalTier:
     keep: int = 2
     #: largest message of replication (bounds its memory: one chunk in flight per stream)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    #: each local save refers to the host's previous local step for its unchanged pieces, and
+    #: each drain uploads only the data files the persistent root lacks (docs/tiers.md,
+    #: "Incremental local steps"); independent of the manager's own ``incremental``
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("every", 1), ("replicas", 0), ("keep", 1), ("chunk_bytes", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"LocalTier.{name} must be an int >= {low}, got {value!r}")
+        if not isinstance(self.incremental, bool):
+            raise ValueError(f"LocalTier.incremental must be a bool, got {self.incremental!r}")
         p = self.persist_every
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 1):
             raise ValueError(f"LocalTier.persist_every must be an int >= 1 or None, got {p!r}")

@@ -19,17 +19,21 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import logging
+import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from bcp.async_save import wait_all as _wait_for_async_saves
-from bcp.backends import Backend, Capability, ObjectWriter
+from bcp.backends import Backend, Capability, ObjectNotFoundError, ObjectWriter
+from bcp.backends.file import FileBackend
 from bcp.coordination.collectives import Coordinator, decide, run_phase
 from bcp.coordination.priority import lower_this_thread
-from bcp.errors import CorruptCheckpointError
+from bcp.errors import CorruptCheckpointError, IncompleteCheckpointError
 from bcp.metadata import FileEntry, Manifest
-from bcp.metadata.keys import data_file_key
+from bcp.metadata.keys import data_file_key, generation_of, hold_key, reference_key, split_parent
 from bcp.save_phases import check_target, commit_generation, keep_or_discard
+from bcp.target import resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +49,17 @@ def _upload_part(writer: ObjectWriter, offset: int, data: bytes) -> None:
     writer.write_at(offset, data)
 
 
-def upload_file(local: Backend, remote: Backend, entry: FileEntry) -> None:
-    """Copy one data file from the local root to the persistent backend, under the same key."""
+def upload_file(local: Backend, remote: Backend, entry: FileEntry, key: str | None = None) -> None:
+    """Copy one data file from the local root to the persistent backend, under the same
+    key (``key``, default ``entry.path``)."""
+    key = entry.path if key is None else key
     part = remote.hints.part_size or DEFAULT_PART_BYTES
     offsets = list(range(0, entry.nbytes, part))
-    writer = remote.open_writer(entry.path, size=entry.nbytes)
+    writer = remote.open_writer(key, size=entry.nbytes)
     try:
 
         def copy(offset: int) -> None:
-            data = local.read(entry.path, offset, min(part, entry.nbytes - offset))
+            data = local.read(key, offset, min(part, entry.nbytes - offset))
             _upload_part(writer, offset, data)
 
         if not offsets:
@@ -78,8 +84,16 @@ def _check_absent(remote: Backend) -> None:
     check_target(remote, overwrite=False, otherwise="the drain is not made")
 
 
-def _commit_drain(remote: Backend, manifest: Manifest, catalog_bytes: bytes) -> None:
-    """(coordinator) The catalog, the generation check, then the manifest."""
+def _commit_drain(remote: Backend, manifest: Manifest, catalog_bytes: bytes, parent: Backend | None = None) -> None:
+    """(coordinator) The catalog, the generation check (an incremental step's referenced
+    files too, on ``parent``: still there, held), then the manifest."""
+    if parent is not None:
+        gone = _missing_references(parent, manifest)
+        if gone:
+            raise IncompleteCheckpointError(
+                f"the drain of {remote.uri} refers to {len(gone)} data file(s) of its siblings that are gone "
+                f"({', '.join(gone[:3])}); nothing was committed"
+            )
 
     def same_catalog(catalog: FileEntry) -> Manifest:
         if catalog != manifest.catalog:
@@ -88,32 +102,105 @@ def _commit_drain(remote: Backend, manifest: Manifest, catalog_bytes: bytes) -> 
             )
         return manifest
 
-    paths = [f.path for f in manifest.data_files]
+    paths = [f.path for f in manifest.data_files if f.checkpoint is None]
     commit_generation(
         remote, manifest.generation, manifest.catalog.path, catalog_bytes, paths, same_catalog, overwrite=False
     )
 
 
-def drain_step(coord: Coordinator, local: Backend, remote: Backend, manifest: Manifest, catalog_bytes: bytes) -> None:
+def _missing_references(parent: Backend, manifest: Manifest) -> list[str]:
+    """The referenced files of ``manifest`` that ``parent`` (the persistent root) lacks
+    at ``<sibling>/<path>`` with the manifest's size, as keys of the parent."""
+    missing = []
+    for f in manifest.references:
+        assert f.checkpoint is not None
+        key = reference_key(f.checkpoint, f.path)
+        try:
+            size = parent.size(key)
+        except ObjectNotFoundError:
+            size = None
+        if size != f.nbytes:
+            missing.append(key)
+    return missing
+
+
+def _hold_references(parent: Backend, manifest: Manifest, name: str) -> list[str]:
+    """(coordinator) FORMAT.md's order for an incremental drain: hold every generation
+    the step refers to in the persistent root, then list the referenced files it lacks
+    (the drain uploads those: :func:`drain_step`)."""
+    gens = {(f.checkpoint, g) for f in manifest.references if (g := generation_of(f.path)) is not None}
+    for owner, gen in sorted((o, g) for o, g in gens if o is not None):
+        parent.write(f"{owner}/{hold_key(gen, name, manifest.save_id)}", b"")
+    return _missing_references(parent, manifest)
+
+
+def _uploader(key: str, world: int) -> int:
+    """The rank uploading a referenced file the persistent root lacks: the rank that
+    wrote it (its host holds it; ``rank<NNNNN>-<part>.bin``), else the coordinator."""
+    found = _WRITER.search(key)
+    rank = int(found.group(1)) if found else 0
+    return rank if rank < world else 0
+
+
+_WRITER = re.compile(r"/rank(\d{5})-\d+\.bin$")
+
+
+def drain_step(
+    coord: Coordinator,
+    local: Backend,
+    remote: Backend,
+    manifest: Manifest,
+    catalog_bytes: bytes,
+    *,
+    local_parent: str | None = None,
+    remote_parent: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> int:
     """(all ranks, collective) Copy the committed local step ``manifest`` (this rank's
-    data file from ``local``) to ``remote``, and commit it there."""
+    data file from ``local``) to ``remote``, and commit it there. An incremental step
+    (references to sibling local steps, ``local_parent`` the local root) is committed
+    as it is: the persistent root (``remote_parent``) is given holds on the generations
+    it refers to, and only the referenced files it lacks are uploaded, each once, under
+    the sibling's name (docs/tiers.md, "Incremental local steps"). Returns the bytes
+    this rank uploaded."""
     mine = {f.path: f for f in manifest.data_files}.get(data_file_key(manifest.generation, coord.rank))
     decide(coord, "draining: checking the target", _check_absent, remote)
+    refs = {reference_key(f.checkpoint, f.path): f for f in manifest.references if f.checkpoint is not None}
+    parent: Backend | None = None
+    missing: list[str] = []
+    if refs:
+        if local_parent is None or remote_parent is None:
+            raise ValueError(f"the drain of {remote.uri} refers to sibling steps: it needs both parents")
+        parent = resolve_backend(remote_parent, storage_options)
+        name = split_parent(remote.uri)[1]
+        missing = decide(coord, "draining: holding the referenced steps", _hold_references, parent, manifest, name)
     committed = False
+    uploaded = 0
 
     def commit_here() -> None:
         nonlocal committed
-        _commit_drain(remote, manifest, catalog_bytes)
+        _commit_drain(remote, manifest, catalog_bytes, parent)
         committed = True
+
+    def upload() -> None:
+        nonlocal uploaded
+        if mine is not None:
+            upload_file(local, remote, mine)
+            uploaded += mine.nbytes
+        if missing:
+            assert parent is not None and local_parent is not None
+            siblings = FileBackend(local_parent, fsync=False)
+            for key in missing:
+                if _uploader(key, coord.world_size) == coord.rank:
+                    upload_file(siblings, parent, refs[key], key)
+                    uploaded += refs[key].nbytes
 
     note = f"the drained step at {remote.uri} is committed: its manifest was written last"
     with keep_or_discard(coord, remote, manifest.generation, lambda: committed, note, "the failed drain"):
-        if mine is not None:
-            run_phase(coord, "draining: uploading data files", upload_file, local, remote, mine)
-        else:
-            run_phase(coord, "draining: uploading data files", lambda: None)
+        run_phase(coord, "draining: uploading data files", upload)
         decide(coord, "draining: committing", commit_here)
-    log.info("local tier: drained %s", remote.uri)
+    log.info("local tier: drained %s (%.1f MiB uploaded by this rank)", remote.uri, uploaded / 2**20)
+    return uploaded
 
 
 class Drain:

@@ -28,11 +28,13 @@ from bcp.loader import match_state
 from bcp.metadata import Manifest
 from bcp.options import LoadOptions
 from bcp.reader import CheckpointMetadata, open_reader
+from bcp.references import parent_factory
 from bcp.state import detach_stateful
 from bcp.target import resolve_backend
 from bcp.tensor_io import byte_view
 from bcp.tiers.arrival import Arrivals
 from bcp.tiers.hosts import HostMap
+from bcp.tiers.incremental_local import data_path
 from bcp.tiers.inventory import LocalChoice
 from bcp.tiers.recovery_dir import NOFOLLOW
 
@@ -195,7 +197,7 @@ class Exchange:
         key = (where, file)
         if key not in files:
             root = self.step_dir if where == "read" else self.recovery_dir
-            path = os.path.join(root, *self.manifest.data_files[file].path.split("/"))
+            path = data_path(root, self.manifest.data_files[file])  # a reference: its sibling step's file
             flags = (os.O_RDONLY if where == "read" else os.O_WRONLY) | NOFOLLOW | os.O_NONBLOCK
             files[key] = os.open(path, flags)
         return files[key]
@@ -297,7 +299,12 @@ def wanted_ranges(
     touches: the load reads exactly those bytes (the runs, and the rest of each block
     it verifies), so every byte it reads has been fetched."""
     detached, _stateful = detach_stateful(state)
-    reader = open_reader(resolve_backend(recovery_dir), metadata, allow_pickle=opts.allow_pickle)
+    reader = open_reader(
+        resolve_backend(recovery_dir),
+        metadata,
+        allow_pickle=opts.allow_pickle,
+        parent=parent_factory(recovery_dir),  # never read here: the plan needs the catalog alone
+    )
     index = {f.path: i for i, f in enumerate(manifest.data_files)}
     block = manifest.checksum_block_bytes
     starts: dict[int, list[np.ndarray]] = {}

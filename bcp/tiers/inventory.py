@@ -22,10 +22,11 @@ import re
 import stat
 from collections.abc import Sequence
 
-from bcp.metadata import Manifest
+from bcp.metadata import FileEntry, Manifest
 from bcp.metadata.checksum import crc32c
 from bcp.metadata.keys import MANIFEST_KEY, step_name, step_of
 from bcp.tiers.holding import read_holding
+from bcp.tiers.incremental_local import held_size
 from bcp.tiers.job import JOB_NAME, read_job
 from bcp.tiers.paths import HOLDING_NAME, read_regular
 
@@ -129,7 +130,7 @@ def read_step(step: int, path: str, job: str | None = None) -> StepCopy | None:
     held = {
         i
         for i, f in enumerate(manifest.data_files)
-        if listed.get(f.path) == f and _is_file_of_size(os.path.join(path, f.path), manifest, i)
+        if _listed(listed.get(f.path), f) and held_size(path, f) == f.nbytes
     }
     catalog = manifest.catalog
     has_catalog = _size_of(os.path.join(path, catalog.path)) == catalog.nbytes
@@ -151,8 +152,10 @@ def _size_of(path: str) -> int | None:
     return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
-def _is_file_of_size(path: str, manifest: Manifest, i: int) -> bool:
-    return _size_of(path) == manifest.data_files[i].nbytes
+def _listed(held: FileEntry | None, entry: FileEntry) -> bool:
+    """Whether ``holding.json``'s ``held`` is ``entry`` (its size and digest; a reference's
+    owner is the manifest's, ``incremental_local.py``)."""
+    return held is not None and (held.path, held.nbytes, held.crc32c) == (entry.path, entry.nbytes, entry.crc32c)
 
 
 def list_local(root: str, job: str | None = None) -> list[StepCopy]:

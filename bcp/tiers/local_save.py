@@ -15,15 +15,17 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 
 from bcp.backends import Backend
 from bcp.commit import parse_manifest
 from bcp.coordination.collectives import Coordinator, decide, run_phase
 from bcp.metadata import Catalog, Manifest
-from bcp.metadata.keys import data_file_key, manifest_key
+from bcp.metadata.keys import data_file_key, manifest_key, step_name
 from bcp.reader import fetch_metadata
 from bcp.tiers.holding import add_held, file_spans, verify
 from bcp.tiers.hosts import HostMap
+from bcp.tiers.incremental_local import base_generations, carry_references, private_holds, write_holds
 from bcp.tiers.replicate import replicate
 
 log = logging.getLogger(__name__)
@@ -55,9 +57,20 @@ def spread_metadata(coord: Coordinator, backend: Backend, step: int) -> LocalSte
     return LocalStep(step, manifest, metadata.manifest, metadata.catalog, file_spans(catalog))
 
 
-def write_metadata(coord: Coordinator, hosts: HostMap, backend: Backend, local: LocalStep) -> None:
-    """Each other host's first rank writes the step's catalog, then its manifest."""
+def write_metadata(
+    coord: Coordinator,
+    hosts: HostMap,
+    backend: Backend,
+    local: LocalStep,
+    holds: Sequence[tuple[str, str]] = (),
+    root: str = "",
+) -> None:
+    """Each other host's first rank writes the step's holds (an incremental step's, on
+    the generations ``holds`` of its siblings: FORMAT.md's order, before the manifest),
+    its catalog, then its manifest."""
     if hosts.is_first(coord.rank) and hosts.host_of(coord.rank) != hosts.host_of(0):
+        if holds:
+            write_holds(root, local.manifest, step_name(local.step), holds)
         backend.write(local.manifest.catalog.path, local.catalog_bytes)
         backend.write(manifest_key(), local.manifest_bytes)
 
@@ -85,13 +98,22 @@ def after_commit(
     backend: Backend,
     step_dir: str,
     step: int,
+    base: int | None = None,
 ) -> LocalStep:
-    """(all ranks, collective) Steps 1-3 above; returns the step as every rank knows it."""
+    """(all ranks, collective) Steps 1-3 above; returns the step as every rank knows it.
+    ``base``: the local step an incremental save referred to (``incremental_local.py``)."""
     started = time.perf_counter()
     local = spread_metadata(coord, backend, step)
+    root = os.path.dirname(os.path.normpath(step_dir))
+    holds = base_generations(root, base) if base is not None else []
 
     def record() -> None:
-        write_metadata(coord, hosts, backend, local)
+        write_metadata(coord, hosts, backend, local, holds, root)
+        if hosts.is_first(coord.rank):
+            if hosts.host_of(coord.rank) == hosts.host_of(0):
+                private_holds(root, local.manifest, step_name(local.step), holds)  # the save's coordinator wrote them
+            if base is not None:
+                carry_references(root, local.manifest, step_name(local.step), base)
         record_own(coord.rank, local, step_dir)
 
     run_phase(coord, "spreading the local step", record)  # a failure on one rank raises on all

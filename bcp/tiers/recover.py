@@ -73,8 +73,8 @@ from bcp import trace
 from bcp.coordination.collectives import Coordinator, GroupCoordinator, decide, portable
 from bcp.errors import CorruptCheckpointError, FormatError, RankFailedError
 from bcp.loader import LoadInfo, load_with_metadata
-from bcp.metadata import Manifest
-from bcp.metadata.keys import MANIFEST_KEY, step_name
+from bcp.metadata import FileEntry, Manifest
+from bcp.metadata.keys import MANIFEST_KEY, reference_key, step_name
 from bcp.options import LoadOptions
 from bcp.reader import CheckpointMetadata
 from bcp.target import resolve_backend
@@ -233,7 +233,7 @@ def _recover(
         except Exception as e:  # noqa: BLE001 - every rank learns of it below; raised unless it is damage
             info, error = None, e
         step_dir = os.path.join(local_root, step_name(choice.step))
-        recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
+        recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}", step_name(choice.step))
         try:
             # one all-reduce when every rank succeeded (the usual case); each rank's damage only when one failed
             failed = coord.any_failed(error is not None)
@@ -337,6 +337,7 @@ def _damage_of(error: BaseException | None, recovery_dir: str, step: int) -> tup
     if not isinstance(error, (CorruptCheckpointError, FormatError)):
         return None
     text = str(error).replace(recovery_dir, f"local step {step}")
+    text = text.replace(os.path.dirname(recovery_dir), "the local root")  # a sibling step's file
     return getattr(error, "file", None), text
 
 
@@ -373,7 +374,9 @@ def _attempt(
     n_files = len(manifest.data_files)
     # every host holds every file: no host fetches, so no directory, read plan or exchange anywhere
     everywhere = all(len(set(h)) == len(hosts.hosts) for h in choice.holders)
-    recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
+    # the recovery directory mirrors the local root: the step, and the sibling steps it refers to
+    recovery_parent = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}")
+    recovery_dir = os.path.join(recovery_parent, step_name(choice.step))
     # a host holding every file loads its local step itself (read-only), with no recovery directory
     load_dir = step_dir if len(held) == n_files else recovery_dir
     try:
@@ -408,13 +411,13 @@ def _attempt(
             fetch_seconds = time.perf_counter() - fetch_started
             loaded = load_with_metadata(state, load_dir, metadata, load_opts)
         else:
-            fetched = {e.path: i for i, e in enumerate(manifest.data_files) if i not in held}
+            fetched = {i: e for i, e in enumerate(manifest.data_files) if i not in held}
             loaded, fetch_seconds = _load_while_fetching(
                 state, exchange, exchange_coord, load_dir, fetched, load_opts, metadata
             )
     finally:
         if first and load_dir == recovery_dir:
-            shutil.rmtree(recovery_dir, ignore_errors=True)
+            shutil.rmtree(recovery_parent, ignore_errors=True)
     seconds = time.perf_counter() - started
     log.info(
         "recovered step %d (save %s) from the local tier in %.3f s: %d bytes received from peers and %d sent "
@@ -449,12 +452,14 @@ def _load_while_fetching(
     exchange: Exchange,
     exchange_coord: Coordinator,
     recovery_dir: str,
-    fetched: dict[str, int],
+    fetched: dict[int, FileEntry],
     load_opts: LoadOptions,
     metadata: CheckpointMetadata,
 ) -> tuple[LoadInfo, float]:
     """The exchange in a thread on ``exchange_coord``'s group while this rank loads
-    through a :class:`GatedBackend`; an exchange error wins over the load's."""
+    through a :class:`GatedBackend` (the step's own files, and a second one over the
+    recovery directory's parent for the sibling steps' files it refers to); an exchange
+    error wins over the load's."""
     started = time.perf_counter()
     arrivals = Arrivals()
     exchange.coord = exchange_coord
@@ -478,8 +483,11 @@ def _load_while_fetching(
     thread.start()
     loaded: LoadInfo | None = None
     try:
-        backend = GatedBackend(resolve_backend(recovery_dir), fetched, arrivals)
-        loaded = load_with_metadata(state, backend, metadata, load_opts)
+        own = {e.path: i for i, e in fetched.items() if e.checkpoint is None}
+        refs = {reference_key(e.checkpoint, e.path): i for i, e in fetched.items() if e.checkpoint is not None}
+        backend = GatedBackend(resolve_backend(recovery_dir), own, arrivals)
+        siblings = GatedBackend(resolve_backend(os.path.dirname(recovery_dir)), refs, arrivals)
+        loaded = load_with_metadata(state, backend, metadata, load_opts, parent=lambda: siblings)
     finally:
         thread.join()  # every transfer happens, so no peer waits forever
         if outcome.get("error") is not None:

@@ -1,9 +1,11 @@
 """The recovery directory of one host (``bcp.tiers.recover``, step 4; docs/tiers.md, "Recovering").
 
-``<local root>/recover-<nonce>/`` holds the chosen step's manifest and catalog, a
-hard link to each data file the host holds whole, and a sparse file of the
-manifest's size for each other one (ranks of one host share it); the exchange fills
-the holes, and an ordinary ``bcp.load`` reads from it. A recovery removes it after;
+``<local root>/recover-<nonce>/step_<N>/`` holds the chosen step's manifest and
+catalog, a hard link to each data file the host holds whole, and a sparse file of the
+manifest's size for each other one (ranks of one host share it); an incremental
+step's referenced files lie beside it, under ``recover-<nonce>/<sibling step>/`` as in
+the local root (``incremental_local.data_path``). The exchange fills the holes, and
+an ordinary ``bcp.load`` reads from it (references through its parent directory). A recovery removes it after;
 one a killed recovery left is removed by the next listing (:func:`remove_leftovers`).
 
 Also here: the chosen step's manifest and catalog as its source reads them
@@ -33,6 +35,7 @@ from bcp.metadata.keys import MANIFEST_KEY
 from bcp.reader import CheckpointMetadata, check_catalog, fetch_catalog, fetch_manifest
 from bcp.target import resolve_backend
 from bcp.tiers.holding import file_spans, verify
+from bcp.tiers.incremental_local import data_path
 from bcp.tiers.inventory import LocalChoice
 
 log = logging.getLogger(__name__)
@@ -81,10 +84,10 @@ def prepare(
     hard links to the files held whole, sparse files of the manifest's sizes for the
     others, then the catalog and the manifest."""
     for i, entry in enumerate(manifest.data_files):
-        target = os.path.join(recovery_dir, *entry.path.split("/"))
+        target = data_path(recovery_dir, entry)  # a reference: under its sibling step, beside the step
         os.makedirs(os.path.dirname(target), exist_ok=True)
         if i in held:
-            _link(os.path.join(step_dir, *entry.path.split("/")), target)
+            _link(data_path(step_dir, entry), target)
         else:
             _sparse(target, entry.nbytes)
     _write_replace(os.path.join(recovery_dir, *manifest.catalog.path.split("/")), metadata.catalog)
@@ -170,7 +173,7 @@ def check_copy(
         return out
     for i in wanted:
         entry = manifest.data_files[i]
-        path = os.path.join(step_dir, *entry.path.split("/"))
+        path = data_path(step_dir, entry)
         problem = verify(path, entry, spans, manifest.checksum_block_bytes)
         if problem is not None:
             out.append(quarantine(path, problem, host))

@@ -34,7 +34,7 @@ from bcp.async_save import AfterCommit, AsyncSaveHandle, async_save
 from bcp.backends import join_uri
 from bcp.coordination.collectives import decide, run_phase
 from bcp.coordination.lanes import Lanes
-from bcp.metadata.keys import step_name
+from bcp.metadata.keys import MANIFEST_KEY, step_name
 from bcp.options import SaveOptions
 from bcp.planning.cache import plan_cache_for
 from bcp.save_phases import SaveInfo, SaveJob
@@ -121,6 +121,9 @@ class Tier:
         self._reuse: tuple[bytes, np.ndarray] | None = None
         #: whether the last local save started took the fast path (tests, logs)
         self.last_fast = False
+        #: (the same on every rank) the newest local step this tier committed: an incremental
+        #: local save's base (None: the next one writes every byte; ``config.incremental``)
+        self._base: int | None = None
 
     @property
     def is_host_first(self) -> bool:
@@ -139,12 +142,20 @@ class Tier:
         if not cfg.local_due(step):
             return "persistent" if drain else "none"
         own = self._last_bytes if self._last_bytes is not None else state_bytes(state)
-        local_opts = dataclasses.replace(opts, storage_options=None, overwrite=False)
+        base = self._agreed_base(step) if cfg.incremental else None
+        local_opts = dataclasses.replace(
+            opts,
+            storage_options=None,
+            overwrite=False,
+            incremental=cfg.incremental,
+            base=None if base is None else step_dir(self.root, base),
+        )
         hook = AfterCommit(
-            run=lambda job, info: self._after_commit(job, info, step, drain),
+            run=lambda job, info: self._after_commit(job, info, step, drain, base),
             visible_ranks=frozenset(self.hosts.ranks[self.hosts.host_of(0)]),
         )
-        self.last_fast = self._fast and not drain and opts.trace is None  # the same on every rank
+        # the same on every rank; an incremental save digests and matches its pieces: never the fast path
+        self.last_fast = self._fast and not drain and opts.trace is None and not cfg.incremental
         if self.last_fast:
             key, writes = self._reuse if self._reuse is not None else (b"", None)
             handle = save_fast(
@@ -172,6 +183,16 @@ class Tier:
         self._reuse = list(held.items())[-1] if held else None  # the plan just made: newest
         self._local = (handle, step)
         return "local"
+
+    def _agreed_base(self, step: int) -> int | None:
+        """(all ranks, collective) The base of an incremental local save of ``step``: the
+        previous local step this tier committed, when every host still holds its manifest
+        (each rank reads the base's catalog on its own host); else None (a full save)."""
+        prev = self._base
+        if prev is None or prev >= step:
+            return None
+        here = os.path.isfile(os.path.join(step_dir(self.root, prev), MANIFEST_KEY))
+        return None if self.coord.any_failed(not here) else prev
 
     def _remove_stale(self, step: int) -> None:
         """(the host's first rank) Its copies of ``step`` and later ones, left by an earlier
@@ -211,10 +232,12 @@ class Tier:
             info = handle.wait_or_skipped()
         except BaseException:
             self._fast = False  # an error raises on every rank: the next save plans anew everywhere
+            self._base = None  # and the next incremental save writes every byte
             raise
         self._fast = self._fits
         if info is not None:
             self._last_bytes = info.rank_bytes_written
+            self._base = _step
         return info
 
     def wait_drain(self) -> None:
@@ -230,13 +253,13 @@ class Tier:
 
     # -- the save's background thread ------------------------------------------------------------
 
-    def _after_commit(self, job: SaveJob, _info: SaveInfo, step: int, drain: bool) -> None:
+    def _after_commit(self, job: SaveJob, _info: SaveInfo, step: int, drain: bool, base: int | None) -> None:
         cfg = self.config
         # the next local save may stage before planning when every rank's chunks fit in its pool at once
         pipeline = job.pipeline
         self._fits = not job.coord.any_failed(len(pipeline.chunks()) > pipeline.pool.max_slabs)
         local = after_commit(
-            job.coord, self.hosts, cfg.replicas, cfg.chunk_bytes, job.backend, step_dir(self.root, step), step
+            job.coord, self.hosts, cfg.replicas, cfg.chunk_bytes, job.backend, step_dir(self.root, step), step, base
         )
         self.done_at = time.perf_counter()  # read after wait_local: the handle's event orders it
         if drain:
@@ -255,7 +278,16 @@ class Tier:
 
         def run() -> None:
             remote = resolve_backend(join_uri(self.root_uri, step_name(step)), self.storage_options)
-            drain_step(self.drain_coord, backend, remote, local.manifest, local.catalog_bytes)
+            drain_step(
+                self.drain_coord,
+                backend,
+                remote,
+                local.manifest,
+                local.catalog_bytes,
+                local_parent=self.root,
+                remote_parent=self.root_uri,
+                storage_options=self.storage_options,
+            )
             # the persistent root's retention and pointer, on the drain's group
             decide(self.drain_coord, "applying retention", self.housekeeping, [step])
 
