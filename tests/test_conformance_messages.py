@@ -117,6 +117,7 @@ def _fake_bcp(directory: Path) -> None:
     (directory / "bcp" / "__init__.py").write_text("raise ImportError('the fake bcp/ folder was imported')\n")
 
 
+@pytest.mark.subprocess  # _kill_midway starts the child, out of sight of tests/conftest.py
 def test_the_child_imports_the_installed_bcp_beside_a_bcp_folder(tmp_path, monkeypatch):
     """A plugin next to a ``bcp/`` folder, run from that directory: the child must
     still import the installed bcp (not the folder), and the plugin."""
@@ -130,6 +131,7 @@ def test_the_child_imports_the_installed_bcp_beside_a_bcp_folder(tmp_path, monke
     CheckpointContractTests()._kill_midway(f"{scheme}://{tmp_path}/ck", overwrite=False)
 
 
+@pytest.mark.subprocess  # _kill_midway starts the child, out of sight of tests/conftest.py
 def test_a_bcp_shadowing_the_installed_one_on_pythonpath_is_named_in_the_hint(tmp_path, monkeypatch):
     shadow = tmp_path / "shadow"
     shadow.mkdir()
@@ -161,3 +163,15 @@ def test_the_child_refuses_a_bcp_other_than_the_parents(tmp_path):
     assert proc.returncode != 0 and "WRITING" not in proc.stdout
     last = proc.stderr.strip().splitlines()[-1]
     assert "this child imported bcp from" in last and str(tmp_path / "elsewhere") in last, last
+
+
+def test_every_test_here_that_starts_the_killed_save_child_is_marked_subprocess():
+    """tests/conftest.py sees ``subprocess`` only in a test's own code: a child started
+    by the library (``_kill_midway``) needs the marker by hand, or it runs (2 s each)
+    in the fast tier."""
+    starting = [
+        fn for name, fn in globals().items() if name.startswith("test_") and "_kill_midway" in fn.__code__.co_names
+    ]
+    assert len(starting) == 2, [f.__name__ for f in starting]
+    for fn in starting:
+        assert "subprocess" in {m.name for m in getattr(fn, "pytestmark", [])}, fn.__name__
