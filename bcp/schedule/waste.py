@@ -42,16 +42,25 @@ def waste_fraction(
     """Expected share of wall time lost to saves, lost work and recoveries, at one
     save every ``interval`` seconds of work. All arguments in seconds, ``interval`` and
     ``mtbf`` > 0. Capped at 1 (nothing is left for training)."""
+    value = _objective(interval, cost, recovery, mtbf, lag, method)
+    return min(1.0, max(0.0, value + 1.0 + lag / mtbf if method == "exact" else value))
+
+
+def _objective(interval: float, cost: float, recovery: float, mtbf: float, lag: float, method: Method) -> float:
+    """The waste without the cap at 1, so that it still has one minimum where every
+    interval wastes everything (saves dearer than the failures allow): the search and
+    the choice of steps minimise this. The exact form is returned less 1 (``-T/E``):
+    ``1 - T/E`` would round away the differences when ``T/E`` is tiny."""
     if interval <= 0 or mtbf <= 0:
         raise ValueError(f"interval and mtbf must be > 0, got {interval} and {mtbf}")
     effective = cost + max(0.0, lag - interval)
     if method == "young":
-        return min(1.0, effective / interval + (interval / 2 + lag + recovery) / mtbf)
-    exponent = (interval + effective) / mtbf
-    if exponent > 700 or recovery / mtbf > 700:
-        return 1.0
-    expected = mtbf * math.exp(recovery / mtbf) * math.expm1(exponent)
-    return min(1.0, max(0.0, 1.0 - interval / expected) + lag / mtbf)
+        return effective / interval + (interval / 2 + lag + recovery) / mtbf
+    exponent = (interval + effective + recovery) / mtbf
+    if exponent > 700:  # e^exponent overflows: log-space, increasing with the exponent
+        return exponent - math.log(interval / mtbf)
+    expected = mtbf * math.exp(recovery / mtbf) * math.expm1((interval + effective) / mtbf)
+    return -interval / expected
 
 
 def young_seconds(cost: float, mtbf: float) -> float:
@@ -66,7 +75,7 @@ def optimal_seconds(cost: float, recovery: float, mtbf: float, lag: float = 0.0,
     lo, hi = math.log(1e-6 + cost * 1e-3), math.log(50.0 * mtbf + lag)
 
     def f(x: float) -> float:
-        return waste_fraction(math.exp(x), cost, recovery, mtbf, lag, method)
+        return _objective(math.exp(x), cost, recovery, mtbf, lag, method)
 
     a, b = lo, hi
     c, d = b - _PHI * (b - a), a + _PHI * (b - a)
@@ -105,7 +114,7 @@ def best_steps(
     top = max(1, max_steps // unit)
 
     def w(k: int) -> float:
-        return waste_fraction(k * unit * step_seconds, cost, recovery, mtbf, lag, method)
+        return _objective(k * unit * step_seconds, cost, recovery, mtbf, lag, method)
 
     guess = optimal_seconds(cost, recovery, mtbf, lag, method) / (unit * step_seconds)
     k = min(top, max(1, int(guess)))
