@@ -38,6 +38,7 @@ from bcp.reader import CheckpointReader, TensorMeta
 from bcp.reader import open_checkpoint as open  # noqa: A004 - the public name is bcp.open
 from bcp.saver import SaveInfo, save
 from bcp.schedule.interval import IntervalPolicy, IntervalReport
+from bcp.schedule.preemption import Preemption
 from bcp.shards import FlatShard, PerRank, RankValues, TensorShard
 from bcp.tiers import LocalTier
 from bcp.training import TrainingState, reshard_per_rank
@@ -63,6 +64,7 @@ __all__ = [
     "MetricsRecord",
     "PerRank",
     "PickleNotAllowedError",
+    "Preemption",
     "RankFailedError",
     "RankValues",
     "RanksMissingError",

@@ -41,6 +41,7 @@ import torch
 from bcp.io_scheduler import device_copy
 from bcp.io_scheduler.chunk_plan import PipelinePlan
 from bcp.io_scheduler.write_pipeline import WriteItem
+from bcp.pieces import cut_pieces
 from bcp.planning.local_layout import LocalLayout, TensorPlan
 from bcp.replicas import ReplicaSummer, ReplicaSums
 from bcp.shards import LocalTensor, Piece, holds_replica, local_pieces
@@ -239,11 +240,16 @@ def prepare_tensors(
     objects: dict[str, Any],
     summer: ReplicaSummer | None = None,
     plans: LocalPlans | None = None,
+    piece_bytes: int | None = None,
 ) -> Prepared:
     """The tensor part of step 1: each tensor's plan and local pieces (and, with
     ``summer``, the checksums of its replicated ones); from ``plans`` when it keeps
-    this structure, else planned and kept there."""
+    this structure, else planned and kept there. ``piece_bytes`` (an incremental save):
+    every local box cut into pieces of whole rows (``bcp.incremental.cut_pieces``), kept
+    plans neither used nor kept."""
     summer = summer or ReplicaSummer("off")
+    if piece_bytes is not None:
+        plans = None
     key, values = fingerprint(leaves, rank) if plans is not None else (None, [])
     kept = plans.get(key) if plans is not None else None
     if kept is not None:
@@ -261,6 +267,8 @@ def prepare_tensors(
         shape, dtype, local, _replicated = local_pieces(leaf.value, leaf.fqn)
         for piece in local:
             check_saveable(piece.tensor, leaf.fqn)
+        if piece_bytes is not None:
+            local = [cut for piece in local for cut in cut_pieces(piece, dtype, piece_bytes)]
         ident = tuple(storage_identity(p.tensor) for p in local)
         alias = first_fqn_of.setdefault(ident, leaf.fqn)
         tensor_plan = TensorPlan(
@@ -272,7 +280,7 @@ def prepare_tensors(
             alias_of=None if alias == leaf.fqn else alias,
         )
         items.extend(WriteItem(tensor_plan, piece, len(tensors)) for piece in local)  # LocalLayout's flat order
-        piece_of.extend([-1] if plain else range(len(local)))
+        piece_of.extend([-1] if plain and len(local) == 1 else range(len(local)))
         holds = holds_replica(leaf.value)
         replicated.append(holds)
         if summer.enabled and holds:

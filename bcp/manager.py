@@ -25,7 +25,7 @@ import os
 import time
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Unpack
+from typing import Any, Literal, Unpack
 
 from bcp import trace
 from bcp.async_save import AsyncSaveHandle, async_save, reserve_staging
@@ -42,6 +42,7 @@ from bcp.metrics import MetricsCallback, MetricsRecord, stage_gbps
 from bcp.options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
 from bcp.retention import RetentionPolicy, check_policy, plan_gc, run_gc, write_latest
 from bcp.saver import SaveInfo, save
+from bcp.schedule.preemption import Agreement, Preemption, Verdict, Watch, choose_tier
 from bcp.target import resolve_backend
 from bcp.tiers import LocalTier
 from bcp.tiers.recover import RecoveryInfo, recover_latest_with_info
@@ -78,6 +79,12 @@ class CheckpointManager:
     ``metrics=callback`` calls ``callback(bcp.MetricsRecord)`` once per save (when it
     completes: an async one at :meth:`wait` or the next save) and once per load
     (docs/observability.md); saves and loads are then traced in memory (``trace=True``).
+
+    :meth:`step`, called at every training step, saves when a save is due
+    (``interval=N``: every N steps; with a tier, the tier's ``every`` and
+    ``persist_every``; None without a tier: only on a preemption notice) and, with
+    ``preemption=bcp.Preemption(...)``, saves and returns True once any rank got a
+    notice (docs/manager.md, "Preemption").
     """
 
     def __init__(
@@ -94,8 +101,13 @@ class CheckpointManager:
         gc_grace_seconds: float = DEFAULT_GRACE_SECONDS,
         tier: LocalTier | None = None,
         metrics: MetricsCallback | None = None,
+        preemption: Preemption | None = None,
+        interval: int | Literal["auto"] | None = None,
     ) -> None:
         check_policy(keep_last, keep_every, keep_best)
+        self.interval = _check_interval(interval, tier)
+        if preemption is not None and not isinstance(preemption, Preemption):
+            raise TypeError(f"preemption must be a bcp.Preemption or None, got {type(preemption).__name__}")
         if gc_grace_seconds < 0:
             raise ValueError(f"gc_grace_seconds must be >= 0, got {gc_grace_seconds}")
         self.gc_grace_seconds = gc_grace_seconds
@@ -112,8 +124,22 @@ class CheckpointManager:
         #: perf_counter seconds at the call)
         self._due: tuple[int, int, float, float] | None = None
         self._reservation: StagingReservation | None = None
+        #: the newest measured save time of each tier ("local", "persistent"): call to commit, seconds
+        self.save_seconds: dict[str, float | None] = {"local": None, "persistent": None}
+        #: the step of the newest save started (a preemption save does not save it twice)
+        self._started: int | None = None
+        #: the step at which :meth:`step` returned True (it keeps returning True)
+        self._stopped_at: int | None = None
         # every group its saves, commits, drains and loads use, before any of them (bcp.coordination.lanes.ready)
-        self._lanes = ready(process_group, "CheckpointManager()", lanes=("drain",) if tier is not None else ())
+        lanes: tuple[str, ...] = ("drain",) if tier is not None else ()
+        lanes += ("preemption",) if preemption is not None else ()
+        self._lanes = ready(process_group, "CheckpointManager()", lanes=lanes)
+        #: preemption's handlers and per-step agreement (None: off, and step() runs no collective)
+        self._watch: Watch | None = None
+        self._agreement: Agreement | None = None
+        if preemption is not None:
+            self._agreement = Agreement(self._lanes.lane("preemption"))
+            self._watch = Watch(preemption)
         coord = self._lanes.caller
         # a restart: check every kept step once; a failure raises on every rank
         decide(coord, "cleaning up the checkpoint root", self._housekeeping, None)
@@ -129,6 +155,13 @@ class CheckpointManager:
                 lanes=self._lanes,
                 housekeeping=self._housekeeping,
             )
+        if self._watch is not None:
+            self._watch.install()
+
+    @property
+    def preemption(self) -> Watch | None:
+        """The preemption watch (its ``notice``; ``notify()`` gives a notice from code), or None."""
+        return self._watch
 
     # -- queries (local, no collectives) --------------------------------------------------
 
@@ -173,7 +206,19 @@ class CheckpointManager:
             raise TypeError(
                 f"CheckpointManager.save: {', '.join(owned)} belong to the manager; pass them to its constructor"
             )
-        opts = SaveOptions.of(options, overrides)
+        return self._save(step, state, metrics, SaveOptions.of(options, overrides))
+
+    def _save(
+        self,
+        step: int,
+        state: Any,
+        metrics: dict[str, float] | None,
+        opts: SaveOptions,
+        to: Literal["local", "persistent"] | None = None,
+    ) -> SaveInfo | None:
+        """(all ranks) :meth:`save` once its options are checked. ``to``: this tier, whatever
+        the tier's schedule says (a preemption save); a local save that some host has no
+        room for is then not made (``self._started`` says whether a save started)."""
         self._wait_pending()
         called, retries = time.perf_counter(), retry_count()
         if self.metrics is not None and opts.trace is None:
@@ -182,8 +227,11 @@ class CheckpointManager:
         opts = dataclasses.replace(
             opts, metadata=meta, storage_options=self.storage_options or None, process_group=self.process_group
         )
-        if self._tier is not None:
-            route = self._tier.save(step, state, opts, self.overlap)
+        if self._tier is not None and to != "persistent":
+            due = (True, False) if to == "local" else None
+            route = self._tier.save(step, state, opts, self.overlap, due=due)
+            if route != "none":
+                self._started = step
             if route == "local":
                 self._due = (step, retries, time.perf_counter() - called, called)
                 if not self.async_save:  # the record: when the local save and its replication are done
@@ -192,6 +240,7 @@ class CheckpointManager:
                     return info
             if route != "persistent":
                 return None
+        self._started = step
         if self.async_save:
             self._pending = (async_save(state, self.uri(step), opts, overlap=self.overlap), step)
             self._due = (step, retries, self._pending[0].blocking_seconds, called)
@@ -200,6 +249,69 @@ class CheckpointManager:
         self._committed(step, "CheckpointManager.save")
         self._report_save(info, (step, retries, info.seconds, called), "persistent")
         return info
+
+    def step(self, step: int, state: Any, *, metrics: dict[str, float] | None = None) -> bool:
+        """(all ranks, at every training step, after the step) Save ``step`` when due;
+        True: the job should stop now. Cheap when nothing is due: with preemption on,
+        one all-reduce of four numbers on bcp's own group; off, no collective.
+
+        Once any rank got a preemption notice (a signal, before or during this call's
+        predecessors: a save, a load, a collective), every rank saves ``step`` to the
+        fastest tier expected to commit within the deadline, waits for the commit and
+        returns True, here and at every later call. When no tier can commit in time,
+        nothing new is saved (WARNING): the last committed checkpoint stays the newest."""
+        if self._stopped_at is not None:
+            return True
+        if self._agreement is not None:
+            assert self._watch is not None
+            verdict = self._agreement.exchange(self._watch, self.save_seconds)
+            if verdict.stop:
+                self._stopped_at = step
+                self._preempted(step, state, metrics, verdict)
+                return True
+        if self._tier is not None:
+            config = self._tier.config
+            due = config.local_due(step) or config.drain_due(step)
+        else:
+            due = isinstance(self.interval, int) and step % self.interval == 0
+        if due:
+            self.save(step, state, metrics)
+        return False
+
+    def _preempted(self, step: int, state: Any, metrics: dict[str, float] | None, verdict: Verdict) -> None:
+        """(all ranks, the same ``verdict``) The preemption save of ``step``, waited for."""
+        watch = self._watch
+        assert watch is not None
+        if watch.notice is not None:
+            log.warning(
+                "preemption: %s arrived %.1f s before step %d on this rank; every rank saves and stops",
+                watch.notice.name,
+                time.monotonic() - watch.notice.at,
+                step,
+            )
+        if self._started == step:  # save() or step() saved this step already: only its commit is left
+            self.wait()
+            return
+        tier, expected = choose_tier(verdict, self._tier is not None)
+        if tier == "local":
+            self._save(step, state, metrics, SaveOptions(), to="local")
+            # made and replicated; None: some host had no room (WARNING logged): the root, if it fits
+            if self._started != step or self._wait_pending() is None:
+                persistent = verdict.estimates["persistent"]
+                fits = verdict.remaining is None or persistent is None or persistent <= verdict.remaining
+                tier, expected = ("persistent", persistent) if fits else (None, persistent)
+        if tier == "persistent":
+            self._save(step, state, metrics, SaveOptions(), to="persistent")
+        if tier is None and self._lanes.caller.is_coordinator:
+            log.warning(
+                "preemption: step %d is not saved: its save is expected to take %.1f s to commit, more than the "
+                "%.1f s left of the deadline (grace_seconds=%g); the last committed checkpoint stays the newest",
+                step,
+                expected if expected is not None else float("nan"),
+                verdict.remaining if verdict.remaining is not None else float("nan"),
+                watch.config.grace_seconds,
+            )
+        self.wait()
 
     def wait(self) -> SaveInfo | None:
         """(all ranks) Finish the save in flight, if any: commit, retention, pointer;
@@ -228,7 +340,7 @@ class CheckpointManager:
         total runs to the end of its replication (``Tier.done_at``), which a
         synchronous manager waits for: then it is the blocking time too."""
         self._due = None
-        if self.metrics is None or due is None:
+        if due is None:
             return
         step, retries, blocking, called = due
         total = info.seconds
@@ -236,6 +348,9 @@ class CheckpointManager:
             total = max(self._tier.done_at - called, blocking)
             if not self.async_save:
                 blocking = total
+        self.save_seconds["local" if tier == "local" else "persistent"] = total
+        if self.metrics is None:
+            return
         self.metrics(
             MetricsRecord(
                 step=step,
@@ -335,7 +450,10 @@ class CheckpointManager:
 
     def close(self) -> None:
         """(all ranks) Finish the save in flight (commit, retention, pointer): once it
-        returns, the last step saved is committed (or its error was raised)."""
+        returns, the last step saved is committed (or its error was raised). Preemption's
+        handlers are put back as they were."""
+        if self._watch is not None:
+            self._watch.uninstall()
         self.wait()
 
     def __enter__(self) -> CheckpointManager:
@@ -346,7 +464,10 @@ class CheckpointManager:
     ) -> None:
         if exc_type is None:
             self.close()
-        elif self._pending is not None or self._tier is not None:  # an error in training: still finish what was staged
+            return
+        if self._watch is not None:
+            self._watch.uninstall()
+        if self._pending is not None or self._tier is not None:  # an error in training: still finish what was staged
             try:
                 self.wait()
             except Exception:  # logged: the training error is the one to report
@@ -392,3 +513,22 @@ class CheckpointManager:
                 write_latest(self.backend, plan.committed[-1])  # the newest is always kept
             except Exception as e:  # noqa: BLE001 - latest.json is for people; bcp trusts manifests
                 log.warning("could not update %s at %s: %s", "latest.json", self.backend.uri, e)
+
+
+def _check_interval(interval: Any, tier: LocalTier | None) -> int | None:
+    """The ``interval`` of :meth:`CheckpointManager.step`, checked: steps, or None."""
+    if interval == "auto":
+        raise NotImplementedError(
+            "CheckpointManager(interval='auto'): the interval policy (bcp.schedule.interval) is not available "
+            "in this version; pass interval=<steps> or None"
+        )
+    if interval is None:
+        return None
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ValueError(f"CheckpointManager: interval must be an int >= 1, 'auto' or None, got {interval!r}")
+    if tier is not None:
+        raise ValueError(
+            f"CheckpointManager: interval={interval} and tier= both set when to save; with a tier, its every and "
+            f"persist_every do: pass interval=None"
+        )
+    return interval

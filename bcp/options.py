@@ -58,8 +58,25 @@ class SaveOptions:
     #: merges the ranks'), True: stage totals in ``SaveInfo.stages`` only; default:
     #: ``$BCP_TRACE_DIR`` when set (docs/observability.md)
     trace: TraceOption = None
+    #: an earlier checkpoint beside this one (same parent URI, committed): write only the
+    #: pieces whose bytes differ from it and refer to its stored bytes for the others
+    #: (metadata/FORMAT.md, "References"); implies ``incremental``
+    base: str | None = None
+    #: cut fragments into pieces of whole rows and record each piece's XXH3-128 digest,
+    #: so a later save can take this one as its base (a save without ``base`` writes every byte)
+    incremental: bool = False
+    #: the most bytes a piece of an incremental save holds (a larger row is one piece)
+    piece_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
+        pieces: Any = self.piece_bytes  # typed int; callers pass what they have
+        if isinstance(pieces, bool) or not isinstance(pieces, numbers.Integral):
+            raise TypeError(f"piece_bytes must be an int, got {type(pieces).__name__}")
+        if pieces < 1:
+            raise ValueError(f"piece_bytes must be at least 1, got {pieces}")
+        object.__setattr__(self, "piece_bytes", int(pieces))
+        if self.base is not None and not isinstance(self.base, str):
+            raise TypeError(f"base must be a URI string, got {type(self.base).__name__}")
         if self.check_replicas not in REPLICA_CHECKS:
             raise ValueError(
                 f"check_replicas must be one of {', '.join(map(repr, REPLICA_CHECKS))}, got {self.check_replicas!r}"
@@ -89,6 +106,11 @@ class SaveOptions:
     def user_metadata(self) -> dict[str, Any]:
         return dict(self.metadata or {})
 
+    @property
+    def is_incremental(self) -> bool:
+        """Whether the save cuts pieces and records digests (``incremental`` or a ``base``)."""
+        return self.incremental or self.base is not None
+
 
 class SaveOptionsKwargs(TypedDict, total=False):
     """:class:`SaveOptions` as keyword arguments (for type checkers)."""
@@ -103,6 +125,9 @@ class SaveOptionsKwargs(TypedDict, total=False):
     pool: StagingPool | None
     check_replicas: ReplicaCheck
     trace: TraceOption
+    base: str | None
+    incremental: bool
+    piece_bytes: int
 
 
 #: ``reshard_objects(fqn, values_by_saved_rank, rank, world_size) -> value for this rank``

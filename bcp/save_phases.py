@@ -50,6 +50,7 @@ from bcp.commit import (
 )
 from bcp.coordination.collectives import Coordinator, gather_decide, run_phase
 from bcp.errors import CheckpointExistsError, CommitUncertainError, UnsupportedStateError
+from bcp.incremental import BaseRef, Reuse, hold_base, reference_entries, with_reuse
 from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline, make_pipeline
 from bcp.kept_plans import PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
 from bcp.metadata import FileEntry, Fragment, Manifest, ObjectEntry
@@ -115,10 +116,11 @@ def prepare_save(
     check_replicas: str = "off",
     world_size: int = 1,
     plans: LocalPlans | None = None,
+    piece_bytes: int | None = None,
 ) -> Prepared:
     """(all ranks, local) Everything this rank knows before any message (``plans``:
     where the tensors' plan of an unchanged structure is kept between saves,
-    ``bcp.kept_plans``)."""
+    ``bcp.kept_plans``; ``piece_bytes``: an incremental save's pieces, ``bcp.pieces``)."""
     leaves = flatten_state(state)
     objects: dict[str, LocalObject] = {}
     for leaf in leaves.values():
@@ -128,7 +130,7 @@ def prepare_save(
             encoded = objcodec.encode(value, fqn=leaf.fqn, allow_pickle=allow_pickle)
             objects[leaf.fqn] = LocalObject(path_to_json(leaf.path), encoded, per_rank)
     summer = ReplicaSummer(check_replicas if world_size > 1 else "off")  # one rank has nothing to compare
-    return prepare_tensors(leaves, rank, objects, summer, plans)
+    return prepare_tensors(leaves, rank, objects, summer, plans, piece_bytes)
 
 
 # -- 2. hello --------------------------------------------------------------------------------
@@ -169,6 +171,8 @@ class SaveStart:
     cached: bool
     #: meta digest -> the one rank that sends that metadata (the coordinator lacks it)
     meta_from: dict[bytes, int]
+    #: an incremental save's base, checked and held (None: refer to nothing)
+    base: BaseRef | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,8 +230,11 @@ def decide_objects(all_objects: list[dict[str, LocalObject]]) -> dict[str, list[
     return out
 
 
-def coordinate_save(backend: Backend, hellos: list[Hello], options: SaveOptions, cache: PlanCache) -> SaveDecision:
-    """(coordinator) Check the target, settle the objects, look the plan up."""
+def coordinate_save(
+    backend: Backend, hellos: list[Hello], options: SaveOptions, cache: PlanCache, target: Any = None
+) -> SaveDecision:
+    """(coordinator) Check the target, settle the objects, look the plan up; with a
+    ``base`` (``target``: the URI saved to), check and hold it (``bcp.incremental``)."""
     existing = check_target(backend, overwrite=options.overwrite)
     try:
         json.dumps(options.user_metadata, allow_nan=False)
@@ -251,7 +258,11 @@ def coordinate_save(backend: Backend, hellos: list[Hello], options: SaveOptions,
                 meta_from.setdefault(d, rank)
     elif len(hellos) > 1:
         log_plan(plan)
-    start = SaveStart(new_save_id(), key, plan is not None, meta_from)
+    save_id = new_save_id()
+    base = None
+    if options.base is not None:
+        base = hold_base(target if target is not None else backend.uri, options.base, save_id, options.storage_options)
+    start = SaveStart(save_id, key, plan is not None, meta_from, base)
     return SaveDecision(start, objects, existing, digests, meta_digests, plan, () if plan is not None else replicas)
 
 
@@ -397,6 +408,8 @@ class SaveJob:
         self.committed = False
         #: this rank's fragment rows reached the coordinator: from here it may commit
         self.reported = False
+        #: an incremental save's: every item of this rank, what it reuses, their digests
+        self.reuse: tuple[list[WriteItem], Reuse, np.ndarray] | None = None
 
     def stage(self, select: Callable[[Any], bool] | None = None, last: bool = True) -> None:
         """Hand chunks to the writers (those ``select`` accepts; all when None)."""
@@ -413,7 +426,14 @@ class SaveJob:
     def write(self) -> WriterReport:
         """(all ranks, collective) Wait for the writers and make this rank's file durable
         (any rank's error raises on every rank): this rank's rows, for the commit."""
-        return run_phase(self.coord, "writing data", self.pipeline.finish)
+        return run_phase(self.coord, "writing data", self._finish)
+
+    def _finish(self) -> WriterReport:
+        report = self.pipeline.finish()
+        if self.reuse is None:
+            return report
+        items, reuse, digests = self.reuse
+        return with_reuse(report, items, reuse, digests)
 
     def _sent(self) -> None:
         """This rank's report reached the coordinator: from here it may commit."""
@@ -465,8 +485,10 @@ class SaveJob:
             if r.file is not None and (self.visible_ranks is None or r.rank in self.visible_ranks)
         ]
 
+        references = reference_entries([f for r in reports for f in r.references], merged.rows, merged.file_names)
+
         def manifest_for(catalog: FileEntry) -> Manifest:
-            files = tuple(r.file for r in reports if r.file is not None)
+            files = tuple(r.file for r in reports if r.file is not None) + tuple(references)
             return build_manifest(
                 self.save_id,
                 catalog,
@@ -523,7 +545,7 @@ def build_manifest(
             "tensors": counts["tensors"],
             "fragments": counts["fragments"],
             "tensor_bytes": counts["tensor_bytes"],
-            "data_bytes": sum(f.nbytes for f in files),
+            "data_bytes": sum(f.nbytes for f in files if f.checkpoint is None),  # references not counted
             "objects": len(objects),
         },
     )

@@ -33,9 +33,11 @@ from bcp.coordination.collectives import Coordinator, gather_decide, gather_deci
 from bcp.coordination.lanes import ready
 from bcp.errors import ShardingError
 from bcp.gc_pause import gc_paused
+from bcp.incremental import match
 from bcp.io_scheduler.write_pipeline import WriteItem
 from bcp.kept_plans import LocalPlans, Prepared, prepare_tensors
 from bcp.options import SaveOptions, SaveOptionsKwargs
+from bcp.pieces import digest_items, start_digests
 from bcp.planning import GlobalPlan, LayoutMeta, LocalLayout, plan_save
 from bcp.planning.cache import PlanCache, PlanSummary, plan_cache_for, save_order
 from bcp.replicas import check_replicas
@@ -128,14 +130,19 @@ def _start(
         check_replicas=options.check_replicas,
         world_size=coord.world_size,
         plans=cache.local(LocalPlans),
+        piece_bytes=options.piece_bytes if options.is_incremental else None,
     )
     held = cache.held()
     layout = prepared.layout
+    early = None
+    if options.is_incremental and coord.world_size == 1:
+        # one rank writes every box: digest them while the coordinator holds the base
+        early = start_digests(prepared.items, options.streams or backend.hints.concurrency)
     decision: SaveDecision | SaveStart = gather_decide(
         coord,
         "planning the save",
         hello(prepared, held),
-        lambda hellos: coordinate_save(backend, hellos, options, cache),
+        lambda hellos: coordinate_save(backend, hellos, options, cache, uri),
         share=lambda d: d.start,
     )
     start = decision.start if isinstance(decision, SaveDecision) else decision
@@ -159,6 +166,27 @@ def _start(
             decision = planned[0]
     cache.remember_writes(start.key, my_writes)  # newest last: evicted in the coordinator's order
     items = [prepared.items[i] for i in my_writes.tolist()]
+    reuse = None
+    if options.is_incremental:
+        # digests of the values at the call (an async save returns only once they are
+        # taken), then which pieces the base holds already: only the others are written
+        with trace.span("digest"):
+            if early is not None:
+                digests = early()[my_writes]
+            else:
+                digests = digest_items(items, options.streams or backend.hints.concurrency)
+        found = run_phase(
+            coord,
+            "reading the base",
+            match,
+            start.base,
+            items,
+            digests,
+            options.checksum_block_bytes,
+            options.storage_options,
+        )
+        reuse = (items, found, digests)
+        items = [items[k] for k in found.changed]
     pipeline = open_pipeline(
         backend,
         coord.rank,
@@ -166,11 +194,13 @@ def _start(
         items,
         options,
         stage_all=stage_all,
-        plans=prepared.local.pipelines if prepared.local is not None else None,
-        writes=my_writes,
+        plans=prepared.local.pipelines if prepared.local is not None and reuse is None else None,
+        writes=my_writes if reuse is None else None,
     )
     mine = decision if isinstance(decision, SaveDecision) else None
-    return SaveJob(coord, backend, options, mine, start.save_id, pipeline, started, session)
+    job = SaveJob(coord, backend, options, mine, start.save_id, pipeline, started, session)
+    job.reuse = reuse
+    return job
 
 
 def _plan(decision: SaveDecision, layouts: list[LocalLayout], cache: PlanCache) -> tuple[SaveDecision, GlobalPlan]:

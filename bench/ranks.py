@@ -1,5 +1,10 @@
-"""One spawned process per rank, waited for together within one deadline (for the
-bench/ scripts that run gloo jobs; bench/ is not a package)."""
+"""One process per rank, waited for together within one deadline (for the bench/
+scripts that run gloo jobs; bench/ is not a package).
+
+Ranks start from a fork server that has imported torch and bcp once: each rank is a
+fresh process (the script re-imported, nothing of the parent's state but what
+``args_of`` gives it), without paying the seconds of a torch import per rank, which
+the measured phases never included but every run (and its smoke test) waited for."""
 
 from __future__ import annotations
 
@@ -8,13 +13,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+#: Imported once by the fork server, with a script's own ``preload`` (a module that
+#: fails to import is skipped).
+PRELOAD = ("numpy", "torch", "torch.distributed", "bcp")
+
 
 def run_ranks(
-    target: Callable[..., None], args_of: Callable[[int], tuple[Any, ...]], world: int, timeout: float, what: str
+    target: Callable[..., None],
+    args_of: Callable[[int], tuple[Any, ...]],
+    world: int,
+    timeout: float,
+    what: str,
+    preload: tuple[str, ...] = (),
 ) -> None:
-    """Run ``target(*args_of(rank))`` in ``world`` spawned processes; kill those still
-    running after ``timeout`` seconds; SystemExit naming ``what`` unless every one exits 0."""
-    ctx = mp.get_context("spawn")
+    """Run ``target(*args_of(rank))`` in ``world`` processes started from the fork
+    server (which imports :data:`PRELOAD` and ``preload`` when it starts: the first
+    call of a process decides); kill those still running after ``timeout`` seconds;
+    SystemExit naming ``what`` unless every one exits 0."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([*PRELOAD, *preload])
     procs = [ctx.Process(target=target, args=args_of(rank)) for rank in range(world)]
     for p in procs:
         p.start()

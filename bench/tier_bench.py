@@ -487,7 +487,14 @@ def _entry(job: str, rank: int, world: int, port: int, cfg: dict) -> None:
 
 def run(job: str, world: int, cfg: dict, timeout: float) -> dict:
     port = free_port()
-    run_ranks(_entry, lambda r: (job, r, world, port, cfg), world, timeout, f"tier_bench: the {job} job")
+    run_ranks(
+        _entry,
+        lambda r: (job, r, world, port, cfg),
+        world,
+        timeout,
+        f"tier_bench: the {job} job",
+        preload=("bcp.backends.s3",),  # the S3 client library, for the persistent tier
+    )
     return json.loads(Path(cfg["out"]).read_text())
 
 

@@ -166,7 +166,12 @@ def free_port() -> int:
 def run_fsdp(world: int, cfg: dict, timeout: float) -> dict[str, Any]:
     port = free_port()
     run_ranks(
-        _entry, lambda r: (r, world, port, cfg), world, timeout, f"training_state_bench: the FSDP2 job on {world} ranks"
+        _entry,
+        lambda r: (r, world, port, cfg),
+        world,
+        timeout,
+        f"training_state_bench: the FSDP2 job on {world} ranks",
+        preload=("torch.distributed.fsdp",),
     )
     return json.loads(Path(cfg["out"]).read_text())
 

@@ -1,4 +1,7 @@
-"""The bcp command line, run as users run it (subprocess), and the conversions."""
+"""The bcp command line and the conversions. Most commands run in this process
+(tests/cli_runner.py: a subprocess costs seconds of imports); what only a real process
+shows (one line and no traceback on stderr, the console script, ``--log-level`` and a
+wrong one's exit status, the memory a conversion takes) runs as users run it."""
 
 from __future__ import annotations
 
@@ -14,9 +17,11 @@ import torch
 
 import bcp
 from bcp.metadata.keys import data_file_key, generation_name, step_name
+from cli_runner import cli
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli_process(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``bcp ARGS`` as users run it: ``python -m bcp.cli`` in a child process."""
     return subprocess.run(
         [sys.executable, "-m", "bcp.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -107,8 +112,37 @@ def test_verify_reports_a_missing_data_file(run_root):
 
 
 def test_errors_are_one_line_not_a_traceback(tmp_path):
-    proc = cli("inspect", str(tmp_path / "nothing"))
+    proc = cli_process("inspect", str(tmp_path / "nothing"))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "nothing" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stdout == "", proc.stderr
+    # the in-process runner the other tests use gives what the process gave
+    here = cli("inspect", str(tmp_path / "nothing"))
+    assert (here.returncode, here.stdout, here.stderr) == (proc.returncode, proc.stdout, proc.stderr)
+
+
+def test_the_in_process_runner_prints_log_records_and_warnings_as_a_process_does(tmp_path, monkeypatch):
+    """tests/cli_runner.py: bcp's log records and Python warnings reach the command's
+    stderr (not pytest's capture), and the test process's logging is put back after."""
+    import logging
+    import warnings
+
+    import bcp.cli.ls
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    proc = cli("--log-level", "DEBUG", "ls", str(tmp_path))
+    assert proc.returncode == 0 and "DEBUG bcp." in proc.stderr, proc.stderr
+    assert (root.handlers, root.level, logging.getLogger("bcp").level) == (handlers, level, logging.NOTSET)
+    real = bcp.cli.ls.run
+
+    def warns(args):
+        warnings.warn("careful", UserWarning, stacklevel=1)
+        warnings.warn("old", DeprecationWarning, stacklevel=1)  # hidden in a fresh process
+        return real(args)
+
+    monkeypatch.setattr(bcp.cli.ls, "run", warns)
+    proc = cli("ls", str(tmp_path))
+    assert proc.returncode == 0 and "UserWarning: careful" in proc.stderr and "old" not in proc.stderr, proc.stderr
 
 
 # -- rm / gc --------------------------------------------------------------------------------------
@@ -247,12 +281,12 @@ print(before, status("VmHWM"))
 
 @pytest.mark.slow
 def test_conversion_memory_is_bounded_by_the_shard_size(tmp_path):
-    """A 768 MiB checkpoint converts to 32 MiB shards with well under 768 MiB of
-    extra resident memory: the converting process's peak RSS (VmHWM, reset just
-    before converting) minus its RSS then."""
+    """A 384 MiB checkpoint converts to 32 MiB shards with well under 384 MiB of
+    extra resident memory (at most 128 MiB: a third of the checkpoint): the converting
+    process's peak RSS (VmHWM, reset just before converting) minus its RSS then."""
     src = str(tmp_path / "ck")
     g = torch.Generator().manual_seed(0)
-    bcp.save({f"layer{i}": torch.rand(4 << 20, generator=g) for i in range(48)}, src)  # 48 x 16 MiB
+    bcp.save({f"layer{i}": torch.rand(4 << 20, generator=g) for i in range(24)}, src)  # 24 x 16 MiB
     proc = subprocess.run(
         [sys.executable, "-c", _CONVERT_CHILD, src, str(tmp_path / "st"), str(32 << 20)],
         capture_output=True,
@@ -263,14 +297,15 @@ def test_conversion_memory_is_bounded_by_the_shard_size(tmp_path):
     assert proc.returncode == 0, proc.stderr
     before_kib, after_kib = map(int, proc.stdout.split())
     extra_mib = (after_kib - before_kib) / 1024
-    assert extra_mib < 128, f"conversion grew the peak RSS by {extra_mib:.0f} MiB for a 768 MiB checkpoint"
-    assert len(list((tmp_path / "st").glob("*.safetensors"))) == 24
+    assert extra_mib < 128, f"conversion grew the peak RSS by {extra_mib:.0f} MiB for a 384 MiB checkpoint"
+    assert len(list((tmp_path / "st").glob("*.safetensors"))) == 12
 
 
 def test_console_script_lists_every_command():
     proc = subprocess.run(
         [str(Path(sys.executable).with_name("bcp")), "--help"], capture_output=True, text=True, timeout=60, check=False
     )
+    assert proc.returncode == 0, proc.stderr
     for command in ("ls", "inspect", "verify", "convert", "rm", "gc", "bench", "conformance"):
         assert command in proc.stdout, f"bcp {command} is missing from --help"
 
@@ -482,12 +517,18 @@ def test_names_with_terminal_escapes_are_escaped(tmp_path):
     assert proc.returncode == 1 and "\x1b" not in proc.stderr and "no\\x1b[2Jthing" in proc.stderr
 
 
+#: One child for two checks: main() with --log-level DEBUG, its loggers' levels printed;
+#: then ``python -m bcp.cli --log-level LOUD ...`` run as ``-m`` runs it, whose exit status
+#: is the child's.
 _LOG_LEVELS = """
-import logging, sys
+import logging, runpy, sys
 from bcp.cli import main
 main(["--log-level", "DEBUG", "ls", sys.argv[1]])
 print(logging.getLogger("bcp.retention").isEnabledFor(logging.DEBUG),
-      logging.getLogger("botocore").isEnabledFor(logging.DEBUG), logging.getLogger().level)
+      logging.getLogger("botocore").isEnabledFor(logging.DEBUG), logging.getLogger().level, flush=True)
+print("--- LOUD", file=sys.stderr, flush=True)
+sys.argv = ["bcp", "--log-level", "LOUD", "ls", sys.argv[1]]
+runpy.run_module("bcp.cli", run_name="__main__", alter_sys=True)
 """
 
 
@@ -495,10 +536,10 @@ def test_log_level_applies_to_bcps_loggers_only(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", _LOG_LEVELS, str(tmp_path)], capture_output=True, text=True, timeout=120, check=False
     )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split()[-3:] == ["True", "False", str(30)], proc.stdout
-    assert "DEBUG bcp." in proc.stderr, proc.stderr
-    assert cli("--log-level", "LOUD", "ls", str(tmp_path)).returncode == 2
+    debug, _, loud = proc.stderr.partition("--- LOUD\n")
+    assert proc.stdout.split()[-3:] == ["True", "False", str(30)], proc.stdout + proc.stderr
+    assert "DEBUG bcp." in debug, proc.stderr
+    assert proc.returncode == 2 and "unknown log level 'LOUD'" in loud, proc.stderr
 
 
 def test_the_conformance_report_redacts_the_uri_and_reasons():

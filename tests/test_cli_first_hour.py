@@ -460,9 +460,9 @@ def test_inspect_shows_any_value_of_an_informative_field(inspect_root, field, va
 
 def test_bench_removes_the_directories_it_made(tmp_path):
     target = tmp_path / "new" / "deeper" / "bench"
-    proc = cli("bench", str(target), "--gib", "0.005", "--repeats", "2")
-    lines = proc.stdout.splitlines()
-    assert proc.returncode == 0 and len(lines) == 3, proc.stdout + proc.stderr
+    code, out, err = run("bench", str(target), "--gib", "0.005", "--repeats", "2")
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 3 and err == "", out + err
     assert lines[0].startswith("  run 1: save ") and lines[2].startswith(f"5.1 MiB through {target}, median of 2:")
     assert sorted(os.listdir(tmp_path)) == [], "bench left directories behind"
 

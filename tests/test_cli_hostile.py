@@ -1,6 +1,9 @@
 """The command line and the trace reader against hostile input: empty locations, a
 user's gen-mine/, planted links, FIFOs and huge files in a trace directory, escape
-codes in a trace, absurd --world values; and the size and speed formatters."""
+codes in a trace, absurd --world values; and the size and speed formatters.
+
+Commands run in this process (tests/cli_runner.py) except where a hang or the process
+is what is checked (a FIFO in a trace directory)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from bcp.backends import backend_for
 from bcp.cli import main as cli_main
 from bcp.cli.render import human, rate, safe
 from bcp.trace_report import TraceError, read_traces
+from cli_runner import cli
 
 #: a size or speed that reads as nothing: 0.0 MiB, 0.00 GB/s
 ZERO = re.compile(r"(?<![\d.])0\.0+ (\w+/s|([KMGTPE]i)?B)")
@@ -30,7 +34,8 @@ STATE = {"w": torch.arange(12.0).reshape(3, 4), "step": 7}
 EMPTY = ["", " ", "\t\n"]
 
 
-def cli(*args: str, cwd: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+def cli_process(*args: str, cwd: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``bcp ARGS`` as users run it, in a child process (a hang ends at ``timeout``)."""
     return subprocess.run(
         [sys.executable, "-m", "bcp.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, check=False
     )
@@ -178,7 +183,7 @@ def test_trace_skips_a_fifo_and_a_link_to_dev_zero_without_hanging(tmp_path):
     _trace(tmp_path, 0)
     os.mkfifo(tmp_path / "save-x.rank1.json")
     (tmp_path / "save-x.rank2.json").symlink_to("/dev/zero")
-    proc = cli("trace", str(tmp_path), timeout=60)
+    proc = cli_process("trace", str(tmp_path), timeout=60)
     assert proc.returncode == 0, proc.stderr
     warnings = proc.stderr.splitlines()
     assert len(warnings) == 2 and "Traceback" not in proc.stderr, proc.stderr
@@ -298,7 +303,7 @@ def test_safe_leaves_nothing_a_terminal_acts_on(text):
 
 
 def test_bench_prints_speeds_as_people_read_them(tmp_path):
-    proc = cli("bench", str(tmp_path / "b"), "--gib", "0.0005", "--repeats", "1", timeout=120)
+    proc = cli("bench", str(tmp_path / "b"), "--gib", "0.0005", "--repeats", "1")
     assert proc.returncode == 0, proc.stderr
     assert "GB/s" not in proc.stdout and re.search(r"save \d+\.\d [KMG]iB/s, load \d+\.\d [KMG]iB/s", proc.stdout), (
         proc.stdout

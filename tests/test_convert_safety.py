@@ -1,5 +1,9 @@
 """Conversion never runs code from the checkpoint it reads, and never leaves stale
-files beside what it writes (issue 14)."""
+files beside what it writes (issue 14).
+
+``bcp convert`` runs in this process (tests/cli_runner.py) except where the process
+is what is checked: the one line on stderr of a refused DCP checkpoint, and a
+conversion under an address-space limit."""
 
 from __future__ import annotations
 
@@ -17,9 +21,11 @@ import torch
 import bcp
 from bcp.convert import INDEX_NAME, from_dcp, to_safetensors
 from bcp.convert.dcp_metadata import MetadataUnpickler, is_allowed
+from cli_runner import cli
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli_process(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``bcp ARGS`` as users run it: ``python -m bcp.cli`` in a child process."""
     return subprocess.run(
         [sys.executable, "-m", "bcp.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -59,7 +65,7 @@ def test_a_dcp_metadata_that_runs_code_is_refused_by_the_cli(tmp_path):
     _dcp_checkpoint(src)
     marker = tmp_path / "pwned"
     (src / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
-    proc = cli("convert", str(src), str(tmp_path / "out"), "--to", "bcp")
+    proc = cli_process("convert", str(src), str(tmp_path / "out"), "--to", "bcp")
     assert not marker.exists(), "converting a DCP checkpoint ran code from its .metadata"
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

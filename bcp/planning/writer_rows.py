@@ -51,6 +51,12 @@ class WriterReport:
     rank: int = 0
     #: this rank's tensors by index, for :attr:`fragments` (kept here: never sent)
     tensors: Mapping[int, TensorPlan] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    #: an incremental save's: (rows, 16) uint8, each row's XXH3-128 (the catalog's ``digest``)
+    digests: np.ndarray | None = None
+    #: an incremental save's: per row, the data file of a sibling it refers to ("": ``file``)
+    row_files: tuple[str, ...] | None = None
+    #: the referenced files (``checkpoint`` set; their crc32c is computed at commit)
+    references: tuple[FileEntry, ...] = ()
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "tensors": {}}
@@ -67,13 +73,20 @@ class WriterReport:
             "key_path": pa.array([t.key_path for t in plans], pa.string()),
             "dtype": pa.array([t.dtype for t in plans], pa.string()),
             "global_shape": pa.array([t.global_shape for t in plans], pa.list_(pa.int64())),
-            "file": pa.array([self.file.path if self.file is not None else ""] * n, pa.string()),
+            "file": pa.array(self.paths(n), pa.string()),
             "writer_rank": pa.array(np.full(n, self.rank, np.int32)),
         }
         columns.update(
             {name: self.rows.column(name) for name in ("offsets", "lengths", "byte_offset", "nbytes", "checksums")}
         )
         return pa.table([columns[name] for name in CATALOG_SCHEMA.names], schema=CATALOG_SCHEMA)
+
+    def paths(self, n: int) -> list[str]:
+        """Each of ``n`` rows' data file path."""
+        own = self.file.path if self.file is not None else ""
+        if self.row_files is None:
+            return [own] * n
+        return [p or own for p in self.row_files]
 
     @property
     def fragments(self) -> list[Fragment]:
@@ -227,13 +240,23 @@ def merge_reports(reports: Sequence[WriterReport], metas: Sequence[LayoutMeta], 
         info = known[g]
         assert info is not None, "every row's tensor is in its rank's layout metadata"
         tensors.add(*info)
-    names = [r.file.path if r.file is not None else "" for r in writing]
+    names = _file_paths(writing)
     index: dict[str, int] = {}  # each name once, in order of first use (as Arrow's dictionary_encode)
     remap = np.array([index.setdefault(n, len(index)) for n in names], dtype=np.int32)
     rows = dataclasses.replace(
         rows, tensor=((np.cumsum(present) - 1)[rows.tensor]).astype(np.int32), file=remap[rows.file]
     )
     return Merged(tensors, list(index), rows, catalog_order, stats)
+
+
+def _file_paths(writing: Sequence[WriterReport]) -> list[str]:
+    """The paths :func:`_concat`'s file codes stand for, in code order."""
+    if any(r.row_files is not None or r.digests is not None for r in writing):
+        paths = {r.file.path: None for r in writing if r.file is not None}
+        for r in writing:
+            paths.update(dict.fromkeys(p for p in r.row_files or () if p))
+        return list(paths)
+    return [r.file.path if r.file is not None else "" for r in writing]
 
 
 TensorInfo = tuple[str, str, str, tuple[int, ...]]
@@ -267,6 +290,15 @@ def _concat(writing: Sequence[WriterReport], to_global: Sequence[np.ndarray]) ->
         raise FormatError(f"commit: fragment row {i}: offsets and lengths differ in length")
     sum_starts, sums = _listed(table.column("checksums"), np.uint32)
     sizes = np.array([r.rows.num_rows for r in writing], dtype=np.int64)
+    file = np.repeat(np.arange(len(writing), dtype=np.int32), sizes)
+    digests = None
+    if any(r.row_files is not None or r.digests is not None for r in writing):
+        # an incremental save: rows may name other checkpoints' files, and carry digests
+        code = {p: i for i, p in enumerate(_file_paths(writing))}
+        file = np.concatenate([np.array([code[p] for p in r.paths(r.rows.num_rows)], np.int32) for r in writing])
+        digests = np.concatenate(
+            [r.digests if r.digests is not None else np.zeros((r.rows.num_rows, 16), np.uint8) for r in writing]
+        )
     return Rows(
         tensor=np.concatenate([g[r.rows.column("tensor").to_numpy()] for r, g in zip(writing, to_global, strict=True)]),
         coord_starts=coord_starts,
@@ -274,10 +306,11 @@ def _concat(writing: Sequence[WriterReport], to_global: Sequence[np.ndarray]) ->
         lengths=lengths,
         byte_offset=_column(table, "byte_offset", np.int64),
         nbytes=_column(table, "nbytes", np.int64),
-        file=np.repeat(np.arange(len(writing), dtype=np.int32), sizes),
+        file=file,
         writer=np.repeat(np.array([r.rank for r in writing], dtype=np.int32), sizes),
         sum_starts=sum_starts,
         sums=sums,
+        digests=digests,
     )
 
 

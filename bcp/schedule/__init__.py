@@ -1,2 +1,3 @@
-"""Deciding when to save: the interval that wastes the least, from what the manager
-measures (issue 40). Its modules are described in docs/architecture.md."""
+"""When to save: the per-step decisions of ``CheckpointManager.step`` (preemption
+notices, and the interval that wastes the least). Its modules, one line each:
+docs/architecture.md."""

@@ -128,15 +128,25 @@ class Tier:
 
     # -- the main thread -------------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, Any], opts: SaveOptions, overlap: Any) -> Route:
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        opts: SaveOptions,
+        overlap: Any,
+        *,
+        due: tuple[bool, bool] | None = None,
+    ) -> Route:
         """(all ranks) Save ``step`` locally when due and there is room. Returns
         "local", "persistent" (the manager must save it to persistent storage) or
-        "none" (nothing is due at this step). The caller waited for the previous save."""
+        "none" (nothing is due at this step). The caller waited for the previous save.
+        ``due``: (local, drain) instead of ``every`` and ``persist_every`` (a
+        preemption save: local, not drained)."""
         cfg = self.config
-        drain = cfg.drain_due(step)
+        local_due, drain = due if due is not None else (cfg.local_due(step), cfg.drain_due(step))
         if drain:
             self.wait_drain()  # one drain at a time; a failed one raises here, on every rank
-        if not cfg.local_due(step):
+        if not local_due:
             return "persistent" if drain else "none"
         own = self._last_bytes if self._last_bytes is not None else state_bytes(state)
         local_opts = dataclasses.replace(opts, storage_options=None, overwrite=False)

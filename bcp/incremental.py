@@ -1,0 +1,238 @@
+"""The save side of incremental checkpoints (metadata/FORMAT.md, "References" and "Holds").
+
+An incremental save (``base=`` or ``incremental=True``) cuts every fragment into
+pieces of whole dim-0 rows (:func:`cut_pieces`), digests each piece's bytes with
+XXH3-128 and, where a piece's fqn, dtype, global shape, box, checksum block size
+and digest equal a row of its base's catalog, writes nothing for it: its row copies
+the base row's file, byte offset, size, checksums and digest (:func:`match`). The
+coordinator checks the base (a committed sibling), puts holds on every generation
+the base's manifest names and reads that manifest again (:func:`hold_base`), in
+that order, before any rank decides what to reuse; the commit lists the referenced
+files with ``"checkpoint": NAME`` (:func:`reference_entries`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from bcp.commit import read_manifest
+from bcp.errors import CheckpointNotFoundError
+from bcp.io_scheduler.write_pipeline import WriteItem
+from bcp.metadata import FileEntry, Manifest, digest_of_checksums, itemsize
+from bcp.metadata.keys import generation_of, hold_key, is_sibling_name, manifest_key, split_parent
+from bcp.metadata.rows import Rows, TensorEntry
+from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
+from bcp.reader import fetch_metadata, open_reader
+from bcp.references import parent_factory
+from bcp.target import Target, resolve_backend
+
+log = logging.getLogger(__name__)
+
+# -- the base ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseRef:
+    """The base a save refers to, as the coordinator checked and held it (sent to every rank)."""
+
+    #: the base's URI and its name (its last segment) under the common parent
+    uri: str
+    name: str
+    #: the base's manifest (bytes as read, parsed: every rank reads the same one)
+    manifest: Manifest
+
+
+def _parent_key(uri: str) -> str:
+    parent, _name = split_parent(uri)
+    if "://" not in parent and not parent.lower().startswith("file:"):
+        return os.path.realpath(parent)
+    return parent
+
+
+def check_sibling(uri: Target, base: str) -> tuple[str, str]:
+    """``(parent, base name)``; ValueError naming ``base`` unless it is a sibling of ``uri``
+    (same parent URI, a name FORMAT.md allows, not ``uri`` itself)."""
+    if not isinstance(uri, (str, os.PathLike)) or not isinstance(base, (str, os.PathLike)):
+        raise ValueError(f"base {base!r}: an incremental save needs URIs for the checkpoint and its base")
+    uri, base = os.fspath(uri), os.fspath(base)
+    try:
+        parent, name = split_parent(uri)
+        _bparent, bname = split_parent(base)
+    except ValueError as e:
+        raise ValueError(f"base {base!r}: {e}") from None
+    if _parent_key(uri) != _parent_key(base):
+        raise ValueError(f"base {base!r} is not a sibling of {uri!r}: it must lie under the same parent {parent!r}")
+    if not is_sibling_name(bname) or not is_sibling_name(name):
+        raise ValueError(f"base {base!r}: checkpoint names must match [A-Za-z0-9_][A-Za-z0-9._-]*")
+    if bname == name:
+        raise ValueError(f"base {base!r} is the checkpoint being saved: pass an earlier sibling")
+    return parent, bname
+
+
+def referenced_generations(manifest: Manifest, name: str) -> dict[tuple[str, str], None]:
+    """(owner checkpoint, generation) of every data file ``manifest`` (of checkpoint ``name``) names."""
+    out: dict[tuple[str, str], None] = {(name, manifest.generation): None}
+    for f in manifest.data_files:
+        gen = generation_of(f.path)
+        if gen is not None:
+            out[(f.checkpoint or name, gen)] = None
+    return out
+
+
+def hold_base(uri: Target, base: str, save_id: str, storage_options: object = None) -> BaseRef | None:
+    """(coordinator) FORMAT.md's order: read the base's manifest, write a hold on every
+    generation it names, read the manifest again. The base, or None (refer to nothing)
+    when it changed or went away in between. CheckpointNotFoundError naming ``base``
+    when it is not committed at the start."""
+    parent, name = check_sibling(uri, base)
+    opts = dict(storage_options or {})  # type: ignore[call-overload]
+    base_backend = resolve_backend(base, opts)
+    first = read_manifest(base_backend) if base_backend.exists(manifest_key()) else None
+    if first is None:
+        raise CheckpointNotFoundError(f"base {base!r} holds no committed checkpoint (no manifest.json)")
+    parent_backend = resolve_backend(parent, opts)
+    own_name = split_parent(os.fspath(uri))[1]  # type: ignore[arg-type]  # check_sibling took URIs
+    for owner, gen in referenced_generations(first, name):
+        parent_backend.write(f"{owner}/{hold_key(gen, own_name, save_id)}", b"")
+    try:
+        again = read_manifest(base_backend) if base_backend.exists(manifest_key()) else None
+    except Exception as e:  # noqa: BLE001 - unreadable now: refer to nothing
+        log.warning("base %s: its manifest could not be read again (%s): saving every byte", base, e)
+        return None
+    if again is None or again.save_id != first.save_id:
+        log.warning("base %s changed or was deleted while this save held it: saving every byte", base)
+        return None
+    return BaseRef(os.fspath(base), name, first)
+
+
+# -- matching ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Reuse:
+    """What one rank takes from its base: per reused item, the row it copies."""
+
+    #: indices (into the rank's items) of the reused items, and of the changed ones
+    reused: list[int]
+    changed: list[int]
+    #: per reused item: (file path, byte offset, nbytes, checksums)
+    rows: list[tuple[str, int, int, list[int]]]
+    #: path -> the reference's FileEntry (checkpoint set; crc32c filled at commit)
+    files: dict[str, FileEntry]
+
+
+def match(
+    base: BaseRef | None, items: Sequence[WriteItem], digests: np.ndarray, block: int, storage_options: object = None
+) -> Reuse:
+    """Which of ``items`` equal a row of ``base``'s catalog (fqn, dtype, global shape,
+    box, checksum block size, digest); reads only the catalog sections those boxes need."""
+    every = list(range(len(items)))
+    if base is None or base.manifest.checksum_block_bytes != block or not items:
+        return Reuse([], every, [], {})
+    options = dict(storage_options or {})  # type: ignore[call-overload]
+    backend = resolve_backend(base.uri, options)
+    metadata = fetch_metadata(backend, allow_head_only=True)
+    reader = open_reader(backend, metadata, parent=parent_factory(base.uri, options))
+    if reader.manifest.save_id != base.manifest.save_id:
+        return Reuse([], every, [], {})  # the base changed after the coordinator held it
+    catalog = reader.catalog
+    known = set(reader.tensor_keys())
+    wanted = [(i.plan.fqn, i.piece.box) for i in items if i.plan.fqn in known]
+    catalog.require(wanted)
+    entries = {e.fqn: e for e in catalog.entries(sorted({f for f, _b in wanted}))}
+    names = catalog.file_names
+    by_path = {f.path: f for f in base.manifest.data_files}
+    reused, changed, rows = [], [], []
+    files: dict[str, FileEntry] = {}
+    for k, item in enumerate(items):
+        entry = entries.get(item.plan.fqn)
+        row = _same_row(entry, item, digests[k]) if entry is not None else None
+        if row is None:
+            changed.append(k)
+            continue
+        assert entry is not None  # a row was found in it
+        path = names[int(entry.files[row])]
+        owner = by_path.get(path)
+        if owner is None:  # the catalog names a file the manifest does not list: do not refer to it
+            changed.append(k)
+            continue
+        files.setdefault(path, FileEntry(path, owner.nbytes, 0, owner.checkpoint or base.name))
+        rows.append((path, int(entry.byte_offsets[row]), int(entry.sizes[row]), list(entry.checksums(row))))
+        reused.append(k)
+    return Reuse(reused, changed, rows, files)
+
+
+def _same_row(e: TensorEntry, item: WriteItem, digest: np.ndarray) -> int | None:
+    """The index of ``e``'s row holding exactly ``item``'s box with ``digest``, or None."""
+    if e.digests is None or e.dtype != item.plan.dtype or tuple(e.global_shape) != tuple(item.plan.global_shape):
+        return None
+    offs, lens = item.piece.box
+    nd = len(offs)
+    same = (e.digests == digest).all(axis=1)
+    if nd:
+        same &= (e.offsets[:, :nd] == np.asarray(offs)).all(axis=1)
+        same &= (e.lengths[:, :nd] == np.asarray(lens)).all(axis=1)
+    nbytes = int(np.prod(lens, dtype=np.int64)) * itemsize(item.plan.dtype)
+    for h in np.flatnonzero(same).tolist():
+        if int(e.sizes[h]) == nbytes:
+            return h
+    return None
+
+
+def with_reuse(report: WriterReport, items: Sequence[WriteItem], reuse: Reuse, digests: np.ndarray) -> WriterReport:
+    """This rank's report: the rows the pipeline wrote (the changed items, in order)
+    then the reused ones, with every row's digest and, for reused rows, their file."""
+    written = report.rows
+    reused_rows = pa.table(
+        [
+            pa.array([items[k].tensor for k in reuse.reused], pa.int32()),
+            pa.array([list(items[k].piece.box[0]) for k in reuse.reused], pa.list_(pa.int64())),
+            pa.array([list(items[k].piece.box[1]) for k in reuse.reused], pa.list_(pa.int64())),
+            pa.array([r[1] for r in reuse.rows], pa.int64()),
+            pa.array([r[2] for r in reuse.rows], pa.int64()),
+            pa.array([r[3] for r in reuse.rows], pa.list_(pa.uint32())),
+        ],
+        schema=REPORT_SCHEMA,
+    )
+    rows = pa.concat_tables([written, reused_rows]) if reuse.reused else written
+    order = reuse.changed + reuse.reused
+    paths = [""] * written.num_rows + [r[0] for r in reuse.rows]
+    tensors = dict(report.tensors)
+    tensors.update({items[k].tensor: items[k].plan for k in reuse.reused})
+    return dataclasses.replace(
+        report,
+        rows=rows,
+        tensors=tensors,
+        digests=digests[order] if order else np.zeros((0, 16), np.uint8),
+        row_files=tuple(paths),
+        references=tuple(reuse.files.values()),
+    )
+
+
+def reference_entries(references: Sequence[FileEntry], rows: Rows, names: Sequence[str]) -> list[FileEntry]:
+    """The manifest entries of the referenced files: each file's CRC32C over the block
+    checksums of this catalog's rows in it, in file order (a stored fragment once)."""
+    code = {n: i for i, n in enumerate(names)}
+    out = []
+    for ref in {r.path: r for r in references}.values():
+        at = np.flatnonzero(rows.file == code[ref.path])
+        order = at[np.argsort(rows.byte_offset[at], kind="stable")]
+        sums: list[int] = []
+        seen: set[int] = set()
+        for r in order.tolist():
+            off = int(rows.byte_offset[r])
+            if off in seen:
+                continue
+            seen.add(off)
+            sums.extend(rows.sums[rows.sum_starts[r] : rows.sum_starts[r + 1]].tolist())
+        out.append(dataclasses.replace(ref, crc32c=digest_of_checksums(sums)))
+    return out
+
+
+__all__ = ["BaseRef", "Reuse", "check_sibling", "hold_base", "match", "reference_entries", "with_reuse"]

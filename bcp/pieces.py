@@ -1,0 +1,133 @@
+"""Pieces of an incremental save: fragments cut into boxes of whole dim-0 rows, and
+their XXH3-128 digests (metadata/FORMAT.md, "References"; ``bcp.incremental``).
+
+Apart from ``bcp.incremental`` because preparing a save (``bcp.kept_plans``) cuts the
+pieces, and must not import the reading side that matching needs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import xxhash
+
+from bcp.shards import Piece
+from bcp.tensor_io import flat_bytes, host_contiguous
+
+if TYPE_CHECKING:
+    from bcp.io_scheduler.write_pipeline import WriteItem
+
+#: The most bytes a piece of an incremental save holds (a row larger than that is one piece).
+PIECE_BYTES = 4 << 20
+
+
+# -- pieces ------------------------------------------------------------------------------------
+
+
+def rows_per_piece(box_lengths: Sequence[int], dtype: torch.dtype, piece_bytes: int) -> int:
+    """Rows of a box (whole dim-0 rows of ``box_lengths``) in one piece: at most
+    ``piece_bytes``, at least one row."""
+    row = int(np.prod(box_lengths[1:], dtype=np.int64)) * dtype.itemsize if len(box_lengths) > 1 else dtype.itemsize
+    return max(1, piece_bytes // row) if row else 0
+
+
+def cut_pieces(piece: Piece, dtype: torch.dtype, piece_bytes: int) -> list[Piece]:
+    """``piece`` cut at the global row indices that are multiples of the rows per piece
+    (FORMAT.md): a row-range update then changes only the pieces it touches."""
+    offsets, lengths = piece.box
+    if not lengths or lengths[0] <= 1:
+        return [piece]
+    rows = rows_per_piece(lengths, dtype, piece_bytes)
+    if not rows or (rows >= lengths[0] and offsets[0] // rows == (offsets[0] + lengths[0] - 1) // rows):
+        return [piece]
+    start, end = offsets[0], offsets[0] + lengths[0]
+    out = []
+    a = start
+    while a < end:
+        b = min(end, (a // rows + 1) * rows)
+        box = ((a, *offsets[1:]), (b - a, *lengths[1:]))
+        out.append(Piece(box, piece.tensor[a - start : b - start]))
+        a = b
+    return out
+
+
+def piece_digest(tensor: torch.Tensor) -> bytes:
+    """XXH3-128 of the tensor's stored bytes (row-major, as the data file holds them),
+    canonical (big-endian) form."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = host_contiguous(t)
+    if not t.numel():
+        return xxhash.xxh3_128_digest(b"")
+    return xxhash.xxh3_128_digest(flat_bytes(t).numpy())  # type: ignore[arg-type]  # a buffer
+
+
+#: Items below this many bytes are digested on the calling thread (a thread hop costs more).
+THREAD_FROM = 256 << 10
+
+_pools: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _forget_pools_in_child() -> None:
+    """A forked child has none of the parent's threads: its pools would take work and
+    never run it (they count the parent's idle threads), so it starts its own."""
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools_in_child)
+
+
+def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """A process-wide pool of ``threads`` digest threads, started once: starting
+    threads at every save cost tens of milliseconds on a loaded machine."""
+    with _pools_lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            pool = _pools[threads] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bcp-digest")
+        return pool
+
+
+def start_digests(items: Sequence[WriteItem], threads: int) -> Callable[[], np.ndarray]:
+    """Start digesting ``items`` (large ones on up to ``threads`` threads, at most the CPU
+    count; xxhash releases the GIL for large buffers); the returned function finishes
+    (small items on the calling thread) and gives the (n, 16) uint8 digests. Started
+    early, the digests overlap the save's coordination (the base's holds are written then)."""
+    out = np.zeros((len(items), 16), np.uint8)
+    threads = max(1, min(threads, os.cpu_count() or 1))
+    large = [k for k, i in enumerate(items) if i.piece.tensor.numel() * i.piece.tensor.element_size() >= THREAD_FROM]
+    pending: dict[int, concurrent.futures.Future[bytes]] = {}
+    if threads > 1 and len(large) > 1:
+        pool = _pool(threads)
+        pending = {k: pool.submit(piece_digest, items[k].piece.tensor) for k in large}
+
+    def finish() -> np.ndarray:
+        try:
+            for k, item in enumerate(items):
+                if k not in pending:
+                    out[k] = np.frombuffer(piece_digest(item.piece.tensor), np.uint8)
+            for k, future in pending.items():
+                out[k] = np.frombuffer(future.result(), np.uint8)
+        finally:
+            for future in pending.values():
+                future.cancel()
+        return out
+
+    return finish
+
+
+def digest_items(items: Sequence[WriteItem], threads: int) -> np.ndarray:
+    """(n, 16) uint8: each item's digest (:func:`start_digests`, finished at once)."""
+    return start_digests(items, threads)()
+
+
+__all__ = ["PIECE_BYTES", "cut_pieces", "digest_items", "piece_digest", "rows_per_piece", "start_digests"]
