@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch.distributed as dist
 
 from bcp.coordination.lanes import ready
@@ -31,3 +33,34 @@ def agreed_policy_job(rank: int, world: int, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             f.write(repr(chosen))
+
+
+def auto_manager_job(rank: int, world: int, root: str, out: str) -> None:
+    """``CheckpointManager(interval=...)`` on every rank, each rank's steps taking a
+    different time: the ranks save the same steps (a disagreement would leave one rank
+    in a save's collective alone: RanksMissingError) and report the same intervals."""
+    import time
+
+    import torch
+
+    import bcp
+
+    state = {"w": torch.ones(1000), "step": 0}
+    policy = bcp.IntervalPolicy(mtbf_seconds=1.0, alpha=0.5)
+    saved, reports = [], []
+    with bcp.CheckpointManager(root, interval=policy, async_save=False) as manager:
+        for step in range(60):
+            time.sleep(0.02 * (1 + rank))  # rank 1 trains 2x slower by its own clock
+            state["step"] = step
+            assert manager.step(step, state) is False
+            if manager._started == step:
+                saved.append(step)
+                reports.append(manager.report())
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (saved, reports))
+    assert all(other == everyone[0] for other in everyone), everyone
+    assert saved[0] == 1 and len(saved) >= 2, saved
+    assert all(r is not None and r.tiers[0].steps is not None for r in reports[1:]), reports
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(json.dumps(saved))

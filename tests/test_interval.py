@@ -10,18 +10,25 @@ import logging
 import math
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import bcp
 import dist_jobs
 import interval_jobs
 from bcp.backends import backend_for
+from bcp.cli import main as cli_main
 from bcp.schedule import restarts
 from bcp.schedule.interval import IntervalPolicy, validate_snapshot
 from bcp.schedule.waste import best_steps, optimal_seconds, waste_fraction, young_seconds
+from conftest import new_bucket, store_uri
+from netproxy import proxied
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -159,7 +166,7 @@ def test_observations_out_of_range_are_ignored_and_arguments_checked():
     policy.agree()
     assert policy.report().step_seconds is None and policy.report().tiers[0].save_seconds is None
     with pytest.raises(ValueError, match="mtbf_seconds"):
-        IntervalPolicy(mtbf_seconds=1)
+        IntervalPolicy(mtbf_seconds=0.5)
     with pytest.raises(ValueError, match="tiers"):
         IntervalPolicy(tiers=("local",))
     with pytest.raises(ValueError, match="tier must be one of"):
@@ -269,3 +276,84 @@ def test_the_simulator_ends_with_its_line():
     assert re.fullmatch(
         r"interval_sim: auto within -?\d+\.\d% of the best fixed interval over 6 traces, worst -?\d+\.\d%", lines[-1]
     ), lines[-1]
+
+
+# -- the manager ------------------------------------------------------------------------------
+
+
+def test_every_rank_of_an_auto_manager_saves_the_same_steps(tmp_path):
+    out = tmp_path / "saved.txt"
+    dist_jobs.spawn(interval_jobs.auto_manager_job, 2, str(tmp_path / "run"), str(out))
+    saved = json.loads(out.read_text())
+    assert bcp.CheckpointManager(tmp_path / "run").steps() == saved
+
+
+def test_a_restarted_manager_starts_from_the_newest_estimates_and_counts_its_restarts(tmp_path, capsys):
+    root = tmp_path / "run"
+    state = {"w": torch.zeros(100)}
+    with bcp.CheckpointManager(root, interval=bcp.IntervalPolicy(mtbf_seconds=1.0)) as manager:
+        for step in range(30):
+            time.sleep(0.02)
+            manager.step(step, state)
+        chosen = manager.report()
+    assert chosen is not None and chosen.tiers[0].steps is not None
+    assert len(manager.steps()) >= 2
+    again = bcp.CheckpointManager(root, interval="auto")
+    loaded, _ = again.load_latest(state)
+    report = again.report()
+    assert report is not None and loaded == manager.latest()
+    assert report.step_seconds is not None and report.tiers[0].save_seconds is not None, "seeded from the manifest"
+    assert "1 failure(s)" in report.mtbf_source and "average of 1 recovery" in report.tiers[0].recovery_source
+    assert bcp.CheckpointManager(root).report() is None
+    assert cli_main(["ls", str(root)]) == 0
+    printed = capsys.readouterr().out
+    assert "interval auto: persistent every" in printed and "MTBF 1 s (given)" in printed, printed
+
+
+def test_bcp_ls_says_when_the_interval_estimates_are_not_sane(tmp_path, capsys):
+    root = tmp_path / "run"
+    with bcp.CheckpointManager(root, interval="auto", async_save=False) as manager:
+        for step in range(3):
+            manager.step(step, {"w": torch.zeros(10)})
+    doc = bcp.open(str(root / "step_0000000001")).manifest.user_metadata["bcp_manager"]
+    doc["step"] = 9
+    doc["interval"]["estimates"]["step_seconds"] = -5  # a newer step whose estimates are not sane
+    bcp.save({"w": torch.zeros(10)}, str(root / "step_0000000009"), metadata={"bcp_manager": doc})
+    assert cli_main(["ls", str(root)]) == 0
+    assert "interval: unreadable (interval estimates: 'step_seconds' is -5" in capsys.readouterr().out
+
+
+def test_the_auto_interval_grows_when_the_store_slows_down(moto_server, tmp_path):
+    """A real S3 server behind tests/netproxy.py: a few saves at loopback speed, then
+    the same port answered by a proxy adding 0.1 s to every round trip; the manager's
+    measured save cost grows and so does the interval it chooses."""
+    bucket = new_bucket(moto_server)
+    state = {"w": torch.randn(64, 64), "step": 0}
+    policy = bcp.IntervalPolicy(mtbf_seconds=2.0, alpha=0.7)
+    port = dist_jobs.free_port()
+
+    step = 0
+
+    def train(manager: bcp.CheckpointManager, saves: int) -> bcp.IntervalReport:
+        nonlocal step
+        while saves:
+            step += 1
+            time.sleep(0.01)  # a training step; nothing else between step() calls (it would count)
+            manager.step(step, state)
+            saves -= manager._started == step  # a save was made at this step
+        report = manager.report()
+        assert report is not None
+        return report
+
+    with proxied(moto_server.endpoint, port=port) as endpoint:
+        uri = store_uri("moto", types.SimpleNamespace(endpoint=endpoint), bucket, "run")
+        manager = bcp.CheckpointManager(uri, interval=policy, async_save=False)
+        fast = train(manager, 3)
+    with proxied(moto_server.endpoint, port=port, latency=0.1):
+        slow = train(manager, 2)
+        manager.close()
+    (before,), (after,) = fast.tiers, slow.tiers
+    assert before.seconds is not None and after.seconds is not None and after.save_seconds is not None
+    assert after.save_seconds > 3 * before.save_seconds, (fast, slow)
+    # in seconds of training: the steps also follow the step time, which a busy machine moves
+    assert after.seconds > 1.3 * before.seconds, (fast, slow)

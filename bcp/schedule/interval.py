@@ -26,7 +26,7 @@ from bcp.schedule.waste import Method, best_steps, waste_fraction
 
 #: the tiers a policy chooses intervals for
 TIERS = ("local", "persistent")
-#: a learned mean time between failures is kept inside this range (seconds)
+#: a learned mean time between failures is kept inside this range (seconds; a given one: 1 s .. 1 year)
 MTBF_RANGE = (60.0, 365 * 86_400.0)
 #: no measured time (a step, a save, a recovery) is believed beyond a day
 MAX_SECONDS = 86_400.0
@@ -131,8 +131,8 @@ class IntervalPolicy:
             raise ValueError(f"tiers must be distinct names of {TIERS}, got {tiers!r}")
         if "persistent" not in tiers:
             raise ValueError("tiers must include 'persistent'")
-        if mtbf_seconds is not None and not MTBF_RANGE[0] <= mtbf_seconds <= MTBF_RANGE[1]:
-            raise ValueError(f"mtbf_seconds must be in [{MTBF_RANGE[0]:g}, {MTBF_RANGE[1]:g}], got {mtbf_seconds}")
+        if mtbf_seconds is not None and not 1.0 <= mtbf_seconds <= MTBF_RANGE[1]:
+            raise ValueError(f"mtbf_seconds must be in [1, {MTBF_RANGE[1]:g}], got {mtbf_seconds}")
         if not MTBF_RANGE[0] <= prior_mtbf_seconds <= MTBF_RANGE[1] or not prior_weight > 0:
             raise ValueError(
                 f"prior_mtbf_seconds out of range or prior_weight <= 0: {prior_mtbf_seconds}, {prior_weight}"
@@ -206,6 +206,12 @@ class IntervalPolicy:
         }
         self._mine["running"] += blocking_seconds
 
+    def observe_commit(self, tier: str, lag_seconds: float) -> None:
+        """A save to ``tier`` committed ``lag_seconds`` after it stopped keeping training waiting."""
+        old = self._mine["save"].get(tier)
+        if old is not None and 0 <= lag_seconds <= MAX_SECONDS:
+            old["lag"] = _ema(old["lag"], lag_seconds, self.alpha)
+
     def observe_recovery(self, seconds: float) -> None:
         """A restart took ``seconds`` to get back to training (start and load)."""
         if 0 <= seconds <= MAX_SECONDS:
@@ -231,7 +237,7 @@ class IntervalPolicy:
         m = self._mine
         return {**m, "save": {t: dict(v) for t, v in m["save"].items()}}
 
-    def adopt(self, snapshot: dict[str, Any]) -> None:
+    def adopt(self, snapshot: Any) -> None:
         """Decide from ``snapshot`` (another rank's, or this one's) from now on; it also
         becomes this rank's estimates, so the ranks' averages go on from one value.
         ValueError when it is not what :meth:`snapshot` returns, with sane numbers."""
@@ -239,6 +245,11 @@ class IntervalPolicy:
         self._agreed = clean
         self._mine = {**clean, "save": {t: dict(v) for t, v in clean["save"].items()}}
         self._chosen = None
+
+    def agreed(self) -> dict[str, Any]:
+        """The agreed estimates (the same on every rank), as plain JSON values."""
+        a = self._agreed
+        return {**a, "save": {t: dict(v) for t, v in a["save"].items()}}
 
     def seed(self, snapshot: dict[str, Any]) -> None:
         """Start from the estimates an earlier run kept (its newest manifest's): the step
@@ -296,6 +307,11 @@ class IntervalPolicy:
         if save:  # reading back costs about what writing did
             return cost, lag, save["cost"] + save["lag"], cost_src, "assumed: the save's time"
         return cost, lag, 0.0, cost_src, "unknown"
+
+    def save_cost(self, tier: str) -> float | None:
+        """The agreed cost of a save to ``tier`` (None: not measured yet)."""
+        save = self._agreed["save"].get(tier)
+        return None if save is None else float(save["cost"])
 
     def interval_steps(self, tier: str = "persistent") -> int | None:
         """Steps between saves to ``tier`` (agreed estimates); None until the step time
