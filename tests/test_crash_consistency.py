@@ -136,3 +136,24 @@ def test_killed_two_host_tier_job_always_resumes_exactly(tmp_path, job_server):
     results = _run_chaos(tmp_path, options, [*job_server, str(TIER_JOB), "{out}", "4"], env, modes="before,term")
     crashes = [r for r in results if r["label"] != "no crash (control)"]
     assert crashes and all(r["crashed"] for r in crashes), f"a crash point did not kill host 1: {results}"
+
+
+STEP_JOB = ROOT / "tests" / "chaos" / "step_job.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_preempted_step_job_saves_at_the_notice_and_resumes_exactly(mode, tmp_path, job_server):
+    """Issue 40: ckpt-chaos's "term" mode (SIGTERM at a file event of a save, a kill after
+    the grace period) on a job saving through ``CheckpointManager.step`` with preemption
+    on, every 2 steps. A notice inside the save of an even step is saved by the next
+    step() at the next (odd) step, committed, and the job exits before the kill: the
+    resume goes on from that step and ends bit-exact."""
+    job = [*job_server, str(STEP_JOB), "{out}", mode, "6"]
+    results = _run_chaos(tmp_path, ["--max-points", "3", "--jobs", "2"], job, modes="term")
+    crashes = [r for r in results if r["label"] != "no crash (control)"]
+    assert crashes, results
+    for r in crashes:  # stopped by step() after the notice, before the kill, and resumed from the step it saved
+        assert r["rc"] == 0 and not r["crashed"] and r["outcome"]["resumed_from_step"] is not None, r
+    # a notice inside the save of an even step is saved at the next (odd) step: not a step of the interval
+    assert any(r["outcome"]["resumed_from_step"] % 2 == 1 for r in crashes), results

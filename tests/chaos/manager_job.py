@@ -34,10 +34,13 @@ def train(
     steps: int,
     make_manager: Callable[[], bcp.CheckpointManager],
     on_resume: Callable[[bcp.CheckpointManager], str] = lambda _manager: "",
+    save_step: Callable[[bcp.CheckpointManager, int, dict], bool] | None = None,
 ) -> None:
     """Train ``steps`` steps on RANK of WORLD_SIZE, saving each through the manager
     ``make_manager`` builds once the process group is up; resume first, print the
-    resumed step (and what ``on_resume`` says of the manager), write OUT/final.pt."""
+    resumed step (and what ``on_resume`` says of the manager), write OUT/final.pt.
+    ``save_step(manager, step, state)`` instead of ``manager.save``: True stops the job
+    (printing "stopped at step N", no final.pt: the resume writes it)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(1)
     if world > 1:
@@ -62,9 +65,15 @@ def train(
         counter += 1
         with torch.no_grad():
             model[0].bias += counter.item()  # a step applied twice or lost moves this by 1.0
-        manager.save(s, state)
+        if save_step is None:
+            manager.save(s, state)
+        elif save_step(manager, s, state):
+            print(f"stopped at step {s}", flush=True)
+            break
+    else:
+        s = steps
     manager.close()
-    if rank == 0:
+    if rank == 0 and s == steps:
         final = {k: v.clone() for k, v in model.state_dict().items()} | {"counter": counter.clone()}
         torch.save(final, os.path.join(out, "final.pt"))
     if world > 1:

@@ -1,0 +1,143 @@
+"""Issue 40 (40a): ``CheckpointManager.step`` and preemption. A notice (a signal) that
+reaches one rank, every rank at different steps, a rank inside a save, a load or a
+collective, is honoured by every rank at the same step: that step is committed and the
+newest, and the job stops cleanly (tests/preemption_jobs.py, 2-3 gloo ranks). A deadline
+no tier can meet leaves the previous checkpoint the newest, with a WARNING."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import bcp
+import dist_jobs
+import preemption_jobs
+from bcp.schedule.preemption import Verdict, Watch, choose_tier
+
+
+@pytest.mark.parametrize(
+    ("scenario", "world", "expected"),
+    [
+        ("one", 3, 3),  # the last rank only, at step 3
+        ("all", 3, 2),  # rank r at step 2 + r (rank 0 twice): the first one counts
+        ("collective", 2, 3),  # inside a barrier, before step 3
+        ("save", 2, 5),  # inside the save of step 4 (async, still in flight): honoured at step 5
+    ],
+)
+def test_a_notice_is_honoured_by_every_rank_at_one_step(scenario, world, expected, tmp_path):
+    dist_jobs.spawn(preemption_jobs.preempt_job, world, str(tmp_path / "ck"), scenario, expected)
+
+
+def test_a_notice_inside_load_latest_is_honoured_at_the_first_step(tmp_path):
+    root = str(tmp_path / "ck")
+    dist_jobs.spawn(preemption_jobs.seed_job, 2, root, 5)  # steps 0, 2, 4
+    dist_jobs.spawn(preemption_jobs.preempt_job, 2, root, "load", 5)  # resumed at 4, stops at 5
+
+
+def test_a_deadline_no_tier_meets_keeps_the_previous_checkpoint_newest(tmp_path):
+    dist_jobs.spawn(preemption_jobs.deadline_job, 2, str(tmp_path / "ck"))
+
+
+def test_the_deadline_warning_names_the_deadline_and_the_expected_time(tmp_path, caplog):
+    manager = bcp.CheckpointManager(tmp_path / "ck", preemption=bcp.Preemption(grace_seconds=5.0), async_save=False)
+    state = {"w": torch.ones(4)}
+    manager.save(0, state)
+    manager.save_seconds["persistent"] = 60.0  # as if the root were slow
+    manager.preemption.notify()
+    with caplog.at_level(logging.WARNING, logger="bcp.manager"):
+        assert manager.step(1, state)
+    manager.close()
+    assert manager.steps() == [0]
+    text = caplog.text
+    assert "step 1 is not saved" in text and "60.0 s" in text and "grace_seconds=5" in text, text
+
+
+def test_without_a_notice_step_saves_every_interval_and_never_stops(tmp_path):
+    with bcp.CheckpointManager(tmp_path / "ck", interval=3, preemption=bcp.Preemption()) as manager:
+        assert not any(manager.step(s, {"w": torch.full((2,), float(s))}) for s in range(8))
+    assert manager.steps() == [0, 3, 6]
+    with bcp.CheckpointManager(tmp_path / "none") as manager:  # interval=None, no preemption: never saves
+        assert not any(manager.step(s, {"w": torch.zeros(1)}) for s in range(4))
+    assert manager.steps() == []
+
+
+def test_the_handler_chains_to_the_previous_python_handler_and_is_put_back(tmp_path):
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, _frame: seen.append(signum))
+    try:
+        manager = bcp.CheckpointManager(tmp_path / "ck", preemption=bcp.Preemption(signals=(signal.SIGUSR1,)))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] * 2  # chained, each time
+        assert manager.preemption.notice.signum == signal.SIGUSR1 and manager.preemption.repeats == 1
+        assert manager.step(7, {"w": torch.zeros(1)})
+        manager.close()
+        assert manager.steps() == [7]
+        os.kill(os.getpid(), signal.SIGUSR1)  # ours is gone: only the previous handler runs
+        assert seen == [signal.SIGUSR1] * 3
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"interval": 0}, ValueError),
+        ({"interval": True}, ValueError),
+        ({"interval": 5, "tier": bcp.LocalTier(dir="x")}, ValueError),
+        ({"preemption": "yes"}, TypeError),
+    ],
+)
+def test_bad_step_settings_are_refused(kwargs, error, tmp_path):
+    with pytest.raises(error):
+        bcp.CheckpointManager(tmp_path / "ck", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"signals": (signal.SIGKILL,)}, {"signals": signal.SIGTERM}, {"grace_seconds": 0}, {"grace_seconds": -1}]
+)
+def test_bad_preemption_settings_are_refused(kwargs):
+    with pytest.raises(ValueError, match="Preemption"):
+        bcp.Preemption(**kwargs)
+
+
+maybe_seconds = st.none() | st.floats(min_value=0.0, max_value=1e4, allow_nan=False)
+
+
+@given(local=maybe_seconds, persistent=maybe_seconds, remaining=maybe_seconds, has_local=st.booleans())
+def test_the_chosen_tier_is_the_fastest_that_fits_the_deadline(local, persistent, remaining, has_local):
+    verdict = Verdict(stop=True, remaining=remaining, estimates={"local": local, "persistent": persistent})
+    tier, expected = choose_tier(verdict, has_local)
+    options = {"local": local, "persistent": persistent} if has_local else {"persistent": persistent}
+    fits = {t: e for t, e in options.items() if remaining is None or e is None or e <= remaining}
+    if not fits:
+        assert tier is None and expected == min(e for e in options.values() if e is not None)
+        return
+    assert tier in fits and expected == options[tier]
+    measured = {t: e for t, e in fits.items() if e is not None}
+    if has_local and local is None:
+        assert tier == "local"  # not measured: memory counts as the fastest
+    elif measured:  # a measured tier that fits beats a root not measured yet
+        assert options[tier] == min(measured.values())
+    else:
+        assert tier == "persistent" and persistent is None
+
+
+def test_the_agreement_without_a_group_is_this_ranks_own():
+    from bcp.coordination.collectives import Coordinator
+    from bcp.schedule.preemption import Agreement
+
+    watch = Watch(bcp.Preemption(grace_seconds=30))
+    agreement = Agreement(Coordinator())
+    assert not agreement.exchange(watch, {"local": None, "persistent": 2.0}).stop
+    watch.notify()
+    verdict = agreement.exchange(watch, {"local": None, "persistent": 2.0})
+    assert verdict.stop and 29 < verdict.remaining <= 30 and verdict.estimates == {"local": None, "persistent": 2.0}
+    assert not math.isinf(verdict.remaining)
