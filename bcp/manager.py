@@ -410,7 +410,7 @@ class CheckpointManager:
         called, retries = since
         seconds = time.perf_counter() - called
         if self._auto is not None:
-            self._auto.loaded(step, seconds)
+            self._auto.loaded(step, seconds, "local" if tier == "local" else "persistent")
         if self.metrics is not None:
             self.metrics(
                 MetricsRecord(

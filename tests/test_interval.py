@@ -92,7 +92,7 @@ observations = st.lists(
     st.one_of(
         st.tuples(st.just("step"), st.floats(0.001, 10.0)),
         st.tuples(st.just("save"), st.sampled_from(["local", "persistent"]), st.floats(0.0, 100.0)),
-        st.tuples(st.just("recovery"), st.floats(0.0, 600.0)),
+        st.tuples(st.just("recovery"), st.floats(0.0, 600.0), st.sampled_from(["local", "persistent"])),
         st.tuples(st.just("restart"), st.floats(0.0, 1e6), st.integers(0, 5)),
     ),
     max_size=30,
@@ -108,7 +108,7 @@ def _fed(seq: list[tuple], mtbf: float | None) -> IntervalPolicy:
             policy.observe_save(obs[1], obs[2], total_seconds=obs[2] * 2, step=step)
             policy.agree()
         elif obs[0] == "recovery":
-            policy.observe_recovery(obs[1])
+            policy.observe_recovery(obs[1], obs[2])
         else:
             policy.observe_restart(obs[1], obs[2])
     policy.agree()
@@ -185,6 +185,8 @@ def test_observations_out_of_range_are_ignored_and_arguments_checked():
         {"save": {"persistent": {"cost": 1e9, "lag": 0.0, "n": 1}}},
         {"save": {"persistent": [1, 2]}},
         {"restart_source": "x" * 1000},
+        {"recovery": {"persistent": {"seconds": -1.0, "n": 1}}},
+        {"recovery": []},
     ],
 )
 def test_a_hostile_snapshot_is_refused(change):
@@ -357,3 +359,28 @@ def test_the_auto_interval_grows_when_the_store_slows_down(moto_server, tmp_path
     assert after.save_seconds > 3 * before.save_seconds, (fast, slow)
     # in seconds of training: the steps also follow the step time, which a busy machine moves
     assert after.seconds > 1.3 * before.seconds, (fast, slow)
+
+
+def test_an_auto_manager_with_a_local_tier_chooses_both_intervals(tmp_path):
+    """Local saves and drains both follow the policy: the persistent interval is a
+    multiple of the local one, drained steps reach the root, and a restart that recovers
+    from the local tier measures that tier's recovery."""
+    tier = bcp.LocalTier(dir=tmp_path / "shm", every=1, persist_every=5, keep=2)
+    policy = bcp.IntervalPolicy(tiers=("local", "persistent"), mtbf_seconds=2.0, local_loss_share=0.2)
+    state = {"w": torch.zeros(1000)}
+    with bcp.CheckpointManager(tmp_path / "run", tier=tier, interval=policy) as manager:
+        for step in range(60):
+            time.sleep(0.01)
+            manager.step(step, state)
+        report = manager.report()
+    assert report is not None and [t.tier for t in report.tiers] == ["local", "persistent"]
+    local, persistent = (t.steps for t in report.tiers)
+    assert local is not None and persistent is not None and persistent % local == 0, report
+    assert manager.steps() and manager.steps()[0] == 1, "the first save, drained"
+    with pytest.raises(ValueError, match="tiers"):
+        bcp.CheckpointManager(tmp_path / "other", interval=bcp.IntervalPolicy(tiers=("local", "persistent")))
+    again = bcp.CheckpointManager(tmp_path / "run", tier=tier, interval="auto")
+    step, _ = again.load_latest(state)
+    after = again.report()
+    assert step is not None and after is not None
+    assert "average of 1 recovery" in after.tiers[0].recovery_source, after

@@ -141,13 +141,13 @@ class AutoInterval:
         if tier in self.policy.tiers:
             self.policy.observe_commit(tier, max(0.0, total - blocking))
 
-    def loaded(self, step: int, seconds: float) -> None:
-        """(all ranks) ``load_latest`` took ``seconds`` and loaded ``step``: the
+    def loaded(self, step: int, seconds: float, tier: str) -> None:
+        """(all ranks) ``load_latest`` took ``seconds`` and loaded ``step`` from ``tier``: the
         recovery time, agreed at once (the load was collective too); the next saves are
         due an interval after ``step``."""
-        self.policy.observe_recovery(seconds)
-        for tier in self.policy.tiers:
-            self.policy.mark_saved(tier, step)
+        self.policy.observe_recovery(seconds, tier)
+        for each in self.policy.tiers:
+            self.policy.mark_saved(each, step)
         self.policy.agree(self.coord)
 
     def metadata(self) -> dict[str, Any]:

@@ -167,8 +167,7 @@ class IntervalPolicy:
             "step_seconds": None,
             "steps": 0,
             "save": {},  # tier -> {"cost": s, "lag": s, "n": count}
-            "recovery": None,
-            "recoveries": 0,
+            "recovery": {},  # tier recovered from -> {"seconds": s, "n": count}
             "failures": 0,
             "exposure": 0.0,  # seconds lived before this process (restarts)
             "running": 0.0,  # seconds this process has run (steps, saves, recoveries)
@@ -212,12 +211,15 @@ class IntervalPolicy:
         if old is not None and 0 <= lag_seconds <= MAX_SECONDS:
             old["lag"] = _ema(old["lag"], lag_seconds, self.alpha)
 
-    def observe_recovery(self, seconds: float) -> None:
-        """A restart took ``seconds`` to get back to training (start and load)."""
-        if 0 <= seconds <= MAX_SECONDS:
+    def observe_recovery(self, seconds: float, tier: str = "persistent") -> None:
+        """A restart took ``seconds`` to get back to training, loading from ``tier``."""
+        if tier in self.tiers and 0 <= seconds <= MAX_SECONDS:
             m = self._mine
-            m["recovery"] = _ema(m["recovery"], seconds, self.alpha)
-            m["recoveries"] += 1
+            old = m["recovery"].get(tier)
+            m["recovery"][tier] = {
+                "seconds": _ema(old and old["seconds"], seconds, self.alpha),
+                "n": (old["n"] if old else 0) + 1,
+            }
             m["running"] += seconds
 
     def observe_restart(self, uptime_seconds: float, count: int = 1, source: str = "") -> None:
@@ -235,7 +237,7 @@ class IntervalPolicy:
     def snapshot(self) -> dict[str, Any]:
         """This rank's estimates, as plain JSON values (broadcast, kept in manifests)."""
         m = self._mine
-        return {**m, "save": {t: dict(v) for t, v in m["save"].items()}}
+        return {**m, **{k: {t: dict(v) for t, v in m[k].items()} for k in ("save", "recovery")}}
 
     def adopt(self, snapshot: Any) -> None:
         """Decide from ``snapshot`` (another rank's, or this one's) from now on; it also
@@ -243,13 +245,13 @@ class IntervalPolicy:
         ValueError when it is not what :meth:`snapshot` returns, with sane numbers."""
         clean = validate_snapshot(snapshot, self.tiers)
         self._agreed = clean
-        self._mine = {**clean, "save": {t: dict(v) for t, v in clean["save"].items()}}
+        self._mine = {**clean, **{k: {t: dict(v) for t, v in clean[k].items()} for k in ("save", "recovery")}}
         self._chosen = None
 
     def agreed(self) -> dict[str, Any]:
         """The agreed estimates (the same on every rank), as plain JSON values."""
         a = self._agreed
-        return {**a, "save": {t: dict(v) for t, v in a["save"].items()}}
+        return {**a, **{k: {t: dict(v) for t, v in a[k].items()} for k in ("save", "recovery")}}
 
     def seed(self, snapshot: dict[str, Any]) -> None:
         """Start from the estimates an earlier run kept (its newest manifest's): the step
@@ -302,8 +304,9 @@ class IntervalPolicy:
         save = a["save"].get(tier)
         cost, lag = (save["cost"], save["lag"]) if save else (None, 0.0)
         cost_src = f"average of {save['n']} save(s)" if save else "no save yet"
-        if a["recovery"] is not None and (tier == "persistent" or "local" not in self.tiers):
-            return cost, lag, a["recovery"], cost_src, f"average of {a['recoveries']} recovery(ies)"
+        rec = a["recovery"].get(tier)
+        if rec is not None:
+            return cost, lag, rec["seconds"], cost_src, f"average of {rec['n']} recovery(ies)"
         if save:  # reading back costs about what writing did
             return cost, lag, save["cost"] + save["lag"], cost_src, "assumed: the save's time"
         return cost, lag, 0.0, cost_src, "unknown"
@@ -442,8 +445,6 @@ def validate_snapshot(doc: Any, tiers: tuple[str, ...] = TIERS) -> dict[str, Any
     out: dict[str, Any] = {
         "step_seconds": _number(doc, "step_seconds", 0.0, MAX_SECONDS, optional=True),
         "steps": int(_number(doc, "steps", 0, big)),
-        "recovery": _number(doc, "recovery", 0.0, MAX_SECONDS, optional=True),
-        "recoveries": int(_number(doc, "recoveries", 0, big)),
         "failures": int(_number(doc, "failures", 0, big)),
         "exposure": float(_number(doc, "exposure", 0.0, big)),
         "running": float(_number(doc, "running", 0.0, big)),
@@ -455,6 +456,13 @@ def validate_snapshot(doc: Any, tiers: tuple[str, ...] = TIERS) -> dict[str, Any
     saves = doc.get("save")
     if not isinstance(saves, dict) or any(t not in tiers for t in saves):
         raise ValueError(f"interval estimates: 'save' is not an object keyed by tiers of {tiers}")
+    recovery = doc.get("recovery")
+    if not isinstance(recovery, dict) or any(t not in tiers or not isinstance(v, dict) for t, v in recovery.items()):
+        raise ValueError(f"interval estimates: 'recovery' is not an object keyed by tiers of {tiers}")
+    out["recovery"] = {
+        t: {"seconds": _number(v, "seconds", 0.0, MAX_SECONDS), "n": int(_number(v, "n", 1, big))}
+        for t, v in recovery.items()
+    }
     out["save"] = {}
     for tier, entry in saves.items():
         if not isinstance(entry, dict):
