@@ -25,6 +25,7 @@ import interval_jobs
 from bcp.backends import backend_for
 from bcp.cli import main as cli_main
 from bcp.schedule import restarts
+from bcp.schedule.auto import report_from_metadata, settings_of
 from bcp.schedule.interval import IntervalPolicy, validate_snapshot
 from bcp.schedule.waste import best_steps, optimal_seconds, waste_fraction, young_seconds
 from conftest import new_bucket, store_uri
@@ -310,6 +311,11 @@ def test_a_restarted_manager_starts_from_the_newest_estimates_and_counts_its_res
     assert cli_main(["ls", str(root)]) == 0
     printed = capsys.readouterr().out
     assert "interval auto: persistent every" in printed and "MTBF 1 s (given)" in printed, printed
+    assert cli_main(["ls", str(root), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    (latest,) = [r for r in rows if r["latest"]]
+    assert latest["interval"]["mtbf_seconds"] == 1.0 and latest["interval"]["tiers"][0]["tier"] == "persistent"
+    assert all("interval" not in r for r in rows if not r["latest"])
 
 
 def test_bcp_ls_says_when_the_interval_estimates_are_not_sane(tmp_path, capsys):
@@ -323,6 +329,9 @@ def test_bcp_ls_says_when_the_interval_estimates_are_not_sane(tmp_path, capsys):
     bcp.save({"w": torch.zeros(10)}, str(root / "step_0000000009"), metadata={"bcp_manager": doc})
     assert cli_main(["ls", str(root)]) == 0
     assert "interval: unreadable (interval estimates: 'step_seconds' is -5" in capsys.readouterr().out
+    assert cli_main(["ls", str(root), "--json"]) == 0
+    (latest,) = [r for r in json.loads(capsys.readouterr().out) if r["latest"]]
+    assert "'step_seconds' is -5" in latest["interval"]["error"]
 
 
 def test_the_auto_interval_grows_when_the_store_slows_down(moto_server, tmp_path):
@@ -384,3 +393,25 @@ def test_an_auto_manager_with_a_local_tier_chooses_both_intervals(tmp_path):
     after = again.report()
     assert step is not None and after is not None
     assert "average of 1 recovery" in after.tiers[0].recovery_source, after
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        "text",
+        {"settings": "x"},
+        {"settings": {"tiers": "persistent"}},
+        {"settings": {"tiers": ["persistent"], "mtbf_seconds": "x"}},
+        {"settings": {"tiers": ["persistent"], "alpha": math.nan}},
+        {"settings": {"tiers": ["elsewhere"]}},
+        {"settings": {"tiers": ["persistent"], "method": "guess"}},
+    ],
+)
+def test_hostile_interval_metadata_is_refused(doc):
+    good = {"settings": settings_of(IntervalPolicy()), "estimates": IntervalPolicy().snapshot()}
+    assert report_from_metadata({"bcp_manager": {"interval": good}}) is not None
+    assert report_from_metadata({"bcp_manager": {"step": 3}}) is None
+    if isinstance(doc, dict) and isinstance(doc.get("settings"), dict):
+        doc = {"settings": {**good["settings"], **doc["settings"]}, "estimates": good["estimates"]}
+    with pytest.raises(ValueError, match="interval estimates"):
+        report_from_metadata({"bcp_manager": {"interval": doc}})
