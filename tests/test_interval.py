@@ -295,7 +295,7 @@ def test_a_restarted_manager_starts_from_the_newest_estimates_and_counts_its_res
     root = tmp_path / "run"
     state = {"w": torch.zeros(100)}
     with bcp.CheckpointManager(root, interval=bcp.IntervalPolicy(mtbf_seconds=1.0)) as manager:
-        for step in range(30):
+        for step in range(60):
             time.sleep(0.02)
             manager.step(step, state)
         chosen = manager.report()
