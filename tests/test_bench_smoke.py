@@ -248,3 +248,13 @@ def test_incremental_cost_runs_and_prints_its_line(tmp_path):
     )
     assert any(line.startswith("digest xxh3_128") for line in out)
     assert re.fullmatch(r"incremental_cost: all changed, 4 MiB: time [\d.]+x, cpu [\d.]+x, bytes 1\.0000x", out[-1])
+
+
+@pytest.mark.slow
+def test_step_overhead_prints_its_table_and_last_line():
+    lines = run("step_overhead.py", "--worlds", "1,2", "--calls", "20")
+    rows = [ln for ln in lines if re.match(r"\| [12] \|", ln)]
+    assert len(rows) == 2 and all(len(r.strip("|").split("|")) == 4 for r in rows), lines
+    assert re.fullmatch(
+        r"step_overhead: [0-9.]+ us per step\(\) with preemption, [0-9.]+ us without \(target 1000\)", lines[-1]
+    ), lines[-1]

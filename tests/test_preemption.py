@@ -141,3 +141,22 @@ def test_the_agreement_without_a_group_is_this_ranks_own():
     verdict = agreement.exchange(watch, {"local": None, "persistent": 2.0})
     assert verdict.stop and 29 < verdict.remaining <= 30 and verdict.estimates == {"local": None, "persistent": 2.0}
     assert not math.isinf(verdict.remaining)
+
+
+def test_with_a_local_tier_the_notice_step_is_saved_locally_off_its_schedule(tmp_path):
+    """Nothing measured yet: the local tier is the fastest; step 3 is not a multiple of
+    ``every`` (5) yet is saved there, and a new manager recovers it."""
+    tier = bcp.LocalTier(dir=str(tmp_path / "local"), every=5, replicas=0, persist_every=None)
+    state = {"w": torch.zeros(4)}
+    with bcp.CheckpointManager(tmp_path / "ck", tier=tier, preemption=bcp.Preemption()) as manager:
+        for s in range(10):
+            state["w"].fill_(float(s))
+            if s == 3:
+                manager.preemption.notify()
+            if manager.step(s, state):
+                break
+    assert s == 3 and manager.steps() == []  # nothing in the root: the notice's save went to memory
+    assert manager.save_seconds["local"] is not None  # measured for the next choice
+    with bcp.CheckpointManager(tmp_path / "ck", tier=tier) as again:
+        step, out = again.load_latest({"w": torch.zeros(4)})
+    assert step == 3 and torch.equal(out["w"], torch.full((4,), 3.0))
