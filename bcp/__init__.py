@@ -37,6 +37,7 @@ from bcp.options import LoadOptions, SaveOptions
 from bcp.reader import CheckpointReader, TensorMeta
 from bcp.reader import open_checkpoint as open  # noqa: A004 - the public name is bcp.open
 from bcp.saver import SaveInfo, save
+from bcp.schedule.interval import IntervalPolicy, IntervalReport
 from bcp.schedule.preemption import Preemption
 from bcp.shards import FlatShard, PerRank, RankValues, TensorShard
 from bcp.tiers import LocalTier
@@ -54,6 +55,8 @@ __all__ = [
     "FlatShard",
     "FormatError",
     "IncompleteCheckpointError",
+    "IntervalPolicy",
+    "IntervalReport",
     "LoadInfo",
     "LoadOptions",
     "LocalTier",

@@ -42,6 +42,8 @@ from bcp.metrics import MetricsCallback, MetricsRecord, stage_gbps
 from bcp.options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
 from bcp.retention import RetentionPolicy, check_policy, plan_gc, run_gc, write_latest
 from bcp.saver import SaveInfo, save
+from bcp.schedule.auto import AutoInterval
+from bcp.schedule.interval import IntervalPolicy, IntervalReport
 from bcp.schedule.preemption import Agreement, Preemption, Verdict, Watch, choose_tier
 from bcp.target import resolve_backend
 from bcp.tiers import LocalTier
@@ -82,7 +84,9 @@ class CheckpointManager:
 
     :meth:`step`, called at every training step, saves when a save is due
     (``interval=N``: every N steps; with a tier, the tier's ``every`` and
-    ``persist_every``; None without a tier: only on a preemption notice) and, with
+    ``persist_every``; None without a tier: only on a preemption notice;
+    ``"auto"`` or a ``bcp.IntervalPolicy``: each tier's interval chosen from what the
+    manager measures, docs/manager.md "Interval", :meth:`report`) and, with
     ``preemption=bcp.Preemption(...)``, saves and returns True once any rank got a
     notice (docs/manager.md, "Preemption").
     """
@@ -102,10 +106,11 @@ class CheckpointManager:
         tier: LocalTier | None = None,
         metrics: MetricsCallback | None = None,
         preemption: Preemption | None = None,
-        interval: int | Literal["auto"] | None = None,
+        interval: int | Literal["auto"] | IntervalPolicy | None = None,
     ) -> None:
         check_policy(keep_last, keep_every, keep_best)
-        self.interval = _check_interval(interval, tier)
+        policy = _policy_of(interval, tier)
+        self.interval = None if policy is not None else _check_interval(interval, tier)
         if preemption is not None and not isinstance(preemption, Preemption):
             raise TypeError(f"preemption must be a bcp.Preemption or None, got {type(preemption).__name__}")
         if gc_grace_seconds < 0:
@@ -155,6 +160,11 @@ class CheckpointManager:
                 lanes=self._lanes,
                 housekeeping=self._housekeeping,
             )
+        #: interval="auto": the policy and its measurements (None: another interval)
+        self._auto: AutoInterval | None = None
+        if policy is not None:
+            self._auto = AutoInterval(policy, self._lanes.caller, self.backend)
+            self._auto.start()  # (all ranks) the restart record, and the newest step's estimates
         if self._watch is not None:
             self._watch.install()
 
@@ -215,21 +225,26 @@ class CheckpointManager:
         metrics: dict[str, float] | None,
         opts: SaveOptions,
         to: Literal["local", "persistent"] | None = None,
+        due: tuple[bool, bool] | None = None,
     ) -> SaveInfo | None:
         """(all ranks) :meth:`save` once its options are checked. ``to``: this tier, whatever
         the tier's schedule says (a preemption save); a local save that some host has no
-        room for is then not made (``self._started`` says whether a save started)."""
+        room for is then not made (``self._started`` says whether a save started).
+        ``due``: (local, drain) instead of the tier's schedule (``interval="auto"``)."""
         self._wait_pending()
         called, retries = time.perf_counter(), retry_count()
         if self.metrics is not None and opts.trace is None:
             opts = dataclasses.replace(opts, trace=trace.directory_of(None) or True)
-        meta = {"bcp_manager": {"step": int(step), "metrics": {k: float(v) for k, v in (metrics or {}).items()}}}
+        meta: dict[str, Any] = {
+            "bcp_manager": {"step": int(step), "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
+        }
+        if self._auto is not None:  # the estimates a restarted job starts from, and bcp ls shows
+            meta["bcp_manager"]["interval"] = self._auto.metadata()
         opts = dataclasses.replace(
             opts, metadata=meta, storage_options=self.storage_options or None, process_group=self.process_group
         )
         if self._tier is not None and to != "persistent":
-            due = (True, False) if to == "local" else None
-            route = self._tier.save(step, state, opts, self.overlap, due=due)
+            route = self._tier.save(step, state, opts, self.overlap, due=(True, False) if to == "local" else due)
             if route != "none":
                 self._started = step
             if route == "local":
@@ -269,6 +284,9 @@ class CheckpointManager:
                 self._stopped_at = step
                 self._preempted(step, state, metrics, verdict)
                 return True
+        if self._auto is not None:
+            self._auto_step(step, state, metrics)
+            return False
         if self._tier is not None:
             config = self._tier.config
             due = config.local_due(step) or config.drain_due(step)
@@ -277,6 +295,24 @@ class CheckpointManager:
         if due:
             self.save(step, state, metrics)
         return False
+
+    def _auto_step(self, step: int, state: Any, metrics: dict[str, float] | None) -> None:
+        """(all ranks) ``interval="auto"``: save ``step`` to the tiers due; the ranks then agree."""
+        auto = self._auto
+        assert auto is not None
+        local, persistent = auto.due(step, auto.policy.tiers)
+        if local or persistent:
+            called = time.perf_counter()
+            # a drain copies a local step: a persistent save with a tier is a local one drained
+            due = (True, persistent) if self._tier is not None else None
+            self._save(step, state, metrics, SaveOptions(), due=due)
+            auto.saved(step, local or (persistent and due is not None), persistent, time.perf_counter() - called)
+        auto.returned()
+
+    def report(self) -> IntervalReport | None:
+        """``interval="auto"``: the intervals chosen, the expected waste per hour and the
+        inputs with their sources (agreed: the same on every rank); None otherwise."""
+        return self._auto.policy.report() if self._auto is not None else None
 
     def _preempted(self, step: int, state: Any, metrics: dict[str, float] | None, verdict: Verdict) -> None:
         """(all ranks, the same ``verdict``) The preemption save of ``step``, waited for."""
@@ -349,6 +385,8 @@ class CheckpointManager:
             if not self.async_save:
                 blocking = total
         self.save_seconds["local" if tier == "local" else "persistent"] = total
+        if self._auto is not None:
+            self._auto.committed("local" if tier == "local" else "persistent", blocking, total)
         if self.metrics is None:
             return
         self.metrics(
@@ -368,10 +406,12 @@ class CheckpointManager:
         self, step: int, nbytes: int, stages: Mapping[str, StageTotal], since: tuple[float, int], tier: str
     ) -> None:
         """Hand the metrics callback the record of a load that ``load_latest`` started at
-        ``since`` (perf_counter seconds, retry count)."""
+        ``since`` (perf_counter seconds, retry count); ``interval="auto"``: its recovery time."""
+        called, retries = since
+        seconds = time.perf_counter() - called
+        if self._auto is not None:
+            self._auto.loaded(step, seconds, "local" if tier == "local" else "persistent")
         if self.metrics is not None:
-            called, retries = since
-            seconds = time.perf_counter() - called
             self.metrics(
                 MetricsRecord(
                     step=step,
@@ -517,11 +557,6 @@ class CheckpointManager:
 
 def _check_interval(interval: Any, tier: LocalTier | None) -> int | None:
     """The ``interval`` of :meth:`CheckpointManager.step`, checked: steps, or None."""
-    if interval == "auto":
-        raise NotImplementedError(
-            "CheckpointManager(interval='auto'): the interval policy (bcp.schedule.interval) is not available "
-            "in this version; pass interval=<steps> or None"
-        )
     if interval is None:
         return None
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
@@ -532,3 +567,16 @@ def _check_interval(interval: Any, tier: LocalTier | None) -> int | None:
             f"persist_every do: pass interval=None"
         )
     return interval
+
+
+def _policy_of(interval: Any, tier: LocalTier | None) -> IntervalPolicy | None:
+    """``interval="auto"`` (a policy for the manager's tiers) or a given policy, checked; None: another interval."""
+    tiers = ("local", "persistent") if tier is not None else ("persistent",)
+    if isinstance(interval, IntervalPolicy):
+        if interval.tiers != tiers:
+            raise ValueError(
+                f"CheckpointManager: interval policy for tiers {interval.tiers}, the manager saves to {tiers}: "
+                f"pass bcp.IntervalPolicy(tiers={tiers})"
+            )
+        return interval
+    return IntervalPolicy(tiers=tiers) if isinstance(interval, str) and interval == "auto" else None

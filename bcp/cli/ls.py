@@ -4,14 +4,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
 
-from bcp.backends import backend_for
+from bcp.backends import Backend, backend_for
 from bcp.cli.common import one_line, require_location
 from bcp.cli.render import age, human, safe, show
+from bcp.commit import read_manifest
 from bcp.discovery import FIND_MAX_DEPTH, ListedCheckpoint, list_checkpoints
+from bcp.schedule.auto import report_from_metadata
+from bcp.schedule.interval import IntervalReport
 
 NAME = "ls"
 HELP = "checkpoints under a root, in any layout: committed, incomplete or retired, own and shared bytes, age, kind"
@@ -48,6 +52,18 @@ def as_json(row: ListedCheckpoint) -> dict[str, Any]:
     return doc
 
 
+def interval_of(backend: Backend, row: ListedCheckpoint) -> IntervalReport | Exception | None:
+    """The ``interval="auto"`` report kept in a manager's newest step (None: none; the
+    error when its estimates are unreadable or not sane)."""
+    if not row.latest or row.status != "committed":
+        return None
+    try:
+        manifest = read_manifest(backend, f"{row.path}/" if row.path else "")
+        return report_from_metadata(manifest.user_metadata) if manifest is not None else None
+    except Exception as e:  # noqa: BLE001 - shown on its line; the listing stands
+        return e
+
+
 def run(args: argparse.Namespace) -> int:
     backend = backend_for(args.root)
     require_location(backend, args.root)
@@ -55,8 +71,17 @@ def run(args: argparse.Namespace) -> int:
     rows = listing.checkpoints
     if listing.truncated:
         print(f"bcp ls: stopped listing after {len(rows)} checkpoint(s); there may be more", file=sys.stderr)
+    intervals = {id(r): interval_of(backend, r) for r in rows if r.latest}
     if args.json:
-        print(json.dumps([as_json(r) for r in rows], indent=2))
+        docs = []
+        for r in rows:
+            doc, found = as_json(r), intervals.get(id(r))
+            if isinstance(found, Exception):
+                doc["interval"] = {"error": one_line(found)}
+            elif found is not None:
+                doc["interval"] = dataclasses.asdict(found)
+            docs.append(doc)
+        print(json.dumps(docs, indent=2))
         return 0
     if not rows:
         print(f"no checkpoints under {show(args.root)} (looked {FIND_MAX_DEPTH} levels deep)")
@@ -73,4 +98,11 @@ def run(args: argparse.Namespace) -> int:
             f"{step:>12}  {r.status:<10} {human(r.bytes):>10} {shared:>10} {r.objects:>7} "
             f"{shown_age:>6}  {r.kind:<9}  {safe(r.path or '.')}{mark}{held}{why}"
         )
+    for r in rows:  # interval="auto": what the manager chose, from its newest step
+        found = intervals.get(id(r))
+        where = safe(r.path.rsplit("/", 1)[0] if "/" in r.path else ".")
+        if isinstance(found, Exception):
+            print(f"{where}: interval: unreadable ({one_line(found)})")
+        elif found is not None:
+            print(f"{where}: " + "\n".join(safe(line) for line in found.lines()))
     return 0
