@@ -156,3 +156,19 @@ def test_verify_root_with_no_committed_checkpoint_is_not_found(root):
     backend_for(root).write("notes.txt", b"x")
     with pytest.raises(bcp.CheckpointNotFoundError, match="holds no committed checkpoint at or below it"):
         verify_root(root)
+
+
+def test_verify_root_on_s3_names_every_checkpoint_a_bad_block_affects(moto_server):
+    """On S3 (moto): the root's URI carries the endpoint in its query; each checkpoint's
+    and each reference's location must still be one string per stored file."""
+    from conftest import new_bucket, store_uri
+
+    root = store_uri("moto", moto_server, new_bucket(moto_server), "run")
+    _chain(root)
+    users = _users(root)
+    owner, file, offset = next(k for k, names in sorted(users.items()) if len(names) == 3)
+    assert verify_root(root)["ok"]
+    _flip(root, owner, file, offset + 2)
+    report = verify_root(root)
+    assert [(d["offset"], d["checkpoints"]) for d in report["damaged"]] == [(offset, list(NAMES))], report["damaged"]
+    assert "?" not in report["damaged"][0]["file"] and report["fragments_known"] > 0
