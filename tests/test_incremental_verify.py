@@ -6,6 +6,7 @@ checkpoint under a root reading each shared byte once."""
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def root(uri_factory) -> str:
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pick=st.integers(0, 10**6), inside=st.integers(0, PIECE - 1))
 def test_a_flipped_shared_byte_is_reported_by_every_checkpoint_that_uses_it(uri_factory, pick, inside):
-    root = split_parent(uri_factory(f"run{pick}/x"))[0]
+    root = split_parent(uri_factory(f"run-{uuid.uuid4().hex[:8]}/x"))[0]  # a fresh root per example
     _chain(root)
     users = _users(root)
     shared = sorted(k for k, names in users.items() if len(names) > 1)
