@@ -124,24 +124,6 @@ def test_killed_manager_job_always_resumes_exactly(mode, tmp_path, job_server):
 
 
 @pytest.mark.slow
-def test_killed_two_host_tier_job_always_resumes_exactly(tmp_path, job_server):
-    """The local tier's job on 2 simulated hosts, host 1's process killed at its file
-    events (its local saves, the replicas it receives, its part of the drains); the
-    resume recovers from the local tier or the drained steps and must end bit-exact."""
-    # ckpt-chaos 0.1.8's run mode arms rank CKPT_CHAOS_CRASH_RANK (default 0), not --crash-rank: set both
-    env = dict(os.environ, CKPT_CHAOS_CRASH_RANK="1")
-    # "torn" tears Python open() writes: the local tier writes none (every file through an
-    # O_NOFOLLOW descriptor), so before/term share the points, spread over host 1's events.
-    # 3 points: "before" at host 1's first event (the job's directory, nothing written) and
-    # at its middle one (the local save of step 1), "term" at the first event; "term" at
-    # the middle event added a second kill of the same save with nothing new to judge.
-    options = ["--ranks", "2", "--crash-rank", "1", "--max-points", "3", "--jobs", "2"]
-    results = _run_chaos(tmp_path, options, [*job_server, str(TIER_JOB), "{out}", "4"], env, modes="before,term")
-    crashes = [r for r in results if r["label"] != "no crash (control)"]
-    assert crashes and all(r["crashed"] for r in crashes), f"a crash point did not kill host 1: {results}"
-
-
-@pytest.mark.slow
 def test_killed_incremental_job_always_resumes_exactly(tmp_path, job_server):
     """tests/chaos/incremental_job.py: incremental saves (base = the newest committed
     step) with retention by bcp.delete (keep 1: each older step retired, kept for its
@@ -170,3 +152,21 @@ def test_killed_incremental_job_always_resumes_exactly(tmp_path, job_server):
         assert steps[-1] == 3 and len(steps) <= 2, (root, steps)
         report = verify_root(str(root))
         assert report["ok"] and report["fragments"] > 0, report["problems"]
+
+
+@pytest.mark.slow
+def test_killed_two_host_tier_job_always_resumes_exactly(tmp_path, job_server):
+    """The local tier's job on 2 simulated hosts, host 1's process killed at its file
+    events (its local saves, the replicas it receives, its part of the drains); the
+    resume recovers from the local tier or the drained steps and must end bit-exact."""
+    # ckpt-chaos 0.1.8's run mode arms rank CKPT_CHAOS_CRASH_RANK (default 0), not --crash-rank: set both
+    env = dict(os.environ, CKPT_CHAOS_CRASH_RANK="1")
+    # "torn" tears Python open() writes: the local tier writes none (every file through an
+    # O_NOFOLLOW descriptor), so before/term share the points, spread over host 1's events.
+    # 3 points: "before" at host 1's first event (the job's directory, nothing written) and
+    # at its middle one (the local save of step 1), "term" at the first event; "term" at
+    # the middle event added a second kill of the same save with nothing new to judge.
+    options = ["--ranks", "2", "--crash-rank", "1", "--max-points", "3", "--jobs", "2"]
+    results = _run_chaos(tmp_path, options, [*job_server, str(TIER_JOB), "{out}", "4"], env, modes="before,term")
+    crashes = [r for r in results if r["label"] != "no crash (control)"]
+    assert crashes and all(r["crashed"] for r in crashes), f"a crash point did not kill host 1: {results}"
