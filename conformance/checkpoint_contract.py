@@ -4,7 +4,8 @@ Where :class:`~bcp.conformance.BackendContractTests` checks single objects, thes
 tests check what a training job relies on: a realistic multi-tensor state saves,
 loads and reshards bit-exactly; a save killed with SIGKILL midway leaves no
 committed checkpoint and the previous one loads intact; checksums catch a corrupted
-or truncated object; checkpoints side by side under one prefix do not interfere;
+or truncated object; checkpoints side by side under one prefix do not interfere; an
+incremental checkpoint reads its base's bytes, and keeps them through the base's deletion;
 the backend for ``ROOT/sub`` sees ROOT's objects under ``sub/`` (the sub-URI rule,
 which CheckpointManager relies on).
 
@@ -295,6 +296,29 @@ class CheckpointContractTests:
             "sub-URI rule: an object written at 'y' through ROOT/sub is not 'sub/y' under ROOT"
         )
         assert sorted(parent.list("sub/")) == ["sub/x", "sub/y"], f"ROOT lists {sorted(parent.list('sub/'))!r}"
+
+    def test_incremental_checkpoint_reads_its_base_and_outlives_its_deletion(self, root: str) -> None:
+        """An incremental save (``base=``) refers to its sibling's stored bytes: its
+        references are reads of the base's keys through the parent URI. It loads
+        exactly, also once the base is deleted (the base's bytes stay, retired, for it),
+        and deleting it then collects them."""
+        g = torch.Generator().manual_seed(7)
+        state = {"frozen": torch.randn(256, 64, generator=g), "trained": torch.randn(64, 64, generator=g)}
+        base, step = join_uri(root, "step_1"), join_uri(root, "step_2")
+        bcp.save(state, base, incremental=True, piece_bytes=16 << 10)
+        state["trained"][3:5] += 1.0
+        bcp.save(state, step, base=base, piece_bytes=16 << 10)
+        manifest = bcp.open(step).manifest
+        assert {f.checkpoint for f in manifest.references} == {"step_1"}, "the save wrote its base's bytes again"
+        assert_same(bcp.load(template_like(state), step), state, "the incremental checkpoint")
+        bcp.delete(base)
+        with pytest.raises((bcp.IncompleteCheckpointError, bcp.CheckpointNotFoundError)):
+            bcp.open(base)  # no checkpoint any more: what is left are the bytes step_2 reads
+        assert_same(bcp.load(template_like(state), step), state, "the incremental checkpoint after its base's deletion")
+        parent = backend_for(root)
+        assert any(k.startswith("step_1/") for k in parent.list("step_1/")), "the referenced bytes were deleted"
+        bcp.delete(step)
+        assert list(parent.list("step_")) == [], f"left behind: {sorted(parent.list('step_'))}"
 
     def test_overwrite_needs_consent_and_replaces(self, root: str) -> None:
         uri = join_uri(root, "ck")

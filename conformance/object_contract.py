@@ -25,7 +25,8 @@ against the store are skipped.
 
 The tests are split by operation into the classes of :data:`OBJECT_CONTRACT_GROUPS`
 (round trip, multi-part writes, ranged reads, listing, delete, exists, keys, missing
-objects, atomic commit, overwrite, create-only writes, concurrency), and
+objects, atomic commit, overwrite, create-only writes, concurrency, and what incremental
+checkpoints rely on: keys of sibling checkpoints, holds, empty objects), and
 :class:`BackendContractTests` inherits all of them. Subclass one group instead (same
 fixture and hooks) to run only that operation while working on it. Each test checks
 one guarantee and fails with a message naming it; each group declares the heading
@@ -51,6 +52,7 @@ from bcp.conformance.object_base import (
 )
 from bcp.conformance.object_commit import AtomicCommitTests, ConcurrencyTests, CreateOnlyWriteTests, OverwriteTests
 from bcp.conformance.object_data import MultipartWriteTests, RangedReadTests, RoundTripTests
+from bcp.conformance.object_incremental import IncrementalStoreTests
 from bcp.conformance.object_keys import DeleteTests, ExistsTests, KeyTests, ListingTests, MissingObjectTests
 
 #: The per-operation groups, in the order they run and are reported.
@@ -67,10 +69,12 @@ OBJECT_CONTRACT_GROUPS: tuple[type[ObjectContractBase], ...] = (
     OverwriteTests,
     CreateOnlyWriteTests,
     ConcurrencyTests,
+    IncrementalStoreTests,
 )
 
 
 class BackendContractTests(
+    IncrementalStoreTests,
     ConcurrencyTests,
     CreateOnlyWriteTests,
     OverwriteTests,
@@ -107,6 +111,7 @@ __all__ = [
     "CreateOnlyWriteTests",
     "DeleteTests",
     "ExistsTests",
+    "IncrementalStoreTests",
     "KeyTests",
     "ListingTests",
     "MissingObjectTests",

@@ -52,7 +52,20 @@ def conformance(runs: SideBySide, name: str, uri: str, where: Path) -> dict:
     data = json.loads((where / "report.json").read_text())
     assert data["ok"] and data["counts"]["failed"] == 0 and data["counts"]["passed"] > 150, data["counts"]
     assert "RESULT: PASSED" in proc.stdout
+    _incremental_cases_pass(data)
     return data
+
+
+INCREMENTAL_GROUP = "incremental stores (references and holds)"
+
+
+def _incremental_cases_pass(data: dict) -> None:
+    """The cases an incremental store relies on ran and passed: the object group and the
+    checkpoint contract's incremental save (issue 39)."""
+    cases = data["groups"].get(INCREMENTAL_GROUP, [])
+    assert len(cases) == 5 and all(c["outcome"] == "passed" for c in cases), cases
+    saves = [c for cs in data["groups"].values() for c in cs if "test_incremental_checkpoint" in c["name"]]
+    assert len(saves) == 1 and saves[0]["outcome"] == "passed", saves
 
 
 class Run(NamedTuple):
