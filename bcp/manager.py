@@ -78,6 +78,12 @@ class CheckpointManager:
     ``metrics=callback`` calls ``callback(bcp.MetricsRecord)`` once per save (when it
     completes: an async one at :meth:`wait` or the next save) and once per load
     (docs/observability.md); saves and loads are then traced in memory (``trace=True``).
+
+    ``incremental=True`` (docs/manager.md, "Incremental checkpoints"): each save to
+    ``root_uri`` takes the newest committed step as its base and writes only the pieces
+    whose bytes changed, referring to the stored bytes of the others (a full save
+    recording digests when there is no committed step yet). Retention then keeps a
+    referenced step's bytes, retired, until no kept step refers to them.
     """
 
     def __init__(
@@ -94,6 +100,7 @@ class CheckpointManager:
         gc_grace_seconds: float = DEFAULT_GRACE_SECONDS,
         tier: LocalTier | None = None,
         metrics: MetricsCallback | None = None,
+        incremental: bool = False,
     ) -> None:
         check_policy(keep_last, keep_every, keep_best)
         if gc_grace_seconds < 0:
@@ -102,6 +109,7 @@ class CheckpointManager:
         self.root_uri = os.fspath(root_uri)
         self.policy: RetentionPolicy = {"keep_last": keep_last, "keep_every": keep_every, "keep_best": keep_best}
         self.async_save = async_save
+        self.incremental = bool(incremental)
         self.storage_options = dict(storage_options or {})
         self.process_group = process_group
         self.overlap = overlap
@@ -192,6 +200,8 @@ class CheckpointManager:
                     return info
             if route != "persistent":
                 return None
+        if self.incremental and opts.base is None:
+            opts = dataclasses.replace(opts, incremental=True, base=self._base_for(step))
         if self.async_save:
             self._pending = (async_save(state, self.uri(step), opts, overlap=self.overlap), step)
             self._due = (step, retries, self._pending[0].blocking_seconds, called)
@@ -319,6 +329,24 @@ class CheckpointManager:
             config=self._tier.config,  # how many steps a lost local tier may have cost
             hosts=self._tier.hosts,  # gathered when the tier started: one round less
         )
+
+    def _base_for(self, step: int) -> str | None:
+        """(all ranks) The base of an incremental save of ``step``: the newest committed
+        step other than ``step`` (the coordinator's listing, the same on every rank), or
+        None (a full save recording digests; also when the listing fails). The previous save is committed by now:
+        :meth:`save` waited for it."""
+
+        def newest() -> str | None:
+            try:
+                others = [s for s in self.steps() if s != step]
+            except Exception as e:  # noqa: BLE001 - a base only saves bytes: never fail the save for it
+                log.warning(
+                    "incremental save of step %d: listing %s failed (%s): saving every byte", step, self.root_uri, e
+                )
+                return None
+            return self.uri(others[-1]) if others else None
+
+        return decide(self._coord("CheckpointManager.save"), "choosing the base", newest)
 
     def reserve_staging(self, state: Any) -> None:
         """(all ranks) Start allocating staging memory for async saves of ``state`` in

@@ -1,0 +1,119 @@
+"""CheckpointManager(incremental=True): each save refers to the newest committed step
+for the pieces whose bytes did not change; retention keeps referenced bytes (retired)
+and collects them once no kept step refers to them (docs/manager.md, "Incremental
+checkpoints")."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import bcp
+import dist_jobs
+from bcp.metadata.keys import step_name
+from bcp.target import resolve_backend
+from bcp.verify import verify_checkpoint
+from conftest import new_bucket, store_uri
+
+FROZEN = (256, 256)  # float32: 256 KiB, never changes
+SLOW = (64, 64)  # 16 KiB, changes at steps 0, 3, 6
+ADAPTER = (16, 16)  # 1 KiB, changes every step
+
+
+def state_at(step: int) -> dict:
+    """The state as training holds it at ``step``: mostly frozen."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "frozen": torch.randn(FROZEN, generator=g),
+        "slow": torch.full(SLOW, float(step // 3 * 3)),
+        "adapter": torch.full(ADAPTER, float(step)) + torch.arange(16.0),
+        "step": step,
+    }
+
+
+def nbytes(shape: tuple[int, int]) -> int:
+    return shape[0] * shape[1] * 4
+
+
+def own_data(root: str, step: int) -> list[str]:
+    """The data files stored under the step's own directory (any generation)."""
+    backend = resolve_backend(root)
+    return [k for k in backend.list(f"{step_name(step)}/") if "/data/" in k]
+
+
+def run_ten_saves(root: str, async_save: bool) -> None:
+    written: list[int] = []
+    saved = {}
+    with bcp.CheckpointManager(
+        root, keep_last=3, incremental=True, async_save=async_save, metrics=lambda r: written.append(r.bytes)
+    ) as m:
+        for step in range(10):
+            state = state_at(step)
+            saved[step] = copy.deepcopy(state)
+            m.save(step, state)
+            del state  # the manager took the values at the call
+    assert m.steps() == [7, 8, 9]
+    # bytes written: all of it once, then the adapter, and the slow tensor when it changed
+    # (the first data file also holds alignment padding between tensors)
+    full = nbytes(FROZEN) + nbytes(SLOW) + nbytes(ADAPTER)
+    assert full <= written[0] < full + (16 << 10), written
+    assert written[1:] == [nbytes(ADAPTER) + (nbytes(SLOW) if s % 3 == 0 else 0) for s in range(1, 10)]
+    for step in m.steps():  # every kept step loads bit-exactly
+        got = bcp.load(state_at(0), m.uri(step))
+        for k in ("frozen", "slow", "adapter"):
+            assert torch.equal(got[k], saved[step][k]), (step, k)
+            assert got[k].numpy().tobytes() == saved[step][k].numpy().tobytes()
+        assert got["step"] == step
+        assert verify_checkpoint(m.uri(step))["ok"], step
+    # step 0 holds the frozen bytes and step 6 the slow ones that 7, 8, 9 use: retired;
+    # steps 1..5 held nothing a kept step uses: collected (3's slow bytes once 6 changed them)
+    assert own_data(root, 0) and own_data(root, 6)
+    for step in range(1, 6):
+        assert own_data(root, step) == [], step
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_ten_saves_keep_last_three(uri_factory, async_save):
+    run_ten_saves(uri_factory("run"), async_save)
+
+
+def test_ten_saves_keep_last_three_on_s3(moto_server):
+    run_ten_saves(store_uri("moto", moto_server, new_bucket(moto_server), "run"), async_save=True)
+
+
+def test_off_by_default_writes_every_byte(uri_factory):
+    root = uri_factory("run")
+    m = bcp.CheckpointManager(root, async_save=False)
+    infos = [m.save(step, state_at(step)) for step in range(2)]
+    assert all(i.bytes_written >= nbytes(FROZEN) + nbytes(SLOW) + nbytes(ADAPTER) for i in infos)  # and padding
+    assert all(f.checkpoint is None for f in bcp.open(m.uri(1)).manifest.data_files)
+
+
+def test_the_first_save_records_digests_and_a_resave_of_a_step_takes_another_base(uri_factory):
+    root = uri_factory("run")
+    m = bcp.CheckpointManager(root, async_save=False, incremental=True)
+    first = m.save(0, state_at(0))
+    assert first.bytes_written >= nbytes(FROZEN) + nbytes(SLOW) + nbytes(ADAPTER)
+    assert first.fragments == 3  # digests recorded: the next save reuses them
+    assert m.save(1, state_at(1)).bytes_written == nbytes(ADAPTER)
+    # step 1 again (a restart that saves it anew): its base is step 0, never itself
+    again = m.save(1, state_at(1), overwrite=True)
+    assert again.bytes_written == nbytes(ADAPTER)
+    assert {f.checkpoint for f in bcp.open(m.uri(1)).manifest.data_files} == {None, step_name(0)}
+
+
+def test_two_gloo_ranks_then_load_at_one_and_three_ranks(tmp_path):
+    import manager_incremental_jobs as jobs
+
+    root = str(tmp_path / "run")
+    dist_jobs.spawn(jobs.manager_job, 2, root)
+    # step 3 at world size 1: the whole tensors, assembled from both ranks' shards
+    whole = jobs.sharded_state(0, 1, 3)
+    template = {"frozen": torch.zeros(64, 16), "adapter": torch.zeros(64, 4), "table": torch.zeros(8, 8), "step": 0}
+    got = bcp.load(template, f"{root}/{step_name(3)}")
+    assert torch.equal(got["frozen"], whole["frozen"].local)
+    assert torch.equal(got["adapter"], whole["adapter"].local)
+    assert torch.equal(got["table"], torch.ones(8, 8)) and got["step"] == 3
+    dist_jobs.spawn(jobs.load_three_job, 3, root)
