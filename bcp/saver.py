@@ -33,7 +33,7 @@ from bcp.coordination.collectives import Coordinator, gather_decide, gather_deci
 from bcp.coordination.lanes import ready
 from bcp.errors import ShardingError
 from bcp.gc_pause import gc_paused
-from bcp.incremental import match
+from bcp.incremental import is_sibling, match, prefetch_base
 from bcp.io_scheduler.write_pipeline import WriteItem
 from bcp.kept_plans import LocalPlans, Prepared, prepare_tensors
 from bcp.options import SaveOptions, SaveOptionsKwargs
@@ -135,6 +135,11 @@ def _start(
     held = cache.held()
     layout = prepared.layout
     early = None
+    prefetched = None
+    if options.base is not None and is_sibling(uri, options.base):
+        # the base's catalog read while the coordinator holds the base (a durable write)
+        fqns = list(dict.fromkeys(i.plan.fqn for i in prepared.items))
+        prefetched = prefetch_base(options.base, options.storage_options, fqns)
     if options.is_incremental and coord.world_size == 1:
         # one rank writes every box: digest them while the coordinator holds the base
         early = start_digests(prepared.items, options.streams or backend.hints.concurrency)
@@ -184,6 +189,7 @@ def _start(
             digests,
             options.checksum_block_bytes,
             options.storage_options,
+            prefetched,
         )
         reuse = (items, found, digests)
         items = [items[k] for k in found.changed]

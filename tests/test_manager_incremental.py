@@ -117,3 +117,48 @@ def test_two_gloo_ranks_then_load_at_one_and_three_ranks(tmp_path):
     assert torch.equal(got["adapter"], whole["adapter"].local)
     assert torch.equal(got["table"], torch.ones(8, 8)) and got["step"] == 3
     dist_jobs.spawn(jobs.load_three_job, 3, root)
+
+
+# -- the base's catalog, read while the coordinator holds the base ---------------------------
+
+
+def test_a_base_read_early_is_used_only_if_it_is_the_base_held(uri_factory, monkeypatch):
+    """The base is overwritten after the early read and before its holds: the save
+    refers to the new base's bytes, never to the replaced generation's."""
+    import bcp.incremental
+    import bcp.saver
+
+    parent = uri_factory("run")
+    base, uri = f"{parent}/s0", f"{parent}/s1"
+    old = {"a": torch.zeros(64, 16), "b": torch.ones(64, 16)}
+    new = {"a": torch.full((64, 16), 2.0), "b": torch.ones(64, 16)}
+    bcp.save(old, base, incremental=True)
+    reads = []
+    real = bcp.incremental.prefetch_base
+
+    def then_overwrite(*args):
+        future = real(*args)
+        reads.append(future.result().manifest.save_id)
+        bcp.save(new, base, incremental=True, overwrite=True)
+        return future
+
+    monkeypatch.setattr(bcp.saver, "prefetch_base", then_overwrite)
+    state = {"a": torch.full((64, 16), 2.0), "b": torch.full((64, 16), 3.0)}
+    info = bcp.save(state, uri, base=base)
+    assert reads and reads[0] != bcp.open(base).manifest.save_id  # the early read was of the replaced base
+    assert info.bytes_written == 64 * 16 * 4  # "a" refers to the new base's bytes, "b" is written
+    got = bcp.load({"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}, uri)
+    assert torch.equal(got["a"], state["a"]) and torch.equal(got["b"], state["b"])
+    assert verify_checkpoint(uri)["ok"]
+
+
+def test_a_save_with_a_base_reads_the_base_metadata_once(uri_factory, monkeypatch):
+    import bcp.incremental
+
+    parent = uri_factory("run")
+    bcp.save({"a": torch.zeros(8, 8)}, f"{parent}/s0", incremental=True)
+    calls = []
+    real = bcp.incremental.fetch_metadata
+    monkeypatch.setattr(bcp.incremental, "fetch_metadata", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert bcp.save({"a": torch.zeros(8, 8)}, f"{parent}/s1", base=f"{parent}/s0").bytes_written == 0
+    assert len(calls) == 1
