@@ -17,7 +17,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -96,17 +96,29 @@ def referenced_generations(manifest: Manifest, name: str) -> dict[tuple[str, str
     return out
 
 
-def hold_base(uri: Target, base: str, save_id: str, storage_options: object = None) -> BaseRef | None:
+def hold_base(
+    uri: Target,
+    base: str,
+    save_id: str,
+    storage_options: object = None,
+    reusable: Callable[[BaseRef], bool] | None = None,
+) -> BaseRef | None:
     """(coordinator) FORMAT.md's order: read the base's manifest, write a hold on every
     generation it names, read the manifest again. The base, or None (refer to nothing)
     when it changed or went away in between. CheckpointNotFoundError naming ``base``
-    when it is not committed at the start."""
+    when it is not committed at the start. ``reusable`` (a save of one rank, which alone
+    decides what it reuses): asked after the first read; False means no piece of the
+    base would be reused, so nothing is held and the save refers to nothing (dense
+    training then pays no durable hold write)."""
     parent, name = check_sibling(uri, base)
     opts = dict(storage_options or {})  # type: ignore[call-overload]
     base_backend = resolve_backend(base, opts)
     first = read_manifest(base_backend) if base_backend.exists(manifest_key()) else None
     if first is None:
         raise CheckpointNotFoundError(f"base {base!r} holds no committed checkpoint (no manifest.json)")
+    if reusable is not None and not reusable(BaseRef(os.fspath(base), name, first)):
+        log.debug("base %s: no piece of it equals one being saved: nothing held", base)
+        return None
     parent_backend = resolve_backend(parent, opts)
     own_name = split_parent(os.fspath(uri))[1]  # type: ignore[arg-type]  # check_sibling took URIs
     for owner, gen in referenced_generations(first, name):

@@ -162,3 +162,27 @@ def test_a_save_with_a_base_reads_the_base_metadata_once(uri_factory, monkeypatc
     monkeypatch.setattr(bcp.incremental, "fetch_metadata", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert bcp.save({"a": torch.zeros(8, 8)}, f"{parent}/s1", base=f"{parent}/s0").bytes_written == 0
     assert len(calls) == 1
+
+
+def holds_under(parent: str) -> list[str]:
+    return [k for k in resolve_backend(parent).list("") if "/holds/" in k]
+
+
+def test_one_rank_holds_its_base_only_when_it_reuses_a_piece_of_it(uri_factory):
+    """Every piece changed (dense training): nothing of the base is reused, so nothing
+    is held (no durable write) and nothing is referred to; a reused piece holds it."""
+    parent = uri_factory("run")
+    state = {"a": torch.zeros(64, 16), "b": torch.ones(64, 16)}
+    bcp.save(state, f"{parent}/s0", incremental=True)
+    state["a"] += 1
+    state["b"] += 1
+    info = bcp.save(state, f"{parent}/s1", base=f"{parent}/s0")
+    assert info.bytes_written == 2 * 64 * 16 * 4
+    assert holds_under(parent) == []
+    assert all(f.checkpoint is None for f in bcp.open(f"{parent}/s1").manifest.data_files)
+    state["a"] += 1  # "b" is as in s1
+    assert bcp.save(state, f"{parent}/s2", base=f"{parent}/s1").bytes_written == 64 * 16 * 4
+    held = bcp.open(f"{parent}/s1").manifest.generation
+    assert [k.split("/holds/")[0] for k in holds_under(parent)] == [f"s1/{held}"]
+    got = bcp.load({"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}, f"{parent}/s2")
+    assert torch.equal(got["a"], state["a"]) and torch.equal(got["b"], state["b"])
