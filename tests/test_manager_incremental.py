@@ -186,3 +186,17 @@ def test_one_rank_holds_its_base_only_when_it_reuses_a_piece_of_it(uri_factory):
     assert [k.split("/holds/")[0] for k in holds_under(parent)] == [f"s1/{held}"]
     got = bcp.load({"a": torch.zeros(64, 16), "b": torch.zeros(64, 16)}, f"{parent}/s2")
     assert torch.equal(got["a"], state["a"]) and torch.equal(got["b"], state["b"])
+
+
+def test_with_a_local_tier_the_steps_saved_to_the_root_are_incremental(tmp_path):
+    """every=2, persist_every=3: steps 3 and 9 are due at the root and not saved locally,
+    so the manager saves them to the root itself; 9 takes 3 as its base."""
+    tier = bcp.LocalTier(dir=str(tmp_path / "shm"), every=2, replicas=0, persist_every=3)
+    with bcp.CheckpointManager(tmp_path / "run", tier=tier, incremental=True, async_save=False) as m:
+        first = m.save(3, state_at(3))
+        second = m.save(9, state_at(9))
+    assert first is not None and second is not None
+    assert second.bytes_written == nbytes(ADAPTER) + nbytes(SLOW)  # 9 // 3 * 3 != 3: the slow tensor changed
+    assert {f.checkpoint for f in bcp.open(m.uri(9)).manifest.data_files} == {None, step_name(3)}
+    got = bcp.load(state_at(0), m.uri(9))
+    assert all(torch.equal(got[k], state_at(9)[k]) for k in ("frozen", "slow", "adapter"))
