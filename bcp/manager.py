@@ -34,7 +34,7 @@ from bcp.backends.retry import retry_count
 from bcp.commit import DEFAULT_GRACE_SECONDS
 from bcp.coordination.collectives import Coordinator, decide
 from bcp.coordination.lanes import ready
-from bcp.discovery import committed_steps
+from bcp.discovery import base_step, committed_steps
 from bcp.io_scheduler.staging import StagingReservation
 from bcp.loader import load_with_info
 from bcp.metadata.keys import step_name
@@ -79,11 +79,9 @@ class CheckpointManager:
     completes: an async one at :meth:`wait` or the next save) and once per load
     (docs/observability.md); saves and loads are then traced in memory (``trace=True``).
 
-    ``incremental=True`` (docs/manager.md, "Incremental checkpoints"): each save to
-    ``root_uri`` takes the newest committed step as its base and writes only the pieces
-    whose bytes changed, referring to the stored bytes of the others (a full save
-    recording digests when there is no committed step yet). Retention then keeps a
-    referenced step's bytes, retired, until no kept step refers to them.
+    ``incremental=True``: each save to ``root_uri`` writes only the pieces changed since
+    the newest committed step and refers to that step's bytes for the rest; retention
+    keeps referenced bytes until no kept step reads them (docs/manager.md).
     """
 
     def __init__(
@@ -200,8 +198,9 @@ class CheckpointManager:
                     return info
             if route != "persistent":
                 return None
-        if self.incremental and opts.base is None:
-            opts = dataclasses.replace(opts, incremental=True, base=self._base_for(step))
+        if self.incremental and opts.base is None:  # the newest committed step, the coordinator's choice
+            base = decide(self._coord("CheckpointManager.save"), "choosing the base", base_step, self.backend, step)
+            opts = dataclasses.replace(opts, incremental=True, base=None if base is None else self.uri(base))
         if self.async_save:
             self._pending = (async_save(state, self.uri(step), opts, overlap=self.overlap), step)
             self._due = (step, retries, self._pending[0].blocking_seconds, called)
@@ -329,24 +328,6 @@ class CheckpointManager:
             config=self._tier.config,  # how many steps a lost local tier may have cost
             hosts=self._tier.hosts,  # gathered when the tier started: one round less
         )
-
-    def _base_for(self, step: int) -> str | None:
-        """(all ranks) The base of an incremental save of ``step``: the newest committed
-        step other than ``step`` (the coordinator's listing, the same on every rank), or
-        None (a full save recording digests; also when the listing fails). The previous save is committed by now:
-        :meth:`save` waited for it."""
-
-        def newest() -> str | None:
-            try:
-                others = [s for s in self.steps() if s != step]
-            except Exception as e:  # noqa: BLE001 - a base only saves bytes: never fail the save for it
-                log.warning(
-                    "incremental save of step %d: listing %s failed (%s): saving every byte", step, self.root_uri, e
-                )
-                return None
-            return self.uri(others[-1]) if others else None
-
-        return decide(self._coord("CheckpointManager.save"), "choosing the base", newest)
 
     def reserve_staging(self, state: Any) -> None:
         """(all ranks) Start allocating staging memory for async saves of ``state`` in
