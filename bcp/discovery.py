@@ -272,6 +272,18 @@ def committed_steps(backend: Backend) -> list[int]:
     return sorted(s for s, info in scan(backend, unfinished=False).items() if info.committed)
 
 
+def base_step(backend: Backend, step: int) -> int | None:
+    """The base of a manager's incremental save of ``step``: the newest committed step
+    other than ``step``, or None (a full save recording digests; also
+    when the listing fails: a base only saves bytes, it never fails a save)."""
+    try:
+        others = [s for s in committed_steps(backend) if s != step]
+    except Exception as e:  # noqa: BLE001 - logged; the save writes every byte
+        log.warning("incremental save of step %d: listing %s failed (%s): saving every byte", step, backend.uri, e)
+        return None
+    return others[-1] if others else None
+
+
 def step_metrics(backend: Backend, step: int) -> dict[str, float]:
     """The numeric metrics the manager stored with ``step``. A manifest that cannot be
     read, or a metric that is not a finite number, is left out with a warning: one bad

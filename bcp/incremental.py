@@ -13,10 +13,11 @@ files with ``"checkpoint": NAME`` (:func:`reference_entries`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -27,8 +28,9 @@ from bcp.io_scheduler.write_pipeline import WriteItem
 from bcp.metadata import FileEntry, Manifest, digest_of_checksums, itemsize
 from bcp.metadata.keys import generation_of, hold_key, is_sibling_name, manifest_key, split_parent
 from bcp.metadata.rows import Rows, TensorEntry
+from bcp.pieces import background
 from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
-from bcp.reader import fetch_metadata, open_reader
+from bcp.reader import CheckpointReader, fetch_metadata, open_reader
 from bcp.references import parent_factory
 from bcp.target import Target, resolve_backend
 
@@ -75,6 +77,15 @@ def check_sibling(uri: Target, base: str) -> tuple[str, str]:
     return parent, bname
 
 
+def is_sibling(uri: Target, base: str) -> bool:
+    """Whether :func:`check_sibling` accepts ``base`` (nothing is read before it does)."""
+    try:
+        check_sibling(uri, base)
+    except ValueError:
+        return False
+    return True
+
+
 def referenced_generations(manifest: Manifest, name: str) -> dict[tuple[str, str], None]:
     """(owner checkpoint, generation) of every data file ``manifest`` (of checkpoint ``name``) names."""
     out: dict[tuple[str, str], None] = {(name, manifest.generation): None}
@@ -85,17 +96,29 @@ def referenced_generations(manifest: Manifest, name: str) -> dict[tuple[str, str
     return out
 
 
-def hold_base(uri: Target, base: str, save_id: str, storage_options: object = None) -> BaseRef | None:
+def hold_base(
+    uri: Target,
+    base: str,
+    save_id: str,
+    storage_options: object = None,
+    reusable: Callable[[BaseRef], bool] | None = None,
+) -> BaseRef | None:
     """(coordinator) FORMAT.md's order: read the base's manifest, write a hold on every
     generation it names, read the manifest again. The base, or None (refer to nothing)
     when it changed or went away in between. CheckpointNotFoundError naming ``base``
-    when it is not committed at the start."""
+    when it is not committed at the start. ``reusable`` (a save of one rank, which alone
+    decides what it reuses): asked after the first read; False means no piece of the
+    base would be reused, so nothing is held and the save refers to nothing (dense
+    training then pays no durable hold write)."""
     parent, name = check_sibling(uri, base)
     opts = dict(storage_options or {})  # type: ignore[call-overload]
     base_backend = resolve_backend(base, opts)
     first = read_manifest(base_backend) if base_backend.exists(manifest_key()) else None
     if first is None:
         raise CheckpointNotFoundError(f"base {base!r} holds no committed checkpoint (no manifest.json)")
+    if reusable is not None and not reusable(BaseRef(os.fspath(base), name, first)):
+        log.debug("base %s: no piece of it equals one being saved: nothing held", base)
+        return None
     parent_backend = resolve_backend(parent, opts)
     own_name = split_parent(os.fspath(uri))[1]  # type: ignore[arg-type]  # check_sibling took URIs
     for owner, gen in referenced_generations(first, name):
@@ -127,18 +150,53 @@ class Reuse:
     files: dict[str, FileEntry]
 
 
+def open_base(base: str, storage_options: object = None) -> CheckpointReader:
+    """A reader of the base's metadata (manifest and catalog head; sections on demand)."""
+    options = dict(storage_options or {})  # type: ignore[call-overload]
+    backend = resolve_backend(base, options)
+    metadata = fetch_metadata(backend, allow_head_only=True)
+    return open_reader(backend, metadata, parent=parent_factory(base, options))
+
+
+def prefetch_base(base: str, storage_options: object, fqns: Sequence[str]) -> concurrent.futures.Future:
+    """Start reading the base's metadata and the catalog sections of ``fqns`` in the
+    background, while the coordinator holds the base (a durable write): :func:`match`
+    takes the reader if its manifest is the one held (the same ``save_id``: a
+    generation's files never change), else reads again. Errors wait for :func:`match`."""
+
+    def read() -> CheckpointReader:
+        reader = open_base(base, storage_options)
+        known = set(reader.tensor_keys())
+        reader.catalog.entries(sorted({f for f in fqns if f in known}))
+        return reader
+
+    return background(read)
+
+
 def match(
-    base: BaseRef | None, items: Sequence[WriteItem], digests: np.ndarray, block: int, storage_options: object = None
+    base: BaseRef | None,
+    items: Sequence[WriteItem],
+    digests: np.ndarray,
+    block: int,
+    storage_options: object = None,
+    prefetched: concurrent.futures.Future | None = None,
 ) -> Reuse:
     """Which of ``items`` equal a row of ``base``'s catalog (fqn, dtype, global shape,
-    box, checksum block size, digest); reads only the catalog sections those boxes need."""
+    box, checksum block size, digest); reads only the catalog sections those boxes need
+    (``prefetched``: a reader :func:`prefetch_base` started, used when it read the base held)."""
     every = list(range(len(items)))
     if base is None or base.manifest.checksum_block_bytes != block or not items:
         return Reuse([], every, [], {})
-    options = dict(storage_options or {})  # type: ignore[call-overload]
-    backend = resolve_backend(base.uri, options)
-    metadata = fetch_metadata(backend, allow_head_only=True)
-    reader = open_reader(backend, metadata, parent=parent_factory(base.uri, options))
+    reader = None
+    if prefetched is not None:
+        try:
+            reader = prefetched.result()
+        except Exception as e:  # noqa: BLE001 - read again below; that error is the one to report
+            log.debug("base %s: the early read failed (%s): reading it again", base.uri, e)
+        if reader is not None and reader.manifest.save_id != base.manifest.save_id:
+            reader = None
+    if reader is None:
+        reader = open_base(base.uri, storage_options)
     if reader.manifest.save_id != base.manifest.save_id:
         return Reuse([], every, [], {})  # the base changed after the coordinator held it
     catalog = reader.catalog
@@ -235,4 +293,15 @@ def reference_entries(references: Sequence[FileEntry], rows: Rows, names: Sequen
     return out
 
 
-__all__ = ["BaseRef", "Reuse", "check_sibling", "hold_base", "match", "reference_entries", "with_reuse"]
+__all__ = [
+    "BaseRef",
+    "Reuse",
+    "check_sibling",
+    "hold_base",
+    "is_sibling",
+    "match",
+    "open_base",
+    "prefetch_base",
+    "reference_entries",
+    "with_reuse",
+]

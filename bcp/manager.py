@@ -34,7 +34,7 @@ from bcp.backends.retry import retry_count
 from bcp.commit import DEFAULT_GRACE_SECONDS
 from bcp.coordination.collectives import Coordinator, decide
 from bcp.coordination.lanes import ready
-from bcp.discovery import committed_steps
+from bcp.discovery import base_step, committed_steps
 from bcp.io_scheduler.staging import StagingReservation
 from bcp.loader import load_with_info
 from bcp.metadata.keys import step_name
@@ -82,6 +82,10 @@ class CheckpointManager:
     completes: an async one at :meth:`wait` or the next save) and once per load
     (docs/observability.md); saves and loads are then traced in memory (``trace=True``).
 
+    ``incremental=True``: each save to ``root_uri`` writes only the pieces changed since
+    the newest committed step and refers to that step's bytes for the rest; retention
+    keeps referenced bytes until no kept step reads them (docs/manager.md).
+
     :meth:`step`, called at every training step, saves when a save is due
     (``interval=N``: every N steps; with a tier, the tier's ``every`` and
     ``persist_every``; None without a tier: only on a preemption notice;
@@ -107,6 +111,7 @@ class CheckpointManager:
         metrics: MetricsCallback | None = None,
         preemption: Preemption | None = None,
         interval: int | Literal["auto"] | IntervalPolicy | None = None,
+        incremental: bool = False,
     ) -> None:
         check_policy(keep_last, keep_every, keep_best)
         policy = _policy_of(interval, tier)
@@ -119,6 +124,7 @@ class CheckpointManager:
         self.root_uri = os.fspath(root_uri)
         self.policy: RetentionPolicy = {"keep_last": keep_last, "keep_every": keep_every, "keep_best": keep_best}
         self.async_save = async_save
+        self.incremental = bool(incremental)
         self.storage_options = dict(storage_options or {})
         self.process_group = process_group
         self.overlap = overlap
@@ -256,6 +262,9 @@ class CheckpointManager:
             if route != "persistent":
                 return None
         self._started = step
+        if self.incremental and opts.base is None:  # the newest committed step, the coordinator's choice
+            base = decide(self._coord("CheckpointManager.save"), "choosing the base", base_step, self.backend, step)
+            opts = dataclasses.replace(opts, incremental=True, base=None if base is None else self.uri(base))
         if self.async_save:
             self._pending = (async_save(state, self.uri(step), opts, overlap=self.overlap), step)
             self._due = (step, retries, self._pending[0].blocking_seconds, called)

@@ -11,7 +11,7 @@ import concurrent.futures
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -22,6 +22,8 @@ from bcp.tensor_io import flat_bytes, host_contiguous
 
 if TYPE_CHECKING:
     from bcp.io_scheduler.write_pipeline import WriteItem
+
+_T = TypeVar("_T")
 
 #: The most bytes a piece of an incremental save holds (a row larger than that is one piece).
 PIECE_BYTES = 4 << 20
@@ -97,6 +99,16 @@ def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
         return pool
 
 
+def background(fn: Callable[[], _T]) -> concurrent.futures.Future[_T]:
+    """Run ``fn`` on the process-wide thread for an incremental save's reads (apart from
+    the digest threads, so that it does not wait behind them)."""
+    with _pools_lock:
+        pool = _pools.get(0)
+        if pool is None:
+            pool = _pools[0] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bcp-base")
+    return pool.submit(fn)
+
+
 def start_digests(items: Sequence[WriteItem], threads: int) -> Callable[[], np.ndarray]:
     """Start digesting ``items`` (large ones on up to ``threads`` threads, at most the CPU
     count; xxhash releases the GIL for large buffers); the returned function finishes
@@ -130,4 +142,4 @@ def digest_items(items: Sequence[WriteItem], threads: int) -> np.ndarray:
     return start_digests(items, threads)()
 
 
-__all__ = ["PIECE_BYTES", "cut_pieces", "digest_items", "piece_digest", "rows_per_piece", "start_digests"]
+__all__ = ["PIECE_BYTES", "background", "cut_pieces", "digest_items", "piece_digest", "rows_per_piece", "start_digests"]

@@ -232,10 +232,16 @@ def decide_objects(all_objects: list[dict[str, LocalObject]]) -> dict[str, list[
 
 
 def coordinate_save(
-    backend: Backend, hellos: list[Hello], options: SaveOptions, cache: PlanCache, target: Any = None
+    backend: Backend,
+    hellos: list[Hello],
+    options: SaveOptions,
+    cache: PlanCache,
+    target: Any = None,
+    reusable: Callable[[BaseRef], bool] | None = None,
 ) -> SaveDecision:
     """(coordinator) Check the target, settle the objects, look the plan up; with a
-    ``base`` (``target``: the URI saved to), check and hold it (``bcp.incremental``)."""
+    ``base`` (``target``: the URI saved to), check and hold it (``bcp.incremental``;
+    ``reusable``: see :func:`bcp.incremental.hold_base`)."""
     existing = check_target(backend, overwrite=options.overwrite)
     try:
         json.dumps(options.user_metadata, allow_nan=False)
@@ -264,7 +270,7 @@ def coordinate_save(
     if options.base is not None:
         # a Backend object given as the target (the local tier's step): its URI names the checkpoint
         uri = target if isinstance(target, (str, os.PathLike)) else backend.uri
-        base = hold_base(uri, options.base, save_id, options.storage_options)
+        base = hold_base(uri, options.base, save_id, options.storage_options, reusable)
     start = SaveStart(save_id, key, plan is not None, meta_from, base)
     return SaveDecision(start, objects, existing, digests, meta_digests, plan, () if plan is not None else replicas)
 

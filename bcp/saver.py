@@ -22,18 +22,22 @@ The commit protocol itself (generations, create-only manifest, discarding) is
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Any, Unpack
+
+import numpy as np
 
 from bcp import trace
 from bcp.coordination.collectives import Coordinator, gather_decide, gather_decide_scatter, run_phase
 from bcp.coordination.lanes import ready
 from bcp.errors import ShardingError
 from bcp.gc_pause import gc_paused
-from bcp.incremental import match
+from bcp.incremental import BaseRef, is_sibling, match, prefetch_base
 from bcp.io_scheduler.write_pipeline import WriteItem
 from bcp.kept_plans import LocalPlans, Prepared, prepare_tensors
 from bcp.options import SaveOptions, SaveOptionsKwargs
@@ -135,14 +139,22 @@ def _start(
     held = cache.held()
     layout = prepared.layout
     early = None
+    prefetched = None
+    if options.base is not None and is_sibling(uri, options.base):
+        # the base's catalog read while the coordinator holds the base (a durable write)
+        fqns = list(dict.fromkeys(i.plan.fqn for i in prepared.items))
+        prefetched = prefetch_base(options.base, options.storage_options, fqns)
+    reusable = None
     if options.is_incremental and coord.world_size == 1:
-        # one rank writes every box: digest them while the coordinator holds the base
-        early = start_digests(prepared.items, options.streams or backend.hints.concurrency)
+        # one rank writes every box: digest them while the coordinator checks the target
+        early = functools.cache(start_digests(prepared.items, options.streams or backend.hints.concurrency))
+        if prefetched is not None:
+            reusable = _reuses_any(prepared.items, early, options, prefetched)
     decision: SaveDecision | SaveStart = gather_decide(
         coord,
         "planning the save",
         hello(prepared, held),
-        lambda hellos: coordinate_save(backend, hellos, options, cache, uri),
+        lambda hellos: coordinate_save(backend, hellos, options, cache, uri, reusable),
         share=lambda d: d.start,
     )
     start = decision.start if isinstance(decision, SaveDecision) else decision
@@ -184,6 +196,7 @@ def _start(
             digests,
             options.checksum_block_bytes,
             options.storage_options,
+            prefetched,
         )
         reuse = (items, found, digests)
         items = [items[k] for k in found.changed]
@@ -201,6 +214,27 @@ def _start(
     job = SaveJob(coord, backend, options, mine, start.save_id, pipeline, started, session)
     job.reuse = reuse
     return job
+
+
+def _reuses_any(
+    items: list[WriteItem], digests: Callable[[], np.ndarray], options: SaveOptions, prefetched: Future
+) -> Callable[[BaseRef], bool]:
+    """(one rank) Whether any of ``items`` equals a piece of the base as first read, from
+    the catalog read early: when none does, the base is not held (no durable write) and
+    the save refers to nothing. True when that cannot be told (the base is then held and
+    matched as always)."""
+
+    def reusable(first: BaseRef) -> bool:
+        try:
+            reader = prefetched.result()
+        except Exception:  # noqa: BLE001 - matched again after the holds; that error is reported
+            return True
+        if reader.manifest.save_id != first.manifest.save_id:
+            return True
+        found = match(first, items, digests(), options.checksum_block_bytes, options.storage_options, prefetched)
+        return bool(found.reused)
+
+    return reusable
 
 
 def _plan(decision: SaveDecision, layouts: list[LocalLayout], cache: PlanCache) -> tuple[SaveDecision, GlobalPlan]:

@@ -258,3 +258,18 @@ def test_step_overhead_prints_its_table_and_last_line():
     assert re.fullmatch(
         r"step_overhead: [0-9.]+ us per step\(\) with preemption, [0-9.]+ us without \(target 1000\)", lines[-1]
     ), lines[-1]
+
+
+def test_incremental_bench_runs_and_prints_its_line(tmp_path):
+    out = run("incremental_bench.py", "--mib", "2", "--dir", str(tmp_path / "b"))
+    for name in ("frozen99", "moe", "dense"):
+        rows = [line for line in out if line.startswith(f"{name}: ")]
+        assert len(rows) == 3, rows  # what it is, bytes, stored and times
+        assert "bit-exact: incremental True, full True" in rows[-1]
+    assert sum(bool(re.match(r"\s+\d+ +[\d.]+ +[\d.]+ ", line)) for line in out) == 3 * 10  # a row per save
+    assert any(line.startswith("targets: ") for line in out)
+    assert re.fullmatch(
+        r"incremental_bench: frozen99 [\d.]+x fewer bytes, moe [\d.]+x fewer bytes, dense time [\d.]+x, exact True",
+        out[-1],
+    )
+    assert not (tmp_path / "b").exists(), "left files behind"
