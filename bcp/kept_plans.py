@@ -128,32 +128,18 @@ def fingerprint(leaves: Mapping[Any, Any], rank: int) -> tuple[Fingerprint | Non
         for leaf in leaves.values():
             v = leaf.value
             if type(v) in PLAIN_TENSORS:  # tensor_signature, inline: this loop runs for every tensor
-                add(
-                    (
-                        leaf.path,
-                        v.dtype,
-                        v.shape,
-                        v.stride(),
-                        v.storage_offset(),
-                        v.data_ptr(),
-                        v.device,
-                        v.is_conj(),
-                        v.is_neg(),
-                    )
-                    if per_tensor is None
-                    else (
-                        leaf.path,
-                        v.dtype,
-                        v.shape,
-                        v.stride(),
-                        v.storage_offset(),
-                        v.data_ptr(),
-                        v.device,
-                        v.is_conj(),
-                        v.is_neg(),
-                        per_tensor(v),
-                    )
+                sig = (
+                    leaf.path,
+                    v.dtype,
+                    v.shape,
+                    v.stride(),
+                    v.storage_offset(),
+                    v.data_ptr(),
+                    v.device,
+                    v.is_conj(),
+                    v.is_neg(),
                 )
+                add(sig if per_tensor is None else (*sig, per_tensor(v)))
                 keep(v)
             elif leaf.is_tensor:
                 local = local_pieces(v, leaf.fqn)
