@@ -15,6 +15,10 @@
    dicts: :func:`keep_unrecorded`) and the stored value lacks are kept.
 5. (all ranks) agree that every rank succeeded.
 
+Every phase ends in a round that agrees whether every rank succeeded (the Stateful
+objects' ``state_dict`` and the reader's opening share one), so an error is raised on
+every rank or on none.
+
 A template object that is a container where the checkpoint holds a subtree (an
 optimizer's empty ``state`` before its first step) is replaced by that subtree,
 tensors allocated on CPU.
@@ -182,14 +186,16 @@ def _load(
 ) -> LoadInfo:
     """The load; ``metadata``: the manifest and catalog every rank holds already (not read again)."""
     reshard_objects, share_reads = opts.reshard_objects, opts.share_reads
-    state, stateful = run_phase(coord, "asking Stateful objects for their state_dict", detach_stateful, state)
     backend = resolve_backend(uri, opts.storage_options)
     if metadata is None:
         with trace.span("catalog"):
             metadata = decide(coord, "reading the checkpoint metadata", _fetch_for_load, backend)
     if parent is None:  # an incremental checkpoint reads its siblings' files
         parent = parent_factory(uri, opts.storage_options)
-    reader = open_reader(backend, metadata, allow_pickle=opts.allow_pickle, verify=opts.verify, parent=parent)
+    # one round agrees on both: the Stateful objects' state_dict() and the reader (whose
+    # backend may differ by host: the local tier's recovery), so every later error is
+    # raised on every rank (the recovery needs no round of its own to learn that)
+    state, stateful, reader = _open(coord, state, backend, metadata, opts, parent)
     if session is not None:
         session.label = reader.manifest.save_id
     try:
@@ -232,6 +238,35 @@ def _load(
         hint=plan.hint,
         stages=stages,
     )
+
+
+def _open(
+    coord: Coordinator,
+    state: Mapping[str, Any],
+    backend: Backend,
+    metadata: CheckpointMetadata,
+    opts: LoadOptions,
+    parent: ParentFactory | None,
+) -> tuple[Mapping[str, Any], list[tuple[KeyPath, Any]], CheckpointReader]:
+    """(all ranks, one round) The template with its Stateful objects' state_dicts in
+    place, and the reader over ``metadata``; raises on every rank if either failed on any
+    (a reader opened here is closed then)."""
+    opened: tuple[Mapping[str, Any], list[tuple[KeyPath, Any]], CheckpointReader] | None = None
+    error: BaseException | None = None
+    try:
+        detached, stateful = detach_stateful(state)
+        reader = open_reader(backend, metadata, allow_pickle=opts.allow_pickle, verify=opts.verify, parent=parent)
+        opened = (detached, stateful, reader)
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
+        error = e
+    try:
+        coord.check(error, "asking Stateful objects for their state_dict and opening the checkpoint")
+    except BaseException:
+        if opened is not None:
+            opened[2].close()
+        raise
+    assert opened is not None  # no rank failed
+    return opened
 
 
 def _load_stateful(state: Mapping[str, Any], stateful: list[tuple[KeyPath, Any]]) -> Mapping[str, Any]:

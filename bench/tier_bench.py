@@ -42,6 +42,7 @@ is (the same on every rank); recoveries check the steps too.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
 import math
@@ -384,8 +385,10 @@ def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
     repeat by repeat, ``load_latest`` of a manager with the tier (recovered from the
     local tier: every host holds its ranks' files, nothing to fetch) and of one without
     it (the same step from the file root, its pages in the page cache), on the same 4
-    ranks into the same layout, each checked bit-exact. Times are the slowest rank's,
-    wall and CPU (``time.process_time``: this rank's threads)."""
+    ranks into the same layout, each checked bit-exact; beside them, the limit: each
+    rank's own data files read raw (:func:`raw_read`) from the local tier and from the
+    file root. Times are the slowest rank's, wall and CPU (``time.process_time``: this
+    rank's threads)."""
     host = f"host{rank // RANKS_PER_HOST}"
     os.environ["BCP_HOST_ID"] = host
     g = torch.Generator().manual_seed(100 + rank)
@@ -416,7 +419,7 @@ def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
             cfg["params"], zeros, [(torch.zeros(s), torch.zeros(s)) for s in locals_], rank, world, -1, steps_
         )
 
-    times: dict[str, list[tuple[float, float]]] = {"local": [], "file": []}
+    times: dict[str, list[tuple[float, float]]] = {"local": [], "file": [], "raw_local": [], "raw_file": []}
     exact = True
     # rep 0 warms both up: the file root's pages are read into the page cache (not counted)
     for rep in range(cfg["repeats"] + 1):
@@ -444,6 +447,13 @@ def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
                     flush=True,
                 )
             del loaded, target
+        # the limit beside them: this rank's own data files read raw (no planning, no CRC), from
+        # the local step on /dev/shm and from the file root's page cache
+        for name, where in (("raw_local", tier_dir), ("raw_file", cfg["lvf_root"])):
+            dist.barrier()
+            wall, cpu = raw_read(rank_files(where, rank))
+            if rep > 0:
+                times[name].append((slowest(wall), slowest(cpu)))
     with_tier.close()
     from_file.close()
     share = sum(t.numel() * t.element_size() for t in want)
@@ -455,6 +465,31 @@ def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
     }
 
 
+def rank_files(root: str, rank: int) -> list[str]:
+    """The data files ``rank`` wrote under ``root`` (a local tier's directory or a file root)."""
+    return sorted(glob.glob(os.path.join(root, "**", "data", f"rank{rank:05d}-*.bin"), recursive=True))
+
+
+#: bytes of one raw read request
+RAW_REQUEST = 8 << 20
+
+
+def raw_read(paths: list[str]) -> tuple[float, float]:
+    """(wall, CPU) seconds to ``preadv`` every byte of ``paths`` in 8 MiB requests into one
+    buffer: what reading the rank's bytes costs from where they lie, and no more."""
+    buf = memoryview(bytearray(RAW_REQUEST))
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            offset = 0
+            while n := os.preadv(fd, [buf], offset):
+                offset += n
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0, time.process_time() - cpu0
+
+
 def local_vs_file_rows(res: dict) -> list[str]:
     """The table rows of :func:`local_vs_file_job`'s result and its summary line."""
     share = res["share_bytes"]
@@ -464,6 +499,12 @@ def local_vs_file_rows(res: dict) -> list[str]:
         f"| {res['local_cpu_s']:.3f} CPU-s; {ratio:.2f}x the file-root load's speed |",
         f"| load of the same step from a page-cached file root, same 4 ranks | {res['file_s']:.3f} | "
         f"{share / res['file_s'] / 1e9:.2f} | {res['file_cpu_s']:.3f} CPU-s |",
+        f"| raw `preadv` of each rank's files from the local tier (/dev/shm) | {res['raw_local_s']:.3f} | "
+        f"{share / max(res['raw_local_s'], 1e-9) / 1e9:.2f} | {res['raw_local_cpu_s']:.3f} CPU-s |",
+        f"| raw `preadv` of each rank's files from the file root (page cache) | {res['raw_file_s']:.3f} | "
+        f"{share / max(res['raw_file_s'], 1e-9) / 1e9:.2f} | {res['raw_file_cpu_s']:.3f} CPU-s; recovery - load "
+        f"{res['local_cpu_s'] - res['file_cpu_s']:+.3f} CPU-s, of which the raw reads' difference "
+        f"{res['raw_local_cpu_s'] - res['raw_file_cpu_s']:+.3f} |",
     ]
 
 

@@ -438,6 +438,33 @@ def errors_keep_type_job(rank: int, world: int, uri: str) -> None:
         raise AssertionError(f"rank {rank}: load of a damaged catalog succeeded")
 
 
+def open_fails_on_one_rank_job(rank: int, world: int, uri: str) -> None:
+    """Opening the reader fails on rank 1 alone (its backend, which in a local-tier
+    recovery differs by host): every rank raises at once (rank 1 its own error, the
+    others a RankFailedError holding it), none waits in a later phase for a rank that
+    left (a short collective timeout makes such a wait fail instead of hang)."""
+    import bcp.loader
+
+    os.environ["BCP_COLLECTIVE_TIMEOUT"] = "20"  # before bcp's group exists (the save below makes it)
+    bcp.save({"w": torch.arange(6.0)}, uri)
+    dist.barrier()
+    if rank == 1:
+
+        def unreadable(*_args, **_kwargs):
+            raise PermissionError("this host cannot open the checkpoint")
+
+        bcp.loader.open_reader = unreadable  # this process only
+    try:
+        bcp.load({"w": torch.zeros(6)}, uri)
+    except PermissionError as e:
+        assert rank == 1 and "opening the checkpoint" in " ".join(getattr(e, "__notes__", [])), repr(e)
+    except bcp.RankFailedError as e:
+        assert rank == 0 and isinstance(e.errors[1], PermissionError), f"rank {rank}: {e!r}"
+        assert "opening the checkpoint failed on 1 of 2 ranks" in str(e), str(e)
+    else:
+        raise AssertionError(f"rank {rank}: load succeeded")
+
+
 # -- catalog v2 read in part (each rank fetches only its sections) ---------------------
 
 

@@ -94,6 +94,10 @@ def test_errors_keep_their_type_and_fields_across_ranks(tmp_path):
     dist_jobs.spawn(dist_jobs.errors_keep_type_job, 2, str(tmp_path / "ck"))
 
 
+def test_a_reader_failing_to_open_on_one_rank_raises_on_every_rank(tmp_path):
+    dist_jobs.spawn(dist_jobs.open_fails_on_one_rank_job, 2, str(tmp_path / "ck"))
+
+
 def test_a_catalog_read_in_part_by_every_rank_loads_exactly(tmp_path):
     """Catalog v2 at scale, in miniature: the coordinator shares only the head, each of
     3 ranks reads the sections its FSDP shards need, and training resumes exactly."""

@@ -55,6 +55,10 @@ def test_tier_bench_local_vs_file_prints_both_recoveries_side_by_side(smoke_run)
     lines = done.stdout.strip().splitlines()
     assert any(ln.startswith("| recovery on 4 ranks (all present), local tier | ") for ln in lines), lines
     assert any(ln.startswith("| load of the same step from a page-cached file root, same 4 ranks | ") for ln in lines)
+    # the limit beside them, both raw reads of the ranks' files, with the part of the gap they explain
+    raw = [ln for ln in lines if ln.startswith("| raw `preadv` of each rank's files from the ")]
+    assert len(raw) == 2 and "(/dev/shm)" in raw[0] and "(page cache)" in raw[1], lines
+    assert "of which the raw reads' difference" in raw[1], raw[1]
     found = [m for m in map(LOCAL_VS_FILE.fullmatch, lines) if m]
     assert len(found) == 1, lines
     m = found[0]

@@ -181,6 +181,15 @@ def _run(rank: int, world: int, sc: Scenario, root: str) -> None:
         # with all-reduces only: no metadata broadcast by the load, no all_gather of requests
         assert counts.get("broadcast_object_list", 0) == 1, f"{sc.name}: rank {rank}: {counts}"
         assert counts.get("all_gather_object", 0) == 0, f"{sc.name}: rank {rank}: {counts}"
+        # no more collective calls than a load of a step from the persistent root: the inventory's
+        # gather and the choice's broadcast stand for the latest step's and the metadata's
+        # broadcasts, and no round follows the load's last (whose agreement covers the recovery's)
+        from_root = bcp.CheckpointManager(sc.persistent_root, async_save=False)
+        plain = _counted(lambda: from_root.load_latest(template(world)[2]))
+        from_root.close()
+        assert plain.pop("result")[0] == PERSISTENT_STEP
+        recovery_calls, plain_calls = sum(counts.values()), sum(plain.values())
+        assert recovery_calls <= plain_calls == 7, f"{sc.name}: rank {rank}: recovery {counts}, plain load {plain}"
     elif sc.via_manager:
         step, loaded = manager.load_latest(state)
     else:
@@ -210,11 +219,19 @@ def _run(rank: int, world: int, sc: Scenario, root: str) -> None:
 
 def _counted(call) -> dict:
     """``call()``'s result (key "result") and how many times it called each of
-    torch.distributed's object collectives, with no recovery directory built."""
+    torch.distributed's collectives (object ones, all-reduce, barrier), with no recovery
+    directory built."""
     import bcp.tiers.recover as recover
 
     counts: dict = {}
-    names = ("broadcast_object_list", "all_gather_object", "gather_object")
+    names = (
+        "broadcast_object_list",
+        "all_gather_object",
+        "gather_object",
+        "scatter_object_list",
+        "all_reduce",
+        "barrier",
+    )
     saved = {n: getattr(dist, n) for n in names}
     saved_prepare = recover.prepare
 

@@ -43,8 +43,12 @@ a tier is configured), at whatever world size the job restarted with:
    host's recovery directory or local step, from the metadata of step 3 (not read or
    broadcast again): matching, resharding, casting, placement and the CRC32C check of
    every byte read are bcp's own. The directory is removed after.
-7. **Corrupt copies.** A checksum or format error on any rank (every rank learns of
-   it in one ``all_gather``): each host checks the copies it served and quarantines
+   Every step ends in a round that agrees whether every rank succeeded (the load's
+   phases do), so an error is raised on every rank or on none: a recovery that
+   succeeded makes no round after the load's last (7 collective calls when every
+   host holds every file, as many as a load from the persistent root).
+7. **Corrupt copies.** A checksum or format error on any rank (every rank raises;
+   each one's error travels in one ``all_gather``): each host checks the copies it served and quarantines
    the bad ones (:func:`bcp.tiers.recovery_dir.check_copy`), and all ranks start
    again from 1, without them: another host's copy, an older local step, or the
    persistent tier.
@@ -235,8 +239,9 @@ def _recover(
         step_dir = os.path.join(local_root, step_name(choice.step))
         recovery_dir = os.path.join(local_root, f"{RECOVERY_PREFIX}{nonce}", step_name(choice.step))
         try:
-            # one all-reduce when every rank succeeded (the usual case); each rank's damage only when one failed
-            failed = coord.any_failed(error is not None)
+            # an attempt's error is raised on every rank or on none (_attempt): whether it failed needs no
+            # round of its own; each rank's damage travels only when it did
+            failed = error is not None
             reports = coord.all_gather(_damage_of(error, recovery_dir, choice.step)) if failed else []
         except Exception:
             if error is not None:  # a peer gone: its own error says more than the gather's
@@ -356,7 +361,11 @@ def _attempt(
     prefetched: Prefetched,
 ) -> RecoveryInfo:
     """One recovery of the chosen step: metadata, recovery directory, exchange, load.
-    ``prefetched``: the metadata the coordinator read with the choice (it is the source)."""
+    ``prefetched``: the metadata the coordinator read with the choice (it is the source).
+    Raises on every rank or on none: each step ends in a round that agrees (the metadata's
+    broadcast, then checks of the same bytes everywhere; the gather of the directories and
+    requests; the exchange's check; the load's phases, its opening included), so the
+    caller needs no round of its own to learn whether every rank succeeded."""
     first = hosts.is_first(coord.rank)
     step_dir = os.path.join(local_root, step_name(choice.step))
     source = hosts.ranks[choice.source][0]
