@@ -56,7 +56,12 @@ from bcp.schedule.interval import IntervalPolicy
 MTBFS = (600.0, 1800.0, 3600.0, 3 * 3600.0, 10 * 3600.0)
 KINDS = ("poisson", "weibull", "two-state")
 #: per-rank checkpoint bytes and the step time assumed for each model size
-SIZES = {"small": (2 << 30, 0.5), "medium": (16 << 30, 2.0), "large": (64 << 30, 6.0)}
+SIZES = {
+    "tiny": (256 << 20, 0.25),
+    "small": (2 << 30, 0.5),
+    "medium": (16 << 30, 2.0),
+    "large": (64 << 30, 6.0),
+}
 DEFAULTS = (100, 500, 1000)
 
 
