@@ -26,7 +26,7 @@ from bcp.commit import read_manifest
 from bcp.errors import CheckpointNotFoundError
 from bcp.io_scheduler.write_pipeline import WriteItem
 from bcp.metadata import FileEntry, Manifest, digest_of_checksums, itemsize
-from bcp.metadata.keys import generation_of, hold_key, is_sibling_name, manifest_key, split_parent
+from bcp.metadata.keys import generation_of, hold_key, is_sibling_name, split_parent
 from bcp.metadata.rows import Rows, TensorEntry
 from bcp.pieces import background
 from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
@@ -113,7 +113,7 @@ def hold_base(
     parent, name = check_sibling(uri, base)
     opts = dict(storage_options or {})  # type: ignore[call-overload]
     base_backend = resolve_backend(base, opts)
-    first = read_manifest(base_backend) if base_backend.exists(manifest_key()) else None
+    first = read_manifest(base_backend)  # None: no manifest
     if first is None:
         raise CheckpointNotFoundError(f"base {base!r} holds no committed checkpoint (no manifest.json)")
     if reusable is not None and not reusable(BaseRef(os.fspath(base), name, first)):
@@ -124,7 +124,7 @@ def hold_base(
     for owner, gen in referenced_generations(first, name):
         parent_backend.write(f"{owner}/{hold_key(gen, own_name, save_id)}", b"")
     try:
-        again = read_manifest(base_backend) if base_backend.exists(manifest_key()) else None
+        again = read_manifest(base_backend)
     except Exception as e:  # noqa: BLE001 - unreadable now: refer to nothing
         log.warning("base %s: its manifest could not be read again (%s): saving every byte", base, e)
         return None

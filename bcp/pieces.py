@@ -89,24 +89,20 @@ def _forget_pools_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_pools_in_child)
 
 
-def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    """A process-wide pool of ``threads`` digest threads, started once: starting
-    threads at every save cost tens of milliseconds on a loaded machine."""
+def _pool(key: int, threads: int, name: str) -> concurrent.futures.ThreadPoolExecutor:
+    """A process-wide pool of ``threads`` threads, started once: starting threads at
+    every save cost tens of milliseconds on a loaded machine."""
     with _pools_lock:
-        pool = _pools.get(threads)
+        pool = _pools.get(key)
         if pool is None:
-            pool = _pools[threads] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bcp-digest")
+            pool = _pools[key] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=name)
         return pool
 
 
 def background(fn: Callable[[], _T]) -> concurrent.futures.Future[_T]:
     """Run ``fn`` on the process-wide thread for an incremental save's reads (apart from
     the digest threads, so that it does not wait behind them)."""
-    with _pools_lock:
-        pool = _pools.get(0)
-        if pool is None:
-            pool = _pools[0] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bcp-base")
-    return pool.submit(fn)
+    return _pool(0, 1, "bcp-base").submit(fn)
 
 
 def start_digests(items: Sequence[WriteItem], threads: int) -> Callable[[], np.ndarray]:
@@ -119,7 +115,7 @@ def start_digests(items: Sequence[WriteItem], threads: int) -> Callable[[], np.n
     large = [k for k, i in enumerate(items) if i.piece.tensor.numel() * i.piece.tensor.element_size() >= THREAD_FROM]
     pending: dict[int, concurrent.futures.Future[bytes]] = {}
     if threads > 1 and len(large) > 1:
-        pool = _pool(threads)
+        pool = _pool(threads, threads, "bcp-digest")
         pending = {k: pool.submit(piece_digest, items[k].piece.tensor) for k in large}
 
     def finish() -> np.ndarray:
