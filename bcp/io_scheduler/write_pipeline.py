@@ -9,8 +9,9 @@ tensor memory itself to the writers (no copy at all). ``streams`` writer threads
 checksum and write chunks concurrently at their file offsets. The pool's capacity
 bounds the bytes in flight; the file is made durable once, at commit. A synchronous
 save of host tensors to a writer with ``write_parts`` (the file backend) instead cuts
-the file into batches of :data:`BATCH_BYTES`, each checksummed and written in one
-request straight from the tensors' memory (docs/decisions.md).
+the file into batches of :data:`BATCH_BYTES`, each written in one request straight from
+the tensors' memory by one writer, while the producing thread checksums the batches
+ahead of it (:data:`BATCH_AHEAD`; docs/decisions.md).
 
 Device (CUDA) tensors are copied into pinned slabs on a side stream ordered after
 the caller's work at the time the pipeline was built (``bcp.io_scheduler.device_copy``); a writer
@@ -86,9 +87,16 @@ def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
 #: "Sync save: one request per 64 MiB"). bench/peers.py's raw limit uses 64 MiB too.
 BATCH_BYTES = 64 << 20
 
-#: Writer threads for batches: two, so one checksums its batch while the other's
-#: request is on the disk (measured: docs/decisions.md).
-BATCH_STREAMS = 2
+#: Writer threads for batches: one, so the disk sees one sequential stream of
+#: back-to-back requests, as the raw O_DIRECT limit does. It never checksums: the
+#: producing thread takes each batch's checksums before queueing it (measured against
+#: two writers that each checksummed their own batch: docs/benchmarks.md).
+BATCH_STREAMS = 1
+
+#: Batches checksummed and queued for the writer, at most, beside the one it writes
+#: and the one being checksummed: bounds the work done ahead of the disk (the bytes
+#: are the tensors' own memory, so no memory is held for them).
+BATCH_AHEAD = 2
 
 #: Zeros for the padding between a batch's segments (gaps are under a page).
 _ZEROS = bytes(2 * 4096)
@@ -224,6 +232,7 @@ class WritePipeline:
             self.batched = self._can_batch()
             if self.batched:
                 self.streams = min(self.streams, BATCH_STREAMS)
+                self._queue = queue.Queue(maxsize=BATCH_AHEAD)  # no writer has started yet
             self._pending = self.chunks()
             self._uses_left = count_uses(self._pending) if self.batched else dict(self.plan.uses)
             if not self.stage_all:
@@ -307,7 +316,10 @@ class WritePipeline:
             if (dense is None or not dense[item]) and item not in self.sources:
                 self.sources[item] = self._flat_source(item)
         try:
-            self._queue.put(self._stage_chunk(chunk))
+            staged = self._stage_chunk(chunk)
+            if staged.views is not None:  # a batch: its checksums are taken here, ahead of the writer
+                self._sum_batch(staged)
+            self._queue.put(staged)
         finally:
             self._forget_sources(chunk)
 
@@ -460,14 +472,25 @@ class WritePipeline:
                     settle(staged.events)  # a copy still landing in the slab must not meet its next use
                     self.pool.release(slab)
 
+    def _sum_batch(self, staged: StagedChunk) -> None:
+        """(the producing thread) Checksum a batch's segments before it is queued: the
+        views are the very memory its request writes, so the checksums are of exactly
+        the bytes written, and the writer finds them taken (it only writes). An error
+        here fails the save (``stage`` parks it for ``finish``) naming the data file."""
+        chunk = staged.chunk
+        assert staged.views is not None
+        try:
+            with trace.span("checksum", sum(s.nbytes for s in chunk.segments) if trace.enabled() else 0):
+                for seg, view in zip(chunk.segments, staged.views, strict=True):
+                    self.checksums[(seg.item, seg.start)] = block_checksums(view, self.block)
+        except Exception as e:
+            e.add_note(f"checksumming {self.data_key} at {self.backend.uri}, bytes {chunk.offset}+{chunk.nbytes}")
+            raise
+
     def _write_batch(self, staged: StagedChunk) -> None:
-        """Checksum a batch's segments, then write it in one request (the other
-        writer's request is on the disk meanwhile)."""
+        """Write a batch in one request; its checksums were taken ahead (:meth:`_sum_batch`)."""
         chunk = staged.chunk
         assert staged.views is not None and staged.parts is not None
-        with trace.span("checksum", sum(s.nbytes for s in chunk.segments) if trace.enabled() else 0):
-            for seg, view in zip(chunk.segments, staged.views, strict=True):
-                self.checksums[(seg.item, seg.start)] = block_checksums(view, self.block)
         with trace.span("write", chunk.nbytes):
             self._writer.write_parts(chunk.offset, staged.parts)  # type: ignore[union-attr]  # _can_batch checked it
 
