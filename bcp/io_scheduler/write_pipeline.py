@@ -9,9 +9,8 @@ tensor memory itself to the writers (no copy at all). ``streams`` writer threads
 checksum and write chunks concurrently at their file offsets. The pool's capacity
 bounds the bytes in flight; the file is made durable once, at commit. A synchronous
 save of host tensors to a writer with ``write_parts`` (the file backend) instead cuts
-the file into batches of :data:`BATCH_BYTES`, each written in one request straight from
-the tensors' memory by one writer, while the producing thread checksums the batches
-ahead of it (:data:`BATCH_AHEAD`; docs/decisions.md).
+the file into batches of :data:`BATCH_BYTES`, each checksummed ahead by the producer and
+written in one request straight from the tensors' memory by one writer (docs/decisions.md).
 
 Device (CUDA) tensors are copied into pinned slabs on a side stream ordered after
 the caller's work at the time the pipeline was built (``bcp.io_scheduler.device_copy``); a writer
@@ -87,15 +86,12 @@ def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
 #: "Sync save: one request per 64 MiB"). bench/peers.py's raw limit uses 64 MiB too.
 BATCH_BYTES = 64 << 20
 
-#: Writer threads for batches: one, so the disk sees one sequential stream of
-#: back-to-back requests, as the raw O_DIRECT limit does. It never checksums: the
-#: producing thread takes each batch's checksums before queueing it (measured against
-#: two writers that each checksummed their own batch: docs/benchmarks.md).
+#: Writer threads for batches: one, a sequential stream of back-to-back requests as the
+#: raw O_DIRECT limit writes; it never checksums (measured: docs/benchmarks.md).
 BATCH_STREAMS = 1
 
-#: Batches checksummed and queued for the writer, at most, beside the one it writes
-#: and the one being checksummed: bounds the work done ahead of the disk (the bytes
-#: are the tensors' own memory, so no memory is held for them).
+#: Batches the producer checksums and queues ahead of the writer, at most (no memory
+#: is held for them: they are the tensors' own).
 BATCH_AHEAD = 2
 
 #: Zeros for the padding between a batch's segments (gaps are under a page).
@@ -473,15 +469,12 @@ class WritePipeline:
                     self.pool.release(slab)
 
     def _sum_batch(self, staged: StagedChunk) -> None:
-        """(the producing thread) Checksum a batch's segments before it is queued: the
-        views are the very memory its request writes, so the checksums are of exactly
-        the bytes written, and the writer finds them taken (it only writes). An error
-        here fails the save (``stage`` parks it for ``finish``) naming the data file."""
-        chunk = staged.chunk
-        assert staged.views is not None
+        """(the producer) Checksum a batch's segments, the very memory its request
+        writes, before it is queued; an error fails the save naming the data file."""
+        chunk, views = staged.chunk, staged.views or []
         try:
             with trace.span("checksum", sum(s.nbytes for s in chunk.segments) if trace.enabled() else 0):
-                for seg, view in zip(chunk.segments, staged.views, strict=True):
+                for seg, view in zip(chunk.segments, views, strict=True):
                     self.checksums[(seg.item, seg.start)] = block_checksums(view, self.block)
         except Exception as e:
             e.add_note(f"checksumming {self.data_key} at {self.backend.uri}, bytes {chunk.offset}+{chunk.nbytes}")
@@ -489,10 +482,9 @@ class WritePipeline:
 
     def _write_batch(self, staged: StagedChunk) -> None:
         """Write a batch in one request; its checksums were taken ahead (:meth:`_sum_batch`)."""
-        chunk = staged.chunk
-        assert staged.views is not None and staged.parts is not None
-        with trace.span("write", chunk.nbytes):
-            self._writer.write_parts(chunk.offset, staged.parts)  # type: ignore[union-attr]  # _can_batch checked it
+        assert staged.parts is not None
+        with trace.span("write", staged.chunk.nbytes):
+            self._writer.write_parts(staged.chunk.offset, staged.parts)  # type: ignore[union-attr]  # _can_batch checked it
 
     # -- any thread ---------------------------------------------------------------------------
 
