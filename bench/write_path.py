@@ -2,8 +2,10 @@
 
 The raw limit is what bench/peers.py measures: one O_DIRECT sequential stream of the
 state's byte count in 64 MiB requests from page-aligned memory, then ``fsync``. Each
-repeat runs the raw write, then ``bcp.save`` of the same bytes (``overwrite=True``),
-so both meet the same moment of a disk whose speed swings; the table prints the
+repeat runs the raw write, then ``bcp.save`` of the same bytes into an empty directory
+(the previous repeat's checkpoint is removed untimed, as the raw file is and as
+bench/peers.py does: an overwrite would add the deletion of the old data file, 0.2 s
+a GiB here), so both meet the same moment of a disk whose speed swings; the table prints the
 medians, the ratio of the medians and the median of the per-repeat ratios, with the
 CPU time of each save (``time.process_time``: what the save itself costs, which the
 disk's swings do not change).
@@ -121,13 +123,17 @@ def measure(shape: str, gib: float, repeats: int, directory: str, count: bool) -
         raw_write(raw_path, size, buf)
         raw_s.append(time.perf_counter() - t)
         os.remove(raw_path)
+        shutil.rmtree(uri)  # untimed, as the raw file's removal
         t, c = time.perf_counter(), time.process_time()
-        bcp.save(state, uri, overwrite=True)
+        bcp.save(state, uri)
         save_s.append(time.perf_counter() - t)
         save_cpu.append(time.process_time() - c)
         ratios.append(raw_s[-1] / save_s[-1])
     raw, save = statistics.median(raw_s), statistics.median(save_s)
-    print(f"\n{shape}: {n} tensors, {human(size)}, {repeats} repeats interleaved (medians)")
+    print(
+        f"\n{shape}: {n} tensors, {human(size)}, {repeats} repeats interleaved (medians); "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     print("| case | s | GB/s | CPU-s |")
     print("|---|---:|---:|---:|")
     print(f"| raw O_DIRECT write (64 MiB requests, 1 stream) | {raw:.3f} | {size / raw / 1e9:.2f} | |")

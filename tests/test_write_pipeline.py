@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bcp
@@ -338,5 +338,167 @@ def test_a_sync_save_of_many_tensors_writes_in_few_large_requests(tmp_path, monk
     monkeypatch.undo()
     data_requests = [path for path in writes if "/data/" in path]
     assert 3 <= len(data_requests) <= 3 * 3  # 3 batches of 4 MiB, at most 3 requests each
+    r = bcp.open(str(tmp_path / "ck"))
+    assert all(torch.equal(r.read(k), v) for k, v in state.items())
+
+
+# -- a sync save's batches: one writer, checksums taken ahead in the calling thread ------------
+
+
+def _data_writes(monkeypatch, record):
+    """Route the data file's pwrite/pwritev calls through ``record(fd, nbytes, offset)``."""
+    pwrite, pwritev = os.pwrite, os.pwritev
+
+    def data(fd: int) -> bool:
+        return "/data/" in os.readlink(f"/proc/self/fd/{fd}")
+
+    def counted_pwrite(fd, buf, at):
+        if data(fd):
+            record(fd, len(memoryview(buf).cast("B")), at)
+        return pwrite(fd, buf, at)
+
+    def counted_pwritev(fd, bufs, at):
+        if data(fd):
+            record(fd, sum(len(memoryview(b).cast("B")) for b in bufs), at)
+        return pwritev(fd, bufs, at)
+
+    monkeypatch.setattr(os, "pwrite", counted_pwrite)
+    monkeypatch.setattr(os, "pwritev", counted_pwritev)
+
+
+def test_a_sync_save_checksums_each_batch_in_the_calling_thread_before_one_writer_writes_it(tmp_path, monkeypatch):
+    """The batches go out from one writer thread (one sequential stream on the disk)
+    while the calling thread checksums the next ones: no byte reaches the data file
+    before its checksum is taken, and every checksum is taken in the calling thread."""
+    import threading
+
+    from bcp.io_scheduler import write_pipeline
+
+    monkeypatch.setattr(write_pipeline, "BATCH_BYTES", 1 << 20)
+    gen = torch.Generator().manual_seed(5)
+    # tensors lie in the file in the phase of their memory: under a page of padding before each
+    state = {
+        f"t{i}": torch.randint(0, 255, (n << 12,), generator=gen, dtype=torch.uint8)
+        for i, n in enumerate([700, 300, 513, 1100])
+    }
+    padding = 4096 * len(state)  # far below a batch: a request ahead of its checksum shows
+    lock = threading.Lock()
+    summed, summers, writers, early = [0], set(), set(), []
+    real_sums = write_pipeline.block_checksums
+
+    def summing(data, block):
+        out = real_sums(data, block)
+        with lock:
+            summed[0] += len(memoryview(data).cast("B"))
+            summers.add(threading.get_ident())
+        return out
+
+    def record(fd, nbytes, at):
+        with lock:
+            writers.add(threading.get_ident())
+            if at + nbytes > summed[0] + padding:
+                early.append((at, nbytes, summed[0]))
+
+    monkeypatch.setattr(write_pipeline, "block_checksums", summing)
+    _data_writes(monkeypatch, record)
+    bcp.save(state, str(tmp_path / "ck"), checksum_block_bytes=BLOCK)
+    monkeypatch.undo()
+    assert summed[0] == sum(t.numel() for t in state.values())
+    assert summers == {threading.get_ident()}, "checksums taken outside the calling thread"
+    assert len(writers) == 1 and threading.get_ident() not in writers, "not one writer thread"
+    assert not early, f"bytes written before their checksum was taken: {early}"
+    r = bcp.open(str(tmp_path / "ck"))
+    assert all(torch.equal(r.read(k), v) for k, v in state.items())
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 300_000), min_size=1, max_size=7),
+    shifts=st.lists(st.integers(0, 4095), min_size=7, max_size=7),
+    batch=st.sampled_from([16 << 10, 64 << 10, 1 << 20]),
+)
+def test_checksums_taken_ahead_are_of_exactly_the_bytes_written(tmp_path_factory, sizes, shifts, batch):
+    """Odd-sized tensors at unaligned addresses, cut into batches anywhere: the
+    checksums taken ahead in the calling thread match the bytes on disk block by block
+    (bcp verify reads every block back), and every tensor reads back exactly."""
+    from bcp.io_scheduler import write_pipeline
+    from bcp.verify import verify_checkpoint
+
+    gen = torch.Generator().manual_seed(sum(sizes) + batch)
+    state = {}
+    for i, (n, shift) in enumerate(zip(sizes, shifts, strict=False)):
+        base = torch.randint(0, 255, (n + shift,), generator=gen, dtype=torch.uint8)
+        state[f"t{i}"] = base[shift:]  # a view at any byte address
+    uri = str(tmp_path_factory.mktemp("ck") / "ck")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(write_pipeline, "BATCH_BYTES", batch)
+        bcp.save(state, uri, checksum_block_bytes=BLOCK)
+    report = verify_checkpoint(uri)
+    assert report["ok"], report["problems"]
+    r = bcp.open(uri)
+    assert all(torch.equal(r.read(k), v) for k, v in state.items())
+
+
+def test_a_checksum_error_fails_the_save_naming_the_data_file(tmp_path, monkeypatch):
+    """An error while the calling thread checksums a batch fails the save with that
+    error, naming the data file; nothing is committed and no partial file is left."""
+    from bcp.io_scheduler import write_pipeline
+
+    monkeypatch.setattr(write_pipeline, "BATCH_BYTES", 1 << 20)
+    state = {f"t{i}": torch.randn(300_001) for i in range(6)}
+    calls = [0]
+    real_sums = write_pipeline.block_checksums
+
+    def failing(data, block):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise ValueError("checksum unit failed")
+        return real_sums(data, block)
+
+    monkeypatch.setattr(write_pipeline, "block_checksums", failing)
+    with pytest.raises(ValueError, match="checksum unit failed") as info:
+        bcp.save(state, str(tmp_path / "ck"))
+    monkeypatch.undo()
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "rank00000" in notes and ".bin" in notes, f"the data file is not named: {notes!r}"
+    with pytest.raises(bcp.CheckpointNotFoundError):
+        bcp.open(str(tmp_path / "ck"))
+    assert not [f for _d, _s, fs in os.walk(tmp_path) for f in fs], "files left behind"
+
+
+def test_the_checksums_taken_ahead_stay_within_a_bound(tmp_path, monkeypatch):
+    """While the disk holds the first requests, the calling thread checksums at most
+    BATCH_AHEAD queued batches beyond those the writers hold (and the one it is on):
+    bounded work ahead of the disk."""
+    import threading
+    import time
+
+    from bcp.io_scheduler import write_pipeline
+
+    batch = 1 << 20
+    monkeypatch.setattr(write_pipeline, "BATCH_BYTES", batch)
+    state = {f"t{i}": torch.randn(1 << 18) for i in range(16)}  # 16 MiB, 16 batches
+    summed, seen = [0], []
+    real_sums = write_pipeline.block_checksums
+    first, gate = threading.Event(), threading.Event()
+
+    def summing(data, block):
+        summed[0] += len(memoryview(data).cast("B"))
+        return real_sums(data, block)
+
+    def record(fd, nbytes, at):
+        if not first.is_set():
+            first.set()
+            time.sleep(0.3)  # the first request "on the disk": the producer runs ahead meanwhile
+            seen.append(summed[0])
+            gate.set()
+        gate.wait()  # every other writer's request waits behind it
+
+    monkeypatch.setattr(write_pipeline, "block_checksums", summing)
+    _data_writes(monkeypatch, record)
+    bcp.save(state, str(tmp_path / "ck"), checksum_block_bytes=BLOCK)
+    monkeypatch.undo()
+    ahead = write_pipeline.BATCH_STREAMS + write_pipeline.BATCH_AHEAD + 1
+    assert seen and seen[0] <= ahead * batch, (seen, ahead)
     r = bcp.open(str(tmp_path / "ck"))
     assert all(torch.equal(r.read(k), v) for k, v in state.items())

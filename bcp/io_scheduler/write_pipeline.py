@@ -9,8 +9,8 @@ tensor memory itself to the writers (no copy at all). ``streams`` writer threads
 checksum and write chunks concurrently at their file offsets. The pool's capacity
 bounds the bytes in flight; the file is made durable once, at commit. A synchronous
 save of host tensors to a writer with ``write_parts`` (the file backend) instead cuts
-the file into batches of :data:`BATCH_BYTES`, each checksummed and written in one
-request straight from the tensors' memory (docs/decisions.md).
+the file into batches of :data:`BATCH_BYTES`, each checksummed ahead by the producer and
+written in one request straight from the tensors' memory by one writer (docs/decisions.md).
 
 Device (CUDA) tensors are copied into pinned slabs on a side stream ordered after
 the caller's work at the time the pipeline was built (``bcp.io_scheduler.device_copy``); a writer
@@ -86,9 +86,13 @@ def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
 #: "Sync save: one request per 64 MiB"). bench/peers.py's raw limit uses 64 MiB too.
 BATCH_BYTES = 64 << 20
 
-#: Writer threads for batches: two, so one checksums its batch while the other's
-#: request is on the disk (measured: docs/decisions.md).
-BATCH_STREAMS = 2
+#: Writer threads for batches: one, a sequential stream of back-to-back requests as the
+#: raw O_DIRECT limit writes; it never checksums (measured: docs/benchmarks.md).
+BATCH_STREAMS = 1
+
+#: Batches the producer checksums and queues ahead of the writer, at most (no memory
+#: is held for them: they are the tensors' own).
+BATCH_AHEAD = 2
 
 #: Zeros for the padding between a batch's segments (gaps are under a page).
 _ZEROS = bytes(2 * 4096)
@@ -224,6 +228,7 @@ class WritePipeline:
             self.batched = self._can_batch()
             if self.batched:
                 self.streams = min(self.streams, BATCH_STREAMS)
+                self._queue = queue.Queue(maxsize=BATCH_AHEAD)  # no writer has started yet
             self._pending = self.chunks()
             self._uses_left = count_uses(self._pending) if self.batched else dict(self.plan.uses)
             if not self.stage_all:
@@ -307,7 +312,10 @@ class WritePipeline:
             if (dense is None or not dense[item]) and item not in self.sources:
                 self.sources[item] = self._flat_source(item)
         try:
-            self._queue.put(self._stage_chunk(chunk))
+            staged = self._stage_chunk(chunk)
+            if staged.views is not None:  # a batch: its checksums are taken here, ahead of the writer
+                self._sum_batch(staged)
+            self._queue.put(staged)
         finally:
             self._forget_sources(chunk)
 
@@ -460,16 +468,23 @@ class WritePipeline:
                     settle(staged.events)  # a copy still landing in the slab must not meet its next use
                     self.pool.release(slab)
 
+    def _sum_batch(self, staged: StagedChunk) -> None:
+        """(the producer) Checksum a batch's segments, the very memory its request
+        writes, before it is queued; an error fails the save naming the data file."""
+        chunk, views = staged.chunk, staged.views or []
+        try:
+            with trace.span("checksum", sum(s.nbytes for s in chunk.segments) if trace.enabled() else 0):
+                for seg, view in zip(chunk.segments, views, strict=True):
+                    self.checksums[(seg.item, seg.start)] = block_checksums(view, self.block)
+        except Exception as e:
+            e.add_note(f"checksumming {self.data_key} at {self.backend.uri}, bytes {chunk.offset}+{chunk.nbytes}")
+            raise
+
     def _write_batch(self, staged: StagedChunk) -> None:
-        """Checksum a batch's segments, then write it in one request (the other
-        writer's request is on the disk meanwhile)."""
-        chunk = staged.chunk
-        assert staged.views is not None and staged.parts is not None
-        with trace.span("checksum", sum(s.nbytes for s in chunk.segments) if trace.enabled() else 0):
-            for seg, view in zip(chunk.segments, staged.views, strict=True):
-                self.checksums[(seg.item, seg.start)] = block_checksums(view, self.block)
-        with trace.span("write", chunk.nbytes):
-            self._writer.write_parts(chunk.offset, staged.parts)  # type: ignore[union-attr]  # _can_batch checked it
+        """Write a batch in one request; its checksums were taken ahead (:meth:`_sum_batch`)."""
+        assert staged.parts is not None
+        with trace.span("write", staged.chunk.nbytes):
+            self._writer.write_parts(staged.chunk.offset, staged.parts)  # type: ignore[union-attr]  # _can_batch checked it
 
     # -- any thread ---------------------------------------------------------------------------
 
