@@ -31,7 +31,7 @@ import dataclasses
 import queue
 import threading
 from collections.abc import Callable, MutableMapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -48,6 +48,9 @@ from bcp.planning import TensorPlan
 from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
 from bcp.shards import Piece
 from bcp.tensor_io import flat_bytes, host_contiguous
+
+if TYPE_CHECKING:
+    from bcp.pieces import StreamDigests
 
 
 @dataclasses.dataclass(slots=True)
@@ -165,6 +168,9 @@ class WritePipeline:
         self.copies.start(self.plan.devices)
         #: the calling thread: only it stages chunks by their runs (:meth:`_stage_runs`)
         self._caller = threading.get_ident()
+        #: an incremental save's: digests of the written items, taken by the writers
+        #: after each segment's checksums (``bcp.pieces.StreamDigests``); set before staging
+        self.digests: StreamDigests | None = None
 
     def _make_plan(self, items: list[WriteItem]) -> PipelinePlan:
         return plan_pipeline(
@@ -451,6 +457,8 @@ class WritePipeline:
                         for seg in chunk.segments:
                             sums = block_checksums(view[seg.at : seg.at + seg.nbytes], self.block)
                             self.checksums[(seg.item, seg.start)] = sums
+                            if self.digests is not None:
+                                self.digests.feed(seg.item, seg.start, view[seg.at : seg.at + seg.nbytes])
                     with trace.span("write", chunk.nbytes):
                         self._writer.write_at(chunk.offset, view[: chunk.nbytes])
             except BaseException as e:  # noqa: BLE001 - reported by finish()
@@ -468,6 +476,8 @@ class WritePipeline:
         with trace.span("checksum", sum(s.nbytes for s in chunk.segments) if trace.enabled() else 0):
             for seg, view in zip(chunk.segments, staged.views, strict=True):
                 self.checksums[(seg.item, seg.start)] = block_checksums(view, self.block)
+                if self.digests is not None:
+                    self.digests.feed(seg.item, seg.start, view)
         with trace.span("write", chunk.nbytes):
             self._writer.write_parts(chunk.offset, staged.parts)  # type: ignore[union-attr]  # _can_batch checked it
 
