@@ -31,7 +31,7 @@ import dataclasses
 import queue
 import threading
 from collections.abc import Callable, MutableMapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -48,9 +48,6 @@ from bcp.planning import TensorPlan
 from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
 from bcp.shards import Piece
 from bcp.tensor_io import flat_bytes, host_contiguous
-
-if TYPE_CHECKING:
-    from bcp.pieces import StreamDigests
 
 
 @dataclasses.dataclass(slots=True)
@@ -95,6 +92,14 @@ BATCH_STREAMS = 2
 
 #: Zeros for the padding between a batch's segments (gaps are under a page).
 _ZEROS = bytes(2 * 4096)
+
+
+class DigestSink(Protocol):
+    """An incremental save's digests of the bytes written (``bcp.pieces.StreamDigests``)."""
+
+    def feed(self, item: int, start: int, view: memoryview) -> None: ...
+
+    def result(self, item: int) -> bytes: ...
 
 
 class WriteItem(NamedTuple):
@@ -168,9 +173,8 @@ class WritePipeline:
         self.copies.start(self.plan.devices)
         #: the calling thread: only it stages chunks by their runs (:meth:`_stage_runs`)
         self._caller = threading.get_ident()
-        #: an incremental save's: digests of the written items, taken by the writers
-        #: after each segment's checksums (``bcp.pieces.StreamDigests``); set before staging
-        self.digests: StreamDigests | None = None
+        #: an incremental save's: fed each segment after its checksums; set before staging
+        self.digests: DigestSink | None = None
 
     def _make_plan(self, items: list[WriteItem]) -> PipelinePlan:
         return plan_pipeline(
