@@ -16,16 +16,18 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
+import torch
 
 from bcp.commit import read_manifest
 from bcp.errors import CheckpointNotFoundError
 from bcp.io_scheduler.write_pipeline import WriteItem
-from bcp.metadata import FileEntry, Manifest, digest_of_checksums, itemsize
+from bcp.metadata import FileEntry, Manifest, crc32c, digest_of_checksums, itemsize
 from bcp.metadata.keys import generation_of, hold_key, is_sibling_name, split_parent
 from bcp.metadata.rows import Rows, TensorEntry
 from bcp.pieces import background
@@ -33,6 +35,7 @@ from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
 from bcp.reader import CheckpointReader, fetch_metadata, open_reader
 from bcp.references import parent_factory
 from bcp.target import Target, resolve_backend
+from bcp.tensor_io import flat_bytes, host_contiguous
 
 log = logging.getLogger(__name__)
 
@@ -173,20 +176,34 @@ def prefetch_base(base: str, storage_options: object, fqns: Sequence[str]) -> co
     return background(read)
 
 
-def match(
-    base: BaseRef | None,
-    items: Sequence[WriteItem],
-    digests: np.ndarray,
-    block: int,
-    storage_options: object = None,
-    prefetched: concurrent.futures.Future | None = None,
-) -> Reuse:
-    """Which of ``items`` equal a row of ``base``'s catalog (fqn, dtype, global shape,
-    box, checksum block size, digest); reads only the catalog sections those boxes need
-    (``prefetched``: a reader :func:`prefetch_base` started, used when it read the base held)."""
-    every = list(range(len(items)))
-    if base is None or base.manifest.checksum_block_bytes != block or not items:
-        return Reuse([], every, [], {})
+@dataclasses.dataclass
+class Candidates:
+    """What the base offers ``items`` before any digest is taken: per item, the base
+    rows that could hold it (same fqn, dtype, global shape, box and size, with a digest)
+    whose first block checksum equals the CRC32C of the item's first block now (a
+    different checksum proves the bytes changed: no digest is needed to know that)."""
+
+    #: the base as held (``None``: the save refers to nothing)
+    base: BaseRef | None
+    #: per item: (its base catalog entry, candidate row indices), or None
+    rows: list[tuple[TensorEntry, np.ndarray] | None]
+    #: the catalog's file names, by code
+    names: Sequence[str] = ()
+
+    def to_digest(self) -> list[int]:
+        """The items whose digest decides whether they are reused (the others are written)."""
+        return [k for k, r in enumerate(self.rows) if r is not None]
+
+    def subset(self, indices: Sequence[int]) -> Candidates:
+        """The candidates of ``items[i] for i in indices`` (one rank's writes of every box)."""
+        return Candidates(self.base, [self.rows[i] for i in indices], self.names)
+
+
+def _reader_of(
+    base: BaseRef, storage_options: object, prefetched: concurrent.futures.Future | None
+) -> CheckpointReader | None:
+    """A reader of ``base`` as held (the prefetched one when it read the same save), or
+    None when the base changed after it was held."""
     reader = None
     if prefetched is not None:
         try:
@@ -198,49 +215,120 @@ def match(
     if reader is None:
         reader = open_base(base.uri, storage_options)
     if reader.manifest.save_id != base.manifest.save_id:
-        return Reuse([], every, [], {})  # the base changed after the coordinator held it
+        return None  # the base changed after the coordinator held it
+    return reader
+
+
+def find_candidates(
+    base: BaseRef | None,
+    items: Sequence[WriteItem],
+    block: int,
+    storage_options: object = None,
+    prefetched: concurrent.futures.Future | None = None,
+) -> Candidates:
+    """:class:`Candidates` of ``items`` in ``base``'s catalog; reads only the catalog
+    sections those boxes need (``prefetched``: a reader :func:`prefetch_base` started,
+    used when it read the base held). One CRC32C of at most ``block`` bytes per item
+    with a candidate row: dense training, where every piece changes, then takes no
+    digest before writing (the pipeline digests what it writes, ``bcp.pieces``)."""
+    none: list[tuple[TensorEntry, np.ndarray] | None] = [None] * len(items)
+    if base is None or base.manifest.checksum_block_bytes != block or not items:
+        return Candidates(None, none)
+    reader = _reader_of(base, storage_options, prefetched)
+    if reader is None:
+        return Candidates(None, none)
     catalog = reader.catalog
     known = set(reader.tensor_keys())
     wanted = [(i.plan.fqn, i.piece.box) for i in items if i.plan.fqn in known]
+    if not wanted:
+        return Candidates(base, none)
     catalog.require(wanted)
     entries = {e.fqn: e for e in catalog.entries(sorted({f for f, _b in wanted}))}
+    by_path = {f.path for f in base.manifest.data_files}
     names = catalog.file_names
+    rows = list(none)
+    for k, item in enumerate(items):
+        entry = entries.get(item.plan.fqn)
+        if entry is None:
+            continue
+        same = _same_box(entry, item)
+        if not same.size:
+            continue
+        first = first_block_crc(item.piece.tensor, block)
+        keep = [
+            h
+            for h in same.tolist()
+            if names[int(entry.files[h])] in by_path and (not int(entry.sizes[h]) or entry.checksums(h)[0] == first)
+        ]
+        if keep:
+            rows[k] = (entry, np.asarray(keep, np.int64))
+    return Candidates(base, rows, names)
+
+
+def _same_box(e: TensorEntry, item: WriteItem) -> np.ndarray:
+    """The indices of ``e``'s rows holding exactly ``item``'s box, with a digest."""
+    if e.digests is None or e.dtype != item.plan.dtype or tuple(e.global_shape) != tuple(item.plan.global_shape):
+        return np.zeros(0, np.int64)
+    offs, lens = item.piece.box
+    nd = len(offs)
+    nbytes = math.prod(lens) * itemsize(item.plan.dtype)
+    same = e.sizes == nbytes
+    if nd:
+        same &= (e.offsets[:, :nd] == np.asarray(offs)).all(axis=1)
+        same &= (e.lengths[:, :nd] == np.asarray(lens)).all(axis=1)
+    return np.flatnonzero(same)
+
+
+def first_block_crc(tensor: torch.Tensor, block: int) -> int:
+    """CRC32C of the first ``block`` bytes of ``tensor``'s stored bytes (row-major): the
+    first block checksum a catalog row of those bytes holds."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.reshape(-1)[: max(1, block // max(1, t.element_size()))].cpu()
+    t = host_contiguous(t)
+    if not t.numel():
+        return crc32c(b"")
+    return crc32c(memoryview(flat_bytes(t).numpy()[:block]))  # type: ignore[arg-type]  # numpy's stubs: no __buffer__ before 3.12
+
+
+def decide(candidates: Candidates, items: Sequence[WriteItem], digests: np.ndarray) -> Reuse:
+    """Which of ``items`` equal a candidate row (:func:`find_candidates`) by digest
+    (``digests[k]``: item k's, taken for the items :meth:`Candidates.to_digest` names)."""
+    base = candidates.base
+    if base is None:
+        return Reuse([], list(range(len(items))), [], {})
     by_path = {f.path: f for f in base.manifest.data_files}
     reused, changed, rows = [], [], []
     files: dict[str, FileEntry] = {}
-    for k, item in enumerate(items):
-        entry = entries.get(item.plan.fqn)
-        row = _same_row(entry, item, digests[k]) if entry is not None else None
-        if row is None:
+    for k, found in enumerate(candidates.rows):
+        if found is None:
             changed.append(k)
             continue
-        assert entry is not None  # a row was found in it
-        path = names[int(entry.files[row])]
-        owner = by_path.get(path)
-        if owner is None:  # the catalog names a file the manifest does not list: do not refer to it
+        entry, at = found
+        same = at[(entry.digests[at] == digests[k]).all(axis=1)]  # type: ignore[index]  # candidates have digests
+        if not same.size:
             changed.append(k)
             continue
+        row = int(same[0])
+        path = candidates.names[int(entry.files[row])]
+        owner = by_path[path]
         files.setdefault(path, FileEntry(path, owner.nbytes, 0, owner.checkpoint or base.name))
         rows.append((path, int(entry.byte_offsets[row]), int(entry.sizes[row]), list(entry.checksums(row))))
         reused.append(k)
     return Reuse(reused, changed, rows, files)
 
 
-def _same_row(e: TensorEntry, item: WriteItem, digest: np.ndarray) -> int | None:
-    """The index of ``e``'s row holding exactly ``item``'s box with ``digest``, or None."""
-    if e.digests is None or e.dtype != item.plan.dtype or tuple(e.global_shape) != tuple(item.plan.global_shape):
-        return None
-    offs, lens = item.piece.box
-    nd = len(offs)
-    same = (e.digests == digest).all(axis=1)
-    if nd:
-        same &= (e.offsets[:, :nd] == np.asarray(offs)).all(axis=1)
-        same &= (e.lengths[:, :nd] == np.asarray(lens)).all(axis=1)
-    nbytes = int(np.prod(lens, dtype=np.int64)) * itemsize(item.plan.dtype)
-    for h in np.flatnonzero(same).tolist():
-        if int(e.sizes[h]) == nbytes:
-            return h
-    return None
+def match(
+    base: BaseRef | None,
+    items: Sequence[WriteItem],
+    digests: np.ndarray,
+    block: int,
+    storage_options: object = None,
+    prefetched: concurrent.futures.Future | None = None,
+) -> Reuse:
+    """Which of ``items`` equal a row of ``base``'s catalog (fqn, dtype, global shape,
+    box, checksum block size, digest): :func:`find_candidates` then :func:`decide`."""
+    return decide(find_candidates(base, items, block, storage_options, prefetched), items, digests)
 
 
 def with_reuse(report: WriterReport, items: Sequence[WriteItem], reuse: Reuse, digests: np.ndarray) -> WriterReport:
@@ -295,8 +383,12 @@ def reference_entries(references: Sequence[FileEntry], rows: Rows, names: Sequen
 
 __all__ = [
     "BaseRef",
+    "Candidates",
     "Reuse",
     "check_sibling",
+    "decide",
+    "find_candidates",
+    "first_block_crc",
     "hold_base",
     "is_sibling",
     "match",

@@ -442,6 +442,11 @@ class SaveJob:
         if self.reuse is None:
             return report
         items, reuse, digests = self.reuse
+        stream = self.pipeline.digests
+        if stream is not None:  # the written rows' digests: of the bytes written
+            source = self.pipeline.file_layout.source
+            for j, k in enumerate(reuse.changed):
+                digests[k] = np.frombuffer(stream.result(source[j]), np.uint8)
         return with_reuse(report, items, reuse, digests)
 
     def _sent(self) -> None:

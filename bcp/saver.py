@@ -22,7 +22,6 @@ The commit protocol itself (generations, create-only manifest, discarding) is
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import logging
 import time
@@ -37,11 +36,12 @@ from bcp.coordination.collectives import Coordinator, gather_decide, gather_deci
 from bcp.coordination.lanes import ready
 from bcp.errors import ShardingError
 from bcp.gc_pause import gc_paused
-from bcp.incremental import BaseRef, is_sibling, match, prefetch_base
+from bcp.incremental import BaseRef, Candidates, Reuse, decide, find_candidates, is_sibling, prefetch_base
 from bcp.io_scheduler.write_pipeline import WriteItem
 from bcp.kept_plans import LocalPlans, Prepared, prepare_tensors
+from bcp.metadata.keys import split_parent
 from bcp.options import SaveOptions, SaveOptionsKwargs
-from bcp.pieces import digest_items, start_digests
+from bcp.pieces import StreamDigests, background, start_digests
 from bcp.planning import GlobalPlan, LayoutMeta, LocalLayout, plan_save
 from bcp.planning.cache import PlanCache, PlanSummary, plan_cache_for, save_order
 from bcp.replicas import check_replicas
@@ -138,18 +138,19 @@ def _start(
     )
     held = cache.held()
     layout = prepared.layout
-    early = None
     prefetched = None
     if options.base is not None and is_sibling(uri, options.base):
         # the base's catalog read while the coordinator holds the base (a durable write)
         fqns = list(dict.fromkeys(i.plan.fqn for i in prepared.items))
         prefetched = prefetch_base(options.base, options.storage_options, fqns)
     reusable = None
-    if options.is_incremental and coord.world_size == 1:
-        # one rank writes every box: digest them while the coordinator checks the target
-        early = functools.cache(start_digests(prepared.items, options.streams or backend.hints.concurrency))
-        if prefetched is not None:
-            reusable = _reuses_any(prepared.items, early, options, prefetched)
+    early: Future | None = None
+    threads = options.streams or backend.hints.concurrency
+    if options.is_incremental and coord.world_size == 1 and prefetched is not None:
+        # one rank writes every box: find what the base offers (and digest those pieces)
+        # while the coordinator checks the target
+        early = _decide_early(prepared.items, options, prefetched, threads)
+        reusable = _reuses_any(prepared.items, early)
     decision: SaveDecision | SaveStart = gather_decide(
         coord,
         "planning the save",
@@ -179,26 +180,16 @@ def _start(
     cache.remember_writes(start.key, my_writes)  # newest last: evicted in the coordinator's order
     items = [prepared.items[i] for i in my_writes.tolist()]
     reuse = None
+    every = False
     if options.is_incremental:
-        # digests of the values at the call (an async save returns only once they are
-        # taken), then which pieces the base holds already: only the others are written
+        # which pieces the base holds already (digests of the values at the call, for the
+        # pieces whose first block is unchanged): only the others are written
         with trace.span("digest"):
-            if early is not None:
-                digests = early()[my_writes]
-            else:
-                digests = digest_items(items, options.streams or backend.hints.concurrency)
-        found = run_phase(
-            coord,
-            "reading the base",
-            match,
-            start.base,
-            items,
-            digests,
-            options.checksum_block_bytes,
-            options.storage_options,
-            prefetched,
-        )
+            found, digests = run_phase(
+                coord, "reading the base", _decide, start.base, items, my_writes, options, prefetched, early, threads
+            )
         reuse = (items, found, digests)
+        every = len(found.changed) == len(items)
         items = [items[k] for k in found.changed]
     pipeline = open_pipeline(
         backend,
@@ -207,18 +198,35 @@ def _start(
         items,
         options,
         stage_all=stage_all,
-        plans=prepared.local.pipelines if prepared.local is not None and reuse is None else None,
-        writes=my_writes if reuse is None else None,
+        plans=prepared.local.pipelines if prepared.local is not None and (reuse is None or every) else None,
+        writes=my_writes if reuse is None or every else None,
     )
+    if reuse is not None:  # the writers digest what they write (the bytes saved)
+        pipeline.digests = StreamDigests(pipeline.unique, pipeline.item_nbytes)
     mine = decision if isinstance(decision, SaveDecision) else None
     job = SaveJob(coord, backend, options, mine, start.save_id, pipeline, started, session)
     job.reuse = reuse
     return job
 
 
-def _reuses_any(
-    items: list[WriteItem], digests: Callable[[], np.ndarray], options: SaveOptions, prefetched: Future
-) -> Callable[[BaseRef], bool]:
+Early = tuple[BaseRef, Candidates, np.ndarray]
+
+
+def _decide_early(items: list[WriteItem], options: SaveOptions, prefetched: Future, threads: int) -> Future[Early]:
+    """(one rank) In the background, on the base as first read (``prefetched``): the
+    candidates of ``items`` and the digests that decide them (:func:`_decide`)."""
+    assert options.base is not None  # prefetched: a base was given
+
+    def run() -> Early:
+        reader = prefetched.result()
+        base = BaseRef(str(options.base), split_parent(str(options.base))[1], reader.manifest)
+        found = find_candidates(base, items, options.checksum_block_bytes, options.storage_options, prefetched)
+        return base, found, start_digests(items, threads, found.to_digest())()
+
+    return background(run)
+
+
+def _reuses_any(items: list[WriteItem], early: Future[Early]) -> Callable[[BaseRef], bool]:
     """(one rank) Whether any of ``items`` equals a piece of the base as first read, from
     the catalog read early: when none does, the base is not held (no durable write) and
     the save refers to nothing. True when that cannot be told (the base is then held and
@@ -226,15 +234,42 @@ def _reuses_any(
 
     def reusable(first: BaseRef) -> bool:
         try:
-            reader = prefetched.result()
+            base, found, digests = early.result()
         except Exception:  # noqa: BLE001 - matched again after the holds; that error is reported
             return True
-        if reader.manifest.save_id != first.manifest.save_id:
+        if base.manifest.save_id != first.manifest.save_id:
             return True
-        found = match(first, items, digests(), options.checksum_block_bytes, options.storage_options, prefetched)
-        return bool(found.reused)
+        return bool(decide(found, items, digests).reused)
 
     return reusable
+
+
+def _decide(
+    base: BaseRef | None,
+    items: list[WriteItem],
+    writes: np.ndarray,
+    options: SaveOptions,
+    prefetched: Future | None,
+    early: Future[Early] | None,
+    threads: int,
+) -> tuple[Reuse, np.ndarray]:
+    """What ``items`` (this rank's ``writes``) reuse of ``base``, and the digests of the
+    items whose first block checksum equals a candidate row's (zeros for the others: the
+    pipeline digests what it writes). Taken from ``early`` when it read the base held."""
+    if base is None:
+        return Reuse([], list(range(len(items))), [], {}), np.zeros((len(items), 16), np.uint8)
+    if early is not None:
+        try:
+            seen, found, digests = early.result()
+        except Exception as e:  # noqa: BLE001 - read again below; that error is the one to report
+            log.debug("base %s: the early match failed (%s): matching again", base.uri, e)
+        else:
+            if seen.manifest.save_id == base.manifest.save_id:
+                found = dataclasses.replace(found.subset(writes.tolist()), base=base)
+                return decide(found, items, digests[writes]), digests[writes]
+    found = find_candidates(base, items, options.checksum_block_bytes, options.storage_options, prefetched)
+    digests = start_digests(items, threads, found.to_digest())()
+    return decide(found, items, digests), digests
 
 
 def _plan(decision: SaveDecision, layouts: list[LocalLayout], cache: PlanCache) -> tuple[SaveDecision, GlobalPlan]:

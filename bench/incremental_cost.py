@@ -4,8 +4,11 @@ Prints (1) the digest candidates' speed on one buffer (XXH3-128, BLAKE3 on one a
 two threads, CRC32C as bcp computes it; the fastest of --repeats), then (2) a full
 save against an incremental save whose base differs in every byte (the state is
 changed in place before each pair), interleaved (full, incremental, incremental,
-full, ...) so the shared disk and CPU treat both alike: the medians of wall seconds
-and of process CPU seconds (all threads), their ratios, and the bytes each wrote.
+full, ...) so the shared disk and CPU treat both alike, for ``bcp.save`` (sync) and
+for ``bcp.async_save`` (async: the seconds it blocks the caller, and the whole
+save's wall and CPU once waited for): one row each of the medians of wall seconds,
+process CPU seconds (all threads) and blocking seconds, their ratios and the bytes
+each wrote, and the load average before and after (the machine may be shared).
 
     python bench/incremental_cost.py [--mib 256] [--tensors 8] [--rounds 5] [--dir /tmp/bcp-incr-bench]
 """
@@ -60,37 +63,61 @@ def main() -> None:
     for name, gbps in digest_speeds(min(args.mib, 256) << 20, args.repeats).items():
         print(f"digest {name:20s} {gbps:6.1f} GB/s")
 
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"load average {load}, {os.cpu_count()} CPUs")
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     rows = (args.mib << 20) // args.tensors // 4 // 1024
     state = {f"w{i}": torch.randn(rows, 1024) for i in range(args.tensors)}
-    base = os.path.join(args.dir, "incr-base")
+    try:
+        for mode in ("sync", "async"):
+            dense_rows(state, args, mode)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    print(f"load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def dense_rows(state: dict[str, torch.Tensor], args: argparse.Namespace, mode: str) -> None:
+    """Full and incremental saves of ``state``, every byte changed before each pair,
+    interleaved; prints the medians (wall, CPU, and for async the blocking seconds)."""
+    base = os.path.join(args.dir, f"{mode}-base")
     bcp.save(state, base, incremental=True)
-    times: dict[str, list[tuple[float, float]]] = {"full": [], "incremental": []}
+    samples: dict[str, list[tuple[float, float, float]]] = {"full": [], "incremental": []}
     written: dict[str, int] = {}
     for r in range(args.rounds):
         for t in state.values():
             t.add_(1.0)  # every piece changes
         order = ["full", "incremental"] if r % 2 == 0 else ["incremental", "full"]
         for kind in order:
-            uri = os.path.join(args.dir, f"{kind}-{r}")
+            uri = os.path.join(args.dir, f"{mode}-{kind}-{r}")
+            extra = {} if kind == "full" else {"base": base}
             os.sync()
             wall, cpu = time.perf_counter(), time.process_time()
-            info = bcp.save(state, uri) if kind == "full" else bcp.save(state, uri, base=base)
-            times[kind].append((time.perf_counter() - wall, time.process_time() - cpu))
+            if mode == "sync":
+                info = bcp.save(state, uri, **extra)  # type: ignore[arg-type]
+                blocking = time.perf_counter() - wall
+            else:
+                handle = bcp.async_save(state, uri, **extra)  # type: ignore[arg-type]
+                blocking = handle.blocking_seconds
+                info = handle.wait()
+            samples[kind].append((time.perf_counter() - wall, time.process_time() - cpu, blocking))
             written[kind] = info.bytes_written
-        shutil.rmtree(os.path.join(args.dir, f"full-{r}"))
+        shutil.rmtree(os.path.join(args.dir, f"{mode}-full-{r}"))
         # the next incremental save's base is this one (its predecessor is no longer needed)
-        old, base = base, os.path.join(args.dir, f"incremental-{r}")
+        old, base = base, os.path.join(args.dir, f"{mode}-incremental-{r}")
         shutil.rmtree(old)
-    med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
-    for kind, (w, c) in med.items():
-        print(f"{kind:12s} wall {w:7.3f} s  cpu {c:7.3f} s  wrote {written[kind] / 2**20:9.1f} MiB")
+    med = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in samples.items()}
+    for kind, (w, c, b) in med.items():
+        print(
+            f"{mode:5s} {kind:12s} wall {w:7.3f} s  cpu {c:7.3f} s  blocking {b:7.3f} s  "
+            f"wrote {written[kind] / 2**20:9.1f} MiB"
+        )
+    inc, full = med["incremental"], med["full"]
     print(
-        f"incremental_cost: all changed, {args.mib} MiB: time {med['incremental'][0] / med['full'][0]:.3f}x, "
-        f"cpu {med['incremental'][1] / med['full'][1]:.3f}x, bytes {written['incremental'] / written['full']:.4f}x"
+        f"incremental_cost: {mode}, all changed, {args.mib} MiB: time {inc[0] / full[0]:.3f}x, "
+        f"cpu {inc[1] / full[1]:.3f}x, blocking {inc[2] / full[2]:.3f}x, "
+        f"bytes {written['incremental'] / written['full']:.4f}x"
     )
-    shutil.rmtree(args.dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import dataclasses
 import queue
 import threading
 from collections.abc import Callable, MutableMapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -68,34 +68,28 @@ class StagedChunk:
 
 
 def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[:] = src`` for host bytes: one single-threaded memmove (numpy's; it
-    releases the GIL for large copies), not ``Tensor.copy_``.
-
-    Why: torch splits a copy of 32,768 elements or more over its intra-op threads
-    (OpenMP), so every tensor's copy into a slab was a parallel region of its own,
-    whose threads wait for each other at its end. On a busy machine that wait is
-    where the time went. Measured here under load (2 cores): 10,000 copies of 80 KiB
-    as bytes 13-25 s, 1,000 copies of 800 KiB 2-5 s with torch and 0.04-0.26 s with
-    numpy; 48 copies of 16 MiB 0.16-0.29 s with numpy, 0.95 s to minutes with torch."""
+    """``dst[:] = src`` as one single-threaded numpy memmove (GIL released), not
+    ``Tensor.copy_``: torch makes each copy of 32,768+ elements an OpenMP region whose
+    threads wait for each other, which on a busy 2-core machine cost 10-100x."""
     dst[:] = src
 
 
-#: A synchronous save of host tensors to a writer that takes many buffers in one
-#: request (``write_parts``: the file backend) writes the file in batches of this many
-#: bytes, each one request straight from the tensors' memory (docs/decisions.md,
-#: "Sync save: one request per 64 MiB"). bench/peers.py's raw limit uses 64 MiB too.
+#: A sync save of host tensors to a ``write_parts`` writer (the file backend) writes
+#: batches of this many bytes, one request each from the tensors' memory (decisions.md).
 BATCH_BYTES = 64 << 20
-
-#: Writer threads for batches: one, a sequential stream of back-to-back requests as the
-#: raw O_DIRECT limit writes; it never checksums (measured: docs/benchmarks.md).
+#: Writer threads for batches: one sequential stream, as the raw O_DIRECT limit writes.
 BATCH_STREAMS = 1
-
-#: Batches the producer checksums and queues ahead of the writer, at most (no memory
-#: is held for them: they are the tensors' own).
+#: Batches the producer checksums and queues ahead of the writer (tensors' own memory).
 BATCH_AHEAD = 2
 
-#: Zeros for the padding between a batch's segments (gaps are under a page).
-_ZEROS = bytes(2 * 4096)
+_ZEROS = bytes(2 * 4096)  # padding between a batch's segments (gaps are under a page)
+
+
+class DigestSink(Protocol):
+    """An incremental save's digests of the bytes written (``bcp.pieces.StreamDigests``)."""
+
+    def feed(self, item: int, start: int, view: memoryview) -> None: ...
+    def result(self, item: int) -> bytes: ...
 
 
 class WriteItem(NamedTuple):
@@ -169,6 +163,8 @@ class WritePipeline:
         self.copies.start(self.plan.devices)
         #: the calling thread: only it stages chunks by their runs (:meth:`_stage_runs`)
         self._caller = threading.get_ident()
+        #: an incremental save's: fed each segment after its checksums; set before staging
+        self.digests: DigestSink | None = None
 
     def _make_plan(self, items: list[WriteItem]) -> PipelinePlan:
         return plan_pipeline(
@@ -459,6 +455,8 @@ class WritePipeline:
                         for seg in chunk.segments:
                             sums = block_checksums(view[seg.at : seg.at + seg.nbytes], self.block)
                             self.checksums[(seg.item, seg.start)] = sums
+                            if self.digests is not None:
+                                self.digests.feed(seg.item, seg.start, view[seg.at : seg.at + seg.nbytes])
                     with trace.span("write", chunk.nbytes):
                         self._writer.write_at(chunk.offset, view[: chunk.nbytes])
             except BaseException as e:  # noqa: BLE001 - reported by finish()
@@ -476,6 +474,8 @@ class WritePipeline:
             with trace.span("checksum", sum(s.nbytes for s in chunk.segments) if trace.enabled() else 0):
                 for seg, view in zip(chunk.segments, views, strict=True):
                     self.checksums[(seg.item, seg.start)] = block_checksums(view, self.block)
+                    if self.digests is not None:
+                        self.digests.feed(seg.item, seg.start, view)
         except Exception as e:
             e.add_note(f"checksumming {self.data_key} at {self.backend.uri}, bytes {chunk.offset}+{chunk.nbytes}")
             raise

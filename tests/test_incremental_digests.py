@@ -1,0 +1,165 @@
+"""Where an incremental save takes its digests (``bcp.pieces.StreamDigests``,
+``bcp.incremental.find_candidates``): a piece whose first block checksum differs from
+every candidate row of the base is written without a digest taken first; the writers
+digest the bytes they write, so every written row's digest is of its stored bytes and
+an asynchronous save's digests are of the staged copy (the bytes at the call)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bcp
+import bcp.pieces
+import bcp.saver
+from bcp.io_scheduler.staging import StagingPool
+from bcp.metadata.keys import split_parent
+from bcp.pieces import StreamDigests
+from bcp.target import resolve_backend
+
+PIECE = 256  # bytes: float32 rows of 16 values are 64 bytes, so a piece is 4 rows
+
+
+def stored_digests(uri: str) -> list[tuple[str, bytes, bytes]]:
+    """(fqn, the row's recorded digest, XXH3-128 of its stored bytes) for every catalog row."""
+    reader = bcp.open(uri)
+    owner = {f.path: f.checkpoint for f in reader.manifest.data_files}
+    backend, parent = resolve_backend(uri), resolve_backend(split_parent(uri)[0])
+    reader.catalog.require_all()
+    out = []
+    for f in reader.catalog.fragments:
+        ck = owner[f.file]
+        data = (
+            backend.read(f.file, f.byte_offset, f.nbytes)
+            if ck is None
+            else parent.read(f"{ck}/{f.file}", f.byte_offset, f.nbytes)
+        )
+        out.append((f.fqn, f.digest, xxhash.xxh3_128_digest(bytes(data))))
+    reader.close()
+    return out
+
+
+def count_digests(monkeypatch) -> list[int]:
+    """Counts the digests taken before the data file is laid out (``piece_digest``)."""
+    calls = [0]
+    real = bcp.pieces.piece_digest
+
+    def counted(t):
+        calls[0] += 1
+        return real(t)
+
+    monkeypatch.setattr(bcp.pieces, "piece_digest", counted)
+    return calls
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_stream_digests_equal_the_whole_items_digest_in_any_order(data):
+    sizes = data.draw(st.lists(st.integers(0, 300), min_size=1, max_size=4))
+    blobs = [np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes() for i, n in enumerate(sizes)]
+    parts = []
+    for item, blob in enumerate(blobs):
+        cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, len(blob) - 1)), max_size=4)))) if blob else []
+        bounds = [0, *[c for c in cuts if c < len(blob)], len(blob)]
+        parts += [(item, a, blob[a:b]) for a, b in itertools.pairwise(bounds) if b > a]
+    order = data.draw(st.permutations(parts))
+    wanted = data.draw(st.sets(st.sampled_from(range(len(blobs))), min_size=1))
+    stream = StreamDigests(sorted(wanted), sizes)
+    for item, start, part in order:
+        stream.feed(item, start, memoryview(part))
+    for item in wanted:
+        assert stream.result(item) == xxhash.xxh3_128_digest(blobs[item])
+    assert set(stream.done) <= wanted  # items not asked for are not digested
+
+
+def test_a_dense_save_takes_no_digest_before_writing_and_records_the_written_bytes(tmp_path, monkeypatch):
+    state = {"w": torch.randn(64, 16), "v": torch.randn(40, 16), "s": torch.tensor(2.0)}
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    bcp.save(state, a, incremental=True, piece_bytes=PIECE)
+    for t in state.values():
+        t.add_(1.0)  # every byte changes
+    calls = count_digests(monkeypatch)
+    info = bcp.save(state, b, base=a, piece_bytes=PIECE)
+    assert calls[0] == 0  # every first block differs: nothing to prove equal
+    assert info.bytes_written >= sum(t.numel() * 4 for t in state.values())
+    rows = stored_digests(b)
+    assert len(rows) == 16 + 10 + 1
+    assert all(recorded == actual for _fqn, recorded, actual in rows)
+
+
+def test_a_piece_with_its_first_block_unchanged_is_digested_then_written_or_reused(tmp_path, monkeypatch):
+    state = {"w": torch.zeros(16, 16)}  # four pieces of four rows; the block is 64 bytes: one row
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    bcp.save(state, a, incremental=True, piece_bytes=PIECE, checksum_block_bytes=64)
+    state["w"][3] = 1.0  # piece 0's last row: its first block is unchanged
+    state["w"][4] = 1.0  # piece 1's first row
+    calls = count_digests(monkeypatch)
+    info = bcp.save(state, b, base=a, piece_bytes=PIECE, checksum_block_bytes=64)
+    assert calls[0] == 3  # pieces 0, 2, 3: only their digest can tell
+    assert info.bytes_written == 2 * PIECE  # pieces 0 and 1
+    assert all(recorded == actual for _fqn, recorded, actual in stored_digests(b))
+    assert torch.equal(bcp.open(b).state()["w"], state["w"])
+
+
+def test_a_piece_changed_after_the_decision_is_recorded_with_the_written_bytes_digest(tmp_path, monkeypatch):
+    """The digest a written row records is of the bytes written, not of those the
+    reuse decision saw (here the tensor changes between the two)."""
+    state = {"w": torch.zeros(16, 16)}
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    bcp.save(state, a, incremental=True, piece_bytes=PIECE, checksum_block_bytes=64)
+    state["w"][3] = 1.0  # piece 0: digested up front (first block unchanged), then written
+    state["w"][4] = 1.0  # piece 1: written without a digest first
+    real = bcp.saver.open_pipeline
+
+    def change_then_open(*args, **kwargs):
+        state["w"][0:8] += 5.0  # after the decision, before any byte is staged
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bcp.saver, "open_pipeline", change_then_open)
+    bcp.save(state, b, base=a, piece_bytes=PIECE, checksum_block_bytes=64)
+    rows = stored_digests(b)
+    assert all(recorded == actual for _fqn, recorded, actual in rows)
+
+
+def test_an_async_save_digests_the_bytes_at_the_call_without_blocking_for_them(uri_factory, monkeypatch):
+    state = {"w": torch.randn(64, 16), "v": torch.randn(32, 16)}
+    a, b = uri_factory("a"), uri_factory("b")
+    bcp.save(state, a, incremental=True, piece_bytes=PIECE)
+    for t in state.values():
+        t.add_(1.0)
+    at_call = {k: v.clone() for k, v in state.items()}
+    calls = count_digests(monkeypatch)
+    handle = bcp.async_save(state, b, base=a, piece_bytes=PIECE)
+    assert calls[0] == 0  # no digest before async_save returns
+    for t in state.values():
+        t.fill_(7.0)  # right after the call: not in the checkpoint
+    handle.wait()
+    rows = stored_digests(b)
+    assert all(recorded == actual for _fqn, recorded, actual in rows)
+    expect = {
+        (k, bytes(p))
+        for k, t in at_call.items()
+        for p in [xxhash.xxh3_128_digest(t[i : i + 4].numpy().tobytes()) for i in range(0, len(t), 4)]
+    }
+    assert {(fqn, recorded) for fqn, recorded, _ in rows} == expect
+    assert all(torch.equal(v, at_call[k]) for k, v in bcp.open(b).state().items())
+
+
+def test_items_split_over_small_slabs_are_digested_in_order(tmp_path):
+    """An asynchronous save packs items into slabs and splits those that do not fit:
+    each split item's parts are hashed in order whichever writer holds them."""
+    state = {f"w{i}": torch.randn(250 + i, 16) for i in range(6)}  # 16,000+ bytes each, 4 KiB slabs
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    bcp.save(state, a, incremental=True)
+    for t in state.values():
+        t.add_(1.0)
+    pool = StagingPool(64 << 10, slab_bytes=4 << 10)
+    bcp.async_save(state, b, base=a, pool=pool, checksum_block_bytes=1 << 10, streams=3).wait()
+    rows = stored_digests(b)
+    assert len(rows) == 6
+    assert all(recorded == actual for _fqn, recorded, actual in rows)
