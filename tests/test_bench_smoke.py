@@ -52,7 +52,16 @@ def run_here(script: str, *args: str, capsys, monkeypatch) -> list[str]:
 def run_imported(script: str, *args: str, capsys, monkeypatch) -> list[str]:
     """:func:`run_here` for a script whose ranks start from bench/ranks.py's fork server:
     imported under its own name with bench/ on sys.path, which each rank (a fresh process
-    given this process's sys.path) needs to find the script's functions."""
+    given this process's sys.path) needs to find the script's functions. The fork server
+    is this process's, shared with every multi-process test: started here, if no test has
+    yet, with tests/dist_jobs.py's preload (what the script's would be, and more), so that
+    the later tests' ranks find all of theirs imported."""
+    import multiprocessing.forkserver
+
+    import dist_jobs
+
+    dist_jobs.fork_context()
+    multiprocessing.forkserver.ensure_running()
     monkeypatch.syspath_prepend(str(BENCH))
     module = importlib.import_module(script.removesuffix(".py"))
     monkeypatch.setattr(sys, "argv", [script, *args])

@@ -5,8 +5,7 @@ recoveries side by side.
 One smoke run serves every test here (a module fixture): ``--quick`` on the transformer
 shape (every row of the table, the AdamW steps saved and checked on recovery) at its
 smallest size, one layer (``--gib 0.001``): no row depends on the size, and the run's
-time is the ranks' start and the proxied S3 requests, one per tensor (the proxy adds 1 ms
-to each instead of the bench's 30: the rows are there whatever the latency)."""
+time is the ranks' start and the proxied S3 requests, one per tensor."""
 
 from __future__ import annotations
 
@@ -33,7 +32,6 @@ def smoke_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """The bench's smoke run (its file root under a directory of its own) and that directory."""
     root = tmp_path_factory.mktemp("tier-bench")
     command = [sys.executable, str(BENCH), "--quick", "--shape", "transformer", "--gib", "0.001", "--dir", str(root)]
-    command += ["--latency-ms", "1"]  # the proxy's added round trip only waits: no row depends on its size
     return subprocess.run(command, capture_output=True, text=True, timeout=600), root
 
 
