@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/step_overhead.py [--worlds 1,2,4] [--calls 2000]
 
-For each world size, one gloo job on this machine (loopback) whose every rank makes a
+For each world size, one gloo job on this machine (loopback; ranks from bench/ranks.py's
+fork server, torch imported once) whose every rank makes a
 manager with ``interval=None`` (never due) twice, with preemption on (one all-reduce of
 four numbers per call on bcp's own group) and off (no collective), and times each of
 ``--calls`` calls of ``step()`` after a warm-up; then the same all-reduce alone on the
@@ -22,16 +23,24 @@ import tempfile
 import time
 from pathlib import Path
 
+from ranks import gloo_rank, run_ranks
+
 
 def _rank(rank: int, world: int, port: int, root: str, calls: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    torch.set_num_threads(1)
+    gloo_rank(rank, world, out, lambda: _medians(world, root, calls))
+
+
+def _medians(world: int, root: str, calls: int) -> dict[str, float]:
+    """(in a rank of the gloo group) This rank's medians of step() on and off, and of the bare all-reduce."""
     import torch
     import torch.distributed as dist
 
     import bcp
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     state = {"w": torch.zeros(4)}
     medians = {}
     for label, preemption in (("on", bcp.Preemption()), ("off", None)):
@@ -57,10 +66,7 @@ def _rank(rank: int, world: int, port: int, root: str, calls: int, out: str) -> 
     medians["bare"] = statistics.median(times) / 1e3
     everyone: list = [None] * world
     dist.all_gather_object(everyone, medians)
-    if rank == 0:
-        Path(out).write_text(json.dumps({k: max(m[k] for m in everyone) for k in medians}))
-    dist.barrier()
-    dist.destroy_process_group()
+    return {k: max(m[k] for m in everyone) for k in medians}
 
 
 def free_port() -> int:
@@ -73,17 +79,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="1,2,4", help="gloo world sizes, comma-separated")
     p.add_argument("--calls", type=int, default=2000, help="timed calls of step() per rank and setting")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds each job may take")
     args = p.parse_args()
-    import torch.multiprocessing as mp
-
     print(f"medians of {args.calls} calls; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     results = {}
     with tempfile.TemporaryDirectory(prefix="bcp-step-") as work:
         for world in (int(w) for w in args.worlds.split(",") if w.strip()):
             out = os.path.join(work, f"{world}.json")
             root = os.path.join(work, f"ck{world}")
-            mp.start_processes(
-                _rank, args=(world, free_port(), root, args.calls, out), nprocs=world, start_method="spawn"
+            port = free_port()
+            run_ranks(
+                _rank,
+                lambda r, world=world, port=port, out=out, root=root: (r, world, port, root, args.calls, out),
+                world,
+                args.timeout,
+                f"step_overhead: the job on {world} ranks",
             )
             results[world] = json.loads(Path(out).read_text())
     print()

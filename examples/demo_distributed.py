@@ -95,9 +95,16 @@ def _job(rank: int, world: int, port: int, mode: str, uri: str, steps: int, hidd
 
 
 def _spawn(world: int, *args):
-    ctx = mp.get_context("spawn")
+    """Run ``_job`` on ``world`` ranks. They start from a fork server that imported torch
+    and bcp once (each rank a fresh process all the same): a rank then starts in a tenth
+    of a second instead of importing torch anew. Where there is no fork server
+    (Windows), each rank is spawned."""
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "bcp"])
     queue = ctx.SimpleQueue()
-    mp.spawn(_job, args=(world, _port(), *args, queue), nprocs=world)
+    mp.start_processes(_job, args=(world, _port(), *args, queue), nprocs=world, start_method=method)
     return queue.get()
 
 

@@ -4,6 +4,7 @@ speed: the figures are the lead's, measured on a quiet machine)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import re
 import subprocess
@@ -39,9 +40,30 @@ def run(script: str, *args: str, timeout: float = 300) -> list[str]:
 def run_here(script: str, *args: str, capsys, monkeypatch) -> list[str]:
     """``python bench/SCRIPT ARGS`` with its ``main()`` in this process: for the scripts
     whose own process only starts a fresh process per case and prints the table (the
-    cases, where the measuring happens, still run in processes of their own); saves
-    the seconds of one torch import."""
+    cases, where the measuring happens, still run in processes of their own), and for
+    those that only save and load in their own process and print what they measured
+    (nothing there depends on a fresh process); saves the seconds of one torch import."""
     module = _module(script.removesuffix(".py"))
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    module.main()
+    return capsys.readouterr().out.strip().splitlines()
+
+
+def run_imported(script: str, *args: str, capsys, monkeypatch) -> list[str]:
+    """:func:`run_here` for a script whose ranks start from bench/ranks.py's fork server:
+    imported under its own name with bench/ on sys.path, which each rank (a fresh process
+    given this process's sys.path) needs to find the script's functions. The fork server
+    is this process's, shared with every multi-process test: started here, if no test has
+    yet, with tests/dist_jobs.py's preload (what the script's would be, and more), so that
+    the later tests' ranks find all of theirs imported."""
+    import multiprocessing.forkserver
+
+    import dist_jobs
+
+    dist_jobs.fork_context()
+    multiprocessing.forkserver.ensure_running()
+    monkeypatch.syspath_prepend(str(BENCH))
+    module = importlib.import_module(script.removesuffix(".py"))
     monkeypatch.setattr(sys, "argv", [script, *args])
     module.main()
     return capsys.readouterr().out.strip().splitlines()
@@ -146,8 +168,12 @@ def test_peers_prints_a_table_per_shape_with_the_async_rows_beside_their_memcpy(
 
 
 @pytest.mark.slow
-def test_training_state_bench_prints_its_rows_and_last_line():
-    lines = run("training_state_bench.py", "--layers", "1", "--d", "16", "--calls", "1", "--worlds", "2")
+def test_training_state_bench_prints_its_rows_and_last_line(capsys, monkeypatch):
+    lines = run_imported(
+        *("training_state_bench.py", "--layers", "1", "--d", "16", "--calls", "1", "--worlds", "2"),
+        capsys=capsys,
+        monkeypatch=monkeypatch,
+    )
     rows = [ln for ln in lines if ln.startswith(("| plain", "| FSDP2"))]
     assert [r.split("|")[1].strip() for r in rows] == ["plain, 1 process", "FSDP2, 2 ranks"], lines
     assert all(len(r.strip("|").split("|")) == 9 for r in rows), rows
@@ -232,8 +258,9 @@ def test_traces_prints_each_case_as_a_table_with_its_stages(tmp_path, capsys, mo
     assert not list((tmp_path / "disk").iterdir()) and not list((tmp_path / "shm").iterdir()), "left files behind"
 
 
-def test_incremental_cost_runs_and_prints_its_line(tmp_path):
-    out = run(
+@pytest.mark.slow  # seconds of saves, in this process
+def test_incremental_cost_runs_and_prints_its_line(tmp_path, capsys, monkeypatch):
+    out = run_here(
         "incremental_cost.py",
         "--mib",
         "4",
@@ -245,6 +272,8 @@ def test_incremental_cost_runs_and_prints_its_line(tmp_path):
         "1",
         "--dir",
         str(tmp_path / "b"),
+        capsys=capsys,
+        monkeypatch=monkeypatch,
     )
     assert any(line.startswith("digest xxh3_128") for line in out)
     assert re.fullmatch(r"incremental_cost: all changed, 4 MiB: time [\d.]+x, cpu [\d.]+x, bytes 1\.0000x", out[-1])
@@ -260,8 +289,11 @@ def test_step_overhead_prints_its_table_and_last_line():
     ), lines[-1]
 
 
-def test_incremental_bench_runs_and_prints_its_line(tmp_path):
-    out = run("incremental_bench.py", "--mib", "2", "--dir", str(tmp_path / "b"))
+@pytest.mark.slow  # seconds of saves, in this process
+def test_incremental_bench_runs_and_prints_its_line(tmp_path, capsys, monkeypatch):
+    out = run_here(
+        "incremental_bench.py", "--mib", "2", "--dir", str(tmp_path / "b"), capsys=capsys, monkeypatch=monkeypatch
+    )
     for name in ("frozen99", "moe", "dense"):
         rows = [line for line in out if line.startswith(f"{name}: ")]
         assert len(rows) == 3, rows  # what it is, bytes, stored and times

@@ -19,6 +19,7 @@ import torch
 import bcp
 from bcp.backends import registry
 from bcp.cli import main
+from cli_runner import cli
 
 #: The console script, as users run it: unlike ``python -m``, it does not put the
 #: current directory on sys.path by itself.
@@ -239,14 +240,24 @@ def test_import_of_a_module_in_the_current_directory_through_the_console_script(
 
 
 @pytest.mark.parametrize(
-    ("source", "expected"),
-    [(None, "No module named"), ("raise RuntimeError('boom at import')", "RuntimeError: boom at import")],
+    ("source", "expected", "where"),
+    [
+        (None, "No module named", "in this process"),
+        ("raise RuntimeError('boom at import')", "RuntimeError: boom at import", "console script"),
+    ],
 )
-def test_import_failure_is_one_line_naming_the_module(tmp_path, source, expected):
+def test_import_failure_is_one_line_naming_the_module(request, tmp_path, source, expected, where):
+    """The module that raises at import runs through the console script (its traceback
+    must not reach the user); the missing module in this process (tests/cli_runner.py:
+    a child costs seconds of imports), which prints what a child would."""
     module = f"plugin_{uuid.uuid4().hex[:8]}"
     if source is not None:
         (tmp_path / f"{module}.py").write_text(source + "\n")
-    proc = console("--import", module, "ls", str(tmp_path), cwd=tmp_path)
+    if where == "console script":
+        proc = console("--import", module, "ls", str(tmp_path), cwd=tmp_path)
+    else:
+        request.getfixturevalue("in_process")
+        proc = cli("--import", module, "ls", str(tmp_path))
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

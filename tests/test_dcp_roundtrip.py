@@ -19,6 +19,7 @@ import dcp_jobs
 import dist_jobs
 from bcp.convert import from_dcp, to_dcp
 from bcp.errors import FormatError
+from cli_runner import cli
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
 
@@ -197,21 +198,23 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_cli_converts_both_ways_and_refuses_what_dcp_cannot_keep(tmp_path):
+    """The conversions run in this process (tests/cli_runner.py: a child costs seconds of
+    imports); the first refusal in a real process, whose stderr is the one line."""
     state, _model, _opt = _training_state()
     bcp.save(state, str(tmp_path / "b"))
-    proc = _cli("convert", str(tmp_path / "b"), str(tmp_path / "dcp"), "--to", "dcp", "--batch-size", "1KiB")
+    proc = cli("convert", str(tmp_path / "b"), str(tmp_path / "dcp"), "--to", "dcp", "--batch-size", "1KiB")
     assert proc.returncode == 0 and "wrote DCP checkpoint" in proc.stdout, proc.stderr
     template = _fresh_template()
     dcp.load(template, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     assert template["optim"]["param_groups"] == state["optim"]["param_groups"] and template["step"] == 11
     dist_jobs.assert_equal_to_reference(template, state, "DCP load after bcp convert --to dcp")
 
-    proc = _cli("convert", str(tmp_path / "dcp"), str(tmp_path / "again"), "--to", "bcp")
+    proc = cli("convert", str(tmp_path / "dcp"), str(tmp_path / "again"), "--to", "bcp")
     assert proc.returncode == 0, proc.stderr
     assert bcp.load(_fresh_template(), str(tmp_path / "again"))["sched"] == state["sched"]
 
-    for extra in (["--model-only"], ["--dtype", "bf16"]):
-        proc = _cli("convert", str(tmp_path / "b"), str(tmp_path / "x"), "--to", "dcp", *extra)
+    for run, extra in ((_cli, ["--model-only"]), (cli, ["--dtype", "bf16"])):
+        proc = run("convert", str(tmp_path / "b"), str(tmp_path / "x"), "--to", "dcp", *extra)
         assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert "Traceback" not in proc.stderr and not (tmp_path / "x").exists()
 
