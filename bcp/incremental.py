@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from bcp.commit import read_manifest
-from bcp.errors import CheckpointNotFoundError
+from bcp.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from bcp.io_scheduler.write_pipeline import WriteItem
 from bcp.metadata import FileEntry, Manifest, digest_of_checksums, itemsize
 from bcp.metadata.keys import generation_of, hold_key, is_sibling_name, split_parent
@@ -196,7 +196,14 @@ def match(
         if reader is not None and reader.manifest.save_id != base.manifest.save_id:
             reader = None
     if reader is None:
-        reader = open_base(base.uri, storage_options)
+        try:
+            reader = open_base(base.uri, storage_options)
+        except (CheckpointNotFoundError, IncompleteCheckpointError) as e:
+            # deleted since the coordinator held it (another process's retention): its
+            # bytes stay, held, but its manifest is gone; refer to nothing (the hold is
+            # then stale: this save's manifest names none of those files)
+            log.warning("base %s went away after it was held (%s): saving every byte", base.uri, e)
+            return Reuse([], every, [], {})
     if reader.manifest.save_id != base.manifest.save_id:
         return Reuse([], every, [], {})  # the base changed after the coordinator held it
     catalog = reader.catalog
