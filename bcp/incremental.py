@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +29,7 @@ from bcp.io_scheduler.write_pipeline import WriteItem
 from bcp.metadata import FileEntry, Manifest, digest_of_checksums, itemsize
 from bcp.metadata.keys import generation_of, hold_key, is_sibling_name, split_parent
 from bcp.metadata.rows import Rows, TensorEntry
+from bcp.options import SaveOptions
 from bcp.pieces import background
 from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
 from bcp.reader import CheckpointReader, fetch_metadata, open_reader
@@ -35,6 +37,10 @@ from bcp.references import parent_factory
 from bcp.target import Target, resolve_backend
 
 log = logging.getLogger(__name__)
+
+#: how many times a manager's save chooses its base again after another process deleted it
+BASE_TRIES = 3
+_T = TypeVar("_T")
 
 # -- the base ------------------------------------------------------------------------------------
 
@@ -148,6 +154,28 @@ class Reuse:
     rows: list[tuple[str, int, int, list[int]]]
     #: path -> the reference's FileEntry (checkpoint set; crc32c filled at commit)
     files: dict[str, FileEntry]
+
+
+def on_newest_base(
+    options: SaveOptions, newest: Callable[[], str | None] | None, start: Callable[[SaveOptions], _T]
+) -> _T:
+    """(all ranks) ``start(options)`` with the base ``newest()`` chooses (a manager's:
+    its newest committed step; ``newest`` None: ``options`` as they are). Another process
+    on the root (a second manager's retention, ``bcp gc``) may delete that step before
+    the save holds it: the save then raises CheckpointNotFoundError naming it, on every
+    rank, before writing anything; the base is chosen again, at most ``BASE_TRIES``
+    times, then none (every byte written)."""
+    if newest is None:
+        return start(options)
+    for attempt in range(BASE_TRIES + 1):
+        base = newest() if attempt < BASE_TRIES else None
+        try:
+            return start(dataclasses.replace(options, incremental=True, base=base))
+        except CheckpointNotFoundError as e:
+            if base is None or repr(base) not in str(e):
+                raise
+            log.info("base %s was deleted before this save held it: choosing again", base)
+    raise AssertionError("unreachable: the last attempt has no base")
 
 
 def open_base(base: str, storage_options: object = None) -> CheckpointReader:

@@ -35,7 +35,7 @@ from bcp.commit import DEFAULT_GRACE_SECONDS
 from bcp.coordination.collectives import Coordinator, decide
 from bcp.coordination.lanes import ready
 from bcp.discovery import base_step, committed_steps
-from bcp.errors import CheckpointNotFoundError
+from bcp.incremental import on_newest_base
 from bcp.io_scheduler.staging import StagingReservation
 from bcp.loader import load_with_info
 from bcp.metadata.keys import step_name
@@ -57,10 +57,6 @@ log = logging.getLogger(__name__)
 
 #: Save options the manager sets itself (from its constructor and the step).
 _OWNED = frozenset({"metadata", "storage_options", "process_group"})
-
-
-#: how many times a save chooses its base again after the chosen one was deleted before it was held
-BASE_TRIES = 3
 
 
 class CheckpointManager:
@@ -267,42 +263,25 @@ class CheckpointManager:
             if route != "persistent":
                 return None
         self._started = step
-        started: SaveInfo | AsyncSaveHandle
-        if self.incremental and opts.base is None:  # the newest committed step, the coordinator's choice
-            started = self._save_incremental(step, state, opts)
-        elif self.async_save:
-            started = async_save(state, self.uri(step), opts, overlap=self.overlap)
-        else:
-            started = save(state, self.uri(step), opts)
+        # incremental: on the newest committed step, the coordinator's choice
+        newest = (lambda: self._newest(step)) if self.incremental and opts.base is None else None
+        started = on_newest_base(opts, newest, lambda chosen: self._start(step, state, chosen))
         if isinstance(started, AsyncSaveHandle):
             self._pending = (started, step)
             self._due = (step, retries, started.blocking_seconds, called)
             return None
-        info = started
         self._committed(step, "CheckpointManager.save")
-        self._report_save(info, (step, retries, info.seconds, called), "persistent")
-        return info
+        self._report_save(started, (step, retries, started.seconds, called), "persistent")
+        return started
 
-    def _save_incremental(self, step: int, state: Any, opts: SaveOptions) -> SaveInfo | AsyncSaveHandle:
-        """(all ranks) Save ``step`` with the newest committed step as its base. Another
-        process on the root (a second manager's retention, ``bcp gc``) may delete that
-        step before this save holds it (CheckpointNotFoundError naming it, on every rank):
-        the base is then chosen again, at most ``BASE_TRIES`` times, then none (every byte)."""
-        for attempt in range(BASE_TRIES + 1):
-            base = None
-            if attempt < BASE_TRIES:
-                coord = self._coord("CheckpointManager.save")
-                base = decide(coord, "choosing the base", base_step, self.backend, step)
-            chosen = dataclasses.replace(opts, incremental=True, base=None if base is None else self.uri(base))
-            try:
-                if self.async_save:
-                    return async_save(state, self.uri(step), chosen, overlap=self.overlap)
-                return save(state, self.uri(step), chosen)
-            except CheckpointNotFoundError as e:
-                if chosen.base is None or repr(chosen.base) not in str(e):
-                    raise
-                log.info("step %d: its base %s was deleted before it was held: choosing again", step, chosen.base)
-        raise AssertionError("unreachable: the last attempt has no base")
+    def _start(self, step: int, state: Any, opts: SaveOptions) -> SaveInfo | AsyncSaveHandle:
+        if self.async_save:
+            return async_save(state, self.uri(step), opts, overlap=self.overlap)
+        return save(state, self.uri(step), opts)
+
+    def _newest(self, step: int) -> str | None:
+        base = decide(self._coord("CheckpointManager.save"), "choosing the base", base_step, self.backend, step)
+        return None if base is None else self.uri(base)
 
     def step(self, step: int, state: Any, *, metrics: dict[str, float] | None = None) -> bool:
         """(all ranks, at every training step, after the step) Save ``step`` when due;

@@ -20,7 +20,7 @@ from bcp.backends import backend_for
 from bcp.discovery import committed_steps
 from bcp.verify import verify_root
 
-SECONDS = 4.0
+SECONDS = 3.0  # each process's race; about 8 s a test on 2 loaded cores
 
 
 def _race(tmp_path: pathlib.Path, seed: int, async_save: tuple[bool, bool]) -> tuple[list[int], int, list[str]]:
@@ -47,7 +47,8 @@ def _race(tmp_path: pathlib.Path, seed: int, async_save: tuple[bool, bool]) -> t
     return saved, int(checked), problems
 
 
-@pytest.mark.parametrize(("seed", "async_save"), [(1, (False, False)), (2, (True, False)), (3, (True, True))])
+@pytest.mark.slow
+@pytest.mark.parametrize(("seed", "async_save"), [(1, (False, True)), (2, (True, True))])
 def test_two_incremental_managers_gc_and_a_reader_on_one_root(tmp_path, seed, async_save):
     saved, checked, problems = _race(tmp_path, seed, async_save)
     assert min(saved) >= 2 and checked > 0, (saved, checked)  # both raced, and loads were checked during it
