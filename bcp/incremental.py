@@ -19,17 +19,19 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from bcp.commit import read_manifest
-from bcp.errors import CheckpointNotFoundError
+from bcp.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from bcp.io_scheduler.write_pipeline import WriteItem
 from bcp.metadata import FileEntry, Manifest, crc32c, digest_of_checksums, itemsize
 from bcp.metadata.keys import generation_of, hold_key, is_sibling_name, split_parent
 from bcp.metadata.rows import Rows, TensorEntry
+from bcp.options import SaveOptions
 from bcp.pieces import background
 from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
 from bcp.reader import CheckpointReader, fetch_metadata, open_reader
@@ -38,6 +40,10 @@ from bcp.target import Target, resolve_backend
 from bcp.tensor_io import flat_bytes, host_contiguous
 
 log = logging.getLogger(__name__)
+
+#: how many times a manager's save chooses its base again after another process deleted it
+BASE_TRIES = 3
+_T = TypeVar("_T")
 
 # -- the base ------------------------------------------------------------------------------------
 
@@ -153,6 +159,28 @@ class Reuse:
     files: dict[str, FileEntry]
 
 
+def on_newest_base(
+    options: SaveOptions, newest: Callable[[], str | None] | None, start: Callable[[SaveOptions], _T]
+) -> _T:
+    """(all ranks) ``start(options)`` with the base ``newest()`` chooses (a manager's:
+    its newest committed step; ``newest`` None: ``options`` as they are). Another process
+    on the root (a second manager's retention, ``bcp gc``) may delete that step before
+    the save holds it: the save then raises CheckpointNotFoundError naming it, on every
+    rank, before writing anything; the base is chosen again, at most ``BASE_TRIES``
+    times, then none (every byte written)."""
+    if newest is None:
+        return start(options)
+    for attempt in range(BASE_TRIES + 1):
+        base = newest() if attempt < BASE_TRIES else None
+        try:
+            return start(dataclasses.replace(options, incremental=True, base=base))
+        except CheckpointNotFoundError as e:
+            if base is None or repr(base) not in str(e):
+                raise
+            log.info("base %s was deleted before this save held it: choosing again", base)
+    raise AssertionError("unreachable: the last attempt has no base")
+
+
 def open_base(base: str, storage_options: object = None) -> CheckpointReader:
     """A reader of the base's metadata (manifest and catalog head; sections on demand)."""
     options = dict(storage_options or {})  # type: ignore[call-overload]
@@ -213,7 +241,14 @@ def _reader_of(
         if reader is not None and reader.manifest.save_id != base.manifest.save_id:
             reader = None
     if reader is None:
-        reader = open_base(base.uri, storage_options)
+        try:
+            reader = open_base(base.uri, storage_options)
+        except (CheckpointNotFoundError, IncompleteCheckpointError) as e:
+            # deleted since the coordinator held it (another process's retention): its
+            # bytes stay, held, but its manifest is gone; refer to nothing (the hold is
+            # then stale: this save's manifest names none of those files)
+            log.warning("base %s went away after it was held (%s): saving every byte", base.uri, e)
+            return Reuse([], every, [], {})
     if reader.manifest.save_id != base.manifest.save_id:
         return None  # the base changed after the coordinator held it
     return reader

@@ -35,6 +35,7 @@ from bcp.commit import DEFAULT_GRACE_SECONDS
 from bcp.coordination.collectives import Coordinator, decide
 from bcp.coordination.lanes import ready
 from bcp.discovery import base_step, committed_steps
+from bcp.incremental import on_newest_base
 from bcp.io_scheduler.staging import StagingReservation
 from bcp.loader import load_with_info
 from bcp.metadata.keys import step_name
@@ -262,17 +263,25 @@ class CheckpointManager:
             if route != "persistent":
                 return None
         self._started = step
-        if self.incremental and opts.base is None:  # the newest committed step, the coordinator's choice
-            base = decide(self._coord("CheckpointManager.save"), "choosing the base", base_step, self.backend, step)
-            opts = dataclasses.replace(opts, incremental=True, base=None if base is None else self.uri(base))
-        if self.async_save:
-            self._pending = (async_save(state, self.uri(step), opts, overlap=self.overlap), step)
-            self._due = (step, retries, self._pending[0].blocking_seconds, called)
+        # incremental: on the newest committed step, the coordinator's choice
+        newest = (lambda: self._newest(step)) if self.incremental and opts.base is None else None
+        started = on_newest_base(opts, newest, lambda chosen: self._start(step, state, chosen))
+        if isinstance(started, AsyncSaveHandle):
+            self._pending = (started, step)
+            self._due = (step, retries, started.blocking_seconds, called)
             return None
-        info = save(state, self.uri(step), opts)
         self._committed(step, "CheckpointManager.save")
-        self._report_save(info, (step, retries, info.seconds, called), "persistent")
-        return info
+        self._report_save(started, (step, retries, started.seconds, called), "persistent")
+        return started
+
+    def _start(self, step: int, state: Any, opts: SaveOptions) -> SaveInfo | AsyncSaveHandle:
+        if self.async_save:
+            return async_save(state, self.uri(step), opts, overlap=self.overlap)
+        return save(state, self.uri(step), opts)
+
+    def _newest(self, step: int) -> str | None:
+        base = decide(self._coord("CheckpointManager.save"), "choosing the base", base_step, self.backend, step)
+        return None if base is None else self.uri(base)
 
     def step(self, step: int, state: Any, *, metrics: dict[str, float] | None = None) -> bool:
         """(all ranks, at every training step, after the step) Save ``step`` when due;

@@ -1,4 +1,4 @@
-"""The state stored in tests/golden/v1 and v2, rebuilt deterministically (no RNG), so the
+"""The state stored in tests/golden/v1, v2 and v3/base, rebuilt deterministically (no RNG), so the
 golden test can compare what it loads against values computed here."""
 
 from __future__ import annotations
@@ -42,3 +42,14 @@ def golden_state() -> dict:
             "text": "ünïcode ✓",
         },
     }
+
+
+def golden_step_state() -> dict:
+    """tests/golden/v3/step: the golden state one step on: ``layer.0.b``, one row of
+    ``layer.0.w`` and ``step`` changed (written), the rest as in ``base`` (referred to)."""
+    state = golden_state()
+    state["model"]["layer.0.b"] = state["model"]["layer.0.b"] + 1
+    state["model"]["layer.0.w"] = state["model"]["layer.0.w"].clone()
+    state["model"]["layer.0.w"][2] += 0.25
+    state["step"] = 43
+    return state

@@ -2,7 +2,9 @@
 tests/golden/v2 by the first bcp writing format v2 (manifest with its own CRC32C);
 both hold a catalog v1 (one Arrow IPC file). tests/golden/catalog-v2 was written by
 the first bcp writing catalog v2 (sections, head, trailer; manifest version 2). All
-are committed. Never regenerate one; add the next version beside them
+are committed. tests/golden/v3 holds two siblings written by the first bcp writing
+manifest version 3: ``base`` and ``step``, an incremental checkpoint whose unchanged
+pieces are references to ``base``'s data file. Never regenerate one; add the next version beside them
 (tests/golden/make_golden.py) when the format changes."""
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import pytest
 import torch
 
 import bcp
-from bcp.metadata.manifest import FORMAT_VERSION
-from golden_state import golden_state
+from bcp.metadata.manifest import FORMAT_VERSION, LATEST_VERSION, REFERENCES_VERSION
+from golden_state import golden_state, golden_step_state
 from helpers import assert_same
 from test_roundtrip import zeros_like_state
 
@@ -37,8 +39,9 @@ def _copy(tmp_path, src: pathlib.Path) -> str:
 
 def test_there_is_a_golden_checkpoint_for_every_format_version():
     assert list(range(1, FORMAT_VERSION + 1)) == VERSIONS
+    every = [*VERSIONS, *range(FORMAT_VERSION + 1, LATEST_VERSION + 1)]  # v3 and later: tests below
     assert sorted(p.name for p in GOLDEN_ROOT.iterdir() if p.is_dir() and p.name.startswith("v")) == [
-        f"v{v}" for v in VERSIONS
+        f"v{v}" for v in every
     ]
 
 
@@ -121,6 +124,37 @@ def test_golden_catalog_v2_verifies():
 
     report = verify_checkpoint(str(CATALOG_V2))
     assert report["ok"], report["problems"]
+
+
+V3 = GOLDEN_ROOT / "v3"
+
+
+def test_golden_v3_step_refers_to_its_sibling():
+    r = bcp.open(str(V3 / "step"))
+    assert r.manifest.version == REFERENCES_VERSION and r.manifest.user_metadata == {"purpose": "golden format test"}
+    (ref,) = r.manifest.references
+    base = bcp.open(str(V3 / "base")).manifest
+    assert ref.checkpoint == "base" and ref.path.split("/")[0] == base.generation
+    own = [f for f in r.manifest.data_files if f.checkpoint is None]
+    assert sum(f.nbytes for f in own) < ref.nbytes  # most of the state is read from base
+
+
+@pytest.mark.parametrize(("name", "state"), [("base", golden_state), ("step", golden_step_state)])
+def test_golden_v3_loads_bit_exactly(name, state, tmp_path):
+    assert_same(_canonical(state()), bcp.open(str(V3 / name)).state(), ordered=False)
+    uri = _copy(tmp_path, V3) + f"/{name}"  # the siblings copied together: a reference is relative
+    template = zeros_like_state(state())
+    template["optim"]["state"] = {}
+    assert_same(_canonical(state()), bcp.load(template, uri), ordered=False)
+
+
+def test_golden_v3_verifies_and_its_root_too():
+    from bcp.verify import verify_checkpoint, verify_root
+
+    report = verify_checkpoint(str(V3 / "step"))
+    assert report["ok"], report["problems"]
+    report = verify_root(str(V3))
+    assert report["ok"] and len(report["checkpoints"]) == 2, report
 
 
 def _canonical(state):
