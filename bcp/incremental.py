@@ -231,7 +231,7 @@ def _reader_of(
     base: BaseRef, storage_options: object, prefetched: concurrent.futures.Future | None
 ) -> CheckpointReader | None:
     """A reader of ``base`` as held (the prefetched one when it read the same save), or
-    None when the base changed after it was held."""
+    None when the base changed or went away after it was held (every byte is written)."""
     reader = None
     if prefetched is not None:
         try:
@@ -248,7 +248,7 @@ def _reader_of(
             # bytes stay, held, but its manifest is gone; refer to nothing (the hold is
             # then stale: this save's manifest names none of those files)
             log.warning("base %s went away after it was held (%s): saving every byte", base.uri, e)
-            return Reuse([], every, [], {})
+            return None
     if reader.manifest.save_id != base.manifest.save_id:
         return None  # the base changed after the coordinator held it
     return reader
