@@ -49,7 +49,10 @@ def ref_plan_sharing(reader, wanted_by_rank: list[list[tuple[str, Box]]]) -> dic
     return plan
 
 
-def reader_of(tensors: dict[str, tuple[tuple[int, ...], list[Box], str]]):
+def reader_of(tensors: dict[str, tuple[tuple[int, ...], list[Box], str]], *, arrow: bool = False):
+    """A reader over a catalog of ``tensors`` (shape, stored boxes, dtype): built from
+    Fragments, or (``arrow``) read back from its Arrow bytes, whose rows the plan
+    gathers as views of one array per number of dimensions."""
     frags, offset = [], 0
     for fqn, (shape, boxes, dtype) in tensors.items():
         for w, (o, n) in enumerate(boxes):
@@ -57,6 +60,10 @@ def reader_of(tensors: dict[str, tuple[tuple[int, ...], list[Box], str]]):
             sums = (0,) * -(-nbytes // 16)
             frags.append(Fragment(fqn, "[]", dtype, shape, o, n, f"f{w % 3}.bin", offset, nbytes, sums, w))
             offset += nbytes
+    if arrow:
+        return types.SimpleNamespace(
+            catalog=Catalog.from_arrow(Catalog(frags).to_arrow(), where="test", checksum_block_bytes=16)
+        )
     return types.SimpleNamespace(catalog=Catalog(frags))
 
 
@@ -73,7 +80,7 @@ def test_coordinator_plan_matches_every_rank_plan(shapes, ranks, data):
         n: (s, data.draw(stored_layout(s), label=f"stored {n}"), dtypes[i])
         for i, (n, s) in enumerate(zip(names, shapes, strict=True))
     }
-    reader = reader_of(tensors)
+    reader = reader_of(tensors, arrow=data.draw(st.booleans(), label="catalog read from Arrow"))
     wanted = []
     for r in range(ranks):
         if r and data.draw(st.booleans(), label=f"rank {r} copies a rank before it"):
@@ -181,7 +188,7 @@ def test_cut_index_plan_equals_general_plan(shapes, ranks, data):
         else:
             stored = data.draw(stored_layout(s), label=f"stored {n}")
         tensors[n] = (s, stored, data.draw(st.sampled_from(["float32", "bfloat16"])))
-    reader = reader_of(tensors)
+    reader = reader_of(tensors, arrow=data.draw(st.booleans(), label="catalog read from Arrow"))
     groups = data.draw(st.integers(1, ranks), label="data-parallel groups")
     per_group = []
     for g in range(groups):

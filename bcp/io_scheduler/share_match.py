@@ -62,6 +62,11 @@ def rows_at(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Offsets and lengths of stored rows ``rows`` (ascending, numbered as fstart says),
     padded to ``width`` dimensions with (0, 1)."""
+    if entries and all(len(e.global_shape) == width for e in entries):
+        every_off = _one_view([e.offsets for e in entries])  # every row numbered as fstart says
+        every_len = _one_view([e.lengths for e in entries])
+        if every_off is not None and every_len is not None:  # one gather each, not one per tensor
+            return np.take(every_off, rows, axis=0), np.take(every_len, rows, axis=0)
     off = np.zeros((len(rows), width), np.int64)
     lens = np.ones((len(rows), width), np.int64)
     which = np.searchsorted(fstart, rows, side="right") - 1
@@ -137,6 +142,13 @@ def joined(arrays: Sequence[np.ndarray]) -> np.ndarray:
     are consecutive slices of one C-contiguous array, as :meth:`Catalog.boxes` returns
     every tensor's boxes (views of one gather): at millions of rows the copy is the
     largest allocation of the cut index."""
+    view = _one_view(arrays)
+    return np.concatenate(arrays) if view is None else view
+
+
+def _one_view(arrays: Sequence[np.ndarray]) -> np.ndarray | None:
+    """The arrays as one view of their common base where they are consecutive slices
+    of it (:func:`joined`), else None."""
     held = [a for a in arrays if len(a)]  # an empty slice adds nothing (and numpy may move its pointer)
     first = held[0] if held else arrays[0]
     base = first.base
@@ -161,7 +173,7 @@ def joined(arrays: Sequence[np.ndarray]) -> np.ndarray:
             if row and (start - base_at) % row == 0:
                 lo = (start - base_at) // row
                 return base[lo : lo + n]
-    return np.concatenate(arrays)
+    return None
 
 
 def _cut_rows(
