@@ -364,3 +364,17 @@ def test_joined_is_a_view_of_consecutive_slices_else_a_copy(counts, width, data)
         assert np.shares_memory(out, base), "consecutive slices: a view"
     if broken == "copy" and out.size:
         assert not np.shares_memory(out, base)
+
+
+@given(points=st.lists(st.integers(0, 40), max_size=30), extra=st.integers(1, 10), ordered=st.booleans())
+def test_upto_tables_count_points_at_or_before(points, extra, ordered):
+    """The cut index's lookup tables, built as runs of equal counts from its sorted
+    interval ends and starts, equal the prefix counts of the points (unsorted points,
+    rows outside their tensor, take the counting way)."""
+    from bcp.io_scheduler.share_match import _upto
+
+    line = max(points, default=0) + extra
+    p = np.array(sorted(points) if ordered else points, np.int64)
+    got = _upto(p, line, np.int32)
+    assert got.dtype == np.int32
+    assert got.tolist() == [sum(v <= x for v in points) for x in range(line)]

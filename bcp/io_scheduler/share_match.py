@@ -314,8 +314,8 @@ class CutIndex:
         del found
         ends_upto = starts_upto = None
         if line <= 4 * len(starts) + (1 << 22):  # dense tables: a lookup each instead of binary searches
-            ends_upto = np.cumsum(np.bincount(ends, minlength=line), dtype=dtype)
-            starts_upto = np.cumsum(np.bincount(starts, minlength=line), dtype=dtype)
+            ends_upto = _upto(ends, line, dtype)
+            starts_upto = _upto(starts, line, dtype)
         return cls(eligible, tiled, cut, base, other, extents, starts, ends, rows, ends_upto, starts_upto)
 
     def pairs(
@@ -361,6 +361,19 @@ class CutIndex:
         span = np.minimum(hi[qi], self.ends[pos]) - np.maximum(lo[qi], self.starts[pos])
         box = qi if q is None else q[qi]
         return box, self.rows[pos], span * self.other[tids[box]], ~ok
+
+
+def _upto(points: np.ndarray, line: int, dtype: type) -> np.ndarray:
+    """For ascending ``points`` in [0, line): how many are at or before each x of the
+    line (``np.cumsum(np.bincount(points, minlength=line))``), as runs of equal counts:
+    count i from points[i - 1] up to points[i] (one pass, no line-long int64 array)."""
+    edges = np.empty(len(points) + 2, np.int64)
+    edges[0], edges[-1] = 0, line
+    edges[1:-1] = points
+    steps = np.diff(edges)
+    if bool((steps < 0).any()):  # rows outside their tensor (the catalog's check refuses them next)
+        return np.cumsum(np.bincount(points, minlength=line), dtype=dtype)
+    return np.repeat(np.arange(len(points) + 1, dtype=dtype), steps)
 
 
 def one_box_per_tensor(tids: np.ndarray, box_class: np.ndarray) -> bool:
