@@ -221,4 +221,5 @@ def test_parts_gather_each_class_without_copying_every_box_first():
         tracemalloc.stop()
     assert np.array_equal(parts[1].offsets, offsets) and np.array_equal(parts[1].lengths, lengths)
     assert after - before >= offsets.nbytes + lengths.nbytes  # the parts themselves
-    assert peak - after < offsets.nbytes + lengths.nbytes, f"{(peak - after) / 1e6:.1f} MB beyond the parts while cutting them"
+    beyond = (peak - after) / 1e6
+    assert peak - after < offsets.nbytes + lengths.nbytes, f"{beyond:.1f} MB beyond the parts while cutting them"
