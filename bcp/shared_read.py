@@ -160,7 +160,9 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     used_names = [names[t] for t in used]
     shapes = {t: tuple(reader.catalog.shape(names[t])) for t in used}
     reader.catalog.require([(names[t], ((0,) * len(shapes[t]), shapes[t])) for t in used])
-    entries = reader.catalog.boxes(used_names)  # offsets and lengths only, tiling checked
+    # offsets and lengths only; the tiling is proven by the cut index for the tensors it
+    # holds (it sorts their rows anyway), the catalog checks the rest below
+    entries = reader.catalog.boxes(used_names, check_tiling=not cut_index)
     ndims = {len(s) for s in shapes.values()}
     width = max(1, *ndims)
     ndim_of = np.zeros(len(names), np.int64)
@@ -175,6 +177,11 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     slot = np.full(len(names), -1, np.int64)
     slot[used] = np.arange(len(used))
     index = CutIndex.build(entries, used, fstart, extents, len(names)) if cut_index else None
+    if cut_index:
+        proven = index.tiled[used] if index is not None else np.zeros(len(used), bool)
+        unproven = [used_names[i] for i in np.flatnonzero(~proven).tolist()]
+        if unproven:
+            reader.catalog.boxes(unproven)  # FormatError where their rows do not tile them
     one_box = True
     found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (fragment, class, elements) per pair
     left: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # boxes for the general test

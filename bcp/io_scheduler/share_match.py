@@ -62,6 +62,11 @@ def rows_at(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Offsets and lengths of stored rows ``rows`` (ascending, numbered as fstart says),
     padded to ``width`` dimensions with (0, 1)."""
+    if entries and all(len(e.global_shape) == width for e in entries):
+        every_off = _one_view([e.offsets for e in entries])  # every row numbered as fstart says
+        every_len = _one_view([e.lengths for e in entries])
+        if every_off is not None and every_len is not None:  # one gather each, not one per tensor
+            return np.take(every_off, rows, axis=0), np.take(every_len, rows, axis=0)
     off = np.zeros((len(rows), width), np.int64)
     lens = np.ones((len(rows), width), np.int64)
     which = np.searchsorted(fstart, rows, side="right") - 1
@@ -132,20 +137,61 @@ def _rank_runs(entries: Sequence[TensorBoxes], limit: int) -> list[tuple[int, in
     return out
 
 
+def joined(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """``np.concatenate(arrays)`` (along the first axis), without the copy where they
+    are consecutive slices of one C-contiguous array, as :meth:`Catalog.boxes` returns
+    every tensor's boxes (views of one gather): at millions of rows the copy is the
+    largest allocation of the cut index."""
+    view = _one_view(arrays)
+    return np.concatenate(arrays) if view is None else view
+
+
+def _one_view(arrays: Sequence[np.ndarray]) -> np.ndarray | None:
+    """The arrays as one view of their common base where they are consecutive slices
+    of it (:func:`joined`), else None."""
+    held = [a for a in arrays if len(a)]  # an empty slice adds nothing (and numpy may move its pointer)
+    first = held[0] if held else arrays[0]
+    base = first.base
+    if (
+        held
+        and isinstance(base, np.ndarray)
+        and base.ndim == first.ndim >= 1
+        and base.dtype == first.dtype
+        and base.shape[1:] == first.shape[1:]
+        and base.flags.c_contiguous
+    ):
+        row = first.itemsize * math.prod(first.shape[1:])
+        base_at = base.__array_interface__["data"][0]
+        start = at = first.__array_interface__["data"][0]
+        n = 0
+        for a in held:
+            if a.base is not base or a.__array_interface__["data"][0] != at or not a.flags.c_contiguous:
+                break
+            at += a.nbytes
+            n += len(a)
+        else:
+            if row and (start - base_at) % row == 0:
+                lo = (start - base_at) // row
+                return base[lo : lo + n]
+    return None
+
+
 def _cut_rows(
     entries: Sequence[TensorBoxes], extents: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray], np.ndarray]:
     """For tensors of one rank (``extents``: their shapes, padded with 1): whether each
     is stored as disjoint slices along one dimension (every other dimension whole; empty
     rows ignored), that dimension (the lowest not whole; 0 where every one is), and for
     those that are, the non-empty rows' intervals on it (start, end, sorted by tensor
     and start) with (row, tensor) of each: the row counted from the first entry's first
-    row, the tensor as its position in ``entries``."""
+    row, the tensor as its position in ``entries``. Last, per tensor, whether those
+    intervals are shown to tile it exactly (at least one, abutting from 0 to its extent
+    on that dimension): the catalog's tiling check, proven here for those tensors."""
     counts = np.array([e.num_fragments for e in entries], np.int64)
     ndim = len(entries[0].global_shape)
     if ndim:
-        off = np.concatenate([e.offsets for e in entries])
-        lens = np.concatenate([e.lengths for e in entries])
+        off = joined([e.offsets for e in entries])
+        lens = joined([e.lengths for e in entries])
     else:  # scalars: one dimension of length 1
         off, lens = np.zeros((int(counts.sum()), 1), np.int64), np.ones((int(counts.sum()), 1), np.int64)
     n_t = len(entries)
@@ -178,7 +224,29 @@ def _cut_rows(
         ok[tl[1:][overlap]] = False
         keep = ok[tl]
         rows, tl, s, e = rows[keep], tl[keep], s[keep], e[keep]
-    return ok, k, s, e, (rows, tl)
+        same = tl[1:] == tl[:-1]
+    return ok, k, s, e, (rows, tl), _tiled(ok, k, s, e, tl, same, extents)
+
+
+def _tiled(
+    ok: np.ndarray, k: np.ndarray, s: np.ndarray, e: np.ndarray, tl: np.ndarray, same: np.ndarray, extents: np.ndarray
+) -> np.ndarray:
+    """Per tensor: whether its intervals (sorted by tensor and start, disjoint; ``same``:
+    whether each follows one of the same tensor) abut from 0 to the extent of its cut
+    dimension, at least one of them. With every other dimension whole on its non-empty
+    rows (``ok``), those rows tile the tensor exactly."""
+    n_t = len(ok)
+    if not len(tl):
+        return np.zeros(n_t, bool)
+    gap = np.zeros(n_t, bool)
+    gap[tl[1:][same & (s[1:] != e[:-1])]] = True
+    head = np.r_[True, ~same]
+    tail = np.r_[~same, True]
+    first_s = np.full(n_t, -1, np.int64)
+    last_e = np.full(n_t, -1, np.int64)
+    first_s[tl[head]] = s[head]
+    last_e[tl[tail]] = e[tail]
+    return ok & ~gap & (first_s == 0) & (last_e == extents[np.arange(n_t), k])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +261,8 @@ class CutIndex:
     line is long (flat 1-D tensors)."""
 
     eligible: np.ndarray  # bool (names,)
+    #: bool (names,): tensors whose stored rows are shown to tile them (:func:`_tiled`)
+    tiled: np.ndarray
     cut: np.ndarray  # int64 (names,)
     base: np.ndarray  # int64 (names,)
     other: np.ndarray  # int64 (names,): elements per unit of the cut dimension
@@ -211,6 +281,7 @@ class CutIndex:
         ``fstart``), None where no tensor qualifies or the line would be too long.
         Vectorised over tensors of equal rank, a bounded number of rows at a time."""
         eligible = np.zeros(n_names, bool)
+        tiled = np.zeros(n_names, bool)
         cut = np.zeros(n_names, np.int64)
         base = np.zeros(n_names, np.int64)
         bound = sum(max(e.global_shape, default=1) + 1 for e in entries)  # the line's length at most
@@ -221,7 +292,7 @@ class CutIndex:
         line = 0
         for a, b in _rank_runs(entries, _ROW_BATCH):
             ts = np.array(used[a:b], np.int64)
-            ok, k, starts, ends, (row, tensor) = _cut_rows(entries[a:b], extents[ts])
+            ok, k, starts, ends, (row, tensor), tiled[ts] = _cut_rows(entries[a:b], extents[ts])
             span = np.where(ok, extents[ts, k] + 1, 0)
             base[ts] = line + np.cumsum(span) - span
             line += int(span.sum())
@@ -243,9 +314,9 @@ class CutIndex:
         del found
         ends_upto = starts_upto = None
         if line <= 4 * len(starts) + (1 << 22):  # dense tables: a lookup each instead of binary searches
-            ends_upto = np.cumsum(np.bincount(ends, minlength=line), dtype=dtype)
-            starts_upto = np.cumsum(np.bincount(starts, minlength=line), dtype=dtype)
-        return cls(eligible, cut, base, other, extents, starts, ends, rows, ends_upto, starts_upto)
+            ends_upto = _upto(ends, line, dtype)
+            starts_upto = _upto(starts, line, dtype)
+        return cls(eligible, tiled, cut, base, other, extents, starts, ends, rows, ends_upto, starts_upto)
 
     def pairs(
         self, tids: np.ndarray, off: np.ndarray, lens: np.ndarray
@@ -290,6 +361,19 @@ class CutIndex:
         span = np.minimum(hi[qi], self.ends[pos]) - np.maximum(lo[qi], self.starts[pos])
         box = qi if q is None else q[qi]
         return box, self.rows[pos], span * self.other[tids[box]], ~ok
+
+
+def _upto(points: np.ndarray, line: int, dtype: type) -> np.ndarray:
+    """For ascending ``points`` in [0, line): how many are at or before each x of the
+    line (``np.cumsum(np.bincount(points, minlength=line))``), as runs of equal counts:
+    count i from points[i - 1] up to points[i] (one pass, no line-long int64 array)."""
+    edges = np.empty(len(points) + 2, np.int64)
+    edges[0], edges[-1] = 0, line
+    edges[1:-1] = points
+    steps = np.diff(edges)
+    if bool((steps < 0).any()):  # rows outside their tensor (the catalog's check refuses them next)
+        return np.cumsum(np.bincount(points, minlength=line), dtype=dtype)
+    return np.repeat(np.arange(len(points) + 1, dtype=dtype), steps)
 
 
 def one_box_per_tensor(tids: np.ndarray, box_class: np.ndarray) -> bool:

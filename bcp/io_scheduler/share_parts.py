@@ -202,12 +202,14 @@ def class_parts(
     sstarts = np.r_[0, np.cumsum(per_tag)].astype(np.int64)
     del per_tag
     width = offsets.shape[1]
-    boxes = np.concatenate([offsets, lengths], axis=1)  # one gather per class, not two
+    # two gathers per class from the plan's arrays: joining offsets and lengths first
+    # (one gather) costs a copy of every shared box at the peak of the coordinator's memory
     per_class: list[tuple[np.ndarray, ...]] = []
     for c in range(n_classes):
         mine = class_tags[cbounds[c] : cbounds[c + 1]].astype(np.int64, copy=False)
-        box = np.take(boxes, mine, axis=0)
-        per_class.append((mine, tensors[mine], box[:, :width], box[:, width:], owners[mine]))
+        per_class.append(
+            (mine, tensors[mine], np.take(offsets, mine, axis=0), np.take(lengths, mine, axis=0), owners[mine])
+        )
     none = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros((0, width), np.int64))
     nothing = (none[0], none[1], none[2], none[2], none[1])
     out = []

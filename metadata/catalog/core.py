@@ -183,16 +183,19 @@ class Catalog:
         """The global shape of ``fqn`` (KeyError if not held) without building its entry."""
         return self._table_of_tensors.shapes[self._table_of_tensors.index[fqn]]
 
-    def boxes(self, fqns: Iterable[str]) -> list[TensorBoxes]:
+    def boxes(self, fqns: Iterable[str], *, check_tiling: bool = True) -> list[TensorBoxes]:
         """The stored boxes of ``fqns`` (KeyError if not held), tiling checked as in
         :meth:`entries`, nothing cached, only offsets and lengths gathered: the share_reads
-        coordinator matches every rank's boxes and reads no bytes (:mod:`.entries`)."""
+        coordinator matches every rank's boxes and reads no bytes (:mod:`.entries`).
+        ``check_tiling=False``: rows gathered from the table are not checked here; the
+        caller proves the tiling itself and passes the tensors it could not prove to
+        ``boxes`` again (the share_reads coordinator's cut index sorts the rows anyway)."""
         tensors = self._table_of_tensors
         codes = [tensors.index[f] for f in fqns]
         held = [t for t in dict.fromkeys(codes) if t in self._cache or self._given is not None]
         out = {t: TensorBoxes.of(self._entry(t)) for t in held}
         todo = {t: self._rows_of(t) for t in dict.fromkeys(codes) if t not in out}
-        out.update(gather_boxes(self._rows, tensors, todo, self._check_tilings))
+        out.update(gather_boxes(self._rows, tensors, todo, self._check_tilings if check_tiling else _unchecked))
         return [out[t] for t in codes]
 
     def _check_tilings(self, codes: list[int], offs: np.ndarray, lens: np.ndarray, counts: list[int]) -> None:
@@ -390,3 +393,7 @@ class Catalog:
         check_rows_in_files(self._rows, self._table_of_tensors, self._file_names, file_sizes, where=where)
         if self._parts is not None:
             self._parts.file_sizes = dict(file_sizes)
+
+
+def _unchecked(codes: list[int], offs: np.ndarray, lens: np.ndarray, counts: list[int]) -> None:
+    """No tiling check (``Catalog.boxes(check_tiling=False)``: the caller proves it)."""
