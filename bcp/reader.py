@@ -27,9 +27,9 @@ from bcp.backends import Backend, ObjectNotFoundError
 from bcp.commit import parse_manifest, replaces_atomically
 from bcp.discovery import missing_checkpoint_error
 from bcp.errors import CorruptCheckpointError, IncompleteCheckpointError
+from bcp.io_scheduler import read_exec
 from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor
 from bcp.io_scheduler.device_load import DeviceFill
-from bcp.io_scheduler import read_exec
 from bcp.io_scheduler.read_exec import (
     ReadStats,
     WholeRead,
@@ -437,9 +437,7 @@ class CheckpointReader:
             if len(target) != nbytes:  # a catalog row's size is checked where it is planned
                 rest.append(request)
                 continue
-            whole.append(
-                WholeRead(fqn, names[info.files[i]], info.byte_offsets[i], nbytes, info.sum_starts[i], target)
-            )
+            whole.append(WholeRead(fqn, names[info.files[i]], info.byte_offsets[i], nbytes, info.sum_starts[i], target))
         return whole, info.sums, rest  # the checksum column the reads index (a later require may replace it)
 
     def _first_fragment(self, fqn: str) -> Fragment:

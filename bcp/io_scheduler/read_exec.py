@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -600,7 +601,6 @@ def _verify_fragment(
     return extra
 
 
-
 class WholeRead(NamedTuple):
     """A whole stored fragment (one writer saved the tensor whole) read into a
     destination of exactly its bytes: the common load, planned without a RunSet or a
@@ -702,7 +702,7 @@ def execute_whole_reads(
         r = reads[i]
         n, f = r.nbytes, full[i]
         cuts = [*range(0, n, chunk), n]
-        pieces = list(zip(cuts[:-1], cuts[1:], strict=True))
+        pieces = list(itertools.pairwise(cuts))
         runs = [(r.sum_start + a // block, r.sum_start + min(b, f * block) // block) for a, b in pieces]
         for (a, b), (s0, s1), want in zip(pieces, runs, combine_block_runs(sums, block, runs), strict=True):
             piece = r.target[a:b]
