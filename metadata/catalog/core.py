@@ -253,6 +253,13 @@ class Catalog:
             file_names=self._file_names_tuple(),
         )
 
+    def shape_and_dtype(self, fqn: str) -> tuple[tuple[int, ...], str] | None:
+        """The global shape and dtype name of ``fqn``, None if not held, without building
+        its entry (a load matching 10,000 tensors needs only these)."""
+        tensors = self._table_of_tensors
+        t = tensors.index.get(fqn)
+        return None if t is None else (tensors.shapes[t], tensors.dtypes[t])
+
     def shape(self, fqn: str) -> tuple[int, ...]:
         """The global shape of ``fqn`` (KeyError if not held) without building its entry."""
         return self._table_of_tensors.shapes[self._table_of_tensors.index[fqn]]
