@@ -16,7 +16,7 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -27,17 +27,12 @@ from bcp.backends import Backend, ObjectNotFoundError
 from bcp.commit import parse_manifest, replaces_atomically
 from bcp.discovery import missing_checkpoint_error
 from bcp.errors import CorruptCheckpointError, IncompleteCheckpointError
-from bcp.io_scheduler import read_exec
 from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor
 from bcp.io_scheduler.device_load import DeviceFill
-from bcp.io_scheduler.read_exec import (
-    ReadStats,
-    WholeRead,
-    execute_reads,
-    execute_whole_reads,
-)
+from bcp.io_scheduler.read_exec import ReadStats, execute_reads
 from bcp.io_scheduler.read_plan import RunSet, plan_tensor_reads, touched_rows
 from bcp.io_scheduler.staging import StagingPool, default_pool
+from bcp.io_scheduler.whole_reads import execute_whole_reads, split_whole
 from bcp.metadata import Catalog, FormatError, Fragment, Manifest, ObjectEntry, TensorEntry, crc32c
 from bcp.metadata.catalog.sections import TRAILER, is_v2
 from bcp.metadata.geometry import Box, check_box_inside, intersect
@@ -46,8 +41,8 @@ from bcp.references import ParentFactory, describe_file, parent_factory, referen
 from bcp.shards import RankValues
 from bcp.state import KeyPath, build_nested, path_from_json
 from bcp.target import resolve_backend
-from bcp.tensor_io import byte_view, copy_values, dense_byte_view
-from bcp.torch_dtypes import torch_dtype, torch_dtype_or_none
+from bcp.tensor_io import byte_view, copy_values
+from bcp.torch_dtypes import torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -197,17 +192,18 @@ class CheckpointReader:
         self.check_sizes([(fqn, box)])
         return torch.empty(tuple(box[1]), dtype=torch_dtype(entry.dtype, fqn=fqn))
 
-    def check_sizes(self, requests: list[tuple[str, Box]], *, prefer_rank: int = 0) -> None:
+    def check_sizes(self, requests: list[tuple[str, Box]], *, prefer_rank: int = 0, files: Iterable[str] = ()) -> None:
         """Check, once per file and before anything is allocated for it, that every data
         file that reading ``requests`` ((fqn, box) pairs) touches holds in storage the
         size the manifest declares (the catalog was checked against the manifest when
         it was decoded, so every planned byte then lies inside a file that exists).
-        A sparse file counts with its apparent size: storage reports no other."""
+        A sparse file counts with its apparent size: storage reports no other. ``files``:
+        data files to check as well (those of the tensors read in bulk)."""
         declared = {f.path: f.nbytes for f in self.manifest.data_files}
         if len(self._sizes_checked) == len(declared):
             return  # every file checked already (the usual case after the first tensor)
         self.catalog.require(requests)  # a catalog read in part fetches the rows these boxes need
-        files: set[str] = set()
+        files = {f for f in files if f not in self._sizes_checked}
         by_tensor: dict[str, list[Box]] = {}
         for fqn, box in requests:
             by_tensor.setdefault(fqn, []).append(box)
@@ -229,14 +225,8 @@ class CheckpointReader:
             _bi, rows, _off, _len = touched_rows(entry, boxes, prefer_rank)
             codes = np.unique(entry.files[rows[entry.sizes[rows] > 0]]).tolist()
             files.update(name for name in (entry.file_names[c] for c in codes) if name not in self._sizes_checked)
-        self._check_files(files)
-
-    def _check_files(self, files: set[str]) -> None:
-        """:meth:`check_sizes` of ``files`` (data file names) not checked yet."""
-        files = {f for f in files if f not in self._sizes_checked}
         if not files:
             return
-        declared = {f.path: f.nbytes for f in self.manifest.data_files}
         named = describe_file(self.backend)
         for file in sorted(files):
             try:
@@ -309,7 +299,8 @@ class CheckpointReader:
         destinations are filled through slabs of ``pool`` (default: the process-wide
         pool; see ``bcp.io_scheduler.device_load``); the call returns once every byte has landed."""
         in_memory = in_memory or {}
-        whole, sums, requests = self._whole_reads(requests, in_memory)
+        block = self.manifest.checksum_block_bytes  # tensors stored whole, read in bulk; the rest planned
+        whole, sums, requests = split_whole(self.catalog, block, requests, in_memory)
         entries = self._entries([fqn for fqn, _box, _dest in requests])
         check_box = check_box_inside
         for (fqn, box, dest), entry in zip(requests, entries, strict=True):  # everything checked before any allocation
@@ -322,8 +313,7 @@ class CheckpointReader:
         if not self.catalog.is_whole:
             self.catalog.require(wanted)  # a catalog read in part fetches the rows these boxes need
             entries = [self._tensor_entry(fqn) for fqn, _box in wanted]  # with the rows read just now
-        self.check_sizes(wanted, prefer_rank=prefer_rank)
-        self._check_files({read.file for read in whole})
+        self.check_sizes(wanted, prefer_rank=prefer_rank, files={read.file for read in whole})
         devices = sorted({dest.device for _f, _b, dest in requests if is_device_tensor(dest)}, key=str)
         device_fill: DeviceFill | None = None
         if devices:
@@ -373,13 +363,8 @@ class CheckpointReader:
         stats = execute_reads(
             self.backend, plans, views, block_bytes=self.manifest.checksum_block_bytes, verify=self.verify
         )
-        if whole:
-            block = self.manifest.checksum_block_bytes
-            stats.add(
-                execute_whole_reads(
-                    self.backend, whole, sums, self._first_fragment, block_bytes=block, verify=self.verify
-                )
-            )
+        first_row = lambda fqn: self._tensor_entry(fqn).fragment(0)  # noqa: E731 - names a whole read in an error
+        stats.add(execute_whole_reads(self.backend, whole, sums, first_row, block_bytes=block, verify=self.verify))
         for dest, landing in copies:
             copy_values(dest, landing)
         if device_fill is not None:
@@ -387,62 +372,6 @@ class CheckpointReader:
         return stats
 
     # -- helpers ------------------------------------------------------------------------
-
-    def _whole_reads(
-        self, requests: list[tuple[str, Box, torch.Tensor]], in_memory: dict[tuple[str, Box], torch.Tensor]
-    ) -> tuple[list[WholeRead], np.ndarray, list[tuple[str, Box, torch.Tensor]]]:
-        """Split off the requests the bulk path reads (:func:`execute_whole_reads`): the
-        whole tensor wanted, stored whole in one row (:meth:`Catalog.whole_rows`), of at
-        less than :data:`~.read_exec.COALESCE_BELOW` bytes, into a dense CPU tensor of its dtype, none
-        of it at hand already; the rest is planned as before. Everything here is the
-        checks fill makes, for the case where they all pass (any doubt: the rest).
-        Also the checksum column the reads' ``sum_start`` index."""
-        if not requests:
-            return [], np.zeros(0, np.uint32), requests
-        if not self.catalog.is_whole:  # a catalog read in part: rows come with the boxes
-            self.catalog.require([(fqn, box) for fqn, box, _dest in requests])
-        info = self.catalog.whole_rows([fqn for fqn, _box, _dest in requests])
-        block = self.manifest.checksum_block_bytes
-        held = {fqn for fqn, _box in in_memory}
-        names = info.file_names
-        dtypes: dict[str, torch.dtype | None] = {}
-        largest = read_exec.COALESCE_BELOW - 1  # as the planned path coalesces: read at run time (tests change it)
-        whole: list[WholeRead] = []
-        rest: list[tuple[str, Box, torch.Tensor]] = []
-        for i, request in enumerate(requests):
-            fqn, box, dest = request
-            row, nbytes = info.rows[i], info.nbytes[i]
-            if row < 0 or not 0 < nbytes <= largest or fqn in held:
-                rest.append(request)
-                continue
-            name = info.dtypes[i]
-            dtype = dtypes.get(name, False)
-            if dtype is False:
-                dtype = dtypes[name] = torch_dtype_or_none(name)
-            d_off, d_len = box
-            if (
-                dtype is None
-                or dest.dtype != dtype
-                or not dest.is_cpu
-                or tuple(d_len) != info.shapes[i]
-                or any(d_off)
-                or not dest.is_contiguous()
-                or dest.is_conj()
-                or dest.is_neg()
-                or info.sum_stops[i] - info.sum_starts[i] != -(-nbytes // block)
-            ):
-                rest.append(request)
-                continue
-            target = dense_byte_view(dest)
-            if len(target) != nbytes:  # a catalog row's size is checked where it is planned
-                rest.append(request)
-                continue
-            whole.append(WholeRead(fqn, names[info.files[i]], info.byte_offsets[i], nbytes, info.sum_starts[i], target))
-        return whole, info.sums, rest  # the checksum column the reads index (a later require may replace it)
-
-    def _first_fragment(self, fqn: str) -> Fragment:
-        """The one stored row of ``fqn`` (a whole read's, to name it in an error)."""
-        return self._tensor_entry(fqn).fragment(0)
 
     @staticmethod
     def _whole(entry: TensorEntry) -> Box:

@@ -19,7 +19,7 @@ from bcp import reader as reader_module
 from bcp.backends import backend_for
 from bcp.backends.wrappers import FaultInjectingBackend
 from bcp.errors import CorruptCheckpointError
-from bcp.io_scheduler import read_exec
+from bcp.io_scheduler import read_exec, whole_reads
 from bcp.metadata import Catalog, Fragment, crc32c
 from bcp.metadata.rows import TensorEntry
 from helpers import examples
@@ -57,7 +57,7 @@ def flip(uri: str, file: str, at: int) -> None:
 def counting_bulk(monkeypatch) -> list[int]:
     """How many reads each call of execute_whole_reads was given."""
     seen: list[int] = []
-    real = read_exec.execute_whole_reads
+    real = whole_reads.execute_whole_reads
 
     def wrapper(backend, reads, *a, **k):
         seen.append(len(reads))
@@ -117,7 +117,7 @@ def test_bulk_and_planned_loads_give_the_saved_values(specs, block, resident, st
     backend = Resident(backend_for(uri), resident)
     mp = pytest.MonkeyPatch()
     try:
-        real = read_exec.execute_whole_reads
+        real = whole_reads.execute_whole_reads
         seen: list[int] = []
 
         def bulk(backend, reads, *a, **k):

@@ -236,7 +236,7 @@ def test_the_quick_read_path_still_refuses_links_and_bad_keys(tmp_path):
 
 
 def test_reads_from_memory_use_no_more_threads_than_cpus(monkeypatch):
-    monkeypatch.setattr(read_exec, "_usable_cpus", lambda: 2)
+    monkeypatch.setattr(read_exec, "usable_cpus", lambda: 2)
     monkeypatch.setattr(read_exec, "IN_MEMORY_CHUNK", 4096)
     real_coalesce = read_exec.coalesce
     monkeypatch.setattr(read_exec, "coalesce", lambda parts, **k: real_coalesce(parts, **k, below=0))  # 1 per tensor

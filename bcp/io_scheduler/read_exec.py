@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import os
 import threading
@@ -76,12 +75,10 @@ def _read(
             else:
                 read(frag.byte_offset + start, view)
     except (ObjectNotFoundError, EOFError) as e:
-        raise _read_error(name, frag, start, e) from e
+        raise read_error(name, frag, start, e) from e
 
 
-def _read_error(
-    name: FileName, frag: Fragment, start: int, e: ObjectNotFoundError | EOFError
-) -> CorruptCheckpointError:
+def read_error(name: FileName, frag: Fragment, start: int, e: ObjectNotFoundError | EOFError) -> CorruptCheckpointError:
     """The error naming the tensor, file and offset of a read of ``frag`` from ``start`` that failed with ``e``."""
     if isinstance(e, ObjectNotFoundError):
         return _missing(name, frag, start)
@@ -240,11 +237,11 @@ def _fetch(backend: Backend, request: _Request, name: FileName, block: int | Non
                 try:
                     read(frag.byte_offset, target)
                 except (ObjectNotFoundError, EOFError) as e:
-                    raise _read_error(name, frag, 0, e) from e
+                    raise read_error(name, frag, 0, e) from e
                 if crc32c_c(target) != frag.checksums[0]:
-                    _name_block(name, frag, 0, target, block, range(1))
+                    name_block(name, frag, 0, target, block, range(1))
         return
-    scratch = _scratch(request.nbytes, request.offset)
+    scratch = scratch_memory(request.nbytes, request.offset)
     try:
         with trace.span("fetch", request.nbytes):
             backend.read_exact(request.file, request.offset, scratch)
@@ -262,7 +259,7 @@ def _fetch(backend: Backend, request: _Request, name: FileName, block: int | Non
 PAGE = 4096
 
 
-def _scratch(nbytes: int, offset: int) -> memoryview:
+def scratch_memory(nbytes: int, offset: int) -> memoryview:
     """Scratch memory for a coalesced request of ``nbytes`` from file ``offset``, whose
     address agrees with ``offset`` modulo the page size: a storage read of it can then
     go O_DIRECT straight into it (an unaligned buffer is read through a bounce buffer,
@@ -336,12 +333,12 @@ def _read_pieces(
             piece, at = target[pos:end], start + pos
             read(frag.byte_offset + at, piece)
             if stop > first and crc32c_c(piece[first * block - at : stop * block - at]) != want:
-                _name_block(name, frag, at, piece, block, range(first, stop))
+                name_block(name, frag, at, piece, block, range(first, stop))
             tail = short and end + start == frag.nbytes and stop * block < frag.nbytes  # holds the short block
             if tail and crc32c_c(piece[stop * block - at :]) != sums[stop]:
-                _name_block(name, frag, at, piece, block, range(stop, stop + 1))
+                name_block(name, frag, at, piece, block, range(stop, stop + 1))
     except (ObjectNotFoundError, EOFError) as e:
-        raise _read_error(name, frag, start + pos, e) from e
+        raise read_error(name, frag, start + pos, e) from e
 
 
 def _whole_blocks(frag: Fragment, start: int, nbytes: int, block: int) -> range:
@@ -360,7 +357,7 @@ def _check_blocks(name: FileName, frag: Fragment, start: int, view: memoryview, 
     if not start and n == frag.nbytes and 0 < n <= block and not trace.enabled():
         # a whole fragment of one block (a small tensor): one CRC, no ranges
         if crc32c_c(view) != frag.checksums[0]:
-            _name_block(name, frag, start, view, block, range(1))
+            name_block(name, frag, start, view, block, range(1))
         return
     blocks = _whole_blocks(frag, start, n, block)
     if not blocks:
@@ -384,15 +381,15 @@ def _check_whole_blocks(
         hi = stop * block - start
         tail = view[hi : frag.nbytes - start]
         if crc32c_c(tail) != frag.checksums[stop]:
-            _name_block(name, frag, start, view, block, range(stop, stop + 1))
+            name_block(name, frag, start, view, block, range(stop, stop + 1))
     if stop <= blocks.start:
         return
     sums = frag.checksums[blocks.start : stop]
     if crc32c_c(view[lo:hi]) != combine_blocks(sums, block):
-        _name_block(name, frag, start, view, block, range(blocks.start, stop))
+        name_block(name, frag, start, view, block, range(blocks.start, stop))
 
 
-def _name_block(name: FileName, frag: Fragment, start: int, view: memoryview, block: int, blocks: range) -> None:
+def name_block(name: FileName, frag: Fragment, start: int, view: memoryview, block: int, blocks: range) -> None:
     """Check ``blocks`` one by one and raise for the first that does not match."""
     for b in blocks:
         b_lo = b * block
@@ -487,7 +484,7 @@ def execute_reads(
     limit = max(COALESCE_BELOW, min(COALESCE_BYTES, COALESCE_BUDGET // max(streams, 1)))
     requests = coalesce(parts, limit=limit)
     if streams > 1 and len(requests) > 1:
-        cpus = _usable_cpus()
+        cpus = usable_cpus()
         largest = max(requests, key=lambda r: r.nbytes)
         if streams > cpus and backend.in_memory(largest.file, largest.offset, largest.nbytes):
             streams = cpus  # copies from memory are CPU work: more threads than cores only thrash the caches
@@ -552,7 +549,7 @@ def execute_reads(
     return stats
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
     """CPUs this process may run on."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -599,200 +596,3 @@ def _verify_fragment(
         if crc != frag.checksums[b]:
             raise _mismatch(describe_file(backend), frag, b, b_start, b_end, crc)
     return extra
-
-
-class WholeRead(NamedTuple):
-    """A whole stored fragment (one writer saved the tensor whole) read into a
-    destination of exactly its bytes: the common load, planned without a RunSet or a
-    Fragment (one is built only to name an error)."""
-
-    fqn: str
-    file: str
-    offset: int
-    nbytes: int
-    #: where the fragment's block checksums start in the flat checksum column
-    sum_start: int
-    target: memoryview
-
-
-def execute_whole_reads(
-    backend: Backend,
-    reads: list[WholeRead],
-    sums: np.ndarray,
-    fragment: Callable[[str], Fragment],
-    *,
-    block_bytes: int,
-    verify: bool = True,
-    streams: int | None = None,
-) -> ReadStats:
-    """Carry out ``reads`` in bulk (``sums``: the flat block checksum column their
-    ``sum_start`` index; ``fragment(fqn)``: the stored row, built only to name an
-    error): sorted by file and offset, those that follow each other in a file (across
-    less than :data:`MAX_PADDING` bytes) grouped into batches; a batch found in memory
-    is read tensor by tensor in place through one open file, a batch from storage in
-    one request into scratch memory, copied into place. Every destination's blocks are
-    checked as soon as it has landed: one CRC32C call over its whole blocks against
-    their checksums combined (for every read in one vectorised pass beforehand), one
-    for a short last block; block by block only on a mismatch, to name the block."""
-    stats = ReadStats()
-    if not reads:
-        return stats
-    block = block_bytes
-    full = [r.nbytes // block for r in reads]
-    expected: list[int] = [0] * len(reads)
-    tails: list[int] = [0] * len(reads)
-    if verify:
-        starts = np.fromiter((r.sum_start for r in reads), np.int64, len(reads))
-        whole = np.array(full, np.int64)
-        firsts = sums[starts].tolist()
-        has_tail = [r.nbytes % block != 0 for r in reads]
-        tail_at = starts + whole
-        tails = sums[np.where(has_tail, tail_at, starts)].tolist()
-        expected = firsts
-        small = -(-IN_MEMORY_CHUNK // block) * block  # larger ones from memory are checked piece by piece
-        multi = [i for i, f in enumerate(full) if f > 1 and reads[i].nbytes <= small]
-        if multi:
-            runs = [(reads[i].sum_start, reads[i].sum_start + full[i]) for i in multi]
-            for i, value in zip(multi, combine_block_runs(sums, block, runs), strict=True):
-                expected[i] = value
-    order = sorted(range(len(reads)), key=lambda i: (reads[i].file, reads[i].offset))
-    total = sum(r.nbytes for r in reads)
-    streams = streams or backend.hints.concurrency
-    limit = max(COALESCE_BELOW, min(COALESCE_BYTES, COALESCE_BUDGET // max(streams, 1)))
-    batches: list[list[int]] = []
-    end, file = -1, ""
-    size = 0
-    for i in order:
-        r = reads[i]
-        gap = r.offset - end
-        if batches and r.file == file and 0 <= gap < MAX_PADDING and size + gap + r.nbytes <= limit:
-            batches[-1].append(i)
-            size += gap + r.nbytes
-        else:
-            batches.append([i])
-            file, size = r.file, r.nbytes
-        end = r.offset + r.nbytes
-    name = describe_file(backend)
-    check = verify
-    chunk = -(-IN_MEMORY_CHUNK // block) * block
-
-    def verify_one(i: int) -> None:
-        if trace.enabled():  # a span per tensor only when traced
-            with trace.span("verify", reads[i].nbytes):
-                check_one(i)
-        else:
-            check_one(i)
-
-    def check_one(i: int) -> None:
-        r = reads[i]
-        target, f = r.target, full[i]
-        whole = f * block
-        if f > 1 and r.nbytes > chunk:  # read whole from storage: its blocks combined now
-            expected[i] = combine_blocks(sums[r.sum_start : r.sum_start + f], block)
-        ok = not f or crc32c_c(target[:whole]) == expected[i]
-        if ok and whole < r.nbytes:
-            ok = crc32c_c(target[whole:]) == tails[i]
-        if not ok:
-            frag = fragment(r.fqn)
-            _name_block(name, frag, 0, target, block, range(len(frag.checksums)))
-
-    def read_in_pieces(i: int, read: _ReadFn) -> None:
-        """A read from memory larger than :data:`IN_MEMORY_CHUNK`, in pieces of about
-        that size, each piece's whole blocks checked while still in the CPU cache."""
-        r = reads[i]
-        n, f = r.nbytes, full[i]
-        cuts = [*range(0, n, chunk), n]
-        pieces = list(itertools.pairwise(cuts))
-        runs = [(r.sum_start + a // block, r.sum_start + min(b, f * block) // block) for a, b in pieces]
-        for (a, b), (s0, s1), want in zip(pieces, runs, combine_block_runs(sums, block, runs), strict=True):
-            piece = r.target[a:b]
-            try:
-                read(r.offset + a, piece)
-            except (ObjectNotFoundError, EOFError) as e:
-                raise _read_error(name, fragment(r.fqn), a, e) from e
-            ok = s1 <= s0 or crc32c_c(piece[: (s1 - s0) * block]) == want
-            if ok and b == n and f * block < n:
-                ok = crc32c_c(r.target[f * block :]) == tails[i]
-            if not ok:
-                _name_block(name, fragment(r.fqn), 0, r.target, block, range(a // block, -(-b // block)))
-
-    def span_of(batch: list[int]) -> int:
-        return reads[batch[-1]].offset + reads[batch[-1]].nbytes - reads[batch[0]].offset
-
-    def run_batch(batch: list[int], resident: bool) -> tuple[int, int]:
-        """(requests, padding bytes) of one batch (``resident``: found in memory)."""
-        first = reads[batch[0]]
-        span = span_of(batch)
-        if len(batch) == 1 or resident:
-            at = first
-            try:
-                with backend.reading(first.file) as read, trace.span("fetch", span):
-                    for i in batch:
-                        at = reads[i]
-                        if check and resident and at.nbytes > chunk:
-                            read_in_pieces(i, read)
-                            continue
-                        read(at.offset, at.target)
-                        if check:
-                            verify_one(i)
-            except (ObjectNotFoundError, EOFError) as e:
-                raise _read_error(name, fragment(at.fqn), 0, e) from e
-            return len(batch), 0
-        scratch = _scratch(span, first.offset)
-        try:
-            with trace.span("fetch", span):
-                backend.read_exact(first.file, first.offset, scratch)
-        except (ObjectNotFoundError, EOFError):
-            for i in batch:  # one by one, so the error names the tensor truly missing
-                run_batch([i], False)
-            return len(batch), 0
-        for i in batch:
-            r = reads[i]
-            at_ = r.offset - first.offset
-            r.target[:] = scratch[at_ : at_ + r.nbytes]
-            if check:
-                verify_one(i)
-        return 1, span - sum(reads[i].nbytes for i in batch)
-
-    # one probe per batch: a batch in memory is read tensor by tensor, so it is cut
-    # into pieces enough to share out among the streams; one from storage stays whole
-    tasks: list[tuple[list[int], bool]] = []
-    resident_bytes = 0
-    for batch in batches:
-        first = reads[batch[0]]
-        resident = backend.in_memory(first.file, first.offset, span_of(batch))
-        tasks.append((batch, resident))
-        resident_bytes += span_of(batch) if resident else 0
-    if resident_bytes:
-        piece = max(IN_MEMORY_CHUNK, resident_bytes // max(4 * streams, 1))
-        cut: list[tuple[list[int], bool]] = []
-        for batch, resident in tasks:
-            if not resident:
-                cut.append((batch, resident))
-                continue
-            start, size = 0, 0
-            for k, i in enumerate(batch):
-                size += reads[i].nbytes
-                if size >= piece or k == len(batch) - 1:
-                    cut.append((batch[start : k + 1], True))
-                    start, size = k + 1, 0
-        tasks = cut
-        if streams > _usable_cpus() and resident_bytes * 2 >= total:
-            streams = _usable_cpus()  # copies from memory are CPU work
-    if streams <= 1 or len(tasks) <= 1:
-        done = [run_batch(b, r) for b, r in tasks]
-    else:
-        errors: list[BaseException] = []
-        done = []
-        with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="bcp-reader") as pool:
-            for future in [pool.submit(run_batch, b, r) for b, r in tasks]:
-                try:
-                    done.append(future.result())
-                except BaseException as e:  # noqa: BLE001 - first error wins, after all reads stop
-                    errors.append(e)
-        if errors:
-            raise errors[0]
-    stats.requests = sum(n for n, _p in done)
-    stats.padding_bytes = sum(p for _n, p in done)
-    stats.bytes_read = total
-    return stats
