@@ -340,10 +340,9 @@ def match_state(
     #: a template holding DTensors (at any world size, one included): an optimizer's
     #: empty ``state`` must not be filled with plain full-size tensors beside them
     guard = any(is_dtensor(leaf.value) for leaf in leaves)
-    # every stored tensor's entry built together (one gather, one vectorised tiling
-    # check), not one at a time below: 0.1 ms a tensor less at 10,000 tensors
-    tensors = reader.catalog.tensors
-    reader.catalog.entries([leaf.fqn for leaf in leaves if leaf.is_tensor and leaf.fqn in tensors])
+    # no stored tensor's entry is built here (only its shape and dtype are read): the
+    # read builds those it plans, together (Catalog.entries), and none for the tensors
+    # stored whole in one row (Catalog.whole_rows)
     for leaf in leaves:
         if leaf.is_tensor:
             _match_tensor(reader, leaf, plan)
@@ -414,8 +413,8 @@ def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan) -> None:
     """A tensor-like leaf: the boxes this rank holds, if shape and kind match. A plain
     tensor asks for the whole tensor on this rank, whatever layout saved it."""
     fqn = leaf.fqn
-    entry = reader.catalog.tensors.get(fqn)
-    if entry is None:
+    stored = reader.catalog.shape_and_dtype(fqn)
+    if stored is None:
         if fqn in reader.manifest.objects:
             plan.consumed.add(fqn)
             plan.kind_mismatch.append((fqn, "a tensor", "an object"))
@@ -430,12 +429,13 @@ def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan) -> None:
     else:
         shape, dtype, pieces, _replicated = local_pieces(value, fqn)
         requests = [TensorRequest(fqn, p.box, p.tensor) for p in pieces]
-    if tuple(shape) != entry.global_shape:
-        plan.shape_mismatch.append((fqn, tuple(shape), entry.global_shape))
+    stored_shape, stored_dtype = stored
+    if tuple(shape) != stored_shape:
+        plan.shape_mismatch.append((fqn, tuple(shape), stored_shape))
         return
     name = dtype_name(dtype, fqn=fqn)
-    if name != entry.dtype:
-        plan.dtype_mismatch.append((fqn, name, entry.dtype))
+    if name != stored_dtype:
+        plan.dtype_mismatch.append((fqn, name, stored_dtype))
     plan.tensor_requests += requests
 
 

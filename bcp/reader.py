@@ -16,7 +16,7 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -32,6 +32,7 @@ from bcp.io_scheduler.device_load import DeviceFill
 from bcp.io_scheduler.read_exec import ReadStats, execute_reads
 from bcp.io_scheduler.read_plan import RunSet, plan_tensor_reads, touched_rows
 from bcp.io_scheduler.staging import StagingPool, default_pool
+from bcp.io_scheduler.whole_reads import execute_whole_reads, split_whole
 from bcp.metadata import Catalog, FormatError, Fragment, Manifest, ObjectEntry, TensorEntry, crc32c
 from bcp.metadata.catalog.sections import TRAILER, is_v2
 from bcp.metadata.geometry import Box, check_box_inside, intersect
@@ -191,17 +192,18 @@ class CheckpointReader:
         self.check_sizes([(fqn, box)])
         return torch.empty(tuple(box[1]), dtype=torch_dtype(entry.dtype, fqn=fqn))
 
-    def check_sizes(self, requests: list[tuple[str, Box]], *, prefer_rank: int = 0) -> None:
+    def check_sizes(self, requests: list[tuple[str, Box]], *, prefer_rank: int = 0, files: Iterable[str] = ()) -> None:
         """Check, once per file and before anything is allocated for it, that every data
         file that reading ``requests`` ((fqn, box) pairs) touches holds in storage the
         size the manifest declares (the catalog was checked against the manifest when
         it was decoded, so every planned byte then lies inside a file that exists).
-        A sparse file counts with its apparent size: storage reports no other."""
+        A sparse file counts with its apparent size: storage reports no other. ``files``:
+        data files to check as well (those of the tensors read in bulk)."""
         declared = {f.path: f.nbytes for f in self.manifest.data_files}
         if len(self._sizes_checked) == len(declared):
             return  # every file checked already (the usual case after the first tensor)
         self.catalog.require(requests)  # a catalog read in part fetches the rows these boxes need
-        files: set[str] = set()
+        files = {f for f in files if f not in self._sizes_checked}
         by_tensor: dict[str, list[Box]] = {}
         for fqn, box in requests:
             by_tensor.setdefault(fqn, []).append(box)
@@ -297,6 +299,8 @@ class CheckpointReader:
         destinations are filled through slabs of ``pool`` (default: the process-wide
         pool; see ``bcp.io_scheduler.device_load``); the call returns once every byte has landed."""
         in_memory = in_memory or {}
+        block = self.manifest.checksum_block_bytes  # tensors stored whole, read in bulk; the rest planned
+        whole, sums, requests = split_whole(self.catalog, block, requests, in_memory)
         entries = self._entries([fqn for fqn, _box, _dest in requests])
         check_box = check_box_inside
         for (fqn, box, dest), entry in zip(requests, entries, strict=True):  # everything checked before any allocation
@@ -309,7 +313,7 @@ class CheckpointReader:
         if not self.catalog.is_whole:
             self.catalog.require(wanted)  # a catalog read in part fetches the rows these boxes need
             entries = [self._tensor_entry(fqn) for fqn, _box in wanted]  # with the rows read just now
-        self.check_sizes(wanted, prefer_rank=prefer_rank)
+        self.check_sizes(wanted, prefer_rank=prefer_rank, files={read.file for read in whole})
         devices = sorted({dest.device for _f, _b, dest in requests if is_device_tensor(dest)}, key=str)
         device_fill: DeviceFill | None = None
         if devices:
@@ -359,6 +363,8 @@ class CheckpointReader:
         stats = execute_reads(
             self.backend, plans, views, block_bytes=self.manifest.checksum_block_bytes, verify=self.verify
         )
+        first_row = lambda fqn: self._tensor_entry(fqn).fragment(0)  # noqa: E731 - names a whole read in an error
+        stats.add(execute_whole_reads(self.backend, whole, sums, first_row, block_bytes=block, verify=self.verify))
         for dest, landing in copies:
             copy_values(dest, landing)
         if device_fill is not None:

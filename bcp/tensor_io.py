@@ -66,6 +66,36 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat_bytes(t).numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
 
 
+#: dtypes numpy holds: their tensors' bytes are viewed through ``Tensor.numpy()`` alone
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
+)
+
+
+def dense_byte_view(t: torch.Tensor) -> memoryview:
+    """:func:`byte_view` of a contiguous CPU tensor that is neither conjugated nor
+    negated lazily, in half its time where numpy holds the dtype (no ``as_strided``
+    and uint8 view first: a load of 10,000 small tensors takes one view of each)."""
+    if t.dtype in _NUMPY_DTYPES:
+        try:
+            return memoryview(t.detach().numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
+        except (TypeError, ValueError, RuntimeError):  # numpy disagrees that it is contiguous: the general view
+            pass
+    return byte_view(t)
+
+
 def storage_identity(t: torch.Tensor) -> tuple:
     """Equal for two tensors that are the same view of the same memory (tied weights);
     a lazily conjugated or negated view of it has other values and is not the same."""

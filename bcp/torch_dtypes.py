@@ -29,3 +29,8 @@ def torch_dtype(name: str, *, fqn: str = "?") -> torch.dtype:
         return _BY_NAME[name]
     except KeyError:
         raise FormatError(f"tensor {fqn!r} has dtype {name!r}, which this torch ({torch.__version__}) lacks") from None
+
+
+def torch_dtype_or_none(name: str) -> torch.dtype | None:
+    """:func:`torch_dtype`, None for a name this torch lacks (the caller's general path reports it)."""
+    return _BY_NAME.get(name)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import bcp
 from bcp.backends import backend_for
 from bcp.errors import CorruptCheckpointError
-from bcp.io_scheduler import read_exec
+from bcp.io_scheduler import read_exec, whole_reads
 from bcp.metadata import checksum
 from test_memory_reads import Resident, corrupt, with_streams
 
@@ -106,9 +106,12 @@ def test_a_part_read_from_memory_costs_no_wrapper_and_one_combine_per_part(monke
     monkeypatch.setattr(read_exec, "IN_MEMORY_CHUNK", 4096)
     with_streams(monkeypatch, 1)
     calls: list[str] = []
-    for fn in ("_read", "_check_blocks", "combine_blocks", "combine_block_runs"):
-        real = getattr(read_exec, fn)
-        monkeypatch.setattr(read_exec, fn, lambda *a, real=real, fn=fn, **k: calls.append(fn) or real(*a, **k))
+    for module, fn in [(m, f) for m in (read_exec, whole_reads) for f in ("combine_blocks", "combine_block_runs")] + [
+        (read_exec, "_read"),
+        (read_exec, "_check_blocks"),
+    ]:  # a whole tensor goes through the bulk path (whole_reads), which reads in pieces the same way
+        real = getattr(module, fn)
+        monkeypatch.setattr(module, fn, lambda *a, real=real, fn=fn, **k: calls.append(fn) or real(*a, **k))
     t = torch.randn(64, 256)
     uri = _save(t, 1024)
     backend = Resident(backend_for(uri))

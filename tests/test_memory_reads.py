@@ -236,10 +236,11 @@ def test_the_quick_read_path_still_refuses_links_and_bad_keys(tmp_path):
 
 
 def test_reads_from_memory_use_no_more_threads_than_cpus(monkeypatch):
-    monkeypatch.setattr(read_exec, "_usable_cpus", lambda: 2)
+    monkeypatch.setattr(read_exec, "usable_cpus", lambda: 2)
     monkeypatch.setattr(read_exec, "IN_MEMORY_CHUNK", 4096)
     real_coalesce = read_exec.coalesce
     monkeypatch.setattr(read_exec, "coalesce", lambda parts, **k: real_coalesce(parts, **k, below=0))  # 1 per tensor
+    monkeypatch.setattr(read_exec, "MAX_PADDING", 0)  # and the bulk path (execute_whole_reads) batches none
     with_streams(monkeypatch, 6)
     g = torch.Generator().manual_seed(12)
     state = {f"t{i}": torch.randn(4096, generator=g) for i in range(12)}

@@ -75,12 +75,10 @@ def _read(
             else:
                 read(frag.byte_offset + start, view)
     except (ObjectNotFoundError, EOFError) as e:
-        raise _read_error(name, frag, start, e) from e
+        raise read_error(name, frag, start, e) from e
 
 
-def _read_error(
-    name: FileName, frag: Fragment, start: int, e: ObjectNotFoundError | EOFError
-) -> CorruptCheckpointError:
+def read_error(name: FileName, frag: Fragment, start: int, e: ObjectNotFoundError | EOFError) -> CorruptCheckpointError:
     """The error naming the tensor, file and offset of a read of ``frag`` from ``start`` that failed with ``e``."""
     if isinstance(e, ObjectNotFoundError):
         return _missing(name, frag, start)
@@ -239,11 +237,11 @@ def _fetch(backend: Backend, request: _Request, name: FileName, block: int | Non
                 try:
                     read(frag.byte_offset, target)
                 except (ObjectNotFoundError, EOFError) as e:
-                    raise _read_error(name, frag, 0, e) from e
+                    raise read_error(name, frag, 0, e) from e
                 if crc32c_c(target) != frag.checksums[0]:
-                    _name_block(name, frag, 0, target, block, range(1))
+                    name_block(name, frag, 0, target, block, range(1))
         return
-    scratch = _scratch(request.nbytes, request.offset)
+    scratch = scratch_memory(request.nbytes, request.offset)
     try:
         with trace.span("fetch", request.nbytes):
             backend.read_exact(request.file, request.offset, scratch)
@@ -261,7 +259,7 @@ def _fetch(backend: Backend, request: _Request, name: FileName, block: int | Non
 PAGE = 4096
 
 
-def _scratch(nbytes: int, offset: int) -> memoryview:
+def scratch_memory(nbytes: int, offset: int) -> memoryview:
     """Scratch memory for a coalesced request of ``nbytes`` from file ``offset``, whose
     address agrees with ``offset`` modulo the page size: a storage read of it can then
     go O_DIRECT straight into it (an unaligned buffer is read through a bounce buffer,
@@ -335,12 +333,12 @@ def _read_pieces(
             piece, at = target[pos:end], start + pos
             read(frag.byte_offset + at, piece)
             if stop > first and crc32c_c(piece[first * block - at : stop * block - at]) != want:
-                _name_block(name, frag, at, piece, block, range(first, stop))
+                name_block(name, frag, at, piece, block, range(first, stop))
             tail = short and end + start == frag.nbytes and stop * block < frag.nbytes  # holds the short block
             if tail and crc32c_c(piece[stop * block - at :]) != sums[stop]:
-                _name_block(name, frag, at, piece, block, range(stop, stop + 1))
+                name_block(name, frag, at, piece, block, range(stop, stop + 1))
     except (ObjectNotFoundError, EOFError) as e:
-        raise _read_error(name, frag, start + pos, e) from e
+        raise read_error(name, frag, start + pos, e) from e
 
 
 def _whole_blocks(frag: Fragment, start: int, nbytes: int, block: int) -> range:
@@ -359,7 +357,7 @@ def _check_blocks(name: FileName, frag: Fragment, start: int, view: memoryview, 
     if not start and n == frag.nbytes and 0 < n <= block and not trace.enabled():
         # a whole fragment of one block (a small tensor): one CRC, no ranges
         if crc32c_c(view) != frag.checksums[0]:
-            _name_block(name, frag, start, view, block, range(1))
+            name_block(name, frag, start, view, block, range(1))
         return
     blocks = _whole_blocks(frag, start, n, block)
     if not blocks:
@@ -383,15 +381,15 @@ def _check_whole_blocks(
         hi = stop * block - start
         tail = view[hi : frag.nbytes - start]
         if crc32c_c(tail) != frag.checksums[stop]:
-            _name_block(name, frag, start, view, block, range(stop, stop + 1))
+            name_block(name, frag, start, view, block, range(stop, stop + 1))
     if stop <= blocks.start:
         return
     sums = frag.checksums[blocks.start : stop]
     if crc32c_c(view[lo:hi]) != combine_blocks(sums, block):
-        _name_block(name, frag, start, view, block, range(blocks.start, stop))
+        name_block(name, frag, start, view, block, range(blocks.start, stop))
 
 
-def _name_block(name: FileName, frag: Fragment, start: int, view: memoryview, block: int, blocks: range) -> None:
+def name_block(name: FileName, frag: Fragment, start: int, view: memoryview, block: int, blocks: range) -> None:
     """Check ``blocks`` one by one and raise for the first that does not match."""
     for b in blocks:
         b_lo = b * block
@@ -486,7 +484,7 @@ def execute_reads(
     limit = max(COALESCE_BELOW, min(COALESCE_BYTES, COALESCE_BUDGET // max(streams, 1)))
     requests = coalesce(parts, limit=limit)
     if streams > 1 and len(requests) > 1:
-        cpus = _usable_cpus()
+        cpus = usable_cpus()
         largest = max(requests, key=lambda r: r.nbytes)
         if streams > cpus and backend.in_memory(largest.file, largest.offset, largest.nbytes):
             streams = cpus  # copies from memory are CPU work: more threads than cores only thrash the caches
@@ -551,7 +549,7 @@ def execute_reads(
     return stats
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
     """CPUs this process may run on."""
     try:
         return max(1, len(os.sched_getaffinity(0)))

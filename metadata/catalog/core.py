@@ -11,7 +11,8 @@ handing out TensorEntry objects checked for exact tiling (:mod:`bcp.metadata.geo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,27 @@ from bcp.metadata.rows import Fragment, Rows, TensorBoxes, TensorEntry
 
 #: bytes of a v2 catalog's fixed trailer (sections.TRAILER.size)
 TRAILER_BYTES = TRAILER.size
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeRows:
+    """:meth:`Catalog.whole_rows`: for each asked name, as lists (one item per name)."""
+
+    #: the tensor's one stored row when that row holds the whole tensor (and every row
+    #: of the tensor is held); -1 otherwise (a name not stored, several rows, a part)
+    rows: list[int]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[str]
+    #: the row's data file, a code into ``file_names``; its first byte there; its bytes
+    files: list[int]
+    byte_offsets: list[int]
+    nbytes: list[int]
+    #: where the row's block checksums start and stop in ``sums``
+    sum_starts: list[int]
+    sum_stops: list[int]
+    #: the catalog's flat block checksum column (uint32, read-only)
+    sums: np.ndarray
+    file_names: tuple[str, ...]
 
 
 class Catalog:
@@ -178,6 +200,65 @@ class Catalog:
         if self._given is None and len(todo) > 1:
             self._build_entries(todo)
         return [self._entry(t) for t in codes]
+
+    def whole_rows(self, fqns: Sequence[str]) -> WholeRows:
+        """Which of ``fqns`` are stored as one row holding the whole tensor (a single
+        writer's save, the usual load), with that row's columns, found in a few numpy
+        passes over the rows, with no TensorEntry built: a load of 10,000 small tensors
+        reads them without an object per tensor. Such a row tiles its tensor exactly
+        (the check :meth:`entries` makes); every other name gets -1 and goes through the
+        entries. A catalog built from Fragment objects answers -1 for every name."""
+        tensors, rows = self._table_of_tensors, self._rows
+        n = len(fqns)
+        index = tensors.index
+        codes = np.fromiter((index.get(f, -1) for f in fqns), np.int64, n)
+        code = np.maximum(codes, 0)
+        ok = codes >= 0
+        if self._given is not None or not len(rows) or not len(tensors):
+            ok[:] = False
+        if ok.any():
+            lo = self._starts[code]
+            ok &= self._starts[code + 1] - lo == 1
+            row = self._order[np.minimum(lo, len(self._order) - 1)].astype(np.int64)
+            arrays = tensors.arrays
+            nd = arrays.ndim[code]
+            cs = rows.coord_starts
+            ok &= cs[row + 1] - cs[row] == nd
+            # every offset 0 and every length the shape's: one pass over all coordinates
+            width = np.where(ok, nd, 0)
+            seg = np.repeat(np.arange(n), width)
+            pos = np.arange(len(seg)) - np.repeat(np.cumsum(width) - width, width)
+            at, dim = cs[row][seg] + pos, arrays.starts[code][seg] + pos
+            bad = (rows.offsets[at] != 0) | (rows.lengths[at] != arrays.shape[dim])
+            ok &= np.bincount(seg[bad], minlength=n) == 0
+            if not self.is_whole:
+                ok &= np.fromiter((self._complete(int(t)) for t in code), bool, n)
+        else:
+            row = np.zeros(n, np.int64)
+        row = np.where(ok, row, -1)
+        r = np.maximum(row, 0)
+        names = tensors.names
+        shapes, dtypes = tensors.shapes, tensors.dtypes
+        code_list = code.tolist()
+        return WholeRows(
+            rows=row.tolist(),
+            shapes=[shapes[t] for t in code_list] if len(names) else [()] * n,
+            dtypes=[dtypes[t] for t in code_list] if len(names) else [""] * n,
+            files=rows.file[r].tolist() if len(rows) else [0] * n,
+            byte_offsets=rows.byte_offset[r].tolist() if len(rows) else [0] * n,
+            nbytes=rows.nbytes[r].tolist() if len(rows) else [0] * n,
+            sum_starts=rows.sum_starts[r].tolist() if len(rows) else [0] * n,
+            sum_stops=rows.sum_starts[r + 1].tolist() if len(rows) else [0] * n,
+            sums=rows.sums,
+            file_names=self._file_names_tuple(),
+        )
+
+    def shape_and_dtype(self, fqn: str) -> tuple[tuple[int, ...], str] | None:
+        """The global shape and dtype name of ``fqn``, None if not held, without building
+        its entry (a load matching 10,000 tensors needs only these)."""
+        tensors = self._table_of_tensors
+        t = tensors.index.get(fqn)
+        return None if t is None else (tensors.shapes[t], tensors.dtypes[t])
 
     def shape(self, fqn: str) -> tuple[int, ...]:
         """The global shape of ``fqn`` (KeyError if not held) without building its entry."""

@@ -1,0 +1,289 @@
+"""The bulk read of a load's tensors stored whole (issue 37, per-tensor costs).
+
+A load of 10,000 small tensors spent most of its time on objects made per tensor:
+a Fragment, a RunSet, runs and parts, a request each, and the grouping of all of them
+(read_exec.execute_reads). Here a tensor stored whole in one row and wanted whole is
+one :class:`WholeRead` tuple: the reads are sorted by file and offset, batched where
+they follow each other in a file, and each destination's blocks are verified with one
+CRC32C call as it lands, against expected values combined for every read in one
+vectorised pass. Guarantees are read_exec's: every byte verified before the call
+returns, errors naming the tensor, file and offset (the Fragment is built only then).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from bcp import trace
+from bcp.backends import Backend, ObjectNotFoundError
+from bcp.io_scheduler import read_exec
+from bcp.io_scheduler.read_exec import (
+    COALESCE_BELOW,
+    COALESCE_BUDGET,
+    COALESCE_BYTES,
+    ReadStats,
+)
+from bcp.metadata import Catalog, Fragment
+from bcp.metadata.checksum import combine_block_runs, combine_blocks, crc32c_c
+from bcp.metadata.geometry import Box
+from bcp.references import describe_file
+from bcp.tensor_io import dense_byte_view
+from bcp.torch_dtypes import torch_dtype_or_none
+
+
+class WholeRead(NamedTuple):
+    """A whole stored fragment (one writer saved the tensor whole) read into a
+    destination of exactly its bytes: the common load, planned without a RunSet or a
+    Fragment (one is built only to name an error)."""
+
+    fqn: str
+    file: str
+    offset: int
+    nbytes: int
+    #: where the fragment's block checksums start in the flat checksum column
+    sum_start: int
+    target: memoryview
+
+
+def split_whole(
+    catalog: Catalog,
+    block: int,
+    requests: list[tuple[str, Box, torch.Tensor]],
+    in_memory: dict[tuple[str, Box], torch.Tensor],
+) -> tuple[list[WholeRead], np.ndarray, list[tuple[str, Box, torch.Tensor]]]:
+    """Split off the requests the bulk path reads (:func:`execute_whole_reads`): the
+    whole tensor wanted, stored whole in one row (:meth:`Catalog.whole_rows`), of at
+    less than :data:`~.read_exec.COALESCE_BELOW` bytes, into a dense CPU tensor of its dtype, none
+    of it at hand already; the rest is planned as before. Everything here is the
+    checks fill makes, for the case where they all pass (any doubt: the rest).
+    Also the checksum column the reads' ``sum_start`` index."""
+    if not requests:
+        return [], np.zeros(0, np.uint32), requests
+    if not catalog.is_whole:  # a catalog read in part: rows come with the boxes
+        catalog.require([(fqn, box) for fqn, box, _dest in requests])
+    info = catalog.whole_rows([fqn for fqn, _box, _dest in requests])
+    held = {fqn for fqn, _box in in_memory}
+    names = info.file_names
+    dtypes: dict[str, torch.dtype | None] = {}
+    largest = read_exec.COALESCE_BELOW - 1  # as the planned path coalesces: read at run time (tests change it)
+    whole: list[WholeRead] = []
+    rest: list[tuple[str, Box, torch.Tensor]] = []
+    for i, request in enumerate(requests):
+        fqn, box, dest = request
+        row, nbytes = info.rows[i], info.nbytes[i]
+        if row < 0 or not 0 < nbytes <= largest or fqn in held:
+            rest.append(request)
+            continue
+        name = info.dtypes[i]
+        dtype = dtypes.get(name, False)
+        if dtype is False:
+            dtype = dtypes[name] = torch_dtype_or_none(name)
+        d_off, d_len = box
+        if (
+            dtype is None
+            or dest.dtype != dtype
+            or not dest.is_cpu
+            or tuple(d_len) != info.shapes[i]
+            or any(d_off)
+            or not dest.is_contiguous()
+            or dest.is_conj()
+            or dest.is_neg()
+            or info.sum_stops[i] - info.sum_starts[i] != -(-nbytes // block)
+        ):
+            rest.append(request)
+            continue
+        target = dense_byte_view(dest)
+        if len(target) != nbytes:  # a catalog row's size is checked where it is planned
+            rest.append(request)
+            continue
+        whole.append(WholeRead(fqn, names[info.files[i]], info.byte_offsets[i], nbytes, info.sum_starts[i], target))
+    return whole, info.sums, rest  # the checksum column the reads index (a later require may replace it)
+
+
+def execute_whole_reads(
+    backend: Backend,
+    reads: list[WholeRead],
+    sums: np.ndarray,
+    fragment: Callable[[str], Fragment],
+    *,
+    block_bytes: int,
+    verify: bool = True,
+    streams: int | None = None,
+) -> ReadStats:
+    """Carry out ``reads`` in bulk (``sums``: the flat block checksum column their
+    ``sum_start`` index; ``fragment(fqn)``: the stored row, built only to name an
+    error): sorted by file and offset, those that follow each other in a file (across
+    less than :data:`~.read_exec.MAX_PADDING` bytes) grouped into batches; a batch found in memory
+    is read tensor by tensor in place through one open file, a batch from storage in
+    one request into scratch memory, copied into place. Every destination's blocks are
+    checked as soon as it has landed: one CRC32C call over its whole blocks against
+    their checksums combined (for every read in one vectorised pass beforehand), one
+    for a short last block; block by block only on a mismatch, to name the block."""
+    stats = ReadStats()
+    if not reads:
+        return stats
+    block = block_bytes
+    full = [r.nbytes // block for r in reads]
+    expected: list[int] = [0] * len(reads)
+    tails: list[int] = [0] * len(reads)
+    if verify:
+        starts = np.fromiter((r.sum_start for r in reads), np.int64, len(reads))
+        whole = np.array(full, np.int64)
+        firsts = sums[starts].tolist()
+        has_tail = [r.nbytes % block != 0 for r in reads]
+        tail_at = starts + whole
+        tails = sums[np.where(has_tail, tail_at, starts)].tolist()
+        expected = firsts
+        small = -(-read_exec.IN_MEMORY_CHUNK // block) * block  # larger ones from memory are checked piece by piece
+        multi = [i for i, f in enumerate(full) if f > 1 and reads[i].nbytes <= small]
+        if multi:
+            runs = [(reads[i].sum_start, reads[i].sum_start + full[i]) for i in multi]
+            for i, value in zip(multi, combine_block_runs(sums, block, runs), strict=True):
+                expected[i] = value
+    order = sorted(range(len(reads)), key=lambda i: (reads[i].file, reads[i].offset))
+    total = sum(r.nbytes for r in reads)
+    streams = streams or backend.hints.concurrency
+    limit = max(COALESCE_BELOW, min(COALESCE_BYTES, COALESCE_BUDGET // max(streams, 1)))
+    batches: list[list[int]] = []
+    end, file = -1, ""
+    size = 0
+    for i in order:
+        r = reads[i]
+        gap = r.offset - end
+        if batches and r.file == file and 0 <= gap < read_exec.MAX_PADDING and size + gap + r.nbytes <= limit:
+            batches[-1].append(i)
+            size += gap + r.nbytes
+        else:
+            batches.append([i])
+            file, size = r.file, r.nbytes
+        end = r.offset + r.nbytes
+    name = describe_file(backend)
+    check = verify
+    chunk = -(-read_exec.IN_MEMORY_CHUNK // block) * block
+
+    def verify_one(i: int) -> None:
+        if trace.enabled():  # a span per tensor only when traced
+            with trace.span("verify", reads[i].nbytes):
+                check_one(i)
+        else:
+            check_one(i)
+
+    def check_one(i: int) -> None:
+        r = reads[i]
+        target, f = r.target, full[i]
+        whole = f * block
+        if f > 1 and r.nbytes > chunk:  # read whole from storage: its blocks combined now
+            expected[i] = combine_blocks(sums[r.sum_start : r.sum_start + f], block)
+        ok = not f or crc32c_c(target[:whole]) == expected[i]
+        if ok and whole < r.nbytes:
+            ok = crc32c_c(target[whole:]) == tails[i]
+        if not ok:
+            frag = fragment(r.fqn)
+            read_exec.name_block(name, frag, 0, target, block, range(len(frag.checksums)))
+
+    def read_in_pieces(i: int, read: Callable[[int, memoryview], None]) -> None:
+        """A read from memory larger than :data:`~.read_exec.IN_MEMORY_CHUNK`, in pieces of about
+        that size, each piece's whole blocks checked while still in the CPU cache."""
+        r = reads[i]
+        n, f = r.nbytes, full[i]
+        cuts = [*range(0, n, chunk), n]
+        pieces = list(itertools.pairwise(cuts))
+        runs = [(r.sum_start + a // block, r.sum_start + min(b, f * block) // block) for a, b in pieces]
+        for (a, b), (s0, s1), want in zip(pieces, runs, combine_block_runs(sums, block, runs), strict=True):
+            piece = r.target[a:b]
+            try:
+                read(r.offset + a, piece)
+            except (ObjectNotFoundError, EOFError) as e:
+                raise read_exec.read_error(name, fragment(r.fqn), a, e) from e
+            ok = s1 <= s0 or crc32c_c(piece[: (s1 - s0) * block]) == want
+            if ok and b == n and f * block < n:
+                ok = crc32c_c(r.target[f * block :]) == tails[i]
+            if not ok:
+                read_exec.name_block(name, fragment(r.fqn), 0, r.target, block, range(a // block, -(-b // block)))
+
+    def span_of(batch: list[int]) -> int:
+        return reads[batch[-1]].offset + reads[batch[-1]].nbytes - reads[batch[0]].offset
+
+    def run_batch(batch: list[int], resident: bool) -> tuple[int, int]:
+        """(requests, padding bytes) of one batch (``resident``: found in memory)."""
+        first = reads[batch[0]]
+        span = span_of(batch)
+        if len(batch) == 1 or resident:
+            at = first
+            try:
+                with backend.reading(first.file) as read, trace.span("fetch", span):
+                    for i in batch:
+                        at = reads[i]
+                        if check and resident and at.nbytes > chunk:
+                            read_in_pieces(i, read)
+                            continue
+                        read(at.offset, at.target)
+                        if check:
+                            verify_one(i)
+            except (ObjectNotFoundError, EOFError) as e:
+                raise read_exec.read_error(name, fragment(at.fqn), 0, e) from e
+            return len(batch), 0
+        scratch = read_exec.scratch_memory(span, first.offset)
+        try:
+            with trace.span("fetch", span):
+                backend.read_exact(first.file, first.offset, scratch)
+        except (ObjectNotFoundError, EOFError):
+            for i in batch:  # one by one, so the error names the tensor truly missing
+                run_batch([i], False)
+            return len(batch), 0
+        for i in batch:
+            r = reads[i]
+            at_ = r.offset - first.offset
+            r.target[:] = scratch[at_ : at_ + r.nbytes]
+            if check:
+                verify_one(i)
+        return 1, span - sum(reads[i].nbytes for i in batch)
+
+    # one probe per batch: a batch in memory is read tensor by tensor, so it is cut
+    # into pieces enough to share out among the streams; one from storage stays whole
+    tasks: list[tuple[list[int], bool]] = []
+    resident_bytes = 0
+    for batch in batches:
+        first = reads[batch[0]]
+        resident = backend.in_memory(first.file, first.offset, span_of(batch))
+        tasks.append((batch, resident))
+        resident_bytes += span_of(batch) if resident else 0
+    if resident_bytes:
+        piece = max(read_exec.IN_MEMORY_CHUNK, resident_bytes // max(4 * streams, 1))
+        cut: list[tuple[list[int], bool]] = []
+        for batch, resident in tasks:
+            if not resident:
+                cut.append((batch, resident))
+                continue
+            start, size = 0, 0
+            for k, i in enumerate(batch):
+                size += reads[i].nbytes
+                if size >= piece or k == len(batch) - 1:
+                    cut.append((batch[start : k + 1], True))
+                    start, size = k + 1, 0
+        tasks = cut
+        if streams > read_exec.usable_cpus() and resident_bytes * 2 >= total:
+            streams = read_exec.usable_cpus()  # copies from memory are CPU work
+    if streams <= 1 or len(tasks) <= 1:
+        done = [run_batch(b, r) for b, r in tasks]
+    else:
+        errors: list[BaseException] = []
+        done = []
+        with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="bcp-reader") as pool:
+            for future in [pool.submit(run_batch, b, r) for b, r in tasks]:
+                try:
+                    done.append(future.result())
+                except BaseException as e:  # noqa: BLE001 - first error wins, after all reads stop
+                    errors.append(e)
+        if errors:
+            raise errors[0]
+    stats.requests = sum(n for n, _p in done)
+    stats.padding_bytes = sum(p for _n, p in done)
+    stats.bytes_read = total
+    return stats

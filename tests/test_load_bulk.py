@@ -1,0 +1,219 @@
+"""The bulk load path (issue 37, per-tensor costs): tensors stored whole in one row and
+wanted whole are read without a TensorEntry, Fragment or run object each
+(Catalog.whole_rows, read_exec.execute_whole_reads); every byte still lands and is
+verified, a corrupt byte names its tensor, file and offset, and every other request
+(a part, a cast, a strided destination, a tensor in several rows) takes the planned path."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bcp
+from bcp import reader as reader_module
+from bcp.backends import backend_for
+from bcp.backends.wrappers import FaultInjectingBackend
+from bcp.errors import CorruptCheckpointError
+from bcp.io_scheduler import read_exec, whole_reads
+from bcp.metadata import Catalog, Fragment, crc32c
+from bcp.metadata.rows import TensorEntry
+from helpers import examples
+
+
+class Resident(FaultInjectingBackend):
+    """Says whether every range is in memory; records the data-file reads."""
+
+    def __init__(self, inner, resident: bool):
+        super().__init__(inner)
+        self.resident = resident
+        self.reads: list[tuple[str, int, int]] = []
+        self._lock = threading.Lock()
+
+    def in_memory(self, key, offset, nbytes):
+        return self.resident
+
+    def read_exact(self, key, offset, buffer):
+        with self._lock:
+            self.reads.append((key, offset, len(buffer)))
+        return super().read_exact(key, offset, buffer)
+
+
+def uri_of(name: str) -> str:
+    return f"memory://bulk-{name}-{uuid.uuid4().hex[:8]}/ck"
+
+
+def flip(uri: str, file: str, at: int) -> None:
+    backend = backend_for(uri)
+    data = bytearray(backend.read(file))
+    data[at] ^= 0x5A
+    backend.write(file, bytes(data))
+
+
+def counting_bulk(monkeypatch) -> list[int]:
+    """How many reads each call of execute_whole_reads was given."""
+    seen: list[int] = []
+    real = whole_reads.execute_whole_reads
+
+    def wrapper(backend, reads, *a, **k):
+        seen.append(len(reads))
+        return real(backend, reads, *a, **k)
+
+    monkeypatch.setattr(reader_module, "execute_whole_reads", wrapper)
+    return seen
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64, torch.uint8]
+
+
+def make(dtype: torch.dtype, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype in (torch.int64, torch.uint8):
+        return torch.randint(0, 200, shape, generator=g).to(dtype)
+    return torch.randn(shape, generator=g, dtype=torch.float32 if dtype != torch.complex64 else dtype).to(dtype)
+
+
+tensor_specs = st.lists(
+    st.tuples(
+        st.sampled_from(DTYPES),
+        st.one_of(st.just(()), st.tuples(st.integers(0, 700)), st.tuples(st.integers(1, 40), st.integers(1, 40))),
+        st.sampled_from(["dense", "dense", "dense", "strided", "cast"]),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=examples(50), deadline=None)
+@given(
+    specs=tensor_specs,
+    block=st.sampled_from([64, 1024, 1 << 16]),
+    resident=st.booleans(),
+    streams=st.sampled_from([1, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_bulk_and_planned_loads_give_the_saved_values(specs, block, resident, streams, seed):
+    """Random counts, sizes (empty, 0-d, up to a few blocks), dtypes numpy lacks
+    (bfloat16) and destinations the bulk path must leave to the planner (strided, of
+    another dtype): every value loads exactly; the dense ones went through the bulk path."""
+    g = torch.Generator().manual_seed(seed)
+    state = {f"t{i}": make(dtype, shape, g) for i, (dtype, shape, _how) in enumerate(specs)}
+    uri = uri_of("prop")
+    bcp.save(state, uri, checksum_block_bytes=block)
+    dest: dict[str, torch.Tensor] = {}
+    for i, (dtype, shape, how) in enumerate(specs):
+        t = state[f"t{i}"]
+        if how == "strided" and t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1:
+            dest[f"t{i}"] = torch.zeros(t.shape[1], t.shape[0], dtype=dtype).t()  # not contiguous
+        elif how == "cast" and dtype == torch.float32:
+            dest[f"t{i}"] = torch.zeros(shape, dtype=torch.float64)
+        else:
+            dest[f"t{i}"] = torch.zeros_like(t)
+    backend = Resident(backend_for(uri), resident)
+    mp = pytest.MonkeyPatch()
+    try:
+        real = whole_reads.execute_whole_reads
+        seen: list[int] = []
+
+        def bulk(backend, reads, *a, **k):
+            seen.append(len(reads))
+            return real(backend, reads, *a, **{**k, "streams": streams})
+
+        mp.setattr(reader_module, "execute_whole_reads", bulk)
+        bcp.load(dest, backend, strict=False)
+    finally:
+        mp.undo()
+    for k, v in state.items():
+        assert torch.equal(dest[k], v.to(dest[k].dtype)), k
+    dense = sum(1 for k, v in state.items() if v.numel() and dest[k].is_contiguous() and dest[k].dtype == v.dtype)
+    assert sum(seen) == dense
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_a_corrupt_byte_in_one_tiny_tensor_among_many_names_it(resident, monkeypatch):
+    """300 adjacent tensors of 7 floats: a flipped byte in one of them fails the load
+    with an error naming that tensor, its file and the offset of its block."""
+    g = torch.Generator().manual_seed(3)
+    state = {f"layer{i}.bias": torch.randn(7, generator=g) for i in range(300)}
+    uri = uri_of("corrupt")
+    bcp.save(state, uri)
+    frag = bcp.open(uri).catalog.tensors["layer211.bias"].fragment(0)
+    flip(uri, frag.file, frag.byte_offset + 9)
+    seen = counting_bulk(monkeypatch)
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(CorruptCheckpointError, match=r"'layer211\.bias'") as info:
+        bcp.load(dest, Resident(backend_for(uri), resident))
+    assert info.value.fqn == "layer211.bias"
+    assert info.value.file == frag.file and info.value.offset == frag.byte_offset
+    assert f"[{frag.byte_offset}, {frag.byte_offset + 28})" in str(info.value)
+    assert seen == [300]
+
+
+def test_a_corrupt_byte_in_a_later_block_names_that_block(monkeypatch):
+    """A tensor of several blocks read in pieces from memory: the block holding the
+    flipped byte is named, not the first."""
+    monkeypatch.setattr(read_exec, "IN_MEMORY_CHUNK", 1024)
+    t = torch.randn(2000)  # 8,000 bytes: 8 blocks of 1 KiB (the last short), 8 pieces
+    uri = uri_of("blocks")
+    bcp.save({"w": t, "b": torch.randn(3)}, uri, checksum_block_bytes=1024)
+    frag = bcp.open(uri).catalog.tensors["w"].fragment(0)
+    flip(uri, frag.file, frag.byte_offset + 5 * 1024 + 17)
+    seen = counting_bulk(monkeypatch)
+    backend = Resident(backend_for(uri), True)
+    with pytest.raises(CorruptCheckpointError) as info:
+        bcp.load({"w": torch.zeros(2000), "b": torch.zeros(3)}, backend)
+    assert info.value.fqn == "w" and info.value.offset == frag.byte_offset + 5 * 1024
+    assert seen == [2]
+    assert max(n for _k, _o, n in backend.reads) <= 1024  # in pieces, each checked as it landed
+
+
+def test_a_load_of_tensors_stored_whole_builds_no_entry_and_plans_no_runs(monkeypatch):
+    """The per-tensor work of the usual load: no TensorEntry (so no Fragment) built and
+    no run planned for a tensor stored whole in one row and wanted whole."""
+    state = {f"p{i}": torch.full((i % 5 + 1,), float(i)) for i in range(200)}
+    uri = uri_of("count")
+    bcp.save(state, uri)
+    built: list[str] = []
+    real_init = TensorEntry.__init__
+
+    def counting_init(self, fqn, *a, **k):
+        built.append(fqn)
+        real_init(self, fqn, *a, **k)
+
+    monkeypatch.setattr(TensorEntry, "__init__", counting_init)
+    monkeypatch.setattr(reader_module, "plan_tensor_reads", lambda *a, **k: pytest.fail("a run was planned"))
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    bcp.load(dest, uri)
+    assert all(torch.equal(dest[k], v) for k, v in state.items())
+    assert built == []
+
+
+def test_whole_rows_answers_only_single_whole_rows():
+    """Catalog.whole_rows: a tensor in two rows, a name not stored and a row that does
+    not span its tensor get -1; whole rows (a scalar, a matrix) come with their columns."""
+
+    def frag(fqn, shape, off, lens, at, nbytes):
+        return Fragment(fqn, "[]", "float32", shape, off, lens, "data/f.bin", at, nbytes, (crc32c(b"x"),) * 1)
+
+    frags = [
+        frag("split", (4,), (0,), (2,), 0, 8),
+        frag("split", (4,), (2,), (2,), 64, 8),
+        frag("m", (2, 3), (0, 0), (2, 3), 128, 24),
+        frag("s", (), (), (), 192, 4),
+        frag("half", (4,), (0,), (2,), 256, 8),  # spans half its tensor: never read whole
+    ]
+    given = Catalog(frags)
+    assert given.whole_rows(["m"]).rows == [-1]  # built from Fragment objects: never the bulk path
+    catalog = Catalog.from_arrow(given.to_arrow(), where="test", checksum_block_bytes=1 << 16)
+    got = catalog.whole_rows(["split", "nothing", "m", "s", "m", "half"])
+    assert [r >= 0 for r in got.rows] == [False, False, True, True, True, False]
+    assert got.byte_offsets[2] == 128 and got.nbytes[2] == 24 and got.shapes[2] == (2, 3)
+    assert got.byte_offsets[3] == 192 and got.nbytes[3] == 4 and got.shapes[3] == ()
+    assert got.file_names[got.files[2]] == "data/f.bin"
+    assert got.sum_stops[2] - got.sum_starts[2] == 1 and int(got.sums[got.sum_starts[2]]) == crc32c(b"x")
+    assert catalog.shape_and_dtype("m") == ((2, 3), "float32") and catalog.shape_and_dtype("nothing") is None
