@@ -1,18 +1,12 @@
-"""The fragment catalog: one row per stored fragment of a global tensor (fragments.arrow).
-
-Pure data: knows the format, not torch, not storage. The engine builds
-:class:`Fragment` rows while saving and asks the :class:`Catalog` where bytes live
-while loading. Rows are held as numpy columns (:mod:`..rows`); a tensor's rows become
-Fragment objects only when a caller asks for them. This module is the Catalog
-itself: building it, decoding and encoding it (through :mod:`.validate`,
-:mod:`.sections` and :mod:`.head`), reading a v2 catalog in part (:mod:`.partial`) and
-handing out TensorEntry objects checked for exact tiling (:mod:`bcp.metadata.geometry`).
-"""
+"""The fragment catalog (fragments.arrow): one row per stored fragment, held as numpy
+columns (:mod:`..rows`). Pure data: knows the format, not torch, not storage. This module
+is the Catalog itself: building, decoding and encoding it (:mod:`.validate`,
+:mod:`.sections`, :mod:`.head`), reading a v2 catalog in part (:mod:`.partial`) and
+handing out TensorEntry objects checked for exact tiling."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +20,7 @@ from bcp.metadata.catalog.sections import TRAILER, encode, is_v2, read_trailer
 from bcp.metadata.catalog.tensors import CATALOG_SCHEMA, TensorTable
 from bcp.metadata.catalog.validate import check_rows_in_files, decode_rows
 from bcp.metadata.catalog.view import TensorsView
+from bcp.metadata.catalog.whole import WholeRows, find_whole_rows
 from bcp.metadata.entries import check_tilings, gather_boxes, gather_entries
 from bcp.metadata.format_errors import FormatError
 from bcp.metadata.geometry import stable_order
@@ -33,27 +28,6 @@ from bcp.metadata.rows import Fragment, Rows, TensorBoxes, TensorEntry
 
 #: bytes of a v2 catalog's fixed trailer (sections.TRAILER.size)
 TRAILER_BYTES = TRAILER.size
-
-
-@dataclasses.dataclass(frozen=True)
-class WholeRows:
-    """:meth:`Catalog.whole_rows`: for each asked name, as lists (one item per name)."""
-
-    #: the tensor's one stored row when that row holds the whole tensor (and every row
-    #: of the tensor is held); -1 otherwise (a name not stored, several rows, a part)
-    rows: list[int]
-    shapes: list[tuple[int, ...]]
-    dtypes: list[str]
-    #: the row's data file, a code into ``file_names``; its first byte there; its bytes
-    files: list[int]
-    byte_offsets: list[int]
-    nbytes: list[int]
-    #: where the row's block checksums start and stop in ``sums``
-    sum_starts: list[int]
-    sum_stops: list[int]
-    #: the catalog's flat block checksum column (uint32, read-only)
-    sums: np.ndarray
-    file_names: tuple[str, ...]
 
 
 class Catalog:
@@ -202,55 +176,12 @@ class Catalog:
         return [self._entry(t) for t in codes]
 
     def whole_rows(self, fqns: Sequence[str]) -> WholeRows:
-        """Which of ``fqns`` are stored as one row holding the whole tensor (a single
-        writer's save, the usual load), with that row's columns, found in a few numpy
-        passes over the rows, with no TensorEntry built: a load of 10,000 small tensors
-        reads them without an object per tensor. Such a row tiles its tensor exactly
-        (the check :meth:`entries` makes); every other name gets -1 and goes through the
-        entries. A catalog built from Fragment objects answers -1 for every name."""
-        tensors, rows = self._table_of_tensors, self._rows
-        n = len(fqns)
-        index = tensors.index
-        codes = np.fromiter((index.get(f, -1) for f in fqns), np.int64, n)
-        code = np.maximum(codes, 0)
-        ok = codes >= 0
-        if self._given is not None or not len(rows) or not len(tensors):
-            ok[:] = False
-        if ok.any():
-            lo = self._starts[code]
-            ok &= self._starts[code + 1] - lo == 1
-            row = self._order[np.minimum(lo, len(self._order) - 1)].astype(np.int64)
-            arrays = tensors.arrays
-            nd = arrays.ndim[code]
-            cs = rows.coord_starts
-            ok &= cs[row + 1] - cs[row] == nd
-            # every offset 0 and every length the shape's: one pass over all coordinates
-            width = np.where(ok, nd, 0)
-            seg = np.repeat(np.arange(n), width)
-            pos = np.arange(len(seg)) - np.repeat(np.cumsum(width) - width, width)
-            at, dim = cs[row][seg] + pos, arrays.starts[code][seg] + pos
-            bad = (rows.offsets[at] != 0) | (rows.lengths[at] != arrays.shape[dim])
-            ok &= np.bincount(seg[bad], minlength=n) == 0
-            if not self.is_whole:
-                ok &= np.fromiter((self._complete(int(t)) for t in code), bool, n)
-        else:
-            row = np.zeros(n, np.int64)
-        row = np.where(ok, row, -1)
-        r = np.maximum(row, 0)
-        names = tensors.names
-        shapes, dtypes = tensors.shapes, tensors.dtypes
-        code_list = code.tolist()
-        return WholeRows(
-            rows=row.tolist(),
-            shapes=[shapes[t] for t in code_list] if len(names) else [()] * n,
-            dtypes=[dtypes[t] for t in code_list] if len(names) else [""] * n,
-            files=rows.file[r].tolist() if len(rows) else [0] * n,
-            byte_offsets=rows.byte_offset[r].tolist() if len(rows) else [0] * n,
-            nbytes=rows.nbytes[r].tolist() if len(rows) else [0] * n,
-            sum_starts=rows.sum_starts[r].tolist() if len(rows) else [0] * n,
-            sum_stops=rows.sum_starts[r + 1].tolist() if len(rows) else [0] * n,
-            sums=rows.sums,
-            file_names=self._file_names_tuple(),
+        """Which of ``fqns`` are stored as one row holding the whole tensor, with no
+        entry built (:mod:`.whole`); -1 for the others (and all, if built from Fragments)."""
+        complete = None if self.is_whole else self._complete
+        args = (fqns, self._table_of_tensors, self._rows, self._starts, self._order)
+        return find_whole_rows(
+            *args, usable=self._given is None, complete=complete, file_names=self._file_names_tuple()
         )
 
     def shape_and_dtype(self, fqn: str) -> tuple[tuple[int, ...], str] | None:
@@ -377,17 +308,14 @@ class Catalog:
         return rows_table(self._table_of_tensors, self._file_names, self._rows)
 
     def to_arrow(self) -> bytes:
-        """Catalog v2 bytes (FORMAT.md): sections of rows by runs of writers, each an
-        Arrow IPC file with string columns dictionary-encoded and zstd-compressed
-        buffers (about 15 bytes per fragment for FSDP-like catalogs), then the head
-        (tensor table, section table, span index) and a fixed trailer."""
+        """Catalog v2 bytes (FORMAT.md): sections of rows (zstd Arrow IPC files), then
+        the head (tensor, section and span tables) and a fixed trailer."""
         if self._parts is not None and not self._parts.loaded.all():
             raise ValueError(f"{self._where}: a catalog read in part cannot be written")
         return encode(self._table_of_tensors, self._file_names, self._rows)
 
     def to_arrow_v1(self) -> bytes:
-        """Catalog v1 bytes (one Arrow IPC file): what bcp wrote before catalog v2;
-        for tests of the readers that must keep loading it."""
+        """Catalog v1 bytes (one Arrow IPC file), for tests of readers that keep loading it."""
         return ipc_file(self.to_table())
 
     @classmethod
@@ -397,14 +325,7 @@ class Catalog:
         Untrusted input: the Arrow messages are bounded before anything is decompressed
         (:func:`check_ipc_budget`), every row is validated, and every malformed input
         raises :class:`FormatError`, never an Arrow, arithmetic or lookup error."""
-        if checksum_block_bytes <= 0:
-            raise FormatError(f"{where}: checksum block size {checksum_block_bytes} is not positive")
-        try:
-            return cls._decode(data, where, checksum_block_bytes)
-        except FormatError:
-            raise
-        except (pa.ArrowException, ArithmeticError, LookupError, TypeError, ValueError, RecursionError, EOFError) as e:
-            raise FormatError(f"{where}: malformed catalog: {type(e).__name__}: {e}") from e
+        return _decoded(where, checksum_block_bytes, lambda: cls._decode(data, where, checksum_block_bytes))
 
     @classmethod
     def _decode(cls, data: bytes, where: str, checksum_block_bytes: int) -> Catalog:
@@ -420,28 +341,12 @@ class Catalog:
         return self
 
     @classmethod
-    def from_head(
-        cls,
-        tail: bytes,
-        *,
-        file_size: int,
-        fetch: Fetch,
-        where: str,
-        checksum_block_bytes: int,
-    ) -> Catalog:
-        """A v2 catalog read in part: ``tail`` is its last bytes (at least the head and
-        the trailer) of a ``file_size``-byte file; ``fetch(offset, length)`` reads
-        other bytes of it. No rows are held until :meth:`require` reads the sections
-        some boxes need. Checks the trailer, the head's CRC32C and the head itself;
-        each section is checked when read (FormatError for anything malformed)."""
-        if checksum_block_bytes <= 0:
-            raise FormatError(f"{where}: checksum block size {checksum_block_bytes} is not positive")
-        try:
-            return cls._open_head(tail, file_size, fetch, where, checksum_block_bytes)
-        except FormatError:
-            raise
-        except (pa.ArrowException, ArithmeticError, LookupError, TypeError, ValueError, RecursionError, EOFError) as e:
-            raise FormatError(f"{where}: malformed catalog: {type(e).__name__}: {e}") from e
+    def from_head(cls, tail: bytes, *, file_size: int, fetch: Fetch, where: str, checksum_block_bytes: int) -> Catalog:
+        """A v2 catalog read in part from ``tail``, the last bytes (head and trailer at
+        least) of a ``file_size``-byte file; ``fetch(offset, length)`` reads sections
+        when :meth:`require` needs them, each checked then (FormatError if malformed)."""
+        decode = lambda: cls._open_head(tail, file_size, fetch, where, checksum_block_bytes)  # noqa: E731
+        return _decoded(where, checksum_block_bytes, decode)
 
     @classmethod
     def _open_head(cls, tail: bytes, file_size: int, fetch: Fetch, where: str, checksum_block_bytes: int) -> Catalog:
@@ -466,11 +371,9 @@ class Catalog:
         return file_size - head_offset
 
     def check_files(self, file_sizes: Mapping[str, int], *, where: str) -> None:
-        """Raise FormatError unless every fragment names a file of ``file_sizes`` (the
-        manifest's data files: path -> bytes) and its bytes lie inside that file.
-        With this, no read planned from the catalog can ask for more bytes than the
-        manifest declares (vectorised; one pass over the rows held). A catalog read in
-        part checks the rows of every section it reads later too."""
+        """Raise FormatError unless every fragment's bytes lie inside a file of
+        ``file_sizes`` (the manifest's: path -> bytes), so no planned read asks for more
+        than the manifest declares; a catalog read in part checks later sections too."""
         check_rows_in_files(self._rows, self._table_of_tensors, self._file_names, file_sizes, where=where)
         if self._parts is not None:
             self._parts.file_sizes = dict(file_sizes)
@@ -478,3 +381,15 @@ class Catalog:
 
 def _unchecked(codes: list[int], offs: np.ndarray, lens: np.ndarray, counts: list[int]) -> None:
     """No tiling check (``Catalog.boxes(check_tiling=False)``: the caller proves it)."""
+
+
+def _decoded(where: str, checksum_block_bytes: int, decode: Callable[[], Catalog]) -> Catalog:
+    """``decode()``, every malformed input a FormatError naming ``where``."""
+    if checksum_block_bytes <= 0:
+        raise FormatError(f"{where}: checksum block size {checksum_block_bytes} is not positive")
+    try:
+        return decode()
+    except FormatError:
+        raise
+    except (pa.ArrowException, ArithmeticError, LookupError, TypeError, ValueError, RecursionError, EOFError) as e:
+        raise FormatError(f"{where}: malformed catalog: {type(e).__name__}: {e}") from e
