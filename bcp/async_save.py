@@ -49,7 +49,7 @@ from bcp.io_scheduler.staging import StagingPool, StagingReservation, default_po
 from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline
 from bcp.metadata import DEFAULT_BLOCK_BYTES
 from bcp.options import SaveOptions, SaveOptionsKwargs
-from bcp.save_phases import SaveInfo, SaveJob
+from bcp.save_phases import SaveInfo, SaveJob, park_staging_error
 from bcp.saver import planned_writes, start_save
 from bcp.shards import local_pieces
 from bcp.state import flatten_state
@@ -133,7 +133,7 @@ class AsyncSaveHandle:
         """Its thread could not be started: the save fails with ``error``, its slabs returned."""
         self._error = error
         if self._job is not None:
-            self._job.pipeline.error = self._job.pipeline.error or error
+            park_staging_error(self._job.pipeline, error, last=False)
             try:
                 self._job.pipeline.start_writers()  # writers that only return the staged slabs
             except BaseException as e:  # noqa: BLE001 - no thread can start: the slabs stay taken

@@ -18,7 +18,6 @@ from bcp.io_scheduler.staging import StagingPool
 from bcp.kept_plans import Fingerprint
 
 
-
 def state_of(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {f"w{i}": torch.randn(64, 32, generator=g) for i in range(n)}
@@ -112,7 +111,7 @@ def test_a_forked_child_starts_its_own_starter(tmp_path):
 
 
 def test_equal_fingerprints_share_their_fields_and_colliding_ones_differ():
-    a, b = (Fingerprint(tuple([1, ("x", torch.Size([n, 2]))])) for n in (3, 3))
+    a, b = (Fingerprint((1, ("x", torch.Size([n, 2])))) for n in (3, 3))
     assert a.sigs is not b.sigs and a == b
     assert a.sigs is b.sigs, "the second comparison would walk every tensor's fields again"
     c, d = Fingerprint((-1,)), Fingerprint((-2,))  # equal hashes in CPython, different fields

@@ -260,14 +260,10 @@ class WritePipeline:
         self.items = self.plan.released
 
     def _start_writers(self) -> None:
-        """Writers start at once for a synchronous save. An asynchronous one
-        (``stage_all``) stages first (the copy is what blocks training, so it gets the
-        CPU) and opens its file and starts them from the save's own thread
-        (:meth:`start_writers`, or :meth:`finish`), so the caller waits for neither the
-        file's creation (directories made durable) nor a thread start; only a pool
-        that runs out of slabs makes the caller start them (only writing frees slabs).
-        Failing to open the file is the save's error; the writers then only return
-        the staged slabs."""
+        """Writers start at once for a synchronous save. An asynchronous one stages first
+        (the copy blocks training); its own thread then opens the file and starts them
+        (:meth:`start_writers`): the caller waits for no durable mkdir nor thread start
+        unless the pool runs out of slabs. An opening error is the save's."""
         with self._start_lock:
             if self._threads:
                 return
@@ -282,8 +278,7 @@ class WritePipeline:
                 self._threads.append(thread)
 
     def start_writers(self) -> None:
-        """(the save's thread) Open the file and start the writers, if staging has
-        begun and they have not started yet (an asynchronous save's caller leaves this to it)."""
+        """(the save's thread) Open the file and start the writers, once staging has begun."""
         if self._begun and self._writing and self.items:
             self._start_writers()
 
@@ -291,12 +286,9 @@ class WritePipeline:
         if not self._writing:  # deferred: closed once writing starts
             self._close_requested = True
             return
-        if self.stage_all:  # one end mark per writer, started later (the queue is unbounded)
-            for _ in range(self.streams):
-                self._queue.put(None)
-            return
-        self._start_writers()
-        for _ in self._threads:
+        if not self.stage_all:  # else started later; one end mark per writer (the queue is unbounded)
+            self._start_writers()
+        for _ in range(self.streams):
             self._queue.put(None)
 
     def start_writing(self, data_key: str) -> None:
