@@ -109,7 +109,16 @@ class Fingerprint:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Fingerprint) and self._hash == other._hash and self.sigs == other.sigs
+        if not isinstance(other, Fingerprint) or self._hash != other._hash:
+            return False
+        if self.sigs is other.sigs:
+            return True
+        if self.sigs != other.sigs:
+            return False
+        # Equal: share one tuple, so the next comparison of the two (the cache's
+        # move_to_end after its lookup) is an identity check, not thousands of tuples again.
+        other.sigs = self.sigs
+        return True
 
 
 def fingerprint(leaves: Mapping[Any, Any], rank: int) -> tuple[Fingerprint | None, list[Any]]:

@@ -153,6 +153,7 @@ class WritePipeline:
         # Staged chunks are bounded by the pool; only zero-copy chunks need a bounded queue.
         self._queue: queue.Queue = queue.Queue(maxsize=0 if stage_all else 2 * self.streams)
         self._threads: list[threading.Thread] = []
+        self._start_lock = threading.Lock()
         self._writer: ObjectWriter | None = None
         self._pending: list[Chunk] = []
         #: write in batches from the tensors' memory (decided when the writer opens)
@@ -219,7 +220,7 @@ class WritePipeline:
             return
         if not self._begun:
             self._begun = True
-            if not self.deferred:
+            if not self.deferred and not self.stage_all:
                 self._writer = self.backend.open_writer(self.data_key, size=self.size)
             self.batched = self._can_batch()
             if self.batched:
@@ -260,22 +261,35 @@ class WritePipeline:
         self.items = self.plan.released
 
     def _start_writers(self) -> None:
-        """Writers start at once for a synchronous save; an asynchronous one stages
-        first (the copy is what blocks training, so it gets the CPU) and starts them
-        when staging ends or when the pool runs out of slabs."""
-        if self._threads:
-            return
-        for _ in range(self.streams):
-            thread = threading.Thread(target=self._write_loop, name="bcp-writer", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        """Writers start at once for a synchronous save. An asynchronous one stages first
+        (the copy blocks training); its own thread then opens the file and starts them
+        (:meth:`start_writers`): the caller waits for no durable mkdir nor thread start
+        unless the pool runs out of slabs. An opening error is the save's."""
+        with self._start_lock:
+            if self._threads:
+                return
+            if self._writer is None and self._writing and self.error is None:
+                try:
+                    self._writer = self.backend.open_writer(self.data_key, size=self.size)
+                except BaseException as e:  # noqa: BLE001 - reported by finish()
+                    self.error = e
+            for _ in range(self.streams):
+                thread = threading.Thread(target=self._write_loop, name="bcp-writer", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def start_writers(self) -> None:
+        """(the save's thread) Open the file and start the writers, once staging has begun."""
+        if self._begun and self._writing and self.items:
+            self._start_writers()
 
     def close_queue(self) -> None:
         if not self._writing:  # deferred: closed once writing starts
             self._close_requested = True
             return
-        self._start_writers()
-        for _ in self._threads:
+        if not self.stage_all:  # else started later; one end mark per writer (the queue is unbounded)
+            self._start_writers()
+        for _ in range(self.streams):
             self._queue.put(None)
 
     def start_writing(self, data_key: str) -> None:
@@ -286,8 +300,7 @@ class WritePipeline:
             self._writer = self.backend.open_writer(data_key, size=self.size)
         if self._close_requested:
             self.close_queue()
-        else:
-            self._start_writers()
+        self._start_writers()
 
     def discard(self) -> None:
         """(a deferred pipeline that will not write) Return every staged slab."""
@@ -492,6 +505,7 @@ class WritePipeline:
         """Wait for the writers, make the file durable, return its fragment rows."""
         if not self.items:
             return WriterReport(REPORT_SCHEMA.empty_table(), None, self.rank)
+        self.start_writers()  # an asynchronous save's, if its thread has not yet
         with trace.span("drain"):  # waiting for the writers
             for thread in self._threads:
                 thread.join()
