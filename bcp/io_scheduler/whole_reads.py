@@ -22,7 +22,7 @@ import torch
 
 from bcp import trace
 from bcp.backends import Backend, ObjectNotFoundError
-from bcp.io_scheduler import read_exec
+from bcp.io_scheduler import device_copy, read_exec
 from bcp.io_scheduler.read_exec import (
     COALESCE_BELOW,
     COALESCE_BUDGET,
@@ -72,6 +72,8 @@ def split_whole(
     names = info.file_names
     dtypes: dict[str, torch.dtype | None] = {}
     largest = read_exec.COALESCE_BELOW - 1  # as the planned path coalesces: read at run time (tests change it)
+    # the device seam (device_copy.api) decides what is device memory; the real one by device type
+    on_device = None if getattr(device_copy.api, "by_device", False) else device_copy.api.is_device
     whole: list[WholeRead] = []
     rest: list[tuple[str, Box, torch.Tensor]] = []
     for i, request in enumerate(requests):
@@ -89,6 +91,7 @@ def split_whole(
             dtype is None
             or dest.dtype != dtype
             or not dest.is_cpu
+            or (on_device is not None and on_device(dest))
             or tuple(d_len) != info.shapes[i]
             or any(d_off)
             or not dest.is_contiguous()

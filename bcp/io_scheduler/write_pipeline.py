@@ -1,37 +1,30 @@
 """One rank's data file, written as a pipeline: stage -> checksum -> write -> durable.
 
-The file layout (each box back to back, aligned) is cut into chunks of the staging
-slab size: a large fragment is split at multiples of the chunk size (a multiple of
-the checksum block, so each chunk's block checksums are the fragment's), small
-fragments are packed into one chunk. A producer (the calling thread) stages chunks
-into pool slabs, or, in a synchronous save of contiguous CPU tensors, hands the
-tensor memory itself to the writers (no copy at all). ``streams`` writer threads
-checksum and write chunks concurrently at their file offsets. The pool's capacity
-bounds the bytes in flight; the file is made durable once, at commit. A synchronous
-save of host tensors to a writer with ``write_parts`` (the file backend) instead cuts
-the file into batches of :data:`BATCH_BYTES`, each checksummed ahead by the producer and
-written in one request straight from the tensors' memory by one writer (docs/decisions.md).
+The layout (boxes back to back, aligned) is cut into chunks of the slab size (a large
+fragment at multiples of it, so each chunk's block checksums are the fragment's; small
+ones packed). The producer (calling thread) stages chunks into pool slabs, or in a sync
+save of contiguous CPU tensors hands their memory itself to ``streams`` writer threads
+that checksum and write at file offsets; the pool bounds the bytes in flight. A sync save
+to a ``write_parts`` writer (the file backend) goes out in :data:`BATCH_BYTES` batches,
+checksummed ahead by the producer and written by one writer (docs/decisions.md).
 
-Device (CUDA) tensors are copied into pinned slabs on a side stream ordered after
-the caller's work at the time the pipeline was built (``bcp.io_scheduler.device_copy``); a writer
-waits for a chunk's copy events before reading its slab, and a slab goes back to the
-pool only once its copies have completed, also when the save fails.
+Device tensors are copied into pinned slabs on a side stream ordered after the caller's
+work at construction (``bcp.io_scheduler.device_copy``); a writer waits for a chunk's copy
+events, and a slab returns to the pool only once its copies completed, also on failure.
 
-Call order: the constructor (calling thread: marks "the call" for device copies),
-``stage()`` (calling thread, or a background thread for the rest of an overlapped
-save; returns when every chunk has been handed to the writers: host sources may
-then change if ``stage_all``, device sources once ``copies.wait()`` returns), then
-``finish()`` (any thread) which waits for the writers and commits the file.
+Call order: the constructor (calling thread: "the call" for device copies), ``stage()``
+(returns when every chunk is handed over: host sources may then change if ``stage_all``,
+device sources once ``copies.wait()`` returns), then ``finish()`` (any thread), which
+waits for the writers and commits the file.
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import queue
 import threading
 from collections.abc import Callable, MutableMapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -40,39 +33,15 @@ import torch
 from bcp import trace
 from bcp.backends import Backend, ObjectWriter
 from bcp.coordination.priority import lower_this_thread
+from bcp.io_scheduler.chunk_bytes import DigestSink, StagedChunk, copy_bytes
 from bcp.io_scheduler.chunk_plan import Chunk, ChunkCopies, PipelinePlan, count_uses, plan_packed_chunks, plan_pipeline
 from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor, settle
-from bcp.io_scheduler.staging import Slab, StagingPool, default_pool
+from bcp.io_scheduler.staging import StagingPool, default_pool
 from bcp.metadata import FileEntry, block_checksums, digest_of_checksums
 from bcp.planning import TensorPlan
 from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
 from bcp.shards import Piece
 from bcp.tensor_io import flat_bytes, host_contiguous
-
-
-@dataclasses.dataclass(slots=True)
-class StagedChunk:
-    """A chunk handed to the writers: its bytes, where they live, and what completes them."""
-
-    chunk: Chunk
-    #: the pool slab holding the bytes (None: the bytes are the source tensor's own memory)
-    slab: Slab | None
-    data: torch.Tensor
-    #: device-to-host copy events the bytes wait for (empty for host sources)
-    events: list
-    #: a batch (:attr:`WritePipeline.batched`): each segment's bytes in the source's
-    #: memory, and the parts to write back to back from the chunk's offset (the
-    #: segments with zeros between them)
-    views: list | None = None
-    parts: list | None = None
-
-
-def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[:] = src`` as one single-threaded numpy memmove (GIL released), not
-    ``Tensor.copy_``: torch makes each copy of 32,768+ elements an OpenMP region whose
-    threads wait for each other, which on a busy 2-core machine cost 10-100x."""
-    dst[:] = src
-
 
 #: A sync save of host tensors to a ``write_parts`` writer (the file backend) writes
 #: batches of this many bytes, one request each from the tensors' memory (decisions.md).
@@ -83,13 +52,6 @@ BATCH_STREAMS = 1
 BATCH_AHEAD = 2
 
 _ZEROS = bytes(2 * 4096)  # padding between a batch's segments (gaps are under a page)
-
-
-class DigestSink(Protocol):
-    """An incremental save's digests of the bytes written (``bcp.pieces.StreamDigests``)."""
-
-    def feed(self, item: int, start: int, view: memoryview) -> None: ...
-    def result(self, item: int) -> bytes: ...
 
 
 class WriteItem(NamedTuple):
@@ -261,10 +223,8 @@ class WritePipeline:
         self.items = self.plan.released
 
     def _start_writers(self) -> None:
-        """Writers start at once for a synchronous save. An asynchronous one stages first
-        (the copy blocks training); its own thread then opens the file and starts them
-        (:meth:`start_writers`): the caller waits for no durable mkdir nor thread start
-        unless the pool runs out of slabs. An opening error is the save's."""
+        """At once for a sync save; an async one's own thread opens the file and starts
+        them after staging (:meth:`start_writers`), unless the pool runs out of slabs."""
         with self._start_lock:
             if self._threads:
                 return
