@@ -6,10 +6,13 @@ whatever the current directory holds, and its hints point the right way."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -22,8 +25,50 @@ from bcp.conformance.checkpoint_contract import CheckpointContractTests, listing
 from bcp.conformance.pytest_plugin import _failure_line
 from bcp.conformance.report import WHY_LIMIT, shorten
 from broken_backends import FlatListBackend
+from side_by_side import SideBySide
 from test_cli_plugins import FILE_PLUGIN, write_plugin
-from test_conformance_suite import run_cli
+from test_conformance_suite import cli_argv, cli_env
+
+# -- the module's own child processes, started side by side ---------------------------------------
+#
+# `bcp conformance` on a broken backend and a killed-save child given another bcp each import
+# torch in a child of their own: both start when the first test that starts children here
+# does (the killed-save checks below), and run beside it; each test checks its child's result
+# as it did when it ran the child itself (tests/side_by_side.py).
+
+
+class Children(NamedTuple):
+    runs: SideBySide
+    cause_dir: Path
+    other_bcp: Path
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory) -> Iterator[Children]:
+    cause_dir = tmp_path_factory.mktemp("cause")
+    other = tmp_path_factory.mktemp("other")
+    runs = SideBySide(workers=2)
+    runs.submit(
+        "cause",
+        cli_argv(
+            *(f"broken-flatlist://l{uuid.uuid4().hex[:6]}/root", "--quick", "--import", "broken_backends"),
+            *("-k", "list_is_recursive or round_trip or sub_uri", "--json", str(cause_dir / "r.json")),
+        ),
+        cwd=cause_dir,
+        env=cli_env(),
+        timeout=600,
+    )
+    options = json.dumps({"bcp": str(other / "elsewhere" / "bcp")})
+    runs.submit(
+        "other-bcp",
+        [sys.executable, "-P", "-m", "bcp.conformance.killed_save", f"{other}/ck", options],
+        cwd=os.getcwd(),  # the test's, as before: not what a later test monkeypatches
+        env=dict(os.environ),
+        timeout=120,
+    )
+    yield Children(runs, cause_dir, other)
+    runs.close()
+
 
 # -- a list() that does not recurse -------------------------------------------------------------
 
@@ -53,30 +98,6 @@ def test_objects_deleted_by_another_process_are_still_reported_as_such():
     backend.write("gen-1/data/a.bin", b"x")
     with pytest.raises(bcp.IncompleteCheckpointError, match="another process"):
         check_generation_intact(backend, "gen-1", ["gen-1/data/a.bin", "gen-1/data/b.bin"])
-
-
-@pytest.mark.slow
-def test_bcp_conformance_reports_the_cause_on_every_checkpoint_check(tmp_path: Path):
-    report = tmp_path / "r.json"
-    proc = run_cli(
-        f"broken-flatlist://l{uuid.uuid4().hex[:6]}/root",
-        "--quick",
-        "--import",
-        "broken_backends",
-        "-k",
-        "list_is_recursive or round_trip or sub_uri",
-        "--json",
-        str(report),
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 1
-    checks = {c["name"]: c for cs in json.loads(report.read_text())["groups"].values() for c in cs}
-    assert checks["test_list_is_recursive"]["outcome"] == "failed"
-    for name in ("test_save_load_round_trip", "test_sub_uri_sees_the_roots_objects_under_sub"):
-        why = checks[name]["why"]
-        assert why.startswith("list() did not return nested keys: see test_list_is_recursive"), why
-        assert why.endswith("until list() recurses"), f"the reason was cut: {why}"
-    assert "FAIL test_save_load_round_trip: list() did not return nested keys" in proc.stdout
 
 
 # -- long reasons -------------------------------------------------------------------------------
@@ -118,7 +139,7 @@ def _fake_bcp(directory: Path) -> None:
 
 
 @pytest.mark.subprocess  # _kill_midway starts the child, out of sight of tests/conftest.py
-def test_the_child_imports_the_installed_bcp_beside_a_bcp_folder(tmp_path, monkeypatch):
+def test_the_child_imports_the_installed_bcp_beside_a_bcp_folder(tmp_path, monkeypatch, children):
     """A plugin next to a ``bcp/`` folder, run from that directory: the child must
     still import the installed bcp (not the folder), and the plugin."""
     module, scheme = write_plugin(tmp_path, FILE_PLUGIN)
@@ -132,7 +153,7 @@ def test_the_child_imports_the_installed_bcp_beside_a_bcp_folder(tmp_path, monke
 
 
 @pytest.mark.subprocess  # _kill_midway starts the child, out of sight of tests/conftest.py
-def test_a_bcp_shadowing_the_installed_one_on_pythonpath_is_named_in_the_hint(tmp_path, monkeypatch):
+def test_a_bcp_shadowing_the_installed_one_on_pythonpath_is_named_in_the_hint(tmp_path, monkeypatch, children):
     shadow = tmp_path / "shadow"
     shadow.mkdir()
     (shadow / "bcp").mkdir()
@@ -149,20 +170,26 @@ def test_a_bcp_shadowing_the_installed_one_on_pythonpath_is_named_in_the_hint(tm
     assert "--import" not in first, f"the hint points at --import for a shadowed bcp: {first}"
 
 
-def test_the_child_refuses_a_bcp_other_than_the_parents(tmp_path):
+def test_the_child_refuses_a_bcp_other_than_the_parents(children: Children):
     """If another bcp with the same modules were imported, the child says so and stops."""
-    import subprocess
-
-    options = json.dumps({"bcp": str(tmp_path / "elsewhere" / "bcp")})
-    proc = subprocess.run(
-        [sys.executable, "-P", "-m", "bcp.conformance.killed_save", f"{tmp_path}/ck", options],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = children.runs.result("other-bcp")
     assert proc.returncode != 0 and "WRITING" not in proc.stdout
     last = proc.stderr.strip().splitlines()[-1]
-    assert "this child imported bcp from" in last and str(tmp_path / "elsewhere") in last, last
+    assert "this child imported bcp from" in last and str(children.other_bcp / "elsewhere") in last, last
+
+
+@pytest.mark.slow
+def test_bcp_conformance_reports_the_cause_on_every_checkpoint_check(children: Children):
+    proc = children.runs.result("cause")
+    report = children.cause_dir / "r.json"
+    assert proc.returncode == 1
+    checks = {c["name"]: c for cs in json.loads(report.read_text())["groups"].values() for c in cs}
+    assert checks["test_list_is_recursive"]["outcome"] == "failed"
+    for name in ("test_save_load_round_trip", "test_sub_uri_sees_the_roots_objects_under_sub"):
+        why = checks[name]["why"]
+        assert why.startswith("list() did not return nested keys: see test_list_is_recursive"), why
+        assert why.endswith("until list() recurses"), f"the reason was cut: {why}"
+    assert "FAIL test_save_load_round_trip: list() did not return nested keys" in proc.stdout
 
 
 def test_every_test_here_that_starts_the_killed_save_child_is_marked_subprocess():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import bcp
 from bcp.backends import backend_for
 from conftest import new_bucket, store_uri
 from servers import Server, _start, free_port, rclone_binary
+from side_by_side import SideBySide
 
 
 def _secret() -> str:
@@ -130,34 +130,37 @@ def test_s3_credentials_from_storage_options_are_written_nowhere(moto_server, mo
 
 def test_cli_never_prints_credentials(moto_server, moto_bucket, tmp_path):
     """The CLI takes credentials from the standard sources (here the environment) and
-    refuses them in a URI; neither way do they reach its output, even at DEBUG."""
+    refuses them in a URI; neither way do they reach its output, even at DEBUG. Its four
+    runs are independent processes, started side by side (each imports torch)."""
     secret = _secret()
     uri = store_uri("moto", moto_server, moto_bucket, uuid.uuid4().hex)
     bcp.save(_state(), uri)
     env = {**os.environ, "AWS_SECRET_ACCESS_KEY": secret}
-
-    def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "bcp.cli", "--log-level", "DEBUG", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-            check=False,
-        )
-
-    shown = cli("inspect", uri)
-    assert shown.returncode == 0, shown.stderr
-    assert "1 tensors" in shown.stdout and "[3000]" in shown.stdout, shown.stdout
-    _assert_absent(secret, shown.stdout, shown.stderr)
     base, _, query = uri.partition("?")
-    for bad in (f"{base}?{query}&secret={secret}", uri.replace("s3://", f"s3://AKIAX:{secret}@", 1)):
-        refused = cli("inspect", bad)
-        assert refused.returncode != 0 and "do not belong in a URI" in refused.stderr, refused.stderr
-        _assert_absent(secret, refused.stdout, refused.stderr)
-    failing = cli("inspect", store_uri("moto", moto_server, moto_bucket, "missing"))
-    assert failing.returncode != 0
-    _assert_absent(secret, failing.stdout, failing.stderr)
+    bad_uris = (f"{base}?{query}&secret={secret}", uri.replace("s3://", f"s3://AKIAX:{secret}@", 1))
+    runs = SideBySide(workers=4)
+    try:
+        for name, target in [
+            ("shown", uri),
+            *((f"refused{i}", bad) for i, bad in enumerate(bad_uris)),
+            ("failing", store_uri("moto", moto_server, moto_bucket, "missing")),
+        ]:
+            runs.submit(
+                name, [sys.executable, "-m", "bcp.cli", "--log-level", "DEBUG", "inspect", target], env=env, timeout=120
+            )
+        shown = runs.result("shown")
+        assert shown.returncode == 0, shown.stderr
+        assert "1 tensors" in shown.stdout and "[3000]" in shown.stdout, shown.stdout
+        _assert_absent(secret, shown.stdout, shown.stderr)
+        for i in range(len(bad_uris)):
+            refused = runs.result(f"refused{i}")
+            assert refused.returncode != 0 and "do not belong in a URI" in refused.stderr, refused.stderr
+            _assert_absent(secret, refused.stdout, refused.stderr)
+        failing = runs.result("failing")
+        assert failing.returncode != 0
+        _assert_absent(secret, failing.stdout, failing.stderr)
+    finally:
+        runs.close()
 
 
 # -- S3 (rclone, which checks keys): two accounts in one process ----------------------------------------
