@@ -38,13 +38,19 @@ def background_nice() -> int:
 
 
 def lower_this_thread() -> None:
-    """(in a background thread) Add :func:`background_nice` to this thread's nice value.
-    A no-op where threads have no priority of their own (not Linux) or it cannot be set."""
+    """(in a background thread) Run this thread :func:`background_nice` steps behind the
+    main thread (training). Idempotent: a thread started by an already lowered one (which
+    inherits its nice value) is not lowered twice. A no-op where threads have no priority
+    of their own (not Linux) or it cannot be set."""
     step = background_nice()
     if step <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
         return
     tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + step))
+        main = threading.main_thread().native_id
+        base = os.getpriority(os.PRIO_PROCESS, main if main is not None else 0)
+        target = min(19, base + step)
+        if os.getpriority(os.PRIO_PROCESS, tid) < target:
+            os.setpriority(os.PRIO_PROCESS, tid, target)
     except OSError as e:  # a sandbox without the call: the thread keeps its priority
         log.debug("cannot lower the priority of thread %d: %s", tid, e)
