@@ -20,7 +20,7 @@ STATE = {"w": torch.arange(12.0).reshape(3, 4), "step": 7}
 
 
 def _bcp_key(key: str) -> bool:
-    """The rule of docs/integrations.md: manifest.json and everything under a gen-<hex>/
+    """The rule of docs/manager.md (`bcp rm`): manifest.json and everything under a gen-<hex>/
     directory (a user's gen-mine/ is not bcp's)."""
     head = key.split("/", 1)[0]
     return key == "manifest.json" or (re.fullmatch("gen-[0-9a-f]+", head) is not None and "/" in key)
