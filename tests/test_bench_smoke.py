@@ -276,7 +276,13 @@ def test_incremental_cost_runs_and_prints_its_line(tmp_path, capsys, monkeypatch
         monkeypatch=monkeypatch,
     )
     assert any(line.startswith("digest xxh3_128") for line in out)
-    assert re.fullmatch(r"incremental_cost: all changed, 4 MiB: time [\d.]+x, cpu [\d.]+x, bytes 1\.0000x", out[-1])
+    summary = [line for line in out if line.startswith("incremental_cost:")]
+    assert len(summary) == 2, out
+    for mode, line in zip(("sync", "async"), summary, strict=True):
+        ratios = r"time [\d.]+x, cpu [\d.]+x, blocking [\d.]+x, bytes 1\.0000x"
+        pattern = rf"incremental_cost: {mode}, all changed, 4 MiB: {ratios}"
+        assert re.fullmatch(pattern, line), line
+    assert out[-1].startswith("load average now"), out[-1]
 
 
 @pytest.mark.slow
