@@ -217,3 +217,28 @@ def test_whole_rows_answers_only_single_whole_rows():
     assert got.file_names[got.files[2]] == "data/f.bin"
     assert got.sum_stops[2] - got.sum_starts[2] == 1 and int(got.sums[got.sum_starts[2]]) == crc32c(b"x")
     assert catalog.shape_and_dtype("m") == ((2, 3), "float32") and catalog.shape_and_dtype("nothing") is None
+
+
+def test_a_bulk_load_keeps_no_reference_to_its_destinations(tmp_path):
+    """Failed before: the bulk reader's batch closure called itself, a reference cycle that
+    kept every destination alive until the garbage collector ran (a DCP export's bound
+    on resident tensors counts on them being freed at once)."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    bcp.save({"a": torch.ones(256), "b": torch.ones(256)}, str(tmp_path / "c"))
+    reader = bcp.open(str(tmp_path / "c"))
+    freed: list[int] = []
+    gc.disable()
+    try:
+        buffer = np.empty(1024, np.uint8)
+        weakref.finalize(buffer, freed.append, 1)
+        dest = torch.from_numpy(buffer).view(torch.float32)
+        reader.fill([("a", ((0,), (256,)), dest)])
+        assert torch.equal(dest, torch.ones(256))
+        del dest, buffer
+        assert freed == [1]
+    finally:
+        gc.enable()

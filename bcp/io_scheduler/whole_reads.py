@@ -213,32 +213,38 @@ def execute_whole_reads(
     def span_of(batch: list[int]) -> int:
         return reads[batch[-1]].offset + reads[batch[-1]].nbytes - reads[batch[0]].offset
 
+    def read_each(batch: list[int], resident: bool) -> tuple[int, int]:
+        """Each read of ``batch`` in place, one request each (``resident``: in memory)."""
+        at = reads[batch[0]]
+        try:
+            with backend.reading(at.file) as read, trace.span("fetch", span_of(batch)):
+                for i in batch:
+                    at = reads[i]
+                    if check and resident and at.nbytes > chunk:
+                        read_in_pieces(i, read)
+                        continue
+                    read(at.offset, at.target)
+                    if check:
+                        verify_one(i)
+        except (ObjectNotFoundError, EOFError) as e:
+            raise read_exec.read_error(name, fragment(at.fqn), 0, e) from e
+        return len(batch), 0
+
     def run_batch(batch: list[int], resident: bool) -> tuple[int, int]:
-        """(requests, padding bytes) of one batch (``resident``: found in memory)."""
+        """(requests, padding bytes) of one batch (``resident``: found in memory).
+        Not recursive: a closure that calls itself is a reference cycle, which would keep
+        the destinations alive until the garbage collector runs."""
+        if len(batch) == 1 or resident:
+            return read_each(batch, resident)
         first = reads[batch[0]]
         span = span_of(batch)
-        if len(batch) == 1 or resident:
-            at = first
-            try:
-                with backend.reading(first.file) as read, trace.span("fetch", span):
-                    for i in batch:
-                        at = reads[i]
-                        if check and resident and at.nbytes > chunk:
-                            read_in_pieces(i, read)
-                            continue
-                        read(at.offset, at.target)
-                        if check:
-                            verify_one(i)
-            except (ObjectNotFoundError, EOFError) as e:
-                raise read_exec.read_error(name, fragment(at.fqn), 0, e) from e
-            return len(batch), 0
         scratch = read_exec.scratch_memory(span, first.offset)
         try:
             with trace.span("fetch", span):
                 backend.read_exact(first.file, first.offset, scratch)
         except (ObjectNotFoundError, EOFError):
             for i in batch:  # one by one, so the error names the tensor truly missing
-                run_batch([i], False)
+                read_each([i], False)
             return len(batch), 0
         for i in batch:
             r = reads[i]
