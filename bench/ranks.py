@@ -18,6 +18,16 @@ from typing import Any
 PRELOAD = ("numpy", "torch", "torch.distributed", "bcp")
 
 
+def start_fork_server(preload: tuple[str, ...] = ()) -> None:
+    """Start the fork server now (with :data:`PRELOAD` and ``preload``) instead of at the
+    first rank: a script that calls this before importing torch itself has both imports
+    run side by side."""
+    import multiprocessing.forkserver
+
+    mp.get_context("forkserver").set_forkserver_preload([*PRELOAD, *preload])
+    multiprocessing.forkserver.ensure_running()
+
+
 def run_ranks(
     target: Callable[..., None],
     args_of: Callable[[int], tuple[Any, ...]],

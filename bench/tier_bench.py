@@ -59,6 +59,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+#: the ranks' fork server imports, besides bench/ranks.py's: the S3 client library (the
+#: persistent tier) and what an optimizer's first step imports (torch._dynamo and sympy:
+#: seconds of CPU in every rank otherwise, before any phase is timed)
+RANK_PRELOAD = ("bcp.backends.s3", "torch._dynamo")
+# ruff: noqa: E402 - so that the fork server can start before this script imports torch
+if __name__ == "__main__":  # the fork server imports torch while this script does (below)
+    import ranks
+
+    ranks.start_fork_server(RANK_PRELOAD)
+
 import torch
 import torch.distributed as dist
 
@@ -534,7 +544,7 @@ def run(job: str, world: int, cfg: dict, timeout: float) -> dict:
         world,
         timeout,
         f"tier_bench: the {job} job",
-        preload=("bcp.backends.s3",),  # the S3 client library, for the persistent tier
+        preload=RANK_PRELOAD,
     )
     return json.loads(Path(cfg["out"]).read_text())
 

@@ -3,11 +3,14 @@
 Two hosts are simulated with network namespaces joined by a veth pair (addresses in
 10.231.77.0/24, which exist only inside the namespaces the test creates); each has
 its own /etc/hosts (``ip netns exec`` mounts /etc/netns/<name>/hosts over it) that
-maps this machine's host name to 127.0.1.1. Two ranks run in each. Needs root and
-``ip netns``; skipped otherwise."""
+maps this machine's host name to 127.0.1.1. Two ranks run in each, forked by a server
+started once per host for the whole module (tests/multihost_server.py: it imports torch
+and bcp once, so a rank starts in a fraction of a second). Needs root and ``ip netns``;
+skipped otherwise."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pathlib
@@ -16,11 +19,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-JOB = pathlib.Path(__file__).with_name("multihost_jobs.py")
+SERVER = pathlib.Path(__file__).with_name("multihost_server.py")
 SUBNET = "10.231.77"
 RANKS_PER_HOST = 2
 
@@ -29,15 +33,98 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
 
 
+class Rank:
+    """One rank forked by a host's server (``multihost_server.py``): its pid, output file, exit status."""
+
+    def __init__(self, pid: int, out: pathlib.Path) -> None:
+        self.pid, self.out, self.returncode = pid, out, None
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)  # the rank is its own session: killed whole
+            except ProcessLookupError:
+                pass
+
+
+class Server:
+    """``python multihost_server.py`` started in a host's namespace: imports torch and bcp once, forks ranks."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+        self.ranks: dict[int, Rank] = {}
+        self.started: list[int] = []  # pids, in the order of the requests
+        self.early: dict[int, int] = {}  # exit statuses read before their rank was registered
+        self.lock = threading.Condition()
+        self.ended = False
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if not line.startswith("{"):
+                continue
+            message = json.loads(line)
+            with self.lock:
+                if "pid" in message:
+                    self.started.append(message["pid"])
+                elif message["exited"] in self.ranks:
+                    self.ranks[message["exited"]].returncode = message["rc"]
+                else:
+                    self.early[message["exited"]] = message["rc"]
+                self.lock.notify_all()
+        with self.lock:
+            self.ended = True
+            self.lock.notify_all()
+
+    def fork(self, argv: list[str], env: dict[str, str], out: pathlib.Path, timeout: float = 120) -> Rank:
+        with self.lock:
+            count = len(self.started)
+            assert self.process.stdin is not None
+            self.process.stdin.write(json.dumps({"argv": argv, "env": env, "out": str(out)}) + "\n")
+            self.process.stdin.flush()
+            if not self.lock.wait_for(lambda: len(self.started) > count or self.ended, timeout):
+                raise RuntimeError(f"the host's fork server did not answer in {timeout:g} s")
+            if self.ended:
+                raise RuntimeError(f"the host's fork server ended (exit {self.process.wait()})")
+            rank = Rank(self.started[count], out)
+            rank.returncode = self.early.pop(rank.pid, None)
+            self.ranks[rank.pid] = rank
+            return rank
+
+    def wait(self, rank: Rank, timeout: float) -> bool:
+        """True once ``rank`` has exited, False if it still runs after ``timeout`` s."""
+        with self.lock:
+            return self.lock.wait_for(lambda: rank.returncode is not None or self.ended, timeout) and (
+                rank.returncode is not None
+            )
+
+    def close(self) -> None:
+        for rank in list(self.ranks.values()):
+            rank.kill()
+        if self.process.poll() is None:
+            assert self.process.stdin is not None
+            try:
+                self.process.stdin.close()  # end of requests: the server kills what runs and exits
+            except BrokenPipeError:
+                pass
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=30)
+
+
 class Hosts:
-    """Two namespaces ``bcp-<pid>-a`` and ``-b`` linked by a veth pair; removed by ``close``."""
+    """Two namespaces ``bcp-<pid>-a`` and ``-b`` linked by a veth pair, each with a fork server
+    (shared by every case of this module); removed by ``close``."""
 
     def __init__(self) -> None:
         tag = f"{os.getpid()}{int(time.monotonic_ns()) % 1000:03d}"
         self.names = [f"bcp-{tag}-a", f"bcp-{tag}-b"]
         self.links = [f"bcpv{tag}a"[:15], f"bcpv{tag}b"[:15]]
         self.addresses = [f"{SUBNET}.1", f"{SUBNET}.2"]
-        self.processes: list[subprocess.Popen] = []
+        self.servers: list[Server] = []
 
     def open(self) -> None:
         for name in self.names:
@@ -51,32 +138,31 @@ class Hosts:
             self._run("-n", name, "addr", "add", f"{address}/24", "dev", link)
             self._run("-n", name, "link", "set", link, "up")
             self._run("-n", name, "link", "set", "lo", "up")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GLOO_", "BCP_", "MASTER_"))}
+        env["PYTHONUNBUFFERED"] = "1"
+        for name in self.names:
+            process = subprocess.Popen(
+                ["ip", "netns", "exec", name, sys.executable, str(SERVER)],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,  # its own process group: killed whole if it will not end
+            )
+            self.servers.append(Server(process))
 
     def _run(self, *args: str) -> None:
         done = _ip(*args)
         if done.returncode != 0:
             raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
-    def exec(self, host: int, *argv: str, env: dict[str, str]) -> subprocess.Popen:
-        process = subprocess.Popen(
-            ["ip", "netns", "exec", self.names[host], *argv],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # its own process group: killed whole at teardown
-        )
-        self.processes.append(process)
-        return process
+    def exec(self, host: int, argv: list[str], env: dict[str, str], out: pathlib.Path) -> Rank:
+        """Fork one rank of ``multihost_jobs.py ARGV`` on ``host``, as if started anew with ``env``."""
+        return self.servers[host].fork(argv, env, out)
 
     def close(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            process.wait(timeout=30)
+        for server in self.servers:
+            server.close()
         for name in self.names:
             _ip("netns", "del", name)  # the veth pair goes with its namespaces
             shutil.rmtree(pathlib.Path("/etc/netns", name), ignore_errors=True)
@@ -94,8 +180,10 @@ def _usable() -> str | None:
     return None
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def hosts():
+    """The two hosts and their fork servers, made once for the module (starting a server
+    imports torch: seconds) and removed at its end, failures included."""
     reason = _usable()
     if reason:
         pytest.skip(reason)
@@ -108,32 +196,37 @@ def hosts():
     assert not set(pair.names) & set(_ip("netns", "list").stdout.split()), "namespaces left behind"
 
 
+_PORTS = itertools.count(29477)  # a fresh port per case: the hosts (and the last case's sockets) live on
+
+
 def _run_job(hosts: Hosts, case: str, uri: str, extra_env: dict[str, str], deadline: float) -> list[dict]:
     """Start 2 hosts x 2 ranks, wait for every process (at most ``deadline`` s), return their reports by rank."""
     world = 2 * RANKS_PER_HOST
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GLOO_", "BCP_", "MASTER_"))}
-    env.update(MASTER_ADDR=hosts.addresses[0], MASTER_PORT="29477", PYTHONUNBUFFERED="1", **extra_env)
+    env.update(MASTER_ADDR=hosts.addresses[0], MASTER_PORT=str(next(_PORTS)), PYTHONUNBUFFERED="1", **extra_env)
     env.setdefault("JOB_DUMP_AFTER", str(deadline - 5))
     started = time.monotonic()
-    processes = []
-    for rank in range(world):
-        host = rank // RANKS_PER_HOST
-        argv = [sys.executable, str(JOB), case, str(rank), str(world), hosts.links[host], uri]
-        processes.append(hosts.exec(host, *argv, env=env))
-    reports, outputs = [], []
-    for rank, process in enumerate(processes):
-        try:
-            out, _ = process.communicate(timeout=max(1.0, deadline - (time.monotonic() - started)))
-        except subprocess.TimeoutExpired:
-            hosts.close()
-            pytest.fail(f"rank {rank} still running after {deadline:g} s (the job hangs)")
-        if "Timeout (" in out:  # faulthandler's dump: the job hung
-            pytest.fail(f"rank {rank} hung (exit {process.returncode}); its threads:\n{out[-6000:]}")
-        outputs.append(out)
-        lines = [line for line in out.splitlines() if line.startswith("REPORT ")]
-        assert lines, f"rank {rank} (exit {process.returncode}) reported nothing:\n{out[-3000:]}"
-        reports.append(json.loads(lines[-1][len("REPORT ") :]))
-    return reports
+    ranks = []
+    outputs_dir = pathlib.Path(uri).parent
+    try:
+        for rank in range(world):
+            host = rank // RANKS_PER_HOST
+            argv = [case, str(rank), str(world), hosts.links[host], uri]
+            ranks.append((host, hosts.exec(host, argv, env, outputs_dir / f"rank{rank}.out")))
+        reports = []
+        for rank, (host, process) in enumerate(ranks):
+            if not hosts.servers[host].wait(process, max(1.0, deadline - (time.monotonic() - started))):
+                pytest.fail(f"rank {rank} still running after {deadline:g} s (the job hangs)")
+            out = process.out.read_text(errors="replace")
+            if "Timeout (" in out:  # faulthandler's dump: the job hung
+                pytest.fail(f"rank {rank} hung (exit {process.returncode}); its threads:\n{out[-6000:]}")
+            lines = [line for line in out.splitlines() if line.startswith("REPORT ")]
+            assert lines, f"rank {rank} (exit {process.returncode}) reported nothing:\n{out[-3000:]}"
+            reports.append(json.loads(lines[-1][len("REPORT ") :]))
+        return reports
+    finally:
+        for _, process in ranks:
+            process.kill()  # a failed case leaves nothing running into the next one
 
 
 def test_auto_choice_saves_and_loads_exactly_when_the_host_name_is_loopback(hosts, tmp_path):
