@@ -18,7 +18,8 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Callable, MutableMapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -276,7 +277,7 @@ def find_candidates(
     block: int,
     storage_options: object = None,
     prefetched: concurrent.futures.Future | None = None,
-    kept: MutableMapping[Any, Looked] | None = None,
+    kept: OrderedDict[Any, Looked] | None = None,
     scope: object = None,
 ) -> Candidates:
     """:class:`Candidates` of ``items`` in ``base``'s catalog (:func:`base_rows`;
@@ -292,6 +293,8 @@ def find_candidates(
         return Candidates(None, none)
     key = (base.uri, base.manifest.save_id, block, scope)
     looked = kept.get(key) if kept is not None else None
+    if looked is not None and kept is not None:
+        kept.move_to_end(key)  # the least recently used is dropped first
     if looked is None or len(looked) != len(items):
         looked = base_rows(base, items, storage_options, prefetched)
         if looked is None:
@@ -429,7 +432,7 @@ def committed_rows(report: WriterReport, reuse: Reuse, n: int) -> Looked | None:
 
 
 def remember_commit(
-    kept: MutableMapping[Any, Looked], uri: str, save_id: str, block: int, scopes: dict[object, Looked]
+    kept: OrderedDict[Any, Looked], uri: str, save_id: str, block: int, scopes: dict[object, Looked]
 ) -> None:
     """Keep the lookups of the checkpoint ``uri`` (saved as ``save_id``) that a save just
     committed, per scope (:func:`find_candidates`): the next save whose base it is
@@ -440,7 +443,7 @@ def remember_commit(
             del kept[next(iter(kept))]
 
 
-def knows_base(kept: MutableMapping[Any, Looked] | None, uri: str) -> bool:
+def knows_base(kept: OrderedDict[Any, Looked] | None, uri: str) -> bool:
     """Whether ``kept`` holds a lookup of some save of ``uri`` (its manifest says which)."""
     return kept is not None and any(key[0] == uri for key in list(kept))
 

@@ -238,9 +238,9 @@ def _start(
     job = SaveJob(coord, backend, options, mine, start.save_id, pipeline, started, session)
     job.reuse = reuse
     if reuse is not None and kept is not None and isinstance(uri, (str, os.PathLike)):
-        job.on_commit = _remembering(
-            reuse[1], kept, os.fspath(uri), start.save_id, options, len(prepared.items), my_writes
-        )
+        one_rank = coord.world_size == 1
+        n = len(prepared.items)
+        job.on_commit = _remembering(reuse[1], kept, os.fspath(uri), start.save_id, options, n, my_writes, one_rank)
     return job
 
 
@@ -253,11 +253,11 @@ def _lookups(prepared: Prepared) -> Any:
 
 
 def _remembering(
-    found: Reuse, kept: Any, uri: str, save_id: str, options: SaveOptions, n: int, writes: np.ndarray
+    found: Reuse, kept: Any, uri: str, save_id: str, options: SaveOptions, n: int, writes: np.ndarray, one_rank: bool
 ) -> Callable[[WriterReport], None]:
     """(``SaveJob.on_commit``) Keep the committed checkpoint's rows of this rank's items
-    as the lookups of it as a base (``bcp.incremental.remember_commit``), for both scopes
-    :func:`_decide_early` and :func:`_decide` look them up by."""
+    as the lookups of it as a base (``bcp.incremental.remember_commit``), by the scope
+    the next save looks them up by (:func:`_decide_early` for one rank, else :func:`_decide`)."""
 
     def remember(report: WriterReport) -> None:
         try:
@@ -267,7 +267,8 @@ def _remembering(
             every: Looked = [None] * n
             for j, i in enumerate(writes.tolist()):
                 every[i] = mine[j]
-            scopes: dict[object, Looked] = {"every box": every, writes.tobytes(): mine}
+            # the scope the next save looks it up by: one rank's early match, else its writes
+            scopes: dict[object, Looked] = {"every box": every} if one_rank else {writes.tobytes(): mine}
             remember_commit(kept, uri, save_id, options.checksum_block_bytes, scopes)
         except Exception as e:  # noqa: BLE001 - the next save reads the catalog as always
             log.debug("%s: its rows are not kept for the next save (%s)", uri, e)
