@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import math
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -189,6 +190,9 @@ Looked = list[list[tuple[int | None, BaseRow]] | None]
 #: Base-row lookups kept per structure (``bcp.kept_plans.LocalPlan.lookups``): the base
 #: and the one before it (a save's early match and its match after the holds).
 KEEP_LOOKUPS = 4
+#: Guards every kept lookups mapping (an async save's commit and the next save's early
+#: match may touch one at once).
+_kept_lock = threading.Lock()
 
 
 @dataclasses.dataclass
@@ -292,17 +296,18 @@ def find_candidates(
     if base is None or base.manifest.checksum_block_bytes != block or not items:
         return Candidates(None, none)
     key = (base.uri, base.manifest.save_id, block, scope)
-    looked = kept.get(key) if kept is not None else None
-    if looked is not None and kept is not None:
-        kept.move_to_end(key)  # the least recently used is dropped first
+    looked = None
+    if kept is not None:
+        with _kept_lock:
+            looked = kept.get(key)
+            if looked is not None:
+                kept.move_to_end(key)  # the least recently used is dropped first
     if looked is None or len(looked) != len(items):
         looked = base_rows(base, items, storage_options, prefetched)
         if looked is None:
             return Candidates(None, none)
         if kept is not None:
-            kept[key] = looked
-            while len(kept) > KEEP_LOOKUPS:
-                del kept[next(iter(kept))]
+            remember_commit(kept, base.uri, base.manifest.save_id, block, {scope: looked})
     rows = list(none)
     for k, found in enumerate(looked):
         if not found:
@@ -437,15 +442,20 @@ def remember_commit(
     """Keep the lookups of the checkpoint ``uri`` (saved as ``save_id``) that a save just
     committed, per scope (:func:`find_candidates`): the next save whose base it is
     (the same URI and save id, as the manifest read says) reads no catalog."""
-    for scope, looked in scopes.items():
-        kept[(uri, save_id, block, scope)] = looked
-        while len(kept) > KEEP_LOOKUPS:
-            del kept[next(iter(kept))]
+    with _kept_lock:
+        for scope, looked in scopes.items():
+            kept[(uri, save_id, block, scope)] = looked
+            kept.move_to_end((uri, save_id, block, scope))
+            while len(kept) > KEEP_LOOKUPS:
+                del kept[next(iter(kept))]
 
 
 def knows_base(kept: OrderedDict[Any, Looked] | None, uri: str) -> bool:
     """Whether ``kept`` holds a lookup of some save of ``uri`` (its manifest says which)."""
-    return kept is not None and any(key[0] == uri for key in list(kept))
+    if kept is None:
+        return False
+    with _kept_lock:
+        return any(key[0] == uri for key in kept)
 
 
 def prefetch_manifest(base: str, storage_options: object) -> concurrent.futures.Future:

@@ -25,7 +25,11 @@ file layout and its chunks, ``bcp.io_scheduler.chunk_plan.PipelinePlan``) depend
 on nothing else but this rank's writes and the backend and pool settings, and is
 kept with it; for an async save it holds the dense host tensors' addresses (their
 chunks are staged by raw copies), valid because the fingerprint holds them too.
-Checksums of replicated boxes are data: taken at every save.
+Checksums of replicated boxes are data: taken at every save. An incremental save's
+pieces (``bcp.pieces.cut_pieces``) are kept too, apart from the full save's plan of the
+same structure (the key holds ``piece_bytes``): per piece, the rows of its leaf's piece it
+is (:func:`cut_items`); its kept plan also keeps the base-row lookups
+(``bcp.incremental.find_candidates``) by the base's URI and save id.
 """
 
 from __future__ import annotations

@@ -159,7 +159,9 @@ def _start(
     if options.base is not None and is_sibling(uri, options.base):
         if knows_base(kept, str(options.base)):
             # the base is likely the save this structure just committed: its manifest says
-            first = prefetch_manifest(options.base, options.storage_options)
+            # (several ranks: the coordinator's read, after the holds, says)
+            one_rank = coord.world_size == 1
+            first = prefetch_manifest(options.base, options.storage_options) if one_rank else None
         else:
             # the base's catalog read while the coordinator holds the base (a durable write)
             fqns = list(dict.fromkeys(i.plan.fqn for i in prepared.items))
