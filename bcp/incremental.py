@@ -18,13 +18,16 @@ import dataclasses
 import logging
 import math
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+from bcp import commit as commit_protocol
 from bcp.commit import read_manifest
 from bcp.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from bcp.io_scheduler.write_pipeline import WriteItem
@@ -204,6 +207,21 @@ def prefetch_base(base: str, storage_options: object, fqns: Sequence[str]) -> co
     return background(read)
 
 
+#: a base row an item could reuse: (digest, file path, byte offset, nbytes, checksums)
+BaseRow = tuple[bytes, str, int, int, tuple[int, ...]]
+
+#: per item: its base rows of the same box, each with its first block checksum (None:
+#: an empty row), or None (no such row): what :func:`base_rows` looks up
+Looked = list[list[tuple[int | None, BaseRow]] | None]
+
+#: Base-row lookups kept per structure (``bcp.kept_plans.LocalPlan.lookups``): the base
+#: and the one before it (a save's early match and its match after the holds).
+KEEP_LOOKUPS = 4
+#: Guards every kept lookups mapping (an async save's commit and the next save's early
+#: match may touch one at once).
+_kept_lock = threading.Lock()
+
+
 @dataclasses.dataclass
 class Candidates:
     """What the base offers ``items`` before any digest is taken: per item, the base
@@ -213,10 +231,8 @@ class Candidates:
 
     #: the base as held (``None``: the save refers to nothing)
     base: BaseRef | None
-    #: per item: (its base catalog entry, candidate row indices), or None
-    rows: list[tuple[TensorEntry, np.ndarray] | None]
-    #: the catalog's file names, by code
-    names: Sequence[str] = ()
+    #: per item: its candidate rows, or None
+    rows: list[list[BaseRow] | None]
 
     def to_digest(self) -> list[int]:
         """The items whose digest decides whether they are reused (the others are written)."""
@@ -224,7 +240,7 @@ class Candidates:
 
     def subset(self, indices: Sequence[int]) -> Candidates:
         """The candidates of ``items[i] for i in indices`` (one rank's writes of every box)."""
-        return Candidates(self.base, [self.rows[i] for i in indices], self.names)
+        return Candidates(self.base, [self.rows[i] for i in indices])
 
 
 def _reader_of(
@@ -254,50 +270,87 @@ def _reader_of(
     return reader
 
 
+def base_rows(
+    base: BaseRef, items: Sequence[WriteItem], storage_options: object, prefetched: concurrent.futures.Future | None
+) -> Looked | None:
+    """Per item, the rows of ``base``'s catalog holding its box (fqn, dtype, global
+    shape, box, size, a digest, a file the manifest lists): what depends on the base
+    and the items' structure only, not on their values. None when the base changed
+    after it was held. Reads only the catalog sections those boxes need."""
+    none: Looked = [None] * len(items)
+    reader = _reader_of(base, storage_options, prefetched)
+    if reader is None:
+        return None
+    catalog = reader.catalog
+    known = set(reader.tensor_keys())
+    wanted = [(i.plan.fqn, i.piece.box) for i in items if i.plan.fqn in known]
+    if not wanted:
+        return none
+    catalog.require(wanted)
+    entries = {e.fqn: e for e in catalog.entries(sorted({f for f, _b in wanted}))}
+    by_path = {f.path for f in base.manifest.data_files}
+    names = catalog.file_names
+    out = list(none)
+    for k, item in enumerate(items):
+        entry = entries.get(item.plan.fqn)
+        if entry is None:
+            continue
+        found = []
+        for h in _same_box(entry, item).tolist():
+            path = names[int(entry.files[h])]
+            if path not in by_path:
+                continue
+            sums = tuple(entry.checksums(h))
+            size = int(entry.sizes[h])
+            row: BaseRow = (bytes(entry.digests[h]), path, int(entry.byte_offsets[h]), size, sums)  # type: ignore[index]  # _same_box: digests
+            found.append((sums[0] if size else None, row))
+        if found:
+            out[k] = found
+    return out
+
+
 def find_candidates(
     base: BaseRef | None,
     items: Sequence[WriteItem],
     block: int,
     storage_options: object = None,
     prefetched: concurrent.futures.Future | None = None,
+    kept: OrderedDict[Any, Looked] | None = None,
+    scope: object = None,
 ) -> Candidates:
-    """:class:`Candidates` of ``items`` in ``base``'s catalog; reads only the catalog
-    sections those boxes need (``prefetched``: a reader :func:`prefetch_base` started,
-    used when it read the base held). One CRC32C of at most ``block`` bytes per item
-    with a candidate row: dense training, where every piece changes, then takes no
-    digest before writing (the pipeline digests what it writes, ``bcp.pieces``)."""
-    none: list[tuple[TensorEntry, np.ndarray] | None] = [None] * len(items)
+    """:class:`Candidates` of ``items`` in ``base``'s catalog (:func:`base_rows`;
+    ``prefetched``: a reader :func:`prefetch_base` started, used when it read the base
+    held). ``kept`` (a kept plan's ``lookups``, for items of its structure taken at
+    ``scope``): the lookup of the same base (URI and save id: a committed save's files
+    never change) taken there by an earlier save, else taken and kept. One CRC32C of at
+    most ``block`` bytes per item with a candidate row: dense training, where every
+    piece changes, then takes no digest before writing (the pipeline digests what it
+    writes, ``bcp.pieces``)."""
+    none: list[list[BaseRow] | None] = [None] * len(items)
     if base is None or base.manifest.checksum_block_bytes != block or not items:
         return Candidates(None, none)
-    reader = _reader_of(base, storage_options, prefetched)
-    if reader is None:
-        return Candidates(None, none)
-    catalog = reader.catalog
-    known = set(reader.tensor_keys())
-    wanted = [(i.plan.fqn, i.piece.box) for i in items if i.plan.fqn in known]
-    if not wanted:
-        return Candidates(base, none)
-    catalog.require(wanted)
-    entries = {e.fqn: e for e in catalog.entries(sorted({f for f, _b in wanted}))}
-    by_path = {f.path for f in base.manifest.data_files}
-    names = catalog.file_names
+    key = (base.uri, base.manifest.save_id, block, scope)
+    looked = None
+    if kept is not None:
+        with _kept_lock:
+            looked = kept.get(key)
+            if looked is not None:
+                kept.move_to_end(key)  # the least recently used is dropped first
+    if looked is None or len(looked) != len(items):
+        looked = base_rows(base, items, storage_options, prefetched)
+        if looked is None:
+            return Candidates(None, none)
+        if kept is not None:
+            remember_commit(kept, base.uri, base.manifest.save_id, block, {scope: looked})
     rows = list(none)
-    for k, item in enumerate(items):
-        entry = entries.get(item.plan.fqn)
-        if entry is None:
+    for k, found in enumerate(looked):
+        if not found:
             continue
-        same = _same_box(entry, item)
-        if not same.size:
-            continue
-        first = first_block_crc(item.piece.tensor, block)
-        keep = [
-            h
-            for h in same.tolist()
-            if names[int(entry.files[h])] in by_path and (not int(entry.sizes[h]) or entry.checksums(h)[0] == first)
-        ]
+        first = first_block_crc(items[k].piece.tensor, block)
+        keep = [row for f, row in found if f is None or f == first]
         if keep:
-            rows[k] = (entry, np.asarray(keep, np.int64))
-    return Candidates(base, rows, names)
+            rows[k] = keep
+    return Candidates(base, rows)
 
 
 def _same_box(e: TensorEntry, item: WriteItem) -> np.ndarray:
@@ -336,19 +389,16 @@ def decide(candidates: Candidates, items: Sequence[WriteItem], digests: np.ndarr
     reused, changed, rows = [], [], []
     files: dict[str, FileEntry] = {}
     for k, found in enumerate(candidates.rows):
-        if found is None:
+        digest = digests[k].tobytes() if found else b""
+        row = next((r for r in found if r[0] == digest), None) if found else None
+        if row is None:
             changed.append(k)
             continue
-        entry, at = found
-        same = at[(entry.digests[at] == digests[k]).all(axis=1)]  # type: ignore[index]  # candidates have digests
-        if not same.size:
-            changed.append(k)
-            continue
-        row = int(same[0])
-        path = candidates.names[int(entry.files[row])]
-        owner = by_path[path]
-        files.setdefault(path, FileEntry(path, owner.nbytes, 0, owner.checkpoint or base.name))
-        rows.append((path, int(entry.byte_offsets[row]), int(entry.sizes[row]), list(entry.checksums(row))))
+        path = row[1]
+        if path not in files:
+            owner = by_path[path]
+            files[path] = FileEntry(path, owner.nbytes, 0, owner.checkpoint or base.name)
+        rows.append((path, row[2], row[3], list(row[4])))
         reused.append(k)
     return Reuse(reused, changed, rows, files)
 
@@ -396,6 +446,59 @@ def with_reuse(report: WriterReport, items: Sequence[WriteItem], reuse: Reuse, d
     )
 
 
+def committed_rows(report: WriterReport, reuse: Reuse, n: int) -> Looked | None:
+    """Per item (``n`` of them, as :func:`with_reuse` ordered ``report``'s rows), the
+    row the checkpoint just committed holds for it: the lookup (:func:`base_rows`) of
+    that checkpoint as a base, known without reading its catalog. None when the report
+    does not hold one row per item."""
+    order = reuse.changed + reuse.reused
+    table, files = report.rows, report.row_files
+    if table.num_rows != len(order) or report.digests is None or files is None or len(report.digests) != len(order):
+        return None
+    own = report.file.path if report.file is not None else None
+    offsets = table.column("byte_offset").to_pylist()
+    sizes = table.column("nbytes").to_pylist()
+    sums = table.column("checksums").to_pylist()
+    out: Looked = [None] * n
+    for j, k in enumerate(order):
+        path = files[j] or own
+        if path is None:
+            continue
+        size, checks = int(sizes[j]), tuple(sums[j])
+        row: BaseRow = (report.digests[j].tobytes(), path, int(offsets[j]), size, checks)
+        out[k] = [(checks[0] if size else None, row)]
+    return out
+
+
+def remember_commit(
+    kept: OrderedDict[Any, Looked], uri: str, save_id: str, block: int, scopes: dict[object, Looked]
+) -> None:
+    """Keep the lookups of the checkpoint ``uri`` (saved as ``save_id``) that a save just
+    committed, per scope (:func:`find_candidates`): the next save whose base it is
+    (the same URI and save id, as the manifest read says) reads no catalog."""
+    with _kept_lock:
+        for scope, looked in scopes.items():
+            kept[(uri, save_id, block, scope)] = looked
+            kept.move_to_end((uri, save_id, block, scope))
+            while len(kept) > KEEP_LOOKUPS:
+                del kept[next(iter(kept))]
+
+
+def knows_base(kept: OrderedDict[Any, Looked] | None, uri: str) -> bool:
+    """Whether ``kept`` holds a lookup of some save of ``uri`` (its manifest says which)."""
+    if kept is None:
+        return False
+    with _kept_lock:
+        return any(key[0] == uri for key in kept)
+
+
+def prefetch_manifest(base: str, storage_options: object) -> concurrent.futures.Future:
+    """Start reading only the base's manifest in the background (its catalog is known
+    by :func:`remember_commit` if the manifest names that save)."""
+    options = dict(storage_options or {})  # type: ignore[call-overload]
+    return background(lambda: commit_protocol.read_manifest(resolve_backend(base, options)))
+
+
 def reference_entries(references: Sequence[FileEntry], rows: Rows, names: Sequence[str]) -> list[FileEntry]:
     """The manifest entries of the referenced files: each file's CRC32C over the block
     checksums of this catalog's rows in it, in file order (a stored fragment once)."""
@@ -418,17 +521,24 @@ def reference_entries(references: Sequence[FileEntry], rows: Rows, names: Sequen
 
 __all__ = [
     "BaseRef",
+    "BaseRow",
     "Candidates",
+    "Looked",
     "Reuse",
+    "base_rows",
     "check_sibling",
+    "committed_rows",
     "decide",
     "find_candidates",
     "first_block_crc",
     "hold_base",
     "is_sibling",
+    "knows_base",
     "match",
     "open_base",
     "prefetch_base",
+    "prefetch_manifest",
     "reference_entries",
+    "remember_commit",
     "with_reuse",
 ]

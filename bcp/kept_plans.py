@@ -25,7 +25,11 @@ file layout and its chunks, ``bcp.io_scheduler.chunk_plan.PipelinePlan``) depend
 on nothing else but this rank's writes and the backend and pool settings, and is
 kept with it; for an async save it holds the dense host tensors' addresses (their
 chunks are staged by raw copies), valid because the fingerprint holds them too.
-Checksums of replicated boxes are data: taken at every save.
+Checksums of replicated boxes are data: taken at every save. An incremental save's
+pieces (``bcp.pieces.cut_pieces``) are kept too, apart from the full save's plan of the
+same structure (the key holds ``piece_bytes``): per piece, the rows of its leaf's piece it
+is (:func:`cut_items`); its kept plan also keeps the base-row lookups
+(``bcp.incremental.find_candidates``) by the base's URI and save id.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -176,6 +180,11 @@ class LocalPlan:
     replicated: list[bool]
     #: the write pipeline's plans, by ``bcp.io_scheduler.write_pipeline.pipeline_key``
     pipelines: OrderedDict[Any, PipelinePlan] = dataclasses.field(default_factory=OrderedDict)
+    #: an incremental save's: per box, the dim-0 rows ``[a, b)`` of its piece's tensor it
+    #: writes (None: the whole piece) (:func:`cut_items`)
+    cuts: list[tuple[int, int] | None] | None = None
+    #: an incremental save's base-row lookups, by base identity (``bcp.incremental``)
+    lookups: OrderedDict[Any, Any] = dataclasses.field(default_factory=OrderedDict)
 
     def items(self, values: list[Any]) -> list[WriteItem]:
         """The write items of this save's tensors (``fingerprint``'s ``values``)."""
@@ -191,6 +200,35 @@ class LocalPlan:
             if self.replicated[item.tensor]:
                 summer.add(item.tensor, item.piece.box, item.plan.global_shape, item.piece.tensor)
         return summer.finish()
+
+
+def cut_items(kept: LocalPlan, values: list[Any]) -> list[WriteItem]:
+    """:meth:`LocalPlan.items` of an incremental save's kept plan: each piece the rows of
+    its leaf's piece that :func:`bcp.pieces.cut_pieces` gave it when planned."""
+    assert kept.cuts is not None
+    out = []
+    for plan, box, t, k, cut in zip(kept.plans, kept.boxes, kept.tensor_of, kept.piece_of, kept.cuts, strict=True):
+        tensor = values[t] if k < 0 else values[t].pieces[k].tensor
+        out.append(WriteItem(plan, Piece(box, tensor if cut is None else tensor[cut[0] : cut[1]]), t))
+    return out
+
+
+def cut_local(local: list[Piece], dtype: torch.dtype, piece_bytes: int) -> tuple[list[Piece], list[int], list]:
+    """``local`` cut into pieces (``bcp.pieces.cut_pieces``): the pieces, each one's index
+    in ``local`` and its dim-0 rows of that piece's tensor (None: all of it)."""
+    pieces: list[Piece] = []
+    origin: list[int] = []
+    cuts: list[tuple[int, int] | None] = []
+    for k, piece in enumerate(local):
+        for cut in cut_pieces(piece, dtype, piece_bytes):
+            pieces.append(cut)
+            origin.append(k)
+            if cut is piece:
+                cuts.append(None)
+            else:
+                a = cut.box[0][0] - piece.box[0][0]
+                cuts.append((a, a + cut.box[1][0]))
+    return pieces, origin, cuts
 
 
 class LocalPlans:
@@ -240,21 +278,22 @@ def prepare_tensors(
     """The tensor part of step 1: each tensor's plan and local pieces (and, with
     ``summer``, the checksums of its replicated ones); from ``plans`` when it keeps
     this structure, else planned and kept there. ``piece_bytes`` (an incremental save):
-    every local box cut into pieces of whole rows (``bcp.incremental.cut_pieces``), kept
-    plans neither used nor kept."""
+    every local box cut into pieces of whole rows (``bcp.pieces.cut_pieces``), kept
+    apart from the full saves' plans of the structure (the key holds ``piece_bytes``)."""
     summer = summer or ReplicaSummer("off")
-    if piece_bytes is not None:
-        plans = None
     key, values = fingerprint(leaves, rank) if plans is not None else (None, [])
+    if piece_bytes is not None and key is not None:
+        key = Fingerprint(("pieces", piece_bytes, key))
     kept = plans.get(key) if plans is not None else None
     if kept is not None:
-        reused = kept.items(values)
+        reused = kept.items(values) if kept.cuts is None else cut_items(kept, values)
         return Prepared(kept.layout, reused, objects, kept.sum_replicas(reused, summer), kept)
     tensors: list[TensorPlan] = []
     items: list[WriteItem] = []
     piece_of: list[int] = []
     replicated: list[bool] = []
     first_fqn_of: dict[tuple, str] = {}
+    cuts: list[tuple[int, int] | None] | None = [] if piece_bytes is not None else None
     for leaf in leaves.values():
         if not leaf.is_tensor:
             continue
@@ -262,8 +301,12 @@ def prepare_tensors(
         shape, dtype, local, _replicated = local_pieces(leaf.value, leaf.fqn)
         for piece in local:
             check_saveable(piece.tensor, leaf.fqn)
-        if piece_bytes is not None:
-            local = [cut for piece in local for cut in cut_pieces(piece, dtype, piece_bytes)]
+        origin: Sequence[int] = range(len(local))
+        if cuts is not None and piece_bytes is not None:
+            whole = len(local)
+            local, origin, mine = cut_local(local, dtype, piece_bytes)
+            cuts.extend(mine)
+            origin = [-1] * len(local) if plain and whole == 1 else origin
         ident = tuple(storage_identity(p.tensor) for p in local)
         alias = first_fqn_of.setdefault(ident, leaf.fqn)
         tensor_plan = TensorPlan(
@@ -275,7 +318,7 @@ def prepare_tensors(
             alias_of=None if alias == leaf.fqn else alias,
         )
         items.extend(WriteItem(tensor_plan, piece, len(tensors)) for piece in local)  # LocalLayout's flat order
-        piece_of.extend([-1] if plain and len(local) == 1 else range(len(local)))
+        piece_of.extend([-1] if cuts is None and plain and len(local) == 1 else origin)
         holds = holds_replica(leaf.value)
         replicated.append(holds)
         if summer.enabled and holds:
@@ -294,9 +337,20 @@ def prepare_tensors(
             [i.tensor for i in items],
             piece_of,
             replicated,
+            cuts=cuts,
         )
         plans.put(key, kept)
     return Prepared(layout, items, objects, replicas, kept)
 
 
-__all__ = ["Fingerprint", "LocalPlan", "LocalPlans", "LocalTensor", "Prepared", "fingerprint", "prepare_tensors"]
+__all__ = [
+    "Fingerprint",
+    "LocalPlan",
+    "LocalPlans",
+    "LocalTensor",
+    "Prepared",
+    "cut_items",
+    "cut_local",
+    "fingerprint",
+    "prepare_tensors",
+]

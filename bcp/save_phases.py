@@ -419,6 +419,8 @@ class SaveJob:
         self.reported = False
         #: an incremental save's: every item of this rank, what it reuses, their digests
         self.reuse: tuple[list[WriteItem], Reuse, np.ndarray] | None = None
+        #: called with this rank's report once the checkpoint is committed (never raises)
+        self.on_commit: Callable[[WriterReport], None] | None = None
 
     def stage(self, select: Callable[[Any], bool] | None = None, last: bool = True) -> None:
         """Hand chunks to the writers (those ``select`` accepts; all when None)."""
@@ -460,6 +462,8 @@ class SaveJob:
             mine = self.write()
             with trace.span("commit"):  # every rank's rows gathered on the coordinator, which commits
                 stats = gather_decide(coord, "committing the checkpoint", mine, self.commit_checkpoint, sent=self._sent)
+        if self.on_commit is not None:
+            self.on_commit(mine)
         existing = self.decision.existing if self.decision is not None else None
         if existing is not None and existing.manifest is not None:
             old = existing.manifest.generation

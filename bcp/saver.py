@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -34,9 +35,22 @@ import numpy as np
 from bcp import trace
 from bcp.coordination.collectives import Coordinator, gather_decide, gather_decide_scatter, run_phase
 from bcp.coordination.lanes import ready
-from bcp.errors import ShardingError
+from bcp.errors import CheckpointNotFoundError, ShardingError
 from bcp.gc_pause import gc_paused
-from bcp.incremental import BaseRef, Candidates, Reuse, decide, find_candidates, is_sibling, prefetch_base
+from bcp.incremental import (
+    BaseRef,
+    Candidates,
+    Looked,
+    Reuse,
+    committed_rows,
+    decide,
+    find_candidates,
+    is_sibling,
+    knows_base,
+    prefetch_base,
+    prefetch_manifest,
+    remember_commit,
+)
 from bcp.io_scheduler.write_pipeline import WriteItem
 from bcp.kept_plans import LocalPlans, Prepared, prepare_tensors
 from bcp.metadata.keys import split_parent
@@ -44,6 +58,7 @@ from bcp.options import SaveOptions, SaveOptionsKwargs
 from bcp.pieces import StreamDigests, background, start_digests
 from bcp.planning import GlobalPlan, LayoutMeta, LocalLayout, plan_save
 from bcp.planning.cache import PlanCache, PlanSummary, plan_cache_for, save_order
+from bcp.planning.writer_rows import WriterReport
 from bcp.replicas import check_replicas
 from bcp.save_phases import (
     SaveDecision,
@@ -139,17 +154,25 @@ def _start(
     held = cache.held()
     layout = prepared.layout
     prefetched = None
+    first: Future | None = None  # the base's manifest (or reader) as first read
+    kept = _lookups(prepared)
     if options.base is not None and is_sibling(uri, options.base):
-        # the base's catalog read while the coordinator holds the base (a durable write)
-        fqns = list(dict.fromkeys(i.plan.fqn for i in prepared.items))
-        prefetched = prefetch_base(options.base, options.storage_options, fqns)
+        if knows_base(kept, str(options.base)):
+            # the base is likely the save this structure just committed: its manifest says
+            # (several ranks: the coordinator's read, after the holds, says)
+            one_rank = coord.world_size == 1
+            first = prefetch_manifest(options.base, options.storage_options) if one_rank else None
+        else:
+            # the base's catalog read while the coordinator holds the base (a durable write)
+            fqns = list(dict.fromkeys(i.plan.fqn for i in prepared.items))
+            prefetched = first = prefetch_base(options.base, options.storage_options, fqns)
     reusable = None
     early: Future | None = None
     threads = options.streams or backend.hints.concurrency
-    if options.is_incremental and coord.world_size == 1 and prefetched is not None:
+    if options.is_incremental and coord.world_size == 1 and first is not None:
         # one rank writes every box: find what the base offers (and digest those pieces)
         # while the coordinator checks the target
-        early = _decide_early(prepared.items, options, prefetched, threads)
+        early = _decide_early(prepared.items, options, first, threads, kept, prefetched is not None)
         reusable = _reuses_any(prepared.items, early)
     decision: SaveDecision | SaveStart = gather_decide(
         coord,
@@ -186,7 +209,17 @@ def _start(
         # pieces whose first block is unchanged): only the others are written
         with trace.span("digest"):
             found, digests = run_phase(
-                coord, "reading the base", _decide, start.base, items, my_writes, options, prefetched, early, threads
+                coord,
+                "reading the base",
+                _decide,
+                start.base,
+                items,
+                my_writes,
+                options,
+                prefetched,
+                early,
+                threads,
+                _lookups(prepared),
             )
         reuse = (items, found, digests)
         every = len(found.changed) == len(items)
@@ -198,29 +231,77 @@ def _start(
         items,
         options,
         stage_all=stage_all,
-        plans=prepared.local.pipelines if prepared.local is not None and (reuse is None or every) else None,
-        writes=my_writes if reuse is None or every else None,
+        plans=prepared.local.pipelines if prepared.local is not None else None,
+        writes=my_writes if reuse is None or every else my_writes[reuse[1].changed],
     )
     if reuse is not None:  # the writers digest what they write (the bytes saved)
         pipeline.digests = StreamDigests(pipeline.unique, pipeline.item_nbytes)
     mine = decision if isinstance(decision, SaveDecision) else None
     job = SaveJob(coord, backend, options, mine, start.save_id, pipeline, started, session)
     job.reuse = reuse
+    if reuse is not None and kept is not None and isinstance(uri, (str, os.PathLike)):
+        one_rank = coord.world_size == 1
+        n = len(prepared.items)
+        job.on_commit = _remembering(reuse[1], kept, os.fspath(uri), start.save_id, options, n, my_writes, one_rank)
     return job
 
 
 Early = tuple[BaseRef, Candidates, np.ndarray]
 
 
-def _decide_early(items: list[WriteItem], options: SaveOptions, prefetched: Future, threads: int) -> Future[Early]:
-    """(one rank) In the background, on the base as first read (``prefetched``): the
-    candidates of ``items`` and the digests that decide them (:func:`_decide`)."""
+def _lookups(prepared: Prepared) -> Any:
+    """Where the base-row lookups of ``prepared``'s kept structure are kept (None: not kept)."""
+    return prepared.local.lookups if prepared.local is not None else None
+
+
+def _remembering(
+    found: Reuse, kept: Any, uri: str, save_id: str, options: SaveOptions, n: int, writes: np.ndarray, one_rank: bool
+) -> Callable[[WriterReport], None]:
+    """(``SaveJob.on_commit``) Keep the committed checkpoint's rows of this rank's items
+    as the lookups of it as a base (``bcp.incremental.remember_commit``), by the scope
+    the next save looks them up by (:func:`_decide_early` for one rank, else :func:`_decide`)."""
+
+    def remember(report: WriterReport) -> None:
+        try:
+            mine = committed_rows(report, found, len(writes))
+            if mine is None:
+                return
+            every: Looked = [None] * n
+            for j, i in enumerate(writes.tolist()):
+                every[i] = mine[j]
+            # the scope the next save looks it up by: one rank's early match, else its writes
+            scopes: dict[object, Looked] = {"every box": every} if one_rank else {writes.tobytes(): mine}
+            remember_commit(kept, uri, save_id, options.checksum_block_bytes, scopes)
+        except Exception as e:  # noqa: BLE001 - the next save reads the catalog as always
+            log.debug("%s: its rows are not kept for the next save (%s)", uri, e)
+
+    return remember
+
+
+def _decide_early(
+    items: list[WriteItem],
+    options: SaveOptions,
+    prefetched: Future,
+    threads: int,
+    kept: Any = None,
+    is_reader: bool = True,
+) -> Future[Early]:
+    """(one rank) In the background, on the base as first read (``prefetched``: its
+    reader, or with ``is_reader`` False its manifest alone): the candidates of ``items``
+    and the digests that decide them (:func:`_decide`; ``kept``: the base-row lookups
+    kept with their structure, ``bcp.incremental.find_candidates``)."""
     assert options.base is not None  # prefetched: a base was given
 
     def run() -> Early:
-        reader = prefetched.result()
-        base = BaseRef(str(options.base), split_parent(str(options.base))[1], reader.manifest)
-        found = find_candidates(base, items, options.checksum_block_bytes, options.storage_options, prefetched)
+        got = prefetched.result()
+        if got is None:
+            raise CheckpointNotFoundError(f"base {options.base!r} holds no committed checkpoint (no manifest.json)")
+        manifest = got.manifest if is_reader else got
+        base = BaseRef(str(options.base), split_parent(str(options.base))[1], manifest)
+        reader = prefetched if is_reader else None
+        found = find_candidates(
+            base, items, options.checksum_block_bytes, options.storage_options, reader, kept, "every box"
+        )
         return base, found, start_digests(items, threads, found.to_digest())()
 
     return background(run)
@@ -252,6 +333,7 @@ def _decide(
     prefetched: Future | None,
     early: Future[Early] | None,
     threads: int,
+    kept: Any = None,
 ) -> tuple[Reuse, np.ndarray]:
     """What ``items`` (this rank's ``writes``) reuse of ``base``, and the digests of the
     items whose first block checksum equals a candidate row's (zeros for the others: the
@@ -267,7 +349,9 @@ def _decide(
             if seen.manifest.save_id == base.manifest.save_id:
                 found = dataclasses.replace(found.subset(writes.tolist()), base=base)
                 return decide(found, items, digests[writes]), digests[writes]
-    found = find_candidates(base, items, options.checksum_block_bytes, options.storage_options, prefetched)
+    found = find_candidates(
+        base, items, options.checksum_block_bytes, options.storage_options, prefetched, kept, writes.tobytes()
+    )
     digests = start_digests(items, threads, found.to_digest())()
     return decide(found, items, digests), digests
 

@@ -10,7 +10,14 @@ save's wall and CPU once waited for): one row each of the medians of wall second
 process CPU seconds (all threads) and blocking seconds, their ratios and the bytes
 each wrote, and the load average before and after (the machine may be shared).
 
-    python bench/incremental_cost.py [--mib 256] [--tensors 8] [--rounds 5] [--dir /tmp/bcp-incr-bench]
+``--count N`` saves ``N`` 1-D tensors of mixed sizes instead (``bench/shapes.py``
+``count_state``: e.g. ``--count 2000 --mib 64``), where the per-tensor costs (plans,
+pieces, the base's rows) show rather than the bytes; ``--manager`` saves through a
+``CheckpointManager`` (async, its base the step it committed last) against one at
+``incremental=False``, the state changed in place between steps.
+
+    python bench/incremental_cost.py [--mib 256] [--tensors 8] [--count N] [--manager] [--rounds 5]
+        [--dir /tmp/bcp-incr-bench]
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -55,6 +63,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="state size in MiB")
     ap.add_argument("--tensors", type=int, default=8)
+    ap.add_argument("--count", type=int, default=0, help="N 1-D tensors of mixed sizes (count_state)")
+    ap.add_argument("--manager", action="store_true", help="through CheckpointManagers (async)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/bcp-incr-bench")
@@ -67,10 +77,16 @@ def main() -> None:
     print(f"load average {load}, {os.cpu_count()} CPUs")
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
-    rows = (args.mib << 20) // args.tensors // 4 // 1024
-    state = {f"w{i}": torch.randn(rows, 1024) for i in range(args.tensors)}
+    if args.count:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from shapes import count_state
+
+        state = count_state(args.mib << 20, args.count)
+    else:
+        rows = (args.mib << 20) // args.tensors // 4 // 1024
+        state = {f"w{i}": torch.randn(rows, 1024) for i in range(args.tensors)}
     try:
-        for mode in ("sync", "async"):
+        for mode in ("manager",) if args.manager else ("sync", "async"):
             dense_rows(state, args, mode)
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
@@ -80,6 +96,9 @@ def main() -> None:
 def dense_rows(state: dict[str, torch.Tensor], args: argparse.Namespace, mode: str) -> None:
     """Full and incremental saves of ``state``, every byte changed before each pair,
     interleaved; prints the medians (wall, CPU, and for async the blocking seconds)."""
+    if mode == "manager":
+        manager_rows(state, args)
+        return
     base = os.path.join(args.dir, f"{mode}-base")
     bcp.save(state, base, incremental=True)
     samples: dict[str, list[tuple[float, float, float]]] = {"full": [], "incremental": []}
@@ -117,6 +136,39 @@ def dense_rows(state: dict[str, torch.Tensor], args: argparse.Namespace, mode: s
         f"incremental_cost: {mode}, all changed, {args.mib} MiB: time {inc[0] / full[0]:.3f}x, "
         f"cpu {inc[1] / full[1]:.3f}x, blocking {inc[2] / full[2]:.3f}x, "
         f"bytes {written['incremental'] / written['full']:.4f}x"
+    )
+
+
+def manager_rows(state: dict[str, torch.Tensor], args: argparse.Namespace) -> None:
+    """Steps through two managers (incremental and not), every byte changed before each
+    step, interleaved; medians of each ``save`` call's wall and CPU seconds and of the
+    step's whole CPU (its save, then ``wait``)."""
+    managers = {
+        "full": bcp.CheckpointManager(os.path.join(args.dir, "full"), keep_last=2),
+        "incremental": bcp.CheckpointManager(os.path.join(args.dir, "incr"), keep_last=2, incremental=True),
+    }
+    samples: dict[str, list[tuple[float, float, float]]] = {"full": [], "incremental": []}
+    for step in range(args.rounds + 1):
+        for t in state.values():
+            t.add_(1.0)
+        order = ["full", "incremental"] if step % 2 == 0 else ["incremental", "full"]
+        for kind in order:
+            wall, cpu = time.perf_counter(), time.process_time()
+            managers[kind].save(step, state)
+            call = (time.perf_counter() - wall, time.process_time() - cpu)
+            managers[kind].wait()
+            if step:  # the first step has no base
+                samples[kind].append((*call, time.process_time() - cpu))
+    for m in managers.values():
+        m.close()
+    med = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in samples.items()}
+    for kind, (w, c, whole) in med.items():
+        print(f"manager {kind:12s} save() wall {w:7.3f} s  cpu {c:7.3f} s  step cpu (save+wait) {whole:7.3f} s")
+    inc, full = med["incremental"], med["full"]
+    print(
+        f"incremental_cost: manager, all changed, {args.mib} MiB, {len(state)} tensors: "
+        f"save() time {inc[0] / full[0]:.3f}x, step cpu {inc[2]:.3f} s against {full[2]:.3f} s "
+        f"({inc[2] / full[2]:.3f}x)"
     )
 
 
