@@ -164,7 +164,9 @@ def test_a_save_with_a_base_reads_the_base_metadata_once(uri_factory, monkeypatc
     real = bcp.incremental.fetch_metadata
     monkeypatch.setattr(bcp.incremental, "fetch_metadata", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert bcp.save({"a": torch.zeros(8, 8)}, f"{parent}/s1", base=f"{parent}/s0").bytes_written == 0
-    assert len(calls) == 1
+    # at most once: none when this process kept the rows of the commit it made last with
+    # this structure (tests/test_incremental_kept.py), which depends on the saves before
+    assert len(calls) <= 1
 
 
 def holds_under(parent: str) -> list[str]:
