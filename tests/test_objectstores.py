@@ -6,8 +6,8 @@ filesystems (the HDFS backend's code path). Servers start in conftest fixtures.
 from __future__ import annotations
 
 import itertools
-import random
 import logging
+import random
 import uuid
 from collections.abc import Iterator
 
