@@ -91,7 +91,7 @@ def unmerged(monkeypatch) -> None:
     streams=st.sampled_from([1, 3]),
     flip=st.one_of(st.none(), st.tuples(st.floats(0, 1, exclude_max=True), st.floats(0, 1, exclude_max=True))),
 )
-def test_merged_reads_return_the_same_bytes_and_verify_every_block_read(shape, data, block, gap, resident, streams, flip):
+def test_merged_reads_return_the_same_bytes_and_verify_every_block(shape, data, block, gap, resident, streams, flip):
     offsets = [data.draw(st.integers(0, n - 1)) for n in shape]
     lengths = [data.draw(st.integers(1, n - o)) for n, o in zip(shape, offsets, strict=True)]
     box = (tuple(offsets), tuple(lengths))
@@ -137,7 +137,6 @@ def test_merged_reads_return_the_same_bytes_and_verify_every_block_read(shape, d
         mp.undo()
 
 
-
 @settings(deadline=None, max_examples=200)
 @given(
     runs=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 40)), min_size=1, max_size=12),
@@ -164,6 +163,6 @@ def test_merged_requests_stay_inside_their_fragment_and_their_scratch_limit(runs
         assert r.nbytes <= limit or bare, f"a {r.nbytes}-byte request over the {limit}-byte scratch limit"
         assert r.extra >= 0 and r.gaps >= 0
         for p, where in zip(r.parts, r.at, strict=True):
-            assert where == at + p.start - r.offset and 0 <= where and where + len(p.target) <= r.nbytes
+            assert where == at + p.start - r.offset and where >= 0 and where + len(p.target) <= r.nbytes
             lo, hi = needed(p, block)
             assert (r.offset <= lo and hi <= r.offset + r.nbytes) or hi - lo > limit, "a part's blocks were cut"
