@@ -69,6 +69,15 @@ class Capability(enum.Flag):
     NON_ATOMIC_REPLACE = enum.auto()
 
 
+#: :attr:`IOHints.read_gap_bytes` of the network stores (S3, GCS, fsspec, HDFS): a ranged
+#: GET's fixed cost (tens of milliseconds to the first byte) is about what moving 1 MiB
+#: more on one stream costs, so skipping a smaller gap saves nothing.
+REQUEST_GAP_BYTES = 1 << 20
+#: ... and of local files: a ``pread`` from the page cache costs a few microseconds,
+#: about what copying 16 KiB more costs, and a smaller gap mostly lies in pages read anyway.
+FILE_GAP_BYTES = 16 << 10
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IOHints:
     """How to drive a backend fast. Advice, not contract, except ``part_size``."""
@@ -82,6 +91,10 @@ class IOHints:
     #: Writes from page-aligned memory in multiples of 4096 bytes are faster (O_DIRECT):
     #: writers should stage unaligned buffers rather than hand them over directly.
     aligned_writes: bool = False
+    #: A gap of fewer than this many bytes between two byte ranges one load needs from an
+    #: object is read through (one request) rather than skipped (two requests): about the
+    #: bytes a stream moves in the time one request's fixed cost takes. 0: never.
+    read_gap_bytes: int = 0
 
 
 class _State(enum.Enum):

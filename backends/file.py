@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Self
 from urllib.parse import unquote, urlsplit
 
-from bcp.backends.base import Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
+from bcp.backends.base import FILE_GAP_BYTES, Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
 from bcp.backends.file_reads import (
     DIRECT_ALIGN,
     DIRECT_READ_FROM,
@@ -134,7 +134,7 @@ class FileBackend(Backend):
 
     @property
     def hints(self) -> IOHints:
-        return IOHints(part_size=None, concurrency=4, aligned_writes=self.direct)
+        return IOHints(part_size=None, concurrency=4, aligned_writes=self.direct, read_gap_bytes=FILE_GAP_BYTES)
 
     def _path(self, key: str) -> str:
         check_key(key)

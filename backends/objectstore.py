@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from bcp.backends.base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
+from bcp.backends.base import REQUEST_GAP_BYTES, Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
 from bcp.backends.parts import PartWriter
 from bcp.backends.retry import is_transient
 from bcp.backends.storage_errors import ObjectExistsError, ObjectNotFoundError, annotate, redact_uri
@@ -187,7 +187,7 @@ class ObjectStoreBackend(Backend):
 
     @property
     def hints(self) -> IOHints:
-        return IOHints(part_size=self.part_size, concurrency=self.concurrency)
+        return IOHints(part_size=self.part_size, concurrency=self.concurrency, read_gap_bytes=REQUEST_GAP_BYTES)
 
     @property
     def base(self) -> str:

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Protocol
 
-from bcp.backends.base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
+from bcp.backends.base import REQUEST_GAP_BYTES, Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
 from bcp.backends.storage_errors import annotate
 from bcp.backends.uri_options import as_int, as_size
 
@@ -154,7 +154,7 @@ class StreamedFileBackend(Backend):
     @property
     def hints(self) -> IOHints:
         # Whole contiguous parts: the stream is sequential, parts stage and checksum in parallel.
-        return IOHints(part_size=self.part_size, concurrency=self.concurrency)
+        return IOHints(part_size=self.part_size, concurrency=self.concurrency, read_gap_bytes=REQUEST_GAP_BYTES)
 
     @property
     def base(self) -> str:

@@ -31,6 +31,8 @@ import numpy as np
 from bcp import trace
 from bcp.backends import Backend, ObjectNotFoundError
 from bcp.errors import CorruptCheckpointError
+from bcp.io_scheduler import read_merge
+from bcp.io_scheduler.read_merge import Part, Request, edge_blocks, whole_blocks
 from bcp.io_scheduler.read_plan import RunSet
 from bcp.metadata import Fragment, crc32c
 from bcp.metadata.checksum import GROUP, combine_block_runs, combine_blocks, crc32c_c
@@ -153,71 +155,44 @@ IN_MEMORY_CHUNK = 2 << 20
 IN_PLACE_FROM_MEMORY = 64 << 10
 #: Writers pad between fragments (64-byte alignment, page alignment for O_DIRECT): a
 #: request may read across such padding, less than this many bytes, from the end of one
-#: fragment to the start of the next (never a gap inside a fragment: a partial box reads
-#: only its bytes).
+#: fragment to the start of the next (gaps inside a fragment: the backend's
+#: ``read_gap_bytes`` and the checksum blocks a partial read verifies, read_merge.py).
 MAX_PADDING = 4096
 
 
-class _Part(NamedTuple):
-    """Bytes of one fragment read into one target view."""
-
-    fragment: Fragment
-    #: offset in the fragment
-    start: int
-    target: memoryview
-
-
-@dataclasses.dataclass(slots=True)
-class _Request:
-    """One ranged read of ``file``: one part read in place, or several parts (in file
-    order, ``at`` their offsets in the request) read into scratch memory and copied."""
-
-    file: str
-    offset: int
-    nbytes: int
-    parts: list[_Part]
-    at: list[int]
+#: a part of a read (:class:`~bcp.io_scheduler.read_merge.Part`)
+_Part = Part
 
 
 def coalesce(
-    parts: list[_Part], *, limit: int = COALESCE_BYTES, below: int = COALESCE_BELOW, padding: int = MAX_PADDING
-) -> list[_Request]:
-    """Storage requests for ``parts``: parts smaller than ``below`` that follow each other
-    in one file (back to back, or across less than ``padding`` bytes between the end of
-    one fragment and the start of another) merge into requests of at most ``limit``
-    bytes; others stay alone. Requests come in file order, then offset."""
-    keyed = sorted(parts, key=lambda p: (p.fragment.file, p.fragment.byte_offset + p.start))
-    out: list[_Request] = []
-    last: _Request | None = None
-    for part in keyed:
-        offset, n = part.fragment.byte_offset + part.start, len(part.target)
-        if last is not None and n < below and len(last.parts[-1].target) < below and last.file == part.fragment.file:
-            prev = last.parts[-1]
-            gap = offset - (last.offset + last.nbytes)
-            joins = gap == 0 or (
-                0 < gap < padding
-                and part.start == 0
-                and prev.start + len(prev.target) == prev.fragment.nbytes
-                and prev.fragment.byte_offset != part.fragment.byte_offset
-            )
-            if joins and last.nbytes + gap + n <= limit:
-                last.parts.append(part)
-                last.at.append(last.nbytes + gap)
-                last.nbytes += gap + n
-                continue
-        last = _Request(part.fragment.file, offset, n, [part], [0])
-        out.append(last)
-    return out
+    parts: list[Part],
+    *,
+    limit: int = COALESCE_BYTES,
+    below: int = COALESCE_BELOW,
+    padding: int = MAX_PADDING,
+    block: int | None = None,
+    gap: int = 0,
+) -> list[Request]:
+    """The storage requests for ``parts`` (:func:`bcp.io_scheduler.read_merge.coalesce`)."""
+    return read_merge.coalesce(parts, limit=limit, below=below, padding=padding, block=block, gap=gap)
 
 
-def _fetch(backend: Backend, request: _Request, name: FileName, block: int | None) -> None:
+#: blocks of a fragment verified from a request's scratch memory (None: read in place)
+Verified = list[tuple[Fragment, range]] | None
+
+
+def _fetch(backend: Backend, request: Request, name: FileName, block: int | None) -> Verified:
     """Carry out one request, checking every block that lies wholly inside one of its
-    parts as soon as it has landed (``block``: the checksum block size; None: no
-    verification). A coalesced read that fails is retried part by part, so the error
-    names the fragment (tensor, file, offset) that is truly missing."""
-    if len(request.parts) == 1:
+    parts, or read into scratch memory wholly inside the request, as soon as it has
+    landed (``block``: the checksum block size; None: no verification); return the
+    blocks checked from scratch. A coalesced read that fails is retried part by part, so
+    the error names the fragment (tensor, file, offset) that is truly missing."""
+    at, n = request.offset, request.nbytes
+    if len(request.parts) == 1 and (
+        n == len(request.parts[0].target) or backend.in_memory(request.file, at, n)
+    ):  # in place; from memory, the blocks a partial part lacks are read when its fragment is done
         _fetch_part(backend, request.parts[0], name, block)
-        return
+        return None
     if (
         block
         and request.nbytes >= len(request.parts) * IN_PLACE_FROM_MEMORY
@@ -240,19 +215,45 @@ def _fetch(backend: Backend, request: _Request, name: FileName, block: int | Non
                     raise read_error(name, frag, 0, e) from e
                 if crc32c_c(target) != frag.checksums[0]:
                     name_block(name, frag, 0, target, block, range(1))
-        return
-    scratch = scratch_memory(request.nbytes, request.offset)
+        return None
+    scratch = scratch_memory(n, at)
+    # from memory, in pieces of a chunk, as _fetch_part reads (a merged partial read spans blocks)
+    step = -(-IN_MEMORY_CHUNK // block) * block if block and n > IN_MEMORY_CHUNK else n
+    step = n if step == n or not backend.in_memory(request.file, at, n) else step
     try:
-        with trace.span("fetch", request.nbytes):
-            backend.read_exact(request.file, request.offset, scratch)
+        with trace.span("fetch", n):
+            for pos in range(0, n, step or 1):
+                backend.read_exact(request.file, at + pos, scratch[pos : pos + step])
     except (ObjectNotFoundError, EOFError):
         for part in request.parts:
             _fetch_part(backend, part, name, block)
-        return
+        return None
+    verified = _check_scratch(name, request, scratch, block) if block else None
     for part, at in zip(request.parts, request.at, strict=True):
         part.target[:] = scratch[at : at + len(part.target)]
-        if block:
-            _check_blocks(name, part.fragment, part.start, part.target, block)
+    return verified
+
+
+def _check_scratch(name: FileName, request: Request, scratch: memoryview, block: int) -> list[tuple[Fragment, range]]:
+    """Verify, for each fragment of ``request``'s parts, every block that lies wholly
+    inside the request's bytes in ``scratch`` (those of every part among them); return them."""
+    out: list[tuple[Fragment, range]] = []
+    seen: set[int] = set()
+    end = request.offset + request.nbytes
+    for part in request.parts:
+        frag = part.fragment
+        if id(frag) in seen:
+            continue
+        seen.add(id(frag))
+        lo, hi = max(frag.byte_offset, request.offset), min(frag.byte_offset + frag.nbytes, end)
+        start = lo - frag.byte_offset
+        view = scratch[lo - request.offset : hi - request.offset]
+        if not (blocks := whole_blocks(frag, start, hi - lo, block)):
+            continue
+        with trace.span("verify", len(view)):
+            _checkwhole_blocks(name, frag, start, view, block, blocks)
+        out.append((frag, blocks))
+    return out
 
 
 #: the page size O_DIRECT aligns file offsets and memory to
@@ -272,7 +273,7 @@ def scratch_memory(nbytes: int, offset: int) -> memoryview:
 
 def _fetch_part(
     backend: Backend,
-    part: _Part,
+    part: Part,
     name: FileName,
     block: int | None,
     *,
@@ -322,7 +323,7 @@ def _read_pieces(
     cuts = [*range(0, n, step)] if not start % step else [0, *range(step - start % step, n, step)]
     checks: list[tuple[int, int, int, int]] = []  # (pos, end, first, stop) of whole full-size blocks
     for pos, end in zip(cuts, [*cuts[1:], n], strict=True):
-        blocks = _whole_blocks(frag, start + pos, end - pos, block)
+        blocks = whole_blocks(frag, start + pos, end - pos, block)
         checks.append(
             (pos, end, blocks.start, max(blocks.start, blocks.stop - (short and blocks.stop * block > frag.nbytes)))
         )
@@ -341,14 +342,6 @@ def _read_pieces(
         raise read_error(name, frag, start + pos, e) from e
 
 
-def _whole_blocks(frag: Fragment, start: int, nbytes: int, block: int) -> range:
-    """The checksum blocks of ``frag`` that lie wholly inside its bytes [start, start + nbytes)."""
-    end = start + nbytes
-    last = -(-frag.nbytes // block) if end >= frag.nbytes else end // block
-    first = -(-start // block)
-    return range(first, max(first, last))
-
-
 def _check_blocks(name: FileName, frag: Fragment, start: int, view: memoryview, block: int) -> None:
     """Verify each block of ``frag`` that lies wholly inside ``view``, which holds the
     fragment's bytes from ``start``. One comprehension per read: this runs for every
@@ -359,16 +352,14 @@ def _check_blocks(name: FileName, frag: Fragment, start: int, view: memoryview, 
         if crc32c_c(view) != frag.checksums[0]:
             name_block(name, frag, start, view, block, range(1))
         return
-    blocks = _whole_blocks(frag, start, n, block)
+    blocks = whole_blocks(frag, start, n, block)
     if not blocks:
         return
     with trace.span("verify", len(view)):
-        _check_whole_blocks(name, frag, start, view, block, blocks)
+        _checkwhole_blocks(name, frag, start, view, block, blocks)
 
 
-def _check_whole_blocks(
-    name: FileName, frag: Fragment, start: int, view: memoryview, block: int, blocks: range
-) -> None:
+def _checkwhole_blocks(name: FileName, frag: Fragment, start: int, view: memoryview, block: int, blocks: range) -> None:
     """One CRC call over the run's whole full-size blocks, compared with their block
     checksums combined (:func:`~bcp.metadata.checksum.combine_blocks`), and one for a
     short last block; only on a mismatch block by block, to name the block. Equal iff
@@ -399,17 +390,6 @@ def name_block(name: FileName, frag: Fragment, start: int, view: memoryview, blo
             raise _mismatch(name, frag, b, b_lo, b_hi, value)
     # Every block matched on its own: the bytes are verified; only the combining disagreed.
     log.warning("tensor %r: file %s: block checksums combined disagree with the blocks", frag.fqn, name(frag.file))
-
-
-def _edge_blocks(frag: Fragment, parts: list[tuple[int, int]], block: int) -> list[int]:
-    """The blocks of ``frag`` that ``parts`` ((start, nbytes) of each read) touch but
-    no single part holds whole: the ones :func:`_check_blocks` cannot verify."""
-    out: set[int] = set()
-    for start, n in parts:
-        if n:
-            whole = _whole_blocks(frag, start, n, block)
-            out.update(b for b in (start // block, (start + n - 1) // block) if b not in whole)
-    return sorted(out)
 
 
 def _mismatch(name: FileName, frag: Fragment, b: int, b_start: int, b_end: int, crc: int) -> CorruptCheckpointError:
@@ -461,7 +441,7 @@ def execute_reads(
     spans = list(groups.values())
     # keyed by id() of the one Fragment object per row that ``spans`` kept
     by_fragment: dict[int, list[tuple[int, memoryview]]] = {}
-    parts: list[_Part] = []
+    parts: list[Part] = []
     for frag, runs in spans:
         if len(runs) > 1:
             runs.sort()
@@ -476,19 +456,19 @@ def execute_reads(
         by_fragment[id(frag)] = landed
         for s, target in landed:
             if len(target) <= READ_PIECE_BYTES:
-                parts.append(_Part(frag, s, target))
+                parts.append(Part(frag, s, target))
                 continue
             for off in range(0, len(target), READ_PIECE_BYTES):
-                parts.append(_Part(frag, s + off, target[off : off + READ_PIECE_BYTES]))
+                parts.append(Part(frag, s + off, target[off : off + READ_PIECE_BYTES]))
     streams = streams or backend.hints.concurrency
     limit = max(COALESCE_BELOW, min(COALESCE_BYTES, COALESCE_BUDGET // max(streams, 1)))
-    requests = coalesce(parts, limit=limit)
+    block = block_bytes if verify else None
+    requests = coalesce(parts, limit=limit, block=block, gap=backend.hints.read_gap_bytes)
     if streams > 1 and len(requests) > 1:
         cpus = usable_cpus()
         largest = max(requests, key=lambda r: r.nbytes)
         if streams > cpus and backend.in_memory(largest.file, largest.offset, largest.nbytes):
             streams = cpus  # copies from memory are CPU work: more threads than cores only thrash the caches
-    block = block_bytes if verify else None
     name = describe_file(backend)
 
     def finish(frag: Fragment) -> int:
@@ -497,19 +477,31 @@ def execute_reads(
         mine = parts_of[id(frag)]
         if len(mine) == 1 and not mine[0].start and len(mine[0].target) == frag.nbytes:
             return 0  # read whole by one part: every block was checked with it
-        edges = _edge_blocks(frag, [(p.start, len(p.target)) for p in mine], block_bytes)
+        edges = edge_blocks(frag, [(p.start, len(p.target)) for p in mine], block_bytes)
+        if done := checked_in_scratch.get(id(frag)):
+            edges = [e for e in edges if not any(e in r for r in done)]
         if not edges:
             return 0
         checked = sum(min(block_bytes, frag.nbytes - e * block_bytes) for e in edges) if trace.enabled() else 0
         with trace.span("verify", checked):
             return _verify_fragment(backend, frag, _pieces(by_fragment[id(frag)]), block_bytes, edges)
 
-    parts_of: defaultdict[int, list[_Part]] = defaultdict(list)
+    # blocks verified from a request's scratch memory, by id() of their fragment
+    checked_in_scratch: defaultdict[int, list[range]] = defaultdict(list)
+    scratch_extra = [0]
+
+    def fetched(request: Request, verified: Verified) -> None:
+        if verified is not None:
+            scratch_extra[0] += request.extra
+            for frag, blocks in verified:
+                checked_in_scratch[id(frag)].append(blocks)
+
+    parts_of: defaultdict[int, list[Part]] = defaultdict(list)
     for part in parts:
         parts_of[id(part.fragment)].append(part)
     if streams <= 1 or len(requests) <= 1:
         for request in requests:
-            _fetch(backend, request, name, block)
+            fetched(request, _fetch(backend, request, name, block))
         if verify:
             for frag, _runs in spans:
                 stats.verify_bytes += finish(frag)
@@ -519,10 +511,11 @@ def execute_reads(
         verify_errors: list[BaseException] = []
         extra = [0]
 
-        def read_task(request: _Request) -> None:
-            _fetch(backend, request, name, block)
+        def read_task(request: Request) -> None:
+            verified = _fetch(backend, request, name, block)
             landed = []
             with lock:
+                fetched(request, verified)
                 for part in request.parts:
                     key = id(part.fragment)
                     remaining[key] -= 1
@@ -545,7 +538,8 @@ def execute_reads(
         stats.verify_bytes += extra[0]
     stats.requests = len(requests)
     stats.bytes_read = sum(len(p.target) for p in parts)
-    stats.padding_bytes = sum(r.nbytes for r in requests) - stats.bytes_read
+    stats.padding_bytes = sum(r.gaps for r in requests)
+    stats.verify_bytes += scratch_extra[0]
     return stats
 
 
