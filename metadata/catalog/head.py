@@ -77,7 +77,7 @@ def decode_head(head: bytes, head_offset: int, head_crc: int, *, where: str, bud
         used += check_ipc_budget(part, where=f"{where} (head, {name})", budget=budget - used)
         tables.append(_read_table(part, schema, f"{where} (head, {name})"))
     t_table, s_table, p_table = tables
-    tensors = _tensor_table(t_table, where)
+    tensors = tensor_table(t_table, where)
 
     def col(table: pa.Table, name: str, dtype: type) -> np.ndarray:
         return table.column(name).combine_chunks().to_numpy(zero_copy_only=False).astype(dtype)
@@ -142,7 +142,7 @@ def _read_table(data: bytes, schema: pa.Schema, where: str) -> pa.Table:
     return pa.Table.from_arrays(columns, names=schema.names)
 
 
-def _tensor_table(table: pa.Table, where: str) -> TensorTable:
+def tensor_table(table: pa.Table, where: str) -> TensorTable:
     """The tensor table from its columns in a few numpy passes (a head of 10,000 tensors
     decoded without a Python loop over tensors or dimensions); every name distinct,
     every dtype known, no dimension negative, no tensor of MAX_TENSOR_BYTES or more."""

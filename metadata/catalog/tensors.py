@@ -8,6 +8,7 @@ catalog below it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -54,7 +55,9 @@ class TensorTable:
         self._arrays: TensorArrays | None = None
 
     @classmethod
-    def from_columns(cls, names: list[str], key_paths: list[str], dtypes: list[str], arrays: TensorArrays) -> TensorTable:
+    def from_columns(
+        cls, names: list[str], key_paths: list[str], dtypes: list[str], arrays: TensorArrays
+    ) -> TensorTable:
         """A table of distinct ``names`` (the caller checked) with their key paths,
         dtypes and shapes as ``arrays``: no Python object per dimension."""
         table = cls()
@@ -142,7 +145,7 @@ class TensorArrays:
             d = int(ndim[0])
             return list(map(tuple, flat.reshape(len(ndim), d).tolist())) if d else [()] * len(ndim)
         values, bounds = flat.tolist(), self.starts.tolist()
-        return [tuple(values[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        return [tuple(values[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
 def _suffix_products(ndim: np.ndarray, starts: np.ndarray, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
