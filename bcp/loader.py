@@ -423,20 +423,25 @@ def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan) -> None:
         return
     plan.consumed.add(fqn)
     value = leaf.value
+    stored_shape, stored_dtype = stored
     if type(value) in _PLAIN_TENSORS:  # the whole tensor, as local_pieces gives it, without its checks for shards
         shape, dtype = tuple(value.shape), value.dtype
-        requests = [TensorRequest(fqn, ((0,) * len(shape), shape), value)]
-    else:
-        shape, dtype, pieces, _replicated = local_pieces(value, fqn)
-        requests = [TensorRequest(fqn, p.box, p.tensor) for p in pieces]
-    stored_shape, stored_dtype = stored
+        if shape != stored_shape:
+            plan.shape_mismatch.append((fqn, shape, stored_shape))
+            return
+        name = dtype_name(dtype, fqn=fqn)
+        if name != stored_dtype:
+            plan.dtype_mismatch.append((fqn, name, stored_dtype))
+        plan.tensor_requests.append(TensorRequest(fqn, ((0,) * len(shape), shape), value))
+        return
+    shape, dtype, pieces, _replicated = local_pieces(value, fqn)
     if tuple(shape) != stored_shape:
         plan.shape_mismatch.append((fqn, tuple(shape), stored_shape))
         return
     name = dtype_name(dtype, fqn=fqn)
     if name != stored_dtype:
         plan.dtype_mismatch.append((fqn, name, stored_dtype))
-    plan.tensor_requests += requests
+    plan.tensor_requests += [TensorRequest(fqn, p.box, p.tensor) for p in pieces]
 
 
 def _is_optimizer_state(state: Mapping[str, Any], leaf: Leaf) -> bool:

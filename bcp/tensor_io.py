@@ -90,7 +90,9 @@ def dense_byte_view(t: torch.Tensor) -> memoryview:
     and uint8 view first: a load of 10,000 small tensors takes one view of each)."""
     if t.dtype in _NUMPY_DTYPES:
         try:
-            return memoryview(t.detach().numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
+            # detach (a new tensor object: half the cost) only where numpy() requires it
+            array = t.detach().numpy() if t.requires_grad else t.numpy()
+            return memoryview(array).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
         except (TypeError, ValueError, RuntimeError):  # numpy disagrees that it is contiguous: the general view
             pass
     return byte_view(t)

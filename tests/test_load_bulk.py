@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import uuid
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -217,6 +218,10 @@ def test_whole_rows_answers_only_single_whole_rows():
     assert got.file_names[got.files[2]] == "data/f.bin"
     assert got.sum_stops[2] - got.sum_starts[2] == 1 and int(got.sums[got.sum_starts[2]]) == crc32c(b"x")
     assert catalog.shape_and_dtype("m") == ((2, 3), "float32") and catalog.shape_and_dtype("nothing") is None
+    # the same answers as int64 arrays, for split_whole's checks over every request at once
+    assert got.row_array.dtype == got.nbytes_array.dtype == got.blocks_array.dtype == np.int64
+    assert got.row_array.tolist() == got.rows and got.nbytes_array.tolist() == got.nbytes
+    assert got.blocks_array.tolist() == [b - a for a, b in zip(got.sum_starts, got.sum_stops, strict=True)]
 
 
 def test_a_bulk_load_keeps_no_reference_to_its_destinations(tmp_path):
@@ -242,3 +247,15 @@ def test_a_bulk_load_keeps_no_reference_to_its_destinations(tmp_path):
         assert freed == [1]
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_the_bulk_byte_view_writes_through_with_or_without_grad(requires_grad):
+    """dense_byte_view takes numpy's view directly, detaching only a tensor that requires
+    grad (numpy() refuses those): either way the bytes written land in the tensor."""
+    from bcp.tensor_io import dense_byte_view
+
+    dest = torch.nn.Parameter(torch.zeros(3), requires_grad=requires_grad)
+    view = dense_byte_view(dest)
+    view[:] = torch.tensor([1.0, 2.0, 3.0]).numpy().tobytes()
+    assert len(view) == 12 and dest.detach().tolist() == [1.0, 2.0, 3.0]

@@ -68,44 +68,47 @@ def split_whole(
     if not catalog.is_whole:  # a catalog read in part: rows come with the boxes
         catalog.require([(fqn, box) for fqn, box, _dest in requests])
     info = catalog.whole_rows([fqn for fqn, _box, _dest in requests])
-    held = {fqn for fqn, _box in in_memory}
-    names = info.file_names
-    dtypes: dict[str, torch.dtype | None] = {}
     largest = read_exec.COALESCE_BELOW - 1  # as the planned path coalesces: read at run time (tests change it)
+    # the catalog's side, for every request at once: one whole row, of a size read in bulk,
+    # with one checksum per block; a dtype torch has
+    nbytes_all = info.nbytes_array
+    fits = (info.row_array >= 0) & (nbytes_all > 0) & (nbytes_all <= largest)
+    fits &= info.blocks_array == -(-nbytes_all // block)
+    wanted = {name: torch_dtype_or_none(name) for name in set(info.dtypes)}
+    if in_memory:
+        held = {fqn for fqn, _box in in_memory}
+        fits &= np.fromiter((fqn not in held for fqn, _box, _dest in requests), bool, len(requests))
+    names = info.file_names
     # the device seam (device_copy.api) decides what is device memory; the real one by device type
     on_device = None if getattr(device_copy.api, "by_device", False) else device_copy.api.is_device
     whole: list[WholeRead] = []
     rest: list[tuple[str, Box, torch.Tensor]] = []
-    for i, request in enumerate(requests):
-        fqn, box, dest = request
-        row, nbytes = info.rows[i], info.nbytes[i]
-        if row < 0 or not 0 < nbytes <= largest or fqn in held:
+    shapes, dtypes, files, offsets, starts = info.shapes, info.dtypes, info.files, info.byte_offsets, info.sum_starts
+    for i, (request, ok) in enumerate(zip(requests, fits.tolist(), strict=True)):
+        if not ok:
             rest.append(request)
             continue
-        name = info.dtypes[i]
-        dtype = dtypes.get(name, False)
-        if dtype is False:
-            dtype = dtypes[name] = torch_dtype_or_none(name)
-        d_off, d_len = box
+        fqn, (d_off, d_len), dest = request
+        dtype = wanted[dtypes[i]]
         if (
             dtype is None
             or dest.dtype != dtype
             or not dest.is_cpu
             or (on_device is not None and on_device(dest))
-            or tuple(d_len) != info.shapes[i]
+            or tuple(d_len) != shapes[i]
             or any(d_off)
             or not dest.is_contiguous()
             or dest.is_conj()
             or dest.is_neg()
-            or info.sum_stops[i] - info.sum_starts[i] != -(-nbytes // block)
         ):
             rest.append(request)
             continue
         target = dense_byte_view(dest)
+        nbytes = info.nbytes[i]
         if len(target) != nbytes:  # a catalog row's size is checked where it is planned
             rest.append(request)
             continue
-        whole.append(WholeRead(fqn, names[info.files[i]], info.byte_offsets[i], nbytes, info.sum_starts[i], target))
+        whole.append(WholeRead(fqn, names[files[i]], offsets[i], nbytes, starts[i], target))
     return whole, info.sums, rest  # the checksum column the reads index (a later require may replace it)
 
 

@@ -125,8 +125,14 @@ def string_codes(column: pa.ChunkedArray, where: str) -> tuple[np.ndarray, list[
         words = chunk.dictionary.to_pylist()
         if any(w is None for w in words):
             raise FormatError(f"{where}: null values in the catalog")
-        remap = np.fromiter((index.setdefault(w, len(index)) for w in words), np.int64, len(words))
         indices = chunk.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        if not index:  # the first chunk: one dict built in C, then checked for repeated words
+            index = dict(zip(words, range(len(words)), strict=True))
+            if len(index) == len(words):
+                parts.append(indices if len(words) else np.zeros(len(chunk), np.int64))
+                continue
+            index = {}
+        remap = np.fromiter((index.setdefault(w, len(index)) for w in words), np.int64, len(words))
         parts.append(remap[indices] if len(words) else np.zeros(len(chunk), np.int64))
     values = list(index)
     codes = np.concatenate(parts) if parts else np.zeros(0, np.int64)

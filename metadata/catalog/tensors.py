@@ -8,6 +8,9 @@ catalog below it.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import numpy as np
 import pyarrow as pa
 
@@ -37,22 +40,46 @@ class TensorTable:
     """The catalog's tensors in save order: name, key path, dtype, shape. Rows refer to
     a tensor by its index here."""
 
+    #: each tensor's shape; a table decoded from a head holds its shapes only as
+    #: :attr:`arrays` until this is first read (``__getattr__`` makes the tuples then:
+    #: a plain attribute after that, nothing made per tensor for a load that never asks)
+    shapes: list[tuple[int, ...]]
+
     def __init__(self) -> None:
         self.names: list[str] = []
         self.index: dict[str, int] = {}
         self.key_paths: list[str] = []
         self.dtypes: list[str] = []
-        self.shapes: list[tuple[int, ...]] = []
+        self.shapes = []
 
         self._arrays: TensorArrays | None = None
+
+    @classmethod
+    def from_columns(
+        cls, names: list[str], key_paths: list[str], dtypes: list[str], arrays: TensorArrays
+    ) -> TensorTable:
+        """A table of distinct ``names`` (the caller checked) with their key paths,
+        dtypes and shapes as ``arrays``: no Python object per dimension."""
+        table = cls()
+        table.names, table.key_paths, table.dtypes = names, key_paths, dtypes
+        table.index = dict(zip(names, range(len(names)), strict=True))
+        del table.shapes
+        table._arrays = arrays
+        return table
+
+    def __getattr__(self, name: str) -> list[tuple[int, ...]]:
+        if name != "shapes" or self.__dict__.get("_arrays") is None:
+            raise AttributeError(name)
+        self.shapes = self.__dict__["_arrays"].shape_tuples()
+        return self.shapes
 
     def add(self, fqn: str, key_path: str, dtype: str, shape: tuple[int, ...]) -> int:
         code = self.index.setdefault(fqn, len(self.names))
         if code == len(self.names):
+            self.shapes.append(shape)
             self.names.append(fqn)
             self.key_paths.append(key_path)
             self.dtypes.append(dtype)
-            self.shapes.append(shape)
             self._arrays = None
         return code
 
@@ -63,25 +90,76 @@ class TensorTable:
     def arrays(self) -> TensorArrays:
         """The table as numpy columns (built once; every section's checks use them)."""
         if self._arrays is None:
-            self._arrays = TensorArrays(self)
+            shapes = self.shapes
+            ndim = np.fromiter(map(len, shapes), np.int64, len(shapes))
+            flat = np.fromiter((d for s in shapes for d in s), np.int64, int(ndim.sum()))
+            self._arrays = TensorArrays(ndim, flat, self.key_paths, self.dtypes)
         return self._arrays
+
+
+def first_seen(codes: np.ndarray, values: Sequence[str]) -> tuple[np.ndarray, dict[str, int]]:
+    """``codes`` into ``values`` (distinct strings) renumbered in order of first use, and
+    the used strings to their new codes: the same codes a pass over the rows would give."""
+    if not len(codes):
+        return np.zeros(0, np.int64), {}
+    used, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
+    rank = np.empty(len(used), np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(used))
+    by_rank = used[np.argsort(rank)].tolist()
+    return rank[inverse.reshape(-1)], {values[c]: i for i, c in enumerate(by_rank)}
 
 
 class TensorArrays:
     """A TensorTable's shapes, strides, key paths and dtypes as numpy arrays."""
 
-    def __init__(self, tensors: TensorTable) -> None:
-        self.ndim = np.array([len(s) for s in tensors.shapes], dtype=np.int64)
-        self.starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(self.ndim)])
-        self.shape = np.fromiter((d for s in tensors.shapes for d in s), np.int64, int(self.starts[-1]))
-        #: row-major element strides (flat like ``shape``): suffix products of the shape
-        self.strides = np.ones(len(self.shape), dtype=np.int64)
-        for t, shape in enumerate(tensors.shapes):
-            acc, base = 1, int(self.starts[t])
-            for d in range(len(shape) - 1, -1, -1):
-                self.strides[base + d] = min(acc, MAX_TENSOR_BYTES)  # exact below 2**62 elements
-                acc *= shape[d]
-        self.key_paths: dict[str, int] = {}
-        self.kp = np.fromiter((self.key_paths.setdefault(v, len(self.key_paths)) for v in tensors.key_paths), np.int64)
-        self.dtypes: dict[str, int] = {}
-        self.dt = np.fromiter((self.dtypes.setdefault(v, len(self.dtypes)) for v in tensors.dtypes), np.int64)
+    def __init__(
+        self,
+        ndim: np.ndarray,
+        shape: np.ndarray,
+        key_paths: Sequence[str] | tuple[np.ndarray, dict[str, int]],
+        dtypes: Sequence[str] | tuple[np.ndarray, dict[str, int]],
+    ) -> None:
+        """``ndim`` and the flat ``shape`` (int64); key paths and dtypes per tensor, or
+        as (codes in order of first use, string to code) already."""
+        self.ndim = ndim
+        self.starts = np.concatenate([np.zeros(1, np.int64), np.cumsum(ndim)])
+        self.shape = shape
+        #: row-major element strides (flat like ``shape``): suffix products of the shape,
+        #: exact below 2**62 elements, else MAX_TENSOR_BYTES; ``numel`` likewise
+        self.strides, self.numel = _suffix_products(ndim, self.starts, shape)
+        if isinstance(key_paths, tuple):
+            self.kp, self.key_paths = key_paths
+        else:
+            self.key_paths = {}
+            self.kp = np.fromiter((self.key_paths.setdefault(v, len(self.key_paths)) for v in key_paths), np.int64)
+        if isinstance(dtypes, tuple):
+            self.dt, self.dtypes = dtypes
+        else:
+            self.dtypes = {}
+            self.dt = np.fromiter((self.dtypes.setdefault(v, len(self.dtypes)) for v in dtypes), np.int64)
+
+    def shape_tuples(self) -> list[tuple[int, ...]]:
+        """Each tensor's shape as a tuple of ints."""
+        ndim, flat = self.ndim, self.shape
+        if len(ndim) and (ndim == ndim[0]).all():  # one rank for all: rows of a matrix
+            d = int(ndim[0])
+            return list(map(tuple, flat.reshape(len(ndim), d).tolist())) if d else [()] * len(ndim)
+        values, bounds = flat.tolist(), self.starts.tolist()
+        return [tuple(values[a:b]) for a, b in itertools.pairwise(bounds)]
+
+
+def _suffix_products(ndim: np.ndarray, starts: np.ndarray, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(strides, numel): every tensor's row-major strides and element count, products
+    saturated at MAX_TENSOR_BYTES (exact below it), one numpy pass per dimension."""
+    n = len(ndim)
+    strides = np.ones(len(flat), np.int64)
+    acc = np.ones(n, np.int64)
+    for j in range(int(ndim.max()) if n else 0):
+        live = np.flatnonzero(ndim > j)
+        pos = starts[live] + ndim[live] - 1 - j
+        a, d = acc[live], flat[pos]
+        strides[pos] = a
+        over = (d > 0) & (a > MAX_TENSOR_BYTES // np.maximum(d, 1))
+        with np.errstate(over="ignore"):
+            acc[live] = np.where(over, MAX_TENSOR_BYTES, a * d)
+    return strides, acc

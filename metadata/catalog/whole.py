@@ -32,6 +32,11 @@ class WholeRows:
     #: the catalog's flat block checksum column (uint32, read-only)
     sums: np.ndarray
     file_names: tuple[str, ...]
+    #: ``rows``, ``nbytes`` and each row's count of block checksums as int64 arrays, for
+    #: checks over every name at once
+    row_array: np.ndarray
+    nbytes_array: np.ndarray
+    blocks_array: np.ndarray
 
 
 def find_whole_rows(
@@ -79,15 +84,22 @@ def find_whole_rows(
     names = tensors.names
     shapes, dtypes = tensors.shapes, tensors.dtypes
     code_list = code.tolist()
+    zeros = np.zeros(n, np.int64)
+    nbytes = rows.nbytes[r].astype(np.int64) if len(rows) else zeros
+    sum_starts = rows.sum_starts[r].astype(np.int64) if len(rows) else zeros
+    sum_stops = rows.sum_starts[r + 1].astype(np.int64) if len(rows) else zeros
     return WholeRows(
         rows=row.tolist(),
         shapes=[shapes[t] for t in code_list] if len(names) else [()] * n,
         dtypes=[dtypes[t] for t in code_list] if len(names) else [""] * n,
         files=rows.file[r].tolist() if len(rows) else [0] * n,
         byte_offsets=rows.byte_offset[r].tolist() if len(rows) else [0] * n,
-        nbytes=rows.nbytes[r].tolist() if len(rows) else [0] * n,
-        sum_starts=rows.sum_starts[r].tolist() if len(rows) else [0] * n,
-        sum_stops=rows.sum_starts[r + 1].tolist() if len(rows) else [0] * n,
+        nbytes=nbytes.tolist(),
+        sum_starts=sum_starts.tolist(),
+        sum_stops=sum_stops.tolist(),
         sums=rows.sums,
         file_names=file_names,
+        row_array=row.astype(np.int64),
+        nbytes_array=nbytes,
+        blocks_array=sum_stops - sum_starts,
     )
