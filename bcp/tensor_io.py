@@ -66,8 +66,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat_bytes(t).numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
 
 
-#: dtypes numpy holds: their tensors' bytes are viewed through ``Tensor.numpy()`` alone
-_NUMPY_DTYPES = frozenset(
+#: dtypes numpy holds (``Tensor.numpy`` takes them; the others go through a uint8 view)
+NUMPY_DTYPES = frozenset(
     {
         torch.bool,
         torch.uint8,
@@ -88,7 +88,7 @@ def dense_byte_view(t: torch.Tensor) -> memoryview:
     """:func:`byte_view` of a contiguous CPU tensor that is neither conjugated nor
     negated lazily, in half its time where numpy holds the dtype (no ``as_strided``
     and uint8 view first: a load of 10,000 small tensors takes one view of each)."""
-    if t.dtype in _NUMPY_DTYPES:
+    if t.dtype in NUMPY_DTYPES:
         try:
             # detach (a new tensor object: half the cost) only where numpy() requires it
             array = t.detach().numpy() if t.requires_grad else t.numpy()

@@ -6,7 +6,6 @@ verified, a corrupt byte names its tensor, file and offset, and every other requ
 
 from __future__ import annotations
 
-import threading
 import uuid
 
 import numpy as np
@@ -18,30 +17,12 @@ from hypothesis import strategies as st
 import bcp
 from bcp import reader as reader_module
 from bcp.backends import backend_for
-from bcp.backends.wrappers import FaultInjectingBackend
 from bcp.errors import CorruptCheckpointError
 from bcp.io_scheduler import read_exec, whole_reads
 from bcp.metadata import Catalog, Fragment, crc32c
 from bcp.metadata.rows import TensorEntry
 from helpers import examples
-
-
-class Resident(FaultInjectingBackend):
-    """Says whether every range is in memory; records the data-file reads."""
-
-    def __init__(self, inner, resident: bool):
-        super().__init__(inner)
-        self.resident = resident
-        self.reads: list[tuple[str, int, int]] = []
-        self._lock = threading.Lock()
-
-    def in_memory(self, key, offset, nbytes):
-        return self.resident
-
-    def read_exact(self, key, offset, buffer):
-        with self._lock:
-            self.reads.append((key, offset, len(buffer)))
-        return super().read_exact(key, offset, buffer)
+from recording_backend import Recording as Resident
 
 
 def uri_of(name: str) -> str:

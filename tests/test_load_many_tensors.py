@@ -5,7 +5,6 @@ byte still lands and is verified, and the per-tensor work stays off the storage 
 
 from __future__ import annotations
 
-import threading
 import uuid
 from unittest import mock
 
@@ -18,31 +17,12 @@ from hypothesis import strategies as st
 import bcp
 from bcp.backends import backend_for
 from bcp.backends import file as file_backend
-from bcp.backends.wrappers import FaultInjectingBackend
 from bcp.errors import CorruptCheckpointError
 from bcp.io_scheduler import read_exec
 from bcp.io_scheduler.read_plan import RunSet
 from bcp.metadata import Fragment, crc32c
 from helpers import examples
-
-
-class Recording(FaultInjectingBackend):
-    """Records every data read (key, offset, bytes) and says whether ranges are in memory."""
-
-    def __init__(self, inner, resident: bool):
-        super().__init__(inner)
-        self.resident = resident
-        self.reads: list[tuple[str, int, int]] = []
-        self._lock = threading.Lock()
-
-    def in_memory(self, key, offset, nbytes):
-        return self.resident
-
-    def read_exact(self, key, offset, buffer):
-        with self._lock:
-            self.reads.append((key, offset, len(buffer)))
-        return super().read_exact(key, offset, buffer)
-
+from recording_backend import Recording
 
 layouts = st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 5000)), min_size=1, max_size=12)
 

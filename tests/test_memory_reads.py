@@ -18,28 +18,9 @@ import bcp
 from bcp.backends import backend_for, file_reads
 from bcp.backends import file as file_backend
 from bcp.backends.storage_errors import StorageError
-from bcp.backends.wrappers import FaultInjectingBackend
 from bcp.errors import CorruptCheckpointError
 from bcp.io_scheduler import read_exec
-
-
-class Resident(FaultInjectingBackend):
-    """Says whether every range is in memory, and records the data-file reads."""
-
-    def __init__(self, inner, resident: bool = True, latency: float = 0.0):
-        super().__init__(inner, latency=latency)
-        self.resident = resident
-        self.data_reads: list[tuple[str, int, int]] = []
-        self._reads_lock = threading.Lock()
-
-    def in_memory(self, key, offset, nbytes):
-        return self.resident
-
-    def read_exact(self, key, offset, buffer):
-        if key.endswith(".bin"):
-            with self._reads_lock:
-                self.data_reads.append((key, offset, len(buffer)))
-        return super().read_exact(key, offset, buffer)
+from recording_backend import Recording as Resident
 
 
 def with_streams(monkeypatch, streams: int) -> None:

@@ -14,24 +14,7 @@ import numpy as np
 import torch
 
 from bcp.shards import Piece
-from bcp.tensor_io import storage_identity
-
-#: Dtypes ``Tensor.numpy`` takes (the others are staged through a uint8 view).
-NUMPY_DTYPES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-    }
-)
+from bcp.tensor_io import NUMPY_DTYPES, storage_identity
 
 #: Fragments of at least this many bytes start at a multiple of 4096 (direct I/O,
 #: page-aligned reads); smaller ones at a multiple of 64.

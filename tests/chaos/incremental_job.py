@@ -24,7 +24,7 @@ import os
 import sys
 
 import torch
-import xxhash
+from incremental_manager_job import state_hash
 
 import bcp
 from bcp.backends import backend_for, join_uri
@@ -39,21 +39,7 @@ PIECE_BYTES = 512
 
 def digest(state: dict) -> str:
     """XXH3-128 of every tensor of the state, in a fixed order."""
-    h = xxhash.xxh3_128()
-
-    def add(value: object) -> None:
-        if isinstance(value, torch.Tensor):
-            h.update(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-        elif isinstance(value, dict):
-            for k in sorted(value, key=str):
-                h.update(str(k).encode())
-                add(value[k])
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                add(v)
-
-    add({k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()})
-    return h.hexdigest()
+    return state_hash(state).hexdigest()
 
 
 def resume(root: str, state: dict) -> int | None:

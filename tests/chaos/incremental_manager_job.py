@@ -34,8 +34,9 @@ from bcp.verify import verify_root
 PIECE_BYTES = 512
 
 
-def digest(state: dict) -> torch.Tensor:
-    """XXH3-128 of every tensor of the state but ``check``, in a fixed order, as 16 bytes."""
+def state_hash(state: dict, skip: tuple[str, ...] = ()) -> xxhash.xxh3_128:
+    """XXH3-128 over every tensor of the state (top-level keys in ``skip`` left out), in a
+    fixed order (tests/chaos/incremental_job.py uses it too)."""
     h = xxhash.xxh3_128()
 
     def add(value: object) -> None:
@@ -49,8 +50,13 @@ def digest(state: dict) -> torch.Tensor:
             for v in value:
                 add(v)
 
-    add({k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items() if k != "check"})
-    return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8).clone()
+    add({k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items() if k not in skip})
+    return h
+
+
+def digest(state: dict) -> torch.Tensor:
+    """XXH3-128 of every tensor of the state but ``check``, as 16 bytes."""
+    return torch.frombuffer(bytearray(state_hash(state, skip=("check",)).digest()), dtype=torch.uint8).clone()
 
 
 def check_root(manager: bcp.CheckpointManager, template: dict) -> None:
