@@ -376,6 +376,16 @@ def launch(
 # The caller instead hands the thread to one long-lived starter thread per process.
 
 _starter_lock = threading.Lock()
+
+
+def _new_starter_lock_in_child() -> None:
+    """A fork while another thread held the lock would leave it held forever in the child
+    (whose first async save then hangs); the child starts its own starter anyway."""
+    global _starter_lock
+    _starter_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_starter_lock_in_child)
 #: (the process that started it, its queue of (thread, on_error))
 _starter: tuple[int, queue.SimpleQueue] | None = None
 
