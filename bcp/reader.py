@@ -31,6 +31,7 @@ from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor
 from bcp.io_scheduler.device_load import DeviceFill
 from bcp.io_scheduler.read_exec import ReadStats, execute_reads
 from bcp.io_scheduler.read_plan import RunSet, plan_tensor_reads, touched_rows
+from bcp.io_scheduler.shared_dest import without_shared_destinations
 from bcp.io_scheduler.staging import StagingPool, default_pool
 from bcp.io_scheduler.whole_reads import execute_whole_reads, split_whole
 from bcp.metadata import Catalog, FormatError, Fragment, Manifest, ObjectEntry, TensorEntry, crc32c
@@ -299,7 +300,7 @@ class CheckpointReader:
         destinations are filled through slabs of ``pool`` (default: the process-wide
         pool; see ``bcp.io_scheduler.device_load``); the call returns once every byte has landed."""
         in_memory = in_memory or {}
-        requests = self._without_shared_destinations(requests)  # before any read
+        requests = without_shared_destinations(requests, self.catalog, self._tensor_entry)  # tied: before any read
         block = self.manifest.checksum_block_bytes  # tensors stored whole, read in bulk; the rest planned
         whole, sums, requests = split_whole(self.catalog, block, requests, in_memory)
         entries = self._entries([fqn for fqn, _box, _dest in requests])
@@ -374,52 +375,6 @@ class CheckpointReader:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _without_shared_destinations(
-        self, requests: list[tuple[str, Box, torch.Tensor]]
-    ) -> list[tuple[str, Box, torch.Tensor]]:
-        """Refuse destinations whose memory overlaps (the result would be whichever read
-        landed last, and a read's checksum could see another's bytes), with one
-        exception: tied weights. Requests whose destination is the very same memory
-        (same start, size, dtype and box) and whose stored bytes are recorded identical
-        (same fragments and checksums: bcp stores tied tensors once) are read once.
-        Only dense destinations are compared; one sort over all requests."""
-        overlaps = destination_overlaps([dest for _f, _b, dest in requests])
-        if not overlaps:
-            return requests
-        drop: set[int] = set()
-        for later, earlier in overlaps:
-            (fqn, box, dest), (other, other_box, other_dest) = requests[later], requests[earlier]
-            if self._same_destination_and_bytes(requests[later], requests[earlier]):
-                drop.add(later)
-                continue
-            raise ValueError(
-                f"{other!r} and {fqn!r}: their destination tensors share memory "
-                f"(bytes {_span(other_dest)} and {_span(dest)} of one storage) but the checkpoint "
-                f"holds different data for them (boxes {list(other_box[0])}+{list(other_box[1])} and "
-                f"{list(box[0])}+{list(box[1])}); load them into separate tensors"
-            )
-        return [r for i, r in enumerate(requests) if i not in drop]
-
-    def _same_destination_and_bytes(
-        self, one: tuple[str, Box, torch.Tensor], two: tuple[str, Box, torch.Tensor]
-    ) -> bool:
-        """Whether two requests fill the same memory in the same way with stored bytes
-        the catalog records as the same (equal fragments and checksums)."""
-        (f1, b1, d1), (f2, b2, d2) = one, two
-        same_memory = d1.data_ptr() == d2.data_ptr() and d1.nbytes == d2.nbytes and d1.dtype == d2.dtype
-        if not same_memory or tuple(b1[0]) != tuple(b2[0]) or tuple(b1[1]) != tuple(b2[1]):
-            return False
-        if f1 == f2:
-            return True
-        if not self.catalog.is_whole:
-            self.catalog.require([(f1, b1), (f2, b2)])
-        e1, e2 = self._tensor_entry(f1), self._tensor_entry(f2)
-
-        def stored(entry: TensorEntry) -> list[tuple]:
-            return [(f.dtype, f.global_shape, f.offsets, f.lengths, f.nbytes, f.checksums) for f in entry.fragments]
-
-        return stored(e1) == stored(e2)
-
     @staticmethod
     def _whole(entry: TensorEntry) -> Box:
         return (0,) * len(entry.global_shape), entry.global_shape
@@ -479,37 +434,6 @@ class CheckpointReader:
         return (
             f"CheckpointReader({self.uri!r}, tensors={len(self.catalog.tensors)}, objects={len(self.manifest.objects)})"
         )
-
-
-def destination_overlaps(dests: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """(later, earlier) index pairs of dense destinations whose bytes overlap on one
-    device: sorted by start, a tensor overlaps the one holding the running maximum end
-    if it starts before that end. Meta, empty and strided tensors are left out."""
-    picked: dict[str, list[int]] = {}
-    for i, dest in enumerate(dests):
-        if not dest.is_meta and dest.numel() and dest.is_contiguous():
-            picked.setdefault(str(dest.device), []).append(i)
-    pairs: list[tuple[int, int]] = []
-    for rows in picked.values():
-        if len(rows) < 2:
-            continue
-        index = np.asarray(rows, dtype=np.int64)
-        starts = np.fromiter((dests[i].data_ptr() for i in rows), dtype=np.uint64, count=len(rows))
-        sizes = np.fromiter((dests[i].nbytes for i in rows), dtype=np.uint64, count=len(rows))
-        order = np.argsort(starts, kind="stable")
-        starts, ends, index = starts[order], starts[order] + sizes[order], index[order]
-        reach = np.maximum.accumulate(ends)
-        position = np.arange(len(rows))
-        holder = np.maximum.accumulate(np.where(ends == reach, position, 0))  # who holds the running max
-        hits = np.flatnonzero(starts[1:] < reach[:-1]) + 1
-        pairs += [(int(index[h]), int(index[holder[h - 1]])) for h in hits]
-    return pairs
-
-
-def _span(dest: torch.Tensor) -> str:
-    """A destination's byte range within its storage, for an error."""
-    first = dest.storage_offset() * dest.element_size()
-    return f"{first}..{first + dest.nbytes}"
 
 
 def _held_parts(

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import bcp
 from bcp import reader as reader_module
 from bcp.io_scheduler import read_exec
-from bcp.reader import destination_overlaps
+from bcp.io_scheduler.shared_dest import destination_overlaps
 
 
 def _paths(monkeypatch: pytest.MonkeyPatch, path: str) -> dict[str, int]:
