@@ -128,3 +128,15 @@ def test_overlap_check_is_cheap_at_10000_tensors():
     started = time.perf_counter()
     assert destination_overlaps(views) == []
     assert time.perf_counter() - started < 1.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tied_cuda_destinations_are_checked_as_host_ones(tmp_path):
+    uri = str(tmp_path / "ck")
+    weight = torch.randn(64, 32)
+    bcp.save({"a": weight, "b": weight, "c": torch.randn(64, 32)}, uri)
+    tied = torch.zeros(64, 32, device="cuda")
+    bcp.load({"a": tied, "b": tied}, uri, strict=False)
+    assert torch.equal(tied.cpu(), weight)
+    with pytest.raises(ValueError, match=r"'a' and 'c'.*share memory"):
+        bcp.load({"a": tied, "c": tied}, uri, strict=False)
