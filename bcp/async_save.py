@@ -95,6 +95,10 @@ class AsyncSaveHandle:
         self._reported = False
         #: AfterCommit.run (the local tier's hook point), or None
         self._after_commit: Callable[[SaveJob, SaveInfo], None] | None = None
+        #: the deferred pipeline of a save planned in the background (returned if its thread never starts)
+        self._deferred: WritePipeline | None = None
+        #: whether staging left a part to the save's thread (``overlap``): its queue is not closed yet
+        self._rest_unstaged = False
 
     def _run(self, background_stage: Callable[[], None] | None = None) -> None:
         try:
@@ -133,11 +137,14 @@ class AsyncSaveHandle:
         """Its thread could not be started: the save fails with ``error``, its slabs returned."""
         self._error = error
         if self._job is not None:
-            park_staging_error(self._job.pipeline, error, last=False)
+            # the rest of an overlapped save is never staged: end marks now, or the writers wait forever
+            park_staging_error(self._job.pipeline, error, last=self._rest_unstaged)
             try:
                 self._job.pipeline.start_writers()  # writers that only return the staged slabs
             except BaseException as e:  # noqa: BLE001 - no thread can start: the slabs stay taken
                 log.error("the async save to %s could not return its staging slabs: %s", self.uri, e)
+        elif self._deferred is not None:
+            self._deferred.discard()  # nothing planned, nothing written: the staged slabs back
         self.staged.set()
         self._done.set()
 
@@ -323,6 +330,7 @@ def async_save_planned_later(
     started = time.perf_counter()
     slot = claim_slot()
     handle = AsyncSaveHandle(None, 0.0, lane_tail(coord), plan=plan, uri=uri)
+    handle._deferred = pipeline
     handle._after_commit = after_commit.run if after_commit is not None else None
     background = _stage_for_caller(handle, pipeline, stage, overlap)
     handle.blocking_seconds = time.perf_counter() - started
@@ -353,6 +361,7 @@ def launch(
     """Start ``handle``'s thread in ``slot`` (``claim_slot``); its background collectives
     come after those of every save of ``coord``'s group launched before."""
     thread = threading.Thread(target=handle._run, args=(background,), name="bcp-async-save", daemon=True)
+    handle._rest_unstaged = background is not None
     with _slots_lock:
         _in_flight[slot] = handle
     if coord.world_size > 1:
@@ -367,6 +376,16 @@ def launch(
 # The caller instead hands the thread to one long-lived starter thread per process.
 
 _starter_lock = threading.Lock()
+
+
+def _new_starter_lock_in_child() -> None:
+    """A fork while another thread held the lock would leave it held forever in the child
+    (whose first async save then hangs); the child starts its own starter anyway."""
+    global _starter_lock
+    _starter_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_starter_lock_in_child)
 #: (the process that started it, its queue of (thread, on_error))
 _starter: tuple[int, queue.SimpleQueue] | None = None
 

@@ -222,6 +222,15 @@ KEEP_LOOKUPS = 4
 _kept_lock = threading.Lock()
 
 
+def _new_kept_lock_in_child() -> None:
+    """A fork while a commit thread held the lock would leave it held forever in the child."""
+    global _kept_lock
+    _kept_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_kept_lock_in_child)
+
+
 @dataclasses.dataclass
 class Candidates:
     """What the base offers ``items`` before any digest is taken: per item, the base

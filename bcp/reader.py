@@ -31,6 +31,7 @@ from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor
 from bcp.io_scheduler.device_load import DeviceFill
 from bcp.io_scheduler.read_exec import ReadStats, execute_reads
 from bcp.io_scheduler.read_plan import RunSet, plan_tensor_reads, touched_rows
+from bcp.io_scheduler.shared_dest import without_shared_destinations
 from bcp.io_scheduler.staging import StagingPool, default_pool
 from bcp.io_scheduler.whole_reads import execute_whole_reads, split_whole
 from bcp.metadata import Catalog, FormatError, Fragment, Manifest, ObjectEntry, TensorEntry, crc32c
@@ -299,6 +300,7 @@ class CheckpointReader:
         destinations are filled through slabs of ``pool`` (default: the process-wide
         pool; see ``bcp.io_scheduler.device_load``); the call returns once every byte has landed."""
         in_memory = in_memory or {}
+        requests = without_shared_destinations(requests, self.catalog, self._tensor_entry)  # tied: before any read
         block = self.manifest.checksum_block_bytes  # tensors stored whole, read in bulk; the rest planned
         whole, sums, requests = split_whole(self.catalog, block, requests, in_memory)
         entries = self._entries([fqn for fqn, _box, _dest in requests])

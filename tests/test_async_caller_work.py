@@ -116,3 +116,71 @@ def test_equal_fingerprints_share_their_fields_and_colliding_ones_differ():
     assert a.sigs is b.sigs, "the second comparison would walk every tensor's fields again"
     c, d = Fingerprint((-1,)), Fingerprint((-2,))  # equal hashes in CPython, different fields
     assert hash(c) == hash(d) and c != d and c.sigs == (-1,) and d.sigs == (-2,)
+
+
+def _refuse_the_save_thread(monkeypatch) -> None:
+    real_start = threading.Thread.start
+
+    def start(self):
+        if self.name == "bcp-async-save":
+            raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+
+def _settled(pool: StagingPool, before: set[threading.Thread]) -> list[str]:
+    """The bcp-writer threads started since ``before`` still alive after a while; waits
+    for the slabs to come back too."""
+    for _ in range(100):
+        writers = [t.name for t in threading.enumerate() if t.name == "bcp-writer" and t not in before]
+        if not writers and pool._in_use == 0:  # private-ok: test introspection
+            break
+        threading.Event().wait(0.05)
+    return writers
+
+
+def test_an_overlapped_save_whose_thread_cannot_start_ends_its_writers_and_returns_the_slabs(tmp_path, monkeypatch):
+    """Staged in part (``overlap``), the rest left to a thread that never starts: the
+    writers get their end marks (before: four bcp-writer threads blocked forever)."""
+    pool = StagingPool(8 << 20, slab_bytes=1 << 20)
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 256)).sum().backward()
+    opt.step()
+    state = {"extra": torch.randn(256, 256), "model": model.state_dict(), "optim": opt.state_dict()}
+    bcp.async_save(state, str(tmp_path / "warm"), pool=pool).wait()  # the starter thread exists
+    before = set(threading.enumerate())
+    _refuse_the_save_thread(monkeypatch)
+    handle = bcp.async_save(state, str(tmp_path / "ck"), pool=pool, overlap=opt)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        handle.wait(timeout=60)
+    monkeypatch.undo()
+    assert _settled(pool, before) == [], "writers of the failed save still wait for their queue"
+    assert pool._in_use == 0, "a slab of the failed save was never returned"  # private-ok: test introspection
+    opt.step()  # waits for the part it must not change first: returns
+    assert not (tmp_path / "ck" / bcp.metadata.MANIFEST_KEY).exists()
+
+
+def test_a_fast_local_save_whose_thread_cannot_start_returns_its_slabs(tmp_path, monkeypatch):
+    """The local tier's fast path (a save planned in its thread): the thread never
+    starts, nothing is planned, and the deferred pipeline's staged slabs come back."""
+    from bcp.io_scheduler.staging import default_pool
+    from bcp.tiers import LocalTier
+
+    manager = bcp.CheckpointManager(tmp_path / "ck", tier=LocalTier(dir=tmp_path / "shm", persist_every=None, keep=3))
+    state = {"w": torch.randn(512, 512), "step": 1}
+    manager.save(1, state)  # plans as bcp.async_save does; the next one takes the fast path
+    manager.wait()
+    pool = default_pool()
+    before = set(threading.enumerate())
+    assert pool._in_use == 0  # private-ok: test introspection
+    _refuse_the_save_thread(monkeypatch)
+    manager.save(2, {**state, "step": 2})
+    assert manager._tier.last_fast  # private-ok: test introspection
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        manager.wait()
+    monkeypatch.undo()
+    assert _settled(pool, before) == []
+    assert pool._in_use == 0, "the fast save's staged slabs stay taken"  # private-ok: test introspection
+    manager.close()

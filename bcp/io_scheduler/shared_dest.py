@@ -1,0 +1,94 @@
+"""Load destinations that share memory (tied weights), checked before any read.
+
+Two keys loaded into overlapping memory with different stored data would leave
+whichever read landed last, and one reader thread's checksum could see another's
+bytes (a false corruption error). Such requests are refused with a ValueError naming
+both keys. The exception is tied weights: requests whose destination is the very same
+memory (same start, size, dtype and box) and whose stored bytes the catalog records as
+the same (equal fragments and checksums: bcp stores tied tensors once) are read once.
+Only dense destinations are compared (a strided one lands through a copy); one sort
+over all requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from bcp.metadata import Catalog, TensorEntry
+from bcp.metadata.geometry import Box
+
+Request = tuple[str, Box, torch.Tensor]
+
+
+def without_shared_destinations(
+    requests: list[Request], catalog: Catalog, entry: Callable[[str], TensorEntry]
+) -> list[Request]:
+    """``requests`` less the repeats of a tied destination; a ValueError naming both
+    keys for any other overlap. ``entry(fqn)`` is the stored tensor's catalog entry."""
+    overlaps = destination_overlaps([dest for _f, _b, dest in requests])
+    drop: set[int] = set()
+    for later, earlier in overlaps:
+        (fqn, box, dest), (other, other_box, other_dest) = requests[later], requests[earlier]
+        if _same_destination_and_bytes(requests[later], requests[earlier], catalog, entry):
+            drop.add(later)
+            continue
+        raise ValueError(
+            f"{other!r} and {fqn!r}: their destination tensors share memory "
+            f"(bytes {_span(other_dest)} and {_span(dest)} of one storage) but the checkpoint "
+            f"holds different data for them (boxes {list(other_box[0])}+{list(other_box[1])} and "
+            f"{list(box[0])}+{list(box[1])}); load them into separate tensors"
+        )
+    return [r for i, r in enumerate(requests) if i not in drop] if drop else requests
+
+
+def destination_overlaps(dests: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """(later, earlier) index pairs of dense destinations whose bytes overlap on one
+    device: sorted by start, a tensor overlaps the one holding the running maximum end
+    if it starts before that end. Meta, empty and strided tensors are left out."""
+    picked: dict[str, list[int]] = {}
+    for i, dest in enumerate(dests):
+        if not dest.is_meta and dest.numel() and dest.is_contiguous():
+            picked.setdefault(str(dest.device), []).append(i)
+    pairs: list[tuple[int, int]] = []
+    for rows in picked.values():
+        if len(rows) < 2:
+            continue
+        index = np.asarray(rows, dtype=np.int64)
+        starts = np.fromiter((dests[i].data_ptr() for i in rows), dtype=np.uint64, count=len(rows))
+        sizes = np.fromiter((dests[i].nbytes for i in rows), dtype=np.uint64, count=len(rows))
+        order = np.argsort(starts, kind="stable")
+        starts, ends, index = starts[order], starts[order] + sizes[order], index[order]
+        reach = np.maximum.accumulate(ends)
+        position = np.arange(len(rows))
+        holder = np.maximum.accumulate(np.where(ends == reach, position, 0))  # who holds the running max
+        hits = np.flatnonzero(starts[1:] < reach[:-1]) + 1
+        pairs += [(int(index[h]), int(index[holder[h - 1]])) for h in hits]
+    return pairs
+
+
+def _same_destination_and_bytes(
+    one: Request, two: Request, catalog: Catalog, entry: Callable[[str], TensorEntry]
+) -> bool:
+    """Whether two requests fill the same memory in the same way with stored bytes
+    the catalog records as the same (equal fragments and checksums)."""
+    (f1, b1, d1), (f2, b2, d2) = one, two
+    same_memory = d1.data_ptr() == d2.data_ptr() and d1.nbytes == d2.nbytes and d1.dtype == d2.dtype
+    if not same_memory or tuple(b1[0]) != tuple(b2[0]) or tuple(b1[1]) != tuple(b2[1]):
+        return False
+    if f1 == f2:
+        return True
+    catalog.require([(f1, b1), (f2, b2)])  # a catalog read in part: the rows of these boxes
+
+    def stored(e: TensorEntry) -> list[tuple]:
+        return [(f.dtype, f.global_shape, f.offsets, f.lengths, f.nbytes, f.checksums) for f in e.fragments]
+
+    return stored(entry(f1)) == stored(entry(f2))
+
+
+def _span(dest: torch.Tensor) -> str:
+    """A destination's byte range within its storage, for an error."""
+    first = dest.storage_offset() * dest.element_size()
+    return f"{first}..{first + dest.nbytes}"

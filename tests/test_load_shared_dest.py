@@ -1,0 +1,142 @@
+"""Load destinations that share memory (tied weights). Two keys loaded into
+overlapping memory with different stored data are refused before any read, with a
+ValueError naming both (before: one reader thread's checksum ran while another wrote
+the same memory, a false CorruptCheckpointError blaming an intact file, or silently
+whichever landed last). The same memory filled with bytes the catalog records as the
+same (bcp stores tied tensors once; or equal fragments and checksums) is read once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bcp
+from bcp import reader as reader_module
+from bcp.io_scheduler import read_exec
+from bcp.io_scheduler.shared_dest import destination_overlaps
+
+
+def _paths(monkeypatch: pytest.MonkeyPatch, path: str) -> dict[str, int]:
+    """Count the bulk and planned reads; ``path`` "planned" sends every tensor there."""
+    if path == "planned":
+        monkeypatch.setattr(read_exec, "COALESCE_BELOW", 1)
+    calls = {"bulk": 0, "planned": 0}
+    bulk, planned = reader_module.execute_whole_reads, reader_module.execute_reads
+
+    def count_bulk(backend, whole, *args, **kwargs):
+        calls["bulk"] += len(whole)
+        return bulk(backend, whole, *args, **kwargs)
+
+    def count_planned(backend, plans, *args, **kwargs):
+        calls["planned"] += len(plans)
+        return planned(backend, plans, *args, **kwargs)
+
+    monkeypatch.setattr(reader_module, "execute_whole_reads", count_bulk)
+    monkeypatch.setattr(reader_module, "execute_reads", count_planned)
+    return calls
+
+
+@pytest.mark.parametrize("path", ["bulk", "planned"])
+def test_tied_destinations_with_different_stored_values_are_refused(tmp_path, monkeypatch, path):
+    """embed.weight and head.weight stored different; the caller ties them: a
+    ValueError naming both keys, before a byte is read."""
+    uri = str(tmp_path / "ck")
+    bcp.save({"embed.weight": torch.randn(64, 32), "head.weight": torch.randn(64, 32), "x": torch.ones(3)}, uri)
+    calls = _paths(monkeypatch, path)
+    tied = torch.zeros(64, 32)
+    with pytest.raises(ValueError, match=r"'embed\.weight' and 'head\.weight'.*share memory"):
+        bcp.load({"embed.weight": tied, "head.weight": tied, "x": torch.zeros(3)}, uri)
+    assert calls == {"bulk": 0, "planned": 0}
+    assert not tied.any()
+
+
+@pytest.mark.parametrize("path", ["bulk", "planned"])
+def test_partly_overlapping_destinations_are_refused(tmp_path, monkeypatch, path):
+    """Views of one storage that overlap in part (even of one key's two boxes)."""
+    uri = str(tmp_path / "ck")
+    bcp.save({"a": torch.randn(8, 4), "b": torch.randn(8, 4)}, uri)
+    _paths(monkeypatch, path)
+    memory = torch.zeros(12, 4)
+    with pytest.raises(ValueError, match=r"'a' and 'b'.*bytes 0\.\.128 and 64\.\.192"):
+        bcp.load({"a": memory[:8], "b": memory[4:]}, uri)
+    with bcp.open(uri) as reader, pytest.raises(ValueError, match=r"'a' and 'a'"):
+        reader.fill([("a", ((0, 0), (4, 4)), memory[:4]), ("a", ((4, 0), (4, 4)), memory[2:6])])
+
+
+@pytest.mark.parametrize("path", ["bulk", "planned"])
+@pytest.mark.parametrize("stored_once", [True, False])
+def test_tied_destinations_with_equal_stored_values_load(tmp_path, monkeypatch, path, stored_once):
+    """A tied model saved by bcp (one copy stored) or with equal copies (equal
+    checksums): loads, read once, both keys hold the value."""
+    uri = str(tmp_path / "ck")
+    weight = torch.randn(64, 32)
+    bcp.save({"embed.weight": weight, "head.weight": weight if stored_once else weight.clone()}, uri)
+    calls = _paths(monkeypatch, path)
+    tied = torch.zeros(64, 32)
+    loaded = bcp.load({"embed.weight": tied, "head.weight": tied}, uri)
+    assert loaded["embed.weight"] is tied and torch.equal(tied, weight)
+    assert calls[path] == 1 and sum(calls.values()) == 1  # read once
+
+
+def test_same_key_and_box_twice_into_one_tensor_is_read_once(tmp_path):
+    uri = str(tmp_path / "ck")
+    value = torch.randn(16)
+    bcp.save({"a": value}, uri)
+    dest = torch.zeros(16)
+    with bcp.open(uri) as reader:
+        reader.fill([("a", ((0,), (16,)), dest), ("a", ((0,), (16,)), dest)])
+    assert torch.equal(dest, value)
+
+
+def test_separate_views_of_one_storage_are_fine(tmp_path):
+    """Neighbouring views (touching, not overlapping) and strided views are not refused."""
+    uri = str(tmp_path / "ck")
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    bcp.save({"a": a, "b": b, "c": a.t().contiguous(), "d": b.t().contiguous()}, uri)
+    memory = torch.zeros(8, 4)
+    square = torch.zeros(4, 8)
+    bcp.load({"a": memory[:4], "b": memory[4:], "c": square[:, :4].t(), "d": square[:, 4:].t()}, uri)
+    assert torch.equal(memory, torch.cat([a, b])) and torch.equal(square, torch.cat([a, b], 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 12)), min_size=0, max_size=8))
+def test_overlaps_match_pairwise_comparison(spans):
+    """The one sort finds an overlap exactly when some pair overlaps, and every pair
+    it names does."""
+    memory = torch.zeros(64, dtype=torch.int16)
+    views = [memory[start : start + length] for start, length in spans]
+    views.append(torch.zeros(4, dtype=torch.int16))  # another storage
+    pairs = destination_overlaps(views)
+
+    def overlap(i: int, j: int) -> bool:
+        (s1, n1), (s2, n2) = spans[i], spans[j]
+        return n1 > 0 and n2 > 0 and s1 < s2 + n2 and s2 < s1 + n1
+
+    assert bool(pairs) == any(overlap(i, j) for i in range(len(spans)) for j in range(i))
+    assert all(i != j and overlap(i, j) for i, j in pairs)
+
+
+def test_overlap_check_is_cheap_at_10000_tensors():
+    """One sort: 10,000 disjoint views of one storage checked well under a second."""
+    import time
+
+    memory = torch.zeros(10_000 * 4)
+    views = list(memory.view(10_000, 4))
+    started = time.perf_counter()
+    assert destination_overlaps(views) == []
+    assert time.perf_counter() - started < 1.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tied_cuda_destinations_are_checked_as_host_ones(tmp_path):
+    uri = str(tmp_path / "ck")
+    weight = torch.randn(64, 32)
+    bcp.save({"a": weight, "b": weight, "c": torch.randn(64, 32)}, uri)
+    tied = torch.zeros(64, 32, device="cuda")
+    bcp.load({"a": tied, "b": tied}, uri, strict=False)
+    assert torch.equal(tied.cpu(), weight)
+    with pytest.raises(ValueError, match=r"'a' and 'c'.*share memory"):
+        bcp.load({"a": tied, "c": tied}, uri, strict=False)
