@@ -119,15 +119,12 @@ def test_overlaps_match_pairwise_comparison(spans):
     assert all(i != j and overlap(i, j) for i, j in pairs)
 
 
-def test_overlap_check_is_cheap_at_10000_tensors():
-    """One sort: 10,000 disjoint views of one storage checked well under a second."""
-    import time
-
+def test_10000_disjoint_views_of_one_storage_do_not_overlap_and_one_shared_row_does():
+    """(speed lives in the benchmarks: bench/tensor_count_scale.py loads 10,000 tensors)"""
     memory = torch.zeros(10_000 * 4)
     views = list(memory.view(10_000, 4))
-    started = time.perf_counter()
     assert destination_overlaps(views) == []
-    assert time.perf_counter() - started < 1.0
+    assert destination_overlaps([*views, memory[8:12]]) != []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
