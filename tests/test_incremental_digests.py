@@ -163,3 +163,47 @@ def test_items_split_over_small_slabs_are_digested_in_order(tmp_path):
     rows = stored_digests(b)
     assert len(rows) == 6
     assert all(recorded == actual for _fqn, recorded, actual in rows)
+
+
+def strided_tensors() -> st.SearchStrategy[torch.Tensor]:
+    """Tensors of 0-4 dims in every layout: permuted, stepped, offset, conjugated."""
+
+    @st.composite
+    def build(draw) -> torch.Tensor:
+        dims = draw(st.integers(0, 4))
+        shape = draw(st.lists(st.integers(0, 6), min_size=dims, max_size=dims))
+        dtype = draw(st.sampled_from([torch.float32, torch.int8, torch.bfloat16, torch.complex64, torch.float64]))
+        g = torch.Generator().manual_seed(draw(st.integers(0, 1000)))
+        big = [n * 2 + 1 for n in shape]
+        t = torch.randn(big, generator=g).to(dtype) if dtype != torch.int8 else torch.randint(-9, 9, big, dtype=dtype)
+        if dims:
+            t = t[tuple(slice(draw(st.integers(0, 1)), None, draw(st.integers(1, 2))) for _ in range(dims))]
+            t = t[tuple(slice(0, n) for n in shape)]
+            t = t.permute(draw(st.permutations(range(dims))))
+        if dtype == torch.complex64 and draw(st.booleans()):
+            t = t.conj()
+        return t
+
+    return build()
+
+
+@settings(max_examples=200, deadline=None)
+@given(t=strided_tensors(), block=st.integers(1, 300))
+def test_first_block_crc_reads_only_the_first_rows_and_equals_the_whole_copy(t, block):
+    from bcp.incremental import first_block_crc
+    from bcp.metadata import crc32c
+    from bcp.tensor_io import flat_bytes, host_contiguous
+
+    whole = flat_bytes(host_contiguous(t)).numpy()[:block]
+    assert first_block_crc(t, block) == crc32c(memoryview(whole))
+
+
+def test_first_block_crc_of_a_transposed_matrix_copies_only_its_first_rows(monkeypatch):
+    import bcp.incremental
+
+    t = torch.randn(512, 256).t()
+    copied = []
+    real = bcp.incremental.host_contiguous
+    monkeypatch.setattr(bcp.incremental, "host_contiguous", lambda x: copied.append(x.numel()) or real(x))
+    bcp.incremental.first_block_crc(t, 4096)
+    assert copied == [2 * 512]  # two rows of 512 float32 cover the first 4 KiB
