@@ -207,3 +207,72 @@ def test_first_block_crc_of_a_transposed_matrix_copies_only_its_first_rows(monke
     monkeypatch.setattr(bcp.incremental, "host_contiguous", lambda x: copied.append(x.numel()) or real(x))
     bcp.incremental.first_block_crc(t, 4096)
     assert copied == [2 * 512]  # two rows of 512 float32 cover the first 4 KiB
+
+
+def reader_of(payload: bytes, most: int):
+    """A backend's ``read_into`` over ``payload`` that returns at most ``most`` bytes a call."""
+
+    def read_into(offset: int, buffer: memoryview) -> int:
+        got = payload[offset : offset + min(len(buffer), most)]
+        buffer[: len(got)] = got
+        return len(got)
+
+    return read_into
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=3), cap=st.integers(0, 4000))
+def test_stream_digests_keep_at_most_the_cap_and_digest_every_item_exactly(data, sizes, cap):
+    """Parts of several items in any order (reverse included): the parts kept ahead of
+    their turn never pass the cap, and each item's digest (streamed, or of its stored
+    bytes once spilled) equals the one-shot digest."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 99)))
+    payloads = [rng.bytes(n) for n in sizes]
+    parts = []
+    for i, n in enumerate(sizes):
+        cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, n - 1)), max_size=8)) + [0, n]))
+        parts += [(i, a, b) for a, b in itertools.pairwise(cuts) if a < b]
+    order = data.draw(st.one_of(st.just(parts[::-1]), st.permutations(parts)))
+    digests = bcp.pieces.StreamDigests(range(len(sizes)), sizes, early_cap=cap)
+    for i, a, b in order:
+        digests.feed(i, a, memoryview(payloads[i])[a:b])
+        assert digests.held <= cap
+    assert digests.peak_held <= cap and digests.held == 0
+    for i, payload in enumerate(payloads):
+        if i in digests.spilled:
+            got = bcp.pieces.digest_stored(reader_of(b"xx" + payload, 700), 2, len(payload), 512)
+        else:
+            got = digests.result(i)
+        assert got == xxhash.xxh3_128_digest(payload)
+
+
+def test_stream_digests_spill_an_item_whose_reversed_parts_pass_the_cap():
+    payload = bytes(range(200)) * 4
+    parts = [(a, a + 100) for a in range(0, 800, 100)][::-1]
+    for cap, spilled in ((250, {0}), (700, set())):
+        digests = bcp.pieces.StreamDigests([0], [800], early_cap=cap)
+        for a, b in parts:
+            digests.feed(0, a, memoryview(payload)[a:b])
+        assert digests.spilled == spilled and digests.peak_held <= cap
+    assert digests.result(0) == xxhash.xxh3_128_digest(payload)
+
+
+def test_spilled_items_are_digested_from_the_data_file(uri_factory, monkeypatch):
+    """Items whose parts could not be kept get the digest of their bytes as stored."""
+
+    class Spilling(bcp.pieces.StreamDigests):
+        def __init__(self, wanted, nbytes) -> None:
+            super().__init__(wanted, nbytes, early_cap=0)
+            self.spilled = set(self.nbytes)  # every item: none is hashed while written
+
+    state = {f"w{i}": torch.randn(250 + i, 16) for i in range(4)}
+    a, b = uri_factory("a"), uri_factory("b")
+    bcp.save(state, a, incremental=True)
+    for t in state.values():
+        t.add_(1.0)
+    monkeypatch.setattr(bcp.saver, "StreamDigests", Spilling)
+    pool = StagingPool(64 << 10, slab_bytes=4 << 10)
+    bcp.async_save(state, b, base=a, pool=pool, checksum_block_bytes=1 << 10, streams=3).wait()
+    rows = stored_digests(b)
+    assert len(rows) == 4
+    assert all(recorded == actual for _fqn, recorded, actual in rows)
