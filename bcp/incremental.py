@@ -382,7 +382,8 @@ def _head(t: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 def first_block_crc(tensor: torch.Tensor, block: int) -> int:
     """CRC32C of the first ``block`` bytes of ``tensor``'s stored bytes (row-major): the
-    first block checksum a catalog row of those bytes holds."""
+    first block checksum a catalog row of those bytes holds. A CUDA tensor is read on this
+    thread's stream: the caller orders it (``device_copy.caller_done``)."""
     # only the leading rows that hold the first block are made contiguous (or copied off
     # the device): a whole non-contiguous piece copied for 64 KiB cost ~600x more
     t = _head(tensor.detach(), max(1, block))

@@ -62,7 +62,8 @@ def cut_pieces(piece: Piece, dtype: torch.dtype, piece_bytes: int) -> list[Piece
 
 def piece_digest(tensor: torch.Tensor) -> bytes:
     """XXH3-128 of the tensor's stored bytes (row-major, as the data file holds them),
-    canonical (big-endian) form."""
+    canonical (big-endian) form. A CUDA tensor is read with ``.cpu()`` on this thread's
+    stream: the caller waits first for the saving thread's stream (``device_copy.caller_done``)."""
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()

@@ -347,7 +347,8 @@ def _decide(
 ) -> tuple[Reuse, np.ndarray]:
     """What ``items`` (this rank's ``writes``) reuse of ``base``, and the digests of the
     items whose first block checksum equals a candidate row's (zeros for the others: the
-    pipeline digests what it writes). Taken from ``early`` when it read the base held."""
+    pipeline digests what it writes). Taken from ``early`` when it read the base held;
+    ``at_call`` waits for the caller's device work queued before the call."""
     if base is None:
         return Reuse([], list(range(len(items))), [], {}), np.zeros((len(items), 16), np.uint8)
     if early is not None:
