@@ -230,7 +230,7 @@ def test_stream_digests_keep_at_most_the_cap_and_digest_every_item_exactly(data,
     payloads = [rng.bytes(n) for n in sizes]
     parts = []
     for i, n in enumerate(sizes):
-        cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, n - 1)), max_size=8)) + [0, n]))
+        cuts = sorted({*data.draw(st.lists(st.integers(1, max(1, n - 1)), max_size=8)), 0, n})
         parts += [(i, a, b) for a, b in itertools.pairwise(cuts) if a < b]
     order = data.draw(st.one_of(st.just(parts[::-1]), st.permutations(parts)))
     digests = bcp.pieces.StreamDigests(range(len(sizes)), sizes, early_cap=cap)
