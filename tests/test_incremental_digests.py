@@ -257,25 +257,38 @@ def test_stream_digests_spill_an_item_whose_reversed_parts_pass_the_cap():
     assert digests.result(0) == xxhash.xxh3_128_digest(payload)
 
 
-def test_spilled_items_are_digested_from_the_data_file(uri_factory, monkeypatch):
-    """Items whose parts could not be kept get the digest of their bytes as stored."""
+class Spilling(bcp.pieces.StreamDigests):
+    """Every item left to a digest of its stored bytes: none is hashed while written."""
 
-    class Spilling(bcp.pieces.StreamDigests):
-        def __init__(self, wanted, nbytes) -> None:
-            super().__init__(wanted, nbytes, early_cap=0)
-            self.spilled = set(self.nbytes)  # every item: none is hashed while written
+    def __init__(self, wanted, nbytes) -> None:
+        super().__init__(wanted, nbytes, early_cap=0)
+        self.spilled = set(self.nbytes)
 
+
+def save_spilled(a: str, b: str, monkeypatch, **small_slabs) -> None:
     state = {f"w{i}": torch.randn(250 + i, 16) for i in range(4)}
-    a, b = uri_factory("a"), uri_factory("b")
     bcp.save(state, a, incremental=True)
     for t in state.values():
         t.add_(1.0)
     monkeypatch.setattr(bcp.saver, "StreamDigests", Spilling)
-    pool = StagingPool(64 << 10, slab_bytes=4 << 10)
-    bcp.async_save(state, b, base=a, pool=pool, checksum_block_bytes=1 << 10, streams=3).wait()
+    bcp.async_save(state, b, base=a, streams=3, **small_slabs).wait()
     rows = stored_digests(b)
     assert len(rows) == 4
     assert all(recorded == actual for _fqn, recorded, actual in rows)
+    assert all(torch.equal(v, state[k]) for k, v in bcp.open(b).state().items())
+
+
+def test_spilled_items_are_digested_from_the_data_file(uri_factory, monkeypatch):
+    """Items whose parts could not be kept get the digest of their bytes as stored."""
+    pool = StagingPool(64 << 10, slab_bytes=4 << 10)  # items split over slabs
+    save_spilled(uri_factory("a"), uri_factory("b"), monkeypatch, pool=pool, checksum_block_bytes=1 << 10)
+
+
+def test_spilled_items_are_digested_from_the_data_file_on_s3(moto_server, monkeypatch):
+    from conftest import new_bucket, store_uri
+
+    bucket = new_bucket(moto_server)  # (parts of at least 5 MiB: the default slabs)
+    save_spilled(*(store_uri("moto", moto_server, bucket, f"run/{n}") for n in ("a", "b")), monkeypatch)
 
 
 def test_stream_digests_fed_by_several_threads_stay_exact_under_a_small_cap():
