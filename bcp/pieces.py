@@ -62,7 +62,8 @@ def cut_pieces(piece: Piece, dtype: torch.dtype, piece_bytes: int) -> list[Piece
 
 def piece_digest(tensor: torch.Tensor) -> bytes:
     """XXH3-128 of the tensor's stored bytes (row-major, as the data file holds them),
-    canonical (big-endian) form."""
+    canonical (big-endian) form. A CUDA tensor is read with ``.cpu()`` on this thread's
+    stream: the caller waits first for the saving thread's stream (``device_copy.caller_done``)."""
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -71,6 +72,10 @@ def piece_digest(tensor: torch.Tensor) -> bytes:
         return xxhash.xxh3_128_digest(b"")
     return xxhash.xxh3_128_digest(flat_bytes(t).numpy())  # type: ignore[arg-type]  # a buffer
 
+
+#: The most bytes :class:`StreamDigests` keeps of parts that arrived ahead of their turn
+#: (beyond it, an item is digested from the data file after the writes).
+EARLY_CAP = 64 << 20
 
 #: Items below this many bytes are digested on the calling thread (a thread hop costs more).
 THREAD_FROM = 256 << 10
@@ -143,9 +148,15 @@ class StreamDigests:
     no pass of their own before the data file is laid out, and for an asynchronous
     save the staged copy (the bytes at the call). An item split over chunks is hashed
     in order: a part that arrives before the parts ahead of it is kept (a copy) until
-    the writer of the part ahead takes it; no writer waits for another."""
+    the writer of the part ahead takes it; no writer waits for another (a writer that
+    waited for its turn while holding a staging slab could starve the stager of the
+    part ahead of the slab it needs: a deadlock).
 
-    def __init__(self, wanted: Sequence[int], nbytes: Sequence[int]) -> None:
+    The parts kept are bounded by ``early_cap`` bytes in all: a part that would pass it
+    drops its item's parts instead, and the item is left to :func:`digest_stored`
+    (over its bytes in the data file, after the writes): :attr:`spilled`."""
+
+    def __init__(self, wanted: Sequence[int], nbytes: Sequence[int], early_cap: int | None = None) -> None:
         #: unique pipeline item -> its size, for the items to digest
         self.nbytes = {i: int(nbytes[i]) for i in wanted}
         self.done: dict[int, bytes] = {}
@@ -154,6 +165,11 @@ class StreamDigests:
         #: that arrived early (offset -> bytes)
         self._next: dict[int, int] = {}
         self._early: dict[int, dict[int, bytes]] = {}
+        self.early_cap = EARLY_CAP if early_cap is None else early_cap
+        #: bytes in ``_early`` now, and the most at once
+        self.held = self.peak_held = 0
+        #: items whose early parts passed ``early_cap``: digested from the data file instead
+        self.spilled: set[int] = set()
         self._lock = threading.Lock()
 
     def feed(self, item: int, start: int, view: memoryview) -> None:
@@ -165,8 +181,15 @@ class StreamDigests:
             self.done[item] = xxhash.xxh3_128_digest(view)
             return
         with self._lock:
+            if item in self.spilled:
+                return
             if self._next.get(item, 0) != start:
+                if self.held + len(view) > self.early_cap:
+                    self._spill(item)
+                    return
                 self._early.setdefault(item, {})[start] = bytes(view)
+                self.held += len(view)
+                self.peak_held = max(self.peak_held, self.held)
                 return
             self._next[item] = -1  # this writer hashes: later parts wait in _early
             state = self._states.setdefault(item, xxhash.xxh3_128())
@@ -176,18 +199,45 @@ class StreamDigests:
             state.update(part)
             at += len(part)
             with self._lock:
+                if item in self.spilled:  # dropped meanwhile: its parts are no longer kept
+                    return
                 part = self._early.get(item, {}).pop(at, None)
                 if part is None:
                     self._next[item] = at
                     if at == total:
                         self.done[item] = self._states.pop(item).digest()
                         self._early.pop(item, None)
+                else:
+                    self.held -= len(part)
+
+    def _spill(self, item: int) -> None:
+        """(under the lock) Stop hashing ``item`` in parts: drop what is kept of it."""
+        self.spilled.add(item)
+        self.held -= sum(len(p) for p in self._early.pop(item, {}).values())
+        self._states.pop(item, None)
+        self._next.pop(item, None)
 
     def result(self, item: int) -> bytes:
-        """``item``'s digest, once every byte of it was written."""
+        """``item``'s digest, once every byte of it was written (not for a spilled one)."""
         if self.nbytes.get(item) == 0:
             return xxhash.xxh3_128_digest(b"")
         return self.done[item]
+
+
+def digest_stored(read_into: Callable[[int, memoryview], int], offset: int, nbytes: int, chunk: int) -> bytes:
+    """XXH3-128 (as :func:`piece_digest`) of the ``nbytes`` bytes at ``offset`` read with
+    ``read_into(offset, buffer)`` (a backend's, bound to the data file), ``chunk`` at a time."""
+    state = xxhash.xxh3_128()
+    buffer = memoryview(bytearray(max(1, min(chunk, nbytes))))
+    at, end = offset, offset + nbytes
+    while at < end:
+        want = buffer[: min(len(buffer), end - at)]
+        got = read_into(at, want)
+        if got <= 0:
+            raise EOFError(f"the data file ends at offset {at}, before the {nbytes} bytes at {offset}")
+        state.update(want[:got])
+        at += got
+    return state.digest()
 
 
 def digest_items(items: Sequence[WriteItem], threads: int) -> np.ndarray:
@@ -196,11 +246,13 @@ def digest_items(items: Sequence[WriteItem], threads: int) -> np.ndarray:
 
 
 __all__ = [
+    "EARLY_CAP",
     "PIECE_BYTES",
     "StreamDigests",
     "background",
     "cut_pieces",
     "digest_items",
+    "digest_stored",
     "piece_digest",
     "rows_per_piece",
     "start_digests",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import os
@@ -57,6 +58,7 @@ from bcp.kept_plans import PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
 from bcp.metadata import FileEntry, Fragment, Manifest, ObjectEntry
 from bcp.metadata.keys import catalog_key, data_file_key, generation_name
 from bcp.options import SaveOptions
+from bcp.pieces import digest_stored
 from bcp.planning.cache import PlanCache, PlanSummary, plan_key
 from bcp.planning.writer_rows import WriterReport, fragment_table, merge_reports, row_stats
 from bcp.replicas import ReplicaSummer, ReplicaSums, check_replicas
@@ -446,9 +448,16 @@ class SaveJob:
         items, reuse, digests = self.reuse
         stream = self.pipeline.digests
         if stream is not None:  # the written rows' digests: of the bytes written
-            source = self.pipeline.file_layout.source
+            pipeline = self.pipeline
+            source = pipeline.file_layout.source
             for j, k in enumerate(reuse.changed):
-                digests[k] = np.frombuffer(stream.result(source[j]), np.uint8)
+                u = source[j]
+                if u in stream.spilled:  # its parts came too far out of order to keep: read back
+                    read = functools.partial(pipeline.backend.read_into, pipeline.data_key)
+                    got = digest_stored(read, pipeline.offsets[u], pipeline.item_nbytes[u], pipeline.pool.slab_bytes)
+                else:
+                    got = stream.result(u)
+                digests[k] = np.frombuffer(got, np.uint8)
         return with_reuse(report, items, reuse, digests)
 
     def _sent(self) -> None:

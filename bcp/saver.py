@@ -51,6 +51,7 @@ from bcp.incremental import (
     prefetch_manifest,
     remember_commit,
 )
+from bcp.io_scheduler import device_copy
 from bcp.io_scheduler.write_pipeline import WriteItem
 from bcp.kept_plans import LocalPlans, Prepared, prepare_tensors
 from bcp.metadata.keys import split_parent
@@ -153,6 +154,9 @@ def _start(
     )
     held = cache.held()
     layout = prepared.layout
+    # the digests and first-block checksums read device memory on other threads (their
+    # own streams): they wait for the work the caller queued before the call
+    at_call = device_copy.caller_done(i.piece.tensor for i in prepared.items) if options.is_incremental else None
     prefetched = None
     first: Future | None = None  # the base's manifest (or reader) as first read
     kept = _lookups(prepared)
@@ -172,7 +176,7 @@ def _start(
     if options.is_incremental and coord.world_size == 1 and first is not None:
         # one rank writes every box: find what the base offers (and digest those pieces)
         # while the coordinator checks the target
-        early = _decide_early(prepared.items, options, first, threads, kept, prefetched is not None)
+        early = _decide_early(prepared.items, options, first, threads, kept, prefetched is not None, at_call)
         reusable = _reuses_any(prepared.items, early)
     decision: SaveDecision | SaveStart = gather_decide(
         coord,
@@ -220,6 +224,7 @@ def _start(
                 early,
                 threads,
                 _lookups(prepared),
+                at_call,
             )
         reuse = (items, found, digests)
         every = len(found.changed) == len(items)
@@ -285,14 +290,18 @@ def _decide_early(
     threads: int,
     kept: Any = None,
     is_reader: bool = True,
+    at_call: Callable[[], None] | None = None,
 ) -> Future[Early]:
     """(one rank) In the background, on the base as first read (``prefetched``: its
     reader, or with ``is_reader`` False its manifest alone): the candidates of ``items``
     and the digests that decide them (:func:`_decide`; ``kept``: the base-row lookups
-    kept with their structure, ``bcp.incremental.find_candidates``)."""
+    kept with their structure, ``bcp.incremental.find_candidates``; ``at_call``: waits
+    for the caller's device work queued before the call, ``device_copy.caller_done``)."""
     assert options.base is not None  # prefetched: a base was given
 
     def run() -> Early:
+        if at_call is not None:  # before any device read: this thread's stream is not the caller's
+            at_call()
         got = prefetched.result()
         if got is None:
             raise CheckpointNotFoundError(f"base {options.base!r} holds no committed checkpoint (no manifest.json)")
@@ -334,10 +343,12 @@ def _decide(
     early: Future[Early] | None,
     threads: int,
     kept: Any = None,
+    at_call: Callable[[], None] | None = None,
 ) -> tuple[Reuse, np.ndarray]:
     """What ``items`` (this rank's ``writes``) reuse of ``base``, and the digests of the
     items whose first block checksum equals a candidate row's (zeros for the others: the
-    pipeline digests what it writes). Taken from ``early`` when it read the base held."""
+    pipeline digests what it writes). Taken from ``early`` when it read the base held;
+    ``at_call`` waits for the caller's device work queued before the call."""
     if base is None:
         return Reuse([], list(range(len(items))), [], {}), np.zeros((len(items), 16), np.uint8)
     if early is not None:
@@ -349,6 +360,8 @@ def _decide(
             if seen.manifest.save_id == base.manifest.save_id:
                 found = dataclasses.replace(found.subset(writes.tolist()), base=base)
                 return decide(found, items, digests[writes]), digests[writes]
+    if at_call is not None:  # the digest threads read device memory on their own streams
+        at_call()
     found = find_candidates(
         base, items, options.checksum_block_bytes, options.storage_options, prefetched, kept, writes.tobytes()
     )

@@ -76,6 +76,33 @@ def test_values_at_the_call_include_work_queued_just_before_it(tmp_path):
     assert_checkpoint(str(tmp_path / "ck"), expected)
 
 
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_incremental_save_in_a_side_stream_right_after_an_update_on_it(tmp_path, how):
+    """The digests and first-block checksums (other threads, their own streams) wait for
+    the caller's stream: a piece changed there just before the call is written, not
+    referred to the base's old bytes."""
+    state = big_state(n=4, mib=16, seed=11)
+    state["t_strided"] = torch.randn(2048, 1024, device="cuda").t()  # first block made contiguous
+    base = str(tmp_path / "base")
+    bcp.save(state, base, incremental=True)
+    update = {k: torch.randn_like(v) for k, v in state.items()}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        busy = torch.randn(8192, 8192, device="cuda")
+        for _ in range(8):
+            busy = busy @ busy  # queued work: the copies below are still pending at the call
+        for k, t in state.items():
+            t.copy_(update[k])
+        if how == "save":
+            bcp.save(state, str(tmp_path / "next"), base=base)
+        else:
+            bcp.async_save(state, str(tmp_path / "next"), base=base).wait()
+    torch.cuda.synchronize()
+    expected = {k: v.cpu() for k, v in update.items()}
+    assert_checkpoint(str(tmp_path / "next"), expected)
+
+
 def test_freed_tensors_memory_reused_right_after_async_save(tmp_path):
     """The contract as a user sees it (what keeps it: the save holds its sources until
     written, and waits for its copies before returning)."""

@@ -335,3 +335,56 @@ def test_manager_load_latest_starts_the_reservation(tmp_path):
     step, _ = manager.load_latest(state)
     assert step is None and manager._reservation is not None
     assert manager._reservation.wait(timeout=60) >= 64 * 64 * 4
+
+
+# -- incremental saves: the digests and first-block checksums read the values at the call ----
+
+
+def queued_update(fake: FakeCudaApi, state: dict) -> dict:
+    """Queue on the caller's stream (not yet run, as a kernel in flight) a change of every
+    tensor of ``state``; return the values once it ran."""
+    new = {k: v + 1 for k, v in state.items()}
+    for k, v in state.items():
+        fake.caller.ops.append(((lambda v=v, n=new[k]: v.copy_(n)), []))
+    return new
+
+
+def incremental_device_state(fake: FakeCudaApi) -> dict:
+    g = torch.Generator().manual_seed(5)
+    # two items over bcp.pieces.THREAD_FROM (digested on the pool's threads) and a small one
+    # (on the deciding thread); a transposed one (its first block made contiguous)
+    state = {
+        "a": torch.randn(256, 320, generator=g),
+        "b": torch.randn(320, 256, generator=g).t(),
+        "small": torch.randn(5, 7, generator=g),
+    }
+    for t in state.values():
+        fake.as_device(t)
+    return state
+
+
+def save_incremental_after_queued_update(fake, tmp_path) -> tuple[str, dict]:
+    state = incremental_device_state(fake)
+    base, nxt = str(tmp_path / "base"), str(tmp_path / "next")
+    bcp.save(state, base, incremental=True, streams=4)
+    assert fake.pending() == 0 and not fake.caller.pending()
+    new = queued_update(fake, state)
+    bcp.save(state, nxt, base=base, streams=4)
+    return nxt, new
+
+
+def test_incremental_digests_wait_for_the_callers_queued_work(fake, tmp_path):
+    """A save called right after the caller queued a change on its stream digests the
+    changed bytes (not the base's, still in memory until the kernel runs): the pieces
+    are written, not referred to the base."""
+    nxt, new = save_incremental_after_queued_update(fake, tmp_path)
+    assert_checkpoint_holds(nxt, new)
+    assert any(e[0] == "synchronize" and e[1] == "caller" for e in fake.log)
+    assert not fake.violations
+
+
+def test_control_incremental_digests_without_the_callers_event_reuse_stale_pieces(fake, tmp_path, monkeypatch):
+    monkeypatch.setattr(bcp.io_scheduler.device_copy, "caller_done", lambda tensors: lambda: None)
+    nxt, new = save_incremental_after_queued_update(fake, tmp_path)
+    reader = bcp.open(nxt)
+    assert not any(tensor_bytes_equal(reader.read(k), v) for k, v in new.items())

@@ -163,3 +163,163 @@ def test_items_split_over_small_slabs_are_digested_in_order(tmp_path):
     rows = stored_digests(b)
     assert len(rows) == 6
     assert all(recorded == actual for _fqn, recorded, actual in rows)
+
+
+def strided_tensors() -> st.SearchStrategy[torch.Tensor]:
+    """Tensors of 0-4 dims in every layout: permuted, stepped, offset, conjugated."""
+
+    @st.composite
+    def build(draw) -> torch.Tensor:
+        dims = draw(st.integers(0, 4))
+        shape = draw(st.lists(st.integers(0, 6), min_size=dims, max_size=dims))
+        dtype = draw(st.sampled_from([torch.float32, torch.int8, torch.bfloat16, torch.complex64, torch.float64]))
+        g = torch.Generator().manual_seed(draw(st.integers(0, 1000)))
+        big = [n * 2 + 1 for n in shape]
+        t = torch.randn(big, generator=g).to(dtype) if dtype != torch.int8 else torch.randint(-9, 9, big, dtype=dtype)
+        if dims:
+            t = t[tuple(slice(draw(st.integers(0, 1)), None, draw(st.integers(1, 2))) for _ in range(dims))]
+            t = t[tuple(slice(0, n) for n in shape)]
+            t = t.permute(draw(st.permutations(range(dims))))
+        if dtype == torch.complex64 and draw(st.booleans()):
+            t = t.conj()
+        return t
+
+    return build()
+
+
+@settings(max_examples=200, deadline=None)
+@given(t=strided_tensors(), block=st.integers(1, 300))
+def test_first_block_crc_reads_only_the_first_rows_and_equals_the_whole_copy(t, block):
+    from bcp.incremental import first_block_crc
+    from bcp.metadata import crc32c
+    from bcp.tensor_io import flat_bytes, host_contiguous
+
+    whole = flat_bytes(host_contiguous(t)).numpy()[:block]
+    assert first_block_crc(t, block) == crc32c(memoryview(whole))
+
+
+def test_first_block_crc_of_a_transposed_matrix_copies_only_its_first_rows(monkeypatch):
+    import bcp.incremental
+
+    t = torch.randn(512, 256).t()
+    copied = []
+    real = bcp.incremental.host_contiguous
+    monkeypatch.setattr(bcp.incremental, "host_contiguous", lambda x: copied.append(x.numel()) or real(x))
+    bcp.incremental.first_block_crc(t, 4096)
+    assert copied == [2 * 512]  # two rows of 512 float32 cover the first 4 KiB
+
+
+def reader_of(payload: bytes, most: int):
+    """A backend's ``read_into`` over ``payload`` that returns at most ``most`` bytes a call."""
+
+    def read_into(offset: int, buffer: memoryview) -> int:
+        got = payload[offset : offset + min(len(buffer), most)]
+        buffer[: len(got)] = got
+        return len(got)
+
+    return read_into
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=3), cap=st.integers(0, 4000))
+def test_stream_digests_keep_at_most_the_cap_and_digest_every_item_exactly(data, sizes, cap):
+    """Parts of several items in any order (reverse included): the parts kept ahead of
+    their turn never pass the cap, and each item's digest (streamed, or of its stored
+    bytes once spilled) equals the one-shot digest."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 99)))
+    payloads = [rng.bytes(n) for n in sizes]
+    parts = []
+    for i, n in enumerate(sizes):
+        cuts = sorted({*data.draw(st.lists(st.integers(1, max(1, n - 1)), max_size=8)), 0, n})
+        parts += [(i, a, b) for a, b in itertools.pairwise(cuts) if a < b]
+    order = data.draw(st.one_of(st.just(parts[::-1]), st.permutations(parts)))
+    digests = bcp.pieces.StreamDigests(range(len(sizes)), sizes, early_cap=cap)
+    for i, a, b in order:
+        digests.feed(i, a, memoryview(payloads[i])[a:b])
+        assert digests.held <= cap
+    assert digests.peak_held <= cap and digests.held == 0
+    for i, payload in enumerate(payloads):
+        if i in digests.spilled:
+            got = bcp.pieces.digest_stored(reader_of(b"xx" + payload, 700), 2, len(payload), 512)
+        else:
+            got = digests.result(i)
+        assert got == xxhash.xxh3_128_digest(payload)
+
+
+def test_stream_digests_spill_an_item_whose_reversed_parts_pass_the_cap():
+    payload = bytes(range(200)) * 4
+    parts = [(a, a + 100) for a in range(0, 800, 100)][::-1]
+    for cap, spilled in ((250, {0}), (700, set())):
+        digests = bcp.pieces.StreamDigests([0], [800], early_cap=cap)
+        for a, b in parts:
+            digests.feed(0, a, memoryview(payload)[a:b])
+        assert digests.spilled == spilled and digests.peak_held <= cap
+    assert digests.result(0) == xxhash.xxh3_128_digest(payload)
+
+
+class Spilling(bcp.pieces.StreamDigests):
+    """Every item left to a digest of its stored bytes: none is hashed while written."""
+
+    def __init__(self, wanted, nbytes) -> None:
+        super().__init__(wanted, nbytes, early_cap=0)
+        self.spilled = set(self.nbytes)
+
+
+def save_spilled(a: str, b: str, monkeypatch, **small_slabs) -> None:
+    state = {f"w{i}": torch.randn(250 + i, 16) for i in range(4)}
+    bcp.save(state, a, incremental=True)
+    for t in state.values():
+        t.add_(1.0)
+    monkeypatch.setattr(bcp.saver, "StreamDigests", Spilling)
+    bcp.async_save(state, b, base=a, streams=3, **small_slabs).wait()
+    rows = stored_digests(b)
+    assert len(rows) == 4
+    assert all(recorded == actual for _fqn, recorded, actual in rows)
+    assert all(torch.equal(v, state[k]) for k, v in bcp.open(b).state().items())
+
+
+def test_spilled_items_are_digested_from_the_data_file(uri_factory, monkeypatch):
+    """Items whose parts could not be kept get the digest of their bytes as stored."""
+    pool = StagingPool(64 << 10, slab_bytes=4 << 10)  # items split over slabs
+    save_spilled(uri_factory("a"), uri_factory("b"), monkeypatch, pool=pool, checksum_block_bytes=1 << 10)
+
+
+def test_spilled_items_are_digested_from_the_data_file_on_s3(moto_server, monkeypatch):
+    from conftest import new_bucket, store_uri
+
+    bucket = new_bucket(moto_server)  # (parts of at least 5 MiB: the default slabs)
+    save_spilled(*(store_uri("moto", moto_server, bucket, f"run/{n}") for n in ("a", "b")), monkeypatch)
+
+
+def test_stream_digests_fed_by_several_threads_stay_exact_under_a_small_cap():
+    """Writers racing (a spill while another writer hashes the item): each digest is the
+    one-shot one, streamed or of the stored bytes; the cap holds throughout."""
+    import random
+    import threading
+
+    rng = np.random.default_rng(3)
+    payloads = [rng.bytes(n) for n in (5000, 7000, 3000, 9000)]
+    parts = [(i, a, min(a + 500, len(p))) for i, p in enumerate(payloads) for a in range(0, len(p), 500)]
+    random.Random(4).shuffle(parts)
+    digests = bcp.pieces.StreamDigests(range(4), [len(p) for p in payloads], early_cap=1500)
+    over = []
+
+    def writer(share) -> None:
+        for i, a, b in share:
+            digests.feed(i, a, memoryview(payloads[i])[a:b])
+            if digests.held > 1500:
+                over.append(digests.held)
+
+    threads = [threading.Thread(target=writer, args=(parts[k::4],)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not over and digests.peak_held <= 1500
+    for i, payload in enumerate(payloads):
+        got = (
+            bcp.pieces.digest_stored(reader_of(payload, 1 << 20), 0, len(payload), 4096)
+            if i in digests.spilled
+            else digests.result(i)
+        )
+        assert got == xxhash.xxh3_128_digest(payload)

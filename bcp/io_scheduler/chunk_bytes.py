@@ -40,5 +40,8 @@ def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
 class DigestSink(Protocol):
     """An incremental save's digests of the bytes written (``bcp.pieces.StreamDigests``)."""
 
+    #: items left to a digest of their stored bytes (``bcp.pieces.digest_stored``)
+    spilled: set[int]
+
     def feed(self, item: int, start: int, view: memoryview) -> None: ...
     def result(self, item: int) -> bytes: ...

@@ -24,6 +24,10 @@ pipelines go through :class:`DeviceCopies`. The rules it enforces (docs/io.md,
 * **Release**: :meth:`DeviceCopies.wait` blocks the host until every copy queued so
   far has completed; :meth:`DeviceCopies.order_after` makes a stream wait for them
   on the device instead (the CPU goes on).
+* **Reads outside the copies** (an incremental save's digests and first-block
+  checksums, taken with ``.cpu()`` on background threads, whose current stream is
+  not the caller's) wait first for an event recorded on the caller's current stream
+  at the call (:func:`caller_done`), so they too see the values at the call.
 
 Only CUDA tensors take this path; tensors of other non-CPU devices are copied
 synchronously with ``.to("cpu")``. Tests replace :data:`api` with a recording fake
@@ -34,7 +38,7 @@ too early shows up as wrong bytes on a machine without a GPU.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -201,6 +205,30 @@ class DeviceCopies:
             pending = list(self._last.items())
         for device, event in pending:
             api.current_stream(device).wait_event(event)
+
+
+def caller_done(tensors: Iterable[torch.Tensor]) -> Callable[[], None]:
+    """(the caller's thread, at the call) Mark the caller's current stream of each device
+    among ``tensors``; the returned function blocks the host until the work the caller
+    queued before the call has run. A thread that reads device memory outside
+    :class:`DeviceCopies` (an incremental save's digests and first-block checksums:
+    a plain ``.cpu()``, on that thread's own current stream, ordered after nothing the
+    caller queued) calls it before its first read."""
+    events = []
+    seen: set[torch.device] = set()
+    for t in tensors:
+        if t.device in seen or not api.is_device(t):
+            continue
+        seen.add(t.device)
+        event = api.new_event()
+        event.record(api.current_stream(t.device))
+        events.append(event)
+
+    def wait() -> None:
+        for event in events:
+            event.synchronize()
+
+    return wait
 
 
 def settle(events: list) -> None:
