@@ -42,6 +42,41 @@ def pread_full(fd: int, view: memoryview, offset: int) -> int:
     return got
 
 
+
+def iov_max() -> int:
+    """The most buffers one ``preadv`` takes (IOV_MAX, 1024 on Linux)."""
+    try:
+        n = os.sysconf("SC_IOV_MAX")
+    except (AttributeError, ValueError, OSError):
+        n = -1
+    return n if n > 0 else 16  # POSIX's least IOV_MAX where the system does not say
+
+
+IOV_MAX = iov_max()
+
+
+def preadv_full(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill ``views`` (byte views) with consecutive bytes from ``offset``: one ``preadv``
+    per :data:`IOV_MAX` buffers, looping on short reads. The bytes read: fewer than
+    asked only where the file ends."""
+    got = 0
+    for g in range(0, len(views), IOV_MAX):
+        group = views[g : g + IOV_MAX]
+        want = sum(v.nbytes for v in group)
+        done = 0
+        while done < want:
+            n = os.preadv(fd, group, offset + got)
+            if n == 0:
+                return got
+            got += n
+            done += n
+            if done < want:  # short: drop the buffers filled, cut the one partly filled
+                while n >= group[0].nbytes:
+                    n -= group[0].nbytes
+                    group = group[1:]
+                group = [group[0][n:], *group[1:]]
+    return got
+
 #: statfs(2) f_type of the filesystems that keep files in memory: tmpfs, ramfs
 MEMORY_FS_TYPES = frozenset({0x01021994, 0x858458F6})
 #: st_dev -> whether that filesystem keeps its files in memory (one fstatfs per filesystem)
