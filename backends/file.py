@@ -23,7 +23,7 @@ import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import NoReturn, Self
+from typing import Self
 from urllib.parse import unquote, urlsplit
 
 from bcp.backends.base import FILE_GAP_BYTES, Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
@@ -31,13 +31,13 @@ from bcp.backends.file_reads import (
     DIRECT_ALIGN,
     DIRECT_READ_FROM,
     NOFOLLOW,
+    FileReader,
     direct_split,
     is_cached,
     on_memory_fs,
     pread_bounced,
     pread_direct,
     pread_full,
-    preadv_full,
 )
 from bcp.backends.file_writes import cut, pwritev_all, whole_pages
 from bcp.backends.storage_errors import ObjectExistsError, StorageError, WriterClosedError, annotate
@@ -293,7 +293,8 @@ class FileBackend(Backend):
         with annotate(self.uri, key, "reading"):
             fd = self._open_for_read(key, path)
         try:
-            yield _Reader(self, key, path, fd)
+            exact = functools.partial(self.read_exact, key)
+            yield FileReader(self.uri, key, path, fd, exact if self.direct_reads else None)
         finally:
             os.close(fd)
 
@@ -424,58 +425,6 @@ def _key_path(root: str, key: str) -> str:
     if PARTIAL_MARKER in key:
         raise ValueError(f"invalid object key {key!r}: contains the reserved {PARTIAL_MARKER!r}")
     return os.path.join(root, *key.split("/"))
-
-
-class _Reader:
-    """The reader :meth:`FileBackend.reading` yields: ``reader(offset, buffer)`` and
-    ``reader.read_into_many(offset, buffers)`` (:func:`bcp.backends.read_into_many`)."""
-
-    __slots__ = ("backend", "fd", "key", "path")
-
-    def __init__(self, backend: FileBackend, key: str, path: str, fd: int) -> None:
-        self.backend, self.key, self.path, self.fd = backend, key, path, fd
-
-    def __call__(self, offset: int, buffer: memoryview) -> None:
-        view = memoryview(buffer).cast("B")
-        if self.backend.direct_reads and len(view) >= DIRECT_READ_FROM:
-            self.backend.read_exact(self.key, offset, view)
-            return
-        try:
-            got = pread_full(self.fd, view, offset)
-        except OSError as e:  # as annotate() translates it, without a context manager per read
-            self._failed(e)
-        if got < len(view):
-            self._ended(offset, got, len(view))
-
-    def read_into_many(self, offset: int, buffers: Sequence[memoryview]) -> None:
-        """Fill ``buffers`` with consecutive bytes from ``offset``: one ``preadv`` per
-        IOV_MAX buffers (large ones as :meth:`__call__` reads them, O_DIRECT maybe)."""
-        views = [memoryview(b).cast("B") for b in buffers]
-        want = sum(len(v) for v in views)
-        if self.backend.direct_reads and any(len(v) >= DIRECT_READ_FROM for v in views):
-            for v in views:
-                self(offset, v)
-                offset += len(v)
-            return
-        try:
-            got = preadv_full(self.fd, views, offset)
-        except OSError as e:
-            self._failed(e)
-        if got < want:
-            self._ended(offset, got, want)
-
-    def _failed(self, e: OSError) -> NoReturn:
-        with annotate(self.backend.uri, self.key, "reading"):
-            if isinstance(e, IsADirectoryError):  # open(2) accepts a directory; it is not an object
-                raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", self.path) from e
-            raise e
-        raise AssertionError("annotate re-raises")  # pragma: no cover
-
-    def _ended(self, offset: int, got: int, want: int) -> NoReturn:
-        raise EOFError(
-            f"{self.key!r} in {self.backend.uri} ended at byte {offset + got}; "
-            f"expected {want} bytes from offset {offset}"
-        )
 
 
 class _FileWriter(ObjectWriter):
