@@ -7,7 +7,16 @@ docs/architecture.md.
 if __name__ != "bcp.backends":  # the folder imported under its own name: a second copy of every class
     raise ImportError(f"this folder is the package bcp.backends; write `import bcp.backends`, not `import {__name__}`")
 
-from bcp.backends.base import Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
+from bcp.backends.base import (
+    Backend,
+    Buffer,
+    Capability,
+    IOHints,
+    ObjectWriter,
+    Unfinished,
+    check_key,
+    read_into_many,
+)
 from bcp.backends.registry import (
     backend_for,
     get_backend_class,
@@ -44,6 +53,7 @@ __all__ = [
     "import_plugins",
     "imported_plugins",
     "join_uri",
+    "read_into_many",
     "register_backend",
     "registered_backends",
     "split_scheme",

@@ -31,7 +31,7 @@ import enum
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Self
 
@@ -380,7 +380,8 @@ class Backend(abc.ABC):
         """``read(offset, buffer)``, filling ``buffer`` from ``offset`` of ``key`` as
         :meth:`read_exact` does, for many reads of one object in a row: a backend may keep
         the object open between them (the file backend does: a load from memory reads a
-        fragment in 2 MiB pieces). Default: :meth:`read_exact` each time."""
+        fragment in 2 MiB pieces). Default: :meth:`read_exact` each time. The reader may
+        also have an optional ``read_into_many(offset, buffers)``: see :func:`read_into_many`."""
         yield functools.partial(self.read_exact, key)
 
     def in_memory(self, key: str, offset: int, nbytes: int) -> bool:
@@ -405,6 +406,21 @@ class Backend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
+
+
+def read_into_many(read: Callable[[int, memoryview], None], offset: int, buffers: Sequence[memoryview]) -> None:
+    """Fill ``buffers`` (byte views) with consecutive bytes of the object from ``offset``,
+    through a reader that :meth:`Backend.reading` yielded: its optional
+    ``read_into_many(offset, buffers)`` where it has one (the file backend: one
+    ``preadv`` for many small tensors, about half the CPU of one read each), else one
+    ``read`` per buffer, so a backend needs nothing to support it. Errors as ``read``'s."""
+    many = getattr(read, "read_into_many", None)
+    if many is not None:
+        many(offset, buffers)
+        return
+    for buffer in buffers:
+        read(offset, buffer)
+        offset += buffer.nbytes
 
 
 def check_key(key: str) -> str:

@@ -31,6 +31,7 @@ from bcp.backends.file_reads import (
     DIRECT_ALIGN,
     DIRECT_READ_FROM,
     NOFOLLOW,
+    FileReader,
     direct_split,
     is_cached,
     on_memory_fs,
@@ -286,31 +287,14 @@ class FileBackend(Backend):
         :data:`~.file_reads.DIRECT_READ_FROM` (a load's pieces from memory) are a
         ``preadv`` each, without the open, the checks and the close of :meth:`read_into`
         (about a tenth of a warm load's CPU time, read in 2 MiB pieces); larger ones go
-        through :meth:`read_exact`, which chooses O_DIRECT as usual."""
+        through :meth:`read_exact`, which chooses O_DIRECT as usual. Adjacent small reads
+        can be one ``preadv`` (``read_into_many``: :func:`bcp.backends.read_into_many`)."""
         path = self._read_path(key)
         with annotate(self.uri, key, "reading"):
             fd = self._open_for_read(key, path)
-
-        def read(offset: int, buffer: memoryview) -> None:
-            view = memoryview(buffer).cast("B")
-            if self.direct_reads and len(view) >= DIRECT_READ_FROM:
-                self.read_exact(key, offset, view)
-                return
-            try:
-                got = pread_full(fd, view, offset)
-            except OSError as e:  # as annotate() translates it, without a context manager per read
-                with annotate(self.uri, key, "reading"):
-                    if isinstance(e, IsADirectoryError):  # open(2) accepts a directory; it is not an object
-                        raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", path) from e
-                    raise
-            if got < len(view):
-                raise EOFError(
-                    f"{key!r} in {self.uri} ended at byte {offset + got}; "
-                    f"expected {len(view)} bytes from offset {offset}"
-                )
-
         try:
-            yield read
+            exact = functools.partial(self.read_exact, key)
+            yield FileReader(self.uri, key, path, fd, exact if self.direct_reads else None)
         finally:
             os.close(fd)
 

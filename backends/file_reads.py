@@ -12,6 +12,10 @@ import mmap
 import os
 import sys
 import threading
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from bcp.backends.storage_errors import annotate
 
 #: Opening a final component that is a link fails (ELOOP) instead of following it.
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -39,6 +43,41 @@ def pread_full(fd: int, view: memoryview, offset: int) -> int:
         if n == 0:
             break
         got += n
+    return got
+
+
+def iov_max() -> int:
+    """The most buffers one ``preadv`` takes (IOV_MAX, 1024 on Linux)."""
+    try:
+        n = os.sysconf("SC_IOV_MAX")
+    except (AttributeError, ValueError, OSError):
+        n = -1
+    return n if n > 0 else 16  # POSIX's least IOV_MAX where the system does not say
+
+
+IOV_MAX = iov_max()
+
+
+def preadv_full(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill ``views`` (byte views) with consecutive bytes from ``offset``: one ``preadv``
+    per :data:`IOV_MAX` buffers, looping on short reads. The bytes read: fewer than
+    asked only where the file ends."""
+    got = 0
+    for g in range(0, len(views), IOV_MAX):
+        group = views[g : g + IOV_MAX]
+        want = sum(v.nbytes for v in group)
+        done = 0
+        while done < want:
+            n = os.preadv(fd, group, offset + got)
+            if n == 0:
+                return got
+            got += n
+            done += n
+            if done < want:  # short: drop the buffers filled, cut the one partly filled
+                while n >= group[0].nbytes:
+                    n -= group[0].nbytes
+                    group = group[1:]
+                group = [group[0][n:], *group[1:]]
     return got
 
 
@@ -163,3 +202,56 @@ def direct_split(view: memoryview, offset: int) -> tuple[int, int] | None:
     head = (-offset) % DIRECT_ALIGN
     middle = (len(view) - head) // DIRECT_ALIGN * DIRECT_ALIGN if len(view) > head else 0
     return (head, middle) if middle else None
+
+
+class FileReader:
+    """The reader ``FileBackend.reading`` yields, on one open descriptor:
+    ``reader(offset, buffer)`` and ``reader.read_into_many(offset, buffers)``
+    (:func:`bcp.backends.read_into_many`). ``exact``: the backend's ``read_exact`` for
+    reads of :data:`DIRECT_READ_FROM` or more (O_DIRECT), None when it reads none so."""
+
+    __slots__ = ("exact", "fd", "key", "path", "uri")
+
+    def __init__(self, uri: str, key: str, path: str, fd: int, exact: Callable[[int, memoryview], None] | None) -> None:
+        self.uri, self.key, self.path, self.fd, self.exact = uri, key, path, fd, exact
+
+    def __call__(self, offset: int, buffer: memoryview) -> None:
+        view = memoryview(buffer).cast("B")
+        if self.exact is not None and len(view) >= DIRECT_READ_FROM:
+            self.exact(offset, view)
+            return
+        try:
+            got = pread_full(self.fd, view, offset)
+        except OSError as e:  # as annotate() translates it, without a context manager per read
+            self._failed(e)
+        if got < len(view):
+            self._ended(offset, got, len(view))
+
+    def read_into_many(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill ``buffers`` with consecutive bytes from ``offset``: one ``preadv`` per
+        :data:`IOV_MAX` buffers (with a large one, one read each, as ``__call__``)."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        want = sum(len(v) for v in views)
+        if self.exact is not None and any(len(v) >= DIRECT_READ_FROM for v in views):
+            for v in views:
+                self(offset, v)
+                offset += len(v)
+            return
+        try:
+            got = preadv_full(self.fd, views, offset)
+        except OSError as e:
+            self._failed(e)
+        if got < want:
+            self._ended(offset, got, want)
+
+    def _failed(self, e: OSError) -> NoReturn:
+        with annotate(self.uri, self.key, "reading"):
+            if isinstance(e, IsADirectoryError):  # open(2) accepts a directory; it is not an object
+                raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", self.path) from e
+            raise e
+        raise AssertionError("annotate re-raises")  # pragma: no cover
+
+    def _ended(self, offset: int, got: int, want: int) -> NoReturn:
+        raise EOFError(
+            f"{self.key!r} in {self.uri} ended at byte {offset + got}; expected {want} bytes from offset {offset}"
+        )

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from bcp import trace
-from bcp.backends import Backend, ObjectNotFoundError
+from bcp.backends import Backend, ObjectNotFoundError, read_into_many
 from bcp.io_scheduler import device_copy, read_exec
 from bcp.io_scheduler.read_exec import (
     COALESCE_BELOW,
@@ -35,6 +35,10 @@ from bcp.metadata.geometry import Box
 from bcp.references import describe_file
 from bcp.tensor_io import dense_byte_view
 from bcp.torch_dtypes import torch_dtype_or_none
+
+#: Tensors of a batch found in memory are read in one vectored read where they follow
+#: each other across less than this (the bytes between go to a scratch buffer).
+GAP_BYTES = 64
 
 
 class WholeRead(NamedTuple):
@@ -126,7 +130,10 @@ def execute_whole_reads(
     ``sum_start`` index; ``fragment(fqn)``: the stored row, built only to name an
     error): sorted by file and offset, those that follow each other in a file (across
     less than :data:`~.read_exec.MAX_PADDING` bytes) grouped into batches; a batch found in memory
-    is read tensor by tensor in place through one open file, a batch from storage in
+    is read in place through one open file, tensors that follow each other in the file
+    (across less than :data:`GAP_BYTES`, up to a piece of :data:`~.read_exec.IN_MEMORY_CHUNK`)
+    in one vectored read
+    (:func:`bcp.backends.read_into_many`), the others one each; a batch from storage in
     one request into scratch memory, copied into place. Every destination's blocks are
     checked as soon as it has landed: one CRC32C call over its whole blocks against
     their checksums combined (for every read in one vectorised pass beforehand), one
@@ -216,19 +223,63 @@ def execute_whole_reads(
     def span_of(batch: list[int]) -> int:
         return reads[batch[-1]].offset + reads[batch[-1]].nbytes - reads[batch[0]].offset
 
+    def adjacent_run(batch: list[int], k: int) -> int:
+        """How many reads of ``batch`` from ``k`` on follow each other in the file
+        (across less than :data:`GAP_BYTES`: the writer aligns each tensor to 64
+        bytes), spanning at most a piece: one vectored read, checked while still in
+        the CPU cache."""
+        r = reads[batch[k]]
+        start, end, n = r.offset, r.offset + r.nbytes, 1
+        while k + n < len(batch):
+            r = reads[batch[k + n]]
+            if not 0 <= r.offset - end < GAP_BYTES or r.offset + r.nbytes - start > chunk:
+                break
+            end = r.offset + r.nbytes
+            n += 1
+        return n
+
+    def with_gaps(run: list[int]) -> list[memoryview]:
+        """The destinations of ``run``, the bytes between them read into a scratch."""
+        scratch = memoryview(bytearray(GAP_BYTES))
+        views: list[memoryview] = []
+        end = reads[run[0]].offset
+        for j in run:
+            r = reads[j]
+            if r.offset > end:
+                views.append(scratch[: r.offset - end])
+            views.append(r.target)
+            end = r.offset + r.nbytes
+        return views
+
     def read_each(batch: list[int], resident: bool) -> tuple[int, int]:
         """Each read of ``batch`` in place, one request each (``resident``: in memory)."""
         at = reads[batch[0]]
         try:
             with backend.reading(at.file) as read, trace.span("fetch", span_of(batch)):
-                for i in batch:
+                k = 0
+                while k < len(batch):
+                    i = batch[k]
                     at = reads[i]
                     if check and resident and at.nbytes > chunk:
                         read_in_pieces(i, read)
+                        k += 1
                         continue
-                    read(at.offset, at.target)
+                    run = adjacent_run(batch, k) if resident else 1
+                    if run > 1:  # one vectored read; each tensor verified after it as below
+                        many = batch[k : k + run]
+                        try:
+                            read_into_many(read, at.offset, with_gaps(many))
+                        except Exception:  # noqa: BLE001 - read one by one: the error names its tensor
+                            for j in many:
+                                at = reads[j]
+                                read(at.offset, at.target)
+                    else:
+                        many = [i]
+                        read(at.offset, at.target)
                     if check:
-                        verify_one(i)
+                        for j in many:
+                            verify_one(j)
+                    k += run
         except (ObjectNotFoundError, EOFError) as e:
             raise read_exec.read_error(name, fragment(at.fqn), 0, e) from e
         return len(batch), 0
