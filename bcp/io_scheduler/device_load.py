@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -29,6 +28,7 @@ from bcp.backends import Backend
 from bcp.io_scheduler.device_copy import DeviceCopies, settle
 from bcp.io_scheduler.read_exec import ReadStats, execute_reads
 from bcp.io_scheduler.read_plan import RunSet, plan_tensor_reads
+from bcp.io_scheduler.run_all import run_all
 from bcp.io_scheduler.staging import StagingPool
 from bcp.metadata import TensorEntry
 from bcp.metadata.geometry import Box
@@ -211,20 +211,10 @@ class DeviceFill:
         stats = ReadStats()
         jobs = self._jobs()
         try:
-            if streams <= 1 or len(jobs) <= 1:
-                for job in jobs:
-                    stats.add(self._run_job(backend, job, verify))
-            else:
-                with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="bcp-device-reader") as workers:
-                    futures = [workers.submit(self._run_job, backend, job, verify) for job in jobs]
-                    errors = []
-                    for future in futures:
-                        try:
-                            stats.add(future.result())
-                        except BaseException as e:  # noqa: BLE001 - first error wins, after all jobs stop
-                            errors.append(e)
-                    if errors:
-                        raise errors[0]
+            for done in run_all(
+                lambda job: self._run_job(backend, job, verify), jobs, streams=streams, name="bcp-device-reader"
+            ):
+                stats.add(done)
             # after every piece on the same stream: a piece's copy covers held parts with slab bytes
             for device_slice, values in self.host_parts:  # pageable host memory: torch copies synchronously
                 self.copies.to_device(*_bitwise(device_slice, values))

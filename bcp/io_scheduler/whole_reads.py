@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -29,6 +28,7 @@ from bcp.io_scheduler.read_exec import (
     COALESCE_BYTES,
     ReadStats,
 )
+from bcp.io_scheduler.run_all import run_all
 from bcp.metadata import Catalog, Fragment
 from bcp.metadata.checksum import combine_block_runs, combine_blocks, crc32c_c
 from bcp.metadata.geometry import Box
@@ -333,19 +333,7 @@ def execute_whole_reads(
         tasks = cut
         if streams > read_exec.usable_cpus() and resident_bytes * 2 >= total:
             streams = read_exec.usable_cpus()  # copies from memory are CPU work
-    if streams <= 1 or len(tasks) <= 1:
-        done = [run_batch(b, r) for b, r in tasks]
-    else:
-        errors: list[BaseException] = []
-        done = []
-        with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="bcp-reader") as pool:
-            for future in [pool.submit(run_batch, b, r) for b, r in tasks]:
-                try:
-                    done.append(future.result())
-                except BaseException as e:  # noqa: BLE001 - first error wins, after all reads stop
-                    errors.append(e)
-        if errors:
-            raise errors[0]
+    done = run_all(lambda task: run_batch(*task), tasks, streams=streams, name="bcp-reader")
     stats.requests = sum(n for n, _p in done)
     stats.padding_bytes = sum(p for _n, p in done)
     stats.bytes_read = total
