@@ -43,6 +43,10 @@ PRELOAD = [
     # that trains, paid once here instead; only preloaded, never called
     "torch._dynamo",
     "bcp",
+    # what the integration tests' ranks import (about 1.5 CPU-s each, in every one of some
+    # 25 ranks a session starts); optional extras: skipped where not installed
+    "lightning.pytorch",
+    "transformers.trainer",
 ]
 
 

@@ -15,11 +15,14 @@ from hypothesis import strategies as st
 
 import bcp
 from bcp.convert import apply_renames, parse_rename, to_safetensors
+from cli_runner import cli
 
 transformers = pytest.importorskip("transformers")
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli_process(*args: str) -> subprocess.CompletedProcess:
+    """``bcp ARGS`` in a child process: for what only a real process shows (nothing
+    printed but the one line); the other conversions run in this process (cli_runner)."""
     return subprocess.run(
         [sys.executable, "-m", "bcp.cli", *args], capture_output=True, text=True, timeout=300, check=False
     )
@@ -107,7 +110,9 @@ def test_two_keys_renamed_to_one_name_is_an_error_naming_both(tmp_path):
     with pytest.raises(ValueError, match=r"'a\.weight' and 'b\.weight' to 'x\.weight'"):
         to_safetensors(str(tmp_path / "ck"), str(tmp_path / "out"), rename=[r"^[ab]\.=x."])
     assert not (tmp_path / "out").exists(), "nothing is written when the names collide"
-    proc = cli("convert", str(tmp_path / "ck"), str(tmp_path / "out"), "--to", "safetensors", "--rename", "^[ab]=x")
+    proc = cli_process(
+        "convert", str(tmp_path / "ck"), str(tmp_path / "out"), "--to", "safetensors", "--rename", "^[ab]=x"
+    )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "'a.weight'" in proc.stderr
 
