@@ -13,8 +13,7 @@ Its collectives run on the caller's lane of bcp's groups, each operation after a
 rendezvous of every rank (``bcp.coordination.lanes``); an async save's commit runs on the
 background lane, so a pending save never shares a group with the manager's own
 collectives or with ``bcp.save`` / ``bcp.load`` calls made meanwhile.
-``process_group=bcp.LOCAL`` keeps a manager of this process alone (a rank-0-only
-hook in an initialised world).
+``process_group=bcp.LOCAL`` keeps a manager of this process alone (a rank-0-only hook).
 """
 
 from __future__ import annotations
@@ -507,12 +506,13 @@ class CheckpointManager:
             )
 
     def close(self) -> None:
-        """(all ranks) Finish the save in flight (commit, retention, pointer): once it
-        returns, the last step saved is committed (or its error was raised). Preemption's
-        handlers are put back as they were."""
-        if self._watch is not None:
-            self._watch.uninstall()
-        self.wait()
+        """(all ranks) Finish the save in flight (commit, retention, pointer), then put
+        preemption's handlers back (a signal during that commit is a notice, not death)."""
+        try:
+            self.wait()
+        finally:
+            if self._watch is not None:
+                self._watch.uninstall()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -523,13 +523,13 @@ class CheckpointManager:
         if exc_type is None:
             self.close()
             return
-        if self._watch is not None:
-            self._watch.uninstall()
         if self._pending is not None or self._tier is not None:  # an error in training: still finish what was staged
             try:
                 self.wait()
             except Exception:  # logged: the training error is the one to report
                 log.exception("the checkpoint in flight failed while handling another error")
+        if self._watch is not None:
+            self._watch.uninstall()
 
     # -- coordinator only -------------------------------------------------------------------------
 

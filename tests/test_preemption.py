@@ -86,6 +86,33 @@ def test_the_handler_chains_to_the_previous_python_handler_and_is_put_back(tmp_p
         signal.signal(signal.SIGUSR1, previous)
 
 
+def test_a_signal_during_closes_final_commit_is_a_notice_and_the_handler_goes_back_after(tmp_path):
+    """Failed before: close() put the previous handler back before waiting for the async
+    save in flight, so a SIGTERM during that commit took the default action (the process
+    died mid-commit; seen as ckpt-chaos "term" runs ending with rc -15)."""
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, _frame: seen.append(signum))
+    try:
+        manager = bcp.CheckpointManager(
+            tmp_path / "ck", async_save=True, preemption=bcp.Preemption(signals=(signal.SIGUSR1,))
+        )
+        manager.save(0, {"w": torch.zeros(4)})
+        real_wait = manager.wait
+
+        def wait_after_a_signal():
+            os.kill(os.getpid(), signal.SIGUSR1)  # arrives while the commit is finished
+            return real_wait()
+
+        manager.wait = wait_after_a_signal  # type: ignore[method-assign]
+        manager.close()
+        assert manager.preemption.notice is not None and manager.preemption.notice.signum == signal.SIGUSR1
+        assert seen == [signal.SIGUSR1] and manager.steps() == [0]
+        os.kill(os.getpid(), signal.SIGUSR1)  # after close: only the previous handler
+        assert seen == [signal.SIGUSR1] * 2 and manager.preemption.repeats == 0
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [
