@@ -55,7 +55,7 @@ BOUNDS = {
     "load plan": "CPU: matching the state against the catalog, per tensor",
     "stage": "memory: handing chunks to the writers, copies into staging slabs (memcpy {memcpy})",
     "copy": "memory: the copy into staging slabs (memcpy {memcpy})",
-    "checksum": "CPU: CRC32C of every byte written, in the writer threads",
+    "checksum": "CPU: CRC32C of every byte written (sync: calling thread, ahead of the writer; async: writers)",
     "write": "the disk's write speed (O_DIRECT), in the writer threads",
     "drain": "waiting for the writer threads to finish",
     "durable": "fsync of the data files: the disk",
