@@ -14,9 +14,10 @@ error, so a load never waits for bytes that will not come.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
-from bcp.backends import Backend
+from bcp.backends import Backend, IOHints
 from bcp.backends.wrappers import ForwardingBackend
 from bcp.errors import CorruptCheckpointError
 
@@ -58,7 +59,16 @@ class Arrivals:
                 ) from self._error
 
 
-class GatedBackend(ForwardingBackend):
+class HoleyFiles(ForwardingBackend):
+    """A recovery directory's backend: its fetched files hold only the byte ranges this
+    host's load reads, with holes between them, so no read crosses a gap."""
+
+    @property
+    def hints(self) -> IOHints:
+        return dataclasses.replace(self.inner.hints, read_gap_bytes=0)
+
+
+class GatedBackend(HoleyFiles):
     """The recovery directory's backend: reads of fetched files wait for their bytes."""
 
     def __init__(self, inner: Backend, fetched: dict[str, int], arrivals: Arrivals) -> None:

@@ -82,7 +82,7 @@ from bcp.metadata.keys import MANIFEST_KEY, reference_key, step_name
 from bcp.options import LoadOptions
 from bcp.reader import CheckpointMetadata
 from bcp.target import resolve_backend
-from bcp.tiers.arrival import Arrivals, GatedBackend
+from bcp.tiers.arrival import Arrivals, GatedBackend, HoleyFiles
 from bcp.tiers.config import LocalTier
 from bcp.tiers.exchange import CHUNK_BYTES, ROUND_BYTES, Exchange, wanted_ranges
 from bcp.tiers.fallback import PersistentNewest, choose, give_up
@@ -411,14 +411,14 @@ def _attempt(
         load_opts = dataclasses.replace(opts, storage_options=None, share_reads=False)
         if not exchange.rounds_of:  # the same on every rank: no host fetches anything, a plain load
             fetch_seconds = time.perf_counter() - fetch_started
-            loaded = load_with_metadata(state, load_dir, metadata, load_opts)
+            loaded = _load_holey(state, load_dir, metadata, load_opts)
         elif exchange_coord is None or coord.world_size == 1:
             with trace.span("exchange") as exchanging:
                 coord.check(exchange.run(), FETCH_PHASE)
                 if exchanging is not None:
                     exchanging.nbytes = exchange.bytes_received
             fetch_seconds = time.perf_counter() - fetch_started
-            loaded = load_with_metadata(state, load_dir, metadata, load_opts)
+            loaded = _load_holey(state, load_dir, metadata, load_opts)
         else:
             fetched = {i: e for i, e in enumerate(manifest.data_files) if i not in held}
             loaded, fetch_seconds = _load_while_fetching(
@@ -578,3 +578,10 @@ def _prefetched(prefetched: tuple[str, Any], source: int) -> CheckpointMetadata:
     restored = payload.restore()
     restored.add_note(f"raised on rank {source} while reading the local step's metadata")
     raise restored
+
+
+def _load_holey(state: Any, load_dir: str, metadata: Any, opts: Any) -> Any:
+    """A plain load of ``load_dir`` (and the steps beside it, for references) reading
+    across no gap: fetched files have holes where no rank of this host reads."""
+    siblings = HoleyFiles(resolve_backend(os.path.dirname(load_dir)))
+    return load_with_metadata(state, HoleyFiles(resolve_backend(load_dir)), metadata, opts, parent=lambda: siblings)
