@@ -73,14 +73,7 @@ def test_a_file_that_cannot_be_opened_fails_the_save_and_returns_the_slabs(tmp_p
 def test_a_save_whose_thread_cannot_start_fails_from_wait(tmp_path, monkeypatch):
     pool = StagingPool(8 << 20, slab_bytes=1 << 20)
     bcp.async_save(state_of(4), str(tmp_path / "warm"), pool=pool).wait()
-    real_start = threading.Thread.start
-
-    def start(self):
-        if self.name == "bcp-async-save":
-            raise RuntimeError("can't start new thread")
-        return real_start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
+    _refuse_the_save_thread(monkeypatch)
     handle = bcp.async_save(state_of(5), str(tmp_path / "ck"), pool=pool)  # returns: the start is not waited for
     with pytest.raises(RuntimeError, match="can't start new thread"):
         handle.wait(timeout=60)
