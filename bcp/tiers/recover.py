@@ -411,14 +411,14 @@ def _attempt(
         load_opts = dataclasses.replace(opts, storage_options=None, share_reads=False)
         if not exchange.rounds_of:  # the same on every rank: no host fetches anything, a plain load
             fetch_seconds = time.perf_counter() - fetch_started
-            loaded = _load_holey(state, load_dir, metadata, load_opts)
+            loaded = _load_plain(state, load_dir, recovery_dir, metadata, load_opts)
         elif exchange_coord is None or coord.world_size == 1:
             with trace.span("exchange") as exchanging:
                 coord.check(exchange.run(), FETCH_PHASE)
                 if exchanging is not None:
                     exchanging.nbytes = exchange.bytes_received
             fetch_seconds = time.perf_counter() - fetch_started
-            loaded = _load_holey(state, load_dir, metadata, load_opts)
+            loaded = _load_plain(state, load_dir, recovery_dir, metadata, load_opts)
         else:
             fetched = {i: e for i, e in enumerate(manifest.data_files) if i not in held}
             loaded, fetch_seconds = _load_while_fetching(
@@ -580,8 +580,11 @@ def _prefetched(prefetched: tuple[str, Any], source: int) -> CheckpointMetadata:
     raise restored
 
 
-def _load_holey(state: Any, load_dir: str, metadata: Any, opts: Any) -> Any:
-    """A plain load of ``load_dir`` (and the steps beside it, for references) reading
-    across no gap: fetched files have holes where no rank of this host reads."""
+def _load_plain(state: Any, load_dir: str, recovery_dir: str, metadata: Any, opts: Any) -> Any:
+    """A plain load of ``load_dir``. The recovery directory's fetched files have holes
+    where no rank of this host reads, so its load (and its siblings') reads across no gap;
+    a local step held whole loads as any checkpoint does."""
+    if load_dir != recovery_dir:
+        return load_with_metadata(state, load_dir, metadata, opts)
     siblings = HoleyFiles(resolve_backend(os.path.dirname(load_dir)))
     return load_with_metadata(state, HoleyFiles(resolve_backend(load_dir)), metadata, opts, parent=lambda: siblings)
