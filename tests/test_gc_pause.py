@@ -20,12 +20,14 @@ def many_tensors(n: int = 2000) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def collections() -> list[str]:
-    """The collector passes started while the test runs ("start" events)."""
+    """The collector passes the calling thread started while the test runs ("start"
+    events): an async save's own thread may collect once the call has returned."""
     seen: list[str] = []
+    caller = threading.current_thread()
 
     def callback(phase: str, info: dict) -> None:
-        if phase == "start":
-            seen.append(threading.current_thread().name)
+        if phase == "start" and threading.current_thread() is caller:
+            seen.append(caller.name)
 
     gc.callbacks.append(callback)
     yield seen
