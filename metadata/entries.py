@@ -119,10 +119,29 @@ def gather_boxes(
     out: dict[int, TensorBoxes] = {}
     for ndim, codes in by_ndim.items():
         counts = [len(row_ids[t]) for t in codes]
-        offs, lens = rows.take_boxes(np.concatenate([row_ids[t] for t in codes]), ndim)
+        offs, lens = rows.take_boxes(_joined([row_ids[t] for t in codes]), ndim)
         check(codes, offs, lens, counts)
         out.update(_views(tensors, codes, offs, lens, counts))
     return out
+
+
+def _joined(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """``np.concatenate(parts)``, or the one view of their base they are where they are
+    consecutive slices of it (the catalog's row order, every tensor used): at millions
+    of rows the copy is a first touch of as much new memory."""
+    held = [p for p in parts if len(p)]
+    base = held[0].base if held else None
+    if isinstance(base, np.ndarray) and base.ndim == 1 and base.flags.c_contiguous:
+        at = lo = (held[0].__array_interface__["data"][0] - base.__array_interface__["data"][0]) // base.itemsize
+        for p in held:
+            if p.base is not base or p.ndim != 1 or p.strides != base.strides or p.dtype != base.dtype:
+                break
+            if (p.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // base.itemsize != at:
+                break
+            at += len(p)
+        else:
+            return base[lo:at]
+    return np.concatenate(parts)
 
 
 def _views(

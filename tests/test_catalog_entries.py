@@ -214,3 +214,48 @@ def test_entries_built_together_are_frozen_once_not_per_tensor(n, blocks):
             assert not column.flags.writeable, name
             with pytest.raises(ValueError, match="read-only"):
                 column[...] = 0
+
+
+def test_boxes_of_every_tensor_gather_through_the_rows_order_not_a_copy_of_it(monkeypatch):
+    """At 8 M stored rows (the share_reads coordinator asks for every tensor) the row
+    ids of the tensors asked in catalog order are one view of the catalog's row order,
+    not a joined copy; the boxes are those of each tensor's entry."""
+    layouts = {f"t{i}": ((8, 4), [((2 * r, 0), (2, 4)) for r in range(4)]) for i in range(5)}
+    blob = stored_bytes(layouts)
+    cat = decoded(blob)
+    seen = []
+    take = Rows.take_boxes
+    monkeypatch.setattr(Rows, "take_boxes", lambda self, rows, ndim: (seen.append(rows), take(self, rows, ndim))[1])
+    got = cat.boxes(list(layouts))
+    assert len(seen) == 1 and len(seen[0]) == 20
+    assert seen[0].base is not None, "the row ids were copied"
+    for fqn, boxes in zip(layouts, got, strict=True):
+        want = decoded(blob).tensors[fqn]
+        assert np.array_equal(boxes.offsets, want.offsets) and np.array_equal(boxes.lengths, want.lengths)
+
+
+def test_the_fixed_rank_check_takes_bounded_memory():
+    """Rows.fixed_ndim over millions of rows compares their coordinate starts in bounded
+    passes (no row-long temporaries), and still finds one row of another rank."""
+    import tracemalloc
+
+    n = 4 << 20
+    starts = np.arange(0, 2 * n + 1, 2, dtype=np.int64)
+    empty = np.zeros(0, np.int64)
+
+    def rows(cs: np.ndarray) -> Rows:
+        z = np.zeros(n, np.int32)
+        return Rows(z, cs, empty, empty, empty, empty, z, z, empty, empty.astype(np.uint32))
+
+    every = rows(starts)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        assert every.fixed_ndim == 2
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert peak < starts.nbytes // 2, f"{peak / 1e6:.1f} MB of temporaries"
+    odd = starts.copy()
+    odd[n - 3 :] += 1  # one row of 3 values near the end, the last of 1
+    assert rows(odd).fixed_ndim == -1

@@ -195,7 +195,7 @@ def _cut_rows(
     else:  # scalars: one dimension of length 1
         off, lens = np.zeros((int(counts.sum()), 1), np.int64), np.ones((int(counts.sum()), 1), np.int64)
     n_t = len(entries)
-    local = np.repeat(np.arange(n_t), counts)
+    local = np.repeat(np.arange(n_t, dtype=np.int32 if n_t < 1 << 31 else np.int64), counts)
     live = rows_positive(lens)
     n_partial = np.zeros(n_t, np.int64)
     k = np.zeros(n_t, np.int64)
@@ -205,14 +205,17 @@ def _cut_rows(
         n_partial += has
         k[has] = d
     ok = n_partial <= 1
-    rows = np.flatnonzero(live & ok[local])
-    tl = local[rows]
-    kl = k[tl]
-    if (kl == kl[0]).all() if len(kl) else True:
-        col = int(kl[0]) if len(kl) else 0
-        s, n = off[rows, col], lens[rows, col]
+    if ok.all() and live.all() and (k == k[0]).all():  # the usual layout: columns, no gathers
+        rows, tl, s, n = np.arange(len(local)), local, off[:, int(k[0])], lens[:, int(k[0])]
     else:
-        s, n = off[rows, kl], lens[rows, kl]
+        rows = np.flatnonzero(live & ok[local])
+        tl = local[rows]
+        kl = k[tl]
+        if (kl == kl[0]).all() if len(kl) else True:
+            col = int(kl[0]) if len(kl) else 0
+            s, n = off[rows, col], lens[rows, col]
+        else:
+            s, n = off[rows, kl], lens[rows, kl]
     same = tl[1:] == tl[:-1]
     if (same & (s[1:] < s[:-1])).any():
         order = np.lexsort((s, tl))
@@ -353,14 +356,18 @@ class CutIndex:
         else:
             first = np.searchsorted(self.ends, lo, side="right")
             width = np.searchsorted(self.starts, hi, side="left") - first
-        if bool((width == 1).all()):  # one stored row each (the same layout)
-            qi, pos = np.arange(len(width)), first
+        if bool((width == 1).all()):  # one stored row each (the same layout): no gathers by query
+            pos = first
+            span = np.minimum(hi, self.ends[pos]) - np.maximum(lo, self.starts[pos])
+            box = np.arange(len(width)) if q is None else q
+            box_t = tids if q is None else tids[box]
         else:
             np.clip(width, 0, None, out=width)
             qi, pos = expand_windows(first.astype(np.int64), width.astype(np.int64))
-        span = np.minimum(hi[qi], self.ends[pos]) - np.maximum(lo[qi], self.starts[pos])
-        box = qi if q is None else q[qi]
-        return box, self.rows[pos], span * self.other[tids[box]], ~ok
+            span = np.minimum(hi[qi], self.ends[pos]) - np.maximum(lo[qi], self.starts[pos])
+            box = qi if q is None else q[qi]
+            box_t = tids[box]
+        return box, self.rows[pos], span * self.other[box_t], ~ok
 
 
 def _upto(points: np.ndarray, line: int, dtype: type) -> np.ndarray:
