@@ -343,8 +343,27 @@ def match_state(
     # no stored tensor's entry is built here (only its shape and dtype are read): the
     # read builds those it plans, together (Catalog.entries), and none for the tensors
     # stored whole in one row (Catalog.whole_rows)
+    lookup = reader.catalog.shape_and_dtype
+    names: dict[torch.dtype, str] = {}  # one dtype_name per dtype, not per tensor
+    consumed, requests, new = plan.consumed, plan.tensor_requests, tuple.__new__
+    zeros: dict[int, tuple[int, ...]] = {}
     for leaf in leaves:
-        if leaf.is_tensor:
+        value = leaf.value
+        if type(value) in _PLAIN_TENSORS:  # the usual leaf, as _match_tensor takes it, in fewer calls
+            fqn = leaf.fqn
+            stored = lookup(fqn)
+            shape = tuple(value.shape)
+            if stored is None or shape != stored[0]:
+                _match_tensor(reader, leaf, plan)  # missing, an object or a shape mismatch: named there
+                continue
+            consumed.add(fqn)
+            dtype = value.dtype
+            name = names.get(dtype) or names.setdefault(dtype, dtype_name(dtype, fqn=fqn))
+            if name != stored[1]:
+                plan.dtype_mismatch.append((fqn, name, stored[1]))
+            start = zeros.get(len(shape)) or zeros.setdefault(len(shape), (0,) * len(shape))
+            requests.append(new(TensorRequest, (fqn, (start, shape), value)))
+        elif leaf.is_tensor:
             _match_tensor(reader, leaf, plan)
         elif leaf.fqn in reader.manifest.objects:
             plan.consumed.add(leaf.fqn)
