@@ -340,11 +340,25 @@ def match_state(
     #: a template holding DTensors (at any world size, one included): an optimizer's
     #: empty ``state`` must not be filled with plain full-size tensors beside them
     guard = any(is_dtensor(leaf.value) for leaf in leaves)
-    # no stored tensor's entry is built here (only its shape and dtype are read): the
-    # read builds those it plans, together (Catalog.entries), and none for the tensors
-    # stored whole in one row (Catalog.whole_rows)
+    # no stored tensor's entry is built here (only its shape and dtype are read): the read builds
+    # those it plans, together (Catalog.entries), none for the tensors stored whole in one row
+    lookup, names = reader.catalog.shape_and_dtype, dict[torch.dtype, str]()  # a dtype_name per dtype
+    consumed, requests, new = plan.consumed, plan.tensor_requests, tuple.__new__
     for leaf in leaves:
-        if leaf.is_tensor:
+        value = leaf.value
+        if type(value) in _PLAIN_TENSORS:  # the usual leaf, as _match_tensor takes it, in fewer calls
+            fqn = leaf.fqn
+            stored = lookup(fqn)
+            shape = tuple(value.shape)
+            if stored is None or shape != stored[0]:
+                _match_tensor(reader, leaf, plan)  # missing, an object or a shape mismatch: named there
+                continue
+            consumed.add(fqn)
+            name = names.get(value.dtype) or names.setdefault(value.dtype, dtype_name(value.dtype, fqn=fqn))
+            if name != stored[1]:
+                plan.dtype_mismatch.append((fqn, name, stored[1]))
+            requests.append(new(TensorRequest, (fqn, ((0,) * len(shape), shape), value)))
+        elif leaf.is_tensor:
             _match_tensor(reader, leaf, plan)
         elif leaf.fqn in reader.manifest.objects:
             plan.consumed.add(leaf.fqn)
@@ -411,7 +425,8 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan) -> None:
     """A tensor-like leaf: the boxes this rank holds, if shape and kind match. A plain
-    tensor asks for the whole tensor on this rank, whatever layout saved it."""
+    tensor asks for the whole tensor on this rank, whatever layout saved it (the usual
+    plain leaf is matched in match_state's loop, the same way in fewer calls)."""
     fqn = leaf.fqn
     stored = reader.catalog.shape_and_dtype(fqn)
     if stored is None:
@@ -424,16 +439,6 @@ def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan) -> None:
     plan.consumed.add(fqn)
     value = leaf.value
     stored_shape, stored_dtype = stored
-    if type(value) in _PLAIN_TENSORS:  # the whole tensor, as local_pieces gives it, without its checks for shards
-        shape, dtype = tuple(value.shape), value.dtype
-        if shape != stored_shape:
-            plan.shape_mismatch.append((fqn, shape, stored_shape))
-            return
-        name = dtype_name(dtype, fqn=fqn)
-        if name != stored_dtype:
-            plan.dtype_mismatch.append((fqn, name, stored_dtype))
-        plan.tensor_requests.append(TensorRequest(fqn, ((0,) * len(shape), shape), value))
-        return
     shape, dtype, pieces, _replicated = local_pieces(value, fqn)
     if tuple(shape) != stored_shape:
         plan.shape_mismatch.append((fqn, tuple(shape), stored_shape))

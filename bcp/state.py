@@ -247,7 +247,9 @@ def _detach(value: Any, path: KeyPath, found: list[tuple[KeyPath, Any]] | None) 
             found.append((path, value))
         return _detach(value.state_dict(), path, None)
     if isinstance(value, Mapping) and all(_plain_key(k) for k in value):
-        items = {k: _detach(v, (*path, ("d", k)), found) for k, v in value.items()}
+        # a plain tensor leaf is kept as it is without a call or a path (10,000 of them per load)
+        plain = _PLAIN_TENSORS
+        items = {k: v if type(v) in plain else _detach(v, (*path, ("d", k)), found) for k, v in value.items()}
         if all(items[k] is v for k, v in value.items()):
             return value
         return collections.OrderedDict(items) if isinstance(value, collections.OrderedDict) else items

@@ -33,7 +33,7 @@ from bcp.metadata import Catalog, Fragment
 from bcp.metadata.checksum import combine_block_runs, combine_blocks, crc32c_c
 from bcp.metadata.geometry import Box
 from bcp.references import describe_file
-from bcp.tensor_io import dense_byte_view
+from bcp.tensor_io import NUMPY_DTYPES, dense_byte_view
 from bcp.torch_dtypes import torch_dtype_or_none
 
 #: Tensors of a batch found in memory are read in one vectored read where they follow
@@ -88,6 +88,8 @@ def split_whole(
     whole: list[WholeRead] = []
     rest: list[tuple[str, Box, torch.Tensor]] = []
     shapes, dtypes, files, offsets, starts = info.shapes, info.dtypes, info.files, info.byte_offsets, info.sum_starts
+    all_nbytes = info.nbytes
+    new = tuple.__new__  # WholeRead's own __new__ is a Python call: 10,000 of them per load
     for i, (request, ok) in enumerate(zip(requests, fits.tolist(), strict=True)):
         if not ok:
             rest.append(request)
@@ -107,13 +109,24 @@ def split_whole(
         ):
             rest.append(request)
             continue
-        target = dense_byte_view(dest)
-        nbytes = info.nbytes[i]
+        target = dense_byte_view(dest) if dtype not in NUMPY_DTYPES else _numpy_bytes(dest)
+        nbytes = all_nbytes[i]
         if len(target) != nbytes:  # a catalog row's size is checked where it is planned
             rest.append(request)
             continue
-        whole.append(WholeRead(fqn, names[files[i]], offsets[i], nbytes, starts[i], target))
+        whole.append(new(WholeRead, (fqn, names[files[i]], offsets[i], nbytes, starts[i], target)))
     return whole, info.sums, rest  # the checksum column the reads index (a later require may replace it)
+
+
+def _numpy_bytes(dest: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor of a dtype numpy holds, as
+    :func:`~bcp.tensor_io.dense_byte_view` gives them, without its checks (made above)."""
+    try:
+        # detach (a new tensor object) only where numpy() requires it
+        array = dest.detach().numpy() if dest.requires_grad else dest.numpy()
+        return memoryview(array).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
+    except (TypeError, ValueError, RuntimeError):  # numpy disagrees that it is contiguous: the general view
+        return dense_byte_view(dest)
 
 
 def execute_whole_reads(

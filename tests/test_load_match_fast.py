@@ -1,0 +1,120 @@
+"""The per-tensor bookkeeping of a load in fewer calls (issue 37): matching plain
+tensor leaves, detaching a template and decoding a catalog's strings give exactly what
+the general paths give (local_pieces for every leaf, a recursive detach)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import bcp
+from bcp import loader
+from bcp.backends import backend_for
+from bcp.errors import FormatError, StateMismatchError
+from bcp.metadata.catalog.arrow import string_codes
+from bcp.reader import fetch_metadata, open_reader
+from bcp.state import detach_stateful
+
+DTYPES = [torch.float32, torch.float16, torch.int64, torch.bfloat16]
+#: what the template holds at a stored key: the same tensor, one of another dtype (a
+#: cast), of another shape, a Parameter, a tensor needing grad; or the key left out
+HOW = ["same", "cast", "shape", "param", "grad", "absent"]
+
+leaf_specs = st.lists(
+    st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 3), max_size=3), st.sampled_from(HOW)),
+    min_size=1,
+    max_size=6,
+)
+
+
+def plan_fields(plan: loader.LoadPlan) -> tuple:
+    """A load plan as comparable values (destinations by identity)."""
+    requests = [(r.fqn, tuple(r.box[0]), tuple(r.box[1]), id(r.dest)) for r in plan.tensor_requests]
+    return (
+        requests,
+        sorted(plan.consumed),
+        plan.missing,
+        plan.unexpected,
+        plan.shape_mismatch,
+        plan.dtype_mismatch,
+        plan.kind_mismatch,
+        [leaf.fqn for leaf in plan.object_loads],
+    )
+
+
+def matched(reader, template, strict: bool) -> tuple | str:
+    try:
+        return plan_fields(loader.match_state(reader, template, strict, 1, None))
+    except StateMismatchError as e:
+        return str(e)
+
+
+@settings(max_examples=40, deadline=None)
+@given(specs=leaf_specs, strict=st.booleans(), extra=st.booleans())
+def test_matching_plain_tensors_equals_the_general_path(specs, strict, extra):
+    """Every kind of plain leaf (match, cast, shape mismatch, Parameter, grad, missing,
+    an object where a tensor is stored, an extra key): the plan, or the mismatch error,
+    is what matching every leaf through local_pieces gives."""
+    stored = {f"t{i}": torch.zeros(shape, dtype=dtype) for i, (dtype, shape, _how) in enumerate(specs)}
+    stored["obj"] = {"lr": 0.1}
+    uri = f"memory://match-fast-{uuid.uuid4().hex[:8]}/ck"
+    bcp.save(stored, uri)
+    template: dict = {}
+    for i, (dtype, shape, how) in enumerate(specs):
+        key = f"t{i}"
+        if how == "same":
+            template[key] = torch.ones(shape, dtype=dtype)
+        elif how == "cast":
+            template[key] = torch.ones(shape, dtype=torch.float64)
+        elif how == "shape":
+            template[key] = torch.ones([*shape, 2], dtype=dtype)
+        elif how in ("param", "grad") and dtype.is_floating_point:
+            template[key] = torch.nn.Parameter(torch.ones(shape, dtype=dtype), requires_grad=how == "grad")
+    if extra:
+        template["extra"] = torch.ones(2)
+        template["t0"] = template.get("t0", 3)  # an object where a tensor is stored: a kind mismatch
+    template["obj"] = {"lr": 0.0}
+    backend = backend_for(uri)
+    reader = open_reader(backend, fetch_metadata(backend))
+    try:
+        fast = matched(reader, template, strict)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(loader, "_PLAIN_TENSORS", ())  # every leaf through _match_tensor's local_pieces
+            general = matched(reader, template, strict)
+    finally:
+        reader.close()
+    assert fast == general
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.recursive(st.just("t"), lambda kids: st.dictionaries(st.sampled_from("abc"), kids, max_size=3), max_leaves=8))
+def test_detaching_a_template_without_stateful_objects_keeps_it_and_finds_the_ones_inside(shape):
+    """Plain tensors are kept without a call each: a template of tensors comes back as
+    the very same object; a Stateful among them is still found and expanded."""
+
+    def build(node):
+        return torch.zeros(2) if node == "t" else {k: build(v) for k, v in node.items()}
+
+    state = {"root": build(shape)}
+    detached, found = detach_stateful(state)
+    assert detached is state and found == []
+    module = torch.nn.Linear(2, 2)
+    with_module = {"root": build(shape), "m": module}
+    detached, found = detach_stateful(with_module)
+    assert found == [((("d", "m"),), module)]
+    assert set(detached["m"]) == {"weight", "bias"} and detached["root"] is with_module["root"]
+
+
+def test_a_null_string_in_a_catalog_column_is_refused():
+    """The None check over a dictionary's words is one C pass; it still refuses a null
+    word (null rows are refused before, where the table is read)."""
+    words = pa.DictionaryArray.from_arrays(pa.array([0, 1, 0], pa.int32()), pa.array(["a", None]))
+    with pytest.raises(FormatError, match="null values in the catalog"):
+        string_codes(pa.chunked_array([words]), "the catalog")
+    codes, values = string_codes(pa.chunked_array([["a", "b", "a"], ["b", "c"]]), "the catalog")
+    assert [values[c] for c in codes.tolist()] == ["a", "b", "a", "b", "c"]
