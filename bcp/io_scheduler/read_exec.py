@@ -464,11 +464,15 @@ def execute_reads(
     limit = max(COALESCE_BELOW, min(COALESCE_BYTES, COALESCE_BUDGET // max(streams, 1)))
     block = block_bytes if verify else None
     requests = coalesce(parts, limit=limit, block=block, gap=backend.hints.read_gap_bytes)
+    order = requests  # the order the streams take them in
     if streams > 1 and len(requests) > 1:
         cpus = usable_cpus()
         largest = max(requests, key=lambda r: r.nbytes)
-        if streams > cpus and backend.in_memory(largest.file, largest.offset, largest.nbytes):
-            streams = cpus  # copies from memory are CPU work: more threads than cores only thrash the caches
+        if backend.in_memory(largest.file, largest.offset, largest.nbytes):
+            streams = min(streams, cpus)  # copies from memory are CPU work: more threads only thrash caches
+            # largest first (ties in file order): each stream takes the next when done, so the
+            # last to start are the smallest and no core copies a 32 MiB piece alone at the end
+            order = sorted(requests, key=lambda r: -r.nbytes)
     name = describe_file(backend)
 
     def finish(frag: Fragment) -> int:
@@ -528,7 +532,8 @@ def execute_reads(
                         extra[0] += n
 
         with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="bcp-reader") as pool:
-            for future in [pool.submit(read_task, r) for r in requests]:
+            futures = {id(r): pool.submit(read_task, r) for r in order}
+            for future in [futures[id(r)] for r in requests]:  # the first error in file order
                 try:
                     future.result()
                 except BaseException as e:  # noqa: BLE001 - first error wins, after all reads stop
