@@ -65,15 +65,15 @@ class _Copy:
     """One chunk's parts, taken one at a time by whichever thread is free (a helper
     descheduled on a busy machine leaves its share to the caller instead of holding it up)."""
 
-    __slots__ = ("base", "done", "error", "finished", "lock", "parts", "ticket")
+    __slots__ = ("base", "busy", "cond", "done", "error", "parts", "ticket")
 
     def __init__(self, base: int, parts: Sequence[Runs]) -> None:
         self.base, self.parts = base, parts
         self.ticket = itertools.count()  # next() is atomic: each part is taken exactly once
-        self.lock = threading.Lock()
-        self.done = 0
+        self.cond = threading.Condition()
+        self.done = 0  # parts copied
+        self.busy = 0  # helpers inside work()
         self.error: BaseException | None = None
-        self.finished = threading.Event()
 
     def work(self) -> None:
         move, fill, base, parts, n = _MEMMOVE, _MEMSET, self.base, self.parts, len(self.parts)
@@ -86,10 +86,33 @@ class _Copy:
                         fill(base + at, 0, k)
             except BaseException as e:  # noqa: BLE001 - raised by copy_runs in the caller
                 self.error = e
-            with self.lock:
+            with self.cond:
                 self.done += 1
                 if self.done == n:
-                    self.finished.set()
+                    self.cond.notify_all()
+
+    def help(self) -> None:
+        with self.cond:
+            self.busy += 1
+        try:
+            self.work()
+        finally:
+            with self.cond:
+                self.busy -= 1
+                self.cond.notify_all()
+
+    def wait(self) -> None:
+        """(the caller, its own parts done) Until the helpers' parts are copied too."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.done == len(self.parts))
+
+    def abandon(self) -> None:
+        """(the caller, failing) Take every part not started, and wait until no helper
+        copies: the slab may go back to the pool only once nothing writes to it."""
+        while next(self.ticket) < len(self.parts):
+            pass
+        with self.cond:
+            self.cond.wait_for(lambda: not self.busy)
 
 
 class _Crew:
@@ -99,7 +122,6 @@ class _Crew:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.job: _Copy | None = None
-        self.pid = -1
         self.helpers = 0
 
     def run(self, base: int, parts: Sequence[Runs]) -> None:
@@ -108,18 +130,21 @@ class _Crew:
             with self.cond:
                 self.job = job
                 self.cond.notify_all()
-        job.work()
-        job.finished.wait()  # parts a helper took: the caller returns only once every byte is copied
-        with self.cond:
-            if self.job is job:
-                self.job = None
+        try:
+            job.work()
+            job.wait()  # parts a helper took: the caller returns only once every byte is copied
+        except BaseException:  # e.g. KeyboardInterrupt while waiting
+            job.abandon()
+            raise
+        finally:
+            with self.cond:
+                if self.job is job:
+                    self.job = None
         if job.error is not None:
             raise job.error
 
     def _ensure_helpers(self) -> bool:
         want = min(torch.get_num_threads(), os.cpu_count() or 1) - 1
-        if self.pid != os.getpid():  # a forked child has none of its parent's threads
-            self.pid, self.helpers = os.getpid(), 0
         while self.helpers < want:
             threading.Thread(target=self._loop, name="bcp-stage-copy", daemon=True).start()
             self.helpers += 1
@@ -132,11 +157,20 @@ class _Crew:
                 while self.job is None or self.job is seen:
                     self.cond.wait()
                 seen = self.job
-            seen.work()
+            seen.help()
 
 
 _CREW = _Crew()
 _CREW_LOCK = threading.Lock()
+
+
+def _new_crew_in_child() -> None:
+    """A forked child has none of the helpers, and a lock held at the fork stays held."""
+    global _CREW, _CREW_LOCK
+    _CREW, _CREW_LOCK = _Crew(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_crew_in_child)
 
 
 def copy_runs(base: int, parts: Sequence[Runs]) -> None:
@@ -149,7 +183,7 @@ def copy_runs(base: int, parts: Sequence[Runs]) -> None:
         finally:
             _CREW_LOCK.release()
         return
-    job = _Copy(base, parts)
+    job = _Copy(base, parts)  # no helper: nothing but this thread writes to the slab
     job.work()
     if job.error is not None:
         raise job.error
