@@ -121,7 +121,9 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf], fqn: str) -> None:
     """``fqn``: the container's own (``fqn_of(path)``), its children's prefix."""
-    if isinstance(container, Mapping):
+    if type(container) is dict and set(map(type, container)) == _STR_ONLY:
+        _walk_str_keys(container, path, leaves, fqn)
+    elif isinstance(container, Mapping):
         seen: dict[str, Any] = {}
         for key, value in container.items():
             if type(key) is not str and not _plain_key(key):
@@ -139,6 +141,22 @@ def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf], fqn: 
         kind = "t" if isinstance(container, tuple) else "l"
         for i, value in enumerate(container):
             _walk(value, (*path, (kind, i)), leaves, f"{fqn}.{i!s}" if path else str(i))
+
+
+_STR_ONLY = {str}
+
+
+def _walk_str_keys(container: dict[str, Any], path: KeyPath, leaves: dict[str, Leaf], fqn: str) -> None:
+    """A dict whose keys are all ``str`` (the usual state): no two of its keys flatten
+    to the same name, and a plain tensor is taken here (``_walk``'s first case, inline:
+    this loop runs for every tensor of every save)."""
+    plain = _PLAIN_TENSORS
+    for key, value in container.items():
+        child = f"{fqn}.{key}" if path else key
+        if type(value) in plain and child not in leaves:
+            leaves[child] = Leaf(child, (*path, ("d", key)), value)
+        else:
+            _walk(value, (*path, ("d", key)), leaves, child)
 
 
 #: set while bcp takes a Stateful's state_dict() to save it (flatten_state), unset while

@@ -250,6 +250,10 @@ def plan_pipeline(
     )
 
 
+#: Bytes of one part of a staged chunk's runs: the unit the caller and the copy helpers
+#: take in turn (``chunk_bytes.copy_runs``); a larger run is split.
+COPY_PART_BYTES = 4 << 20
+
 #: Padding shorter than this is zeroed through :attr:`ChunkCopies.zeros` (one numpy
 #: assignment a chunk), longer padding by a ``memset`` run of its own.
 SHORT_PADDING = 256
@@ -259,8 +263,9 @@ SHORT_PADDING = 256
 class ChunkCopies:
     """A staged chunk of dense host tensors as raw copies (``WritePipeline._stage_runs``)."""
 
-    #: (offset in the chunk, source address or 0 for zeros, nbytes), in chunk order
-    runs: tuple[tuple[int, int, int], ...]
+    #: (offset in the chunk, source address or 0 for zeros, nbytes), in chunk order, in parts
+    #: of about :data:`COPY_PART_BYTES` (runs longer than that split)
+    parts: tuple[tuple[tuple[int, int, int], ...], ...]
     #: offsets in the chunk of every byte of the short padding (zeroed at once), or None
     zeros: Any = None
 
@@ -288,4 +293,24 @@ def chunk_copies(chunk: Chunk, address: Sequence[int]) -> ChunkCopies | None:
         cursor = seg.at + seg.nbytes
     pad(cursor, chunk.nbytes - cursor)
     zeros = np.concatenate([np.arange(at, at + n, dtype=np.intp) for at, n in short]) if short else None
-    return ChunkCopies(tuple(runs), zeros)
+    return ChunkCopies(split_parts(runs, COPY_PART_BYTES), zeros)
+
+
+def split_parts(runs: Sequence[tuple[int, int, int]], part: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """``runs`` cut into consecutive parts of about ``part`` bytes (a run crossing a
+    part's end is split there), covering exactly the same bytes in the same order."""
+    parts: list[tuple[tuple[int, int, int], ...]] = []
+    current: list[tuple[int, int, int]] = []
+    room = part
+    for at, src, n in runs:
+        while n > room:
+            if room:
+                current.append((at, src, room))
+                at, src, n = at + room, src + room if src else 0, n - room
+            parts.append(tuple(current))
+            current, room = [], part
+        current.append((at, src, n))
+        room -= n
+    if current:
+        parts.append(tuple(current))
+    return tuple(parts)

@@ -20,7 +20,6 @@ waits for the writers and commits the file.
 
 from __future__ import annotations
 
-import ctypes
 import queue
 import threading
 from collections.abc import Callable, MutableMapping
@@ -33,7 +32,7 @@ import torch
 from bcp import trace
 from bcp.backends import Backend, ObjectWriter
 from bcp.coordination.priority import lower_this_thread
-from bcp.io_scheduler.chunk_bytes import DigestSink, StagedChunk, copy_bytes
+from bcp.io_scheduler.chunk_bytes import DigestSink, StagedChunk, copy_bytes, copy_runs
 from bcp.io_scheduler.chunk_plan import Chunk, ChunkCopies, PipelinePlan, count_uses, plan_packed_chunks, plan_pipeline
 from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor, settle
 from bcp.io_scheduler.staging import StagingPool, default_pool
@@ -62,11 +61,6 @@ class WriteItem(NamedTuple):
     #: the tensor's index among this rank's tensors (its LocalLayout's metadata order)
     tensor: int = 0
 
-
-#: memmove / memset through ctypes: a foreign call releases the GIL for its duration, and
-#: costs about a third of a numpy slice assignment's Python work (a run per tensor).
-_MEMMOVE = ctypes.memmove
-_MEMSET = ctypes.memset
 
 #: What a released item's piece holds instead of the caller's tensor.
 _RELEASED = torch.empty(0, dtype=torch.uint8)
@@ -349,7 +343,8 @@ class WritePipeline:
 
     def _stage_runs(self, chunk: Chunk, copies: ChunkCopies) -> StagedChunk:
         """Stage a chunk of dense host tensors by its runs (``Chunk.copies``): one
-        ``memmove`` a segment (each releases the GIL), the padding zeroed by ``memset``
+        ``memmove`` a segment (each releases the GIL; parts of the chunk on helper threads,
+        ``chunk_bytes.copy_runs``), the padding zeroed by ``memset``
         or one numpy assignment, and no Python object per tensor. The addresses are the plan's, which is reused only
         while every tensor keeps its address, shape, strides and dtype
         (``bcp.kept_plans``); only the calling thread takes this path, during the call,
@@ -364,12 +359,7 @@ class WritePipeline:
             out = slab.view(chunk.nbytes, shift=chunk.offset % 4096)  # same phase as the file: O_DIRECT-able
             base = out.data_ptr()
             with trace.span("copy", chunk.nbytes):
-                move, fill = _MEMMOVE, _MEMSET
-                for at, src, n in copies.runs:
-                    if src:
-                        move(base + at, src, n)
-                    else:
-                        fill(base + at, 0, n)
+                copy_runs(base, copies.parts)  # on the caller's cores, as a large Tensor.copy_
                 if copies.zeros is not None:
                     out.numpy()[copies.zeros] = 0
         except BaseException:
