@@ -39,7 +39,8 @@ from bcp.backends.file_reads import (
     pread_direct,
     pread_full,
 )
-from bcp.backends.file_writes import cut, pwritev_all, whole_pages
+from bcp.backends.file_writes import DirSync, cut, pwritev_all, whole_pages
+from bcp.backends.file_writes import fsync_dir as _fsync_dir
 from bcp.backends.storage_errors import ObjectExistsError, StorageError, WriterClosedError, annotate
 from bcp.backends.uri_options import as_bool, reject_unknown
 
@@ -50,14 +51,6 @@ _URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 #: Marks an unfinished write. Keys may not contain it; ``list`` never shows such files.
 PARTIAL_MARKER = ".bcp-partial-"
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fchmod_path(path: str, mode: int, flags: int) -> None:
@@ -176,8 +169,10 @@ class FileBackend(Backend):
             if not last and stat.S_ISDIR(mode):
                 self._checked_dirs.add(at)
 
-    def _make_dirs(self, path: str) -> None:
-        """Create missing directories and make their entries durable."""
+    def _make_dirs(self, path: str) -> list[str]:
+        """Create missing directories; the directories whose entries changed (to
+        ``fsync`` before an object in them is committed: :class:`DirSync`)."""
+        changed: list[str] = []
         missing = []
         while not os.path.isdir(path):
             missing.append(path)
@@ -189,8 +184,8 @@ class FileBackend(Backend):
                 continue
             if self._dir_mode is not None:
                 _fchmod_path(d, self._dir_mode, os.O_RDONLY | os.O_DIRECTORY)
-            if self.fsync:
-                _fsync_dir(os.path.dirname(d))
+            changed.append(os.path.dirname(d))
+        return changed
 
     # -- writing -----------------------------------------------------------------------
 
@@ -437,6 +432,8 @@ class _FileWriter(ObjectWriter):
         self.tmp = f"{self.final}{PARTIAL_MARKER}{uuid.uuid4().hex[:12]}"
         self.fd: int | None = None
         self.dfd: int | None = None
+        #: the fsync of the directories this writer created, waited for before the commit
+        self._dirs: DirSync | None = None
         with annotate(backend.uri, key, "opening for write"):
             fd = self.fd = self._create_partial()
             if backend.direct:
@@ -469,7 +466,11 @@ class _FileWriter(ObjectWriter):
         """Create the partial file (and its directory); its descriptor."""
         attempts_left = 3
         while True:
-            self.backend._make_dirs(os.path.dirname(self.final))
+            changed = self.backend._make_dirs(os.path.dirname(self.final))
+            if changed and self.backend.fsync:  # ordered before the commit by flush_and_close
+                if self._dirs is not None:  # a retry: the first try's directories too
+                    self._dirs.wait()
+                self._dirs = DirSync(changed)
             try:
                 mode = self.backend.file_mode
                 # link-ok: O_CREAT|O_EXCL fails on any existing name, a planted link or FIFO included
@@ -550,6 +551,8 @@ class _FileWriter(ObjectWriter):
                         os.fsync(fd)
                 finally:
                     os.close(fd)
+            if self._dirs is not None:  # the entries of the directories it created, durable
+                self._dirs.wait()
 
     def _commit(self) -> None:
         self.flush_and_close()
