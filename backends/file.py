@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -39,7 +40,7 @@ from bcp.backends.file_reads import (
     pread_direct,
     pread_full,
 )
-from bcp.backends.file_writes import DirSync, cut, pwritev_all, whole_pages
+from bcp.backends.file_writes import DirSync, cut, give_scratch, pwritev_all, take_scratch, whole_pages
 from bcp.backends.file_writes import fsync_dir as _fsync_dir
 from bcp.backends.storage_errors import ObjectExistsError, StorageError, WriterClosedError, annotate
 from bcp.backends.uri_options import as_bool, reject_unknown
@@ -434,6 +435,9 @@ class _FileWriter(ObjectWriter):
         self.dfd: int | None = None
         #: the fsync of the directories this writer created, waited for before the commit
         self._dirs: DirSync | None = None
+        #: page-aligned memory for the bytes ``write_parts`` copies (one request at a time)
+        self._scratch: memoryview | None = None
+        self._scratch_lock = threading.Lock()
         with annotate(backend.uri, key, "opening for write"):
             fd = self.fd = self._create_partial()
             if backend.direct:
@@ -468,9 +472,7 @@ class _FileWriter(ObjectWriter):
         while True:
             changed = self.backend._make_dirs(os.path.dirname(self.final))
             if changed and self.backend.fsync:  # ordered before the commit by flush_and_close
-                if self._dirs is not None:  # a retry: the first try's directories too
-                    self._dirs.wait()
-                self._dirs = DirSync(changed)
+                self._dirs = DirSync(changed, self._dirs)  # a retry's: the first try's too
             try:
                 mode = self.backend.file_mode
                 # link-ok: O_CREAT|O_EXCL fails on any existing name, a planted link or FIFO included
@@ -529,7 +531,12 @@ class _FileWriter(ObjectWriter):
             first, rest = cut(views, head)
             inner, last = cut(rest, middle)
             pwritev_all(fd, first, offset)  # partial pages go through the page cache
-            pwritev_all(dfd, whole_pages(inner, middle), offset + head)
+            with self._scratch_lock:  # taken while in use: a concurrent call makes its own
+                scratch, self._scratch = self._scratch, None
+            if scratch is None or len(scratch) < middle:  # kept from request to request, and save to save
+                scratch = take_scratch(middle)
+            pwritev_all(dfd, whole_pages(inner, middle, scratch), offset + head)
+            self._scratch = scratch  # the request is done with it (pwritev returned)
             pwritev_all(fd, last, offset + head + middle)
 
     @staticmethod
@@ -540,6 +547,7 @@ class _FileWriter(ObjectWriter):
 
     def flush_and_close(self) -> None:
         """Make the partial file durable and close it (``write_if_absent`` then links it)."""
+        self._give_scratch()
         with annotate(self.backend.uri, self.key, "flushing"):
             if self.dfd is not None:
                 dfd, self.dfd = self.dfd, None
@@ -561,7 +569,13 @@ class _FileWriter(ObjectWriter):
             if self.backend.fsync:
                 _fsync_dir(os.path.dirname(self.final))
 
+    def _give_scratch(self) -> None:
+        with self._scratch_lock:
+            scratch, self._scratch = self._scratch, None
+        give_scratch(scratch)
+
     def _abort(self) -> None:
+        self._give_scratch()
         if self.dfd is not None:
             dfd, self.dfd = self.dfd, None
             os.close(dfd)
