@@ -2,10 +2,11 @@
 
 Writes go to a hidden partial file beside the target, with positional writes
 (``os.pwrite``) straight from the caller's buffer, then ``fsync``, an atomic
-``rename`` and an ``fsync`` of the directory, so an object is either complete and
-durable or not there. Page-aligned writes of whole pages use ``O_DIRECT`` (option
-``direct``, on by default where the filesystem accepts it): it skips the page cache,
-whose first-touch cost made buffered writes 3-4x slower here (docs/benchmarks.md).
+``rename`` and an ``fsync`` of the directory (of directories it made: while writing,
+on a thread), so an object is either complete and durable or not there. Page-aligned
+writes of whole pages use ``O_DIRECT`` (option ``direct``, on by default where the
+filesystem accepts it): it skips the page cache, whose first-touch cost made
+buffered writes 3-4x slower here (docs/benchmarks.md).
 Create-only writes use ``link(2)``, which fails atomically when the name exists.
 Reads use ``os.preadv`` into the caller's buffer: no Python copies.
 """
@@ -27,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Self
 from urllib.parse import unquote, urlsplit
 
+from bcp.backends import file_writes
 from bcp.backends.base import FILE_GAP_BYTES, Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
 from bcp.backends.file_reads import (
     DIRECT_ALIGN,
@@ -40,8 +42,7 @@ from bcp.backends.file_reads import (
     pread_direct,
     pread_full,
 )
-from bcp.backends.file_writes import DirSync, cut, give_scratch, pwritev_all, take_scratch, whole_pages
-from bcp.backends.file_writes import fsync_dir as _fsync_dir
+from bcp.backends.file_writes import DirSync, byte_views, cut, cut_end, pwritev_all, whole_pages
 from bcp.backends.storage_errors import ObjectExistsError, StorageError, WriterClosedError, annotate
 from bcp.backends.uri_options import as_bool, reject_unknown
 
@@ -213,7 +214,7 @@ class FileBackend(Backend):
                     os.rename(writer.tmp, final)
                 linked = True
                 if self.fsync:
-                    _fsync_dir(os.path.dirname(final))
+                    file_writes.fsync_dir(os.path.dirname(final))
         finally:
             try:
                 writer.abort()  # the partial file: linked into place or not, it goes
@@ -520,8 +521,8 @@ class _FileWriter(ObjectWriter):
         fd, dfd = self.fd, self.dfd
         if fd is None:  # closed by a commit or abort that raced this write
             raise WriterClosedError("the partial file was already closed", uri=self.uri, key=self.key, action="writing")
-        views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
-        total = sum(len(v) for v in views)
+        views = byte_views(parts)
+        total = sum(map(len, views))
         with annotate(self.backend.uri, self.key, "writing"):
             head = (-offset) % DIRECT_ALIGN
             middle = (total - head) // DIRECT_ALIGN * DIRECT_ALIGN if total > head else 0
@@ -529,12 +530,12 @@ class _FileWriter(ObjectWriter):
                 pwritev_all(fd, views, offset)
                 return
             first, rest = cut(views, head)
-            inner, last = cut(rest, middle)
+            inner, last = cut_end(rest, total - head - middle)  # from the end: a few parts, not all
             pwritev_all(fd, first, offset)  # partial pages go through the page cache
             with self._scratch_lock:  # taken while in use: a concurrent call makes its own
                 scratch, self._scratch = self._scratch, None
             if scratch is None or len(scratch) < middle:  # kept from request to request, and save to save
-                scratch = take_scratch(middle)
+                scratch = file_writes.take_scratch(middle)
             pwritev_all(dfd, whole_pages(inner, middle, scratch), offset + head)
             self._scratch = scratch  # the request is done with it (pwritev returned)
             pwritev_all(fd, last, offset + head + middle)
@@ -567,12 +568,12 @@ class _FileWriter(ObjectWriter):
         with annotate(self.backend.uri, self.key, "committing"):
             os.rename(self.tmp, self.final)
             if self.backend.fsync:
-                _fsync_dir(os.path.dirname(self.final))
+                file_writes.fsync_dir(os.path.dirname(self.final))
 
     def _give_scratch(self) -> None:
         with self._scratch_lock:
             scratch, self._scratch = self._scratch, None
-        give_scratch(scratch)
+        file_writes.give_scratch(scratch)
 
     def _abort(self) -> None:
         self._give_scratch()

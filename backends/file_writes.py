@@ -9,7 +9,9 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from collections.abc import Sequence
 
+from bcp.backends.base import Buffer
 from bcp.backends.file_reads import DIRECT_ALIGN, buffer_address
 
 #: The most buffers one ``pwritev`` takes.
@@ -28,6 +30,38 @@ def cut(views: list[memoryview], nbytes: int) -> tuple[list[memoryview], list[me
             head.append(v[:nbytes])
         return head, [v[nbytes:], *views[i + 1 :]]
     return head, []
+
+
+def cut_end(views: list[memoryview], nbytes: int) -> tuple[list[memoryview], list[memoryview]]:
+    """``views`` split before their last ``nbytes`` bytes (as :func:`cut` at the
+    total less ``nbytes``, looking only at the views it splits off)."""
+    tail: list[memoryview] = []
+    i = len(views)
+    while nbytes and i:
+        i -= 1
+        v = views[i]
+        if nbytes >= len(v):
+            tail.append(v)
+            nbytes -= len(v)
+            continue
+        tail.append(v[len(v) - nbytes :])
+        return [*views[:i], v[: len(v) - nbytes]], tail[::-1]
+    return views[:i], tail[::-1]
+
+
+def byte_views(parts: Sequence[Buffer]) -> list[memoryview]:
+    """The non-empty ``parts`` as flat byte views (a flat one as it is: one check, not
+    two new views, for each of a batch's thousands of parts)."""
+    out = []
+    for p in parts:
+        v = (
+            p
+            if type(p) is memoryview and p.format == "B" and p.ndim == 1 and p.c_contiguous
+            else memoryview(p).cast("B")
+        )
+        if len(v):
+            out.append(v)
+    return out
 
 
 def whole_pages(views: list[memoryview], nbytes: int, scratch: memoryview | None = None) -> list[memoryview]:
@@ -99,11 +133,11 @@ def fsync_dir(path: str) -> None:
 
 
 class DirSync:
-    """The ``fsync`` of directories a writer created (the entries of its new directories),
-    on a thread of its own while the data is written: the writer waits for it before
-    its commit's rename (:meth:`wait`), so the object is as durable when the commit
-    returns, but a new checkpoint's three directory fsyncs no longer delay its first
-    data request (docs/decisions.md, "Sync save: one request per 64 MiB")."""
+    """The ``fsync`` of the directories whose entries a writer's new directories
+    changed, on a thread of its own while the data is written: the writer waits for
+    it before its commit's rename (:meth:`wait`), so the object is as durable when
+    the commit returns, and nothing is visible before; a new checkpoint's three
+    directory fsyncs no longer delay its first data request (issue 37)."""
 
     def __init__(self, paths: list[str], before: DirSync | None = None) -> None:
         """``before``: an earlier sync this one waits for (its error is this one's)."""
