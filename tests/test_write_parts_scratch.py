@@ -100,3 +100,26 @@ def test_batched_save_reads_dense_tensors_without_flat_byte_tensors(tmp_path, bl
     got = bcp.load({k: torch.empty_like(v) for k, v in state.items()}, str(tmp_path / "c"))
     for k, v in state.items():
         assert torch.equal(got[k], v), k
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(lengths=st.lists(st.integers(0, 50), max_size=8), data=st.data())
+def test_cut_end_splits_as_cut_does(lengths, data) -> None:
+    """Cutting the last n bytes off gives the bytes :func:`cut` gives at total - n;
+    ``byte_views`` keeps flat byte views and flattens the others, dropping empty ones."""
+    src = bytes(range(256)) * 2
+    views, at = [], 0
+    for n in lengths:
+        views.append(memoryview(src)[at : at + n])
+        at += n
+    total = sum(lengths)
+    n = data.draw(st.integers(0, total))
+    head, tail = fw.cut_end(views, n)
+    ref_head, ref_tail = fw.cut(views, total - n)
+    assert b"".join(map(bytes, head)) == b"".join(map(bytes, ref_head)) == src[: total - n]
+    assert b"".join(map(bytes, tail)) == b"".join(map(bytes, ref_tail)) == src[total - n : total]
+    assert len(tail) <= len(views)
+    grid = memoryview(bytearray(src[:24])).cast("B", (4, 6))
+    flat = fw.byte_views([*views, grid, memoryview(b"")])
+    assert b"".join(map(bytes, flat)) == src[:total] + src[:24]
+    assert all(v.ndim == 1 and v.format == "B" and len(v) for v in flat)
