@@ -61,7 +61,7 @@ def test_whole_pages_are_the_bytes_in_aligned_pages(parts, dirty) -> None:
 def test_one_scratch_mapping_serves_every_request_and_writer(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two writers, several unaligned requests each: one mapping is made (its pages are
     faulted in once), and each file holds exactly its own bytes."""
-    fw._spare.clear()
+    fw.take_scratch(fw.SCRATCH_BYTES)  # the spare of an earlier test, if any, taken away
     made: list[int] = []
     real = mmap.mmap
     monkeypatch.setattr(fw.mmap, "mmap", lambda *a, **k: made.append(a[1]) or real(*a, **k))
