@@ -2,10 +2,11 @@
 
 Writes go to a hidden partial file beside the target, with positional writes
 (``os.pwrite``) straight from the caller's buffer, then ``fsync``, an atomic
-``rename`` and an ``fsync`` of the directory, so an object is either complete and
-durable or not there. Page-aligned writes of whole pages use ``O_DIRECT`` (option
-``direct``, on by default where the filesystem accepts it): it skips the page cache,
-whose first-touch cost made buffered writes 3-4x slower here (docs/benchmarks.md).
+``rename`` and an ``fsync`` of the directory (of directories it made: while writing,
+on a thread), so an object is either complete and durable or not there. Page-aligned
+writes of whole pages use ``O_DIRECT`` (option ``direct``, on by default where the
+filesystem accepts it): it skips the page cache, whose first-touch cost made
+buffered writes 3-4x slower here (docs/benchmarks.md).
 Create-only writes use ``link(2)``, which fails atomically when the name exists.
 Reads use ``os.preadv`` into the caller's buffer: no Python copies.
 """
@@ -20,12 +21,14 @@ import os
 import re
 import shutil
 import stat
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Self
 from urllib.parse import unquote, urlsplit
 
+from bcp.backends import file_writes
 from bcp.backends.base import FILE_GAP_BYTES, Backend, Buffer, Capability, IOHints, ObjectWriter, Unfinished, check_key
 from bcp.backends.file_reads import (
     DIRECT_ALIGN,
@@ -39,7 +42,7 @@ from bcp.backends.file_reads import (
     pread_direct,
     pread_full,
 )
-from bcp.backends.file_writes import cut, pwritev_all, whole_pages
+from bcp.backends.file_writes import DirSync, byte_views, cut, cut_end, pwritev_all, whole_pages
 from bcp.backends.storage_errors import ObjectExistsError, StorageError, WriterClosedError, annotate
 from bcp.backends.uri_options import as_bool, reject_unknown
 
@@ -50,14 +53,6 @@ _URI_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
 #: Marks an unfinished write. Keys may not contain it; ``list`` never shows such files.
 PARTIAL_MARKER = ".bcp-partial-"
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fchmod_path(path: str, mode: int, flags: int) -> None:
@@ -176,8 +171,10 @@ class FileBackend(Backend):
             if not last and stat.S_ISDIR(mode):
                 self._checked_dirs.add(at)
 
-    def _make_dirs(self, path: str) -> None:
-        """Create missing directories and make their entries durable."""
+    def _make_dirs(self, path: str) -> list[str]:
+        """Create missing directories; the directories whose entries changed (to
+        ``fsync`` before an object in them is committed: :class:`DirSync`)."""
+        changed: list[str] = []
         missing = []
         while not os.path.isdir(path):
             missing.append(path)
@@ -189,8 +186,8 @@ class FileBackend(Backend):
                 continue
             if self._dir_mode is not None:
                 _fchmod_path(d, self._dir_mode, os.O_RDONLY | os.O_DIRECTORY)
-            if self.fsync:
-                _fsync_dir(os.path.dirname(d))
+            changed.append(os.path.dirname(d))
+        return changed
 
     # -- writing -----------------------------------------------------------------------
 
@@ -217,7 +214,7 @@ class FileBackend(Backend):
                     os.rename(writer.tmp, final)
                 linked = True
                 if self.fsync:
-                    _fsync_dir(os.path.dirname(final))
+                    file_writes.fsync_dir(os.path.dirname(final))
         finally:
             try:
                 writer.abort()  # the partial file: linked into place or not, it goes
@@ -437,6 +434,11 @@ class _FileWriter(ObjectWriter):
         self.tmp = f"{self.final}{PARTIAL_MARKER}{uuid.uuid4().hex[:12]}"
         self.fd: int | None = None
         self.dfd: int | None = None
+        #: the fsync of the directories this writer created, waited for before the commit
+        self._dirs: DirSync | None = None
+        #: page-aligned memory for the bytes ``write_parts`` copies (one request at a time)
+        self._scratch: memoryview | None = None
+        self._scratch_lock = threading.Lock()
         with annotate(backend.uri, key, "opening for write"):
             fd = self.fd = self._create_partial()
             if backend.direct:
@@ -469,7 +471,9 @@ class _FileWriter(ObjectWriter):
         """Create the partial file (and its directory); its descriptor."""
         attempts_left = 3
         while True:
-            self.backend._make_dirs(os.path.dirname(self.final))
+            changed = self.backend._make_dirs(os.path.dirname(self.final))
+            if changed and self.backend.fsync:  # ordered before the commit by flush_and_close
+                self._dirs = DirSync(changed, self._dirs)  # a retry's: the first try's too
             try:
                 mode = self.backend.file_mode
                 # link-ok: O_CREAT|O_EXCL fails on any existing name, a planted link or FIFO included
@@ -517,8 +521,8 @@ class _FileWriter(ObjectWriter):
         fd, dfd = self.fd, self.dfd
         if fd is None:  # closed by a commit or abort that raced this write
             raise WriterClosedError("the partial file was already closed", uri=self.uri, key=self.key, action="writing")
-        views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
-        total = sum(len(v) for v in views)
+        views = byte_views(parts)
+        total = sum(map(len, views))
         with annotate(self.backend.uri, self.key, "writing"):
             head = (-offset) % DIRECT_ALIGN
             middle = (total - head) // DIRECT_ALIGN * DIRECT_ALIGN if total > head else 0
@@ -526,9 +530,14 @@ class _FileWriter(ObjectWriter):
                 pwritev_all(fd, views, offset)
                 return
             first, rest = cut(views, head)
-            inner, last = cut(rest, middle)
+            inner, last = cut_end(rest, total - head - middle)  # from the end: a few parts, not all
             pwritev_all(fd, first, offset)  # partial pages go through the page cache
-            pwritev_all(dfd, whole_pages(inner, middle), offset + head)
+            with self._scratch_lock:  # taken while in use: a concurrent call makes its own
+                scratch, self._scratch = self._scratch, None
+            if scratch is None or len(scratch) < middle:  # kept from request to request, and save to save
+                scratch = file_writes.take_scratch(middle)
+            pwritev_all(dfd, whole_pages(inner, middle, scratch), offset + head)
+            self._scratch = scratch  # the request is done with it (pwritev returned)
             pwritev_all(fd, last, offset + head + middle)
 
     @staticmethod
@@ -539,6 +548,7 @@ class _FileWriter(ObjectWriter):
 
     def flush_and_close(self) -> None:
         """Make the partial file durable and close it (``write_if_absent`` then links it)."""
+        self._give_scratch()
         with annotate(self.backend.uri, self.key, "flushing"):
             if self.dfd is not None:
                 dfd, self.dfd = self.dfd, None
@@ -550,15 +560,23 @@ class _FileWriter(ObjectWriter):
                         os.fsync(fd)
                 finally:
                     os.close(fd)
+            if self._dirs is not None:  # the entries of the directories it created, durable
+                self._dirs.wait()
 
     def _commit(self) -> None:
         self.flush_and_close()
         with annotate(self.backend.uri, self.key, "committing"):
             os.rename(self.tmp, self.final)
             if self.backend.fsync:
-                _fsync_dir(os.path.dirname(self.final))
+                file_writes.fsync_dir(os.path.dirname(self.final))
+
+    def _give_scratch(self) -> None:
+        with self._scratch_lock:
+            scratch, self._scratch = self._scratch, None
+        file_writes.give_scratch(scratch)
 
     def _abort(self) -> None:
+        self._give_scratch()
         if self.dfd is not None:
             dfd, self.dfd = self.dfd, None
             os.close(dfd)

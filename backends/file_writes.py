@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
+from collections.abc import Sequence
 
+from bcp.backends.base import Buffer
 from bcp.backends.file_reads import DIRECT_ALIGN, buffer_address
 
 #: The most buffers one ``pwritev`` takes.
@@ -29,40 +32,80 @@ def cut(views: list[memoryview], nbytes: int) -> tuple[list[memoryview], list[me
     return head, []
 
 
-def whole_pages(views: list[memoryview], nbytes: int) -> list[memoryview]:
+def cut_end(views: list[memoryview], nbytes: int) -> tuple[list[memoryview], list[memoryview]]:
+    """``views`` split before their last ``nbytes`` bytes (as :func:`cut` at the
+    total less ``nbytes``, looking only at the views it splits off)."""
+    tail: list[memoryview] = []
+    i = len(views)
+    while nbytes and i:
+        i -= 1
+        v = views[i]
+        if nbytes >= len(v):
+            tail.append(v)
+            nbytes -= len(v)
+            continue
+        tail.append(v[len(v) - nbytes :])
+        return [*views[:i], v[: len(v) - nbytes]], tail[::-1]
+    return views[:i], tail[::-1]
+
+
+def byte_views(parts: Sequence[Buffer]) -> list[memoryview]:
+    """The non-empty ``parts`` as flat byte views (a flat one as it is: one check, not
+    two new views, for each of a batch's thousands of parts)."""
+    out = []
+    for p in parts:
+        v = (
+            p
+            if type(p) is memoryview and p.format == "B" and p.ndim == 1 and p.c_contiguous
+            else memoryview(p).cast("B")
+        )
+        if len(v):
+            out.append(v)
+    return out
+
+
+def whole_pages(views: list[memoryview], nbytes: int, scratch: memoryview | None = None) -> list[memoryview]:
     """``views`` (``nbytes`` in all, a multiple of the page) as page-aligned buffers
-    of whole pages: runs of whole pages that lie page-aligned in memory as they are,
-    everything else copied into aligned pages of a scratch mapping."""
-    scratch: mmap.mmap | None = None
-    used = 0
-    out: list[memoryview] = []
-    page: memoryview | None = None  # the scratch page being filled
-    fill = 0
-    for v in views:
-        i, n = 0, len(v)
-        address = buffer_address(v)
-        while i < n:
-            if not fill and n - i >= DIRECT_ALIGN and address is not None and (address + i) % DIRECT_ALIGN == 0:
-                k = (n - i) // DIRECT_ALIGN * DIRECT_ALIGN
-                out.append(v[i : i + k])
-                i += k
-                continue
-            if page is None:
-                if scratch is None:
-                    scratch = mmap.mmap(-1, nbytes)  # page-aligned; only the pages used are touched
-                # whole pages of this part at once where it has them, else one page
-                room = max(DIRECT_ALIGN, (n - i) // DIRECT_ALIGN * DIRECT_ALIGN) if not fill else DIRECT_ALIGN
-                page = memoryview(scratch)[used : used + room]
-                used += room
-            take = min(len(page) - fill, n - i)
-            page[fill : fill + take] = v[i : i + take]
-            fill += take
-            i += take
-            if fill == len(page):
-                out.append(page)
-                page, fill = None, 0
-    if page is not None:
+    of whole pages: each view's whole pages that lie page-aligned in memory as they
+    are, every other byte copied to its own position in a scratch mapping as long as
+    the request, whose runs of pages between the views' own go out as they are. A few
+    integer operations and at most two copies a view (the writer's Python per small
+    tensor, issue 37); only the scratch pages written are touched. ``scratch``: a
+    page-aligned mapping of at least ``nbytes`` to copy into (a writer's, reused from
+    request to request: its pages are faulted in once), else one made for the call."""
+    if nbytes % DIRECT_ALIGN:
         raise ValueError(f"{nbytes} bytes are not whole pages")
+    if scratch is not None and len(scratch) < nbytes:
+        raise ValueError(f"a scratch mapping of {len(scratch)} bytes cannot hold {nbytes}")
+    out: list[memoryview] = []
+    pos = run = 0  # where the next view goes; where the scratch pages not yet in ``out`` begin
+    for v in views:
+        n = len(v)
+        if not n:
+            continue
+        end = pos + n
+        lo = -(-pos // DIRECT_ALIGN) * DIRECT_ALIGN  # the view's first page boundary
+        hi = end // DIRECT_ALIGN * DIRECT_ALIGN  # and its last
+        address = buffer_address(v) if hi > lo else None
+        if scratch is None:
+            scratch = memoryview(mmap.mmap(-1, nbytes))  # page-aligned
+        if address is None or (address - pos) % DIRECT_ALIGN:  # no whole page of it lies aligned: copied
+            scratch[pos:end] = v
+        else:
+            if lo > pos:
+                scratch[pos:lo] = v[: lo - pos]
+            if lo > run:
+                out.append(scratch[run:lo])
+            out.append(v[lo - pos : hi - pos])
+            if end > hi:
+                scratch[hi:end] = v[hi - pos :]
+            run = hi
+        pos = end
+    if pos != nbytes:
+        raise ValueError(f"the buffers hold {pos} bytes, not {nbytes}")
+    if nbytes > run:
+        assert scratch is not None
+        out.append(scratch[run:nbytes])
     return out
 
 
@@ -78,3 +121,69 @@ def pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
             views = views[len(group) :]
             continue
         _written, views = cut(views, done)
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DirSync:
+    """The ``fsync`` of the directories whose entries a writer's new directories
+    changed, on a thread of its own while the data is written: the writer waits for
+    it before its commit's rename (:meth:`wait`), so the object is as durable when
+    the commit returns, and nothing is visible before; a new checkpoint's three
+    directory fsyncs no longer delay its first data request (issue 37)."""
+
+    def __init__(self, paths: list[str], before: DirSync | None = None) -> None:
+        """``before``: an earlier sync this one waits for (its error is this one's)."""
+        if before is not None:
+            before.wait()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(paths,), name="bcp-dirsync", daemon=True)
+        self._thread.start()
+
+    def _run(self, paths: list[str]) -> None:
+        try:
+            for path in paths:
+                fsync_dir(path)
+        except BaseException as e:  # noqa: BLE001 - raised by wait(), in the writer's thread
+            self._error = e
+
+    def wait(self) -> None:
+        """Return once every directory is durable; raise what the ``fsync`` raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+#: The scratch mapping of the last writer that closed, for the next one (its pages stay
+#: faulted in: a save of many small tensors copies tens of MiB into it; at most one kept).
+_spare: list[memoryview] = []
+_spare_lock = threading.Lock()
+
+
+def take_scratch(nbytes: int) -> memoryview:
+    """A page-aligned mapping of at least ``nbytes`` (the spare one when large enough)."""
+    with _spare_lock:
+        if _spare and len(_spare[0]) >= nbytes:
+            return _spare.pop()
+    return memoryview(mmap.mmap(-1, max(nbytes, SCRATCH_BYTES)))
+
+
+def give_scratch(scratch: memoryview | None) -> None:
+    """Keep ``scratch`` for the next writer (the larger of it and the spare)."""
+    if scratch is None:
+        return
+    with _spare_lock:
+        if not _spare or len(_spare[0]) < len(scratch):
+            _spare[:] = [scratch]
+
+
+#: The smallest scratch mapping made: a sync save's request (``BATCH_BYTES`` in
+#: ``bcp.io_scheduler.write_pipeline``), so one mapping serves every request.
+SCRATCH_BYTES = 64 << 20

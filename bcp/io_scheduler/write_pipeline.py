@@ -37,6 +37,7 @@ from bcp.io_scheduler.chunk_plan import Chunk, ChunkCopies, PipelinePlan, count_
 from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor, settle
 from bcp.io_scheduler.staging import StagingPool, default_pool
 from bcp.metadata import FileEntry, block_checksums, digest_of_checksums
+from bcp.metadata.checksum import crc32c_raw
 from bcp.planning import TensorPlan
 from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
 from bcp.shards import Piece
@@ -160,7 +161,7 @@ class WritePipeline:
             and not self.deferred
             and self.part_size is None
             and callable(getattr(self._writer, "write_parts", None))
-            and not any(is_device_tensor(item.piece.tensor) for item in self.items)
+            and not self.plan.devices  # no device tensor (the plan found them, one check each)
         )
 
     def chunks(self) -> list[Chunk]:
@@ -269,7 +270,8 @@ class WritePipeline:
         if chunk.copies is not None and self.stage_all and threading.get_ident() == self._caller:
             self._queue.put(self._stage_runs(chunk, chunk.copies))
             return
-        dense = self.plan.host_dense if self.stage_all else None  # those are read in _stage_chunk
+        # those are read in _stage_chunk, or as arrays by _batch (no flat uint8 tensor)
+        dense = self.plan.host_dense if self.stage_all or self.batched else None
         for seg in chunk.segments:
             item = seg.item
             if (dense is None or not dense[item]) and item not in self.sources:
@@ -372,13 +374,20 @@ class WritePipeline:
         """A batch: its segments' bytes as views of the sources' memory (no copy), with
         the zeros of the padding between them."""
         views, parts, cursor = [], [], 0
+        dense, nbytes, uses = self.plan.host_dense, self.item_nbytes, self._uses_left
         for seg in chunk.segments:
-            array = self._arrays.get(seg.item)
+            item = seg.item
+            array = self._arrays.get(item)
             if array is None:
-                array = self._arrays[seg.item] = self.sources[seg.item].numpy()
+                array = self._host_array(item) if dense[item] else self.sources[item].numpy()
+                if uses[item] > 1:  # read by a later batch too
+                    self._arrays[item] = array
             if seg.at > cursor:
                 parts.append(memoryview(_ZEROS)[: seg.at - cursor])
-            view = memoryview(array[seg.start : seg.start + seg.nbytes]).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
+            if seg.start == 0 and seg.nbytes == nbytes[item]:  # the whole item: flat bytes already
+                view = memoryview(array)  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
+            else:
+                view = memoryview(array[seg.start : seg.start + seg.nbytes]).cast("B")  # type: ignore[arg-type]  # as above
             views.append(view)
             parts.append(view)
             cursor = seg.at + seg.nbytes
@@ -435,8 +444,13 @@ class WritePipeline:
         chunk, views = staged.chunk, staged.views or []
         try:
             with trace.span("checksum", sum(s.nbytes for s in chunk.segments) if trace.enabled() else 0):
+                block, sums = self.block, self.checksums
                 for seg, view in zip(chunk.segments, views, strict=True):
-                    self.checksums[(seg.item, seg.start)] = block_checksums(view, self.block)
+                    # one block or less (most of a model's small tensors): one call, no slicing
+                    n = len(view)
+                    sums[(seg.item, seg.start)] = (
+                        block_checksums(view, block) if n > block else [crc32c_raw(view)] if n else []
+                    )
                     if self.digests is not None:
                         self.digests.feed(seg.item, seg.start, view)
         except Exception as e:
