@@ -286,3 +286,47 @@ def test_tied_scalar_and_empty_tensors_are_reused_and_written_once(uri_factory):
     got = bcp.open(u3).state()
     assert torch.equal(got["a"], w) and torch.equal(got["b"], w) and got["z"] == 3.0 and got["e"].shape == (0, 16)
     assert torch.equal(read_as_format(u2)["a"], read_as_format(u1)["a"])
+
+
+def test_a_base_replaced_after_the_early_match_is_matched_again_as_held(tmp_path, monkeypatch):
+    """The one-rank early match read the base before another process replaced it; the
+    save holds the new base and matches again against it (``saver._decide``'s fallback):
+    it refers only to pieces the held base stores, and writes the others."""
+    import bcp.saver
+
+    w, v_old, v_new = torch.randn(8, 16), torch.randn(8, 16), torch.randn(8, 16)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    bcp.save({"w": w, "v": v_old}, a, incremental=True, piece_bytes=PIECE)
+    early_matches: list = []
+    real_early, real_find, real_read = bcp.saver._decide_early, bcp.saver.find_candidates, bcp.incremental.read_manifest
+    finds: list[str] = []
+
+    def early(*args, **kwargs):
+        early_matches.append(real_early(*args, **kwargs))
+        return early_matches[-1]
+
+    def find(base, *args, **kwargs):
+        finds.append(base.manifest.save_id)
+        return real_find(base, *args, **kwargs)
+
+    def replaced_before_the_hold(backend, *args):
+        if len(early_matches) == 1 and not hasattr(early_matches[0], "replaced"):
+            early_matches[0].result()  # the early match is done, on the base as it was
+            early_matches[0].replaced = True
+            bcp.save({"w": w, "v": v_new}, a, incremental=True, piece_bytes=PIECE, overwrite=True)  # another process
+        return real_read(backend, *args)
+
+    monkeypatch.setattr(bcp.saver, "_decide_early", early)
+    monkeypatch.setattr(bcp.saver, "find_candidates", find)
+    monkeypatch.setattr(bcp.incremental, "read_manifest", replaced_before_the_hold)
+    old_id = bcp.open(a).manifest.save_id
+    info = bcp.save({"w": w, "v": v_old}, b, base=a, piece_bytes=PIECE)
+    new_id = bcp.open(a).manifest.save_id
+    assert old_id != new_id
+    assert finds == [old_id, new_id]  # matched early on the old base, then again on the held one
+    assert info.bytes_written == v_old.numel() * 4  # "w" refers to the held base; "v" differs from it
+    got = read_as_format(b)
+    assert torch.equal(got["w"], w) and torch.equal(got["v"], v_old)
+    doc = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    referred = {f["path"] for f in doc["data_files"] if f.get("checkpoint") == "a"}
+    assert referred and referred <= {f.path for f in bcp.open(a).manifest.data_files}
