@@ -338,7 +338,7 @@ class _RankClasses:
         if len(several):
             mine = classes[np.repeat(pairs > 1, pairs)]
             if (pairs[several] == 2).all():  # two classes each (a chunk boundary): one exact key per pair
-                _keys, label = np.unique(mine[0::2] * n_classes + mine[1::2], return_inverse=True)
+                label = _dense_inverse(mine[0::2] * n_classes + mine[1::2], n_classes * n_classes)
             else:
                 label = _needer_groups(mine, np.concatenate(([0], np.cumsum(pairs[several]))))
             group[several] = n_classes + label.reshape(-1)
@@ -376,6 +376,17 @@ class _RankClasses:
             if (highest[classes[:-1]][same[1:]] > lowest[classes[1:]][same[1:]]).any():
                 needers = needers[np.lexsort((needers, np.repeat(np.arange(k), counts)))]
         return needers, starts
+
+
+def _dense_inverse(keys: np.ndarray, bound: int) -> np.ndarray:
+    """``np.unique(keys, return_inverse=True)[1]`` of keys in [0, bound): by a table of
+    the keys seen where the bound is small beside their number (no sort of millions)."""
+    if bound > 8 * len(keys) + (1 << 22):
+        return np.unique(keys, return_inverse=True)[1]
+    seen = np.zeros(bound, bool)
+    seen[keys] = True
+    rank = np.cumsum(seen, dtype=np.int64) - 1
+    return rank[keys]
 
 
 _WEIGHTS = np.random.default_rng(0x5EED).integers(1, 1 << 62, 1 << 12, dtype=np.int64)

@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bcp.shared_read import _choose_owners, _RankClasses
+from bcp.shared_read import _choose_owners, _dense_inverse, _RankClasses
 from helpers import examples
 
 
@@ -80,3 +80,12 @@ def test_owners_follow_the_grouped_water_fill(n_classes, data):
     want = ref_owners(needers, sizes, world)
     assert got.tolist() == want
     assert all(o in n for o, n in zip(got.tolist(), needers, strict=True))
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(keys=st.lists(st.integers(0, 60), min_size=1, max_size=50), wide=st.booleans())
+def test_dense_inverse_numbers_keys_as_unique_does(keys, wide):
+    bound = (1 << 40) if wide else 61  # wide: past the table's bound, np.unique itself
+    a = np.array(keys, np.int64) * (bound // 61)
+    got = _dense_inverse(a, bound)
+    assert got.reshape(-1).tolist() == np.unique(a, return_inverse=True)[1].reshape(-1).tolist()
