@@ -338,7 +338,7 @@ class _RankClasses:
         if len(several):
             mine = classes[np.repeat(pairs > 1, pairs)]
             if (pairs[several] == 2).all():  # two classes each (a chunk boundary): one exact key per pair
-                _keys, label = np.unique(mine[0::2] * n_classes + mine[1::2], return_inverse=True)
+                label = _dense_inverse(mine[0::2] * n_classes + mine[1::2], n_classes * n_classes)
             else:
                 label = _needer_groups(mine, np.concatenate(([0], np.cumsum(pairs[several]))))
             group[several] = n_classes + label.reshape(-1)
@@ -376,6 +376,17 @@ class _RankClasses:
             if (highest[classes[:-1]][same[1:]] > lowest[classes[1:]][same[1:]]).any():
                 needers = needers[np.lexsort((needers, np.repeat(np.arange(k), counts)))]
         return needers, starts
+
+
+def _dense_inverse(keys: np.ndarray, bound: int) -> np.ndarray:
+    """``np.unique(keys, return_inverse=True)[1]`` of keys in [0, bound): by a table of
+    the keys seen where the bound is small beside their number (no sort of millions)."""
+    if bound > 8 * len(keys) + (1 << 22):
+        return np.unique(keys, return_inverse=True)[1]
+    seen = np.zeros(bound, bool)
+    seen[keys] = True
+    rank = np.cumsum(seen, dtype=np.int64) - 1
+    return rank[keys]
 
 
 _WEIGHTS = np.random.default_rng(0x5EED).integers(1, 1 << 62, 1 << 12, dtype=np.int64)
@@ -431,6 +442,9 @@ def _needer_groups(needers: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return np.searchsorted(first, rep)
 
 
+_ONE = np.ones(1, np.int64)
+
+
 def _choose_owners(
     classes: _RankClasses,
     pair_classes: np.ndarray,
@@ -452,33 +466,42 @@ def _choose_owners(
     owners = np.zeros(k, np.int32)
     if not k:
         return owners
-    labels = int(group.max()) + 1
-    first = np.full(labels, k, np.int64)
-    np.minimum.at(first, group, np.arange(k))
-    present = np.flatnonzero(first < k)
-    renumber = np.zeros(labels, np.int64)
-    renumber[present[np.argsort(first[present])]] = np.arange(len(present))
-    group = renumber[group]  # numbered by first fragment
-    order = stable_order(group)  # by group, tag order within
-    bounds = np.r_[0, np.cumsum(np.bincount(group))].tolist()
+    # fragments by group (label order, tag order within); groups visited by first fragment
+    order = stable_order(group)
+    counts = np.bincount(group)
+    gstart = np.r_[0, np.cumsum(counts)].astype(np.int64)
+    present = np.flatnonzero(counts)
+    visit = present[np.argsort(order[gstart[present]], kind="stable")]
+    # each group's running byte count (exact int64), the same values a per-group cumsum gives;
+    # the fragments' midpoints on it, non-decreasing within a group, so a group's cut
+    # points are binary searches of its targets (a few per group), not a search per fragment
+    sz = sizes[order].astype(np.int64, copy=False)
+    cum = np.cumsum(sz)
+    cum -= np.repeat(cum[gstart[:-1]] - sz[gstart[:-1]], counts)
+    mid = cum - sz / 2.0
     load = np.zeros(world, np.int64)
-    for g in range(len(bounds) - 1):
-        frags = order[bounds[g] : bounds[g + 1]]
-        f0 = int(frags[0])
+    run_ranks: list[np.ndarray] = [np.zeros(0, np.int64)] * len(counts)  # per group label
+    run_lengths: list[np.ndarray] = [np.zeros(0, np.int64)] * len(counts)
+    gs = gstart.tolist()
+    for g in visit.tolist():
+        a, b = gs[g], gs[g + 1]
+        f0 = int(order[a])
         members = classes.ranks_of(pair_classes[pair_starts[f0] : pair_starts[f0 + 1]])
-        if len(frags) == 1:
-            owner = int(members[np.argmin(load[members])])
-            owners[f0] = owner
-            load[owner] += sizes[f0]
+        if b - a == 1:
+            owner = members[np.argmin(load[members])]
+            run_ranks[g], run_lengths[g] = owner[None], _ONE
+            load[owner] += int(sz[a])
             continue
-        sz = sizes[frags]
-        cum = np.cumsum(sz)
         have = load[members].tolist()
-        level = _water_level(have, int(cum[-1]))
+        level = _water_level(have, int(cum[b - 1]))
         target = np.cumsum([max(level - h, 0.0) for h in have])
-        pick = np.minimum(np.searchsorted(target, cum - sz / 2.0, side="right"), len(members) - 1)
-        owners[frags] = members[pick]
-        load[members] += np.bincount(pick, weights=sz, minlength=len(members)).astype(np.int64)  # exact below 2**53
+        # fragment i goes to members[j], j = targets at or below its midpoint (at most the last)
+        cuts = np.r_[0, np.searchsorted(mid[a:b], target[:-1], side="left"), b - a]
+        run_ranks[g], run_lengths[g] = members, np.diff(cuts)
+        held = np.r_[0, cum[a:b]][cuts]
+        load[members] += np.diff(held)
+    # the runs, by group label, cover the fragments as ``order`` lists them
+    owners[order] = np.repeat(np.concatenate(run_ranks), np.concatenate(run_lengths))
     return owners
 
 

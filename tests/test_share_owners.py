@@ -1,0 +1,91 @@
+"""The share_reads plan's owners (``_choose_owners``, vectorised over each group's
+fragments) against a plain per-fragment reference of the same rule, kept here: shared
+fragments grouped by needer set, groups in order of their first fragment; a group of
+one fragment to its least-loaded needer (ties to the lowest rank), a larger group's
+bytes water-filled over its needers and its fragments, in order, given to the needer
+whose target holds their midpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bcp.shared_read import _choose_owners, _dense_inverse, _RankClasses
+from helpers import examples
+
+
+def ref_owners(needers: list[tuple[int, ...]], sizes: list[int], world: int) -> list[int]:
+    groups: dict[tuple[int, ...], list[int]] = {}  # insertion order: by first fragment
+    for k, ranks in enumerate(needers):
+        groups.setdefault(ranks, []).append(k)
+    load = [0] * world
+    owners = [-1] * len(needers)
+    for members, frags in groups.items():
+        if len(frags) == 1:
+            owner = min(members, key=lambda r: (load[r], r))
+            owners[frags[0]] = owner
+            load[owner] += sizes[frags[0]]
+            continue
+        total = sum(sizes[f] for f in frags)
+        have = [load[r] for r in members]
+        low = sorted(have)
+        for i in range(1, len(low) + 1):  # the level raising the i lowest loads takes ``total``
+            level = (total + sum(low[:i])) / i
+            if i == len(low) or level <= low[i]:
+                break
+        bounds, acc = [], 0.0
+        for h in have:
+            acc += max(level - h, 0.0)
+            bounds.append(acc)
+        done = 0
+        for f in frags:
+            done += sizes[f]
+            midpoint = done - sizes[f] / 2
+            j = next((j for j, b in enumerate(bounds[:-1]) if midpoint < b), len(members) - 1)
+            owners[f] = members[j]
+        for f in frags:
+            load[owners[f]] += sizes[f]
+    return owners
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    n_classes=st.integers(1, 6),
+    data=st.data(),
+)
+def test_owners_follow_the_grouped_water_fill(n_classes, data):
+    world = data.draw(st.integers(n_classes, 12), label="world")
+    # every class has a rank; the rest fall anywhere (classes interleave)
+    rank_class = np.array(
+        list(range(n_classes))
+        + data.draw(st.lists(st.integers(0, n_classes - 1), min_size=world - n_classes, max_size=world - n_classes)),
+        np.int64,
+    )
+    rank_class = rank_class[np.array(data.draw(st.permutations(range(world)), label="ranks' order"))]
+    classes = _RankClasses.of_classes(rank_class)
+    pool = data.draw(
+        st.lists(st.sets(st.integers(0, n_classes - 1), min_size=1), min_size=1, max_size=5), label="needer sets"
+    )
+    sets = [sorted(s) for s in pool if sum(int(classes.sizes[c]) for c in s) > 1] or [[0]]
+    k = data.draw(st.integers(1, 40), label="fragments")
+    which = data.draw(st.lists(st.integers(0, len(sets) - 1), min_size=k, max_size=k), label="each one's set")
+    big = data.draw(st.booleans(), label="sizes past 2**32")
+    sizes = data.draw(st.lists(st.integers(0, (1 << 40) if big else 9), min_size=k, max_size=k), label="sizes")
+    tags = np.repeat(np.arange(k), [len(sets[w]) for w in which])
+    cls = np.array([c for w in which for c in sets[w]], np.int64)
+    pair_classes, pair_starts, group = classes.labels(tags, cls, k)
+    got = _choose_owners(classes, pair_classes, pair_starts, np.array(sizes, np.int64), world, group)
+    needers = [tuple(classes.ranks_of(np.array(sets[w])).tolist()) for w in which]
+    want = ref_owners(needers, sizes, world)
+    assert got.tolist() == want
+    assert all(o in n for o, n in zip(got.tolist(), needers, strict=True))
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(keys=st.lists(st.integers(0, 60), min_size=1, max_size=50), wide=st.booleans())
+def test_dense_inverse_numbers_keys_as_unique_does(keys, wide):
+    bound = (1 << 40) if wide else 61  # wide: past the table's bound, np.unique itself
+    a = np.array(keys, np.int64) * (bound // 61)
+    got = _dense_inverse(a, bound)
+    assert got.reshape(-1).tolist() == np.unique(a, return_inverse=True)[1].reshape(-1).tolist()
