@@ -88,7 +88,7 @@ def whole_pages(views: list[memoryview], nbytes: int, scratch: memoryview | None
         hi = end // DIRECT_ALIGN * DIRECT_ALIGN  # and its last
         address = buffer_address(v) if hi > lo else None
         if scratch is None:
-            scratch = memoryview(mmap.mmap(-1, nbytes))  # page-aligned
+            scratch = _private_mapping(nbytes)
         if address is None or (address - pos) % DIRECT_ALIGN:  # no whole page of it lies aligned: copied
             scratch[pos:end] = v
         else:
@@ -172,7 +172,14 @@ def take_scratch(nbytes: int) -> memoryview:
     with _spare_lock:
         if _spare and len(_spare[0]) >= nbytes:
             return _spare.pop()
-    return memoryview(mmap.mmap(-1, max(nbytes, SCRATCH_BYTES)))
+    return _private_mapping(max(nbytes, SCRATCH_BYTES))
+
+
+def _private_mapping(nbytes: int) -> memoryview:
+    """Page-aligned anonymous memory of this process alone: ``mmap(-1, n)`` alone is
+    MAP_SHARED, so after a fork the parent and the child would copy into the same pages
+    (a spare kept from save to save: each would write the other's bytes to its files)."""
+    return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE))
 
 
 def give_scratch(scratch: memoryview | None) -> None:
