@@ -97,6 +97,12 @@ class FileBackend(Backend):
         self.direct_reads = direct_reads and hasattr(os, "O_DIRECT")
         #: directories below the root found not to be symbolic links (see _refuse_links)
         self._checked_dirs: set[str] = set()
+        #: directory made by a writer -> the sync of its entry, while that runs (or failed):
+        #: a writer below it waits for it too before its commit (:meth:`_dir_syncs_above`)
+        self._dir_syncs: dict[str, DirSync] = {}
+        #: held while directories are made and their syncs noted, so no writer finds a
+        #: directory made before it can see that directory's sync
+        self._dirs_lock = threading.Lock()
         #: permission bits of created files (None: the umask's), and of created directories
         self.file_mode = file_mode
         self._dir_mode = None if file_mode is None else file_mode | ((file_mode & 0o444) >> 2)
@@ -172,9 +178,9 @@ class FileBackend(Backend):
                 self._checked_dirs.add(at)
 
     def _make_dirs(self, path: str) -> list[str]:
-        """Create missing directories; the directories whose entries changed (to
-        ``fsync`` before an object in them is committed: :class:`DirSync`)."""
-        changed: list[str] = []
+        """Create missing directories; those it created (each changed its parent's entries:
+        synced before an object in it is committed, :class:`DirSync`)."""
+        made: list[str] = []
         missing = []
         while not os.path.isdir(path):
             missing.append(path)
@@ -186,8 +192,35 @@ class FileBackend(Backend):
                 continue
             if self._dir_mode is not None:
                 _fchmod_path(d, self._dir_mode, os.O_RDONLY | os.O_DIRECTORY)
-            changed.append(os.path.dirname(d))
-        return changed
+            made.append(d)
+        return made
+
+    def _dirs_for_writer(self, path: str) -> list[DirSync]:
+        """Make ``path`` and its missing parents (with ``fsync``: their entries synced on a
+        thread); the syncs a writer in ``path`` waits for before its commit: of the
+        directories it made, and of those above it that another writer made and whose
+        sync still runs (or failed): that writer's commit may come later than this one's."""
+        with self._dirs_lock:
+            made = self._make_dirs(path)
+            if not self.fsync:
+                return []
+            pending = self._dir_syncs
+            for d in [d for d, sync in pending.items() if not sync.pending()]:
+                del pending[d]
+            waits = []
+            if made:
+                sync = DirSync([os.path.dirname(d) for d in made])
+                pending.update(dict.fromkeys(made, sync))
+                waits.append(sync)
+            at = path
+            while True:
+                sync = pending.get(at)
+                if sync is not None and sync not in waits:
+                    waits.append(sync)
+                up = os.path.dirname(at)
+                if up == at:
+                    return waits
+                at = up
 
     # -- writing -----------------------------------------------------------------------
 
@@ -434,8 +467,8 @@ class _FileWriter(ObjectWriter):
         self.tmp = f"{self.final}{PARTIAL_MARKER}{uuid.uuid4().hex[:12]}"
         self.fd: int | None = None
         self.dfd: int | None = None
-        #: the fsync of the directories this writer created, waited for before the commit
-        self._dirs: DirSync | None = None
+        #: the fsyncs of the directories above it that writers made, waited for before the commit
+        self._dirs: list[DirSync] = []
         #: page-aligned memory for the bytes ``write_parts`` copies (one request at a time)
         self._scratch: memoryview | None = None
         self._scratch_lock = threading.Lock()
@@ -471,9 +504,8 @@ class _FileWriter(ObjectWriter):
         """Create the partial file (and its directory); its descriptor."""
         attempts_left = 3
         while True:
-            changed = self.backend._make_dirs(os.path.dirname(self.final))
-            if changed and self.backend.fsync:  # ordered before the commit by flush_and_close
-                self._dirs = DirSync(changed, self._dirs)  # a retry's: the first try's too
+            # ordered before the commit by flush_and_close; a retry's, the first try's too
+            self._dirs += self.backend._dirs_for_writer(os.path.dirname(self.final))
             try:
                 mode = self.backend.file_mode
                 # link-ok: O_CREAT|O_EXCL fails on any existing name, a planted link or FIFO included
@@ -560,8 +592,8 @@ class _FileWriter(ObjectWriter):
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-            if self._dirs is not None:  # the entries of the directories it created, durable
-                self._dirs.wait()
+            for sync in self._dirs:  # the entries of the directories above it, durable
+                sync.wait()
 
     def _commit(self) -> None:
         self.flush_and_close()

@@ -139,10 +139,7 @@ class DirSync:
     the commit returns, and nothing is visible before; a new checkpoint's three
     directory fsyncs no longer delay its first data request (issue 37)."""
 
-    def __init__(self, paths: list[str], before: DirSync | None = None) -> None:
-        """``before``: an earlier sync this one waits for (its error is this one's)."""
-        if before is not None:
-            before.wait()
+    def __init__(self, paths: list[str]) -> None:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(paths,), name="bcp-dirsync", daemon=True)
         self._thread.start()
@@ -153,6 +150,10 @@ class DirSync:
                 fsync_dir(path)
         except BaseException as e:  # noqa: BLE001 - raised by wait(), in the writer's thread
             self._error = e
+
+    def pending(self) -> bool:
+        """Whether the ``fsync`` still runs, or failed (a writer must not commit below)."""
+        return self._thread.is_alive() or self._error is not None
 
     def wait(self) -> None:
         """Return once every directory is durable; raise what the ``fsync`` raised."""
