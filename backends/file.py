@@ -42,7 +42,7 @@ from bcp.backends.file_reads import (
     pread_direct,
     pread_full,
 )
-from bcp.backends.file_writes import DirSync, byte_views, cut, cut_end, pwritev_all, whole_pages
+from bcp.backends.file_writes import DirSync, DirSyncs, byte_views, cut, cut_end, pwritev_all, whole_pages
 from bcp.backends.storage_errors import ObjectExistsError, StorageError, WriterClosedError, annotate
 from bcp.backends.uri_options import as_bool, reject_unknown
 
@@ -97,12 +97,8 @@ class FileBackend(Backend):
         self.direct_reads = direct_reads and hasattr(os, "O_DIRECT")
         #: directories below the root found not to be symbolic links (see _refuse_links)
         self._checked_dirs: set[str] = set()
-        #: directory made by a writer -> the sync of its entry, while that runs (or failed):
-        #: a writer below it waits for it too before its commit (:meth:`_dir_syncs_above`)
-        self._dir_syncs: dict[str, DirSync] = {}
-        #: held while directories are made and their syncs noted, so no writer finds a
-        #: directory made before it can see that directory's sync
-        self._dirs_lock = threading.Lock()
+        #: the syncs of directories writers made, still running (or failed)
+        self._dir_syncs = DirSyncs()
         #: permission bits of created files (None: the umask's), and of created directories
         self.file_mode = file_mode
         self._dir_mode = None if file_mode is None else file_mode | ((file_mode & 0o444) >> 2)
@@ -178,8 +174,7 @@ class FileBackend(Backend):
                 self._checked_dirs.add(at)
 
     def _make_dirs(self, path: str) -> list[str]:
-        """Create missing directories; those it created (each changed its parent's entries:
-        synced before an object in it is committed, :class:`DirSync`)."""
+        """Create missing directories; those it created (synced by :class:`DirSyncs`)."""
         made: list[str] = []
         missing = []
         while not os.path.isdir(path):
@@ -194,33 +189,6 @@ class FileBackend(Backend):
                 _fchmod_path(d, self._dir_mode, os.O_RDONLY | os.O_DIRECTORY)
             made.append(d)
         return made
-
-    def _dirs_for_writer(self, path: str) -> list[DirSync]:
-        """Make ``path`` and its missing parents (with ``fsync``: their entries synced on a
-        thread); the syncs a writer in ``path`` waits for before its commit: of the
-        directories it made, and of those above it that another writer made and whose
-        sync still runs (or failed): that writer's commit may come later than this one's."""
-        with self._dirs_lock:
-            made = self._make_dirs(path)
-            if not self.fsync:
-                return []
-            pending = self._dir_syncs
-            for d in [d for d, sync in pending.items() if not sync.pending()]:
-                del pending[d]
-            waits = []
-            if made:
-                sync = DirSync([os.path.dirname(d) for d in made])
-                pending.update(dict.fromkeys(made, sync))
-                waits.append(sync)
-            at = path
-            while True:
-                sync = pending.get(at)
-                if sync is not None and sync not in waits:
-                    waits.append(sync)
-                up = os.path.dirname(at)
-                if up == at:
-                    return waits
-                at = up
 
     # -- writing -----------------------------------------------------------------------
 
@@ -504,8 +472,8 @@ class _FileWriter(ObjectWriter):
         """Create the partial file (and its directory); its descriptor."""
         attempts_left = 3
         while True:
-            # ordered before the commit by flush_and_close; a retry's, the first try's too
-            self._dirs += self.backend._dirs_for_writer(os.path.dirname(self.final))
+            backend = self.backend  # the syncs: waited for by flush_and_close (a retry's, the first's too)
+            self._dirs += backend._dir_syncs.make(os.path.dirname(self.final), backend._make_dirs, backend.fsync)
             try:
                 mode = self.backend.file_mode
                 # link-ok: O_CREAT|O_EXCL fails on any existing name, a planted link or FIFO included

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from bcp.backends.base import Buffer
 from bcp.backends.file_reads import DIRECT_ALIGN, buffer_address
@@ -160,6 +160,41 @@ class DirSync:
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+class DirSyncs:
+    """A backend's directory syncs (:class:`DirSync`) still running (or failed), by directory:
+    a writer waits for those above it too, not only its own, since the writer that made
+    a directory it found may commit after it does."""
+
+    def __init__(self) -> None:
+        self._syncs: dict[str, DirSync] = {}
+        #: held while directories are made and noted: none is found before its sync is
+        self._lock = threading.Lock()
+
+    def make(self, path: str, make_dirs: Callable[[str], list[str]], fsync: bool) -> list[DirSync]:
+        """Make ``path`` (``make_dirs``: the directories it made); with ``fsync``, the
+        syncs a writer in ``path`` waits for before its commit (its own started here)."""
+        with self._lock:
+            made = make_dirs(path)
+            if not fsync:
+                return []
+            syncs = self._syncs
+            for d in [d for d, sync in syncs.items() if not sync.pending()]:
+                del syncs[d]
+            waits: list[DirSync] = []
+            if made:
+                mine = DirSync([os.path.dirname(d) for d in made])
+                syncs.update(dict.fromkeys(made, mine))
+                waits.append(mine)
+            while True:
+                other = syncs.get(path)
+                if other is not None and other not in waits:
+                    waits.append(other)
+                up = os.path.dirname(path)
+                if up == path:
+                    return waits
+                path = up
 
 
 #: The scratch mapping of the last writer that closed, for the next one (its pages stay
