@@ -42,7 +42,7 @@ from bcp.backends.file_reads import (
     pread_direct,
     pread_full,
 )
-from bcp.backends.file_writes import DirSync, byte_views, cut, cut_end, pwritev_all, whole_pages
+from bcp.backends.file_writes import DirSync, DirSyncs, byte_views, cut, cut_end, pwritev_all, whole_pages
 from bcp.backends.storage_errors import ObjectExistsError, StorageError, WriterClosedError, annotate
 from bcp.backends.uri_options import as_bool, reject_unknown
 
@@ -97,6 +97,8 @@ class FileBackend(Backend):
         self.direct_reads = direct_reads and hasattr(os, "O_DIRECT")
         #: directories below the root found not to be symbolic links (see _refuse_links)
         self._checked_dirs: set[str] = set()
+        #: the syncs of directories writers made, still running (or failed)
+        self._dir_syncs = DirSyncs()
         #: permission bits of created files (None: the umask's), and of created directories
         self.file_mode = file_mode
         self._dir_mode = None if file_mode is None else file_mode | ((file_mode & 0o444) >> 2)
@@ -172,9 +174,8 @@ class FileBackend(Backend):
                 self._checked_dirs.add(at)
 
     def _make_dirs(self, path: str) -> list[str]:
-        """Create missing directories; the directories whose entries changed (to
-        ``fsync`` before an object in them is committed: :class:`DirSync`)."""
-        changed: list[str] = []
+        """Create missing directories; those it created (synced by :class:`DirSyncs`)."""
+        made: list[str] = []
         missing = []
         while not os.path.isdir(path):
             missing.append(path)
@@ -186,8 +187,8 @@ class FileBackend(Backend):
                 continue
             if self._dir_mode is not None:
                 _fchmod_path(d, self._dir_mode, os.O_RDONLY | os.O_DIRECTORY)
-            changed.append(os.path.dirname(d))
-        return changed
+            made.append(d)
+        return made
 
     # -- writing -----------------------------------------------------------------------
 
@@ -434,8 +435,8 @@ class _FileWriter(ObjectWriter):
         self.tmp = f"{self.final}{PARTIAL_MARKER}{uuid.uuid4().hex[:12]}"
         self.fd: int | None = None
         self.dfd: int | None = None
-        #: the fsync of the directories this writer created, waited for before the commit
-        self._dirs: DirSync | None = None
+        #: the fsyncs of the directories above it that writers made, waited for before the commit
+        self._dirs: list[DirSync] = []
         #: page-aligned memory for the bytes ``write_parts`` copies (one request at a time)
         self._scratch: memoryview | None = None
         self._scratch_lock = threading.Lock()
@@ -471,9 +472,8 @@ class _FileWriter(ObjectWriter):
         """Create the partial file (and its directory); its descriptor."""
         attempts_left = 3
         while True:
-            changed = self.backend._make_dirs(os.path.dirname(self.final))
-            if changed and self.backend.fsync:  # ordered before the commit by flush_and_close
-                self._dirs = DirSync(changed, self._dirs)  # a retry's: the first try's too
+            backend = self.backend  # the syncs: waited for by flush_and_close (a retry's, the first's too)
+            self._dirs += backend._dir_syncs.make(os.path.dirname(self.final), backend._make_dirs, backend.fsync)
             try:
                 mode = self.backend.file_mode
                 # link-ok: O_CREAT|O_EXCL fails on any existing name, a planted link or FIFO included
@@ -560,8 +560,8 @@ class _FileWriter(ObjectWriter):
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-            if self._dirs is not None:  # the entries of the directories it created, durable
-                self._dirs.wait()
+            for sync in self._dirs:  # the entries of the directories above it, durable
+                sync.wait()
 
     def _commit(self) -> None:
         self.flush_and_close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from bcp.backends.base import Buffer
 from bcp.backends.file_reads import DIRECT_ALIGN, buffer_address
@@ -88,7 +88,7 @@ def whole_pages(views: list[memoryview], nbytes: int, scratch: memoryview | None
         hi = end // DIRECT_ALIGN * DIRECT_ALIGN  # and its last
         address = buffer_address(v) if hi > lo else None
         if scratch is None:
-            scratch = memoryview(mmap.mmap(-1, nbytes))  # page-aligned
+            scratch = _private_mapping(nbytes)
         if address is None or (address - pos) % DIRECT_ALIGN:  # no whole page of it lies aligned: copied
             scratch[pos:end] = v
         else:
@@ -139,10 +139,7 @@ class DirSync:
     the commit returns, and nothing is visible before; a new checkpoint's three
     directory fsyncs no longer delay its first data request (issue 37)."""
 
-    def __init__(self, paths: list[str], before: DirSync | None = None) -> None:
-        """``before``: an earlier sync this one waits for (its error is this one's)."""
-        if before is not None:
-            before.wait()
+    def __init__(self, paths: list[str]) -> None:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(paths,), name="bcp-dirsync", daemon=True)
         self._thread.start()
@@ -154,11 +151,50 @@ class DirSync:
         except BaseException as e:  # noqa: BLE001 - raised by wait(), in the writer's thread
             self._error = e
 
+    def pending(self) -> bool:
+        """Whether the ``fsync`` still runs, or failed (a writer must not commit below)."""
+        return self._thread.is_alive() or self._error is not None
+
     def wait(self) -> None:
         """Return once every directory is durable; raise what the ``fsync`` raised."""
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+class DirSyncs:
+    """A backend's directory syncs (:class:`DirSync`) still running (or failed), by directory:
+    a writer waits for those above it too, not only its own, since the writer that made
+    a directory it found may commit after it does."""
+
+    def __init__(self) -> None:
+        self._syncs: dict[str, DirSync] = {}
+        #: held while directories are made and noted: none is found before its sync is
+        self._lock = threading.Lock()
+
+    def make(self, path: str, make_dirs: Callable[[str], list[str]], fsync: bool) -> list[DirSync]:
+        """Make ``path`` (``make_dirs``: the directories it made); with ``fsync``, the
+        syncs a writer in ``path`` waits for before its commit (its own started here)."""
+        with self._lock:
+            made = make_dirs(path)
+            if not fsync:
+                return []
+            syncs = self._syncs
+            for d in [d for d, sync in syncs.items() if not sync.pending()]:
+                del syncs[d]
+            waits: list[DirSync] = []
+            if made:
+                mine = DirSync([os.path.dirname(d) for d in made])
+                syncs.update(dict.fromkeys(made, mine))
+                waits.append(mine)
+            while True:
+                other = syncs.get(path)
+                if other is not None and other not in waits:
+                    waits.append(other)
+                up = os.path.dirname(path)
+                if up == path:
+                    return waits
+                path = up
 
 
 #: The scratch mapping of the last writer that closed, for the next one (its pages stay
@@ -172,7 +208,14 @@ def take_scratch(nbytes: int) -> memoryview:
     with _spare_lock:
         if _spare and len(_spare[0]) >= nbytes:
             return _spare.pop()
-    return memoryview(mmap.mmap(-1, max(nbytes, SCRATCH_BYTES)))
+    return _private_mapping(max(nbytes, SCRATCH_BYTES))
+
+
+def _private_mapping(nbytes: int) -> memoryview:
+    """Page-aligned anonymous memory of this process alone: ``mmap(-1, n)`` alone is
+    MAP_SHARED, so after a fork the parent and the child would copy into the same pages
+    (a spare kept from save to save: each would write the other's bytes to its files)."""
+    return memoryview(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE))
 
 
 def give_scratch(scratch: memoryview | None) -> None:

@@ -217,3 +217,28 @@ def test_copy_runs_copies_every_part_exactly_once():
         dst.fill_(0xEE)
         copy_runs(dst.data_ptr(), parts)
         assert torch.equal(dst[: src.numel()], src) and not dst[src.numel() :].any()
+
+
+def test_copy_runs_copies_alone_when_no_helper_thread_can_start(monkeypatch):
+    """A process at its thread limit (``Thread.start`` raising): the staging copy is the
+    caller's alone, as before the helpers, rather than the save failing on them."""
+    from bcp.io_scheduler import chunk_bytes
+
+    monkeypatch.setattr(chunk_bytes, "_CREW", chunk_bytes._Crew())  # no helper started yet
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(chunk_bytes.os, "cpu_count", lambda: 4)
+    started = threading.Thread.start
+
+    def refused(self):
+        if self.name == "bcp-stage-copy":
+            raise RuntimeError("can't start new thread")
+        started(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    src = torch.arange(1 << 12, dtype=torch.int32).view(torch.uint8)
+    dst = torch.zeros(src.numel(), dtype=torch.uint8)
+    runs = [(at, src.data_ptr() + at, 1024) for at in range(0, src.numel(), 1024)]
+    for _ in range(2):
+        dst.zero_()
+        chunk_bytes.copy_runs(dst.data_ptr(), [runs[i : i + 2] for i in range(0, len(runs), 2)])
+        assert torch.equal(dst, src)

@@ -85,3 +85,57 @@ def test_a_failed_directory_sync_commits_nothing(tmp_path, monkeypatch: pytest.M
     assert not (root / "manifest.json").exists()
     assert not any(p.name.endswith(".bin") for p in root.rglob("*"))  # no data file was renamed into place
     assert file_backend.PARTIAL_MARKER  # the module the sync belongs to
+
+
+def _held_dir_syncs(monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> threading.Event:
+    """Hold every directory fsync made on a DirSync thread until the event is set
+    (then fail it, with ``fail``); the commit's own directory fsyncs go through."""
+    release = threading.Event()
+    real = file_writes.fsync_dir
+
+    def held(path: str) -> None:
+        if threading.current_thread().name == "bcp-dirsync":
+            release.wait(10)
+            if fail:
+                raise OSError(5, "Input/output error", path)
+        real(path)
+
+    monkeypatch.setattr(file_writes, "fsync_dir", held)
+    return release
+
+
+def test_a_writer_in_a_directory_another_writer_made_waits_for_that_sync(tmp_path, monkeypatch) -> None:
+    """Writer a makes directory new/ (its entry synced on a thread, still running);
+    writer b, opened next, finds new/ there: b's commit must not return before new/'s
+    entry is durable, or b's file, committed, is gone after a crash. Before the sync
+    moved to a thread, a's open made it durable before b could look."""
+    release = _held_dir_syncs(monkeypatch)
+    fb = file_backend.FileBackend(str(tmp_path))
+    a = fb.open_writer("new/a", size=3)
+    b = fb.open_writer("new/b", size=3)
+    b.write_at(0, b"abc")
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (b.commit(), done.set()))
+    t.start()
+    try:
+        assert not done.wait(0.5)  # held: new/ is not yet durable in its parent
+    finally:
+        release.set()
+        t.join(10)
+    assert done.is_set() and (tmp_path / "new" / "b").read_bytes() == b"abc"
+    a.abort()
+
+
+def test_a_failed_sync_of_a_directory_fails_every_writer_in_it_that_was_waiting(tmp_path, monkeypatch) -> None:
+    """The same, the sync failing: b's commit raises it too, and b's file is not committed."""
+    release = _held_dir_syncs(monkeypatch, fail=True)
+    fb = file_backend.FileBackend(str(tmp_path))
+    a = fb.open_writer("new/a", size=3)
+    b = fb.open_writer("new/b", size=3)
+    b.write_at(0, b"abc")
+    release.set()
+    with pytest.raises(Exception, match="Input/output error"):
+        b.commit()
+    assert not (tmp_path / "new" / "b").exists()
+    with pytest.raises(Exception, match="Input/output error"):
+        a.commit()

@@ -6,6 +6,7 @@ only the views that span a page; the pipeline reads dense host tensors as arrays
 from __future__ import annotations
 
 import mmap
+import os
 
 import pytest
 import torch
@@ -123,3 +124,35 @@ def test_cut_end_splits_as_cut_does(lengths, data) -> None:
     flat = fw.byte_views([*views, grid, memoryview(b"")])
     assert b"".join(map(bytes, flat)) == src[:total] + src[:24]
     assert all(v.ndim == 1 and v.format == "B" and len(v) for v in flat)
+
+
+def test_a_forked_child_and_its_parent_share_no_scratch_memory() -> None:
+    """The spare scratch mapping survives a fork in both processes: it must be private
+    to each (copy-on-write), or a child's save and its parent's, both taking the spare,
+    copy into the same pages and each writes the other's bytes into its file."""
+    fw.give_scratch(fw.take_scratch(fw.SCRATCH_BYTES))  # a spare, as a sync save leaves one
+    spare = fw.take_scratch(PAGE)
+    spare[:PAGE] = b"\x11" * PAGE
+    fw.give_scratch(spare)
+    pid = os.fork()
+    if pid == 0:  # the child: a save of its own copies into the spare
+        try:
+            mine = fw.take_scratch(PAGE)
+            mine[:PAGE] = b"\x22" * PAGE
+            fw.give_scratch(mine)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    ours = fw.take_scratch(PAGE)
+    assert bytes(ours[:PAGE]) == b"\x11" * PAGE  # the parent's pages hold the parent's bytes
+    fw.give_scratch(ours)
+    made = fw.whole_pages([memoryview(bytearray(b"\x33" * PAGE))[1:], memoryview(b"\x44")], PAGE)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            made[0][:1] = b"\x55"  # a child writing into a mapping whole_pages made
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert bytes(made[0][:1]) == b"\x33"

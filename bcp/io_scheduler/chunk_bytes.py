@@ -123,6 +123,8 @@ class _Crew:
         self.cond = threading.Condition()
         self.job: _Copy | None = None
         self.helpers = 0
+        #: the most helpers to start (lowered once a start fails)
+        self.cap = 1 << 16
 
     def run(self, base: int, parts: Sequence[Runs]) -> None:
         job = _Copy(base, parts)
@@ -144,11 +146,16 @@ class _Crew:
             raise job.error
 
     def _ensure_helpers(self) -> bool:
+        """Whether any helper runs (started now where fewer run than wanted)."""
         want = min(torch.get_num_threads(), os.cpu_count() or 1) - 1
-        while self.helpers < want:
-            threading.Thread(target=self._loop, name="bcp-stage-copy", daemon=True).start()
+        while self.helpers < min(want, self.cap):
+            try:
+                threading.Thread(target=self._loop, name="bcp-stage-copy", daemon=True).start()
+            except RuntimeError:  # at the process's thread limit: those running (or the caller alone)
+                self.cap = self.helpers
+                break
             self.helpers += 1
-        return want > 0
+        return min(want, self.helpers) > 0
 
     def _loop(self) -> None:
         seen: _Copy | None = None
