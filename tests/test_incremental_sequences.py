@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import uuid
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -81,6 +82,7 @@ def _check_step(uri: str, want: dict, step: int) -> None:
     reader.close()
 
 
+@pytest.mark.slow  # about 3-6 s on 2 cores: out of the fast tier
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=sequence, seed=st.integers(0, 2**16))
 def test_random_saves_deletions_and_gc_keep_every_step_exact(uri_factory, ops, seed):

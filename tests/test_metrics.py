@@ -128,6 +128,7 @@ def _records(cfg: dict, rank: int) -> list[dict]:
         return json.load(f)
 
 
+@pytest.mark.slow  # about 3-6 s on 2 cores: out of the fast tier
 def test_simulated_hosts_record_local_saves_and_a_recovery_through_peers(tmp_path):
     """Two hosts of one rank, no replicas: each rank's local save record counts its own
     data file; restarted with the hosts swapped, each rank's shard is on the other host,

@@ -623,6 +623,7 @@ def _chown_tree(top: str, uid: int, *, unless: int) -> None:
                 os.chown(path, uid, uid, follow_symlinks=False)
 
 
+@pytest.mark.slow  # about 3-6 s on 2 cores: out of the fast tier
 def test_fuzz_as_a_second_user_against_a_third(tmp_path):
     """The fuzz with real users: the job runs as uid OTHER in a forked child; the
     hostile changes are made as root and belong to the job's own user (a confused
