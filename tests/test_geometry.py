@@ -25,6 +25,7 @@ from bcp.metadata.geometry import (
     regions_abut,
     row_major_strides,
     simple_tilings,
+    packed_keys,
     stable_order,
     sweep_windows,
     tiling_problem,
@@ -269,6 +270,38 @@ def test_stable_order_is_numpys_stable_argsort(keys, long, seed):
     rng = np.random.default_rng(seed)
     b = rng.integers(0, [1 << 17, 1 << 32][seed % 2], long + (1 << 12)) // [1, 1 << 12][seed // 2]
     assert np.array_equal(stable_order(b), np.argsort(b, kind="stable"))
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    pairs=st.lists(
+        st.tuples(st.one_of(st.integers(-(1 << 62), (1 << 62) - 1), st.integers(-9, 9)), st.integers(0, 99)),
+        max_size=40,
+    ),
+    bound=st.integers(100, 1 << 40),
+    unsigned=st.booleans(),
+)
+def test_packed_keys_sort_as_lexsort_or_refuse(pairs, bound, unsigned):
+    """Sorting the packed keys gives the (high, low) lexsort order, decoded back to the
+    same pairs; keys whose span and low bits need more than 63 bits are refused (None),
+    unsigned ones at or past 2**63 too."""
+    high = np.array([h for h, _l in pairs], np.int64)
+    low = np.array([v for _h, v in pairs], np.int64)
+    if unsigned:
+        high = high.astype(np.uint64) + np.uint64(1 << 63) if len(high) else high.astype(np.uint64)
+    packed = packed_keys(high, low, bound)
+    bits = (bound - 1).bit_length()
+    span = int(high.max()) - int(high.min()) if len(high) else 0
+    if span.bit_length() + bits > 63 or (len(high) and int(high.max()) >= 1 << 63):
+        assert packed is None
+        return
+    assert packed is not None and packed.dtype == np.int64
+    order = np.lexsort((low, high))
+    got = np.sort(packed)
+    lo = int(high.min()) if len(high) else 0
+    assert [(int(g >> bits) + lo, int(g & ((1 << bits) - 1))) for g in got] == [
+        (int(high[i]), int(low[i])) for i in order
+    ]
 
 
 @settings(max_examples=examples(300), deadline=None)
