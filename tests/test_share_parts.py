@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bcp.errors
-from bcp.io_scheduler.share_parts import SHARE_PART_VERSION, SharePart
 from bcp.io_scheduler.share_match import by_tag
+from bcp.io_scheduler.share_parts import SHARE_PART_VERSION, SharePart
 from bcp.metadata.geometry import stable_order
 from bcp.shared_read import Wanted, plan_shares
 from helpers import examples, share_plan_pairs
