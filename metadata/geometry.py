@@ -230,6 +230,8 @@ def packed_keys(high: np.ndarray, low: np.ndarray, bound: int) -> np.ndarray | N
     """``(high - min(high)) << bits | low`` as a new int64 array, ``bits`` those of
     ``bound - 1`` (``low`` in [0, bound)): sorting it sorts by (high, low). None where
     that does not fit in 63 bits (the caller sorts otherwise)."""
+    if high.dtype.kind not in "iub" or low.dtype.kind not in "iub":
+        return None
     if not len(high):
         return np.zeros(0, np.int64)
     lo, hi = int(high.min()), int(high.max())

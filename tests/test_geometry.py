@@ -334,3 +334,10 @@ def test_box_arrays(ndim):
     assert t.group.tolist() == [7, 5] and t.offsets.tolist() == [list(boxes[2][0]), list(boxes[0][0])]
     empty = BoxArrays.of([], ndim)
     assert len(empty) == 0 and empty.offsets.shape == (0, ndim)
+
+
+def test_stable_order_of_floats_is_not_packed():
+    """Float keys are not packed as integers (truncation would merge 0.5 and 0.25)."""
+    keys = np.array([0.5, 0.25, 1.5, 0.25, -0.75])
+    assert packed_keys(keys, np.arange(5), 5) is None
+    assert stable_order(keys).tolist() == np.argsort(keys, kind="stable").tolist()
