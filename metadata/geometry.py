@@ -12,7 +12,7 @@ What is here:
 * single boxes: :func:`intersect`, :func:`row_major_strides`,
   :func:`flat_range_to_boxes`, :func:`common_runs`;
 * many boxes as arrays: :class:`BoxArrays`, :func:`row_products`, :func:`rows_positive`,
-  :func:`stable_order`;
+  :func:`stable_order`, :func:`packed_keys`;
 * the sort-and-sweep overlap window: sorted by start on one dimension, a box can only
   meet the boxes whose running maximum end lies past its start
   (:func:`sweep_windows`, :func:`expand_windows`); on one set of boxes it finds
@@ -212,18 +212,38 @@ def ascending(a: np.ndarray) -> bool:
 
 def stable_order(keys: np.ndarray) -> np.ndarray:
     """``np.argsort(keys, kind="stable")`` of a 1-D int array, cheaper where it can be:
-    keys already in order are not sorted, and small non-negative keys are sorted as
-    uint16 (a radix sort, same order); keys below 2**32 by two such passes, low half
-    then high half (about 2.5x faster than numpy's stable sort of int64 at millions)."""
+    keys already in order are not sorted; where (key - min) and the position fit in 63
+    bits together, one ``np.sort`` of ``(key - min) << bits | position`` (unique values,
+    so any sort is stable; numpy's int64 sort is a vectorised quicksort, about 5x a
+    stable argsort at millions) and the positions are the low bits."""
     if ascending(keys):
         return np.arange(len(keys))
-    low, high = int(keys.min()), int(keys.max())
-    if low >= 0 and high < 1 << 16:
-        return np.argsort(keys.astype(np.uint16), kind="stable")
-    if low >= 0 and high < 1 << 32 and len(keys) > 1 << 12:
-        first = np.argsort((keys & 0xFFFF).astype(np.uint16), kind="stable")
-        return first[np.argsort((keys[first] >> 16).astype(np.uint16), kind="stable")]
-    return np.argsort(keys, kind="stable")
+    packed = packed_keys(keys, np.arange(len(keys), dtype=np.int64), len(keys))
+    if packed is None:
+        return np.argsort(keys, kind="stable")
+    packed.sort()
+    packed &= (1 << max(len(keys) - 1, 1).bit_length()) - 1
+    return packed
+
+
+def packed_keys(high: np.ndarray, low: np.ndarray, bound: int) -> np.ndarray | None:
+    """``(high - min(high)) << bits | low`` as a new int64 array, ``bits`` those of
+    ``bound - 1`` (``low`` in [0, bound)): sorting it sorts by (high, low). None where
+    that does not fit in 63 bits (the caller sorts otherwise)."""
+    if high.dtype.kind not in "iub" or low.dtype.kind not in "iub":
+        return None
+    if not len(high):
+        return np.zeros(0, np.int64)
+    lo, hi = int(high.min()), int(high.max())
+    bits = max(bound - 1, 1).bit_length()
+    if (hi - lo).bit_length() + bits > 63 or hi >= 1 << 63:
+        return None
+    out = high.astype(np.int64)
+    if lo:
+        out -= lo
+    out <<= bits
+    out |= low
+    return out
 
 
 # -- the sort-and-sweep window ---------------------------------------------------------------
@@ -518,6 +538,7 @@ __all__ = [
     "flat_range_to_boxes",
     "intersect",
     "overlapping_pair",
+    "packed_keys",
     "regions_abut",
     "row_major_strides",
     "row_products",

@@ -22,6 +22,7 @@ from bcp.metadata.geometry import (
     expand_windows,
     intersect,
     overlapping_pair,
+    packed_keys,
     regions_abut,
     row_major_strides,
     simple_tilings,
@@ -272,6 +273,38 @@ def test_stable_order_is_numpys_stable_argsort(keys, long, seed):
 
 
 @settings(max_examples=examples(300), deadline=None)
+@given(
+    pairs=st.lists(
+        st.tuples(st.one_of(st.integers(-(1 << 62), (1 << 62) - 1), st.integers(-9, 9)), st.integers(0, 99)),
+        max_size=40,
+    ),
+    bound=st.integers(100, 1 << 40),
+    unsigned=st.booleans(),
+)
+def test_packed_keys_sort_as_lexsort_or_refuse(pairs, bound, unsigned):
+    """Sorting the packed keys gives the (high, low) lexsort order, decoded back to the
+    same pairs; keys whose span and low bits need more than 63 bits are refused (None),
+    unsigned ones at or past 2**63 too."""
+    high = np.array([h for h, _l in pairs], np.int64)
+    low = np.array([v for _h, v in pairs], np.int64)
+    if unsigned:
+        high = high.astype(np.uint64) + np.uint64(1 << 63) if len(high) else high.astype(np.uint64)
+    packed = packed_keys(high, low, bound)
+    bits = (bound - 1).bit_length()
+    span = int(high.max()) - int(high.min()) if len(high) else 0
+    if span.bit_length() + bits > 63 or (len(high) and int(high.max()) >= 1 << 63):
+        assert packed is None
+        return
+    assert packed is not None and packed.dtype == np.int64
+    order = np.lexsort((low, high))
+    got = np.sort(packed)
+    lo = int(high.min()) if len(high) else 0
+    assert [(int(g >> bits) + lo, int(g & ((1 << bits) - 1))) for g in got] == [
+        (int(high[i]), int(low[i])) for i in order
+    ]
+
+
+@settings(max_examples=examples(300), deadline=None)
 @given(data=st.data(), shape=st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple))
 def test_common_runs_walk_every_element(data, shape):
     ndim = len(shape)
@@ -301,3 +334,10 @@ def test_box_arrays(ndim):
     assert t.group.tolist() == [7, 5] and t.offsets.tolist() == [list(boxes[2][0]), list(boxes[0][0])]
     empty = BoxArrays.of([], ndim)
     assert len(empty) == 0 and empty.offsets.shape == (0, ndim)
+
+
+def test_stable_order_of_floats_is_not_packed():
+    """Float keys are not packed as integers (truncation would merge 0.5 and 0.25)."""
+    keys = np.array([0.5, 0.25, 1.5, 0.25, -0.75])
+    assert packed_keys(keys, np.arange(5), 5) is None
+    assert stable_order(keys).tolist() == np.argsort(keys, kind="stable").tolist()

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bcp.errors
+from bcp.io_scheduler.share_match import by_tag
 from bcp.io_scheduler.share_parts import SHARE_PART_VERSION, SharePart
 from bcp.metadata.geometry import stable_order
 from bcp.shared_read import Wanted, plan_shares
@@ -223,3 +224,22 @@ def test_parts_gather_each_class_without_copying_every_box_first():
     assert after - before >= offsets.nbytes + lengths.nbytes  # the parts themselves
     beyond = (peak - after) / 1e6
     assert peak - after < offsets.nbytes + lengths.nbytes, f"{beyond:.1f} MB beyond the parts while cutting them"
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    per_class=st.lists(st.sets(st.integers(0, 50), max_size=12), min_size=1, max_size=8),
+    shift=st.sampled_from([0, 1 << 20, (1 << 62) - 64]),
+)
+def test_by_tag_is_the_lexsort_order(per_class, shift):
+    """Class-major (tag, class) pairs, each once, come back in (tag, class) order, as a
+    lexsort gives them: by the packed sort, or by the stable sort where the tags' span
+    with the class bits passes 63 bits (a shift near 2**62 with a tag 0 forced)."""
+    tags = np.array([shift + t for ts in per_class for t in sorted(ts)], np.int64)
+    classes = np.array([c for c, ts in enumerate(per_class) for _t in ts], np.int64)
+    if shift > 1 << 40 and len(tags):
+        tags[0] = 0  # span ~2**62: packed keys refused
+    order = np.lexsort((classes, tags))
+    got_tags, got_cls = by_tag(tags, classes, int(tags.max()) + 1 if len(tags) else 0, len(per_class))
+    assert got_tags.tolist() == tags[order].tolist()
+    assert got_cls.tolist() == classes[order].tolist()

@@ -16,7 +16,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from bcp.io_scheduler.read_plan import overlap_volumes
-from bcp.metadata.geometry import BoxArrays, ascending, expand_windows, row_products, rows_positive, stable_order
+from bcp.metadata.geometry import (
+    BoxArrays,
+    ascending,
+    expand_windows,
+    packed_keys,
+    row_products,
+    rows_positive,
+    stable_order,
+)
 from bcp.metadata.rows import TensorBoxes
 
 #: Wanted boxes matched at once (bounds the memory of the per-box arrays)
@@ -39,13 +47,22 @@ def box_batches(lengths: list[int], limit: int) -> list[tuple[int, int]]:
 
 def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
     """(tag, class) pairs, each once, put in order of tag then class. Pairs come class
-    after class (the classes' batches), so a stable sort by tag does it (a two-pass
-    radix sort: :func:`stable_order`); otherwise as they are
+    after class (the classes' batches): one ``np.sort`` of the pairs packed into one
+    int64 (:func:`packed_keys`; the pairs are distinct, so the order is the stable
+    one), or a stable sort by tag where they do not fit; otherwise as they are
     (:meth:`_RankClasses.labels` sorts them)."""
     if len(tags) < 2 or not ascending(classes) or ascending(tags * n_classes + classes):
         return tags, classes
-    order = stable_order(tags)
-    return tags[order], classes[order]
+    packed = packed_keys(tags, classes, n_classes)
+    if packed is None or (len(classes) and int(classes.min()) < 0):
+        order = stable_order(tags)
+        return tags[order], classes[order]
+    packed.sort()
+    bits = max(n_classes - 1, 1).bit_length()
+    out_cls = packed & ((1 << bits) - 1)
+    packed >>= bits
+    packed += int(tags.min())
+    return packed.astype(tags.dtype, copy=False), out_cls.astype(classes.dtype, copy=False)
 
 
 def class_major(classes: np.ndarray, tags: np.ndarray) -> bool:
