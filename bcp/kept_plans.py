@@ -42,7 +42,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import numpy as np
-
 import torch
 
 from bcp.io_scheduler import device_copy
