@@ -103,13 +103,15 @@ def tensor_signature(t: torch.Tensor) -> tuple:
 class Fingerprint:
     """A fingerprint's fields with their hash computed once: a kept structure is
     looked up (and moved to the end of the cache) by it, and a tuple of thousands of
-    per-tensor tuples would be hashed again at each lookup."""
+    per-tensor tuples would be hashed again at each lookup. ``part``: what the hash is
+    taken of, when not every field (equal fingerprints have equal parts; the fields
+    are compared whole on a lookup anyway)."""
 
     __slots__ = ("_hash", "sigs")
 
-    def __init__(self, sigs: tuple) -> None:
+    def __init__(self, sigs: tuple, part: Any = None) -> None:
         self.sigs = sigs
-        self._hash = hash(sigs)
+        self._hash = hash(sigs if part is None else part)
 
     def __hash__(self) -> int:
         return self._hash
@@ -131,52 +133,60 @@ def fingerprint(leaves: Mapping[Any, Any], rank: int) -> tuple[Fingerprint | Non
     """(key, values): ``key`` compares equal between two saves only when their
     tensors' plans are equal (None: not fingerprintable, plan afresh); ``values``
     holds, per tensor leaf in order, the tensor itself (a plain one) or its
-    :class:`LocalTensor`. A plain tensor's fields are read in columns, one C loop
-    (``map``) per field over every plain tensor: no Python call per tensor."""
+    :class:`LocalTensor`. A plain tensor's fields (:func:`tensor_signature`'s) are read
+    by C loops (``map`` of each field, zipped: tensor by tensor, while its memory is in
+    cache), with no Python call per tensor."""
     api = device_copy.api  # the copy path bcp takes (tests swap the CUDA seam)
     plain = PLAIN_TENSORS
     every = leaves.values()
-    tensors = [leaf.value for leaf in every if type(leaf.value) in plain]
-    # the tensor leaves in order: the plain ones, and any other tensor-like one where it stands
-    ordered = [leaf for leaf in every if type(leaf.value) in plain or leaf.is_tensor]
+    plain_leaves = [leaf for leaf in every if type(leaf.value) in plain]
+    tensors: list[Any] = list(map(_VALUE, plain_leaves))
     try:
-        if len(ordered) == len(tensors):
-            values: list[Any] = tensors
-            others: tuple = ()
-        else:
-            values, found = [], []
-            for i, leaf in enumerate(ordered):
-                v = leaf.value
-                if type(v) in plain:
-                    values.append(v)
-                    continue
-                local = local_pieces(v, leaf.fqn)
-                boxes = tuple((p.box, tensor_signature(p.tensor)) for p in local.pieces)
-                found.append((i, leaf.path, type(v), local.global_shape, local.dtype, holds_replica(v), boxes))
-                values.append(local)
-            others = tuple(found)
-        # tensor_signature's fields, in columns; the key paths place each plain tensor
+        values, others = tensors, ()
+        if len(plain_leaves) < len(leaves):
+            # the tensor leaves in order: the plain ones, and any other tensor-like one where it stands
+            ordered = [leaf for leaf in every if type(leaf.value) in plain or leaf.is_tensor]
+            if len(ordered) > len(tensors):
+                values, found = [], []
+                for i, leaf in enumerate(ordered):
+                    v = leaf.value
+                    if type(v) in plain:
+                        values.append(v)
+                        continue
+                    local = local_pieces(v, leaf.fqn)
+                    boxes = tuple((p.box, tensor_signature(p.tensor)) for p in local.pieces)
+                    found.append((i, leaf.path, type(v), local.global_shape, local.dtype, holds_replica(v), boxes))
+                    values.append(local)
+                others = tuple(found)
         t = torch.Tensor
-        sigs = (
-            rank,
-            tuple([leaf.path for leaf in ordered if type(leaf.value) in plain]),
-            tuple(map(_META, tensors)),
-            tuple(map(t.stride, tensors)),
-            tuple(map(t.storage_offset, tensors)),
-            tuple(map(t.data_ptr, tensors)),
-            tuple(map(t.is_conj, tensors)),
-            tuple(map(t.is_neg, tensors)),
-            # with the real CUDA seam the device decides the copy path; a stand-in is asked per tensor
-            None if getattr(api, "by_device", False) else tuple(map(api.is_device, tensors)),
-            others,
-        )
+        fields = [
+            map(_PATH, plain_leaves),
+            map(_DTYPE, tensors),
+            map(_SHAPE, tensors),
+            map(t.stride, tensors),
+            map(t.storage_offset, tensors),
+            map(t.data_ptr, tensors),
+            map(_DEVICE, tensors),
+            map(t.is_conj, tensors),
+            map(t.is_neg, tensors),
+        ]
+        if not getattr(api, "by_device", False):  # the real CUDA seam: the device decides; a stand-in is asked
+            fields.append(map(api.is_device, tensors))
+        rows = tuple(zip(*fields))
     except Exception:  # noqa: BLE001 - planned the usual way, which names the problem
         return None, []
-    return Fingerprint((type(api), *sigs)), values
+    # hashed by the ends of the rows: a lookup compares every field of an equal hash's anyway
+    ends = (len(rows), rows[:_HASHED_ROWS], rows[-_HASHED_ROWS:])
+    return Fingerprint((type(api), rank, rows, others), (type(api), rank, ends, others)), values
 
 
-#: a plain tensor's dtype, shape and device, read in one C call (``fingerprint``)
-_META = operator.attrgetter("dtype", "shape", "device")
+#: rows of plain tensors at each end of a fingerprint that its hash is taken of
+_HASHED_ROWS = 16
+
+
+#: a leaf's fields and a plain tensor's, read by C calls (``fingerprint``)
+_VALUE, _PATH = operator.attrgetter("value"), operator.attrgetter("path")
+_DTYPE, _SHAPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("shape"), operator.attrgetter("device")
 
 
 @dataclasses.dataclass

@@ -497,3 +497,15 @@ def test_kept_items_read_as_the_planned_ones(kinds, picks):
         assert all(a.piece.tensor is got[k].piece.tensor for k, a in enumerate(as_list))
         column = got.tensors() if isinstance(got, KeptItems) else [i.piece.tensor for i in got]
         assert all(a is b.piece.tensor for a, b in zip(column, want, strict=True)) and len(column) == len(want)
+
+
+def test_a_leaf_is_made_by_plain_stores():
+    """Flattening makes a Leaf per tensor of every save and load: its ``__init__`` stores
+    the fields directly (a frozen dataclass's calls ``object.__setattr__`` per field,
+    4x the cost), and the leaf reads back what it was given."""
+    from bcp.state import Leaf
+
+    assert "__setattr__" not in Leaf.__init__.__code__.co_names
+    t = torch.zeros(2)
+    leaf = Leaf("a.b", (("d", "a"), ("d", "b")), t)
+    assert (leaf.fqn, leaf.path, leaf.value) == ("a.b", (("d", "a"), ("d", "b")), t) and leaf.is_tensor
