@@ -142,7 +142,8 @@ def fingerprint(leaves: Mapping[Any, Any], rank: int) -> tuple[Fingerprint | Non
     plain_leaves = [leaf for leaf in every if type(leaf.value) in plain]
     tensors: list[Any] = list(map(_VALUE, plain_leaves))
     try:
-        values, others = tensors, ()
+        values: list[Any] = tensors
+        others: tuple[Any, ...] = ()
         if len(plain_leaves) < len(leaves):
             # the tensor leaves in order: the plain ones, and any other tensor-like one where it stands
             ordered = [leaf for leaf in every if type(leaf.value) in plain or leaf.is_tensor]
@@ -172,7 +173,7 @@ def fingerprint(leaves: Mapping[Any, Any], rank: int) -> tuple[Fingerprint | Non
         ]
         if not getattr(api, "by_device", False):  # the real CUDA seam: the device decides; a stand-in is asked
             fields.append(map(api.is_device, tensors))
-        rows = tuple(zip(*fields))
+        rows = tuple(zip(*fields, strict=True))
     except Exception:  # noqa: BLE001 - planned the usual way, which names the problem
         return None, []
     # hashed by the ends of the rows: a lookup compares every field of an equal hash's anyway
