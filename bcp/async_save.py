@@ -297,7 +297,7 @@ def _stage_for_caller(
     owned = optimizer_storages(overlap)
 
     def later(chunk: Chunk) -> bool:
-        return all(pipeline.items[s.item].piece.tensor.untyped_storage().data_ptr() in owned for s in chunk.segments)
+        return all(pipeline.source(s.item).untyped_storage().data_ptr() in owned for s in chunk.segments)
 
     stage(select=lambda c: not later(c), last=False)  # what forward/backward may change: now
     pipeline.copies.wait()

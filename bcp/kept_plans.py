@@ -35,11 +35,13 @@ is (:func:`cut_items`); its kept plan also keeps the base-row lookups
 from __future__ import annotations
 
 import dataclasses
+import operator
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, overload
 
+import numpy as np
 import torch
 
 from bcp.io_scheduler import device_copy
@@ -68,7 +70,7 @@ class Prepared:
 
     layout: LocalLayout
     #: one per box of ``layout``, in its flat order (box i is written from items[i])
-    items: list[WriteItem]
+    items: Sequence[WriteItem]
     objects: dict[str, Any]
     #: checksums of the replicated boxes, taken now: the values at the call
     replicas: ReplicaSums | None = None
@@ -101,13 +103,15 @@ def tensor_signature(t: torch.Tensor) -> tuple:
 class Fingerprint:
     """A fingerprint's fields with their hash computed once: a kept structure is
     looked up (and moved to the end of the cache) by it, and a tuple of thousands of
-    per-tensor tuples would be hashed again at each lookup."""
+    per-tensor tuples would be hashed again at each lookup. ``part``: what the hash is
+    taken of, when not every field (equal fingerprints have equal parts; the fields
+    are compared whole on a lookup anyway)."""
 
     __slots__ = ("_hash", "sigs")
 
-    def __init__(self, sigs: tuple) -> None:
+    def __init__(self, sigs: tuple, part: Any = None) -> None:
         self.sigs = sigs
-        self._hash = hash(sigs)
+        self._hash = hash(sigs if part is None else part)
 
     def __hash__(self) -> int:
         return self._hash
@@ -129,39 +133,61 @@ def fingerprint(leaves: Mapping[Any, Any], rank: int) -> tuple[Fingerprint | Non
     """(key, values): ``key`` compares equal between two saves only when their
     tensors' plans are equal (None: not fingerprintable, plan afresh); ``values``
     holds, per tensor leaf in order, the tensor itself (a plain one) or its
-    :class:`LocalTensor`."""
-    sigs: list[Any] = [rank]
-    values: list[Any] = []
+    :class:`LocalTensor`. A plain tensor's fields (:func:`tensor_signature`'s) are read
+    by C loops (``map`` of each field, zipped: tensor by tensor, while its memory is in
+    cache), with no Python call per tensor."""
     api = device_copy.api  # the copy path bcp takes (tests swap the CUDA seam)
-    # With the real CUDA seam the device in each signature decides the copy path; a
-    # stand-in is asked per tensor (a trailing field).
-    per_tensor = None if getattr(api, "by_device", False) else api.is_device
-    add, keep = sigs.append, values.append
+    plain = PLAIN_TENSORS
+    every = leaves.values()
+    plain_leaves = [leaf for leaf in every if type(leaf.value) in plain]
+    tensors: list[Any] = list(map(_VALUE, plain_leaves))
     try:
-        for leaf in leaves.values():
-            v = leaf.value
-            if type(v) in PLAIN_TENSORS:  # tensor_signature, inline: this loop runs for every tensor
-                sig = (
-                    leaf.path,
-                    v.dtype,
-                    v.shape,
-                    v.stride(),
-                    v.storage_offset(),
-                    v.data_ptr(),
-                    v.device,
-                    v.is_conj(),
-                    v.is_neg(),
-                )
-                add(sig if per_tensor is None else (*sig, per_tensor(v)))
-                keep(v)
-            elif leaf.is_tensor:
-                local = local_pieces(v, leaf.fqn)
-                boxes = tuple((p.box, tensor_signature(p.tensor)) for p in local.pieces)
-                add((leaf.path, type(v), local.global_shape, local.dtype, holds_replica(v), boxes))
-                keep(local)
+        values: list[Any] = tensors
+        others: tuple[Any, ...] = ()
+        if len(plain_leaves) < len(leaves):
+            # the tensor leaves in order: the plain ones, and any other tensor-like one where it stands
+            ordered = [leaf for leaf in every if type(leaf.value) in plain or leaf.is_tensor]
+            if len(ordered) > len(tensors):
+                values, found = [], []
+                for i, leaf in enumerate(ordered):
+                    v = leaf.value
+                    if type(v) in plain:
+                        values.append(v)
+                        continue
+                    local = local_pieces(v, leaf.fqn)
+                    boxes = tuple((p.box, tensor_signature(p.tensor)) for p in local.pieces)
+                    found.append((i, leaf.path, type(v), local.global_shape, local.dtype, holds_replica(v), boxes))
+                    values.append(local)
+                others = tuple(found)
+        t = torch.Tensor
+        fields = [
+            map(_PATH, plain_leaves),
+            map(_DTYPE, tensors),
+            map(_SHAPE, tensors),
+            map(t.stride, tensors),
+            map(t.storage_offset, tensors),
+            map(t.data_ptr, tensors),
+            map(_DEVICE, tensors),
+            map(t.is_conj, tensors),
+            map(t.is_neg, tensors),
+        ]
+        if not getattr(api, "by_device", False):  # the real CUDA seam: the device decides; a stand-in is asked
+            fields.append(map(api.is_device, tensors))
+        rows = tuple(zip(*fields, strict=True))
     except Exception:  # noqa: BLE001 - planned the usual way, which names the problem
         return None, []
-    return Fingerprint((type(api), *sigs)), values
+    # hashed by the ends of the rows: a lookup compares every field of an equal hash's anyway
+    ends = (len(rows), rows[:_HASHED_ROWS], rows[-_HASHED_ROWS:])
+    return Fingerprint((type(api), rank, rows, others), (type(api), rank, ends, others)), values
+
+
+#: rows of plain tensors at each end of a fingerprint that its hash is taken of
+_HASHED_ROWS = 16
+
+
+#: a leaf's fields and a plain tensor's, read by C calls (``fingerprint``)
+_VALUE, _PATH = operator.attrgetter("value"), operator.attrgetter("path")
+_DTYPE, _SHAPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("shape"), operator.attrgetter("device")
 
 
 @dataclasses.dataclass
@@ -185,21 +211,77 @@ class LocalPlan:
     cuts: list[tuple[int, int] | None] | None = None
     #: an incremental save's base-row lookups, by base identity (``bcp.incremental``)
     lookups: OrderedDict[Any, Any] = dataclasses.field(default_factory=OrderedDict)
+    #: every box a plain tensor's whole, box i of tensor i: a save's tensors are its values
+    plain: bool = dataclasses.field(init=False, default=False)
 
-    def items(self, values: list[Any]) -> list[WriteItem]:
+    def __post_init__(self) -> None:
+        in_order = self.tensor_of == list(range(len(self.tensor_of)))
+        self.plain = self.cuts is None and in_order and not any(k >= 0 for k in self.piece_of)
+
+    def items(self, values: list[Any]) -> KeptItems:
         """The write items of this save's tensors (``fingerprint``'s ``values``)."""
-        return [
-            WriteItem(plan, Piece(box, values[t] if k < 0 else values[t].pieces[k].tensor), t)
-            for plan, box, t, k in zip(self.plans, self.boxes, self.tensor_of, self.piece_of, strict=True)
-        ]
+        return KeptItems(self, values)
 
-    def sum_replicas(self, items: list[WriteItem], summer: ReplicaSummer) -> ReplicaSums | None:
+    def sum_replicas(self, items: Sequence[WriteItem], summer: ReplicaSummer) -> ReplicaSums | None:
         if not summer.enabled:
             return None
         for item in items:
             if self.replicated[item.tensor]:
                 summer.add(item.tensor, item.piece.box, item.plan.global_shape, item.piece.tensor)
         return summer.finish()
+
+
+class KeptItems(Sequence[WriteItem]):
+    """A kept plan's write items of one save (``boxes``: of those boxes, in that order;
+    None: every box), each made only when read: the steady path reads no item one by
+    one (the tensors as a column, :meth:`tensors`; the boxes' plans and the chunks'
+    copies from the kept pipeline plan), so a save of 10,000 tensors makes none."""
+
+    __slots__ = ("_boxes", "_kept", "_values")
+
+    def __init__(self, kept: LocalPlan, values: list[Any], boxes: list[int] | None = None) -> None:
+        self._kept, self._values, self._boxes = kept, values, boxes
+
+    def __len__(self) -> int:
+        return len(self._kept.plans) if self._boxes is None else len(self._boxes)
+
+    @overload
+    def __getitem__(self, i: int) -> WriteItem: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[WriteItem]: ...
+    def __getitem__(self, i: int | slice) -> WriteItem | list[WriteItem]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        kept = self._kept
+        b = i if self._boxes is None else self._boxes[i]
+        t, k = kept.tensor_of[b], kept.piece_of[b]
+        v = self._values[t]
+        return WriteItem(kept.plans[b], Piece(kept.boxes[b], v if k < 0 else v.pieces[k].tensor), t)
+
+    def __iter__(self) -> Iterator[WriteItem]:
+        return iter([self[j] for j in range(len(self))])
+
+    def take(self, writes: list[int]) -> KeptItems:
+        """The items of boxes ``writes`` (indices into these items), in that order."""
+        if self._boxes is not None:
+            writes = [self._boxes[i] for i in writes]
+        return KeptItems(self._kept, self._values, None if writes == list(range(len(self._kept.plans))) else writes)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Per item, the tensor its piece is (``WriteItem.piece.tensor``), without the items."""
+        kept, values = self._kept, self._values
+        if kept.plain:  # box i is tensor i, the leaf itself
+            return values if self._boxes is None else [values[b] for b in self._boxes]
+        boxes = range(len(kept.plans)) if self._boxes is None else self._boxes
+        of, piece = kept.tensor_of, kept.piece_of
+        return [values[of[b]] if piece[b] < 0 else values[of[b]].pieces[piece[b]].tensor for b in boxes]
+
+
+def take(items: Sequence[WriteItem], writes: np.ndarray) -> Sequence[WriteItem]:
+    """``[items[i] for i in writes]``, as :class:`KeptItems` (no item made) when they are."""
+    if isinstance(items, KeptItems):
+        return items.take(writes.tolist())
+    return [items[i] for i in writes.tolist()]
 
 
 def cut_items(kept: LocalPlan, values: list[Any]) -> list[WriteItem]:
@@ -345,6 +427,7 @@ def prepare_tensors(
 
 __all__ = [
     "Fingerprint",
+    "KeptItems",
     "LocalPlan",
     "LocalPlans",
     "LocalTensor",
@@ -353,4 +436,5 @@ __all__ = [
     "cut_local",
     "fingerprint",
     "prepare_tensors",
+    "take",
 ]

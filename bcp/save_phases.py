@@ -289,7 +289,7 @@ def open_pipeline(
     backend: Backend,
     rank: int,
     save_id: str | None,
-    items: list[WriteItem],
+    items: Sequence[WriteItem],
     options: SaveOptions,
     *,
     stage_all: bool,

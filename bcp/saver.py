@@ -26,7 +26,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Unpack
 
@@ -53,7 +53,7 @@ from bcp.incremental import (
 )
 from bcp.io_scheduler import device_copy
 from bcp.io_scheduler.write_pipeline import WriteItem
-from bcp.kept_plans import LocalPlans, Prepared, prepare_tensors
+from bcp.kept_plans import LocalPlans, Prepared, prepare_tensors, take
 from bcp.metadata.keys import split_parent
 from bcp.options import SaveOptions, SaveOptionsKwargs
 from bcp.pieces import StreamDigests, background, start_digests
@@ -176,8 +176,9 @@ def _start(
     if options.is_incremental and coord.world_size == 1 and first is not None:
         # one rank writes every box: find what the base offers (and digest those pieces)
         # while the coordinator checks the target
-        early = _decide_early(prepared.items, options, first, threads, kept, prefetched is not None, at_call)
-        reusable = _reuses_any(prepared.items, early)
+        every_item = _listed(prepared.items)
+        early = _decide_early(every_item, options, first, threads, kept, prefetched is not None, at_call)
+        reusable = _reuses_any(every_item, early)
     decision: SaveDecision | SaveStart = gather_decide(
         coord,
         "planning the save",
@@ -205,10 +206,11 @@ def _start(
         if planned is not None:
             decision = planned[0]
     cache.remember_writes(start.key, my_writes)  # newest last: evicted in the coordinator's order
-    items = [prepared.items[i] for i in my_writes.tolist()]
+    items: Sequence[WriteItem] = take(prepared.items, my_writes)  # a kept plan's: no item made per tensor
     reuse = None
     every = False
     if options.is_incremental:
+        listed = _listed(items)
         # which pieces the base holds already (digests of the values at the call, for the
         # pieces whose first block is unchanged): only the others are written
         with trace.span("digest"):
@@ -217,7 +219,7 @@ def _start(
                 "reading the base",
                 _decide,
                 start.base,
-                items,
+                listed,
                 my_writes,
                 options,
                 prefetched,
@@ -226,9 +228,9 @@ def _start(
                 _lookups(prepared),
                 at_call,
             )
-        reuse = (items, found, digests)
-        every = len(found.changed) == len(items)
-        items = [items[k] for k in found.changed]
+        reuse = (listed, found, digests)
+        every = len(found.changed) == len(listed)
+        items = [listed[k] for k in found.changed]
     pipeline = open_pipeline(
         backend,
         coord.rank,
@@ -252,6 +254,11 @@ def _start(
 
 
 Early = tuple[BaseRef, Candidates, np.ndarray]
+
+
+def _listed(items: Sequence[WriteItem]) -> list[WriteItem]:
+    """``items`` as a list (an incremental save's: its kept plan's cut items are one already)."""
+    return items if isinstance(items, list) else list(items)
 
 
 def _lookups(prepared: Prepared) -> Any:

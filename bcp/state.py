@@ -76,8 +76,12 @@ def path_to_str(path: KeyPath) -> str:
     return _PATH_ENCODER.encode(path_to_json(path))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Leaf:
+    """One leaf of a flattened state. Not frozen: a frozen dataclass's ``__init__`` sets
+    each field through ``object.__setattr__`` (4x the cost, paid for every tensor of every
+    save and load); nothing changes a leaf once made."""
+
     fqn: str
     path: KeyPath
     value: Any

@@ -14,6 +14,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -457,3 +458,54 @@ def _describe(value: Any) -> Any:
     if isinstance(value, types.MappingProxyType | dict):
         return {k: _describe(v) for k, v in value.items()}
     return ("tensor", value.tolist()) if isinstance(value, torch.Tensor) else repr(value)
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["plain", "shard", "tied", "obj"]), min_size=1, max_size=8),
+    picks=st.lists(st.integers(0, 20), max_size=12),
+)
+def test_kept_items_read_as_the_planned_ones(kinds, picks):
+    """A kept plan's items (made only when read, ``KeptItems``) and any subset of them
+    (``take``, a rank's writes) read as the items planning gives: each item, their
+    order, and the tensors column the pipeline reads (``tensors``)."""
+    from bcp.kept_plans import KeptItems, take
+
+    state: dict[str, Any] = {}
+    for i, kind in enumerate(kinds):
+        t = torch.randn(i + 2, 3)
+        if kind == "shard":
+            state[f"k{i}"] = bcp.TensorShard(t, (2 * (i + 2), 3), (i + 2, 0))
+        elif kind == "tied" and any(type(v) is torch.Tensor for v in state.values()):
+            state[f"k{i}"] = next(v for v in state.values() if type(v) is torch.Tensor)  # stored once
+        elif kind == "obj":
+            state[f"k{i}"] = {"n": i}
+        else:
+            state[f"k{i}"] = t
+    plans = LocalPlans()
+    prepare_save(state, 0, False, plans=plans)
+    kept = prepare_save(state, 0, False, plans=plans)
+    fresh = prepare_save(state, 0, False)
+    assert isinstance(kept.items, KeptItems) and plans.reused == 1
+    n = len(fresh.items)
+    writes = np.array([p % n for p in picks] if n else [], dtype=np.int64)
+    for got, want in ((kept.items, fresh.items), (take(kept.items, writes), [fresh.items[i] for i in writes.tolist()])):
+        assert len(got) == len(want)
+        as_list = list(got)
+        assert [(i.plan, i.piece.box, i.tensor) for i in as_list] == [(i.plan, i.piece.box, i.tensor) for i in want]
+        assert all(a.piece.tensor is b.piece.tensor for a, b in zip(as_list, want, strict=True))
+        assert all(a.piece.tensor is got[k].piece.tensor for k, a in enumerate(as_list))
+        column = got.tensors() if isinstance(got, KeptItems) else [i.piece.tensor for i in got]
+        assert all(a is b.piece.tensor for a, b in zip(column, want, strict=True)) and len(column) == len(want)
+
+
+def test_a_leaf_is_made_by_plain_stores():
+    """Flattening makes a Leaf per tensor of every save and load: its ``__init__`` stores
+    the fields directly (a frozen dataclass's calls ``object.__setattr__`` per field,
+    4x the cost), and the leaf reads back what it was given."""
+    from bcp.state import Leaf
+
+    assert "__setattr__" not in Leaf.__init__.__code__.co_names
+    t = torch.zeros(2)
+    leaf = Leaf("a.b", (("d", "a"), ("d", "b")), t)
+    assert (leaf.fqn, leaf.path, leaf.value) == ("a.b", (("d", "a"), ("d", "b")), t) and leaf.is_tensor

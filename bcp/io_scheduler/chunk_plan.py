@@ -273,7 +273,8 @@ class ChunkCopies:
 def chunk_copies(chunk: Chunk, address: Sequence[int]) -> ChunkCopies | None:
     """``chunk``'s bytes as runs covering it exactly (the padding zeroed), when every
     segment's source is dense host memory (``address[item]`` non-zero); else None.
-    Staging such a chunk costs one ``memmove`` a segment: no Python object per tensor."""
+    Staging such a chunk costs one ``memmove`` a segment, or one for segments adjacent
+    both in the chunk and in memory (views of one buffer): no Python object per tensor."""
     runs: list[tuple[int, int, int]] = []
     short: list[tuple[int, int]] = []
     cursor = 0
@@ -289,7 +290,12 @@ def chunk_copies(chunk: Chunk, address: Sequence[int]) -> ChunkCopies | None:
         if not src:
             return None
         pad(cursor, seg.at - cursor)  # never leak an earlier save's bytes
-        runs.append((seg.at, src + seg.start, seg.nbytes))
+        src += seg.start
+        last = runs[-1] if runs else (0, 0, 0)
+        if last[1] and last[0] + last[2] == seg.at and last[1] + last[2] == src:
+            runs[-1] = (last[0], last[1], last[2] + seg.nbytes)  # adjacent in the chunk and in memory: one copy
+        else:
+            runs.append((seg.at, src, seg.nbytes))
         cursor = seg.at + seg.nbytes
     pad(cursor, chunk.nbytes - cursor)
     zeros = np.concatenate([np.arange(at, at + n, dtype=np.intp) for at, n in short]) if short else None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -75,7 +75,7 @@ class WritePipeline:
         backend: Backend,
         data_key: str,
         rank: int,
-        items: list[WriteItem],
+        items: Sequence[WriteItem],
         *,
         block: int,
         pool: StagingPool,
@@ -85,6 +85,8 @@ class WritePipeline:
         plan: PipelinePlan | None = None,
     ) -> None:
         self.backend, self.data_key, self.rank, self.items = backend, data_key, rank, items
+        #: per item, its piece's tensor (read when first needed: :meth:`source`)
+        self._tensors: Sequence[torch.Tensor] | None = None
         #: stage now, write later (:meth:`start_writing`, with the data file's key): nothing
         #: reaches the backend before; a pool too small for every chunk raises StagingFull
         self.deferred, self._begun, self._close_requested, self._writing = deferred, False, False, not deferred
@@ -124,7 +126,7 @@ class WritePipeline:
         #: an incremental save's: fed each segment after its checksums; set before staging
         self.digests: DigestSink | None = None
 
-    def _make_plan(self, items: list[WriteItem]) -> PipelinePlan:
+    def _make_plan(self, items: Sequence[WriteItem]) -> PipelinePlan:
         return plan_pipeline(
             [item.piece for item in items],
             match_memory=self.aligned_writes and not self.stage_all,
@@ -138,11 +140,20 @@ class WritePipeline:
 
     # -- calling thread ---------------------------------------------------------------------
 
+    def source(self, index: int) -> torch.Tensor:
+        """Item ``index``'s tensor (``items[index].piece.tensor``): the items' tensors taken
+        as a column when first needed (a kept plan's items are not made one by one)."""
+        tensors = self._tensors
+        if tensors is None:
+            column = getattr(self.items, "tensors", None)  # bcp.kept_plans.KeptItems
+            tensors = self._tensors = column() if column is not None else [i.piece.tensor for i in self.items]
+        return tensors[index]
+
     def _flat_source(self, index: int) -> torch.Tensor:
         """The item's bytes as a flat uint8 tensor (on its device). A device tensor
         that is not dense row-major is made so on the side stream (after the caller's
         work, before the copies that read it)."""
-        t = self.items[index].piece.tensor
+        t = self.source(index)
         if self.plan.host_dense[index]:  # its own memory, as it is
             return flat_bytes(t) if self.item_nbytes[index] else torch.empty(0, dtype=torch.uint8)
         t = t.detach()
@@ -215,7 +226,7 @@ class WritePipeline:
         copies still in flight keep their sources' memory reserved (record_stream)."""
         self.sources.clear()
         self._arrays.clear()
-        self.items = self.plan.released
+        self.items, self._tensors = self.plan.released, None
 
     def _start_writers(self) -> None:
         """At once for a sync save; an async one's own thread opens the file and starts
@@ -288,7 +299,7 @@ class WritePipeline:
         """A dense host item's bytes as a numpy array (no copy)."""
         if not self.item_nbytes[item]:
             return np.empty(0, np.uint8)
-        t = self.items[item].piece.tensor
+        t = self.source(item)
         if self.plan.host_dense[item] == 2:  # two torch calls instead of four: this runs for every tensor
             return (t.detach() if t.requires_grad else t).numpy().reshape(-1).view(np.uint8)
         return flat_bytes(t).numpy()
@@ -490,7 +501,7 @@ class WritePipeline:
         except BaseException:
             writer.abort_after_failure()
             raise
-        tensors = {item.tensor: item.plan for item in self.items}
+        tensors = {item.tensor: item.plan for item in self.plan.released}  # the items' plans and boxes
         return WriterReport(
             rows, FileEntry(self.data_key, self.size, digest_of_checksums(file_sums)), self.rank, tensors
         )
@@ -509,11 +520,12 @@ class WritePipeline:
             parts.sort()
             sums_of[item] = [c for _start, part in parts for c in part]
         file_sums = [c for item in sorted(self.unique, key=lambda i: self.offsets[i]) for c in sums_of[item]]
-        boxes = [item.piece.box for item in self.items]
+        items = self.plan.released  # the items' plans and boxes, made once with the plan
+        boxes = [item.piece.box for item in items]
         sources = self.file_layout.source
         rows = pa.table(
             [
-                pa.array(np.fromiter((item.tensor for item in self.items), np.int32, len(self.items))),
+                pa.array(np.fromiter((item.tensor for item in items), np.int32, len(items))),
                 pa.array([b[0] for b in boxes], pa.list_(pa.int64())),
                 pa.array([b[1] for b in boxes], pa.list_(pa.int64())),
                 pa.array([self.offsets[s] for s in sources], pa.int64()),
@@ -537,7 +549,7 @@ def make_pipeline(
     backend: Backend,
     data_key: str,
     rank: int,
-    items: list[WriteItem],
+    items: Sequence[WriteItem],
     block: int,
     *,
     pool: StagingPool | None = None,
