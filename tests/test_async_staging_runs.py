@@ -264,7 +264,8 @@ def test_chunk_runs_copy_exactly_its_bytes_in_fewest_copies(segs):
 
     memory = np.random.default_rng(len(segs)).integers(1, 255, 3 << 12, dtype=np.uint8)
     sources = [memory[i << 12 : (i + 1) << 12] for i in range(3)]  # three buffers, back to back in memory
-    segments, at, start_of, expect_runs, last = [], 0, [0, 0, 0], 0, None
+    segments, at, start_of, expect_runs = [], 0, [0, 0, 0], 0
+    last: tuple[int, int] | None = None
     for item, start, gap, nbytes, same in segs:
         start = start_of[item] if same else start  # same: right after this buffer's previous segment
         at += 0 if same else gap
@@ -272,7 +273,7 @@ def test_chunk_runs_copy_exactly_its_bytes_in_fewest_copies(segs):
         src = sources[item].ctypes.data + start
         adjacent = last is not None and last[0] == at and last[1] == src and nbytes
         expect_runs += 0 if adjacent or not nbytes else 1
-        last = (at + nbytes, src + nbytes) if nbytes or last is None else last
+        last = (at + nbytes, src + nbytes) if nbytes else last  # an empty segment copies nothing
         start_of[item] = start + nbytes
         at += nbytes
     chunk = Chunk(0, at + 7, segments)

@@ -289,6 +289,8 @@ def chunk_copies(chunk: Chunk, address: Sequence[int]) -> ChunkCopies | None:
         src = address[seg.item]
         if not src:
             return None
+        if not seg.nbytes:
+            continue  # no bytes to copy: runs on either side may still be one copy
         pad(cursor, seg.at - cursor)  # never leak an earlier save's bytes
         src += seg.start
         last = runs[-1] if runs else (0, 0, 0)
