@@ -15,12 +15,22 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from bcp.backends.base import Buffer
 from bcp.backends.storage_errors import annotate
 
 #: Opening a final component that is a link fails (ELOOP) instead of following it.
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 DIRECT_ALIGN = 4096
+
+
+def flat_bytes(buffer: Buffer) -> memoryview:
+    """``buffer`` as a flat byte view: a flat one as it is (one check, not a new view: the
+    reads and writes of a load or save of many small tensors pass thousands of them)."""
+    b = buffer
+    if type(b) is memoryview and b.format == "B" and b.ndim == 1 and b.c_contiguous:
+        return b
+    return memoryview(b).cast("B")
 
 
 def buffer_address(view: memoryview) -> int | None:
@@ -230,14 +240,7 @@ class FileReader:
     def read_into_many(self, offset: int, buffers: Sequence[memoryview]) -> None:
         """Fill ``buffers`` with consecutive bytes from ``offset``: one ``preadv`` per
         :data:`IOV_MAX` buffers (with a large one, one read each, as ``__call__``)."""
-        # a flat byte view (what the bulk load passes) is taken as it is: a cast each was
-        # half of this call's cost per tensor
-        views = [
-            b
-            if type(b) is memoryview and b.format == "B" and b.c_contiguous and b.ndim == 1
-            else memoryview(b).cast("B")
-            for b in buffers
-        ]
+        views = list(map(flat_bytes, buffers))  # the bulk load's flat byte views as they are
         want = sum(map(len, views))
         if self.exact is not None and views and max(map(len, views)) >= DIRECT_READ_FROM:
             for v in views:

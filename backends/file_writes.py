@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from bcp.backends.base import Buffer
-from bcp.backends.file_reads import DIRECT_ALIGN, buffer_address
+from bcp.backends.file_reads import DIRECT_ALIGN, buffer_address, flat_bytes
 
 #: The most buffers one ``pwritev`` takes.
 IOV_MAX = os.sysconf("SCIOV_MAX") if hasattr(os, "sysconf") and "SCIOV_MAX" in os.sysconf_names else 1024
@@ -52,16 +52,7 @@ def cut_end(views: list[memoryview], nbytes: int) -> tuple[list[memoryview], lis
 def byte_views(parts: Sequence[Buffer]) -> list[memoryview]:
     """The non-empty ``parts`` as flat byte views (a flat one as it is: one check, not
     two new views, for each of a batch's thousands of parts)."""
-    out = []
-    for p in parts:
-        v = (
-            p
-            if type(p) is memoryview and p.format == "B" and p.ndim == 1 and p.c_contiguous
-            else memoryview(p).cast("B")
-        )
-        if len(v):
-            out.append(v)
-    return out
+    return [v for v in map(flat_bytes, parts) if len(v)]
 
 
 def whole_pages(views: list[memoryview], nbytes: int, scratch: memoryview | None = None) -> list[memoryview]:
