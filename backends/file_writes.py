@@ -116,6 +116,8 @@ def pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
 
 def fsync_dir(path: str) -> None:
     """Make the entries of directory ``path`` durable."""
+    # link-ok: only fsync is done through it (nothing read or written), O_DIRECTORY refuses
+    # anything but a directory, and a root may itself be a link to the storage it names
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
