@@ -42,6 +42,7 @@ is (the same on every rank); recoveries check the steps too.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import glob
 import json
 import logging
@@ -154,6 +155,13 @@ def tensors_of(state: dict) -> list[torch.Tensor]:
 def slowest(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def summed(seconds: float) -> float:
+    """``seconds`` added up over the ranks (CPU time: steadier than the slowest rank's)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t)
     return float(t.item())
 
 
@@ -392,13 +400,15 @@ def recover_job(rank: int, world: int, cfg: dict) -> dict:
 
 def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
     """One step saved to the local tier and drained to a file root; then, interleaved
-    repeat by repeat, ``load_latest`` of a manager with the tier (recovered from the
-    local tier: every host holds its ranks' files, nothing to fetch) and of one without
+    repeat by repeat (each first in every other repeat), ``load_latest`` of a manager
+    with the tier (recovered from the local tier: every host holds its ranks' files,
+    nothing to fetch) and of one without
     it (the same step from the file root, its pages in the page cache), on the same 4
     ranks into the same layout, each checked bit-exact; beside them, the limit: each
     rank's own data files read raw (:func:`raw_read`) from the local tier and from the
     file root. Times are the slowest rank's, wall and CPU (``time.process_time``: this
-    rank's threads)."""
+    rank's threads), and CPU summed over the ranks; with ``cfg["profile"]`` (``--profile``)
+    rank 0's cProfile of each counted load is written there."""
     host = f"host{rank // RANKS_PER_HOST}"
     os.environ["BCP_HOST_ID"] = host
     g = torch.Generator().manual_seed(100 + rank)
@@ -430,16 +440,24 @@ def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
         )
 
     times: dict[str, list[tuple[float, float]]] = {"local": [], "file": [], "raw_local": [], "raw_file": []}
+    cpu_sums: dict[str, list[float]] = {"local": [], "file": []}
     exact = True
     # rep 0 warms both up: the file root's pages are read into the page cache (not counted)
     for rep in range(cfg["repeats"] + 1):
-        for name, manager in (("local", with_tier), ("file", from_file)):
+        pair = [("local", with_tier), ("file", from_file)]
+        for name, manager in pair if rep % 2 else pair[::-1]:  # each goes first in every other repeat
             target = template()
             dist.barrier()
+            prof = cProfile.Profile() if cfg.get("profile") and rank == 0 and rep > 0 else None
             cpu0, t0 = time.process_time(), time.perf_counter()
+            if prof is not None:
+                prof.enable()
             got, loaded = manager.load_latest(target)
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-            seconds, cpu_s = slowest(wall), slowest(cpu)
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(os.path.join(cfg["profile"], f"{name}-{rep}.prof"))
+            seconds, cpu_s, cpu_sum = slowest(wall), slowest(cpu), summed(cpu)
             same = got == step and loaded["step"] == step
             same = same and all(torch.equal(a, b) for a, b in zip(tensors_of(loaded), want, strict=True))
             same = same and all(torch.equal(a, b) for a, b in zip(steps_of(loaded), want_steps, strict=True))
@@ -449,6 +467,7 @@ def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
             exact = exact and ok
             if rep > 0:
                 times[name].append((seconds, cpu_s))
+                cpu_sums[name].append(cpu_sum)
             if rank == 0:
                 tag = "warm-up" if rep == 0 else f"rep {rep}"
                 print(
@@ -471,6 +490,11 @@ def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
         "share_bytes": share,
         **{f"{name}_s": statistics.median(s for s, _c in rows) for name, rows in times.items()},
         **{f"{name}_cpu_s": statistics.median(c for _s, c in rows) for name, rows in times.items()},
+        **{f"{name}_cpu_sum_s": statistics.median(sums) for name, sums in cpu_sums.items()},
+        # file / local of each repeat's pair: steadier than the ratio of the medians on busy cores
+        "pair_ratio": statistics.median(
+            f[0] / lo[0] for lo, f in zip(times["local"], times["file"], strict=True) if lo[0] > 0
+        ),
         "exact": exact,
     }
 
@@ -506,9 +530,10 @@ def local_vs_file_rows(res: dict) -> list[str]:
     ratio = res["file_s"] / res["local_s"]
     return [
         f"| recovery on 4 ranks (all present), local tier | {res['local_s']:.3f} | {share / res['local_s'] / 1e9:.2f} "
-        f"| {res['local_cpu_s']:.3f} CPU-s; {ratio:.2f}x the file-root load's speed |",
+        f"| {res['local_cpu_s']:.3f} CPU-s ({res['local_cpu_sum_s']:.3f} summed over the ranks); {ratio:.2f}x the "
+        f"file-root load's speed (median of each repeat's {res['pair_ratio']:.2f}x) |",
         f"| load of the same step from a page-cached file root, same 4 ranks | {res['file_s']:.3f} | "
-        f"{share / res['file_s'] / 1e9:.2f} | {res['file_cpu_s']:.3f} CPU-s |",
+        f"{share / res['file_s'] / 1e9:.2f} | {res['file_cpu_s']:.3f} CPU-s ({res['file_cpu_sum_s']:.3f} summed) |",
         f"| raw `preadv` of each rank's files from the local tier (/dev/shm) | {res['raw_local_s']:.3f} | "
         f"{share / max(res['raw_local_s'], 1e-9) / 1e9:.2f} | {res['raw_local_cpu_s']:.3f} CPU-s |",
         f"| raw `preadv` of each rank's files from the file root (page cache) | {res['raw_file_s']:.3f} | "
@@ -568,6 +593,9 @@ def main() -> None:
         default="all",
         help="local-vs-file: only the local-tier recovery beside a load from a page-cached file root (no S3)",
     )
+    p.add_argument(
+        "--profile", default=None, help="a directory: rank 0's cProfile of each counted local-vs-file load goes there"
+    )
     p.add_argument("--dir", default=None, help="where the file root goes (default: a temporary directory on disk)")
     args = p.parse_args()
     if args.quick:
@@ -601,6 +629,7 @@ def main() -> None:
         "lvf_root": str(work / "file-root"),
         "lvf_step": 1,
         "out": str(work / "local-vs-file.json"),
+        "profile": args.profile,
     }
     try:
         lvf = run("local-vs-file", SAVE_WORLD, cfg, args.timeout)

@@ -28,16 +28,19 @@ LOCAL_VS_FILE = re.compile(
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    """The bench's smoke run (its file root under a directory of its own) and that directory."""
+def smoke_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """The bench's smoke run (its file root under a directory of its own), that directory,
+    and the one its ``--profile`` writes to."""
     root = tmp_path_factory.mktemp("tier-bench")
+    profiles = tmp_path_factory.mktemp("tier-bench-profiles")
     command = [sys.executable, str(BENCH), "--quick", "--shape", "transformer", "--gib", "0.001", "--dir", str(root)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600), root
+    command += ["--profile", str(profiles)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600), root, profiles
 
 
 @pytest.mark.slow
 def test_tier_bench_quick_run_recovers_exactly_from_both_tiers(smoke_run):
-    done, _root = smoke_run
+    done, _root, _profiles = smoke_run
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
     m = LAST.match(last)
@@ -50,10 +53,15 @@ def test_tier_bench_quick_run_recovers_exactly_from_both_tiers(smoke_run):
 def test_tier_bench_local_vs_file_prints_both_recoveries_side_by_side(smoke_run):
     """The local-tier recovery and the load of the same step from a page-cached file root,
     both bit-exact on the same 4 ranks, their rows and ratio; the file root is removed."""
-    done, root = smoke_run
+    done, root, profiles = smoke_run
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
-    assert any(ln.startswith("| recovery on 4 ranks (all present), local tier | ") for ln in lines), lines
+    local_row = [ln for ln in lines if ln.startswith("| recovery on 4 ranks (all present), local tier | ")]
+    assert len(local_row) == 1, lines
+    # CPU summed over the ranks, and the median of each repeat's ratio, beside the slowest rank's
+    assert re.search(r"CPU-s \([0-9.]+ summed over the ranks\); .*\(median of each repeat's [0-9.]+x\)", local_row[0])
+    # rank 0's cProfile of each counted load (one repeat with --quick), both kinds
+    assert sorted(p.name for p in profiles.iterdir()) == ["file-1.prof", "local-1.prof"]
     assert any(ln.startswith("| load of the same step from a page-cached file root, same 4 ranks | ") for ln in lines)
     # the limit beside them, both raw reads of the ranks' files, with the part of the gap they explain
     raw = [ln for ln in lines if ln.startswith("| raw `preadv` of each rank's files from the ")]
@@ -75,7 +83,7 @@ def test_tier_bench_local_vs_file_prints_both_recoveries_side_by_side(smoke_run)
 def test_tier_bench_transformer_shape_recovers_exactly(smoke_run):
     """(Was a run of its own in tests/test_bench_smoke.py.) The first line names the
     transformer state; the last reports both recoveries exact."""
-    done, _root = smoke_run
+    done, _root, _profiles = smoke_run
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     assert lines[0].startswith("state (transformer: "), lines[0]

@@ -14,10 +14,12 @@ error, so a load never waits for bytes that will not come.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+from collections.abc import Callable, Iterator, Sequence
 
-from bcp.backends import Backend, IOHints
+from bcp.backends import Backend, IOHints, read_into_many
 from bcp.backends.wrappers import ForwardingBackend
 from bcp.errors import CorruptCheckpointError
 
@@ -61,11 +63,19 @@ class Arrivals:
 
 class HoleyFiles(ForwardingBackend):
     """A recovery directory's backend: its fetched files hold only the byte ranges this
-    host's load reads, with holes between them, so no read crosses a gap."""
+    host's load reads, with holes between them, so no read crosses a gap. Reads go
+    through the inner backend's own reader (:meth:`reading`), as a load from the file
+    root's does: one descriptor per file and one ``preadv`` for many small tensors, not
+    an open, its checks and a close per read (the default of a wrapper)."""
 
     @property
     def hints(self) -> IOHints:
         return dataclasses.replace(self.inner.hints, read_gap_bytes=0)
+
+    @contextlib.contextmanager
+    def reading(self, key: str) -> Iterator[Callable[[int, memoryview], None]]:
+        with self.inner.reading(key) as read:
+            yield read
 
 
 class GatedBackend(HoleyFiles):
@@ -83,5 +93,36 @@ class GatedBackend(HoleyFiles):
             self.arrivals.wait(file, offset, offset + len(buffer), key)
         return self.inner.read_into(key, offset, buffer)
 
+    @contextlib.contextmanager
+    def reading(self, key: str) -> Iterator[Callable[[int, memoryview], None]]:
+        """The inner reader; of a fetched file, each read waiting for its bytes first (the
+        descriptor opened now reads what lands later: the exchange writes in place)."""
+        file = self.fetched.get(key)
+        with self.inner.reading(key) as read:
+            yield read if file is None else _GatedReader(read, self.arrivals, file, key)
+
     def in_memory(self, key: str, offset: int, nbytes: int) -> bool:
         return key not in self.fetched and self.inner.in_memory(key, offset, nbytes)
+
+
+class _GatedReader:
+    """A reader of :meth:`GatedBackend.reading`: ``read(offset, buffer)`` and
+    ``read_into_many(offset, buffers)`` (the inner reader's, or one read per buffer), each
+    once the range it fills has landed."""
+
+    def __init__(self, read: Callable[[int, memoryview], None], arrivals: Arrivals, file: int, key: str) -> None:
+        self._read = read
+        self._arrivals = arrivals
+        self._file = file
+        self._key = key
+
+    def __call__(self, offset: int, buffer: memoryview) -> None:
+        if buffer.nbytes:
+            self._arrivals.wait(self._file, offset, offset + buffer.nbytes, self._key)
+        self._read(offset, buffer)
+
+    def read_into_many(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        total = sum(b.nbytes for b in buffers)
+        if total:
+            self._arrivals.wait(self._file, offset, offset + total, self._key)
+        read_into_many(self._read, offset, buffers)

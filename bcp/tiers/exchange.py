@@ -309,10 +309,17 @@ def wanted_ranges(
     block = manifest.checksum_block_bytes
     starts: dict[int, list[np.ndarray]] = {}
     ends: dict[int, list[np.ndarray]] = {}
+    # a tensor whose every fragment lies in files this host holds needs nothing fetched: not planned
+    held_names = {manifest.data_files[i].path for i in held}
     try:
         plan = match_state(reader, detached, opts.strict, coord.world_size, opts.reshard_objects)
-        for request in plan.tensor_requests:
-            entry = reader.catalog.tensors[request.fqn]
+        requests = plan.tensor_requests
+        # the entries built together, as the load builds them (one tiling check, not one per tensor)
+        entries = reader.catalog.entries([request.fqn for request in requests])
+        for request, entry in zip(requests, entries, strict=True):
+            names = entry.file_names
+            if all(names[code] in held_names for code in entry.files.tolist()):
+                continue
             for runs in plan_tensor_reads(entry, [request.box], prefer_rank=coord.rank):
                 frag = runs.fragment
                 file = index[frag.file]
