@@ -148,7 +148,8 @@ def test_flatten_and_map_tensors_keep_the_nesting():
 def test_peers_prints_a_table_per_shape_with_the_async_rows_beside_their_memcpy(tmp_path, capsys, monkeypatch):
     lines = run_here(
         "peers.py",
-        *("--gib", "0.004", "--repeats", "1", "--settle", "0", "--async-calls", "1", "--only", "raw,bcp"),
+        *("--gib", "0.004", "--repeats", "1", "--settle", "0", "--async-calls", "1", "--save-pairs", "2"),
+        *("--only", "raw,bcp"),
         *("--dir", str(tmp_path / "peers")),
         capsys=capsys,
         monkeypatch=monkeypatch,
@@ -164,6 +165,10 @@ def test_peers_prints_a_table_per_shape_with_the_async_rows_beside_their_memcpy(
         assert re.search(r"\| bcp async_save blocking \(first call\) .*x the memcpy into fresh memory time", table)
         assert re.search(r"\| bcp async_save blocking \(steady state\) .*x the memcpy into warm memory time", table)
         assert "| memcpy into fresh memory (beside async first call) " in table
+        # the sync save against raw writes of the state's own memory, interleaved with it
+        assert "| raw O_DIRECT write, one 64 MiB buffer reused " in table
+        assert re.search(r"\| raw O_DIRECT write \(beside the bcp saves\) +\| +\d+\.\d+ \|", table), table
+        assert re.search(r"\| bcp save +\|.*x the raw write speed beside it \(\d+\.\d+x the raw case's\)", table)
     assert not any((tmp_path / "peers").rglob("*")), "peers left files behind"
 
 
