@@ -12,6 +12,7 @@ returns, errors naming the tensor, file and offset (the Fragment is built only t
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -33,7 +34,6 @@ from bcp.metadata import Catalog, Fragment
 from bcp.metadata.checksum import combine_block_runs, combine_blocks, crc32c_c
 from bcp.metadata.geometry import Box
 from bcp.references import describe_file
-from bcp.tensor_io import NUMPY_DTYPES, dense_byte_view
 from bcp.torch_dtypes import torch_dtype_or_none
 
 #: Tensors of a batch found in memory are read in one vectored read where they follow
@@ -85,16 +85,15 @@ def split_whole(
     names = info.file_names
     # the device seam (device_copy.api) decides what is device memory; the real one by device type
     on_device = None if getattr(device_copy.api, "by_device", False) else device_copy.api.is_device
-    whole: list[WholeRead] = []
     rest: list[tuple[str, Box, torch.Tensor]] = []
-    shapes, dtypes, files, offsets, starts = info.shapes, info.dtypes, info.files, info.byte_offsets, info.sum_starts
-    all_nbytes = info.nbytes
-    new = tuple.__new__  # WholeRead's own __new__ is a Python call: 10,000 of them per load
+    picked: list[int] = []  # the requests read in bulk, with their destinations' addresses
+    ptrs: list[int] = []
+    shapes, dtypes, all_nbytes = info.shapes, info.dtypes, info.nbytes
     for i, (request, ok) in enumerate(zip(requests, fits.tolist(), strict=True)):
         if not ok:
             rest.append(request)
             continue
-        fqn, (d_off, d_len), dest = request
+        _fqn, (d_off, d_len), dest = request
         dtype = wanted[dtypes[i]]
         if (
             dtype is None
@@ -106,27 +105,50 @@ def split_whole(
             or not dest.is_contiguous()
             or dest.is_conj()
             or dest.is_neg()
+            or dest.nbytes != all_nbytes[i]  # a catalog row's size is checked where it is planned
         ):
             rest.append(request)
             continue
-        target = dense_byte_view(dest) if dtype not in NUMPY_DTYPES else _numpy_bytes(dest)
-        nbytes = all_nbytes[i]
-        if len(target) != nbytes:  # a catalog row's size is checked where it is planned
+        try:
+            ptr = dest.data_ptr()
+        except RuntimeError:  # a tensor without storage of its own (a wrapper subclass)
+            ptr = 0
+        if not ptr:
             rest.append(request)
             continue
-        whole.append(new(WholeRead, (fqn, names[files[i]], offsets[i], nbytes, starts[i], target)))
+        picked.append(i)
+        ptrs.append(ptr)
+    targets = destination_views(ptrs, [all_nbytes[i] for i in picked])
+    names, files, offsets, starts = info.file_names, info.files, info.byte_offsets, info.sum_starts
+    new = tuple.__new__  # WholeRead's own __new__ is a Python call: 10,000 of them per load
+    whole = [
+        new(WholeRead, (requests[i][0], names[files[i]], offsets[i], all_nbytes[i], starts[i], target))
+        for i, target in zip(picked, targets, strict=True)
+    ]
     return whole, info.sums, rest  # the checksum column the reads index (a later require may replace it)
 
 
-def _numpy_bytes(dest: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor of a dtype numpy holds, as
-    :func:`~bcp.tensor_io.dense_byte_view` gives them, without its checks (made above)."""
-    try:
-        # detach (a new tensor object) only where numpy() requires it
-        array = dest.detach().numpy() if dest.requires_grad else dest.numpy()
-        return memoryview(array).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
-    except (TypeError, ValueError, RuntimeError):  # numpy disagrees that it is contiguous: the general view
-        return dense_byte_view(dest)
+#: ``PyMemoryView_FromMemory`` (CPython's stable C API) through a prototype of our own,
+#: so ``ctypes.pythonapi``'s shared function object is left as other code set it
+_memory_view = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
+    ("PyMemoryView_FromMemory", ctypes.pythonapi)
+)
+_PYBUF_WRITE = 0x200
+
+
+def destination_views(ptrs: list[int], sizes: list[int]) -> list[memoryview]:
+    """Writable byte views of the dense CPU destinations at addresses ``ptrs`` (from
+    ``data_ptr()``) of ``sizes`` bytes: one memoryview over the address range they
+    span, sliced once per destination. A view each through ``numpy()`` was a third
+    of a load's per-tensor cost. The views hold no reference to the tensors: the
+    caller keeps them alive while the views are used (:meth:`CheckpointReader.fill`
+    holds its requests until every read has returned); only the slices are touched."""
+    if not ptrs:
+        return []
+    low = min(ptrs)
+    span = max(p + n for p, n in zip(ptrs, sizes, strict=True)) - low
+    whole = _memory_view(low, span, _PYBUF_WRITE)
+    return [whole[p - low : p - low + n] for p, n in zip(ptrs, sizes, strict=True)]
 
 
 def execute_whole_reads(
