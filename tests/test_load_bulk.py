@@ -198,7 +198,7 @@ def test_whole_rows_answers_only_single_whole_rows():
     assert got.byte_offsets[3] == 192 and got.nbytes[3] == 4 and got.shapes[3] == ()
     assert got.file_names[got.files[2]] == "data/f.bin"
     assert got.sum_stops[2] - got.sum_starts[2] == 1 and int(got.sums[got.sum_starts[2]]) == crc32c(b"x")
-    assert catalog.shape_and_dtype("m") == ((2, 3), "float32") and catalog.shape_and_dtype("nothing") is None
+    assert catalog.shapes_and_dtypes(["m", "nothing", "s"]) == [((2, 3), "float32"), None, ((), "float32")]
     # the same answers as int64 arrays, for split_whole's checks over every request at once
     assert got.row_array.dtype == got.nbytes_array.dtype == got.blocks_array.dtype == np.int64
     assert got.row_array.tolist() == got.rows and got.nbytes_array.tolist() == got.nbytes
