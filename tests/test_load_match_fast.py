@@ -144,7 +144,7 @@ def test_any_dtensor_asks_once_per_type_and_not_at_all_without_the_module(monkey
 
     plain = [torch.zeros(1) for _ in range(50)] + [torch.nn.Parameter(torch.zeros(1))]
     monkeypatch.delitem(sys.modules, "torch.distributed.tensor", raising=False)
-    assert not any_dtensor(iter(plain + [Sub()]))  # no module: no DTensor can exist
+    assert not any_dtensor(iter([*plain, Sub()]))  # no module: no DTensor can exist
     monkeypatch.setitem(sys.modules, "torch.distributed.tensor", types.SimpleNamespace(DTensor=FakeDTensor))
     assert not any_dtensor(iter(plain))
     assert sorted(t.__name__ for t in asked) == ["Parameter", "Tensor"]
