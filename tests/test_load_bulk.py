@@ -328,3 +328,18 @@ def test_a_flipped_byte_anywhere_is_named_by_tensor_and_block(sizes, which, at, 
         bcp.load(dest, Resident(backend_for(uri), resident))
     assert info.value.fqn == victim and info.value.file == frag.file
     assert info.value.offset == frag.byte_offset + inside // 64 * 64
+
+
+def test_lazily_conjugated_and_negated_destinations_get_the_stored_values():
+    """A conjugate view of a complex tensor and a real view carrying the negative bit
+    (``z.conj().imag``) are dense but their raw bytes are not their values: they take
+    the planned path and receive the stored values, next to plain ones read in bulk."""
+    z, r = torch.randn(5, dtype=torch.complex64), torch.randn(5)
+    uri = uri_of("lazy")
+    bcp.save({"z": z, "r": r, "i": z.imag.clone()}, uri)
+    conj = torch.zeros(5, dtype=torch.complex64).conj()
+    neg = torch.zeros(5, dtype=torch.complex64).conj().imag
+    plain = torch.zeros(5)
+    assert conj.is_conj() and neg.is_neg() and neg.dtype == torch.float32
+    bcp.load({"z": conj, "r": plain, "i": neg}, uri)
+    assert torch.equal(conj, z) and torch.equal(plain, r) and torch.equal(neg, z.imag)

@@ -60,12 +60,15 @@ def split_whole(
     block: int,
     requests: list[tuple[str, Box, torch.Tensor]],
     in_memory: dict[tuple[str, Box], torch.Tensor],
+    spans: list[tuple[int, int]],
 ) -> tuple[list[WholeRead], np.ndarray, list[tuple[str, Box, torch.Tensor]]]:
     """Split off the requests the bulk path reads (:func:`execute_whole_reads`): the
     whole tensor wanted, stored whole in one row (:meth:`Catalog.whole_rows`), of at
     less than :data:`~.read_exec.COALESCE_BELOW` bytes, into a dense CPU tensor of its dtype, none
     of it at hand already; the rest is planned as before. Everything here is the
     checks fill makes, for the case where they all pass (any doubt: the rest).
+    ``spans``: each destination's (address, bytes) if dense, else (0, 0), as
+    :func:`~.shared_dest.without_shared_destinations` found them just before.
     Also the checksum column the reads' ``sum_start`` index."""
     if not requests:
         return [], np.zeros(0, np.uint32), requests
@@ -89,31 +92,24 @@ def split_whole(
     picked: list[int] = []  # the requests read in bulk, with their destinations' addresses
     ptrs: list[int] = []
     shapes, dtypes, all_nbytes = info.shapes, info.dtypes, info.nbytes
-    for i, (request, ok) in enumerate(zip(requests, fits.tolist(), strict=True)):
+    for i, (request, ok, (ptr, size)) in enumerate(zip(requests, fits.tolist(), spans, strict=True)):
         if not ok:
             rest.append(request)
             continue
         _fqn, (d_off, d_len), dest = request
         dtype = wanted[dtypes[i]]
         if (
-            dtype is None
+            not ptr  # not dense (strided, empty, meta) or no memory of its own
+            or size != all_nbytes[i]  # a catalog row's size is checked where it is planned
+            or dtype is None
             or dest.dtype != dtype
             or not dest.is_cpu
             or (on_device is not None and on_device(dest))
             or tuple(d_len) != shapes[i]
             or any(d_off)
-            or not dest.is_contiguous()
-            or dest.is_conj()
+            or (dtype.is_complex and dest.is_conj())  # only a complex tensor has a lazy conjugate
             or dest.is_neg()
-            or dest.nbytes != all_nbytes[i]  # a catalog row's size is checked where it is planned
         ):
-            rest.append(request)
-            continue
-        try:
-            ptr = dest.data_ptr()
-        except RuntimeError:  # a tensor without storage of its own (a wrapper subclass)
-            ptr = 0
-        if not ptr:
             rest.append(request)
             continue
         picked.append(i)
