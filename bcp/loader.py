@@ -46,7 +46,7 @@ from bcp.metadata.geometry import Box
 from bcp.options import LoadOptions, LoadOptionsKwargs, ReshardObjects
 from bcp.reader import CheckpointMetadata, CheckpointReader, fetch_metadata, open_reader
 from bcp.references import ParentFactory, parent_factory
-from bcp.shards import PerRank, is_dtensor, local_pieces
+from bcp.shards import PerRank, any_dtensor, local_pieces
 from bcp.state import KeyPath, Leaf, build_nested, detach_stateful, flatten_state, get_at, replace_at
 from bcp.target import Target, resolve_backend
 from bcp.torch_dtypes import dtype_name
@@ -336,19 +336,20 @@ def match_state(
     listing every mismatch."""
     plan = LoadPlan()
     stored_paths: dict[str, tuple] = {}
-    leaves = flatten_state(state).values()
+    leaves = list(flatten_state(state).values())
     #: a template holding DTensors (at any world size, one included): an optimizer's
     #: empty ``state`` must not be filled with plain full-size tensors beside them
-    guard = any(is_dtensor(leaf.value) for leaf in leaves)
-    # no stored tensor's entry is built here (only its shape and dtype are read): the read builds
-    # those it plans, together (Catalog.entries), none for the tensors stored whole in one row
-    lookup, names = reader.catalog.shape_and_dtype, dict[torch.dtype, str]()  # a dtype_name per dtype
+    guard = any_dtensor(leaf.value for leaf in leaves)
+    # no stored tensor's entry is built here (only its shape and dtype are read, for every
+    # leaf in one call): the read builds those it plans, together (Catalog.entries), none
+    # for the tensors stored whole in one row
+    found = reader.catalog.shapes_and_dtypes([leaf.fqn for leaf in leaves])
+    names = dict[torch.dtype, str]()  # a dtype_name per dtype
     consumed, requests, new = plan.consumed, plan.tensor_requests, tuple.__new__
-    for leaf in leaves:
+    for leaf, stored in zip(leaves, found, strict=True):
         value = leaf.value
         if type(value) in _PLAIN_TENSORS:  # the usual leaf, as _match_tensor takes it, in fewer calls
             fqn = leaf.fqn
-            stored = lookup(fqn)
             shape = tuple(value.shape)
             if stored is None or shape != stored[0]:
                 _match_tensor(reader, leaf, plan)  # missing, an object or a shape mismatch: named there
@@ -428,7 +429,7 @@ def _match_tensor(reader: CheckpointReader, leaf: Leaf, plan: LoadPlan) -> None:
     tensor asks for the whole tensor on this rank, whatever layout saved it (the usual
     plain leaf is matched in match_state's loop, the same way in fewer calls)."""
     fqn = leaf.fqn
-    stored = reader.catalog.shape_and_dtype(fqn)
+    stored = reader.catalog.shapes_and_dtypes([fqn])[0]
     if stored is None:
         if fqn in reader.manifest.objects:
             plan.consumed.add(fqn)

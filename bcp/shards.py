@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -100,6 +101,13 @@ def is_dtensor(value: Any) -> bool:
     # costs 0.7 s, which every single-process save would pay on its first call.
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(value, module.DTensor)
+
+
+def any_dtensor(values: Iterable[Any]) -> bool:
+    """Whether any of ``values`` is a DTensor: one check per distinct type, none at all
+    while DTensor's module is not imported (a load's template of 10,000 tensors)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and any(issubclass(t, module.DTensor) for t in set(map(type, values)))
 
 
 def is_tensor_like(value: Any) -> bool:

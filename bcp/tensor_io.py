@@ -84,20 +84,6 @@ NUMPY_DTYPES = frozenset(
 )
 
 
-def dense_byte_view(t: torch.Tensor) -> memoryview:
-    """:func:`byte_view` of a contiguous CPU tensor that is neither conjugated nor
-    negated lazily, in half its time where numpy holds the dtype (no ``as_strided``
-    and uint8 view first: a load of 10,000 small tensors takes one view of each)."""
-    if t.dtype in NUMPY_DTYPES:
-        try:
-            # detach (a new tensor object: half the cost) only where numpy() requires it
-            array = t.detach().numpy() if t.requires_grad else t.numpy()
-            return memoryview(array).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
-        except (TypeError, ValueError, RuntimeError):  # numpy disagrees that it is contiguous: the general view
-            pass
-    return byte_view(t)
-
-
 def storage_identity(t: torch.Tensor) -> tuple:
     """Equal for two tensors that are the same view of the same memory (tied weights);
     a lazily conjugated or negated view of it has other values and is not the same."""

@@ -206,6 +206,21 @@ def test_tensor_count_scale_prints_each_count_and_the_ratio(tmp_path, capsys, mo
 
 
 @pytest.mark.slow
+def test_tensor_count_scale_times_the_load_row_alone(tmp_path, capsys, monkeypatch):
+    """Failed before (no --cases): the load row alone, after one untimed save."""
+    lines = run_here(
+        "tensor_count_scale.py",
+        *("--gib", "0.001", "--counts", "10,100", "--repeats", "1", "--calls", "1", "--dir", str(tmp_path)),
+        *("--cases", "load"),
+        capsys=capsys,
+        monkeypatch=monkeypatch,
+    )
+    assert any(ln.startswith("| tensors | bcp.load (page cache) s |") for ln in lines), lines
+    assert re.fullmatch(r"tensor_count_scale: load [0-9.]+x \(target 1\.3x\)", lines[-1]), lines[-1]
+    assert list(tmp_path.iterdir()) == [], "the scratch directory was left behind"
+
+
+@pytest.mark.slow
 def test_gpu_bench_transformer_shape_runs_on_the_cpu(tmp_path):
     lines = run(
         "gpu_bench.py",

@@ -118,3 +118,34 @@ def test_a_null_string_in_a_catalog_column_is_refused():
         string_codes(pa.chunked_array([words]), "the catalog")
     codes, values = string_codes(pa.chunked_array([["a", "b", "a"], ["b", "c"]]), "the catalog")
     assert [values[c] for c in codes.tolist()] == ["a", "b", "a", "b", "c"]
+
+
+def test_any_dtensor_asks_once_per_type_and_not_at_all_without_the_module(monkeypatch):
+    """Failed before (no any_dtensor: match_state called is_dtensor once per leaf): the
+    guard against filling an optimizer's empty state beside DTensors looks at each
+    distinct type once, and at none while DTensor's module was never imported."""
+    import sys
+    import types
+
+    from bcp.shards import any_dtensor
+
+    asked: list[type] = []
+
+    class Meta(type):
+        def __subclasscheck__(cls, sub):
+            asked.append(sub)
+            return type.__subclasscheck__(cls, sub)
+
+    class FakeDTensor(metaclass=Meta):
+        pass
+
+    class Sub(FakeDTensor):
+        pass
+
+    plain = [torch.zeros(1) for _ in range(50)] + [torch.nn.Parameter(torch.zeros(1))]
+    monkeypatch.delitem(sys.modules, "torch.distributed.tensor", raising=False)
+    assert not any_dtensor(iter([*plain, Sub()]))  # no module: no DTensor can exist
+    monkeypatch.setitem(sys.modules, "torch.distributed.tensor", types.SimpleNamespace(DTensor=FakeDTensor))
+    assert not any_dtensor(iter(plain))
+    assert sorted(t.__name__ for t in asked) == ["Parameter", "Tensor"]
+    assert any_dtensor(iter([*plain, Sub(), 3]))

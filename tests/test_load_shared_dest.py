@@ -7,6 +7,8 @@ same (bcp stores tied tensors once; or equal fragments and checksums) is read on
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 import bcp
 from bcp import reader as reader_module
 from bcp.io_scheduler import read_exec
-from bcp.io_scheduler.shared_dest import destination_overlaps
+from bcp.io_scheduler.shared_dest import destination_overlaps, without_shared_destinations
 
 
 def _paths(monkeypatch: pytest.MonkeyPatch, path: str) -> dict[str, int]:
@@ -137,3 +139,26 @@ def test_tied_cuda_destinations_are_checked_as_host_ones(tmp_path):
     assert torch.equal(tied.cpu(), weight)
     with pytest.raises(ValueError, match=r"'a' and 'c'.*share memory"):
         bcp.load({"a": tied, "c": tied}, uri, strict=False)
+
+
+def test_destination_spans_are_address_and_bytes_of_dense_ones_only():
+    """Failed before (no ``spans``): the bulk read takes each destination's address and
+    size from the overlap check instead of asking the tensor again; a strided, empty
+    or meta destination, or a tied repeat dropped, has none / no entry."""
+    memory = torch.zeros(16)
+    square = torch.zeros(4, 4)
+    dests = [memory[:4], square.t(), torch.zeros(0), torch.zeros(3, device="meta"), memory[4:8]]
+    spans: list[tuple[int, int]] = []
+    assert destination_overlaps(dests, spans) == []
+    base = memory.data_ptr()
+    assert spans == [(base, 16), (0, 0), (0, 0), (0, 0), (base + 16, 16)]
+    stored = torch.arange(4.0)
+    uri = f"memory://spans-{uuid.uuid4().hex[:8]}/ck"
+    bcp.save({"w": stored, "tied": stored}, uri)
+    reader = bcp.open(uri)
+    tied = memory[8:12]
+    requests = [("w", ((0,), (4,)), tied), ("tied", ((0,), (4,)), tied), ("w", ((0,), (4,)), memory[:4])]
+    got: list[tuple[int, int]] = []
+    kept = without_shared_destinations(requests, reader.catalog, lambda f: reader.catalog.tensors[f], got)
+    assert [r[2].data_ptr() for r in kept] == [base + 32, base]
+    assert got == [(base + 32, 16), (base, 16)]

@@ -24,11 +24,17 @@ Request = tuple[str, Box, torch.Tensor]
 
 
 def without_shared_destinations(
-    requests: list[Request], catalog: Catalog, entry: Callable[[str], TensorEntry]
+    requests: list[Request],
+    catalog: Catalog,
+    entry: Callable[[str], TensorEntry],
+    spans: list[tuple[int, int]] | None = None,
 ) -> list[Request]:
     """``requests`` less the repeats of a tied destination; a ValueError naming both
-    keys for any other overlap. ``entry(fqn)`` is the stored tensor's catalog entry."""
-    overlaps = destination_overlaps([dest for _f, _b, dest in requests])
+    keys for any other overlap. ``entry(fqn)`` is the stored tensor's catalog entry.
+    ``spans``, if given, gets each kept request's destination (address, bytes) as
+    :func:`destination_overlaps` gives them (the bulk read's views start there)."""
+    found: list[tuple[int, int]] = []
+    overlaps = destination_overlaps([dest for _f, _b, dest in requests], found if spans is not None else None)
     drop: set[int] = set()
     for later, earlier in overlaps:
         (fqn, box, dest), (other, other_box, other_dest) = requests[later], requests[earlier]
@@ -41,24 +47,37 @@ def without_shared_destinations(
             f"holds different data for them (boxes {list(other_box[0])}+{list(other_box[1])} and "
             f"{list(box[0])}+{list(box[1])}); load them into separate tensors"
         )
+    if spans is not None:
+        spans += [s for i, s in enumerate(found) if i not in drop] if drop else found
     return [r for i, r in enumerate(requests) if i not in drop] if drop else requests
 
 
-def destination_overlaps(dests: list[torch.Tensor]) -> list[tuple[int, int]]:
+def destination_overlaps(
+    dests: list[torch.Tensor], spans: list[tuple[int, int]] | None = None
+) -> list[tuple[int, int]]:
     """(later, earlier) index pairs of dense destinations whose bytes overlap on one
     device: sorted by start, a tensor overlaps the one holding the running maximum end
-    if it starts before that end. Meta, empty and strided tensors are left out."""
+    if it starts before that end. Meta, empty and strided tensors are left out (their
+    (address, bytes) in ``spans``, if given, is (0, 0); the others' as compared)."""
     # one pass reading each tensor's attributes once (a load of 10,000 small tensors)
     picked: dict[torch.device, tuple[list[int], list[int], list[int]]] = {}
+    none = (0, 0)
     for i, dest in enumerate(dests):
         if dest.is_meta or not dest.is_contiguous():
+            if spans is not None:
+                spans.append(none)
             continue
         size = dest.nbytes
         if size:
             rows_, ptrs, sizes_ = picked.get(dest.device) or picked.setdefault(dest.device, ([], [], []))
             rows_.append(i)
-            ptrs.append(dest.data_ptr())
+            ptr = dest.data_ptr()
+            ptrs.append(ptr)
             sizes_.append(size)
+            if spans is not None:
+                spans.append((ptr, size))
+        elif spans is not None:
+            spans.append(none)
     pairs: list[tuple[int, int]] = []
     for rows, ptr_list, size_list in picked.values():
         if len(rows) < 2:

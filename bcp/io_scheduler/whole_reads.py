@@ -12,6 +12,7 @@ returns, errors naming the tensor, file and offset (the Fragment is built only t
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -33,7 +34,6 @@ from bcp.metadata import Catalog, Fragment
 from bcp.metadata.checksum import combine_block_runs, combine_blocks, crc32c_c
 from bcp.metadata.geometry import Box
 from bcp.references import describe_file
-from bcp.tensor_io import NUMPY_DTYPES, dense_byte_view
 from bcp.torch_dtypes import torch_dtype_or_none
 
 #: Tensors of a batch found in memory are read in one vectored read where they follow
@@ -60,12 +60,15 @@ def split_whole(
     block: int,
     requests: list[tuple[str, Box, torch.Tensor]],
     in_memory: dict[tuple[str, Box], torch.Tensor],
+    spans: list[tuple[int, int]],
 ) -> tuple[list[WholeRead], np.ndarray, list[tuple[str, Box, torch.Tensor]]]:
     """Split off the requests the bulk path reads (:func:`execute_whole_reads`): the
     whole tensor wanted, stored whole in one row (:meth:`Catalog.whole_rows`), of at
     less than :data:`~.read_exec.COALESCE_BELOW` bytes, into a dense CPU tensor of its dtype, none
     of it at hand already; the rest is planned as before. Everything here is the
     checks fill makes, for the case where they all pass (any doubt: the rest).
+    ``spans``: each destination's (address, bytes) if dense, else (0, 0), as
+    :func:`~.shared_dest.without_shared_destinations` found them just before.
     Also the checksum column the reads' ``sum_start`` index."""
     if not requests:
         return [], np.zeros(0, np.uint32), requests
@@ -85,48 +88,63 @@ def split_whole(
     names = info.file_names
     # the device seam (device_copy.api) decides what is device memory; the real one by device type
     on_device = None if getattr(device_copy.api, "by_device", False) else device_copy.api.is_device
-    whole: list[WholeRead] = []
     rest: list[tuple[str, Box, torch.Tensor]] = []
-    shapes, dtypes, files, offsets, starts = info.shapes, info.dtypes, info.files, info.byte_offsets, info.sum_starts
-    all_nbytes = info.nbytes
-    new = tuple.__new__  # WholeRead's own __new__ is a Python call: 10,000 of them per load
-    for i, (request, ok) in enumerate(zip(requests, fits.tolist(), strict=True)):
+    picked: list[int] = []  # the requests read in bulk, with their destinations' addresses
+    ptrs: list[int] = []
+    shapes, dtypes, all_nbytes = info.shapes, info.dtypes, info.nbytes
+    for i, (request, ok, (ptr, size)) in enumerate(zip(requests, fits.tolist(), spans, strict=True)):
         if not ok:
             rest.append(request)
             continue
-        fqn, (d_off, d_len), dest = request
+        _fqn, (d_off, d_len), dest = request
         dtype = wanted[dtypes[i]]
         if (
-            dtype is None
+            not ptr  # not dense (strided, empty, meta) or no memory of its own
+            or size != all_nbytes[i]  # a catalog row's size is checked where it is planned
+            or dtype is None
             or dest.dtype != dtype
             or not dest.is_cpu
             or (on_device is not None and on_device(dest))
             or tuple(d_len) != shapes[i]
             or any(d_off)
-            or not dest.is_contiguous()
-            or dest.is_conj()
+            or (dtype.is_complex and dest.is_conj())  # only a complex tensor has a lazy conjugate
             or dest.is_neg()
         ):
             rest.append(request)
             continue
-        target = dense_byte_view(dest) if dtype not in NUMPY_DTYPES else _numpy_bytes(dest)
-        nbytes = all_nbytes[i]
-        if len(target) != nbytes:  # a catalog row's size is checked where it is planned
-            rest.append(request)
-            continue
-        whole.append(new(WholeRead, (fqn, names[files[i]], offsets[i], nbytes, starts[i], target)))
+        picked.append(i)
+        ptrs.append(ptr)
+    targets = destination_views(ptrs, [all_nbytes[i] for i in picked])
+    names, files, offsets, starts = info.file_names, info.files, info.byte_offsets, info.sum_starts
+    new = tuple.__new__  # WholeRead's own __new__ is a Python call: 10,000 of them per load
+    whole = [
+        new(WholeRead, (requests[i][0], names[files[i]], offsets[i], all_nbytes[i], starts[i], target))
+        for i, target in zip(picked, targets, strict=True)
+    ]
     return whole, info.sums, rest  # the checksum column the reads index (a later require may replace it)
 
 
-def _numpy_bytes(dest: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor of a dtype numpy holds, as
-    :func:`~bcp.tensor_io.dense_byte_view` gives them, without its checks (made above)."""
-    try:
-        # detach (a new tensor object) only where numpy() requires it
-        array = dest.detach().numpy() if dest.requires_grad else dest.numpy()
-        return memoryview(array).cast("B")  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
-    except (TypeError, ValueError, RuntimeError):  # numpy disagrees that it is contiguous: the general view
-        return dense_byte_view(dest)
+#: ``PyMemoryView_FromMemory`` (CPython's stable C API) through a prototype of our own,
+#: so ``ctypes.pythonapi``'s shared function object is left as other code set it
+_memory_view = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
+    ("PyMemoryView_FromMemory", ctypes.pythonapi)
+)
+_PYBUF_WRITE = 0x200
+
+
+def destination_views(ptrs: list[int], sizes: list[int]) -> list[memoryview]:
+    """Writable byte views of the dense CPU destinations at addresses ``ptrs`` (from
+    ``data_ptr()``) of ``sizes`` bytes: one memoryview over the address range they
+    span, sliced once per destination. A view each through ``numpy()`` was a third
+    of a load's per-tensor cost. The views hold no reference to the tensors: the
+    caller keeps them alive while the views are used (:meth:`CheckpointReader.fill`
+    holds its requests until every read has returned); only the slices are touched."""
+    if not ptrs:
+        return []
+    low = min(ptrs)
+    span = max(p + n for p, n in zip(ptrs, sizes, strict=True)) - low
+    whole = _memory_view(low, span, _PYBUF_WRITE)
+    return [whole[p - low : p - low + n] for p, n in zip(ptrs, sizes, strict=True)]
 
 
 def execute_whole_reads(
@@ -213,6 +231,28 @@ def execute_whole_reads(
             frag = fragment(r.fqn)
             read_exec.name_block(name, frag, 0, target, block, range(len(frag.checksums)))
 
+    def check_many(many: list[int]) -> None:
+        """:func:`verify_one` of each of ``many``, in one loop without a call a tensor
+        beyond its CRC32C (a load of 10,000 small tensors); a mismatch named by check_one."""
+        if trace.enabled():
+            for i in many:
+                verify_one(i)
+            return
+        for i in many:
+            r = reads[i]
+            nbytes, f = r.nbytes, full[i]
+            whole = f * block
+            if f > 1 and nbytes > chunk:
+                check_one(i)
+            elif whole == nbytes:  # whole blocks only (f > 0: nbytes is never 0 here)
+                if crc32c_c(r.target) != expected[i]:
+                    check_one(i)
+            elif not f:  # one short block
+                if crc32c_c(r.target) != tails[i]:
+                    check_one(i)
+            elif crc32c_c(r.target[:whole]) != expected[i] or crc32c_c(r.target[whole:]) != tails[i]:
+                check_one(i)
+
     def read_in_pieces(i: int, read: Callable[[int, memoryview], None]) -> None:
         """A read from memory larger than :data:`~.read_exec.IN_MEMORY_CHUNK`, in pieces of about
         that size, each piece's whole blocks checked while still in the CPU cache."""
@@ -236,33 +276,28 @@ def execute_whole_reads(
     def span_of(batch: list[int]) -> int:
         return reads[batch[-1]].offset + reads[batch[-1]].nbytes - reads[batch[0]].offset
 
-    def adjacent_run(batch: list[int], k: int) -> int:
-        """How many reads of ``batch`` from ``k`` on follow each other in the file
-        (across less than :data:`GAP_BYTES`: the writer aligns each tensor to 64
-        bytes), spanning at most a piece: one vectored read, checked while still in
-        the CPU cache."""
-        r = reads[batch[k]]
-        start, end, n = r.offset, r.offset + r.nbytes, 1
-        while k + n < len(batch):
-            r = reads[batch[k + n]]
-            if not 0 <= r.offset - end < GAP_BYTES or r.offset + r.nbytes - start > chunk:
+    def adjacent(batch: list[int], k: int) -> tuple[list[int], list[memoryview]]:
+        """The reads of ``batch`` from ``k`` on that follow each other in the file (across
+        less than :data:`GAP_BYTES`: the writer aligns each tensor to 64 bytes), spanning
+        at most a piece, and the buffers of one vectored read of them: their destinations,
+        the bytes between read into a scratch. Checked while still in the CPU cache."""
+        first = reads[batch[k]]
+        start, end = first.offset, first.offset + first.nbytes
+        many, views = [batch[k]], [first.target]
+        scratch = None
+        for i in itertools.islice(batch, k + 1, None):
+            r = reads[i]
+            gap = r.offset - end
+            if not 0 <= gap < GAP_BYTES or r.offset + r.nbytes - start > chunk:
                 break
-            end = r.offset + r.nbytes
-            n += 1
-        return n
-
-    def with_gaps(run: list[int]) -> list[memoryview]:
-        """The destinations of ``run``, the bytes between them read into a scratch."""
-        scratch = memoryview(bytearray(GAP_BYTES))
-        views: list[memoryview] = []
-        end = reads[run[0]].offset
-        for j in run:
-            r = reads[j]
-            if r.offset > end:
-                views.append(scratch[: r.offset - end])
+            if gap:
+                if scratch is None:
+                    scratch = memoryview(bytearray(GAP_BYTES))
+                views.append(scratch[:gap])
             views.append(r.target)
+            many.append(i)
             end = r.offset + r.nbytes
-        return views
+        return many, views
 
     def read_each(batch: list[int], resident: bool) -> tuple[int, int]:
         """Each read of ``batch`` in place, one request each (``resident``: in memory)."""
@@ -277,22 +312,19 @@ def execute_whole_reads(
                         read_in_pieces(i, read)
                         k += 1
                         continue
-                    run = adjacent_run(batch, k) if resident else 1
-                    if run > 1:  # one vectored read; each tensor verified after it as below
-                        many = batch[k : k + run]
+                    many, views = adjacent(batch, k) if resident else ([i], [])
+                    if len(many) > 1:  # one vectored read; each tensor verified after it as below
                         try:
-                            read_into_many(read, at.offset, with_gaps(many))
+                            read_into_many(read, at.offset, views)
                         except Exception:  # noqa: BLE001 - read one by one: the error names its tensor
                             for j in many:
                                 at = reads[j]
                                 read(at.offset, at.target)
                     else:
-                        many = [i]
                         read(at.offset, at.target)
                     if check:
-                        for j in many:
-                            verify_one(j)
-                    k += run
+                        check_many(many)
+                    k += len(many)
         except (ObjectNotFoundError, EOFError) as e:
             raise read_exec.read_error(name, fragment(at.fqn), 0, e) from e
         return len(batch), 0
