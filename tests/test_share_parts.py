@@ -185,17 +185,6 @@ def test_an_fsdp_like_plan_keeps_its_class_order():
     assert plan.class_tags.tolist() == [0, 1, 4, 2, 3, 5]
 
 
-@settings(max_examples=examples(200), deadline=None)
-@given(values=st.lists(st.integers(0, 300), min_size=1, max_size=40) | st.lists(st.integers(0, 5), min_size=1))
-def testsmall_unique_is_numpys_unique(values):
-    from bcp.io_scheduler.share_parts import small_unique
-
-    a = np.array(values, np.int64)
-    got, want = small_unique(a), np.unique(a, return_inverse=True)
-    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1].reshape(-1))
-    assert np.array_equal(got[0][got[1]], a)
-
-
 def test_parts_gather_each_class_without_copying_every_box_first():
     """At 4,096 ranks the coordinator's memory peaks while it cuts the parts: each class's
     boxes are gathered straight from the plan's offsets and lengths (no joined copy of
