@@ -232,3 +232,36 @@ def test_by_tag_is_the_lexsort_order(per_class, shift):
     got_tags, got_cls = by_tag(tags, classes, int(tags.max()) + 1 if len(tags) else 0, len(per_class))
     assert got_tags.tolist() == tags[order].tolist()
     assert got_cls.tolist() == classes[order].tolist()
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(data=st.data(), n_classes=st.integers(1, 6), world=st.integers(1, 8), table=st.booleans())
+def test_what_each_rank_sends_is_its_own_unique_of_classes(data, n_classes, world, table):
+    """The sends of every rank found at once (one numbering of (owner, class) keys)
+    equal each rank's own ``np.unique`` of the classes it sends to (the per-rank loop
+    this replaced), owners past ``world`` included, both the table and the sort."""
+    from bcp.io_scheduler import share_parts
+
+    k = data.draw(st.integers(0, 30), label="fragments")
+    owners = np.array(data.draw(st.lists(st.integers(0, world + 1), min_size=k, max_size=k)), np.int32)
+    sets = [sorted(data.draw(st.sets(st.integers(0, n_classes - 1), min_size=1))) for _ in range(k)]
+    pair_classes = np.array([c for s in sets for c in s], np.int64)
+    pair_starts = np.r_[0, np.cumsum([len(s) for s in sets])].astype(np.int64)
+    slack = share_parts._TABLE_SLACK
+    share_parts._TABLE_SLACK = slack if table else -(1 << 40)
+    try:
+        obounds, sstarts, local, ubounds, peers = share_parts._sent_by_owner(
+            world, owners, pair_classes, pair_starts, n_classes
+        )
+    finally:
+        share_parts._TABLE_SLACK = slack
+    by_owner = stable_order(owners)
+    for r in range(world):
+        tags = by_owner[obounds[r] : obounds[r + 1]]
+        assert (owners[tags] == r).all() and len(tags) == int((owners == r).sum())
+        sent = [c for t in tags.tolist() for c in sets[t]]
+        sa, sb = int(sstarts[obounds[r]]), int(sstarts[obounds[r + 1]])
+        assert np.diff(sstarts[obounds[r] : obounds[r + 1] + 1]).tolist() == [len(sets[t]) for t in tags.tolist()]
+        want_peers, want_local = np.unique(np.array(sent, np.int64), return_inverse=True)
+        assert peers[ubounds[r] : ubounds[r + 1]].tolist() == want_peers.tolist()
+        assert local[sa:sb].tolist() == want_local.reshape(-1).tolist()

@@ -155,6 +155,10 @@ class SharePart:
         return out
 
 
+#: keys past 8 a pair plus this many are numbered by a sort, not a table of every key
+_TABLE_SLACK = 1 << 22
+
+
 def _sent_by_owner(
     world: int, owners: np.ndarray, pair_classes: np.ndarray, pair_starts: np.ndarray, n_classes: int
 ) -> tuple[list[int], np.ndarray, np.ndarray, list[int], np.ndarray]:
@@ -181,7 +185,7 @@ def _sent_by_owner(
     per_owner = np.diff(sstarts[obounds])
     key += np.repeat(np.arange(span, dtype=np.int64) * n_classes, per_owner)  # (owner, class)
     bound = span * n_classes
-    if n and bound <= 8 * n + (1 << 22):
+    if n and bound <= 8 * n + _TABLE_SLACK:
         seen = np.zeros(bound, bool)
         seen[key] = True
         number = np.cumsum(seen, dtype=np.int32 if bound < 1 << 31 else np.int64)
