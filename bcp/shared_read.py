@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -442,9 +443,6 @@ def _needer_groups(needers: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return np.searchsorted(first, rep)
 
 
-_ONE = np.ones(1, np.int64)
-
-
 def _choose_owners(
     classes: _RankClasses,
     pair_classes: np.ndarray,
@@ -479,29 +477,40 @@ def _choose_owners(
     cum = np.cumsum(sz)
     cum -= np.repeat(cum[gstart[:-1]] - sz[gstart[:-1]], counts)
     mid = cum - sz / 2.0
-    load = np.zeros(world, np.int64)
-    run_ranks: list[np.ndarray] = [np.zeros(0, np.int64)] * len(counts)  # per group label
-    run_lengths: list[np.ndarray] = [np.zeros(0, np.int64)] * len(counts)
+    # plain Python per group (a few needers each): loads, members and cuts as ints
+    load = [0] * world
+    ranks_of = [classes.members[x:y].tolist() for x, y in itertools.pairwise(classes.mstarts.tolist())]
+    run_ranks: list[list[int]] = [[]] * len(counts)  # per group label
+    run_lengths: list[list[int]] = [[]] * len(counts)
     gs = gstart.tolist()
     for g in visit.tolist():
         a, b = gs[g], gs[g + 1]
         f0 = int(order[a])
-        members = classes.ranks_of(pair_classes[pair_starts[f0] : pair_starts[f0 + 1]])
+        p0, p1 = int(pair_starts[f0]), int(pair_starts[f0 + 1])
+        if p1 - p0 == 1:
+            members = ranks_of[int(pair_classes[p0])]
+        else:
+            members = sorted(r for c in pair_classes[p0:p1].tolist() for r in ranks_of[c])
         if b - a == 1:
-            owner = members[np.argmin(load[members])]
-            run_ranks[g], run_lengths[g] = owner[None], _ONE
+            owner = min(members, key=load.__getitem__)  # the first least-loaded: ranks ascend
+            run_ranks[g], run_lengths[g] = [owner], [1]
             load[owner] += int(sz[a])
             continue
-        have = load[members].tolist()
+        have = [load[m] for m in members]
         level = _water_level(have, int(cum[b - 1]))
-        target = np.cumsum([max(level - h, 0.0) for h in have])
+        target, acc = [], 0.0
+        for h in have[:-1]:
+            acc += max(level - h, 0.0)
+            target.append(acc)
         # fragment i goes to members[j], j = targets at or below its midpoint (at most the last)
-        cuts = np.r_[0, np.searchsorted(mid[a:b], target[:-1], side="left"), b - a]
-        run_ranks[g], run_lengths[g] = members, np.diff(cuts)
-        held = np.r_[0, cum[a:b]][cuts]
-        load[members] += np.diff(held)
+        cuts = [0, *np.searchsorted(mid[a:b], target, side="left").tolist(), b - a]
+        run_ranks[g], run_lengths[g] = members, [y - x for x, y in itertools.pairwise(cuts)]
+        held = [int(cum[a + c - 1]) if c else 0 for c in cuts]
+        for m, x, y in zip(members, held, held[1:], strict=False):
+            load[m] += y - x
     # the runs, by group label, cover the fragments as ``order`` lists them
-    owners[order] = np.repeat(np.concatenate(run_ranks), np.concatenate(run_lengths))
+    flat_ranks = [r for runs in run_ranks for r in runs]
+    owners[order] = np.repeat(np.array(flat_ranks, np.int32), [n for runs in run_lengths for n in runs])
     return owners
 
 
