@@ -47,6 +47,7 @@ from bcp.io_scheduler.share_match import (
     one_box_per_tensor,
     padded_boxes,
     rows_at,
+    tag_major,
 )
 from bcp.io_scheduler.share_parts import SharePart, class_parts
 from bcp.metadata import itemsize
@@ -326,12 +327,12 @@ class _RankClasses:
         needs it; other labels numbered past the classes). Equal needer sets are equal
         sets of classes: classes partition the ranks."""
         n_classes = len(self.sizes)
-        key = tags * n_classes + classes
-        if len(key) > 1 and not (key[1:] >= key[:-1]).all():  # usually in order already
-            order = np.argsort(key, kind="stable")
+        if not tag_major(tags, classes, n_classes):  # usually in order already
+            order = np.argsort(tags * n_classes + classes, kind="stable")
             tags, classes = tags[order], classes[order]
         pairs = np.bincount(tags, minlength=k)  # classes needing each fragment
-        pair_starts = np.concatenate(([0], np.cumsum(pairs))).astype(np.int64)
+        pair_starts = np.zeros(len(pairs) + 1, np.int64)
+        np.cumsum(pairs, out=pair_starts[1:])
         group = np.full(k, -1, np.int64)
         one = np.flatnonzero(pairs == 1)
         group[one] = classes[pair_starts[one]]
@@ -470,13 +471,10 @@ def _choose_owners(
     gstart = np.r_[0, np.cumsum(counts)].astype(np.int64)
     present = np.flatnonzero(counts)
     visit = present[np.argsort(order[gstart[present]], kind="stable")]
-    # each group's running byte count (exact int64), the same values a per-group cumsum gives;
-    # the fragments' midpoints on it, non-decreasing within a group, so a group's cut
-    # points are binary searches of its targets (a few per group), not a search per fragment
+    # each group's running byte count (exact int64, a cumsum of its slice: no array as long
+    # as every fragment); the fragments' midpoints on it, non-decreasing within a group, so
+    # a group's cut points are binary searches of its targets (a few per group)
     sz = sizes[order].astype(np.int64, copy=False)
-    cum = np.cumsum(sz)
-    cum -= np.repeat(cum[gstart[:-1]] - sz[gstart[:-1]], counts)
-    mid = cum - sz / 2.0
     # plain Python per group (a few needers each): loads, members and cuts as ints
     load = [0] * world
     ranks_of = [classes.members[x:y].tolist() for x, y in itertools.pairwise(classes.mstarts.tolist())]
@@ -497,15 +495,16 @@ def _choose_owners(
             load[owner] += int(sz[a])
             continue
         have = [load[m] for m in members]
-        level = _water_level(have, int(cum[b - 1]))
+        cum = np.cumsum(sz[a:b])
+        level = _water_level(have, int(cum[-1]))
         target, acc = [], 0.0
         for h in have[:-1]:
             acc += max(level - h, 0.0)
             target.append(acc)
         # fragment i goes to members[j], j = targets at or below its midpoint (at most the last)
-        cuts = [0, *np.searchsorted(mid[a:b], target, side="left").tolist(), b - a]
+        cuts = [0, *np.searchsorted(cum - sz[a:b] / 2.0, target, side="left").tolist(), b - a]
         run_ranks[g], run_lengths[g] = members, [y - x for x, y in itertools.pairwise(cuts)]
-        held = [int(cum[a + c - 1]) if c else 0 for c in cuts]
+        held = [int(cum[c - 1]) if c else 0 for c in cuts]
         for m, x, y in zip(members, held, held[1:], strict=False):
             load[m] += y - x
     # the runs, by group label, cover the fragments as ``order`` lists them

@@ -265,3 +265,31 @@ def test_what_each_rank_sends_is_its_own_unique_of_classes(data, n_classes, worl
         want_peers, want_local = np.unique(np.array(sent, np.int64), return_inverse=True)
         assert peers[ubounds[r] : ubounds[r + 1]].tolist() == want_peers.tolist()
         assert local[sa:sb].tolist() == want_local.reshape(-1).tolist()
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    pairs=st.lists(st.tuples(st.integers(0, 6), st.integers(-1, 4)), max_size=30),
+    block=st.integers(1, 5),
+    sort=st.booleans(),
+)
+def test_pair_order_checks_by_block_equal_the_packed_key(pairs, block, sort):
+    """The order checks done a block at a time (no key or step as long as the pairs) say
+    what the packed key ``tags * n + classes`` and the class-major step test said,
+    blocks of any size, classes inside [0, n) or not."""
+    from bcp.io_scheduler import share_match
+
+    pairs = sorted(pairs) if sort else pairs
+    tags = np.array([t for t, _c in pairs], np.int64)
+    classes = np.array([c for _t, c in pairs], np.int64)
+    saved = share_match._CHECK_BLOCK
+    share_match._CHECK_BLOCK = block
+    try:
+        for n in (3, 5):
+            key = tags * n + classes
+            assert share_match.tag_major(tags, classes, n) == bool(len(key) < 2 or (key[1:] >= key[:-1]).all())
+        step = classes[1:] - classes[:-1]
+        want = len(tags) < 2 or bool(((step > 0) | ((step == 0) & (tags[1:] > tags[:-1]))).all())
+        assert share_match.class_major(classes, tags) == want
+    finally:
+        share_match._CHECK_BLOCK = saved
