@@ -217,7 +217,8 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
         key = np.unique(fi.astype(np.int64) * len(reps) + cls)
         uf, uc = key // len(reps), key % len(reps)
     if (classes.sizes == classes.sizes[0]).all():
-        n_ranks = np.bincount(uf, minlength=n_frags) * int(classes.sizes[0])
+        n_ranks = np.bincount(uf, minlength=n_frags)
+        n_ranks *= int(classes.sizes[0])
     else:
         n_ranks = np.bincount(uf, weights=classes.sizes[uc], minlength=n_frags)
     candidates = np.flatnonzero(n_ranks > 1)
@@ -230,7 +231,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     wanted_elems: np.ndarray = np.bincount(fi, weights=weights, minlength=n_frags)
     del weights
     if uniform:
-        wanted_elems = wanted_elems * float(classes.sizes[0])
+        wanted_elems *= float(classes.sizes[0])
     del fi, cls, elems
     item = np.zeros(len(names), np.int64)
     item[used] = [itemsize(e.dtype) for e in entries]
@@ -333,9 +334,10 @@ class _RankClasses:
         pairs = np.bincount(tags, minlength=k)  # classes needing each fragment
         pair_starts = np.zeros(len(pairs) + 1, np.int64)
         np.cumsum(pairs, out=pair_starts[1:])
-        group = np.full(k, -1, np.int64)
-        one = np.flatnonzero(pairs == 1)
-        group[one] = classes[pair_starts[one]]
+        # each fragment's first class where one class needs it, else -1 (one gather, no index arrays)
+        first = classes.take(pair_starts[:-1], mode="clip") if len(classes) else np.zeros(k, np.int64)
+        group = np.where(pairs == 1, first, -1).astype(np.int64, copy=False)
+        del first
         several = np.flatnonzero(pairs > 1)
         if len(several):
             mine = classes[np.repeat(pairs > 1, pairs)]
@@ -344,7 +346,7 @@ class _RankClasses:
             else:
                 label = _needer_groups(mine, np.concatenate(([0], np.cumsum(pairs[several]))))
             group[several] = n_classes + label.reshape(-1)
-        return classes.astype(np.int64), pair_starts, group
+        return classes.astype(np.int64, copy=False), pair_starts, group
 
     def ranks_of(self, classes: np.ndarray) -> np.ndarray:
         """The ranks of ``classes`` (a few), ascending."""
@@ -387,8 +389,9 @@ def _dense_inverse(keys: np.ndarray, bound: int) -> np.ndarray:
         return np.unique(keys, return_inverse=True)[1]
     seen = np.zeros(bound, bool)
     seen[keys] = True
-    rank = np.cumsum(seen, dtype=np.int64) - 1
-    return rank[keys]
+    rank = np.cumsum(seen, dtype=np.int32 if bound < 1 << 31 else np.int64)
+    rank -= 1
+    return rank[keys].astype(np.int64)
 
 
 _WEIGHTS = np.random.default_rng(0x5EED).integers(1, 1 << 62, 1 << 12, dtype=np.int64)

@@ -293,3 +293,21 @@ def test_pair_order_checks_by_block_equal_the_packed_key(pairs, block, sort):
         assert share_match.class_major(classes, tags) == want
     finally:
         share_match._CHECK_BLOCK = saved
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    points=st.lists(st.integers(-2, 40), max_size=20), line=st.integers(1, 41), sort=st.booleans(), wide=st.booleans()
+)
+def test_the_cut_index_tables_count_points_at_or_before_each_place(points, line, sort, wide):
+    """The cut index's prefix-count tables (marks summed in place for distinct points,
+    runs otherwise) are ``cumsum(bincount(points))`` over the line, for points in it."""
+    from bcp.io_scheduler.share_match import _upto
+
+    a = np.array(sorted(points) if sort else points, np.int64)
+    inside = (a >= 0) & (a < line)
+    if not inside.all() or (len(a) > 1 and (np.diff(a) < 0).any()):
+        a = np.unique(a[inside])  # the runs need ascending points; the marks distinct ones
+    dtype = np.int64 if wide else np.int32
+    got = _upto(a, line, dtype)
+    assert got.dtype == dtype and got.tolist() == np.cumsum(np.bincount(a, minlength=line)).tolist()
