@@ -155,6 +155,9 @@ class SharePart:
         return out
 
 
+#: rows of a run of classes gathered at once in :func:`class_parts`, in bytes of a box array
+_RUN_BYTES = (4 << 20) - 4096
+
 #: keys past 8 a pair plus this many are numbered by a sort, not a table of every key
 _TABLE_SLACK = 1 << 22
 
@@ -241,16 +244,25 @@ def class_parts(
     peer_ranks = members[at]
     del at, peer_sizes, peer_cls
     width = offsets.shape[1]
-    # every class's arrays at once, in class order (one gather each), each class a slice:
-    # joining offsets and lengths first (one gather) would cost a copy of every shared box
-    # at the peak of the coordinator's memory
-    by_class = class_tags.astype(np.int64, copy=False)
-    all_tensors, all_owners = tensors[by_class], owners[by_class]
-    all_off, all_len = np.take(offsets, by_class, axis=0), np.take(lengths, by_class, axis=0)
-    per_class = [
-        (by_class[a:b], all_tensors[a:b], all_off[a:b], all_len[a:b], all_owners[a:b])
-        for a, b in itertools.pairwise(cbounds)
-    ]
+    # the classes' arrays gathered a run of classes at a time, each class a slice: runs of
+    # under 4 MiB an array (numpy asks for huge pages from 4 MiB, and where the host's
+    # huge-page defrag is "madvise" a first touch of those may compact memory: seconds of
+    # system CPU for the parts at 4,096 ranks); joining offsets and lengths first (one
+    # gather) would cost a copy of every shared box at the peak of the coordinator's memory
+    per_class: list[tuple[np.ndarray, ...]] = []
+    run = max(1, _RUN_BYTES // (8 * max(width, 1)))
+    c = 0
+    while c < n_classes:
+        end = c + 1
+        while end < n_classes and cbounds[end + 1] - cbounds[c] <= run:
+            end += 1
+        lo, hi = cbounds[c], cbounds[end]
+        mine = class_tags[lo:hi].astype(np.int64, copy=False)
+        run_arrays = (mine, tensors[mine], np.take(offsets, mine, axis=0), np.take(lengths, mine, axis=0), owners[mine])
+        per_class += [
+            tuple(x[a - lo : b - lo] for x in run_arrays) for a, b in itertools.pairwise(cbounds[c : end + 1])
+        ]
+        c = end
     none = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros((0, width), np.int64))
     nothing = (none[0], none[1], none[2], none[2], none[1])
     pairs_at = sstarts[obounds].tolist()  # each owner's first pair sent
