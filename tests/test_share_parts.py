@@ -300,8 +300,8 @@ def test_pair_order_checks_by_block_equal_the_packed_key(pairs, block, sort):
     points=st.lists(st.integers(-2, 40), max_size=20), line=st.integers(1, 41), sort=st.booleans(), wide=st.booleans()
 )
 def test_the_cut_index_tables_count_points_at_or_before_each_place(points, line, sort, wide):
-    """The cut index's prefix-count tables (marks summed in place for distinct points,
-    runs otherwise) are ``cumsum(bincount(points))`` over the line, for points in it."""
+    """The cut index's prefix-count tables (runs of equal counts, or the plain count where
+    points are out of order) are ``cumsum(bincount(points))`` over the line."""
     from bcp.io_scheduler.share_match import _upto
 
     a = np.array(sorted(points) if sort else points, np.int64)

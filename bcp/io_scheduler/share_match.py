@@ -415,13 +415,7 @@ class CutIndex:
 def _upto(points: np.ndarray, line: int, dtype: type) -> np.ndarray:
     """For ascending ``points`` in [0, line): how many are at or before each x of the
     line (``np.cumsum(np.bincount(points, minlength=line))``), as runs of equal counts:
-    count i from points[i - 1] up to points[i] (one pass, no line-long int64 array); distinct
-    points inside the line as a mark each, summed in place (the only line-long array)."""
-    if len(points) and int(points[0]) >= 0 and int(points[-1]) < line and lex_ascending(points, points, strict=True):
-        out = np.zeros(line, dtype)  # distinct points: a mark each, counted in place (one line-long array)
-        out[points] = 1
-        np.cumsum(out, out=out)
-        return out
+    count i from points[i - 1] up to points[i] (one pass, no line-long int64 array)."""
     edges = np.empty(len(points) + 2, np.int64)
     edges[0], edges[-1] = 0, line
     edges[1:-1] = points
