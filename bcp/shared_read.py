@@ -389,9 +389,8 @@ def _dense_inverse(keys: np.ndarray, bound: int) -> np.ndarray:
         return np.unique(keys, return_inverse=True)[1]
     seen = np.zeros(bound, bool)
     seen[keys] = True
-    rank = np.cumsum(seen, dtype=np.int32 if bound < 1 << 31 else np.int64)
-    rank -= 1
-    return rank[keys].astype(np.int64)
+    rank: np.ndarray = np.cumsum(seen, dtype=np.int32 if bound < 1 << 31 else np.int64)
+    return rank[keys].astype(np.int64) - 1
 
 
 _WEIGHTS = np.random.default_rng(0x5EED).integers(1, 1 << 62, 1 << 12, dtype=np.int64)

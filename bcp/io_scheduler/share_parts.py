@@ -246,9 +246,9 @@ def class_parts(
     width = offsets.shape[1]
     # the classes' arrays gathered a run of classes at a time, each class a slice: runs of
     # under 4 MiB an array (numpy asks for huge pages from 4 MiB, and where the host's
-    # huge-page defrag is "madvise" a first touch of those may compact memory: seconds of
-    # system CPU for the parts at 4,096 ranks); joining offsets and lengths first (one
-    # gather) would cost a copy of every shared box at the peak of the coordinator's memory
+    # huge-page defrag is "madvise" a first touch of those may stall to compact memory);
+    # joining offsets and lengths first (one gather) would cost a copy of every shared box
+    # at the peak of the coordinator's memory
     per_class: list[tuple[np.ndarray, ...]] = []
     run = max(1, _RUN_BYTES // (8 * max(width, 1)))
     c = 0
