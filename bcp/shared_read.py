@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,6 +47,7 @@ from bcp.io_scheduler.share_match import (
     one_box_per_tensor,
     padded_boxes,
     rows_at,
+    tag_major,
 )
 from bcp.io_scheduler.share_parts import SharePart, class_parts
 from bcp.metadata import itemsize
@@ -215,7 +217,8 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
         key = np.unique(fi.astype(np.int64) * len(reps) + cls)
         uf, uc = key // len(reps), key % len(reps)
     if (classes.sizes == classes.sizes[0]).all():
-        n_ranks = np.bincount(uf, minlength=n_frags) * int(classes.sizes[0])
+        n_ranks = np.bincount(uf, minlength=n_frags)
+        n_ranks *= int(classes.sizes[0])
     else:
         n_ranks = np.bincount(uf, weights=classes.sizes[uc], minlength=n_frags)
     candidates = np.flatnonzero(n_ranks > 1)
@@ -228,7 +231,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     wanted_elems: np.ndarray = np.bincount(fi, weights=weights, minlength=n_frags)
     del weights
     if uniform:
-        wanted_elems = wanted_elems * float(classes.sizes[0])
+        wanted_elems *= float(classes.sizes[0])
     del fi, cls, elems
     item = np.zeros(len(names), np.int64)
     item[used] = [itemsize(e.dtype) for e in entries]
@@ -325,15 +328,16 @@ class _RankClasses:
         needs it; other labels numbered past the classes). Equal needer sets are equal
         sets of classes: classes partition the ranks."""
         n_classes = len(self.sizes)
-        key = tags * n_classes + classes
-        if len(key) > 1 and not (key[1:] >= key[:-1]).all():  # usually in order already
-            order = np.argsort(key, kind="stable")
+        if not tag_major(tags, classes, n_classes):  # usually in order already
+            order = np.argsort(tags * n_classes + classes, kind="stable")
             tags, classes = tags[order], classes[order]
         pairs = np.bincount(tags, minlength=k)  # classes needing each fragment
-        pair_starts = np.concatenate(([0], np.cumsum(pairs))).astype(np.int64)
-        group = np.full(k, -1, np.int64)
-        one = np.flatnonzero(pairs == 1)
-        group[one] = classes[pair_starts[one]]
+        pair_starts = np.zeros(len(pairs) + 1, np.int64)
+        np.cumsum(pairs, out=pair_starts[1:])
+        # each fragment's first class where one class needs it, else -1 (one gather, no index arrays)
+        first = classes.take(pair_starts[:-1], mode="clip") if len(classes) else np.zeros(k, np.int64)
+        group = np.where(pairs == 1, first, -1).astype(np.int64, copy=False)
+        del first
         several = np.flatnonzero(pairs > 1)
         if len(several):
             mine = classes[np.repeat(pairs > 1, pairs)]
@@ -342,7 +346,7 @@ class _RankClasses:
             else:
                 label = _needer_groups(mine, np.concatenate(([0], np.cumsum(pairs[several]))))
             group[several] = n_classes + label.reshape(-1)
-        return classes.astype(np.int64), pair_starts, group
+        return classes.astype(np.int64, copy=False), pair_starts, group
 
     def ranks_of(self, classes: np.ndarray) -> np.ndarray:
         """The ranks of ``classes`` (a few), ascending."""
@@ -385,8 +389,8 @@ def _dense_inverse(keys: np.ndarray, bound: int) -> np.ndarray:
         return np.unique(keys, return_inverse=True)[1]
     seen = np.zeros(bound, bool)
     seen[keys] = True
-    rank = np.cumsum(seen, dtype=np.int64) - 1
-    return rank[keys]
+    rank: np.ndarray = np.cumsum(seen, dtype=np.int32 if bound < 1 << 31 else np.int64)
+    return rank[keys].astype(np.int64) - 1
 
 
 _WEIGHTS = np.random.default_rng(0x5EED).integers(1, 1 << 62, 1 << 12, dtype=np.int64)
@@ -442,9 +446,6 @@ def _needer_groups(needers: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return np.searchsorted(first, rep)
 
 
-_ONE = np.ones(1, np.int64)
-
-
 def _choose_owners(
     classes: _RankClasses,
     pair_classes: np.ndarray,
@@ -472,36 +473,45 @@ def _choose_owners(
     gstart = np.r_[0, np.cumsum(counts)].astype(np.int64)
     present = np.flatnonzero(counts)
     visit = present[np.argsort(order[gstart[present]], kind="stable")]
-    # each group's running byte count (exact int64), the same values a per-group cumsum gives;
-    # the fragments' midpoints on it, non-decreasing within a group, so a group's cut
-    # points are binary searches of its targets (a few per group), not a search per fragment
+    # each group's running byte count (exact int64, a cumsum of its slice: no array as long
+    # as every fragment); the fragments' midpoints on it, non-decreasing within a group, so
+    # a group's cut points are binary searches of its targets (a few per group)
     sz = sizes[order].astype(np.int64, copy=False)
-    cum = np.cumsum(sz)
-    cum -= np.repeat(cum[gstart[:-1]] - sz[gstart[:-1]], counts)
-    mid = cum - sz / 2.0
-    load = np.zeros(world, np.int64)
-    run_ranks: list[np.ndarray] = [np.zeros(0, np.int64)] * len(counts)  # per group label
-    run_lengths: list[np.ndarray] = [np.zeros(0, np.int64)] * len(counts)
+    # plain Python per group (a few needers each): loads, members and cuts as ints
+    load = [0] * world
+    ranks_of = [classes.members[x:y].tolist() for x, y in itertools.pairwise(classes.mstarts.tolist())]
+    run_ranks: list[list[int]] = [[]] * len(counts)  # per group label
+    run_lengths: list[list[int]] = [[]] * len(counts)
     gs = gstart.tolist()
     for g in visit.tolist():
         a, b = gs[g], gs[g + 1]
         f0 = int(order[a])
-        members = classes.ranks_of(pair_classes[pair_starts[f0] : pair_starts[f0 + 1]])
+        p0, p1 = int(pair_starts[f0]), int(pair_starts[f0 + 1])
+        if p1 - p0 == 1:
+            members = ranks_of[int(pair_classes[p0])]
+        else:
+            members = sorted(r for c in pair_classes[p0:p1].tolist() for r in ranks_of[c])
         if b - a == 1:
-            owner = members[np.argmin(load[members])]
-            run_ranks[g], run_lengths[g] = owner[None], _ONE
+            owner = min(members, key=load.__getitem__)  # the first least-loaded: ranks ascend
+            run_ranks[g], run_lengths[g] = [owner], [1]
             load[owner] += int(sz[a])
             continue
-        have = load[members].tolist()
-        level = _water_level(have, int(cum[b - 1]))
-        target = np.cumsum([max(level - h, 0.0) for h in have])
+        have = [load[m] for m in members]
+        cum = np.cumsum(sz[a:b])
+        level = _water_level(have, int(cum[-1]))
+        target, acc = [], 0.0
+        for h in have[:-1]:
+            acc += max(level - h, 0.0)
+            target.append(acc)
         # fragment i goes to members[j], j = targets at or below its midpoint (at most the last)
-        cuts = np.r_[0, np.searchsorted(mid[a:b], target[:-1], side="left"), b - a]
-        run_ranks[g], run_lengths[g] = members, np.diff(cuts)
-        held = np.r_[0, cum[a:b]][cuts]
-        load[members] += np.diff(held)
+        cuts = [0, *np.searchsorted(cum - sz[a:b] / 2.0, target, side="left").tolist(), b - a]
+        run_ranks[g], run_lengths[g] = members, [y - x for x, y in itertools.pairwise(cuts)]
+        held = [int(cum[c - 1]) if c else 0 for c in cuts]
+        for m, x, y in zip(members, held, held[1:], strict=False):
+            load[m] += y - x
     # the runs, by group label, cover the fragments as ``order`` lists them
-    owners[order] = np.repeat(np.concatenate(run_ranks), np.concatenate(run_lengths))
+    flat_ranks = [r for runs in run_ranks for r in runs]
+    owners[order] = np.repeat(np.array(flat_ranks, np.int32), [n for runs in run_lengths for n in runs])
     return owners
 
 

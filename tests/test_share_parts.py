@@ -185,17 +185,6 @@ def test_an_fsdp_like_plan_keeps_its_class_order():
     assert plan.class_tags.tolist() == [0, 1, 4, 2, 3, 5]
 
 
-@settings(max_examples=examples(200), deadline=None)
-@given(values=st.lists(st.integers(0, 300), min_size=1, max_size=40) | st.lists(st.integers(0, 5), min_size=1))
-def testsmall_unique_is_numpys_unique(values):
-    from bcp.io_scheduler.share_parts import small_unique
-
-    a = np.array(values, np.int64)
-    got, want = small_unique(a), np.unique(a, return_inverse=True)
-    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1].reshape(-1))
-    assert np.array_equal(got[0][got[1]], a)
-
-
 def test_parts_gather_each_class_without_copying_every_box_first():
     """At 4,096 ranks the coordinator's memory peaks while it cuts the parts: each class's
     boxes are gathered straight from the plan's offsets and lengths (no joined copy of
@@ -243,3 +232,82 @@ def test_by_tag_is_the_lexsort_order(per_class, shift):
     got_tags, got_cls = by_tag(tags, classes, int(tags.max()) + 1 if len(tags) else 0, len(per_class))
     assert got_tags.tolist() == tags[order].tolist()
     assert got_cls.tolist() == classes[order].tolist()
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(data=st.data(), n_classes=st.integers(1, 6), world=st.integers(1, 8), table=st.booleans())
+def test_what_each_rank_sends_is_its_own_unique_of_classes(data, n_classes, world, table):
+    """The sends of every rank found at once (one numbering of (owner, class) keys)
+    equal each rank's own ``np.unique`` of the classes it sends to (the per-rank loop
+    this replaced), owners past ``world`` included, both the table and the sort."""
+    from bcp.io_scheduler import share_parts
+
+    k = data.draw(st.integers(0, 30), label="fragments")
+    owners = np.array(data.draw(st.lists(st.integers(0, world + 1), min_size=k, max_size=k)), np.int32)
+    sets = [sorted(data.draw(st.sets(st.integers(0, n_classes - 1), min_size=1))) for _ in range(k)]
+    pair_classes = np.array([c for s in sets for c in s], np.int64)
+    pair_starts = np.r_[0, np.cumsum([len(s) for s in sets])].astype(np.int64)
+    slack = share_parts._TABLE_SLACK
+    share_parts._TABLE_SLACK = slack if table else -(1 << 40)
+    try:
+        obounds, sstarts, local, ubounds, peers = share_parts._sent_by_owner(
+            world, owners, pair_classes, pair_starts, n_classes
+        )
+    finally:
+        share_parts._TABLE_SLACK = slack
+    by_owner = stable_order(owners)
+    for r in range(world):
+        tags = by_owner[obounds[r] : obounds[r + 1]]
+        assert (owners[tags] == r).all() and len(tags) == int((owners == r).sum())
+        sent = [c for t in tags.tolist() for c in sets[t]]
+        sa, sb = int(sstarts[obounds[r]]), int(sstarts[obounds[r + 1]])
+        assert np.diff(sstarts[obounds[r] : obounds[r + 1] + 1]).tolist() == [len(sets[t]) for t in tags.tolist()]
+        want_peers, want_local = np.unique(np.array(sent, np.int64), return_inverse=True)
+        assert peers[ubounds[r] : ubounds[r + 1]].tolist() == want_peers.tolist()
+        assert local[sa:sb].tolist() == want_local.reshape(-1).tolist()
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    pairs=st.lists(st.tuples(st.integers(0, 6), st.integers(-1, 4)), max_size=30),
+    block=st.integers(1, 5),
+    sort=st.booleans(),
+)
+def test_pair_order_checks_by_block_equal_the_packed_key(pairs, block, sort):
+    """The order checks done a block at a time (no key or step as long as the pairs) say
+    what the packed key ``tags * n + classes`` and the class-major step test said,
+    blocks of any size, classes inside [0, n) or not."""
+    from bcp.io_scheduler import share_match
+
+    pairs = sorted(pairs) if sort else pairs
+    tags = np.array([t for t, _c in pairs], np.int64)
+    classes = np.array([c for _t, c in pairs], np.int64)
+    saved = share_match._CHECK_BLOCK
+    share_match._CHECK_BLOCK = block
+    try:
+        for n in (3, 5):
+            key = tags * n + classes
+            assert share_match.tag_major(tags, classes, n) == bool(len(key) < 2 or (key[1:] >= key[:-1]).all())
+        step = classes[1:] - classes[:-1]
+        want = len(tags) < 2 or bool(((step > 0) | ((step == 0) & (tags[1:] > tags[:-1]))).all())
+        assert share_match.class_major(classes, tags) == want
+    finally:
+        share_match._CHECK_BLOCK = saved
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    points=st.lists(st.integers(-2, 40), max_size=20), line=st.integers(1, 41), sort=st.booleans(), wide=st.booleans()
+)
+def test_the_cut_index_tables_count_points_at_or_before_each_place(points, line, sort, wide):
+    """The cut index's prefix-count tables (runs of equal counts, or the plain count where
+    points are out of order) are ``cumsum(bincount(points))`` over the line."""
+    from bcp.io_scheduler.share_match import _upto
+
+    a = np.array(sorted(points) if sort else points, np.int64)
+    inside = (a >= 0) & (a < line)
+    if not inside.all() or (len(a) > 1 and (np.diff(a) < 0).any()):
+        a = np.unique(a[inside])  # the runs need ascending points; the marks distinct ones
+    dtype = np.int64 if wide else np.int32
+    got = _upto(a, line, dtype)
+    assert got.dtype == dtype and got.tolist() == np.cumsum(np.bincount(a, minlength=line)).tolist()

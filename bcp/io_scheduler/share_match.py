@@ -51,7 +51,7 @@ def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tup
     int64 (:func:`packed_keys`; the pairs are distinct, so the order is the stable
     one), or a stable sort by tag where they do not fit; otherwise as they are
     (:meth:`_RankClasses.labels` sorts them)."""
-    if len(tags) < 2 or not ascending(classes) or ascending(tags * n_classes + classes):
+    if len(tags) < 2 or not ascending(classes) or tag_major(tags, classes, n_classes):
         return tags, classes
     packed = packed_keys(tags, classes, n_classes)
     if packed is None or (len(classes) and int(classes.min()) < 0):
@@ -68,10 +68,35 @@ def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tup
 def class_major(classes: np.ndarray, tags: np.ndarray) -> bool:
     """Whether (tag, class) pairs are in order of class, then tag (each pair once): as
     the matching yields them when every class names its tensors in catalog order."""
+    return lex_ascending(classes, tags, strict=True)
+
+
+#: pairs compared at once by :func:`lex_ascending` (its temporaries stay small)
+_CHECK_BLOCK = 1 << 16
+
+
+def lex_ascending(major: np.ndarray, minor: np.ndarray, *, strict: bool = False) -> bool:
+    """Whether the pairs (major[i], minor[i]) never decrease (``strict``: always increase)
+    in lexicographic order. A block at a time: at millions of pairs, temporaries as long
+    as the pairs (a packed key, a step per pair) cost more in fresh memory than the
+    comparisons themselves."""
+    n = len(major)
+    for lo in range(0, max(n - 1, 0), _CHECK_BLOCK):
+        hi = min(lo + _CHECK_BLOCK, n - 1)
+        a0, a1, b0, b1 = major[lo:hi], major[lo + 1 : hi + 1], minor[lo:hi], minor[lo + 1 : hi + 1]
+        if not bool(((a1 > a0) | ((a1 == a0) & ((b1 > b0) if strict else (b1 >= b0)))).all()):
+            return False
+    return True
+
+
+def tag_major(tags: np.ndarray, classes: np.ndarray, n_classes: int) -> bool:
+    """``ascending(tags * n_classes + classes)`` without that key: by pairs where every
+    class is in [0, n_classes) (then the key's order is the pairs' order), else the key."""
     if len(tags) < 2:
         return True
-    step = classes[1:] - classes[:-1]
-    return bool(((step > 0) | ((step == 0) & (tags[1:] > tags[:-1]))).all())
+    if int(classes.min()) >= 0 and int(classes.max()) < n_classes:
+        return lex_ascending(tags, classes)
+    return ascending(tags * n_classes + classes)
 
 
 def rows_at(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -154,16 +155,56 @@ class SharePart:
         return out
 
 
-def small_unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(values, return_inverse=True)`` of non-empty non-negative ints, by
-    counting where they span a short range (a rank sends to a few neighbouring classes:
-    no sort per rank)."""
-    lo, hi = int(values.min()), int(values.max())
-    if hi - lo > 4 * len(values) + 64:
-        return np.unique(values, return_inverse=True)
-    seen = np.bincount(values - lo, minlength=hi - lo + 1) > 0
-    rank_of = np.cumsum(seen) - 1
-    return np.flatnonzero(seen) + lo, rank_of[values - lo]
+#: rows of a run of classes gathered at once in :func:`class_parts`, in bytes of a box array
+_RUN_BYTES = (4 << 20) - 4096
+
+#: keys past 8 a pair plus this many are numbered by a sort, not a table of every key
+_TABLE_SLACK = 1 << 22
+
+
+def _sent_by_owner(
+    world: int, owners: np.ndarray, pair_classes: np.ndarray, pair_starts: np.ndarray, n_classes: int
+) -> tuple[list[int], np.ndarray, np.ndarray, list[int], np.ndarray]:
+    """What every rank sends, for every rank at once: tags by owner (tag order within),
+    each with the classes needing it. Returns the tags' bounds per owner, the starts of
+    each owned tag's classes (owner order), those classes as indices into their
+    owner's peer classes, the peers' bounds per owner and the peer classes (the distinct
+    classes an owner sends to, ascending). One numbering of the (owner, class) keys for
+    all owners, by a table of the keys seen where it is small: no sort per rank. Bounds
+    are as plain ints, at each owner (``world + 1`` of them)."""
+    span = max(world, int(owners.max()) + 1) if len(owners) else world  # ranks past ``world`` own nothing here
+    obounds = np.zeros(span + 1, np.int64)
+    np.cumsum(np.bincount(owners, minlength=span), out=obounds[1:])
+    by_owner = stable_order(owners)
+    per_tag = np.diff(pair_starts)[by_owner]
+    sstarts = np.zeros(len(by_owner) + 1, np.int64)
+    np.cumsum(per_tag, out=sstarts[1:])
+    n = int(sstarts[-1])
+    pos = np.repeat(pair_starts[by_owner] - sstarts[:-1], per_tag)  # each tag's classes, tags by owner
+    del by_owner, per_tag
+    pos += np.arange(n, dtype=np.int64)
+    key = pair_classes[pos].astype(np.int64)
+    del pos
+    per_owner = np.diff(sstarts[obounds])
+    key += np.repeat(np.arange(span, dtype=np.int64) * n_classes, per_owner)  # (owner, class)
+    bound = span * n_classes
+    if n and bound <= 8 * n + _TABLE_SLACK:
+        seen = np.zeros(bound, bool)
+        seen[key] = True
+        number = np.cumsum(seen, dtype=np.int32 if bound < 1 << 31 else np.int64)
+        uniq = np.flatnonzero(seen)
+        del seen
+        local = number[key].astype(np.int64)
+        local -= 1
+        del number
+    else:
+        uniq, inverse = np.unique(key, return_inverse=True)
+        local = inverse.reshape(-1).astype(np.int64, copy=False)
+    del key
+    ubounds = np.searchsorted(uniq, np.arange(span + 1, dtype=np.int64) * n_classes)
+    local -= np.repeat(ubounds[:-1], per_owner)  # numbered from 0 per owner
+    at = obounds[: world + 1]
+    return at.tolist(), sstarts, local, ubounds[: world + 1].tolist(), uniq % max(n_classes, 1)
 
 
 def class_parts(
@@ -186,7 +227,6 @@ def class_parts(
     members = stable_order(rank_class).astype(np.int64)  # ranks by class, ascending within
     sizes = np.bincount(rank_class, minlength=n_classes).astype(np.int64)
     mstarts = np.r_[0, np.cumsum(sizes)].astype(np.int64)
-    mstarts_list = mstarts.tolist()
     k = len(owners)
     if class_tags is None:
         tag_of_pair = np.repeat(np.arange(k, dtype=np.int64), np.diff(pair_starts))
@@ -194,37 +234,50 @@ def class_parts(
         class_tags = tag_of_pair[by_class]
         del tag_of_pair, by_class
     cbounds = np.r_[0, np.cumsum(np.bincount(pair_classes, minlength=n_classes))].tolist()
-    # what each rank sends, for every rank at once: tags by owner (tag order within),
-    # each with the classes needing it
-    by_owner = stable_order(owners)
-    obounds = np.searchsorted(owners[by_owner], np.arange(world + 1)).tolist()
-    sent, per_tag = _expand(pair_classes, pair_starts, by_owner)
-    sstarts = np.r_[0, np.cumsum(per_tag)].astype(np.int64)
-    del per_tag
+    obounds, sstarts, sends_all, ubounds, peer_cls = _sent_by_owner(world, owners, pair_classes, pair_starts, n_classes)
+    # the peer classes' ranks, every owner's peers one after another
+    peer_sizes = sizes[peer_cls]
+    pstarts = np.zeros(len(peer_cls) + 1, np.int64)
+    np.cumsum(peer_sizes, out=pstarts[1:])
+    at = np.repeat(mstarts[peer_cls] - pstarts[:-1], peer_sizes)
+    at += np.arange(int(pstarts[-1]), dtype=np.int64)
+    peer_ranks = members[at]
+    del at, peer_sizes, peer_cls
     width = offsets.shape[1]
-    # two gathers per class from the plan's arrays: joining offsets and lengths first
-    # (one gather) costs a copy of every shared box at the peak of the coordinator's memory
+    # the classes' arrays gathered a run of classes at a time, each class a slice: runs of
+    # under 4 MiB an array (numpy asks for huge pages from 4 MiB, and where the host's
+    # huge-page defrag is "madvise" a first touch of those may stall to compact memory);
+    # joining offsets and lengths first (one gather) would cost a copy of every shared box
+    # at the peak of the coordinator's memory
     per_class: list[tuple[np.ndarray, ...]] = []
-    for c in range(n_classes):
-        mine = class_tags[cbounds[c] : cbounds[c + 1]].astype(np.int64, copy=False)
-        per_class.append(
-            (mine, tensors[mine], np.take(offsets, mine, axis=0), np.take(lengths, mine, axis=0), owners[mine])
-        )
+    run = max(1, _RUN_BYTES // (8 * max(width, 1)))
+    c = 0
+    while c < n_classes:
+        end = c + 1
+        while end < n_classes and cbounds[end + 1] - cbounds[c] <= run:
+            end += 1
+        lo, hi = cbounds[c], cbounds[end]
+        mine = class_tags[lo:hi].astype(np.int64, copy=False)
+        run_arrays = (mine, tensors[mine], np.take(offsets, mine, axis=0), np.take(lengths, mine, axis=0), owners[mine])
+        per_class += [
+            tuple(x[a - lo : b - lo] for x in run_arrays) for a, b in itertools.pairwise(cbounds[c : end + 1])
+        ]
+        c = end
     none = (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros((0, width), np.int64))
     nothing = (none[0], none[1], none[2], none[2], none[1])
+    pairs_at = sstarts[obounds].tolist()  # each owner's first pair sent
+    peers_at = pstarts[ubounds].tolist()  # each owner's first peer rank
+    class_of = rank_class.tolist()
     out = []
     for r in range(world):
-        c = int(rank_class[r]) if r < len(rank_class) else -1
+        c = class_of[r] if r < len(class_of) else -1
         mine, c_tensors, c_off, c_len, c_owners = per_class[c] if c >= 0 else nothing
         a, b = obounds[r], obounds[r + 1]
         if a < b:
-            sa, sb = int(sstarts[a]), int(sstarts[b])
-            peers, local = small_unique(sent[sa:sb])
-            bounds = mstarts_list  # a rank sends to few classes: slices, not an expansion
-            ranks_of = np.concatenate([members[bounds[p] : bounds[p + 1]] for p in peers.tolist()])
-            peer_starts = np.zeros(len(peers) + 1, np.int64)
-            np.cumsum(sizes[peers], out=peer_starts[1:])
-            sends, send_starts = local.reshape(-1).astype(np.int64), sstarts[a : b + 1] - sa
+            sa, sb = pairs_at[r], pairs_at[r + 1]
+            ranks_of = peer_ranks[peers_at[r] : peers_at[r + 1]]
+            peer_starts = pstarts[ubounds[r] : ubounds[r + 1] + 1] - peers_at[r]
+            sends, send_starts = sends_all[sa:sb], sstarts[a : b + 1] - sa
         else:
             ranks_of, peer_starts, sends, send_starts = none[0], np.zeros(1, np.int64), none[0], np.zeros(1, np.int64)
         out.append(
