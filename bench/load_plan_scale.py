@@ -33,6 +33,9 @@ is the part of the CPU seconds spent building the catalog's per-tensor entries
 (TensorEntry columns, with the catalog's whole-tensor tiling check) that the planner
 then reads; for ``share`` rows it is the part spent in ``SharePlan.parts`` (the plan
 itself gathers only the stored boxes, ``Catalog.boxes``, and counts them in the rest).
+``share`` rows end with the user and system CPU seconds apart: the system share (the
+kernel faulting in and compacting memory for new large arrays) swings run to run on a
+shared host, the user share is the plan's own work.
 
     python bench/load_plan_scale.py                  # 256 and 1,024 ranks
     python bench/load_plan_scale.py --ranks 256 --old
@@ -46,6 +49,7 @@ import json
 import math
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -257,6 +261,7 @@ def run_share(impl: str, ranks: int, load: int, tensors: int, dp: int) -> dict:
     reader: Any = types.SimpleNamespace(catalog=cat)
     base = rss_now()
     exact = reset_peak()
+    u0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.process_time()
     if impl == "bcp":
         plan = plan_shares(reader, wanted)  # gathers the used tensors' stored boxes (Catalog.boxes)
@@ -269,9 +274,21 @@ def run_share(impl: str, ranks: int, load: int, tensors: int, dp: int) -> dict:
         t1 = time.process_time()
         shared = old_share_one_rank(cat, lists)
     t2 = time.process_time()
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
     peak = peak_rss()
     extra = (peak - base) / 1e9 if exact else float("nan")
-    return {"seconds": t2 - t0, "match": t2 - t1, "shared": shared, "extra_gb": extra, "peak_gb": peak / 1e9}
+    # user and system CPU apart: the kernel's share swings run to run (first touches of
+    # large arrays, huge-page compaction), bcp's own work is the user share
+    user, system = u1.ru_utime - u0.ru_utime, u1.ru_stime - u0.ru_stime
+    return {
+        "seconds": t2 - t0,
+        "match": t2 - t1,
+        "shared": shared,
+        "extra_gb": extra,
+        "peak_gb": peak / 1e9,
+        "user": user,
+        "system": system,
+    }
 
 
 # -- driver ------------------------------------------------------------------------------
@@ -333,7 +350,9 @@ def main() -> None:
                 extra = statistics.median(r["extra_gb"] for r in rs)
                 peak = statistics.median(r["peak_gb"] for r in rs)
                 row = f"{sec:>8.3f} {match:>13.3f} {extra:>9.3f} {peak:>8.2f} {rs[0]['shared']:>9}"
-                print(f"{case:<34} {impl:<5} {row}", flush=True)
+                user = statistics.median(r["user"] for r in rs)
+                system = statistics.median(r["system"] for r in rs)
+                print(f"{case:<34} {impl:<5} {row}  (user {user:.3f} s, system {system:.3f} s)", flush=True)
 
 
 if __name__ == "__main__":
