@@ -302,9 +302,10 @@ class CheckpointReader:
         pool; see ``bcp.io_scheduler.device_load``); the call returns once every byte has landed."""
         in_memory = in_memory or {}
         spans: list[tuple[int, int]] = []  # each destination's (address, bytes), found once for both
-        requests = without_shared_destinations(requests, self.catalog, self._tensor_entry, spans)  # before any read
+        kept = without_shared_destinations(requests, self.catalog, self._tensor_entry, spans)  # before any read
         block = self.manifest.checksum_block_bytes  # whole tensors and exact shards read in bulk; the rest planned
-        whole, sums, requests = split_bulk(self.catalog, block, requests, in_memory, spans)
+        # ``kept`` holds every destination until the call returns: bulk reads write through views holding none
+        whole, sums, requests = split_bulk(self.catalog, block, kept, in_memory, spans)
         entries = self._entries([fqn for fqn, _box, _dest in requests])
         check_box = check_box_inside
         for (fqn, box, dest), entry in zip(requests, entries, strict=True):  # everything checked before any allocation

@@ -12,6 +12,7 @@ import datetime
 import itertools
 import math
 import uuid
+import weakref
 
 import pytest
 import torch
@@ -237,3 +238,30 @@ def test_rows_that_overlap_elsewhere_are_refused_as_the_planner_refuses_them():
     uri = write(layout, writers=3, block=64)
     with pytest.raises(FormatError, match="'t0'"), bcp.open(uri) as reader:
         reader.fill([("t0", ((0,), (4,)), torch.zeros(4))])
+
+
+def test_destinations_passed_as_temporaries_live_until_the_bulk_reads_land(monkeypatch):
+    """fill given its destinations only in the list it is called with (no other
+    reference): each must stay alive while the bulk reads write into it through raw
+    views; it was freed before the reads (heap corruption) when fill rebound its argument."""
+    layout = [((4, 6), [((0, 0), (4, 6))]), *row_sharded(3, 2)]  # a whole tensor and exact shards
+    uri = write(layout, writers=2, block=64)
+    refs: list[weakref.ref] = []
+
+    def temporary(shape) -> torch.Tensor:
+        t = torch.zeros(shape)
+        refs.append(weakref.ref(t))
+        return t
+
+    alive: list[bool] = []
+    real = reader_module.execute_whole_reads
+
+    def bulk(backend, reads, *a, **k):
+        alive.extend(r() is not None for r in refs)
+        return real(backend, reads, *a, **k)
+
+    monkeypatch.setattr(reader_module, "execute_whole_reads", bulk)
+    boxes = [((0, 0), (4, 6)), *[((4, 0), (4, shape[1])) for shape, _b in layout[1:]]]
+    with bcp.open(uri) as reader:
+        reader.fill([(f"t{t}", box, temporary(box[1])) for t, box in enumerate(boxes)])
+    assert alive == [True] * len(boxes)
