@@ -1,6 +1,7 @@
 """Which tensors a catalog stores as one row holding the whole tensor, found in a few numpy
 passes over its rows (:meth:`bcp.metadata.catalog.Catalog.whole_rows`): a load of 10,000
-small tensors reads them without an object per tensor."""
+small tensors reads them without an object per tensor; and which row is exactly a wanted box
+(:func:`find_exact_rows`: shards loaded at the layout they were saved with)."""
 
 from __future__ import annotations
 
