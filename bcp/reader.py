@@ -31,9 +31,10 @@ from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor
 from bcp.io_scheduler.device_load import DeviceFill
 from bcp.io_scheduler.read_exec import ReadStats, execute_reads
 from bcp.io_scheduler.read_plan import RunSet, plan_tensor_reads, touched_rows
+from bcp.io_scheduler.shard_reads import row_of, split_bulk
 from bcp.io_scheduler.shared_dest import without_shared_destinations
 from bcp.io_scheduler.staging import StagingPool, default_pool
-from bcp.io_scheduler.whole_reads import execute_whole_reads, split_whole
+from bcp.io_scheduler.whole_reads import execute_whole_reads
 from bcp.metadata import Catalog, FormatError, Fragment, Manifest, ObjectEntry, TensorEntry, crc32c
 from bcp.metadata.catalog.sections import TRAILER, is_v2
 from bcp.metadata.geometry import Box, check_box_inside, intersect
@@ -301,9 +302,10 @@ class CheckpointReader:
         pool; see ``bcp.io_scheduler.device_load``); the call returns once every byte has landed."""
         in_memory = in_memory or {}
         spans: list[tuple[int, int]] = []  # each destination's (address, bytes), found once for both
-        requests = without_shared_destinations(requests, self.catalog, self._tensor_entry, spans)  # before any read
-        block = self.manifest.checksum_block_bytes  # tensors stored whole, read in bulk; the rest planned
-        whole, sums, requests = split_whole(self.catalog, block, requests, in_memory, spans)
+        kept = without_shared_destinations(requests, self.catalog, self._tensor_entry, spans)  # before any read
+        block = self.manifest.checksum_block_bytes  # whole tensors and exact shards read in bulk; the rest planned
+        # ``kept`` holds every destination until the call returns: bulk reads write through views holding none
+        whole, sums, requests = split_bulk(self.catalog, block, kept, in_memory, spans)
         entries = self._entries([fqn for fqn, _box, _dest in requests])
         check_box = check_box_inside
         for (fqn, box, dest), entry in zip(requests, entries, strict=True):  # everything checked before any allocation
@@ -363,11 +365,9 @@ class CheckpointReader:
             plans += plan_tensor_reads(
                 entry, [box], prefer_rank=prefer_rank, in_memory=frozenset(mine) if mine else none, dest=index
             )
-        stats = execute_reads(
-            self.backend, plans, views, block_bytes=self.manifest.checksum_block_bytes, verify=self.verify
-        )
-        first_row = lambda fqn: self._tensor_entry(fqn).fragment(0)  # noqa: E731 - names a whole read in an error
-        stats.add(execute_whole_reads(self.backend, whole, sums, first_row, block_bytes=block, verify=self.verify))
+        stats = execute_reads(self.backend, plans, views, block_bytes=block, verify=self.verify)
+        row = lambda read: row_of(self._tensor_entry(read.fqn), read)  # noqa: E731 - names a bulk read in an error
+        stats.add(execute_whole_reads(self.backend, whole, sums, row, block_bytes=block, verify=self.verify))
         for dest, landing in copies:
             copy_values(dest, landing)
         if device_fill is not None:

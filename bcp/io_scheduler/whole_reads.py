@@ -151,15 +151,15 @@ def execute_whole_reads(
     backend: Backend,
     reads: list[WholeRead],
     sums: np.ndarray,
-    fragment: Callable[[str], Fragment],
+    fragment: Callable[[WholeRead], Fragment],
     *,
     block_bytes: int,
     verify: bool = True,
     streams: int | None = None,
 ) -> ReadStats:
     """Carry out ``reads`` in bulk (``sums``: the flat block checksum column their
-    ``sum_start`` index; ``fragment(fqn)``: the stored row, built only to name an
-    error): sorted by file and offset, those that follow each other in a file (across
+    ``sum_start`` index; ``fragment(read)``: the stored row ``read`` reads, built only
+    to name an error): sorted by file and offset, those that follow each other in a file (across
     less than :data:`~.read_exec.MAX_PADDING` bytes) grouped into batches; a batch found in memory
     is read in place through one open file, tensors that follow each other in the file
     (across less than :data:`GAP_BYTES`, up to a piece of :data:`~.read_exec.IN_MEMORY_CHUNK`)
@@ -228,7 +228,7 @@ def execute_whole_reads(
         if ok and whole < r.nbytes:
             ok = crc32c_c(target[whole:]) == tails[i]
         if not ok:
-            frag = fragment(r.fqn)
+            frag = fragment(r)
             read_exec.name_block(name, frag, 0, target, block, range(len(frag.checksums)))
 
     def check_many(many: list[int]) -> None:
@@ -266,12 +266,12 @@ def execute_whole_reads(
             try:
                 read(r.offset + a, piece)
             except (ObjectNotFoundError, EOFError) as e:
-                raise read_exec.read_error(name, fragment(r.fqn), a, e) from e
+                raise read_exec.read_error(name, fragment(r), a, e) from e
             ok = s1 <= s0 or crc32c_c(piece[: (s1 - s0) * block]) == want
             if ok and b == n and f * block < n:
                 ok = crc32c_c(r.target[f * block :]) == tails[i]
             if not ok:
-                read_exec.name_block(name, fragment(r.fqn), 0, r.target, block, range(a // block, -(-b // block)))
+                read_exec.name_block(name, fragment(r), 0, r.target, block, range(a // block, -(-b // block)))
 
     def span_of(batch: list[int]) -> int:
         return reads[batch[-1]].offset + reads[batch[-1]].nbytes - reads[batch[0]].offset
@@ -326,7 +326,7 @@ def execute_whole_reads(
                         check_many(many)
                     k += len(many)
         except (ObjectNotFoundError, EOFError) as e:
-            raise read_exec.read_error(name, fragment(at.fqn), 0, e) from e
+            raise read_exec.read_error(name, fragment(at), 0, e) from e
         return len(batch), 0
 
     def run_batch(batch: list[int], resident: bool) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from bcp.metadata.catalog.sections import TRAILER, encode, is_v2, read_trailer
 from bcp.metadata.catalog.tensors import CATALOG_SCHEMA, TensorTable
 from bcp.metadata.catalog.validate import check_rows_in_files, decode_rows
 from bcp.metadata.catalog.view import TensorsView
-from bcp.metadata.catalog.whole import WholeRows, find_whole_rows
+from bcp.metadata.catalog.whole import WholeRows, find_exact_rows, find_whole_rows
 from bcp.metadata.entries import check_tilings, gather_boxes, gather_entries
 from bcp.metadata.format_errors import FormatError
 from bcp.metadata.geometry import stable_order
@@ -175,14 +175,17 @@ class Catalog:
             self._build_entries(todo)
         return [self._entry(t) for t in codes]
 
-    def whole_rows(self, fqns: Sequence[str]) -> WholeRows:
+    def whole_rows(self, fqns: Sequence[str], boxes: Sequence[Box] | None = None) -> WholeRows:
         """Which of ``fqns`` are stored as one row holding the whole tensor, with no
-        entry built (:mod:`.whole`); -1 for the others (and all, if built from Fragments)."""
+        entry built (:mod:`.whole`); -1 for the others (and all, if built from Fragments).
+        With ``boxes``: the one row equal to each box that no other row meets (tiling checked)."""
         complete = None if self.is_whole else self._complete
         args = (fqns, self._table_of_tensors, self._rows, self._starts, self._order)
-        return find_whole_rows(
-            *args, usable=self._given is None, complete=complete, file_names=self._file_names_tuple()
-        )
+        usable, names = self._given is None, self._file_names_tuple()
+        if boxes is not None:
+            check = self._check_tilings
+            return find_exact_rows(*args, boxes, usable=usable, file_names=names, check=check)
+        return find_whole_rows(*args, usable=usable, complete=complete, file_names=names)
 
     def shapes_and_dtypes(self, fqns: Sequence[str]) -> list[tuple[tuple[int, ...], str] | None]:
         """The global shape and dtype name of each of ``fqns``, None if not held, without
