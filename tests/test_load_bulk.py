@@ -343,3 +343,33 @@ def test_lazily_conjugated_and_negated_destinations_get_the_stored_values():
     assert conj.is_conj() and neg.is_neg() and neg.dtype == torch.float32
     bcp.load({"z": conj, "r": plain, "i": neg}, uri)
     assert torch.equal(conj, z) and torch.equal(plain, r) and torch.equal(neg, z.imag)
+
+
+def test_each_bulk_read_holds_its_destination_while_its_view_is_written(monkeypatch):
+    """The bulk path's byte views hold no reference to their tensors: each WholeRead
+    carries its destination, so a destination only the reads refer to stays alive until
+    its bytes land (a caller's list of temporaries may be freed as soon as it is split)."""
+    import gc
+    import weakref
+
+    state = {"w": torch.arange(64.0), "s": torch.arange(8.0).reshape(2, 4)}
+    uri = uri_of("holds")
+    bcp.save(state, uri)
+    reader = bcp.open(uri)
+    seen: list[list[bool]] = []
+    real = reader_module.execute_whole_reads
+
+    def after_dropping_the_callers_references(backend, reads, *a, **k):
+        refs = [weakref.ref(r.dest) for r in reads]
+        gc.collect()
+        seen.append([ref() is not None for ref in refs])
+        return real(backend, reads, *a, **k)
+
+    monkeypatch.setattr(reader_module, "execute_whole_reads", after_dropping_the_callers_references)
+    dests = [torch.zeros(64), torch.zeros(2, 4)]
+    requests = [("w", ((0,), (64,)), dests[0]), ("s", ((0, 0), (2, 4)), dests[1])]
+    spans = [(t.data_ptr(), t.nbytes) for t in dests]
+    whole, _sums, rest = whole_reads.split_whole(reader.catalog, 1 << 16, requests, {}, spans)
+    assert rest == [] and [r.dest for r in whole] == dests  # each read holds the very tensor it fills
+    reader.fill(requests)
+    assert seen == [[True, True]] and torch.equal(dests[0], state["w"]) and torch.equal(dests[1], state["s"])

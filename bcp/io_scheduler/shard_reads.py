@@ -101,7 +101,7 @@ def split_exact(
     names, files, offsets, starts = info.file_names, info.files, info.byte_offsets, info.sum_starts
     new = tuple.__new__
     exact = [
-        new(WholeRead, (requests[i][0], names[files[i]], offsets[i], all_nbytes[i], starts[i], target))
+        new(WholeRead, (requests[i][0], names[files[i]], offsets[i], all_nbytes[i], starts[i], target, requests[i][2]))
         for i, target in zip(picked, targets, strict=True)
     ]
     return exact, rest

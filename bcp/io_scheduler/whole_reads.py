@@ -52,7 +52,10 @@ class WholeRead(NamedTuple):
     nbytes: int
     #: where the fragment's block checksums start in the flat checksum column
     sum_start: int
+    #: the destination's bytes, a slice of a raw view that holds no reference to it
     target: memoryview
+    #: the destination itself: holds it alive while ``target`` is written
+    dest: torch.Tensor
 
 
 def split_whole(
@@ -118,7 +121,7 @@ def split_whole(
     names, files, offsets, starts = info.file_names, info.files, info.byte_offsets, info.sum_starts
     new = tuple.__new__  # WholeRead's own __new__ is a Python call: 10,000 of them per load
     whole = [
-        new(WholeRead, (requests[i][0], names[files[i]], offsets[i], all_nbytes[i], starts[i], target))
+        new(WholeRead, (requests[i][0], names[files[i]], offsets[i], all_nbytes[i], starts[i], target, requests[i][2]))
         for i, target in zip(picked, targets, strict=True)
     ]
     return whole, info.sums, rest  # the checksum column the reads index (a later require may replace it)
@@ -136,9 +139,10 @@ def destination_views(ptrs: list[int], sizes: list[int]) -> list[memoryview]:
     """Writable byte views of the dense CPU destinations at addresses ``ptrs`` (from
     ``data_ptr()``) of ``sizes`` bytes: one memoryview over the address range they
     span, sliced once per destination. A view each through ``numpy()`` was a third
-    of a load's per-tensor cost. The views hold no reference to the tensors: the
-    caller keeps them alive while the views are used (:meth:`CheckpointReader.fill`
-    holds its requests until every read has returned); only the slices are touched."""
+    of a load's per-tensor cost. The views hold no reference to the tensors: each
+    :class:`WholeRead` holds its destination beside its view (and
+    :meth:`CheckpointReader.fill` its requests) until every read has returned; only
+    the slices are touched."""
     if not ptrs:
         return []
     low = min(ptrs)
