@@ -8,6 +8,7 @@ catalog below it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -53,19 +54,38 @@ class TensorTable:
         self.shapes = []
 
         self._arrays: TensorArrays | None = None
+        self._name_array: pa.Array | None = None
 
     @classmethod
     def from_columns(
-        cls, names: list[str], key_paths: list[str], dtypes: list[str], arrays: TensorArrays
+        cls,
+        names: list[str],
+        key_paths: list[str],
+        dtypes: list[str],
+        arrays: TensorArrays,
+        *,
+        index: dict[str, int] | None = None,
+        name_array: pa.Array | None = None,
     ) -> TensorTable:
         """A table of distinct ``names`` (the caller checked) with their key paths,
-        dtypes and shapes as ``arrays``: no Python object per dimension."""
+        dtypes and shapes as ``arrays``: no Python object per dimension. ``index``
+        (name -> position) and ``name_array`` (the names as an Arrow string array), when
+        the caller has them already, are kept rather than built again."""
         table = cls()
         table.names, table.key_paths, table.dtypes = names, key_paths, dtypes
-        table.index = dict(zip(names, range(len(names)), strict=True))
+        table.index = dict(zip(names, range(len(names)), strict=True)) if index is None else index
         del table.shapes
         table._arrays = arrays
+        table._name_array = name_array
         return table
+
+    @property
+    def name_array(self) -> pa.Array:
+        """The names as an Arrow string array (a section's rows are matched against it
+        in Arrow): the head's own column when decoded from one, else built once."""
+        if self._name_array is None or len(self._name_array) != len(self.names):
+            self._name_array = pa.array(self.names, pa.string())
+        return self._name_array
 
     def __getattr__(self, name: str) -> list[tuple[int, ...]]:
         if name != "shapes" or self.__dict__.get("_arrays") is None:
@@ -81,6 +101,7 @@ class TensorTable:
             self.key_paths.append(key_path)
             self.dtypes.append(dtype)
             self._arrays = None
+            self._name_array = None
         return code
 
     def __len__(self) -> int:
@@ -137,6 +158,16 @@ class TensorArrays:
         else:
             self.dtypes = {}
             self.dt = np.fromiter((self.dtypes.setdefault(v, len(self.dtypes)) for v in dtypes), np.int64)
+
+    @functools.cached_property
+    def key_path_array(self) -> pa.Array:
+        """The distinct key paths in code order as an Arrow string array (rows matched in Arrow)."""
+        return pa.array(list(self.key_paths), pa.string())
+
+    @functools.cached_property
+    def dtype_array(self) -> pa.Array:
+        """The distinct dtype names in code order as an Arrow string array."""
+        return pa.array(list(self.dtypes), pa.string())
 
     def shape_tuples(self) -> list[tuple[int, ...]]:
         """Each tensor's shape as a tuple of ints."""
