@@ -9,13 +9,14 @@ import collections
 import itertools
 import json
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bcp.metadata import Catalog, FormatError, Fragment, crc32c, itemsize
-from bcp.metadata.catalog import arrow, head, sections, validate
+from bcp.metadata.catalog import TensorArrays, arrow, head, sections, validate
 from helpers import examples
 
 BLOCK = 64
@@ -186,3 +187,15 @@ def test_a_section_row_whose_key_path_differs_from_the_head_is_refused(monkeypat
     bad = _resealed(data, h)
     with pytest.raises(FormatError, match=r"fragments of 't2' disagree on dtype/shape/path"):
         Catalog.from_arrow(bad, where="c", checksum_block_bytes=BLOCK)
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**62), max_size=5).map(tuple), max_size=30))
+def test_shape_tuples_are_each_tensors_shape(shapes):
+    """Shapes zipped from numpy columns, one rank at a time (0-d, mixed and uniform
+    ranks), are the tuples of Python ints a loop over the tensors makes."""
+    ndim = np.array([len(s) for s in shapes], np.int64)
+    flat = np.array([d for s in shapes for d in s], np.int64)
+    got = TensorArrays(ndim, flat, ["k"] * len(shapes), ["f"] * len(shapes)).shape_tuples()
+    assert got == shapes
+    assert all(type(d) is int for s in got for d in s)

@@ -9,7 +9,6 @@ catalog below it.
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -127,7 +126,7 @@ def first_seen(codes: np.ndarray, values: Sequence[str]) -> tuple[np.ndarray, di
     rank = np.empty(len(used), np.int64)
     rank[np.argsort(first, kind="stable")] = np.arange(len(used))
     by_rank = used[np.argsort(rank)].tolist()
-    return rank[inverse.reshape(-1)], {values[c]: i for i, c in enumerate(by_rank)}
+    return rank[inverse.reshape(-1)], dict(zip(map(values.__getitem__, by_rank), range(len(by_rank)), strict=True))
 
 
 class TensorArrays:
@@ -171,12 +170,16 @@ class TensorArrays:
 
     def shape_tuples(self) -> list[tuple[int, ...]]:
         """Each tensor's shape as a tuple of ints."""
-        ndim, flat = self.ndim, self.shape
-        if len(ndim) and (ndim == ndim[0]).all():  # one rank for all: rows of a matrix
+        ndim, flat, n = self.ndim, self.shape, len(self.ndim)
+        if n and (ndim == ndim[0]).all():  # one rank for all: the columns of a matrix, zipped
             d = int(ndim[0])
-            return list(map(tuple, flat.reshape(len(ndim), d).tolist())) if d else [()] * len(ndim)
-        values, bounds = flat.tolist(), self.starts.tolist()
-        return [tuple(values[a:b]) for a, b in itertools.pairwise(bounds)]
+            return list(zip(*flat.reshape(n, d).T.tolist(), strict=True)) if d else [()] * n
+        out = np.empty(n, dtype=object)  # each rank's tuples zipped from its columns, then put in place
+        for d in np.unique(ndim).tolist():
+            rows = np.flatnonzero(ndim == d)
+            columns = flat[self.starts[rows][:, None] + np.arange(d)].T.tolist()
+            out[rows] = np.fromiter(zip(*columns, strict=True) if d else [()] * len(rows), object, len(rows))
+        return out.tolist()
 
 
 def _suffix_products(ndim: np.ndarray, starts: np.ndarray, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
