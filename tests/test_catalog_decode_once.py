@@ -199,3 +199,24 @@ def test_shape_tuples_are_each_tensors_shape(shapes):
     got = TensorArrays(ndim, flat, ["k"] * len(shapes), ["f"] * len(shapes)).shape_tuples()
     assert got == shapes
     assert all(type(d) is int for s in got for d in s)
+
+
+def test_check_keys_tests_dot_prefixes_without_a_mapping_call_each(tmp_path, monkeypatch):
+    """``check_keys`` looks every dot-prefix of every key up in the catalog's name dict
+    (a Mapping ``__contains__`` call each was 0.9 us a tensor of a transformer's state),
+    and still refuses a tensor stored inside another."""
+    import torch
+
+    import bcp
+    from bcp.metadata.catalog.view import TensorsView
+
+    state = {"model": {f"layers.{i}.attn.weight": torch.ones(2) for i in range(20)}, "step": 3}
+    bcp.save(state, str(tmp_path / "ok"))
+    reader = bcp.open(str(tmp_path / "ok"))
+    calls = []
+    real = TensorsView.__contains__
+    monkeypatch.setattr(TensorsView, "__contains__", lambda self, fqn: calls.append(fqn) or real(self, fqn))
+    reader.check_keys()
+    assert calls == []
+    bcp.save({"a": torch.ones(1), "a.b": torch.ones(1)}, str(tmp_path / "flat"))  # keys as strings: no clash
+    bcp.open(str(tmp_path / "flat")).check_keys()
