@@ -220,3 +220,17 @@ def test_check_keys_tests_dot_prefixes_without_a_mapping_call_each(tmp_path, mon
     assert calls == []
     bcp.save({"a": torch.ones(1), "a.b": torch.ones(1)}, str(tmp_path / "flat"))  # keys as strings: no clash
     bcp.open(str(tmp_path / "flat")).check_keys()
+
+
+@pytest.mark.parametrize("used", [True, False])
+def test_a_null_name_in_the_heads_dictionary_is_refused(used):
+    """A dictionary-encoded name column with a null word, used by a row or not, is
+    refused as before (the names are decoded by one cast, not word by word)."""
+    words = pa.array(["a", None, "b"], pa.string())
+    fqn = pa.DictionaryArray.from_arrays(pa.array([0, 1 if used else 2], pa.int32()), words)
+    shape = pa.array([[1], [1]], sections.TENSORS_SCHEMA.field("global_shape").type)
+    table = pa.Table.from_arrays(
+        [fqn, pa.array(["k", "k"]), pa.array(["float32"] * 2), shape], names=sections.TENSORS_SCHEMA.names
+    )
+    with pytest.raises(FormatError, match=r"^w: null values"):
+        head.tensor_table(table, "w")

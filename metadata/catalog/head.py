@@ -148,7 +148,7 @@ def tensor_table(table: pa.Table, where: str) -> TensorTable:
     decoded without a Python loop over tensors or dimensions); every name distinct,
     every dtype known, no dimension negative, no tensor of MAX_TENSOR_BYTES or more.
     Each name is decoded once (the rows of the sections are matched against the kept
-    Arrow column, :func:`.arrow.table_codes`, not decoded again)."""
+    Arrow column, :func:`.arrow.vocab_codes`, not decoded again)."""
     n = table.num_rows
     names, index, name_array = _names(table.column("fqn"), where)
     kp_codes, kp_values = string_codes(table.column("key_path"), where)
@@ -177,10 +177,10 @@ def _names(column: pa.ChunkedArray, where: str) -> tuple[list[str], dict[str, in
     """The tensor names (one Python string each, decoded in one C pass), name ->
     position, and the names as one Arrow string array; FormatError if one repeats."""
     if pa.types.is_dictionary(column.type):  # a writer of ours writes plain strings; others may not
+        if any(chunk.dictionary.null_count for chunk in column.chunks):  # even a word no row uses
+            raise FormatError(f"{where}: null values in the catalog")
         column = column.cast(pa.string())
-    array = column.combine_chunks()
-    if array.null_count:  # a dictionary's null word (a plain column's nulls: _read_table refused them)
-        raise FormatError(f"{where}: null values in the catalog")
+    array = column.combine_chunks()  # a plain column's nulls: _read_table refused them
     names = array.to_pylist()
     index = dict(zip(names, range(len(names)), strict=True))
     if len(index) != len(names):
