@@ -141,15 +141,15 @@ class CheckpointReader:
         of a legitimate ``{"a": 1, "a.b": t}`` conflict as strings, not as paths)."""
         catalog = f"{self.uri}/{self.manifest.catalog.path}"
         tensors, objects = self.catalog.tensors, self.manifest.objects
+        index = self.catalog.tensor_index  # a dict: a lookup a dot below, not a Mapping call each (issue 37)
         for fqn in tensors:
             if fqn in objects:
                 raise FormatError(f"{catalog}: tensor {fqn!r} has the key of an object of {self._manifest_uri}")
         for fqn in [*tensors, *objects]:
             start = 0
             while (dot := fqn.find(".", start)) != -1:
-                start = dot + 1
-                outer = fqn[:dot]
-                if outer not in tensors and outer not in objects:
+                start, outer = dot + 1, fqn[:dot]
+                if outer not in index and outer not in objects:
                     continue
                 try:
                     keys = [key for _kind, key in self.key_path(fqn)]

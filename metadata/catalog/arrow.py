@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from bcp.metadata.catalog.tensors import CATALOG_SCHEMA, TensorTable
 from bcp.metadata.format_errors import FormatError
@@ -139,44 +140,84 @@ def string_codes(column: pa.ChunkedArray, where: str) -> tuple[np.ndarray, list[
     return codes, values
 
 
+def vocab_codes(column: pa.ChunkedArray, vocab: pa.Array, where: str) -> np.ndarray:
+    """Per-row codes into ``vocab`` (distinct strings) of a string column, -1 for a word
+    not in it: matched in Arrow (a hash join in C), no Python string made per row or per
+    dictionary word (the head decoded each tensor's strings once: its tensor table)."""
+    parts: list[np.ndarray] = []
+    for chunk in column.chunks:
+        words = chunk.dictionary if pa.types.is_dictionary(chunk.type) else chunk
+        if words.null_count:
+            raise FormatError(f"{where}: null values in the catalog")
+        if words.equals(vocab):  # the usual section of one writer run: every tensor, in table order
+            codes = np.arange(len(words), dtype=np.int64)
+        else:
+            codes = pc.index_in(words, value_set=vocab).fill_null(-1).to_numpy().astype(np.int64)
+        if words is not chunk:
+            indices = chunk.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+            codes = codes[indices] if len(codes) else np.full(len(chunk), -1, np.int64)
+        parts.append(codes)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _given_codes(table: pa.Table, tensors: TensorTable, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's tensor, key path and dtype as codes into a given table (a v2 head's),
+    -1 for a key path or dtype the table lacks: matched in Arrow, the head decoded the
+    strings (:func:`vocab_codes`); FormatError naming the first row whose tensor is unknown."""
+    arrays = tensors.arrays
+    local = vocab_codes(table.column("fqn"), tensors.name_array, where)
+    if (local < 0).any():
+        i = int(np.flatnonzero(local < 0)[0])
+        name = table.column("fqn")[i].as_py()
+        raise FormatError(f"{where} row {i}: tensor {name!r} is not in the catalog's tensor table")
+    kp_row = vocab_codes(table.column("key_path"), arrays.key_path_array, where)
+    dt_row = vocab_codes(table.column("dtype"), arrays.dtype_array, where)
+    return local, kp_row, dt_row
+
+
+def _added_codes(
+    table: pa.Table, tensors: TensorTable, shape_starts: np.ndarray, shape_flat: np.ndarray, where: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """As :func:`_given_codes`, each tensor added to ``tensors`` as its first row
+    describes it (a v1 catalog, a save's own rows)."""
+    n = table.num_rows
+    fqn_codes, fqn_values = string_codes(table.column("fqn"), where)
+    kp_codes, kp_values = string_codes(table.column("key_path"), where)
+    dt_codes, dt_values = string_codes(table.column("dtype"), where)
+    first = np.full(len(fqn_values), n, dtype=np.int64)
+    first[fqn_codes[::-1]] = np.arange(n - 1, -1, -1)  # the last write wins: each fqn's first row
+    for r in np.sort(first[first < n]).tolist():
+        s0, s1 = shape_starts[r], shape_starts[r + 1]
+        shape = tuple(shape_flat[s0:s1].tolist())
+        tensors.add(fqn_values[fqn_codes[r]], kp_values[kp_codes[r]], dt_values[dt_codes[r]], shape)
+    local = np.array([tensors.index[v] for v in fqn_values], dtype=np.int64)[fqn_codes]
+    arrays = tensors.arrays
+    kp_row = np.array([arrays.key_paths.get(v, -1) for v in kp_values], dtype=np.int64)[kp_codes]
+    dt_row = np.array([arrays.dtypes.get(v, -1) for v in dt_values], dtype=np.int64)[dt_codes]
+    return local, kp_row, dt_row
+
+
 def bind_rows(table: pa.Table, tensors: TensorTable, files: list[str], *, where: str, fixed: bool) -> Rows:
     """Rows of a (type-checked) table with tensor and file codes into ``tensors`` and
     ``files``, after checking that every row of a tensor agrees with the tensor table
     on dtype, shape and key path. ``fixed``: the tensor table is given (a v2 head), so
     an unknown tensor is an error; else tensors are added in order of first row."""
     n = table.num_rows
-    fqn_codes, fqn_values = string_codes(table.column("fqn"), where)
-    kp_codes, kp_values = string_codes(table.column("key_path"), where)
-    dt_codes, dt_values = string_codes(table.column("dtype"), where)
     file_codes, file_values = string_codes(table.column("file"), where)
     shape_col = table.column("global_shape").combine_chunks()
     shape_starts = shape_col.offsets.to_numpy().astype(np.int64)
     shape_starts -= shape_starts[0]
     shape_flat = shape_col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
     row_ndim = np.diff(shape_starts)
+    if fixed:
+        local, kp_row, dt_row = _given_codes(table, tensors, where)
+    else:
+        local, kp_row, dt_row = _added_codes(table, tensors, shape_starts, shape_flat, where)
     if n:
-        if fixed:
-            known = np.array([tensors.index.get(v, -1) for v in fqn_values], dtype=np.int64)
-            local = known[fqn_codes]
-            if (local < 0).any():
-                i = int(np.flatnonzero(local < 0)[0])
-                raise FormatError(
-                    f"{where} row {i}: tensor {fqn_values[fqn_codes[i]]!r} is not in the catalog's tensor table"
-                )
-        else:
-            first = np.full(len(fqn_values), n, dtype=np.int64)
-            first[fqn_codes[::-1]] = np.arange(n - 1, -1, -1)  # the last write wins: each fqn's first row
-            for r in np.sort(first[first < n]).tolist():
-                s0, s1 = shape_starts[r], shape_starts[r + 1]
-                shape = tuple(shape_flat[s0:s1].tolist())
-                tensors.add(fqn_values[fqn_codes[r]], kp_values[kp_codes[r]], dt_values[dt_codes[r]], shape)
-            local = np.array([tensors.index[v] for v in fqn_values], dtype=np.int64)[fqn_codes]
-        # every row against its tensor's entry in the table (codes in the table's vocabularies)
         arrays = tensors.arrays
-        kp_map = np.array([arrays.key_paths.get(v, -1) for v in kp_values], dtype=np.int64)
-        dt_map = np.array([arrays.dtypes.get(v, -1) for v in dt_values], dtype=np.int64)
+        # every row against its tensor's entry in the table (codes in the table's vocabularies)
         t_ndim, t_flat, t_starts = arrays.ndim, arrays.shape, arrays.starts
-        bad = (arrays.kp[local] != kp_map[kp_codes]) | (arrays.dt[local] != dt_map[dt_codes])
+        bad = (arrays.kp[local] != kp_row) | (arrays.dt[local] != dt_row)
         bad |= t_ndim[local] != row_ndim
         d = int(row_ndim[0])
         if not bad.any() and (row_ndim == d).all() and (t_ndim == d).all():  # one rank of tensor: matrices
@@ -193,8 +234,6 @@ def bind_rows(table: pa.Table, tensors: TensorTable, files: list[str], *, where:
             i = int(np.flatnonzero(bad)[0])
             fqn = tensors.names[int(local[i])]
             raise FormatError(f"{where}: fragments of {fqn!r} disagree on dtype/shape/path")
-    else:
-        local = np.zeros(0, np.int64)
     file_index = {name: i for i, name in enumerate(files)}
     for v in file_values:
         if v not in file_index:

@@ -120,6 +120,11 @@ class Catalog:
         return tuple(self._file_names)
 
     @property
+    def tensor_index(self) -> Mapping[str, int]:
+        """fqn -> position in save order, a plain dict (a test of many names, no call each)."""
+        return self._table_of_tensors.index
+
+    @property
     def fragments(self) -> list[Fragment]:
         """Every row read as a Fragment: tensors in save order, each tensor's rows in
         catalog order (built on demand: tools walk them, loads do not). A catalog built

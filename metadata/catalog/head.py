@@ -8,6 +8,7 @@ budget, so that the sections it points to can be fetched and checked on their ow
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -145,14 +146,13 @@ def _read_table(data: bytes, schema: pa.Schema, where: str) -> pa.Table:
 def tensor_table(table: pa.Table, where: str) -> TensorTable:
     """The tensor table from its columns in a few numpy passes (a head of 10,000 tensors
     decoded without a Python loop over tensors or dimensions); every name distinct,
-    every dtype known, no dimension negative, no tensor of MAX_TENSOR_BYTES or more."""
+    every dtype known, no dimension negative, no tensor of MAX_TENSOR_BYTES or more.
+    Each name is decoded once (the rows of the sections are matched against the kept
+    Arrow column, :func:`.arrow.vocab_codes`, not decoded again)."""
     n = table.num_rows
-    fqn_codes, fqn_values = string_codes(table.column("fqn"), where)
+    names, index, name_array = _names(table.column("fqn"), where)
     kp_codes, kp_values = string_codes(table.column("key_path"), where)
     dt_codes, dt_values = string_codes(table.column("dtype"), where)
-    if n and (np.bincount(fqn_codes, minlength=len(fqn_values)) > 1).any():
-        twice = fqn_values[int(np.flatnonzero(np.bincount(fqn_codes) > 1)[0])]
-        raise FormatError(f"{where}: the catalog's tensor table names tensor {twice!r} twice")
     shape_col = table.column("global_shape").combine_chunks()
     starts = shape_col.offsets.to_numpy().astype(np.int64)
     flat = shape_col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
@@ -162,15 +162,36 @@ def tensor_table(table: pa.Table, where: str) -> TensorTable:
     sizes = np.array([itemsize_or_zero(d) for d in dt_values], dtype=np.int64)
     if n and (sizes[dt_codes] == 0).any():
         i = int(np.flatnonzero(sizes[dt_codes] == 0)[0])
-        raise FormatError(f"{where}: tensor {fqn_values[fqn_codes[i]]!r}: unknown dtype {dt_values[dt_codes[i]]!r}")
+        raise FormatError(f"{where}: tensor {names[i]!r}: unknown dtype {dt_values[dt_codes[i]]!r}")
     arrays = TensorArrays(np.diff(starts), flat, first_seen(kp_codes, kp_values), first_seen(dt_codes, dt_values))
     # numel saturates at MAX_TENSOR_BYTES, exact below: as float, the product Python would round
     too_big = arrays.numel.astype(np.float64) * sizes[dt_codes].astype(np.float64) >= MAX_TENSOR_BYTES
     if too_big.any():
         i = int(np.flatnonzero(too_big)[0])
-        raise FormatError(f"{where}: tensor {fqn_values[fqn_codes[i]]!r} is larger than {MAX_TENSOR_BYTES} bytes")
-    take = [fqn_values, kp_values, dt_values]
-    names, key_paths, dtypes = (
-        [values[c] for c in codes.tolist()] for values, codes in zip(take, (fqn_codes, kp_codes, dt_codes), strict=True)
-    )
-    return TensorTable.from_columns(names, key_paths, dtypes, arrays)
+        raise FormatError(f"{where}: tensor {names[i]!r} is larger than {MAX_TENSOR_BYTES} bytes")
+    key_paths, dtypes = _take(kp_values, kp_codes), _take(dt_values, dt_codes)
+    return TensorTable.from_columns(names, key_paths, dtypes, arrays, index=index, name_array=name_array)
+
+
+def _names(column: pa.ChunkedArray, where: str) -> tuple[list[str], dict[str, int], pa.Array]:
+    """The tensor names (one Python string each, decoded in one C pass), name ->
+    position, and the names as one Arrow string array; FormatError if one repeats."""
+    if pa.types.is_dictionary(column.type):  # a writer of ours writes plain strings; others may not
+        if any(chunk.dictionary.null_count for chunk in column.chunks):  # even a word no row uses
+            raise FormatError(f"{where}: null values in the catalog")
+        column = column.cast(pa.string())
+    array = column.combine_chunks()  # a plain column's nulls: _read_table refused them
+    names = array.to_pylist()
+    index = dict(zip(names, range(len(names)), strict=True))
+    if len(index) != len(names):
+        counts = collections.Counter(names)  # in order of first use: the first name that repeats
+        twice = next(name for name, count in counts.items() if count > 1)
+        raise FormatError(f"{where}: the catalog's tensor table names tensor {twice!r} twice")
+    return names, index, array
+
+
+def _take(values: list[str], codes: np.ndarray) -> list[str]:
+    """``[values[c] for c in codes]`` in one numpy gather (the strings shared, not copied)."""
+    words = np.empty(len(values), dtype=object)
+    words[:] = values
+    return words[codes].tolist()

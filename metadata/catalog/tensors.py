@@ -8,7 +8,7 @@ catalog below it.
 
 from __future__ import annotations
 
-import itertools
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,19 +53,38 @@ class TensorTable:
         self.shapes = []
 
         self._arrays: TensorArrays | None = None
+        self._name_array: pa.Array | None = None
 
     @classmethod
     def from_columns(
-        cls, names: list[str], key_paths: list[str], dtypes: list[str], arrays: TensorArrays
+        cls,
+        names: list[str],
+        key_paths: list[str],
+        dtypes: list[str],
+        arrays: TensorArrays,
+        *,
+        index: dict[str, int] | None = None,
+        name_array: pa.Array | None = None,
     ) -> TensorTable:
         """A table of distinct ``names`` (the caller checked) with their key paths,
-        dtypes and shapes as ``arrays``: no Python object per dimension."""
+        dtypes and shapes as ``arrays``: no Python object per dimension. ``index``
+        (name -> position) and ``name_array`` (the names as an Arrow string array), when
+        the caller has them already, are kept rather than built again."""
         table = cls()
         table.names, table.key_paths, table.dtypes = names, key_paths, dtypes
-        table.index = dict(zip(names, range(len(names)), strict=True))
+        table.index = dict(zip(names, range(len(names)), strict=True)) if index is None else index
         del table.shapes
         table._arrays = arrays
+        table._name_array = name_array
         return table
+
+    @property
+    def name_array(self) -> pa.Array:
+        """The names as an Arrow string array (a section's rows are matched against it
+        in Arrow): the head's own column when decoded from one, else built once."""
+        if self._name_array is None or len(self._name_array) != len(self.names):
+            self._name_array = pa.array(self.names, pa.string())
+        return self._name_array
 
     def __getattr__(self, name: str) -> list[tuple[int, ...]]:
         if name != "shapes" or self.__dict__.get("_arrays") is None:
@@ -81,6 +100,7 @@ class TensorTable:
             self.key_paths.append(key_path)
             self.dtypes.append(dtype)
             self._arrays = None
+            self._name_array = None
         return code
 
     def __len__(self) -> int:
@@ -106,7 +126,7 @@ def first_seen(codes: np.ndarray, values: Sequence[str]) -> tuple[np.ndarray, di
     rank = np.empty(len(used), np.int64)
     rank[np.argsort(first, kind="stable")] = np.arange(len(used))
     by_rank = used[np.argsort(rank)].tolist()
-    return rank[inverse.reshape(-1)], {values[c]: i for i, c in enumerate(by_rank)}
+    return rank[inverse.reshape(-1)], dict(zip(map(values.__getitem__, by_rank), range(len(by_rank)), strict=True))
 
 
 class TensorArrays:
@@ -138,14 +158,28 @@ class TensorArrays:
             self.dtypes = {}
             self.dt = np.fromiter((self.dtypes.setdefault(v, len(self.dtypes)) for v in dtypes), np.int64)
 
+    @functools.cached_property
+    def key_path_array(self) -> pa.Array:
+        """The distinct key paths in code order as an Arrow string array (rows matched in Arrow)."""
+        return pa.array(list(self.key_paths), pa.string())
+
+    @functools.cached_property
+    def dtype_array(self) -> pa.Array:
+        """The distinct dtype names in code order as an Arrow string array."""
+        return pa.array(list(self.dtypes), pa.string())
+
     def shape_tuples(self) -> list[tuple[int, ...]]:
         """Each tensor's shape as a tuple of ints."""
-        ndim, flat = self.ndim, self.shape
-        if len(ndim) and (ndim == ndim[0]).all():  # one rank for all: rows of a matrix
+        ndim, flat, n = self.ndim, self.shape, len(self.ndim)
+        if n and (ndim == ndim[0]).all():  # one rank for all: the columns of a matrix, zipped
             d = int(ndim[0])
-            return list(map(tuple, flat.reshape(len(ndim), d).tolist())) if d else [()] * len(ndim)
-        values, bounds = flat.tolist(), self.starts.tolist()
-        return [tuple(values[a:b]) for a, b in itertools.pairwise(bounds)]
+            return list(zip(*flat.reshape(n, d).T.tolist(), strict=True)) if d else [()] * n
+        out = np.empty(n, dtype=object)  # each rank's tuples zipped from its columns, then put in place
+        for d in np.unique(ndim).tolist():
+            rows = np.flatnonzero(ndim == d)
+            columns = flat[self.starts[rows][:, None] + np.arange(d)].T.tolist()
+            out[rows] = np.fromiter(zip(*columns, strict=True) if d else [()] * len(rows), object, len(rows))
+        return out.tolist()
 
 
 def _suffix_products(ndim: np.ndarray, starts: np.ndarray, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -57,7 +57,7 @@ def find_whole_rows(
     every row of a tensor is held, None when the catalog is whole)."""
     n = len(fqns)
     index = tensors.index
-    codes = np.fromiter((index.get(f, -1) for f in fqns), np.int64, n)
+    codes = np.fromiter(map(index.get, fqns, itertools.repeat(-1, n)), np.int64, n)  # no generator step a name
     code = np.maximum(codes, 0)
     ok = codes >= 0
     if not usable or not len(rows) or not len(tensors):
