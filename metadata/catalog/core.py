@@ -188,13 +188,11 @@ class Catalog:
         args = (fqns, self._table_of_tensors, self._rows, self._starts, self._order)
         usable, names = self._given is None, self._file_names_tuple()
         if boxes is not None:
-            check = self._check_tilings
-            return find_exact_rows(*args, boxes, usable=usable, file_names=names, check=check)
+            return find_exact_rows(*args, boxes, usable=usable, file_names=names, check=self._check_tilings)
         return find_whole_rows(*args, usable=usable, complete=complete, file_names=names)
 
     def shapes_and_dtypes(self, fqns: Sequence[str]) -> list[tuple[tuple[int, ...], str] | None]:
-        """The global shape and dtype name of each of ``fqns``, None if not held, without
-        building entries, in one call (a load matching 10,000 tensors needs only these)."""
+        """Each of ``fqns``'s global shape and dtype name (None if not held), no entry built."""
         tensors = self._table_of_tensors
         shapes, dtypes = tensors.shapes, tensors.dtypes
         return [None if t is None else (shapes[t], dtypes[t]) for t in map(tensors.index.get, fqns)]
@@ -254,8 +252,7 @@ class Catalog:
         return entry
 
     def _file_names_tuple(self) -> tuple[str, ...]:
-        """The data file names as a tuple shared by every entry (rebuilt when a
-        section read in part adds names), not one copy per tensor."""
+        """The data file names, one tuple shared by every entry (rebuilt as parts add names)."""
         names = self._names_tuple
         if names is None or len(names) != len(self._file_names):
             names = self._names_tuple = tuple(self._file_names)
