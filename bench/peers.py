@@ -181,7 +181,8 @@ def raw_write_seconds(f: str, state, requests, written: int) -> float:
 
 def case_raw(path, state, _args):
     """O_DIRECT sequential write (from the state's memory, and from one reused 64 MiB
-    buffer) and read of the state's byte count, and a warm memcpy."""
+    buffer) and read (into touched tensors of the state's shapes, and into that buffer) of
+    the state's byte count, and a warm memcpy."""
     import torch
 
     size = nbytes(state)
@@ -198,20 +199,37 @@ def case_raw(path, state, _args):
         os.fsync(fd)
         os.close(fd)
 
-    def read():
+    def read_buffer():
         fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
         for off in range(0, size, chunk):
             os.preadv(fd, [memoryview(buf)], off)
         os.close(fd)
 
+    # the read limit: into touched tensors of the state's shapes, as bcp's loads fill them
+    into, got = state_requests(empty_like(state), chunk)
+
+    def read_state():
+        fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+        off = 0
+        for r in into:
+            off += os.preadv(fd, r, off)
+        os.close(fd)
+
     w = raw_write_seconds(f, state, *state_requests(state, chunk))
     os.sync()
     wb = timed(write_buffer)
-    r = timed(read)
+    r = timed(read_state) * size / got
+    rb = timed(read_buffer)
     m = WarmMemcpy(list(shapes.tensors(state)))()
     os.remove(f)
     del torch
-    return {RAW_WRITE: w, RAW_WRITE_BUFFER: wb, "raw O_DIRECT read": r, "memcpy into warm buffers": m}
+    return {
+        RAW_WRITE: w,
+        RAW_WRITE_BUFFER: wb,
+        RAW_READ: r,
+        RAW_READ_BUFFER: rb,
+        "memcpy into warm buffers": m,
+    }
 
 
 #: the raw write limit: the state's own memory written to a new file (what a save must do)
@@ -219,6 +237,10 @@ RAW_WRITE = "raw O_DIRECT write"
 #: the same from one 64 MiB buffer written over and over (the limit before issue 37's end:
 #: faster or slower than the state's memory on a VM, by up to 1.4x either way)
 RAW_WRITE_BUFFER = "raw O_DIRECT write, one 64 MiB buffer reused"
+#: the raw read limit: into touched tensors of the state's shapes (what a load fills)
+RAW_READ = "raw O_DIRECT read"
+#: the same into one 64 MiB buffer read over and over (the read limit before issue 37's end)
+RAW_READ_BUFFER = "raw O_DIRECT read, one 64 MiB buffer reused"
 #: bcp's sync saves and raw writes of the same memory, interleaved in the bcp case
 SAVE_BESIDE = "raw O_DIRECT write (beside the bcp saves)"
 

@@ -167,6 +167,7 @@ def test_peers_prints_a_table_per_shape_with_the_async_rows_beside_their_memcpy(
         assert "| memcpy into fresh memory (beside async first call) " in table
         # the sync save against raw writes of the state's own memory, interleaved with it
         assert "| raw O_DIRECT write, one 64 MiB buffer reused " in table
+        assert "| raw O_DIRECT read, one 64 MiB buffer reused " in table  # the read limit fills the state's shapes
         assert re.search(r"\| raw O_DIRECT write \(beside the bcp saves\) +\| +\d+\.\d+ \|", table), table
         assert re.search(r"\| bcp save +\|.*x the raw write speed beside it \(\d+\.\d+x the raw case's\)", table)
     assert not any((tmp_path / "peers").rglob("*")), "peers left files behind"
