@@ -373,3 +373,26 @@ def test_each_bulk_read_holds_its_destination_while_its_view_is_written(monkeypa
     assert rest == [] and [r.dest for r in whole] == dests  # each read holds the very tensor it fills
     reader.fill(requests)
     assert seen == [[True, True]] and torch.equal(dests[0], state["w"]) and torch.equal(dests[1], state["s"])
+
+
+def test_a_reader_threads_scratch_is_reused_aligned_and_its_own():
+    """ThreadScratch: one buffer per reader thread for a load's coalesced storage reads
+    (a fresh one a batch page-faulted every byte of a cold load again), each view placed
+    so its address agrees with the file offset modulo the page (O_DIRECT straight in)."""
+    import threading
+
+    scratch = whole_reads.ThreadScratch(1 << 16)
+    page = read_exec.PAGE
+    a = scratch.get(1000, 123)
+    b = scratch.get(5000, 7)
+    address = lambda view: np.frombuffer(view, np.uint8).ctypes.data  # noqa: E731
+    assert len(a) == 1000 and len(b) == 5000
+    assert address(a) % page == 123 and address(b) % page == 7
+    assert abs(address(a) - address(b)) < page  # the same buffer, not a new one a batch
+    big = scratch.get(1 << 17, 0)  # past the size given: grown
+    assert len(big) == 1 << 17 and address(big) % page == 0
+    other: list[int] = []
+    t = threading.Thread(target=lambda: other.append(address(scratch.get(1000, 123))))
+    t.start()
+    t.join()
+    assert other[0] != address(scratch.get(1000, 123))  # another thread's own buffer

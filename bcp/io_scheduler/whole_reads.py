@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -341,7 +342,7 @@ def execute_whole_reads(
             return read_each(batch, resident)
         first = reads[batch[0]]
         span = span_of(batch)
-        scratch = read_exec.scratch_memory(span, first.offset)
+        scratch = scratches.get(span, first.offset)
         try:
             with trace.span("fetch", span):
                 backend.read_exact(first.file, first.offset, scratch)
@@ -357,6 +358,7 @@ def execute_whole_reads(
                 verify_one(i)
         return 1, span - sum(reads[i].nbytes for i in batch)
 
+    scratches = ThreadScratch(limit)  # freed with this call: each reader thread's, reused batch after batch
     # one probe per batch: a batch in memory is read tensor by tensor, so it is cut
     # into pieces enough to share out among the streams; one from storage stays whole
     tasks: list[tuple[list[int], bool]] = []
@@ -387,3 +389,23 @@ def execute_whole_reads(
     stats.padding_bytes = sum(p for _n, p in done)
     stats.bytes_read = total
     return stats
+
+
+class ThreadScratch:
+    """Scratch memory for coalesced storage reads, one buffer per reader thread, reused
+    from batch to batch of one load: a fresh buffer a batch page-faulted in every byte of
+    a cold load once more (about a third of its CPU). Each thread reads into its buffer,
+    copies out and checks before its next batch, so no two reads share one."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._local = threading.local()
+        self._nbytes = nbytes  # a batch's most (untouched until used: np.empty)
+
+    def get(self, nbytes: int, offset: int) -> memoryview:
+        """``nbytes`` of this thread's scratch whose address agrees with file ``offset``
+        modulo the page size (:func:`~.read_exec.scratch_memory`), grown when too small."""
+        buf: np.ndarray | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes + read_exec.PAGE:
+            buf = self._local.buf = np.empty(max(nbytes, self._nbytes) + read_exec.PAGE, np.uint8)
+        shift = (offset - buf.ctypes.data) % read_exec.PAGE
+        return memoryview(buf)[shift : shift + nbytes]  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
