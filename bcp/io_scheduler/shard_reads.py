@@ -15,11 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from bcp.io_scheduler import device_copy, read_exec
-from bcp.io_scheduler.whole_reads import WholeRead, destination_views, split_whole
+from bcp.io_scheduler.whole_reads import WholeRead, pick_bulk, split_whole
 from bcp.metadata import Catalog, Fragment, TensorEntry
 from bcp.metadata.geometry import Box
-from bcp.torch_dtypes import torch_dtype_or_none
 
 Request = tuple[str, Box, torch.Tensor]
 
@@ -63,47 +61,7 @@ def split_exact(
     info = catalog.whole_rows([fqn for fqn, _box, _dest in requests], [box for _fqn, box, _dest in requests])
     if info.sums is not sums:
         return [], requests
-    largest = read_exec.COALESCE_BELOW - 1  # read at run time (tests change it)
-    nbytes_all = info.nbytes_array
-    fits = (info.row_array >= 0) & (nbytes_all > 0) & (nbytes_all <= largest)
-    fits &= info.blocks_array == -(-nbytes_all // block)
-    if in_memory:
-        held = {fqn for fqn, _box in in_memory}
-        fits &= np.fromiter((fqn not in held for fqn, _box, _dest in requests), bool, len(requests))
-    wanted = {name: torch_dtype_or_none(name) for name in set(info.dtypes)}
-    on_device = None if getattr(device_copy.api, "by_device", False) else device_copy.api.is_device
-    rest: list[Request] = []
-    picked: list[int] = []
-    ptrs: list[int] = []
-    dtypes, all_nbytes = info.dtypes, info.nbytes
-    for i, (request, ok, (ptr, size)) in enumerate(zip(requests, fits.tolist(), spans, strict=True)):
-        if not ok:
-            rest.append(request)
-            continue
-        _fqn, (_d_off, d_len), dest = request
-        dtype = wanted[dtypes[i]]
-        if (
-            not ptr  # not dense (strided, empty, meta) or no memory of its own
-            or size != all_nbytes[i]
-            or dtype is None
-            or dest.dtype != dtype
-            or not dest.is_cpu
-            or (on_device is not None and on_device(dest))
-            or dest.shape != tuple(d_len)
-            or (dtype.is_complex and dest.is_conj())
-            or dest.is_neg()
-        ):
-            rest.append(request)
-            continue
-        picked.append(i)
-        ptrs.append(ptr)
-    targets = destination_views(ptrs, [all_nbytes[i] for i in picked])
-    names, files, offsets, starts = info.file_names, info.files, info.byte_offsets, info.sum_starts
-    new = tuple.__new__
-    exact = [
-        new(WholeRead, (requests[i][0], names[files[i]], offsets[i], all_nbytes[i], starts[i], target, requests[i][2]))
-        for i, target in zip(picked, targets, strict=True)
-    ]
+    exact, rest = pick_bulk(info, block, requests, in_memory, spans, exact=True)
     return exact, rest
 
 

@@ -16,7 +16,7 @@ import ctypes
 import itertools
 import threading
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from bcp.metadata.checksum import combine_block_runs, combine_blocks, crc32c_c
 from bcp.metadata.geometry import Box
 from bcp.references import describe_file
 from bcp.torch_dtypes import torch_dtype_or_none
+
+if TYPE_CHECKING:
+    from bcp.metadata.catalog.whole import WholeRows
 
 #: Tensors of a batch found in memory are read in one vectored read where they follow
 #: each other across less than this (the bytes between go to a scratch buffer).
@@ -79,9 +82,26 @@ def split_whole(
     if not catalog.is_whole:  # a catalog read in part: rows come with the boxes
         catalog.require([(fqn, box) for fqn, box, _dest in requests])
     info = catalog.whole_rows([fqn for fqn, _box, _dest in requests])
+    whole, rest = pick_bulk(info, block, requests, in_memory, spans, exact=False)
+    return whole, info.sums, rest  # the checksum column the reads index (a later require may replace it)
+
+
+def pick_bulk(
+    info: WholeRows,
+    block: int,
+    requests: list[tuple[str, Box, torch.Tensor]],
+    in_memory: dict[tuple[str, Box], torch.Tensor],
+    spans: list[tuple[int, int]],
+    *,
+    exact: bool,
+) -> tuple[list[WholeRead], list[tuple[str, Box, torch.Tensor]]]:
+    """The bulk reads of the requests whose rows ``info`` found (:meth:`Catalog.whole_rows`)
+    and the requests left: a row of a size read in bulk with one checksum a block, none of
+    the tensor at hand already, into a dense CPU destination of its dtype (``spans``: as
+    :func:`split_whole` takes them) holding the whole tensor, or with ``exact`` (a box
+    equal to one row, :mod:`.shard_reads`) of the box's shape."""
     largest = read_exec.COALESCE_BELOW - 1  # as the planned path coalesces: read at run time (tests change it)
-    # the catalog's side, for every request at once: one whole row, of a size read in bulk,
-    # with one checksum per block; a dtype torch has
+    # the catalog's side, for every request at once
     nbytes_all = info.nbytes_array
     fits = (info.row_array >= 0) & (nbytes_all > 0) & (nbytes_all <= largest)
     fits &= info.blocks_array == -(-nbytes_all // block)
@@ -89,7 +109,6 @@ def split_whole(
     if in_memory:
         held = {fqn for fqn, _box in in_memory}
         fits &= np.fromiter((fqn not in held for fqn, _box, _dest in requests), bool, len(requests))
-    names = info.file_names
     # the device seam (device_copy.api) decides what is device memory; the real one by device type
     on_device = None if getattr(device_copy.api, "by_device", False) else device_copy.api.is_device
     rest: list[tuple[str, Box, torch.Tensor]] = []
@@ -109,8 +128,7 @@ def split_whole(
             or dest.dtype != dtype
             or not dest.is_cpu
             or (on_device is not None and on_device(dest))
-            or tuple(d_len) != shapes[i]
-            or any(d_off)
+            or (dest.shape != tuple(d_len) if exact else tuple(d_len) != shapes[i] or any(d_off))
             or (dtype.is_complex and dest.is_conj())  # only a complex tensor has a lazy conjugate
             or dest.is_neg()
         ):
@@ -121,11 +139,11 @@ def split_whole(
     targets = destination_views(ptrs, [all_nbytes[i] for i in picked])
     names, files, offsets, starts = info.file_names, info.files, info.byte_offsets, info.sum_starts
     new = tuple.__new__  # WholeRead's own __new__ is a Python call: 10,000 of them per load
-    whole = [
+    reads = [
         new(WholeRead, (requests[i][0], names[files[i]], offsets[i], all_nbytes[i], starts[i], target, requests[i][2]))
         for i, target in zip(picked, targets, strict=True)
     ]
-    return whole, info.sums, rest  # the checksum column the reads index (a later require may replace it)
+    return reads, rest
 
 
 #: ``PyMemoryView_FromMemory`` (CPython's stable C API) through a prototype of our own,
