@@ -138,3 +138,28 @@ def plan_sharing(
     plan = plan_shares(reader, [Wanted.encode(reader, w) for w in wanted_by_rank])
     names = list(reader.catalog.tensors)
     return share_plan_dict(plan, names, [len(reader.catalog.shape(f)) for f in names])
+
+
+def commit_hand_made(backend: Any, gen: str, frags: list, entries: list, *, writers: int, block: int) -> None:
+    """Commit a checkpoint whose catalog rows (``frags``) and data files (``entries``,
+    written already) a test laid out by hand: the catalog written, then the manifest."""
+    import datetime
+
+    from bcp.commit import commit
+    from bcp.metadata import Catalog, FileEntry, Manifest, crc32c
+    from bcp.metadata.keys import catalog_key
+
+    cat = Catalog(frags).to_arrow()
+    backend.write(catalog_key(gen), cat)
+    manifest = Manifest(
+        save_id="0" * 24,
+        created=datetime.datetime.now(datetime.UTC).isoformat(),
+        world_size=writers,
+        catalog=FileEntry(catalog_key(gen), len(cat), crc32c(cat)),
+        data_files=tuple(entries),
+        objects={},
+        checksum_block_bytes=block,
+        bcp_version="test",
+        torch_version=torch.__version__,
+    )
+    commit(backend, manifest, overwrite=False)

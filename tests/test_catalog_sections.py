@@ -12,7 +12,6 @@ hides a section, a load that fails naming the tensor instead of filling garbage.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import itertools
 import json
 import math
@@ -27,14 +26,13 @@ from hypothesis import strategies as st
 import bcp
 import bcp.reader
 from bcp.backends import backend_for
-from bcp.commit import commit
 from bcp.errors import CorruptCheckpointError
-from bcp.metadata import Catalog, FileEntry, FormatError, Fragment, Manifest, block_checksums, crc32c
+from bcp.metadata import Catalog, FileEntry, FormatError, Fragment, block_checksums, crc32c
 from bcp.metadata.catalog import sections
 from bcp.metadata.catalog.head import decode_head
-from bcp.metadata.keys import MANIFEST_KEY, catalog_key, data_file_key, generation_name
+from bcp.metadata.keys import MANIFEST_KEY, data_file_key, generation_name
 from bcp.shards import TensorShard
-from helpers import examples
+from helpers import commit_hand_made, examples
 
 BLOCK = 64
 DTYPE = torch.float32
@@ -251,20 +249,7 @@ def _write_checkpoint(root: pathlib.Path, layout, writers: int) -> str:
         key = data_file_key(gen, int(name.rsplit("rank", 1)[1][:5]))  # the writer's rank
         backend.write(key, data)
         entries.append(FileEntry(key, len(data), _digest(data)))
-    cat = Catalog(frags).to_arrow()
-    backend.write(catalog_key(gen), cat)
-    manifest = Manifest(
-        save_id="0" * 24,
-        created=datetime.datetime.now(datetime.UTC).isoformat(),
-        world_size=writers,
-        catalog=FileEntry(catalog_key(gen), len(cat), crc32c(cat)),
-        data_files=tuple(entries),
-        objects={},
-        checksum_block_bytes=BLOCK,
-        bcp_version="test",
-        torch_version=torch.__version__,
-    )
-    commit(backend, manifest, overwrite=False)
+    commit_hand_made(backend, gen, frags, entries, writers=writers, block=BLOCK)
     return uri
 
 

@@ -8,7 +8,6 @@ rows do not tile the tensor is refused as the planner's entry check refuses it."
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import math
 import uuid
@@ -22,21 +21,17 @@ from hypothesis import strategies as st
 import bcp
 from bcp import reader as reader_module
 from bcp.backends import backend_for
-from bcp.commit import commit
 from bcp.errors import CorruptCheckpointError
 from bcp.io_scheduler import read_plan, shard_reads
 from bcp.metadata import (
-    Catalog,
     FileEntry,
     FormatError,
     Fragment,
-    Manifest,
     block_checksums,
-    crc32c,
     digest_of_checksums,
 )
-from bcp.metadata.keys import catalog_key, data_file_key, generation_name
-from helpers import examples
+from bcp.metadata.keys import data_file_key, generation_name
+from helpers import commit_hand_made, examples
 from recording_backend import Recording as Resident
 
 Layout = list[tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]]
@@ -79,20 +74,7 @@ def write(layout: Layout, *, writers: int, block: int, dtype: torch.dtype = torc
             entries.append(
                 FileEntry(data_file_key(gen, w), len(data), digest_of_checksums(block_checksums(bytes(data), block)))
             )
-    cat = Catalog(frags).to_arrow()
-    backend.write(catalog_key(gen), cat)
-    manifest = Manifest(
-        save_id="0" * 24,
-        created=datetime.datetime.now(datetime.UTC).isoformat(),
-        world_size=writers,
-        catalog=FileEntry(catalog_key(gen), len(cat), crc32c(cat)),
-        data_files=tuple(entries),
-        objects={},
-        checksum_block_bytes=block,
-        bcp_version="test",
-        torch_version=torch.__version__,
-    )
-    commit(backend, manifest, overwrite=False)
+    commit_hand_made(backend, gen, frags, entries, writers=writers, block=block)
     return uri
 
 
