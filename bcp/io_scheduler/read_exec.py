@@ -262,11 +262,14 @@ PAGE = 4096
 
 def scratch_memory(nbytes: int, offset: int) -> memoryview:
     """Scratch memory for a coalesced request of ``nbytes`` from file ``offset``, whose
-    address agrees with ``offset`` modulo the page size: a storage read of it can then
-    go O_DIRECT straight into it (an unaligned buffer is read through a bounce buffer,
-    one more copy of every byte). Private process memory (an anonymous shared mapping
-    is shmem: its page faults cost twice the system time here), not zero-filled by us."""
-    buf = np.empty(nbytes + PAGE, np.uint8)
+    address agrees with ``offset`` modulo the page size, so a storage read goes O_DIRECT
+    straight into it (not through a bounce buffer). Private process memory (an anonymous
+    shared mapping is shmem: its page faults cost twice the system time here), not zeroed."""
+    return page_aligned(np.empty(nbytes + PAGE, np.uint8), nbytes, offset)
+
+
+def page_aligned(buf: np.ndarray, nbytes: int, offset: int) -> memoryview:
+    """``nbytes`` of ``buf`` (at least a page longer) whose address agrees with ``offset`` modulo the page."""
     shift = (offset - buf.ctypes.data) % PAGE
     return memoryview(buf)[shift : shift + nbytes]  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
 

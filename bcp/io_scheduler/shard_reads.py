@@ -56,13 +56,11 @@ def split_exact(
     already: split_whole's checks (``spans`` as it takes them), with the box for the
     whole shape. ``sums``: split_whole's checksum column, which the reads index (none
     are taken if the catalog's is another by now). The rest is planned as before."""
-    if not catalog.is_whole:
-        catalog.require([(fqn, box) for fqn, box, _dest in requests])  # held already: split_whole required them
+    # a catalog read in part holds these rows already: split_whole required every request's
     info = catalog.whole_rows([fqn for fqn, _box, _dest in requests], [box for _fqn, box, _dest in requests])
     if info.sums is not sums:
         return [], requests
-    exact, rest = pick_bulk(info, block, requests, in_memory, spans, exact=True)
-    return exact, rest
+    return pick_bulk(info, block, requests, in_memory, spans, exact=True)
 
 
 def row_of(entry: TensorEntry, read: WholeRead) -> Fragment:

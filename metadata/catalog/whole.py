@@ -147,7 +147,7 @@ def find_exact_rows(
     meeting the boxes asked (``require``), tensors not held whole are not checked."""
     n = len(fqns)
     index = tensors.index
-    codes = np.fromiter((index.get(f, -1) for f in fqns), np.int64, n)
+    codes = np.fromiter(map(index.get, fqns, itertools.repeat(-1, n)), np.int64, n)
     code = np.maximum(codes, 0)
     ok = codes >= 0
     match = np.full(n, -1, np.int64)
