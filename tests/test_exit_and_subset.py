@@ -146,7 +146,10 @@ def test_the_single_process_option_on_rank_0_alone_then_late_ranks_within_the_bo
     dist_jobs.spawn(subset_jobs.local_option_job, 2, str(tmp_path), RENDEZVOUS / 2)
 
 
-def test_a_group_of_some_ranks_saves_and_loads_alone(tmp_path, rendezvous):
+def test_a_group_of_some_ranks_saves_and_loads_alone(tmp_path, monkeypatch):
+    # Not the 3 s rendezvous: rank 2's first bcp call (imports included) comes after
+    # the pair's saves, and took over 3 s once on a loaded CI machine. No timeout is tested here.
+    monkeypatch.setenv("BCP_RENDEZVOUS_TIMEOUT", "60")
     dist_jobs.spawn(subset_jobs.subgroup_job, 3, str(tmp_path))
 
 
