@@ -19,6 +19,13 @@ buffer gives (printed beside it): that ran 0.7x to 1.45x as fast as the state's 
 in runs minutes apart. The ``bcp`` case makes ``--save-pairs`` sync saves, each beside
 such a raw write, in alternating order, and compares their medians.
 
+Its cold loads are measured the same way: ``--load-pairs`` rounds, in an order that
+rotates, of a bcp load, a raw read of bcp's own data files into the same touched memory
+(O_DIRECT, one thread, 64 MiB requests; and buffered, 4 threads, 16 MiB), and a cold
+safetensors load of the same state, each after a sync and a pause. The cold load's ratio
+is to the faster raw read beside it (a load compared with a raw read taken minutes apart
+gave 0.36x in one run and 0.82x in the next).
+
 The ``bcp`` case times ``async_save`` in one process beside copies of the same tensors:
 the first call (it allocates the staging pool) beside a memcpy into freshly allocated
 memory, and ``--async-calls`` steady-state calls each beside a memcpy into warm (touched,
@@ -273,8 +280,7 @@ def case_bcp(path, state, args):
     out[SAVE_BESIDE] = statistics.median(raws)
     out["bcp save: peak extra memory"] = peak_rss() - base
     dst = empty_like(state)
-    drop_cache(uri)
-    out["bcp load (cold cache)"] = timed(lambda: bcp.load(dst, uri))
+    out.update(cold_loads_beside(path, uri, state, dst, args))
     warm_cache(uri)
     out["bcp load (warm cache)"] = timed(lambda: bcp.load(dst, uri))
 
@@ -309,6 +315,101 @@ def case_bcp(path, state, args):
         samples["bcp async_save total (steady state)"].append(h.wait().seconds)
     out.update({k: statistics.median(v) for k, v in samples.items()})
     return out
+
+
+#: cold loads measured in the same minutes: each bcp load beside raw reads of bcp's own
+#: files and a safetensors load of the same state, in rotating order (the disk's speed
+#: swings 5-10x from minute to minute; one load compared with a raw read taken a minute
+#: apart gave 0.36x in one run and 0.82x in the next)
+COLD_LOAD = "bcp load (cold cache)"
+COLD_DIRECT = "raw read of bcp's files, O_DIRECT, 1 thread (beside)"
+COLD_THREADS = "raw read of bcp's files, buffered, 4 threads (beside)"
+COLD_SAFETENSORS = "safetensors load_file+copy (cold, beside bcp's)"
+
+
+def file_requests(files: list[str], into: list[memoryview], chunk: int) -> list[tuple[str, int, list[memoryview]]]:
+    """Reads of every byte of ``files`` (whole pages) into the views ``into`` laid end to
+    end (a load's touched destinations): (file, offset, views) of up to ``chunk`` bytes."""
+    page = mmap.PAGESIZE
+    views = iter(into)
+    left = memoryview(b"")
+    jobs = []
+    for f in files:
+        size = -(-os.path.getsize(f) // page) * page
+        off = 0
+        while off < size:
+            want, parts = min(chunk, size - off), []
+            while want:
+                if not len(left):
+                    left = next(views)
+                part = left[:want]
+                parts.append(part)
+                left, want = left[len(part) :], want - len(part)
+            jobs.append((f, off, parts))
+            off += sum(map(len, parts))
+    return jobs
+
+
+def raw_reads(jobs: list[tuple[str, int, list[memoryview]]], *, direct: bool, threads: int) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(job):
+        f, off, parts = job
+        fd = os.open(f, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        try:
+            os.preadv(fd, parts, off)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, jobs))
+
+
+def cold_loads_beside(path, uri, state, dst, args) -> dict[str, float]:
+    """``--load-pairs`` rounds of: a cold bcp load, the two raw reads of bcp's files into
+    the same touched memory, and a cold safetensors load of the same state, in an order
+    that rotates each round, each after a sync and a pause; their medians."""
+    import bcp
+
+    files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(uri) for f in fs)
+    data = [f for f in files if os.path.getsize(f) >= 1 << 20]  # the tensor bytes, not the metadata
+    views, _n = state_requests(dst, 64 << 20)
+    flat = [v for r in views for v in r]
+    need = sum(-(-os.path.getsize(f) // mmap.PAGESIZE) * mmap.PAGESIZE for f in data)
+    if sum(map(len, flat)) < need:  # the interiors of small tensors are left out: top up from spare memory
+        spare = mmap.mmap(-1, need - sum(map(len, flat)) + mmap.PAGESIZE)
+        spare.write(b"\1" * len(spare))
+        flat.append(memoryview(spare))
+    direct, threaded = file_requests(data, flat, 64 << 20), file_requests(data, flat, 16 << 20)
+    steps = {
+        COLD_LOAD: (files, lambda: bcp.load(dst, uri)),
+        COLD_DIRECT: (data, lambda: raw_reads(direct, direct=True, threads=1)),
+        COLD_THREADS: (data, lambda: raw_reads(threaded, direct=False, threads=4)),
+    }
+    try:
+        from safetensors.torch import load_file, save_file
+    except ImportError:
+        load_file = None
+    if load_file is not None:
+        flat_state, flat_dst = shapes.flatten(state), shapes.flatten(dst)
+        f = os.path.join(path, "beside.safetensors")
+        save_file(flat_state, f)
+
+        def safetensors_load():
+            for k, v in load_file(f).items():
+                flat_dst[k].copy_(v)
+
+        steps[COLD_SAFETENSORS] = ([f], safetensors_load)
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    names = list(steps)
+    for i in range(args.load_pairs):
+        for k in names[i % len(names) :] + names[: i % len(names)]:
+            for f in steps[k][0]:
+                drop_cache(f)
+            os.sync()
+            time.sleep(min(args.settle, 1.0))
+            times[k].append(timed(steps[k][1]))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 #: the async_save rows and the memcpy each is compared with (measured beside it in the bcp case)
@@ -514,6 +615,10 @@ def ratio_of(k: str, med: dict[str, float]) -> str:
     v = med[k]
     if k in ASYNC_BESIDE and med.get(ASYNC_BESIDE[k]):
         return f"{v / med[ASYNC_BESIDE[k]]:.2f}x the {ASYNC_BESIDE[k].split(' (')[0]} time"
+    if k in (COLD_LOAD, COLD_SAFETENSORS) and med.get(COLD_DIRECT):
+        fastest = min(med[COLD_DIRECT], med.get(COLD_THREADS, med[COLD_DIRECT]))
+        of_case = f" ({raw_r / v:.2f}x the raw case's)" if raw_r else ""
+        return f"{fastest / v:.2f}x the faster raw read beside it{of_case}"
     if k == "bcp save" and med.get(SAVE_BESIDE):
         of_case = f" ({raw_w / v:.2f}x the raw case's)" if raw_w else ""
         return f"{med[SAVE_BESIDE] / v:.2f}x the raw write speed beside it{of_case}"
@@ -566,6 +671,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds inside the memory case")
     p.add_argument("--async-calls", type=int, default=3, help="steady-state async_save calls in the bcp case")
     p.add_argument("--save-pairs", type=int, default=3, help="sync saves, each beside a raw write, in the bcp case")
+    p.add_argument("--load-pairs", type=int, default=3, help="cold bcp loads, each beside raw reads, in the bcp case")
     p.add_argument("--case", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.case:
@@ -584,6 +690,7 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--case", name, "--shape", shape, "--gib", str(args.gib)]
                 cmd += ["--dir", args.dir, "--shm", args.shm, "--rounds", str(args.rounds)]
                 cmd += ["--async-calls", str(args.async_calls), "--save-pairs", str(args.save_pairs)]
+                cmd += ["--load-pairs", str(args.load_pairs)]
                 cmd += ["--settle", str(args.settle)]
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -149,7 +149,7 @@ def test_peers_prints_a_table_per_shape_with_the_async_rows_beside_their_memcpy(
     lines = run_here(
         "peers.py",
         *("--gib", "0.004", "--repeats", "1", "--settle", "0", "--async-calls", "1", "--save-pairs", "2"),
-        *("--only", "raw,bcp"),
+        *("--load-pairs", "2", "--only", "raw,bcp"),
         *("--dir", str(tmp_path / "peers")),
         capsys=capsys,
         monkeypatch=monkeypatch,
@@ -170,6 +170,11 @@ def test_peers_prints_a_table_per_shape_with_the_async_rows_beside_their_memcpy(
         assert "| raw O_DIRECT read, one 64 MiB buffer reused " in table  # the read limit fills the state's shapes
         assert re.search(r"\| raw O_DIRECT write \(beside the bcp saves\) +\| +\d+\.\d+ \|", table), table
         assert re.search(r"\| bcp save +\|.*x the raw write speed beside it \(\d+\.\d+x the raw case's\)", table)
+        # each cold load beside raw reads of its own files and a cold safetensors load, in rotation
+        for row in ("raw read of bcp's files, O_DIRECT, 1 thread", "raw read of bcp's files, buffered, 4 threads"):
+            assert re.search(rf"\| {re.escape(row)} \(beside\) +\| +\d+\.\d+ \|", table), row
+        assert re.search(r"\| bcp load \(cold cache\) +\|.*x the faster raw read beside it \(", table), table
+        assert re.search(r"\| safetensors load_file\+copy \(cold, beside bcp's\) .*x the faster raw read", table)
     assert not any((tmp_path / "peers").rglob("*")), "peers left files behind"
 
 
