@@ -148,6 +148,7 @@ def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf], fqn: 
 
 
 _STR_ONLY = {str}
+_PLAIN_SET = set(_PLAIN_TENSORS)
 
 
 def _walk_str_keys(container: dict[str, Any], path: KeyPath, leaves: dict[str, Leaf], fqn: str) -> None:
@@ -268,6 +269,8 @@ def _detach(value: Any, path: KeyPath, found: list[tuple[KeyPath, Any]] | None) 
         if found is not None:
             found.append((path, value))
         return _detach(value.state_dict(), path, None)
+    if type(value) is dict and set(map(type, value)) <= _STR_ONLY and set(map(type, value.values())) <= _PLAIN_SET:
+        return value  # str keys and plain tensors only (the usual state): nothing to detach, no call a key
     if isinstance(value, Mapping) and all(_plain_key(k) for k in value):
         # a plain tensor leaf is kept as it is without a call or a path (10,000 of them per load)
         plain = _PLAIN_TENSORS

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import operator
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
@@ -111,31 +112,34 @@ def pick_bulk(
         fits &= np.fromiter((fqn not in held for fqn, _box, _dest in requests), bool, len(requests))
     # the device seam (device_copy.api) decides what is device memory; the real one by device type
     on_device = None if getattr(device_copy.api, "by_device", False) else device_copy.api.is_device
-    rest: list[tuple[str, Box, torch.Tensor]] = []
     picked: list[int] = []  # the requests read in bulk, with their destinations' addresses
     ptrs: list[int] = []
     shapes, dtypes, all_nbytes = info.shapes, info.dtypes, info.nbytes
-    for i, (request, ok, (ptr, size)) in enumerate(zip(requests, fits.tolist(), spans, strict=True)):
-        if not ok:
-            rest.append(request)
+    # only the requests the catalog's side allows are looked at; a tensor's attributes
+    # are read only as far as its first failed check (the usual request passes them all)
+    for i in np.flatnonzero(fits).tolist():
+        ptr, size = spans[i]
+        if not ptr or size != all_nbytes[i]:  # not dense (strided, empty, meta) or not the row's size
             continue
-        _fqn, (d_off, d_len), dest = request
+        _fqn, (d_off, d_len), dest = requests[i]
         dtype = wanted[dtypes[i]]
-        if (
-            not ptr  # not dense (strided, empty, meta) or no memory of its own
-            or size != all_nbytes[i]  # a catalog row's size is checked where it is planned
-            or dtype is None
-            or dest.dtype != dtype
-            or not dest.is_cpu
-            or (on_device is not None and on_device(dest))
-            or (dest.shape != tuple(d_len) if exact else tuple(d_len) != shapes[i] or any(d_off))
-            or (dtype.is_complex and dest.is_conj())  # only a complex tensor has a lazy conjugate
-            or dest.is_neg()
-        ):
-            rest.append(request)
+        if dtype is None or dest.dtype != dtype or not dest.is_cpu or dest.is_neg():
             continue
+        if exact:
+            if dest.shape != tuple(d_len):
+                continue
+        elif tuple(d_len) != shapes[i] or any(d_off):
+            continue
+        if (on_device is not None and on_device(dest)) or (dtype.is_complex and dest.is_conj()):
+            continue  # only a complex tensor has a lazy conjugate
         picked.append(i)
         ptrs.append(ptr)
+    if len(picked) == len(requests):
+        rest: list[tuple[str, Box, torch.Tensor]] = []
+    else:
+        taken = np.ones(len(requests), bool)
+        taken[picked] = False
+        rest = [requests[i] for i in np.flatnonzero(taken).tolist()]
     targets = destination_views(ptrs, [all_nbytes[i] for i in picked])
     names, files, offsets, starts = info.file_names, info.files, info.byte_offsets, info.sum_starts
     new = tuple.__new__  # WholeRead's own __new__ is a Python call: 10,000 of them per load
@@ -196,40 +200,48 @@ def execute_whole_reads(
     if not reads:
         return stats
     block = block_bytes
-    full = [r.nbytes // block for r in reads]
-    expected: list[int] = [0] * len(reads)
-    tails: list[int] = [0] * len(reads)
+    n = len(reads)
+    # every read's numbers as arrays (no attribute access a read in Python): C-level gathers
+    nbytes_np = np.fromiter(map(_NBYTES, reads), np.int64, n)
+    offsets_np = np.fromiter(map(_OFFSET, reads), np.int64, n)
+    full_np = nbytes_np // block
+    full: list[int] = full_np.tolist()
+    expected: list[int] = [0] * n
+    tails: list[int] = [0] * n
     if verify:
-        starts = np.fromiter((r.sum_start for r in reads), np.int64, len(reads))
-        whole = np.array(full, np.int64)
-        firsts = sums[starts].tolist()
-        has_tail = [r.nbytes % block != 0 for r in reads]
-        tail_at = starts + whole
-        tails = sums[np.where(has_tail, tail_at, starts)].tolist()
-        expected = firsts
+        starts = np.fromiter(map(_SUM_START, reads), np.int64, n)
+        has_tail = nbytes_np % block != 0
+        expected = sums[starts].tolist()
+        tails = sums[np.where(has_tail, starts + full_np, starts)].tolist()
         small = -(-read_exec.IN_MEMORY_CHUNK // block) * block  # larger ones from memory are checked piece by piece
-        multi = [i for i, f in enumerate(full) if f > 1 and reads[i].nbytes <= small]
-        if multi:
-            runs = [(reads[i].sum_start, reads[i].sum_start + full[i]) for i in multi]
-            for i, value in zip(multi, combine_block_runs(sums, block, runs), strict=True):
+        multi = np.flatnonzero((full_np > 1) & (nbytes_np <= small))
+        if len(multi):
+            runs = list(zip(starts[multi].tolist(), (starts[multi] + full_np[multi]).tolist(), strict=True))
+            for i, value in zip(multi.tolist(), combine_block_runs(sums, block, runs), strict=True):
                 expected[i] = value
-    order = sorted(range(len(reads)), key=lambda i: (reads[i].file, reads[i].offset))
-    total = sum(r.nbytes for r in reads)
+    file_names = sorted(set(map(_FILE, reads)))
+    code_of = {f: c for c, f in enumerate(file_names)}
+    file_codes = np.fromiter(map(code_of.__getitem__, map(_FILE, reads)), np.int64, n)
+    order_np = np.lexsort((offsets_np, file_codes))  # by file, then offset (stable: as sorted() did)
+    order: list[int] = order_np.tolist()
+    total = int(nbytes_np.sum())
     streams = streams or backend.hints.concurrency
     limit = max(COALESCE_BELOW, min(COALESCE_BYTES, COALESCE_BUDGET // max(streams, 1)))
     batches: list[list[int]] = []
-    end, file = -1, ""
+    end, file = -1, -1
     size = 0
-    for i in order:
-        r = reads[i]
-        gap = r.offset - end
-        if batches and r.file == file and 0 <= gap < read_exec.MAX_PADDING and size + gap + r.nbytes <= limit:
+    pad = read_exec.MAX_PADDING
+    for i, f, o, nb in zip(
+        order, file_codes[order_np].tolist(), offsets_np[order_np].tolist(), nbytes_np[order_np].tolist(), strict=True
+    ):
+        gap = o - end
+        if f == file and 0 <= gap < pad and size + gap + nb <= limit and batches:
             batches[-1].append(i)
-            size += gap + r.nbytes
+            size += gap + nb
         else:
             batches.append([i])
-            file, size = r.file, r.nbytes
-        end = r.offset + r.nbytes
+            file, size = f, nb
+        end = o + nb
     name = describe_file(backend)
     check = verify
     chunk = -(-read_exec.IN_MEMORY_CHUNK // block) * block
@@ -387,6 +399,7 @@ def execute_whole_reads(
         tasks.append((batch, resident))
         resident_bytes += span_of(batch) if resident else 0
     if resident_bytes:
+        sizes = nbytes_np.tolist()
         piece = max(read_exec.IN_MEMORY_CHUNK, resident_bytes // max(4 * streams, 1))
         cut: list[tuple[list[int], bool]] = []
         for batch, resident in tasks:
@@ -395,7 +408,7 @@ def execute_whole_reads(
                 continue
             start, size = 0, 0
             for k, i in enumerate(batch):
-                size += reads[i].nbytes
+                size += sizes[i]
                 if size >= piece or k == len(batch) - 1:
                     cut.append((batch[start : k + 1], True))
                     start, size = k + 1, 0
@@ -407,6 +420,11 @@ def execute_whole_reads(
     stats.padding_bytes = sum(p for _n, p in done)
     stats.bytes_read = total
     return stats
+
+
+_NBYTES, _OFFSET, _SUM_START, _FILE = (
+    operator.itemgetter(WholeRead._fields.index(f)) for f in ("nbytes", "offset", "sum_start", "file")
+)
 
 
 class ThreadScratch:
