@@ -8,12 +8,16 @@ three decades) adding to exactly ``--gib``. For each count, in a fresh process p
 * ``bcp.async_save`` blocking, steady state (after a warm-up call that allocates the
   staging pool), median of ``--calls``;
 * ``bcp.load`` from the page cache (the files read once through it) into existing
-  tensors, a warm-up call then the median of ``--calls``.
+  tensors, a warm-up call then the median of ``--calls``;
+* beside them, the same bytes through peers: safetensors ``load_file`` and ``torch.load``
+  from the page cache, each tensor then copied into the existing one (no checksums), and
+  a ``copy_`` of each tensor from memory: what a tensor costs a loop of plain Python.
 
 A flat cost per tensor shows as a ratio near 1 between the largest and the smallest
 count (the issue's target: at most 1.3x). The last line is
 
     tensor_count_scale: save <r>x, async <r>x, load <r>x (target 1.3x)
+    peers beside: safetensors <r>x, torch <r>x, copy <r>x
 
     python bench/tensor_count_scale.py [--gib 1] [--counts 100,1000,10000] [--repeats 2] [--calls 3]
     python bench/tensor_count_scale.py --cases load     # the load row only (one untimed save)
@@ -38,7 +42,15 @@ from peers import warm_cache
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-CASES = (("save", "bcp.save (sync)"), ("async", "async_save blocking (steady)"), ("load", "bcp.load (page cache)"))
+CASES = (
+    ("save", "bcp.save (sync)"),
+    ("async", "async_save blocking (steady)"),
+    ("load", "bcp.load (page cache)"),
+    # the same bytes through peers, beside: what a tensor costs them
+    ("safetensors", "safetensors load_file+copy (page cache)"),
+    ("torch", "torch.load+copy (page cache)"),
+    ("copy", "copy_ of each tensor (memory)"),
+)
 
 
 def run_count(n: int, args) -> dict[str, float]:
@@ -69,12 +81,49 @@ def run_count(n: int, args) -> dict[str, float]:
         bcp.load(dst, sync_uri)
         return time.perf_counter() - t0
 
+    st_file, pt_file = os.path.join(root, "state.safetensors"), os.path.join(root, "state.pt")
+
+    def safetensors_load() -> float:
+        from safetensors.torch import load_file
+
+        t0 = time.perf_counter()
+        for k, v in load_file(st_file).items():
+            dst[k].copy_(v)
+        return time.perf_counter() - t0
+
+    def torch_load() -> float:
+        t0 = time.perf_counter()
+        for k, v in torch.load(pt_file, weights_only=True).items():
+            dst[k].copy_(v)
+        return time.perf_counter() - t0
+
+    def copy() -> float:
+        t0 = time.perf_counter()
+        for k, v in state.items():
+            dst[k].copy_(v)
+        return time.perf_counter() - t0
+
     out: dict[str, float] = {}
     cases = args.cases.split(",")
     try:
         if "save" not in cases:
             save()  # the checkpoint the load reads
-        for name, fn, prepare in (("save", save, None), ("async", async_blocking, None), ("load", load, warm_cache)):
+        if "safetensors" in cases:
+            from safetensors.torch import save_file
+
+            save_file(state, st_file)
+        if "torch" in cases:
+            torch.save(state, pt_file)
+        warm = lambda _uri: [warm_cache(f) for f in (sync_uri, st_file, pt_file) if os.path.exists(f)]  # noqa: E731
+        steps = (
+            ("save", save, None),
+            ("async", async_blocking, None),
+            ("load", load, warm),
+            ("safetensors", safetensors_load, warm),
+            ("torch", torch_load, warm),
+            ("copy", copy, None),
+        )
+        for name, fn, prepare in steps:
             if name not in cases:
                 continue
             fn()  # warm-up: imports, plan caches, the staging pool
@@ -98,7 +147,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="fresh processes per count, interleaved")
     p.add_argument("--calls", type=int, default=3, help="timed calls per case in each process")
     p.add_argument("--dir", default=None, help="where a scratch directory is made (default: the temp dir)")
-    p.add_argument("--cases", default="save,async,load", help="which of save, async, load to time, comma-separated")
+    p.add_argument(
+        "--cases",
+        default=",".join(k for k, _l in CASES),
+        help="which of " + ", ".join(k for k, _l in CASES) + " to time, comma-separated (the last three: peers)",
+    )
     p.add_argument("--count", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.count is not None:
@@ -148,7 +201,10 @@ def report(counts: list[int], args, runs: dict[int, dict[str, list[float]]]) -> 
     lo, hi = min(counts), max(counts)
     ratio = {k: med[hi][k] / med[lo][k] for k, _l in cases}
     print(f"| {hi:,} / {lo:,} | " + " | ".join(f"{ratio[k]:.2f}x" for k, _l in cases) + " |")
-    print("tensor_count_scale: " + ", ".join(f"{k} {ratio[k]:.2f}x" for k, _l in cases) + " (target 1.3x)")
+    ours = [k for k in ("save", "async", "load") if k in ratio]
+    print("tensor_count_scale: " + ", ".join(f"{k} {ratio[k]:.2f}x" for k in ours) + " (target 1.3x)")
+    if peers := [k for k in ("safetensors", "torch", "copy") if k in ratio]:
+        print("peers beside: " + ", ".join(f"{k} {ratio[k]:.2f}x" for k in peers))
 
 
 if __name__ == "__main__":
