@@ -347,9 +347,7 @@ def uneven_recover(rank: int, world: int, hosts: tuple[str, ...], roots: dict[st
         # the load's reads, and at most the writers' padding between fragments, which its
         # coalesced reads span (fetched so that no read waits for the end of the exchange)
         with bcp.open(os.path.join(roots[hosts[0]], step_name(LOCAL_STEP))) as saved:
-            padding = sum(f.nbytes for f in saved.manifest.data_files) - sum(
-                f.nbytes for f in saved.catalog.fragments
-            )
+            padding = sum(f.nbytes for f in saved.manifest.data_files) - sum(f.nbytes for f in saved.catalog.fragments)
         assert 0 < reads <= info.bytes_received <= reads + padding, (info.bytes_received, padding, info.load)
     else:
         assert info.bytes_received == 0, "host A holds every file (its own and B's replica)"
