@@ -89,7 +89,7 @@ VERIFIED_PIECE = 2 << 20
 
 
 class VerifiedReads:
-    """Times the bare verified read of every file under ``root``: ``preadv`` in 2 MiB
+    """Times the bare verified read of every file under ``root`` (or of ``files``): ``preadv`` in 2 MiB
     pieces into one warm buffer of the files' size (each piece to its own place, as a
     load fills distinct tensors), each piece checked with CRC32C (the implementation bcp
     uses) right after it lands, while it is in cache, on ``threads`` threads. It is the
@@ -97,17 +97,20 @@ class VerifiedReads:
     machine, copy and checksum sharing the cores: no planning, no catalog, no
     destinations' checks."""
 
-    def __init__(self, root: str, *, threads: int = 2, piece: int = VERIFIED_PIECE):
+    def __init__(
+        self, root: str | None = None, *, files: list[str] | None = None, threads: int = 2, piece: int = VERIFIED_PIECE
+    ):
         from bcp.metadata import checksum
 
         self.crc = checksum.crc32c
+        if files is None:  # every file under root
+            assert root is not None, "a root or a list of files"
+            files = [os.path.join(d, name) for d, _dirs, names in os.walk(root) for name in sorted(names)]
         pieces: list[tuple[str, int, int, int]] = []  # (file, offset in it, bytes, offset in the buffer)
-        for d, _dirs, files in os.walk(root):
-            for name in sorted(files):
-                path = os.path.join(d, name)
-                size = os.path.getsize(path)
-                at = sum(p[2] for p in pieces[-1:]) + (pieces[-1][3] if pieces else 0)
-                pieces += [(path, o, min(piece, size - o), at + o) for o in range(0, size, piece)]
+        for path in files:
+            size = os.path.getsize(path)
+            at = sum(p[2] for p in pieces[-1:]) + (pieces[-1][3] if pieces else 0)
+            pieces += [(path, o, min(piece, size - o), at + o) for o in range(0, size, piece)]
         self.nbytes = sum(p[2] for p in pieces)
         self.buffer = memoryview(bytearray(self.nbytes))  # zero-filled: every page touched
         self.shares = [pieces[i::threads] for i in range(threads)]

@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 import shapes  # bench/ is not a package
+from memcpy_limit import VerifiedReads
 from netproxy import proxied
 from ranks import gloo_rank, run_ranks
 from servers import free_port, make_bucket, running, test_environment
@@ -81,6 +82,7 @@ from servers import free_port, make_bucket, running, test_environment
 os.environ.update(test_environment())
 
 import bcp
+from bcp.backends import backend_for
 
 TENSORS = 8
 COLS = 1024
@@ -404,10 +406,12 @@ def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
     with the tier (recovered from the local tier: every host holds its ranks' files,
     nothing to fetch) and of one without
     it (the same step from the file root, its pages in the page cache), on the same 4
-    ranks into the same layout, each checked bit-exact; beside them, the limit: each
-    rank's own data files read raw (:func:`raw_read`) from the local tier and from the
-    file root. Times are the slowest rank's, wall and CPU (``time.process_time``: this
-    rank's threads), and CPU summed over the ranks; with ``cfg["profile"]`` (``--profile``)
+    ranks into the same layout, each checked bit-exact; beside them, the limit: the bare
+    verified read of each rank's own data files (``memcpy_limit.VerifiedReads``: ``preadv``
+    of 2 MiB pieces into touched memory, CRC32C of each, on the threads a load from
+    memory uses) from the local tier and from the file root, in the same order. Times are
+    the slowest rank's, wall and CPU (``time.process_time``: this rank's threads), and CPU
+    summed over the ranks; with ``cfg["profile"]`` (``--profile``)
     rank 0's cProfile of each counted load is written there."""
     host = f"host{rank // RANKS_PER_HOST}"
     os.environ["BCP_HOST_ID"] = host
@@ -439,7 +443,15 @@ def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
             cfg["params"], zeros, [(torch.zeros(s), torch.zeros(s)) for s in locals_], rank, world, -1, steps_
         )
 
-    times: dict[str, list[tuple[float, float]]] = {"local": [], "file": [], "raw_local": [], "raw_file": []}
+    # the limit beside them: the bare verified read of this rank's own data files (preadv of 2 MiB
+    # pieces into touched memory, CRC32C of each piece while in cache, on the threads a load from
+    # memory reads with), from the local step on /dev/shm and from the file root's page cache
+    threads = min(backend_for(cfg["lvf_root"]).hints.concurrency, len(os.sched_getaffinity(0)))
+    limits = {
+        "vread_local": VerifiedReads(files=rank_files(tier_dir, rank), threads=threads),
+        "vread_file": VerifiedReads(files=rank_files(cfg["lvf_root"], rank), threads=threads),
+    }
+    times: dict[str, list[tuple[float, float]]] = {"local": [], "file": [], "vread_local": [], "vread_file": []}
     cpu_sums: dict[str, list[float]] = {"local": [], "file": []}
     exact = True
     # rep 0 warms both up: the file root's pages are read into the page cache (not counted)
@@ -476,13 +488,21 @@ def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
                     flush=True,
                 )
             del loaded, target
-        # the limit beside them: this rank's own data files read raw (no planning, no CRC), from
-        # the local step on /dev/shm and from the file root's page cache
-        for name, where in (("raw_local", tier_dir), ("raw_file", cfg["lvf_root"])):
+        # the limit beside them, each first in every other repeat (as the loads)
+        reads = list(limits.items())
+        for name, verified in reads if rep % 2 else reads[::-1]:
             dist.barrier()
-            wall, cpu = raw_read(rank_files(where, rank))
+            cpu0 = time.process_time()
+            wall = verified()
+            wall, cpu = slowest(wall), slowest(time.process_time() - cpu0)
             if rep > 0:
-                times[name].append((slowest(wall), slowest(cpu)))
+                times[name].append((wall, cpu))
+        if rank == 0 and rep > 0:
+            print(
+                f"  verified read of the same files, rep {rep}: /dev/shm {times['vread_local'][-1][0]:.3f} s, "
+                f"page cache {times['vread_file'][-1][0]:.3f} s",
+                flush=True,
+            )
     with_tier.close()
     from_file.close()
     share = sum(t.numel() * t.element_size() for t in want)
@@ -495,6 +515,11 @@ def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
         "pair_ratio": statistics.median(
             f[0] / lo[0] for lo, f in zip(times["local"], times["file"], strict=True) if lo[0] > 0
         ),
+        "vread_pair_ratio": statistics.median(
+            f[0] / lo[0] for lo, f in zip(times["vread_local"], times["vread_file"], strict=True) if lo[0] > 0
+        ),
+        "vread_bytes": limits["vread_local"].nbytes,
+        "vread_threads": threads,
         "exact": exact,
     }
 
@@ -502,26 +527,6 @@ def local_vs_file_job(rank: int, world: int, cfg: dict) -> dict:
 def rank_files(root: str, rank: int) -> list[str]:
     """The data files ``rank`` wrote under ``root`` (a local tier's directory or a file root)."""
     return sorted(glob.glob(os.path.join(root, "**", "data", f"rank{rank:05d}-*.bin"), recursive=True))
-
-
-#: bytes of one raw read request
-RAW_REQUEST = 8 << 20
-
-
-def raw_read(paths: list[str]) -> tuple[float, float]:
-    """(wall, CPU) seconds to ``preadv`` every byte of ``paths`` in 8 MiB requests into one
-    buffer: what reading the rank's bytes costs from where they lie, and no more."""
-    buf = memoryview(bytearray(RAW_REQUEST))
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            offset = 0
-            while n := os.preadv(fd, [buf], offset):
-                offset += n
-        finally:
-            os.close(fd)
-    return time.perf_counter() - t0, time.process_time() - cpu0
 
 
 def local_vs_file_rows(res: dict) -> list[str]:
@@ -534,13 +539,29 @@ def local_vs_file_rows(res: dict) -> list[str]:
         f"file-root load's speed (median of each repeat's {res['pair_ratio']:.2f}x) |",
         f"| load of the same step from a page-cached file root, same 4 ranks | {res['file_s']:.3f} | "
         f"{share / res['file_s'] / 1e9:.2f} | {res['file_cpu_s']:.3f} CPU-s ({res['file_cpu_sum_s']:.3f} summed) |",
-        f"| raw `preadv` of each rank's files from the local tier (/dev/shm) | {res['raw_local_s']:.3f} | "
-        f"{share / max(res['raw_local_s'], 1e-9) / 1e9:.2f} | {res['raw_local_cpu_s']:.3f} CPU-s |",
-        f"| raw `preadv` of each rank's files from the file root (page cache) | {res['raw_file_s']:.3f} | "
-        f"{share / max(res['raw_file_s'], 1e-9) / 1e9:.2f} | {res['raw_file_cpu_s']:.3f} CPU-s; recovery - load "
-        f"{res['local_cpu_s'] - res['file_cpu_s']:+.3f} CPU-s, of which the raw reads' difference "
-        f"{res['raw_local_cpu_s'] - res['raw_file_cpu_s']:+.3f} |",
+        *(
+            f"| verified read of each rank's files from the {where}: `preadv` + CRC32C of each 2 MiB piece, "
+            f"{res['vread_threads']} threads (the limit) | {res[f'{name}_s']:.3f} | "
+            f"{res['vread_bytes'] / max(res[f'{name}_s'], 1e-9) / 1e9:.2f} | {res[f'{name}_cpu_s']:.3f} CPU-s{tail} |"
+            for name, where, tail in (
+                ("vread_local", "local tier (/dev/shm)", ""),
+                (
+                    "vread_file",
+                    "file root (page cache)",
+                    f"; the machine's ratio {limit_ratio(res):.2f}x (median of each repeat's "
+                    f"{res['vread_pair_ratio']:.2f}x); recovery - load {res['local_cpu_s'] - res['file_cpu_s']:+.3f} "
+                    f"CPU-s, of which the verified reads' difference "
+                    f"{res['vread_local_cpu_s'] - res['vread_file_cpu_s']:+.3f}",
+                ),
+            )
+        ),
     ]
+
+
+def limit_ratio(res: dict) -> float:
+    """The machine's own ratio: the verified read from the file root's page cache over the
+    same read from /dev/shm (seconds); above 1, /dev/shm is the faster place to read from."""
+    return res["vread_file_s"] / max(res["vread_local_s"], 1e-9)
 
 
 def local_vs_file_line(res: dict) -> str:
@@ -548,6 +569,22 @@ def local_vs_file_line(res: dict) -> str:
     return (
         f"tier_bench local-vs-file: local {res['local_s']:.3f} s ({res['local_cpu_s']:.3f} CPU-s), file "
         f"{res['file_s']:.3f} s ({res['file_cpu_s']:.3f} CPU-s), ratio {ratio:.2f}, exact {res['exact']}"
+    )
+
+
+def local_vs_file_limit_line(res: dict) -> str:
+    """bcp's ratio beside the machine's (the verified reads'): the target (recovery faster,
+    a ratio above 1) is out of this machine's reach where the machine's own ratio is below 1."""
+    ratio, machine = res["file_s"] / res["local_s"], limit_ratio(res)
+    # the file-root load with only its bytes' cost changed to /dev/shm's: what a recovery that
+    # does nothing beyond the load would reach
+    swapped = res["file_s"] / max(res["file_s"] + res["vread_local_s"] - res["vread_file_s"], 1e-9)
+    return (
+        f"tier_bench local-vs-file limit: verified read /dev/shm {res['vread_local_s']:.4f} s, page cache "
+        f"{res['vread_file_s']:.4f} s, the machine's ratio {machine:.2f} (bcp's {ratio:.2f}, "
+        f"{ratio / max(machine, 1e-9):.2f}x the machine's; the file-root load with its reads' time from /dev/shm "
+        f"instead: {swapped:.2f}); a recovery faster than the file-root load "
+        f"{'is within' if machine > 1 else 'is beyond'} this machine's reach"
     )
 
 
@@ -641,6 +678,7 @@ def main() -> None:
             print("|---|---:|---:|---|")
             for row in local_vs_file_rows(lvf):
                 print(row)
+            print(local_vs_file_limit_line(lvf))
             print(local_vs_file_line(lvf))
             return
         with (
@@ -707,6 +745,7 @@ def main() -> None:
         f"persistent/local >= 5: {rec['persistent_s'] / rec['local_s'] >= 5}; local recovery faster than a "
         f"page-cached file-root load: {lvf['local_s'] < lvf['file_s']}"
     )
+    print(local_vs_file_limit_line(lvf))
     print(local_vs_file_line(lvf))
     ratio = rec["persistent_s"] / rec["local_s"]
     print(

@@ -1,6 +1,6 @@
 """bench/tier_bench.py runs end to end on a small state (servers, 4 + 3 ranks, both
 recoveries) and reports two bit-exact recoveries; its local-vs-file part prints both
-recoveries side by side.
+recoveries side by side, with the bare verified reads of the same files beside them.
 
 One smoke run serves every test here (a module fixture): ``--quick`` on the transformer
 shape (every row of the table, the AdamW steps saved and checked on recovery) at its
@@ -24,6 +24,13 @@ LAST = re.compile(
 LOCAL_VS_FILE = re.compile(
     r"tier_bench local-vs-file: local ([0-9.]+) s \([0-9.]+ CPU-s\), file ([0-9.]+) s \([0-9.]+ CPU-s\), "
     r"ratio ([0-9.]+), exact (True|False)"
+)
+
+LIMIT = re.compile(
+    r"tier_bench local-vs-file limit: verified read /dev/shm ([0-9.]+) s, page cache ([0-9.]+) s, "
+    r"the machine's ratio ([0-9.]+) \(bcp's [0-9.]+, [0-9.]+x the machine's; the file-root load with its reads' "
+    r"time from /dev/shm instead: [0-9.]+\); a recovery faster than the file-root load (is within|is beyond) "
+    r"this machine's reach"
 )
 
 
@@ -63,10 +70,21 @@ def test_tier_bench_local_vs_file_prints_both_recoveries_side_by_side(smoke_run)
     # rank 0's cProfile of each counted load (one repeat with --quick), both kinds
     assert sorted(p.name for p in profiles.iterdir()) == ["file-1.prof", "local-1.prof"]
     assert any(ln.startswith("| load of the same step from a page-cached file root, same 4 ranks | ") for ln in lines)
-    # the limit beside them, both raw reads of the ranks' files, with the part of the gap they explain
-    raw = [ln for ln in lines if ln.startswith("| raw `preadv` of each rank's files from the ")]
-    assert len(raw) == 2 and "(/dev/shm)" in raw[0] and "(page cache)" in raw[1], lines
-    assert "of which the raw reads' difference" in raw[1], raw[1]
+    # the limit beside them, the bare verified reads of the ranks' files from both places, the
+    # machine's own ratio and the part of the CPU gap they explain
+    limit = [ln for ln in lines if ln.startswith("| verified read of each rank's files from the ")]
+    assert len(limit) == 2 and "(/dev/shm)" in limit[0] and "(page cache)" in limit[1], lines
+    assert re.search(r"the machine's ratio [0-9.]+x .*of which the verified reads' difference", limit[1]), limit[1]
+    per_repeat = [ln for ln in lines if ln.startswith("  verified read of the same files, rep ")]
+    assert len(per_repeat) == 1, "one counted repeat with --quick, beside its pair of loads"
+    machine = [m for m in map(LIMIT.fullmatch, lines) if m]
+    assert len(machine) == 1, lines
+    vread_local, vread_file, ratio = float(machine[0][1]), float(machine[0][2]), float(machine[0][3])
+    if vread_local >= 0.001:  # printed to 4 decimals: a ratio of two tiny reads' rounded seconds says nothing
+        half = 0.00005
+        low, high = (vread_file - half) / (vread_local + half), (vread_file + half) / (vread_local - half)
+        assert low - 0.005 <= ratio <= high + 0.005, machine[0][0]
+    assert machine[0][4] == ("is within" if ratio > 1 else "is beyond"), machine[0][0]
     found = [m for m in map(LOCAL_VS_FILE.fullmatch, lines) if m]
     assert len(found) == 1, lines
     m = found[0]

@@ -20,7 +20,7 @@ from bcp.coordination.collectives import Coordinator
 from bcp.reader import fetch_metadata
 from bcp.tiers.arrival import Arrivals, GatedBackend, HoleyFiles
 
-DATA = bytes(range(256)) * 4
+DATA = bytes(range(256)) * 8  # room for the largest read the tests make: offset 900 + 5 x 40 bytes
 
 
 def _counted(backend):
@@ -141,3 +141,56 @@ def test_the_fetch_plan_plans_only_tensors_with_bytes_in_files_not_held(tmp_path
         frag = reader.catalog.tensors[fqn].fragment(0)
         assert covered[frag.byte_offset : frag.byte_offset + frag.nbytes].all(), fqn
     reader.close()
+
+
+class _Recorded(Arrivals):
+    """Arrivals that never wait: each gated read's file range is recorded instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[tuple[int, int, int]] = []
+
+    def wait(self, file: int, start: int, end: int, what: str) -> None:
+        self.waits.append((file, start, end))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 200), min_size=2, max_size=10),
+    half=st.booleans(),
+    block=st.sampled_from([64, 1 << 20]),
+)
+def test_every_read_of_a_fetched_file_lies_in_the_ranges_the_exchange_fetches(tmp_path_factory, sizes, half, block):
+    """A load through the recovery directory's gated backend reads only bytes its rank's
+    wanted ranges fetch, so each read goes on as soon as this rank's pieces have landed and
+    none waits for the whole exchange: the bulk path's batches and the planned reads'
+    coalescing join small tensors across the writer's 64-byte alignment padding, which the
+    ranges now span too. ``half``: the last tensor, 2-D, loaded as a shard of its rows (a
+    planned, partial read); the rest whole (the bulk path)."""
+    root = tmp_path_factory.mktemp("fetched")
+    gen = torch.Generator().manual_seed(len(sizes))
+    state = {f"t{i}": torch.rand(n, generator=gen) for i, n in enumerate(sizes)}  # 4n bytes: padded to 64
+    state["m"] = torch.rand(6, sizes[0], generator=gen)
+    ckpt = str(root / "ckpt")
+    bcp.save(state, ckpt, checksum_block_bytes=block)
+    backend = backend_for(ckpt)
+    metadata = fetch_metadata(backend)
+    manifest = bcp.open(ckpt).manifest
+    template = {k: torch.zeros_like(v) for k, v in state.items()}
+    if half:
+        template["m"] = bcp.TensorShard(torch.zeros(3, sizes[0]), (6, sizes[0]), (3, 0))
+    opts = bcp.LoadOptions()
+    wanted = exchange.wanted_ranges(template, ckpt, manifest, metadata, frozenset(), Coordinator(), opts)
+    fetched = {f.path: i for i, f in enumerate(manifest.data_files)}
+    arrivals = _Recorded()
+    gated = GatedBackend(backend, fetched, arrivals)
+    loaded = bcp.loader.load_with_metadata(template, gated, metadata, opts).state
+    assert all(torch.equal(loaded[k], state[k]) for k in [f"t{i}" for i in range(len(sizes))])
+    want_m = state["m"][3:] if half else state["m"]
+    got_m = loaded["m"].local if half else loaded["m"]
+    assert torch.equal(got_m, want_m)
+    assert arrivals.waits, "the load read the fetched file"
+    for file, start, end in arrivals.waits:
+        rows = wanted[wanted[:, 0] == file]
+        inside = (rows[:, 1] <= start) & (start + (end - start) <= rows[:, 1] + rows[:, 2])
+        assert inside.any(), f"a read of bytes {start}-{end} spans bytes the exchange does not fetch: {rows.tolist()}"

@@ -23,6 +23,7 @@ import torch
 
 from bcp.coordination.collectives import Coordinator, GroupCoordinator
 from bcp.errors import CorruptCheckpointError
+from bcp.io_scheduler.read_exec import MAX_PADDING
 from bcp.io_scheduler.read_plan import plan_tensor_reads
 from bcp.loader import match_state
 from bcp.metadata import Manifest
@@ -62,6 +63,24 @@ def merge_ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.n
     group = np.empty(len(s), np.int64)
     group[order] = np.cumsum(new) - 1
     return s[first], reach[last], group
+
+
+def join_across_padding(
+    lo: np.ndarray, hi: np.ndarray, frag_starts: np.ndarray, frag_ends: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint ascending ranges (lo, hi) of one file with each range that ends at a
+    fragment's end (one of ``frag_ends``) joined to the next when that one starts at a
+    fragment's start (``frag_starts``) less than :data:`~bcp.io_scheduler.read_exec.MAX_PADDING`
+    bytes on: the bytes between (the writer's alignment padding, or a small fragment not
+    wanted) are ones a load's coalesced read spans (a bulk batch of tensors, planned reads
+    joined across padding), so they are fetched too, and such a read waits for no byte the
+    exchange would not bring."""
+    if len(lo) < 2:
+        return lo, hi
+    joins = (lo[1:] - hi[:-1] < MAX_PADDING) & np.isin(hi[:-1], frag_ends) & np.isin(lo[1:], frag_starts)
+    first = np.flatnonzero(np.concatenate([[True], ~joins]))
+    last = np.append(first[1:] - 1, len(lo) - 1)
+    return lo[first], hi[last]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -296,8 +315,11 @@ def wanted_ranges(
     replica choice), so a mismatch raises here, before any byte moves; the runs are
     bcp.load's own (:func:`~bcp.io_scheduler.read_plan.plan_tensor_reads`, one box at a
     time, the same replica choice), each widened to the whole checksum blocks it
-    touches: the load reads exactly those bytes (the runs, and the rest of each block
-    it verifies), so every byte it reads has been fetched."""
+    touches, and joined across the padding between two fragments where a read of the
+    load may span it (:func:`join_across_padding`): the load reads exactly those bytes
+    (the runs, the rest of each block it verifies, the padding its coalesced reads skip
+    over), so every byte it reads has been fetched by this rank, and no read of it waits
+    for the end of the whole exchange."""
     detached, _stateful = detach_stateful(state)
     reader = open_reader(
         resolve_backend(recovery_dir),
@@ -309,6 +331,7 @@ def wanted_ranges(
     block = manifest.checksum_block_bytes
     starts: dict[int, list[np.ndarray]] = {}
     ends: dict[int, list[np.ndarray]] = {}
+    bounds: dict[int, list[tuple[int, int]]] = {}  # file -> (start, end) of each fragment read from it
     # a tensor whose every fragment lies in files this host holds needs nothing fetched: not planned
     held_names = {manifest.data_files[i].path for i in held}
     try:
@@ -327,6 +350,7 @@ def wanted_ranges(
                     continue
                 first = runs.src // block
                 last = (runs.src + (runs.run_bytes - 1)) // block
+                bounds.setdefault(file, []).append((frag.byte_offset, frag.byte_offset + frag.nbytes))
                 starts.setdefault(file, []).append(frag.byte_offset + first * block)
                 ends.setdefault(file, []).append(frag.byte_offset + np.minimum((last + 1) * block, frag.nbytes))
     finally:
@@ -334,5 +358,7 @@ def wanted_ranges(
     rows = [np.empty((0, 3), np.int64)]
     for file in sorted(starts):
         lo, hi, _group = merge_ranges(np.concatenate(starts[file]), np.concatenate(ends[file]))
+        frags = np.array(bounds[file], np.int64)
+        lo, hi = join_across_padding(lo, hi, frags[:, 0], frags[:, 1])
         rows.append(np.stack([np.full(len(lo), file, np.int64), lo, hi - lo], axis=1))
     return np.concatenate(rows).astype(np.int64)

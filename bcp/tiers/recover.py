@@ -29,11 +29,11 @@ a tier is configured), at whatever world size the job restarted with:
    from a rank of a host holding its file, the serving ranks balanced by bytes. The
    bytes move as uint8 tensors over bcp's gloo group (point-to-point), in rounds of
    at most ``round_bytes`` sent plus received per rank, and land at their offsets in
-   the sparse files. (A byte the load reads that was not fetched would read as zero
-   and fail its block's CRC32C, unless zeros are what the block holds; the only
-   unfetched bytes a load reads are writers' padding between two fragments, which a
-   coalesced read skips over and never uses.) A host holding every data file of the
-   step lists nothing and makes no read plan for it; when no host fetches anything
+   the sparse files. The ranges also span the padding between two fragments wherever
+   a coalesced read of the load spans it, so the load reads no byte its host did not
+   fetch (one would read as zero and fail its block's CRC32C, unless zeros are what
+   the block holds), and a read waits only for the bytes it reads. A host holding
+   every data file of the step lists nothing and makes no read plan for it; when no host fetches anything
    (every rank present, or each host holding a whole copy) there is no exchange and
    step 6 is a plain load, at the cost of a load from the local root; when every host
    holds every file not even the ``all_gather`` of requests runs. The directory
