@@ -247,7 +247,9 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     if not len(shared):
         return _no_plan(classes.of_rank)
     # tags in catalog order: tensors as the catalog lists them, each tensor's rows in order
-    k_tid = np.array(used, np.int64)[np.searchsorted(fstart, shared, side="right") - 1]
+    # shared rows ascend, numbered tensor after tensor: each tensor's count, not a search per row
+    per_used = np.diff(np.searchsorted(shared, fstart))
+    k_tid = np.repeat(np.array(used, np.int32 if len(names) < 1 << 31 else np.int64), per_used)
     tag_of = np.full(n_frags, -1, np.int32 if len(shared) < 1 << 31 else np.int64)
     tag_of[shared] = np.arange(len(shared))
     pk = tag_of[uf]
@@ -262,9 +264,9 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
         tags, tag_cls = by_tag(tags, tag_cls, len(shared), len(reps))
     tag_cls, pair_starts, group = classes.labels(tags, tag_cls, len(shared))
     del tags
-    sizes = row_products(k_len) * item[k_tid]
-    owners = _choose_owners(classes, tag_cls, pair_starts, sizes, len(wanted), group)
-    return SharePlan(k_tid.astype(np.int32), k_off, k_len, owners, tag_cls, pair_starts, classes.of_rank, class_tags)
+    sizes = row_products(k_len) * np.repeat(item[used], per_used)
+    owners = _choose_owners(classes, tag_cls, pair_starts, sizes, len(wanted), group, class_tags)
+    return SharePlan(k_tid.astype(np.int32, copy=False), k_off, k_len, owners, tag_cls, pair_starts, classes.of_rank, class_tags)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,6 +455,7 @@ def _choose_owners(
     sizes: np.ndarray,
     world: int,
     group: np.ndarray,
+    class_tags: np.ndarray | None = None,
 ) -> np.ndarray:
     """The owner of each shared fragment (in tag order), one of its needers, balancing
     bytes to fetch: fragments are grouped by needer set (``group``: equal labels for
@@ -462,13 +465,15 @@ def _choose_owners(
     target brings its load towards a common level), then its fragments, in tag order,
     are cut into consecutive runs matching those targets (a fragment goes to the
     needer whose target holds its midpoint). A group's needers are the ranks of its
-    first fragment's classes (``pair_classes[pair_starts[k]:pair_starts[k + 1]]``)."""
+    first fragment's classes (``pair_classes[pair_starts[k]:pair_starts[k + 1]]``).
+    ``class_tags``: the (tag, class) pairs' tags in order of class then tag, where the
+    matching gave them so (the fragments of one class, labelled by it, in group order)."""
     k = len(pair_starts) - 1
     owners = np.zeros(k, np.int32)
     if not k:
         return owners
     # fragments by group (label order, tag order within); groups visited by first fragment
-    order = stable_order(group)
+    order = _group_order(group, pair_starts, class_tags)
     counts = np.bincount(group)
     gstart = np.r_[0, np.cumsum(counts)].astype(np.int64)
     present = np.flatnonzero(counts)
@@ -513,6 +518,21 @@ def _choose_owners(
     flat_ranks = [r for runs in run_ranks for r in runs]
     owners[order] = np.repeat(np.array(flat_ranks, np.int32), [n for runs in run_lengths for n in runs])
     return owners
+
+
+def _group_order(group: np.ndarray, pair_starts: np.ndarray, class_tags: np.ndarray | None) -> np.ndarray:
+    """``stable_order(group)``: fragments by label, tag order within. A fragment one
+    class needs is labelled by that class (below every other label), so where the pairs'
+    tags are at hand class by class those fragments come in that order already: only
+    the fragments of several classes are sorted (at a chunk boundary, a few)."""
+    if class_tags is None:
+        return stable_order(group)
+    several = np.flatnonzero(np.diff(pair_starts) > 1)
+    if not len(several):
+        return class_tags
+    alone = np.ones(len(group), bool)
+    alone[several] = False
+    return np.concatenate((class_tags[alone[class_tags]], several[stable_order(group[several])]))
 
 
 def _water_level(have: list[int], total: int) -> float:
