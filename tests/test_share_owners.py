@@ -1,4 +1,4 @@
-"""The share_reads plan's owners (``_choose_owners``, vectorised over each group's
+"""The share_reads plan's owners (``share_owners.choose_owners``, vectorised over each group's
 fragments) against a plain per-fragment reference of the same rule, kept here: shared
 fragments grouped by needer set, groups in order of their first fragment; a group of
 one fragment to its least-loaded needer (ties to the lowest rank), a larger group's
@@ -11,7 +11,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bcp.shared_read import _choose_owners, _dense_inverse, _RankClasses
+from bcp.io_scheduler.share_owners import choose_owners
+from bcp.shared_read import _dense_inverse, _RankClasses
 from helpers import examples
 
 
@@ -77,7 +78,9 @@ def test_owners_follow_the_grouped_water_fill(n_classes, data):
     pair_classes, pair_starts, group = classes.labels(tags, cls, k)
     # the pairs' tags class by class, as the matching gives them: fragments of one class in order already
     class_tags = tags[np.lexsort((tags, cls))] if data.draw(st.booleans(), label="class-major tags") else None
-    got = _choose_owners(classes, pair_classes, pair_starts, np.array(sizes, np.int64), world, group, class_tags)
+    got = choose_owners(
+        classes.members, classes.mstarts, pair_classes, pair_starts, np.array(sizes, np.int64), world, group, class_tags
+    )
     needers = [tuple(classes.ranks_of(np.array(sets[w])).tolist()) for w in which]
     want = ref_owners(needers, sizes, world)
     assert got.tolist() == want
