@@ -8,12 +8,22 @@ whose target holds their midpoint."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bcp.io_scheduler import share_owners
 from bcp.io_scheduler.share_owners import choose_owners
-from bcp.shared_read import _dense_inverse, _RankClasses
+from bcp.metadata.geometry import stable_order
+from bcp.shared_read import Wanted, _dense_inverse, _RankClasses, plan_shares
 from helpers import examples
+from test_share_parts import job
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as m:
+        yield m
 
 
 def ref_owners(needers: list[tuple[int, ...]], sizes: list[int], world: int) -> list[int]:
@@ -94,3 +104,19 @@ def test_dense_inverse_numbers_keys_as_unique_does(keys, wide):
     a = np.array(keys, np.int64) * (bound // 61)
     got = _dense_inverse(a, bound)
     assert got.reshape(-1).tolist() == np.unique(a, return_inverse=True)[1].reshape(-1).tolist()
+
+
+@settings(max_examples=examples(150), deadline=None)
+@given(case=job())
+def test_the_plan_is_the_same_array_for_array_without_the_class_major_order(case, monkeypatch_module):
+    """The owners' group order taken from the matching's class-major tags gives the
+    plan, value for value and dtype for dtype, that sorting every fragment's label gives."""
+    reader, wanted = case
+    encoded = [Wanted.encode(reader, w) for w in wanted]
+    fast = plan_shares(reader, encoded)
+    with monkeypatch_module.context() as m:
+        m.setattr(share_owners, "_group_order", lambda group, _starts, _tags: stable_order(group))
+        slow = plan_shares(reader, encoded)
+    for field in ("tensors", "offsets", "lengths", "owners", "pair_classes", "pair_starts", "rank_class"):
+        a, b = getattr(fast, field), getattr(slow, field)
+        assert a.dtype == b.dtype and np.array_equal(a, b), field
