@@ -14,7 +14,7 @@ from bcp.metadata.geometry import stable_order
 
 
 def choose_owners(
-    members: np.ndarray,
+    class_members: np.ndarray,
     mstarts: np.ndarray,
     pair_classes: np.ndarray,
     pair_starts: np.ndarray,
@@ -32,7 +32,7 @@ def choose_owners(
     are cut into consecutive runs matching those targets (a fragment goes to the
     needer whose target holds its midpoint). A group's needers are the ranks of its
     first fragment's classes (``pair_classes[pair_starts[k]:pair_starts[k + 1]]``), class
-    c's ranks ``members[mstarts[c]:mstarts[c + 1]]``.
+    c's ranks ``class_members[mstarts[c]:mstarts[c + 1]]``.
     ``class_tags``: the (tag, class) pairs' tags in order of class then tag, where the
     matching gave them so (the fragments of one class, labelled by it, in group order)."""
     k = len(pair_starts) - 1
@@ -51,7 +51,7 @@ def choose_owners(
     sz = sizes[order].astype(np.int64, copy=False)
     # plain Python per group (a few needers each): loads, members and cuts as ints
     load = [0] * world
-    ranks_of = [members[x:y].tolist() for x, y in itertools.pairwise(mstarts.tolist())]
+    ranks_of = [class_members[x:y].tolist() for x, y in itertools.pairwise(mstarts.tolist())]
     run_ranks: list[list[int]] = [[]] * len(counts)  # per group label
     run_lengths: list[list[int]] = [[]] * len(counts)
     gs = gstart.tolist()
