@@ -41,6 +41,7 @@ from bcp.backends.file_reads import (
     pread_bounced,
     pread_direct,
     pread_full,
+    prefetch_edges,
 )
 from bcp.backends.file_writes import DirSync, DirSyncs, byte_views, cut, cut_end, pwritev_all, whole_pages
 from bcp.backends.storage_errors import ObjectExistsError, StorageError, WriterClosedError, annotate
@@ -268,10 +269,12 @@ class FileBackend(Backend):
                 if split is None:  # memory and file disagree modulo 4096: bounce through aligned memory
                     return pread_bounced(path, rest, at)
                 head, middle = split
+                prefetch_edges(fd, at, head, middle, len(rest))
+                mid = pread_direct(path, rest[head : head + middle], at + head)
                 got = pread_full(fd, rest[:head], at)
                 if got == head:
-                    got += pread_direct(path, rest[head : head + middle], at + head)
-                    if got == head + middle:
+                    got += mid
+                    if mid == middle:
                         got += pread_full(fd, rest[head + middle :], at + got)
                 return cached + got
             except IsADirectoryError as e:  # open(2) accepts a directory; it is not an object

@@ -7,7 +7,9 @@ backends/file.py, which owns keys, links, writes and listing.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import mmap
 import os
 import sys
@@ -35,8 +37,6 @@ def flat_bytes(buffer: Buffer) -> memoryview:
 
 def buffer_address(view: memoryview) -> int | None:
     try:
-        import ctypes
-
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
     except TypeError:  # read-only buffer
         return None
@@ -112,8 +112,6 @@ def fs_type(fd: int) -> int | None:
     """statfs(2) f_type of the filesystem holding ``fd`` (Linux; None elsewhere or on error)."""
     if not sys.platform.startswith("linux"):
         return None
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
     if libc.fstatfs(fd, buf) != 0:
@@ -122,27 +120,104 @@ def fs_type(fd: int) -> int | None:
 
 
 def is_cached(path: str, nbytes: int, offset: int) -> bool:
-    """Whether a page in the middle of the range is in the page cache (the edges may
-    be, from the buffered head and tail of an earlier direct read): a one-page
-    preadv2 with RWF_NOWAIT on its own descriptor with readahead off, because a
-    probe that starts readahead pulls the file through the cache and halved cold loads."""
+    """Whether the range is in the page cache (most of its middle), asked without
+    reading it: cachestat(2) (Linux 6.5+), else mincore(2) of a one-page mapping of its
+    middle, else a one-page RWF_NOWAIT read. The read is the last resort because on a
+    miss it still reads that page: a second probe of the range then answered yes, and a
+    load read its cold ranges through the page cache instead of O_DIRECT (bulk reads at
+    about half the disk's speed)."""
+    fd = os.open(path, os.O_RDONLY | NOFOLLOW)
+    try:
+        for probe in (cached_share, cached_middle_page):
+            answer = probe(fd, offset, nbytes)
+            if answer is not None:
+                return answer
+        return nowait_probe(fd, offset + nbytes // 2)
+    finally:
+        os.close(fd)
+
+
+#: cachestat(2)'s number, the same on every Linux architecture (added in 6.5)
+_CACHESTAT = 451
+_probes_unavailable: set[str] = set()
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library with errno kept, its mmap/munmap/mincore typed (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    return libc
+
+
+#: the part of a range the cachestat probe looks at, around its middle (cachestat walks
+#: every page asked about: about 0.5 ms for 64 MiB, 10 us for this)
+PROBE_WINDOW = 1 << 20
+
+
+def cached_share(fd: int, offset: int, nbytes: int) -> bool | None:
+    """Whether at least half the pages of the range's middle :data:`PROBE_WINDOW` are
+    cached, by cachestat(2); None where the kernel lacks it or refuses it for this file."""
+    if "cachestat" in _probes_unavailable or (libc := _libc()) is None:
+        return None
+    window = min(max(nbytes, 1), PROBE_WINDOW)
+    first = (offset + (nbytes - window) // 2) // mmap.PAGESIZE * mmap.PAGESIZE
+    pages = -(-(offset + (nbytes + window) // 2 - first) // mmap.PAGESIZE)
+    rng = (ctypes.c_uint64 * 2)(first, pages * mmap.PAGESIZE)
+    stat = (ctypes.c_uint64 * 5)()
+    if libc.syscall(ctypes.c_long(_CACHESTAT), ctypes.c_uint(fd), rng, stat, ctypes.c_uint(0)) != 0:
+        if ctypes.get_errno() == errno.ENOSYS:
+            _probes_unavailable.add("cachestat")
+        return None
+    return 2 * stat[0] >= pages
+
+
+def cached_middle_page(fd: int, offset: int, nbytes: int) -> bool | None:
+    """Whether the range's middle page is cached, by mincore(2) of a mapping of it (a
+    mapping reads nothing until touched). None where mincore would not tell the truth:
+    since Linux 5.0 it reports every page of a file the caller neither owns nor may write
+    as cached."""
+    if (libc := _libc()) is None:
+        return None
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() and not os.access(f"/proc/self/fd/{fd}", os.W_OK):
+        return None
+    page = (offset + nbytes // 2) // mmap.PAGESIZE * mmap.PAGESIZE
+    if page >= st.st_size:
+        return None
+    addr = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ, mmap.MAP_SHARED, fd, page)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return None
+    try:
+        vec = (ctypes.c_ubyte * 1)()
+        if libc.mincore(ctypes.c_void_p(addr), mmap.PAGESIZE, vec) != 0:
+            return None
+        return bool(vec[0] & 1)
+    finally:
+        libc.munmap(ctypes.c_void_p(addr), mmap.PAGESIZE)
+
+
+def nowait_probe(fd: int, at: int) -> bool:
+    """A one-page preadv2 with RWF_NOWAIT and readahead off: fails rather than waits on a
+    page not cached (but reads that page in the background)."""
     flag = getattr(os, "RWF_NOWAIT", None)
     if flag is None:
         return False
-    probe_at = (offset + nbytes // 2) // 4096 * 4096
-    fd = os.open(path, os.O_RDONLY | NOFOLLOW)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         scratch = bytearray(4096)
-        return os.preadv(fd, [scratch], probe_at, flag) > 0
+        return os.preadv(fd, [scratch], at // 4096 * 4096, flag) > 0
     except BlockingIOError:
         return False
     except OSError as e:  # kernels or filesystems without RWF_NOWAIT
         if e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
             return False
         raise
-    finally:
-        os.close(fd)
 
 
 def open_direct(path: str) -> tuple[int, bool]:
@@ -198,6 +273,18 @@ def pread_bounced(path: str, view: memoryview, offset: int) -> int:
         return got
     finally:
         os.close(fd)
+
+
+def prefetch_edges(fd: int, offset: int, head: int, middle: int, nbytes: int) -> None:
+    """Ask the kernel to start reading the buffered head and tail of a direct read
+    (``head`` bytes from ``offset``, the rest after ``middle``) before the direct middle
+    is sent: read after it, they are then in memory, where each read alone waited behind
+    the other streams' large requests with no large one of its own in flight."""
+    tail = nbytes - head - middle
+    if head:
+        os.posix_fadvise(fd, offset, head, os.POSIX_FADV_WILLNEED)
+    if tail > 0:
+        os.posix_fadvise(fd, offset + head + middle, tail, os.POSIX_FADV_WILLNEED)
 
 
 def direct_split(view: memoryview, offset: int) -> tuple[int, int] | None:
