@@ -38,10 +38,8 @@ from bcp.backends.file_reads import (
     direct_split,
     is_cached,
     on_memory_fs,
-    pread_bounced,
-    pread_direct,
+    pread_cold,
     pread_full,
-    prefetch_edges,
 )
 from bcp.backends.file_writes import DirSync, DirSyncs, byte_views, cut, cut_end, pwritev_all, whole_pages
 from bcp.backends.storage_errors import ObjectExistsError, StorageError, WriterClosedError, annotate
@@ -264,19 +262,7 @@ class FileBackend(Backend):
                     return pread_full(fd, view, offset)
                 if is_cached(path, len(view), offset):  # someone read it through the page cache: use that
                     return pread_full(fd, view, offset)
-                rest, at, cached = view, offset, 0
-                split = direct_split(rest, at)
-                if split is None:  # memory and file disagree modulo 4096: bounce through aligned memory
-                    return pread_bounced(path, rest, at)
-                head, middle = split
-                prefetch_edges(fd, at, head, middle, len(rest))
-                mid = pread_direct(path, rest[head : head + middle], at + head)
-                got = pread_full(fd, rest[:head], at)
-                if got == head:
-                    got += mid
-                    if mid == middle:
-                        got += pread_full(fd, rest[head + middle :], at + got)
-                return cached + got
+                return pread_cold(fd, path, view, offset)
             except IsADirectoryError as e:  # open(2) accepts a directory; it is not an object
                 raise FileNotFoundError(errno.ENOENT, "not an object (a directory)", path) from e
             finally:

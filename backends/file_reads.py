@@ -275,6 +275,24 @@ def pread_bounced(path: str, view: memoryview, offset: int) -> int:
         os.close(fd)
 
 
+def pread_cold(fd: int, path: str, view: memoryview, offset: int) -> int:
+    """A large read of a range not in the page cache: its whole pages O_DIRECT straight
+    into ``view`` where memory and file agree modulo 4096 (the unaligned head and tail
+    through ``fd``, prefetched first), else bounced through aligned memory."""
+    split = direct_split(view, offset)
+    if split is None:
+        return pread_bounced(path, view, offset)
+    head, middle = split
+    prefetch_edges(fd, offset, head, middle, len(view))
+    mid = pread_direct(path, view[head : head + middle], offset + head)
+    got = pread_full(fd, view[:head], offset)
+    if got == head:
+        got += mid
+        if mid == middle:
+            got += pread_full(fd, view[head + middle :], offset + got)
+    return got
+
+
 def prefetch_edges(fd: int, offset: int, head: int, middle: int, nbytes: int) -> None:
     """Ask the kernel to start reading the buffered head and tail of a direct read
     (``head`` bytes from ``offset``, the rest after ``middle``) before the direct middle

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bcp
-from bcp.backends import backend_for
+from bcp.backends import backend_for, file_reads
 from bcp.backends import file as file_backend
 from bcp.errors import CorruptCheckpointError
 from bcp.io_scheduler import read_exec
@@ -146,8 +146,8 @@ def test_a_cold_coalesced_read_lands_o_direct_without_a_bounce_copy(tmp_path, mo
     monkeypatch.setattr(file_backend, "is_cached", lambda *a: False)
     monkeypatch.setattr(file_backend, "on_memory_fs", lambda fd: False)
     bounced = []
-    real = file_backend.pread_bounced
-    monkeypatch.setattr(file_backend, "pread_bounced", lambda *a: bounced.append(a[2]) or real(*a))
+    real = file_reads.pread_bounced
+    monkeypatch.setattr(file_reads, "pread_bounced", lambda *a: bounced.append(a[2]) or real(*a))
     state = small_state(12, 250_000)  # ~1 MiB each, 12 MiB in one coalesced request
     uri = str(tmp_path / "ck")
     bcp.save(state, uri, streams=1)

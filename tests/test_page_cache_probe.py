@@ -89,9 +89,7 @@ def test_a_cold_large_read_goes_direct_after_probing(cold_file: Path, monkeypatc
         direct.append(len(view))
         return real(path, view, offset)
 
-    import bcp.backends.file as file_backend
-
-    monkeypatch.setattr(file_backend, "pread_direct", counting)
+    monkeypatch.setattr(file_reads, "pread_direct", counting)
     assert backend.in_memory(cold_file.name, 64, SIZE - 128) is False
     arena = mmap.mmap(-1, SIZE)
     target = memoryview(arena)[64 : SIZE - 64]
