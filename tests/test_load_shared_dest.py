@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import bcp
 from bcp import reader as reader_module
 from bcp.io_scheduler import read_exec
-from bcp.io_scheduler.shared_dest import destination_overlaps, without_shared_destinations
+from bcp.io_scheduler.shared_dest import Span, destination_overlaps, without_shared_destinations
 
 
 def _paths(monkeypatch: pytest.MonkeyPatch, path: str) -> dict[str, int]:
@@ -148,17 +148,18 @@ def test_destination_spans_are_address_and_bytes_of_dense_ones_only():
     memory = torch.zeros(16)
     square = torch.zeros(4, 4)
     dests = [memory[:4], square.t(), torch.zeros(0), torch.zeros(3, device="meta"), memory[4:8]]
-    spans: list[tuple[int, int]] = []
+    spans: list[Span] = []
     assert destination_overlaps(dests, spans) == []
     base = memory.data_ptr()
-    assert spans == [(base, 16), (0, 0), (0, 0), (0, 0), (base + 16, 16)]
+    f32 = torch.float32
+    assert spans == [(base, 16, f32), (0, 0, None), (0, 0, None), (0, 0, None), (base + 16, 16, f32)]
     stored = torch.arange(4.0)
     uri = f"memory://spans-{uuid.uuid4().hex[:8]}/ck"
     bcp.save({"w": stored, "tied": stored}, uri)
     reader = bcp.open(uri)
     tied = memory[8:12]
     requests = [("w", ((0,), (4,)), tied), ("tied", ((0,), (4,)), tied), ("w", ((0,), (4,)), memory[:4])]
-    got: list[tuple[int, int]] = []
+    got: list[Span] = []
     kept = without_shared_destinations(requests, reader.catalog, lambda f: reader.catalog.tensors[f], got)
     assert [r[2].data_ptr() for r in kept] == [base + 32, base]
-    assert got == [(base + 32, 16), (base, 16)]
+    assert got == [(base + 32, 16, f32), (base, 16, f32)]
