@@ -32,7 +32,7 @@ from bcp.io_scheduler.device_load import DeviceFill
 from bcp.io_scheduler.read_exec import ReadStats, execute_reads
 from bcp.io_scheduler.read_plan import RunSet, plan_tensor_reads, touched_rows
 from bcp.io_scheduler.shard_reads import row_of, split_bulk
-from bcp.io_scheduler.shared_dest import without_shared_destinations
+from bcp.io_scheduler.shared_dest import Span, without_shared_destinations
 from bcp.io_scheduler.staging import StagingPool, default_pool
 from bcp.io_scheduler.whole_reads import execute_whole_reads
 from bcp.metadata import Catalog, FormatError, Fragment, Manifest, ObjectEntry, TensorEntry, crc32c
@@ -301,7 +301,7 @@ class CheckpointReader:
         destinations are filled through slabs of ``pool`` (default: the process-wide
         pool; see ``bcp.io_scheduler.device_load``); the call returns once every byte has landed."""
         in_memory = in_memory or {}
-        spans: list[tuple[int, int]] = []  # each destination's (address, bytes), found once for both
+        spans: list[Span] = []  # each destination's (address, bytes, dtype), found once for both
         kept = without_shared_destinations(requests, self.catalog, self._tensor_entry, spans)  # before any read
         block = self.manifest.checksum_block_bytes  # whole tensors and exact shards read in bulk; the rest planned
         # ``kept`` holds every destination until the call returns: bulk reads write through views holding none

@@ -368,7 +368,7 @@ def test_each_bulk_read_holds_its_destination_while_its_view_is_written(monkeypa
     monkeypatch.setattr(reader_module, "execute_whole_reads", after_dropping_the_callers_references)
     dests = [torch.zeros(64), torch.zeros(2, 4)]
     requests = [("w", ((0,), (64,)), dests[0]), ("s", ((0, 0), (2, 4)), dests[1])]
-    spans = [(t.data_ptr(), t.nbytes) for t in dests]
+    spans = [(t.data_ptr(), t.nbytes, t.dtype) for t in dests]
     whole, _sums, rest = whole_reads.split_whole(reader.catalog, 1 << 16, requests, {}, spans)
     assert rest == [] and [r.dest for r in whole] == dests  # each read holds the very tensor it fills
     reader.fill(requests)

@@ -7,6 +7,7 @@ same (bcp stores tied tensors once; or equal fragments and checksums) is read on
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import pytest
@@ -16,8 +17,9 @@ from hypothesis import strategies as st
 
 import bcp
 from bcp import reader as reader_module
+from bcp.errors import StateMismatchError
 from bcp.io_scheduler import read_exec
-from bcp.io_scheduler.shared_dest import destination_overlaps, without_shared_destinations
+from bcp.io_scheduler.shared_dest import Span, destination_overlaps, without_shared_destinations
 
 
 def _paths(monkeypatch: pytest.MonkeyPatch, path: str) -> dict[str, int]:
@@ -148,17 +150,82 @@ def test_destination_spans_are_address_and_bytes_of_dense_ones_only():
     memory = torch.zeros(16)
     square = torch.zeros(4, 4)
     dests = [memory[:4], square.t(), torch.zeros(0), torch.zeros(3, device="meta"), memory[4:8]]
-    spans: list[tuple[int, int]] = []
+    spans: list[Span] = []
     assert destination_overlaps(dests, spans) == []
     base = memory.data_ptr()
-    assert spans == [(base, 16), (0, 0), (0, 0), (0, 0), (base + 16, 16)]
+    f32 = torch.float32
+    assert spans == [(base, 16, f32), (0, 0, None), (0, 0, None), (0, 0, None), (base + 16, 16, f32)]
     stored = torch.arange(4.0)
     uri = f"memory://spans-{uuid.uuid4().hex[:8]}/ck"
     bcp.save({"w": stored, "tied": stored}, uri)
     reader = bcp.open(uri)
     tied = memory[8:12]
     requests = [("w", ((0,), (4,)), tied), ("tied", ((0,), (4,)), tied), ("w", ((0,), (4,)), memory[:4])]
-    got: list[tuple[int, int]] = []
+    got: list[Span] = []
     kept = without_shared_destinations(requests, reader.catalog, lambda f: reader.catalog.tensors[f], got)
     assert [r[2].data_ptr() for r in kept] == [base + 32, base]
-    assert got == [(base + 32, 16), (base, 16)]
+    assert got == [(base + 32, 16, f32), (base, 16, f32)]
+
+
+#: how each destination of the fused-pass property test is made
+KINDS = ("fresh", "shared", "strided", "wrong_dtype", "wrong_shape", "negated", "zero_dim")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(KINDS), st.integers(1, 6), st.integers(0, 30)), min_size=1, max_size=8))
+def test_a_random_mix_of_destinations_loads_or_raises_as_checked_one_by_one(specs):
+    """The one pass over the destinations (overlap check and bulk pick together) gives
+    what checking each destination on its own gives: a shape mismatch or two keys
+    whose dense destinations overlap raise naming the keys, else every destination
+    holds its stored values (cast where its dtype differs), and each span holds the
+    dtype exactly for a dense CPU tensor without a lazy negation."""
+    pool = torch.zeros(64)  # the storage the "shared" views are cut from (they may overlap)
+    stored, dests, spans_of = {}, {}, {}
+    for i, (kind, n, at) in enumerate(specs):
+        key = f"k{i}"
+        shape: tuple[int, ...] = () if kind == "zero_dim" else (n,)
+        stored[key] = torch.arange(float(n if shape else 1)).reshape(shape) + 100 * i
+        if kind == "shared":
+            dests[key] = pool[at : at + n]
+        elif kind == "strided":
+            dests[key] = torch.zeros(2 * n)[::2]
+        elif kind == "wrong_dtype":
+            dests[key] = torch.zeros(n, dtype=torch.float64)
+        elif kind == "wrong_shape":
+            dests[key] = torch.zeros(n + 1)
+        elif kind == "negated":  # a lazily negated one-element view: dense, and never taken by the bulk read
+            stored[key] = stored[key][:1]
+            dests[key] = torch.zeros(1, dtype=torch.complex64).conj().imag
+        else:
+            dests[key] = torch.zeros(shape)
+    for key, dest in dests.items():
+        dense = dest.is_contiguous() and dest.nbytes > 0
+        plain = dense and not dest.is_neg()
+        spans_of[key] = (dest.data_ptr(), dest.nbytes, dest.dtype if plain else None) if dense else (0, 0, None)
+    spans: list[Span] = []
+    destination_overlaps(list(dests.values()), spans)
+    assert spans == list(spans_of.values())
+    uri = f"memory://mix-{uuid.uuid4().hex[:8]}/ck"
+    bcp.save(stored, uri)
+    keys = list(dests)
+    overlapping = [
+        (a, b)
+        for i, a in enumerate(keys)
+        for b in keys[i + 1 :]
+        if spans_of[a][1] and spans_of[b][1]
+        for (pa, na, _), (pb, nb, _) in [(spans_of[a], spans_of[b])]
+        if pa < pb + nb and pb < pa + na
+    ]
+    wrong = [k for k, (kind, _n, _at) in zip(keys, specs, strict=True) if kind == "wrong_shape"]
+    if wrong:
+        with pytest.raises(StateMismatchError, match=re.escape(wrong[0])):
+            bcp.load(dests, uri, strict=False)
+        return
+    if overlapping:
+        with pytest.raises(ValueError, match="share memory") as raised:
+            bcp.load(dests, uri, strict=False)
+        assert any(f"{a!r}" in str(raised.value) and f"{b!r}" in str(raised.value) for a, b in overlapping)
+        return
+    bcp.load(dests, uri, strict=False)
+    for key, dest in dests.items():
+        assert torch.equal(dest, stored[key].to(dest.dtype)), key

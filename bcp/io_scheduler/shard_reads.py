@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from bcp.io_scheduler.shared_dest import Span
 from bcp.io_scheduler.whole_reads import WholeRead, pick_bulk, split_whole
 from bcp.metadata import Catalog, Fragment, TensorEntry
 from bcp.metadata.geometry import Box
@@ -27,7 +28,7 @@ def split_bulk(
     block: int,
     requests: list[Request],
     in_memory: dict[tuple[str, Box], torch.Tensor],
-    spans: list[tuple[int, int]],
+    spans: list[Span],
 ) -> tuple[list[WholeRead], np.ndarray, list[Request]]:
     """:func:`~.whole_reads.split_whole`, then of the rest those whose box is exactly one
     stored row (:func:`split_exact`): the reads of both, their checksum column, and the
@@ -47,7 +48,7 @@ def split_exact(
     block: int,
     requests: list[Request],
     in_memory: dict[tuple[str, Box], torch.Tensor],
-    spans: list[tuple[int, int]],
+    spans: list[Span],
     sums: np.ndarray,
 ) -> tuple[list[WholeRead], list[Request]]:
     """The requests whose box is exactly one stored row that no other row meets

@@ -21,19 +21,21 @@ from bcp.metadata import Catalog, TensorEntry
 from bcp.metadata.geometry import Box
 
 Request = tuple[str, Box, torch.Tensor]
+#: a destination's (address, bytes, dtype if the bulk read may take it): see destination_overlaps
+Span = tuple[int, int, torch.dtype | None]
 
 
 def without_shared_destinations(
     requests: list[Request],
     catalog: Catalog,
     entry: Callable[[str], TensorEntry],
-    spans: list[tuple[int, int]] | None = None,
+    spans: list[Span] | None = None,
 ) -> list[Request]:
     """``requests`` less the repeats of a tied destination; a ValueError naming both
     keys for any other overlap. ``entry(fqn)`` is the stored tensor's catalog entry.
-    ``spans``, if given, gets each kept request's destination (address, bytes) as
+    ``spans``, if given, gets each kept request's destination (address, bytes, dtype) as
     :func:`destination_overlaps` gives them (the bulk read's views start there)."""
-    found: list[tuple[int, int]] = []
+    found: list[Span] = []
     overlaps = destination_overlaps([dest for _f, _b, dest in requests], found if spans is not None else None)
     drop: set[int] = set()
     for later, earlier in overlaps:
@@ -52,34 +54,41 @@ def without_shared_destinations(
     return [r for i, r in enumerate(requests) if i not in drop] if drop else requests
 
 
-def destination_overlaps(
-    dests: list[torch.Tensor], spans: list[tuple[int, int]] | None = None
-) -> list[tuple[int, int]]:
+def destination_overlaps(dests: list[torch.Tensor], spans: list[Span] | None = None) -> list[tuple[int, int]]:
     """(later, earlier) index pairs of dense destinations whose bytes overlap on one
     device: sorted by start, a tensor overlaps the one holding the running maximum end
-    if it starts before that end. Meta, empty and strided tensors are left out (their
-    (address, bytes) in ``spans``, if given, is (0, 0); the others' as compared)."""
-    # one pass reading each tensor's attributes once (a load of 10,000 small tensors)
-    picked: dict[torch.device, tuple[list[int], list[int], list[int]]] = {}
-    none = (0, 0)
+    if it starts before that end. Meta, empty and strided tensors are left out.
+    ``spans``, if given, gets each destination's (address, bytes, dtype) as compared,
+    (0, 0, None) for those left out; the dtype is None unless the tensor is in CPU
+    memory without a lazy negation or conjugation (what the bulk read takes it for)."""
+    # one pass reading each tensor's attributes once, while they are in the CPU cache
+    # (a load of 10,000 small tensors): the bulk read asks none of them again
+    picked: dict[torch.device, tuple[list[int], list[int], list[int], bool]] = {}
+    none: Span = (0, 0, None)
+    add = spans.append if spans is not None else None
     for i, dest in enumerate(dests):
         if dest.is_meta or not dest.is_contiguous():
-            if spans is not None:
-                spans.append(none)
+            if add is not None:
+                add(none)
             continue
         size = dest.nbytes
         if size:
-            rows_, ptrs, sizes_ = picked.get(dest.device) or picked.setdefault(dest.device, ([], [], []))
+            device = dest.device
+            group = picked.get(device)
+            if group is None:
+                group = picked[device] = ([], [], [], device.type == "cpu")
+            rows_, ptrs, sizes_, cpu = group
             rows_.append(i)
             ptr = dest.data_ptr()
             ptrs.append(ptr)
             sizes_.append(size)
-            if spans is not None:
-                spans.append((ptr, size))
-        elif spans is not None:
-            spans.append(none)
+            if add is not None:
+                plain = cpu and not dest.is_neg() and not dest.is_conj()
+                add((ptr, size, dest.dtype if plain else None))
+        elif add is not None:
+            add(none)
     pairs: list[tuple[int, int]] = []
-    for rows, ptr_list, size_list in picked.values():
+    for rows, ptr_list, size_list, _cpu in picked.values():
         if len(rows) < 2:
             continue
         index = np.asarray(rows, dtype=np.int64)

@@ -32,6 +32,7 @@ from bcp.io_scheduler.read_exec import (
     ReadStats,
 )
 from bcp.io_scheduler.run_all import run_all
+from bcp.io_scheduler.shared_dest import Span
 from bcp.metadata import Catalog, Fragment
 from bcp.metadata.checksum import combine_block_runs, combine_blocks, crc32c_c
 from bcp.metadata.geometry import Box
@@ -68,14 +69,14 @@ def split_whole(
     block: int,
     requests: list[tuple[str, Box, torch.Tensor]],
     in_memory: dict[tuple[str, Box], torch.Tensor],
-    spans: list[tuple[int, int]],
+    spans: list[Span],
 ) -> tuple[list[WholeRead], np.ndarray, list[tuple[str, Box, torch.Tensor]]]:
     """Split off the requests the bulk path reads (:func:`execute_whole_reads`): the
     whole tensor wanted, stored whole in one row (:meth:`Catalog.whole_rows`), of at
     less than :data:`~.read_exec.COALESCE_BELOW` bytes, into a dense CPU tensor of its dtype, none
     of it at hand already; the rest is planned as before. Everything here is the
     checks fill makes, for the case where they all pass (any doubt: the rest).
-    ``spans``: each destination's (address, bytes) if dense, else (0, 0), as
+    ``spans``: each destination's (address, bytes, dtype) if dense, else (0, 0, None), as
     :func:`~.shared_dest.without_shared_destinations` found them just before.
     Also the checksum column the reads' ``sum_start`` index."""
     if not requests:
@@ -92,7 +93,7 @@ def pick_bulk(
     block: int,
     requests: list[tuple[str, Box, torch.Tensor]],
     in_memory: dict[tuple[str, Box], torch.Tensor],
-    spans: list[tuple[int, int]],
+    spans: list[Span],
     *,
     exact: bool,
 ) -> tuple[list[WholeRead], list[tuple[str, Box, torch.Tensor]]]:
@@ -115,23 +116,19 @@ def pick_bulk(
     picked: list[int] = []  # the requests read in bulk, with their destinations' addresses
     ptrs: list[int] = []
     shapes, dtypes, all_nbytes = info.shapes, info.dtypes, info.nbytes
-    # only the requests the catalog's side allows are looked at; a tensor's attributes
-    # are read only as far as its first failed check (the usual request passes them all)
+    # only the requests the catalog's side allows are looked at
     for i in np.flatnonzero(fits).tolist():
-        ptr, size = spans[i]
-        if not ptr or size != all_nbytes[i]:  # not dense (strided, empty, meta) or not the row's size
-            continue
+        ptr, size, dest_dtype = spans[i]  # found by the overlap check's pass: no tensor accessor here
+        if size != all_nbytes[i] or dest_dtype is None or dest_dtype is not wanted[dtypes[i]]:
+            continue  # not dense (strided, empty, meta), not the row's size, not plain CPU or another dtype
         _fqn, (d_off, d_len), dest = requests[i]
-        dtype = wanted[dtypes[i]]
-        if dtype is None or dest.dtype != dtype or not dest.is_cpu or dest.is_neg():
-            continue
         if exact:
             if dest.shape != tuple(d_len):
                 continue
         elif tuple(d_len) != shapes[i] or any(d_off):
             continue
-        if (on_device is not None and on_device(dest)) or (dtype.is_complex and dest.is_conj()):
-            continue  # only a complex tensor has a lazy conjugate
+        if on_device is not None and on_device(dest):
+            continue
         picked.append(i)
         ptrs.append(ptr)
     if len(picked) == len(requests):
