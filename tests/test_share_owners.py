@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from bcp.io_scheduler import share_owners
 from bcp.io_scheduler.share_owners import choose_owners
-from bcp.metadata.geometry import stable_order
 from bcp.metadata import itemsize
+from bcp.metadata.geometry import stable_order
 from bcp.shared_read import Wanted, _dense_inverse, _met_by_several, _RankClasses, plan_shares
 from helpers import examples
 from test_share_parts import job
