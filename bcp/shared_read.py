@@ -216,13 +216,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     else:
         key = np.unique(fi.astype(np.int64) * len(reps) + cls)
         uf, uc = key // len(reps), key % len(reps)
-    if (classes.sizes == classes.sizes[0]).all():
-        n_ranks = np.bincount(uf, minlength=n_frags)
-        n_ranks *= int(classes.sizes[0])
-    else:
-        n_ranks = np.bincount(uf, weights=classes.sizes[uc], minlength=n_frags)
-    candidates = np.flatnonzero(n_ranks > 1)
-    del n_ranks
+    candidates = _met_by_several(uf, uc, classes.sizes, n_frags)
     if not len(candidates):
         return _no_plan(classes.of_rank)
     # exact below 2**53; classes of one size: no weight per pair
@@ -251,26 +245,50 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     per_used = np.diff(np.searchsorted(shared, fstart))
     k_tid = np.repeat(np.array(used, np.int32 if len(names) < 1 << 31 else np.int64), per_used)
     tag_of = np.full(n_frags, -1, np.int32 if len(shared) < 1 << 31 else np.int64)
-    tag_of[shared] = np.arange(len(shared))
+    tag_of[shared] = np.arange(len(shared), dtype=tag_of.dtype)
     pk = tag_of[uf]
     del tag_of
     keep = pk >= 0
-    tags, tag_cls = pk[keep].astype(np.int64), uc[keep].astype(np.int64)
-    del pk, uf, uc
+    if not keep.all():  # usually all are (data-parallel replicas): no masked copies
+        pk, uc = pk[keep], uc[keep]
+    tags, tag_cls = pk.astype(np.int64), uc.astype(np.int64)
+    del keep, uf, uc
     class_tags = None
     if one_box:
         if class_major(tag_cls, tags):  # the parts' order: kept, so that parts() need not sort back
-            class_tags = tags.astype(np.int32 if len(shared) < 1 << 31 else np.int64)
+            class_tags = pk  # the tags, as narrow as tag_of
         tags, tag_cls = by_tag(tags, tag_cls, len(shared), len(reps))
+    del pk
     tag_cls, pair_starts, group = classes.labels(tags, tag_cls, len(shared))
     del tags
-    sizes = row_products(k_len) * np.repeat(item[used], per_used)
+    sizes = row_products(k_len)
+    if len(set(item[used].tolist())) == 1:  # one item size (the usual): no array of them
+        sizes *= int(item[used[0]])
+    else:
+        sizes *= np.repeat(item[used], per_used)
     owners = choose_owners(
         classes.members, classes.mstarts, tag_cls, pair_starts, sizes, len(wanted), group, class_tags
     )
     return SharePlan(
         k_tid.astype(np.int32, copy=False), k_off, k_len, owners, tag_cls, pair_starts, classes.of_rank, class_tags
     )
+
+
+def _met_by_several(frags: np.ndarray, classes: np.ndarray, sizes: np.ndarray, n_frags: int) -> np.ndarray:
+    """The stored rows (ascending) that more than one rank needs, from the (row, class)
+    pairs met (each once). Classes of two ranks or more (data-parallel replicas): every
+    row met, found by a table of flags, not a count per row."""
+    uniform = bool(len(sizes)) and bool((sizes == sizes[0]).all())
+    if uniform and int(sizes[0]) > 1:
+        met = np.zeros(n_frags, bool)
+        met[frags] = True
+        return np.flatnonzero(met)
+    if uniform:
+        n_ranks = np.bincount(frags, minlength=n_frags)
+        n_ranks *= int(sizes[0])
+    else:
+        n_ranks = np.bincount(frags, weights=sizes[classes], minlength=n_frags)
+    return np.flatnonzero(n_ranks > 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,9 +359,9 @@ class _RankClasses:
         pair_starts = np.zeros(len(pairs) + 1, np.int64)
         np.cumsum(pairs, out=pair_starts[1:])
         # each fragment's first class where one class needs it, else -1 (one gather, no index arrays)
-        first = classes.take(pair_starts[:-1], mode="clip") if len(classes) else np.zeros(k, np.int64)
-        group = np.where(pairs == 1, first, -1).astype(np.int64, copy=False)
-        del first
+        group = classes.take(pair_starts[:-1], mode="clip") if len(classes) else np.zeros(k, np.int64)
+        group = group.astype(np.int64, copy=False)
+        group[pairs != 1] = -1
         several = np.flatnonzero(pairs > 1)
         if len(several):
             mine = classes[np.repeat(pairs > 1, pairs)]

@@ -7,6 +7,8 @@ whose target holds their midpoint."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,10 +16,12 @@ from hypothesis import strategies as st
 
 from bcp.io_scheduler import share_owners
 from bcp.io_scheduler.share_owners import choose_owners
+from bcp.metadata import itemsize
 from bcp.metadata.geometry import stable_order
-from bcp.shared_read import Wanted, _dense_inverse, _RankClasses, plan_shares
+from bcp.shared_read import Wanted, _dense_inverse, _met_by_several, _RankClasses, plan_shares
 from helpers import examples
 from test_share_parts import job
+from test_shared_read_plan import ref_plan_sharing
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +124,63 @@ def test_the_plan_is_the_same_array_for_array_without_the_class_major_order(case
     for field in ("tensors", "offsets", "lengths", "owners", "pair_classes", "pair_starts", "rank_class"):
         a, b = getattr(fast, field), getattr(slow, field)
         assert a.dtype == b.dtype and np.array_equal(a, b), field
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(case=job(), dp=st.integers(1, 3), interleave=st.booleans())
+def test_the_whole_plan_equals_the_plain_reference_value_for_value(case, dp, interleave):
+    """The coordinator's plan for data-parallel replicas (every distinct list wanted by
+    ``dp`` ranks, as consecutive or interleaved ranks) against the plain per-fragment
+    reference: the same shared fragments in catalog order, needing ranks, owners by the
+    grouped water-fill (exactly) and sizes, whatever shortcuts the replicas allow."""
+    reader, wanted = case
+    lists = list({repr(w): w for w in wanted}.values())
+    if interleave:
+        wanted = [lists[r % len(lists)] for r in range(dp * len(lists))]
+    else:
+        wanted = [lists[r // dp] for r in range(dp * len(lists))]
+    plan = plan_shares(reader, [Wanted.encode(reader, w) for w in wanted])
+    want = ref_plan_sharing(reader, wanted)
+    names = list(reader.catalog.tensors)
+    ndims = [len(reader.catalog.shape(f)) for f in names]
+    keys = [
+        (names[t], (tuple(o[:d]), tuple(n[:d])))
+        for t, o, n, d in zip(
+            plan.tensors.tolist(),
+            plan.offsets.tolist(),
+            plan.lengths.tolist(),
+            [ndims[t] for t in plan.tensors.tolist()],
+            strict=True,
+        )
+    ]
+    catalog_order: dict = {}
+    for i, f in enumerate(reader.catalog.fragments):
+        catalog_order.setdefault((f.fqn, (f.offsets, f.lengths)), i)
+    assert keys == sorted(want, key=lambda k: catalog_order[k])
+    needers = [tuple(sorted([o, *rs])) for o, rs in (want[k] for k in keys)]
+    got = [tuple(plan.needers[plan.starts[i] : plan.starts[i + 1]].tolist()) for i in range(len(keys))]
+    assert got == needers
+    sizes = [math.prod(n) * itemsize(reader.catalog.tensors[f].dtype) for f, (_o, n) in keys]
+    assert plan.owners.tolist() == ref_owners(needers, sizes, len(wanted))
+    assert plan.owners.dtype == np.int32 and plan.pair_classes.dtype == plan.pair_starts.dtype == np.int64
+    assert plan.class_tags is None or plan.class_tags.dtype == np.int32
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(data=st.data(), n_frags=st.integers(1, 30), n_classes=st.integers(1, 5), uniform=st.booleans())
+def test_rows_met_by_several_ranks_are_those_counted_so(data, n_frags, n_classes, uniform):
+    """Rows needed by more than one rank, found by flags where every class has two ranks
+    or more, are the rows whose needing ranks, counted, exceed one."""
+    size = data.draw(st.integers(1, 3))
+    sizes = np.array(
+        [size] * n_classes
+        if uniform
+        else data.draw(st.lists(st.integers(1, 3), min_size=n_classes, max_size=n_classes)),
+        np.int64,
+    )
+    pairs = sorted(data.draw(st.sets(st.tuples(st.integers(0, n_frags - 1), st.integers(0, n_classes - 1)))))
+    frags = np.array([f for f, _c in pairs], np.int32)
+    classes = np.array([c for _f, c in pairs], np.int32)
+    counted = np.bincount(frags, weights=sizes[classes], minlength=n_frags) if pairs else np.zeros(n_frags)
+    got = _met_by_several(frags, classes, sizes, n_frags)
+    assert got.tolist() == np.flatnonzero(counted > 1).tolist()

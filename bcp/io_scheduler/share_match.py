@@ -333,30 +333,26 @@ class CutIndex:
         if bound >= 1 << 62:
             return None
         dtype = np.int32 if bound < 1 << 31 and int(fstart[-1]) < 1 << 31 else np.int64
-        found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        line = 0
+        # every interval written in place (at most one per row; pages past the last never touched)
+        starts, ends, rows = (np.empty(int(fstart[-1]), dtype) for _ in range(3))
+        n = line = 0
         for a, b in _rank_runs(entries, _ROW_BATCH):
             ts = np.array(used[a:b], np.int64)
-            ok, k, starts, ends, (row, tensor), tiled[ts] = _cut_rows(entries[a:b], extents[ts])
+            ok, k, s, e, (row, tensor), tiled[ts] = _cut_rows(entries[a:b], extents[ts])
             span = np.where(ok, extents[ts, k] + 1, 0)
             base[ts] = line + np.cumsum(span) - span
             line += int(span.sum())
             eligible[ts], cut[ts] = ok, k
-            found.append(
-                (
-                    (starts + base[ts][tensor]).astype(dtype),
-                    (ends + base[ts][tensor]).astype(dtype),
-                    (row + fstart[a]).astype(dtype),
-                )
-            )
+            at, n = n, n + len(row)
+            shift = base[ts][tensor]
+            np.add(s, shift, out=starts[at:n], casting="unsafe")  # values below ``bound``
+            np.add(e, shift, out=ends[at:n], casting="unsafe")
+            np.add(row, fstart[a], out=rows[at:n], casting="unsafe")
         if not eligible.any():
             return None
         ext = extents[np.arange(n_names), cut]
         other = np.where(ext > 0, row_products(extents) // np.maximum(ext, 1), 0)
-        starts = np.concatenate([s for s, _e, _r in found])
-        ends = np.concatenate([e for _s, e, _r in found])
-        rows = np.concatenate([r for _s, _e, r in found])
-        del found
+        starts, ends, rows = starts[:n], ends[:n], rows[:n]
         ends_upto = starts_upto = None
         if line <= 4 * len(starts) + (1 << 22):  # dense tables: a lookup each instead of binary searches
             ends_upto = _upto(ends, line, dtype)
@@ -416,10 +412,12 @@ def _upto(points: np.ndarray, line: int, dtype: type) -> np.ndarray:
     """For ascending ``points`` in [0, line): how many are at or before each x of the
     line (``np.cumsum(np.bincount(points, minlength=line))``), as runs of equal counts:
     count i from points[i - 1] up to points[i] (one pass, no line-long int64 array)."""
-    edges = np.empty(len(points) + 2, np.int64)
-    edges[0], edges[-1] = 0, line
-    edges[1:-1] = points
-    steps = np.diff(edges)
+    steps = np.empty(len(points) + 1, np.int64)  # the gaps between 0, the points and ``line``
+    if len(points):
+        steps[0], steps[-1] = points[0], line - int(points[-1])
+        np.subtract(points[1:], points[:-1], out=steps[1:-1])
+    else:
+        steps[0] = line
     if bool((steps < 0).any()):  # rows outside their tensor (the catalog's check refuses them next)
         return np.cumsum(np.bincount(points, minlength=line), dtype=dtype)
     return np.repeat(np.arange(len(points) + 1, dtype=dtype), steps)
