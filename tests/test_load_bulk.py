@@ -396,3 +396,37 @@ def test_a_reader_threads_scratch_is_reused_aligned_and_its_own():
     t.start()
     t.join()
     assert other[0] != address(scratch.get(1000, 123))  # another thread's own buffer
+
+
+class _CountedRead(whole_reads.WholeRead):
+    """A bulk read that counts how often its destination view is asked for by name."""
+
+    asked = 0
+
+    @property
+    def target(self) -> memoryview:
+        type(self).asked += 1
+        return tuple.__getitem__(self, 5)
+
+
+def test_the_readers_ask_no_read_for_its_destination_per_tensor(monkeypatch):
+    """Failed before (600 asked: twice a tensor): the reader threads'
+    per-tensor work (grouping adjacent tensors, one CRC32C each) takes every read's
+    destination, offset and expected checksum from lists made once per load; every
+    byte still lands and is verified (a flipped byte is named as before: the tests above)."""
+    assert whole_reads.WholeRead._fields[5] == "target"
+    g = torch.Generator().manual_seed(5)
+    state = {f"layer{i}.bias": torch.randn(7, generator=g) for i in range(300)}
+    uri = uri_of("asked")
+    bcp.save(state, uri)
+    real = whole_reads.execute_whole_reads
+
+    def counted(backend, reads, *a, **k):
+        return real(backend, [_CountedRead._make(r) for r in reads], *a, **k)
+
+    monkeypatch.setattr(reader_module, "execute_whole_reads", counted)
+    _CountedRead.asked = 0
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    bcp.load(dest, Resident(backend_for(uri), True))
+    assert all(torch.equal(dest[k], v) for k, v in state.items())
+    assert _CountedRead.asked < 10, _CountedRead.asked

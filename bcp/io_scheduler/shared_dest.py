@@ -12,6 +12,7 @@ over all requests.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import numpy as np
@@ -23,6 +24,7 @@ from bcp.metadata.geometry import Box
 Request = tuple[str, Box, torch.Tensor]
 #: a destination's (address, bytes, dtype if the bulk read may take it): see destination_overlaps
 Span = tuple[int, int, torch.dtype | None]
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def without_shared_destinations(
@@ -62,42 +64,47 @@ def destination_overlaps(dests: list[torch.Tensor], spans: list[Span] | None = N
     (0, 0, None) for those left out; the dtype is None unless the tensor is in CPU
     memory without a lazy negation or conjugation (what the bulk read takes it for)."""
     # one pass reading each tensor's attributes once, while they are in the CPU cache
-    # (a load of 10,000 small tensors): the bulk read asks none of them again
-    picked: dict[torch.device, tuple[list[int], list[int], list[int], bool]] = {}
+    # (a load of 10,000 small tensors): the bulk read asks none of them again. A CPU
+    # tensor (the usual destination) is asked 7 things, its device never (a new object)
     none: Span = (0, 0, None)
-    add = spans.append if spans is not None else None
+    found: list[Span] = []
+    add = found.append
+    others: dict[torch.device, tuple[list[int], list[int], list[int]]] = {}  # not CPU memory, by device
     for i, dest in enumerate(dests):
-        if dest.is_meta or not dest.is_contiguous():
-            if add is not None:
+        if dest.is_cpu:
+            if dest.is_contiguous() and (size := dest.nbytes):
+                add((dest.data_ptr(), size, None if dest.is_neg() or dest.is_conj() else dest.dtype))
+            else:
                 add(none)
-            continue
-        size = dest.nbytes
-        if size:
-            device = dest.device
-            group = picked.get(device)
-            if group is None:
-                group = picked[device] = ([], [], [], device.type == "cpu")
-            rows_, ptrs, sizes_, cpu = group
-            rows_.append(i)
+        elif dest.is_meta or not dest.is_contiguous() or not (size := dest.nbytes):
+            add(none)
+        else:
             ptr = dest.data_ptr()
+            add((ptr, size, None))
+            rows_, ptrs, sizes_ = others.setdefault(dest.device, ([], [], []))
+            rows_.append(i)
             ptrs.append(ptr)
             sizes_.append(size)
-            if add is not None:
-                plain = cpu and not dest.is_neg() and not dest.is_conj()
-                add((ptr, size, dest.dtype if plain else None))
-        elif add is not None:
-            add(none)
+    if spans is not None:
+        spans += found
+    n = len(found)
+    starts_all = np.fromiter(map(_FIRST, found), np.uint64, n)
+    sizes_all = np.fromiter(map(_SECOND, found), np.uint64, n)
+    cpu = sizes_all > 0
+    groups = []
+    for rows_, ptrs, sizes_ in others.values():
+        cpu[rows_] = False
+        groups.append((np.asarray(rows_, np.int64), np.asarray(ptrs, np.uint64), np.asarray(sizes_, np.uint64)))
+    rows = np.flatnonzero(cpu)
+    groups.append((rows, starts_all[rows], sizes_all[rows]))
     pairs: list[tuple[int, int]] = []
-    for rows, ptr_list, size_list, _cpu in picked.values():
-        if len(rows) < 2:
+    for index, starts, sizes in groups:
+        if len(index) < 2:
             continue
-        index = np.asarray(rows, dtype=np.int64)
-        starts = np.asarray(ptr_list, dtype=np.uint64)
-        sizes = np.asarray(size_list, dtype=np.uint64)
         order = np.argsort(starts, kind="stable")
         starts, ends, index = starts[order], starts[order] + sizes[order], index[order]
         reach = np.maximum.accumulate(ends)
-        position = np.arange(len(rows))
+        position = np.arange(len(index))
         holder = np.maximum.accumulate(np.where(ends == reach, position, 0))  # who holds the running max
         hits = np.flatnonzero(starts[1:] < reach[:-1]) + 1
         pairs += [(int(index[h]), int(index[holder[h - 1]])) for h in hits]

@@ -205,17 +205,29 @@ def execute_whole_reads(
     full: list[int] = full_np.tolist()
     expected: list[int] = [0] * n
     tails: list[int] = [0] * n
+    # one CRC32C over a read's destination is checked against ``wants`` where ``cuts`` is 0
+    # (whole blocks, or one short block); elsewhere its whole blocks and its tail apart from
+    # the cut, or check_one at -1 (read whole from storage: its blocks combined then). Lists,
+    # so that the reader threads ask no read for an attribute per tensor
+    wants = expected
+    chunk = -(-read_exec.IN_MEMORY_CHUNK // block) * block  # larger ones from memory are checked piece by piece
     if verify:
         starts = np.fromiter(map(_SUM_START, reads), np.int64, n)
         has_tail = nbytes_np % block != 0
-        expected = sums[starts].tolist()
-        tails = sums[np.where(has_tail, starts + full_np, starts)].tolist()
-        small = -(-read_exec.IN_MEMORY_CHUNK // block) * block  # larger ones from memory are checked piece by piece
-        multi = np.flatnonzero((full_np > 1) & (nbytes_np <= small))
+        expected_np = sums[starts]
+        tails_np = sums[np.where(has_tail, starts + full_np, starts)]
+        multi = np.flatnonzero((full_np > 1) & (nbytes_np <= chunk))
         if len(multi):
             runs = list(zip(starts[multi].tolist(), (starts[multi] + full_np[multi]).tolist(), strict=True))
-            for i, value in zip(multi.tolist(), combine_block_runs(sums, block, runs), strict=True):
-                expected[i] = value
+            expected_np[multi] = combine_block_runs(sums, block, runs)
+        expected, tails = expected_np.tolist(), tails_np.tolist()
+        wants = np.where(full_np == 0, tails_np, expected_np).tolist()
+    whole_np = full_np * block
+    cut_np = np.where((whole_np == nbytes_np) | (full_np == 0), 0, whole_np)
+    cuts: list[int] = np.where((full_np > 1) & (nbytes_np > chunk), -1, cut_np).tolist()
+    targets: list[memoryview] = list(map(_TARGET, reads))
+    ends: list[int] = (offsets_np + nbytes_np).tolist()
+    offsets: list[int] = offsets_np.tolist()
     file_names = sorted(set(map(_FILE, reads)))
     code_of = {f: c for c, f in enumerate(file_names)}
     file_codes = np.fromiter(map(code_of.__getitem__, map(_FILE, reads)), np.int64, n)
@@ -241,7 +253,6 @@ def execute_whole_reads(
         end = o + nb
     name = describe_file(backend)
     check = verify
-    chunk = -(-read_exec.IN_MEMORY_CHUNK // block) * block
 
     def verify_one(i: int) -> None:
         if trace.enabled():  # a span per tensor only when traced
@@ -271,18 +282,11 @@ def execute_whole_reads(
                 verify_one(i)
             return
         for i in many:
-            r = reads[i]
-            nbytes, f = r.nbytes, full[i]
-            whole = f * block
-            if f > 1 and nbytes > chunk:
-                check_one(i)
-            elif whole == nbytes:  # whole blocks only (f > 0: nbytes is never 0 here)
-                if crc32c_c(r.target) != expected[i]:
+            cut = cuts[i]
+            if not cut:  # whole blocks only, or one short block (nbytes is never 0 here)
+                if crc32c_c(targets[i]) != wants[i]:
                     check_one(i)
-            elif not f:  # one short block
-                if crc32c_c(r.target) != tails[i]:
-                    check_one(i)
-            elif crc32c_c(r.target[:whole]) != expected[i] or crc32c_c(r.target[whole:]) != tails[i]:
+            elif cut < 0 or crc32c_c(targets[i][:cut]) != expected[i] or crc32c_c(targets[i][cut:]) != tails[i]:
                 check_one(i)
 
     def read_in_pieces(i: int, read: Callable[[int, memoryview], None]) -> None:
@@ -313,22 +317,21 @@ def execute_whole_reads(
         less than :data:`GAP_BYTES`: the writer aligns each tensor to 64 bytes), spanning
         at most a piece, and the buffers of one vectored read of them: their destinations,
         the bytes between read into a scratch. Checked while still in the CPU cache."""
-        first = reads[batch[k]]
-        start, end = first.offset, first.offset + first.nbytes
-        many, views = [batch[k]], [first.target]
+        first = batch[k]
+        start, end = offsets[first], ends[first]
+        many, views = [first], [targets[first]]
         scratch = None
         for i in itertools.islice(batch, k + 1, None):
-            r = reads[i]
-            gap = r.offset - end
-            if not 0 <= gap < GAP_BYTES or r.offset + r.nbytes - start > chunk:
+            gap = offsets[i] - end
+            end = ends[i]
+            if not 0 <= gap < GAP_BYTES or end - start > chunk:
                 break
             if gap:
                 if scratch is None:
                     scratch = memoryview(bytearray(GAP_BYTES))
                 views.append(scratch[:gap])
-            views.append(r.target)
+            views.append(targets[i])
             many.append(i)
-            end = r.offset + r.nbytes
         return many, views
 
     def read_each(batch: list[int], resident: bool) -> tuple[int, int]:
@@ -419,8 +422,8 @@ def execute_whole_reads(
     return stats
 
 
-_NBYTES, _OFFSET, _SUM_START, _FILE = (
-    operator.itemgetter(WholeRead._fields.index(f)) for f in ("nbytes", "offset", "sum_start", "file")
+_NBYTES, _OFFSET, _SUM_START, _FILE, _TARGET = (
+    operator.itemgetter(WholeRead._fields.index(f)) for f in ("nbytes", "offset", "sum_start", "file", "target")
 )
 
 
