@@ -260,7 +260,7 @@ class FileBackend(Backend):
                 view = memoryview(buffer).cast("B")
                 if not self.direct_reads or len(view) < DIRECT_READ_FROM or on_memory_fs(fd):
                     return pread_full(fd, view, offset)
-                if is_cached(path, len(view), offset):  # someone read it through the page cache: use that
+                if is_cached(fd, path, len(view), offset):  # someone read it through the page cache: use that
                     return pread_full(fd, view, offset)
                 return pread_cold(fd, path, view, offset)
             except IsADirectoryError as e:  # open(2) accepts a directory; it is not an object
@@ -292,7 +292,7 @@ class FileBackend(Backend):
             path = self._read_path(key)
             fd = self._open_for_read(key, path)
             try:
-                return on_memory_fs(fd) or is_cached(path, nbytes, offset)
+                return on_memory_fs(fd) or is_cached(fd, path, nbytes, offset)
             finally:
                 os.close(fd)
         except (OSError, StorageError, ValueError):  # advice only: the read itself reports the error

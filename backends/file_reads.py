@@ -110,31 +110,30 @@ def on_memory_fs(fd: int) -> bool:
 
 def fs_type(fd: int) -> int | None:
     """statfs(2) f_type of the filesystem holding ``fd`` (Linux; None elsewhere or on error)."""
-    if not sys.platform.startswith("linux"):
+    if (libc := _libc()) is None:  # not Linux
         return None
-    libc = ctypes.CDLL(None, use_errno=True)
     buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
     if libc.fstatfs(fd, buf) != 0:
         return None
     return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
-def is_cached(path: str, nbytes: int, offset: int) -> bool:
-    """Whether the range is in the page cache (most of its middle), asked without
-    reading it: cachestat(2) (Linux 6.5+), else mincore(2) of a one-page mapping of its
-    middle, else a one-page RWF_NOWAIT read. The read is the last resort because on a
-    miss it still reads that page: a second probe of the range then answered yes, and a
-    load read its cold ranges through the page cache instead of O_DIRECT (bulk reads at
-    about half the disk's speed)."""
-    fd = os.open(path, os.O_RDONLY | NOFOLLOW)
+def is_cached(fd: int, path: str, nbytes: int, offset: int) -> bool:
+    """Whether the range of the open file ``fd`` (at ``path``) is in the page cache (most
+    of its middle), asked without reading it: cachestat(2) (Linux 6.5+), else mincore(2)
+    of a one-page mapping of its middle, else a one-page RWF_NOWAIT read on a descriptor
+    of its own. The read is the last resort because on a miss it still reads that page: a
+    second probe of the range then answered yes, and a load read its cold ranges through
+    the page cache instead of O_DIRECT (bulk reads at about half the disk's speed)."""
+    for probe in (cached_share, cached_middle_page):
+        answer = probe(fd, offset, nbytes)
+        if answer is not None:
+            return answer
+    own = os.open(path, os.O_RDONLY | NOFOLLOW)  # readahead turned off on this one only
     try:
-        for probe in (cached_share, cached_middle_page):
-            answer = probe(fd, offset, nbytes)
-            if answer is not None:
-                return answer
-        return nowait_probe(fd, offset + nbytes // 2)
+        return nowait_probe(own, offset + nbytes // 2)
     finally:
-        os.close(fd)
+        os.close(own)
 
 
 #: cachestat(2)'s number, the same on every Linux architecture (added in 6.5)

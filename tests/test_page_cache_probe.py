@@ -71,9 +71,9 @@ def test_is_cached_twice_on_a_cold_range_says_no_twice(cold_file: Path) -> None:
     try:
         if all(probe(fd, 0, SIZE) is None for probe in PROBES.values()):
             pytest.skip("no probe here that reads nothing")
+        answers = [file_reads.is_cached(fd, str(cold_file), SIZE, 0) for _ in range(3)]
     finally:
         os.close(fd)
-    answers = [file_reads.is_cached(str(cold_file), SIZE, 0) for _ in range(3)]
     if answers[0]:
         pytest.skip("this filesystem kept the pages after POSIX_FADV_DONTNEED")
     assert answers == [False, False, False]
