@@ -157,6 +157,9 @@ def _libc() -> ctypes.CDLL | None:
 #: the part of a range the cachestat probe looks at, around its middle (cachestat walks
 #: every page asked about: about 0.5 ms for 64 MiB, 10 us for this)
 PROBE_WINDOW = 1 << 20
+#: the probes' argument types, made once: ``c_uint64 * 2`` in a call makes a new class a
+#: call, a reference cycle left to the garbage collector after every load
+_RANGE, _CACHESTAT_OUT, _VEC = ctypes.c_uint64 * 2, ctypes.c_uint64 * 5, ctypes.c_ubyte * 1
 
 
 def cached_share(fd: int, offset: int, nbytes: int) -> bool | None:
@@ -167,8 +170,8 @@ def cached_share(fd: int, offset: int, nbytes: int) -> bool | None:
     window = min(max(nbytes, 1), PROBE_WINDOW)
     first = (offset + (nbytes - window) // 2) // mmap.PAGESIZE * mmap.PAGESIZE
     pages = -(-(offset + (nbytes + window) // 2 - first) // mmap.PAGESIZE)
-    rng = (ctypes.c_uint64 * 2)(first, pages * mmap.PAGESIZE)
-    stat = (ctypes.c_uint64 * 5)()
+    rng = _RANGE(first, pages * mmap.PAGESIZE)
+    stat = _CACHESTAT_OUT()
     if libc.syscall(ctypes.c_long(_CACHESTAT), ctypes.c_uint(fd), rng, stat, ctypes.c_uint(0)) != 0:
         if ctypes.get_errno() == errno.ENOSYS:
             _probes_unavailable.add("cachestat")
@@ -193,7 +196,7 @@ def cached_middle_page(fd: int, offset: int, nbytes: int) -> bool | None:
     if addr in (None, ctypes.c_void_p(-1).value):
         return None
     try:
-        vec = (ctypes.c_ubyte * 1)()
+        vec = _VEC()
         if libc.mincore(ctypes.c_void_p(addr), mmap.PAGESIZE, vec) != 0:
             return None
         return bool(vec[0] & 1)

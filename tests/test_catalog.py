@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pyarrow as pa
 import pytest
@@ -62,6 +64,28 @@ def test_catalog_round_trip(frags):
         assert entry.sizes.tolist() == [f.nbytes for f in mine]
         assert [entry.file_names[c] for c in entry.files.tolist()] == [f.file for f in mine]
         assert entry.writer_ranks.tolist() == [f.writer_rank for f in mine]
+
+
+@given(st.lists(fragments(), max_size=6), st.booleans())
+def test_a_catalog_is_freed_without_the_collector(frags, v1):
+    """No reference cycle: a catalog (and its rows, one shape tuple a tensor) goes as
+    soon as its last user lets go, its ``tensors`` view included. Failed before: the
+    catalog held the view, which held the catalog's bound method."""
+    first = {}
+    frags = [f for f in frags if first.setdefault(f.fqn, (f.dtype, f.global_shape)) == (f.dtype, f.global_shape)]
+    data = Catalog(frags).to_arrow_v1() if v1 else Catalog(frags).to_arrow()
+    gc.disable()
+    try:
+        catalog = Catalog.from_arrow(data, where="t", checksum_block_bytes=BLOCK)
+        view = catalog.tensors
+        assert list(view) == list(first)
+        gone = weakref.ref(catalog)
+        del catalog
+        assert gone() is not None  # the view in hand keeps it
+        del view
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def _one(**changes) -> bytes:

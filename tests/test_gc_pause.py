@@ -9,6 +9,8 @@ import threading
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import bcp
 from bcp import gc_pause
@@ -95,3 +97,24 @@ def test_nested_and_concurrent_pauses_reenable_only_at_the_last_exit():
     release.set()
     thread.join()
     assert gc.isenabled()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=40), nested=st.booleans())
+def test_a_load_leaves_no_reference_cycle(tmp_path_factory, sizes, nested):
+    """What a load builds is freed by reference counting as it returns: nothing is left for
+    the collector, whose pass would then walk every row of the catalog (its shape tuples:
+    10,000 objects and about 3 ms a load of 10,000 tensors). Failed before: the catalog held
+    a view of its tensors holding its own bound method, a cycle."""
+    state = {f"t{i}": torch.arange(n, dtype=torch.float32) for i, n in enumerate(sizes)}
+    if nested:
+        state = {"model": state, "step": 3}
+    uri = str(tmp_path_factory.mktemp("ck") / "ck")
+    bcp.save(state, uri)
+    gc.collect()
+    gc.disable()
+    try:
+        bcp.load(state, uri)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

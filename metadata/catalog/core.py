@@ -87,7 +87,11 @@ class Catalog:
         self._check_tiling = check_tiling
         self._parts = None
         self._set_rows(rows)
-        self.tensors: Mapping[str, TensorEntry] = TensorsView(tensors, self._entry)
+
+    @property
+    def tensors(self) -> Mapping[str, TensorEntry]:
+        """fqn -> TensorEntry, each built on first use; a view a call (one held: a reference cycle)."""
+        return TensorsView(self._table_of_tensors, self._entry)
 
     def _set_rows(self, rows: Rows) -> None:
         self._rows = rows
@@ -213,7 +217,7 @@ class Catalog:
         held = [t for t in dict.fromkeys(codes) if t in self._cache or self._given is not None]
         out = {t: TensorBoxes.of(self._entry(t)) for t in held}
         todo = {t: self._rows_of(t) for t in dict.fromkeys(codes) if t not in out}
-        out.update(gather_boxes(self._rows, tensors, todo, self._check_tilings if check_tiling else _unchecked))
+        out.update(gather_boxes(self._rows, tensors, todo, self._check_tilings if check_tiling else lambda *_a: None))
         return [out[t] for t in codes]
 
     def _check_tilings(self, codes: list[int], offs: np.ndarray, lens: np.ndarray, counts: list[int]) -> None:
@@ -382,10 +386,6 @@ class Catalog:
         check_rows_in_files(self._rows, self._table_of_tensors, self._file_names, file_sizes, where=where)
         if self._parts is not None:
             self._parts.file_sizes = dict(file_sizes)
-
-
-def _unchecked(codes: list[int], offs: np.ndarray, lens: np.ndarray, counts: list[int]) -> None:
-    """No tiling check (``Catalog.boxes(check_tiling=False)``: the caller proves it)."""
 
 
 def _decoded(where: str, checksum_block_bytes: int, decode: Callable[[], Catalog]) -> Catalog:
