@@ -174,9 +174,10 @@ class _Combiner:
         :data:`GROUP` blocks, all runs with one gather and one XOR reduction."""
         if not len(starts):
             return []
-        idx = stops[:, None] - GROUP + np.arange(GROUP)[None, :]  # each run right-aligned in one group
+        width = max(1, int((stops - starts).max()))  # the group's last positions: runs are short in a load
+        idx = stops[:, None] - width + np.arange(width)[None, :]  # each run right-aligned in one group
         vals = np.where(idx >= starts[:, None], checksums[np.maximum(idx, 0)], 0).astype("<u4")
-        index = vals.view(np.uint8).reshape(len(starts), GROUP, 4) + self._base
+        index = vals.view(np.uint8).reshape(len(starts), width, 4) + self._base[GROUP - width :]
         return np.bitwise_xor.reduce(self._flat[index].reshape(len(starts), -1), axis=1).tolist()
 
 
@@ -213,17 +214,17 @@ def combine_blocks(checksums: Sequence[int] | np.ndarray, block_bytes: int) -> i
 
 
 def combine_block_runs(
-    checksums: Sequence[int] | np.ndarray, block_bytes: int, runs: Sequence[tuple[int, int]]
+    checksums: Sequence[int] | np.ndarray, block_bytes: int, runs: Sequence[tuple[int, int]] | np.ndarray
 ) -> list[int]:
     """:func:`combine_blocks` of ``checksums[a:b]`` for each ``(a, b)`` in ``runs``
     (whole ``block_bytes`` blocks, empty runs give 0), in one vectorised pass when every
     run has at most :data:`GROUP` blocks: the checks of a read cut into pieces (a load
     from memory) cost one numpy call, not one per piece."""
-    if not runs:
+    bounds = np.asarray(runs, np.intp).reshape(-1, 2)  # (k, 2) already: a load's runs, no pairs walked
+    if not len(bounds):
         return []
-    if any(b - a > GROUP for a, b in runs):
-        return [combine_blocks(checksums[a:b], block_bytes) for a, b in runs]
-    bounds = np.array(runs, np.intp).reshape(-1, 2)
+    if int((bounds[:, 1] - bounds[:, 0]).max()) > GROUP:
+        return [combine_blocks(checksums[a:b], block_bytes) for a, b in bounds.tolist()]
     sums = np.asarray(checksums, np.uint32)
     if not len(sums):
         return [0] * len(runs)

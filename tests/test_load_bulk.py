@@ -430,3 +430,60 @@ def test_the_readers_ask_no_read_for_its_destination_per_tensor(monkeypatch):
     bcp.load(dest, Resident(backend_for(uri), True))
     assert all(torch.equal(dest[k], v) for k, v in state.items())
     assert _CountedRead.asked < 10, _CountedRead.asked
+
+
+def batches_one_by_one(files, offsets, nbytes, pad, limit):
+    """The batching as it was: each read, in order, joins the batch before or starts one."""
+    out: list[list[int]] = []
+    end, file, size = -1, -1, 0
+    for i, (f, o, nb) in enumerate(zip(files, offsets, nbytes, strict=True)):
+        gap = o - end
+        if f == file and 0 <= gap < pad and size + gap + nb <= limit and out:
+            out[-1].append(i)
+            size += gap + nb
+        else:
+            out.append([i])
+            file, size = f, nb
+        end = o + nb
+    return [(b[0], b[-1] + 1) for b in out]
+
+
+@settings(max_examples=examples(60))
+@given(
+    reads=st.lists(st.tuples(st.integers(0, 2), st.integers(-100, 300), st.integers(1, 200)), min_size=0, max_size=60),
+    pad=st.integers(1, 100),
+    limit=st.integers(1, 2000),
+)
+def test_batches_found_in_numpy_are_those_added_one_by_one(reads, pad, limit):
+    """whole_reads.batch_bounds (a Python step a batch) gives the batches the loop of a
+    step a read gave, overlapping reads (gaps below 0), holes and reads over the limit
+    included. Failed before: there was no such function (the loop ran once a tensor)."""
+    files, gaps, nbytes = (list(c) for c in zip(*reads, strict=True)) if reads else ([], [], [])
+    order = sorted(range(len(reads)), key=lambda i: files[i])
+    offsets, at = [], 0
+    for i in order:  # each file's reads in offset order, the gap before each drawn
+        at = max(0, at + gaps[i])
+        offsets.append(at)
+        at += nbytes[i]
+    f = np.array([files[i] for i in order], np.int64)
+    o, n = np.array(offsets, np.int64), np.array([nbytes[i] for i in order], np.int64)
+    assert whole_reads.batch_bounds(f, o, n, pad, limit) == batches_one_by_one(
+        f.tolist(), offsets, n.tolist(), pad, limit
+    )
+
+
+@settings(max_examples=examples(60))
+@given(sizes=st.lists(st.integers(1, 500), min_size=1, max_size=50), data=st.data(), piece=st.integers(1, 3000))
+def test_pieces_of_a_batch_from_memory_cut_as_before(sizes, data, piece):
+    """whole_reads.greedy_cuts cuts a batch where its bytes reach ``piece``, as the loop
+    of a step a read did. Failed before: no such function."""
+    first = data.draw(st.integers(0, len(sizes) - 1))
+    end = data.draw(st.integers(first + 1, len(sizes)))
+    cum = np.concatenate(([0], np.cumsum(sizes)))
+    want, start, size = [], first, 0
+    for k in range(first, end):
+        size += sizes[k]
+        if size >= piece or k == end - 1:
+            want.append((start, k + 1))
+            start, size = k + 1, 0
+    assert whole_reads.greedy_cuts(cum, first, end, piece) == want

@@ -218,7 +218,7 @@ def execute_whole_reads(
         tails_np = sums[np.where(has_tail, starts + full_np, starts)]
         multi = np.flatnonzero((full_np > 1) & (nbytes_np <= chunk))
         if len(multi):
-            runs = list(zip(starts[multi].tolist(), (starts[multi] + full_np[multi]).tolist(), strict=True))
+            runs = np.stack((starts[multi], starts[multi] + full_np[multi]), axis=1)  # no list of pairs
             expected_np[multi] = combine_block_runs(sums, block, runs)
         expected, tails = expected_np.tolist(), tails_np.tolist()
         wants = np.where(full_np == 0, tails_np, expected_np).tolist()
@@ -236,21 +236,9 @@ def execute_whole_reads(
     total = int(nbytes_np.sum())
     streams = streams or backend.hints.concurrency
     limit = max(COALESCE_BELOW, min(COALESCE_BYTES, COALESCE_BUDGET // max(streams, 1)))
-    batches: list[list[int]] = []
-    end, file = -1, -1
-    size = 0
-    pad = read_exec.MAX_PADDING
-    for i, f, o, nb in zip(
-        order, file_codes[order_np].tolist(), offsets_np[order_np].tolist(), nbytes_np[order_np].tolist(), strict=True
-    ):
-        gap = o - end
-        if f == file and 0 <= gap < pad and size + gap + nb <= limit and batches:
-            batches[-1].append(i)
-            size += gap + nb
-        else:
-            batches.append([i])
-            file, size = f, nb
-        end = o + nb
+    nbytes_sorted = nbytes_np[order_np]
+    spans_at = batch_bounds(file_codes[order_np], offsets_np[order_np], nbytes_sorted, read_exec.MAX_PADDING, limit)
+    batches = [order[a:b] for a, b in spans_at]
     name = describe_file(backend)
     check = verify
 
@@ -399,19 +387,14 @@ def execute_whole_reads(
         tasks.append((batch, resident))
         resident_bytes += span_of(batch) if resident else 0
     if resident_bytes:
-        sizes = nbytes_np.tolist()
         piece = max(read_exec.IN_MEMORY_CHUNK, resident_bytes // max(4 * streams, 1))
         cut: list[tuple[list[int], bool]] = []
-        for batch, resident in tasks:
+        cum = np.concatenate(([0], np.cumsum(nbytes_sorted)))  # bytes before each position in ``order``
+        for (a, b), (batch, resident) in zip(spans_at, tasks, strict=True):
             if not resident:
                 cut.append((batch, resident))
                 continue
-            start, size = 0, 0
-            for k, i in enumerate(batch):
-                size += sizes[i]
-                if size >= piece or k == len(batch) - 1:
-                    cut.append((batch[start : k + 1], True))
-                    start, size = k + 1, 0
+            cut += [(order[x:y], True) for x, y in greedy_cuts(cum, a, b, piece)]
         tasks = cut
         if streams > read_exec.usable_cpus() and resident_bytes * 2 >= total:
             streams = read_exec.usable_cpus()  # copies from memory are CPU work
@@ -420,6 +403,47 @@ def execute_whole_reads(
     stats.padding_bytes = sum(p for _n, p in done)
     stats.bytes_read = total
     return stats
+
+
+def batch_bounds(
+    files: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, pad: int, limit: int
+) -> list[tuple[int, int]]:
+    """The batches of reads sorted by (file, offset), as (first, end) positions: a read
+    joins the batch before it when in the same file, starting less than ``pad`` bytes
+    after the previous read ends (never before), and the batch then spans at most
+    ``limit`` bytes. Found in numpy, a Python step a batch, not one a read (a load of
+    10,000 tensors); the same batches as adding the reads one by one."""
+    n = len(offsets)
+    if not n:
+        return []
+    ends = offsets + nbytes
+    gaps = offsets[1:] - ends[:-1]
+    breaks = np.flatnonzero((files[1:] != files[:-1]) | (gaps < 0) | (gaps >= pad)) + 1
+    out: list[tuple[int, int]] = []
+    starts = [0, *breaks.tolist()]
+    for first, end in zip(starts, [*starts[1:], n], strict=True):
+        if end - first == 1:  # a read alone (storage holes between reads): no search
+            out.append((first, end))
+            continue
+        run_ends = ends[first:end]  # within a run ends only grow: a batch takes every read ending within limit
+        at = first
+        while at < end:
+            k = max(at + 1, first + int(np.searchsorted(run_ends, offsets[at] + limit, side="right")))
+            out.append((at, k))
+            at = k
+    return out
+
+
+def greedy_cuts(cum: np.ndarray, first: int, end: int, piece: int) -> list[tuple[int, int]]:
+    """Positions ``first``..``end`` cut into pieces of at least ``piece`` bytes (the last
+    may be less), ``cum[k]``: the bytes before position ``k``; one search a piece."""
+    out: list[tuple[int, int]] = []
+    at = first
+    while at < end:
+        k = min(end, max(at + 1, int(np.searchsorted(cum, cum[at] + piece, side="left"))))
+        out.append((at, k))
+        at = k
+    return out
 
 
 _NBYTES, _OFFSET, _SUM_START, _FILE, _TARGET = (
