@@ -154,14 +154,36 @@ _PLAIN_SET = set(_PLAIN_TENSORS)
 def _walk_str_keys(container: dict[str, Any], path: KeyPath, leaves: dict[str, Leaf], fqn: str) -> None:
     """A dict whose keys are all ``str`` (the usual state): no two of its keys flatten
     to the same name, and a plain tensor is taken here (``_walk``'s first case, inline:
-    this loop runs for every tensor of every save)."""
+    this loop runs for every tensor of every save). The children's names and key paths
+    are those of the last dict of these keys at this place (:func:`_children`)."""
     plain = _PLAIN_TENSORS
-    for key, value in container.items():
-        child = f"{fqn}.{key}" if path else key
+    _keys, names, paths = _children(container, path, fqn)
+    for child, child_path, value in zip(names, paths, container.values(), strict=True):
         if type(value) in plain and child not in leaves:
-            leaves[child] = Leaf(child, (*path, ("d", key)), value)
+            leaves[child] = Leaf(child, child_path, value)
         else:
-            _walk(value, (*path, ("d", key)), leaves, child)
+            _walk(value, child_path, leaves, child)
+
+
+#: (path, fqn, key count, first and last key) -> (keys, children's names, children's key paths)
+#: of the str-keyed dicts flattened lately: the same state is flattened at every save, and
+#: its keys compared as one list (at C speed) cost less than a name and a path made per key
+#: (the same path objects each time also compare as themselves in ``bcp.kept_plans``)
+_CHILDREN: dict[tuple, tuple[list[str], list[str], list[KeyPath]]] = {}
+_CHILDREN_KEPT = 256
+
+
+def _children(container: dict[str, Any], path: KeyPath, fqn: str) -> tuple[list[str], list[str], list[KeyPath]]:
+    """(keys, children's fqns, children's key paths) of a str-keyed dict at ``path``."""
+    keys = list(container)
+    at = (path, fqn, len(keys), keys[0] if keys else None, keys[-1] if keys else None)
+    kept = _CHILDREN.get(at)
+    if kept is None or kept[0] != keys:
+        if len(_CHILDREN) >= _CHILDREN_KEPT:
+            _CHILDREN.clear()
+        names = [f"{fqn}.{key}" for key in keys] if path else keys
+        kept = _CHILDREN[at] = (keys, names, [(*path, ("d", key)) for key in keys])
+    return kept
 
 
 #: set while bcp takes a Stateful's state_dict() to save it (flatten_state), unset while
