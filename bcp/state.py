@@ -170,7 +170,10 @@ def _walk_str_keys(container: dict[str, Any], path: KeyPath, leaves: dict[str, L
 #: its keys compared as one list (at C speed) cost less than a name and a path made per key
 #: (the same path objects each time also compare as themselves in ``bcp.kept_plans``)
 _CHILDREN: dict[tuple, tuple[list[str], list[str], list[KeyPath]]] = {}
-_CHILDREN_KEPT = 256
+#: at most this many keys' names and paths kept (some tens of MB at most), and how many are
+#: (counted as kept, without a lock: only the bound depends on it)
+_CHILDREN_KEYS = 1 << 18
+_children_held = 0
 
 
 def _children(container: dict[str, Any], path: KeyPath, fqn: str) -> tuple[list[str], list[str], list[KeyPath]]:
@@ -179,10 +182,15 @@ def _children(container: dict[str, Any], path: KeyPath, fqn: str) -> tuple[list[
     at = (path, fqn, len(keys), keys[0] if keys else None, keys[-1] if keys else None)
     kept = _CHILDREN.get(at)
     if kept is None or kept[0] != keys:
-        if len(_CHILDREN) >= _CHILDREN_KEPT:
-            _CHILDREN.clear()
         names = [f"{fqn}.{key}" for key in keys] if path else keys
-        kept = _CHILDREN[at] = (keys, names, [(*path, ("d", key)) for key in keys])
+        kept = (keys, names, [(*path, ("d", key)) for key in keys])
+        global _children_held
+        if _children_held + len(keys) > _CHILDREN_KEYS:
+            _CHILDREN.clear()
+            _children_held = 0
+        if len(keys) <= _CHILDREN_KEYS:
+            _CHILDREN[at] = kept
+            _children_held += len(keys)
     return kept
 
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bcp
-from bcp.kept_plans import _STREAMED_FROM, LocalPlans, fingerprint
+from bcp.kept_plans import _STREAMED_FROM, LocalPlans, fingerprint  # private-ok: the streamed path's threshold
 from bcp.planning.cache import clear_plan_caches, plan_cache_for
 from bcp.save_phases import prepare_save
 from bcp.state import flatten_state
@@ -185,3 +185,21 @@ def test_flattening_after_a_similar_dict_matches_the_general_walk(keys, swap, ne
         other[i] = name  # the same count and ends, another key between
     outcome(build(keys, proxy=False))  # kept as the last dict of these ends
     assert outcome(build(other, proxy=False)) == outcome(build(other, proxy=True))
+
+
+def test_the_kept_names_and_paths_stay_bounded(monkeypatch):
+    """Flattening many different dicts keeps at most ``_CHILDREN_KEYS`` keys' names and
+    paths (a dict larger than that is not kept), and each flattens to its own leaves."""
+    from bcp import state as state_module  # private-ok below: the cache's bound, test introspection
+
+    monkeypatch.setattr(state_module, "_CHILDREN", {})
+    monkeypatch.setattr(state_module, "_children_held", 0)
+    monkeypatch.setattr(state_module, "_CHILDREN_KEYS", 20)
+    for i in range(50):
+        leaves = flatten_state({f"m{i}": {"a": torch.zeros(1), f"b{i}": torch.ones(1)}})
+        assert list(leaves) == [f"m{i}.a", f"m{i}.b{i}"]
+        held = sum(len(kept[0]) for kept in state_module._CHILDREN.values())
+        assert held <= 20 and state_module._children_held <= 20
+    big = {f"k{i}": torch.zeros(1) for i in range(30)}
+    assert list(flatten_state({"big": big})) == [f"big.k{i}" for i in range(30)]
+    assert all(len(kept[0]) <= 20 for kept in state_module._CHILDREN.values())
