@@ -9,6 +9,7 @@ large state must still plan again.
 
 from __future__ import annotations
 
+import collections
 import tracemalloc
 import types
 from typing import Any
@@ -131,17 +132,67 @@ def test_a_change_in_the_middle_of_many_tensors_is_saved_as_it_is(tmp_path):
 
 def test_flattening_again_reuses_names_and_paths():
     """A state flattened again gives the same name and key path objects (compared as
-    themselves by the kept plan's rows), and its own values."""
-    state = {"model": {f"w{i}": torch.zeros(1) for i in range(5)}, "step": 3}
+    themselves by the kept plan's rows), and its own values: a plain dict, a module's
+    ``state_dict()`` (an OrderedDict) and an optimizer's state (int keys, dicts below)."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optim.step()
+    state = {"model": model.state_dict(), "optim": optim.state_dict(), "w": {f"w{i}": torch.zeros(1) for i in range(5)}}
     a = flatten_state(state)
-    state["model"]["w2"] = torch.ones(1)
+    state["w"]["w2"] = torch.ones(1)
+    state["model"], state["optim"] = model.state_dict(), optim.state_dict()  # new dicts of the same keys
     b = flatten_state(state)
-    assert list(a) == list(b)
-    assert all(a[k].path is b[k].path and a[k].fqn is b[k].fqn for k in a)
-    assert b["model.w2"].value is state["model"]["w2"]
+    assert list(a) == list(b) and "optim.state.0.exp_avg" in b and "model.0.weight" in b
+    assert all(a[k].path is b[k].path and a[k].fqn is b[k].fqn for k in a if isinstance(a[k].value, torch.Tensor))
+    assert (
+        b["w.w2"].value is state["w"]["w2"]
+        and b["optim.state.1.exp_avg"].value is optim.state[model[0].bias]["exp_avg"]
+    )
 
 
 _NAMES = st.sampled_from(["a", "b", "c", "a.b", "0", "x", "y"])
+_ANY_KEYS = st.one_of(st.sampled_from(["a", "b", "a.b", "0", "1"]), st.integers(0, 2), st.just(True))
+_TREES = st.recursive(
+    st.sampled_from(["tensor", "object", "list"]),
+    lambda children: st.tuples(st.booleans(), st.dictionaries(_ANY_KEYS, children, min_size=1, max_size=4)),
+    max_leaves=12,
+)
+
+
+def _tree(tree: Any, general: bool) -> Any:
+    """A state of dicts (OrderedDicts where the tree says), or every mapping a proxy (the general walk)."""
+    if isinstance(tree, tuple):
+        ordered, items = tree
+        built = {k: _tree(v, general) for k, v in items.items()}
+        if general:
+            return types.MappingProxyType(built)
+        return collections.OrderedDict(built) if ordered else built
+    return {"tensor": torch.zeros(1), "object": 3, "list": [torch.ones(1), "s"]}[tree]
+
+
+@settings(max_examples=examples(80), deadline=None)
+@given(tree=st.dictionaries(_ANY_KEYS, _TREES, min_size=1, max_size=4), twice=st.booleans())
+def test_flattening_ordered_and_int_keyed_dicts_matches_the_general_walk(tree, twice):
+    """OrderedDicts and dicts of int keys (a module's and an optimizer's state dicts) are
+    walked by the fast loop: the same leaves, names, paths and refusals as any mapping,
+    also when flattened a second time (the kept names and paths)."""
+
+    def describe(value: Any) -> Any:
+        if isinstance(value, types.MappingProxyType | dict):
+            return {k: describe(v) for k, v in value.items()}
+        return ("tensor", value.tolist()) if isinstance(value, torch.Tensor) else repr(value)
+
+    def outcome(s: Any) -> Any:
+        try:
+            return [(f, leaf.path, describe(leaf.value)) for f, leaf in flatten_state(s).items()]
+        except bcp.UnsupportedStateError as e:
+            return str(e)
+
+    state = {k: _tree(v, general=False) for k, v in tree.items()}
+    if twice:
+        outcome(state)
+    assert outcome(state) == outcome(types.MappingProxyType({k: _tree(v, general=True) for k, v in tree.items()}))
 
 
 @settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
