@@ -94,6 +94,8 @@ class Leaf:
 def _contains_tensor(value: Any) -> bool:
     """True also for a Stateful object: the container holding it is traversed, so
     that the object is expanded into its state_dict() where it stands."""
+    if type(value) in _SEQUENCES and set(map(type, value)) <= _SCALARS:
+        return False  # e.g. a param group's 10,000 parameter ids: one C pass, not a call each
     if is_tensor_like(value) or is_stateful(value):
         return True
     if isinstance(value, Mapping):
@@ -101,6 +103,11 @@ def _contains_tensor(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_contains_tensor(v) for v in value)
     return False
+
+
+#: containers of exactly these types holding only exactly these hold no tensor and nothing Stateful
+_SEQUENCES = (list, tuple)
+_SCALARS = {int, float, str, bool, bytes, type(None)}
 
 
 def flatten_state(state: Mapping) -> dict[str, Leaf]:
@@ -261,8 +268,10 @@ def _walk(value: Any, path: KeyPath, leaves: dict[str, Leaf], fqn: str) -> None:
     if type(value) in _PLAIN_TENSORS and fqn not in leaves:
         leaves[fqn] = Leaf(fqn, path, value)
         return
-    if type(value) in _PLAIN_DICTS and set(map(type, value)) in _ONE_KEY_TYPE and _contains_tensor(value):
-        _walk_str_keys(value, path, leaves, fqn)  # nothing to refuse or expand: as below, without the checks
+    # a plain dict: nothing to refuse or expand, as below without the checks (a plain tensor value found at C speed)
+    plain_dict = type(value) in _PLAIN_DICTS and set(map(type, value)) in _ONE_KEY_TYPE
+    if plain_dict and (not _PLAIN_SET.isdisjoint(map(type, value.values())) or _contains_tensor(value)):
+        _walk_str_keys(value, path, leaves, fqn)
         return
     _refuse_sharded_tensor(value, path)
     _refuse_rank_values(value, path)
