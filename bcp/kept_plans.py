@@ -5,7 +5,8 @@ Preparing turns every tensor leaf into its plan (:class:`TensorPlan`), the rank'
 paid at every save though none of it depends on the tensors' values. A training job
 saves the same structure again and again, so the result is kept (:class:`LocalPlans`,
 one per coordinator group, in its :class:`bcp.planning.cache.PlanCache`) under a
-fingerprint of every tensor leaf, compared as a whole at each save:
+fingerprint of every tensor leaf, compared as a whole at each save (a kept one with
+each tensor's fields as they are read, :meth:`LocalPlans.find`, none of them kept):
 
 * a plain tensor (``torch.Tensor`` or ``nn.Parameter`` exactly): its key path, dtype,
   shape, strides, storage offset, address, device, conjugate/negative bits and whether
@@ -136,7 +137,22 @@ def fingerprint(leaves: Mapping[Any, Any], rank: int) -> tuple[Fingerprint | Non
     :class:`LocalTensor`. A plain tensor's fields (:func:`tensor_signature`'s) are read
     by C loops (``map`` of each field, zipped: tensor by tensor, while its memory is in
     cache), with no Python call per tensor."""
-    api = device_copy.api  # the copy path bcp takes (tests swap the CUDA seam)
+    read = _read_leaves(leaves, rank)
+    if read is None:
+        return None, []
+    plain_leaves, tensors, values, head = read
+    try:
+        rows = tuple(zip(*_fields(plain_leaves, tensors), strict=True))
+    except Exception:  # noqa: BLE001 - planned the usual way, which names the problem
+        return None, []
+    k = _HASHED_ROWS
+    return Fingerprint((*head[:2], rows, head[2]), _hash_part(head, len(rows), rows[:k], rows[-k:])), values
+
+
+def _read_leaves(leaves: Mapping[Any, Any], rank: int) -> tuple[list, list, list, tuple] | None:
+    """(the plain tensor leaves, their tensors, every tensor leaf's value as
+    :func:`fingerprint` gives them, (seam type, rank, the other tensor-like leaves'
+    fields)); None: a leaf could not be read (planned the usual way)."""
     plain = PLAIN_TENSORS
     every = leaves.values()
     plain_leaves = [leaf for leaf in every if type(leaf.value) in plain]
@@ -159,30 +175,50 @@ def fingerprint(leaves: Mapping[Any, Any], rank: int) -> tuple[Fingerprint | Non
                     found.append((i, leaf.path, type(v), local.global_shape, local.dtype, holds_replica(v), boxes))
                     values.append(local)
                 others = tuple(found)
-        t = torch.Tensor
-        fields = [
-            map(_PATH, plain_leaves),
-            map(_DTYPE, tensors),
-            map(_SHAPE, tensors),
-            map(t.stride, tensors),
-            map(t.storage_offset, tensors),
-            map(t.data_ptr, tensors),
-            map(_DEVICE, tensors),
-            map(t.is_conj, tensors),
-            map(t.is_neg, tensors),
-        ]
-        if not getattr(api, "by_device", False):  # the real CUDA seam: the device decides; a stand-in is asked
-            fields.append(map(api.is_device, tensors))
-        rows = tuple(zip(*fields, strict=True))
     except Exception:  # noqa: BLE001 - planned the usual way, which names the problem
-        return None, []
-    # hashed by the ends of the rows: a lookup compares every field of an equal hash's anyway
-    ends = (len(rows), rows[:_HASHED_ROWS], rows[-_HASHED_ROWS:])
-    return Fingerprint((type(api), rank, rows, others), (type(api), rank, ends, others)), values
+        return None
+    return plain_leaves, tensors, values, (type(device_copy.api), rank, others)
+
+
+def _fields(plain_leaves: list, tensors: list) -> list[Iterator[Any]]:
+    """Per field of a plain tensor's row, its values in tensor order (lazy C loops)."""
+    api = device_copy.api  # the copy path bcp takes (tests swap the CUDA seam)
+    t = torch.Tensor
+    fields: list[Iterator[Any]] = [
+        map(_PATH, plain_leaves),
+        map(_DTYPE, tensors),
+        map(_SHAPE, tensors),
+        map(t.stride, tensors),
+        map(t.storage_offset, tensors),
+        map(t.data_ptr, tensors),
+        map(_DEVICE, tensors),
+        map(t.is_conj, tensors),
+        map(t.is_neg, tensors),
+    ]
+    if not getattr(api, "by_device", False):  # the real CUDA seam: the device decides; a stand-in is asked
+        fields.append(map(api.is_device, tensors))
+    return fields
+
+
+def _hash_part(head: tuple, n: int, first: tuple, last: tuple) -> tuple:
+    """What a fingerprint's hash is taken of: the count of its rows and the rows at its
+    ends (``first``, ``last``: the first and last :data:`_HASHED_ROWS`); a lookup
+    compares every field of an equal hash's anyway."""
+    return (*head[:2], (n, first, last), head[2])
+
+
+def _end_rows(plain_leaves: list, tensors: list) -> tuple[tuple, tuple]:
+    """The rows :func:`_hash_part` takes (``rows[:k]``, ``rows[-k:]``), without the middle."""
+    k = _HASHED_ROWS
+    first = tuple(zip(*_fields(plain_leaves[:k], tensors[:k]), strict=True))
+    return first, tuple(zip(*_fields(plain_leaves[-k:], tensors[-k:]), strict=True))
 
 
 #: rows of plain tensors at each end of a fingerprint that its hash is taken of
 _HASHED_ROWS = 16
+#: from this many plain tensors a kept structure is compared with each row as it is read
+#: (``LocalPlans.find``): fewer are read whole, then compared (every row is in cache anyway)
+_STREAMED_FROM = 1024
 
 
 #: a leaf's fields and a plain tensor's, read by C calls (``fingerprint``)
@@ -334,6 +370,46 @@ class LocalPlans:
                 self.reused += 1
             return plan
 
+    def find(self, leaves: Mapping[Any, Any], rank: int) -> tuple[Fingerprint | None, LocalPlan | None, list[Any]]:
+        """(key, kept plan or None, values): :func:`fingerprint` and :meth:`get` in one,
+        without keeping this save's rows: the kept structures whose hash (the rows'
+        count and ends) matches are compared with every tensor's fields as they are
+        read, row by row at C speed (each row freed at once, while in cache); the full
+        key is built only on a miss (``key``: None then for an unfingerprintable state)."""
+        read = _read_leaves(leaves, rank)
+        if read is None:
+            return None, None, []
+        plain_leaves, tensors, values, head = read
+        try:
+            rows: tuple | None = None
+            if len(tensors) <= _STREAMED_FROM:  # few: read once, kept until compared (all in cache)
+                rows = tuple(zip(*_fields(plain_leaves, tensors), strict=True))
+                part = _hash_part(head, len(rows), rows[:_HASHED_ROWS], rows[-_HASHED_ROWS:])
+            else:
+                part = _hash_part(head, len(tensors), *_end_rows(plain_leaves, tensors))
+            wanted = hash(part)
+            with self._lock:
+                candidates = [(kept, plan) for kept, plan in reversed(self._plans.items()) if kept._hash == wanted]
+            for key, plan in candidates:
+                sigs = key.sigs  # (seam type, rank, rows, others): compared field by field
+                if sigs[0] is not head[0] or sigs[1] != rank or len(sigs[2]) != len(tensors) or sigs[3] != head[2]:
+                    continue
+                if rows is not None:
+                    same = rows == sigs[2]
+                else:  # each row made, compared and freed in turn
+                    same = all(map(operator.eq, zip(*_fields(plain_leaves, tensors), strict=True), sigs[2]))
+                if same:
+                    with self._lock:
+                        if key in self._plans:
+                            self._plans.move_to_end(key)
+                        self.reused += 1
+                    return key, plan, values
+            if rows is None:
+                rows = tuple(zip(*_fields(plain_leaves, tensors), strict=True))
+        except Exception:  # noqa: BLE001 - planned the usual way, which names the problem
+            return None, None, []
+        return Fingerprint((*head[:2], rows, head[2]), part), None, values
+
     def put(self, key: Fingerprint | None, plan: LocalPlan) -> None:
         with self._lock:
             self.built += 1
@@ -363,10 +439,15 @@ def prepare_tensors(
     every local box cut into pieces of whole rows (``bcp.pieces.cut_pieces``), kept
     apart from the full saves' plans of the structure (the key holds ``piece_bytes``)."""
     summer = summer or ReplicaSummer("off")
-    key, values = fingerprint(leaves, rank) if plans is not None else (None, [])
-    if piece_bytes is not None and key is not None:
-        key = Fingerprint(("pieces", piece_bytes, key))
-    kept = plans.get(key) if plans is not None else None
+    key: Fingerprint | None = None
+    kept: LocalPlan | None = None
+    values: list[Any] = []
+    if plans is not None and piece_bytes is None:
+        key, kept, values = plans.find(leaves, rank)
+    elif plans is not None:  # an incremental save's pieces: kept apart (the key holds piece_bytes)
+        key, values = fingerprint(leaves, rank)
+        key = Fingerprint(("pieces", piece_bytes, key)) if key is not None else None
+        kept = plans.get(key)
     if kept is not None:
         reused = kept.items(values) if kept.cuts is None else cut_items(kept, values)
         return Prepared(kept.layout, reused, objects, kept.sum_replicas(reused, summer), kept)

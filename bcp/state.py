@@ -94,6 +94,8 @@ class Leaf:
 def _contains_tensor(value: Any) -> bool:
     """True also for a Stateful object: the container holding it is traversed, so
     that the object is expanded into its state_dict() where it stands."""
+    if type(value) in _SEQUENCES and set(map(type, value)) <= _SCALARS:
+        return False  # e.g. a param group's 10,000 parameter ids: one C pass, not a call each
     if is_tensor_like(value) or is_stateful(value):
         return True
     if isinstance(value, Mapping):
@@ -101,6 +103,11 @@ def _contains_tensor(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_contains_tensor(v) for v in value)
     return False
+
+
+#: containers of exactly these types holding only exactly these hold no tensor and nothing Stateful
+_SEQUENCES = (list, tuple)
+_SCALARS = {int, float, str, bool, bytes, type(None)}
 
 
 def flatten_state(state: Mapping) -> dict[str, Leaf]:
@@ -125,7 +132,7 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf], fqn: str) -> None:
     """``fqn``: the container's own (``fqn_of(path)``), its children's prefix."""
-    if type(container) is dict and set(map(type, container)) == _STR_ONLY:
+    if type(container) in _PLAIN_DICTS and set(map(type, container)) in _ONE_KEY_TYPE:
         _walk_str_keys(container, path, leaves, fqn)
     elif isinstance(container, Mapping):
         seen: dict[str, Any] = {}
@@ -148,20 +155,55 @@ def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf], fqn: 
 
 
 _STR_ONLY = {str}
+#: dicts walked by ``_walk_str_keys``: exact types (a subclass may be anything, RankValues
+#: among them), keys all ``str`` or all ``int`` (no two of which flatten to one name)
+_PLAIN_DICTS = (dict, collections.OrderedDict)
+_ONE_KEY_TYPE = ({str}, {int})
 _PLAIN_SET = set(_PLAIN_TENSORS)
 
 
-def _walk_str_keys(container: dict[str, Any], path: KeyPath, leaves: dict[str, Leaf], fqn: str) -> None:
-    """A dict whose keys are all ``str`` (the usual state): no two of its keys flatten
-    to the same name, and a plain tensor is taken here (``_walk``'s first case, inline:
-    this loop runs for every tensor of every save)."""
+def _walk_str_keys(container: dict[Any, Any], path: KeyPath, leaves: dict[str, Leaf], fqn: str) -> None:
+    """A dict whose keys are all ``str`` (the usual state; or all ``int``, an optimizer's
+    state): no two of its keys flatten to the same name, and a plain tensor is taken
+    here (``_walk``'s first case, inline: this loop runs for every tensor of every save).
+    The children's names and key paths are those of the last dict of these keys at this
+    place (:func:`_children`)."""
     plain = _PLAIN_TENSORS
-    for key, value in container.items():
-        child = f"{fqn}.{key}" if path else key
+    _keys, names, paths = _children(container, path, fqn)
+    for child, child_path, value in zip(names, paths, container.values(), strict=True):
         if type(value) in plain and child not in leaves:
-            leaves[child] = Leaf(child, (*path, ("d", key)), value)
+            leaves[child] = Leaf(child, child_path, value)
         else:
-            _walk(value, (*path, ("d", key)), leaves, child)
+            _walk(value, child_path, leaves, child)
+
+
+#: (path, fqn, key count, first and last key) -> (keys, children's names, children's key paths)
+#: of the str-keyed dicts flattened lately: the same state is flattened at every save, and
+#: its keys compared as one list (at C speed) cost less than a name and a path made per key
+#: (the same path objects each time also compare as themselves in ``bcp.kept_plans``)
+_CHILDREN: dict[tuple, tuple[list[Any], list[str], list[KeyPath]]] = {}
+#: at most this many keys' names and paths kept (some tens of MB at most), and how many are
+#: (counted as kept, without a lock: only the bound depends on it)
+_CHILDREN_KEYS = 1 << 18
+_children_held = 0
+
+
+def _children(container: dict[Any, Any], path: KeyPath, fqn: str) -> tuple[list[Any], list[str], list[KeyPath]]:
+    """(keys, children's fqns, children's key paths) of a str- or int-keyed dict at ``path``."""
+    keys = list(container)
+    at = (path, fqn, len(keys), keys[0] if keys else None, keys[-1] if keys else None)
+    kept = _CHILDREN.get(at)
+    if kept is None or kept[0] != keys:
+        names = [f"{fqn}.{key}" for key in keys] if path else [f"{key}" for key in keys]
+        kept = (keys, names, [(*path, ("d", key)) for key in keys])
+        global _children_held
+        if _children_held + len(keys) > _CHILDREN_KEYS:
+            _CHILDREN.clear()
+            _children_held = 0
+        if len(keys) <= _CHILDREN_KEYS:
+            _CHILDREN[at] = kept
+            _children_held += len(keys)
+    return kept
 
 
 #: set while bcp takes a Stateful's state_dict() to save it (flatten_state), unset while
@@ -225,6 +267,11 @@ def _walk(value: Any, path: KeyPath, leaves: dict[str, Leaf], fqn: str) -> None:
     """``fqn``: ``fqn_of(path)``, built key by key on the way down."""
     if type(value) in _PLAIN_TENSORS and fqn not in leaves:
         leaves[fqn] = Leaf(fqn, path, value)
+        return
+    # a plain dict: nothing to refuse or expand, as below without the checks (a plain tensor value found at C speed)
+    plain_dict = type(value) in _PLAIN_DICTS and set(map(type, value)) in _ONE_KEY_TYPE
+    if plain_dict and (not _PLAIN_SET.isdisjoint(map(type, value.values())) or _contains_tensor(value)):
+        _walk_str_keys(value, path, leaves, fqn)
         return
     _refuse_sharded_tensor(value, path)
     _refuse_rank_values(value, path)
