@@ -207,9 +207,11 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     fi = np.concatenate([f for f, _c, _e in found])
     if not len(fi):
         return _no_plan(classes.of_rank)
-    cls = np.concatenate([c for _f, c, _e in found])
-    elems = np.concatenate([e for _f, _c, e in found])
-    del found
+    # classes of one rank each: the rows met by several ranks need no class per pair,
+    # nor elements where none is (each rank its own rows), so those wait
+    uniform = bool((classes.sizes == classes.sizes[0]).all())
+    wait = one_box and uniform and int(classes.sizes[0]) == 1
+    cls, elems = (np.zeros(0, np.int32), np.zeros(0, np.int64)) if wait else _pair_columns(found)
     # per fragment: needing ranks, and elements wanted (every rank's boxes counted)
     if one_box:
         uf, uc = fi, cls  # each (fragment, class) pair once already
@@ -219,8 +221,11 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     candidates = _met_by_several(uf, uc, classes.sizes, n_frags)
     if not len(candidates):
         return _no_plan(classes.of_rank)
+    if wait:
+        cls, elems = _pair_columns(found)
+        uc = cls
+    del found
     # exact below 2**53; classes of one size: no weight per pair
-    uniform = bool((classes.sizes == classes.sizes[0]).all())
     weights = elems if uniform else elems * classes.sizes[cls]
     wanted_elems: np.ndarray = np.bincount(fi, weights=weights, minlength=n_frags)
     del weights
@@ -274,15 +279,31 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     )
 
 
+def _pair_columns(found: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """The classes and shared elements of every pair ``found`` (batch after batch),
+    each one array; ``found`` is emptied (its batches freed before what follows)."""
+    cls = np.concatenate([c for _f, c, _e in found])
+    elems = np.concatenate([e for _f, _c, e in found])
+    found.clear()
+    return cls, elems
+
+
 def _met_by_several(frags: np.ndarray, classes: np.ndarray, sizes: np.ndarray, n_frags: int) -> np.ndarray:
     """The stored rows (ascending) that more than one rank needs, from the (row, class)
-    pairs met (each once). Classes of two ranks or more (data-parallel replicas): every
-    row met, found by a table of flags, not a count per row."""
+    pairs met (each once; ``classes`` is not read, and may be empty, where every class
+    has one size).
+    Classes of two ranks or more (data-parallel replicas): every row met, found by a
+    table of flags, not a count per row; of one rank each, as many rows flagged as
+    pairs shows that none is met twice (each rank reads its own rows) without a count."""
     uniform = bool(len(sizes)) and bool((sizes == sizes[0]).all())
-    if uniform and int(sizes[0]) > 1:
+    if uniform:
         met = np.zeros(n_frags, bool)
         met[frags] = True
-        return np.flatnonzero(met)
+        if int(sizes[0]) > 1:
+            return np.flatnonzero(met)
+        if int(np.count_nonzero(met)) == len(frags):
+            return np.zeros(0, np.int64)
+        del met
     if uniform:
         n_ranks = np.bincount(frags, minlength=n_frags)
         n_ranks *= int(sizes[0])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import types
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -366,15 +367,46 @@ def test_joined_is_a_view_of_consecutive_slices_else_a_copy(counts, width, data)
         assert not np.shares_memory(out, base)
 
 
-@given(points=st.lists(st.integers(0, 40), max_size=30), extra=st.integers(1, 10), ordered=st.booleans())
-def test_upto_tables_count_points_at_or_before(points, extra, ordered):
-    """The cut index's lookup tables, built as runs of equal counts from its sorted
-    interval ends and starts, equal the prefix counts of the points (unsorted points,
-    rows outside their tensor, take the counting way)."""
+@given(
+    points=st.lists(st.integers(0, 40), max_size=30),
+    extra=st.integers(-2, 10),
+    ordered=st.booleans(),
+    distinct=st.booleans(),
+)
+def test_upto_tables_count_points_at_or_before(points, extra, ordered, distinct):
+    """The cut index's lookup tables, a flag per point summed in place (its interval
+    ends and starts are distinct), equal the prefix counts of the points (repeated
+    points, or points off the line, rows outside their tensor, take the counting way)."""
     from bcp.io_scheduler.share_match import _upto
 
-    line = max(points, default=0) + extra
+    points = list(dict.fromkeys(points)) if distinct else points
+    line = max(max(points, default=0) + extra, 0)
     p = np.array(sorted(points) if ordered else points, np.int64)
     got = _upto(p, line, np.int32)
     assert got.dtype == np.int32
-    assert got.tolist() == [sum(v <= x for v in points) for x in range(line)]
+    assert got.tolist()[:line] == [sum(v <= x for v in points) for x in range(line)]
+    assert len(got) == max(line, max(points, default=-1) + 1)
+
+
+@given(
+    pairs=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 3)), unique=True, max_size=25),
+    sizes=st.lists(st.integers(1, 3), min_size=4, max_size=4),
+    one_size=st.booleans(),
+)
+def test_rows_met_by_several_ranks(pairs, sizes, one_size):
+    """The rows more than one rank needs, from (row, class) pairs each once: with classes
+    of one rank each, a row met by two classes is found (none met twice: none, without a
+    count per row), and with no classes given where every class has one size."""
+    from bcp.shared_read import _met_by_several
+
+    sizes_a = np.array([sizes[0]] * 4 if one_size else sizes, np.int64)
+    frags = np.array([f for f, _c in pairs], np.int64)
+    classes = np.array([c for _f, c in pairs], np.int64)
+    ranks = [sum(int(sizes_a[c]) for f2, c in pairs if f2 == f) for f in range(10)]
+    want = [f for f in range(10) if ranks[f] > 1]
+    with mock.patch.object(np, "bincount", wraps=np.bincount) as counts:
+        assert _met_by_several(frags, classes, sizes_a, 10).tolist() == want
+    if one_size and (sizes[0] > 1 or not want):
+        assert not counts.called, "rows found by flags, not counted"
+    if one_size:
+        assert _met_by_several(frags, np.zeros(0, np.int64), sizes_a, 10).tolist() == want

@@ -19,7 +19,6 @@ from bcp.io_scheduler.read_plan import overlap_volumes
 from bcp.metadata.geometry import (
     BoxArrays,
     ascending,
-    expand_windows,
     packed_keys,
     row_products,
     rows_positive,
@@ -400,27 +399,37 @@ class CutIndex:
             box = np.arange(len(width)) if q is None else q
             box_t = tids if q is None else tids[box]
         else:
+            # every (box, row) pair of the windows: positions first, first + 1, ... of each
+            # box, one repeat each (no step array summed), box bounds repeated, not gathered
             np.clip(width, 0, None, out=width)
-            qi, pos = expand_windows(first.astype(np.int64), width.astype(np.int64))
-            span = np.minimum(hi[qi], self.ends[pos]) - np.maximum(lo[qi], self.starts[pos])
+            heads = np.cumsum(width, dtype=np.int64)
+            heads -= width
+            pos = np.repeat(first - heads, width)
+            pos += np.arange(len(pos), dtype=np.int64)
+            qi = np.repeat(np.arange(len(width)), width)
+            span = np.minimum(np.repeat(hi, width), np.take(self.ends, pos))
+            span -= np.maximum(np.repeat(lo, width), np.take(self.starts, pos))
             box = qi if q is None else q[qi]
             box_t = tids[box]
         return box, self.rows[pos], span * self.other[box_t], ~ok
 
 
 def _upto(points: np.ndarray, line: int, dtype: type) -> np.ndarray:
-    """For ascending ``points`` in [0, line): how many are at or before each x of the
-    line (``np.cumsum(np.bincount(points, minlength=line))``), as runs of equal counts:
-    count i from points[i - 1] up to points[i] (one pass, no line-long int64 array)."""
-    steps = np.empty(len(points) + 1, np.int64)  # the gaps between 0, the points and ``line``
-    if len(points):
-        steps[0], steps[-1] = points[0], line - int(points[-1])
-        np.subtract(points[1:], points[:-1], out=steps[1:-1])
-    else:
-        steps[0] = line
-    if bool((steps < 0).any()):  # rows outside their tensor (the catalog's check refuses them next)
-        return np.cumsum(np.bincount(points, minlength=line), dtype=dtype)
-    return np.repeat(np.arange(len(points) + 1, dtype=dtype), steps)
+    """For ``points`` in [0, line): how many are at or before each x of the line
+    (``np.cumsum(np.bincount(points, minlength=line))``), in one table of ``dtype``: a
+    flag at each point, then a running sum in place (the interval ends and starts are
+    distinct; no count per point nor a line-long int64 array). Repeated points or
+    points off the line (rows outside their tensor, which the catalog refuses next)
+    take the counting way."""
+    table: np.ndarray = np.zeros(line, dtype)
+    if len(points) and int(points.min()) >= 0 and int(points.max()) < line:
+        table[points] = 1
+        np.cumsum(table, out=table)
+        if int(table[-1]) == len(points):  # each point once
+            return table
+    elif not len(points):
+        return table
+    return np.cumsum(np.bincount(points, minlength=line), dtype=dtype)
 
 
 def one_box_per_tensor(tids: np.ndarray, box_class: np.ndarray) -> bool:
