@@ -234,32 +234,3 @@ def test_a_null_name_in_the_heads_dictionary_is_refused(used):
     )
     with pytest.raises(FormatError, match=r"^w: null values"):
         head.tensor_table(table, "w")
-
-
-@pytest.mark.parametrize("in_part", [False, True])
-def test_catalog_is_decoded_on_the_calling_thread(monkeypatch, in_part):
-    """Every Arrow IPC file of a catalog (whole, or head and sections) is read with Arrow's
-    thread pool off: for a load's catalog the pool was 6x slower, before the first read
-    (issue 37). The rows are the same."""
-    seen: list[object] = []
-    real = pa.ipc.open_file
-
-    def open_file(source, *args, **kwargs):
-        seen.append(kwargs.get("options"))
-        return real(source, *args, **kwargs)
-
-    monkeypatch.setattr(pa.ipc, "open_file", open_file)
-    monkeypatch.setattr(sections, "MIN_SECTION_ROWS", 1)
-    frags = _frags(12, writers=3)
-    data = Catalog(frags).to_arrow()
-    if in_part:
-        tail = data[-Catalog.tail_bytes(len(data), data[-sections.TRAILER.size :]) :]
-        cat = Catalog.from_head(
-            tail, file_size=len(data), fetch=lambda o, n: data[o : o + n], where="c", checksum_block_bytes=BLOCK
-        )
-        cat.require_all()
-    else:
-        cat = Catalog.from_arrow(data, where="c", checksum_block_bytes=BLOCK)
-    assert sorted(cat.fragments, key=lambda f: f.byte_offset) == frags
-    assert len(seen) >= 2
-    assert all(isinstance(o, pa.ipc.IpcReadOptions) and not o.use_threads for o in seen)

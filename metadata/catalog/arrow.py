@@ -243,18 +243,12 @@ def bind_rows(table: pa.Table, tensors: TensorTable, files: list[str], *, where:
     return Rows.from_table(table, local, file_map[file_codes] if n else np.zeros(0, np.int32))
 
 
-#: Arrow IPC reads on the calling thread (see :func:`read_ipc_columns`)
-_ONE_THREAD = pa.ipc.IpcReadOptions(use_threads=False)
-
-
 def read_ipc_columns(data: bytes, names: Sequence[str], where: str, optional: Sequence[str] = ()) -> pa.Table:
     """The columns ``names`` of an Arrow IPC file, then those of ``optional`` it has,
     fully validated by Arrow; a FormatError naming ``where`` when the file is
-    unreadable or lacks a column of ``names``. Decoded on the calling thread: Arrow's
-    thread pool took 6x as long for a load's catalog (948 tensors: 3.5 ms vs 0.6 ms),
-    time before a load's first read (issue 37)."""
+    unreadable or lacks a column of ``names``."""
     try:
-        table = pa.ipc.open_file(pa.BufferReader(data), options=_ONE_THREAD).read_all()
+        table = pa.ipc.open_file(pa.BufferReader(data)).read_all()
         table.validate(full=True)
     except (pa.ArrowException, OSError, EOFError) as e:
         raise FormatError(f"{where}: not a readable Arrow IPC file: {e}") from e
