@@ -172,6 +172,21 @@ def _tree(tree: Any, general: bool) -> Any:
     return leaves[tree]
 
 
+def _describe(value: Any) -> Any:
+    """A flattened leaf's value, comparable across walks."""
+    if isinstance(value, types.MappingProxyType | dict):
+        return {k: _describe(v) for k, v in value.items()}
+    return ("tensor", value.tolist()) if isinstance(value, torch.Tensor) else repr(value)
+
+
+def _outcome(s: Any) -> Any:
+    """What flattening ``s`` gives: names, paths and values, or the refusal's message."""
+    try:
+        return [(f, leaf.path, _describe(leaf.value)) for f, leaf in flatten_state(s).items()]
+    except bcp.UnsupportedStateError as e:
+        return str(e)
+
+
 @settings(max_examples=examples(80), deadline=None)
 @given(tree=st.dictionaries(_ANY_KEYS, _TREES, min_size=1, max_size=4), twice=st.booleans())
 def test_flattening_ordered_and_int_keyed_dicts_matches_the_general_walk(tree, twice):
@@ -179,21 +194,10 @@ def test_flattening_ordered_and_int_keyed_dicts_matches_the_general_walk(tree, t
     walked by the fast loop: the same leaves, names, paths and refusals as any mapping,
     also when flattened a second time (the kept names and paths)."""
 
-    def describe(value: Any) -> Any:
-        if isinstance(value, types.MappingProxyType | dict):
-            return {k: describe(v) for k, v in value.items()}
-        return ("tensor", value.tolist()) if isinstance(value, torch.Tensor) else repr(value)
-
-    def outcome(s: Any) -> Any:
-        try:
-            return [(f, leaf.path, describe(leaf.value)) for f, leaf in flatten_state(s).items()]
-        except bcp.UnsupportedStateError as e:
-            return str(e)
-
     state = {k: _tree(v, general=False) for k, v in tree.items()}
     if twice:
-        outcome(state)
-    assert outcome(state) == outcome(types.MappingProxyType({k: _tree(v, general=True) for k, v in tree.items()}))
+        _outcome(state)
+    assert _outcome(state) == _outcome(types.MappingProxyType({k: _tree(v, general=True) for k, v in tree.items()}))
 
 
 @settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -220,23 +224,12 @@ def test_flattening_after_a_similar_dict_matches_the_general_walk(keys, swap, ne
         outer = {"m": d} if nested else dict(d)
         return types.MappingProxyType(outer) if proxy else outer
 
-    def describe(value: Any) -> Any:
-        if isinstance(value, types.MappingProxyType | dict):
-            return {k: describe(v) for k, v in value.items()}
-        return ("tensor", value.tolist()) if isinstance(value, torch.Tensor) else repr(value)
-
-    def outcome(s: Any) -> Any:
-        try:
-            return [(f, leaf.path, describe(leaf.value)) for f, leaf in flatten_state(s).items()]
-        except bcp.UnsupportedStateError as e:
-            return str(e)
-
     other = list(keys)
     i, name = swap
     if 0 < i < len(keys) - 1 and name not in keys:
         other[i] = name  # the same count and ends, another key between
-    outcome(build(keys, proxy=False))  # kept as the last dict of these ends
-    assert outcome(build(other, proxy=False)) == outcome(build(other, proxy=True))
+    _outcome(build(keys, proxy=False))  # kept as the last dict of these ends
+    assert _outcome(build(other, proxy=False)) == _outcome(build(other, proxy=True))
 
 
 def test_the_kept_names_and_paths_stay_bounded(monkeypatch):
