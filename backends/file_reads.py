@@ -12,6 +12,7 @@ import errno
 import functools
 import mmap
 import os
+import stat
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -24,6 +25,21 @@ from bcp.backends.storage_errors import annotate
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 DIRECT_ALIGN = 4096
+
+
+def reopen(path: str, flags: int, like: int | None) -> int:
+    """``path`` opened again (``flags``) for a read already open as ``like``: never through
+    a link, never waiting on a FIFO planted there since (O_NONBLOCK; no effect on a
+    regular file), and an error (ESTALE) unless it is the very file ``like`` holds."""
+    fd = os.open(path, flags | NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (like is not None and not os.path.samestat(st, os.fstat(like))):
+            raise OSError(errno.ESTALE, "replaced while being read (not the file opened)", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def flat_bytes(buffer: Buffer) -> memoryview:
@@ -129,7 +145,7 @@ def is_cached(fd: int, path: str, nbytes: int, offset: int) -> bool:
         answer = probe(fd, offset, nbytes)
         if answer is not None:
             return answer
-    own = os.open(path, os.O_RDONLY | NOFOLLOW)  # readahead turned off on this one only
+    own = reopen(path, os.O_RDONLY, fd)  # readahead turned off on this one only
     try:
         return nowait_probe(own, offset + nbytes // 2)
     finally:
@@ -222,20 +238,21 @@ def nowait_probe(fd: int, at: int) -> bool:
         raise
 
 
-def open_direct(path: str) -> tuple[int, bool]:
-    """A read descriptor with O_DIRECT, or a buffered one where the filesystem refuses it."""
+def open_direct(path: str, like: int | None = None) -> tuple[int, bool]:
+    """A read descriptor with O_DIRECT, or a buffered one where the filesystem refuses it
+    (:func:`reopen`: the file ``like`` holds, if given)."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT | NOFOLLOW), True
+        return reopen(path, os.O_RDONLY | os.O_DIRECT, like), True
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        return os.open(path, os.O_RDONLY | NOFOLLOW), False
+        return reopen(path, os.O_RDONLY, like), False
 
 
-def pread_direct(path: str, view: memoryview, offset: int) -> int:
+def pread_direct(path: str, view: memoryview, offset: int, like: int | None = None) -> int:
     """Read whole pages bypassing the page cache; a short read at end of file is
-    returned as such."""
-    fd, _direct = open_direct(path)
+    returned as such (``like``: :func:`open_direct`)."""
+    fd, _direct = open_direct(path, like)
     try:
         return pread_full(fd, view, offset)
     finally:
@@ -246,7 +263,7 @@ _BOUNCE_BYTES = 8 << 20
 _bounce = threading.local()
 
 
-def pread_bounced(path: str, view: memoryview, offset: int) -> int:
+def pread_bounced(path: str, view: memoryview, offset: int, like: int | None = None) -> int:
     """O_DIRECT reads of the aligned pages covering the range into a reusable
     page-aligned per-thread buffer, copied into ``view`` (a memcpy is several times
     faster than the disk; a buffered read of a cold file here was 2-3x slower)."""
@@ -254,7 +271,7 @@ def pread_bounced(path: str, view: memoryview, offset: int) -> int:
     if buf is None:
         buf = _bounce.buf = mmap.mmap(-1, _BOUNCE_BYTES)  # page-aligned, reused by this thread
     mv = memoryview(buf)
-    fd, direct = open_direct(path)
+    fd, direct = open_direct(path, like)
     try:
         if not direct:
             return pread_full(fd, view, offset)
@@ -283,10 +300,10 @@ def pread_cold(fd: int, path: str, view: memoryview, offset: int) -> int:
     through ``fd``, prefetched first), else bounced through aligned memory."""
     split = direct_split(view, offset)
     if split is None:
-        return pread_bounced(path, view, offset)
+        return pread_bounced(path, view, offset, fd)
     head, middle = split
     prefetch_edges(fd, offset, head, middle, len(view))
-    mid = pread_direct(path, view[head : head + middle], offset + head)
+    mid = pread_direct(path, view[head : head + middle], offset + head, fd)
     got = pread_full(fd, view[:head], offset)
     if got == head:
         got += mid

@@ -6,6 +6,7 @@ file's bytes, short where the file ends."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from pathlib import Path
@@ -85,9 +86,9 @@ def test_a_cold_large_read_goes_direct_after_probing(cold_file: Path, monkeypatc
     direct: list[int] = []
     real = file_reads.pread_direct
 
-    def counting(path: str, view: memoryview, offset: int) -> int:
+    def counting(path: str, view: memoryview, offset: int, like: int | None = None) -> int:
         direct.append(len(view))
-        return real(path, view, offset)
+        return real(path, view, offset, like)
 
     monkeypatch.setattr(file_reads, "pread_direct", counting)
     assert backend.in_memory(cold_file.name, 64, SIZE - 128) is False
@@ -118,3 +119,34 @@ def test_direct_reads_with_edges_fetched_around_the_middle_return_the_files_byte
     got = backend.read_into(cold_file.name, offset, target)
     assert got == min(length, SIZE - offset)
     assert bytes(target[:got]) == data[offset : offset + got]
+
+
+@pytest.mark.parametrize("planted", ["fifo", "other file", "link"])
+def test_a_reopen_for_a_direct_read_or_probe_is_the_file_opened(tmp_path: Path, monkeypatch, planted: str) -> None:
+    """A direct read (and the last-resort probe) opens the path again: where another user
+    swapped it since the first open (a FIFO, another file, a link), the reopen fails at
+    once (ESTALE, ELOOP) instead of reading another file or waiting on a FIFO forever."""
+    path = tmp_path / "data"
+    path.write_bytes(b"x" * 8192)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        view = memoryview(mmap.mmap(-1, 8192))
+        assert file_reads.pread_direct(str(path), view, 0, fd) == 8192 and bytes(view) == b"x" * 8192
+        os.rename(path, tmp_path / "moved")
+        if planted == "fifo":
+            os.mkfifo(path)
+        elif planted == "other file":
+            path.write_bytes(b"y" * 8192)
+        else:
+            os.symlink(tmp_path / "moved", path)
+        for read in (file_reads.pread_direct, file_reads.pread_bounced):
+            with pytest.raises(OSError, match=r"replaced while being read|symbolic links|Too many levels") as caught:
+                read(str(path), view, 0, fd)
+            assert caught.value.errno in (errno.ESTALE, errno.ELOOP)
+        monkeypatch.setattr(file_reads, "cached_share", lambda *a: None)
+        monkeypatch.setattr(file_reads, "cached_middle_page", lambda *a: None)
+        with pytest.raises(OSError, match=r"replaced while being read|symbolic links|Too many levels") as caught:
+            file_reads.is_cached(fd, str(path), 8192, 0)
+        assert caught.value.errno in (errno.ESTALE, errno.ELOOP)
+    finally:
+        os.close(fd)
