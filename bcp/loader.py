@@ -350,10 +350,10 @@ def match_state(
         value = leaf.value
         if type(value) in _PLAIN_TENSORS:  # the usual leaf, as _match_tensor takes it, in fewer calls
             fqn = leaf.fqn
-            shape = tuple(value.shape)
-            if stored is None or shape != stored[0]:
+            if stored is None or value.shape != stored[0]:  # a torch.Size equals the tuple of its sizes
                 _match_tensor(reader, leaf, plan)  # missing, an object or a shape mismatch: named there
                 continue
+            shape = stored[0]  # the stored shape's tuple: no tuple made a tensor
             consumed.add(fqn)
             name = names.get(value.dtype) or names.setdefault(value.dtype, dtype_name(value.dtype, fqn=fqn))
             if name != stored[1]:
