@@ -371,7 +371,8 @@ def match_state(
             plan.missing.append(leaf.fqn)
     if plan.full_size:
         raise _full_size_error(reader, plan.full_size, world_size)
-    plan.unexpected = [f for f in reader.keys() if f not in plan.consumed]
+    held = len(reader.catalog.tensors) + len(reader.manifest.objects)  # distinct (check_keys); consumed is a subset
+    plan.unexpected = [f for f in reader.keys() if f not in plan.consumed] if len(plan.consumed) < held else []
     if strict and (plan.missing or plan.unexpected or plan.shape_mismatch or plan.dtype_mismatch or plan.kind_mismatch):
         raise plan.mismatch_error(reader.uri)
     if plan.shape_mismatch:
