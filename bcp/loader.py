@@ -350,10 +350,10 @@ def match_state(
         value = leaf.value
         if type(value) in _PLAIN_TENSORS:  # the usual leaf, as _match_tensor takes it, in fewer calls
             fqn = leaf.fqn
-            shape = tuple(value.shape)
-            if stored is None or shape != stored[0]:
+            if stored is None or value.shape != stored[0]:  # a torch.Size equals the tuple of its sizes
                 _match_tensor(reader, leaf, plan)  # missing, an object or a shape mismatch: named there
                 continue
+            shape = stored[0]  # the stored shape's tuple: no tuple made a tensor
             consumed.add(fqn)
             name = names.get(value.dtype) or names.setdefault(value.dtype, dtype_name(value.dtype, fqn=fqn))
             if name != stored[1]:
@@ -371,7 +371,8 @@ def match_state(
             plan.missing.append(leaf.fqn)
     if plan.full_size:
         raise _full_size_error(reader, plan.full_size, world_size)
-    plan.unexpected = [f for f in reader.keys() if f not in plan.consumed]
+    held = len(reader.catalog.tensors) + len(reader.manifest.objects)  # distinct (check_keys); consumed is a subset
+    plan.unexpected = [f for f in reader.keys() if f not in plan.consumed] if len(plan.consumed) < held else []
     if strict and (plan.missing or plan.unexpected or plan.shape_mismatch or plan.dtype_mismatch or plan.kind_mismatch):
         raise plan.mismatch_error(reader.uri)
     if plan.shape_mismatch:

@@ -183,3 +183,35 @@ def test_any_dtensor_asks_once_per_type_and_not_at_all_without_the_module(monkey
     assert not any_dtensor(iter(plain))
     assert sorted(t.__name__ for t in asked) == ["Parameter", "Tensor"]
     assert any_dtensor(iter([*plain, Sub(), 3]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(specs=leaf_specs, extra=st.booleans(), drop_object=st.booleans())
+def test_unexpected_keys_are_the_stored_keys_no_leaf_claims(specs, extra, drop_object):
+    """A non-strict load's ``unexpected`` (no lookup a stored key now when the leaves
+    claimed as many keys as are stored) is every stored key the template does not hold,
+    in stored order; a plain leaf's box is the stored shape, plain ints (no torch.Size)."""
+    stored = {f"t{i}": torch.zeros(shape, dtype=dtype) for i, (dtype, shape, _how) in enumerate(specs)}
+    stored["obj"] = {"lr": 0.1}
+    uri = f"memory://match-unexpected-{uuid.uuid4().hex[:8]}/ck"
+    bcp.save(stored, uri)
+    template: dict = {}
+    for i, (dtype, shape, how) in enumerate(specs):
+        if how not in ("absent", "shape"):  # a shape mismatch raises even when not strict
+            template[f"t{i}"] = torch.ones(shape, dtype=torch.float64 if how == "cast" else dtype)
+    if extra:
+        template["extra"] = torch.ones(2)  # missing, never unexpected
+    if not drop_object:
+        template["obj"] = {"lr": 0.0}
+    backend = backend_for(uri)
+    reader = open_reader(backend, fetch_metadata(backend))
+    try:
+        plan = loader.match_state(reader, template, False, 1, None)
+        assert plan.unexpected == [key for key in reader.keys() if key not in template]
+        assert plan.missing == (["extra"] if extra else [])
+        for request in plan.tensor_requests:
+            offsets, lengths = request.box
+            assert type(lengths) is tuple and all(type(d) is int for d in (*offsets, *lengths))
+            assert lengths == tuple(stored[request.fqn].shape) and not any(offsets)
+    finally:
+        reader.close()

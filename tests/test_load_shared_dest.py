@@ -243,16 +243,24 @@ class _Asked(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def test_a_cpu_destination_is_asked_seven_things_and_never_its_device():
+def test_a_cpu_destination_is_asked_six_things_and_never_its_device():
     """Failed before (8 asked, ``device`` among them: a new object a tensor, 0.2 us of
-    a 10,000-tensor load's main thread): the usual destination, dense in CPU memory, is
-    asked whether it is on the CPU, dense, its bytes, address, lazy negation and
-    conjugation, and dtype; the spans and overlaps stay as before."""
+    a 10,000-tensor load's main thread; then 7, its lazy conjugation too, which only a
+    complex tensor can hold): the usual destination, dense in CPU memory, is asked
+    whether it is on the CPU, dense, its bytes, dtype, address and lazy negation; a
+    complex one its lazy conjugation as well; the spans and overlaps stay as before."""
     memory = torch.zeros(8)
     dests = [memory[:4].as_subclass(_Asked), memory[2:6].as_subclass(_Asked)]
     _Asked.asked.clear()
     spans: list[Span] = []
     assert destination_overlaps(dests, spans) == [(1, 0)]
     asked = _Asked.asked
-    assert "device" not in asked and len(asked) == 2 * 7, asked
+    assert "device" not in asked and "is_conj" not in asked and len(asked) == 2 * 6, asked
+    pair = torch.zeros(4, dtype=torch.complex64)
+    plain, conjugated = pair[:2].as_subclass(_Asked), pair[2:].conj().as_subclass(_Asked)
+    _Asked.asked.clear()
+    complex_spans: list[Span] = []
+    assert destination_overlaps([plain, conjugated], complex_spans) == []
+    assert _Asked.asked.count("is_conj") == 2 and len(_Asked.asked) == 2 * 7, _Asked.asked
+    assert complex_spans == [(pair.data_ptr(), 16, torch.complex64), (pair.data_ptr() + 16, 16, None)]
     assert spans == [(memory.data_ptr(), 16, torch.float32), (memory.data_ptr() + 8, 16, torch.float32)]

@@ -65,7 +65,7 @@ def destination_overlaps(dests: list[torch.Tensor], spans: list[Span] | None = N
     memory without a lazy negation or conjugation (what the bulk read takes it for)."""
     # one pass reading each tensor's attributes once, while they are in the CPU cache
     # (a load of 10,000 small tensors): the bulk read asks none of them again. A CPU
-    # tensor (the usual destination) is asked 7 things, its device never (a new object)
+    # tensor (the usual destination) is asked 6 things (7 if complex), its device never (a new object)
     none: Span = (0, 0, None)
     found: list[Span] = []
     add = found.append
@@ -73,7 +73,8 @@ def destination_overlaps(dests: list[torch.Tensor], spans: list[Span] | None = N
     for i, dest in enumerate(dests):
         if dest.is_cpu:
             if dest.is_contiguous() and (size := dest.nbytes):
-                add((dest.data_ptr(), size, None if dest.is_neg() or dest.is_conj() else dest.dtype))
+                dtype = dest.dtype  # a conjugation is lazy only in a complex tensor: a real one is not asked
+                add((dest.data_ptr(), size, None if dest.is_neg() or (dtype.is_complex and dest.is_conj()) else dtype))
             else:
                 add(none)
         elif dest.is_meta or not dest.is_contiguous() or not (size := dest.nbytes):
