@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import pytest
 import torch
@@ -200,3 +201,48 @@ def test_a_pool_smaller_than_the_save_hands_over_only_copied_chunks(tmp_path, mo
             assert all(torch.equal(loaded[k], v) for k, v in state.items())
             for v in state.values():
                 v.add_(1)
+
+
+def test_a_deferred_save_too_big_for_the_pool_hands_over_what_it_copied(tmp_path):
+    """A deferred pipeline (the local tier's fast path) whose chunks outgrow the pool
+    raises StagingFull once every slab holds a chunk: the copies in flight are finished
+    and queued first (whole: their bytes are the tensors'), discarding returns every slab,
+    and the crew is free for the next caller."""
+    from bcp.io_scheduler.write_pipeline import StagingFull, make_pipeline
+    from bcp.kept_plans import LocalPlans, prepare_tensors
+    from bcp.state import flatten_state
+    from bcp.target import resolve_backend
+
+    g = torch.Generator().manual_seed(6)
+    state = {f"t{i}": torch.randn(40_000, generator=g) for i in range(6)}  # 937 KiB: 15 chunks of 64 KiB
+    prepared = prepare_tensors(flatten_state(state), 0, {}, plans=LocalPlans())
+    backend = resolve_backend(str(tmp_path / "x"), None)
+    pool = StagingPool(256 << 10, slab_bytes=64 << 10)  # 4 slabs
+
+    def move(to: int, frm: int, n: int) -> None:
+        if threading.current_thread().name == HELPER:
+            time.sleep(0.002)  # a slow helper: its part of the last chunk is in flight when the pool is full
+        ctypes.memmove(to, frm, n)
+
+    with _Crew() as crew:
+        crew.set(chunk_plan, "COPY_PART_BYTES", 8 << 10)
+        crew.set(chunk_bytes, "_MEMMOVE", move)
+        pipeline = make_pipeline(backend, "", 0, prepared.items, 4096, pool=pool, stage_all=True, deferred=True)
+        assert all(c.copies is not None for c in pipeline.chunks())
+        with pytest.raises(StagingFull):
+            pipeline.stage()
+        queued = pipeline._queue  # private-ok: test introspection
+        staged = [queued.get_nowait() for _ in range(queued.qsize())]
+        assert len([s for s in staged if s is not None]) == pool.max_slabs and pool.would_block()
+        tensors = [t.view(torch.uint8) for t in state.values()]  # the items, in order
+        for s in staged:
+            if s is not None:
+                got = s.data.view(torch.uint8)
+                for seg in s.chunk.segments:
+                    want = tensors[seg.item][seg.start : seg.start + seg.nbytes]
+                    assert torch.equal(got[seg.at : seg.at + seg.nbytes], want)
+                queued.put(s)
+        pipeline.discard()
+        assert not pool.would_block()
+        assert chunk_bytes._CREW_LOCK.acquire(blocking=False), "the failed stage kept the copy crew"
+        chunk_bytes._CREW_LOCK.release()
