@@ -204,9 +204,16 @@ def test_large_chunks_are_copied_by_helpers_and_hold_the_values_at_the_call(tmp_
         assert any(t.name == "bcp-stage-copy" for t in threading.enumerate())
 
 
+def copy_runs(base: int, parts) -> None:
+    """One chunk's runs copied (``RunCopies``), returned once every byte is."""
+    from bcp.io_scheduler.chunk_bytes import RunCopies
+
+    copies = RunCopies()
+    assert copies.copy(base, parts, "x") + copies.finish() == ["x"]
+
+
 def test_copy_runs_copies_every_part_exactly_once():
     """Many small parts raced for by the caller and the helpers: every byte lands once."""
-    from bcp.io_scheduler.chunk_bytes import copy_runs
 
     src = torch.arange(1 << 16, dtype=torch.int32).view(torch.uint8)
     dst = torch.full((src.numel() + 64,), 0xEE, dtype=torch.uint8)
@@ -240,7 +247,7 @@ def test_copy_runs_copies_alone_when_no_helper_thread_can_start(monkeypatch):
     runs = [(at, src.data_ptr() + at, 1024) for at in range(0, src.numel(), 1024)]
     for _ in range(2):
         dst.zero_()
-        chunk_bytes.copy_runs(dst.data_ptr(), [runs[i : i + 2] for i in range(0, len(runs), 2)])
+        copy_runs(dst.data_ptr(), [runs[i : i + 2] for i in range(0, len(runs), 2)])
         assert torch.equal(dst, src)
 
 

@@ -340,3 +340,12 @@ def test_incremental_bench_runs_and_prints_its_line(tmp_path, capsys, monkeypatc
         out[-1],
     )
     assert not (tmp_path / "b").exists(), "left files behind"
+
+
+def test_stage_copy_prints_each_schedule_beside_copy_(capsys, monkeypatch):
+    lines = run_here(
+        "stage_copy.py", "--gib", "0.01", "--tensors", "3", "--rounds", "2", capsys=capsys, monkeypatch=monkeypatch
+    )
+    assert re.match(r"3 tensors, 0\.01 GiB, 1 chunks of 3 parts; .* rounds kept 2 of 2$", lines[0]), lines[0]
+    rows = [ln.split("|")[1].strip() for ln in lines if ln.startswith("| ") and "ms" in ln]
+    assert rows == ["stream", "join", "copy_"], lines

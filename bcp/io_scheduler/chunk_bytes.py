@@ -1,11 +1,12 @@
 """What a chunk handed to a data file's writers holds (:class:`StagedChunk`), how host
 bytes are copied into a slab (:func:`copy_bytes`), and the hook an incremental save's
 digests take from the bytes written (:class:`DigestSink`), and the raw copies of a
-staged chunk run on the caller's cores (:func:`copy_runs`): the write pipeline's parts
+staged chunks run on the caller's cores (:class:`RunCopies`): the write pipeline's parts
 that need none of its state."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import itertools
@@ -65,17 +66,19 @@ class _Copy:
     """One chunk's parts, taken one at a time by whichever thread is free (a helper
     descheduled on a busy machine leaves its share to the caller instead of holding it up)."""
 
-    __slots__ = ("base", "busy", "cond", "done", "error", "parts", "ticket")
+    __slots__ = ("base", "done", "error", "lock", "parts", "settled", "tag", "ticket")
 
-    def __init__(self, base: int, parts: Sequence[Runs]) -> None:
-        self.base, self.parts = base, parts
+    def __init__(
+        self, base: int, parts: Sequence[Runs], lock: threading.Lock, settled: threading.Condition, tag: object = None
+    ) -> None:
+        self.base, self.parts, self.tag = base, parts, tag
         self.ticket = itertools.count()  # next() is atomic: each part is taken exactly once
-        self.cond = threading.Condition()
-        self.done = 0  # parts copied
-        self.busy = 0  # helpers inside work()
+        self.lock, self.settled = lock, settled  # the crew's (or the caller's own)
+        self.done = 0  # parts copied (under lock)
         self.error: BaseException | None = None
 
     def work(self) -> None:
+        """Copy parts until none is left to take (another thread may still copy its last)."""
         move, fill, base, parts, n = _MEMMOVE, _MEMSET, self.base, self.parts, len(self.parts)
         while (i := next(self.ticket)) < n:
             try:
@@ -84,68 +87,49 @@ class _Copy:
                         move(base + at, src, k)
                     else:
                         fill(base + at, 0, k)
-            except BaseException as e:  # noqa: BLE001 - raised by copy_runs in the caller
+            except BaseException as e:  # noqa: BLE001 - raised by RunCopies in the caller
                 self.error = e
-            with self.cond:
+            with self.lock:
                 self.done += 1
                 if self.done == n:
-                    self.cond.notify_all()
+                    self.settled.notify_all()
 
-    def help(self) -> None:
-        with self.cond:
-            self.busy += 1
-        try:
-            self.work()
-        finally:
-            with self.cond:
-                self.busy -= 1
-                self.cond.notify_all()
-
-    def wait(self) -> None:
-        """(the caller, its own parts done) Until the helpers' parts are copied too."""
-        with self.cond:
-            self.cond.wait_for(lambda: self.done == len(self.parts))
-
-    def abandon(self) -> None:
-        """(the caller, failing) Take every part not started, and wait until no helper
-        copies: the slab may go back to the pool only once nothing writes to it."""
-        while next(self.ticket) < len(self.parts):
-            pass
-        with self.cond:
-            self.cond.wait_for(lambda: not self.busy)
+    def complete(self) -> bool:
+        return self.done == len(self.parts)
 
 
 class _Crew:
-    """Helper threads (torch's intra-op thread count less the caller) that copy parts
-    of the chunk the caller stages, as ``Tensor.copy_`` of a large tensor would."""
+    """Helper threads (torch's intra-op thread count less the caller) that take parts of
+    the chunks the caller stages, oldest chunk first, as ``Tensor.copy_`` of a large tensor
+    would. The caller posts each chunk and copies its parts too, without waiting for the
+    helpers' last parts before it sets up the next chunk: no core idles at a chunk's end."""
 
     def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.job: _Copy | None = None
+        self.lock = threading.Lock()
+        self.posted = threading.Condition(self.lock)  # helpers wait here for a chunk
+        self.settled = threading.Condition(self.lock)  # the caller waits here for parts copied, helpers out
+        self.jobs: collections.deque[_Copy] = collections.deque()  # posted, maybe with parts left
+        self.busy = 0  # helpers inside a job's work()
         self.helpers = 0
         #: the most helpers to start (lowered once a start fails)
         self.cap = 1 << 16
 
-    def run(self, base: int, parts: Sequence[Runs]) -> None:
-        job = _Copy(base, parts)
-        if len(parts) > 1 and self._ensure_helpers():
-            with self.cond:
-                self.job = job
-                self.cond.notify_all()
-        try:
-            job.work()
-            job.wait()  # parts a helper took: the caller returns only once every byte is copied
-        except BaseException:  # e.g. KeyboardInterrupt while waiting
-            job.abandon()
-            raise
-        finally:
-            with self.cond:
-                if self.job is job:
-                    self.job = None
-        if job.error is not None:
-            raise job.error
+    def post(self, job: _Copy) -> None:
+        with self.lock:
+            self.jobs.append(job)
+            self.posted.notify_all()
 
-    def _ensure_helpers(self) -> bool:
+    def withdraw(self, jobs: Sequence[_Copy]) -> None:
+        """(the caller, failing) Take every part of ``jobs`` not started, and wait until no
+        helper copies: their slabs may go back to the pool only once nothing writes to them."""
+        for job in jobs:
+            while next(job.ticket) < len(job.parts):
+                pass
+        with self.lock:
+            self.jobs.clear()  # one caller at a time: every job posted is the caller's
+            self.settled.wait_for(lambda: not self.busy)
+
+    def ensure_helpers(self) -> bool:
         """Whether any helper runs (started now where fewer run than wanted)."""
         want = min(torch.get_num_threads(), os.cpu_count() or 1) - 1
         while self.helpers < min(want, self.cap):
@@ -158,13 +142,20 @@ class _Crew:
         return min(want, self.helpers) > 0
 
     def _loop(self) -> None:
-        seen: _Copy | None = None
         while True:
-            with self.cond:
-                while self.job is None or self.job is seen:
-                    self.cond.wait()
-                seen = self.job
-            seen.help()
+            with self.lock:
+                while not self.jobs:
+                    self.posted.wait()
+                job = self.jobs[0]
+                self.busy += 1
+            try:
+                job.work()
+            finally:
+                with self.lock:
+                    self.busy -= 1
+                    if self.jobs and self.jobs[0] is job:
+                        self.jobs.popleft()  # no part left to take
+                    self.settled.notify_all()
 
 
 _CREW = _Crew()
@@ -180,17 +171,75 @@ def _new_crew_in_child() -> None:
 os.register_at_fork(after_in_child=_new_crew_in_child)
 
 
-def copy_runs(base: int, parts: Sequence[Runs]) -> None:
-    """Copy ``parts`` (runs of (offset from ``base``, source address or 0 for zeros,
-    bytes)) on the caller's thread and, for several parts, the crew's helpers; return
-    once every run is done. One caller at a time uses the crew (others copy alone)."""
-    if len(parts) > 1 and _CREW_LOCK.acquire(blocking=False):
-        try:
-            _CREW.run(base, parts)
-        finally:
+class RunCopies:
+    """(one calling thread) The raw copies of chunks staged in turn: each chunk's parts
+    (runs of (offset from its base, source address or 0 for zeros, bytes)) are copied on
+    the caller's thread and, while the caller holds the crew, its helpers. :meth:`copy`
+    returns once no part of the chunk is left to take, with the tags of the chunks now
+    completely copied, oldest first; :meth:`finish` waits for the rest. After either
+    raises, :meth:`drop` stops the copies in flight. One caller at a time holds the crew
+    (from its first copy to finish or drop); others copy alone."""
+
+    def __init__(self) -> None:
+        self._crew: _Crew | None = None
+        self._held = False  # tried for the crew (held it if _crew)
+        self._open: collections.deque[_Copy] = collections.deque()  # posted, not yet returned
+        self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
+
+    def copy(self, base: int, parts: Sequence[Runs], tag: object = None) -> list:
+        job = _Copy(base, parts, self._lock, self._settled, tag)
+        self._open.append(job)  # from here drop() returns its tag
+        crew = self._crew if self._held else self._take_crew()
+        if crew is not None:
+            job.lock, job.settled = crew.lock, crew.settled
+            crew.post(job)
+        job.work()
+        return self._completed()
+
+    def finish(self) -> list:
+        """Wait until every chunk is copied; their tags, oldest first (the crew let go)."""
+        if self._open:
+            first = self._open[0]
+            with first.lock:
+                first.settled.wait_for(lambda: all(job.complete() for job in self._open))
+        if self._crew is not None:
+            with self._crew.lock:
+                self._crew.jobs.clear()  # every part copied: none left to take
+        tags = self._completed()
+        self._let_go()
+        return tags
+
+    def drop(self) -> list:
+        """Stop the copies in flight (those not started are skipped, the helpers' finish);
+        the tags of every chunk not returned, whose memory nothing writes to any more."""
+        jobs, self._open = list(self._open), collections.deque()
+        if self._crew is not None:
+            self._crew.withdraw(jobs)
+        self._let_go()
+        return [job.tag for job in jobs]
+
+    def _take_crew(self) -> _Crew | None:
+        self._held = True
+        if _CREW_LOCK.acquire(blocking=False):
+            if _CREW.ensure_helpers():
+                self._crew = _CREW
+            else:
+                _CREW_LOCK.release()
+        return self._crew
+
+    def _let_go(self) -> None:
+        if self._crew is not None:
+            self._crew = None
             _CREW_LOCK.release()
-        return
-    job = _Copy(base, parts)  # no helper: nothing but this thread writes to the slab
-    job.work()
-    if job.error is not None:
-        raise job.error
+        self._held = False
+
+    def _completed(self) -> list:
+        done = 0
+        for job in self._open:
+            if not job.complete():
+                break
+            if job.error is not None:
+                raise job.error  # nothing taken off: drop() returns every chunk still open
+            done += 1
+        return [self._open.popleft().tag for _ in range(done)]

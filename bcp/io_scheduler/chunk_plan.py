@@ -251,7 +251,7 @@ def plan_pipeline(
 
 
 #: Bytes of one part of a staged chunk's runs: the unit the caller and the copy helpers
-#: take in turn (``chunk_bytes.copy_runs``); a larger run is split.
+#: take in turn (``chunk_bytes.RunCopies``); a larger run is split.
 COPY_PART_BYTES = 4 << 20
 
 #: Padding shorter than this is zeroed through :attr:`ChunkCopies.zeros` (one numpy

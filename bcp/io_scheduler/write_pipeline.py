@@ -32,10 +32,10 @@ import torch
 from bcp import trace
 from bcp.backends import Backend, ObjectWriter
 from bcp.coordination.priority import lower_this_thread
-from bcp.io_scheduler.chunk_bytes import DigestSink, StagedChunk, copy_bytes, copy_runs
+from bcp.io_scheduler.chunk_bytes import DigestSink, RunCopies, StagedChunk, copy_bytes
 from bcp.io_scheduler.chunk_plan import Chunk, ChunkCopies, PipelinePlan, count_uses, plan_packed_chunks, plan_pipeline
 from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor, settle
-from bcp.io_scheduler.staging import StagingPool, default_pool
+from bcp.io_scheduler.staging import Slab, StagingPool, default_pool
 from bcp.metadata import FileEntry, block_checksums, digest_of_checksums
 from bcp.metadata.checksum import crc32c_raw
 from bcp.planning import TensorPlan
@@ -123,6 +123,7 @@ class WritePipeline:
         self.copies.start(self.plan.devices)
         #: the calling thread: only it stages chunks by their runs (:meth:`_stage_runs`)
         self._caller = threading.get_ident()
+        self._runs = RunCopies()  # their copies in flight (the chunks handed over once copied)
         #: an incremental save's: fed each segment after its checksums; set before staging
         self.digests: DigestSink | None = None
 
@@ -211,9 +212,12 @@ class WritePipeline:
                 else:
                     keep.append(chunk)
             self._pending = keep
+            self._hand_over(self._runs.finish())
             if isinstance(staged, trace.Span):
                 staged.nbytes = self.bytes_staged - before
         finally:
+            for lost in self._runs.drop():  # after an error: the copies in flight stopped
+                self.pool.release(lost.slab)
             staged.__exit__()
             if last:
                 self.close_queue()
@@ -279,7 +283,7 @@ class WritePipeline:
 
     def _produce(self, chunk: Chunk) -> None:
         if chunk.copies is not None and self.stage_all and threading.get_ident() == self._caller:
-            self._queue.put(self._stage_runs(chunk, chunk.copies))
+            self._stage_runs(chunk, chunk.copies)
             return
         # those are read in _stage_chunk, or as arrays by _batch (no flat uint8 tensor)
         dense = self.plan.host_dense if self.stage_all or self.batched else None
@@ -314,11 +318,7 @@ class WritePipeline:
             data = first[seg.start : seg.start + seg.nbytes]
             if not self.aligned_writes or (data.data_ptr() - chunk.offset) % 4096 == 0:
                 return StagedChunk(chunk, None, data, [])  # zero-copy: the tensor's own memory
-        if not self._threads and self.pool.would_block():
-            if self.deferred:
-                raise StagingFull(f"rank {self.rank}: the staging pool cannot hold the whole save before writing")
-            self._start_writers()  # only writing frees slabs
-        slab = self.pool.acquire()
+        slab = self._slab()
         out = slab.view(chunk.nbytes, shift=chunk.offset % 4096)  # same phase as the file: O_DIRECT-able
         out_bytes = out.numpy()  # host copies and padding go through numpy: few Python operations a segment
         cursor, events = 0, []
@@ -354,32 +354,41 @@ class WritePipeline:
         self.bytes_staged += chunk.nbytes
         return StagedChunk(chunk, slab, out, events)
 
-    def _stage_runs(self, chunk: Chunk, copies: ChunkCopies) -> StagedChunk:
-        """Stage a chunk of dense host tensors by its runs (``Chunk.copies``): one
-        ``memmove`` a segment (each releases the GIL; parts of the chunk on helper threads,
-        ``chunk_bytes.copy_runs``), the padding zeroed by ``memset``
-        or one numpy assignment, and no Python object per tensor. The addresses are the plan's, which is reused only
-        while every tensor keeps its address, shape, strides and dtype
-        (``bcp.kept_plans``); only the calling thread takes this path, during the call,
-        while the caller holds the state (an overlapped save's background staging
-        reads the tensors through numpy, bounds-checked, as they are then)."""
-        if not self._threads and self.pool.would_block():
-            if self.deferred:
-                raise StagingFull(f"rank {self.rank}: the staging pool cannot hold the whole save before writing")
-            self._start_writers()  # only writing frees slabs
-        slab = self.pool.acquire()
+    def _slab(self) -> Slab:
+        """A pool slab. None free: the chunks copied so far go to the writers, started if
+        they were not (only writing frees slabs; a deferred pipeline raises instead)."""
+        if self.pool.would_block():
+            self._hand_over(self._runs.finish())
+            if not self._threads:
+                if self.deferred:
+                    raise StagingFull(f"rank {self.rank}: the staging pool cannot hold the whole save before writing")
+                self._start_writers()
+        return self.pool.acquire()
+
+    def _hand_over(self, staged: list[StagedChunk]) -> None:
+        for s in staged:
+            self._queue.put(s)
+
+    def _stage_runs(self, chunk: Chunk, copies: ChunkCopies) -> None:
+        """Stage a chunk of dense host tensors by its runs (``Chunk.copies``): one ``memmove``
+        a segment (each releases the GIL), the padding zeroed by ``memset`` or one numpy
+        assignment, no Python object per tensor; the caller and the helper threads copy, and
+        the chunk goes to the writers once copied, while the next is set up (``RunCopies``).
+        The addresses are the plan's, reused only while every tensor keeps its address,
+        shape, strides and dtype (``bcp.kept_plans``); only the calling thread takes this
+        path, during the call, while the caller holds the state (an overlapped save's
+        background staging reads the tensors through numpy, bounds-checked, as they are then)."""
+        slab = self._slab()
         try:
             out = slab.view(chunk.nbytes, shift=chunk.offset % 4096)  # same phase as the file: O_DIRECT-able
-            base = out.data_ptr()
-            with trace.span("copy", chunk.nbytes):
-                copy_runs(base, copies.parts)  # on the caller's cores, as a large Tensor.copy_
-                if copies.zeros is not None:
-                    out.numpy()[copies.zeros] = 0
+            if copies.zeros is not None:
+                out.numpy()[copies.zeros] = 0
         except BaseException:
             self.pool.release(slab)
             raise
         self.bytes_staged += chunk.nbytes
-        return StagedChunk(chunk, slab, out, [])
+        with trace.span("copy", chunk.nbytes):  # on the caller's cores, as a large Tensor.copy_
+            self._hand_over(self._runs.copy(out.data_ptr(), copies.parts, StagedChunk(chunk, slab, out, [])))
 
     def _batch(self, chunk: Chunk) -> StagedChunk:
         """A batch: its segments' bytes as views of the sources' memory (no copy), with
