@@ -19,7 +19,6 @@ from bcp.io_scheduler.read_plan import overlap_volumes
 from bcp.metadata.geometry import (
     BoxArrays,
     ascending,
-    packed_keys,
     row_products,
     rows_positive,
     stable_order,
@@ -46,22 +45,30 @@ def box_batches(lengths: list[int], limit: int) -> list[tuple[int, int]]:
 
 def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
     """(tag, class) pairs, each once, put in order of tag then class. Pairs come class
-    after class (the classes' batches): one ``np.sort`` of the pairs packed into one
-    int64 (:func:`packed_keys`; the pairs are distinct, so the order is the stable
-    one), or a stable sort by tag where they do not fit; otherwise as they are
-    (:meth:`_RankClasses.labels` sorts them)."""
+    after class (the classes' batches), so a stable counting sort by tag orders them:
+    each pair goes to its tag's first slot (a count per tag, no sort), and only the pairs
+    of tags several classes need (at chunk boundaries, usually few) are ordered among
+    themselves, by a stable sort. Where tags are not in [0, k), one stable sort of the
+    tags; otherwise, as they are (:meth:`_RankClasses.labels` sorts them)."""
     if len(tags) < 2 or not ascending(classes) or tag_major(tags, classes, n_classes):
         return tags, classes
-    packed = packed_keys(tags, classes, n_classes)
-    if packed is None or (len(classes) and int(classes.min()) < 0):
+    if int(tags.min()) < 0 or int(tags.max()) >= k:
         order = stable_order(tags)
         return tags[order], classes[order]
-    packed.sort()
-    bits = max(n_classes - 1, 1).bit_length()
-    out_cls = packed & ((1 << bits) - 1)
-    packed >>= bits
-    packed += int(tags.min())
-    return packed.astype(tags.dtype, copy=False), out_cls.astype(classes.dtype, copy=False)
+    counts = np.bincount(tags, minlength=k)
+    pos = np.zeros(k, np.int64)
+    np.cumsum(counts[:-1], out=pos[1:])
+    at = pos[tags]  # each pair's tag's first slot
+    several = np.flatnonzero(counts[tags] > 1)
+    if len(several):  # the n-th pair of a tag (in class order) goes n slots on
+        several = several[stable_order(tags[several])]
+        t = tags[several]
+        step = np.arange(len(several), dtype=np.int64)
+        head = np.r_[True, t[1:] != t[:-1]]
+        at[several] += step - np.maximum.accumulate(np.where(head, step, 0))
+    out_cls = np.empty_like(classes)
+    out_cls[at] = classes
+    return np.repeat(np.arange(k, dtype=tags.dtype), counts), out_cls
 
 
 def class_major(classes: np.ndarray, tags: np.ndarray) -> bool:

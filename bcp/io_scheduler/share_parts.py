@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from bcp.errors import CheckpointError
-from bcp.metadata.geometry import Box, expand_windows, stable_order
+from bcp.io_scheduler.share_owners import narrow_stable_order
+from bcp.metadata.geometry import Box, expand_windows
 
 SharedKey = tuple[str, Box]
 
@@ -175,7 +176,7 @@ def _sent_by_owner(
     span = max(world, int(owners.max()) + 1) if len(owners) else world  # ranks past ``world`` own nothing here
     obounds = np.zeros(span + 1, np.int64)
     np.cumsum(np.bincount(owners, minlength=span), out=obounds[1:])
-    by_owner = stable_order(owners)
+    by_owner = narrow_stable_order(owners)
     per_tag = np.diff(pair_starts)[by_owner]
     sstarts = np.zeros(len(by_owner) + 1, np.int64)
     np.cumsum(per_tag, out=sstarts[1:])
@@ -224,13 +225,13 @@ def class_parts(
     ``class_tags``: the pairs' tags in order of class then tag, where the caller has
     them (saves sorting the pairs back by class)."""
     n_classes = int(rank_class.max()) + 1 if len(rank_class) else 0
-    members = stable_order(rank_class).astype(np.int64)  # ranks by class, ascending within
+    members = narrow_stable_order(rank_class).astype(np.int64)  # ranks by class, ascending within
     sizes = np.bincount(rank_class, minlength=n_classes).astype(np.int64)
     mstarts = np.r_[0, np.cumsum(sizes)].astype(np.int64)
     k = len(owners)
     if class_tags is None:
         tag_of_pair = np.repeat(np.arange(k, dtype=np.int64), np.diff(pair_starts))
-        by_class = stable_order(pair_classes)  # pairs by class, tag order within
+        by_class = narrow_stable_order(pair_classes)  # pairs by class, tag order within
         class_tags = tag_of_pair[by_class]
         del tag_of_pair, by_class
     cbounds = np.r_[0, np.cumsum(np.bincount(pair_classes, minlength=n_classes))].tolist()
