@@ -66,9 +66,10 @@ def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tup
         step = np.arange(len(several), dtype=np.int64)
         head = np.r_[True, t[1:] != t[:-1]]
         at[several] += step - np.maximum.accumulate(np.where(head, step, 0))
-    out_cls = np.empty_like(classes)
+    out_tags, out_cls = np.empty_like(tags), np.empty_like(classes)
+    out_tags[at] = tags  # a scatter, cheaper than np.repeat by counts
     out_cls[at] = classes
-    return np.repeat(np.arange(k, dtype=tags.dtype), counts), out_cls
+    return out_tags, out_cls
 
 
 def class_major(classes: np.ndarray, tags: np.ndarray) -> bool:
