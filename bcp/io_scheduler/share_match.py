@@ -48,11 +48,11 @@ def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tup
     after class (the classes' batches), so a stable counting sort by tag orders them:
     each pair goes to its tag's first slot (a count per tag, no sort), and only the pairs
     of tags several classes need (at chunk boundaries, usually few) are ordered among
-    themselves, by a stable sort. Where tags are not in [0, k), one stable sort of the
-    tags; otherwise, as they are (:meth:`_RankClasses.labels` sorts them)."""
+    themselves, by a stable sort. Where tags are not in [0, k) or k is large beside the
+    pairs, one stable sort of the tags; otherwise, as they are (:meth:`_RankClasses.labels` sorts them)."""
     if len(tags) < 2 or not ascending(classes) or tag_major(tags, classes, n_classes):
         return tags, classes
-    if int(tags.min()) < 0 or int(tags.max()) >= k:
+    if int(tags.min()) < 0 or int(tags.max()) >= k or k > 8 * len(tags) + (1 << 22):  # no table of every tag
         order = stable_order(tags)
         return tags[order], classes[order]
     counts = np.bincount(tags, minlength=k)
