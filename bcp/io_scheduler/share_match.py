@@ -26,7 +26,7 @@ from bcp.metadata.geometry import (
 from bcp.metadata.rows import TensorBoxes
 
 #: Wanted boxes matched at once (bounds the memory of the per-box arrays)
-BOX_BATCH = 1 << 20
+BOX_BATCH = 1 << 16
 
 
 def box_batches(lengths: list[int], limit: int) -> list[tuple[int, int]]:
@@ -169,7 +169,7 @@ _EMPTY = np.zeros(0, np.int64)
 
 
 #: Stored rows examined at once when indexing them (bounds the memory of the pass)
-_ROW_BATCH = 1 << 20
+_ROW_BATCH = 1 << 16
 
 
 def _rank_runs(entries: Sequence[TensorBoxes], limit: int) -> list[tuple[int, int]]:
