@@ -321,9 +321,11 @@ class CutIndex:
     extents: np.ndarray  # int64 (names, width)
     starts: np.ndarray  # (N,) sorted, on the line
     ends: np.ndarray  # (N,)
-    rows: np.ndarray  # (N,) the stored row of each interval
+    rows: np.ndarray | None  # (N,) the stored row of each interval; None: interval i is row i
     ends_upto: np.ndarray | None  # (line,) intervals ending at or before x
-    starts_upto: np.ndarray | None  # (line,) intervals starting at or before x
+    #: (line,) intervals starting at or before x; None with ``ends_upto`` where every
+    #: tensor indexed is tiled (then inside a tensor it is ``ends_upto`` + 1)
+    starts_upto: np.ndarray | None
 
     @classmethod
     def build(
@@ -340,9 +342,11 @@ class CutIndex:
         if bound >= 1 << 62:
             return None
         dtype = np.int32 if bound < 1 << 31 and int(fstart[-1]) < 1 << 31 else np.int64
-        # every interval written in place (at most one per row; pages past the last never touched)
+        # every interval written in place (at most one per row; pages past the last never touched);
+        # rows only once they are not the stored rows in order (the usual layout: never)
         starts, ends, rows = (np.empty(int(fstart[-1]), dtype) for _ in range(3))
         n = line = 0
+        in_order = True
         for a, b in _rank_runs(entries, _ROW_BATCH):
             ts = np.array(used[a:b], np.int64)
             ok, k, s, e, (row, tensor), tiled[ts] = _cut_rows(entries[a:b], extents[ts])
@@ -354,17 +358,25 @@ class CutIndex:
             shift = base[ts][tensor]
             np.add(s, shift, out=starts[at:n], casting="unsafe")  # values below ``bound``
             np.add(e, shift, out=ends[at:n], casting="unsafe")
-            np.add(row, fstart[a], out=rows[at:n], casting="unsafe")
+            if in_order and (len(row) != int(fstart[b] - fstart[a]) or not ascending(row)):
+                in_order = False  # distinct rows of the run, every one, ascending: rows at..n - 1
+                rows[:at] = np.arange(at, dtype=dtype)
+            if not in_order:
+                np.add(row, fstart[a], out=rows[at:n], casting="unsafe")
         if not eligible.any():
             return None
         ext = extents[np.arange(n_names), cut]
         other = np.where(ext > 0, row_products(extents) // np.maximum(ext, 1), 0)
-        starts, ends, rows = starts[:n], ends[:n], rows[:n]
+        starts, ends = starts[:n], ends[:n]
         ends_upto = starts_upto = None
         if line <= 4 * len(starts) + (1 << 22):  # dense tables: a lookup each instead of binary searches
             ends_upto = _upto(ends, line, dtype)
-            starts_upto = _upto(starts, line, dtype)
-        return cls(eligible, tiled, cut, base, other, extents, starts, ends, rows, ends_upto, starts_upto)
+            # where every tensor indexed is tiled, a place inside one lies in exactly one interval:
+            # intervals starting at or before it are those ending at or before it, plus one
+            starts_upto = None if bool(tiled[eligible].all()) else _upto(starts, line, dtype)
+        return cls(
+            eligible, tiled, cut, base, other, extents, starts, ends, None if in_order else rows[:n], ends_upto, starts_upto
+        )
 
     def pairs(
         self, tids: np.ndarray, off: np.ndarray, lens: np.ndarray
@@ -395,9 +407,13 @@ class CutIndex:
             q = np.flatnonzero(live)
             lo = self.base[tids[q]] + s[q]
             hi = lo + n[q]
-        if self.ends_upto is not None and self.starts_upto is not None:
+        if self.ends_upto is not None:
             first = self.ends_upto[lo]
-            width = self.starts_upto[hi - 1] - first
+            if self.starts_upto is None:  # every tensor tiled: hi - 1 lies in one interval of its tensor
+                width = self.ends_upto[hi - 1] + 1
+                width -= first
+            else:
+                width = self.starts_upto[hi - 1] - first
         else:
             first = np.searchsorted(self.ends, lo, side="right")
             width = np.searchsorted(self.starts, hi, side="left") - first
@@ -419,7 +435,8 @@ class CutIndex:
             span -= np.maximum(np.repeat(lo, width), np.take(self.starts, pos))
             box = qi if q is None else q[qi]
             box_t = tids[box]
-        return box, self.rows[pos], span * self.other[box_t], ~ok
+        rows = pos.astype(self.starts.dtype, copy=False) if self.rows is None else self.rows[pos]
+        return box, rows, span * self.other[box_t], ~ok
 
 
 def _upto(points: np.ndarray, line: int, dtype: type) -> np.ndarray:
