@@ -56,11 +56,22 @@ def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tup
         order = stable_order(tags)
         return tags[order], classes[order]
     counts = np.bincount(tags, minlength=k)
-    pos = np.zeros(k, np.int64)
-    np.cumsum(counts[:-1], out=pos[1:])
-    at = pos[tags]  # each pair's tag's first slot
-    several = np.flatnonzero(counts[tags] > 1)
-    if len(several):  # the n-th pair of a tag (in class order) goes n slots on
+    multi = counts > 1  # a table of flags: one byte a tag
+    if not bool((counts > 2).any()):  # one class, or two at a chunk boundary: no sort
+        np.cumsum(counts, out=counts)  # in place: each tag's end slot
+        at = counts[tags]
+        at -= 1  # the last slot of the pair's tag; the earlier class of two goes one slot back
+        several = np.flatnonzero(multi[tags])
+        if len(several):
+            t = tags[several]
+            first_cls = np.full(k, np.iinfo(classes.dtype).max, classes.dtype)
+            np.minimum.at(first_cls, t, classes[several])
+            at[several] -= classes[several] == first_cls[t]
+    else:  # the n-th pair of a tag (in class order) goes n slots on from the tag's first
+        pos = np.zeros(k, np.int64)
+        np.cumsum(counts[:-1], out=pos[1:])
+        at = pos[tags]
+        several = np.flatnonzero(multi[tags])
         several = several[stable_order(tags[several])]
         t = tags[several]
         step = np.arange(len(several), dtype=np.int64)
