@@ -385,16 +385,16 @@ class CutIndex:
             # where every tensor indexed is tiled, a place inside one lies in exactly one interval:
             # intervals starting at or before it are those ending at or before it, plus one
             starts_upto = None if bool(tiled[eligible].all()) else _upto(starts, line, dtype)
-        return cls(
-            eligible, tiled, cut, base, other, extents, starts, ends, None if in_order else rows[:n], ends_upto, starts_upto
-        )
+        row_of = None if in_order else rows[:n]
+        return cls(eligible, tiled, cut, base, other, extents, starts, ends, row_of, ends_upto, starts_upto)
 
     def pairs(
-        self, tids: np.ndarray, off: np.ndarray, lens: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        self, tids: np.ndarray, off: np.ndarray, lens: np.ndarray, *, elements: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
         """For boxes (tensor, (B, width) offsets, lengths): (box, stored row, shared
         elements) of every pair met, for the boxes it can match, and a mask of the
-        boxes it cannot (for the general test)."""
+        boxes it cannot (for the general test). ``elements=False``: None for the shared
+        elements (not computed)."""
         ok = self.eligible[tids]
         k = self.cut[tids]
         uniform = bool(len(k)) and bool((k == k[0]).all())
@@ -428,11 +428,13 @@ class CutIndex:
         else:
             first = np.searchsorted(self.ends, lo, side="right")
             width = np.searchsorted(self.starts, hi, side="left") - first
+        span: np.ndarray | None = None
         if bool((width == 1).all()):  # one stored row each (the same layout): no gathers by query
             pos = first
-            span = np.minimum(hi, self.ends[pos]) - np.maximum(lo, self.starts[pos])
             box = np.arange(len(width)) if q is None else q
-            box_t = tids if q is None else tids[box]
+            if elements:
+                span = np.minimum(hi, self.ends[pos]) - np.maximum(lo, self.starts[pos])
+                span *= self.other[tids if q is None else tids[box]]
         else:
             # every (box, row) pair of the windows: positions first, first + 1, ... of each
             # box, one repeat each (no step array summed), box bounds repeated, not gathered
@@ -442,12 +444,13 @@ class CutIndex:
             pos = np.repeat(first - heads, width)
             pos += np.arange(len(pos), dtype=np.int64)
             qi = np.repeat(np.arange(len(width)), width)
-            span = np.minimum(np.repeat(hi, width), np.take(self.ends, pos))
-            span -= np.maximum(np.repeat(lo, width), np.take(self.starts, pos))
             box = qi if q is None else q[qi]
-            box_t = tids[box]
+            if elements:
+                span = np.minimum(np.repeat(hi, width), np.take(self.ends, pos))
+                span -= np.maximum(np.repeat(lo, width), np.take(self.starts, pos))
+                span *= self.other[tids[box]]
         rows = pos.astype(self.starts.dtype, copy=False) if self.rows is None else self.rows[pos]
-        return box, rows, span * self.other[box_t], ~ok
+        return box, rows, span, ~ok
 
 
 def _upto(points: np.ndarray, line: int, dtype: type) -> np.ndarray:

@@ -217,9 +217,8 @@ def _windows(first: np.ndarray, width: np.ndarray, starts: np.ndarray, n: int) -
     order (``starts``: the running sum of ``width``, ``n`` its total): ``first`` itself
     where every width is 1, else one array of steps summed in place (no repeat nor
     arange as long as the positions)."""
-    if n == len(first):
-        if bool((width == 1).all()):
-            return first
+    if n == len(first) and bool((width == 1).all()):
+        return first
     if not bool((width > 0).all()):
         return np.repeat(first - starts[:-1], width) + np.arange(n, dtype=np.int64)
     pos = np.ones(n, np.int64)  # +1 inside a window, a jump at each window's head
