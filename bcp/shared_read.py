@@ -197,9 +197,8 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     wait = lone and one_box
     if not wait:
         index = None  # the line's tables: not needed past the matching
-    general = functools.partial(general_pairs, entries, used, slot, fstart, shapes, extents, width)
     if left:
-        found.append(general(left))
+        found.append(general_pairs(entries, used, slot, fstart, shapes, extents, width, left))
         del left
     fi = np.concatenate([f for f, _c, _e in found])
     if not len(fi):
@@ -217,7 +216,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     if wait:  # the same pairs, in the same order, now with their classes and elements
         found, left, _one = _match(reps, index, ndim_of, width, columns=True)
         if left:
-            found.append(general(left))
+            found.append(general_pairs(entries, used, slot, fstart, shapes, extents, width, left))
             del left
         index = None
         cls, elems = _pair_columns(found)
