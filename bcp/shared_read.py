@@ -253,14 +253,14 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     keep = pk >= 0
     if not keep.all():  # usually all are (data-parallel replicas): no masked copies
         pk, uc = pk[keep], uc[keep]
-    tags, tag_cls = pk.astype(np.int64), uc.astype(np.int64)
-    del keep, uf, uc
     class_tags = None
     if one_box:
-        if class_major(tag_cls, tags):  # the parts' order: kept, so that parts() need not sort back
+        if class_major(uc, pk):  # the parts' order: kept, so that parts() need not sort back
             class_tags = pk  # the tags, as narrow as tag_of
-        tags, tag_cls = by_tag(tags, tag_cls, len(shared), len(reps))
-    del pk
+        tags, tag_cls = by_tag(pk, uc, len(shared), len(reps), dtype=np.int64)  # no int64 copies first
+    else:
+        tags, tag_cls = pk.astype(np.int64), uc.astype(np.int64)
+    del keep, uf, uc, pk
     tag_cls, pair_starts, group = classes.labels(tags, tag_cls, len(shared))
     del tags
     sizes = row_products(k_len)

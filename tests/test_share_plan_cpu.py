@@ -83,7 +83,7 @@ def test_by_tag_equals_the_packed_sort(per_class, extra_k, narrow, shuffle, data
     """Class-major (tag, class) pairs, each once, tags in any order within a class
     (sorted or not), tags int64 or int32: the counting sort gives the packed sort's
     arrays, values and dtypes; tags past k, or k large beside the pairs, take the
-    stable sort."""
+    stable sort; int32 pairs returned as int64 (``dtype``) give the int64 pairs' order."""
     dtype = np.int32 if narrow else np.int64
     lists = [sorted(ts) if not shuffle else data.draw(st.permutations(ts)) for ts in per_class]
     tags = np.array([t for ts in lists for t in ts], dtype)
@@ -92,6 +92,10 @@ def test_by_tag_equals_the_packed_sort(per_class, extra_k, narrow, shuffle, data
     for k in (top + extra_k, max(top - 1, 0), top + (1 << 23)):
         got, want = by_tag(tags, classes, k, len(lists)), ref_by_tag(tags, classes, k, len(lists))
         assert same(got[0], want[0]) and same(got[1], want[1])
+        # narrow inputs written as int64 while placed: the int64 copies' order
+        wide = ref_by_tag(tags.astype(np.int64), classes, k, len(lists))
+        got = by_tag(tags, classes.astype(np.int32), k, len(lists), dtype=np.int64)
+        assert same(got[0], wide[0]) and same(got[1], wide[1])
 
 
 @settings(max_examples=examples(300), deadline=None)

@@ -43,18 +43,23 @@ def box_batches(lengths: list[int], limit: int) -> list[tuple[int, int]]:
     return out
 
 
-def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
+def by_tag(
+    tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int, *, dtype: type | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(tag, class) pairs, each once, put in order of tag then class. Pairs come class
     after class (the classes' batches), so a stable counting sort by tag orders them:
     each pair goes to its tag's first slot (a count per tag, no sort), and only the pairs
     of tags several classes need (at chunk boundaries, usually few) are ordered among
     themselves, by a stable sort. Where tags are not in [0, k) or k is large beside the
-    pairs, one stable sort of the tags; otherwise, as they are (:meth:`_RankClasses.labels` sorts them)."""
+    pairs, one stable sort of the tags; otherwise, as they are (:meth:`_RankClasses.labels` sorts them).
+    ``dtype``: of both arrays returned (by default, each its own), written as they are placed."""
     if len(tags) < 2 or not ascending(classes) or tag_major(tags, classes, n_classes):
-        return tags, classes
+        return tags.astype(dtype or tags.dtype, copy=False), classes.astype(dtype or classes.dtype, copy=False)
     if int(tags.min()) < 0 or int(tags.max()) >= k or k > 8 * len(tags) + (1 << 22):  # no table of every tag
         order = stable_order(tags)
-        return tags[order], classes[order]
+        return tags[order].astype(dtype or tags.dtype, copy=False), classes[order].astype(
+            dtype or classes.dtype, copy=False
+        )
     counts = np.bincount(tags, minlength=k)
     multi = counts > 1  # a table of flags: one byte a tag
     if not bool((counts > 2).any()):  # one class, or two at a chunk boundary: no sort
@@ -77,7 +82,7 @@ def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tup
         step = np.arange(len(several), dtype=np.int64)
         head = np.r_[True, t[1:] != t[:-1]]
         at[several] += step - np.maximum.accumulate(np.where(head, step, 0))
-    out_tags, out_cls = np.empty_like(tags), np.empty_like(classes)
+    out_tags, out_cls = np.empty(len(tags), dtype or tags.dtype), np.empty(len(classes), dtype or classes.dtype)
     out_tags[at] = tags  # a scatter, cheaper than np.repeat by counts
     out_cls[at] = classes
     return out_tags, out_cls
@@ -114,7 +119,7 @@ def tag_major(tags: np.ndarray, classes: np.ndarray, n_classes: int) -> bool:
         return True
     if int(classes.min()) >= 0 and int(classes.max()) < n_classes:
         return lex_ascending(tags, classes)
-    return ascending(tags * n_classes + classes)
+    return ascending(tags.astype(np.int64) * n_classes + classes)
 
 
 def rows_at(
