@@ -37,6 +37,7 @@ import xxhash
 from bcp import trace
 from bcp.coordination.collectives import GroupCoordinator, portable
 from bcp.errors import CheckpointError
+from bcp.gc_pause import gc_paused
 from bcp.io_scheduler.read_exec import ReadStats
 from bcp.io_scheduler.share_match import (
     BOX_BATCH,
@@ -137,6 +138,7 @@ def _no_plan(rank_class: np.ndarray) -> SharePlan:
     return SharePlan(z.astype(np.int32), empty, empty, z.astype(np.int32), z, np.zeros(1, np.int64), rank_class)
 
 
+@gc_paused  # as inside the load that calls it: the caller's heap is not walked mid-plan
 def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index: bool = True) -> SharePlan:
     """(coordinator) The job-wide sharing plan for every rank's wanted boxes: the same
     shared fragments and needing ranks every rank used to compute over every rank's

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from bcp.errors import CheckpointError
+from bcp.gc_pause import gc_paused
 from bcp.io_scheduler.share_owners import narrow_stable_order
 from bcp.metadata.geometry import Box, expand_windows
 
@@ -232,6 +233,7 @@ def _windows(first: np.ndarray, width: np.ndarray, starts: np.ndarray, n: int) -
     return pos
 
 
+@gc_paused  # as inside the load that calls it: a part per rank, the caller's heap not walked
 def class_parts(
     world: int,
     tensors: np.ndarray,
