@@ -193,10 +193,10 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     # not even computed, until some row is met twice (then the boxes are matched again)
     uniform = bool((classes.sizes == classes.sizes[0]).all())
     lone = uniform and int(classes.sizes[0]) == 1
-    found, left, one_box = _match(reps, index, ndim_of, width, columns=not lone)
-    if lone and not one_box:  # two boxes of a tensor in a class: pairs counted once, by class
-        found, left, _one = _match(reps, index, ndim_of, width, columns=True)
-    wait = lone and one_box
+    found, left, one_box, full = _match(reps, index, ndim_of, width, columns=not lone, rows=n_frags)
+    if not full and not one_box:  # two boxes of a tensor in a class: pairs counted once, by class
+        found, left, _one, full = _match(reps, index, ndim_of, width, columns=True)
+    wait = not full
     if not wait:
         index = None  # the line's tables: not needed past the matching
     if left:
@@ -216,7 +216,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     if not len(candidates):
         return _no_plan(classes.of_rank)
     if wait:  # the same pairs, in the same order, now with their classes and elements
-        found, left, _one = _match(reps, index, ndim_of, width, columns=True)
+        found, left, _one, full = _match(reps, index, ndim_of, width, columns=True)
         if left:
             found.append(general_pairs(entries, used, slot, fstart, shapes, extents, width, left))
             del left
@@ -279,15 +279,26 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
 
 
 def _match(
-    reps: Sequence[Wanted], index: CutIndex | None, ndim_of: np.ndarray, width: int, *, columns: bool
-) -> tuple[list[tuple[np.ndarray, Any, Any]], list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], bool]:
+    reps: Sequence[Wanted],
+    index: CutIndex | None,
+    ndim_of: np.ndarray,
+    width: int,
+    *,
+    columns: bool,
+    rows: int = 0,
+) -> tuple[list[tuple[np.ndarray, Any, Any]], list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], bool, bool]:
     """The classes' boxes (``reps``) matched by the cut index, a batch at a time: per
-    batch (row, class, shared elements) of every pair met (``columns=False``: None for
-    the class and elements), the boxes left for the general test (tensor, offsets,
-    lengths, class), and whether no class wants two boxes of one tensor."""
+    batch (row, class, shared elements) of every pair met, the boxes left for the
+    general test (tensor, offsets, lengths, class), whether no class wants two boxes of
+    one tensor, and whether the classes and elements were computed. ``columns=False``:
+    None for them, until a stored row (of ``rows``) is met twice by the cut index (then
+    every batch is matched again with them, so that they are not matched a third time)."""
     one_box = True
     found: list[tuple[np.ndarray, Any, Any]] = []
     left: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    # each row met, marked by the pair's place in its batch: a row met by an earlier batch
+    # reads non-zero, one met twice in a batch keeps one mark (the other place reads it)
+    mark = None if columns or index is None else np.zeros(rows, np.int32)
     for lo, hi in box_batches([len(w.tensors) for w in reps], BOX_BATCH):
         tids = np.concatenate([reps[c].tensors for c in range(lo, hi)]).astype(np.int64)
         cls = np.repeat(np.arange(lo, hi, dtype=np.int32), [len(reps[c].tensors) for c in range(lo, hi)])
@@ -298,10 +309,17 @@ def _match(
             left.append((tids, b_off, b_len, cls))
             continue
         qi, fi, elems, rest = index.pairs(tids, b_off, b_len, elements=columns)
+        if mark is not None and len(fi):
+            place = np.arange(1, len(fi) + 1, dtype=np.int32)
+            again = bool(mark[fi].any())
+            mark[fi] = place
+            if again or not bool((mark[fi] == place).all()):
+                del mark, found, left
+                return _match(reps, index, ndim_of, width, columns=True)
         found.append((fi, cls[qi] if columns else None, elems))
         if rest.any():
             left.append((tids[rest], b_off[rest], b_len[rest], cls[rest]))
-    return found, left, one_box
+    return found, left, one_box, columns
 
 
 def _pair_columns(found: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:

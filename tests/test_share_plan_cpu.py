@@ -3,7 +3,9 @@ what the steps they replaced gave, kept here as the references: the pairs' tag o
 a counting sort (:func:`by_tag`; before, one sort of packed keys), what each owner sends
 with fewer pair-long temporaries (:func:`_sent_by_owner`), the owner and class orders by
 a 16-bit radix argsort (:func:`narrow_stable_order`), and the positions of every
-window (:func:`_windows`), values and dtypes, for random inputs."""
+window (:func:`_windows`), values and dtypes, for random inputs; and classes of one
+rank matched without classes or elements per pair until a row is met twice give the
+general test's plan, batch size whatever."""
 
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ from bcp.io_scheduler import share_parts
 from bcp.io_scheduler.share_match import ascending, by_tag, tag_major
 from bcp.io_scheduler.share_owners import narrow_stable_order
 from bcp.metadata.geometry import packed_keys, stable_order
+from bcp.shared_read import Wanted, plan_shares
 from helpers import examples
+from test_load_plan_fast import SHAPES, stored_layout
+from test_shared_read_plan import reader_of, sliced
 
 
 def ref_by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -150,3 +155,44 @@ def test_windows_are_every_position_of_each_window(windows):
     want = np.repeat(first - starts[:-1], width) + np.arange(n, dtype=np.int64)
     got = share_parts._windows(first, width, starts, n)
     assert same(got, want)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(shapes=st.lists(SHAPES, min_size=1, max_size=3), ranks=st.integers(2, 6), data=st.data())
+def test_one_rank_classes_plan_the_same_in_batches_of_any_size(shapes, ranks, data):
+    """Ranks wanting each their own slice of every tensor (classes of one rank) are
+    matched without classes or elements per pair until a stored row is met twice, by
+    an earlier batch or within one; then matched again with them. Batches of one class,
+    of two and of the default size give one plan, array for array, and the plan of the
+    general overlap test."""
+    from bcp import shared_read
+
+    names = [f"t{i}" for i in range(len(shapes))]
+    tensors = {}
+    for n, s in zip(names, shapes, strict=True):
+        stored = data.draw(sliced(s, 0), label=f"stored {n}") if s else data.draw(stored_layout(s))
+        tensors[n] = (s, stored, "float32")
+    reader = reader_of(tensors)
+    wanted = []
+    for r in range(ranks):
+        mine = []
+        for n, s in zip(names, shapes, strict=True):
+            if not s:
+                continue
+            if data.draw(st.booleans(), label=f"rank {r} {n} as stored"):
+                mine.append((n, tensors[n][1][r % len(tensors[n][1])]))
+            else:
+                cells = data.draw(sliced(s, 0), label=f"rank {r} {n} cells")
+                mine.append((n, cells[r % len(cells)]))
+        wanted.append(mine)
+    encoded = [Wanted.encode(reader, w) for w in wanted]
+    general = plan_shares(reader, encoded, cut_index=False)
+    saved = shared_read.BOX_BATCH
+    try:
+        for batch in (1, 2, saved):
+            shared_read.BOX_BATCH = batch
+            got = plan_shares(reader, encoded)
+            for field in ("tensors", "offsets", "lengths", "owners", "pair_classes", "pair_starts", "rank_class"):
+                assert np.array_equal(getattr(got, field), getattr(general, field)), (batch, field)
+    finally:
+        shared_read.BOX_BATCH = saved
