@@ -28,13 +28,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from bcp import trace
 from bcp.coordination.collectives import GroupCoordinator, portable
 from bcp.errors import CheckpointError
+from bcp.gc_pause import gc_paused
 from bcp.io_scheduler.read_exec import ReadStats
 from bcp.io_scheduler.share_match import (
     BOX_BATCH,
@@ -135,6 +138,7 @@ def _no_plan(rank_class: np.ndarray) -> SharePlan:
     return SharePlan(z.astype(np.int32), empty, empty, z.astype(np.int32), z, np.zeros(1, np.int64), rank_class)
 
 
+@gc_paused  # as inside the load that calls it: the caller's heap is not walked mid-plan
 def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index: bool = True) -> SharePlan:
     """(coordinator) The job-wide sharing plan for every rank's wanted boxes: the same
     shared fragments and needing ranks every rank used to compute over every rank's
@@ -184,33 +188,23 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
         unproven = [used_names[i] for i in np.flatnonzero(~proven).tolist()]
         if unproven:
             reader.catalog.boxes(unproven)  # FormatError where their rows do not tile them
-    one_box = True
-    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (fragment, class, elements) per pair
-    left: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # boxes for the general test
-    for lo, hi in box_batches([len(w.tensors) for w in reps], BOX_BATCH):
-        tids = np.concatenate([reps[c].tensors for c in range(lo, hi)]).astype(np.int64)
-        cls = np.repeat(np.arange(lo, hi, dtype=np.int32), [len(reps[c].tensors) for c in range(lo, hi)])
-        one_box = one_box and one_box_per_tensor(tids, cls)
-        offs = [reps[c].offsets for c in range(lo, hi)]
-        b_off, b_len = padded_boxes(tids, ndim_of, offs, [reps[c].lengths for c in range(lo, hi)], width)
-        if index is None:
-            left.append((tids, b_off, b_len, cls))
-            continue
-        qi, fi, elems, rest = index.pairs(tids, b_off, b_len)
-        found.append((fi, cls[qi], elems))
-        if rest.any():
-            left.append((tids[rest], b_off[rest], b_len[rest], cls[rest]))
-    del index  # the line's tables: not needed past the matching
+    # classes of one rank each (one box per tensor): the rows met by several ranks need no
+    # class per pair, nor elements where none is (each rank its own rows), so those wait,
+    # not even computed, until some row is met twice (then the boxes are matched again)
+    uniform = bool((classes.sizes == classes.sizes[0]).all())
+    lone = uniform and int(classes.sizes[0]) == 1
+    found, left, one_box, full = _match(reps, index, ndim_of, width, columns=not lone, rows=n_frags)
+    if not full and not one_box:  # two boxes of a tensor in a class: pairs counted once, by class
+        found, left, _one, full = _match(reps, index, ndim_of, width, columns=True)
+    wait = not full
+    if not wait:
+        index = None  # the line's tables: not needed past the matching
     if left:
         found.append(general_pairs(entries, used, slot, fstart, shapes, extents, width, left))
         del left
     fi = np.concatenate([f for f, _c, _e in found])
     if not len(fi):
         return _no_plan(classes.of_rank)
-    # classes of one rank each: the rows met by several ranks need no class per pair,
-    # nor elements where none is (each rank its own rows), so those wait
-    uniform = bool((classes.sizes == classes.sizes[0]).all())
-    wait = one_box and uniform and int(classes.sizes[0]) == 1
     cls, elems = (np.zeros(0, np.int32), np.zeros(0, np.int64)) if wait else _pair_columns(found)
     # per fragment: needing ranks, and elements wanted (every rank's boxes counted)
     if one_box:
@@ -221,7 +215,12 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     candidates = _met_by_several(uf, uc, classes.sizes, n_frags)
     if not len(candidates):
         return _no_plan(classes.of_rank)
-    if wait:
+    if wait:  # the same pairs, in the same order, now with their classes and elements
+        found, left, _one, full = _match(reps, index, ndim_of, width, columns=True)
+        if left:
+            found.append(general_pairs(entries, used, slot, fstart, shapes, extents, width, left))
+            del left
+        index = None
         cls, elems = _pair_columns(found)
         uc = cls
     del found
@@ -256,14 +255,14 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     keep = pk >= 0
     if not keep.all():  # usually all are (data-parallel replicas): no masked copies
         pk, uc = pk[keep], uc[keep]
-    tags, tag_cls = pk.astype(np.int64), uc.astype(np.int64)
-    del keep, uf, uc
     class_tags = None
     if one_box:
-        if class_major(tag_cls, tags):  # the parts' order: kept, so that parts() need not sort back
+        if class_major(uc, pk):  # the parts' order: kept, so that parts() need not sort back
             class_tags = pk  # the tags, as narrow as tag_of
-        tags, tag_cls = by_tag(tags, tag_cls, len(shared), len(reps))
-    del pk
+        tags, tag_cls = by_tag(pk, uc, len(shared), len(reps), dtype=np.int64)  # no int64 copies first
+    else:
+        tags, tag_cls = pk.astype(np.int64), uc.astype(np.int64)
+    del keep, uf, uc, pk
     tag_cls, pair_starts, group = classes.labels(tags, tag_cls, len(shared))
     del tags
     sizes = row_products(k_len)
@@ -277,6 +276,50 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     return SharePlan(
         k_tid.astype(np.int32, copy=False), k_off, k_len, owners, tag_cls, pair_starts, classes.of_rank, class_tags
     )
+
+
+def _match(
+    reps: Sequence[Wanted],
+    index: CutIndex | None,
+    ndim_of: np.ndarray,
+    width: int,
+    *,
+    columns: bool,
+    rows: int = 0,
+) -> tuple[list[tuple[np.ndarray, Any, Any]], list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], bool, bool]:
+    """The classes' boxes (``reps``) matched by the cut index, a batch at a time: per
+    batch (row, class, shared elements) of every pair met, the boxes left for the
+    general test (tensor, offsets, lengths, class), whether no class wants two boxes of
+    one tensor, and whether the classes and elements were computed. ``columns=False``:
+    None for them, until a stored row (of ``rows``) is met twice by the cut index (then
+    every batch is matched again with them, so that they are not matched a third time)."""
+    one_box = True
+    found: list[tuple[np.ndarray, Any, Any]] = []
+    left: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    # each row met, marked by the pair's place in its batch: a row met by an earlier batch
+    # reads non-zero, one met twice in a batch keeps one mark (the other place reads it)
+    mark = None if columns or index is None else np.zeros(rows, np.int32)
+    for lo, hi in box_batches([len(w.tensors) for w in reps], BOX_BATCH):
+        tids = np.concatenate([reps[c].tensors for c in range(lo, hi)]).astype(np.int64)
+        cls = np.repeat(np.arange(lo, hi, dtype=np.int32), [len(reps[c].tensors) for c in range(lo, hi)])
+        one_box = one_box and one_box_per_tensor(tids, cls)
+        offs = [reps[c].offsets for c in range(lo, hi)]
+        b_off, b_len = padded_boxes(tids, ndim_of, offs, [reps[c].lengths for c in range(lo, hi)], width)
+        if index is None:
+            left.append((tids, b_off, b_len, cls))
+            continue
+        qi, fi, elems, rest = index.pairs(tids, b_off, b_len, elements=columns)
+        if mark is not None and len(fi):
+            place = np.arange(1, len(fi) + 1, dtype=np.int32)
+            again = bool(mark[fi].any())
+            mark[fi] = place
+            if again or not bool((mark[fi] == place).all()):
+                del mark, found, left
+                return _match(reps, index, ndim_of, width, columns=True)
+        found.append((fi, cls[qi] if columns else None, elems))
+        if rest.any():
+            left.append((tids[rest], b_off[rest], b_len[rest], cls[rest]))
+    return found, left, one_box, columns
 
 
 def _pair_columns(found: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -325,8 +368,8 @@ class _RankClasses:
 
     @classmethod
     def of(cls, wanted: Sequence[Wanted]) -> _RankClasses:
-        # a cheap fingerprint per list (lengths and wrapping dot products with fixed
-        # weights) finds the candidates; equal lists are then confirmed value for value
+        # a cheap fingerprint per list (lengths and XXH3 hashes of the values) finds the
+        # candidates; equal lists are then confirmed value for value
         by_print: dict[tuple[int, ...], list[int]] = {}
         lists: list[Wanted] = []
         class_of = np.empty(len(wanted), np.int64)
@@ -438,20 +481,11 @@ def _dense_inverse(keys: np.ndarray, bound: int) -> np.ndarray:
     return rank[keys].astype(np.int64) - 1
 
 
-_WEIGHTS = np.random.default_rng(0x5EED).integers(1, 1 << 62, 1 << 12, dtype=np.int64)
-
-
 def _fingerprint(a: np.ndarray) -> int:
-    """A wrapping dot product of ``a`` with fixed pseudo-random weights (the array
-    folded onto their length first): equal arrays give equal values, different ones
-    rarely do (integer array arithmetic wraps without warnings)."""
-    a = a.astype(np.int64, copy=False)
-    n = len(_WEIGHTS)
-    if len(a) > n:
-        whole = n * (len(a) // n)
-        a = np.concatenate([a[:whole].reshape(-1, n).sum(axis=0), a[whole:]])
-        return int(np.dot(a[:n], _WEIGHTS)) + int(np.dot(a[n:], _WEIGHTS[: len(a) - n]))
-    return int(np.dot(a, _WEIGHTS[: len(a)]))
+    """XXH3 (64 bits) of ``a``'s values as contiguous int64: equal arrays give equal
+    values, different ones rarely do (a few microseconds for a rank's list, no copy
+    where it is int64 already)."""
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(a, np.int64))  # type: ignore[arg-type]  # a buffer
 
 
 def _mix(x: np.ndarray, salt: int) -> np.ndarray:

@@ -19,7 +19,6 @@ from bcp.io_scheduler.read_plan import overlap_volumes
 from bcp.metadata.geometry import (
     BoxArrays,
     ascending,
-    packed_keys,
     row_products,
     rows_positive,
     stable_order,
@@ -27,7 +26,7 @@ from bcp.metadata.geometry import (
 from bcp.metadata.rows import TensorBoxes
 
 #: Wanted boxes matched at once (bounds the memory of the per-box arrays)
-BOX_BATCH = 1 << 20
+BOX_BATCH = 1 << 16
 
 
 def box_batches(lengths: list[int], limit: int) -> list[tuple[int, int]]:
@@ -44,24 +43,49 @@ def box_batches(lengths: list[int], limit: int) -> list[tuple[int, int]]:
     return out
 
 
-def by_tag(tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
+def by_tag(
+    tags: np.ndarray, classes: np.ndarray, k: int, n_classes: int, *, dtype: type | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(tag, class) pairs, each once, put in order of tag then class. Pairs come class
-    after class (the classes' batches): one ``np.sort`` of the pairs packed into one
-    int64 (:func:`packed_keys`; the pairs are distinct, so the order is the stable
-    one), or a stable sort by tag where they do not fit; otherwise as they are
-    (:meth:`_RankClasses.labels` sorts them)."""
+    after class (the classes' batches), so a stable counting sort by tag orders them:
+    each pair goes to its tag's first slot (a count per tag, no sort), and only the pairs
+    of tags several classes need (at chunk boundaries, usually few) are ordered among
+    themselves, by a stable sort. Where tags are not in [0, k) or k is large beside the
+    pairs, one stable sort of the tags; otherwise, as they are (:meth:`_RankClasses.labels` sorts them).
+    ``dtype``: of both arrays returned (by default, each its own), written as they are placed."""
     if len(tags) < 2 or not ascending(classes) or tag_major(tags, classes, n_classes):
-        return tags, classes
-    packed = packed_keys(tags, classes, n_classes)
-    if packed is None or (len(classes) and int(classes.min()) < 0):
+        return tags.astype(dtype or tags.dtype, copy=False), classes.astype(dtype or classes.dtype, copy=False)
+    if int(tags.min()) < 0 or int(tags.max()) >= k or k > 8 * len(tags) + (1 << 22):  # no table of every tag
         order = stable_order(tags)
-        return tags[order], classes[order]
-    packed.sort()
-    bits = max(n_classes - 1, 1).bit_length()
-    out_cls = packed & ((1 << bits) - 1)
-    packed >>= bits
-    packed += int(tags.min())
-    return packed.astype(tags.dtype, copy=False), out_cls.astype(classes.dtype, copy=False)
+        return tags[order].astype(dtype or tags.dtype, copy=False), classes[order].astype(
+            dtype or classes.dtype, copy=False
+        )
+    counts = np.bincount(tags, minlength=k)
+    multi = counts > 1  # a table of flags: one byte a tag
+    if not bool((counts > 2).any()):  # one class, or two at a chunk boundary: no sort
+        np.cumsum(counts, out=counts)  # in place: each tag's end slot
+        at = counts[tags]
+        at -= 1  # the last slot of the pair's tag; the earlier class of two goes one slot back
+        several = np.flatnonzero(multi[tags])
+        if len(several):
+            t = tags[several]
+            first_cls = np.full(k, np.iinfo(classes.dtype).max, classes.dtype)
+            np.minimum.at(first_cls, t, classes[several])
+            at[several] -= classes[several] == first_cls[t]
+    else:  # the n-th pair of a tag (in class order) goes n slots on from the tag's first
+        pos = np.zeros(k, np.int64)
+        np.cumsum(counts[:-1], out=pos[1:])
+        at = pos[tags]
+        several = np.flatnonzero(multi[tags])
+        several = several[stable_order(tags[several])]
+        t = tags[several]
+        step = np.arange(len(several), dtype=np.int64)
+        head = np.r_[True, t[1:] != t[:-1]]
+        at[several] += step - np.maximum.accumulate(np.where(head, step, 0))
+    out_tags, out_cls = np.empty(len(tags), dtype or tags.dtype), np.empty(len(classes), dtype or classes.dtype)
+    out_tags[at] = tags  # a scatter, cheaper than np.repeat by counts
+    out_cls[at] = classes
+    return out_tags, out_cls
 
 
 def class_major(classes: np.ndarray, tags: np.ndarray) -> bool:
@@ -95,7 +119,7 @@ def tag_major(tags: np.ndarray, classes: np.ndarray, n_classes: int) -> bool:
         return True
     if int(classes.min()) >= 0 and int(classes.max()) < n_classes:
         return lex_ascending(tags, classes)
-    return ascending(tags * n_classes + classes)
+    return ascending(tags.astype(np.int64) * n_classes + classes)
 
 
 def rows_at(
@@ -161,7 +185,7 @@ _EMPTY = np.zeros(0, np.int64)
 
 
 #: Stored rows examined at once when indexing them (bounds the memory of the pass)
-_ROW_BATCH = 1 << 20
+_ROW_BATCH = 1 << 16
 
 
 def _rank_runs(entries: Sequence[TensorBoxes], limit: int) -> list[tuple[int, int]]:
@@ -313,9 +337,11 @@ class CutIndex:
     extents: np.ndarray  # int64 (names, width)
     starts: np.ndarray  # (N,) sorted, on the line
     ends: np.ndarray  # (N,)
-    rows: np.ndarray  # (N,) the stored row of each interval
+    rows: np.ndarray | None  # (N,) the stored row of each interval; None: interval i is row i
     ends_upto: np.ndarray | None  # (line,) intervals ending at or before x
-    starts_upto: np.ndarray | None  # (line,) intervals starting at or before x
+    #: (line,) intervals starting at or before x; None with ``ends_upto`` where every
+    #: tensor indexed is tiled (then inside a tensor it is ``ends_upto`` + 1)
+    starts_upto: np.ndarray | None
 
     @classmethod
     def build(
@@ -332,9 +358,11 @@ class CutIndex:
         if bound >= 1 << 62:
             return None
         dtype = np.int32 if bound < 1 << 31 and int(fstart[-1]) < 1 << 31 else np.int64
-        # every interval written in place (at most one per row; pages past the last never touched)
+        # every interval written in place (at most one per row; pages past the last never touched);
+        # rows only once they are not the stored rows in order (the usual layout: never)
         starts, ends, rows = (np.empty(int(fstart[-1]), dtype) for _ in range(3))
         n = line = 0
+        in_order = True
         for a, b in _rank_runs(entries, _ROW_BATCH):
             ts = np.array(used[a:b], np.int64)
             ok, k, s, e, (row, tensor), tiled[ts] = _cut_rows(entries[a:b], extents[ts])
@@ -346,24 +374,32 @@ class CutIndex:
             shift = base[ts][tensor]
             np.add(s, shift, out=starts[at:n], casting="unsafe")  # values below ``bound``
             np.add(e, shift, out=ends[at:n], casting="unsafe")
-            np.add(row, fstart[a], out=rows[at:n], casting="unsafe")
+            if in_order and (len(row) != int(fstart[b] - fstart[a]) or not ascending(row)):
+                in_order = False  # distinct rows of the run, every one, ascending: rows at..n - 1
+                rows[:at] = np.arange(at, dtype=dtype)
+            if not in_order:
+                np.add(row, fstart[a], out=rows[at:n], casting="unsafe")
         if not eligible.any():
             return None
         ext = extents[np.arange(n_names), cut]
         other = np.where(ext > 0, row_products(extents) // np.maximum(ext, 1), 0)
-        starts, ends, rows = starts[:n], ends[:n], rows[:n]
+        starts, ends = starts[:n], ends[:n]
         ends_upto = starts_upto = None
         if line <= 4 * len(starts) + (1 << 22):  # dense tables: a lookup each instead of binary searches
             ends_upto = _upto(ends, line, dtype)
-            starts_upto = _upto(starts, line, dtype)
-        return cls(eligible, tiled, cut, base, other, extents, starts, ends, rows, ends_upto, starts_upto)
+            # where every tensor indexed is tiled, a place inside one lies in exactly one interval:
+            # intervals starting at or before it are those ending at or before it, plus one
+            starts_upto = None if bool(tiled[eligible].all()) else _upto(starts, line, dtype)
+        row_of = None if in_order else rows[:n]
+        return cls(eligible, tiled, cut, base, other, extents, starts, ends, row_of, ends_upto, starts_upto)
 
     def pairs(
-        self, tids: np.ndarray, off: np.ndarray, lens: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        self, tids: np.ndarray, off: np.ndarray, lens: np.ndarray, *, elements: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
         """For boxes (tensor, (B, width) offsets, lengths): (box, stored row, shared
         elements) of every pair met, for the boxes it can match, and a mask of the
-        boxes it cannot (for the general test)."""
+        boxes it cannot (for the general test). ``elements=False``: None for the shared
+        elements (not computed)."""
         ok = self.eligible[tids]
         k = self.cut[tids]
         uniform = bool(len(k)) and bool((k == k[0]).all())
@@ -387,17 +423,23 @@ class CutIndex:
             q = np.flatnonzero(live)
             lo = self.base[tids[q]] + s[q]
             hi = lo + n[q]
-        if self.ends_upto is not None and self.starts_upto is not None:
+        if self.ends_upto is not None:
             first = self.ends_upto[lo]
-            width = self.starts_upto[hi - 1] - first
+            if self.starts_upto is None:  # every tensor tiled: hi - 1 lies in one interval of its tensor
+                width = self.ends_upto[hi - 1] + 1
+                width -= first
+            else:
+                width = self.starts_upto[hi - 1] - first
         else:
             first = np.searchsorted(self.ends, lo, side="right")
             width = np.searchsorted(self.starts, hi, side="left") - first
+        span: np.ndarray | None = None
         if bool((width == 1).all()):  # one stored row each (the same layout): no gathers by query
             pos = first
-            span = np.minimum(hi, self.ends[pos]) - np.maximum(lo, self.starts[pos])
             box = np.arange(len(width)) if q is None else q
-            box_t = tids if q is None else tids[box]
+            if elements:
+                span = np.minimum(hi, self.ends[pos]) - np.maximum(lo, self.starts[pos])
+                span *= self.other[tids if q is None else tids[box]]
         else:
             # every (box, row) pair of the windows: positions first, first + 1, ... of each
             # box, one repeat each (no step array summed), box bounds repeated, not gathered
@@ -407,11 +449,13 @@ class CutIndex:
             pos = np.repeat(first - heads, width)
             pos += np.arange(len(pos), dtype=np.int64)
             qi = np.repeat(np.arange(len(width)), width)
-            span = np.minimum(np.repeat(hi, width), np.take(self.ends, pos))
-            span -= np.maximum(np.repeat(lo, width), np.take(self.starts, pos))
             box = qi if q is None else q[qi]
-            box_t = tids[box]
-        return box, self.rows[pos], span * self.other[box_t], ~ok
+            if elements:
+                span = np.minimum(np.repeat(hi, width), np.take(self.ends, pos))
+                span -= np.maximum(np.repeat(lo, width), np.take(self.starts, pos))
+                span *= self.other[tids[box]]
+        rows = pos.astype(self.starts.dtype, copy=False) if self.rows is None else self.rows[pos]
+        return box, rows, span, ~ok
 
 
 def _upto(points: np.ndarray, line: int, dtype: type) -> np.ndarray:

@@ -87,19 +87,33 @@ def choose_owners(
     return owners
 
 
+def narrow_stable_order(keys: np.ndarray) -> np.ndarray:
+    """``stable_order(keys)`` of int keys; where they span fewer than 2**16 values (owner
+    ranks, rank classes), one ``np.argsort`` of ``keys - min`` as uint16, kind
+    "stable": numpy's radix sort for 16-bit keys, a few times faster at millions than a
+    sort of int64 keys packed with their positions."""
+    if len(keys) < 2:
+        return np.arange(len(keys))
+    lo, hi = int(keys.min()), int(keys.max())
+    if hi - lo >= 1 << 16:
+        return stable_order(keys)
+    small = np.subtract(keys, lo, dtype=np.int64) if lo else keys
+    return np.argsort(small.astype(np.uint16), kind="stable")
+
+
 def _group_order(group: np.ndarray, pair_starts: np.ndarray, class_tags: np.ndarray | None) -> np.ndarray:
     """``stable_order(group)``: fragments by label, tag order within. A fragment one
     class needs is labelled by that class (below every other label), so where the pairs'
     tags are at hand class by class those fragments come in that order already: only
     the fragments of several classes are sorted (at a chunk boundary, a few)."""
     if class_tags is None:
-        return stable_order(group)
+        return narrow_stable_order(group)
     several = np.flatnonzero(np.diff(pair_starts) > 1)
     if not len(several):
         return class_tags
     alone = np.ones(len(group), bool)
     alone[several] = False
-    return np.concatenate((class_tags[alone[class_tags]], several[stable_order(group[several])]))
+    return np.concatenate((class_tags[alone[class_tags]], several[narrow_stable_order(group[several])]))
 
 
 def _water_level(have: list[int], total: int) -> float:

@@ -22,7 +22,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from bcp.errors import CheckpointError
-from bcp.metadata.geometry import Box, expand_windows, stable_order
+from bcp.gc_pause import gc_paused
+from bcp.io_scheduler.share_owners import narrow_stable_order
+from bcp.metadata.geometry import Box, expand_windows
 
 SharedKey = tuple[str, Box]
 
@@ -175,18 +177,21 @@ def _sent_by_owner(
     span = max(world, int(owners.max()) + 1) if len(owners) else world  # ranks past ``world`` own nothing here
     obounds = np.zeros(span + 1, np.int64)
     np.cumsum(np.bincount(owners, minlength=span), out=obounds[1:])
-    by_owner = stable_order(owners)
-    per_tag = np.diff(pair_starts)[by_owner]
-    sstarts = np.zeros(len(by_owner) + 1, np.int64)
+    by_owner = narrow_stable_order(owners)
+    first = pair_starts[:-1][by_owner]  # each tag's first pair, tags by owner
+    per_tag = pair_starts[1:][by_owner]
+    per_tag -= first
+    del by_owner
+    sstarts = np.zeros(len(first) + 1, np.int64)
     np.cumsum(per_tag, out=sstarts[1:])
     n = int(sstarts[-1])
-    pos = np.repeat(pair_starts[by_owner] - sstarts[:-1], per_tag)  # each tag's classes, tags by owner
-    del by_owner, per_tag
-    pos += np.arange(n, dtype=np.int64)
-    key = pair_classes[pos].astype(np.int64)
-    del pos
-    per_owner = np.diff(sstarts[obounds])
-    key += np.repeat(np.arange(span, dtype=np.int64) * n_classes, per_owner)  # (owner, class)
+    key = pair_classes[_windows(first, per_tag, sstarts, n)]  # each tag's classes, tags by owner
+    del first, per_tag
+    if key.dtype != np.int64:
+        key = key.astype(np.int64)
+    pairs_at = sstarts[obounds].tolist()  # each owner's pairs: key[pairs_at[o]:pairs_at[o + 1]]
+    for o in np.flatnonzero(np.diff(obounds)).tolist():  # (owner, class), in place: no array as long as the pairs
+        key[pairs_at[o] : pairs_at[o + 1]] += o * n_classes
     bound = span * n_classes
     if n and bound <= 8 * n + _TABLE_SLACK:
         seen = np.zeros(bound, bool)
@@ -195,18 +200,40 @@ def _sent_by_owner(
         uniq = np.flatnonzero(seen)
         del seen
         local = number[key].astype(np.int64)
-        local -= 1
         del number
+        local -= 1
     else:
         uniq, inverse = np.unique(key, return_inverse=True)
         local = inverse.reshape(-1).astype(np.int64, copy=False)
     del key
     ubounds = np.searchsorted(uniq, np.arange(span + 1, dtype=np.int64) * n_classes)
-    local -= np.repeat(ubounds[:-1], per_owner)  # numbered from 0 per owner
+    for o in np.flatnonzero(np.diff(obounds)).tolist():  # numbered from 0 per owner
+        local[pairs_at[o] : pairs_at[o + 1]] -= int(ubounds[o])
     at = obounds[: world + 1]
     return at.tolist(), sstarts, local, ubounds[: world + 1].tolist(), uniq % max(n_classes, 1)
 
 
+def _windows(first: np.ndarray, width: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
+    """Positions first[i], first[i] + 1, ... first[i] + width[i] - 1 of every i, in that
+    order (``starts``: the running sum of ``width``, ``n`` its total): ``first`` itself
+    where every width is 1, else one array of steps summed in place (no repeat nor
+    arange as long as the positions)."""
+    if n == len(first) and bool((width == 1).all()):
+        return first
+    if not bool((width > 0).all()):
+        return np.repeat(first - starts[:-1], width) + np.arange(n, dtype=np.int64)
+    pos = np.ones(n, np.int64)  # +1 inside a window, a jump at each window's head
+    if n:
+        jump = first.copy()
+        jump[1:] -= first[:-1]
+        jump[1:] -= width[:-1]
+        jump[1:] += 1
+        pos[starts[:-1]] = jump
+        np.cumsum(pos, out=pos)
+    return pos
+
+
+@gc_paused  # as inside the load that calls it: a part per rank, the caller's heap not walked
 def class_parts(
     world: int,
     tensors: np.ndarray,
@@ -224,13 +251,13 @@ def class_parts(
     ``class_tags``: the pairs' tags in order of class then tag, where the caller has
     them (saves sorting the pairs back by class)."""
     n_classes = int(rank_class.max()) + 1 if len(rank_class) else 0
-    members = stable_order(rank_class).astype(np.int64)  # ranks by class, ascending within
+    members = narrow_stable_order(rank_class).astype(np.int64)  # ranks by class, ascending within
     sizes = np.bincount(rank_class, minlength=n_classes).astype(np.int64)
     mstarts = np.r_[0, np.cumsum(sizes)].astype(np.int64)
     k = len(owners)
     if class_tags is None:
         tag_of_pair = np.repeat(np.arange(k, dtype=np.int64), np.diff(pair_starts))
-        by_class = stable_order(pair_classes)  # pairs by class, tag order within
+        by_class = narrow_stable_order(pair_classes)  # pairs by class, tag order within
         class_tags = tag_of_pair[by_class]
         del tag_of_pair, by_class
     cbounds = np.r_[0, np.cumsum(np.bincount(pair_classes, minlength=n_classes))].tolist()
