@@ -54,16 +54,22 @@ def matched(reader, template, strict: bool) -> tuple | str:
         return str(e)
 
 
+def _saved(specs, name: str) -> tuple[dict, str]:
+    """The stored state of ``specs`` (zeros) and an object, saved to a new memory root."""
+    stored: dict = {f"t{i}": torch.zeros(shape, dtype=dtype) for i, (dtype, shape, _how) in enumerate(specs)}
+    stored["obj"] = {"lr": 0.1}
+    uri = f"memory://{name}-{uuid.uuid4().hex[:8]}/ck"
+    bcp.save(stored, uri)
+    return stored, uri
+
+
 @settings(max_examples=40, deadline=None)
 @given(specs=leaf_specs, strict=st.booleans(), extra=st.booleans())
 def test_matching_plain_tensors_equals_the_general_path(specs, strict, extra):
     """Every kind of plain leaf (match, cast, shape mismatch, Parameter, grad, missing,
     an object where a tensor is stored, an extra key): the plan, or the mismatch error,
     is what matching every leaf through local_pieces gives."""
-    stored = {f"t{i}": torch.zeros(shape, dtype=dtype) for i, (dtype, shape, _how) in enumerate(specs)}
-    stored["obj"] = {"lr": 0.1}
-    uri = f"memory://match-fast-{uuid.uuid4().hex[:8]}/ck"
-    bcp.save(stored, uri)
+    _stored, uri = _saved(specs, "match-fast")
     template: dict = {}
     for i, (dtype, shape, how) in enumerate(specs):
         key = f"t{i}"
@@ -191,10 +197,7 @@ def test_unexpected_keys_are_the_stored_keys_no_leaf_claims(specs, extra, drop_o
     """A non-strict load's ``unexpected`` (no lookup a stored key now when the leaves
     claimed as many keys as are stored) is every stored key the template does not hold,
     in stored order; a plain leaf's box is the stored shape, plain ints (no torch.Size)."""
-    stored = {f"t{i}": torch.zeros(shape, dtype=dtype) for i, (dtype, shape, _how) in enumerate(specs)}
-    stored["obj"] = {"lr": 0.1}
-    uri = f"memory://match-unexpected-{uuid.uuid4().hex[:8]}/ck"
-    bcp.save(stored, uri)
+    stored, uri = _saved(specs, "match-unexpected")
     template: dict = {}
     for i, (dtype, shape, how) in enumerate(specs):
         if how not in ("absent", "shape"):  # a shape mismatch raises even when not strict
