@@ -194,8 +194,6 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     uniform = bool((classes.sizes == classes.sizes[0]).all())
     lone = uniform and int(classes.sizes[0]) == 1
     found, left, one_box, full = _match(reps, index, ndim_of, width, columns=not lone, rows=n_frags)
-    if not full and not one_box:  # two boxes of a tensor in a class: pairs counted once, by class
-        found, left, _one, full = _match(reps, index, ndim_of, width, columns=True)
     wait = not full
     if not wait:
         index = None  # the line's tables: not needed past the matching
@@ -291,8 +289,9 @@ def _match(
     batch (row, class, shared elements) of every pair met, the boxes left for the
     general test (tensor, offsets, lengths, class), whether no class wants two boxes of
     one tensor, and whether the classes and elements were computed. ``columns=False``:
-    None for them, until a stored row (of ``rows``) is met twice by the cut index (then
-    every batch is matched again with them, so that they are not matched a third time)."""
+    None for them, until a stored row (of ``rows``) is met twice by the cut index or a
+    class wants two boxes of a tensor (pairs then counted once, by class): every batch is
+    then matched again with them, so that they are not matched a third time."""
     one_box = True
     found: list[tuple[np.ndarray, Any, Any]] = []
     left: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -303,6 +302,9 @@ def _match(
         tids = np.concatenate([reps[c].tensors for c in range(lo, hi)]).astype(np.int64)
         cls = np.repeat(np.arange(lo, hi, dtype=np.int32), [len(reps[c].tensors) for c in range(lo, hi)])
         one_box = one_box and one_box_per_tensor(tids, cls)
+        if not (columns or one_box):
+            del found, left
+            return _match(reps, index, ndim_of, width, columns=True)
         offs = [reps[c].offsets for c in range(lo, hi)]
         b_off, b_len = padded_boxes(tids, ndim_of, offs, [reps[c].lengths for c in range(lo, hi)], width)
         if index is None:
