@@ -268,14 +268,28 @@ def sweep_windows(
 def expand_windows(first: np.ndarray, width: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every (query, position) pair of the windows of :func:`sweep_windows`: query i
     with positions first[i], first[i] + 1, ... first[i] + width[i] - 1, in that order."""
-    n = int(width.sum())
-    qi = np.repeat(np.arange(len(width)), width)
-    step = np.ones(n, np.int64)  # +1 inside a window, a jump at each window's head
-    heads = np.cumsum(width) - width
+    return np.repeat(np.arange(len(width)), width), window_positions(first, width)
+
+
+def window_positions(first: np.ndarray, width: np.ndarray, heads: np.ndarray | None = None) -> np.ndarray:
+    """Positions first[i], first[i] + 1, ... first[i] + width[i] - 1 of every i, in that
+    order (``heads``: where each window starts in the result, the running sum of
+    ``width`` less it, if at hand): one int64 array of steps summed in place, +1 inside
+    a window and a jump at each window's head (no repeat or arange as long as the result)."""
+    if heads is None:
+        heads = np.cumsum(width) - width
+    pos = np.ones(int(width.sum()), np.int64)
     nonempty = width > 0
-    f_first = first[nonempty]
-    step[heads[nonempty]] = f_first - np.r_[-1, (f_first + width[nonempty] - 1)[:-1]]
-    return qi, np.cumsum(step) - 1
+    if not nonempty.all():
+        first, width, heads = first[nonempty], width[nonempty], heads[nonempty]
+    if len(first):
+        jump = first.astype(np.int64)
+        jump[1:] -= first[:-1]
+        jump[1:] -= width[:-1]
+        jump[1:] += 1
+        pos[heads] = jump
+        np.cumsum(pos, out=pos)
+    return pos
 
 
 def _self_window(offs: np.ndarray, lens: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:

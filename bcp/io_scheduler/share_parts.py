@@ -24,7 +24,7 @@ import numpy as np
 from bcp.errors import CheckpointError
 from bcp.gc_pause import gc_paused
 from bcp.io_scheduler.share_owners import narrow_stable_order
-from bcp.metadata.geometry import Box, expand_windows
+from bcp.metadata.geometry import Box, window_positions
 
 SharedKey = tuple[str, Box]
 
@@ -36,7 +36,7 @@ def _expand(values: np.ndarray, starts: np.ndarray, which: np.ndarray) -> tuple[
     """``values[starts[i]:starts[i + 1]]`` for each i of ``which``, flat, and each
     one's count."""
     n = starts[which + 1] - starts[which]
-    _q, pos = expand_windows(starts[which].astype(np.int64), n.astype(np.int64))
+    pos = window_positions(starts[which].astype(np.int64), n.astype(np.int64))
     return values[pos], n
 
 
@@ -214,23 +214,11 @@ def _sent_by_owner(
 
 
 def _windows(first: np.ndarray, width: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
-    """Positions first[i], first[i] + 1, ... first[i] + width[i] - 1 of every i, in that
-    order (``starts``: the running sum of ``width``, ``n`` its total): ``first`` itself
-    where every width is 1, else one array of steps summed in place (no repeat nor
-    arange as long as the positions)."""
+    """:func:`~bcp.metadata.geometry.window_positions` (``starts``: the running sum of
+    ``width``, ``n`` its total), or ``first`` itself where every width is 1 (no copy)."""
     if n == len(first) and bool((width == 1).all()):
         return first
-    if not bool((width > 0).all()):
-        return np.repeat(first - starts[:-1], width) + np.arange(n, dtype=np.int64)
-    pos = np.ones(n, np.int64)  # +1 inside a window, a jump at each window's head
-    if n:
-        jump = first.copy()
-        jump[1:] -= first[:-1]
-        jump[1:] -= width[:-1]
-        jump[1:] += 1
-        pos[starts[:-1]] = jump
-        np.cumsum(pos, out=pos)
-    return pos
+    return window_positions(first, width, starts[:-1])
 
 
 @gc_paused  # as inside the load that calls it: a part per rank, the caller's heap not walked
