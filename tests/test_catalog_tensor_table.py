@@ -115,3 +115,41 @@ def test_the_decode_agrees_with_the_loop_it_replaced(case):
     exact = [[math.prod(s[d + 1 :]) for d in range(len(s))] for s in want.shapes]
     assert a.strides.tolist() == [min(x, MAX_TENSOR_BYTES) for row in exact for x in row]
     assert a.numel.tolist() == [min(math.prod(s), MAX_TENSOR_BYTES) for s in want.shapes]
+
+
+def _first_seen_reference(codes: list[int], values: list[str]) -> tuple[list[int], dict[str, int]]:
+    """Codes renumbered in order of first use, by a pass over the rows."""
+    new: dict[int, int] = {}
+    out = [new.setdefault(c, len(new)) for c in codes]
+    return out, {values[c]: k for c, k in new.items()}
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(st.integers(1, 6).flatmap(lambda k: st.tuples(st.just(k), st.lists(st.integers(0, k - 1), max_size=40))))
+def test_first_seen_agrees_with_a_pass_over_the_rows(case):
+    """first_seen's codes and words are a pass's over the rows, in whatever order the
+    codes come; codes already in order of first use (a head's dictionary-encoded key
+    paths, one a tensor) are that pass's too (the shortcut that skips the sort)."""
+    from bcp.metadata.catalog.tensors import first_seen
+
+    k, codes = case
+    values = [f"w{i}" for i in range(k)]
+    for rows in (codes, _first_seen_reference(codes, values)[0]):  # as drawn, and already in order
+        got_codes, got_words = first_seen(np.asarray(rows, np.int64), values)
+        want_codes, want_words = _first_seen_reference(rows, values)
+        assert got_codes.dtype == np.int64 and got_codes.tolist() == want_codes
+        assert got_words == want_words and list(got_words.values()) == list(range(len(want_words)))
+
+
+def test_codes_already_in_order_of_first_use_are_kept_as_they_are():
+    """A head of tensors each with a key path of its own: its codes are in order of
+    first use already (Arrow's dictionary encoding), so no sort renumbers them and no
+    array is made (failed before: a new array, from np.unique and two argsorts)."""
+    from bcp.metadata.catalog.tensors import first_seen
+
+    codes = np.array([0, 1, 0, 2, 3, 1, 4], np.int64)
+    got, words = first_seen(codes, ["a", "b", "c", "d", "e", "unused"])
+    assert got is codes and words == {"a": 0, "b": 1, "c": 2, "d": 3, "e": 4}
+    names = [f"t{i}" for i in range(50)]
+    table = tensor_table(_table(names, [f'[["d", "{n}"]]' for n in names], ["float32"] * 50, [(3,)] * 50), "where")
+    assert table.key_paths == [f'[["d", "{n}"]]' for n in names] and table.arrays.kp.tolist() == list(range(50))

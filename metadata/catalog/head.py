@@ -192,6 +192,8 @@ def _names(column: pa.ChunkedArray, where: str) -> tuple[list[str], dict[str, in
 
 def _take(values: list[str], codes: np.ndarray) -> list[str]:
     """``[values[c] for c in codes]`` in one numpy gather (the strings shared, not copied)."""
+    if len(codes) == len(values) and (codes == np.arange(len(codes))).all():
+        return list(values)  # each value once, in order: a distinct key path a tensor
     words = np.empty(len(values), dtype=object)
     words[:] = values
     return words[codes].tolist()

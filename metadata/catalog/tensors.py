@@ -122,6 +122,10 @@ def first_seen(codes: np.ndarray, values: Sequence[str]) -> tuple[np.ndarray, di
     the used strings to their new codes: the same codes a pass over the rows would give."""
     if not len(codes):
         return np.zeros(0, np.int64), {}
+    reach = np.maximum.accumulate(codes)
+    if codes[0] == 0 and codes.min() >= 0 and (codes[1:] <= reach[:-1] + 1).all():  # each new code the next
+        used_n = int(reach[-1]) + 1  # (a head's dictionary-encoded column: every tensor's key path, issue 37)
+        return codes.astype(np.int64, copy=False), dict(zip(values[:used_n], range(used_n), strict=True))
     used, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
     rank = np.empty(len(used), np.int64)
     rank[np.argsort(first, kind="stable")] = np.arange(len(used))
