@@ -489,7 +489,11 @@ def test_kept_items_read_as_the_planned_ones(kinds, picks):
     assert isinstance(kept.items, KeptItems) and plans.reused == 1
     n = len(fresh.items)
     writes = np.array([p % n for p in picks] if n else [], dtype=np.int64)
-    for got, want in ((kept.items, fresh.items), (take(kept.items, writes), [fresh.items[i] for i in writes.tolist()])):
+    every = take(kept.items, np.arange(n))  # one rank writes every box: the kept items themselves, no index list
+    assert every is kept.items
+    cases = [(kept.items, fresh.items), (take(kept.items, writes), [fresh.items[i] for i in writes.tolist()])]
+    cases.append((take(take(kept.items, writes[::-1]), np.arange(len(writes))), [fresh.items[i] for i in writes[::-1]]))
+    for got, want in cases:
         assert len(got) == len(want)
         as_list = list(got)
         assert [(i.plan, i.piece.box, i.tensor) for i in as_list] == [(i.plan, i.piece.box, i.tensor) for i in want]
