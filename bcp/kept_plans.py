@@ -59,6 +59,7 @@ from bcp.torch_dtypes import dtype_name
 #: Tensor types whose leaf is its own single piece (checked by exact type: a subclass
 #: may describe its memory otherwise, and goes through ``local_pieces``).
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+PLAIN_SET = frozenset(PLAIN_TENSORS)
 
 #: Structures kept per coordinator group (a job cycling through a few, e.g. the model
 #: alone, with its optimizer, and a benchmark's several states, hits each).
@@ -155,8 +156,12 @@ def _read_leaves(leaves: Mapping[Any, Any], rank: int) -> tuple[list, list, list
     fields)); None: a leaf could not be read (planned the usual way)."""
     plain = PLAIN_TENSORS
     every = leaves.values()
-    plain_leaves = [leaf for leaf in every if type(leaf.value) in plain]
-    tensors: list[Any] = list(map(_VALUE, plain_leaves))
+    tensors: list[Any] = list(map(_VALUE, every))
+    if set(map(type, tensors)) <= PLAIN_SET:  # every leaf a plain tensor (a model's state dict): no loop in Python
+        plain_leaves = list(every)
+    else:
+        plain_leaves = [leaf for leaf in every if type(leaf.value) in plain]
+        tensors = list(map(_VALUE, plain_leaves))
     try:
         values: list[Any] = tensors
         others: tuple[Any, ...] = ()
@@ -316,6 +321,9 @@ class KeptItems(Sequence[WriteItem]):
 def take(items: Sequence[WriteItem], writes: np.ndarray) -> Sequence[WriteItem]:
     """``[items[i] for i in writes]``, as :class:`KeptItems` (no item made) when they are."""
     if isinstance(items, KeptItems):
+        n = len(items)
+        if items._boxes is None and len(writes) == n and np.array_equal(writes, np.arange(n)):
+            return items  # every box in order (one rank writes all): no list of every index made and compared
         return items.take(writes.tolist())
     return [items[i] for i in writes.tolist()]
 

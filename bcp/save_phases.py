@@ -27,6 +27,7 @@ import datetime
 import functools
 import json
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -54,7 +55,7 @@ from bcp.coordination.collectives import Coordinator, gather_decide, run_phase
 from bcp.errors import CheckpointExistsError, CommitUncertainError, UnsupportedStateError
 from bcp.incremental import BaseRef, Reuse, hold_base, reference_entries, with_reuse
 from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline, make_pipeline
-from bcp.kept_plans import PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
+from bcp.kept_plans import PLAIN_SET, PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
 from bcp.metadata import FileEntry, Fragment, Manifest, ObjectEntry
 from bcp.metadata.keys import catalog_key, data_file_key, generation_name
 from bcp.options import SaveOptions
@@ -66,6 +67,8 @@ from bcp.shards import PerRank
 from bcp.state import flatten_state, path_to_json
 
 log = logging.getLogger(__name__)
+
+_VALUE = operator.attrgetter("value")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +129,8 @@ def prepare_save(
     ``bcp.kept_plans``; ``piece_bytes``: an incremental save's pieces, ``bcp.pieces``)."""
     leaves = flatten_state(state)
     objects: dict[str, LocalObject] = {}
-    for leaf in leaves.values():
+    every = leaves.values()
+    for leaf in every if not set(map(type, map(_VALUE, every))) <= PLAIN_SET else ():  # none: no loop in Python
         if type(leaf.value) not in PLAIN_TENSORS and not leaf.is_tensor:
             per_rank = isinstance(leaf.value, PerRank)
             value = leaf.value.value if per_rank else leaf.value

@@ -16,11 +16,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
-import dataclasses
 import functools
 import json
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from itertools import repeat
+from typing import Any, NamedTuple
 
 import torch
 
@@ -76,11 +76,10 @@ def path_to_str(path: KeyPath) -> str:
     return _PATH_ENCODER.encode(path_to_json(path))
 
 
-@dataclasses.dataclass(slots=True)
-class Leaf:
-    """One leaf of a flattened state. Not frozen: a frozen dataclass's ``__init__`` sets
-    each field through ``object.__setattr__`` (4x the cost, paid for every tensor of every
-    save and load); nothing changes a leaf once made."""
+class Leaf(NamedTuple):
+    """One leaf of a flattened state: a tuple, so that a dict of plain tensors has its
+    leaves made by C loops (:func:`_walk_str_keys`, no Python call a tensor: flattening
+    runs for every tensor of every save and load); nothing changes a leaf once made."""
 
     fqn: str
     path: KeyPath
@@ -155,6 +154,8 @@ def _walk_children(container: Any, path: KeyPath, leaves: dict[str, Leaf], fqn: 
 
 
 _STR_ONLY = {str}
+#: ``tuple.__new__``: a :class:`Leaf` from a (fqn, path, value) tuple, in C
+_NEW = tuple.__new__
 #: dicts walked by ``_walk_str_keys``: exact types (a subclass may be anything, RankValues
 #: among them), keys all ``str`` or all ``int`` (no two of which flatten to one name)
 _PLAIN_DICTS = (dict, collections.OrderedDict)
@@ -170,7 +171,12 @@ def _walk_str_keys(container: dict[Any, Any], path: KeyPath, leaves: dict[str, L
     place (:func:`_children`)."""
     plain = _PLAIN_TENSORS
     _keys, names, paths = _children(container, path, fqn)
-    for child, child_path, value in zip(names, paths, container.values(), strict=True):
+    values = container.values()
+    if set(map(type, values)) <= _PLAIN_SET and leaves.keys().isdisjoint(names):
+        # every value a plain tensor, no name taken yet: the leaves made and stored by C loops
+        leaves.update(zip(names, map(_NEW, repeat(Leaf), zip(names, paths, values, strict=True)), strict=True))
+        return
+    for child, child_path, value in zip(names, paths, values, strict=True):
         if type(value) in plain and child not in leaves:
             leaves[child] = Leaf(child, child_path, value)
         else:

@@ -26,7 +26,6 @@ from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from bcp import trace
@@ -39,7 +38,7 @@ from bcp.io_scheduler.staging import Slab, StagingPool, default_pool
 from bcp.metadata import FileEntry, block_checksums, digest_of_checksums
 from bcp.metadata.checksum import crc32c_raw
 from bcp.planning import TensorPlan
-from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
+from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport, report_rows
 from bcp.shards import Piece
 from bcp.tensor_io import flat_bytes, host_contiguous
 
@@ -117,7 +116,8 @@ class WritePipeline:
         self._pending: list[Chunk] = []
         #: write in batches from the tensors' memory (decided when the writer opens)
         self.batched = False
-        self._uses_left: dict[int, int] = {}
+        #: per item, the segments still to stage (None: not read yet, :meth:`_uses`)
+        self._uses_left: dict[int, int] | None = None
         #: device-to-host copies; "the call" is now (this runs in the caller's thread)
         self.copies = DeviceCopies()
         self.copies.start(self.plan.devices)
@@ -196,7 +196,7 @@ class WritePipeline:
                 self.streams = min(self.streams, BATCH_STREAMS)
                 self._queue = queue.Queue(maxsize=BATCH_AHEAD)  # no writer has started yet
             self._pending = self.chunks()
-            self._uses_left = count_uses(self._pending) if self.batched else dict(self.plan.uses)
+            self._uses_left = count_uses(self._pending) if self.batched else None  # else copied when first read
             if not self.stage_all:
                 self._start_writers()
         staged = trace.span("stage")
@@ -332,7 +332,7 @@ class WritePipeline:
                 array = self._arrays.get(seg.item)
                 if array is None and dense is not None and dense[seg.item]:
                     array = self._host_array(seg.item)
-                    if self._uses_left[seg.item] > 1:  # read by a later chunk too
+                    if self._uses()[seg.item] > 1:  # read by a later chunk too
                         self._arrays[seg.item] = array
                 elif array is None:
                     source = self.sources[seg.item]
@@ -394,7 +394,7 @@ class WritePipeline:
         """A batch: its segments' bytes as views of the sources' memory (no copy), with
         the zeros of the padding between them."""
         views, parts, cursor = [], [], 0
-        dense, nbytes, uses = self.plan.host_dense, self.item_nbytes, self._uses_left
+        dense, nbytes, uses = self.plan.host_dense, self.item_nbytes, self._uses()
         for seg in chunk.segments:
             item = seg.item
             array = self._arrays.get(item)
@@ -413,10 +413,17 @@ class WritePipeline:
             cursor = seg.at + seg.nbytes
         return StagedChunk(chunk, None, _RELEASED, [], views, parts)
 
+    def _uses(self) -> dict[int, int]:
+        """:attr:`_uses_left`, copied from the plan's counts when first read (a save whose
+        chunks are all staged by their runs never reads it: no dict of every item a call)."""
+        if self._uses_left is None:
+            self._uses_left = dict(self.plan.uses)
+        return self._uses_left
+
     def _forget_sources(self, chunk: Chunk) -> None:
         """Drop a source once its last chunk is staged (a device temporary's memory
         returns to the allocator, reusable only behind the side stream's copies)."""
-        uses = self._uses_left
+        uses = self._uses()
         for seg in chunk.segments:
             left = uses[seg.item] = uses[seg.item] - 1
             if not left:
@@ -504,7 +511,11 @@ class WritePipeline:
         try:
             if self.size == 0:
                 writer.write_at(0, b"")
-            rows, file_sums = self._rows()
+            layout, items = self.file_layout, self.plan.released  # the items' plans and boxes, made with the plan
+            rows, file_sums = report_rows(
+                self.checksums, layout.unique, layout.offsets, layout.source, items, self.item_nbytes
+            )
+            self.checksums = {}  # let go here, not in the caller of a later save that drops this one
             with trace.span("durable", self.size):
                 writer.commit()
         except BaseException:
@@ -518,32 +529,6 @@ class WritePipeline:
     def abort(self) -> None:
         if self._writer is not None:
             self._writer.abort()
-
-    def _rows(self) -> tuple[pa.Table, list[int]]:
-        """This file's fragment rows (one per item, in item order) and its checksums in file order."""
-        pieces: dict[int, list[tuple[int, list[int]]]] = {item: [] for item in self.unique}
-        for (item, start), sums in self.checksums.items():
-            pieces[item].append((start, sums))
-        sums_of: dict[int, list[int]] = {}
-        for item, parts in pieces.items():
-            parts.sort()
-            sums_of[item] = [c for _start, part in parts for c in part]
-        file_sums = [c for item in sorted(self.unique, key=lambda i: self.offsets[i]) for c in sums_of[item]]
-        items = self.plan.released  # the items' plans and boxes, made once with the plan
-        boxes = [item.piece.box for item in items]
-        sources = self.file_layout.source
-        rows = pa.table(
-            [
-                pa.array(np.fromiter((item.tensor for item in items), np.int32, len(items))),
-                pa.array([b[0] for b in boxes], pa.list_(pa.int64())),
-                pa.array([b[1] for b in boxes], pa.list_(pa.int64())),
-                pa.array([self.offsets[s] for s in sources], pa.int64()),
-                pa.array(self.item_nbytes, pa.int64()),
-                pa.array([sums_of[s] for s in sources], pa.list_(pa.uint32())),
-            ],
-            schema=REPORT_SCHEMA,
-        )
-        return rows, file_sums
 
 
 class StagingFull(Exception):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -38,6 +39,42 @@ REPORT_SCHEMA = pa.schema(
         pa.field("checksums", pa.list_(pa.uint32()), nullable=False),
     ]
 )
+
+
+def report_rows(
+    checksums: Mapping[tuple[int, int], list[int]],
+    unique: Sequence[int],
+    offsets: Sequence[int],
+    source: Sequence[int],
+    items: Sequence[Any],
+    item_nbytes: Sequence[int],
+) -> tuple[pa.Table, list[int]]:
+    """A data file's fragment rows (REPORT_SCHEMA, one per item in item order) and its
+    checksums in file order, from the writers' block checksums by (item, byte offset in
+    it) of the items with bytes of their own (``unique``; ``source``: the item whose bytes
+    each item's are, ``offsets``: where each lies in the file); ``items``: the write items
+    (``tensor`` index, ``piece.box``)."""
+    pieces: dict[int, list[tuple[int, list[int]]]] = {item: [] for item in unique}
+    for (item, start), sums in checksums.items():
+        pieces[item].append((start, sums))
+    sums_of: dict[int, list[int]] = {}
+    for item, parts in pieces.items():
+        parts.sort()
+        sums_of[item] = [c for _start, part in parts for c in part]
+    file_sums = [c for item in sorted(unique, key=lambda i: offsets[i]) for c in sums_of[item]]
+    boxes = [item.piece.box for item in items]
+    rows = pa.table(
+        [
+            pa.array(np.fromiter((item.tensor for item in items), np.int32, len(items))),
+            pa.array([b[0] for b in boxes], pa.list_(pa.int64())),
+            pa.array([b[1] for b in boxes], pa.list_(pa.int64())),
+            pa.array([offsets[s] for s in source], pa.int64()),
+            pa.array(item_nbytes, pa.int64()),
+            pa.array([sums_of[s] for s in source], pa.list_(pa.uint32())),
+        ],
+        schema=REPORT_SCHEMA,
+    )
+    return rows, file_sums
 
 
 @dataclasses.dataclass(frozen=True)
