@@ -318,10 +318,11 @@ def _match(
             continue
         qi, fi, elems, rest = index.pairs(tids, b_off, b_len, elements=columns)
         if mark is not None and len(fi):
+            at = fi.astype(np.intp)  # once: numpy copies int32 indices to intp at each use
             place = np.arange(1, len(fi) + 1, dtype=np.int32)
-            again = bool(mark[fi].any())
-            mark[fi] = place
-            if again or not bool((mark[fi] == place).all()):
+            again = bool(mark[at].any())
+            mark[at] = place
+            if again or not bool((mark[at] == place).all()):
                 del mark, found, left
                 return _match(reps, index, ndim_of, width, columns=True)
         found.append((fi, cls[qi] if columns else None, elems))

@@ -282,7 +282,7 @@ def _cut_rows(
     else:  # scalars: one dimension of length 1
         off, lens = np.zeros((int(counts.sum()), 1), np.int64), np.ones((int(counts.sum()), 1), np.int64)
     n_t = len(entries)
-    local = np.repeat(np.arange(n_t, dtype=np.int32 if n_t < 1 << 31 else np.int64), counts)
+    local = np.repeat(np.arange(n_t, dtype=np.intp), counts)  # intp: an index (int32 ones are copied at each use)
     live = rows_positive(lens)
     n_partial = np.zeros(n_t, np.int64)
     k = np.zeros(n_t, np.int64)
