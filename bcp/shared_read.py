@@ -46,8 +46,10 @@ from bcp.io_scheduler.share_match import (
     by_tag,
     class_major,
     general_pairs,
+    met_twice,
     one_box_per_tensor,
     padded_boxes,
+    pair_columns,
     rows_at,
     tag_major,
 )
@@ -200,10 +202,21 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     if left:
         found.append(general_pairs(entries, used, slot, fstart, shapes, extents, width, left))
         del left
-    fi = np.concatenate([f for f, _c, _e in found])
+    if wait:  # classes of one rank each: nothing shared unless some row is met twice
+        if not met_twice([f for f, _c, _e in found], n_frags):  # no joined copy of the rows met
+            return _no_plan(classes.of_rank)
+        # the same pairs, in the same order, now with their classes and elements
+        found, left, _one, full = _match(reps, index, ndim_of, width, columns=True)
+        if left:
+            found.append(general_pairs(entries, used, slot, fstart, shapes, extents, width, left))
+            del left
+        index = None
+    # as intp: numpy copies a narrower index array to intp at every gather and count by it
+    fi = np.concatenate([f for f, _c, _e in found], dtype=np.intp)
     if not len(fi):
         return _no_plan(classes.of_rank)
-    cls, elems = (np.zeros(0, np.int32), np.zeros(0, np.int64)) if wait else _pair_columns(found)
+    cls, elems = pair_columns(found, uniform)
+    del found
     # per fragment: needing ranks, and elements wanted (every rank's boxes counted)
     if one_box:
         uf, uc = fi, cls  # each (fragment, class) pair once already
@@ -213,15 +226,6 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     candidates = _met_by_several(uf, uc, classes.sizes, n_frags)
     if not len(candidates):
         return _no_plan(classes.of_rank)
-    if wait:  # the same pairs, in the same order, now with their classes and elements
-        found, left, _one, full = _match(reps, index, ndim_of, width, columns=True)
-        if left:
-            found.append(general_pairs(entries, used, slot, fstart, shapes, extents, width, left))
-            del left
-        index = None
-        cls, elems = _pair_columns(found)
-        uc = cls
-    del found
     # exact below 2**53; classes of one size: no weight per pair
     weights = elems if uniform else elems * classes.sizes[cls]
     wanted_elems: np.ndarray = np.bincount(fi, weights=weights, minlength=n_frags)
@@ -233,12 +237,13 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     item[used] = [itemsize(e.dtype) for e in entries]
     c_off, c_len = rows_at(entries, fstart, candidates, width)
     del entries  # every stored box gathered: the largest arrays of the plan
-    keep_c = wanted_elems[candidates] > row_products(c_len)
+    volumes = row_products(c_len)  # each row's elements, its bytes below
+    keep_c = wanted_elems[candidates] > volumes
     del wanted_elems
     if keep_c.all():  # usually (replicas want whole rows): no copies
         shared, k_off, k_len = candidates, c_off, c_len
     else:
-        shared, k_off, k_len = candidates[keep_c], c_off[keep_c], c_len[keep_c]
+        shared, k_off, k_len, volumes = candidates[keep_c], c_off[keep_c], c_len[keep_c], volumes[keep_c]
     del c_off, c_len
     if not len(shared):
         return _no_plan(classes.of_rank)
@@ -248,7 +253,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     k_tid = np.repeat(np.array(used, np.int32 if len(names) < 1 << 31 else np.int64), per_used)
     tag_of = np.full(n_frags, -1, np.int32 if len(shared) < 1 << 31 else np.int64)
     tag_of[shared] = np.arange(len(shared), dtype=tag_of.dtype)
-    pk = tag_of[uf]
+    pk = tag_of[uf].astype(np.intp)  # as index arrays: numpy copies narrower ones to intp at every gather
     del tag_of
     keep = pk >= 0
     if not keep.all():  # usually all are (data-parallel replicas): no masked copies
@@ -256,14 +261,15 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     class_tags = None
     if one_box:
         if class_major(uc, pk):  # the parts' order: kept, so that parts() need not sort back
-            class_tags = pk  # the tags, as narrow as tag_of
+            class_tags = pk  # the tags (intp: gathered by and gathering with)
         tags, tag_cls = by_tag(pk, uc, len(shared), len(reps), dtype=np.int64)  # no int64 copies first
     else:
         tags, tag_cls = pk.astype(np.int64), uc.astype(np.int64)
     del keep, uf, uc, pk
     tag_cls, pair_starts, group = classes.labels(tags, tag_cls, len(shared))
     del tags
-    sizes = row_products(k_len)
+    sizes = volumes
+    del volumes
     if len(set(item[used].tolist())) == 1:  # one item size (the usual): no array of them
         sizes *= int(item[used[0]])
     else:
@@ -312,25 +318,17 @@ def _match(
             continue
         qi, fi, elems, rest = index.pairs(tids, b_off, b_len, elements=columns)
         if mark is not None and len(fi):
+            at = fi.astype(np.intp)  # once: numpy copies int32 indices to intp at each use
             place = np.arange(1, len(fi) + 1, dtype=np.int32)
-            again = bool(mark[fi].any())
-            mark[fi] = place
-            if again or not bool((mark[fi] == place).all()):
+            again = bool(mark[at].any())
+            mark[at] = place
+            if again or not bool((mark[at] == place).all()):
                 del mark, found, left
                 return _match(reps, index, ndim_of, width, columns=True)
         found.append((fi, cls[qi] if columns else None, elems))
         if rest.any():
             left.append((tids[rest], b_off[rest], b_len[rest], cls[rest]))
     return found, left, one_box, columns
-
-
-def _pair_columns(found: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    """The classes and shared elements of every pair ``found`` (batch after batch),
-    each one array; ``found`` is emptied (its batches freed before what follows)."""
-    cls = np.concatenate([c for _f, c, _e in found])
-    elems = np.concatenate([e for _f, _c, e in found])
-    found.clear()
-    return cls, elems
 
 
 def _met_by_several(frags: np.ndarray, classes: np.ndarray, sizes: np.ndarray, n_frags: int) -> np.ndarray:

@@ -196,3 +196,53 @@ def test_one_rank_classes_plan_the_same_in_batches_of_any_size(shapes, ranks, da
                 assert np.array_equal(getattr(got, field), getattr(general, field)), (batch, field)
     finally:
         shared_read.BOX_BATCH = saved
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    batches=st.lists(st.lists(st.integers(0, 40), max_size=12), max_size=5),
+    extra=st.integers(0, 5),
+    narrow=st.booleans(),
+)
+def test_met_twice_is_a_count_above_one(batches, extra, narrow):
+    """Rows met twice, checked batch by batch in a table of flags (no joined copy of the
+    rows), as the count of each row over them all says."""
+    from bcp.io_scheduler.share_match import met_twice
+
+    dtype = np.int32 if narrow else np.int64
+    rows = [np.array(b, dtype) for b in batches]
+    n = max([v for b in batches for v in b], default=-1) + 1 + extra
+    joined = np.concatenate(rows) if rows else np.zeros(0, dtype)
+    assert met_twice(rows, n) == bool(len(joined) and np.bincount(joined, minlength=n).max() > 1)
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    batches=st.lists(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 1 << 60)), max_size=8), max_size=4),
+    as_float=st.booleans(),
+)
+def test_pair_columns_as_float_weigh_as_the_int_elements(batches, as_float):
+    """Elements joined as float64 (``as_float``) give np.bincount the weights it made of
+    the int64 elements before, bit for bit; classes joined as they are."""
+    from bcp.io_scheduler.share_match import pair_columns
+
+    found = [
+        (
+            np.array([f for f, _e in b], np.int64),
+            np.arange(len(b), dtype=np.int32),
+            np.array([e for _f, e in b], np.int64),
+        )
+        for b in batches
+    ]
+    if not found:
+        return
+    frags = np.concatenate([f for f, _c, _e in found])
+    ints = np.concatenate([e for _f, _c, e in found])
+    classes = np.concatenate([c for _f, c, _e in found])
+    batches_left = list(found)
+    cls, elems = pair_columns(batches_left, as_float)
+    assert not batches_left  # emptied: its batches freed
+    assert same(cls, classes)
+    assert elems.dtype == (np.float64 if as_float else np.int64)
+    want = np.bincount(frags, weights=ints, minlength=31)
+    assert np.array_equal(np.bincount(frags, weights=elems, minlength=31), want)

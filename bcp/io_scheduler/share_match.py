@@ -122,6 +122,28 @@ def tag_major(tags: np.ndarray, classes: np.ndarray, n_classes: int) -> bool:
     return ascending(tags.astype(np.int64) * n_classes + classes)
 
 
+def pair_columns(
+    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]], as_float: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """The classes and shared elements of every pair ``found`` (batch after batch),
+    each one array; ``found`` is emptied (its batches freed before what follows).
+    ``as_float``: the elements as float64, converted as they are joined (the weights
+    np.bincount takes, without an int64 copy first)."""
+    cls = np.concatenate([c for _f, c, _e in found])
+    elems = np.concatenate([e for _f, _c, e in found], dtype=np.float64 if as_float else None)
+    found.clear()
+    return cls, elems
+
+
+def met_twice(rows: list[np.ndarray], n_frags: int) -> bool:
+    """Whether some stored row (of ``n_frags``) is in ``rows`` (arrays of rows) twice: a
+    table of flags filled array by array, its count beside theirs."""
+    met = np.zeros(n_frags, bool)
+    for r in rows:
+        met[r] = True
+    return int(np.count_nonzero(met)) != sum(len(r) for r in rows)
+
+
 def rows_at(
     entries: Sequence[TensorBoxes], fstart: np.ndarray, rows: np.ndarray, width: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -260,7 +282,7 @@ def _cut_rows(
     else:  # scalars: one dimension of length 1
         off, lens = np.zeros((int(counts.sum()), 1), np.int64), np.ones((int(counts.sum()), 1), np.int64)
     n_t = len(entries)
-    local = np.repeat(np.arange(n_t, dtype=np.int32 if n_t < 1 << 31 else np.int64), counts)
+    local = np.repeat(np.arange(n_t, dtype=np.intp), counts)  # intp: an index (int32 ones are copied at each use)
     live = rows_positive(lens)
     n_partial = np.zeros(n_t, np.int64)
     k = np.zeros(n_t, np.int64)
