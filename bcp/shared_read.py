@@ -196,21 +196,19 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     uniform = bool((classes.sizes == classes.sizes[0]).all())
     lone = uniform and int(classes.sizes[0]) == 1
     found, left, one_box, full = _match(reps, index, ndim_of, width, columns=not lone, rows=n_frags)
-    wait = not full
-    if not wait:
-        index = None  # the line's tables: not needed past the matching
-    if left:
-        found.append(general_pairs(entries, used, slot, fstart, shapes, extents, width, left))
-        del left
-    if wait:  # classes of one rank each: nothing shared unless some row is met twice
-        if not met_twice([f for f, _c, _e in found], n_frags):  # no joined copy of the rows met
+    # the general test's pairs come with their classes and elements always: computed once
+    general = general_pairs(entries, used, slot, fstart, shapes, extents, width, left) if left else None
+    del left
+    if not full:  # classes of one rank each: nothing shared unless some row is met twice
+        met = [f for f, _c, _e in found] + ([general[0]] if general is not None else [])
+        if not met_twice(met, n_frags):  # no joined copy of the rows met
             return _no_plan(classes.of_rank)
-        # the same pairs, in the same order, now with their classes and elements
-        found, left, _one, full = _match(reps, index, ndim_of, width, columns=True)
-        if left:
-            found.append(general_pairs(entries, used, slot, fstart, shapes, extents, width, left))
-            del left
-        index = None
+        # the cut index's pairs again, in the same order, now with their classes and elements
+        # (the boxes it leaves to the general test are the same ones: their pairs are kept)
+        found = _match(reps, index, ndim_of, width, columns=True)[0]
+    index = None  # the line's tables: not needed past the matching
+    if general is not None:
+        found.append(general)
     # as intp: numpy copies a narrower index array to intp at every gather and count by it
     fi = np.concatenate([f for f, _c, _e in found], dtype=np.intp)
     if not len(fi):

@@ -246,3 +246,20 @@ def test_pair_columns_as_float_weigh_as_the_int_elements(batches, as_float):
     assert elems.dtype == (np.float64 if as_float else np.int64)
     want = np.bincount(frags, weights=ints, minlength=31)
     assert np.array_equal(np.bincount(frags, weights=elems, minlength=31), want)
+
+
+def test_one_rank_classes_run_the_general_test_once(monkeypatch):
+    """Classes of one rank each whose boxes go to the general overlap test (no cut index)
+    and meet a stored row twice: the general test's pairs carry their classes and
+    elements already, so it runs once, not again with the cut index's second match."""
+    from bcp import shared_read
+
+    reader = reader_of({"t": ((6,), [((0,), (3,)), ((3,), (3,))], "float32")})
+    wanted = [[("t", ((0,), (4,)))], [("t", ((2,), (4,)))]]  # rows 0 and 1, rows 0 and 1: both met twice
+    encoded = [Wanted.encode(reader, w) for w in wanted]
+    calls = []
+    real = shared_read.general_pairs
+    monkeypatch.setattr(shared_read, "general_pairs", lambda *a: calls.append(1) or real(*a))
+    plan = plan_shares(reader, encoded, cut_index=False)
+    assert len(calls) == 1
+    assert len(plan.tensors) == 2 and plan.pair_starts.tolist() == [0, 2, 4]  # both rows, each needed by both ranks
