@@ -193,7 +193,8 @@ def _sent_by_owner(
     if key.dtype != np.int64:
         key = key.astype(np.int64)
     pairs_at = sstarts[obounds].tolist()  # each owner's pairs: key[pairs_at[o]:pairs_at[o + 1]]
-    for o in np.flatnonzero(np.diff(obounds)).tolist():  # (owner, class), in place: no array as long as the pairs
+    owning = np.flatnonzero(np.diff(obounds)).tolist()  # the owners of some tag
+    for o in owning:  # (owner, class), in place: no array as long as the pairs
         key[pairs_at[o] : pairs_at[o + 1]] += o * n_classes
     bound = span * n_classes
     if n and bound <= 8 * n + _TABLE_SLACK:
@@ -210,7 +211,7 @@ def _sent_by_owner(
         local = inverse.reshape(-1).astype(np.int64, copy=False)
     del key
     ubounds = np.searchsorted(uniq, np.arange(span + 1, dtype=np.int64) * n_classes)
-    for o in np.flatnonzero(np.diff(obounds)).tolist():  # numbered from 0 per owner
+    for o in owning:  # numbered from 0 per owner
         local[pairs_at[o] : pairs_at[o + 1]] -= int(ubounds[o])
     at = obounds[: world + 1]
     return at.tolist(), sstarts, local, ubounds[: world + 1].tolist(), uniq % max(n_classes, 1)
