@@ -1,7 +1,9 @@
 """The blocking copy of a steady ``async_save`` alone: how its schedule uses the cores.
 
-The same bytes (``--tensors`` equal float32 tensors, ``--gib`` in all) copied into warm
-32 MiB slabs in 4 MiB parts, as a kept plan stages them (``chunk_bytes.RunCopies``):
+The same bytes (``--tensors`` equal float32 tensors, ``--gib`` in all; or ``--shape
+transformer``: bench/shapes.py's Llama-shaped state with AdamW moments, hundreds of tensors
+from 4 bytes to hundreds of MiB) copied into warm 32 MiB slabs in 4 MiB parts, as a kept
+plan stages them (``chunk_bytes.RunCopies``):
 
 * ``stream``: chunk after chunk, the caller setting up the next chunk while the helpers
   finish their parts of the last (how bcp stages);
@@ -15,7 +17,7 @@ machine is shared: each sample also records the cores other processes used meanw
 (/proc/stat), and ``--quiet 0.3`` waits (up to 5 s) before each round for a moment when
 they use less than that, and keeps only the rounds they stayed under it.
 
-    python bench/stage_copy.py [--gib 2] [--tensors 40] [--rounds 15] [--quiet 0.3]
+    python bench/stage_copy.py [--gib 2] [--tensors 40] [--rounds 15] [--quiet 0.3] [--shape transformer]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -30,6 +33,9 @@ import torch
 from bcp.io_scheduler.chunk_bytes import RunCopies
 from bcp.io_scheduler.chunk_plan import COPY_PART_BYTES, split_parts
 from bcp.io_scheduler.staging import DEFAULT_SLAB_BYTES
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import shapes  # bench/ is not a package
 
 
 def busy_seconds() -> float:
@@ -65,16 +71,20 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--quiet", type=float, default=None, help="keep rounds where others used fewer cores")
+    ap.add_argument("--shape", choices=("equal", "transformer"), default="equal")
     args = ap.parse_args()
-    per = max(4, int(args.gib * 2**30 / args.tensors) // 4 * 4)
-    src = [torch.randn(per // 4) for _ in range(args.tensors)]
+    if args.shape == "transformer":
+        src = list(shapes.tensors(shapes.transformer_state(args.gib)))
+    else:
+        per = max(4, int(args.gib * 2**30 / args.tensors) // 4 * 4)
+        src = [torch.randn(per // 4) for _ in range(args.tensors)]
     dst = [torch.zeros_like(t) for t in src]
-    total, slab = per * args.tensors, DEFAULT_SLAB_BYTES
+    total, slab = sum(t.nbytes for t in src), DEFAULT_SLAB_BYTES
     slabs = [torch.ones(min(slab, total - at), dtype=torch.uint8) for at in range(0, total, slab)]
     runs, at = [], 0
     for t in src:
-        runs.append((at, t.data_ptr(), per))
-        at += per
+        runs.append((at, t.data_ptr(), t.nbytes))
+        at += t.nbytes
     chunks = []  # (slab address, the parts of the runs that fall in it)
     for c, buf in enumerate(slabs):
         lo, hi = c * slab, c * slab + buf.numel()
@@ -105,7 +115,7 @@ def main() -> None:
     for fn in cases.values():
         fn()  # warm
     flat = torch.cat(slabs)
-    assert torch.equal(flat, torch.cat([t.view(torch.uint8) for t in src])), "the staged bytes differ"
+    assert torch.equal(flat, torch.cat([t.reshape(-1).view(torch.uint8) for t in src])), "the staged bytes differ"
     samples: dict[str, list[tuple[float, float, float]]] = {k: [] for k in cases}
     names = list(cases)
     for r in range(args.rounds):
@@ -115,7 +125,8 @@ def main() -> None:
             samples[k].append(timed(cases[k]))
     keep = [r for r in range(args.rounds) if args.quiet is None or max(samples[k][r][2] for k in cases) < args.quiet]
     print(
-        f"{args.tensors} tensors, {total / 2**30:.2f} GiB, {len(chunks)} chunks of {len(chunks[0][1])} parts; "
+        f"{len(src)} tensors, {total / 2**30:.2f} GiB, {len(chunks)} chunks of {len(chunks[0][1])} parts; "
+        f"shape {args.shape}; "
         f"torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}; "
         f"rounds kept {len(keep)} of {args.rounds}"
     )

@@ -349,3 +349,15 @@ def test_stage_copy_prints_each_schedule_beside_copy_(capsys, monkeypatch):
     assert re.match(r"3 tensors, 0\.01 GiB, 1 chunks of 3 parts; .* rounds kept 2 of 2$", lines[0]), lines[0]
     rows = [ln.split("|")[1].strip() for ln in lines if ln.startswith("| ") and "ms" in ln]
     assert rows == ["stream", "join", "copy_"], lines
+
+
+def test_stage_copy_stages_the_transformer_shape(capsys, monkeypatch):
+    lines = run_here(
+        *("stage_copy.py", "--shape", "transformer", "--gib", "0.004", "--rounds", "2"),
+        capsys=capsys,
+        monkeypatch=monkeypatch,
+    )
+    head = re.match(r"(\d+) tensors, .* shape transformer; .* rounds kept 2 of 2$", lines[0])
+    assert head and int(head.group(1)) > 30, lines[0]  # embedding, layers, norms, AdamW moments and steps
+    rows = [ln.split("|")[1].strip() for ln in lines if ln.startswith("| ") and "ms" in ln]
+    assert rows == ["stream", "join", "copy_"], lines
