@@ -24,8 +24,9 @@ reallocated, a placement changed) plans again from scratch; the fingerprint hold
 no tensor, so the cache keeps no caller memory alive. The write pipeline's plan (the
 file layout and its chunks, ``bcp.io_scheduler.chunk_plan.PipelinePlan``) depends
 on nothing else but this rank's writes and the backend and pool settings, and is
-kept with it; for an async save it holds the dense host tensors' addresses (their
-chunks are staged by raw copies), valid because the fingerprint holds them too.
+kept with it; it holds the dense host tensors' addresses (an async save stages raw
+copies from them, a sync save writes its batches from views at them; the batches are
+kept too), valid because the fingerprint holds them too.
 Checksums of replicated boxes are data: taken at every save. An incremental save's
 pieces (``bcp.pieces.cut_pieces``) are kept too, apart from the full save's plan of the
 same structure (the key holds ``piece_bytes``): per piece, the rows of its leaf's piece it

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from bcp.errors import UnsupportedStateError
@@ -64,6 +66,25 @@ def byte_view(t: torch.Tensor) -> memoryview:
         raise ValueError("byte_view needs a contiguous CPU tensor")
     # a 1-D uint8 array's memoryview is flat bytes already (no cast)
     return memoryview(flat_bytes(t).numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
+
+
+#: ``PyMemoryView_FromMemory`` (CPython's stable C API) through a prototype of our own,
+#: so ``ctypes.pythonapi``'s shared function object is left as other code set it
+_memory_view = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
+    ("PyMemoryView_FromMemory", ctypes.pythonapi)
+)
+_PYBUF_WRITE = 0x200
+
+
+def address_view(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` of memory at ``address`` (a dense CPU tensor's
+    ``data_ptr()``, or the start of a range spanning several), sliced once per tensor by
+    the bulk paths: a view each through ``Tensor.numpy`` costs several times a slice
+    (10,000 tensors a call). Writable as ``Tensor.numpy``'s are, also for bytes only read
+    (the file backend finds a buffer's address through ctypes, which takes only a writable
+    one). It holds no reference to the memory's owner: the caller keeps the tensors alive
+    while a slice is in use, and slices only their bytes."""
+    return _memory_view(address, nbytes, _PYBUF_WRITE)
 
 
 #: dtypes numpy holds (``Tensor.numpy`` takes them; the others go through a uint8 view)

@@ -189,10 +189,36 @@ class PipelinePlan:
     #: per item: 0, or a dense host tensor (its bytes are its own memory, read as they
     #: are): 1, or 2 when its dtype has a numpy twin (read through ``Tensor.numpy``)
     host_dense: list[int]
+    #: per item: a dense host tensor's address (``data_ptr()``), else 0: valid while the
+    #: plan is, the kept plan's fingerprint holding every address (``bcp.kept_plans``)
+    addresses: list[int]
     #: per unique item: how many segments read it
     uses: Mapping[int, int]
     #: the items with the caller's tensors let go (what the pipeline keeps once staged)
     released: list[Any]
+    #: what the first save that asks works out from the plan (:meth:`batches`, :meth:`host_range`)
+    worked_out: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+    def batches(self, batch_bytes: int, block: int) -> tuple[list[Chunk], dict[int, int]]:
+        """A sync save's batches of ``batch_bytes`` (:func:`plan_packed_chunks`) and how
+        many of them read each item, cut once per plan (the same from any thread)."""
+        key = ("batches", batch_bytes, block)
+        if key not in self.worked_out:
+            layout = self.file_layout
+            spans = [(i, layout.offsets[i], self.item_nbytes[i]) for i in layout.unique]
+            batches = plan_packed_chunks(spans, batch_bytes, block)
+            self.worked_out[key] = (batches, count_uses(batches))
+        return self.worked_out[key]
+
+    def host_range(self) -> tuple[int, int]:
+        """(start, end) of the addresses holding every dense host item's bytes ((0, 0)
+        if none): a sync save's batches slice one view of it (``WritePipeline._batch``)."""
+        if "host_range" not in self.worked_out:
+            dense = zip(self.addresses, self.item_nbytes, self.host_dense, strict=True)
+            held = [(a, n) for a, n, d in dense if d and n]
+            low = min((a for a, _n in held), default=0)
+            self.worked_out["host_range"] = (low, max((a + n for a, n in held), default=low))
+        return self.worked_out["host_range"]
 
 
 def count_uses(chunks: Sequence[Chunk]) -> dict[int, int]:
@@ -235,8 +261,8 @@ def plan_pipeline(
         else 0
         for t, d in zip(tensors, device, strict=True)
     ]
+    address = [t.data_ptr() if dense else 0 for t, dense in zip(tensors, host_dense, strict=True)]
     if packed or part_size is not None:  # every chunk is staged (copied into a slab)
-        address = [t.data_ptr() if dense else 0 for t, dense in zip(tensors, host_dense, strict=True)]
         for chunk in chunks:
             chunk.copies = chunk_copies(chunk, address)
     return PipelinePlan(
@@ -245,6 +271,7 @@ def plan_pipeline(
         item_nbytes=nbytes,
         devices=sorted({t.device for t, d in zip(tensors, device, strict=True) if d}, key=str),
         host_dense=host_dense,
+        addresses=address,
         uses=count_uses(chunks),
         released=released,
     )

@@ -12,7 +12,6 @@ returns, errors naming the tensor, file and offset (the Fragment is built only t
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import operator
 import threading
@@ -37,6 +36,7 @@ from bcp.metadata import Catalog, Fragment
 from bcp.metadata.checksum import combine_block_runs, combine_blocks, crc32c_c
 from bcp.metadata.geometry import Box
 from bcp.references import describe_file
+from bcp.tensor_io import address_view
 from bcp.torch_dtypes import torch_dtype_or_none
 
 if TYPE_CHECKING:
@@ -147,14 +147,6 @@ def pick_bulk(
     return reads, rest
 
 
-#: ``PyMemoryView_FromMemory`` (CPython's stable C API) through a prototype of our own,
-#: so ``ctypes.pythonapi``'s shared function object is left as other code set it
-_memory_view = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)(
-    ("PyMemoryView_FromMemory", ctypes.pythonapi)
-)
-_PYBUF_WRITE = 0x200
-
-
 def destination_views(ptrs: list[int], sizes: list[int]) -> list[memoryview]:
     """Writable byte views of the dense CPU destinations at addresses ``ptrs`` (from
     ``data_ptr()``) of ``sizes`` bytes: one memoryview over the address range they
@@ -167,7 +159,7 @@ def destination_views(ptrs: list[int], sizes: list[int]) -> list[memoryview]:
         return []
     low = min(ptrs)
     span = max(p + n for p, n in zip(ptrs, sizes, strict=True)) - low
-    whole = _memory_view(low, span, _PYBUF_WRITE)
+    whole = address_view(low, span)
     return [whole[p - low : p - low + n] for p, n in zip(ptrs, sizes, strict=True)]
 
 

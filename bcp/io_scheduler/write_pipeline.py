@@ -32,7 +32,7 @@ from bcp import trace
 from bcp.backends import Backend, ObjectWriter
 from bcp.coordination.priority import lower_this_thread
 from bcp.io_scheduler.chunk_bytes import DigestSink, RunCopies, StagedChunk, copy_bytes
-from bcp.io_scheduler.chunk_plan import Chunk, ChunkCopies, PipelinePlan, count_uses, plan_packed_chunks, plan_pipeline
+from bcp.io_scheduler.chunk_plan import Chunk, ChunkCopies, PipelinePlan, plan_pipeline
 from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor, settle
 from bcp.io_scheduler.staging import Slab, StagingPool, default_pool
 from bcp.metadata import FileEntry, block_checksums, digest_of_checksums
@@ -40,7 +40,7 @@ from bcp.metadata.checksum import crc32c_raw
 from bcp.planning import TensorPlan
 from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport, report_rows
 from bcp.shards import Piece
-from bcp.tensor_io import flat_bytes, host_contiguous
+from bcp.tensor_io import address_view, flat_bytes, host_contiguous
 
 #: A sync save of host tensors to a ``write_parts`` writer (the file backend) writes
 #: batches of this many bytes, one request each from the tensors' memory (decisions.md).
@@ -50,7 +50,7 @@ BATCH_STREAMS = 1
 #: Batches the producer checksums and queues ahead of the writer (tensors' own memory).
 BATCH_AHEAD = 2
 
-_ZEROS = bytes(2 * 4096)  # padding between a batch's segments (gaps are under a page)
+_ZEROS = memoryview(bytes(2 * 4096))  # padding between a batch's segments (gaps are under a page)
 
 
 class WriteItem(NamedTuple):
@@ -105,6 +105,8 @@ class WritePipeline:
         self.sources: dict[int, torch.Tensor] = {}
         #: host sources' bytes as numpy arrays (staged with numpy: see copy_bytes)
         self._arrays: dict[int, np.ndarray] = {}
+        #: a sync save's view over its dense host items' memory (:meth:`_host_memory`)
+        self._memory: tuple[memoryview, int] | None = None
         self.checksums: dict[tuple[int, int], list[int]] = {}
         self.error: BaseException | None = None
         self.bytes_staged = 0
@@ -177,9 +179,8 @@ class WritePipeline:
         )
 
     def chunks(self) -> list[Chunk]:
-        if self.batched:  # the batches are cut when the writer opens (they depend on it)
-            spans = [(i, self.offsets[i], self.item_nbytes[i]) for i in self.unique]
-            return plan_packed_chunks(spans, BATCH_BYTES, self.block)
+        if self.batched:  # the batches are cut when the writer opens (they depend on it), kept in the plan
+            return list(self.plan.batches(BATCH_BYTES, self.block)[0])
         return list(self.plan.chunks)
 
     def stage(self, select: Callable[[Chunk], bool] | None = None, last: bool = True) -> None:
@@ -196,7 +197,8 @@ class WritePipeline:
                 self.streams = min(self.streams, BATCH_STREAMS)
                 self._queue = queue.Queue(maxsize=BATCH_AHEAD)  # no writer has started yet
             self._pending = self.chunks()
-            self._uses_left = count_uses(self._pending) if self.batched else None  # else copied when first read
+            # a batched save's uses, copied (else copied when first read)
+            self._uses_left = dict(self.plan.batches(BATCH_BYTES, self.block)[1]) if self.batched else None
             if not self.stage_all:
                 self._start_writers()
         staged = trace.span("stage")
@@ -392,26 +394,35 @@ class WritePipeline:
 
     def _batch(self, chunk: Chunk) -> StagedChunk:
         """A batch: its segments' bytes as views of the sources' memory (no copy), with
-        the zeros of the padding between them."""
+        the zeros of the padding between them. A dense host item's view is a slice of
+        :meth:`_host_memory` at its planned address: the items (``self.items``, never
+        released in a sync save) hold every tensor until the writer has written it."""
         views, parts, cursor = [], [], 0
-        dense, nbytes, uses = self.plan.host_dense, self.item_nbytes, self._uses()
+        dense, addresses = self.plan.host_dense, self.plan.addresses
+        memory, low = self._host_memory()
         for seg in chunk.segments:
             item = seg.item
-            array = self._arrays.get(item)
-            if array is None:
-                array = self._host_array(item) if dense[item] else self.sources[item].numpy()
-                if uses[item] > 1:  # read by a later batch too
-                    self._arrays[item] = array
             if seg.at > cursor:
-                parts.append(memoryview(_ZEROS)[: seg.at - cursor])
-            if seg.start == 0 and seg.nbytes == nbytes[item]:  # the whole item: flat bytes already
-                view = memoryview(array)  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
-            else:
-                view = memoryview(array[seg.start : seg.start + seg.nbytes]).cast("B")  # type: ignore[arg-type]  # as above
+                parts.append(_ZEROS[: seg.at - cursor])
+            if dense[item]:
+                at = addresses[item] - low + seg.start
+                view = memory[at : at + seg.nbytes] if seg.nbytes else _ZEROS[:0]
+            else:  # a flat uint8 copy (_produce): its bytes as they are
+                source = self.sources[item][seg.start : seg.start + seg.nbytes]
+                view = memoryview(source.numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ only for Python >= 3.12
             views.append(view)
             parts.append(view)
             cursor = seg.at + seg.nbytes
         return StagedChunk(chunk, None, _RELEASED, [], views, parts)
+
+    def _host_memory(self) -> tuple[memoryview, int]:
+        """One view over the plan's :meth:`~.PipelinePlan.host_range`, and its
+        start: a batch slices it per segment (a view each through ``Tensor.numpy`` was
+        most of a 10,000-tensor save's producer time)."""
+        if self._memory is None:
+            low, high = self.plan.host_range()
+            self._memory = (address_view(low, high - low), low)
+        return self._memory
 
     def _uses(self) -> dict[int, int]:
         """:attr:`_uses_left`, copied from the plan's counts when first read (a save whose
