@@ -421,7 +421,7 @@ class WritePipeline:
         most of a 10,000-tensor save's producer time)."""
         if self._memory is None:
             low, high = self.plan.host_range()
-            self._memory = (address_view(low, high - low), low)
+            self._memory = (address_view(low, high - low) if high > low else _ZEROS[:0], low)  # never a NULL view
         return self._memory
 
     def _uses(self) -> dict[int, int]:
