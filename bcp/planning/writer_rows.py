@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -54,14 +55,17 @@ def report_rows(
     it) of the items with bytes of their own (``unique``; ``source``: the item whose bytes
     each item's are, ``offsets``: where each lies in the file); ``items``: the write items
     (``tensor`` index, ``piece.box``)."""
-    pieces: dict[int, list[tuple[int, list[int]]]] = {item: [] for item in unique}
-    for (item, start), sums in checksums.items():
-        pieces[item].append((start, sums))
-    sums_of: dict[int, list[int]] = {}
-    for item, parts in pieces.items():
+    # an item's first piece's list as it is; an item written in several pieces (cut between
+    # batches or chunks: a few) joined in order of their starts
+    sums_of = {item: sums for (item, start), sums in checksums.items() if not start}
+    later: dict[int, list[tuple[int, list[int]]]] = {}
+    for (item, start), sums in [(key, sums) for key, sums in checksums.items() if key[1]]:
+        later.setdefault(item, [(0, sums_of[item])] if item in sums_of else []).append((start, sums))
+    for item, parts in later.items():
         parts.sort()
         sums_of[item] = [c for _start, part in parts for c in part]
-    file_sums = [c for item in sorted(unique, key=lambda i: offsets[i]) for c in sums_of[item]]
+    in_file = sorted(unique, key=offsets.__getitem__)
+    file_sums = list(itertools.chain.from_iterable(map(sums_of.get, in_file, itertools.repeat(()))))
     boxes = [item.piece.box for item in items]
     rows = pa.table(
         [
@@ -70,7 +74,7 @@ def report_rows(
             pa.array([b[1] for b in boxes], pa.list_(pa.int64())),
             pa.array([offsets[s] for s in source], pa.int64()),
             pa.array(item_nbytes, pa.int64()),
-            pa.array([sums_of[s] for s in source], pa.list_(pa.uint32())),
+            pa.array(list(map(sums_of.get, source, itertools.repeat(()))), pa.list_(pa.uint32())),
         ],
         schema=REPORT_SCHEMA,
     )
@@ -272,11 +276,9 @@ def merge_reports(reports: Sequence[WriterReport], metas: Sequence[LayoutMeta], 
         catalog_order,
         box_key=key,
     )
-    tensors = TensorTable()
-    for g in np.flatnonzero(present).tolist():
-        info = known[g]
-        assert info is not None, "every row's tensor is in its rank's layout metadata"
-        tensors.add(*info)
+    infos = list(map(known.__getitem__, np.flatnonzero(present).tolist()))
+    assert None not in infos, "every row's tensor is in its rank's layout metadata"
+    tensors = TensorTable.of_distinct(infos)  # type: ignore[arg-type]  # none is None (above); names distinct (``order``)
     names = _file_paths(writing)
     index: dict[str, int] = {}  # each name once, in order of first use (as Arrow's dictionary_encode)
     remap = np.array([index.setdefault(n, len(index)) for n in names], dtype=np.int32)
@@ -308,11 +310,15 @@ def _tensor_info(
     known: list[TensorInfo | None] = [None] * len(order)
     to_global: dict[int, np.ndarray] = {}
     for meta in {id(m): m for m in metas}.values():
-        ids = np.array([position[f] for f in meta.fqns], dtype=np.int64)
+        ids = np.fromiter(map(position.__getitem__, meta.fqns), np.int64, len(meta.fqns))
         to_global[id(meta)] = ids
-        for i, g in enumerate(ids.tolist()):
+        infos = zip(meta.fqns, meta.key_paths, meta.dtypes, map(tuple, meta.shapes), strict=True)
+        if not to_global.keys() - {id(meta)} and len(ids) == len(order) and (ids == np.arange(len(ids))).all():
+            known = list(infos)  # the first rank's tensors in save order (one rank, the usual): as they are
+            continue
+        for g, info in zip(ids.tolist(), infos, strict=True):
             if known[g] is None:
-                known[g] = (meta.fqns[i], meta.key_paths[i], meta.dtypes[i], tuple(meta.shapes[i]))
+                known[g] = info
     return known, to_global
 
 

@@ -45,12 +45,12 @@ def rows_table(tensors: TensorTable, file_names: Sequence[str], rows: Rows, vers
     present = np.bincount(rows.tensor, minlength=len(tensors)) > 0
     kept = np.flatnonzero(present)
     t = (np.cumsum(present) - 1)[rows.tensor]  # codes into the kept tensors
-    names = [tensors.names[i] for i in kept.tolist()]
+    every = len(kept) == len(tensors)  # (a save's commit: Arrow arrays kept with the table, taken whole)
+    names = tensors.name_array if every else tensors.name_array.take(pa.array(kept))
     kp_kept, kp_codes = np.unique(arrays.kp[kept], return_inverse=True)
     dt_kept, dt_codes = np.unique(arrays.dt[kept], return_inverse=True)
-    kp_vocab, dt_vocab = list(arrays.key_paths), list(arrays.dtypes)
-    kp_values = pa.array([kp_vocab[i] for i in kp_kept.tolist()], pa.string())
-    dt_values = pa.array([dt_vocab[i] for i in dt_kept.tolist()], pa.string())
+    kp_values = _taken(arrays.key_path_array, kp_kept)
+    dt_values = _taken(arrays.dtype_array, dt_kept)
     f_present = np.bincount(rows.file, minlength=len(file_names)) > 0
     files = [file_names[i] for i in np.flatnonzero(f_present).tolist()]
     f = (np.cumsum(f_present) - 1)[rows.file]
@@ -62,7 +62,7 @@ def rows_table(tensors: TensorTable, file_names: Sequence[str], rows: Rows, vers
     )
     schema = CATALOG_SCHEMA
     columns = [
-        pa.DictionaryArray.from_arrays(pa.array(t, pa.int32()), pa.array(names, pa.string())),
+        pa.DictionaryArray.from_arrays(pa.array(t, pa.int32()), names),
         pa.DictionaryArray.from_arrays(pa.array(kp_codes.reshape(-1)[t], pa.int32()), kp_values),
         pa.DictionaryArray.from_arrays(pa.array(dt_codes.reshape(-1)[t], pa.int32()), dt_values),
         _list_array(shape_starts, arrays.shape[pos], schema.field("global_shape").type),
@@ -80,6 +80,11 @@ def rows_table(tensors: TensorTable, file_names: Sequence[str], rows: Rows, vers
         names.append(DIGEST_COLUMN)
     table = pa.Table.from_arrays(columns, names=names)
     return table.replace_schema_metadata({"bcp.catalog.version": version})
+
+
+def _taken(values: pa.Array, codes: np.ndarray) -> pa.Array:
+    """``values[codes]`` (sorted distinct codes): ``values`` itself when they are all of it."""
+    return values if len(codes) == len(values) else values.take(pa.array(codes))
 
 
 def catalog_columns(names: Sequence[str]) -> list[str]:

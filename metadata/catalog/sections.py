@@ -20,6 +20,7 @@ trailer, and writes the layout; :mod:`.head` reads and checks the head, and
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ import pyarrow as pa
 
 from bcp.metadata.catalog.arrow import ipc_file, rows_table
 from bcp.metadata.catalog.spans import section_spans, uniform_width
-from bcp.metadata.catalog.tensors import TensorTable
+from bcp.metadata.catalog.tensors import TensorTable, codes_of_first_use
 from bcp.metadata.checksum import crc32c
 from bcp.metadata.format_errors import FormatError
 from bcp.metadata.geometry import stable_order
@@ -209,7 +210,7 @@ def encode_head(
     sections: Sequence[tuple[int, int, int, int, int, int]],
     spans: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
 ) -> bytes:
-    ndim = np.array([len(s) for s in tensors.shapes], dtype=np.int64)
+    ndim = np.fromiter(map(len, tensors.shapes), np.int64, len(tensors.shapes))
     shape_type = TENSORS_SCHEMA.field("global_shape").type
     t_table = pa.Table.from_arrays(
         [
@@ -218,7 +219,7 @@ def encode_head(
             _dict(tensors.dtypes),
             pa.ListArray.from_arrays(
                 pa.array(np.concatenate([np.zeros(1, np.int64), np.cumsum(ndim)]).astype(np.int32)),
-                pa.array(np.fromiter((d for s in tensors.shapes for d in s), np.int64), pa.int64()),
+                pa.array(np.fromiter(itertools.chain.from_iterable(tensors.shapes), np.int64), pa.int64()),
                 type=shape_type,
             ),
         ],
@@ -236,6 +237,7 @@ def encode_head(
 
 
 def _dict(values: Sequence[str]) -> pa.Array:
-    index: dict[str, int] = {}
-    codes = np.fromiter((index.setdefault(v, len(index)) for v in values), np.int32, len(values))
-    return pa.DictionaryArray.from_arrays(pa.array(codes, pa.int32()), pa.array(list(index), pa.string()))
+    """``values`` dictionary-encoded, each distinct string once in order of first use
+    (encoded from the table's lists as they are: a test may have changed one)."""
+    codes, index = codes_of_first_use(values)
+    return pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)), pa.array(list(index), pa.string()))

@@ -9,6 +9,7 @@ catalog below it.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -92,6 +93,17 @@ class TensorTable:
         self.shapes = self.__dict__["_arrays"].shape_tuples()
         return self.shapes
 
+    @classmethod
+    def of_distinct(cls, rows: Sequence[tuple[str, str, str, tuple[int, ...]]]) -> TensorTable:
+        """A table of ``rows`` (name, key path, dtype, shape) whose names are distinct
+        (the caller's guarantee): what :meth:`add` of each gives, by C loops."""
+        table = cls()
+        if rows:
+            names, key_paths, dtypes, shapes = map(list, zip(*rows, strict=True))
+            table.names, table.key_paths, table.dtypes, table.shapes = names, key_paths, dtypes, shapes
+            table.index = dict(zip(names, range(len(names)), strict=True))
+        return table
+
     def add(self, fqn: str, key_path: str, dtype: str, shape: tuple[int, ...]) -> int:
         code = self.index.setdefault(fqn, len(self.names))
         if code == len(self.names):
@@ -112,9 +124,16 @@ class TensorTable:
         if self._arrays is None:
             shapes = self.shapes
             ndim = np.fromiter(map(len, shapes), np.int64, len(shapes))
-            flat = np.fromiter((d for s in shapes for d in s), np.int64, int(ndim.sum()))
+            flat = np.fromiter(itertools.chain.from_iterable(shapes), np.int64, int(ndim.sum()))
             self._arrays = TensorArrays(ndim, flat, self.key_paths, self.dtypes)
         return self._arrays
+
+
+def codes_of_first_use(values: Sequence[str]) -> tuple[np.ndarray, dict[str, int]]:
+    """Each of ``values`` as the code of its distinct string in order of first use, and
+    those strings to their codes: C loops, no Python step a value (10,000 tensors)."""
+    codes = dict(zip(dict.fromkeys(values), itertools.count()))
+    return np.fromiter(map(codes.__getitem__, values), np.int64, len(values)), codes
 
 
 def first_seen(codes: np.ndarray, values: Sequence[str]) -> tuple[np.ndarray, dict[str, int]]:
@@ -151,16 +170,8 @@ class TensorArrays:
         #: row-major element strides (flat like ``shape``): suffix products of the shape,
         #: exact below 2**62 elements, else MAX_TENSOR_BYTES; ``numel`` likewise
         self.strides, self.numel = _suffix_products(ndim, self.starts, shape)
-        if isinstance(key_paths, tuple):
-            self.kp, self.key_paths = key_paths
-        else:
-            self.key_paths = {}
-            self.kp = np.fromiter((self.key_paths.setdefault(v, len(self.key_paths)) for v in key_paths), np.int64)
-        if isinstance(dtypes, tuple):
-            self.dt, self.dtypes = dtypes
-        else:
-            self.dtypes = {}
-            self.dt = np.fromiter((self.dtypes.setdefault(v, len(self.dtypes)) for v in dtypes), np.int64)
+        self.kp, self.key_paths = key_paths if isinstance(key_paths, tuple) else codes_of_first_use(key_paths)
+        self.dt, self.dtypes = dtypes if isinstance(dtypes, tuple) else codes_of_first_use(dtypes)
 
     @functools.cached_property
     def key_path_array(self) -> pa.Array:
