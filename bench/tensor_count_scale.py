@@ -4,7 +4,8 @@ bench/shapes.py's ``count_state``: float32 tensors of mixed sizes (log-uniform o
 three decades) adding to exactly ``--gib``. For each count, in a fresh process per
 (repeat, count), counts interleaved repeat by repeat:
 
-* ``bcp.save`` (sync, to ``--dir``), a warm-up call then the median of ``--calls``;
+* ``bcp.save`` (sync, to ``--dir``), a warm-up call then the median of ``--calls``, and
+  beside it the raw O_DIRECT write of the tensors' own memory (``peers.py``'s limit);
 * ``bcp.async_save`` blocking, steady state (after a warm-up call that allocates the
   staging pool), median of ``--calls``;
 * ``bcp.load`` from the page cache (the files read once through it) into existing
@@ -17,7 +18,7 @@ A flat cost per tensor shows as a ratio near 1 between the largest and the small
 count (the issue's target: at most 1.3x). The last line is
 
     tensor_count_scale: save <r>x, async <r>x, load <r>x (target 1.3x)
-    peers beside: safetensors <r>x, torch <r>x, copy <r>x
+    peers beside: safetensors <r>x, torch <r>x, copy <r>x, raw <r>x
 
     python bench/tensor_count_scale.py [--gib 1] [--counts 100,1000,10000] [--repeats 2] [--calls 3]
     python bench/tensor_count_scale.py --cases load     # the load row only (one untimed save)
@@ -50,6 +51,8 @@ CASES = (
     ("safetensors", "safetensors load_file+copy (page cache)"),
     ("torch", "torch.load+copy (page cache)"),
     ("copy", "copy_ of each tensor (memory)"),
+    # the save's limit beside it: the disk taking each tensor's own memory (its pages)
+    ("raw", "raw O_DIRECT write of each tensor's memory"),
 )
 
 
@@ -97,6 +100,18 @@ def run_count(n: int, args) -> dict[str, float]:
             dst[k].copy_(v)
         return time.perf_counter() - t0
 
+    raw_requests: list = []
+
+    def raw() -> float:
+        """The tensors' page-aligned interiors written with O_DIRECT in 64 MiB ``pwritev``
+        requests into a new file, then fsync (``peers.py``'s raw limit), per state byte."""
+        from peers import raw_write_seconds, state_requests
+
+        if not raw_requests:
+            raw_requests.append(state_requests(state))
+        requests, written = raw_requests[0]
+        return raw_write_seconds(os.path.join(root, "raw.bin"), state, requests, written) if written else float("nan")
+
     def copy() -> float:
         t0 = time.perf_counter()
         for k, v in state.items():
@@ -117,6 +132,7 @@ def run_count(n: int, args) -> dict[str, float]:
         warm = lambda _uri: [warm_cache(f) for f in (sync_uri, st_file, pt_file) if os.path.exists(f)]  # noqa: E731
         steps = (
             ("save", save, None),
+            ("raw", raw, None),
             ("async", async_blocking, None),
             ("load", load, warm),
             ("safetensors", safetensors_load, warm),
@@ -203,7 +219,7 @@ def report(counts: list[int], args, runs: dict[int, dict[str, list[float]]]) -> 
     print(f"| {hi:,} / {lo:,} | " + " | ".join(f"{ratio[k]:.2f}x" for k, _l in cases) + " |")
     ours = [k for k in ("save", "async", "load") if k in ratio]
     print("tensor_count_scale: " + ", ".join(f"{k} {ratio[k]:.2f}x" for k in ours) + " (target 1.3x)")
-    if peers := [k for k in ("safetensors", "torch", "copy") if k in ratio]:
+    if peers := [k for k in ("safetensors", "torch", "copy", "raw") if k in ratio]:
         print("peers beside: " + ", ".join(f"{k} {ratio[k]:.2f}x" for k in peers))
 
 
