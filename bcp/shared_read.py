@@ -196,6 +196,8 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     uniform = bool((classes.sizes == classes.sizes[0]).all())
     lone = uniform and int(classes.sizes[0]) == 1
     found, left, one_box, full = _match(reps, index, ndim_of, width, columns=not lone, rows=n_frags)
+    if full:
+        index = None  # the line's tables: not needed past the matching (the general test takes none)
     # the general test's pairs come with their classes and elements always: computed once
     general = general_pairs(entries, used, slot, fstart, shapes, extents, width, left) if left else None
     del left
@@ -206,7 +208,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
         # the cut index's pairs again, in the same order, now with their classes and elements
         # (the boxes it leaves to the general test are the same ones: their pairs are kept)
         found = _match(reps, index, ndim_of, width, columns=True)[0]
-    index = None  # the line's tables: not needed past the matching
+    index = None
     if general is not None:
         found.append(general)
     # as intp: numpy copies a narrower index array to intp at every gather and count by it

@@ -313,7 +313,7 @@ def _tensor_info(
         ids = np.fromiter(map(position.__getitem__, meta.fqns), np.int64, len(meta.fqns))
         to_global[id(meta)] = ids
         infos = zip(meta.fqns, meta.key_paths, meta.dtypes, map(tuple, meta.shapes), strict=True)
-        if not to_global.keys() - {id(meta)} and len(ids) == len(order) and (ids == np.arange(len(ids))).all():
+        if len(to_global) == 1 and len(ids) == len(order) and (ids == np.arange(len(ids))).all():
             known = list(infos)  # the first rank's tensors in save order (one rank, the usual): as they are
             continue
         for g, info in zip(ids.tolist(), infos, strict=True):

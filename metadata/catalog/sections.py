@@ -238,6 +238,6 @@ def encode_head(
 
 def _dict(values: Sequence[str]) -> pa.Array:
     """``values`` dictionary-encoded, each distinct string once in order of first use
-    (encoded from the table's lists as they are: a test may have changed one)."""
+    (from the table's lists, not its cached arrays, which a table edited in place would not follow)."""
     codes, index = codes_of_first_use(values)
     return pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)), pa.array(list(index), pa.string()))
