@@ -61,6 +61,7 @@ from bcp.metadata.geometry import (
     row_products,
     stable_order,
 )
+from bcp.numpy_pages import with_ordinary_pages
 from bcp.reader import CheckpointReader
 
 SharedKey = tuple[str, Box]
@@ -141,6 +142,7 @@ def _no_plan(rank_class: np.ndarray) -> SharePlan:
 
 
 @gc_paused  # as inside the load that calls it: the caller's heap is not walked mid-plan
+@with_ordinary_pages  # its arrays: no huge-page compaction stalls (bcp.numpy_pages)
 def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index: bool = True) -> SharePlan:
     """(coordinator) The job-wide sharing plan for every rank's wanted boxes: the same
     shared fragments and needing ranks every rank used to compute over every rank's

@@ -25,6 +25,7 @@ from bcp.errors import CheckpointError
 from bcp.gc_pause import gc_paused
 from bcp.io_scheduler.share_owners import narrow_stable_order
 from bcp.metadata.geometry import Box, window_positions
+from bcp.numpy_pages import with_ordinary_pages
 
 SharedKey = tuple[str, Box]
 
@@ -226,6 +227,7 @@ def _windows(first: np.ndarray, width: np.ndarray, starts: np.ndarray, n: int) -
 
 
 @gc_paused  # as inside the load that calls it: a part per rank, the caller's heap not walked
+@with_ordinary_pages  # its arrays: no huge-page compaction stalls (bcp.numpy_pages)
 def class_parts(
     world: int,
     tensors: np.ndarray,
