@@ -13,7 +13,8 @@ with a stepped AdamW (moments and a step per parameter). Measured, medians of
 
 on a plain model in this process, and on FSDP2 (``fully_shard`` per layer and at the
 root, CPU, gloo) on each of ``--worlds`` processes (times are the slowest rank's). The
-added cost is (TrainingState - pair) / tensors x 1,000, tensors counted in the pair
+added cost is the median of the calls' differences (each TrainingState call less the pair
+call beside it; the two take turns going first) / tensors x 1,000, tensors counted in the pair
 (parameters, two moments and a step each; one rank's share under FSDP2). The last line
 gives, per setup, the larger of the two added costs (``state_dict()`` and ``async_save``
 blocking: the issue's target, at most 5 ms per 1,000 tensors after the first save, is
@@ -21,7 +22,7 @@ met only where both are), the worst of the FSDP2 worlds:
 
     training_state_bench: plain <x> ms/1000 tensors, fsdp2 <y> ms/1000 tensors (target 5)
 
-    python bench/training_state_bench.py [--layers 24] [--d 128] [--calls 7] [--worlds 2,4]
+    python bench/training_state_bench.py [--layers 24] [--d 128] [--calls 21] [--worlds 2,4]
 """
 
 from __future__ import annotations
@@ -110,9 +111,9 @@ def measure(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str, calls
     job = bcp.TrainingState(model, opt)
     out: dict[str, Any] = {"tensors": tensors, "ts_first": timed(job.state_dict)}
     samples: dict[str, list[float]] = {"pair": [], "ts_later": [], "async_pair": [], "async_ts": []}
-    for _ in range(calls):
-        samples["pair"].append(timed(pair))
-        samples["ts_later"].append(timed(job.state_dict))
+    for i in range(calls):  # each pair of calls in turn first: neither pays the other's after-effects always
+        for row, fn in (("pair", pair), ("ts_later", job.state_dict))[:: 1 if i % 2 else -1]:
+            samples[row].append(timed(fn))
 
     def save(what: str) -> float:
         uri = os.path.join(root, what)
@@ -125,16 +126,21 @@ def measure(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str, calls
         return slowest(blocking)
 
     save("pair"), save("ts")  # warm-up: the first calls allocate the staging pool
-    for _ in range(calls):
-        samples["async_pair"].append(save("pair"))
-        samples["async_ts"].append(save("ts"))
+    for i in range(calls):
+        for row, what in (("async_pair", "pair"), ("async_ts", "ts"))[:: 1 if i % 2 else -1]:
+            samples[row].append(save(what))
     out.update({k: statistics.median(v) for k, v in samples.items()})
+    # what TrainingState adds: the median of each call's difference to its neighbour of the
+    # pair (a drift of the machine between calls cancels), not the difference of two medians
+    for ts, base in (("ts_later", "pair"), ("async_ts", "async_pair")):
+        out[f"{ts}-{base}"] = statistics.median(a - b for a, b in zip(samples[ts], samples[base], strict=True))
     return out
 
 
 def added(res: dict[str, Any], base: str, ts: str) -> float:
-    """ms per 1,000 tensors that the TrainingState row adds to the pair row."""
-    return (res[ts] - res[base]) * 1e3 / res["tensors"] * 1000
+    """ms per 1,000 tensors that the TrainingState row adds to the pair row (the median of
+    the calls' paired differences)."""
+    return res[f"{ts}-{base}"] * 1e3 / res["tensors"] * 1000
 
 
 def worst_added(res: dict[str, Any]) -> float:
@@ -180,7 +186,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=24, help="transformer layers (13 parameters each, +3)")
     p.add_argument("--d", type=int, default=128, help="model width (small: the cost measured is per tensor)")
-    p.add_argument("--calls", type=int, default=7, help="timed calls of each row after the warm-up")
+    p.add_argument("--calls", type=int, default=21, help="timed calls of each row after the warm-up")
     p.add_argument("--worlds", default="2,4", help="FSDP2 world sizes, comma-separated ('' for none)")
     p.add_argument("--dir", default=None, help="where the async saves write (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds each FSDP2 job may take")
