@@ -72,3 +72,35 @@ def kept_boxes_job(rank: int, world: int) -> None:
     assert not local.requires_grad or local.grad_fn is None
     local.fill_(float(rank + 3))
     assert torch.equal(param.to_local(), torch.full_like(local, float(rank + 3)))
+
+
+def flatten_dtensors_job(rank: int, world: int) -> None:
+    """A str-keyed dict's DTensor values are leaves at once (failed before: each went
+    through ``_walk``'s five checks), with the names, paths and values the walk gives;
+    two entries flattening to one name are still refused."""
+    from bcp import state
+
+    mesh = init_device_mesh("cpu", (world,))
+    d1, d2 = (distribute_tensor(torch.full((4, 2), float(i)), mesh, [Shard(0)]) for i in range(2))
+    plain = torch.ones(3)
+    tree = {"a": d1, "b": {"c": d2, "e": 3, "p": plain}, "f": plain}
+    walked = []
+    real = state._walk
+
+    def counting(value, *args):
+        walked.append(type(value))
+        return real(value, *args)
+
+    state._walk = counting
+    try:
+        leaves = state.flatten_state(tree)
+    finally:
+        state._walk = real
+    assert type(d1) not in walked, walked
+    assert sorted(leaves) == ["a", "b.c", "b.e", "b.p", "f"]
+    assert leaves["b.e"].value == 3 and leaves["a"].path == (("d", "a"),)
+    for f, value in (("a", d1), ("b.c", d2), ("b.p", plain), ("f", plain)):
+        assert leaves[f].value is value
+    assert leaves["b.c"].path == (("d", "b"), ("d", "c"))
+    with pytest.raises(UnsupportedStateError, match=r"same key 'a\.b'"):
+        state.flatten_state({"a": {"b": d1}, "a.b": d2})

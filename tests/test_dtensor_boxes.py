@@ -12,3 +12,7 @@ import dtensor_box_jobs
 
 def test_kept_boxes_are_the_boxes_torch_computes():
     dist_jobs.spawn(dtensor_box_jobs.kept_boxes_job, 2)
+
+
+def test_dtensors_in_a_dict_are_leaves_at_once():
+    dist_jobs.spawn(dtensor_box_jobs.flatten_dtensors_job, 2)
