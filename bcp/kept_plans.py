@@ -171,15 +171,16 @@ def _read_leaves(leaves: Mapping[Any, Any], rank: int) -> tuple[list, list, list
             ordered = [leaf for leaf in every if type(leaf.value) in plain or leaf.is_tensor]
             if len(ordered) > len(tensors):
                 values, found = [], []
-                for i, leaf in enumerate(ordered):
-                    v = leaf.value
-                    if type(v) in plain:
-                        values.append(v)
-                        continue
-                    local = local_pieces(v, leaf.fqn)
-                    boxes = tuple((p.box, tensor_signature(p.tensor)) for p in local.pieces)
-                    found.append((i, leaf.path, type(v), local.global_shape, local.dtype, holds_replica(v), boxes))
-                    values.append(local)
+                with torch.no_grad():  # once for every DTensor's to_local (local_pieces), not once each
+                    for i, leaf in enumerate(ordered):
+                        v = leaf.value
+                        if type(v) in plain:
+                            values.append(v)
+                            continue
+                        local = local_pieces(v, leaf.fqn)
+                        boxes = tuple((p.box, tensor_signature(p.tensor)) for p in local.pieces)
+                        found.append((i, leaf.path, type(v), local.global_shape, local.dtype, holds_replica(v), boxes))
+                        values.append(local)
                 others = tuple(found)
     except Exception:  # noqa: BLE001 - planned the usual way, which names the problem
         return None

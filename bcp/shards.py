@@ -130,18 +130,24 @@ def holds_replica(value: Any) -> bool:
     ``Replicate`` placement on a mesh dimension of more than one rank. Such a box is
     stored once (the save checks that the copies agree: ``bcp.replicas``)."""
     if is_dtensor(value):
-        from torch.distributed.tensor import Replicate
-
-        mesh = value.device_mesh
-        return any(isinstance(p, Replicate) and mesh.size(d) > 1 for d, p in enumerate(value.placements))
+        mesh, placements = value.device_mesh, value.placements
+        kept = _DTENSOR_BOXES.get((id(mesh), id(placements), tuple(value.shape)))
+        return kept[3] if kept is not None else _replicated(mesh, placements)
     return isinstance(value, torch.Tensor)
 
 
-#: a DTensor's local box by (mesh, placements, global shape), the only inputs of its
-#: chunk list for a plain local tensor: computed once, not at every save (16 us a
-#: tensor, half of an FSDP2 save's caller time). Each entry holds its mesh and
-#: placements, so their ids name them while it is kept; cleared when full.
-_DTENSOR_BOXES: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any, Box]] = {}
+def _replicated(mesh: Any, placements: Any) -> bool:
+    from torch.distributed.tensor import Replicate
+
+    return any(isinstance(p, Replicate) and mesh.size(d) > 1 for d, p in enumerate(placements))
+
+
+#: a DTensor's local box (and whether other ranks hold a replica of it) by (mesh,
+#: placements, global shape), the only inputs of its chunk list for a plain local tensor:
+#: computed once, not at every save (16 us a tensor, half of an FSDP2 save's caller time).
+#: Each entry holds its mesh and placements, so their ids name them while it is kept;
+#: cleared when full.
+_DTENSOR_BOXES: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any, Box, bool]] = {}
 _DTENSOR_BOXES_MAX = 1 << 16
 
 
@@ -165,7 +171,7 @@ def _dtensor_box(value: Any, local: torch.Tensor, fqn: str) -> Box:
     if type(local) in (torch.Tensor, torch.nn.Parameter):  # a nested one may describe its chunks itself
         if len(_DTENSOR_BOXES) >= _DTENSOR_BOXES_MAX:
             _DTENSOR_BOXES.clear()
-        _DTENSOR_BOXES[key] = (mesh, placements, box)
+        _DTENSOR_BOXES[key] = (mesh, placements, box, _replicated(mesh, placements))
     return box
 
 
@@ -191,7 +197,10 @@ def local_pieces(value: Any, fqn: str) -> LocalTensor:
             pieces.append(Piece((off, lens), t[pos : pos + n].view(lens)))
         return LocalTensor(value.global_shape, t.dtype, pieces, False)
     if is_dtensor(value):
-        with torch.no_grad():  # the local tensor itself: no autograd node made (5 us a tensor)
+        if torch.is_grad_enabled():  # the local tensor itself: no autograd node made (5 us a tensor)
+            with torch.no_grad():
+                local = value.to_local()
+        else:
             local = value.to_local()
         off, sizes = _dtensor_box(value, local, fqn)
         if tuple(local.shape) != sizes:

@@ -38,6 +38,8 @@ def kept_boxes_job(rank: int, world: int) -> None:
             for value in (d, d, d.detach()):  # computed, then kept, then a new object of the same spec
                 got = shards.local_pieces(value, "w")
                 assert got.pieces[0].box == want, (mesh, placements, shape, got.pieces[0].box, want)
+                replica = any(p == Replicate() and mesh.size(i) > 1 for i, p in enumerate(placements))
+                assert shards.holds_replica(value) is replica, (mesh, placements)
                 local = got.pieces[0].tensor
                 assert local.data_ptr() == d.to_local().data_ptr() or local.numel() == 0
                 assert torch.equal(local, full[tuple(slice(o, o + n) for o, n in zip(*want, strict=True))])
