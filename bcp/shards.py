@@ -131,7 +131,7 @@ def holds_replica(value: Any) -> bool:
     stored once (the save checks that the copies agree: ``bcp.replicas``)."""
     if is_dtensor(value):
         mesh, placements = value.device_mesh, value.placements
-        kept = _DTENSOR_BOXES.get((id(mesh), id(placements), tuple(value.shape)))
+        kept = _DTENSOR_BOXES.get((type(value), id(mesh), id(placements), tuple(value.shape)))
         return kept[3] if kept is not None else _replicated(mesh, placements)
     return isinstance(value, torch.Tensor)
 
@@ -142,20 +142,21 @@ def _replicated(mesh: Any, placements: Any) -> bool:
     return any(isinstance(p, Replicate) and mesh.size(d) > 1 for d, p in enumerate(placements))
 
 
-#: a DTensor's local box (and whether other ranks hold a replica of it) by (mesh,
+#: a DTensor's local box (and whether other ranks hold a replica of it) by (type, mesh,
 #: placements, global shape), the only inputs of its chunk list for a plain local tensor:
 #: computed once, not at every save (16 us a tensor, half of an FSDP2 save's caller time).
 #: Each entry holds its mesh and placements, so their ids name them while it is kept;
-#: cleared when full.
-_DTENSOR_BOXES: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any, Box, bool]] = {}
+#: cleared when full. A local tensor of another type may describe its chunks itself: never kept.
+_DTENSOR_BOXES: dict[tuple[type, int, int, tuple[int, ...]], tuple[Any, Any, Box, bool]] = {}
 _DTENSOR_BOXES_MAX = 1 << 16
 
 
 def _dtensor_box(value: Any, local: torch.Tensor, fqn: str) -> Box:
     """The box a DTensor's local tensor holds (its one chunk, as DCP asks for it)."""
     mesh, placements, shape = value.device_mesh, value.placements, tuple(value.shape)
-    key = (id(mesh), id(placements), shape)
-    kept = _DTENSOR_BOXES.get(key)
+    key = (type(value), id(mesh), id(placements), shape)
+    plain = type(local) in (torch.Tensor, torch.nn.Parameter)
+    kept = _DTENSOR_BOXES.get(key) if plain else None
     if kept is not None:  # the same placements object: checked for Partial when kept
         return kept[2]
     from torch.distributed.tensor import Partial
@@ -168,7 +169,7 @@ def _dtensor_box(value: Any, local: torch.Tensor, fqn: str) -> Box:
     if len(chunks) != 1:
         raise UnsupportedStateError(f"DTensor at key {fqn!r} reports {len(chunks)} local chunks; expected 1")
     box = (tuple(chunks[0].offsets), tuple(chunks[0].sizes))
-    if type(local) in (torch.Tensor, torch.nn.Parameter):  # a nested one may describe its chunks itself
+    if plain:
         if len(_DTENSOR_BOXES) >= _DTENSOR_BOXES_MAX:
             _DTENSOR_BOXES.clear()
         _DTENSOR_BOXES[key] = (mesh, placements, box, _replicated(mesh, placements))
