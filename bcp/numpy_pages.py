@@ -20,7 +20,6 @@ advice only when the last one leaves, and only if it was on when the first enter
 
 from __future__ import annotations
 
-import functools
 import importlib
 import threading
 from collections.abc import Callable, Iterator
@@ -69,11 +68,5 @@ def ordinary_pages() -> Iterator[None]:
 
 
 def with_ordinary_pages(fn: Callable[P, R]) -> Callable[P, R]:
-    """Decorate ``fn`` so that its calls run in :func:`ordinary_pages`."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        with ordinary_pages():
-            return fn(*args, **kwargs)
-
-    return wrapper
+    """Decorate ``fn`` so that its calls run in :func:`ordinary_pages` (a fresh one each call)."""
+    return ordinary_pages()(fn)
