@@ -67,9 +67,13 @@ def test_a_caller_that_turned_it_off_keeps_it_off():
 
 
 def test_back_after_a_failure():
-    with pytest.raises(RuntimeError), numpy_pages.ordinary_pages():
-        assert not advice()
-        raise RuntimeError("planned")
+    def plan() -> None:
+        with numpy_pages.ordinary_pages():
+            assert not advice()
+            raise RuntimeError("planned")
+
+    with pytest.raises(RuntimeError, match="planned"):
+        plan()
     assert advice()
 
 
