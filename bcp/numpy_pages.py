@@ -14,24 +14,21 @@ at import; the switch at run time is private (``_set_madvise_hugepage`` in NumPy
 multiarray module, present from NumPy 1.19 to 2.x). It is used here and nowhere else;
 where a NumPy lacks it, nothing changes. The setting is process-wide: arrays other
 threads allocate while a plan runs get ordinary pages too (a TLB cost, no error).
-Reference counted like :mod:`bcp.gc_pause`: nested or concurrent plans restore the
-advice only when the last one leaves, and only if it was on when the first entered.
+Held off as :mod:`bcp.gc_pause` holds the collector off (:class:`~bcp.gc_pause.HeldOff`): nested or
+concurrent plans restore the advice only when the last one leaves, and only if it was on
+when the first entered.
 """
 
 from __future__ import annotations
 
 import importlib
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import ParamSpec, TypeVar
+
+from bcp.gc_pause import HeldOff
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-_lock = threading.Lock()
-_depth = 0
-_restore = False
 
 
 def _setter() -> Callable[[bool], bool] | None:
@@ -49,24 +46,22 @@ def _setter() -> Callable[[bool], bool] | None:
 _set_advice = _setter()
 
 
-@contextmanager
-def ordinary_pages() -> Iterator[None]:
-    """Arrays allocated inside the block get no huge-page advice (module docstring)."""
-    global _depth, _restore
-    with _lock:
-        if _depth == 0 and _set_advice is not None:
-            _restore = bool(_set_advice(False))
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _restore and _set_advice is not None:
-                _set_advice(True)
-                _restore = False
+def _advice_off() -> bool:
+    return _set_advice is not None and bool(_set_advice(False))
+
+
+def _advice_on() -> None:
+    if _set_advice is not None:
+        _set_advice(True)
+
+
+_advice = HeldOff(_advice_off, _advice_on)
+
+
+#: ``with ordinary_pages():`` arrays allocated inside get no huge-page advice (module docstring)
+ordinary_pages = _advice.held
 
 
 def with_ordinary_pages(fn: Callable[P, R]) -> Callable[P, R]:
     """Decorate ``fn`` so that its calls run in :func:`ordinary_pages` (a fresh one each call)."""
-    return ordinary_pages()(fn)
+    return _advice.during(fn)

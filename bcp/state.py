@@ -161,7 +161,7 @@ _NEW = tuple.__new__
 #: among them), keys all ``str`` or all ``int`` (no two of which flatten to one name)
 _PLAIN_DICTS = (dict, collections.OrderedDict)
 _ONE_KEY_TYPE = ({str}, {int})
-_PLAIN_SET = set(_PLAIN_TENSORS)
+_PLAIN_SET = frozenset(_PLAIN_TENSORS)
 
 
 def _walk_str_keys(container: dict[Any, Any], path: KeyPath, leaves: dict[str, Leaf], fqn: str) -> None:
@@ -189,10 +189,7 @@ def _leaf_tensor_types() -> frozenset[type]:
     once its module is imported, DTensor (an FSDP2 state: ``_walk`` would find each one a
     leaf after five checks, 5 us a tensor). No import just to ask (see ``shards.is_dtensor``)."""
     module = sys.modules.get("torch.distributed.tensor")
-    return _PLAIN_FROZEN if module is None else _PLAIN_FROZEN | {module.DTensor}
-
-
-_PLAIN_FROZEN = frozenset(_PLAIN_SET)
+    return _PLAIN_SET if module is None else _PLAIN_SET | {module.DTensor}
 
 
 #: (path, fqn, key count, first and last key) -> (keys, children's names, children's key paths)
