@@ -89,28 +89,37 @@ VERIFIED_PIECE = 2 << 20
 
 
 class VerifiedReads:
-    """Times the bare verified read of every file under ``root`` (or of ``files``): ``preadv`` in 2 MiB
-    pieces into one warm buffer of the files' size (each piece to its own place, as a
-    load fills distinct tensors), each piece checked with CRC32C (the implementation bcp
+    """Times the bare verified read of every file under ``root`` (or of ``files``, or of
+    byte ``ranges`` (file, offset, bytes), each read on its own: a tensor at a time):
+    ``preadv`` in 2 MiB pieces into one warm buffer of their size (each piece to its own
+    place, as a load fills distinct tensors), each piece checked with CRC32C (the implementation bcp
     uses) right after it lands, while it is in cache, on ``threads`` threads. It is the
     limit of a load from the page cache or tmpfs that verifies every byte on this
     machine, copy and checksum sharing the cores: no planning, no catalog, no
     destinations' checks."""
 
     def __init__(
-        self, root: str | None = None, *, files: list[str] | None = None, threads: int = 2, piece: int = VERIFIED_PIECE
+        self,
+        root: str | None = None,
+        *,
+        files: list[str] | None = None,
+        ranges: list[tuple[str, int, int]] | None = None,
+        threads: int = 2,
+        piece: int = VERIFIED_PIECE,
     ):
         from bcp.metadata import checksum
 
         self.crc = checksum.crc32c
-        if files is None:  # every file under root
-            assert root is not None, "a root or a list of files"
-            files = [os.path.join(d, name) for d, _dirs, names in os.walk(root) for name in sorted(names)]
+        if ranges is None:  # whole files: every file under root, or those given
+            if files is None:
+                assert root is not None, "a root, a list of files or of byte ranges"
+                files = [os.path.join(d, name) for d, _dirs, names in os.walk(root) for name in sorted(names)]
+            ranges = [(path, 0, os.path.getsize(path)) for path in files]
         pieces: list[tuple[str, int, int, int]] = []  # (file, offset in it, bytes, offset in the buffer)
-        for path in files:
-            size = os.path.getsize(path)
-            at = sum(p[2] for p in pieces[-1:]) + (pieces[-1][3] if pieces else 0)
-            pieces += [(path, o, min(piece, size - o), at + o) for o in range(0, size, piece)]
+        at = 0
+        for path, start, size in ranges:  # a range (a tensor's bytes) in pieces of at most ``piece``
+            pieces += [(path, start + o, min(piece, size - o), at + o) for o in range(0, size, piece)]
+            at += size
         self.nbytes = sum(p[2] for p in pieces)
         self.buffer = memoryview(bytearray(self.nbytes))  # zero-filled: every page touched
         self.shares = [pieces[i::threads] for i in range(threads)]

@@ -12,13 +12,15 @@ three decades) adding to exactly ``--gib``. For each count, in a fresh process p
   tensors, a warm-up call then the median of ``--calls``;
 * beside them, the same bytes through peers: safetensors ``load_file`` and ``torch.load``
   from the page cache, each tensor then copied into the existing one (no checksums), and
-  a ``copy_`` of each tensor from memory: what a tensor costs a loop of plain Python.
+  a ``copy_`` of each tensor from memory: what a tensor costs a loop of plain Python;
+* the load's limit beside it: the bare verified read of each tensor's bytes in the same
+  files (``preadv`` and a CRC32C call a piece, 2 threads, no catalog, plan or checks).
 
 A flat cost per tensor shows as a ratio near 1 between the largest and the smallest
 count (the issue's target: at most 1.3x). The last line is
 
     tensor_count_scale: save <r>x, async <r>x, load <r>x (target 1.3x)
-    peers beside: safetensors <r>x, torch <r>x, copy <r>x, raw <r>x
+    peers beside: safetensors <r>x, torch <r>x, copy <r>x, raw <r>x, verified <r>x
 
     python bench/tensor_count_scale.py [--gib 1] [--counts 100,1000,10000] [--repeats 2] [--calls 3]
     python bench/tensor_count_scale.py --cases load     # the load row only (one untimed save)
@@ -51,6 +53,8 @@ CASES = (
     ("safetensors", "safetensors load_file+copy (page cache)"),
     ("torch", "torch.load+copy (page cache)"),
     ("copy", "copy_ of each tensor (memory)"),
+    # the load's limit beside it: what a verified read costs a tensor with no planning
+    ("verified", "bare verified read of each tensor (page cache)"),
     # the save's limit beside it: the disk taking each tensor's own memory (its pages)
     ("raw", "raw O_DIRECT write of each tensor's memory"),
 )
@@ -112,6 +116,25 @@ def run_count(n: int, args) -> dict[str, float]:
         requests, written = raw_requests[0]
         return raw_write_seconds(os.path.join(root, "raw.bin"), state, requests, written) if written else float("nan")
 
+    verified_reads: list = []
+
+    def verified() -> float:
+        """Each tensor's bytes in bcp's own files, read on their own (``preadv`` and a
+        CRC32C call a piece of at most 2 MiB, 2 threads, into touched memory;
+        ``memcpy_limit.VerifiedReads``): a verified load's cost a tensor, without a
+        catalog, a plan or the destinations' checks."""
+        from memcpy_limit import VerifiedReads
+
+        if not verified_reads:
+            reader = bcp.open(sync_uri)
+            ranges = []
+            for fqn in state:
+                entry = reader.meta(fqn).entry
+                for file, at, size in zip(entry.files, entry.byte_offsets, entry.sizes, strict=True):
+                    ranges.append((os.path.join(sync_uri, entry.file_names[int(file)]), int(at), int(size)))
+            verified_reads.append(VerifiedReads(ranges=ranges))
+        return verified_reads[0]()
+
     def copy() -> float:
         t0 = time.perf_counter()
         for k, v in state.items():
@@ -138,6 +161,7 @@ def run_count(n: int, args) -> dict[str, float]:
             ("safetensors", safetensors_load, warm),
             ("torch", torch_load, warm),
             ("copy", copy, None),
+            ("verified", verified, warm),
         )
         for name, fn, prepare in steps:
             if name not in cases:
@@ -166,7 +190,7 @@ def main() -> None:
     p.add_argument(
         "--cases",
         default=",".join(k for k, _l in CASES),
-        help="which of " + ", ".join(k for k, _l in CASES) + " to time, comma-separated (the last three: peers)",
+        help="which of " + ", ".join(k for k, _l in CASES) + " to time, comma-separated (the last 5: peers, limits)",
     )
     p.add_argument("--count", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -219,7 +243,7 @@ def report(counts: list[int], args, runs: dict[int, dict[str, list[float]]]) -> 
     print(f"| {hi:,} / {lo:,} | " + " | ".join(f"{ratio[k]:.2f}x" for k, _l in cases) + " |")
     ours = [k for k in ("save", "async", "load") if k in ratio]
     print("tensor_count_scale: " + ", ".join(f"{k} {ratio[k]:.2f}x" for k in ours) + " (target 1.3x)")
-    if peers := [k for k in ("safetensors", "torch", "copy", "raw") if k in ratio]:
+    if peers := [k for k in ("safetensors", "torch", "copy", "raw", "verified") if k in ratio]:
         print("peers beside: " + ", ".join(f"{k} {ratio[k]:.2f}x" for k in peers))
 
 

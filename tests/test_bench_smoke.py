@@ -208,10 +208,11 @@ def test_tensor_count_scale_prints_each_count_and_the_ratio(tmp_path, capsys, mo
     assert re.fullmatch(
         r"tensor_count_scale: save [0-9.]+x, async [0-9.]+x, load [0-9.]+x \(target 1\.3x\)", lines[-2]
     ), lines[-2]
-    # the same bytes through peers, beside (what a tensor costs them)
-    beside = r"peers beside: safetensors [0-9.]+x, torch [0-9.]+x, copy [0-9.]+x, raw ([0-9.]+|nan)x"
+    # the same bytes through peers, beside (what a tensor costs them), and the load's limit
+    beside = r"peers beside: safetensors [0-9.]+x, torch [0-9.]+x, copy [0-9.]+x, raw ([0-9.]+|nan)x, verified [0-9.]+x"
     assert re.fullmatch(beside, lines[-1]), lines[-1]
     assert any("| safetensors load_file+copy (page cache) s |" in ln for ln in lines), lines
+    assert any("| bare verified read of each tensor (page cache) s |" in ln for ln in lines), lines
     assert list(tmp_path.iterdir()) == [], "the scratch directory was left behind"
 
 
