@@ -39,6 +39,7 @@ from bcp.coordination.collectives import GroupCoordinator, portable
 from bcp.errors import CheckpointError
 from bcp.gc_pause import gc_paused
 from bcp.io_scheduler.read_exec import ReadStats
+from bcp.io_scheduler.share_disjoint import without_disjoint
 from bcp.io_scheduler.share_match import (
     BOX_BATCH,
     CutIndex,
@@ -154,7 +155,8 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     fragments. Boxes of tensors stored as disjoint slices along one dimension (FSDP,
     TP) are matched on that dimension alone (:class:`CutIndex`), a batch of classes
     at a time; the rest go through the general overlap test (``cut_index=False``:
-    every box does, the reference the tests compare against)."""
+    every box does, the reference the tests compare against). Tensors no two ranks want
+    an element of are left out first (:mod:`.share_disjoint`; not with ``cut_index=False``)."""
     names = list(reader.catalog.tensors)
     classes = _RankClasses.of(wanted)
     reps = [wanted[r] for r in classes.first]
@@ -164,24 +166,26 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
         if len(codes) and (int(codes.min()) < 0 or int(codes.max()) >= len(names)):
             raise ValueError("a wanted box names a tensor the catalog does not hold")
         per_tensor += np.bincount(codes, minlength=len(names))
+    width = 1  # the plan's boxes: as wide as the widest tensor wanted (those left out included)
+    one_rank_each = bool((classes.sizes == 1).all())  # then the tensors no two ranks meet are left out
+    if cut_index and one_rank_each and (pruned := without_disjoint(reps, names, reader.catalog.shape)) is not None:
+        reps, width = pruned
+        per_tensor = np.bincount(reps[0].tensors, minlength=len(names))  # one list of tensors for every rank
     used = np.flatnonzero(per_tensor).tolist()
     if not used:
         return _no_plan(classes.of_rank)
     used_names = [names[t] for t in used]
     shapes = {t: tuple(reader.catalog.shape(names[t])) for t in used}
     reader.catalog.require([(names[t], ((0,) * len(shapes[t]), shapes[t])) for t in used])
-    # offsets and lengths only; the tiling is proven by the cut index for the tensors it
-    # holds (it sorts their rows anyway), the catalog checks the rest below
+    # offsets and lengths only; the tiling is proven by the cut index for the tensors it holds, the catalog the rest
     entries = reader.catalog.boxes(used_names, check_tiling=not cut_index)
-    ndims = {len(s) for s in shapes.values()}
-    width = max(1, *ndims)
+    width = max(width, *(len(s) for s in shapes.values()))
     ndim_of = np.zeros(len(names), np.int64)
     extents = np.ones((len(names), width), np.int64)
     for t in used:
         ndim_of[t] = len(shapes[t])
         extents[t, : len(shapes[t])] = shapes[t]
-    # stored rows of the used tensors are numbered tensor after tensor (``used`` order),
-    # each tensor's rows in catalog order: tensor ``used[i]`` holds rows fstart[i]..fstart[i + 1] - 1
+    # stored rows numbered tensor after tensor (``used`` order): ``used[i]`` holds rows fstart[i]..fstart[i + 1] - 1
     fstart = np.r_[0, np.cumsum([e.num_fragments for e in entries])].astype(np.int64)
     n_frags = int(fstart[-1])
     slot = np.full(len(names), -1, np.int64)
@@ -196,8 +200,7 @@ def plan_shares(reader: CheckpointReader, wanted: Sequence[Wanted], *, cut_index
     # class per pair, nor elements where none is (each rank its own rows), so those wait,
     # not even computed, until some row is met twice (then the boxes are matched again)
     uniform = bool((classes.sizes == classes.sizes[0]).all())
-    lone = uniform and int(classes.sizes[0]) == 1
-    found, left, one_box, full = _match(reps, index, ndim_of, width, columns=not lone, rows=n_frags)
+    found, left, one_box, full = _match(reps, index, ndim_of, width, columns=not one_rank_each, rows=n_frags)
     if full:
         index = None  # the line's tables: not needed past the matching (the general test takes none)
     # the general test's pairs come with their classes and elements always: computed once

@@ -23,7 +23,8 @@ What is timed, CPU seconds of one process, each case in a fresh subprocess:
   the sections they need, from memory here) are timed too.
 * ``share``: share_reads planning on the coordinator for M loading ranks, each wanting
   its dim-0 chunk of every tensor (``plan_shares`` + ``parts``); ``--share-dp 2``
-  lets pairs of ranks want the same chunk (every fragment then shared). ``old``: every
+  lets pairs of ranks want the same chunk (every fragment then shared), ``--share-scalars K``
+  adds K 0-d tensors every rank wants (AdamW's step counters, stored once). ``old``: every
   rank computing the plan over every rank's list (the previous algorithm, one rank's
   cost; quadratic, so only for small R).
 
@@ -79,8 +80,9 @@ def layout(tensors: int, seed: int = 0) -> tuple[list[str], list[tuple[int, int]
     return [f"model.layers.{i // 8}.block.w{i % 8}" for i in range(tensors)], shapes
 
 
-def catalog(ranks: int, tensors: int) -> tuple[Catalog, list[str], list[tuple[int, int]]]:
-    """The FSDP catalog: rows grouped by writer, each writer's tensors in save order."""
+def catalog(ranks: int, tensors: int, scalars: int = 0) -> tuple[Catalog, list[str], list[tuple[int, int]]]:
+    """The FSDP catalog: rows grouped by writer, each writer's tensors in save order;
+    then ``scalars`` 0-d tensors (an optimizer's step counters) in rank 0's file."""
     names, shapes = layout(tensors)
     rows_of = np.array([s[0] for s in shapes], np.int64)
     cols_of = np.array([s[1] for s in shapes], np.int64)
@@ -96,10 +98,18 @@ def catalog(ranks: int, tensors: int) -> tuple[Catalog, list[str], list[tuple[in
     blocks = -(-nbytes // (64 << 10))
     n = len(r)
 
-    def pairs(a: np.ndarray, b: np.ndarray) -> pa.ListArray:
-        return pa.ListArray.from_arrays(
-            pa.array(np.arange(0, 2 * n + 1, 2, dtype=np.int32)), pa.array(np.stack([a, b], 1).reshape(-1))
-        )
+    def pairs(a: np.ndarray, b: np.ndarray) -> pa.ListArray:  # then an empty list a scalar
+        starts = np.r_[np.arange(0, 2 * n + 1, 2), np.full(scalars, 2 * n)].astype(np.int32)
+        return pa.ListArray.from_arrays(pa.array(starts), pa.array(np.stack([a, b], 1).reshape(-1)))
+
+    if scalars:  # rank 0 writes them after its own rows: the tables' columns take them last
+        names = [*names, *(f"optim.state.{i}.step" for i in range(scalars))]
+        first = int(per_writer[0].sum()) if tensors else 0
+        t = np.r_[t, np.arange(tensors, tensors + scalars)]
+        r = np.r_[r, np.zeros(scalars, np.int64)]
+        byte_offset = np.r_[byte_offset, first + 2 * np.arange(scalars)]
+        nbytes = np.r_[nbytes, np.full(scalars, 2)]
+        blocks = np.r_[blocks, np.ones(scalars, np.int64)]
 
     gen = generation_name("bench")
     files = [data_file_key(gen, w) for w in range(ranks)]
@@ -108,14 +118,15 @@ def catalog(ranks: int, tensors: int) -> tuple[Catalog, list[str], list[tuple[in
         pa.array(np.full(int(blocks.sum()), 123456789, np.uint32)),
     )
     paths = [f'[["d","model"],["d","layers"],["d",{i // 8}],["d","w{i % 8}"]]' for i in range(tensors)]
+    paths += [f'[["d","optim"],["d","state"],["i",{i}],["d","step"]]' for i in range(scalars)]
     table = pa.table(
         {
             "fqn": pa.DictionaryArray.from_arrays(pa.array(t.astype(np.int32)), pa.array(names)),
             "key_path": pa.DictionaryArray.from_arrays(pa.array(t.astype(np.int32)), pa.array(paths)),
-            "dtype": pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array(["bfloat16"])),
-            "global_shape": pairs(rows_of[t], cols_of[t]),
+            "dtype": pa.DictionaryArray.from_arrays(pa.array(np.zeros(n + scalars, np.int32)), pa.array(["bfloat16"])),
+            "global_shape": pairs(rows_of[t[:n]], cols_of[t[:n]]),
             "offsets": pairs(start, np.zeros(n, np.int64)),
-            "lengths": pairs(count, cols_of[t]),
+            "lengths": pairs(count, cols_of[t[:n]]),
             "file": pa.DictionaryArray.from_arrays(pa.array(r.astype(np.int32)), pa.array(files)),
             "byte_offset": pa.array(byte_offset),
             "nbytes": pa.array(nbytes),
@@ -243,8 +254,9 @@ def old_share_one_rank(cat: Catalog, wanted_by_rank: list[list[tuple[str, Any]]]
     return sum(len(v) > 1 for v in needers.values())
 
 
-def run_share(impl: str, ranks: int, load: int, tensors: int, dp: int) -> dict:
-    cat, names, shapes = catalog(ranks, tensors)
+def run_share(impl: str, ranks: int, load: int, tensors: int, dp: int, scalars: int = 0) -> dict:
+    assert impl == "bcp" or not scalars, "the old plan is timed without scalars"
+    cat, names, shapes = catalog(ranks, tensors, scalars)
     groups = load // dp
     bounds = [chunk_bounds(rows, groups) for rows, _c in shapes]
     wanted = []
@@ -252,7 +264,7 @@ def run_share(impl: str, ranks: int, load: int, tensors: int, dp: int) -> dict:
         g = m // dp
         offs = np.array([[b[g][0], 0] for b in bounds], np.int64).reshape(-1)
         lens = np.array([[b[g][1], s[1]] for b, s in zip(bounds, shapes, strict=True)], np.int64).reshape(-1)
-        wanted.append(Wanted(np.arange(tensors, dtype=np.int32), offs, lens))
+        wanted.append(Wanted(np.arange(tensors + scalars, dtype=np.int32), offs, lens))  # a scalar: no values
     if impl == "old":
         lists = [
             [(names[i], ((b[m // dp][0], 0), (b[m // dp][1], shapes[i][1]))) for i, b in enumerate(bounds)]
@@ -312,15 +324,18 @@ def main() -> None:
     p.add_argument("--old", action="store_true", help="also the previous planners (slow: 20+ s at 1,024 ranks)")
     p.add_argument("--share-old-up-to", type=int, default=0, help="largest rank count for the old share_reads plan")
     p.add_argument("--share-dp", type=int, default=1, help="ranks wanting each chunk in the share case")
+    p.add_argument(
+        "--share-scalars", type=int, default=0, help="0-d tensors (step counters) every rank wants, in the share case"
+    )
     p.add_argument("--only", choices=["plan", "share"], help="run one kind of case")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        kind, impl, ranks, load, tensors, dp = a.child
+        kind, impl, ranks, load, tensors, dp, *scalars = a.child
         if kind == "plan":
             result = run_plan(impl, int(ranks), int(load), int(tensors))
         else:
-            result = run_share(impl, int(ranks), int(load), int(tensors), int(dp))
+            result = run_share(impl, int(ranks), int(load), int(tensors), int(dp), int(scalars[0]) if scalars else 0)
         print(json.dumps(result))
         return
     print(f"{'case':<34} {'impl':<5} {'CPU s':>8} {'entries/parts':>13} {'extra GB':>9} {'peak GB':>8} {'items':>9}")
@@ -343,11 +358,12 @@ def main() -> None:
                 row = f"{sec:>8.3f} {match:>13.3f} {extra:>9.3f} {peak:>8.2f} {rs[0]['items']:>9}"
                 print(f"{case:<34} {impl:<5} {row}", flush=True)
         for load in loads if a.only != "plan" else []:
-            case = f"share {ranks} -> {load} x {a.tensors} dp{a.share_dp}"
-            impls = ["bcp", *(["old"] if ranks <= a.share_old_up_to else [])]
+            scalars = f" + {a.share_scalars} 0-d" if a.share_scalars else ""
+            case = f"share {ranks} -> {load} x {a.tensors}{scalars} dp{a.share_dp}"
+            impls = ["bcp", *(["old"] if ranks <= a.share_old_up_to and not a.share_scalars else [])]
             for impl in impls:
                 rs = [
-                    child(["share", impl, str(ranks), str(load), str(a.tensors), str(a.share_dp)])
+                    child(["share", impl, str(ranks), str(load), str(a.tensors), str(a.share_dp), str(a.share_scalars)])
                     for _ in range(a.repeat if impl == "bcp" else 1)
                 ]
                 sec = statistics.median(r["seconds"] for r in rs)
