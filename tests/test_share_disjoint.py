@@ -97,6 +97,8 @@ def test_fsdp_row_shards_are_shown_at_any_count_of_ranks():
     codes = np.arange(3, dtype=np.int32)
     shown = disjoint_boxes([codes] * ranks, offsets, lengths, np.array([2, 2, 2]))
     assert shown is not None and shown.all()
+    lengths[3][0] = -1  # never from a rank's own matching; refused rather than read as an interval
+    assert disjoint_boxes([codes] * ranks, offsets, lengths, np.array([2, 2, 2])) is None
 
 
 @settings(max_examples=examples(300), deadline=None)

@@ -60,7 +60,8 @@ def disjoint_boxes(
     every rank, box i of ``nd[i]`` values in the flat ``offsets[r]``, ``lengths[r]``):
     per box of the list, whether the ranks' boxes of its tensor are shown pairwise
     disjoint (along one of its dimensions, in rank order, each starts at or after the
-    end of the one before). 0-d boxes never are. None where the lists differ."""
+    end of the one before). 0-d boxes never are. None where the lists differ (or a
+    length is negative)."""
     first = tensors[0]
     width = int(nd.sum())
     for t, o, n in zip(tensors, offsets, lengths, strict=True):
@@ -69,8 +70,10 @@ def disjoint_boxes(
     ascending = np.ones(width, bool)  # per flat value: that dimension ascends so far
     end = np.full(width, np.iinfo(np.int64).min, np.int64)
     for lo in range(0, len(offsets), RANK_BATCH):
-        starts = np.stack(offsets[lo : lo + RANK_BATCH])
-        ends = starts + np.stack(lengths[lo : lo + RANK_BATCH])
+        starts, ends = np.stack(offsets[lo : lo + RANK_BATCH]), np.stack(lengths[lo : lo + RANK_BATCH])
+        if width and int(ends.min()) < 0:
+            return None
+        ends += starts
         ascending &= starts[0] >= end
         ascending &= (starts[1:] >= ends[:-1]).all(axis=0)
         end = ends[-1]
