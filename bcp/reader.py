@@ -41,7 +41,7 @@ from bcp.metadata.geometry import Box, check_box_inside, intersect
 from bcp.metadata.keys import manifest_key
 from bcp.references import ParentFactory, describe_file, parent_factory, references_backend
 from bcp.shards import RankValues
-from bcp.state import KeyPath, build_nested, path_from_json
+from bcp.state import KeyPath, a_dot_prefix_is_a_key, build_nested, path_from_json
 from bcp.target import resolve_backend
 from bcp.tensor_io import byte_view, copy_values
 from bcp.torch_dtypes import torch_dtype
@@ -134,17 +134,18 @@ class CheckpointReader:
 
     def check_keys(self) -> None:
         """FormatError naming the catalog and the key unless every stored entry has a place
-        of its own in the rebuilt state: no catalog tensor has the FQN of a manifest
-        object, and no entry's key path lies inside another's (a tensor ``a.b`` beside
-        an object ``a``), which would drop one value or put it where the other was.
-        Only FQNs that are equal or dot-prefixes of another are parsed (the key paths
-        of a legitimate ``{"a": 1, "a.b": t}`` conflict as strings, not as paths)."""
+        of its own in the rebuilt state: no catalog tensor has the FQN of a manifest object,
+        and no entry's key path lies inside another's (a tensor ``a.b`` beside an object
+        ``a``), which would drop one value or put it where the other was. Key paths are
+        parsed only where an FQN is a dot-prefix of another (``{"a": 1, "a.b": t}`` is legitimate)."""
         catalog = f"{self.uri}/{self.manifest.catalog.path}"
-        tensors, objects = self.catalog.tensors, self.manifest.objects
-        index = self.catalog.tensor_index  # a dict: a lookup a dot below, not a Mapping call each (issue 37)
-        for fqn in tensors:
+        tensors, objects, index = self.catalog.tensors, self.manifest.objects, self.catalog.tensor_index  # dicts
+        keys = set(index)
+        for fqn in [] if keys.isdisjoint(objects) else tensors:
             if fqn in objects:
                 raise FormatError(f"{catalog}: tensor {fqn!r} has the key of an object of {self._manifest_uri}")
+        if not a_dot_prefix_is_a_key(keys.union(objects)):
+            return  # no key's part before a dot is a key (the usual state): none is parsed
         for fqn in [*tensors, *objects]:
             start = 0
             while (dot := fqn.find(".", start)) != -1:
@@ -152,11 +153,10 @@ class CheckpointReader:
                 if outer not in index and outer not in objects:
                     continue
                 try:
-                    keys = [key for _kind, key in self.key_path(fqn)]
-                    outer_keys = [key for _kind, key in self.key_path(outer)]
+                    inner_keys, outer_keys = ([key for _kind, key in self.key_path(f)] for f in (fqn, outer))
                 except FormatError:
                     continue  # an entry no read can use (raises again when asked for): inspect, verify go on
-                if keys[: len(outer_keys)] == outer_keys:
+                if inner_keys[: len(outer_keys)] == outer_keys:
                     where = catalog if fqn in tensors or outer in tensors else self._manifest_uri
                     raise FormatError(
                         f"{where}: {fqn!r} is stored inside {outer!r}, which is stored as a value of its own"
