@@ -196,11 +196,11 @@ def count_sizes(total_bytes: int, n_tensors: int, *, spread: float = 1000.0) -> 
 
 def count_state(total_bytes: int, n_tensors: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
     """``n_tensors`` 1-D float32 tensors of mixed sizes (:func:`count_sizes`) whose bytes
-    add to ``total_bytes`` rounded down to 4: the same bytes at any count."""
+    add to ``total_bytes`` rounded down to 4: the same bytes at any count. Named as a
+    model's are (``layers.<i // 8>.w<i % 8>``): dotted FQNs cost a load's key checks."""
     g = torch.Generator().manual_seed(seed)
-    width = len(str(n_tensors - 1))
     return {
-        f"t{i:0{width}d}": _filled((n,), torch.float32, "cpu", g)
+        f"layers.{i // 8}.w{i % 8}": _filled((n,), torch.float32, "cpu", g)
         for i, n in enumerate(count_sizes(total_bytes, n_tensors))
     }
 

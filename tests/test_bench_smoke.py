@@ -124,6 +124,7 @@ def test_count_state_sizes_add_to_the_same_bytes_at_any_count(n, extra):
 def test_count_state_and_equal_state():
     state = shapes.count_state(1 << 20, 100)
     assert len(state) == 100 and shapes.nbytes(state) == 1 << 20
+    assert list(state)[:2] == ["layers.0.w0", "layers.0.w1"] and "layers.12.w3" in state  # dotted, as a model's
     assert len({t.numel() for t in state.values()}) > 50
     equal = shapes.equal_state(0.01, tensors=6)
     assert len(equal) == 6 and len({t.shape for t in equal.values()}) == 1
