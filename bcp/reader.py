@@ -141,9 +141,9 @@ class CheckpointReader:
         catalog = f"{self.uri}/{self.manifest.catalog.path}"
         tensors, objects, index = self.catalog.tensors, self.manifest.objects, self.catalog.tensor_index  # dicts
         keys = set(index)
-        for fqn in [] if keys.isdisjoint(objects) else tensors:
-            if fqn in objects:
-                raise FormatError(f"{catalog}: tensor {fqn!r} has the key of an object of {self._manifest_uri}")
+        if not keys.isdisjoint(objects):  # the first such tensor in the catalog's order named
+            fqn = next(f for f in tensors if f in objects)
+            raise FormatError(f"{catalog}: tensor {fqn!r} has the key of an object of {self._manifest_uri}")
         if not a_dot_prefix_is_a_key(keys.union(objects)):
             return  # no key's part before a dot is a key (the usual state): none is parsed
         for fqn in [*tensors, *objects]:

@@ -203,7 +203,13 @@ def _leaf_tensor_types() -> frozenset[type]:
     once its module is imported, DTensor (an FSDP2 state: ``_walk`` would find each one a
     leaf after five checks, 5 us a tensor). No import just to ask (see ``shards.is_dtensor``)."""
     module = sys.modules.get("torch.distributed.tensor")
-    return _PLAIN_SET if module is None else _PLAIN_SET | {module.DTensor}
+    return _PLAIN_SET if module is None else _with_dtensor(module.DTensor)
+
+
+@functools.cache
+def _with_dtensor(dtensor: type) -> frozenset[type]:
+    """The leaf types with DTensor: made once, not at every dict of every save."""
+    return _PLAIN_SET | {dtensor}
 
 
 #: (path, fqn, key count, first and last key) -> (keys, children's names, children's key paths)

@@ -126,12 +126,12 @@ def run_count(n: int, args) -> dict[str, float]:
         from memcpy_limit import VerifiedReads
 
         if not verified_reads:
-            reader = bcp.open(sync_uri)
             ranges = []
-            for fqn in state:
-                entry = reader.meta(fqn).entry
-                for file, at, size in zip(entry.files, entry.byte_offsets, entry.sizes, strict=True):
-                    ranges.append((os.path.join(sync_uri, entry.file_names[int(file)]), int(at), int(size)))
+            with bcp.open(sync_uri) as reader:
+                for fqn in state:
+                    entry = reader.meta(fqn).entry
+                    for file, at, size in zip(entry.files, entry.byte_offsets, entry.sizes, strict=True):
+                        ranges.append((os.path.join(sync_uri, entry.file_names[int(file)]), int(at), int(size)))
             verified_reads.append(VerifiedReads(ranges=ranges))
         return verified_reads[0]()
 
