@@ -54,7 +54,8 @@ from bcp.commit import (
 from bcp.coordination.collectives import Coordinator, gather_decide, run_phase
 from bcp.errors import CheckpointExistsError, CommitUncertainError, UnsupportedStateError
 from bcp.incremental import BaseRef, Reuse, hold_base, reference_entries, with_reuse
-from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline, make_pipeline
+from bcp.io_scheduler.kept_pipelines import make_pipeline
+from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline
 from bcp.kept_plans import PLAIN_SET, PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
 from bcp.metadata import FileEntry, Fragment, Manifest, ObjectEntry
 from bcp.metadata.keys import catalog_key, data_file_key, generation_name

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bcp
-from bcp.io_scheduler.write_pipeline import make_pipeline
+from bcp.io_scheduler.kept_pipelines import make_pipeline
 from bcp.kept_plans import LocalPlans, fingerprint
 from bcp.planning.cache import clear_plan_caches, plan_cache_for
 from bcp.save_phases import prepare_save

@@ -208,7 +208,8 @@ def test_a_deferred_save_too_big_for_the_pool_hands_over_what_it_copied(tmp_path
     raises StagingFull once every slab holds a chunk: the copies in flight are finished
     and queued first (whole: their bytes are the tensors'), discarding returns every slab,
     and the crew is free for the next caller."""
-    from bcp.io_scheduler.write_pipeline import StagingFull, make_pipeline
+    from bcp.io_scheduler.kept_pipelines import make_pipeline
+    from bcp.io_scheduler.write_pipeline import StagingFull
     from bcp.kept_plans import LocalPlans, prepare_tensors
     from bcp.state import flatten_state
     from bcp.target import resolve_backend

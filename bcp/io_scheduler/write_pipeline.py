@@ -20,10 +20,11 @@ waits for the writers and commits the file.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from collections.abc import Callable, MutableMapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from bcp.coordination.priority import lower_this_thread
 from bcp.io_scheduler.chunk_bytes import DigestSink, RunCopies, StagedChunk, copy_bytes
 from bcp.io_scheduler.chunk_plan import Chunk, ChunkCopies, PipelinePlan, plan_pipeline
 from bcp.io_scheduler.device_copy import DeviceCopies, is_device_tensor, settle
-from bcp.io_scheduler.staging import Slab, StagingPool, default_pool
+from bcp.io_scheduler.staging import Slab, StagingPool
 from bcp.metadata import FileEntry, block_checksums, digest_of_checksums
 from bcp.metadata.checksum import crc32c_raw
 from bcp.planning import TensorPlan
@@ -114,6 +115,9 @@ class WritePipeline:
         self._queue: queue.Queue = queue.Queue(maxsize=0 if stage_all else 2 * self.streams)
         self._threads: list[threading.Thread] = []
         self._start_lock = threading.Lock()
+        #: writers in their loop, counted by themselves: finish() waits for none left, also one
+        #: whose start() a KeyboardInterrupt cut short (running, not in _threads)
+        self._live, self._ended, self._closed = 0, threading.Condition(), False
         self._writer: ObjectWriter | None = None
         self._pending: list[Chunk] = []
         #: write in batches from the tensors' memory (decided when the writer opens)
@@ -259,10 +263,11 @@ class WritePipeline:
         if not self._writing:  # deferred: closed once writing starts
             self._close_requested = True
             return
-        if not self.stage_all:  # else started later; one end mark per writer (the queue is unbounded)
+        if not self.stage_all:  # else started later (the queue is unbounded)
             self._start_writers()
-        for _ in range(self.streams):
+        if not self._closed:  # one end mark: each writer puts it back for the next (_write_loop)
             self._queue.put(None)
+            self._closed = True
 
     def start_writing(self, data_key: str) -> None:
         """(a deferred pipeline) Open ``data_key`` and write what was staged."""
@@ -444,11 +449,23 @@ class WritePipeline:
     # -- writer threads ---------------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        with self._ended:
+            self._live += 1
+        try:
+            self._write_chunks()
+        finally:
+            with self._ended:
+                self._live -= 1
+                self._ended.notify_all()
+
+    def _write_chunks(self) -> None:
         if self.stage_all:  # an async save's writers: behind training for the CPU
             lower_this_thread()
         while True:
             task = self._queue.get()
-            if task is None:
+            if task is None:  # left for the others: full, it holds end marks only (none queued after)
+                with contextlib.suppress(queue.Full):
+                    self._queue.put_nowait(None)
                 return
             staged: StagedChunk = task
             chunk, slab, data = staged.chunk, staged.slab, staged.data
@@ -511,6 +528,8 @@ class WritePipeline:
         with trace.span("drain"):  # waiting for the writers
             for thread in self._threads:
                 thread.join()
+            with self._ended:
+                self._ended.wait_for(lambda: not self._live)
         self.sources.clear()
         self._arrays.clear()
         writer = self._writer
@@ -544,52 +563,3 @@ class WritePipeline:
 
 class StagingFull(Exception):
     """A deferred pipeline's chunks do not all fit in the staging pool at once."""
-
-
-#: Pipeline plans kept per prepared structure (this rank's writes x backend and pool settings).
-KEEP_PIPELINE_PLANS = 4
-
-
-def make_pipeline(
-    backend: Backend,
-    data_key: str,
-    rank: int,
-    items: Sequence[WriteItem],
-    block: int,
-    *,
-    pool: StagingPool | None = None,
-    streams: int | None = None,
-    stage_all: bool = False,
-    deferred: bool = False,
-    plans: MutableMapping[Any, PipelinePlan] | None = None,
-    writes: np.ndarray | None = None,
-) -> WritePipeline:
-    """A pipeline on ``pool`` (default: the process-wide one) with ``streams`` writers
-    (default: the backend's hint). ``plans``: pipeline plans kept for the structure of
-    ``items`` (``bcp.kept_plans``), by ``writes`` (the indices ``items`` were taken
-    from) and the settings the plan depends on; used when there, else kept there."""
-    pool = pool or default_pool()
-    if pool.slab_bytes % block:
-        raise ValueError(f"staging slab size {pool.slab_bytes} must be a multiple of the checksum block {block}")
-    key = None
-    if plans is not None and writes is not None:
-        hints = backend.hints
-        key = (np.asarray(writes).tobytes(), stage_all, hints.aligned_writes, hints.part_size, block, pool.slab_bytes)
-    plan = plans.get(key) if plans is not None and key is not None else None
-    pipeline = WritePipeline(
-        backend,
-        data_key,
-        rank,
-        items,
-        block=block,
-        pool=pool,
-        streams=streams or backend.hints.concurrency,
-        stage_all=stage_all,
-        deferred=deferred,
-        plan=plan,
-    )
-    if plans is not None and key is not None and plan is None:
-        plans[key] = pipeline.plan
-        while len(plans) > KEEP_PIPELINE_PLANS:
-            del plans[next(iter(plans))]
-    return pipeline
