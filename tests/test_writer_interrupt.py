@@ -27,16 +27,9 @@ def _save_in_thread(state: dict, uri: str) -> tuple[threading.Thread, list[BaseE
     return thread, raised
 
 
-def _writers() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "bcp-writer"]
-
-
-@pytest.mark.parametrize("kind", ["file", "memory", "fsspec"])
-def test_a_writer_start_cut_short_by_ctrl_c_ends_the_save(monkeypatch, tmp_path, kind):
-    """Failed before (hung in finish's join): a KeyboardInterrupt while a writer thread
-    starts (it runs, but is not listed) is parked like any staging error; the writers are
-    started again, every one of them ends on the one end mark, the save raises the
-    KeyboardInterrupt, commits nothing, and no writer is left behind."""
+@pytest.fixture
+def cut(monkeypatch) -> list[threading.Thread]:
+    """The first writer thread whose start() a KeyboardInterrupt cuts short (it runs)."""
     real_start = threading.Thread.start
     cut: list[threading.Thread] = []
 
@@ -47,6 +40,19 @@ def test_a_writer_start_cut_short_by_ctrl_c_ends_the_save(monkeypatch, tmp_path,
             raise KeyboardInterrupt  # as a SIGINT during start()'s wait for the new thread
 
     monkeypatch.setattr(threading.Thread, "start", start)
+    return cut
+
+
+def _writers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "bcp-writer"]
+
+
+@pytest.mark.parametrize("kind", ["file", "memory", "fsspec"])
+def test_a_writer_start_cut_short_by_ctrl_c_ends_the_save(cut, tmp_path, kind):
+    """Failed before (hung in finish's join): a KeyboardInterrupt while a writer thread
+    starts (it runs, but is not listed) is parked like any staging error; the writers are
+    started again, every one of them ends on the one end mark, the save raises the
+    KeyboardInterrupt, commits nothing, and no writer is left behind."""
     before = set(_writers())
     # a file root writes in batches with one writer; the others with one writer per stream (4)
     uri = {
@@ -65,22 +71,13 @@ def test_a_writer_start_cut_short_by_ctrl_c_ends_the_save(monkeypatch, tmp_path,
     assert not set(_writers()) - before, "a writer thread was left running"
 
 
-def test_saves_after_an_interrupted_one_write_every_byte(monkeypatch, tmp_path):
+def test_saves_after_an_interrupted_one_write_every_byte(cut, tmp_path):
     """The next saves in the same process start clean (each pipeline its own end mark)."""
-    real_start = threading.Thread.start
-    cut: list[threading.Thread] = []
-
-    def start(self: threading.Thread) -> None:
-        real_start(self)
-        if self.name == "bcp-writer" and not cut:
-            cut.append(self)
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(threading.Thread, "start", start)
     state = {f"t{i}": torch.randn(4096) for i in range(16)}
     thread, raised = _save_in_thread(state, str(tmp_path / "a"))
     thread.join(timeout=60)
-    assert raised and isinstance(raised[0], KeyboardInterrupt)
+    assert cut and raised and isinstance(raised[0], KeyboardInterrupt)
+    assert not bcp.exists(str(tmp_path / "a"))
     for name in ("b", "c"):
         bcp.save(state, str(tmp_path / name))
         loaded = {k: torch.zeros_like(v) for k, v in state.items()}
