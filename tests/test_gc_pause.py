@@ -55,9 +55,10 @@ def test_save_async_save_and_load_run_no_collection(tmp_path, collections):
         collections.clear()
         call()
         passes[name] = len(collections)
-    # at most the one pass owed when the collector comes back, on the way out
-    # (before issue 37: 10-30 passes per call here)
-    assert max(passes.values()) <= 1, passes
+    # at most the one pass owed when the collector comes back, on the way out, and one that
+    # other threads' allocations (the test worker's own) may have made due just before the
+    # call turned it off (seen once in a full suite) (before issue 37: 10-30 passes per call)
+    assert max(passes.values()) <= 2, passes
     assert gc.isenabled()
     assert all(torch.equal(t, torch.full((3,), float(i))) for i, t in enumerate(state.values()))
 
