@@ -90,7 +90,7 @@ def no_group_created_in_manager_saves_job(rank: int, world: int, root: str, asyn
     local = None
     if tier:  # one host per rank; steps 2 and 4 drained to the root
         os.environ["BCP_HOST_ID"] = f"host{rank}"
-        local = bcp.LocalTier(dir=os.path.join(tier, f"host{rank}"), every=1, persist_every=2, keep=2)
+        local = bcp.LocalTier(keep_free=0.0, dir=os.path.join(tier, f"host{rank}"), every=1, persist_every=2, keep=2)
     manager = bcp.CheckpointManager(root, keep_last=2, async_save=async_save, tier=local)
     with counting_group_creations() as created:
         for step in (1, 2, 3, 4):

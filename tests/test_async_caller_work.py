@@ -161,7 +161,9 @@ def test_a_fast_local_save_whose_thread_cannot_start_returns_its_slabs(tmp_path,
     from bcp.io_scheduler.staging import default_pool
     from bcp.tiers import LocalTier
 
-    manager = bcp.CheckpointManager(tmp_path / "ck", tier=LocalTier(dir=tmp_path / "shm", persist_every=None, keep=3))
+    manager = bcp.CheckpointManager(
+        tmp_path / "ck", tier=LocalTier(keep_free=0.0, dir=tmp_path / "shm", persist_every=None, keep=3)
+    )
     state = {"w": torch.randn(512, 512), "step": 1}
     manager.save(1, state)  # plans as bcp.async_save does; the next one takes the fast path
     manager.wait()

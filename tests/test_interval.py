@@ -374,7 +374,7 @@ def test_an_auto_manager_with_a_local_tier_chooses_both_intervals(tmp_path):
     """Local saves and drains both follow the policy: the persistent interval is a
     multiple of the local one, drained steps reach the root, and a restart that recovers
     from the local tier measures that tier's recovery."""
-    tier = bcp.LocalTier(dir=tmp_path / "shm", every=1, persist_every=5, keep=2)
+    tier = bcp.LocalTier(keep_free=0.0, dir=tmp_path / "shm", every=1, persist_every=5, keep=2)
     policy = bcp.IntervalPolicy(tiers=("local", "persistent"), mtbf_seconds=2.0, local_loss_share=0.2)
     state = {"w": torch.zeros(1000)}
     with bcp.CheckpointManager(tmp_path / "run", tier=tier, interval=policy) as manager:

@@ -196,7 +196,7 @@ def test_one_rank_holds_its_base_only_when_it_reuses_a_piece_of_it(uri_factory):
 def test_with_a_local_tier_the_steps_saved_to_the_root_are_incremental(tmp_path):
     """every=2, persist_every=3: steps 3 and 9 are due at the root and not saved locally,
     so the manager saves them to the root itself; 9 takes 3 as its base."""
-    tier = bcp.LocalTier(dir=str(tmp_path / "shm"), every=2, replicas=0, persist_every=3)
+    tier = bcp.LocalTier(keep_free=0.0, dir=str(tmp_path / "shm"), every=2, replicas=0, persist_every=3)
     with bcp.CheckpointManager(tmp_path / "run", tier=tier, incremental=True, async_save=False) as m:
         first = m.save(3, state_at(3))
         second = m.save(9, state_at(9))

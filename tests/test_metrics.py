@@ -57,7 +57,7 @@ def check_plausible(record: bcp.MetricsRecord) -> None:
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_local_tier_saves_and_each_load_give_one_record(tmp_path, capsys, async_save):
     root, shm = str(tmp_path / "ck"), tmp_path / "shm"
-    tier = LocalTier(dir=shm, every=1, persist_every=2, keep=3)
+    tier = LocalTier(keep_free=0.0, dir=shm, every=1, persist_every=2, keep=3)
     records: list[bcp.MetricsRecord] = []
     infos = []
     with bcp.CheckpointManager(root, tier=tier, async_save=async_save, metrics=records.append) as manager:

@@ -173,7 +173,7 @@ def test_the_agreement_without_a_group_is_this_ranks_own():
 def test_with_a_local_tier_the_notice_step_is_saved_locally_off_its_schedule(tmp_path):
     """Nothing measured yet: the local tier is the fastest; step 3 is not a multiple of
     ``every`` (5) yet is saved there, and a new manager recovers it."""
-    tier = bcp.LocalTier(dir=str(tmp_path / "local"), every=5, replicas=0, persist_every=None)
+    tier = bcp.LocalTier(keep_free=0.0, dir=str(tmp_path / "local"), every=5, replicas=0, persist_every=None)
     state = {"w": torch.zeros(4)}
     with bcp.CheckpointManager(tmp_path / "ck", tier=tier, preemption=bcp.Preemption()) as manager:
         for s in range(10):

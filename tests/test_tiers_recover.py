@@ -325,7 +325,7 @@ def test_manager_takes_the_newer_tier_and_the_local_one_on_a_tie(tmp_path):
     manager.save(12, _state(12.0))
     template = {"w": torch.zeros(4, 6), "b": torch.zeros(5, dtype=torch.bfloat16), "step": 0}
     assert manager.load_latest(template)[0] == 12, "no tier: the persistent tier as before"
-    tier = bcp.LocalTier(dir=str(tmp_path / "shm"), persist_every=None)
+    tier = bcp.LocalTier(keep_free=0.0, dir=str(tmp_path / "shm"), persist_every=None)
     manager = bcp.CheckpointManager(persistent, async_save=False, tier=tier)
     root = local_root(tier.dir, persistent)
     _local_step(tmp_path, root, 10, 10.0)
@@ -549,7 +549,7 @@ def _corrupt_local_step(tmp_path, which: str, *, persistent_step: int | None) ->
     persistent = str(tmp_path / "persistent")
     if persistent_step is not None:
         bcp.CheckpointManager(persistent, async_save=False).save(persistent_step, _state(float(persistent_step)))
-    tier = bcp.LocalTier(dir=str(tmp_path / "shm"), replicas=0, persist_every=None)
+    tier = bcp.LocalTier(keep_free=0.0, dir=str(tmp_path / "shm"), replicas=0, persist_every=None)
     root = local_root(tier.dir, persistent)
     os.makedirs(root)
     jobs.stamp(root, _job(persistent))  # as this job's tier stamps its local root
@@ -599,7 +599,7 @@ def test_a_lost_local_tier_warns_how_many_steps_may_be_lost(tmp_path, caplog):
     import shutil
 
     persistent = str(tmp_path / "persistent")
-    tier = bcp.LocalTier(dir=str(tmp_path / "shm"), replicas=0, persist_every=4)
+    tier = bcp.LocalTier(keep_free=0.0, dir=str(tmp_path / "shm"), replicas=0, persist_every=4)
     with bcp.CheckpointManager(persistent, async_save=False, tier=tier) as manager:
         for step in range(1, 7):
             manager.save(step, _state(float(step)))

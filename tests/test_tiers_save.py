@@ -23,7 +23,7 @@ from bcp.tiers.holding import add_held, file_spans, held_files, read_holding, ve
 from bcp.tiers.hosts import HostMap, replica_hosts, transfers
 from bcp.tiers.local_retention import expired_steps
 from bcp.tiers.paths import job_name, local_root, local_steps, step_dir
-from bcp.tiers.room import host_rooms
+from bcp.tiers.room import host_rooms, own_record
 from bcp.verify import verify_checkpoint
 from helpers import assert_same
 
@@ -88,7 +88,11 @@ def test_a_local_root_inside_the_persistent_root_is_refused(tmp_path):
         bcp.CheckpointManager(tmp_path / "ck", tier=LocalTier(dir=tmp_path / "ck" / "shm"))
 
 
-@pytest.mark.parametrize("bad", [{"every": 0}, {"replicas": -1}, {"keep": 0}, {"persist_every": 0}, {"every": True}])
+@pytest.mark.parametrize(
+    "bad",
+    [{"every": 0}, {"replicas": -1}, {"keep": 0}, {"persist_every": 0}, {"every": True}]
+    + [{"keep_free": v} for v in (-0.1, 1, 1.5, True, "0.1")],
+)
 def test_local_tier_options_are_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         LocalTier(**bad)
@@ -177,7 +181,9 @@ def test_verify_recomputes_the_manifests_digest_and_catches_a_flipped_byte(tmp_p
 
 def test_one_process_saves_locally_drains_every_m_and_keeps_k_local_steps(tmp_path, caplog):
     root, shm = tmp_path / "ck", tmp_path / "shm"
-    manager = bcp.CheckpointManager(root, keep_last=5, tier=LocalTier(dir=shm, every=2, persist_every=4, keep=2))
+    manager = bcp.CheckpointManager(
+        root, keep_last=5, tier=LocalTier(keep_free=0.0, dir=shm, every=2, persist_every=4, keep=2)
+    )
     assert "each share gets 0 replica(s)" in caplog.text, "one host cannot hold a replica: said once"
     for step in range(1, 10):
         manager.save(step, tier_jobs.local_state(0, 1, step))
@@ -191,32 +197,54 @@ def test_one_process_saves_locally_drains_every_m_and_keeps_k_local_steps(tmp_pa
         assert f.read() == manager.backend.read("step_0000000008/manifest.json"), "the drain copies, byte for byte"
 
 
-def test_room_keeps_ten_percent_of_the_file_system_free_and_sums_the_ranks_of_a_host():
+def test_room_keeps_the_margin_free_and_sums_the_ranks_of_a_host():
     hosts = HostMap.from_records([("a", None), ("a", None), ("b", None)])
-    total = 1000
-    rooms = host_rooms(hosts, [(300, 700, total), (300, 700, total), (599, 700, total)])
+    kept = 100  # LocalTier.keep_free of the file system, in bytes
+    rooms = host_rooms(hosts, [(300, 700, kept), (300, 700, kept), (599, 700, kept)])
     assert [(r.host, r.need, r.enough) for r in rooms] == [("a", 600, True), ("b", 599, True)]
-    rooms = host_rooms(hosts, [(301, 700, total), (300, 700, total), (601, 700, total)])
+    rooms = host_rooms(hosts, [(301, 700, kept), (300, 700, kept), (601, 700, kept)])
     assert [r.enough for r in rooms] == [False, False], "600 + 100 of margin fit in 700; 601 + 100 do not"
-    assert "host b: needs" in str(rooms[1])
+    assert str(rooms[1]) == "host b: needs 0.0 MiB, 0.0 MiB free, keeping 0.0 MiB free (LocalTier.keep_free)"
+
+
+@pytest.mark.parametrize(("keep_free", "kept"), [(0.10, 107374183), (0.0, 0), (0.5, 1 << 29)])
+def test_each_rank_records_its_need_its_free_space_and_the_share_it_keeps_free(keep_free, kept):
+    """own_record: need = own x (1 + replicas); kept = keep_free x the file system, rounded up."""
+    assert own_record("/x", 1000, 2, keep_free, tier_jobs._FakeStatvfs(free=5 << 20, total=1 << 30)) == (
+        3000,
+        5 << 20,
+        kept,
+    )
 
 
 def test_one_process_without_room_skips_the_local_save_and_saves_a_due_drain_to_the_root(tmp_path, caplog):
     root, shm = tmp_path / "ck", tmp_path / "shm"
-    manager = bcp.CheckpointManager(root, tier=LocalTier(dir=shm, persist_every=2))
+    manager = bcp.CheckpointManager(root, tier=LocalTier(dir=shm, persist_every=2))  # keep_free: 10%
     manager._tier.statvfs = tier_jobs._FakeStatvfs(free=100 << 20, total=1 << 30)  # under the 10% margin
     manager.save(1, tier_jobs.local_state(0, 1, 1))
     manager.wait()
     assert "not enough room on 1 host(s)" in caplog.text and "this step is not saved locally" in caplog.text
+    assert "keeping 102.4 MiB free (LocalTier.keep_free)" in caplog.text, "the message names the margin and its knob"
     assert manager.steps() == [] and local_steps(local_root(shm, str(root))) == []
     manager.save(2, tier_jobs.local_state(0, 1, 2))
     manager.close()
     assert manager.steps() == [2], "a drain was due: the step went to the root directly"
     assert_same(bcp.load(tier_jobs.template(), manager.uri(2)), tier_jobs.expected(2))
-    manager._tier.statvfs = os.statvfs
+    manager._tier.statvfs = tier_jobs._FakeStatvfs(free=120 << 20, total=1 << 30)  # 10% of 1 GiB + the share
     manager.save(3, tier_jobs.local_state(0, 1, 3))
     manager.close()
     assert local_steps(local_root(shm, str(root))) == [3], "with room again, the local tier saves"
+
+
+def test_a_smaller_keep_free_saves_locally_where_the_default_margin_would_not(tmp_path, caplog):
+    """100 MiB free of 1 GiB: under the default 10%, but room enough when only 5% is kept free."""
+    root, shm = tmp_path / "ck", tmp_path / "shm"
+    manager = bcp.CheckpointManager(root, tier=LocalTier(dir=shm, persist_every=None, keep_free=0.05))
+    manager._tier.statvfs = tier_jobs._FakeStatvfs(free=100 << 20, total=1 << 30)
+    manager.save(1, tier_jobs.local_state(0, 1, 1))
+    manager.close()
+    assert "not enough room" not in caplog.text
+    assert local_steps(local_root(shm, str(root))) == [1]
 
 
 def test_retention_counts_only_steps_with_a_manifest_and_spares_pinned_ones(tmp_path):
@@ -306,7 +334,7 @@ def test_a_corrupted_replica_is_never_listed(tmp_path):
 
 
 def test_no_room_on_one_host_skips_the_local_save_everywhere_and_falls_back_when_a_drain_is_due(tmp_path):
-    cfg = _cfg(tmp_path, ranks_per_host=1, steps=[1, 2, 3], persist_every=2, no_room={"1": 1 << 20}, wait_each=True)
+    cfg = _cfg(tmp_path, ranks_per_host=1, steps=[1, 2, 3], persist_every=2, no_room={"1": 0}, wait_each=True)
     assert tier_jobs.run(2, cfg) == [0, 0], "training goes on"
     for h in range(2):
         assert local_steps(_host_root(cfg, h)) == [], f"host {h}: nothing saved locally (host 1 lacked room)"
@@ -333,9 +361,7 @@ def _partial_files(cfg: dict, hosts: int) -> list[str]:
 
 
 def test_a_fast_local_save_refused_for_room_writes_nothing_and_training_goes_on(tmp_path):
-    cfg = _cfg(
-        tmp_path, ranks_per_host=1, steps=[1, 2, 3, 4], persist_every=None, no_room={"1": 1 << 20}, no_room_from=3
-    )
+    cfg = _cfg(tmp_path, ranks_per_host=1, steps=[1, 2, 3, 4], persist_every=None, no_room={"1": 0}, no_room_from=3)
     assert tier_jobs.run(2, cfg) == [0, 0], "training goes on"
     assert _fast(cfg) == {"1": False, "2": True, "3": True, "4": True}, "from the second local save on: fast"
     for h in range(2):
@@ -405,7 +431,7 @@ def test_one_process_fast_local_saves_with_overlap_hold_the_values_at_the_call(t
     root, shm = tmp_path / "ck", tmp_path / "shm"
     model = torch.nn.Linear(64, 32)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    manager = bcp.CheckpointManager(root, tier=LocalTier(dir=shm, persist_every=None, keep=3))
+    manager = bcp.CheckpointManager(root, tier=LocalTier(keep_free=0.0, dir=shm, persist_every=None, keep=3))
     manager.overlap = opt
     expected = {}
     for step in (1, 2, 3):
@@ -435,7 +461,9 @@ def test_a_fast_local_save_never_enters_the_persistent_saver(tmp_path):
     import bcp.saver
 
     saver_file = bcp.saver.__file__
-    manager = bcp.CheckpointManager(tmp_path / "ck", tier=LocalTier(dir=tmp_path / "shm", persist_every=None, keep=3))
+    manager = bcp.CheckpointManager(
+        tmp_path / "ck", tier=LocalTier(keep_free=0.0, dir=tmp_path / "shm", persist_every=None, keep=3)
+    )
     state = {"w": torch.arange(64.0), "step": 1}
     manager.save(1, state)  # the first local save plans as bcp.async_save does
     manager.wait()

@@ -45,7 +45,7 @@ def _template() -> dict:
 
 def _manager(root, shm, **tier: Any) -> bcp.CheckpointManager:
     tier.setdefault("persist_every", None)
-    return bcp.CheckpointManager(str(root), async_save=False, tier=bcp.LocalTier(dir=str(shm), **tier))
+    return bcp.CheckpointManager(str(root), async_save=False, tier=bcp.LocalTier(keep_free=0.0, dir=str(shm), **tier))
 
 
 def _tree(top) -> dict[str, Any]:

@@ -172,7 +172,7 @@ def _run(rank: int, world: int, sc: Scenario, root: str) -> None:
 
     model, opt, state = template(world)
     # root is <dir>/bcp/<job> (bcp.tiers.paths.local_root): the tier finds it from its dir
-    tier = bcp.LocalTier(dir=os.path.dirname(os.path.dirname(root)), persist_every=None)
+    tier = bcp.LocalTier(keep_free=0.0, dir=os.path.dirname(os.path.dirname(root)), persist_every=None)
     manager = bcp.CheckpointManager(sc.persistent_root, async_save=False, tier=tier)
     if sc.via_manager and sc.all_held:
         counts = _counted(lambda: manager.load_latest(state))
@@ -414,7 +414,7 @@ def corrupt_copy_job(rank: int, world: int, out: str) -> None:
                 f.seek(at + 5)
                 f.write(bytes([data[at + 5] ^ 0x10]))
         dist.barrier()
-        tier = bcp.LocalTier(dir=dirs[host], persist_every=None)
+        tier = bcp.LocalTier(keep_free=0.0, dir=dirs[host], persist_every=None)
         for start in ("first", "second"):
             manager = bcp.CheckpointManager(persistent, async_save=False, tier=tier)
             with Records() as records:

@@ -38,6 +38,9 @@ class LocalTier:
     #: each drain uploads only the data files the persistent root lacks (docs/tiers.md,
     #: "Incremental local steps"); independent of the manager's own ``incremental``
     incremental: bool = False
+    #: the share of the local root's file system each host keeps free: a host whose
+    #: share (with the replicas it receives) would leave less skips the step locally
+    keep_free: float = 0.10
 
     def __post_init__(self) -> None:
         for name, low in (("every", 1), ("replicas", 0), ("keep", 1), ("chunk_bytes", 1)):
@@ -46,6 +49,9 @@ class LocalTier:
                 raise ValueError(f"LocalTier.{name} must be an int >= {low}, got {value!r}")
         if not isinstance(self.incremental, bool):
             raise ValueError(f"LocalTier.incremental must be a bool, got {self.incremental!r}")
+        k = self.keep_free
+        if isinstance(k, bool) or not isinstance(k, int | float) or not 0 <= k < 1:
+            raise ValueError(f"LocalTier.keep_free must be a number in [0, 1), got {k!r}")
         p = self.persist_every
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 1):
             raise ValueError(f"LocalTier.persist_every must be an int >= 1 or None, got {p!r}")

@@ -5,13 +5,15 @@ will receive, estimated as ``replicas`` more of its own size) and the free and t
 space of its local root (``statvfs``; for ``/dev/shm`` that is host memory). The
 ranks share these (one ``all_gather`` of three integers each), and every rank
 reaches the same verdict: if any host's ranks together need more than its free
-space less a margin of 10% of its file system, no rank saves this step locally.
+space less ``LocalTier.keep_free`` of its file system (10% by default), no rank
+saves this step locally.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,9 +25,6 @@ from bcp.tiers.hosts import HostMap
 
 log = logging.getLogger(__name__)
 
-#: The share of a file system the local tier leaves free.
-MARGIN = 0.10
-
 Statvfs = Callable[[str], Any]
 
 
@@ -36,16 +35,17 @@ class HostRoom:
     host: str
     need: int
     free: int
-    total: int
+    #: what the host keeps free (``LocalTier.keep_free`` of its file system)
+    kept: int
 
     @property
     def enough(self) -> bool:
-        return self.need + MARGIN * self.total <= self.free
+        return self.need + self.kept <= self.free
 
     def __str__(self) -> str:
         return (
-            f"host {self.host}: needs {self.need / 2**20:.1f} MiB, {self.free / 2**20:.1f} MiB free "
-            f"of {self.total / 2**20:.1f} MiB (keeping {MARGIN:.0%} free)"
+            f"host {self.host}: needs {self.need / 2**20:.1f} MiB, {self.free / 2**20:.1f} MiB free, "
+            f"keeping {self.kept / 2**20:.1f} MiB free (LocalTier.keep_free)"
         )
 
 
@@ -61,23 +61,25 @@ def state_bytes(state: Mapping[str, Any]) -> int:
 
 
 def host_rooms(hosts: HostMap, records: list[tuple[int, int, int]]) -> list[HostRoom]:
-    """Each host's need (the sum of its ranks') against its first rank's free and total space."""
+    """Each host's need (the sum of its ranks') against its first rank's free space and margin."""
     out = []
     for h, ranks in enumerate(hosts.ranks):
-        _need, free, total = records[ranks[0]]
-        out.append(HostRoom(hosts.hosts[h], sum(records[r][0] for r in ranks), free, total))
+        _need, free, kept = records[ranks[0]]
+        out.append(HostRoom(hosts.hosts[h], sum(records[r][0] for r in ranks), free, kept))
     return out
 
 
-def own_record(root: str, own_bytes: int, replicas: int, statvfs: Statvfs = os.statvfs) -> tuple[int, int, int]:
-    """This rank's need and its local root's free and total space (bytes)."""
+def own_record(
+    root: str, own_bytes: int, replicas: int, keep_free: float, statvfs: Statvfs = os.statvfs
+) -> tuple[int, int, int]:
+    """This rank's need, its local root's free space and the bytes to keep free there."""
     try:
         st = statvfs(root)
         free, total = int(st.f_bavail) * int(st.f_frsize), int(st.f_blocks) * int(st.f_frsize)
     except OSError as e:
         log.warning("local tier: cannot read the free space of %s: %s", root, e)
         free, total = 0, 0
-    return own_bytes * (1 + replicas), free, total
+    return own_bytes * (1 + replicas), free, math.ceil(keep_free * total)
 
 
 def short_hosts(coord: Coordinator, hosts: HostMap, records: list[tuple[int, int, int]]) -> list[HostRoom]:
@@ -95,8 +97,14 @@ def short_hosts(coord: Coordinator, hosts: HostMap, records: list[tuple[int, int
 
 
 def check_room(
-    coord: Coordinator, hosts: HostMap, root: str, own_bytes: int, replicas: int, statvfs: Statvfs = os.statvfs
+    coord: Coordinator,
+    hosts: HostMap,
+    root: str,
+    own_bytes: int,
+    replicas: int,
+    keep_free: float,
+    statvfs: Statvfs = os.statvfs,
 ) -> list[HostRoom]:
     """(all ranks, collective) The hosts that lack room for this local save (empty:
     every host has room); the same list on every rank. A WARNING names them."""
-    return short_hosts(coord, hosts, coord.all_gather(own_record(root, own_bytes, replicas, statvfs)))
+    return short_hosts(coord, hosts, coord.all_gather(own_record(root, own_bytes, replicas, keep_free, statvfs)))

@@ -176,7 +176,7 @@ class Tier:
                 self.hosts,
                 key=key,
                 writes=writes,
-                room=lambda: own_record(self.root, own, cfg.replicas, self.statvfs),
+                room=lambda: own_record(self.root, own, cfg.replicas, cfg.keep_free, self.statvfs),
                 before_plan=lambda: self._remove_stale(step),
                 on_skip=lambda verdict: self._skipped(verdict, step),
                 overlap=overlap,
@@ -184,7 +184,7 @@ class Tier:
             )
             self._local = (handle, step)
             return "local"
-        short = check_room(self.coord, self.hosts, self.root, own, cfg.replicas, self.statvfs)
+        short = check_room(self.coord, self.hosts, self.root, own, cfg.replicas, cfg.keep_free, self.statvfs)
         if short:
             return "persistent" if drain else "none"
         self._remove_stale(step)

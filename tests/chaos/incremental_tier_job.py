@@ -43,7 +43,13 @@ def main() -> None:
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     tier = bcp.LocalTier(
-        dir=os.path.join(out, f"host{rank}"), every=1, replicas=1, persist_every=2, keep=2, incremental=True
+        dir=os.path.join(out, f"host{rank}"),
+        every=1,
+        replicas=1,
+        persist_every=2,
+        keep=2,
+        incremental=True,
+        keep_free=0.0,
     )
     manager = bcp.CheckpointManager(os.path.join(out, "ckpt"), tier=tier, incremental=True, keep_last=2)
     state = model()

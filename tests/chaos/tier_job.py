@@ -36,7 +36,7 @@ def main() -> None:
 
     def make_manager() -> bcp.CheckpointManager:
         tier = bcp.LocalTier(
-            dir=os.path.join(out, f"host{rank}"), every=1, replicas=1, persist_every=2, chunk_bytes=4096
+            dir=os.path.join(out, f"host{rank}"), every=1, replicas=1, persist_every=2, chunk_bytes=4096, keep_free=0.0
         )
         return bcp.CheckpointManager(os.path.join(out, "ckpt"), tier=tier)
 
