@@ -1,12 +1,12 @@
 """Room for a local save: the local tier never fills a host's memory.
 
 Each rank states what it will put on its host (its data file and the replicas it
-will receive, estimated as ``replicas`` more of its own size) and the free and total
-space of its local root (``statvfs``; for ``/dev/shm`` that is host memory). The
-ranks share these (one ``all_gather`` of three integers each), and every rank
-reaches the same verdict: if any host's ranks together need more than its free
-space less ``LocalTier.keep_free`` of its file system (10% by default), no rank
-saves this step locally.
+will receive, estimated as ``replicas`` more of its own size), the free space of its
+local root (``statvfs``; for ``/dev/shm`` that is host memory) and the bytes to keep
+free there (``LocalTier.keep_free`` of the file system, 10% by default). The ranks
+share these (one ``all_gather`` of three integers each), and every rank reaches the
+same verdict: if any host's ranks together need more than its free space less what
+it keeps free, no rank saves this step locally.
 """
 
 from __future__ import annotations
