@@ -64,6 +64,9 @@ def describe(reader: CheckpointReader) -> dict[str, Any]:
             text = repr(value)
         except CheckpointError as e:
             text = f"<{e}>"
+        except Exception as e:
+            log.debug("object %r of %s cannot be shown", fqn, reader.uri, exc_info=True)
+            text = f"<object {fqn!r} cannot be shown: {type(e).__name__}: {e}>"
         cut = OBJECT_REPR_CHARS
         objects[fqn] = text if len(text) <= cut else text[: cut - 3] + "..."
     return {

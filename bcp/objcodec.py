@@ -245,8 +245,23 @@ class _Decoder:
         shape = self.shape(d.get("shape"))
         if scalar and shape:
             raise self.bad(f"a numpy scalar has shape [], not {shape}")
+        if not np_dtype.itemsize:  # S0/U0: no bytes would back any element (numpy makes none such)
+            raise self.bad(f"numpy dtype {name!r} has no item size")
         raw = self.unb64(d.get("v"))
         if len(raw) != math.prod(shape) * np_dtype.itemsize:
             raise self.bad(f"array bytes do not match shape {shape} of {name}")
-        arr = np.frombuffer(raw, dtype=np_dtype).reshape(shape).copy() if raw else np.empty(shape, dtype=np_dtype)
+        arr = np.frombuffer(raw, dtype=np_dtype).reshape(shape).copy() if raw else np.zeros(shape, dtype=np_dtype)
+        self.check_elements(arr, name)
         return arr if not scalar else arr[()]
+
+    def check_elements(self, arr: np.ndarray, name: str) -> None:
+        """Refuse elements numpy holds but no Python value can be made of (reading one
+        raises in the caller's code): code points past U+10FFFF in a str array, and a
+        time in a unitless datetime/timedelta (only NaT has no unit)."""
+        kind = arr.dtype.kind
+        if kind == "U" and arr.size:
+            points = arr.view(arr.dtype.byteorder.replace("|", "=") + "u4")
+            if int(points.max()) > 0x10FFFF:
+                raise self.bad(f"str array of {name} holds a code point past U+10FFFF")
+        elif kind in "mM" and arr.size and np.datetime_data(arr.dtype)[0] == "generic" and not np.isnat(arr).all():
+            raise self.bad(f"{name} has no time unit: its elements can only be NaT")

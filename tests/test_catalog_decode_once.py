@@ -234,3 +234,29 @@ def test_a_null_name_in_the_heads_dictionary_is_refused(used):
     )
     with pytest.raises(FormatError, match=r"^w: null values"):
         head.tensor_table(table, "w")
+
+
+def test_a_null_inside_a_shape_in_the_heads_tensor_table_is_refused():
+    """The head's tensor table read again with one dimension of one shape null (its
+    CRC32C resealed): refused as null values, not read as a NaN dimension."""
+    data = Catalog(_frags(3)).to_arrow()
+    head_offset, _crc = sections.read_trailer(data, len(data), "c")
+    old = data[head_offset : -sections.TRAILER.size]
+    lengths = sections.HEAD_PREFIX.unpack_from(old, 0)
+    at = sections.HEAD_PREFIX.size
+    parts = []
+    for n in lengths:
+        parts.append(old[at : at + n])
+        at += n
+    table = pa.ipc.open_file(pa.BufferReader(parts[0])).read_all()
+    shapes = table.column("global_shape").to_pylist()
+    shapes[1] = [None]
+    index = table.schema.get_field_index("global_shape")
+    table = table.set_column(index, table.schema.field(index), pa.array(shapes, table.schema.field(index).type))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    parts[0] = sink.getvalue().to_pybytes()
+    new = sections.HEAD_PREFIX.pack(*(len(p) for p in parts)) + b"".join(parts)
+    with pytest.raises(FormatError, match=r"^c \(head, tensors\): null values"):
+        head.decode_head(new, head_offset, crc32c(new), where="c", budget=1 << 30)

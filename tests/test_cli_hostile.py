@@ -25,6 +25,7 @@ import bcp
 from bcp.backends import backend_for
 from bcp.cli import main as cli_main
 from bcp.cli.render import human, rate, safe
+from bcp.metadata.manifest import reseal
 from bcp.trace_report import TraceError, read_traces
 from cli_runner import cli
 
@@ -308,3 +309,27 @@ def test_bench_prints_speeds_as_people_read_them(tmp_path):
     assert "GB/s" not in proc.stdout and re.search(r"save \d+\.\d [KMG]iB/s, load \d+\.\d [KMG]iB/s", proc.stdout), (
         proc.stdout
     )
+
+
+# -- inspect of an object whose repr fails -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"$bcp": "tensor", "dtype": "bits1x8", "shape": [1], "v": "AA=="},  # no CPU op prints it
+        {"$bcp": "tensor", "dtype": "float32", "shape": [1] * 1000, "v": "AAAAAA=="},  # repr recurses too deep
+    ],
+)
+def test_inspect_shows_an_object_it_cannot_print_and_goes_on(tmp_path, capsys, in_process, value):
+    """A value that decodes (a load returns it) but whose repr raises: inspect shows that
+    object as one it cannot show, naming it, and every other entry as usual."""
+
+    bcp.save({**STATE, "cfg": {"a": 1}}, str(tmp_path / "ck"))
+    manifest = tmp_path / "ck" / "manifest.json"
+    doc = json.loads(manifest.read_bytes())
+    doc["objects"]["cfg"][0]["value"] = value
+    manifest.write_bytes(reseal(doc))
+    assert in_process(["inspect", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "cfg = <object 'cfg' cannot be shown: " in out and "step = 7" in out and "w " in out

@@ -12,6 +12,7 @@ import pathlib
 import re
 
 import crc32c
+import numpy as np
 import pytest
 import torch
 
@@ -333,6 +334,11 @@ _BAD_OBJECTS = {
     "ndarray object dtype": {"$bcp": "ndarray", "dtype": "|O", "shape": [1], "v": _b64(bytes(8))},
     "ndarray dtype list": {"$bcp": "ndarray", "dtype": [["a", "<i4"]], "shape": [1], "v": _b64(bytes(4))},
     "ndarray zero itemsize": {"$bcp": "ndarray", "dtype": "<U0", "shape": [2**62, 2**62], "v": ""},
+    "ndarray S0 elements": {"$bcp": "ndarray", "dtype": "|S0", "shape": [4096], "v": ""},
+    "ndarray code point": {"$bcp": "ndarray", "dtype": "<U1", "shape": [1], "v": _b64(b"\xff" * 4)},
+    "ndarray code point big-endian": {"$bcp": "ndarray", "dtype": ">U1", "shape": [1], "v": _b64(b"\0\x11\0\0")},
+    "datetime without unit": {"$bcp": "ndarray", "dtype": "<M8", "shape": [1], "v": _b64(b"\1" + bytes(7))},
+    "timedelta without unit": {"$bcp": "npscalar", "dtype": "<m8", "shape": [], "v": _b64(b"\1" + bytes(7))},
     "ndarray shape text": {"$bcp": "ndarray", "dtype": "<i4", "shape": "1", "v": _b64(bytes(4))},
     "npscalar with shape": {"$bcp": "npscalar", "dtype": "<i4", "shape": [2], "v": _b64(bytes(8))},
     "unknown tag": {"$bcp": "module", "v": "os"},
@@ -350,6 +356,25 @@ _BAD_OBJECTS["deep tuples"] = _deep
 def test_a_malformed_object_is_a_format_error_naming_the_key(name):
     with pytest.raises((FormatError, bcp.PickleNotAllowedError), match=r"'optim\.step'"):
         objcodec.decode(_BAD_OBJECTS[name], fqn="optim.step")
+
+
+def test_numpy_values_at_the_edges_of_those_refusals_round_trip(tmp_path):
+    """The largest code point (both byte orders), empty strings and a unitless NaT (what
+    ``np.datetime64("NaT")`` is) are values, not hostile bytes: they load as saved."""
+    values = {
+        "u": np.array(["\U0010ffff", ""]),
+        "be": np.array(["\U0010ffff"], ">U1"),
+        "nat": np.array([np.datetime64("NaT")]),
+        "nat1": np.datetime64("NaT"),
+        "day": np.array(["2026-11-29"], "datetime64[D]"),
+        "empty": np.zeros((0, 3), "<U1"),
+    }
+    bcp.save({**values, "w": torch.zeros(1)}, str(tmp_path / "ck"))
+    r = bcp.open(str(tmp_path / "ck"))
+    for key, want in values.items():
+        got = r.read(key)
+        assert got.dtype == want.dtype and got.shape == want.shape, key
+        assert np.array_equal(got, want, equal_nan=key.startswith("nat")), key
 
 
 def test_a_broken_pickle_is_a_format_error_when_pickles_are_allowed():

@@ -121,6 +121,18 @@ def cast_columns(table: pa.Table, where: str) -> pa.Table:
     return pa.Table.from_arrays(columns, names=names)
 
 
+def has_nulls(column: pa.ChunkedArray | pa.Array) -> bool:
+    """Whether a column holds a null at any depth: a list column's own rows and the
+    elements inside its lists (a null element reads as NaN in numpy, which every
+    range check lets through)."""
+    if column.null_count:
+        return True
+    if not pa.types.is_list(column.type) and not pa.types.is_large_list(column.type):
+        return False
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    return has_nulls(array.flatten())
+
+
 def string_codes(column: pa.ChunkedArray, where: str) -> tuple[np.ndarray, list[str]]:
     """Per-row codes of a string column and the distinct strings they index (a
     dictionary's repeated values merged): the strings are decoded once each."""

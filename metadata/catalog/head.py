@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 import pyarrow as pa
 
-from bcp.metadata.catalog.arrow import read_ipc_columns, string_codes
+from bcp.metadata.catalog.arrow import has_nulls, read_ipc_columns, string_codes
 from bcp.metadata.catalog.budget import check_ipc_budget
 from bcp.metadata.catalog.sections import HEAD_PREFIX, SECTIONS_SCHEMA, SPANS_SCHEMA, TENSORS_SCHEMA
 from bcp.metadata.catalog.spans import EMPTY_SPAN
@@ -137,7 +137,7 @@ def _read_table(data: bytes, schema: pa.Schema, where: str) -> pa.Table:
                 c = c.cast(pa.dictionary(c.type.index_type, pa.string()))
         except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as e:
             raise FormatError(f"{where}: columns do not have the expected types: {e}") from e
-        if c.null_count:
+        if has_nulls(c):
             raise FormatError(f"{where}: null values")
         columns.append(c)
     return pa.Table.from_arrays(columns, names=schema.names)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from bcp.metadata.catalog.arrow import bind_rows, cast_columns, read_ipc_columns, string_codes
+from bcp.metadata.catalog.arrow import bind_rows, cast_columns, has_nulls, read_ipc_columns, string_codes
 from bcp.metadata.catalog.budget import check_expansion, check_ipc_budget, decode_budget
 from bcp.metadata.catalog.tensors import CATALOG_SCHEMA, MAX_TENSOR_BYTES, TensorTable
 from bcp.metadata.dtypes import itemsize
@@ -42,7 +42,7 @@ def decode_rows(
     table = read_ipc_columns(data, CATALOG_SCHEMA.names, where, optional=(DIGEST_COLUMN,))
     check_expansion(table, where=where, budget=budget)  # strings stay encoded: counted, not charged
     table = cast_columns(table, where)
-    if table.num_rows and any(table.column(n).null_count for n in CATALOG_SCHEMA.names):
+    if table.num_rows and any(has_nulls(table.column(n)) for n in CATALOG_SCHEMA.names):
         raise FormatError(f"{where}: null values in the catalog")
     validate_table(table, where=where, checksum_block_bytes=checksum_block_bytes)
     return bind_rows(table, tensors, files, where=where, fixed=fixed), used
