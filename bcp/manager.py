@@ -37,6 +37,7 @@ from bcp.discovery import base_step, committed_steps
 from bcp.incremental import on_newest_base
 from bcp.io_scheduler.staging import StagingReservation
 from bcp.loader import load_with_info
+from bcp.manager_inputs import checked_step, stored_metrics
 from bcp.metadata.keys import step_name
 from bcp.metrics import MetricsCallback, MetricsRecord, stage_gbps
 from bcp.options import LoadOptions, LoadOptionsKwargs, SaveOptions, SaveOptionsKwargs
@@ -78,13 +79,11 @@ class CheckpointManager:
     hosts) and copies every ``tier.persist_every`` steps to ``root_uri``; other steps
     are not saved. Without it, every :meth:`save` goes to ``root_uri``.
 
-    ``metrics=callback`` calls ``callback(bcp.MetricsRecord)`` once per save (when it
-    completes: an async one at :meth:`wait` or the next save) and once per load
-    (docs/observability.md); saves and loads are then traced in memory (``trace=True``).
+    ``metrics=callback`` calls ``callback(bcp.MetricsRecord)`` once per save (when it completes) and once
+    per load (docs/observability.md); saves and loads are then traced in memory (``trace=True``).
 
-    ``incremental=True``: each save to ``root_uri`` writes only the pieces changed since
-    the newest committed step and refers to that step's bytes for the rest; retention
-    keeps referenced bytes until no kept step reads them (docs/manager.md).
+    ``incremental=True``: each save to ``root_uri`` writes only the pieces changed since the newest committed
+    step, referring to its bytes for the rest, kept until no kept step reads them (docs/manager.md).
 
     :meth:`step`, called at every training step, saves when a save is due
     (``interval=N``: every N steps; with a tier, the tier's ``every`` and
@@ -207,13 +206,8 @@ class CheckpointManager:
         stored in the manifest for ``keep_best``. ``options`` and keyword arguments
         are those of ``bcp.save`` (:class:`SaveOptions`), except the ones the manager
         owns: ``metadata``, ``storage_options`` and ``process_group``. Returns the
-        SaveInfo when synchronous.
-
-        With a local tier, a step that is a multiple of ``tier.every`` is saved to the
-        local tier (and drained to the root when a multiple of ``tier.persist_every``);
-        a step due for draining that the local tier did not save (no room on some
-        host, or not a multiple of ``every``) is saved to the root; other steps are
-        not saved."""
+        SaveInfo when synchronous. With a local tier, its schedule says where (docs/tiers.md):
+        a step due for draining that the local tier did not save goes to the root."""
         given = set(overrides)
         if options is not None:
             given |= {name for name in _OWNED if getattr(options, name) is not None}
@@ -237,13 +231,12 @@ class CheckpointManager:
         the tier's schedule says (a preemption save); a local save that some host has no
         room for is then not made (``self._started`` says whether a save started).
         ``due``: (local, drain) instead of the tier's schedule (``interval="auto"``)."""
+        step = checked_step(step)
         self._wait_pending()
         called, retries = time.perf_counter(), retry_count()
         if self.metrics is not None and opts.trace is None:
             opts = dataclasses.replace(opts, trace=trace.directory_of(None) or True)
-        meta: dict[str, Any] = {
-            "bcp_manager": {"step": int(step), "metrics": {k: float(v) for k, v in (metrics or {}).items()}}
-        }
+        meta: dict[str, Any] = {"bcp_manager": {"step": step, "metrics": stored_metrics(metrics, step)}}
         if self._auto is not None:  # the estimates a restarted job starts from, and bcp ls shows
             meta["bcp_manager"]["interval"] = self._auto.metadata()
         opts = dataclasses.replace(
@@ -261,10 +254,10 @@ class CheckpointManager:
                     return info
             if route != "persistent":
                 return None
-        self._started = step
         # incremental: on the newest committed step, the coordinator's choice
         newest = (lambda: self._newest(step)) if self.incremental and opts.base is None else None
         started = on_newest_base(opts, newest, lambda chosen: self._start(step, state, chosen))
+        self._started = step  # not before: a save that raised saved nothing, a preemption save is still owed
         if isinstance(started, AsyncSaveHandle):
             self._pending = (started, step)
             self._due = (step, retries, started.blocking_seconds, called)
@@ -375,15 +368,20 @@ class CheckpointManager:
         return info
 
     def _wait_pending(self) -> SaveInfo | None:
-        """(all ranks) Finish the save in flight (a local one with its replication), not a drain."""
-        local = self._tier.wait_local() if self._tier is not None else None
-        if self._pending is None:
-            if local is not None:
-                self._report_save(local, self._due, "local")
-            return local
-        handle, step = self._pending
-        self._pending = None
-        info = handle.wait()
+        """(all ranks) Finish the save in flight (a local one with its replication), not a drain.
+        One that failed saved nothing: its step is no longer started (a preemption save is owed)."""
+        try:
+            local = self._tier.wait_local() if self._tier is not None else None
+            if self._pending is None:
+                if local is not None:
+                    self._report_save(local, self._due, "local")
+                return local
+            handle, step = self._pending
+            self._pending = None
+            info = handle.wait()
+        except BaseException:
+            self._started = None
+            raise
         self._committed(step, "CheckpointManager.wait")
         self._report_save(info, self._due, "persistent")
         return info
