@@ -5,6 +5,7 @@ host, the choice of step, the exchange plan, and whole recoveries on simulated h
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -542,10 +543,12 @@ def _flip(path: str, at: int) -> None:
 _TEMPLATE = {"w": torch.zeros(4, 6), "b": torch.zeros(5, dtype=torch.bfloat16), "step": 0}
 
 
-def _corrupt_local_step(tmp_path, which: str, *, persistent_step: int | None) -> tuple[bcp.CheckpointManager, str]:
+def _corrupt_local_step(
+    tmp_path, which: str, *, persistent_step: int | None, flip: bool = True
+) -> tuple[bcp.CheckpointManager, str]:
     """A manager (root with ``persistent_step`` saved, if any) whose local tier holds
-    step 12 with one flipped byte in its data file or its catalog. Returns the
-    manager and the corrupted file."""
+    step 12 with one flipped byte (with ``flip``) in its data file or its catalog.
+    Returns the manager and that file."""
     persistent = str(tmp_path / "persistent")
     if persistent_step is not None:
         bcp.CheckpointManager(persistent, async_save=False).save(persistent_step, _state(float(persistent_step)))
@@ -557,7 +560,8 @@ def _corrupt_local_step(tmp_path, which: str, *, persistent_step: int | None) ->
     manifest = jobs.manifest_of(step_dir)
     entry = manifest.data_files[0] if which == "data" else manifest.catalog
     bad = os.path.join(step_dir, entry.path)
-    _flip(bad, entry.nbytes // 2 if which == "catalog" else 3)  # byte 3: inside the first tensor's bytes
+    if flip:
+        _flip(bad, entry.nbytes // 2 if which == "catalog" else 3)  # byte 3: inside the first tensor's bytes
     return bcp.CheckpointManager(persistent, async_save=False, tier=tier), bad
 
 
@@ -581,6 +585,29 @@ def test_a_corrupt_local_copy_is_quarantined_and_the_persistent_step_loads(tmp_p
     assert step == 9 and state["step"] == 9
     again = "\n".join(r.getMessage() for r in caplog.records)
     assert "checksum" not in again and "quarantined" not in again and "1 newer local step lost" in again, again
+
+
+@pytest.mark.parametrize("which", ["data", "catalog"])
+def test_a_local_file_that_cannot_be_read_is_quarantined_and_recovery_goes_on(tmp_path, caplog, monkeypatch, which):
+    """Step 12's own data file (or catalog) fails every read with EIO (a failing NVMe;
+    EACCES reads the same): the copy is moved aside with a WARNING and persistent step
+    9 loads, where the StorageError used to stop every start of the job."""
+    manager, bad = _corrupt_local_step(tmp_path, which, persistent_step=9, flip=False)
+    real_open = os.open
+
+    def failing(path, *args, **kwargs):
+        if os.fspath(path) == bad:
+            raise OSError(errno.EIO, "Input/output error (injected)", bad)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", failing)
+    with caplog.at_level(logging.WARNING, logger="bcp"):
+        step, state = manager.load_latest(dict(_TEMPLATE))
+    assert step == 9
+    assert_same(dict(state), _state(9.0))
+    warned = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert f"{bad} on host" in warned and "Input/output error" in warned, warned
+    assert not os.path.exists(bad) and os.path.exists(bad + ".quarantined")
 
 
 def test_a_corrupt_local_copy_with_nothing_else_raises_naming_the_quarantined_file(tmp_path):

@@ -75,7 +75,7 @@ import numpy as np
 
 from bcp import trace
 from bcp.coordination.collectives import Coordinator, GroupCoordinator, decide, portable
-from bcp.errors import CorruptCheckpointError, FormatError, RankFailedError
+from bcp.errors import CorruptCheckpointError, FormatError, RankFailedError, StorageError
 from bcp.loader import LoadInfo, load_with_metadata
 from bcp.metadata import FileEntry, Manifest
 from bcp.metadata.keys import MANIFEST_KEY, reference_key, step_name
@@ -331,19 +331,25 @@ def _shared(plan: tuple[LocalChoice, str, Prefetched] | None) -> Any:
 
 def _damage_of(error: BaseException | None, recovery_dir: str, step: int) -> tuple[str | None, str] | None:
     """(file the error names or None, its message) when ``error`` is corrupt bytes of a
-    local copy (a checksum or format error, on this rank or, through RankFailedError,
-    another); None otherwise. The message no longer names the recovery directory: it
+    local copy (a checksum or format error) or a local file that cannot be read, on this
+    rank or, through RankFailedError, another; None otherwise. The message no longer names the recovery directory: it
     is gone by now."""
+    local_root = os.path.dirname(os.path.dirname(recovery_dir))
+
+    def damage(e: BaseException) -> bool:  # bad bytes, or a local file that cannot be read (EIO, EACCES)
+        unreadable = isinstance(e, StorageError) and e.action == "reading" and e.uri.startswith(local_root)
+        return unreadable or isinstance(e, (CorruptCheckpointError, FormatError))
+
     if isinstance(error, RankFailedError):
-        inner = [e for e in error.errors.values() if isinstance(e, (CorruptCheckpointError, FormatError))]
+        inner = [e for e in error.errors.values() if damage(e)]
         if not inner:
             return None
         error = inner[0]
-    if not isinstance(error, (CorruptCheckpointError, FormatError)):
+    if error is None or not damage(error):
         return None
     text = str(error).replace(recovery_dir, f"local step {step}")
     text = text.replace(os.path.dirname(recovery_dir), "the local root")  # a sibling step's file
-    return getattr(error, "file", None), text
+    return getattr(error, "file", None) or getattr(error, "key", None), text
 
 
 def _attempt(

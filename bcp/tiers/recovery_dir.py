@@ -151,11 +151,8 @@ def check_copy(
     out: list[BadCopy] = []
     try:
         catalog = fetch_catalog(backend, manifest)
-    except (CorruptCheckpointError, FormatError) as e:
+    except (CorruptCheckpointError, FormatError, OSError) as e:  # an unreadable catalog (EIO, EACCES) too
         out.append(quarantine(os.path.join(step_dir, *manifest.catalog.path.split("/")), str(e), host))
-        return out
-    except OSError as e:
-        log.warning("local tier: cannot read the catalog of %s: %s", step_dir, e)
         return out
     wanted = [
         i
