@@ -3,7 +3,9 @@
 A drained step is copied, not saved again: no device-to-host copy, no planning.
 1. Each rank uploads its own data file from its host's local root with the
    persistent backend's writer (parts of the backend's part size, in parallel where
-   the backend allows), then the ranks agree that every upload succeeded.
+   the backend allows), each part checked as uploaded (``holding.StreamedDigest``;
+   the upload is committed only if the file matches the manifest's digest), then
+   the ranks agree that every upload succeeded.
 2. The coordinator uploads the catalog, checks that the generation is intact, and
    commits the manifest, create-only (``bcp.commit.commit``).
 A drain that fails removes its generation (the coordinator), unless the coordinator
@@ -30,10 +32,11 @@ from bcp.backends.file import FileBackend
 from bcp.coordination.collectives import Coordinator, decide, run_phase
 from bcp.coordination.priority import lower_this_thread
 from bcp.errors import CorruptCheckpointError, IncompleteCheckpointError
-from bcp.metadata import FileEntry, Manifest
+from bcp.metadata import Catalog, FileEntry, Manifest
 from bcp.metadata.keys import data_file_key, generation_of, hold_key, reference_key, split_parent
 from bcp.save_phases import check_target, commit_generation, keep_or_discard
 from bcp.target import resolve_backend
+from bcp.tiers.holding import StreamedDigest, file_spans
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +52,14 @@ def _upload_part(writer: ObjectWriter, offset: int, data: bytes) -> None:
     writer.write_at(offset, data)
 
 
-def upload_file(local: Backend, remote: Backend, entry: FileEntry, key: str | None = None) -> None:
+def upload_file(
+    local: Backend, remote: Backend, entry: FileEntry, key: str | None = None, *, digest: StreamedDigest
+) -> None:
     """Copy one data file from the local root to the persistent backend, under the same
-    key (``key``, default ``entry.path``)."""
+    key (``key``, default ``entry.path``). Every part is checked as it is uploaded
+    (``digest``: the file's fragments and block size); the upload is committed only
+    when the whole file matches the manifest's digest (CorruptCheckpointError otherwise):
+    bytes changed on the local tier since they were saved never reach the root."""
     key = entry.path if key is None else key
     part = remote.hints.part_size or DEFAULT_PART_BYTES
     offsets = list(range(0, entry.nbytes, part))
@@ -60,6 +68,7 @@ def upload_file(local: Backend, remote: Backend, entry: FileEntry, key: str | No
 
         def copy(offset: int) -> None:
             data = local.read(key, offset, min(part, entry.nbytes - offset))
+            digest.feed(offset, data, lambda at, n: local.read(key, at, n))
             _upload_part(writer, offset, data)
 
         if not offsets:
@@ -74,6 +83,13 @@ def upload_file(local: Backend, remote: Backend, entry: FileEntry, key: str | No
         else:
             for o in offsets:
                 copy(o)
+        problem = digest.problem(entry)
+        if problem is not None:
+            raise CorruptCheckpointError(
+                f"local tier: the local copy of {key!r} in {local.uri} is not what was saved ({problem}); "
+                f"it was not drained to {remote.uri}",
+                file=key,
+            )
         writer.commit()
     except BaseException:
         writer.abort_after_failure()
@@ -184,16 +200,20 @@ def drain_step(
 
     def upload() -> None:
         nonlocal uploaded
+        block = manifest.checksum_block_bytes
+        # each file's digest covers this catalog's rows in it, a referenced file's too (FORMAT.md)
+        spans = file_spans(Catalog.from_arrow(catalog_bytes, where=local.uri, checksum_block_bytes=block))
         if mine is not None:
-            upload_file(local, remote, mine)
+            upload_file(local, remote, mine, digest=StreamedDigest(spans.get(mine.path, ()), block))
             uploaded += mine.nbytes
         if missing:
             assert parent is not None and local_parent is not None
             siblings = FileBackend(local_parent, fsync=False)
             for key in missing:
                 if _uploader(key, coord.world_size) == coord.rank:
-                    upload_file(siblings, parent, refs[key], key)
-                    uploaded += refs[key].nbytes
+                    ref = refs[key]
+                    upload_file(siblings, parent, ref, key, digest=StreamedDigest(spans.get(ref.path, ()), block))
+                    uploaded += ref.nbytes
 
     note = f"the drained step at {remote.uri} is committed: its manifest was written last"
     with keep_or_discard(coord, remote, manifest.generation, lambda: committed, note, "the failed drain"):

@@ -20,6 +20,7 @@ not count for recovery, and the next :func:`add_held` replaces it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import errno
@@ -29,7 +30,8 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Iterator, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from bcp.metadata import Catalog, FileEntry, block_checksums, digest_of_checksums
 from bcp.tiers.paths import FILE_MODE, HOLDING_LOCK, HOLDING_NAME, READ_FLAGS, read_regular
@@ -199,3 +201,65 @@ def verify(path: str, entry: FileEntry, spans: Mapping[str, Sequence[tuple[int, 
     if digest != entry.crc32c:
         return f"its digest is {digest:#010x}; the manifest says {entry.crc32c:#010x}"
     return None
+
+
+class StreamedDigest:
+    """A data file's digest (``FileEntry.crc32c``) from the parts an upload reads, in
+    any order and on any thread: each block's CRC32C over the very bytes uploaded.
+    A block across a part's edge is summed by both parts, each completing it with an
+    extra read of the bytes beyond its edge (``read_outside``); the two sums must
+    agree, so every byte uploaded was checked as uploaded, none read again between
+    the check and the copy. :meth:`check` compares the whole with the manifest."""
+
+    def __init__(self, spans: Sequence[tuple[int, int]], block_bytes: int) -> None:
+        self.spans, self.block = list(spans), block_bytes
+        self.first: list[int] = []  # each span's first block index, blocks in file order
+        count = 0
+        for _off, n in self.spans:
+            self.first.append(count)
+            count += -(-n // block_bytes)
+        self.sums: list[int | None] = [None] * count
+        self.disagree: list[int] = []  # blocks whose two parts summed different bytes
+        self.starts = [off for off, _n in self.spans]
+        self.lock = threading.Lock()  # parts are fed from several upload threads
+
+    def feed(self, offset: int, data: bytes, read_outside: Callable[[int, int], bytes]) -> None:
+        """Sum the blocks that part ``[offset, offset + len(data))`` holds bytes of."""
+        end, view, block = offset + len(data), memoryview(data), self.block
+        k = max(0, bisect.bisect_right(self.starts, offset) - 1)  # spans are sorted and apart
+        while k < len(self.spans) and self.spans[k][0] < end:
+            off, n = self.spans[k]
+            lo, hi = max(off, offset), min(off + n, end)
+            if lo < hi:
+                first, last = (lo - off) // block, (hi - 1 - off) // block
+                inner_lo = first + (off + first * block < offset)  # blocks wholly inside the part
+                inner_hi = last - (min(off + (last + 1) * block, off + n) > end)
+                if inner_lo <= inner_hi:
+                    a, b = off + inner_lo * block - offset, min(off + (inner_hi + 1) * block, off + n) - offset
+                    self._put(self.first[k] + inner_lo, block_checksums(view[a:b], block))
+                for edge in {first, last} - set(range(inner_lo, inner_hi + 1)):  # across an edge of the part
+                    at, stop = off + edge * block, min(off + (edge + 1) * block, off + n)
+                    head = read_outside(at, offset - at) if at < offset else b""
+                    tail = read_outside(end, stop - end) if stop > end else b""
+                    inside = bytes(view[max(at, offset) - offset : min(stop, end) - offset])
+                    self._put(self.first[k] + edge, block_checksums(head + inside + tail, block))
+            k += 1
+
+    def _put(self, index: int, sums: list[int]) -> None:
+        with self.lock:
+            for i, crc in enumerate(sums, index):
+                seen = self.sums[i]
+                if seen is not None and seen != crc:
+                    self.disagree.append(i)
+                self.sums[i] = crc
+
+    def problem(self, entry: FileEntry) -> str | None:
+        """Why the bytes fed are not ``entry``'s, or None."""
+        if self.disagree:
+            return f"{len(self.disagree)} checksum block(s) changed while the file was read"
+        if any(s is None for s in self.sums):
+            return "part of its fragments was never read"
+        digest = digest_of_checksums([s for s in self.sums if s is not None])
+        if digest != entry.crc32c:
+            return f"its digest is {digest:#010x}; the manifest says {entry.crc32c:#010x}"
+        return None
