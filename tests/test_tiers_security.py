@@ -153,6 +153,45 @@ def test_a_directory_of_another_user_or_writable_by_others_is_refused(tmp_path, 
     assert os.listdir(planted) == [], "nothing written into it"
 
 
+@pytest.mark.parametrize(
+    ("where", "owner", "mode", "why"),
+    [
+        ("dir", OTHER, 0o777, "owned by"),
+        ("dir", OTHER, 0o1777, "owned by"),  # a sticky dir's owner may still rename what is in it
+        ("dir", 0, 0o777, "without the sticky bit"),
+        ("above", OTHER, 0o755, "owned by"),
+        ("above", 0, 0o770, "without the sticky bit"),
+    ],
+)
+def test_a_tier_dir_another_user_could_swap_is_refused(tmp_path, where, owner, mode, why):
+    """LocalTier(dir=...) itself, or a directory above it, that another user owns or may
+    rename entries in: its owner could replace bcp-<uid> by a directory of theirs (or a
+    link into the persistent root) between two saves. Refused at once, naming it."""
+    above = tmp_path / "above"
+    shm, root = above / "shm", tmp_path / "ck"
+    shm.mkdir(parents=True)
+    planted = shm if where == "dir" else above
+    os.chown(planted, owner, owner)
+    os.chmod(planted, mode)
+    with pytest.raises(PermissionError) as raised:
+        _manager(root, shm).save(1, _state(1))
+    message = str(raised.value)
+    assert "\n" not in message and f"{planted} (on the way to LocalTier(dir=" in message and why in message
+    assert os.listdir(shm) == [], "nothing made in it"
+
+
+def test_a_sticky_dir_of_root_and_a_link_to_a_dir_of_ours_are_used(tmp_path):
+    """/dev/shm's shape (root's, 1777) and a dir reached through a link are fine."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o1777)
+    os.chmod(shared, 0o1777)
+    (tmp_path / "link").symlink_to(shared)
+    manager = _manager(tmp_path / "ck", tmp_path / "link")
+    manager.save(1, _state(1))
+    assert manager.load_latest(_template())[0] == 1
+    assert os.listdir(shared) == [f"bcp-{os.geteuid()}"]
+
+
 def test_files_are_the_users_alone_whatever_the_umask(tmp_path):
     shm, root = tmp_path / "shm", tmp_path / "ck"
     old = os.umask(0)

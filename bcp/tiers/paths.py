@@ -138,6 +138,34 @@ def open_private_dir(parent_fd: int, name: str, path: str) -> int:
     return fd
 
 
+def check_trusted_dir(path: str) -> None:
+    """Refuse a tier's ``dir`` that another user could swap: every directory from ``/``
+    to it (links resolved) must be owned by root or this user, and writable by group or
+    others only with the sticky bit (``/dev/shm``, ``/tmp``), where no one else may
+    rename what is in it. Otherwise its owner (or anyone) could replace ``bcp-<uid>``
+    by a directory of theirs, or a link into the persistent root, between two saves."""
+    resolved = os.path.realpath(path)
+    me = os.geteuid()
+    at = os.sep
+    for name in [""] + [p for p in resolved.split(os.sep) if p]:
+        at = os.path.join(at, name) if name else at
+        st = os.stat(at)
+        if st.st_uid not in (0, me):
+            raise _refuse(
+                at,
+                f"(on the way to LocalTier(dir={path!r})) is owned by {_owner(st.st_uid)}, who could replace "
+                "what bcp keeps there",
+                "give LocalTier a dir of your own or /dev/shm",
+            )
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise _refuse(
+                at,
+                f"(on the way to LocalTier(dir={path!r})) is writable by group or others without the sticky bit "
+                f"(mode {stat.S_IMODE(st.st_mode):04o})",
+                f"chmod o-w,g-w {at} (or +t), or give LocalTier another dir",
+            )
+
+
 def make_private_root(base_dir: str | os.PathLike, root_uri: str) -> str:
     """Create (or check) ``<dir>/bcp-<uid>/<job>`` one component at a time relative to
     its parent's descriptor (:func:`open_private_dir`); returns its path. ``<dir>``
@@ -145,6 +173,7 @@ def make_private_root(base_dir: str | os.PathLike, root_uri: str) -> str:
     must exist."""
     base = os.path.abspath(os.fspath(base_dir))
     root = local_root(base, root_uri)
+    check_trusted_dir(base)
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
     try:
         path = base

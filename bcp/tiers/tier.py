@@ -80,7 +80,7 @@ class Tier:
         check_apart(self.root, root_uri)
 
         def private_root() -> str:
-            os.makedirs(config.dir, exist_ok=True)  # the tier's dir is the user's; below it, bcp's private tree
+            os.makedirs(config.dir, mode=0o700, exist_ok=True)  # the user's dir (made private); below, bcp's tree
             return make_private_root(config.dir, root_uri)
 
         # a refusal on one host raises on every rank (the others would wait in the next collective)
