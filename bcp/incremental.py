@@ -146,6 +146,29 @@ def hold_base(
     return BaseRef(os.fspath(base), name, first)
 
 
+def drop_unused_holds(
+    uri: str, base: BaseRef, save_id: str, manifest: Manifest, storage_options: object = None
+) -> None:
+    """(coordinator, after the commit) Delete the holds :func:`hold_base` put on the base's
+    generations that the committed ``manifest`` refers to no byte of. Left, each kept its
+    generation alive after this checkpoint was deleted (its release drops only the holds
+    of what it refers to), for the whole grace period of garbage collection. Never
+    raises: the checkpoint is committed; a hold left is judged by age, as before."""
+    used = {(f.checkpoint, generation_of(f.path)) for f in manifest.references}
+    unused = [
+        (owner, gen) for owner, gen in referenced_generations(base.manifest, base.name) if (owner, gen) not in used
+    ]
+    if not unused:
+        return
+    try:
+        parent, own_name = split_parent(uri)
+        parent_backend = resolve_backend(parent, dict(storage_options or {}))  # type: ignore[call-overload]
+        for owner, gen in unused:
+            parent_backend.delete(f"{owner}/{hold_key(gen, own_name, save_id)}")
+    except Exception as e:  # noqa: BLE001 - housekeeping after a commit never fails the save
+        log.warning("%s: holds on %d unused generation(s) of its base stay until they age: %s", uri, len(unused), e)
+
+
 # -- matching ------------------------------------------------------------------------------------
 
 
@@ -555,6 +578,7 @@ __all__ = [
     "check_sibling",
     "committed_rows",
     "decide",
+    "drop_unused_holds",
     "find_candidates",
     "first_block_crc",
     "hold_base",

@@ -53,7 +53,7 @@ from bcp.commit import (
 )
 from bcp.coordination.collectives import Coordinator, gather_decide, run_phase
 from bcp.errors import CheckpointExistsError, CommitUncertainError, UnsupportedStateError
-from bcp.incremental import BaseRef, Reuse, hold_base, reference_entries, with_reuse
+from bcp.incremental import BaseRef, Reuse, drop_unused_holds, hold_base, reference_entries, with_reuse
 from bcp.io_scheduler.kept_pipelines import make_pipeline
 from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline
 from bcp.kept_plans import PLAIN_SET, PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
@@ -543,6 +543,10 @@ class SaveJob:
             overwrite=self.options.overwrite,
         )
         self.committed = True
+        if decision.start.base is not None:
+            drop_unused_holds(
+                self.backend.uri, decision.start.base, self.save_id, manifest, self.options.storage_options
+            )
         return manifest.stats
 
 

@@ -151,6 +151,7 @@ def test_bcp_rm_names_the_keepers_and_ls_shows_own_shared_and_retired(uri_factor
     assert cli_main(["rm", join_uri(root, "a")]) == 0
     out = capsys.readouterr().out
     assert f"kept {m1.generation} whole (retired)" in out and "b reads 1 file(s), 2.9 KiB" in out
+    assert "deleted 1 object(s) of the checkpoint" in out and "(manifest.json; generation(s) -)" in out  # kept: not
     assert readable(b, "b")
     assert cli_main(["ls", root]) == 0
     out = capsys.readouterr().out
@@ -296,3 +297,26 @@ def test_a_deletion_cut_at_any_file_event_leaves_every_committed_checkpoint_whol
     for name in ("a", "b"):
         if b.exists(f"{name}/manifest.json"):
             assert readable(b, name)
+
+
+def test_a_save_keeps_holds_only_on_the_generations_it_reads(tmp_path, capsys):
+    """s2's base s1 refers to s0 for ``frozen``; s2 changes ``x`` again and reads s0's
+    bytes only. Its save held both generations while it decided; after its commit only
+    s0's hold is left, so deleting s2 then s1 deletes s1 at once (a hold left on s1 kept
+    it retired, "held by" a deleted checkpoint, for the grace period of an hour)."""
+    import torch
+
+    root = tmp_path / "root"
+    frozen = torch.randn(64, 64)
+    opts = {"piece_bytes": 4096}
+    bcp.save({"frozen": frozen, "x": torch.zeros(64, 64)}, str(root / "s0"), incremental=True, **opts)
+    bcp.save({"frozen": frozen, "x": torch.ones(64, 64)}, str(root / "s1"), base=str(root / "s0"), **opts)
+    bcp.save({"frozen": frozen, "x": torch.full((64, 64), 2.0)}, str(root / "s2"), base=str(root / "s1"), **opts)
+    holds = sorted(p.relative_to(root).parts[0] for p in root.glob("*/gen-*/holds/s2.*"))
+    assert holds == ["s0"], holds
+    assert cli_main(["rm", str(root / "s2")]) == 0
+    assert cli_main(["rm", str(root / "s1")]) == 0
+    out = capsys.readouterr().out
+    assert "retired" not in out and not (root / "s1").exists()
+    state = bcp.load({"frozen": torch.zeros(64, 64), "x": torch.zeros(64, 64)}, str(root / "s0"))
+    assert torch.equal(state["frozen"], frozen)

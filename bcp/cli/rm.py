@@ -5,6 +5,7 @@ decided as for ``bcp.delete`` (:func:`bcp.deletion.deletable`); the deletion is
 from __future__ import annotations
 
 import argparse
+from collections.abc import Collection
 
 from bcp.backends import backend_for
 from bcp.cli.common import CliError, NotFound, one_line, require_location
@@ -43,11 +44,15 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(one_line(e)) from e
     if found is None:
         raise NotFound(f"nothing at {where}")
-    generations = found.generations
-    what = (
-        f"{len(found.bcp_keys)} object(s) of {'the' if found.committed else 'an uncommitted'} checkpoint at {where}"
-        f" ({MANIFEST_KEY if found.committed else 'no manifest'}; generation(s) {', '.join(generations) or '-'})"
-    )
+
+    def what(kept: Collection[str] = ()) -> str:  # a generation kept (retired): neither it nor its objects counted
+        keys = [k for k in found.bcp_keys if k.split("/", 1)[0] not in kept]
+        gone = [g for g in found.generations if g not in kept]
+        return (
+            f"{len(keys)} object(s) of {'the' if found.committed else 'an uncommitted'} checkpoint at {where}"
+            f" ({MANIFEST_KEY if found.committed else 'no manifest'}; generation(s) {', '.join(gone) or '-'})"
+        )
+
     left = ""
     others = found.other_keys
     if others:
@@ -55,13 +60,13 @@ def run(args: argparse.Namespace) -> int:
         left = f"; leaving {len(others)} object(s) that are not bcp's: {shown}"
     if args.dry_run:
         parent, name = parent_of(args.uri, backend, None)
-        print(f"would delete {what}{left}")
+        print(f"would delete {what()}{left}")
         for line in kept_lines(keepers_of(parent, name, HoldChecker(parent)), "would keep"):
             print(line)
         return 0
     done = delete_by_holds(args.uri, backend)  # the manifest first, then unheld gen-*/ (partial files too)
     remove_emptied_root(backend)  # no empty directory left behind
-    print(f"deleted {what}{left}")
+    print(f"deleted {what(done.retired)}{left}")
     for line in kept_lines(done.retired, "kept"):
         print(line)
     for generation in done.collected:
