@@ -28,6 +28,7 @@ import pyarrow as pa
 import torch
 
 from bcp import commit as commit_protocol
+from bcp import holds
 from bcp.commit import read_manifest
 from bcp.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from bcp.io_scheduler.write_pipeline import WriteItem
@@ -167,6 +168,18 @@ def drop_unused_holds(
             parent_backend.delete(f"{owner}/{hold_key(gen, own_name, save_id)}")
     except Exception as e:  # noqa: BLE001 - housekeeping after a commit never fails the save
         log.warning("%s: holds on %d unused generation(s) of its base stay until they age: %s", uri, len(unused), e)
+
+
+def release_replaced(uri: str, replaced: Manifest, storage_options: object = None) -> None:
+    """(coordinator, after an overwrite's commit) Delete the holds the replaced checkpoint
+    put on its siblings, and collect what they alone kept, as its deletion would: the
+    new one is committed, so they are stale. Never raises (judged by age if left)."""
+    try:
+        parent, name = split_parent(uri)
+        backend = resolve_backend(parent, dict(storage_options or {}))  # type: ignore[call-overload]
+        holds.release(backend, name, replaced, holds.HoldChecker(backend))
+    except Exception as e:  # noqa: BLE001 - housekeeping after a commit never fails the save
+        log.warning("%s: the holds of the checkpoint it replaced stay until they age: %s", uri, e)
 
 
 # -- matching ------------------------------------------------------------------------------------
@@ -589,6 +602,7 @@ __all__ = [
     "prefetch_base",
     "prefetch_manifest",
     "reference_entries",
+    "release_replaced",
     "remember_commit",
     "with_reuse",
 ]

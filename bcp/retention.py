@@ -186,6 +186,14 @@ def plan_gc(
     ]
     if keys is not None:
         unused += _unused_elsewhere(backend, keys, pending)
+        # holds in the live generations of the other checkpoints under the root (a replaced referrer's)
+        stale_holds += [
+            h.key
+            for h in holds.holds_in(keys)
+            if step_and_generation(h.key)[0] is None
+            and holds.owns_generation(checker, h.owner, h.generation)
+            and not checker.live(h)
+        ]
     # an unused generation that a newer checkpoint reads is retired, not garbage
     held = {f"{holds.prefix_of(h.owner)}{h.generation}/" for h in holds.holds_in(keys or ()) if checker.live(h)}
     held |= {f"{holds.prefix_of(h.owner)}{h.generation}/" for s in check for h in found[s].holds if checker.live(h)}

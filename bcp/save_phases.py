@@ -53,7 +53,15 @@ from bcp.commit import (
 )
 from bcp.coordination.collectives import Coordinator, gather_decide, run_phase
 from bcp.errors import CheckpointExistsError, CommitUncertainError, UnsupportedStateError
-from bcp.incremental import BaseRef, Reuse, drop_unused_holds, hold_base, reference_entries, with_reuse
+from bcp.incremental import (
+    BaseRef,
+    Reuse,
+    drop_unused_holds,
+    hold_base,
+    reference_entries,
+    release_replaced,
+    with_reuse,
+)
 from bcp.io_scheduler.kept_pipelines import make_pipeline
 from bcp.io_scheduler.write_pipeline import WriteItem, WritePipeline
 from bcp.kept_plans import PLAIN_SET, PLAIN_TENSORS, LocalPlans, Prepared, prepare_tensors
@@ -483,6 +491,8 @@ class SaveJob:
             old = existing.manifest.generation
             if old != self.generation:
                 discard_generation(backend, old, why="the replaced generation")
+            if coord.is_coordinator and existing.manifest.references:
+                release_replaced(backend.uri, existing.manifest, self.options.storage_options)
         if coord.is_coordinator and self.options.overwrite:  # killed overwrites' generations, once old
             remove_leftovers(backend, self.generation, grace_seconds=DEFAULT_GRACE_SECONDS)
         mine_bytes = mine.file.nbytes if mine.file is not None else 0

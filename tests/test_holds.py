@@ -9,6 +9,7 @@ import json
 import time
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -52,8 +53,6 @@ def test_keep_last_deleting_a_referenced_step_keeps_its_bytes_then_collects_them
 
 
 def test_a_manager_keeps_a_referenced_step_and_its_referrer_loads_its_own_state(tmp_path):
-    import torch
-
     root = str(tmp_path / "run")
     b = backend_for(root)
     with bcp.CheckpointManager(root, keep_last=2) as mgr:
@@ -175,8 +174,6 @@ def test_bcp_delete_keeps_referenced_bytes(uri_factory):
 
 
 def test_an_overwrites_replaced_generation_stays_when_held(tmp_path):
-    import torch
-
     uri = str(tmp_path / "a")
     bcp.save({"w": torch.ones(3)}, uri)
     b = backend_for(str(tmp_path))
@@ -304,8 +301,6 @@ def test_a_save_keeps_holds_only_on_the_generations_it_reads(tmp_path, capsys):
     bytes only. Its save held both generations while it decided; after its commit only
     s0's hold is left, so deleting s2 then s1 deletes s1 at once (a hold left on s1 kept
     it retired, "held by" a deleted checkpoint, for the grace period of an hour)."""
-    import torch
-
     root = tmp_path / "root"
     frozen = torch.randn(64, 64)
     opts = {"piece_bytes": 4096}
@@ -320,3 +315,28 @@ def test_a_save_keeps_holds_only_on_the_generations_it_reads(tmp_path, capsys):
     assert "retired" not in out and not (root / "s1").exists()
     state = bcp.load({"frozen": torch.zeros(64, 64), "x": torch.zeros(64, 64)}, str(root / "s0"))
     assert torch.equal(state["frozen"], frozen)
+
+
+def test_gc_without_grace_deletes_a_replaced_referrers_hold_on_a_plain_checkpoint(uri_factory):
+    """A hold on a checkpoint outside any manager step whose referrer is committed with
+    another save (a replaced referrer's, left by an older bcp or a killed overwrite):
+    young, kept by gc (a save in progress, maybe); ``--min-age 0``: deleted."""
+    root, b = _parent(uri_factory)
+    m1 = make(b, "a")
+    make(b, "b")
+    stale = f"a/{m1.generation}/holds/b.{new_save_id()}"
+    b.write(stale, b"")
+    assert cli_main(["gc", root]) == 0 and b.exists(stale)
+    assert cli_main(["gc", root, "--min-age", "0"]) == 0 and not b.exists(stale)
+    assert readable(b, "a") and readable(b, "b")
+
+
+def test_an_overwrite_releases_the_holds_of_the_checkpoint_it_replaced(tmp_path, capsys):
+    root = tmp_path / "root"
+    frozen = torch.randn(64, 64)
+    bcp.save({"f": frozen, "x": torch.zeros(64, 64)}, str(root / "s0"), incremental=True, piece_bytes=4096)
+    bcp.save({"f": frozen, "x": torch.ones(64, 64)}, str(root / "s1"), base=str(root / "s0"), piece_bytes=4096)
+    assert list(root.glob("s0/gen-*/holds/s1.*"))
+    bcp.save({"f": frozen, "x": torch.ones(64, 64)}, str(root / "s1"), overwrite=True)  # every byte its own
+    assert not list(root.glob("s0/gen-*/holds/*"))
+    assert cli_main(["ls", str(root)]) == 0 and "held by" not in capsys.readouterr().out
