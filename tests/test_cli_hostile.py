@@ -333,3 +333,10 @@ def test_inspect_shows_an_object_it_cannot_print_and_goes_on(tmp_path, capsys, i
     assert in_process(["inspect", str(tmp_path / "ck")]) == 0
     out = capsys.readouterr().out
     assert "cfg = <object 'cfg' cannot be shown: " in out and "step = 7" in out and "w " in out
+
+
+def test_convert_of_a_checkpoint_without_tensors_to_safetensors_says_why(tmp_path, capsys, in_process):
+    bcp.save({"step": 3}, str(tmp_path / "ck"))
+    assert in_process(["convert", str(tmp_path / "ck"), str(tmp_path / "out"), "--to", "safetensors"]) == 1
+    err = one_error_line(capsys.readouterr().err)
+    assert f"no tensors in {tmp_path / 'ck'}" in err and "holds tensors only" in err and "None" not in err

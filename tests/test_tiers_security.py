@@ -261,6 +261,23 @@ def test_another_user_can_neither_list_nor_read_the_local_tier(tmp_path):
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.mark.parametrize("what", ["data", "catalog"])
+def test_a_file_of_another_user_in_a_step_is_not_held(tmp_path, what):
+    """Step 2's data file (or catalog) owned by another user (a hard link to their file,
+    its bytes right): not counted as held, so step 1 loads, never bytes another user
+    owns and could change after the check."""
+    shm, root = tmp_path / "shm", tmp_path / "ck"
+    manager = _manager(root, shm, keep=2)
+    manager.save(1, _state(1))
+    manager.save(2, _state(2))
+    step = step_dir(local_root(shm, str(root)), 2)
+    suffix = ".bin" if what == "data" else ".arrow"
+    (planted,) = [os.path.join(d, f) for d, _, fs in os.walk(step) for f in fs if f.endswith(suffix)]
+    os.chown(planted, OTHER, OTHER)
+    step_loaded, state = _manager(root, shm, keep=2).load_latest(_template())
+    assert step_loaded == 1 and torch.equal(state["w"], _state(1)["w"])
+
+
 # -- the job identity ------------------------------------------------------------------------------
 
 

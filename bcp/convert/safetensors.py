@@ -95,7 +95,8 @@ def to_safetensors(
     reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
     chosen = select(reader.tensor_keys(), prefix, strip_prefix)
     if not chosen:
-        raise ValueError(f"no tensors under prefix {prefix!r} in {reader.uri}")
+        where = f"under prefix {prefix!r} " if prefix else ""
+        raise ValueError(f"no tensors {where}in {reader.uri}: a safetensors file holds tensors only")
     rules = [parse_rename(rule) if isinstance(rule, str) else rule for rule in rename]
     key_of = output_names([(key, apply_renames(name, rules)) for key, name in chosen], renamed=bool(rules))
     names = list(key_of)

@@ -81,8 +81,8 @@ def held_size(step_dir: str, entry: FileEntry) -> int | None:
         except OSError:
             return None
         last = i == len(parts) - 1
-        if not (stat.S_ISREG(st.st_mode) if last else stat.S_ISDIR(st.st_mode)):
-            return None
+        if not (stat.S_ISREG(st.st_mode) if last else stat.S_ISDIR(st.st_mode)) or st.st_uid != os.geteuid():
+            return None  # a link, a FIFO; another user's (a hard link to their file, planted)
         size = st.st_size
     return size
 

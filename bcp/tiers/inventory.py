@@ -149,7 +149,7 @@ def _size_of(path: str) -> int | None:
         st = os.lstat(path)
     except OSError:
         return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
+    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() else None  # not another user's
 
 
 def _listed(held: FileEntry | None, entry: FileEntry) -> bool:
