@@ -209,7 +209,7 @@ class StreamedDigest:
     A block across a part's edge is summed by both parts, each completing it with an
     extra read of the bytes beyond its edge (``read_outside``); the two sums must
     agree, so every byte uploaded was checked as uploaded, none read again between
-    the check and the copy. :meth:`check` compares the whole with the manifest."""
+    the check and the copy. :meth:`problem` compares the whole with the manifest."""
 
     def __init__(self, spans: Sequence[tuple[int, int]], block_bytes: int) -> None:
         self.spans, self.block = list(spans), block_bytes
