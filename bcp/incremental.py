@@ -147,36 +147,27 @@ def hold_base(
     return BaseRef(os.fspath(base), name, first)
 
 
-def drop_unused_holds(
-    uri: str, base: BaseRef, save_id: str, manifest: Manifest, storage_options: object = None
-) -> None:
-    """(coordinator, after the commit) Delete the holds :func:`hold_base` put on the base's
-    generations that the committed ``manifest`` refers to no byte of. Left, each kept its
-    generation alive after this checkpoint was deleted (its release drops only the holds
-    of what it refers to), for the whole grace period of garbage collection. Never
-    raises: the checkpoint is committed; a hold left is judged by age, as before."""
+def drop_unused_holds(uri: str, base: BaseRef, save_id: str, manifest: Manifest, options: object = None) -> None:
+    """(coordinator, after the commit) Delete the holds :func:`hold_base` put on base generations the committed
+    ``manifest`` reads no byte of: its deletion releases only those it reads, so these kept their bytes retired
+    for gc's grace period. Never raises (a hold left is judged by age)."""
     used = {(f.checkpoint, generation_of(f.path)) for f in manifest.references}
-    unused = [
-        (owner, gen) for owner, gen in referenced_generations(base.manifest, base.name) if (owner, gen) not in used
-    ]
-    if not unused:
-        return
+    unused = [held for held in referenced_generations(base.manifest, base.name) if held not in used]
     try:
         parent, own_name = split_parent(uri)
-        parent_backend = resolve_backend(parent, dict(storage_options or {}))  # type: ignore[call-overload]
+        backend = resolve_backend(parent, dict(options or {}))  # type: ignore[call-overload]
         for owner, gen in unused:
-            parent_backend.delete(f"{owner}/{hold_key(gen, own_name, save_id)}")
+            backend.delete(f"{owner}/{hold_key(gen, own_name, save_id)}")
     except Exception as e:  # noqa: BLE001 - housekeeping after a commit never fails the save
-        log.warning("%s: holds on %d unused generation(s) of its base stay until they age: %s", uri, len(unused), e)
+        log.warning("%s: holds on unused generations of its base stay until they age: %s", uri, e)
 
 
-def release_replaced(uri: str, replaced: Manifest, storage_options: object = None) -> None:
-    """(coordinator, after an overwrite's commit) Delete the holds the replaced checkpoint
-    put on its siblings, and collect what they alone kept, as its deletion would: the
-    new one is committed, so they are stale. Never raises (judged by age if left)."""
+def release_replaced(uri: str, replaced: Manifest, options: object = None) -> None:
+    """(coordinator, after an overwrite's commit) Release the replaced checkpoint's holds on its siblings,
+    as its deletion would (:func:`bcp.holds.release`). Never raises."""
     try:
         parent, name = split_parent(uri)
-        backend = resolve_backend(parent, dict(storage_options or {}))  # type: ignore[call-overload]
+        backend = resolve_backend(parent, dict(options or {}))  # type: ignore[call-overload]
         holds.release(backend, name, replaced, holds.HoldChecker(backend))
     except Exception as e:  # noqa: BLE001 - housekeeping after a commit never fails the save
         log.warning("%s: the holds of the checkpoint it replaced stay until they age: %s", uri, e)
