@@ -10,11 +10,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import math
 import mmap
 import os
 from collections.abc import Sequence
+from typing import BinaryIO
 
 import torch
 
@@ -30,6 +33,7 @@ from bcp.convert.selection import (
     plan_shards,
     select,
 )
+from bcp.errors import FormatError
 from bcp.extras import needs_extra
 from bcp.reader import CheckpointReader, open_checkpoint
 from bcp.saver import SaveInfo, save
@@ -174,13 +178,21 @@ def read_json_config(path: str) -> str:
 
 def safetensors_files(src: str) -> list[str]:
     """The shard files of a safetensors checkpoint: a file, or a directory with an
-    index (or a single ``*.safetensors``)."""
+    index (or a single ``*.safetensors``). The index names files in the directory
+    itself: a path out of it (``../x``, ``/x``) is a FormatError."""
     if os.path.isfile(src):
         return [src]
     index = os.path.join(src, INDEX_NAME)
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
+            raise FormatError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        for name in files:
+            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+                raise FormatError(f"{index}: weight_map names {name!r}, not a file in {src}")
         return [os.path.join(src, name) for name in files]
     found = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     if not found:
@@ -188,28 +200,81 @@ def safetensors_files(src: str) -> list[str]:
     return [os.path.join(src, n) for n in found]
 
 
+#: the largest header read (the safetensors library's own limit is 100 MB)
+MAX_HEADER_BYTES = 100 << 20
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object without repeated keys (json.loads keeps the last; safetensors refuses them)."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def read_header(path: str, f: BinaryIO, size: int) -> tuple[int, dict[str, tuple[torch.dtype, list[int], int, int]]]:
+    """(where the data starts, {name: (dtype, shape, start, end)}) of an open safetensors
+    file of ``size`` bytes, every field checked before anything is allocated: the header
+    inside the file, a JSON object without repeated keys, each tensor's bytes inside the
+    data, exactly its shape's, apart from every other tensor's. FormatError otherwise,
+    naming the file and the tensor."""
+    head = f.read(8)
+    header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 < header_len <= min(size - 8, MAX_HEADER_BYTES):
+        raise FormatError(f"{path}: a safetensors header of {header_len} bytes does not fit its {size}-byte file")
+    try:
+        header = json.loads(f.read(header_len), object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise FormatError(f"{path}: the safetensors header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: the safetensors header is a JSON {type(header).__name__}, not an object")
+    data, out = size - 8 - header_len, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(info, dict):
+            raise FormatError(f"{where} is described by a JSON {type(info).__name__}, not an object")
+        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise FormatError(f"{where} has dtype {info.get('dtype')!r}, which bcp does not know")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise FormatError(f"{where} has shape {shape!r}, not a list of sizes")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
+            raise FormatError(f"{where} has data_offsets {offsets!r}, not [start, end]")
+        lo, hi = offsets
+        if not 0 <= lo <= hi <= data:
+            raise FormatError(f"{where} has data_offsets [{lo}, {hi}] outside the file's {data} data bytes")
+        if hi - lo != math.prod(shape) * dtype.itemsize:
+            raise FormatError(
+                f"{where} has {hi - lo} bytes at data_offsets [{lo}, {hi}]; its shape {shape} needs "
+                f"{math.prod(shape) * dtype.itemsize}"
+            )
+        out[name] = (dtype, shape, lo, hi)
+    spans = sorted((lo, hi, name) for name, (_d, _s, lo, hi) in out.items() if hi > lo)
+    for (_lo, end, first), (lo, _hi, second) in itertools.pairwise(spans):
+        if lo < end:
+            raise FormatError(f"{path}: tensors {first!r} and {second!r} share bytes at data offset {lo}")
+    return 8 + header_len, out
+
+
 def map_safetensors(path: str) -> dict[str, torch.Tensor]:
     """The tensors of one safetensors file as views of a private memory map: nothing
     is read until used. (The format is an 8-byte header length, a JSON header of
     {name: {dtype, shape, data_offsets}}, then the data.)"""
     with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
+        start, header = read_header(path, f, os.fstat(f.fileno()).st_size)
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    start = 8 + header_len
     out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which bcp does not know")
-        lo, hi = info["data_offsets"]
-        if hi - lo == 0:
-            out[name] = torch.empty(info["shape"], dtype=dtype)
+    for name, (dtype, shape, lo, hi) in header.items():
+        if hi == lo:  # no element: nothing to read
+            out[name] = torch.empty(shape, dtype=dtype)
             continue
         flat = torch.frombuffer(mapped, dtype=torch.uint8, count=hi - lo, offset=start + lo)
-        out[name] = flat.view(dtype).reshape(info["shape"])
+        out[name] = flat.view(dtype).reshape(shape)
     return out
 
 
