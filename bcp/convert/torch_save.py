@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
 import tempfile
+import zipfile
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ import torch
 from bcp.convert.files import file_backed, publish
 from bcp.convert.per_rank import export_object
 from bcp.convert.selection import Progress, select
+from bcp.errors import FormatError
 from bcp.metadata.geometry import Box
 from bcp.reader import CheckpointReader, PerRankChoice, check_per_rank_choice, open_checkpoint
 from bcp.saver import SaveInfo, save
@@ -101,15 +104,58 @@ def _read_file_backed(
     return out
 
 
-def from_torch(src: str, dst: str, *, overwrite: bool = False, storage_options: dict | None = None) -> SaveInfo:
-    """A ``torch.save`` file into bcp, memory-mapped; loaded with ``weights_only=True``."""
+#: what a torch.save zip's entries may declare beyond the file's own bytes (torch stores them
+#: uncompressed; a zip bomb declares far more)
+ZIP_SLACK_BYTES = 16 << 20
+
+
+def check_archive(src: str) -> None:
+    """FormatError, before torch reads it, for a zip whose entries declare more bytes than
+    the file holds (plus ``ZIP_SLACK_BYTES``: a bomb inflates in memory before torch's
+    loader refuses it) or whose names leave the archive (``..``, ``/``). A legacy
+    (non-zip) torch.save file passes: torch reads it record by record."""
+    if not zipfile.is_zipfile(src):
+        return
+    size = os.path.getsize(src)
     try:
-        state = torch.load(src, map_location="cpu", mmap=True, weights_only=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):
-            raise
+        with zipfile.ZipFile(src) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise FormatError(f"{src}: not a readable torch.save zip: {e}") from None
+    declared = sum(entry.file_size for entry in entries)
+    if declared > size + ZIP_SLACK_BYTES:
+        raise FormatError(f"{src}: its zip entries declare {declared} bytes, far more than its {size} bytes hold")
+    for entry in entries:
+        if entry.filename.startswith("/") or ".." in entry.filename.split("/"):
+            raise FormatError(f"{src}: a zip entry named {entry.filename!r} lies outside the archive")
+
+
+def _torch_load(src: str, **kwargs: Any) -> Any:
+    """``torch.load(src, weights_only=True)``; what it refuses, a FormatError naming the file."""
+    try:
+        return torch.load(src, map_location="cpu", weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FormatError(
+            f"{src}: holds what torch's weights-only loader refuses (bcp never unpickles a torch.save file "
+            f"fully: that runs code from it): {first}"
+        ) from None
+    except (RuntimeError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+        if kwargs.get("mmap") and "mmap" in str(e):
+            raise  # the legacy format: loaded whole instead (from_torch)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FormatError(f"{src}: not a torch.save file bcp can read: {type(e).__name__}: {first}") from None
+
+
+def from_torch(src: str, dst: str, *, overwrite: bool = False, storage_options: dict | None = None) -> SaveInfo:
+    """A ``torch.save`` file into bcp, memory-mapped; loaded with ``weights_only=True``
+    after its zip entries are checked (:func:`check_archive`)."""
+    check_archive(src)
+    try:
+        state = _torch_load(src, mmap=True)
+    except RuntimeError:  # only the legacy format's "cannot mmap" comes back as is
         log.warning("%s is in torch's legacy format and cannot be memory-mapped: loading it whole", src)
-        state = torch.load(src, map_location="cpu", weights_only=True)
+        state = _torch_load(src)
     if not isinstance(state, dict):
         state = {"state": state}
     return save(state, dst, overwrite=overwrite, storage_options=storage_options)

@@ -1,0 +1,81 @@
+"""Hostile torch.save files given to ``bcp convert --from torch`` (``from_torch``):
+a zip whose entries declare far more than the file holds is refused before torch
+inflates it (a 510 KiB bomb took 512 MiB), names outside the archive are refused, and
+what torch's weights-only loader refuses is a FormatError naming the file, never code
+run from it."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import pytest
+import torch
+
+import bcp
+from bcp.convert import from_torch
+from bcp.convert.torch_save import check_archive
+from bcp.errors import FormatError
+
+
+def _good(tmp_path) -> str:
+    path = str(tmp_path / "good.pt")
+    torch.save({"w": torch.arange(1024)}, path)
+    return path
+
+
+def _rewritten(tmp_path, change) -> str:
+    """good.pt with each entry's (name, bytes, compression) passed through ``change``."""
+    good, bad = _good(tmp_path), str(tmp_path / "bad.pt")
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(bad, "w") as dst:
+        for info in src.infolist():
+            name, data, compress = change(info.filename, src.read(info.filename))
+            dst.writestr(name, data, compress_type=compress)
+    return bad
+
+
+def test_a_zip_bomb_is_refused_before_it_is_inflated(tmp_path):
+    bomb = _rewritten(
+        tmp_path,
+        lambda n, b: (n, b + bytes(64 << 20), zipfile.ZIP_DEFLATED) if n.endswith("data.pkl") else (n, b, 0),
+    )
+    assert os.path.getsize(bomb) < 1 << 20
+    with pytest.raises(FormatError, match=r"bad\.pt: its zip entries declare \d+ bytes, far more than its"):
+        from_torch(bomb, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["../escape/data.pkl", "/abs/data.pkl"])
+def test_an_entry_named_outside_the_archive_is_refused(tmp_path, name):
+    path = str(tmp_path / "names.pt")
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(name, b"x")
+    with pytest.raises(FormatError, match=r"a zip entry named .* lies outside the archive"):
+        check_archive(path)
+
+
+def test_a_storage_shorter_than_declared_is_a_format_error_naming_the_file(tmp_path):
+    bad = _rewritten(tmp_path, lambda n, b: (n, b[:8] if n.endswith("/data/0") else b, zipfile.ZIP_STORED))
+    with pytest.raises(FormatError, match=r"bad\.pt: not a torch\.save file bcp can read: RuntimeError"):
+        from_torch(bad, str(tmp_path / "out"))
+
+
+class _Marker:
+    def __reduce__(self):
+        return (os.system, ("touch marker-of-code-run",))
+
+
+def test_a_pickle_that_runs_code_is_refused_naming_the_file_and_never_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = str(tmp_path / "evil.pt")
+    torch.save({"w": torch.zeros(2), "evil": _Marker()}, path)
+    with pytest.raises(FormatError, match=r"evil\.pt: holds what torch's weights-only loader refuses"):
+        from_torch(path, str(tmp_path / "out"))
+    assert not (tmp_path / "marker-of-code-run").exists()
+
+
+def test_a_good_file_still_converts(tmp_path):
+    from_torch(_good(tmp_path), str(tmp_path / "out"))
+    assert torch.equal(
+        bcp.load({"w": torch.zeros(1024, dtype=torch.int64)}, str(tmp_path / "out"))["w"], torch.arange(1024)
+    )
