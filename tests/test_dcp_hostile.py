@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 
 from bcp.convert.dcp_format import from_dcp
 from bcp.convert.dcp_metadata import SafeBytesPlanner, parse_metadata
@@ -161,7 +161,9 @@ def test_a_tensor_declared_larger_than_its_stored_bytes_is_refused_before_alloca
     src = dcp_dir(tmp_path / "c")
 
     def grow(md: Any) -> None:
-        md.state_dict_metadata["w"].size = torch.Size([1 << 40, 8])  # 32 TiB of float32
+        entry = md.state_dict_metadata["w"]
+        entry.size = torch.Size([1 << 40, 8])  # 32 TiB of float32, its one chunk grown alike (the chunks tile it)
+        entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([1 << 40, 8]))]
 
     rewrite_metadata(src, grow)
     scratch = tmp_path / "scratch"
@@ -422,3 +424,16 @@ def test_declared_tensor_bytes_in_a_real_checkpoint_fit_their_storage(tmp_path):
     assert all(isinstance(m, TensorStorageMetadata) for m in md.state_dict_metadata.values())
     info, skipped = from_dcp(str(src), str(tmp_path / "out"))
     assert not skipped and info is not None
+
+
+def test_chunks_that_do_not_cover_the_tensor_are_refused(tmp_path):
+    """A size grown past its one chunk (4 of 8 elements covered): the rest would come
+    back as elements never read. Refused at parse, naming the key."""
+    src = dcp_dir(tmp_path / "c", {"w": torch.arange(4.0) + 1})
+
+    def grow(md: Any) -> None:
+        md.state_dict_metadata["w"].size = torch.Size([8])
+
+    rewrite_metadata(src, grow)
+    with pytest.raises(FormatError, match=r"'w': its chunks do not tile its size \(8,\): .*hold 4 elements of its 8"):
+        from_dcp(str(src), str(tmp_path / "out"))

@@ -39,6 +39,7 @@ import reprlib
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import (
@@ -52,6 +53,7 @@ from torch.distributed.checkpoint.metadata import (
 from bcp.convert.formats import DCP_METADATA_FILE
 from bcp.convert.pickle_check import check_pickle
 from bcp.errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
+from bcp.metadata.geometry import tiling_problem
 from bcp.state import KeyPath, PathElem, fqn_of
 
 _DCP = "torch.distributed.checkpoint.metadata"
@@ -220,6 +222,16 @@ def _check_entry(fqn: Any, meta: Any, where: str) -> None:
         for c in chunks
     ):
         raise FormatError(f"{where}: DCP metadata for {fqn!r} has chunks that do not lie inside its size {tuple(size)}")
+    if math.prod(size) and chunks:  # elements no chunk covers would be returned unread
+        offsets = np.array([list(c.offsets) for c in chunks], np.int64).reshape(len(chunks), len(size))
+        lengths = np.array([list(c.sizes) for c in chunks], np.int64).reshape(len(chunks), len(size))
+        problem = tiling_problem(tuple(size), offsets, lengths)
+        if problem is not None:
+            raise FormatError(
+                f"{where}: DCP metadata for {fqn!r}: its chunks do not tile its size {tuple(size)}: {problem}"
+            )
+    elif math.prod(size):
+        raise FormatError(f"{where}: DCP metadata for {fqn!r} has no chunk for its {math.prod(size)} elements")
 
 
 def _plain_name(name: Any) -> bool:
