@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from bcp.dataloader import is_dataloader_state, is_sampler_state, reshard_dataloader_states
-from bcp.errors import UnsupportedStateError
+from bcp.errors import StateMismatchError, UnsupportedStateError
 from bcp.extras import missing_extra
 from bcp.loader import LoadInfo, load_with_info
 from bcp.options import LoadOptionsKwargs, SaveOptionsKwargs
@@ -254,22 +254,40 @@ class TrainingState:
             if fast is not None:
                 return fast
         cache = _StateDictCache.before(self.model, self.optimizers) if not any(unstepped) else None
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+        # torch skips its dummy step when any parameter has a gradient (a save between backward() and the
+        # first step()): the state would then take another form than a fresh template's. Set aside meanwhile.
+        grads = [
+            (p, p.grad)
+            for o, fresh in zip(self.optimizers, unstepped, strict=True)
+            if fresh
+            for g in o.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        ]
+        for p, _grad in grads:
+            p.grad = None
+        try:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+        finally:
+            for p, grad in grads:
+                p.grad = grad
         for optim, fresh in zip(self.optimizers, unstepped, strict=True):
             if fresh:
                 optim.state.clear()  # the dummy step's state; its lr 0 changed no parameter
         self._cache = cache.learn(model_sd) if cache is not None else None
         return model_sd, optim_sd
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Put a loaded state back into model, optimizer, scheduler, dataloader, RNG and extra."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Put a loaded state back into model, optimizer, scheduler, dataloader, RNG and extra.
+        ``strict=False``: parameters may lack optimizer state (none was saved for them)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         set_state_dict(
             self.model,
             self.optimizers,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"] if self.optimizers else {},
+            options=StateDictOptions(strict=strict),
         )
         for optim in self.optimizers:
             marked = [group.pop(UNSTEPPED_MARK, False) for group in optim.param_groups]
@@ -293,7 +311,17 @@ class TrainingState:
         """``bcp.load`` into this state, resharding per-rank objects with
         :func:`reshard_per_rank` unless ``reshard_objects`` is given."""
         options.setdefault("reshard_objects", reshard_per_rank)
-        info = load_with_info(self.state_dict(), uri, **options)
+        unstepped = bool(self.optimizers) and all(not optim.state for optim in self.optimizers)
+        template = self.state_dict()
+        try:
+            info = load_with_info(template, uri, **options)
+        except StateMismatchError as e:
+            fitted = _fitted_to_saved_optimizer(template, e) if unstepped else None
+            if fitted is None:
+                raise
+            info = load_with_info(fitted, uri, **options)  # the mismatch wrote nothing: loaded once
+            self.load_state_dict(info.state, strict=False)  # the model's keys were matched by the load
+            return info
         self.load_state_dict(info.state)
         return info
 
@@ -411,6 +439,26 @@ def _is_wrapper_rename(key: str, fqn: str) -> bool:
         else:
             return False
     return all(seg in ("module", "_orig_mod", "_checkpoint_wrapped_module") for seg in parts)
+
+
+def _fitted_to_saved_optimizer(template: dict[str, Any], error: StateMismatchError) -> dict[str, Any] | None:
+    """A fresh optimizer's template (its state made by a dummy step for every parameter that
+    requires a gradient) fitted to what the checkpoint holds, when that is the only mismatch:
+    no state for the parameters that never had a gradient when it was saved (an unused head,
+    an expert never routed to: Adam keeps none for them), or, from a save between backward()
+    and the first step(), the whole optimizer as one object. None for any other mismatch."""
+    if error.shape_mismatch or error.dtype_mismatch or error.kind_mismatch:
+        return None
+    missing = set(error.missing)
+    if error.unexpected == ["optim"] and all(key.startswith("optim.") for key in missing):
+        return {**template, "optim": None}  # loaded as the object it was saved as
+    state = template.get("optim", {}).get("state", {})
+    absent = {fqn for fqn, leaves in state.items() if {f"optim.state.{fqn}.{k}" for k in leaves} <= missing}
+    explained = {f"optim.state.{fqn}.{k}" for fqn in absent for k in state[fqn]}
+    if error.unexpected or not absent or missing - explained:
+        return None
+    optim = {**template["optim"], "state": {fqn: v for fqn, v in state.items() if fqn not in absent}}
+    return {**template, "optim": optim}
 
 
 def _mark_unstepped_groups(

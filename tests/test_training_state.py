@@ -297,6 +297,58 @@ def test_saving_before_the_first_step_leaves_the_optimizer_fresh_and_resumes_bit
     _assert_same(_snapshot(model2, opt2), want)
 
 
+class _WithUnusedHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.body, self.unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)  # the head never gets a gradient
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _steps(model, opt, n: int) -> None:
+    for i in range(n):
+        opt.zero_grad()
+        model(torch.full((2, 4), float(i))).square().sum().backward()
+        opt.step()
+
+
+def test_a_parameter_that_never_had_a_gradient_resumes_into_a_fresh_optimizer(tmp_path):
+    """AdamW keeps no state for a parameter that never got a gradient; a fresh run's
+    template (torch's dummy step) has state for every one. The resume fits the template
+    to the checkpoint: exact, with no state for the unused head (it raised a mismatch)."""
+    model = _WithUnusedHead()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _steps(model, opt, 3)
+    bcp.TrainingState(model, opt).save(tmp_path / "ck")
+    _steps(model, opt, 2)
+    want = _snapshot(model, opt)
+
+    model2 = _WithUnusedHead()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+    bcp.TrainingState(model2, opt2).load(tmp_path / "ck")
+    assert len(opt2.state) == 2 and all(p not in opt2.state for p in model2.unused.parameters())
+    _steps(model2, opt2, 2)
+    _assert_same(_snapshot(model2, opt2), want)
+
+
+def test_a_save_between_backward_and_the_first_step_loads_into_a_fresh_run(tmp_path):
+    """Gradients present, no step yet (the first micro-batch of accumulation): torch
+    skips its dummy step then, and the optimizer's state took another form than a
+    fresh template's (a load failed). Saved in the usual form; the grads stay."""
+    model, opt, sched, _loader = _parts()
+    model(torch.ones(1, 4)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    bcp.TrainingState(model, opt, sched).save(tmp_path / "ck")
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    assert opt.state_dict()["state"] == {}
+    model2, opt2, sched2, _loader2 = _parts(seed=9)
+    bcp.TrainingState(model2, opt2, sched2).load(tmp_path / "ck")
+    assert opt2.state_dict()["state"] == {} and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    _assert_same(_snapshot(model2, opt2), _snapshot(model, opt))
+
+
 def test_one_stepped_and_one_fresh_optimizer_each_resume_as_saved(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
