@@ -5,9 +5,10 @@ JSON API, so large objects are *parallel composite uploads*: each part is upload
 as its own temporary object under ``<root>/.bcp-uploads/<upload id>/`` from several
 threads at once, then ``compose`` joins them (32 sources a request, in rounds for
 more) into the final object, which appears atomically; the parts are then deleted.
-A writer that fails or is aborted deletes its parts; parts orphaned by a killed
-process are removed by ``delete_prefix``/``bcp gc`` (:meth:`GCSBackend.abort_uploads`).
-The temporary objects are never listed.
+A writer that fails or is aborted deletes its parts (tried again on a transient
+error); parts orphaned by a killed process are reported by ``unfinished()`` (aged from
+the newest part: a save in progress is young) and removed by ``bcp gc`` and
+``delete_prefix``. The temporary objects are never listed, from any root above them.
 
 Every uploaded part's CRC32C, as computed by the server, is compared with ours; a
 mismatch (corruption in transit) deletes the part and fails the request as
@@ -28,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime
 import json
 import logging
 import os
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any, Self
@@ -39,7 +42,7 @@ from urllib.parse import quote
 import aiohttp
 import gcsfs
 
-from bcp.backends.base import Buffer
+from bcp.backends.base import Buffer, Unfinished
 from bcp.backends.objectstore import ObjectStoreBackend, StoreOptions, causes, pop_store_options, split_bucket_uri
 from bcp.backends.parts import PartWriter, crc32c_b64
 from bcp.backends.storage_errors import TransientError, annotate
@@ -50,6 +53,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PART = 32 << 20  # fewer parts: fewer compose requests, which run one after another at commit
 COMPOSE_MAX = 32  # sources per compose request
 UPLOADS = ".bcp-uploads"
+DISCARD_TRIES = 4  # a writer's clean-up of its parts, tried again after a transient error
 
 
 class OneTryGCSFileSystem(gcsfs.GCSFileSystem):
@@ -223,7 +227,7 @@ class GCSBackend(ObjectStoreBackend):
             return False
         return offset >= self.size(key)
 
-    def _list_names(self, full_prefix: str) -> Iterator[str]:
+    def _list_items(self, full_prefix: str) -> Iterator[dict[str, Any]]:
         token = None
         while True:
             kwargs: dict[str, Any] = {"prefix": full_prefix, "maxResults": 1000}
@@ -231,14 +235,40 @@ class GCSBackend(ObjectStoreBackend):
                 kwargs["pageToken"] = token
             with annotate(self.uri, full_prefix, "listing"):
                 page = self.call("GET", "b/{}/o", self.bucket, json_out=True, **kwargs)
-            for item in page.get("items", []):
-                yield item["name"]
+            yield from page.get("items", [])
             token = page.get("nextPageToken")
             if not token:
                 return
 
+    def _list_names(self, full_prefix: str) -> Iterator[str]:
+        return (item["name"] for item in self._list_items(full_prefix))
+
     def _hidden(self, name: str) -> bool:
-        return name.startswith(self.base + UPLOADS + "/")
+        """A part of an unfinished upload, under this root's ``.bcp-uploads/`` or under that
+        of any checkpoint below it (a step's backend keeps its parts in the step's prefix)."""
+        return f"/{UPLOADS}/" in "/" + name[len(self.base) :]
+
+    def unfinished(self, prefix: str = "") -> Iterator[Unfinished]:
+        """Composite uploads never completed or discarded (a killed writer), one per
+        ``.../.bcp-uploads/<id>`` (its parts' directory), aged from its newest part."""
+        newest: dict[str, float] = {}
+        for item in self._list_items(self.base + prefix):
+            rel = item["name"][len(self.base) :]
+            head, sep, tail = ("/" + rel).partition(f"/{UPLOADS}/")
+            if not sep or "/" not in tail:
+                continue
+            upload = f"{head[1:]}/{UPLOADS}/{tail.split('/', 1)[0]}".lstrip("/")
+            stamp = item.get("updated") or item.get("timeCreated")
+            at = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else 0.0
+            newest[upload] = max(newest.get(upload, 0.0), at)
+        now = time.time()
+        for upload, at in sorted(newest.items()):
+            yield Unfinished(upload, max(0.0, now - at) if at else float("inf"))
+
+    def delete_unfinished(self, name: str) -> None:
+        if f"/{UPLOADS}/" not in "/" + name or name.endswith("/"):
+            raise ValueError(f"{name!r} is not an unfinished upload reported by this backend")
+        self._delete_names(list(self._list_names(self.base + name + "/")))
 
     def _delete_name(self, name: str) -> None:
         try:
@@ -303,8 +333,14 @@ class _ComposeWriter(PartWriter[GCSBackend]):
         if not self._uploaded:
             return
         b = self.backend
-        try:
-            b._delete_names(list(b._list_names(self.parts_prefix)))
-            self._uploaded = False
-        except Exception as e:  # noqa: BLE001 - leftovers are invisible; abort_uploads / bcp gc remove them
-            log.warning("could not delete temporary parts under %s in %s: %s", self.parts_prefix, b.uri, e)
+        for attempt in range(DISCARD_TRIES):  # the inner backend's calls: bcp's retry loop is around them
+            try:
+                b._delete_names(list(b._list_names(self.parts_prefix)))
+                self._uploaded = False
+                return
+            except Exception as e:  # noqa: BLE001 - leftovers are invisible; bcp gc removes them (unfinished())
+                if attempt + 1 == DISCARD_TRIES:
+                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    log.warning("could not delete temporary parts under %s in %s: %s", self.parts_prefix, b.uri, first)
+                else:
+                    time.sleep(0.5 * 2**attempt)

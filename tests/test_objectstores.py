@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -24,8 +25,10 @@ from bcp.backends import (
     Backend,
     Capability,
     StorageError,
+    TransientError,
     WriterClosedError,
     backend_for,
+    join_uri,
     register_backend,
     registered_backends,
 )
@@ -413,6 +416,52 @@ def test_gcs_abort_after_parts_deletes_them(gcs_server, gcs_bucket):
     assert g.pending_uploads() == [] and not g.exists("k"), "an aborted composite upload left parts or an object"
     with pytest.raises(WriterClosedError):
         writer.write_at(2 * g.part_size, bytes(g.part_size))
+
+
+def test_gcs_parts_of_a_killed_step_save_are_hidden_found_young_and_then_collected(gcs_server, gcs_bucket):
+    """A step's backend keeps its composite-upload parts under ``step_N/.bcp-uploads/``: a
+    save killed mid-upload leaves only those. From the manager root they are never
+    listed (gc took the step for one without a generation and deleted a save in
+    progress), ``unfinished()`` reports them aged from the newest part, gc spares them
+    while young and collects them once older than the grace period."""
+    from bcp import commit
+    from bcp.metadata.keys import step_name
+
+    root_uri = store_uri(
+        "gcs", gcs_server, gcs_bucket, uuid.uuid4().hex, part_size="256KiB", conditional_writes="false"
+    )
+    root = backend_for(root_uri).unwrap()
+    step = backend_for(join_uri(root_uri, step_name(3))).unwrap()
+    writer = step.open_writer(f"gen-{commit.new_save_id()}/data/rank00000-0.bin", size=3 * step.part_size)
+    writer.write_at(0, bytes(step.part_size))  # the process dies here: never committed nor discarded
+    assert list(root.list("")) == [] and list(step.list("")) == []
+    (pending,) = list(root.unfinished())
+    assert pending.name.startswith(f"{step_name(3)}/.bcp-uploads/") and pending.age_seconds < 600
+    young = retention.plan_gc(root)
+    assert young.young == [3] and young.incomplete == [] and young.unfinished == []
+    old = retention.plan_gc(root, grace_seconds=0)
+    retention.run_gc(root, old)
+    assert list(root.unfinished()) == [] and list(root._list_names(root.base)) == []
+
+
+def test_gcs_a_writer_discarding_its_parts_tries_again_after_a_transient_error(gcs_server, gcs_bucket, monkeypatch):
+    uri = store_uri("gcs", gcs_server, gcs_bucket, uuid.uuid4().hex, part_size="256KiB", conditional_writes="false")
+    g = backend_for(uri).unwrap()
+    real, calls = g._list_names, []
+
+    def flaky(prefix):
+        calls.append(prefix)
+        if len(calls) == 1 and ".bcp-uploads/" in prefix:
+            raise TransientError("503 SlowDown (injected)")
+        return real(prefix)
+
+    writer = g.open_writer("k", size=3 * g.part_size)
+    writer.write_at(0, bytes(g.part_size))
+    monkeypatch.setattr(g, "_list_names", flaky)
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    writer.abort()
+    monkeypatch.undo()
+    assert len(calls) >= 2 and g.pending_uploads() == [], "a transient error left the parts behind"
 
 
 # -- retries ------------------------------------------------------------------------------------
