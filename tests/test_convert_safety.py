@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import bcp
-from bcp.convert import INDEX_NAME, from_dcp, to_safetensors
+from bcp.convert import INDEX_NAME, from_dcp, from_safetensors, to_dcp, to_safetensors, to_torch
 from bcp.convert.dcp_metadata import MetadataUnpickler, is_allowed
 from cli_runner import cli
 
@@ -337,3 +338,40 @@ def test_to_torch_checks_the_data_file_before_making_scratch_space(tmp_path, mon
     bcp.save({"w": torch.ones(4)}, str(tmp_path / "small"))
     bcp.convert.to_torch(str(tmp_path / "small"), str(tmp_path / "small.pt"))
     assert made == [16], "the probe sees the scratch file of an export that goes ahead"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bfloat16, torch.uint8, torch.bool])
+def test_empty_tensors_export_to_torch_and_dcp_and_load_there(tmp_path, dtype):
+    """An empty tensor of a multi-byte dtype: to_torch wrote a 1-byte storage record that
+    torch.load refused, and to_dcp failed viewing an empty byte buffer as the dtype."""
+    state = {"e": torch.zeros(0, 5, dtype=dtype), "w": torch.ones(3, dtype=dtype)}
+    bcp.save(state, str(tmp_path / "ck"))
+    to_torch(str(tmp_path / "ck"), str(tmp_path / "model.pt"))
+    got = torch.load(str(tmp_path / "model.pt"), weights_only=True)
+    assert got["e"].shape == (0, 5) and got["e"].dtype == dtype and torch.equal(got["w"], state["w"])
+    to_dcp(str(tmp_path / "ck"), str(tmp_path / "dcp"))
+    back = {"e": torch.empty(0, 5, dtype=dtype), "w": torch.zeros(3, dtype=dtype)}
+    dcp.load(back, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert back["e"].shape == (0, 5) and torch.equal(back["w"], state["w"])
+
+
+def test_a_sharded_export_that_fails_midway_leaves_no_shard(tmp_path):
+    """The second shard's bytes are corrupt: the export fails and removes the first
+    shard it had published (without an index it read as a smaller model)."""
+    ck = tmp_path / "ck"
+    bcp.save({"a": torch.arange(1000.0), "b": torch.arange(1000.0) * 2}, str(ck))
+    (data,) = list(ck.glob("gen-*/data/*.bin"))
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size - 100)
+        f.write(b"\xff" * 50)  # inside 'b', the second shard
+    with pytest.raises(bcp.CorruptCheckpointError):
+        to_safetensors(str(ck), str(tmp_path / "st"), max_shard_bytes=4000)
+    assert not list((tmp_path / "st").glob("*.safetensors"))
+
+
+def test_shards_without_their_index_are_refused_on_import(tmp_path):
+    bcp.save({"a": torch.arange(1000.0), "b": torch.arange(1000.0) * 2}, str(tmp_path / "ck"))
+    to_safetensors(str(tmp_path / "ck"), str(tmp_path / "st"), max_shard_bytes=4000)
+    (tmp_path / "st" / INDEX_NAME).unlink()
+    with pytest.raises(bcp.FormatError, match=r"holds shards \(model-00001-of-00002\.safetensors, \.\.\.\) but no"):
+        from_safetensors(str(tmp_path / "st"), str(tmp_path / "back"))

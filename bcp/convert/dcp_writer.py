@@ -75,6 +75,8 @@ class StreamingSavePlanner(DefaultSavePlanner):
     def _allocate(self, write_item: WriteItem) -> tuple[str, torch.Tensor]:
         placeholder = self.lookup_object(write_item.index)
         nbytes = placeholder.numel() * placeholder.element_size()
+        if not nbytes:  # no element: a view of an empty byte buffer as a wider dtype is refused
+            return self.source[id(placeholder)], torch.empty(placeholder.shape, dtype=placeholder.dtype)
         buffer = np.empty(nbytes, dtype=np.uint8)
         tensor = torch.from_numpy(buffer).view(placeholder.dtype).reshape(placeholder.shape)
         self.resident += 1

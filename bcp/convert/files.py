@@ -82,8 +82,12 @@ def stale_files(
 
 
 def file_backed(scratch: str, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor whose memory is a file in ``scratch`` (mmap, shared)."""
-    nbytes = max(1, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+    """An uninitialised tensor whose memory is a file in ``scratch`` (mmap, shared); an
+    empty one (no element) is a plain empty tensor: a 1-byte storage under it was
+    written by torch.save as a record torch.load then refused."""
+    if not torch.Size(shape).numel():
+        return torch.empty(shape, dtype=dtype)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     path = os.path.join(scratch, f"{len(os.listdir(scratch)):08d}-{abs(hash(name)) % 10**8}.bin")
     with open(path, "wb") as f:
         f.truncate(nbytes)

@@ -16,6 +16,7 @@ import logging
 import math
 import mmap
 import os
+import re
 from collections.abc import Sequence
 from typing import BinaryIO
 
@@ -127,19 +128,26 @@ def to_safetensors(
         os.remove(os.path.join(dst_dir, INDEX_NAME))
     os.makedirs(dst_dir, exist_ok=True)
     weight_map, total = {}, 0
-    for file, shard in zip(files, shards, strict=True):
-        read = reader.read_tensors([key_of[name] for name in shard])  # one batch: contiguous runs coalesce
-        tensors = {name: read.pop(key_of[name]).to(out_dtype[name]) for name in shard}
-        del read
-        for name in shard:
-            total += tensors[name].numel() * tensors[name].element_size()
-            weight_map[name] = file
-        tmp = os.path.join(dst_dir, f".{file}.partial")
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        publish(tmp, os.path.join(dst_dir, file))
-        if progress:
-            progress(sum(reader.meta(key_of[name]).nbytes for name in shard))  # stored bytes, as the total counts
-        del tensors
+    published: list[str] = []
+    try:
+        for file, shard in zip(files, shards, strict=True):
+            read = reader.read_tensors([key_of[name] for name in shard])  # one batch: contiguous runs coalesce
+            tensors = {name: read.pop(key_of[name]).to(out_dtype[name]) for name in shard}
+            del read
+            for name in shard:
+                total += tensors[name].numel() * tensors[name].element_size()
+                weight_map[name] = file
+            tmp = os.path.join(dst_dir, f".{file}.partial")
+            save_file(tensors, tmp, metadata={"format": "pt"})
+            publish(tmp, os.path.join(dst_dir, file))
+            published.append(file)
+            if progress:
+                progress(sum(reader.meta(key_of[name]).nbytes for name in shard))  # stored bytes, as the total counts
+            del tensors
+    except BaseException:  # the shards written so far, without their index, would look like a smaller model
+        for file in published:
+            os.remove(os.path.join(dst_dir, file))
+        raise
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     if len(shards) > 1:
         tmp = os.path.join(dst_dir, f".{INDEX_NAME}.partial")
@@ -197,8 +205,13 @@ def safetensors_files(src: str) -> list[str]:
     found = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     if not found:
         raise FileNotFoundError(f"no .safetensors files in {src}")
+    if any(_SHARD_NAME.search(n) for n in found):
+        raise FormatError(f"{src}: holds shards ({found[0]}, ...) but no {INDEX_NAME}: an export cut short?")
     return [os.path.join(src, n) for n in found]
 
+
+#: a shard of a sharded export (``model-00001-of-00002.safetensors``): only read through its index
+_SHARD_NAME = re.compile(r"-\d+-of-\d+\.safetensors$")
 
 #: the largest header read (the safetensors library's own limit is 100 MB)
 MAX_HEADER_BYTES = 100 << 20
