@@ -1,23 +1,20 @@
 """The load path (all ranks call ``load``; one process is a world of one).
 
-1. (coordinator) read manifest.json and fragments.arrow once; every rank gets the bytes.
-   A large catalog (v2, over ``reader.WHOLE_CATALOG_BYTES``) is not shared whole:
-   the coordinator reads its head (tensor table, section table, span index) and
-   every rank reads only the sections its boxes need (``reader.fetch_metadata``).
+1. (coordinator) read manifest.json and fragments.arrow once; every rank gets the bytes. A large
+   catalog (v2, over ``reader.WHOLE_CATALOG_BYTES``) is not shared whole: the coordinator reads its
+   head and every rank reads only the sections its boxes need (``reader.fetch_metadata``).
 2. (all ranks) match the template: each tensor-like leaf gives the boxes this rank
    holds (plain tensor: all of it; DTensor, TensorShard, FlatShard: their shards),
    whatever layout saved the checkpoint. Mismatches are collected into one error.
 3. (all ranks) read only the byte runs that overlap those boxes, straight into the
    destination memory where its layout allows, and verify their checksums.
-4. (all ranks) objects: job-wide ones are replaced; per-rank ones go to the same rank
-   when the world size is unchanged, else through the caller's ``reshard_objects``
-   (inside a subtree too). Members of a template object that DCP never records (empty
-   dicts: :func:`keep_unrecorded`) and the stored value lacks are kept.
+4. (all ranks) objects: job-wide ones are replaced; per-rank ones go to the same rank when the
+   world size is unchanged, else through the caller's ``reshard_objects`` (inside a subtree too).
+   Members of a template object DCP never records (:func:`keep_unrecorded`) are kept.
 5. (all ranks) agree that every rank succeeded.
 
-Every phase ends in a round that agrees whether every rank succeeded (the Stateful
-objects' ``state_dict`` and the reader's opening share one), so an error is raised on
-every rank or on none.
+Every phase ends in a round that agrees whether every rank succeeded (the Stateful objects'
+``state_dict`` and the reader's opening share one), so an error is raised on every rank or none.
 
 A template object that is a container where the checkpoint holds a subtree (an
 optimizer's empty ``state`` before its first step) is replaced by that subtree,
@@ -119,11 +116,9 @@ def load(
 ) -> Mapping[str, Any]:
     """Fill ``state`` from the checkpoint at ``uri`` and return it.
 
-    Collective when torch.distributed is initialised. The checkpoint may have been
-    saved by any number of ranks in any layout. ``options`` and keyword arguments are
-    the fields of :class:`LoadOptions` (strict, allow_pickle, storage_options,
-    process_group, reshard_objects, verify, share_reads); :func:`load_with_info`
-    also returns what the load read and skipped.
+    Collective when torch.distributed is initialised. The checkpoint may have been saved by
+    any number of ranks in any layout. ``options`` and keyword arguments are the fields of
+    :class:`LoadOptions`; :func:`load_with_info` also returns what the load read and skipped.
     """
     return load_with_info(state, uri, options, **overrides).state
 
@@ -540,19 +535,23 @@ def _place_objects(
 ) -> Mapping[str, Any]:
     resized = reader.manifest.world_size != coord.world_size
 
-    def object_value(fqn: str) -> Any:
-        """This rank's value: its own of a per-rank object (the hook's at another world size)."""
+    def object_value(fqn: str, marked: bool = False) -> Any:
+        """This rank's value: its own of a per-rank object (the hook's at another world size; a
+        ``PerRank`` one process saved is stored job-wide: dealt the same way)."""
         if not reader.is_per_rank(fqn):
-            return reader.read_object(fqn)
+            value = reader.read_object(fqn)
+            if hook is None or not (marked and resized and reader.manifest.world_size == 1):
+                return value
+            return hook(fqn, {0: value}, coord.rank, coord.world_size)
         if not resized:
             return reader.read_object(fqn, rank=coord.rank)
         assert hook is not None  # checked by match_state
         return hook(fqn, reader.per_rank_objects(fqn), coord.rank, coord.world_size)
 
     for leaf in plan.object_loads:
-        template = leaf.value.value if isinstance(leaf.value, PerRank) else leaf.value
-        value = keep_unrecorded(template, object_value(leaf.fqn), fqn=leaf.fqn)
-        state = replace_at(state, leaf.path, value)
+        marked = isinstance(leaf.value, PerRank)
+        template = leaf.value.value if marked else leaf.value
+        state = replace_at(state, leaf.path, keep_unrecorded(template, object_value(leaf.fqn, marked), fqn=leaf.fqn))
     for leaf, below in plan.subtree_loads:
         depth = len(leaf.path)
         values = ((f, plan.subtree_tensors[f] if f in plan.subtree_tensors else object_value(f)) for f in below)

@@ -92,6 +92,23 @@ def test_ddp_training_state_resumes_in_one_plain_process(tmp_path):
             assert torch.equal(opt.state_dict()["state"][index][key], value), (index, key)
 
 
+def test_a_one_process_training_state_resumes_on_two_ranks_dealing_the_epoch(tmp_path):
+    """Saved by one process, PerRank values (the dataloader's position, the RNG) are stored
+    job-wide; loaded on two ranks they are dealt as one rank's: the rest of the epoch split
+    between them and RNG states of their own (the one value went to both: a sampler
+    error, or twin RNGs)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    n, batch = training_jobs.NUM_SAMPLES, training_jobs.BATCH
+    loader = StatefulDataLoader(torch.arange(n), batch_size=batch, sampler=ShardedSampler(n, seed=5))
+    batches = iter(loader)
+    seen = [int(i) for _ in range(3) for i in next(batches)]
+    uri = str(tmp_path / "ck")
+    bcp.TrainingState(torch.nn.Linear(2, 2), dataloader=loader).save(uri)
+    torch.save(seen, tmp_path / "seen.pt")
+    dist_jobs.spawn(training_jobs.load_one_rank_save_on_more_job, 2, uri, str(tmp_path / "seen.pt"))
+
+
 @distributed
 def test_tp_training_state_resumes_in_one_plain_process(tmp_path):
     uri, ref_path = str(tmp_path / "ck"), str(tmp_path / "ref.pt")

@@ -259,3 +259,22 @@ def fsdp_cached_state_job(rank: int, world: int) -> None:
         model.unshard()  # the unsharded parameters registered: the cache does not fit them
         model.reshard()
         check()
+
+
+def load_one_rank_save_on_more_job(rank: int, world: int, uri: str, seen_path: str) -> None:
+    """A TrainingState saved by one process (its dataloader mid-epoch, its RNG), loaded on
+    ``world`` ranks: the rest of the epoch dealt over them (each sample once), and each
+    rank its own RNG state."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(
+        torch.arange(NUM_SAMPLES), batch_size=BATCH, sampler=ShardedSampler(NUM_SAMPLES, seed=5)
+    )
+    bcp.TrainingState(torch.nn.Linear(2, 2), dataloader=loader).load(uri)
+    rest = [int(i) for batch in loader for i in batch]
+    gathered, rngs = gather(rest), gather(rng_digest())
+    if rank == 0:
+        seen = torch.load(seen_path, weights_only=True)
+        dealt = [i for part in gathered for i in part]
+        assert sorted(dealt) == sorted(set(range(NUM_SAMPLES)) - set(seen)), (seen, gathered)
+        assert len(set(rngs)) == world, "two ranks resumed with the same RNG state"
