@@ -311,14 +311,20 @@ class S3Backend(ObjectStoreBackend):
                 pass
 
     def _uploads(self, prefix: str) -> list[dict]:
+        """Every unfinished multipart upload under ``prefix``, page by page (1,000 a page)."""
+        found: list[dict] = []
+        markers: dict[str, Any] = {}
         with annotate(self.uri, prefix, "listing uploads"):
-            try:
-                return (
-                    self.call("list_multipart_uploads", Bucket=self.bucket, Prefix=self.base + prefix).get("Uploads")
-                    or []
-                )
-            except FileNotFoundError:  # rclone answers 404 for a prefix with nothing under it
-                return []
+            while True:
+                try:
+                    page = self.call("list_multipart_uploads", Bucket=self.bucket, Prefix=self.base + prefix, **markers)
+                except FileNotFoundError:  # rclone answers 404 for a prefix with nothing under it
+                    return found
+                found += page.get("Uploads") or []
+                key, upload = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
+                if not page.get("IsTruncated") or not key or {"KeyMarker": key, "UploadIdMarker": upload} == markers:
+                    return found
+                markers = {"KeyMarker": key, "UploadIdMarker": upload or ""}
 
 
 #: Separates an unfinished upload's key from its upload id in ``unfinished()`` names.

@@ -338,6 +338,37 @@ def test_gc_finds_and_aborts_the_upload_of_a_killed_save(moto_server, moto_bucke
     assert s3.pending_uploads() == []
 
 
+def test_unfinished_uploads_are_listed_past_the_first_page(moto_server, moto_bucket, monkeypatch):
+    """S3 returns at most 1,000 unfinished uploads a call (moto never pages, so its
+    answers are paged here): every page is read, by KeyMarker and UploadIdMarker."""
+    s3 = _s3(moto_server, moto_bucket)
+    pages = [
+        {
+            "Uploads": [{"Key": f"{s3.base}a", "UploadId": "1"}],
+            "IsTruncated": True,
+            "NextKeyMarker": "a",
+            "NextUploadIdMarker": "1",
+        },
+        {
+            "Uploads": [{"Key": f"{s3.base}b", "UploadId": "2"}],
+            "IsTruncated": True,
+            "NextKeyMarker": "b",
+            "NextUploadIdMarker": "2",
+        },
+        {"Uploads": [{"Key": f"{s3.base}c", "UploadId": "3"}], "IsTruncated": False},
+    ]
+    asked: list[dict] = []
+
+    def call(method, **kwargs):
+        assert method == "list_multipart_uploads"
+        asked.append({k: v for k, v in kwargs.items() if k.endswith("Marker")})
+        return pages[len(asked) - 1]
+
+    monkeypatch.setattr(s3, "call", call)
+    assert [u.name.split("#upload=")[0] for u in s3.unfinished()] == ["a", "b", "c"]
+    assert asked == [{}, {"KeyMarker": "a", "UploadIdMarker": "1"}, {"KeyMarker": "b", "UploadIdMarker": "2"}]
+
+
 def test_parts_upload_in_parallel(moto_server, moto_bucket):
     s3 = _s3(moto_server, moto_bucket)
     slow = FaultInjectingBackend(s3, latency=0.2)
