@@ -163,3 +163,12 @@ def commit_hand_made(backend: Any, gen: str, frags: list, entries: list, *, writ
         torch_version=torch.__version__,
     )
     commit(backend, manifest, overwrite=False)
+
+
+def flip_bit(path: str, at: int, mask: int = 0x08) -> None:
+    """Flip the bits ``mask`` of the byte at ``at`` of the file at ``path``, in place."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ mask]))

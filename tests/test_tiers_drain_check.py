@@ -18,15 +18,7 @@ import bcp
 import bcp.tiers.tier as tier_module
 from bcp.metadata import FileEntry
 from bcp.tiers.holding import StreamedDigest, file_digest
-from helpers import examples
-
-
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x10]))
+from helpers import examples, flip_bit
 
 
 def test_a_local_file_changed_since_its_save_is_not_drained(tmp_path, monkeypatch):
@@ -39,7 +31,7 @@ def test_a_local_file_changed_since_its_save_is_not_drained(tmp_path, monkeypatc
     def changed_then_drained(coord, local, remote, manifest, *args, **kwargs):
         if remote.uri.rstrip("/").endswith("step_0000000002"):
             (data,) = glob.glob(os.path.join(local.uri.removeprefix("file://"), "gen-*", "data", "*.bin"))
-            _flip(data, 100)
+            flip_bit(data, 100)
         return real(coord, local, remote, manifest, *args, **kwargs)
 
     monkeypatch.setattr(tier_module, "drain_step", changed_then_drained)

@@ -30,7 +30,7 @@ from bcp.tiers.job import JOB_NAME, job_identity, read_job
 from bcp.tiers.paths import HOLDING_NAME, local_root
 from bcp.tiers.recover import recover_latest_with_info
 from bcp.tiers.recovery_dir import RECOVERY_PREFIX
-from helpers import assert_same
+from helpers import assert_same, flip_bit
 
 # -- one process: inventory ------------------------------------------------------------------------
 
@@ -532,14 +532,6 @@ def test_two_hosts_quarantine_a_corrupt_own_copy_and_take_the_replica_or_the_per
     dist_jobs.spawn(jobs.corrupt_copy_job, 2, str(tmp_path))
 
 
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x08]))
-
-
 _TEMPLATE = {"w": torch.zeros(4, 6), "b": torch.zeros(5, dtype=torch.bfloat16), "step": 0}
 
 
@@ -561,7 +553,7 @@ def _corrupt_local_step(
     entry = manifest.data_files[0] if which == "data" else manifest.catalog
     bad = os.path.join(step_dir, entry.path)
     if flip:
-        _flip(bad, entry.nbytes // 2 if which == "catalog" else 3)  # byte 3: inside the first tensor's bytes
+        flip_bit(bad, entry.nbytes // 2 if which == "catalog" else 3)  # byte 3: inside the first tensor's bytes
     return bcp.CheckpointManager(persistent, async_save=False, tier=tier), bad
 
 
