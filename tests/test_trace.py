@@ -134,7 +134,9 @@ def test_off_is_free():
         return grown
 
     run(10)  # warm
-    assert run(20000) < 2048  # no allocation per call (a few bytes of interpreter noise at most)
+    # no allocation per call (20,000 calls would add hundreds of KiB); tracemalloc counts every thread's
+    # allocations, so a leftover thread of an earlier test in this worker can add a block: the least of three
+    assert min(run(20000) for _ in range(3)) < 2048
     session = trace.begin(True, 0, "save")
     assert session is not None
     try:
