@@ -2,6 +2,6 @@
 
 import sys
 
-from bcp.cli.main import main
+from bcp.cli.main import run_program
 
-sys.exit(main())
+sys.exit(run_program())

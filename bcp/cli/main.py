@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 
@@ -76,6 +77,19 @@ def main(argv: list[str] | None = None) -> int:
         if converted is None:
             raise
         return _report(args, converted)
+
+
+def run_program() -> int:
+    """The ``bcp`` program (console script, ``python -m bcp.cli``): :func:`main`, and after
+    Ctrl-C (the command has cleaned up and said so) an immediate exit with 130: the
+    interpreter's shutdown with library threads still inside C++ code (torch's, Arrow's)
+    sometimes ended in ``terminate called without an active exception`` and SIGABRT."""
+    status = main()
+    if status == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    return status
 
 
 def _library_failure(error: BaseException) -> Exception | None:
