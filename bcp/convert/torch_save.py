@@ -135,16 +135,20 @@ def _torch_load(src: str, **kwargs: Any) -> Any:
     try:
         return torch.load(src, map_location="cpu", weights_only=True, **kwargs)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FormatError(
             f"{src}: holds what torch's weights-only loader refuses (bcp never unpickles a torch.save file "
-            f"fully: that runs code from it): {first}"
+            f"fully: that runs code from it): {_first_line(e)}"
         ) from None
     except (RuntimeError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
         if kwargs.get("mmap") and "mmap" in str(e):
             raise  # the legacy format: loaded whole instead (from_torch)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FormatError(f"{src}: not a torch.save file bcp can read: {type(e).__name__}: {first}") from None
+        raise FormatError(f"{src}: not a torch.save file bcp can read: {type(e).__name__}: {_first_line(e)}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of torch's message (its weights-only refusal runs to a page of advice)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def from_torch(src: str, dst: str, *, overwrite: bool = False, storage_options: dict | None = None) -> SaveInfo:

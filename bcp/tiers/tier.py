@@ -80,7 +80,9 @@ class Tier:
         check_apart(self.root, root_uri)
 
         def private_root() -> str:
-            os.makedirs(config.dir, mode=0o700, exist_ok=True)  # the user's dir (made private); below, bcp's tree
+            # link-ok: the user's own dir, possibly a link (/local -> /mnt/nvme); check_trusted_dir (below, in
+            # make_private_root) then refuses it unless every directory to its target is root's or the user's
+            os.makedirs(config.dir, mode=0o700, exist_ok=True)
             return make_private_root(config.dir, root_uri)
 
         # a refusal on one host raises on every rank (the others would wait in the next collective)
