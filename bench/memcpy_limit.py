@@ -20,6 +20,7 @@ tensors into memory it has just allocated costs at best.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -96,7 +97,8 @@ class VerifiedReads:
     uses) right after it lands, while it is in cache, on ``threads`` threads. It is the
     limit of a load from the page cache or tmpfs that verifies every byte on this
     machine, copy and checksum sharing the cores: no planning, no catalog, no
-    destinations' checks."""
+    destinations' checks. ``into``: a writable byte view per range to read it into
+    instead (a state's own tensors: many small allocations copy slower than one buffer)."""
 
     def __init__(
         self,
@@ -104,6 +106,7 @@ class VerifiedReads:
         *,
         files: list[str] | None = None,
         ranges: list[tuple[str, int, int]] | None = None,
+        into: list[memoryview] | None = None,
         threads: int = 2,
         piece: int = VERIFIED_PIECE,
     ):
@@ -115,24 +118,24 @@ class VerifiedReads:
                 assert root is not None, "a root, a list of files or of byte ranges"
                 files = [os.path.join(d, name) for d, _dirs, names in os.walk(root) for name in sorted(names)]
             ranges = [(path, 0, os.path.getsize(path)) for path in files]
-        pieces: list[tuple[str, int, int, int]] = []  # (file, offset in it, bytes, offset in the buffer)
-        at = 0
-        for path, start, size in ranges:  # a range (a tensor's bytes) in pieces of at most ``piece``
-            pieces += [(path, start + o, min(piece, size - o), at + o) for o in range(0, size, piece)]
-            at += size
-        self.nbytes = sum(p[2] for p in pieces)
-        self.buffer = memoryview(bytearray(self.nbytes))  # zero-filled: every page touched
+        self.nbytes = sum(size for _p, _s, size in ranges)
+        if into is None:  # one buffer, zero-filled: every page touched
+            buffer = memoryview(bytearray(self.nbytes))
+            ends = list(itertools.accumulate(size for _p, _s, size in ranges))
+            into = [buffer[end - size : end] for (_p, _s, size), end in zip(ranges, ends, strict=True)]
+        pieces: list[tuple[str, int, memoryview]] = []  # (file, offset in it, where its bytes go)
+        for (path, start, size), dest in zip(ranges, into, strict=True):  # a tensor's bytes in pieces
+            pieces += [(path, start + o, dest[o : o + piece]) for o in range(0, size, piece)]
         self.shares = [pieces[i::threads] for i in range(threads)]
         self()  # warm-up: opens the pages
 
-    def _read(self, share: list[tuple[str, int, int, int]]) -> None:
+    def _read(self, share: list[tuple[str, int, memoryview]]) -> None:
         fds: dict[str, int] = {}
         try:
-            for path, at, n, to in share:
+            for path, at, view in share:
                 fd = fds.get(path)
                 if fd is None:
                     fd = fds[path] = os.open(path, os.O_RDONLY)
-                view = self.buffer[to : to + n]
                 os.preadv(fd, [view], at)
                 self.crc(view)
         finally:

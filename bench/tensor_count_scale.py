@@ -14,13 +14,14 @@ three decades) adding to exactly ``--gib``. For each count, in a fresh process p
   from the page cache, each tensor then copied into the existing one (no checksums), and
   a ``copy_`` of each tensor from memory: what a tensor costs a loop of plain Python;
 * the load's limit beside it: the bare verified read of each tensor's bytes in the same
-  files (``preadv`` and a CRC32C call a piece, 2 threads, no catalog, plan or checks).
+  files (``preadv`` and a CRC32C call a piece, 2 threads, no catalog, plan or checks),
+  into one buffer and into the state's own tensors (``verified_own``).
 
 A flat cost per tensor shows as a ratio near 1 between the largest and the smallest
 count (the issue's target: at most 1.3x). The last line is
 
     tensor_count_scale: save <r>x, async <r>x, load <r>x (target 1.3x)
-    peers beside: safetensors <r>x, torch <r>x, copy <r>x, raw <r>x, verified <r>x
+    peers beside: safetensors <r>x, torch <r>x, copy <r>x, raw <r>x, verified <r>x, verified_own <r>x
 
     python bench/tensor_count_scale.py [--gib 1] [--counts 100,1000,10000] [--repeats 2] [--calls 3]
     python bench/tensor_count_scale.py --cases load     # the load row only (one untimed save)
@@ -55,6 +56,8 @@ CASES = (
     ("copy", "copy_ of each tensor (memory)"),
     # the load's limit beside it: what a verified read costs a tensor with no planning
     ("verified", "bare verified read of each tensor (page cache)"),
+    # the same into the state's own tensors, as a load writes them (many small allocations)
+    ("verified_own", "bare verified read into the state's tensors (page cache)"),
     # the save's limit beside it: the disk taking each tensor's own memory (its pages)
     ("raw", "raw O_DIRECT write of each tensor's memory"),
 )
@@ -135,6 +138,24 @@ def run_count(n: int, args) -> dict[str, float]:
             verified_reads.append(VerifiedReads(ranges=ranges))
         return verified_reads[0]()
 
+    own_reads: list = []
+
+    def verified_own() -> float:
+        """:func:`verified` into the load's destination tensors (``dst``), each tensor's
+        bytes where a load puts them: the load's limit with the state's own memory."""
+        from memcpy_limit import VerifiedReads
+
+        if not own_reads:
+            ranges, into = [], []
+            with bcp.open(sync_uri) as reader:
+                for fqn in state:
+                    entry = reader.meta(fqn).entry
+                    (file,), (at,), (size,) = entry.files, entry.byte_offsets, entry.sizes  # saved whole
+                    ranges.append((os.path.join(sync_uri, entry.file_names[int(file)]), int(at), int(size)))
+                    into.append(memoryview(dst[fqn].numpy()).cast("B"))
+            own_reads.append(VerifiedReads(ranges=ranges, into=into))
+        return own_reads[0]()
+
     def copy() -> float:
         t0 = time.perf_counter()
         for k, v in state.items():
@@ -162,6 +183,7 @@ def run_count(n: int, args) -> dict[str, float]:
             ("torch", torch_load, warm),
             ("copy", copy, None),
             ("verified", verified, warm),
+            ("verified_own", verified_own, warm),
         )
         for name, fn, prepare in steps:
             if name not in cases:
@@ -190,7 +212,7 @@ def main() -> None:
     p.add_argument(
         "--cases",
         default=",".join(k for k, _l in CASES),
-        help="which of " + ", ".join(k for k, _l in CASES) + " to time, comma-separated (the last 5: peers, limits)",
+        help="which of " + ", ".join(k for k, _l in CASES) + " to time, comma-separated (the last 6: peers, limits)",
     )
     p.add_argument("--count", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -243,7 +265,7 @@ def report(counts: list[int], args, runs: dict[int, dict[str, list[float]]]) -> 
     print(f"| {hi:,} / {lo:,} | " + " | ".join(f"{ratio[k]:.2f}x" for k, _l in cases) + " |")
     ours = [k for k in ("save", "async", "load") if k in ratio]
     print("tensor_count_scale: " + ", ".join(f"{k} {ratio[k]:.2f}x" for k in ours) + " (target 1.3x)")
-    if peers := [k for k in ("safetensors", "torch", "copy", "raw", "verified") if k in ratio]:
+    if peers := [k for k in ("safetensors", "torch", "copy", "raw", "verified", "verified_own") if k in ratio]:
         print("peers beside: " + ", ".join(f"{k} {ratio[k]:.2f}x" for k in peers))
 
 

@@ -211,6 +211,7 @@ def test_tensor_count_scale_prints_each_count_and_the_ratio(tmp_path, capsys, mo
     ), lines[-2]
     # the same bytes through peers, beside (what a tensor costs them), and the load's limit
     beside = r"peers beside: safetensors [0-9.]+x, torch [0-9.]+x, copy [0-9.]+x, raw ([0-9.]+|nan)x, verified [0-9.]+x"
+    beside += r", verified_own [0-9.]+x"  # the same into the state's own tensors
     assert re.fullmatch(beside, lines[-1]), lines[-1]
     assert any("| safetensors load_file+copy (page cache) s |" in ln for ln in lines), lines
     assert any("| bare verified read of each tensor (page cache) s |" in ln for ln in lines), lines
