@@ -244,9 +244,8 @@ class CheckpointManager:
         )
         if self._tier is not None and to != "persistent":
             route = self._tier.save(step, state, opts, self.overlap, due=(True, False) if to == "local" else due)
-            if route != "none":
+            if route == "local":  # a "persistent" one has not started: the root's save below
                 self._started = step
-            if route == "local":
                 self._due = (step, retries, time.perf_counter() - called, called)
                 if not self.async_save:  # the record: when the local save and its replication are done
                     info = self._wait_pending()
