@@ -192,6 +192,28 @@ def test_a_sticky_dir_of_root_and_a_link_to_a_dir_of_ours_are_used(tmp_path):
     assert os.listdir(shared) == [f"bcp-{os.geteuid()}"]
 
 
+def test_a_link_in_a_dir_of_another_user_is_followed_once_at_the_start(tmp_path):
+    """LocalTier(dir=<a link to a dir of ours>) kept in a directory another user may write:
+    the link's target is checked and used, by its resolved path. Before, the tier kept the
+    path through the link: its directory's owner swapped the link and the next save went
+    to a directory of theirs."""
+    share, mine, theirs = tmp_path / "share", tmp_path / "mine", tmp_path / "theirs"
+    share.mkdir()
+    mine.mkdir(mode=0o700)
+    theirs.mkdir()
+    os.chown(share, OTHER, OTHER)
+    os.chmod(share, 0o777)
+    (share / "tierdir").symlink_to(mine)
+    manager = _manager(tmp_path / "ck", share / "tierdir")
+    manager.save(1, _state(1))
+    assert manager._tier.root.startswith(str(mine) + os.sep)
+    (share / "swap").symlink_to(theirs)  # what the owner of share can do at any time
+    os.replace(share / "swap", share / "tierdir")
+    manager.save(2, _state(2))
+    assert os.listdir(theirs) == [], "a save went through the swapped link"
+    assert manager.load_latest(_template())[0] == 2
+
+
 def test_files_are_the_users_alone_whatever_the_umask(tmp_path):
     shm, root = tmp_path / "shm", tmp_path / "ck"
     old = os.umask(0)

@@ -170,8 +170,10 @@ def make_private_root(base_dir: str | os.PathLike, root_uri: str) -> str:
     """Create (or check) ``<dir>/bcp-<uid>/<job>`` one component at a time relative to
     its parent's descriptor (:func:`open_private_dir`); returns its path. ``<dir>``
     itself is the user's choice (``/dev/shm``: root's, sticky, writable by all); it
-    must exist."""
-    base = os.path.abspath(os.fspath(base_dir))
+    must exist. The root returned is under ``<dir>`` with its links resolved, the path
+    :func:`check_trusted_dir` checked: a link in the way is followed once, here, never at
+    a later save (its directory's owner could point it elsewhere by then)."""
+    base = os.path.realpath(os.fspath(base_dir))
     root = local_root(base, root_uri)
     check_trusted_dir(base)
     fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
