@@ -504,11 +504,12 @@ def _check_per_rank_objects(
     objects = [leaf.fqn for leaf in plan.object_loads]
     objects += [f for load in plan.subtree_loads for f in load.fqns if f in reader.manifest.objects]
     per_rank = [f for f in objects if reader.is_per_rank(f)]
+    alone = reader.manifest.world_size == 1  # one process's PerRank is stored job-wide: still one rank's value
+    per_rank += [leaf.fqn for leaf in plan.object_loads if alone and isinstance(leaf.value, PerRank)]
     if per_rank:
         raise UnsupportedStateError(
-            f"{reader.uri} was saved by {reader.manifest.world_size} ranks and is loaded by {world_size}; "
-            f"these objects were saved per rank and need a reshard_objects hook to decide what each rank gets: "
-            f"{', '.join(per_rank)} (see docs/distributed.md)"
+            f"{reader.uri} was saved by {reader.manifest.world_size} rank(s), is loaded by {world_size}; objects saved "
+            f"per rank need a reshard_objects hook to say what each rank gets: {', '.join(per_rank)} (distributed.md)"
         )
 
 

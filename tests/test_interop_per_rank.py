@@ -55,7 +55,7 @@ def test_dcp_load_on_the_saved_world_size_gives_each_rank_its_own_and_the_schedu
 def test_a_per_rank_object_in_a_subtree_is_never_given_from_one_rank_to_all(saved):
     """The template leaves the subtree empty; a load at another world size needs the hook."""
     world, _schedule, paths, _refs = saved
-    with pytest.raises(UnsupportedStateError, match=rf"saved by {world} ranks and is loaded by 1.*sub\.pos"):
+    with pytest.raises(UnsupportedStateError, match=rf"saved by {world} rank\(s\), is loaded by 1.*sub\.pos"):
         bcp.load({"sub": {}}, paths["bcp"] + "-sub")
     seen = []
 

@@ -109,6 +109,12 @@ def test_a_one_process_training_state_resumes_on_two_ranks_dealing_the_epoch(tmp
     dist_jobs.spawn(training_jobs.load_one_rank_save_on_more_job, 2, uri, str(tmp_path / "seen.pt"))
 
 
+def test_a_per_rank_one_process_saved_needs_a_hook_on_two_ranks(tmp_path):
+    uri = str(tmp_path / "ck")
+    bcp.save({"rng": bcp.PerRank({"seed": 7}), "w": torch.ones(2)}, uri)
+    dist_jobs.spawn(training_jobs.per_rank_without_a_hook_job, 2, uri)
+
+
 @distributed
 def test_tp_training_state_resumes_in_one_plain_process(tmp_path):
     uri, ref_path = str(tmp_path / "ck"), str(tmp_path / "ref.pt")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -278,3 +279,17 @@ def load_one_rank_save_on_more_job(rank: int, world: int, uri: str, seen_path: s
         dealt = [i for part in gathered for i in part]
         assert sorted(dealt) == sorted(set(range(NUM_SAMPLES)) - set(seen)), (seen, gathered)
         assert len(set(rngs)) == world, "two ranks resumed with the same RNG state"
+
+
+def per_rank_without_a_hook_job(rank: int, world: int, uri: str) -> None:
+    """``bcp.load`` of a PerRank one process saved, on ``world`` ranks with no
+    ``reshard_objects``: refused on every rank naming the key (it gave every rank the one
+    value before: twin RNG states), nothing else asked."""
+    from bcp.errors import UnsupportedStateError
+
+    with pytest.raises(UnsupportedStateError, match=r"saved by 1 rank\(s\), is loaded by 2.*reshard_objects.*'?rng"):
+        bcp.load({"rng": bcp.PerRank(None), "w": torch.zeros(2)}, uri)
+    hook = lambda fqn, by_rank, r, w: {"seed": by_rank[0]["seed"] + r}  # noqa: E731 - what a caller decides
+    assert bcp.load({"rng": bcp.PerRank(None), "w": torch.zeros(2)}, uri, reshard_objects=hook)["rng"] == {
+        "seed": 7 + rank
+    }
