@@ -260,7 +260,7 @@ class _Decoder:
         time in a unitless datetime/timedelta (only NaT has no unit)."""
         kind = arr.dtype.kind
         if kind == "U" and arr.size:
-            points = arr.reshape(-1).view(arr.dtype.byteorder.replace("|", "=") + "u4")  # 0-d: view refuses a new itemsize
+            points = arr.reshape(-1).view(arr.dtype.byteorder.replace("|", "=") + "u4")  # 0-d: no view
             if int(points.max()) > 0x10FFFF:
                 raise self.bad(f"str array of {name} holds a code point past U+10FFFF")
         elif kind in "mM" and arr.size and np.datetime_data(arr.dtype)[0] == "generic" and not np.isnat(arr).all():

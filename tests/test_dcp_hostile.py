@@ -10,8 +10,10 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
 import struct
 import tracemalloc
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -206,6 +208,44 @@ def test_a_declared_gib_in_a_small_file_is_refused_before_allocating(tmp_path):
     assert "but the file has" in str(err) and err.offset is not None
     size = only_data_file(tmp_path / "c").stat().st_size
     assert peak < 64 << 20, f"{peak:,} bytes allocated reading a {size}-byte file"
+
+
+def plant_zip_bomb(path: Path, fqn: str) -> None:
+    """Append to the data file a copy of ``fqn``'s entry (a torch.save zip) whose
+    ``data.pkl`` declares 64 MiB more, deflated to about 64 KiB, and point the entry at it."""
+    md = pickle.loads((path / METADATA_KEY).read_bytes())
+    ((index, info),) = [(i, s) for i, s in md.storage_data.items() if i.fqn == fqn]
+    data = path / info.relative_path
+    entry = data.read_bytes()[info.offset : info.offset + info.length]
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(entry)) as src, zipfile.ZipFile(out, "w") as dst:
+        for e in src.infolist():
+            body, pkl = src.read(e.filename), e.filename.endswith("data.pkl")
+            dst.writestr(e.filename, body + bytes(64 << 20) if pkl else body, zipfile.ZIP_DEFLATED if pkl else 0)
+    offset = data.stat().st_size
+    with data.open("ab") as f:
+        f.write(out.getvalue())
+    md.storage_data[index] = type(info)(info.relative_path, offset, len(out.getvalue()))
+    (path / METADATA_KEY).write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.parametrize("fqn", ["step", "w"])  # a value, a tensor: each a torch.save zip in the file
+def test_a_zip_bomb_entry_is_refused_before_it_is_inflated(tmp_path, fqn):
+    """Failed before: from_dcp (and the DCP storage reader) handed the entry to torch's
+    loader, which inflated what it declared (+560 MiB for a 255 KiB entry)."""
+    bomb = rf"bytes \d+\.\.\d+ \('{fqn}'\): its zip entries declare \d+ bytes, far more than its \d+ bytes hold"
+    plant_zip_bomb(dcp_dir(tmp_path / "d"), fqn)
+    peak, raised = peak_bytes(lambda: from_dcp(str(tmp_path / "d"), str(tmp_path / "out")))
+    assert isinstance(raised, FormatError) and re.search(r"\.distcp: " + bomb, str(raised)), raised
+    assert peak < 32 << 20 and not (tmp_path / "out").exists()
+    uri = bcp_dcp(tmp_path / "c")
+    plant_zip_bomb(tmp_path / "c", fqn)
+    out = {"w": torch.zeros(16, 8), "b": torch.zeros(6, dtype=torch.int64), "step": None}
+    peak, raised = peak_bytes(lambda: dcp.load(out, storage_reader=BcpStorageReader(uri, verify=False)))
+    assert isinstance(raised, CheckpointException), raised
+    err = failure(raised)
+    assert isinstance(err, FormatError) and re.search(bomb, str(err)), err
+    assert peak < 32 << 20
 
 
 @pytest.mark.parametrize("verify", [False, True])

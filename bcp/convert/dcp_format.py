@@ -209,7 +209,14 @@ def from_dcp(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from bcp.convert.dcp_metadata import DCPReader, SafeBytesPlanner, check_storage, key_paths, read_metadata
+    from bcp.convert.dcp_metadata import (
+        DCPReader,
+        SafeBytesPlanner,
+        check_entries,
+        check_storage,
+        key_paths,
+        read_metadata,
+    )
 
     metadata = read_metadata(src, allow_pickle=allow_pickle)
     paths = key_paths(metadata, where=os.path.join(src, DCP_METADATA_FILE))
@@ -220,6 +227,7 @@ def from_dcp(
         size_of=lambda name: os.path.getsize(os.path.join(src, name)),
         where=lambda name: os.path.join(src, name),
     )
+    check_entries(metadata, src)  # no entry a zip bomb torch would inflate
     reader = DCPReader(src, metadata)
     planner = SafeBytesPlanner(allow_pickle=allow_pickle)
     scratch = tempfile.mkdtemp(prefix="bcp-convert-", dir=scratch_dir)

@@ -1,11 +1,15 @@
 """A pass over a pickle's opcodes before it is unpickled: declared lengths must fit
 the bytes present and BUILD steps may copy no more items than the pickle spells out,
-so a small hostile ``.metadata`` cannot make the unpickler allocate gigabytes."""
+so a small hostile ``.metadata`` cannot make the unpickler allocate gigabytes. The same
+for a torch.save zip (a file, or an entry of DCP's): its entries' declared sizes
+(:func:`check_archive`), before torch's loader inflates them."""
 
 from __future__ import annotations
 
 import io
+import os
 import pickletools
+import zipfile
 from typing import Any
 
 from bcp.errors import FormatError
@@ -119,3 +123,72 @@ def check_pickle(data: bytes, *, where: str) -> None:
     except Exception as e:  # ValueError for a truncated or unknown opcode, UnicodeDecodeError, ...
         text = str(e) if not isinstance(e, (IndexError, KeyError)) else f"{type(e).__name__}: stack or memo misused"
         raise FormatError(f"{where}: not a readable DCP metadata pickle (the opcode at byte {pos}): {text}") from e
+
+
+#: what a torch.save zip's entries may declare beyond the file's own bytes (torch stores them
+#: uncompressed; a zip bomb declares far more)
+ZIP_SLACK_BYTES = 16 << 20
+
+
+def check_archive(src: str | io.IOBase, where: str | None = None) -> None:
+    """FormatError, before torch reads it, for a zip whose entries declare more bytes than
+    it holds (plus ``ZIP_SLACK_BYTES``: a bomb inflates in memory before torch's loader
+    refuses it) or whose names leave the archive (``..``, ``/``). ``src``: a file's path,
+    or a seekable binary stream (a DCP entry, :class:`FileSlice`), left at its start;
+    ``where`` names it in errors (default: the path). A legacy (non-zip) torch.save
+    passes: torch reads it record by record."""
+    name = where or str(src)
+    size = os.path.getsize(src) if isinstance(src, str) else src.seek(0, io.SEEK_END)
+    try:
+        if not zipfile.is_zipfile(src):
+            return
+        try:
+            with zipfile.ZipFile(src) as archive:
+                entries = archive.infolist()
+        except (zipfile.BadZipFile, OSError, ValueError) as e:
+            raise FormatError(f"{name}: not a readable torch.save zip: {e}") from None
+    finally:
+        if not isinstance(src, str):
+            src.seek(0)
+    declared = sum(entry.file_size for entry in entries)
+    if declared > size + ZIP_SLACK_BYTES:
+        raise FormatError(f"{name}: its zip entries declare {declared} bytes, far more than its {size} bytes hold")
+    for entry in entries:
+        if entry.filename.startswith("/") or ".." in entry.filename.split("/"):
+            raise FormatError(f"{name}: a zip entry named {entry.filename!r} lies outside the archive")
+
+
+class FileSlice(io.RawIOBase):
+    """Bytes ``start``..``start + length`` of an open file (descriptor ``fd``, not closed
+    here) as a seekable stream: :func:`check_archive` of one entry of a DCP data file
+    reads only its zip directory, never the whole entry."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._start, self._length, self._at = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._length}[whence]
+        if base + offset < 0:
+            raise OSError(f"seek to {base + offset}, before the start")
+        self._at = base + offset
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self._length - self._at))
+        if not n:
+            return 0
+        data = os.pread(self._fd, n, self._start + self._at)
+        view[: len(data)] = data
+        self._at += len(data)
+        return len(data)

@@ -21,6 +21,7 @@ import torch
 
 from bcp.convert.files import file_backed, publish
 from bcp.convert.per_rank import export_object
+from bcp.convert.pickle_check import check_archive
 from bcp.convert.selection import Progress, select
 from bcp.errors import FormatError
 from bcp.metadata.geometry import Box
@@ -102,32 +103,6 @@ def _read_file_backed(
             flush()
     flush()
     return out
-
-
-#: what a torch.save zip's entries may declare beyond the file's own bytes (torch stores them
-#: uncompressed; a zip bomb declares far more)
-ZIP_SLACK_BYTES = 16 << 20
-
-
-def check_archive(src: str) -> None:
-    """FormatError, before torch reads it, for a zip whose entries declare more bytes than
-    the file holds (plus ``ZIP_SLACK_BYTES``: a bomb inflates in memory before torch's
-    loader refuses it) or whose names leave the archive (``..``, ``/``). A legacy
-    (non-zip) torch.save file passes: torch reads it record by record."""
-    if not zipfile.is_zipfile(src):
-        return
-    size = os.path.getsize(src)
-    try:
-        with zipfile.ZipFile(src) as archive:
-            entries = archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError) as e:
-        raise FormatError(f"{src}: not a readable torch.save zip: {e}") from None
-    declared = sum(entry.file_size for entry in entries)
-    if declared > size + ZIP_SLACK_BYTES:
-        raise FormatError(f"{src}: its zip entries declare {declared} bytes, far more than its {size} bytes hold")
-    for entry in entries:
-        if entry.filename.startswith("/") or ".." in entry.filename.split("/"):
-            raise FormatError(f"{src}: a zip entry named {entry.filename!r} lies outside the archive")
 
 
 def _torch_load(src: str, **kwargs: Any) -> Any:

@@ -52,6 +52,7 @@ from torch.futures import Future
 
 from bcp.backends import Backend, ObjectExistsError, ObjectNotFoundError, backend_for, join_uri
 from bcp.convert.dcp_metadata import check_storage, parse_metadata
+from bcp.convert.pickle_check import check_archive
 from bcp.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -326,6 +327,8 @@ class BcpStorageReader(StorageReader):
         for item in sorted(plan.items, key=lambda i: self._location(i.storage_index)):
             name, offset, length = self._location(item.storage_index)
             data = self._read(name, offset, length)
+            where = f"{self._where(name)}: bytes {offset}..{offset + length} ({item.storage_index.fqn!r})"
+            check_archive(io.BytesIO(data), where=where)  # torch's loader would inflate a zip bomb
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(data))
                 continue
