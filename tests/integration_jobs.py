@@ -5,6 +5,7 @@ dist_jobs.spawn (gloo) or in the test process itself; they assert inside."""
 
 from __future__ import annotations
 
+import collections
 import os
 import pathlib
 from typing import Any
@@ -195,3 +196,74 @@ def accelerate_resume(rank: int, world: int, tmp: str, uri: str) -> None:
         accelerate_epoch(*parts)
     resumed = accelerate_result(parts[0], *parts[1:3], *parts[4:])
     assert_identical(whole, resumed, "resumed run")
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from (torch.tensor([float(i)]) for i in range(64))
+
+
+class _Window:
+    """A registered object whose state differs by rank and holds a deque (a metrics window)."""
+
+    def __init__(self, rank: int) -> None:
+        self.recent = collections.deque([rank], maxlen=4)
+
+    def state_dict(self) -> dict:
+        return {"recent": self.recent}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.recent = state["recent"]
+
+
+def accelerate_ranks_differ(rank: int, world: int, tmp: str) -> None:
+    """What differs between processes, on 2 ranks: BatchNorm's running statistics (each
+    forward updates them), a stateful dataloader's position (accelerate dispatches an
+    iterable dataset's batches from the main process) and a registered object's state.
+    Failed before: the save refused the BatchNorm buffers (ReplicaMismatchError), the load
+    dropped the dataloader's position without a word and refused the registered object."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    from bcp.integrations.accelerate import enable
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+
+    def setup():
+        acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+        enable(acc, tmp, allow_pickle=True)  # the deque
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.BatchNorm1d(4))
+        window = _Window(rank)
+        acc.register_for_checkpointing(window)
+        model, loader = acc.prepare(model, torch.utils.data.DataLoader(_Stream(), batch_size=4))
+        return acc, model, loader, window
+
+    acc, model, loader, _window = setup()
+    batches = iter(loader)
+    for _ in range(3):
+        model(torch.cat([next(batches)] * 2, dim=1) + rank)  # each rank's running statistics its own
+    bn = acc.unwrap_model(model)[1]
+    mine = bn.running_mean.clone()
+    main = [bn.running_mean.clone() for _ in range(world)]
+    dist.all_gather(main, bn.running_mean)
+    assert not torch.equal(main[0], main[1])
+    path = f"{tmp}/ck"
+    acc.save_state(path)
+    assert torch.equal(bn.running_mean, mine), "the save changed the live buffer"
+    following = [next(batches) for _ in range(2)]
+    torch.manual_seed(100 + rank)
+    rng_after = torch.get_rng_state()
+    acc.save_state(f"{tmp}/ck2")
+    draws = torch.rand(3)
+    del batches
+
+    acc2, model2, loader2, window2 = setup()
+    acc2.load_state(path)
+    assert torch.equal(acc2.unwrap_model(model2)[1].running_mean, main[0])  # the main process's, as accelerate
+    got = [b for _, b in zip(range(2), loader2, strict=False)]
+    assert all(torch.equal(a, b) for a, b in zip(got, following, strict=True)), (got, following)  # each its own
+    assert list(window2.recent) == [0]  # the main process's, as accelerate
+    acc2.load_state(f"{tmp}/ck2")
+    assert torch.equal(torch.get_rng_state(), rng_after) and torch.equal(torch.rand(3), draws)
+    acc2.wait_for_everyone()

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import bcp
 from bcp.backends.memory import clear_memory_store
 from dist_jobs import spawn
-from integration_jobs import accelerate_resume, assert_identical, lightning_resume
+from integration_jobs import accelerate_ranks_differ, accelerate_resume, assert_identical, lightning_resume
 
 pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
@@ -103,6 +103,10 @@ def test_accelerate_resume_single_process(tmp_path):
 @pytest.mark.slow
 def test_accelerate_resume_two_ranks(tmp_path):
     spawn(accelerate_resume, 2, str(tmp_path), str(tmp_path / "bcp"))
+
+
+def test_accelerate_on_two_ranks_saves_what_differs_between_them(tmp_path):
+    spawn(accelerate_ranks_differ, 2, str(tmp_path))
 
 
 def test_import_bcp_imports_no_framework():

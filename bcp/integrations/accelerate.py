@@ -17,6 +17,13 @@ True)`` names checkpoints ``<uri>/checkpoints/checkpoint_<iteration>`` and
 ``save_state`` is collective, like accelerate's (every process calls it);
 ``load_state`` reads on each process by itself. FSDP, DeepSpeed and Megatron-LM keep
 their own checkpoint code in accelerate: enabling bcp for them is refused.
+
+What differs between processes is saved as accelerate saves it: the models' buffers
+(BatchNorm's running statistics, updated by each process's forward until DDP
+broadcasts the main process's at the next one) and the registered objects are the
+main process's; the dataloaders' state and the RNG states are each process's own,
+given back to the same process (at another number of processes: the main process's
+dataloader state to every process, an RNG state only to a process that saved one).
 """
 
 from __future__ import annotations
@@ -31,12 +38,13 @@ from bcp.deletion import delete, exists
 from bcp.extras import needs_extra
 from bcp.reader import open_checkpoint
 from bcp.saver import save
-from bcp.shards import PerRank, RankValues
+from bcp.shards import PerRank
 from bcp.target import resolve_backend
 from bcp.training import rng_state, set_rng_state
 
 with needs_extra("accelerate", "bcp.integrations.accelerate"):
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import broadcast, broadcast_object_list
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +67,14 @@ def saved_iterations(root: str, storage_options: Mapping[str, Any] | None = None
 class BcpState:
     """The bcp-backed ``save_state`` / ``load_state`` of one Accelerator (:func:`enable`)."""
 
-    def __init__(self, accelerator: Accelerator, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        uri: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        allow_pickle: bool = False,
+    ) -> None:
         kind = accelerator.distributed_type
         if kind.name in _OWN_CHECKPOINTING:
             raise NotImplementedError(
@@ -68,6 +83,7 @@ class BcpState:
             )
         self.accelerator, self.uri = accelerator, str(uri)
         self.storage_options = dict(storage_options or {}) or None
+        self.allow_pickle = allow_pickle
 
     # -- where -----------------------------------------------------------------------
 
@@ -101,12 +117,16 @@ class BcpState:
     def state(self) -> dict[str, Any]:
         """Everything accelerate's save_state saves, as one bcp state."""
         acc = self.accelerator
+        models = [acc.unwrap_model(m) for m in acc._models]
+        custom = [o.state_dict() for o in acc._custom_objects]
+        if custom and acc.num_processes > 1:  # what may differ between processes: the main process's, as accelerate saves
+            custom = broadcast_object_list(custom, from_process=0)
         state: dict[str, Any] = {
-            "models": {str(i): acc.unwrap_model(m).state_dict() for i, m in enumerate(acc._models)},
+            "models": {str(i): _main_process_buffers(m) for i, m in enumerate(models)},
             "optimizers": {str(i): o.state_dict() for i, o in enumerate(acc._optimizers)},
             "schedulers": {str(i): s.state_dict() for i, s in enumerate(acc._schedulers)},
-            "dataloaders": {str(i): _loader_state(d) for i, d in enumerate(acc._dataloaders)},
-            "custom": {str(i): o.state_dict() for i, o in enumerate(acc._custom_objects)},
+            "dataloaders": PerRank({str(i): _loader_state(d) for i, d in enumerate(acc._dataloaders)}),
+            "custom": {str(i): value for i, value in enumerate(custom)},
             "rng": PerRank({"step": acc.step, **rng_state()}),
             "iteration": acc.project_configuration.iteration,
         }
@@ -132,6 +152,7 @@ class BcpState:
             overwrite=True,
             storage_options=self.storage_options,
             metadata={"integration": "accelerate"},
+            allow_pickle=self.allow_pickle,
         )
         acc.project_configuration.iteration += 1
         log.info("saved the accelerate state to %s", target)
@@ -141,8 +162,13 @@ class BcpState:
         """``Accelerator.load_state`` through bcp: returns the checkpoint's URI."""
         acc = self.accelerator
         source = self._target(input_dir, saving=False)
-        with open_checkpoint(source, storage_options=self.storage_options) as reader:
-            saved = reader.state()
+        rank = acc.process_index
+        with open_checkpoint(source, storage_options=self.storage_options, allow_pickle=self.allow_pickle) as reader:
+            saved_by = reader.manifest.world_size
+            # each process's own dataloader state; at another number of processes the main process's
+            saved = reader.state(per_rank=rank if saved_by == acc.num_processes else 0)
+            rng = reader.read_object("rng", rank) if reader.is_per_rank("rng") and rank < saved_by else None
+            rng = saved.get("rng") if saved_by == 1 and rank == 0 else rng  # one process: stored job-wide
         for section, objects in (("models", [acc.unwrap_model(m) for m in acc._models]),
                                  ("optimizers", acc._optimizers), ("schedulers", acc._schedulers),
                                  ("custom", acc._custom_objects)):  # fmt: skip
@@ -157,17 +183,29 @@ class BcpState:
             _load_loader_state(loader, saved.get("dataloaders", {}).get(str(i)))
         if acc.scaler is not None and "scaler" in saved:
             acc.scaler.load_state_dict(saved["scaler"])
-        rng = saved.get("rng")
-        mine = rng.get(acc.process_index) if isinstance(rng, RankValues) else rng if acc.process_index == 0 else None
-        if mine is None:
-            log.warning("no RNG state saved for process %d in %s: RNG states not restored", acc.process_index, source)
+        if rng is None:
+            log.warning("no RNG state saved for process %d in %s: RNG states not restored", rank, source)
         else:
-            set_rng_state(mine)
-            acc.step = int(mine["step"])
+            set_rng_state(rng)
+            acc.step = int(rng["step"])
         if acc.project_configuration.automatic_checkpoint_naming and isinstance(saved.get("iteration"), int):
             acc.project_configuration.iteration = saved["iteration"] + 1  # the next save_state does not collide
         log.info("loaded the accelerate state from %s", source)
         return source
+
+
+def _main_process_buffers(model: Any) -> dict[str, Any]:
+    """``model.state_dict()`` with its buffers as the main process holds them (on more
+    than one process): DDP broadcasts them from there at the next forward, and accelerate
+    saves the main process's. Copies: the model's own buffers are left as they are."""
+    state = model.state_dict()
+    if PartialState().num_processes == 1:
+        return state
+    buffers = {name for name, _b in model.named_buffers()}
+    for key, value in state.items():  # one order on every process: the state_dict's
+        if key in buffers:
+            state[key] = broadcast(value.detach().clone(), from_process=0)
+    return state
 
 
 def _loader_state(loader: Any) -> dict[str, Any]:
@@ -190,12 +228,20 @@ def _load_loader_state(loader: Any, state: Mapping[str, Any] | None) -> None:
         sampler.epoch, sampler.initial_seed = state["sampler"]["epoch"], state["sampler"]["initial_seed"]
 
 
-def enable(accelerator: Accelerator, uri: str, *, storage_options: Mapping[str, Any] | None = None) -> BcpState:
+def enable(
+    accelerator: Accelerator,
+    uri: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    allow_pickle: bool = False,
+) -> BcpState:
     """Send ``accelerator.save_state()`` / ``load_state()`` through bcp. ``uri``: where
     automatic checkpoint naming puts ``checkpoints/checkpoint_<n>`` (any bcp URI);
     without automatic naming, ``save_state(uri)`` / ``load_state(uri)`` name each
-    checkpoint. Returns the :class:`BcpState`; :func:`disable` undoes it."""
-    bcp_state = BcpState(accelerator, uri, storage_options)
+    checkpoint. ``allow_pickle``: save and load what bcp cannot store as data (a
+    ``deque`` in a registered object), pickled, as ``bcp.save`` and ``bcp.open`` do.
+    Returns the :class:`BcpState`; :func:`disable` undoes it."""
+    bcp_state = BcpState(accelerator, uri, storage_options, allow_pickle=allow_pickle)
     accelerator.save_state = bcp_state.save_state
     accelerator.load_state = bcp_state.load_state
     return bcp_state
