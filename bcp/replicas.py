@@ -18,16 +18,17 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from bcp.errors import ReplicaMismatchError
+from bcp.errors import ReplicaMismatchError, UnsupportedStateError
 from bcp.metadata.checksum import crc32c_raw
 from bcp.metadata.geometry import Box
 from bcp.options import REPLICA_CHECKS
 from bcp.planning import LayoutMeta
+from bcp.state import clashing_keys
 from bcp.tensor_io import flat_bytes, host_contiguous, raw
 
 #: "small": boxes of at most this many bytes are checked (RNG states, counters, small
@@ -203,3 +204,35 @@ def _ranks(ranks: list[int]) -> str:
     shown = ", ".join(map(str, ranks[:_LISTED]))
     more = f" and {len(ranks) - _LISTED} more" if len(ranks) > _LISTED else ""
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
+
+
+def check_places(
+    objects: Mapping[str, Sequence[Any]], meta_digests: Sequence[bytes], metas: Mapping[bytes, LayoutMeta]
+) -> None:
+    """(coordinator) UnsupportedStateError, before anything is written, when the ranks'
+    states give two entries one place (:func:`bcp.state.clashing_keys`): rank 0 saving
+    ``{"model": {"w": t}}`` and rank 1 ``{"model": {}}`` made a checkpoint no load could
+    read. ``objects``: the save's object entries (fqn -> entries with ``key_path`` and
+    ``rank``); the tensors' from every rank's layout metadata."""
+    tensors: dict[str, Any] = {}
+    for d in dict.fromkeys(meta_digests):
+        tensors.update(zip(metas[d].fqns, metas[d].key_paths, strict=True))
+    clash = clashing_keys(tensors, {fqn: entries[0].key_path for fqn, entries in objects.items()})
+    if clash is None:
+        return
+    inner, outer = clash
+
+    def held_by(fqn: str, kind: str) -> str:
+        if kind == "tensor":
+            return f"a tensor on rank(s) {[r for r, d in enumerate(meta_digests) if fqn in metas[d].fqns]}"
+        ranks = [e.rank for e in objects[fqn]]
+        return "a value on every rank" if None in ranks else f"a value on rank(s) {ranks}"
+
+    inside = held_by(outer, "value") if outer in objects else held_by(outer, "tensor")
+    where = f"{inner!r} is {held_by(inner, 'tensor' if inner in tensors else 'value')}"
+    where += f" and {held_by(inner, 'value')}" if inner == outer else f" inside {outer!r}, {inside}"
+    raise UnsupportedStateError(
+        f"the ranks' states give two entries one place: {where}; every rank must save a key as the same kind "
+        "(a torch full_state_dict=True state holds tensors on rank 0 alone and {} elsewhere: save the sharded "
+        "state, which bcp reshards at load, or rank 0's with process_group=bcp.LOCAL)"
+    )

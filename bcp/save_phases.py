@@ -71,7 +71,7 @@ from bcp.options import SaveOptions
 from bcp.pieces import digest_stored
 from bcp.planning.cache import PlanCache, PlanSummary, plan_key
 from bcp.planning.writer_rows import WriterReport, fragment_table, merge_reports, row_stats
-from bcp.replicas import ReplicaSummer, ReplicaSums, check_replicas
+from bcp.replicas import ReplicaSummer, ReplicaSums, check_places, check_replicas
 from bcp.shards import PerRank
 from bcp.state import flatten_state, path_to_json
 
@@ -272,6 +272,7 @@ def coordinate_save(
     replicas = tuple(h.replicas for h in hellos)
     if plan is not None:
         check_replicas(replicas, meta_digests, plan.metas)  # else once every metadata is here (bcp.saver's planning)
+        check_places(objects, meta_digests, plan.metas)
     meta_from: dict[bytes, int] = {}
     if plan is None:
         known = cache.metas()

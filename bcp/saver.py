@@ -60,7 +60,7 @@ from bcp.pieces import StreamDigests, background, start_digests
 from bcp.planning import GlobalPlan, LayoutMeta, LocalLayout, plan_save
 from bcp.planning.cache import PlanCache, PlanSummary, plan_cache_for, save_order
 from bcp.planning.writer_rows import WriterReport
-from bcp.replicas import check_replicas
+from bcp.replicas import check_places, check_replicas
 from bcp.save_phases import (
     SaveDecision,
     SaveInfo,
@@ -391,6 +391,7 @@ def _plan(decision: SaveDecision, layouts: list[LocalLayout], cache: PlanCache) 
             metas[d] = LayoutMeta.decode(layout.meta)
     plan = plan_save(layouts, meta=metas)
     check_replicas(decision.replicas, decision.meta_digests, metas)
+    check_places(decision.objects, decision.meta_digests, metas)
     summary = PlanSummary(
         bytes_per_rank=plan.bytes_per_rank,
         tensors=plan.tensors,

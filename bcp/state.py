@@ -416,3 +416,29 @@ def _materialize(node: Any, kinds: dict[int, str], root: bool = False) -> Any:
     if sorted(items) != list(range(len(items))):
         raise FormatError(f"list entries with indices {sorted(items)} are not contiguous from 0")
     return ordered if kind == "l" else tuple(ordered)
+
+
+def clashing_keys(tensors: Mapping[str, Any], objects: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first (inner, outer) pair of entries that have no place of their own in the
+    rebuilt state, or None: a tensor with an object's key (inner == outer), or an entry
+    whose key path lies inside another's (a tensor ``a.b`` under an object ``a``, which
+    ranks saving ``{"a": {"b": t}}`` and ``{"a": {}}`` make). ``tensors``, ``objects``:
+    fqn -> key path (``[[kind, key], ...]``, or that as JSON text). What
+    ``CheckpointReader.check_keys`` refuses, found before a save writes anything."""
+    both = next((fqn for fqn in tensors if fqn in objects), None)
+    if both is not None:
+        return both, both
+    paths = {**objects, **tensors}
+    if not a_dot_prefix_is_a_key(set(paths)):
+        return None  # no key's part before a dot is a key (the usual state): none is parsed
+
+    def keys(path: Any) -> list:
+        return [key for _kind, key in (json.loads(path) if isinstance(path, str) else path)]
+
+    for fqn in paths:
+        start = 0
+        while (dot := fqn.find(".", start)) != -1:
+            start, outer = dot + 1, fqn[:dot]
+            if outer in paths and keys(paths[fqn])[: len(keys(paths[outer]))] == keys(paths[outer]):
+                return fqn, outer
+    return None

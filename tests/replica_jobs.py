@@ -134,3 +134,29 @@ def four_ranks_job(rank: int, world: int, root: str) -> None:
     assert e.differing == {"hsdp": {0: [2], 1: [3]}}, e.differing
     assert "rank 2 differs from rank 0; rank 3 differs from rank 1" in str(e), str(e)
     _no_manifest(f"{root}/dtensor-bad")
+
+
+def clashing_keys_job(rank: int, world: int, root: str) -> None:
+    """Ranks whose states give two entries one place: refused on every rank, naming the
+    keys and ranks, before anything is written; then the same root saves and loads.
+    Failed before: these saves committed a checkpoint every load refused (and
+    CheckpointManager's retention then deleted the good ones)."""
+    full = {"w": torch.arange(4.0), "b": torch.ones(2)}
+    cases = {
+        "empty": (full, {}),  # torch's full_state_dict=True: the state on rank 0, {} elsewhere
+        "none": (full, None),
+        "nested": ({"state": full}, {"state": {}}),
+        "same_key": (full, {"w": None, "b": torch.ones(2)}),
+    }
+    for name, (first, other) in cases.items():
+        uri = os.path.join(root, name)
+        with pytest.raises(bcp.UnsupportedStateError, match=r"give two entries one place: 'model\.") as raised:
+            bcp.save({"model": first if rank == 0 else other, "step": 7}, uri)
+        assert "rank(s) [0]" in str(raised.value) and "rank(s) [1]" in str(raised.value), str(raised.value)
+        _no_manifest(uri)
+    # the legitimate neighbours: a top-level key with dots beside the tensors, saved twice (the kept plan)
+    uri = os.path.join(root, "kept")
+    for _ in range(2):
+        bcp.save({"model": full, "step": 7, "model.w.note": 1}, uri, overwrite=True)
+    out = bcp.load({"model": {"w": torch.zeros(4), "b": torch.zeros(2)}, "step": None, "model.w.note": None}, uri)
+    assert torch.equal(out["model"]["w"], full["w"]) and out["step"] == 7

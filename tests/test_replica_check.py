@@ -30,6 +30,10 @@ def test_two_ranks_refuse_differing_replicas_and_commit_nothing(tmp_path):
 
 
 @distributed
+def test_ranks_whose_keys_clash_are_refused_before_anything_is_written(tmp_path):
+    dist_jobs.spawn(replica_jobs.clashing_keys_job, 2, str(tmp_path))
+
+
 def test_four_ranks_name_keys_and_ranks_bounded_and_check_replicated_dtensors_only(tmp_path):
     dist_jobs.spawn(replica_jobs.four_ranks_job, 4, str(tmp_path))
 

@@ -119,7 +119,7 @@ class BcpState:
         acc = self.accelerator
         models = [acc.unwrap_model(m) for m in acc._models]
         custom = [o.state_dict() for o in acc._custom_objects]
-        if custom and acc.num_processes > 1:  # what may differ between processes: the main process's, as accelerate saves
+        if custom and acc.num_processes > 1:  # where processes differ: the main process's, as accelerate saves
             custom = broadcast_object_list(custom, from_process=0)
         state: dict[str, Any] = {
             "models": {str(i): _main_process_buffers(m) for i, m in enumerate(models)},
