@@ -79,3 +79,19 @@ def test_a_good_file_still_converts(tmp_path):
     assert torch.equal(
         bcp.load({"w": torch.zeros(1024, dtype=torch.int64)}, str(tmp_path / "out"))["w"], torch.arange(1024)
     )
+
+
+@pytest.mark.parametrize(
+    "pickled",
+    [
+        b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nK\x01\x85R.",  # an allowed rebuild called with too few arguments
+        b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n(K\x01K\x02K\x03K\x04tR.",  # and with wrong ones
+        b"\x80\x02h\x05.",  # a memo entry never stored
+    ],
+)
+def test_a_data_pkl_that_makes_torch_raise_anything_is_a_format_error(tmp_path, pickled):
+    """Failed before for the first two: a TypeError from torch's rebuild escaped, naming no file."""
+    bad = _rewritten(tmp_path, lambda n, b: (n, pickled if n.endswith("data.pkl") else b, zipfile.ZIP_STORED))
+    with pytest.raises(FormatError, match=r"bad\.pt: not a torch\.save file bcp can read: (TypeError|KeyError)"):
+        from_torch(bad, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

@@ -114,7 +114,9 @@ def _torch_load(src: str, **kwargs: Any) -> Any:
             f"{src}: holds what torch's weights-only loader refuses (bcp never unpickles a torch.save file "
             f"fully: that runs code from it): {_first_line(e)}"
         ) from None
-    except (RuntimeError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+    # what a crafted data.pkl makes torch's allowed rebuild functions raise, too (TypeError: wrong arguments)
+    except (RuntimeError, ValueError, EOFError, KeyError, TypeError, AttributeError, IndexError, OverflowError,
+            zipfile.BadZipFile) as e:  # fmt: skip
         if kwargs.get("mmap") and "mmap" in str(e):
             raise  # the legacy format: loaded whole instead (from_torch)
         raise FormatError(f"{src}: not a torch.save file bcp can read: {type(e).__name__}: {_first_line(e)}") from None
