@@ -369,6 +369,31 @@ def test_a_sharded_export_that_fails_midway_leaves_no_shard(tmp_path):
     assert not list((tmp_path / "st").glob("*.safetensors"))
 
 
+def test_a_sharded_export_failing_while_it_writes_a_shard_leaves_nothing_and_can_be_retried(tmp_path, monkeypatch):
+    """The disk fills while the second shard is written: its partial file was left, and
+    the retry refused the directory as not empty."""
+    import safetensors.torch as st_module
+
+    ck, dst = str(tmp_path / "ck"), tmp_path / "st"
+    bcp.save({"a": torch.arange(1000.0), "b": torch.arange(1000.0) * 2}, ck)
+    real, calls = st_module.save_file, []
+
+    def full_disk(tensors, path, metadata=None):
+        calls.append(path)
+        real(tensors, path, metadata=metadata)  # the partial file is there
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(st_module, "save_file", full_disk)
+    with pytest.raises(OSError, match="injected"):
+        to_safetensors(ck, str(dst), max_shard_bytes=4000)
+    assert os.listdir(dst) == []
+    monkeypatch.setattr(st_module, "save_file", real)
+    to_safetensors(ck, str(dst), max_shard_bytes=4000)
+    from_safetensors(str(dst), str(tmp_path / "back"))
+    assert torch.equal(bcp.open(str(tmp_path / "back")).read("b"), torch.arange(1000.0) * 2)
+
+
 def test_shards_without_their_index_are_refused_on_import(tmp_path):
     bcp.save({"a": torch.arange(1000.0), "b": torch.arange(1000.0) * 2}, str(tmp_path / "ck"))
     to_safetensors(str(tmp_path / "ck"), str(tmp_path / "st"), max_shard_bytes=4000)

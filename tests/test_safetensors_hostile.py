@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bcp.convert.safetensors import map_safetensors, read_header, safetensors_files
+from bcp.convert.safetensors import from_safetensors, map_safetensors, read_header, safetensors_files
 from bcp.errors import FormatError
 from helpers import examples
 
@@ -45,6 +45,8 @@ def _entry(dtype="F32", shape=(2,), offsets=(0, 8)) -> dict:
         ({"a": _entry(), "b": _entry()}, r"tensors 'a' and 'b' share bytes at data offset 0"),
         ({"w": _entry(shape=[-1])}, r"has shape \[-1\], not a list of sizes"),
         ({"w": _entry(shape=[True, 2])}, r"not a list of sizes"),
+        ({"w": _entry(shape=[0, 10**30], offsets=[0, 0])}, r"not a list of sizes"),  # a TypeError from torch before
+        ({"w": _entry(shape=[0, 2**62, 2**62], offsets=[0, 0])}, r"not a list of sizes"),  # torch's strides overflow
         ({"w": _entry(offsets=[0.0, 8.0])}, r"has data_offsets \[0\.0, 8\.0\], not \[start, end\]"),
         ({"w": {"dtype": "F32", "shape": [2]}}, r"data_offsets None"),
         ({"w": 5}, r"tensor 'w' is described by a JSON int, not an object"),
@@ -126,3 +128,38 @@ def test_a_good_file_with_an_empty_tensor_maps_exactly(tmp_path):
     }
     tensors = map_safetensors(_file(tmp_path, header, data))
     assert torch.equal(tensors["w"], torch.tensor([[1.0, 2.0], [3.0, 4.0]])) and tensors["e"].shape == (0, 3)
+
+
+def _shards(tmp_path, shards: dict[str, dict[str, torch.Tensor]], weight_map: dict[str, str]) -> str:
+    from safetensors.torch import save_file
+
+    for file, tensors in shards.items():
+        save_file(tensors, str(tmp_path / file))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("shards", "weight_map", "message"),
+    [
+        ({"a.safetensors": {"a": torch.ones(2)}}, {"a": "a.safetensors", "b": "a.safetensors"}, r"names tensors no"),
+        (
+            {"a.safetensors": {"a": torch.ones(2)}, "b.safetensors": {"a": torch.zeros(2)}},
+            {"a": "a.safetensors", "x": "b.safetensors"},
+            r"b\.safetensors: tensor 'a' is in another shard too",
+        ),
+        (
+            {"a.safetensors": {"a": torch.ones(2)}, "b.safetensors": {"b": torch.zeros(2)}},
+            {"a": "b.safetensors", "b": "a.safetensors"},
+            r"puts 'a' in 'b\.safetensors', but .*a\.safetensors holds it",
+        ),
+    ],
+)
+def test_shards_that_disagree_with_their_index_are_refused(tmp_path, shards, weight_map, message):
+    """Failed before: a tensor the index names but no shard holds was dropped (a smaller
+    model), and one held by two shards kept the last one read."""
+    (tmp_path / "src").mkdir()
+    src = _shards(tmp_path / "src", shards, weight_map)
+    with pytest.raises(FormatError, match=message):
+        from_safetensors(src, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

@@ -129,6 +129,7 @@ def to_safetensors(
     os.makedirs(dst_dir, exist_ok=True)
     weight_map, total = {}, 0
     published: list[str] = []
+    tmp = None
     try:
         for file, shard in zip(files, shards, strict=True):
             read = reader.read_tensors([key_of[name] for name in shard])  # one batch: contiguous runs coalesce
@@ -147,6 +148,8 @@ def to_safetensors(
     except BaseException:  # the shards written so far, without their index, would look like a smaller model
         for file in published:
             os.remove(os.path.join(dst_dir, file))
+        if tmp is not None and os.path.exists(tmp):  # the shard being written (published ones were renamed)
+            os.remove(tmp)
         raise
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     if len(shards) > 1:
@@ -190,24 +193,33 @@ def safetensors_files(src: str) -> list[str]:
     itself: a path out of it (``../x``, ``/x``) is a FormatError."""
     if os.path.isfile(src):
         return [src]
-    index = os.path.join(src, INDEX_NAME)
-    if os.path.exists(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
-            raise FormatError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
-        for name in files:
-            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-                raise FormatError(f"{index}: weight_map names {name!r}, not a file in {src}")
-        return [os.path.join(src, name) for name in files]
+    weight_map = index_weight_map(src)
+    if weight_map is not None:
+        return [os.path.join(src, name) for name in sorted(set(weight_map.values()))]
     found = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     if not found:
         raise FileNotFoundError(f"no .safetensors files in {src}")
     if any(_SHARD_NAME.search(n) for n in found):
         raise FormatError(f"{src}: holds shards ({found[0]}, ...) but no {INDEX_NAME}: an export cut short?")
     return [os.path.join(src, n) for n in found]
+
+
+def index_weight_map(src: str) -> dict[str, str] | None:
+    """The index's tensor name -> shard file of a safetensors directory ``src`` (None
+    without one): every file in ``src`` itself (``../x``, ``/x``: FormatError)."""
+    index = os.path.join(src, INDEX_NAME)
+    if not os.path.isdir(src) or not os.path.exists(index):
+        return None
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        files = set(weight_map.values())
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
+        raise FormatError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    for name in files:
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise FormatError(f"{index}: weight_map names {name!r}, not a file in {src}")
+    return weight_map
 
 
 #: a shard of a sharded export (``model-00001-of-00002.safetensors``): only read through its index
@@ -254,7 +266,11 @@ def read_header(path: str, f: BinaryIO, size: int) -> tuple[int, dict[str, tuple
         if dtype is None:
             raise FormatError(f"{where} has dtype {info.get('dtype')!r}, which bcp does not know")
         shape, offsets = info.get("shape"), info.get("data_offsets")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        if (
+            not isinstance(shape, list)
+            or not all(type(d) is int and 0 <= d < 2**63 for d in shape)
+            or math.prod(d for d in shape if d) >= 2**63  # an empty tensor's strides too
+        ):
             raise FormatError(f"{where} has shape {shape!r}, not a list of sizes")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
             raise FormatError(f"{where} has data_offsets {offsets!r}, not [start, end]")
@@ -296,7 +312,15 @@ def from_safetensors(
 ) -> SaveInfo:
     """Save every tensor of a safetensors checkpoint into bcp as flat keys (``prefix`` prepended)."""
     state: dict[str, torch.Tensor] = {}
+    weight_map, index = index_weight_map(src), os.path.join(src, INDEX_NAME)
     for path in safetensors_files(src):
         for name, t in map_safetensors(path).items():
+            if prefix + name in state:
+                raise FormatError(f"{path}: tensor {name!r} is in another shard too")
+            if weight_map is not None and weight_map.get(name) != os.path.basename(path):
+                raise FormatError(f"{index} puts {name!r} in {weight_map.get(name)!r}, but {path} holds it")
             state[prefix + name] = t
+    if weight_map is not None and len(state) != len(weight_map):  # each held name is in it: the rest are not held
+        unheld = [name for name in weight_map if prefix + name not in state]
+        raise FormatError(f"{index} names tensors no shard holds: {', '.join(map(repr, unheld[:5]))}")
     return save(state, dst, overwrite=overwrite, storage_options=storage_options)
