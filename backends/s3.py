@@ -320,11 +320,14 @@ class S3Backend(ObjectStoreBackend):
                     page = self.call("list_multipart_uploads", Bucket=self.bucket, Prefix=self.base + prefix, **markers)
                 except FileNotFoundError:  # rclone answers 404 for a prefix with nothing under it
                     return found
-                found += page.get("Uploads") or []
                 key, upload = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
-                if not page.get("IsTruncated") or not key or {"KeyMarker": key, "UploadIdMarker": upload} == markers:
+                after = {"KeyMarker": key, "UploadIdMarker": upload or ""}
+                if after == markers:  # a store answering the same page again: that page is counted once
                     return found
-                markers = {"KeyMarker": key, "UploadIdMarker": upload or ""}
+                found += page.get("Uploads") or []
+                if not page.get("IsTruncated") or not key:
+                    return found
+                markers = after
 
 
 #: Separates an unfinished upload's key from its upload id in ``unfinished()`` names.

@@ -369,6 +369,23 @@ def test_unfinished_uploads_are_listed_past_the_first_page(moto_server, moto_buc
     assert asked == [{}, {"KeyMarker": "a", "UploadIdMarker": "1"}, {"KeyMarker": "b", "UploadIdMarker": "2"}]
 
 
+def test_a_store_answering_one_page_again_ends_the_listing(moto_server, moto_bucket, monkeypatch):
+    """A truncated page without NextUploadIdMarker, answered again and again: the listing
+    looped forever (the guard compared None with ''); the page is counted once."""
+    s3 = _s3(moto_server, moto_bucket)
+    page = {"Uploads": [{"Key": f"{s3.base}a", "UploadId": "1"}], "IsTruncated": True, "NextKeyMarker": "a"}
+    asked: list[dict] = []
+
+    def call(method, **kwargs):
+        asked.append(kwargs)
+        assert len(asked) < 5, "still listing"
+        return page
+
+    monkeypatch.setattr(s3, "call", call)
+    assert [u.name.split("#upload=")[0] for u in s3.unfinished()] == ["a"]
+    assert len(asked) == 2
+
+
 def test_parts_upload_in_parallel(moto_server, moto_bucket):
     s3 = _s3(moto_server, moto_bucket)
     slow = FaultInjectingBackend(s3, latency=0.2)
