@@ -477,3 +477,16 @@ def test_chunks_that_do_not_cover_the_tensor_are_refused(tmp_path):
     rewrite_metadata(src, grow)
     with pytest.raises(FormatError, match=r"'w': its chunks do not tile its size \(8,\): .*hold 4 elements of its 8"):
         from_dcp(str(src), str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize(("size", "message"), [((2**64,), "not a tensor shape"), ((0, 2**62, 2**62), "past what")])
+def test_a_size_past_int64_is_a_format_error_naming_the_key(tmp_path, size, message):
+    """Failed before: an OverflowError from numpy (the chunks' tiling check), naming nothing."""
+    src = dcp_dir(tmp_path / "c", {"w": torch.arange(4.0) + 1})
+
+    def grow(md: Any) -> None:
+        md.state_dict_metadata["w"].size = torch.Size(size)
+
+    rewrite_metadata(src, grow)
+    with pytest.raises(FormatError, match=rf"DCP metadata gives 'w' the size .*{message}"):
+        from_dcp(str(src), str(tmp_path / "out"))

@@ -198,7 +198,8 @@ def parse_metadata(stream: io.BufferedIOBase, *, where: str, allow_pickle: bool 
 
 
 def _shape(value: Any) -> bool:
-    return isinstance(value, tuple) and len(value) <= 64 and all(type(d) is int and d >= 0 for d in value)
+    """Up to 64 non-negative ints below 2**63 (what int64 arithmetic on them needs)."""
+    return isinstance(value, tuple) and len(value) <= 64 and all(type(d) is int and 0 <= d < 2**63 for d in value)
 
 
 def _check_entry(fqn: Any, meta: Any, where: str) -> None:
@@ -250,6 +251,8 @@ def tensor_nbytes(fqn: str, meta: TensorStorageMetadata, *, where: str) -> int:
     if not isinstance(dtype, torch.dtype):
         raise FormatError(f"{where}: DCP metadata gives {fqn!r} the dtype {reprlib.repr(dtype)}, not a torch dtype")
     assert isinstance(size, tuple)  # _shape
+    if math.prod(d for d in size if d) * max(dtype.itemsize, 1) >= 2**63:  # also an empty tensor's strides
+        raise FormatError(f"{where}: DCP metadata gives {fqn!r} the size {size}, past what a tensor can hold")
     return math.prod(size) * dtype.itemsize
 
 
