@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -170,3 +171,20 @@ def test_a_32_mib_model_saved_every_step_on_several_ranks_mirrors_and_resumes(tm
     for keys in done["stored"].values():
         assert not any(os.path.basename(k).startswith(".tmp") for k in keys), keys
         assert {f"rng_state_{r}.pth" for r in range(world)} <= set(keys)
+
+
+def test_a_folder_with_nothing_in_it_is_refused_and_the_store_left_as_it_was(tmp_path):
+    """The Trainer saved elsewhere (hyperparameter_search's run-<trial>/): on_save found no
+    folder. Failed before: the store's copy of that step was deleted and an empty manifest
+    written, which counted as complete and restored to a path that did not exist."""
+    good = tmp_path / "good" / "checkpoint-2"
+    good.mkdir(parents=True)
+    (good / "model.safetensors").write_bytes(b"m" * 10)
+    backend = backend_for(str(tmp_path / "store"))
+    mirror_checkpoint(str(good), backend, "checkpoint-2")
+    callback = BcpCheckpointCallback(str(tmp_path / "store"))
+    args, state = SimpleNamespace(output_dir=str(tmp_path / "out")), SimpleNamespace(global_step=2)
+    with pytest.raises(FileNotFoundError, match=r"out/checkpoint-2: no checkpoint files there to mirror"):
+        callback.on_save(args, state, None)
+    assert complete_checkpoints(backend) == [2]
+    assert list(read_manifest(backend, "checkpoint-2")) == ["model.safetensors"]

@@ -97,21 +97,26 @@ def mirror_checkpoint(folder: str, backend: Backend, name: str) -> dict[str, dic
     renames): every rank lists the folder only after a barrier, skips temporary files,
     and a file gone by the time it is read is left out (logged), so the store holds only
     files of the final checkpoint. Rank 0 first deletes whatever ``name/`` held (a
-    re-saved step, an upload that never finished)."""
+    re-saved step, an upload that never finished). A folder no rank finds a file in
+    is a FileNotFoundError on every rank, before the store is touched."""
     import torch.distributed as dist
 
     rank, world = group()
     manifest_key = f"{name}/{MANIFEST_NAME}"
+    seen: list[list[str]] = [[] for _ in range(world)]
+    mine_seen = checkpoint_files(folder)
+    if world > 1:
+        dist.all_gather_object(seen, mine_seen)  # after every rank's files of this checkpoint are on disk
+    else:
+        seen = [mine_seen]
+    if not any(seen):  # every rank, before anything in the store is touched: an empty "complete" one restored nothing
+        raise FileNotFoundError(f"{folder}: no checkpoint files there to mirror to {backend.uri}/{name}")
     if rank == 0 and next(iter(backend.list(f"{name}/")), None) is not None:
         if backend.exists(manifest_key):  # re-saved step: no manifest names a mix
             backend.delete(manifest_key)
         backend.delete_prefix(f"{name}/")
-    seen: list[list[str]] = [[] for _ in range(world)]
     if world > 1:
-        dist.barrier()  # every rank's files of this checkpoint are on disk, and name/ is empty
-        dist.all_gather_object(seen, checkpoint_files(folder))
-    else:
-        seen = [checkpoint_files(folder)]
+        dist.barrier()  # name/ is empty before anyone uploads
     # file i goes to the i-th (round robin) of the ranks that see it
     owners: dict[str, int] = {}
     for i, file in enumerate(sorted({f for names in seen for f in names})):
