@@ -44,7 +44,7 @@ from bcp.options import LoadOptions, LoadOptionsKwargs, ReshardObjects
 from bcp.reader import CheckpointMetadata, CheckpointReader, fetch_metadata, open_reader
 from bcp.references import ParentFactory, parent_factory
 from bcp.shards import PerRank, any_dtensor, local_pieces
-from bcp.state import KeyPath, Leaf, build_nested, detach_stateful, flatten_state, get_at, replace_at
+from bcp.state import KeyPath, Leaf, build_nested, detach_stateful, fit_templates, flatten_state, get_at, replace_at
 from bcp.target import Target, resolve_backend
 from bcp.torch_dtypes import dtype_name
 
@@ -251,7 +251,7 @@ def _open(
     try:
         detached, stateful = detach_stateful(state)
         reader = open_reader(backend, metadata, allow_pickle=opts.allow_pickle, verify=opts.verify, parent=parent)
-        opened = (detached, stateful, reader)
+        opened = (fit_templates(detached, stateful, reader.catalog.tensors, reader.manifest.objects), stateful, reader)
     except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
         error = e
     try:

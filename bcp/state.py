@@ -19,7 +19,7 @@ import contextvars
 import functools
 import json
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from itertools import repeat
 from typing import Any, NamedTuple
 
@@ -442,3 +442,20 @@ def clashing_keys(tensors: Mapping[str, Any], objects: Mapping[str, Any]) -> tup
             if outer in paths and keys(paths[fqn])[: len(keys(paths[outer]))] == keys(paths[outer]):
                 return fqn, outer
     return None
+
+
+def fit_templates(
+    state: Mapping, stateful: list[tuple[KeyPath, Any]], tensors: Container[str], objects: Container[str]
+) -> Mapping:
+    """``state`` (a load's template, :func:`detach_stateful`'s) with each Stateful
+    object's part fitted to the checkpoint holding ``tensors`` and ``objects`` (FQNs),
+    where the object says how (``fit_template(template, stored)``, ``stored(key)``:
+    whether the checkpoint holds the key below it): a ``bcp.TrainingState`` with a fresh
+    optimizer, whose template has state for parameters the checkpoint holds none for."""
+    for path, obj in stateful:
+        fit = getattr(obj, "fit_template", None)
+        if fit is not None:
+            prefix = fqn_of(path) + "." if path else ""
+            stored = lambda key, p=prefix: p + key in tensors or p + key in objects  # noqa: E731
+            state = replace_at(state, path, fit(get_at(state, path), stored))
+    return state

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, Unpack
 
 import numpy as np
@@ -277,18 +277,37 @@ class TrainingState:
         self._cache = cache.learn(model_sd) if cache is not None else None
         return model_sd, optim_sd
 
+    def fit_template(self, template: dict[str, Any], stored: Callable[[str], bool]) -> dict[str, Any]:
+        """``template`` (this object's ``state_dict()`` for a load) fitted to a checkpoint
+        holding the keys below it that ``stored`` says: with fresh optimizers (their state
+        a dummy step's, for every parameter that requires a gradient), state only for the
+        parameters the checkpoint holds some for, or the optimizer as the one object a save
+        between backward() and the first step() made. ``bcp.load`` (and ``load_latest``)
+        calls it for a TrainingState anywhere in its state, as :meth:`load` fits its own."""
+        if "optim" not in template or any(o.state for o in self.optimizers):
+            return template
+        if stored("optim"):
+            return {**template, "optim": None}
+        state = template["optim"].get("state", {})
+        kept = {fqn: v for fqn, v in state.items() if any(stored(f"optim.state.{fqn}.{k}") for k in v)}
+        return template if len(kept) == len(state) else {**template, "optim": {**template["optim"], "state": kept}}
+
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
         """Put a loaded state back into model, optimizer, scheduler, dataloader, RNG and extra.
-        ``strict=False``: parameters may lack optimizer state (none was saved for them)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        set_state_dict(
-            self.model,
-            self.optimizers,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"] if self.optimizers else {},
-            options=StateDictOptions(strict=strict),
+        ``strict=False``: the model's keys are not checked either (``load`` matched them).
+        A parameter may lack optimizer state either way: Adam keeps none for one that never
+        had a gradient, and torch's strict check refuses its own ``get_state_dict`` of it
+        (a rollback into a stepped optimizer failed with the weights already loaded)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
         )
+
+        if self.optimizers:  # first, as set_state_dict does
+            lenient = StateDictOptions(strict=False)
+            set_optimizer_state_dict(self.model, self.optimizers, state["optim"], options=lenient)
+        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=strict))
         for optim in self.optimizers:
             marked = [group.pop(UNSTEPPED_MARK, False) for group in optim.param_groups]
             if marked and all(marked):  # saved before its first step: no state, as then

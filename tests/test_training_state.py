@@ -356,6 +356,51 @@ def test_a_parameter_that_never_had_a_gradient_resumes_into_a_fresh_optimizer(tm
     _assert_same(_snapshot(model2, opt2), want)
 
 
+@pytest.mark.parametrize("how", ["bcp.load", "load_latest"])
+def test_a_never_gradded_parameter_resumes_through_bcp_load_and_the_manager_too(tmp_path, how):
+    """The README's recipe (``load_latest({"train": TrainingState(...)})``) and ``bcp.load``
+    of a state holding a TrainingState: the fitting of a fresh optimizer's template ran in
+    TrainingState.load only, so these raised a StateMismatchError for the unused head."""
+    model = _WithUnusedHead()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _steps(model, opt, 3)
+    manager = bcp.CheckpointManager(tmp_path / "root", async_save=False)
+    manager.save(3, {"train": bcp.TrainingState(model, opt)})
+    _steps(model, opt, 2)
+    want = _snapshot(model, opt)
+
+    model2 = _WithUnusedHead()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+    state = {"train": bcp.TrainingState(model2, opt2)}
+    if how == "bcp.load":
+        bcp.load(state, manager.uri(3))
+    else:
+        assert manager.load_latest(state)[0] == 3
+    assert len(opt2.state) == 2 and all(p not in opt2.state for p in model2.unused.parameters())
+    _steps(model2, opt2, 2)
+    _assert_same(_snapshot(model2, opt2), want)
+
+
+def test_a_rollback_into_a_stepped_optimizer_with_a_never_gradded_parameter(tmp_path):
+    """Loading an earlier step into the running job (after a loss spike): torch's strict
+    check refused its own state of a parameter with none, after the weights had been
+    loaded (the scheduler and the rest not): a half-restored job."""
+    model = _WithUnusedHead()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _steps(model, opt, 3)
+    sched.step()
+    extra: dict = {"step": 3}
+    bcp.TrainingState(model, opt, scheduler=sched, extra=extra).save(tmp_path / "ck")
+    want = (_snapshot(model, opt), sched.state_dict())
+    _steps(model, opt, 2)
+    sched.step()
+    extra["step"] = 5
+    bcp.TrainingState(model, opt, scheduler=sched, extra=extra).load(tmp_path / "ck")
+    _assert_same(_snapshot(model, opt), want[0])
+    assert sched.state_dict() == want[1] and extra == {"step": 3}
+
+
 def test_a_save_between_backward_and_the_first_step_loads_into_a_fresh_run(tmp_path):
     """Gradients present, no step yet (the first micro-batch of accumulation): torch
     skips its dummy step then, and the optimizer's state took another form than a
