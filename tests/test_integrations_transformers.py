@@ -188,3 +188,18 @@ def test_a_folder_with_nothing_in_it_is_refused_and_the_store_left_as_it_was(tmp
         callback.on_save(args, state, None)
     assert complete_checkpoints(backend) == [2]
     assert list(read_manifest(backend, "checkpoint-2")) == ["model.safetensors"]
+
+
+def test_keep_last_after_a_rollback_keeps_the_checkpoint_just_mirrored(tmp_path):
+    """Resumed from step 4 with the abandoned run's step 8 still in the store: the new
+    step 6 counts as the newest. Failed before: keep_last=1 deleted step 6 at once (8
+    outranked it) and a restart restored the abandoned run."""
+    backend = backend_for(str(tmp_path / "store"))
+    for step in (4, 8, 6):  # the order the two runs mirrored them
+        folder = tmp_path / "out" / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(bytes([step]) * 8)
+    callback = BcpCheckpointCallback(str(tmp_path / "store"), keep_last=1)
+    for step in (4, 8, 6):
+        callback.on_save(SimpleNamespace(output_dir=str(tmp_path / "out")), SimpleNamespace(global_step=step), None)
+    assert complete_checkpoints(backend) == [6]

@@ -232,11 +232,14 @@ def restore_checkpoint(
         backend.close()
 
 
-def delete_old_checkpoints(backend: Backend, keep_last: int) -> list[int]:
+def delete_old_checkpoints(backend: Backend, keep_last: int, newest: int | None = None) -> list[int]:
     """Delete all but the ``keep_last`` newest complete checkpoints (each manifest first,
-    so that none is ever half there and complete); return the steps deleted."""
+    so that none is ever half there and complete); return the steps deleted. ``newest``:
+    the step just mirrored, kept first whatever its number (after a rollback the store
+    holds the abandoned run's higher steps, which outranked it: it was deleted at once)."""
     steps = complete_checkpoints(backend)
-    old = steps[: max(len(steps) - keep_last, 0)]
+    ranked = sorted(steps, key=lambda step: (step == newest, step), reverse=True)
+    old = sorted(ranked[keep_last:])
     for step in old:
         backend.delete(f"checkpoint-{step}/{MANIFEST_NAME}")
         backend.delete_prefix(f"checkpoint-{step}/")
@@ -270,6 +273,6 @@ class BcpCheckpointCallback(TrainerCallback):
             mirror_checkpoint(folder, backend, name)
             self.mirrored.append(state.global_step)
             if self.keep_last is not None and group()[0] == 0:
-                delete_old_checkpoints(backend, self.keep_last)
+                delete_old_checkpoints(backend, self.keep_last, newest=state.global_step)
         finally:
             backend.close()
