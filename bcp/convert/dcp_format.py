@@ -36,6 +36,7 @@ import torch
 from bcp.convert.files import file_backed, publish_dir, stale_files
 from bcp.convert.formats import DCP_METADATA_FILE
 from bcp.convert.per_rank import export_object, per_rank_keys
+from bcp.convert.pickle_check import FileSlice, check_archive
 from bcp.convert.selection import Progress, select
 from bcp.errors import ConversionError, FormatError
 from bcp.reader import CheckpointReader, PerRankChoice, check_per_rank_choice, open_checkpoint
@@ -209,14 +210,7 @@ def from_dcp(
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from bcp.convert.dcp_metadata import (
-        DCPReader,
-        SafeBytesPlanner,
-        check_entries,
-        check_storage,
-        key_paths,
-        read_metadata,
-    )
+    from bcp.convert.dcp_metadata import DCPReader, SafeBytesPlanner, check_storage, key_paths, read_metadata
 
     metadata = read_metadata(src, allow_pickle=allow_pickle)
     paths = key_paths(metadata, where=os.path.join(src, DCP_METADATA_FILE))
@@ -227,7 +221,7 @@ def from_dcp(
         size_of=lambda name: os.path.getsize(os.path.join(src, name)),
         where=lambda name: os.path.join(src, name),
     )
-    check_entries(metadata, src)  # no entry a zip bomb torch would inflate
+    _check_entries(metadata, src)  # no entry a zip bomb torch would inflate
     reader = DCPReader(src, metadata)
     planner = SafeBytesPlanner(allow_pickle=allow_pickle)
     scratch = tempfile.mkdtemp(prefix="bcp-convert-", dir=scratch_dir)
@@ -261,6 +255,27 @@ def from_dcp(
         return info, skipped
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _check_entries(metadata: Any, root: str) -> None:
+    """:func:`~bcp.convert.pickle_check.check_archive` of every entry of the data files
+    under ``root`` (a tensor or a value, each a ``torch.save`` zip that torch's loader
+    inflates in memory), from its zip directory alone; FormatError naming the file, the
+    bytes and the key. Run after ``check_storage``: every entry lies in its file. An
+    entry of DCP's stream transforms (compression) is the transform's to bound."""
+    files: dict[str, int] = {}
+    try:
+        for index, info in metadata.storage_data.items():
+            if getattr(info, "transform_descriptors", None):
+                continue
+            name, offset, length = info.relative_path, info.offset, info.length
+            if name not in files:
+                files[name] = os.open(os.path.join(root, name), os.O_RDONLY)
+            where = f"{os.path.join(root, name)}: bytes {offset}..{offset + length} ({index.fqn!r})"
+            check_archive(FileSlice(files[name], offset, length), where=where)
+    finally:
+        for fd in files.values():
+            os.close(fd)
 
 
 def _check_nesting(paths: dict[str, KeyPath], *, where: str) -> None:

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from bcp.convert.formats import DCP_METADATA_FILE
-from bcp.convert.pickle_check import FileSlice, check_archive, check_pickle
+from bcp.convert.pickle_check import check_pickle
 from bcp.errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
 from bcp.metadata.geometry import tiling_problem
 from bcp.state import KeyPath, PathElem, fqn_of
@@ -311,27 +311,6 @@ def check_storage(metadata: Metadata, *, size_of: Callable[[str], int], where: C
                 file=DCP_METADATA_FILE,
             )
     return sizes
-
-
-def check_entries(metadata: Metadata, root: str) -> None:
-    """:func:`~bcp.convert.pickle_check.check_archive` of every entry of the data files
-    under ``root`` (a tensor or a value, each a ``torch.save`` zip that torch's loader
-    inflates in memory), from its zip directory alone; FormatError naming the file, the
-    bytes and the key. Run after :func:`check_storage`: every entry lies in its file. An
-    entry of DCP's stream transforms (compression) is the transform's to bound."""
-    files: dict[str, int] = {}
-    try:
-        for index, info in metadata.storage_data.items():
-            if getattr(info, "transform_descriptors", None):
-                continue
-            name, offset, length = info.relative_path, info.offset, info.length
-            if name not in files:
-                files[name] = os.open(os.path.join(root, name), os.O_RDONLY)
-            where = f"{os.path.join(root, name)}: bytes {offset}..{offset + length} ({index.fqn!r})"
-            check_archive(FileSlice(files[name], offset, length), where=where)
-    finally:
-        for fd in files.values():
-            os.close(fd)
 
 
 class DCPReader(FileSystemReader):
