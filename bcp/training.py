@@ -24,13 +24,13 @@ import hashlib
 import logging
 import random
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import Any, Unpack
+from typing import Any, Unpack, cast
 
 import numpy as np
 import torch
 
 from bcp.dataloader import is_dataloader_state, is_sampler_state, reshard_dataloader_states
-from bcp.errors import StateMismatchError, UnsupportedStateError
+from bcp.errors import UnsupportedStateError
 from bcp.extras import missing_extra
 from bcp.loader import LoadInfo, load_with_info
 from bcp.options import LoadOptionsKwargs, SaveOptionsKwargs
@@ -282,8 +282,8 @@ class TrainingState:
         holding the keys below it that ``stored`` says: with fresh optimizers (their state
         a dummy step's, for every parameter that requires a gradient), state only for the
         parameters the checkpoint holds some for, or the optimizer as the one object a save
-        between backward() and the first step() made. ``bcp.load`` (and ``load_latest``)
-        calls it for a TrainingState anywhere in its state, as :meth:`load` fits its own."""
+        between backward() and the first step() made. The load calls it for a TrainingState
+        anywhere in its state (:meth:`load`, ``bcp.load``, ``load_latest``)."""
         if "optim" not in template or any(o.state for o in self.optimizers):
             return template
         if stored("optim"):
@@ -330,19 +330,9 @@ class TrainingState:
         """``bcp.load`` into this state, resharding per-rank objects with
         :func:`reshard_per_rank` unless ``reshard_objects`` is given."""
         options.setdefault("reshard_objects", reshard_per_rank)
-        unstepped = bool(self.optimizers) and all(not optim.state for optim in self.optimizers)
-        template = self.state_dict()
-        try:
-            info = load_with_info(template, uri, **options)
-        except StateMismatchError as e:
-            fitted = _fitted_to_saved_optimizer(template, e) if unstepped else None
-            if fitted is None:
-                raise
-            info = load_with_info(fitted, uri, **options)  # the mismatch wrote nothing: loaded once
-            self.load_state_dict(info.state, strict=False)  # the model's keys were matched by the load
-            return info
-        self.load_state_dict(info.state)
-        return info
+        # this object as the whole state: the load asks it for its template, fits that to the
+        # checkpoint (fit_template) and hands it what was loaded, as for one anywhere in a state
+        return load_with_info(cast(Mapping[str, Any], self), uri, **options)
 
 
 class _StateDictCache:
@@ -458,26 +448,6 @@ def _is_wrapper_rename(key: str, fqn: str) -> bool:
         else:
             return False
     return all(seg in ("module", "_orig_mod", "_checkpoint_wrapped_module") for seg in parts)
-
-
-def _fitted_to_saved_optimizer(template: dict[str, Any], error: StateMismatchError) -> dict[str, Any] | None:
-    """A fresh optimizer's template (its state made by a dummy step for every parameter that
-    requires a gradient) fitted to what the checkpoint holds, when that is the only mismatch:
-    no state for the parameters that never had a gradient when it was saved (an unused head,
-    an expert never routed to: Adam keeps none for them), or, from a save between backward()
-    and the first step(), the whole optimizer as one object. None for any other mismatch."""
-    if error.shape_mismatch or error.dtype_mismatch or error.kind_mismatch:
-        return None
-    missing = set(error.missing)
-    if error.unexpected == ["optim"] and all(key.startswith("optim.") for key in missing):
-        return {**template, "optim": None}  # loaded as the object it was saved as
-    state = template.get("optim", {}).get("state", {})
-    absent = {fqn for fqn, leaves in state.items() if {f"optim.state.{fqn}.{k}" for k in leaves} <= missing}
-    explained = {f"optim.state.{fqn}.{k}" for fqn in absent for k in state[fqn]}
-    if error.unexpected or not absent or missing - explained:
-        return None
-    optim = {**template["optim"], "state": {fqn: v for fqn, v in state.items() if fqn not in absent}}
-    return {**template, "optim": optim}
 
 
 def _mark_unstepped_groups(

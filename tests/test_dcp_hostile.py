@@ -490,3 +490,16 @@ def test_a_size_past_int64_is_a_format_error_naming_the_key(tmp_path, size, mess
     rewrite_metadata(src, grow)
     with pytest.raises(FormatError, match=rf"DCP metadata gives 'w' the size .*{message}"):
         from_dcp(str(src), str(tmp_path / "out"))
+
+
+def test_a_data_file_that_is_a_link_is_refused_in_convert(tmp_path):
+    """The data file replaced by a link to a copy elsewhere: the import never follows it."""
+    src = dcp_dir(tmp_path / "c")
+    data = only_data_file(src)
+    elsewhere = tmp_path / "elsewhere.distcp"
+    elsewhere.write_bytes(data.read_bytes())
+    data.unlink()
+    data.symlink_to(elsewhere)
+    with pytest.raises(FormatError, match=r"\.distcp: not a data file bcp reads .*links are never followed"):
+        from_dcp(str(src), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -270,12 +271,25 @@ def _check_entries(metadata: Any, root: str) -> None:
                 continue
             name, offset, length = info.relative_path, info.offset, info.length
             if name not in files:
-                files[name] = os.open(os.path.join(root, name), os.O_RDONLY)
+                files[name] = _open_data_file(os.path.join(root, name))
             where = f"{os.path.join(root, name)}: bytes {offset}..{offset + length} ({index.fqn!r})"
             check_archive(FileSlice(files[name], offset, length), where=where)
     finally:
         for fd in files.values():
             os.close(fd)
+
+
+def _open_data_file(path: str) -> int:
+    """A descriptor of the data file ``path``: never through a link (out of the checkpoint)
+    and never blocking (a FIFO in its place); FormatError naming it otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:  # ELOOP: a link
+        raise FormatError(f"{path}: not a data file bcp reads ({e.strerror}; links are never followed)") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FormatError(f"{path}: not a regular file")
+    return fd
 
 
 def _check_nesting(paths: dict[str, KeyPath], *, where: str) -> None:

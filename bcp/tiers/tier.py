@@ -80,9 +80,9 @@ class Tier:
         check_apart(self.root, root_uri)
 
         def private_root() -> str:
-            # link-ok: the user's own dir, possibly a link (/local -> /mnt/nvme); check_trusted_dir (below, in
+            # the user's own dir, possibly a link (/local -> /mnt/nvme); check_trusted_dir (below, in
             # make_private_root) then refuses it unless every directory to its target is root's or the user's
-            os.makedirs(config.dir, mode=0o700, exist_ok=True)
+            os.makedirs(config.dir, mode=0o700, exist_ok=True)  # link-ok: see above
             return make_private_root(config.dir, root_uri)
 
         # a refusal on one host raises on every rank (the others would wait in the next collective)
