@@ -206,17 +206,49 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"
 
 
+#: the tensors' places of the last few sets of layouts (by their digests: a digest names its
+#: metadata for good), so that a save of a kept plan checks only its objects against them
+_PLACES: dict[tuple[bytes, ...], tuple[dict[str, Any], frozenset[str]]] = {}
+
+
+def _tensor_places(meta_digests: Sequence[bytes], metas: Mapping[bytes, LayoutMeta]) -> tuple[dict, frozenset[str]]:
+    """fqn -> key path of every rank's tensors, and every dot-prefix of their FQNs."""
+    key = tuple(meta_digests)
+    found = _PLACES.get(key)
+    if found is None:
+        tensors: dict[str, Any] = {}
+        for d in dict.fromkeys(meta_digests):
+            tensors.update(zip(metas[d].fqns, metas[d].key_paths, strict=True))
+        prefixes: set[str] = set()
+        for fqn in tensors:
+            while "." in fqn and (fqn := fqn.rpartition(".")[0]) not in prefixes:
+                prefixes.add(fqn)  # a prefix seen before had its own added then
+        found = _PLACES[key] = (tensors, frozenset(prefixes))
+        while len(_PLACES) > 4:
+            del _PLACES[next(iter(_PLACES))]
+    return found
+
+
 def check_places(
-    objects: Mapping[str, Sequence[Any]], meta_digests: Sequence[bytes], metas: Mapping[bytes, LayoutMeta]
+    objects: Mapping[str, Sequence[Any]],
+    meta_digests: Sequence[bytes],
+    metas: Mapping[bytes, LayoutMeta],
+    *,
+    tensors_checked: bool = False,
 ) -> None:
     """(coordinator) UnsupportedStateError, before anything is written, when the ranks'
     states give two entries one place (:func:`bcp.state.clashing_keys`): rank 0 saving
     ``{"model": {"w": t}}`` and rank 1 ``{"model": {}}`` made a checkpoint no load could
     read. ``objects``: the save's object entries (fqn -> entries with ``key_path`` and
-    ``rank``); the tensors' from every rank's layout metadata."""
-    tensors: dict[str, Any] = {}
-    for d in dict.fromkeys(meta_digests):
-        tensors.update(zip(metas[d].fqns, metas[d].key_paths, strict=True))
+    ``rank``); the tensors' from every rank's layout metadata. ``tensors_checked``: these
+    layouts passed before (a kept plan): only an object where a tensor is, around one or
+    under one is looked at closely (a set lookup an object, not a pass over the tensors)."""
+    tensors, prefixes = _tensor_places(meta_digests, metas)
+    if tensors_checked and not any(
+        fqn in tensors or fqn in prefixes or any(fqn[:i] in tensors for i, c in enumerate(fqn) if c == ".")
+        for fqn in objects
+    ):
+        return
     clash = clashing_keys(tensors, {fqn: entries[0].key_path for fqn, entries in objects.items()})
     if clash is None:
         return

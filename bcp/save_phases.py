@@ -272,7 +272,7 @@ def coordinate_save(
     replicas = tuple(h.replicas for h in hellos)
     if plan is not None:
         check_replicas(replicas, meta_digests, plan.metas)  # else once every metadata is here (bcp.saver's planning)
-        check_places(objects, meta_digests, plan.metas)
+        check_places(objects, meta_digests, plan.metas, tensors_checked=True)  # each save: its objects only
     meta_from: dict[bytes, int] = {}
     if plan is None:
         known = cache.metas()

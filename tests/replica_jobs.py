@@ -154,6 +154,12 @@ def clashing_keys_job(rank: int, world: int, root: str) -> None:
             bcp.save({"model": first if rank == 0 else other, "step": 7}, uri)
         assert "rank(s) [0]" in str(raised.value) and "rank(s) [1]" in str(raised.value), str(raised.value)
         _no_manifest(uri)
+    # a kept plan (the same layouts on every rank as a good save) with an object that now clashes
+    uri = os.path.join(root, "kept-then-clash")
+    bcp.save({"model": full, "step": 7} if rank == 0 else {"step": 7}, uri)
+    with pytest.raises(bcp.UnsupportedStateError, match=r"'model\.w' is a tensor on rank\(s\) \[0\] inside 'model'"):
+        bcp.save({"model": full if rank == 0 else {}, "step": 7}, uri, overwrite=True)
+    assert bcp.open(uri).read("model.w").equal(full["w"])  # the good one stays
     # the legitimate neighbours: a top-level key with dots beside the tensors, saved twice (the kept plan)
     uri = os.path.join(root, "kept")
     for _ in range(2):
