@@ -43,7 +43,7 @@ from bcp.target import resolve_backend
 from bcp.training import rng_state, set_rng_state
 
 with needs_extra("accelerate", "bcp.integrations.accelerate"):
-    from accelerate import Accelerator, PartialState
+    from accelerate import Accelerator
     from accelerate.utils import broadcast, broadcast_object_list
 
 log = logging.getLogger(__name__)
@@ -119,10 +119,11 @@ class BcpState:
         acc = self.accelerator
         models = [acc.unwrap_model(m) for m in acc._models]
         custom = [o.state_dict() for o in acc._custom_objects]
-        if custom and acc.num_processes > 1:  # where processes differ: the main process's, as accelerate saves
+        many = acc.num_processes > 1
+        if custom and many:  # where processes differ: the main process's, as accelerate saves
             custom = broadcast_object_list(custom, from_process=0)
         state: dict[str, Any] = {
-            "models": {str(i): _main_process_buffers(m) for i, m in enumerate(models)},
+            "models": {str(i): _main_process_buffers(m) if many else m.state_dict() for i, m in enumerate(models)},
             "optimizers": {str(i): o.state_dict() for i, o in enumerate(acc._optimizers)},
             "schedulers": {str(i): s.state_dict() for i, s in enumerate(acc._schedulers)},
             "dataloaders": PerRank({str(i): _loader_state(d) for i, d in enumerate(acc._dataloaders)}),
@@ -195,12 +196,10 @@ class BcpState:
 
 
 def _main_process_buffers(model: Any) -> dict[str, Any]:
-    """``model.state_dict()`` with its buffers as the main process holds them (on more
-    than one process): DDP broadcasts them from there at the next forward, and accelerate
-    saves the main process's. Copies: the model's own buffers are left as they are."""
+    """``model.state_dict()`` with its buffers as the main process holds them (called on
+    every process of several): DDP broadcasts them from there at the next forward, and
+    accelerate saves the main process's. Copies: the model's own buffers stay as they are."""
     state = model.state_dict()
-    if PartialState().num_processes == 1:
-        return state
     buffers = {name for name, _b in model.named_buffers()}
     for key, value in state.items():  # one order on every process: the state_dict's
         if key in buffers:
