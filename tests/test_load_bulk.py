@@ -6,6 +6,7 @@ verified, a corrupt byte names its tensor, file and offset, and every other requ
 
 from __future__ import annotations
 
+import itertools
 import uuid
 
 import numpy as np
@@ -487,3 +488,66 @@ def test_pieces_of_a_batch_from_memory_cut_as_before(sizes, data, piece):
             want.append((start, k + 1))
             start, size = k + 1, 0
     assert whole_reads.greedy_cuts(cum, first, end, piece) == want
+
+
+@settings(max_examples=examples(60))
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=30),
+    residents=st.lists(st.booleans(), min_size=30, max_size=30),
+    batch=st.integers(1, 8),
+    memory=st.integers(1, 12),
+    storage=st.integers(1, 12),
+)
+def test_large_reads_are_cut_into_ranges_that_cover_each_byte_once(sizes, residents, batch, memory, storage):
+    """whole_reads.split_large: every read larger than its task's range size (from memory
+    or from storage) becomes ranges of at most that size covering its bytes once, in
+    order; the smaller reads stay batched, in order, never beside a cut one."""
+    nbytes = np.array(sizes, np.int64)
+    order = list(range(len(sizes)))
+    tasks = [(order[a : a + batch], residents[a]) for a in range(0, len(order), batch)]
+    out = whole_reads.split_large(tasks, nbytes, memory, storage)
+    covered: list[tuple[int, int, int]] = []
+    for reads, resident, lo, hi in out:
+        sub = memory if resident else storage
+        if hi:
+            assert len(reads) == 1 and nbytes[reads[0]] > sub and 0 <= lo < hi <= nbytes[reads[0]] and hi - lo <= sub
+            covered.append((reads[0], lo, hi))
+        else:
+            assert reads and all(nbytes[i] <= sub for i in reads)
+            covered += [(i, 0, int(nbytes[i])) for i in reads]
+    assert [i for i, _lo, _hi in covered] == sorted(i for i, _lo, _hi in covered)  # the reads' order kept
+    for i, size in enumerate(sizes):
+        ranges = [(lo, hi) for j, lo, hi in covered if j == i]
+        assert ranges[0][0] == 0 and ranges[-1][1] == size
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+
+
+@pytest.mark.parametrize("resident", [True, False])
+@pytest.mark.parametrize("where", [None, 5 * 1024 + 17, 31_999])
+def test_a_large_tensor_is_read_in_ranges_on_several_streams_each_block_verified(resident, where, monkeypatch):
+    """A tensor larger than a stream's share (here 32,000 bytes, blocks of 1 KiB, the
+    last short) is read in ranges shared out among 3 streams, from memory or from storage:
+    it loads exactly; a flipped byte in a middle range or in the short last block names
+    that block. Before, such a tensor went whole to one stream (or to the planner)."""
+    monkeypatch.setattr(read_exec, "IN_MEMORY_CHUNK", 1024)
+    monkeypatch.setattr(whole_reads, "SPLIT_ABOVE", 4096)
+    t = torch.randn(8000)
+    uri = uri_of("ranges")
+    bcp.save({"w": t, "b": torch.randn(3)}, uri, checksum_block_bytes=1024)
+    frag = bcp.open(uri).catalog.tensors["w"].fragment(0)
+    if where is not None:
+        flip(uri, frag.file, frag.byte_offset + where)
+    real = whole_reads.execute_whole_reads
+    monkeypatch.setattr(reader_module, "execute_whole_reads", lambda *a, **k: real(*a, **{**k, "streams": 3}))
+    backend = Resident(backend_for(uri), resident)
+    dest = {"w": torch.zeros(8000), "b": torch.zeros(3)}
+    if where is not None:
+        with pytest.raises(CorruptCheckpointError) as info:
+            bcp.load(dest, backend)
+        assert info.value.fqn == "w" and info.value.offset == frag.byte_offset + where // 1024 * 1024
+        return
+    bcp.load(dest, backend)
+    assert torch.equal(dest["w"], t)
+    mine = sorted((o, n) for k, o, n in backend.data_reads if frag.byte_offset <= o < frag.byte_offset + frag.nbytes)
+    assert len(mine) > 4 and max(n for _o, n in mine) <= 4096  # in ranges (from memory: in chunks of them)
+    assert sum(n for _o, n in mine) == frag.nbytes  # each byte read once

@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 import bcp
 from bcp import reader as reader_module
 from bcp.errors import StateMismatchError
-from bcp.io_scheduler import read_exec
+from bcp.io_scheduler import whole_reads
 from bcp.io_scheduler.shared_dest import Span, destination_overlaps, without_shared_destinations
 
 
 def _paths(monkeypatch: pytest.MonkeyPatch, path: str) -> dict[str, int]:
     """Count the bulk and planned reads; ``path`` "planned" sends every tensor there."""
     if path == "planned":
-        monkeypatch.setattr(read_exec, "COALESCE_BELOW", 1)
+        monkeypatch.setattr(whole_reads, "BULK_LARGEST", 0)
     calls = {"bulk": 0, "planned": 0}
     bulk, planned = reader_module.execute_whole_reads, reader_module.execute_reads
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import bcp
 from bcp.backends import backend_for
 from bcp.errors import CorruptCheckpointError
-from bcp.io_scheduler import read_exec
+from bcp.io_scheduler import read_exec, whole_reads
 from test_memory_reads import Resident, corrupt, with_streams
 
 BLOCK = 256
@@ -27,7 +27,7 @@ def _setup(mp: pytest.MonkeyPatch, piece: int) -> list[tuple[str, int, int]]:
     Returns the (file, offset, bytes) of each request in the order the streams start them."""
     mp.setattr(read_exec, "READ_PIECE_BYTES", piece)
     mp.setattr(read_exec, "IN_MEMORY_CHUNK", 2 * BLOCK)
-    mp.setattr(read_exec, "COALESCE_BELOW", 0)  # every tensor planned (none on the bulk path) ...
+    mp.setattr(whole_reads, "BULK_LARGEST", 0)  # every tensor planned (none on the bulk path) ...
     real_coalesce = read_exec.coalesce
     mp.setattr(read_exec, "coalesce", lambda parts, **k: real_coalesce(parts, **k, below=0))  # ... one request a part
     mp.setattr(read_exec, "usable_cpus", lambda: 2)

@@ -42,6 +42,13 @@ from bcp.torch_dtypes import torch_dtype_or_none
 if TYPE_CHECKING:
     from bcp.metadata.catalog.whole import WholeRows
 
+#: A tensor larger than this is read in ranges of about this size (from memory, of a
+#: stream's task if larger), shared out among the streams, as the planner cuts a large
+#: run (:data:`~.read_exec.READ_PIECE_BYTES`).
+SPLIT_ABOVE = 32 << 20
+#: The largest tensor the bulk path takes (None: any size); tests lower it to send
+#: tensors to the planner.
+BULK_LARGEST: int | None = None
 #: Tensors of a batch found in memory are read in one vectored read where they follow
 #: each other across less than this (the bytes between go to a scratch buffer).
 GAP_BYTES = 64
@@ -102,10 +109,11 @@ def pick_bulk(
     the tensor at hand already, into a dense CPU destination of its dtype (``spans``: as
     :func:`split_whole` takes them) holding the whole tensor, or with ``exact`` (a box
     equal to one row, :mod:`.shard_reads`) of the box's shape."""
-    largest = read_exec.COALESCE_BELOW - 1  # as the planned path coalesces: read at run time (tests change it)
     # the catalog's side, for every request at once
     nbytes_all = info.nbytes_array
-    fits = (info.row_array >= 0) & (nbytes_all > 0) & (nbytes_all <= largest)
+    fits = (info.row_array >= 0) & (nbytes_all > 0)
+    if BULK_LARGEST is not None:  # read at run time (tests change it)
+        fits &= nbytes_all <= BULK_LARGEST
     fits &= info.blocks_array == -(-nbytes_all // block)
     wanted = {name: torch_dtype_or_none(name) for name in set(info.dtypes)}
     if in_memory:
@@ -269,12 +277,13 @@ def execute_whole_reads(
             elif cut < 0 or crc32c_c(targets[i][:cut]) != expected[i] or crc32c_c(targets[i][cut:]) != tails[i]:
                 check_one(i)
 
-    def read_in_pieces(i: int, read: Callable[[int, memoryview], None]) -> None:
-        """A read from memory larger than :data:`~.read_exec.IN_MEMORY_CHUNK`, in pieces of about
+    def read_in_pieces(i: int, read: Callable[[int, memoryview], None], lo: int = 0, hi: int = 0) -> None:
+        """A read from memory larger than :data:`~.read_exec.IN_MEMORY_CHUNK` (its bytes ``lo``
+        to ``hi``, a multiple of the chunk from ``lo``; all by default), in pieces of about
         that size, each piece's whole blocks checked while still in the CPU cache."""
         r = reads[i]
         n, f = r.nbytes, full[i]
-        cuts = [*range(0, n, chunk), n]
+        cuts = [*range(lo, hi or n, chunk), hi or n]
         pieces = list(itertools.pairwise(cuts))
         runs = [(r.sum_start + a // block, r.sum_start + min(b, f * block) // block) for a, b in pieces]
         for (a, b), (s0, s1), want in zip(pieces, runs, combine_block_runs(sums, block, runs), strict=True):
@@ -288,6 +297,34 @@ def execute_whole_reads(
                 ok = crc32c_c(r.target[f * block :]) == tails[i]
             if not ok:
                 read_exec.name_block(name, fragment(r), 0, r.target, block, range(a // block, -(-b // block)))
+
+    def read_range(i: int, resident: bool, lo: int, hi: int) -> tuple[int, int]:
+        """Bytes ``lo`` to ``hi`` of a read too large for one stream (:data:`SPLIT_ABOVE`),
+        one task among its others: from memory in pieces, each checked in cache; from
+        storage in one request, its whole blocks then checked with one CRC32C call."""
+        r = reads[i]
+        try:
+            with backend.reading(r.file) as read, trace.span("fetch", hi - lo):
+                if check and resident:
+                    read_in_pieces(i, read, lo, hi)
+                    return 1, 0
+                read(r.offset + lo, r.target[lo:hi])
+        except (ObjectNotFoundError, EOFError) as e:
+            raise read_exec.read_error(name, fragment(r), lo, e) from e
+        if check:
+            with trace.span("verify", hi - lo):
+                check_range(i, lo, hi)
+        return 1, 0
+
+    def check_range(i: int, lo: int, hi: int) -> None:
+        """:func:`check_one` of bytes ``lo`` to ``hi`` of a read (``lo`` a multiple of the block)."""
+        r = reads[i]
+        whole = full[i] * block
+        top, s = min(hi, whole), r.sum_start
+        if top > lo and crc32c_c(r.target[lo:top]) != combine_blocks(sums[s + lo // block : s + top // block], block):
+            read_exec.name_block(name, fragment(r), 0, r.target, block, range(lo // block, top // block))
+        if hi == r.nbytes > whole and crc32c_c(r.target[whole:]) != tails[i]:
+            read_exec.name_block(name, fragment(r), 0, r.target, block, range(full[i], full[i] + 1))
 
     def span_of(batch: list[int]) -> int:
         return reads[batch[-1]].offset + reads[batch[-1]].nbytes - reads[batch[0]].offset
@@ -344,10 +381,13 @@ def execute_whole_reads(
             raise read_exec.read_error(name, fragment(at), 0, e) from e
         return len(batch), 0
 
-    def run_batch(batch: list[int], resident: bool) -> tuple[int, int]:
-        """(requests, padding bytes) of one batch (``resident``: found in memory).
+    def run_batch(batch: list[int], resident: bool, lo: int, hi: int) -> tuple[int, int]:
+        """(requests, padding bytes) of one batch (``resident``: found in memory), or of
+        bytes ``lo`` to ``hi`` of its one read (``hi`` 0: all of the batch).
         Not recursive: a closure that calls itself is a reference cycle, which would keep
         the destinations alive until the garbage collector runs."""
+        if hi:
+            return read_range(batch[0], resident, lo, hi)
         if len(batch) == 1 or resident:
             return read_each(batch, resident)
         first = reads[batch[0]]
@@ -372,7 +412,7 @@ def execute_whole_reads(
     # one probe per batch: a batch in memory is read tensor by tensor, so it is cut
     # into pieces enough to share out among the streams; one from storage stays whole
     tasks: list[tuple[list[int], bool]] = []
-    resident_bytes = 0
+    resident_bytes = piece = 0
     for batch in batches:
         first = reads[batch[0]]
         resident = backend.in_memory(first.file, first.offset, span_of(batch))
@@ -390,11 +430,46 @@ def execute_whole_reads(
         tasks = cut
         if streams > read_exec.usable_cpus() and resident_bytes * 2 >= total:
             streams = read_exec.usable_cpus()  # copies from memory are CPU work
-    done = run_all(lambda task: run_batch(*task), tasks, streams=streams, name="bcp-reader")
+    # a read too large for one stream: in ranges of about SPLIT_ABOVE (from storage, as the
+    # planner cuts a large run) or of a piece if larger (from memory), multiples of the chunk
+    sub = -(-SPLIT_ABOVE // chunk) * chunk
+    if streams > 1:
+        ranged = split_large(tasks, nbytes_np, max(sub, -(-piece // chunk) * chunk), sub)
+    else:
+        ranged = [(batch, resident, 0, 0) for batch, resident in tasks]
+    done = run_all(lambda task: run_batch(*task), ranged, streams=streams, name="bcp-reader")
     stats.requests = sum(n for n, _p in done)
     stats.padding_bytes = sum(p for _n, p in done)
     stats.bytes_read = total
     return stats
+
+
+def split_large(
+    tasks: list[tuple[list[int], bool]], nbytes: np.ndarray, from_memory: int, from_storage: int
+) -> list[tuple[list[int], bool, int, int]]:
+    """``tasks`` as (reads, resident, lo, hi): each read larger than a range (``from_memory``
+    or ``from_storage`` bytes, as its task is resident or not) taken out of its batch into
+    tasks of a range of it (``lo`` to ``hi``; the last may be less), for the streams to
+    share; the reads between stay batched (``hi`` 0: the whole batch)."""
+    out: list[tuple[list[int], bool, int, int]] = []
+    for batch, resident in tasks:
+        sub = from_memory if resident else from_storage
+        if int(nbytes[batch].max()) <= sub:
+            out.append((batch, resident, 0, 0))
+            continue
+        run: list[int] = []
+        for i in batch:
+            size = int(nbytes[i])
+            if size <= sub:
+                run.append(i)
+                continue
+            if run:
+                out.append((run, resident, 0, 0))
+                run = []
+            out += [([i], resident, lo, min(size, lo + sub)) for lo in range(0, size, sub)]
+        if run:
+            out.append((run, resident, 0, 0))
+    return out
 
 
 def batch_bounds(
