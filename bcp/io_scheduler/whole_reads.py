@@ -79,8 +79,8 @@ def split_whole(
     spans: list[Span],
 ) -> tuple[list[WholeRead], np.ndarray, list[tuple[str, Box, torch.Tensor]]]:
     """Split off the requests the bulk path reads (:func:`execute_whole_reads`): the
-    whole tensor wanted, stored whole in one row (:meth:`Catalog.whole_rows`), of at
-    less than :data:`~.read_exec.COALESCE_BELOW` bytes, into a dense CPU tensor of its dtype, none
+    whole tensor wanted, stored whole in one row (:meth:`Catalog.whole_rows`), of any
+    size (tests lower :data:`BULK_LARGEST`), into a dense CPU tensor of its dtype, none
     of it at hand already; the rest is planned as before. Everything here is the
     checks fill makes, for the case where they all pass (any doubt: the rest).
     ``spans``: each destination's (address, bytes, dtype) if dense, else (0, 0, None), as
@@ -432,11 +432,8 @@ def execute_whole_reads(
             streams = read_exec.usable_cpus()  # copies from memory are CPU work
     # a read too large for one stream: in ranges of about SPLIT_ABOVE (from storage, as the
     # planner cuts a large run) or of a piece if larger (from memory), multiples of the chunk
-    sub = -(-SPLIT_ABOVE // chunk) * chunk
-    if streams > 1:
-        ranged = split_large(tasks, nbytes_np, max(sub, -(-piece // chunk) * chunk), sub)
-    else:
-        ranged = [(batch, resident, 0, 0) for batch, resident in tasks]
+    sub = -(-SPLIT_ABOVE // chunk) * chunk  # from storage even on one stream: a retry repeats one range
+    ranged = split_large(tasks, nbytes_np, max(sub, -(-piece // chunk) * chunk), sub)
     done = run_all(lambda task: run_batch(*task), ranged, streams=streams, name="bcp-reader")
     stats.requests = sum(n for n, _p in done)
     stats.padding_bytes = sum(p for _n, p in done)
