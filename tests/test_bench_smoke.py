@@ -180,6 +180,26 @@ def test_peers_prints_a_table_per_shape_with_the_async_rows_beside_their_memcpy(
 
 
 @pytest.mark.slow
+def test_peers_memory_case_puts_each_in_memory_load_beside_its_limits_in_its_own_tensors(tmp_path, capsys, monkeypatch):
+    """The in-memory loads beside the memcpy, the bare verified read into one buffer and
+    the same into the state's own tensors (the load's destinations), with both ratios."""
+    lines = run_here(
+        "peers.py",
+        *("--gib", "0.004", "--repeats", "1", "--settle", "0", "--rounds", "2", "--only", "memory"),
+        *("--dir", str(tmp_path / "peers"), "--shm", str(tmp_path)),
+        capsys=capsys,
+        monkeypatch=monkeypatch,
+    )
+    out = "\n".join(lines)
+    assert "case failed" not in out, out
+    for table in out.split("\nshape ")[1:]:
+        for where in ("page cache", "/dev/shm"):
+            own = re.escape(f"the same into the state's tensors ({where})")
+            assert re.search(rf"\| {own} +\| +\d+\.\d+ \|.*\(limit\) [0-9.]+x the memcpy beside it", table), table
+        assert re.search(r"\| bcp load \(warm page cache\) .*x its verified preadv, [0-9.]+x into its tensors", table)
+
+
+@pytest.mark.slow
 def test_training_state_bench_prints_its_rows_and_last_line(capsys, monkeypatch):
     lines = run_imported(
         *("training_state_bench.py", "--layers", "1", "--d", "16", "--calls", "1", "--worlds", "2"),
