@@ -210,6 +210,8 @@ def execute_whole_reads(
     # the cut, or check_one at -1 (read whole from storage: its blocks combined then). Lists,
     # so that the reader threads ask no read for an attribute per tensor
     wants = expected
+    first_piece: list[int] = []  # a read from memory in pieces: its first piece's index in piece_wants
+    piece_wants: list[int] = []
     chunk = -(-read_exec.IN_MEMORY_CHUNK // block) * block  # larger ones from memory are checked piece by piece
     if verify:
         starts = np.fromiter(map(_SUM_START, reads), np.int64, n)
@@ -222,6 +224,7 @@ def execute_whole_reads(
             expected_np[multi] = combine_block_runs(sums, block, runs)
         expected, tails = expected_np.tolist(), tails_np.tolist()
         wants = np.where(full_np == 0, tails_np, expected_np).tolist()
+        first_piece, piece_wants = piece_checksums(sums, starts, nbytes_np, block, chunk)
     whole_np = full_np * block
     cut_np = np.where((whole_np == nbytes_np) | (full_np == 0), 0, whole_np)
     cuts: list[int] = np.where((full_np > 1) & (nbytes_np > chunk), -1, cut_np).tolist()
@@ -280,23 +283,26 @@ def execute_whole_reads(
     def read_in_pieces(i: int, read: Callable[[int, memoryview], None], lo: int = 0, hi: int = 0) -> None:
         """A read from memory larger than :data:`~.read_exec.IN_MEMORY_CHUNK` (its bytes ``lo``
         to ``hi``, a multiple of the chunk from ``lo``; all by default), in pieces of about
-        that size, each piece's whole blocks checked while still in the CPU cache."""
+        that size, each piece's whole blocks checked while still in the CPU cache against
+        the value :func:`piece_checksums` combined for it before the readers started (a
+        numpy pass a tensor here held the other readers back)."""
         r = reads[i]
-        n, f = r.nbytes, full[i]
-        cuts = [*range(lo, hi or n, chunk), hi or n]
-        pieces = list(itertools.pairwise(cuts))
-        runs = [(r.sum_start + a // block, r.sum_start + min(b, f * block) // block) for a, b in pieces]
-        for (a, b), (s0, s1), want in zip(pieces, runs, combine_block_runs(sums, block, runs), strict=True):
+        n, whole = r.nbytes, full[i] * block
+        k = first_piece[i] + lo // chunk
+        for a in range(lo, hi or n, chunk):
+            b = min(a + chunk, n)
             piece = r.target[a:b]
             try:
                 read(r.offset + a, piece)
             except (ObjectNotFoundError, EOFError) as e:
                 raise read_exec.read_error(name, fragment(r), a, e) from e
-            ok = s1 <= s0 or crc32c_c(piece[: (s1 - s0) * block]) == want
-            if ok and b == n and f * block < n:
-                ok = crc32c_c(r.target[f * block :]) == tails[i]
+            top = min(b, whole)
+            ok = top <= a or crc32c_c(piece[: top - a]) == piece_wants[k]
+            if ok and b == n and whole < n:
+                ok = crc32c_c(r.target[whole:]) == tails[i]
             if not ok:
                 read_exec.name_block(name, fragment(r), 0, r.target, block, range(a // block, -(-b // block)))
+            k += 1
 
     def read_range(i: int, resident: bool, lo: int, hi: int) -> tuple[int, int]:
         """Bytes ``lo`` to ``hi`` of a read too large for one stream (:data:`SPLIT_ABOVE`),
@@ -439,6 +445,27 @@ def execute_whole_reads(
     stats.padding_bytes = sum(p for _n, p in done)
     stats.bytes_read = total
     return stats
+
+
+def piece_checksums(
+    sums: np.ndarray, starts: np.ndarray, nbytes: np.ndarray, block: int, chunk: int
+) -> tuple[list[int], list[int]]:
+    """For the reads larger than ``chunk`` (read from memory in pieces of it, from their
+    start): the index of each one's first piece (0 for the others), and each piece's whole
+    blocks' checksums combined (0 for a piece holding only a short last block), pieces in
+    order, in one vectorised pass. ``starts``: each read's first block in ``sums``."""
+    big = np.flatnonzero(nbytes > chunk)
+    if not len(big):
+        return [], []
+    counts = -(-nbytes[big] // chunk)
+    firsts = np.cumsum(counts) - counts
+    first_piece = np.zeros(len(nbytes), np.int64)
+    first_piece[big] = firsts
+    of = np.repeat(big, counts)  # each piece's read
+    lo = (np.arange(int(counts.sum())) - np.repeat(firsts, counts)) * chunk
+    top = np.maximum(lo, np.minimum(lo + chunk, nbytes[of] // block * block))  # its whole blocks' end
+    runs = np.stack((starts[of] + lo // block, starts[of] + top // block), axis=1)
+    return first_piece.tolist(), combine_block_runs(sums, block, runs)
 
 
 def split_large(
