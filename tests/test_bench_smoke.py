@@ -145,18 +145,23 @@ def test_flatten_and_map_tensors_keep_the_nesting():
 # -- the scripts, tiny ------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_peers_prints_a_table_per_shape_with_the_async_rows_beside_their_memcpy(tmp_path, capsys, monkeypatch):
+def tiny_peers(tmp_path, capsys, monkeypatch, *args: str) -> list[str]:
+    """The lines ``peers.py`` prints for a tiny state with ``args``; no case failed."""
     lines = run_here(
         "peers.py",
-        *("--gib", "0.004", "--repeats", "1", "--settle", "0", "--async-calls", "1", "--save-pairs", "2"),
-        *("--load-pairs", "2", "--only", "raw,bcp"),
-        *("--dir", str(tmp_path / "peers")),
+        *("--gib", "0.004", "--repeats", "1", "--settle", "0", "--dir", str(tmp_path / "peers"), *args),
         capsys=capsys,
         monkeypatch=monkeypatch,
     )
+    assert "case failed" not in "\n".join(lines), lines
+    return lines
+
+
+@pytest.mark.slow
+def test_peers_prints_a_table_per_shape_with_the_async_rows_beside_their_memcpy(tmp_path, capsys, monkeypatch):
+    args = ("--async-calls", "1", "--save-pairs", "2", "--load-pairs", "2", "--only", "raw,bcp")
+    lines = tiny_peers(tmp_path, capsys, monkeypatch, *args)
     out = "\n".join(lines)
-    assert "case failed" not in out, out
     heads = [ln for ln in lines if ln.startswith("shape ")]
     assert [h.split(":")[0] for h in heads] == ["shape equal", "shape transformer"], heads
     assert re.search(r"shape transformer: \d+ tensors \(model \d+", heads[1]), heads[1]
@@ -183,15 +188,8 @@ def test_peers_prints_a_table_per_shape_with_the_async_rows_beside_their_memcpy(
 def test_peers_memory_case_puts_each_in_memory_load_beside_its_limits_in_its_own_tensors(tmp_path, capsys, monkeypatch):
     """The in-memory loads beside the memcpy, the bare verified read into one buffer and
     the same into the state's own tensors (the load's destinations), with both ratios."""
-    lines = run_here(
-        "peers.py",
-        *("--gib", "0.004", "--repeats", "1", "--settle", "0", "--rounds", "2", "--only", "memory"),
-        *("--dir", str(tmp_path / "peers"), "--shm", str(tmp_path)),
-        capsys=capsys,
-        monkeypatch=monkeypatch,
-    )
-    out = "\n".join(lines)
-    assert "case failed" not in out, out
+    args = ("--rounds", "2", "--only", "memory", "--shm", str(tmp_path))
+    out = "\n".join(tiny_peers(tmp_path, capsys, monkeypatch, *args))
     for table in out.split("\nshape ")[1:]:
         for where in ("page cache", "/dev/shm"):
             own = re.escape(f"the same into the state's tensors ({where})")
