@@ -606,3 +606,19 @@ def test_a_load_from_memory_combines_its_pieces_checksums_once_before_the_reader
     bcp.load(dest, Resident(backend_for(uri), True))
     assert all(torch.equal(dest[k], v) for k, v in state.items())
     assert threads == [threading.main_thread().name]
+
+
+@pytest.mark.parametrize("at", [5 * 1024 + 17, 7_999])
+def test_a_large_tensor_read_whole_from_storage_names_its_flipped_block(at, monkeypatch):
+    """A tensor over a chunk read whole from storage (not cut into ranges) is checked with
+    its blocks combined after it lands: a flipped byte in a whole block or in the short
+    last block fails the load naming that block."""
+    monkeypatch.setattr(read_exec, "IN_MEMORY_CHUNK", 1024)
+    t = torch.randn(2000)  # 8,000 bytes: 7 whole blocks of 1 KiB and a short one
+    uri = uri_of("whole-storage")
+    bcp.save({"w": t}, uri, checksum_block_bytes=1024)
+    frag = bcp.open(uri).catalog.tensors["w"].fragment(0)
+    flip(uri, frag.file, frag.byte_offset + at)
+    with pytest.raises(CorruptCheckpointError) as info:
+        bcp.load({"w": torch.zeros(2000)}, Resident(backend_for(uri), False))
+    assert info.value.fqn == "w" and info.value.offset == frag.byte_offset + at // 1024 * 1024
