@@ -150,3 +150,21 @@ class VerifiedReads:
         for t in threads:
             t.join()
         return time.perf_counter() - t0
+
+
+def verified_reads_into(uri: str, tensors: dict) -> VerifiedReads:
+    """:class:`VerifiedReads` of each tensor's bytes in the checkpoint at ``uri`` (one row
+    each: saved by one process) into the tensor of the same name in ``tensors``: the
+    in-memory load's limit in the load's own destination memory."""
+    import bcp
+
+    ranges, into = [], []
+    with bcp.open(uri) as reader:
+        for fqn, tensor in tensors.items():
+            if not tensor.numel():
+                continue
+            entry = reader.meta(fqn).entry
+            (file,), (at,), (size,) = entry.files, entry.byte_offsets, entry.sizes
+            ranges.append((os.path.join(uri, entry.file_names[int(file)]), int(at), int(size)))
+            into.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return VerifiedReads(ranges=ranges, into=into)

@@ -53,7 +53,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shapes  # bench/ is not a package
-from memcpy_limit import VerifiedReads, WarmMemcpy, fresh_memcpy_seconds
+from memcpy_limit import VerifiedReads, WarmMemcpy, fresh_memcpy_seconds, verified_reads_into
 
 SHAPES = ("equal", "transformer")
 
@@ -464,7 +464,7 @@ def case_memory(path, state, args):
         steps = {MEMORY_MEMCPY: memcpy}
         for label, uri in uris.items():
             steps[MEMORY_LIMITS[label]] = VerifiedReads(uri)
-            steps[MEMORY_OWN_LIMITS[label]] = own_verified_reads(uri, shapes.flatten(dst))
+            steps[MEMORY_OWN_LIMITS[label]] = verified_reads_into(uri, shapes.flatten(dst))
         for label, uri in uris.items():
             bcp.load(dst, uri)  # first call: imports, plan caches
             steps[label] = lambda uri=uri: timed(lambda: bcp.load(dst, uri))
@@ -476,25 +476,6 @@ def case_memory(path, state, args):
         return {k: statistics.median(v) for k, v in samples.items()}
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-
-
-def own_verified_reads(uri: str, dst: dict) -> VerifiedReads:
-    """The bare verified read of each tensor's bytes (one row each: saved by one process)
-    into ``dst``'s tensor of the same name: the in-memory load's limit in its own memory."""
-    import torch
-
-    import bcp
-
-    ranges, into = [], []
-    with bcp.open(uri) as reader:
-        for fqn, tensor in dst.items():
-            if not tensor.numel():
-                continue
-            entry = reader.meta(fqn).entry
-            (file,), (at,), (size,) = entry.files, entry.byte_offsets, entry.sizes
-            ranges.append((os.path.join(uri, entry.file_names[int(file)]), int(at), int(size)))
-            into.append(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-    return VerifiedReads(ranges=ranges, into=into)
 
 
 def case_torch(path, state, _args):

@@ -143,17 +143,10 @@ def run_count(n: int, args) -> dict[str, float]:
     def verified_own() -> float:
         """:func:`verified` into the load's destination tensors (``dst``), each tensor's
         bytes where a load puts them: the load's limit with the state's own memory."""
-        from memcpy_limit import VerifiedReads
+        from memcpy_limit import verified_reads_into
 
         if not own_reads:
-            ranges, into = [], []
-            with bcp.open(sync_uri) as reader:
-                for fqn in state:
-                    entry = reader.meta(fqn).entry
-                    (file,), (at,), (size,) = entry.files, entry.byte_offsets, entry.sizes  # saved whole
-                    ranges.append((os.path.join(sync_uri, entry.file_names[int(file)]), int(at), int(size)))
-                    into.append(memoryview(dst[fqn].numpy()).cast("B"))
-            own_reads.append(VerifiedReads(ranges=ranges, into=into))
+            own_reads.append(verified_reads_into(sync_uri, dst))
         return own_reads[0]()
 
     def copy() -> float:
