@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from bcp.coordination.collectives import Coordinator, GroupCoordinator
-from bcp.errors import CorruptCheckpointError
+from bcp.errors import CorruptCheckpointError, StorageError
 from bcp.io_scheduler.read_exec import MAX_PADDING
 from bcp.io_scheduler.read_plan import plan_tensor_reads
 from bcp.loader import match_state
@@ -261,8 +261,14 @@ class Exchange:
                             file=self.manifest.data_files[p.file].path,
                             offset=p.offset + got,
                         )
-                except (OSError, CorruptCheckpointError) as e:
+                except CorruptCheckpointError as e:
                     error = error or e
+                    view[at : at + p.nbytes] = bytes(p.nbytes)
+                except OSError as e:  # EIO, EACCES: damage of this host's copy, quarantined like bad bytes
+                    unreadable = StorageError(
+                        str(e), uri=self.step_dir, key=self.manifest.data_files[p.file].path, action="reading"
+                    )
+                    error = error or unreadable
                     view[at : at + p.nbytes] = bytes(p.nbytes)
                 at += p.nbytes
             self.bytes_sent += at
