@@ -9,6 +9,7 @@ import errno
 import json
 import logging
 import os
+import stat
 import types
 
 import pytest
@@ -21,6 +22,7 @@ import dist_jobs
 import tier_recover_jobs as jobs
 from bcp.backends import backend_for
 from bcp.coordination.collectives import Coordinator
+from bcp.metadata import Manifest
 from bcp.metadata.keys import MANIFEST_KEY, step_name
 from bcp.tiers.exchange import Exchange
 from bcp.tiers.holding import add_held
@@ -29,7 +31,7 @@ from bcp.tiers.inventory import StepCopy, choose_local, list_local, local_wins
 from bcp.tiers.job import JOB_NAME, job_identity, read_job
 from bcp.tiers.paths import HOLDING_NAME, local_root
 from bcp.tiers.recover import recover_latest_with_info
-from bcp.tiers.recovery_dir import RECOVERY_PREFIX
+from bcp.tiers.recovery_dir import RECOVERY_PREFIX, prepare, read_metadata
 from helpers import assert_same, flip_bit
 
 # -- one process: inventory ------------------------------------------------------------------------
@@ -530,6 +532,48 @@ def test_two_hosts_quarantine_a_corrupt_own_copy_and_take_the_replica_or_the_per
     replica, step 10 exactly; without, persistent step 5; both ranks together, the
     WARNING naming the real file, and a second start that does not trip on it."""
     dist_jobs.spawn(jobs.corrupt_copy_job, 2, str(tmp_path))
+
+
+def test_a_serving_hosts_unreadable_copy_is_quarantined_and_the_persistent_step_loads(tmp_path):
+    """2 gloo ranks as 2 hosts, each rank's file on the other host only: host B's copy
+    fails every read with EIO while it serves it in the exchange. B quarantines it and
+    both ranks load persistent step 5, where the OSError used to stop every start."""
+    dist_jobs.spawn(jobs.unreadable_copy_job, 2, str(tmp_path))
+
+
+def test_an_incremental_step_that_changed_nothing_recovers_on_two_hosts(tmp_path):
+    """2 gloo ranks as 2 hosts, incremental local steps, step 2 all references to step
+    1: recovered exactly on both starts (its catalog's folder used to be missing)."""
+    dist_jobs.spawn(jobs.unchanged_incremental_job, 2, str(tmp_path))
+
+
+def test_a_recovery_directory_is_private_whatever_the_umask(tmp_path):
+    """What the recovery directory holds is 0700 (directories, the parents too) and 0600
+    (files: links, holes, catalog, manifest) under umask 0, as the rest of the tier."""
+    ckpt = str(tmp_path / "ckpt")
+    tier = bcp.LocalTier(keep_free=0.0, dir=str(tmp_path / "shm"), replicas=0, persist_every=None)
+    with bcp.CheckpointManager(ckpt, async_save=False, tier=tier) as manager:
+        manager.save(1, {"w": torch.ones(4), "v": torch.zeros(3)})
+    root = local_root(tier.dir, ckpt)
+    choice = choose_local([list_local(root)])
+    assert choice is not None
+    step_dir = os.path.join(root, step_name(1))
+    metadata = read_metadata(step_dir, choice)
+    manifest = Manifest.from_json(metadata.manifest, where="test")
+    made = os.path.join(root, "recover-test")
+    old = os.umask(0)
+    try:
+        prepare(os.path.join(made, step_name(1)), step_dir, manifest, metadata, frozenset())
+    finally:
+        os.umask(old)
+    modes = {
+        os.path.relpath(os.path.join(d, n), made): stat.S_IMODE(os.lstat(os.path.join(d, n)).st_mode)
+        for d, dirs, files in os.walk(made)
+        for n in dirs + files
+    }
+    assert len(modes) >= 5, modes  # the step, its data folder, a data file, the catalog and the manifest
+    for name, mode in modes.items():
+        assert mode == (0o700 if os.path.isdir(os.path.join(made, name)) else 0o600), (name, oct(mode))
 
 
 _TEMPLATE = {"w": torch.zeros(4, 6), "b": torch.zeros(5, dtype=torch.bfloat16), "step": 0}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import re
@@ -432,3 +433,69 @@ def corrupt_copy_job(rank: int, world: int, out: str) -> None:
                 assert "quarantined" not in text and "checksum" not in text, f"{where}: tripped again: {text}"
             dist.barrier()
         assert not os.path.exists(bad) and os.path.exists(bad + ".quarantined"), where
+
+
+def unreadable_copy_job(rank: int, world: int, out: str) -> None:
+    """2 ranks, each its own host, no replicas: host A holds rank 1's data file and host
+    B rank 0's, so each rank's rows come from the other host in the exchange. Every open
+    of B's copy fails with EIO (a failing disk): B quarantines it and both ranks load
+    persistent step 5, on the first start and the next (which does not trip on it)."""
+    host = "AB"[rank]
+    os.environ["BCP_HOST_ID"] = host
+    persistent = os.path.join(out, "persistent")
+    bcp.CheckpointManager(persistent, async_save=False).save(PERSISTENT_STEP, rows_state(rank, world, PERSISTENT_STEP))
+    saved = os.path.join(out, "x")
+    bcp.save(rows_state(rank, world, LOCAL_STEP), saved)
+    dirs = {h: os.path.join(out, "shm", h) for h in "AB"}
+    roots = [local_root(dirs[h], persistent) for h in "AB"]
+    if rank == 0:
+        lay_out(saved, roots, [[1], [0]], replicas=0, job=job_identity(backend_for(persistent)))
+    dist.barrier()
+    bad = os.path.join(roots[1], step_name(LOCAL_STEP), files_of_ranks(manifest_of(saved), [0])[0])
+    real_open = os.open
+
+    def failing(path, *args, **kwargs):  # host B's disk, for the file it serves
+        if os.fspath(path) == bad:
+            raise OSError(errno.EIO, "Input/output error (injected)", bad)
+        return real_open(path, *args, **kwargs)
+
+    if rank == 1:
+        os.open = failing
+    try:
+        tier = bcp.LocalTier(keep_free=0.0, dir=dirs[host], persist_every=None)
+        for start in ("first", "second"):
+            manager = bcp.CheckpointManager(persistent, async_save=False, tier=tier)
+            with Records() as records:
+                step, loaded = manager.load_latest(rows_state(rank, world, 0, empty=True))
+            where = f"{start} start, rank {rank}"
+            assert step == PERSISTENT_STEP, f"{where}: loaded step {step}"
+            assert torch.equal(loaded["w"].local, rows_state(rank, world, PERSISTENT_STEP)["w"].local), where
+            if start == "first" and rank == 1:
+                assert f"quarantined as {bad}.quarantined" in records.text(), f"{where}: {records.text()}"
+            dist.barrier()
+    finally:
+        os.open = real_open
+    assert not os.path.exists(bad) and os.path.exists(bad + ".quarantined")
+
+
+def unchanged_incremental_job(rank: int, world: int, out: str) -> None:
+    """2 ranks, each its own host, incremental local steps, no replicas: step 2 changed
+    nothing, so its manifest refers to step 1's files only and no data file of its own
+    lies beside its catalog. Both starts recover step 2 exactly (the recovery directory
+    makes the catalog's folder itself)."""
+    os.environ["BCP_HOST_ID"] = "AB"[rank]
+    persistent = os.path.join(out, "persistent")
+    tier = bcp.LocalTier(
+        keep_free=0.0, dir=os.path.join(out, "shm", "AB"[rank]), replicas=0, persist_every=None, incremental=True
+    )
+    state = rows_state(rank, world, 7)
+    with bcp.CheckpointManager(persistent, async_save=False, tier=tier) as manager:
+        manager.save(1, state)
+        manager.save(2, state)
+    dist.barrier()
+    for start in ("first", "second"):
+        step, loaded = bcp.CheckpointManager(persistent, async_save=False, tier=tier).load_latest(
+            rows_state(rank, world, 0, empty=True)
+        )
+        assert step == 2 and torch.equal(loaded["w"].local, state["w"].local), f"{start} start, rank {rank}: {step}"
+        dist.barrier()

@@ -82,16 +82,34 @@ def prepare(
 ) -> None:
     """The host's recovery directory (ranks of one host may all run this at once):
     hard links to the files held whole, sparse files of the manifest's sizes for the
-    others, then the catalog and the manifest."""
+    others, then the catalog and the manifest; directories 0700 and files 0600 whatever
+    the umask, as everywhere in the tier. The catalog's directory is made for itself: an
+    incremental step that changed nothing has no data file of its own beside it."""
     for i, entry in enumerate(manifest.data_files):
         target = data_path(recovery_dir, entry)  # a reference: under its sibling step, beside the step
-        os.makedirs(os.path.dirname(target), exist_ok=True)
+        _private_dirs(os.path.dirname(target))
         if i in held:
             _link(data_path(step_dir, entry), target)
         else:
             _sparse(target, entry.nbytes)
-    _write_replace(os.path.join(recovery_dir, *manifest.catalog.path.split("/")), metadata.catalog)
+    catalog = os.path.join(recovery_dir, *manifest.catalog.path.split("/"))
+    _private_dirs(os.path.dirname(catalog))
+    _write_replace(catalog, metadata.catalog)
     _write_replace(os.path.join(recovery_dir, MANIFEST_KEY), metadata.manifest)
+
+
+def _private_dirs(path: str) -> None:
+    """``path`` and its missing parents, each made 0700 (``os.makedirs`` gives the parents
+    it makes the umask's mode); another rank of the host may make one at the same time."""
+    missing = []
+    while not os.path.isdir(path):  # link-ok: inside the private 0700 root
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            pass
 
 
 def _link(source: str, target: str) -> None:
@@ -108,13 +126,14 @@ def _link(source: str, target: str) -> None:
         log.warning("local tier: cannot hard-link %s (%s); copying it", source, e)
         partial = f"{target}.{secrets.token_hex(4)}.partial"
         shutil.copyfile(source, partial, follow_symlinks=False)
+        os.chmod(partial, 0o600)
         os.replace(partial, target)
 
 
 def _sparse(path: str, nbytes: int) -> None:
     """A file of ``nbytes`` (holes until written). Several ranks may create it at once:
     none truncates what another wrote (it has its final size from the first call)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | NOFOLLOW, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | NOFOLLOW, 0o600)
     try:
         if os.fstat(fd).st_size != nbytes:
             os.ftruncate(fd, nbytes)
@@ -126,7 +145,7 @@ def _write_replace(path: str, data: bytes) -> None:
     """Write ``path`` whole through a partial file and a rename (identical bytes from
     several ranks of a host: the last rename wins, with the same content)."""
     partial = f"{path}.{secrets.token_hex(4)}.partial"
-    with open(partial, "wb") as f:
+    with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600), "wb") as f:
         f.write(data)
     os.replace(partial, path)
 
