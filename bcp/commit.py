@@ -30,7 +30,15 @@ from bcp.errors import (
 )
 from bcp.metadata import Catalog, FileEntry, Manifest, crc32c
 from bcp.metadata.format_errors import CorruptManifestError
-from bcp.metadata.keys import GENERATION_PREFIX, HOLDS_DIR, MANIFEST_KEY, generation_of, is_generation, manifest_key
+from bcp.metadata.keys import (
+    GENERATION_PREFIX,
+    HOLDS_DIR,
+    MANIFEST_KEY,
+    generation_of,
+    is_generation,
+    manifest_key,
+    reference_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +149,26 @@ def check_generation_intact(backend: Backend, generation: str, keys: Iterable[st
         f"objects of this save at {backend.uri} were deleted while it was writing ({shown}): "
         "another process (bcp gc, bcp rm, a second CheckpointManager) removed them; nothing was committed"
     )
+
+
+def check_references_intact(parent: Backend, manifest: Manifest) -> None:
+    """Before an incremental save's commit: every sibling's data file its manifest refers
+    to is still there (one listing a referenced generation). A save that outlived the
+    grace period of a ``bcp gc`` or a second manager, which then deleted its base's
+    bytes, fails here instead of committing a checkpoint that cannot load."""
+    wanted: dict[str, set[str]] = {}
+    for f in manifest.references:
+        if f.checkpoint is not None:
+            key = reference_key(f.checkpoint, f.path)
+            wanted.setdefault(key.rsplit("/data/", 1)[0] + "/", set()).add(key)
+    missing = sorted(k for prefix, keys in wanted.items() for k in keys - set(parent.list(prefix)))
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise IncompleteCheckpointError(
+            f"data files this incremental save refers to at {parent.uri} were deleted while it was writing ({shown}): "
+            "another process (bcp gc, bcp rm, a second CheckpointManager) removed them after the save's holds "
+            "outlived their grace period (longer than a save must take); nothing was committed"
+        )
 
 
 def _exists_any(backend: Backend, keys: Iterable[str]) -> bool:

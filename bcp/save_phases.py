@@ -1,22 +1,20 @@
 """The save's named phases, one job each; every save is a walk through them.
 
-``bcp.save`` and ``bcp.async_save`` (``bcp.saver``), the local tier's fast save
-(``bcp.tiers.fast_save``) and the drain (``bcp.tiers.drain``) compose these; none
-of them re-enters another's internals.
+``bcp.save`` and ``bcp.async_save`` (``bcp.saver``), the local tier's fast save (``bcp.tiers.fast_save``) and the
+drain (``bcp.tiers.drain``) compose these; none of them re-enters another's internals.
 
-1. :func:`prepare_save` (all ranks, local): flatten the state, reuse the kept plans
-   of an unchanged structure, lay the tensors out, encode the objects, sum replicas.
+1. :func:`prepare_save` (all ranks, local): flatten the state, reuse the kept plans of an unchanged structure, lay the
+   tensors out, encode the objects, sum replicas.
 2. :func:`hello` (all ranks): the first message, sent to the coordinator.
-3. :func:`coordinate_save` (coordinator): refuse an existing checkpoint
-   (:func:`check_target`), settle the objects, look the plan up.
-4. :func:`open_pipeline` (all ranks): this rank's write pipeline, writing at once
-   or (deferred) once the save's id is known (:func:`start_writing`).
-5. :func:`stage` (all ranks): hand chunks to the writers; a staging error is parked
-   (:func:`park_staging_error`, the one place) for the writing thread to report.
-6. :meth:`SaveJob.write` (all ranks, collective): wait for the writers, make the
-   file durable, gather the fragment rows.
-7. :func:`commit_generation` (coordinator): the catalog, the generation check, the
-   manifest; :func:`keep_or_discard` removes the generation of a save that failed.
+3. :func:`coordinate_save` (coordinator): refuse an existing checkpoint (:func:`check_target`), settle the objects,
+   look the plan up.
+4. :func:`open_pipeline` (all ranks): this rank's write pipeline, writing at once or (deferred) once the save's id is
+   known (:func:`start_writing`).
+5. :func:`stage` (all ranks): hand chunks to the writers; a staging error is parked (:func:`park_staging_error`, the
+   one place) for the writing thread to report.
+6. :meth:`SaveJob.write` (all ranks, collective): wait for the writers, make the file durable, gather the fragment rows.
+7. :func:`commit_generation` (coordinator): the catalog, the generation check (and an incremental save's references),
+   the manifest; :func:`keep_or_discard` removes the generation of a save that failed.
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ from bcp.commit import (
     DEFAULT_GRACE_SECONDS,
     ExistingCheckpoint,
     check_generation_intact,
+    check_references_intact,
     commit,
     discard_generation,
     find_existing,
@@ -71,6 +70,7 @@ from bcp.options import SaveOptions
 from bcp.pieces import digest_stored
 from bcp.planning.cache import PlanCache, PlanSummary, plan_key
 from bcp.planning.writer_rows import WriterReport, fragment_table, merge_reports, row_stats
+from bcp.references import ParentFactory, parent_factory
 from bcp.replicas import ReplicaSummer, ReplicaSums, check_places, check_replicas
 from bcp.shards import PerRank
 from bcp.state import flatten_state, path_to_json
@@ -254,9 +254,8 @@ def coordinate_save(
     target: Any = None,
     reusable: Callable[[BaseRef], bool] | None = None,
 ) -> SaveDecision:
-    """(coordinator) Check the target, settle the objects, look the plan up; with a
-    ``base`` (``target``: the URI saved to), check and hold it (``bcp.incremental``;
-    ``reusable``: see :func:`bcp.incremental.hold_base`)."""
+    """(coordinator) Check the target, settle the objects, look the plan up; with a ``base`` (``target``: the URI
+    saved to), check and hold it (``bcp.incremental``; ``reusable``: see :func:`bcp.incremental.hold_base`)."""
     existing = check_target(backend, overwrite=options.overwrite)
     try:
         json.dumps(options.user_metadata, allow_nan=False)
@@ -384,12 +383,15 @@ def commit_generation(
     manifest_for: Callable[[FileEntry], Manifest],
     *,
     overwrite: bool,
+    parent: ParentFactory | None = None,
 ) -> Manifest:
-    """(coordinator) Write the catalog, make the manifest for it, check that the
-    generation holds its files, then commit the manifest."""
+    """(coordinator) Write the catalog, make the manifest for it, check that the generation holds its files (and,
+    with references, that the siblings' files it names are there on ``parent``), then commit the manifest."""
     catalog = write_catalog(backend, catalog_path, catalog_bytes)
     manifest = manifest_for(catalog)
     check_generation_intact(backend, generation, [catalog.path, *data_paths])
+    if manifest.references and parent is not None:
+        check_references_intact(parent(), manifest)
     commit(backend, manifest, overwrite=overwrite)
     return manifest
 
@@ -397,11 +399,9 @@ def commit_generation(
 class SaveJob:
     """One planned save: its pipeline open, the coordinator's decision made.
 
-    ``stage`` (all ranks, local) hands this rank's chunks to the writers (with a
-    ``stage_all`` pipeline the state may change once it returns); ``complete`` (all
-    ranks, collective) writes (:meth:`write`), commits (:meth:`commit_checkpoint`,
-    the coordinator) and returns SaveInfo. An async save runs ``complete`` in a thread.
-    """
+    ``stage`` (all ranks, local) hands this rank's chunks to the writers (with a ``stage_all`` pipeline the state
+    may change once it returns); ``complete`` (all ranks, collective) writes (:meth:`write`), commits
+    (:meth:`commit_checkpoint`, the coordinator) and returns SaveInfo. An async save runs ``complete`` in a thread."""
 
     def __init__(
         self,
@@ -529,6 +529,7 @@ class SaveJob:
         ]
 
         references = reference_entries([f for r in reports for f in r.references], merged.rows, merged.file_names)
+        base = decision.start.base  # the siblings' files it names are checked on its parent before the commit
 
         def manifest_for(catalog: FileEntry) -> Manifest:
             files = tuple(r.file for r in reports if r.file is not None) + tuple(references)
@@ -552,6 +553,7 @@ class SaveJob:
             visible,
             manifest_for,
             overwrite=self.options.overwrite,
+            parent=parent_factory(base.uri, self.options.storage_options) if references and base else None,
         )
         self.committed = True
         if decision.start.base is not None:

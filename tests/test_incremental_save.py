@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import bcp
 import bcp.incremental
+import bcp.save_phases
 from bcp.metadata import block_checksums
 from bcp.metadata.keys import split_parent
 from bcp.pieces import cut_pieces, rows_per_piece
@@ -196,6 +197,27 @@ def test_a_base_deleted_between_the_reads_is_not_referred_to(tmp_path, monkeypat
     doc = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert doc["version"] == 2 and all("checkpoint" not in f for f in doc["data_files"])
     assert torch.equal(read_as_format(b)["w"], state["w"])
+
+
+def test_a_save_whose_base_files_go_while_it_writes_does_not_commit(tmp_path, monkeypatch):
+    """A save that outlives the grace period: once its holds are written, a gc deletes
+    the base's data file. The save fails before its commit, naming the file; nothing is
+    committed (it used to commit references to bytes that were gone)."""
+    state = {"w": torch.randn(8, 16)}
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    bcp.save(state, a, incremental=True, piece_bytes=PIECE)
+    (data_file,) = [f for f in bcp.incremental.read_manifest(resolve_backend(a)).data_files]
+    real = bcp.save_phases.hold_base
+
+    def gc_after_the_holds(*args, **kwargs):
+        held = real(*args, **kwargs)
+        os.remove(os.path.join(a, *data_file.path.split("/")))
+        return held
+
+    monkeypatch.setattr(bcp.save_phases, "hold_base", gc_after_the_holds)
+    with pytest.raises(bcp.IncompleteCheckpointError, match=f"a/{data_file.path}.*nothing was committed"):
+        bcp.save(state, b, base=a, piece_bytes=PIECE)
+    assert not os.path.exists(os.path.join(b, "manifest.json"))
 
 
 def _holds(gen) -> list[str]:
