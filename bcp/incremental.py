@@ -1,14 +1,12 @@
 """The save side of incremental checkpoints (metadata/FORMAT.md, "References" and "Holds").
 
-An incremental save (``base=`` or ``incremental=True``) cuts every fragment into
-pieces of whole dim-0 rows (:func:`cut_pieces`), digests each piece's bytes with
-XXH3-128 and, where a piece's fqn, dtype, global shape, box, checksum block size
-and digest equal a row of its base's catalog, writes nothing for it: its row copies
-the base row's file, byte offset, size, checksums and digest (:func:`match`). The
-coordinator checks the base (a committed sibling), puts holds on every generation
-the base's manifest names and reads that manifest again (:func:`hold_base`), in
-that order, before any rank decides what to reuse; the commit lists the referenced
-files with ``"checkpoint": NAME`` (:func:`reference_entries`).
+An incremental save (``base=`` or ``incremental=True``) cuts every fragment into pieces of whole dim-0 rows
+(:func:`cut_pieces`), digests each piece's bytes with XXH3-128 and, where a piece's fqn, dtype, global shape, box,
+checksum block size and digest equal a row of its base's catalog, writes nothing for it: its row copies the base
+row's file, byte offset, size, checksums and digest (:func:`match`). The coordinator checks the base (a committed
+sibling), puts holds on every generation the base's manifest names and reads that manifest again (:func:`hold_base`),
+in that order, before any rank decides what to reuse; the commit lists the referenced files with ``"checkpoint":
+NAME`` (:func:`reference_entries`). A base that cannot be read (damaged, or a newer format) only costs the bytes.
 """
 
 from __future__ import annotations
@@ -30,9 +28,9 @@ import torch
 from bcp import commit as commit_protocol
 from bcp import holds
 from bcp.commit import read_manifest
-from bcp.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from bcp.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from bcp.io_scheduler.write_pipeline import WriteItem
-from bcp.metadata import FileEntry, Manifest, crc32c, digest_of_checksums, itemsize
+from bcp.metadata import FileEntry, FormatError, Manifest, crc32c, digest_of_checksums, itemsize
 from bcp.metadata.keys import generation_of, hold_key, is_sibling_name, split_parent
 from bcp.metadata.rows import Rows, TensorEntry
 from bcp.options import SaveOptions
@@ -126,7 +124,11 @@ def hold_base(
     parent, name = check_sibling(uri, base)
     opts = dict(storage_options or {})  # type: ignore[call-overload]
     base_backend = resolve_backend(base, opts)
-    first = read_manifest(base_backend)  # None: no manifest
+    try:
+        first = read_manifest(base_backend)  # None: no manifest
+    except (CorruptCheckpointError, FormatError) as e:  # a base only saves bytes: a damaged one fails no save
+        log.warning("base %s: its manifest cannot be used (%s): saving every byte", base, e)
+        return None
     if first is None:
         raise CheckpointNotFoundError(f"base {base!r} holds no committed checkpoint (no manifest.json)")
     if reusable is not None and not reusable(BaseRef(os.fspath(base), name, first)):
@@ -282,8 +284,8 @@ class Candidates:
 def _reader_of(
     base: BaseRef, storage_options: object, prefetched: concurrent.futures.Future | None
 ) -> CheckpointReader | None:
-    """A reader of ``base`` as held (the prefetched one when it read the same save), or
-    None when the base changed or went away after it was held (every byte is written)."""
+    """A reader of ``base`` as held (the prefetched one when it read the same save), or None when the base changed,
+    went away or cannot be read after it was held (every byte is written)."""
     reader = None
     if prefetched is not None:
         try:
@@ -295,11 +297,10 @@ def _reader_of(
     if reader is None:
         try:
             reader = open_base(base.uri, storage_options)
-        except (CheckpointNotFoundError, IncompleteCheckpointError) as e:
-            # deleted since the coordinator held it (another process's retention): its
-            # bytes stay, held, but its manifest is gone; refer to nothing (the hold is
-            # then stale: this save's manifest names none of those files)
-            log.warning("base %s went away after it was held (%s): saving every byte", base.uri, e)
+        except (CheckpointNotFoundError, IncompleteCheckpointError, CorruptCheckpointError, FormatError) as e:
+            # deleted since the coordinator held it (another process's retention; its bytes stay, held), or its
+            # catalog is damaged: refer to nothing (the hold is then stale: its files are not named)
+            log.warning("base %s went away after it was held or cannot be read (%s): saving every byte", base.uri, e)
             return None
     if reader.manifest.save_id != base.manifest.save_id:
         return None  # the base changed after the coordinator held it

@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 import bcp
 import dist_jobs
 from bcp.metadata.keys import step_name
+from bcp.planning.cache import clear_plan_caches
 from bcp.target import resolve_backend
 from bcp.verify import verify_checkpoint
 from conftest import new_bucket, store_uri
+from helpers import flip_bit
 
 FROZEN = (256, 256)  # float32: 256 KiB, never changes
 SLOW = (64, 64)  # 16 KiB, changes at steps 0, 3, 6
@@ -238,3 +240,29 @@ def test_any_history_of_changes_writes_what_changed_and_keeps_every_kept_step_ex
             assert all(torch.equal(got[k], saved[step][k]) for k in state), step
     finally:
         clear_memory_store(store)
+
+
+@pytest.mark.parametrize("damaged", ["manifest", "catalog"])
+def test_a_damaged_newest_step_costs_the_next_save_its_bytes_not_the_save(tmp_path, caplog, damaged):
+    """One flipped byte in the newest step's manifest (this manager) or catalog (a new
+    manager: a restarted job, no rows kept): the next saves write every byte with a
+    WARNING naming the base, and load exactly; they used to fail, every one."""
+    root = str(tmp_path / "root")
+    bcp.CheckpointManager(root, keep_last=3, incremental=True, async_save=False).save(1, state_at(1))
+    manager = bcp.CheckpointManager(root, keep_last=3, incremental=True, async_save=False)
+    newest = tmp_path / "root" / step_name(1)
+    if damaged == "manifest":
+        flip_bit(str(newest / "manifest.json"), (newest / "manifest.json").read_bytes().index(b'"save_id"') + 14, 0x01)
+    else:
+        (catalog,) = newest.glob("gen-*/fragments.arrow")
+        flip_bit(str(catalog), catalog.stat().st_size // 2)
+        clear_plan_caches()  # a restarted job: the rows of step 1 kept by the process that saved it are gone
+    total = nbytes(FROZEN) + nbytes(SLOW) + nbytes(ADAPTER)
+    with caplog.at_level("WARNING", logger="bcp"):
+        info = manager.save(2, state_at(2))
+    assert info.bytes_written >= total and info.tensor_bytes == total
+    assert f"base {newest}" in caplog.text and "saving every byte" in caplog.text
+    loaded = bcp.load(copy.deepcopy(state_at(0)), str(tmp_path / "root" / step_name(2)))
+    assert all(torch.equal(loaded[k], v) for k, v in state_at(2).items() if isinstance(v, torch.Tensor))
+    manager.save(3, state_at(3))  # step 2 is a good base: referred to again
+    assert manager.steps() == [1, 2, 3]
