@@ -529,7 +529,7 @@ class SaveJob:
         ]
 
         references = reference_entries([f for r in reports for f in r.references], merged.rows, merged.file_names)
-        base = decision.start.base  # the siblings' files it names are checked on its parent before the commit
+        base = decision.start.base if self.visible_ranks is None else None  # its parent: where references are checked
 
         def manifest_for(catalog: FileEntry) -> Manifest:
             files = tuple(r.file for r in reports if r.file is not None) + tuple(references)

@@ -541,6 +541,13 @@ def test_a_serving_hosts_unreadable_copy_is_quarantined_and_the_persistent_step_
     dist_jobs.spawn(jobs.unreadable_copy_job, 2, str(tmp_path))
 
 
+def test_a_host_without_room_for_the_recovery_directory_loads_the_persistent_step(tmp_path):
+    """2 gloo ranks as 2 hosts, host A's file system full while the exchange writes
+    what it fetched (ENOSPC): both ranks load persistent step 5 with a WARNING, nothing
+    quarantined, on every start (the OSError used to stop each one)."""
+    dist_jobs.spawn(jobs.full_host_job, 2, str(tmp_path))
+
+
 def test_an_incremental_step_that_changed_nothing_recovers_on_two_hosts(tmp_path):
     """2 gloo ranks as 2 hosts, incremental local steps, step 2 all references to step
     1: recovered exactly on both starts (its catalog's folder used to be missing)."""

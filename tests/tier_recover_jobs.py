@@ -499,3 +499,44 @@ def unchanged_incremental_job(rank: int, world: int, out: str) -> None:
         )
         assert step == 2 and torch.equal(loaded["w"].local, state["w"].local), f"{start} start, rank {rank}: {step}"
         dist.barrier()
+
+
+def full_host_job(rank: int, world: int, out: str) -> None:
+    """2 ranks, each its own host, no replicas (each rank's file on the other host):
+    host A's file system is full (every write of fetched bytes fails with ENOSPC).
+    Both ranks load persistent step 5 with a WARNING saying why, on both starts, and
+    nothing is quarantined: a full ``/dev/shm`` used to stop every start of the job."""
+    host = "AB"[rank]
+    os.environ["BCP_HOST_ID"] = host
+    persistent = os.path.join(out, "persistent")
+    bcp.CheckpointManager(persistent, async_save=False).save(PERSISTENT_STEP, rows_state(rank, world, PERSISTENT_STEP))
+    saved = os.path.join(out, "x")
+    bcp.save(rows_state(rank, world, LOCAL_STEP), saved)
+    dirs = {h: os.path.join(out, "shm", h) for h in "AB"}
+    roots = [local_root(dirs[h], persistent) for h in "AB"]
+    if rank == 0:
+        lay_out(saved, roots, [[1], [0]], replicas=0, job=job_identity(backend_for(persistent)))
+    dist.barrier()
+    real_pwritev = os.pwritev
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    if rank == 0:
+        os.pwritev = full
+    try:
+        tier = bcp.LocalTier(keep_free=0.0, dir=dirs[host], persist_every=None)
+        for start in ("first", "second"):
+            manager = bcp.CheckpointManager(persistent, async_save=False, tier=tier)
+            with Records() as records:
+                step, loaded = manager.load_latest(rows_state(rank, world, 0, empty=True))
+            where = f"{start} start, rank {rank}"
+            assert step == PERSISTENT_STEP, f"{where}: loaded step {step}"
+            assert torch.equal(loaded["w"].local, rows_state(rank, world, PERSISTENT_STEP)["w"].local), where
+            if rank == 0:
+                assert "no room for the recovery directory" in records.text(), f"{where}: {records.text()}"
+                assert "quarantined" not in records.text(), f"{where}: {records.text()}"
+            dist.barrier()
+    finally:
+        os.pwritev = real_pwritev
+    assert not any(name.endswith(".quarantined") for _d, _s, files in os.walk(out) for name in files)

@@ -11,6 +11,7 @@ corrupt bytes nobody could be blamed for: the persistent step, or the error.
 
 from __future__ import annotations
 
+import errno
 import logging
 import secrets
 import threading
@@ -222,6 +223,23 @@ def give_up(
         step,
         reason,
         said,
+        persistent,
+        lost_after(persistent, config, [step]),
+    )
+
+
+def no_room(newest: PersistentNewest | None, config: LocalTier | None, step: int, reason: str) -> None:
+    """(coordinator) A host had no room for the recovery directory (ENOSPC, EDQUOT: a full ``/dev/shm``), which
+    another attempt would not change: a WARNING when the persistent tier has a step to load instead, else an
+    OSError saying so."""
+    assert newest is not None
+    persistent = newest.result()
+    if persistent is None:
+        raise OSError(errno.ENOSPC, f"local tier: cannot recover step {step}: {reason}; no persistent step either")
+    log.warning(
+        "local tier: cannot recover step %d: %s; loading persistent step %d instead: %s",
+        step,
+        reason,
         persistent,
         lost_after(persistent, config, [step]),
     )

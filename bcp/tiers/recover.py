@@ -1,68 +1,57 @@
 """Recovering from the local tier (docs/tiers.md, "Recovering").
 
-All ranks call :func:`recover_latest_with_info` (``CheckpointManager.load_latest`` does, when
-a tier is configured), at whatever world size the job restarted with:
+All ranks call :func:`recover_latest_with_info` (``CheckpointManager.load_latest`` does, when a tier is configured), at
+whatever world size the job restarted with:
 
-1. **Inventory.** Each host's first rank lists its local root
-   (:func:`bcp.tiers.inventory.list_local`); the coordinator gathers the listings.
-2. **Choice.** The coordinator picks the newest local step that agreeing copies hold
-   entirely (:func:`~bcp.tiers.inventory.choose_local`) and compares it with the
-   persistent tier's newest committed step; the newer wins, a tie goes to the local
-   one. Persistent (or nothing anywhere): :func:`recover_latest_with_info` returns None and the
-   caller loads from persistent storage as before, with a WARNING when the local tier
-   lost steps (:mod:`bcp.tiers.fallback`).
-3. **Metadata.** The first rank of a host holding the chosen copy sends the manifest
-   and catalog bytes to every rank (with the choice, in its broadcast, when that rank
-   is the coordinator); every rank checks them (save id, catalog size and CRC32C).
-4. **Recovery directory.** Each host not holding every data file gets
-   ``<local root>/recover-<nonce>/``: the manifest, the catalog, a hard link to each
-   data file the host holds whole, and a sparse file of the manifest's size for each
-   other one (ranks of one host share it). A host holding every file loads from its
-   local step directly (read-only).
-5. **Fetch.** Each rank matches its template against the catalog (bcp's own
-   ``match_state``, resharding included) and lists the byte ranges its load will read
-   in files its host does not hold: the load's own read plan (``plan_tensor_reads``,
-   the same boxes and replica choice), each run widened to the whole checksum blocks
-   it touches, since the load verifies every block it reads from. One ``all_gather``
-   of those lists tells every rank the whole exchange; the ranges of one host's ranks
-   are merged per file and each is asked once (by the lowest rank wanting part of it)
-   from a rank of a host holding its file, the serving ranks balanced by bytes. The
-   bytes move as uint8 tensors over bcp's gloo group (point-to-point), in rounds of
-   at most ``round_bytes`` sent plus received per rank, and land at their offsets in
-   the sparse files. The ranges also span the padding between two fragments wherever
-   a coalesced read of the load spans it, so the load reads no byte its host did not
-   fetch (one would read as zero and fail its block's CRC32C, unless zeros are what
-   the block holds), and a read waits only for the bytes it reads. A host holding
-   every data file of the step lists nothing and makes no read plan for it; when no host fetches anything
-   (every rank present, or each host holding a whole copy) there is no exchange and
-   step 6 is a plain load, at the cost of a load from the local root; when every host
-   holds every file not even the ``all_gather`` of requests runs. The directory
-   building and the request lists travel in one ``all_gather`` (an error on any rank
-   raises on all).
-6. **Load.** An ordinary load (:func:`bcp.loader.load_with_metadata`) from each
-   host's recovery directory or local step, from the metadata of step 3 (not read or
-   broadcast again): matching, resharding, casting, placement and the CRC32C check of
-   every byte read are bcp's own. The directory is removed after.
-   Every step ends in a round that agrees whether every rank succeeded (the load's
-   phases do), so an error is raised on every rank or on none: a recovery that
-   succeeded makes no round after the load's last (7 collective calls when every
-   host holds every file, as many as a load from the persistent root).
-7. **Corrupt copies.** A checksum or format error on any rank (every rank raises;
-   each one's error travels in one ``all_gather``): each host checks the copies it served and quarantines
-   the bad ones (:func:`bcp.tiers.recovery_dir.check_copy`), and all ranks start
-   again from 1, without them: another host's copy, an older local step, or the
-   persistent tier.
+1. **Inventory.** Each host's first rank lists its local root (:func:`bcp.tiers.inventory.list_local`); the coordinator
+   gathers the listings.
+2. **Choice.** The coordinator picks the newest local step that agreeing copies hold entirely
+   (:func:`~bcp.tiers.inventory.choose_local`) and compares it with the persistent tier's newest committed step; the
+   newer wins, a tie goes to the local one. Persistent (or nothing anywhere): :func:`recover_latest_with_info` returns
+   None and the caller loads from persistent storage as before, with a WARNING when the local tier lost steps
+   (:mod:`bcp.tiers.fallback`).
+3. **Metadata.** The first rank of a host holding the chosen copy sends the manifest and catalog bytes to every rank
+   (with the choice, in its broadcast, when that rank is the coordinator); every rank checks them (save id, catalog size
+   and CRC32C).
+4. **Recovery directory.** Each host not holding every data file gets ``<local root>/recover-<nonce>/``: the manifest,
+   the catalog, a hard link to each data file the host holds whole, and a sparse file of the manifest's size for each
+   other one (ranks of one host share it). A host holding every file loads from its local step directly (read-only).
+5. **Fetch.** Each rank matches its template against the catalog (bcp's own ``match_state``, resharding included) and
+   lists the byte ranges its load will read in files its host does not hold: the load's own read plan
+   (``plan_tensor_reads``, the same boxes and replica choice), each run widened to the whole checksum blocks it touches,
+   since the load verifies every block it reads from. One ``all_gather`` of those lists tells every rank the whole
+   exchange; the ranges of one host's ranks are merged per file and each is asked once (by the lowest rank wanting part
+   of it) from a rank of a host holding its file, the serving ranks balanced by bytes. The bytes move as uint8 tensors
+   over bcp's gloo group (point-to-point), in rounds of at most ``round_bytes`` sent plus received per rank, and land at
+   their offsets in the sparse files. The ranges also span the padding between two fragments wherever a coalesced read
+   of the load spans it, so the load reads no byte its host did not fetch (one would read as zero and fail its block's
+   CRC32C, unless zeros are what the block holds), and a read waits only for the bytes it reads. A host holding every
+   data file of the step lists nothing and makes no read plan for it; when no host fetches anything (every rank present,
+   or each host holding a whole copy) there is no exchange and step 6 is a plain load, at the cost of a load from the
+   local root; when every host holds every file not even the ``all_gather`` of requests runs. The directory building and
+   the request lists travel in one ``all_gather`` (an error on any rank raises on all).
+6. **Load.** An ordinary load (:func:`bcp.loader.load_with_metadata`) from each host's recovery directory or local step,
+   from the metadata of step 3 (not read or broadcast again): matching, resharding, casting, placement and the CRC32C
+   check of every byte read are bcp's own. The directory is removed after. Every step ends in a round that agrees
+   whether every rank succeeded (the load's phases do), so an error is raised on every rank or on none: a recovery that
+   succeeded makes no round after the load's last (7 collective calls when every host holds every file, as many as a
+   load from the persistent root).
+7. **Corrupt copies.** A checksum or format error on any rank (every rank raises; each one's error travels in one
+   ``all_gather``): each host checks the copies it served and quarantines the bad ones
+   (:func:`bcp.tiers.recovery_dir.check_copy`), and all ranks start again from 1, without them: another host's copy, an
+   older local step, or the persistent tier. A host out of room for its recovery directory (ENOSPC, EDQUOT): the
+   persistent tier's step, with a WARNING (:func:`~bcp.tiers.fallback.no_room`).
 
-With ``load_options.trace`` (or ``BCP_TRACE_DIR``) a recovery is traced as an operation
-of kind "recover" (docs/observability.md): spans ``inventory`` (steps 1-2),
-``metadata``, ``prepare`` and ``match`` (a host fetching), ``exchange`` (bytes received
-from peers) and the load's own spans (no ``catalog``: the metadata is step 3's); its
-stage totals come back in :attr:`RecoveryInfo.stages`.
+With ``load_options.trace`` (or ``BCP_TRACE_DIR``) a recovery is traced as an operation of kind "recover"
+(docs/observability.md): spans ``inventory`` (steps 1-2), ``metadata``, ``prepare`` and ``match`` (a host fetching),
+``exchange`` (bytes received from peers) and the load's own spans (no ``catalog``: the metadata is step 3's); its stage
+totals come back in :attr:`RecoveryInfo.stages`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import shutil
@@ -85,7 +74,7 @@ from bcp.target import resolve_backend
 from bcp.tiers.arrival import Arrivals, GatedBackend, HoleyFiles
 from bcp.tiers.config import LocalTier
 from bcp.tiers.exchange import CHUNK_BYTES, ROUND_BYTES, Exchange, wanted_ranges
-from bcp.tiers.fallback import PersistentNewest, choose, give_up
+from bcp.tiers.fallback import PersistentNewest, choose, give_up, no_room
 from bcp.tiers.hosts import HostMap
 from bcp.tiers.inventory import LocalChoice, StepCopy, list_local
 from bcp.tiers.recovery_dir import (
@@ -241,17 +230,19 @@ def _recover(
         try:
             # an attempt's error is raised on every rank or on none (_attempt): whether it failed needs no
             # round of its own; each rank's damage travels only when it did
-            failed = error is not None
-            reports = coord.all_gather(_damage_of(error, recovery_dir, choice.step)) if failed else []
+            reports = coord.all_gather((_damage_of(error, recovery_dir, choice.step), _no_room(error))) if error else []
         except Exception:
             if error is not None:  # a peer gone: its own error says more than the gather's
                 raise error from None
             raise
-        damage = [d for d in reports if d is not None]
+        damage = [d for d, _room in reports if d is not None]
+        full = [room for _d, room in reports if room is not None]
+        if full and not damage:  # a host without room for the recovery directory: the persistent tier, if it has a step
+            decide(coord, "giving up on the local tier", no_room, persistent, config, choice.step, full[0])
+            return None
         if not damage:
-            if failed:
-                coord.check(error, "recovering from the local tier")
             if error is not None:
+                coord.check(error, "recovering from the local tier")
                 raise error
             assert info is not None
             return info
@@ -327,6 +318,14 @@ def _shared(plan: tuple[LocalChoice, str, Prefetched] | None) -> Any:
     if plan is None or plan[2] is None or plan[2][0] == "ok":
         return plan
     return plan[0], plan[1], ("error", portable(plan[2][1]))
+
+
+def _no_room(error: BaseException | None) -> str | None:
+    """The message of ``error`` when it is a full local file system (ENOSPC, EDQUOT), on this rank or, through
+    RankFailedError, another; None otherwise."""
+    errors = list(error.errors.values()) if isinstance(error, RankFailedError) else [error]
+    full = [e for e in errors if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)]
+    return f"no room for the recovery directory: {full[0]}" if full else None
 
 
 def _damage_of(error: BaseException | None, recovery_dir: str, step: int) -> tuple[str | None, str] | None:
