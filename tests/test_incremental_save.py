@@ -206,7 +206,7 @@ def test_a_save_whose_base_files_go_while_it_writes_does_not_commit(tmp_path, mo
     state = {"w": torch.randn(8, 16)}
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     bcp.save(state, a, incremental=True, piece_bytes=PIECE)
-    (data_file,) = [f for f in bcp.incremental.read_manifest(resolve_backend(a)).data_files]
+    (data_file,) = bcp.incremental.read_manifest(resolve_backend(a)).data_files
     real = bcp.save_phases.hold_base
 
     def gc_after_the_holds(*args, **kwargs):
