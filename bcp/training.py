@@ -266,11 +266,19 @@ class TrainingState:
         ]
         for p, _grad in grads:
             p.grad = None
+        # a load's template also has state for the fresh optimizers' frozen parameters (the dummy step skips those
+        # not requiring a gradient): a checkpoint of a run that unfroze them later holds some (fit_template keeps
+        # only what it holds)
+        frozen = [] if taken_for_save() else _frozen_params(self.optimizers, unstepped)
+        for p in frozen:
+            p.requires_grad_(True)
         try:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
         finally:
             for p, grad in grads:
                 p.grad = grad
+            for p in frozen:
+                p.requires_grad_(False)
         for optim, fresh in zip(self.optimizers, unstepped, strict=True):
             if fresh:
                 optim.state.clear()  # the dummy step's state; its lr 0 changed no parameter
@@ -306,7 +314,15 @@ class TrainingState:
 
         if self.optimizers:  # first, as set_state_dict does
             lenient = StateDictOptions(strict=False)
-            set_optimizer_state_dict(self.model, self.optimizers, state["optim"], options=lenient)
+            # torch leaves out the state of a parameter not requiring a gradient: one frozen now may have some
+            frozen = _frozen_params(self.optimizers, [True] * len(self.optimizers))
+            for p in frozen:
+                p.requires_grad_(True)
+            try:
+                set_optimizer_state_dict(self.model, self.optimizers, state["optim"], options=lenient)
+            finally:
+                for p in frozen:
+                    p.requires_grad_(False)
         set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=strict))
         for optim in self.optimizers:
             marked = [group.pop(UNSTEPPED_MARK, False) for group in optim.param_groups]
@@ -316,6 +332,9 @@ class TrainingState:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.dataloader is not None:
             self.dataloader.load_state_dict(_unwrap(state["dataloader"]))
+            # a StatefulDataLoader's state_dict() makes the resumed iterator now, which the next iter() returns:
+            # its draw from the global RNG (the base seed) comes before the RNG is put back, not after
+            self.dataloader.state_dict()
         if self.rng:
             set_rng_state(_unwrap(state["rng"]))
         self.extra.update(state.get("extra", {}))
@@ -333,6 +352,18 @@ class TrainingState:
         # this object as the whole state: the load asks it for its template, fits that to the
         # checkpoint (fit_template) and hands it what was loaded, as for one anywhere in a state
         return load_with_info(cast(Mapping[str, Any], self), uri, **options)
+
+
+def _frozen_params(optimizers: Sequence[torch.optim.Optimizer], unstepped: Sequence[bool]) -> list[torch.Tensor]:
+    """The parameters of the optimizers marked ``unstepped`` that require no gradient now."""
+    return [
+        p
+        for optim, fresh in zip(optimizers, unstepped, strict=True)
+        if fresh
+        for group in optim.param_groups
+        for p in group["params"]
+        if not p.requires_grad
+    ]
 
 
 class _StateDictCache:

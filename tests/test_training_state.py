@@ -558,3 +558,84 @@ def test_the_unstepped_mark_is_in_what_bcp_saves_never_in_a_template():
         dcp.save(bcp.TrainingState(stepped_model, opt, rng=False).state_dict(), checkpoint_id=d, no_dist=True)
         dcp.load(template, checkpoint_id=d, no_dist=True)  # strict: every template key is in the checkpoint
     assert torch.equal(template["optim"]["state"]["weight"]["exp_avg"], opt.state[stepped_model.weight]["exp_avg"])
+
+
+def _unfreezing_run() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[0].requires_grad_(False)  # frozen at the start, as a fresh run builds it
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _train_unfreezing(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: range) -> None:
+    for i in steps:
+        model[0].requires_grad_(i >= 3)  # the first layer unfrozen from step 3
+        model(torch.randn(5, 4, generator=torch.Generator().manual_seed(i))).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_layer_unfrozen_after_the_start_resumes_into_a_fresh_run_exactly(tmp_path, strict):
+    """Progressive unfreezing: saved at step 5 with AdamW state for the first layer,
+    loaded into a fresh run that builds it frozen. Its state is restored (a strict load
+    used to refuse it as unexpected; strict=False dropped it) and the run goes on
+    bit-identical; a checkpoint saved before the unfreezing gives it none."""
+    model, optim = _unfreezing_run()
+    _train_unfreezing(model, optim, range(5))
+    bcp.TrainingState(model, optim).save(tmp_path / "unfrozen")
+    resumed, resumed_optim = _unfreezing_run()
+    bcp.TrainingState(resumed, resumed_optim).load(tmp_path / "unfrozen", strict=strict)
+    assert resumed[0].weight in resumed_optim.state and not resumed[0].weight.requires_grad
+    _train_unfreezing(model, optim, range(5, 9))
+    _train_unfreezing(resumed, resumed_optim, range(5, 9))
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    early, early_optim = _unfreezing_run()
+    _train_unfreezing(early, early_optim, range(2))
+    bcp.TrainingState(early, early_optim).save(tmp_path / "frozen")
+    fresh, fresh_optim = _unfreezing_run()
+    bcp.TrainingState(fresh, fresh_optim).load(tmp_path / "frozen")
+    assert fresh[0].weight not in fresh_optim.state and len(fresh_optim.state) == 2
+
+
+@pytest.mark.parametrize("cut", [0, 3, 8])  # 8: the end of the first epoch
+def test_a_resume_with_a_stateful_dataloader_keeps_the_global_rng_in_step(tmp_path, cut):
+    """A dropout model fed by a shuffling StatefulDataLoader, saved after ``cut`` steps
+    and resumed in a fresh run that calls iter(loader) after the load, as
+    docs/distributed.md does: every loss equals the uninterrupted run's (the new
+    iterator's draw from the global RNG used to put the resumed run one draw off)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = torch.randn(32, 4, generator=torch.Generator().manual_seed(3))
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, optim, StatefulDataLoader(data, batch_size=4, shuffle=True)
+
+    def losses(model, optim, loader, n, it):
+        out = []
+        while len(out) < n:
+            try:
+                batch = next(it)
+            except StopIteration:
+                it = iter(loader)
+                continue
+            loss = model(batch).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            out.append(loss.item())
+        return out, it
+
+    model, optim, loader = make()
+    whole, _ = losses(model, optim, loader, 20, iter(loader))
+    model, optim, loader = make()
+    first, _it = losses(model, optim, loader, cut, iter(loader)) if cut else ([], None)
+    bcp.TrainingState(model, optim, dataloader=loader).save(tmp_path / "ckpt")
+    model, optim, loader = make()
+    bcp.TrainingState(model, optim, dataloader=loader).load(tmp_path / "ckpt")
+    rest, _ = losses(model, optim, loader, 20 - cut, iter(loader))
+    assert first + rest == whole
