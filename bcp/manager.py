@@ -289,9 +289,9 @@ class CheckpointManager:
         if self._agreement is not None:
             assert self._watch is not None
             verdict = self._agreement.exchange(self._watch, self.save_seconds)
-            if verdict.stop:
-                self._stopped_at = step
+            if verdict.stop:  # stopped once saved: a save that raised is still owed at the next call
                 self._preempted(step, state, metrics, verdict)
+                self._stopped_at = step
                 return True
         if self._auto is not None:
             self._auto_step(step, state, metrics)
@@ -319,14 +319,14 @@ class CheckpointManager:
         auto.returned()
 
     def report(self) -> IntervalReport | None:
-        """``interval="auto"``: the intervals chosen, the expected waste per hour and the
-        inputs with their sources (agreed: the same on every rank); None otherwise."""
+        """``interval="auto"``: the intervals chosen, the expected waste per hour and the inputs with their sources
+        (agreed: the same on every rank); None otherwise."""
         return self._auto.policy.report() if self._auto is not None else None
 
     def _preempted(self, step: int, state: Any, metrics: dict[str, float] | None, verdict: Verdict) -> None:
         """(all ranks, the same ``verdict``) The preemption save of ``step``, waited for."""
-        watch = self._watch
-        assert watch is not None
+        watch, agreement = self._watch, self._agreement
+        assert watch is not None and agreement is not None
         if watch.notice is not None:
             log.warning(
                 "preemption: %s arrived %.1f s before step %d on this rank; every rank saves and stops",
@@ -337,11 +337,14 @@ class CheckpointManager:
         if self._started == step:  # save() or step() saved this step already: only its commit is left
             self.wait()
             return
+        # the save in flight commits first: the deadline left is agreed again once it has
+        self._wait_pending()
+        verdict = agreement.exchange(watch, self.save_seconds)
         tier, expected = choose_tier(verdict, self._tier is not None)
         if tier == "local":
-            self._save(step, state, metrics, SaveOptions(), to="local")
+            saved = self._save(step, state, metrics, SaveOptions(), to="local")  # SaveInfo: made, waited for
             # made and replicated; None: some host had no room (WARNING logged): the root, if it fits
-            if self._started != step or self._wait_pending() is None:
+            if self._started != step or (saved is None and self._wait_pending() is None):
                 persistent = verdict.estimates["persistent"]
                 fits = verdict.remaining is None or persistent is None or persistent <= verdict.remaining
                 tier, expected = ("persistent", persistent) if fits else (None, persistent)

@@ -10,6 +10,9 @@ import logging
 import math
 import os
 import signal
+import time
+import uuid
+from typing import ClassVar
 
 import pytest
 import torch
@@ -19,6 +22,9 @@ from hypothesis import strategies as st
 import bcp
 import dist_jobs
 import preemption_jobs
+from bcp.backends import register_backend
+from bcp.backends.memory import MemoryBackend
+from bcp.metadata.keys import step_name
 from bcp.schedule.preemption import Verdict, Watch, choose_tier
 
 
@@ -170,12 +176,16 @@ def test_the_agreement_without_a_group_is_this_ranks_own():
     assert not math.isinf(verdict.remaining)
 
 
-def test_with_a_local_tier_the_notice_step_is_saved_locally_off_its_schedule(tmp_path):
+@pytest.mark.parametrize("async_save", [True, False])
+def test_with_a_local_tier_the_notice_step_is_saved_locally_off_its_schedule(tmp_path, async_save):
     """Nothing measured yet: the local tier is the fastest; step 3 is not a multiple of
-    ``every`` (5) yet is saved there, and a new manager recovers it."""
+    ``every`` (5) yet is saved there, and a new manager recovers it. A synchronous
+    manager used to take its local save, already waited for, as one no host had room
+    for, and save step 3 to the root too (or warn that it was not saved)."""
     tier = bcp.LocalTier(keep_free=0.0, dir=str(tmp_path / "local"), every=5, replicas=0, persist_every=None)
     state = {"w": torch.zeros(4)}
-    with bcp.CheckpointManager(tmp_path / "ck", tier=tier, preemption=bcp.Preemption()) as manager:
+    preemption = bcp.Preemption()
+    with bcp.CheckpointManager(tmp_path / "ck", tier=tier, preemption=preemption, async_save=async_save) as manager:
         for s in range(10):
             state["w"].fill_(float(s))
             if s == 3:
@@ -187,3 +197,99 @@ def test_with_a_local_tier_the_notice_step_is_saved_locally_off_its_schedule(tmp
     with bcp.CheckpointManager(tmp_path / "ck", tier=tier) as again:
         step, out = again.load_latest({"w": torch.zeros(4)})
     assert step == 3 and torch.equal(out["w"], torch.full((4,), 3.0))
+
+
+class _Flaky(MemoryBackend):
+    """Memory storage where each data file of a step named in ``FAILING`` fails once, or
+    takes ``DELAY`` seconds to write."""
+
+    scheme = "flakymem"
+    FAILING: ClassVar[set[int]] = set()
+    DELAY = 0.0
+
+    def open_writer(self, key, *, size=None):
+        if "/data/" in key:
+            time.sleep(self.DELAY)
+            failing = [s for s in self.FAILING if step_name(s) in f"{self.uri}/{key}"]
+            if failing:
+                self.FAILING.discard(failing[0])
+                raise PermissionError(f"injected: cannot write {key}")
+        return super().open_writer(key, size=size)
+
+    @classmethod
+    def from_uri(cls, uri, **options):
+        return super().from_uri(uri.replace("flakymem://", "memory://", 1), **options)
+
+
+@pytest.fixture
+def flaky():
+    register_backend("flakymem", _Flaky, clobber=True)
+    yield _Flaky
+    _Flaky.FAILING.clear()
+    _Flaky.DELAY = 0.0
+
+
+@pytest.mark.parametrize("same_step", [True, False])
+def test_a_failed_save_in_flight_leaves_the_notices_save_owed(flaky, same_step):
+    """An async save in flight fails when the notice's step waits for it: step() raises
+    that error, and the next call saves the step (it used to return True with nothing
+    saved, at every call after)."""
+    manager = bcp.CheckpointManager(f"flakymem://r{uuid.uuid4().hex[:8]}", interval=2, preemption=bcp.Preemption())
+    state = {"w": torch.zeros(4)}
+    assert not any(manager.step(s, state) for s in range(4))
+    manager.wait()
+    flaky.FAILING.add(4)
+    if same_step:
+        manager.save(4, state)  # in flight, fails
+        at = 4
+    else:
+        assert not manager.step(4, state)  # the regular save of step 4, in flight, fails
+        at = 5
+    manager.preemption.notify()
+    with pytest.raises(PermissionError, match="injected"):
+        manager.step(at, state)
+    assert manager.step(at, state) and manager.step(at + 1, state)
+    manager.close()
+    assert manager.steps() == [0, 2, at]
+
+
+def test_the_deadline_counts_the_save_in_flight_first(flaky, caplog):
+    """Saves take about 0.6 s, the grace 1 s, and step 2's async save is in flight at the
+    notice: once it has committed (0.6 s) too little is left for step 3's, which is not
+    saved (WARNING); it used to start it anyway, committing after the deadline."""
+    flaky.DELAY = 0.6
+    manager = bcp.CheckpointManager(
+        f"flakymem://r{uuid.uuid4().hex[:8]}", interval=2, preemption=bcp.Preemption(grace_seconds=1.0)
+    )
+    state = {"w": torch.zeros(4)}
+    assert not manager.step(0, state)
+    manager.wait()  # measured: a save takes about 0.6 s
+    assert not manager.step(1, state) and not manager.step(2, state)  # step 2 in flight
+    manager.preemption.notify()
+    with caplog.at_level(logging.WARNING, logger="bcp.manager"):
+        assert manager.step(3, state)
+    manager.close()
+    assert manager.steps() == [0, 2]
+    assert "step 3 is not saved" in caplog.text, caplog.text
+
+
+def test_managers_closed_in_any_order_put_back_the_handler_found_before_the_first(tmp_path):
+    """Two managers catching SIGUSR1, closed first to last: the handler before both is
+    back, and the closed first one records nothing (it used to stay installed through
+    the second, swallowing the signal for good)."""
+    seen = []
+    original = signal.signal(signal.SIGUSR1, lambda signum, _frame: seen.append(signum))
+    try:
+        before = signal.getsignal(signal.SIGUSR1)
+        config = bcp.Preemption(signals=(signal.SIGUSR1,))
+        first = bcp.CheckpointManager(tmp_path / "a", preemption=config)
+        second = bcp.CheckpointManager(tmp_path / "b", preemption=config)
+        first.close()
+        os.kill(os.getpid(), signal.SIGUSR1)  # the second is still installed: it records, the first passes it on
+        assert second.preemption.notice is not None and first.preemption.notice is None and seen == [signal.SIGUSR1]
+        second.close()
+        assert signal.getsignal(signal.SIGUSR1) is before
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] * 2 and second.preemption.repeats == 0
+    finally:
+        signal.signal(signal.SIGUSR1, original)

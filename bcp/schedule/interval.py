@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from bcp.schedule.waste import Method, best_steps, waste_fraction
@@ -323,18 +324,21 @@ class IntervalPolicy:
             self._chosen = self._choose()
         return self._chosen.get(tier)
 
-    def _choose(self) -> dict[str, int]:
+    def _choose(self, *, keep: bool = True) -> dict[str, int]:
         step = self._agreed["step_seconds"]
         if not step:
             return {}
         mtbf, _ = self.mtbf()
         # inputs that moved less than ~1% since the last choice keep it (an optimisation
-        # per save costs more than the save's bookkeeping; every rank computes the same key)
+        # per save costs more than the save's bookkeeping; every rank computes the same key).
+        # Only the agreed path keeps a choice (``keep``): report() on one rank must not change what it reuses
         key = tuple(round(math.log(max(x, 1e-9)) * 100) for x in self._key_inputs(step, mtbf))
         if key == self._key and self._last is not None:
             return self._last
-        self._key, self._last = key, self._choose_now(step, mtbf)
-        return self._last
+        chosen = self._choose_now(step, mtbf)
+        if keep:
+            self._key, self._last = key, chosen
+        return chosen
 
     def _key_inputs(self, step: float, mtbf: float) -> list[float]:
         out = [step, mtbf]
@@ -379,16 +383,17 @@ class IntervalPolicy:
         n = self.interval_steps(tier)
         return anchor + (n if n is not None else 1)
 
-    def waste_seconds_per_hour(self) -> float | None:
-        """The model's expected waste at the chosen intervals, seconds per hour."""
+    def waste_seconds_per_hour(self, chosen: Mapping[str, int] | None = None) -> float | None:
+        """The model's expected waste at the chosen intervals (``chosen``: report()'s), seconds per hour."""
         step = self._agreed["step_seconds"]
-        if not step or any(self.interval_steps(t) is None for t in self.tiers):
+        steps = {t: self.interval_steps(t) for t in self.tiers} if chosen is None else chosen
+        if not step or any(steps.get(t) is None for t in self.tiers):
             return None
         mtbf, _ = self.mtbf()
         total = 0.0
         for tier in self.tiers:
             cost, lag, recovery, _, _ = self._inputs(tier)
-            n = self.interval_steps(tier)
+            n = steps.get(tier)
             assert cost is not None and n is not None
             total += waste_fraction(n * step, cost, recovery, self._tier_mtbf(tier, mtbf), lag, self.method)
         return min(total, 1.0) * 3600.0
@@ -398,9 +403,10 @@ class IntervalPolicy:
         mtbf, mtbf_src = self.mtbf()
         step = a["step_seconds"]
         rows = []
+        chosen = self._chosen if self._chosen is not None else self._choose(keep=False)  # any rank, no collective
         for tier in self.tiers:
             cost, lag, recovery, cost_src, rec_src = self._inputs(tier)
-            n = self.interval_steps(tier)
+            n = chosen.get(tier)
             rows.append(
                 TierInterval(
                     tier=tier,
@@ -416,7 +422,7 @@ class IntervalPolicy:
             )
         return IntervalReport(
             tiers=tuple(rows),
-            waste_seconds_per_hour=self.waste_seconds_per_hour(),
+            waste_seconds_per_hour=self.waste_seconds_per_hour(chosen),
             mtbf_seconds=mtbf,
             mtbf_source=mtbf_src,
             step_seconds=step,

@@ -74,6 +74,15 @@ class Notice:
 Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
+def _live(handler: Handler, sig: int) -> Handler:
+    """``handler``, or, while it is an uninstalled Watch's, the one that Watch found at its install."""
+    while (watch := getattr(handler, "__self__", None)) is not None and isinstance(watch, Watch):
+        if watch._installed or getattr(handler, "__func__", None) is not Watch._handle:
+            break
+        handler = watch._previous.get(sig)
+    return handler if handler is not None else signal.SIG_DFL
+
+
 class Watch:
     """The handlers of one manager's :class:`Preemption`, from :meth:`install` to :meth:`uninstall`."""
 
@@ -84,6 +93,8 @@ class Watch:
         #: notices after the first (recorded, never acted on twice)
         self.repeats = 0
         self._previous: dict[int, Handler] = {}
+        #: between install and uninstall; after, a handler chained to ours only passes signals on
+        self._installed = False
 
     def install(self) -> None:
         """Install the handlers (Python runs handlers in the main thread, and only the
@@ -99,22 +110,26 @@ class Watch:
         for sig in self.config.signals:
             self._previous[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handle)
+        self._installed = True
 
     def uninstall(self) -> None:
-        """Put back the handlers found at :meth:`install` where ours is still the one installed."""
+        """Put back the handlers found at :meth:`install` where ours is still the one installed, past any
+        uninstalled Watch among them (managers closed in any order leave the handler found before the first).
+        Where another handler was installed over ours, ours stays in its chain, passing signals on only."""
         if threading.current_thread() is not threading.main_thread():
             return
-        previous, self._previous = self._previous, {}
-        for sig, handler in previous.items():
+        self._installed = False
+        for sig, handler in self._previous.items():
             if signal.getsignal(sig) == self._handle:
-                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+                signal.signal(sig, _live(handler, sig))
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        """Record the notice; nothing else here (it may run inside a save, a load or a
-        collective). Then the handler found at install time, when it is Python code:
-        the default action (terminate) and ``SIG_IGN`` are what this replaces."""
-        self._record(signum)
-        previous = self._previous.get(signum)
+        """Record the notice (installed only); nothing else here (it may run inside a save, a load or a
+        collective). Then the handler found at install time, when it is Python code: the default action
+        (terminate) and ``SIG_IGN`` are what this replaces."""
+        if self._installed:
+            self._record(signum)
+        previous = _live(self._previous.get(signum), signum)
         if callable(previous):
             previous(signum, frame)
 
