@@ -60,9 +60,11 @@ log = logging.getLogger(__name__)
 _slots_lock = threading.Lock()
 _in_flight: dict[int, AsyncSaveHandle] = {}
 _save_count = 0
-#: per process group (its coordinator's cache key): the async save whose commit ran
-#: or runs last on the background lane; the next one's commit waits for it
+#: per process group (its coordinator's cache key; one process: its own lane): the async save
+#: whose commit ran or runs last on the background lane; the next one's commit waits for it
 _lane_tail: dict[Any, AsyncSaveHandle] = {}
+#: failed saves nobody had waited for when their slot was taken: the exit hook reports those still not waited for
+_failed_unwaited: list[AsyncSaveHandle] = []
 
 
 class AsyncSaveHandle:
@@ -347,12 +349,14 @@ def claim_slot() -> int:
         previous = _in_flight.get(slot)
     if previous is not None:
         previous._done.wait()
+        if previous._error is not None and not previous._reported:
+            _failed_unwaited.append(previous)
     return slot
 
 
 def lane_tail(coord: Coordinator) -> AsyncSaveHandle | None:
-    """The async save of ``coord``'s process group whose background collectives come last so far."""
-    return _lane_tail.get(coord.cache_key) if coord.world_size > 1 else None
+    """The async save of ``coord``'s group (or process) whose commit comes last so far: commits in call order."""
+    return _lane_tail.get(coord.cache_key)
 
 
 def launch(
@@ -364,8 +368,7 @@ def launch(
     handle._rest_unstaged = background is not None
     with _slots_lock:
         _in_flight[slot] = handle
-    if coord.world_size > 1:
-        _lane_tail[coord.cache_key] = handle
+    _lane_tail[coord.cache_key] = handle
     start_soon(thread, handle._not_started)
 
 
@@ -380,9 +383,14 @@ _starter_lock = threading.Lock()
 
 def _new_starter_lock_in_child() -> None:
     """A fork while another thread held the lock would leave it held forever in the child
-    (whose first async save then hangs); the child starts its own starter anyway."""
-    global _starter_lock
-    _starter_lock = threading.Lock()
+    (whose first async save then hangs); the child starts its own starter anyway. The parent's
+    saves in flight are the parent's: their threads are not in the child, which would wait for
+    them forever (its third save, its exit)."""
+    global _starter_lock, _slots_lock
+    _starter_lock, _slots_lock = threading.Lock(), threading.Lock()
+    _in_flight.clear()
+    _lane_tail.clear()
+    _failed_unwaited.clear()
 
 
 os.register_at_fork(after_in_child=_new_starter_lock_in_child)
@@ -503,7 +511,7 @@ def _finish_at_exit() -> None:
     for handle in handles:
         if not handle.done():
             log.warning("the process is exiting: waiting for the async save to %s to finish", handle.uri)
-    for handle in handles:
+    for handle in [*_failed_unwaited, *handles]:
         handle._done.wait()
         if handle._error is not None and not handle._reported:
             log.error("the async save to %s failed and was never waited for: %s", handle.uri, handle._error)

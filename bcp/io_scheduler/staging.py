@@ -458,3 +458,13 @@ def default_pool() -> StagingPool:
         if _default is None:
             _default = StagingPool(default_budget())
         return _default
+
+
+def _new_pool_in_child() -> None:
+    """A forked child makes its own pool: the parent's lock may be held by a thread the child
+    lacks (its saves would wait forever), its slabs lent to the parent's saves in flight."""
+    global _default, _default_lock
+    _default, _default_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_pool_in_child)
