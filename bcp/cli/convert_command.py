@@ -36,7 +36,9 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="replace an existing bcp checkpoint at DST; --to safetensors: write into a non-empty DST, "
         "removing the index and *.safetensors files the new export does not write (nothing else)",
     )
-    p.add_argument("--allow-pickle", action="store_true", help="DCP: also convert non-tensor entries (unpickles them)")
+    p.add_argument(
+        "--allow-pickle", action="store_true", help="unpickle: DCP's non-tensor entries, a checkpoint's pickled objects"
+    )
     p.add_argument(
         "--dtype", help="--to safetensors: cast floating-point tensors (only those) to bf16, fp16, fp32, fp64"
     )
@@ -135,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
     if src_format != "bcp":
         raise UsageError(f"--to {args.to} converts from bcp; convert {src_format} to bcp first")
 
-    reader = open_checkpoint(args.src)
+    reader = open_checkpoint(args.src, allow_pickle=args.allow_pickle)
     total = sum(reader.meta(k).nbytes for k in reader.tensor_keys())
     with progress(total, f"converting to {args.to}") as bar:
         if args.to == "safetensors":
@@ -178,6 +180,7 @@ def _run(args: argparse.Namespace) -> int:
                 scratch_dir=args.scratch_dir,
                 progress=bar.update,
                 per_rank=per_rank,
+                overwrite=args.overwrite,
             )
             print(f"wrote {show(args.dst)}")
     if args.to != "safetensors":

@@ -37,7 +37,7 @@ import os
 import pickle
 import reprlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from bcp.convert.files import open_regular
 from bcp.convert.formats import DCP_METADATA_FILE
 from bcp.convert.pickle_check import check_pickle
 from bcp.errors import CorruptCheckpointError, FormatError, PickleNotAllowedError
@@ -171,11 +172,11 @@ def read_metadata(checkpoint_dir: str, *, allow_pickle: bool = False) -> Metadat
     """The ``Metadata`` of the DCP checkpoint in ``checkpoint_dir``, unpickled by
     :class:`MetadataUnpickler`."""
     path = os.path.join(checkpoint_dir, DCP_METADATA_FILE)
-    with open(path, "rb") as f:
+    with open_regular(path, follow_links=False) as f:  # as the data files: no link out, no FIFO waited on
         return parse_metadata(f, where=path, allow_pickle=allow_pickle)
 
 
-def parse_metadata(stream: io.BufferedIOBase, *, where: str, allow_pickle: bool = False) -> Metadata:
+def parse_metadata(stream: io.BufferedIOBase | BinaryIO, *, where: str, allow_pickle: bool = False) -> Metadata:
     """DCP ``Metadata`` from the pickled ``.metadata`` bytes in ``stream`` (from any
     storage), unpickled by :class:`MetadataUnpickler` after :func:`check_pickle`, with
     the stream's size as its budget; anything else raises an error naming ``where``."""

@@ -1,17 +1,41 @@
-"""The local files an export writes: each finished file moved into place with the
-mode a plain ``open()`` gives, the files of an earlier export found (and only those
-removed), and tensors whose memory is a scratch file (page cache the kernel can
-reclaim, so a checkpoint larger than RAM converts)."""
+"""The local files a conversion reads and writes: an input opened only if it is a regular
+file (:func:`open_regular`), each finished file moved into place with the mode a plain
+``open()`` gives, the files of an earlier export found (and only those removed), and
+tensors whose memory is a scratch file (page cache the kernel can reclaim, so a
+checkpoint larger than RAM converts)."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 from collections.abc import Callable, Sequence, Set
+from typing import BinaryIO
 
 import torch
 
+from bcp.errors import FormatError
+
 log = logging.getLogger(__name__)
+
+
+def open_regular(path: str, *, follow_links: bool = True) -> BinaryIO:
+    """``path`` opened for reading when it is a regular file: a FIFO or a device in its
+    place is refused, never waited on (a plain ``open()`` of a FIFO blocks for good);
+    without ``follow_links`` a link is refused too (one inside a checkpoint). FormatError
+    naming it otherwise; other errors (missing, no permission) as ``open()`` raises them."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:  # ELOOP: a link, where none is followed
+        if e.errno != errno.ELOOP or follow_links:
+            raise
+        raise FormatError(f"{path}: a link, not a file bcp reads (links are never followed)") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FormatError(f"{path}: not a regular file")
+    return os.fdopen(fd, "rb")
 
 
 def current_umask() -> int:

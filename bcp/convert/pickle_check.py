@@ -10,8 +10,9 @@ import io
 import os
 import pickletools
 import zipfile
-from typing import Any
+from typing import Any, BinaryIO
 
+from bcp.convert.files import open_regular
 from bcp.errors import FormatError
 
 
@@ -130,7 +131,7 @@ def check_pickle(data: bytes, *, where: str) -> None:
 ZIP_SLACK_BYTES = 16 << 20
 
 
-def check_archive(src: str | io.IOBase, where: str | None = None) -> None:
+def check_archive(src: str | io.IOBase | BinaryIO, where: str | None = None) -> None:
     """FormatError, before torch reads it, for a zip whose entries declare more bytes than
     it holds (plus ``ZIP_SLACK_BYTES``: a bomb inflates in memory before torch's loader
     refuses it) or whose names leave the archive (``..``, ``/``). ``src``: a file's path,
@@ -138,7 +139,10 @@ def check_archive(src: str | io.IOBase, where: str | None = None) -> None:
     ``where`` names it in errors (default: the path). A legacy (non-zip) torch.save
     passes: torch reads it record by record."""
     name = where or str(src)
-    size = os.path.getsize(src) if isinstance(src, str) else src.seek(0, io.SEEK_END)
+    if isinstance(src, str):  # a FIFO in a file's place is refused, not waited on
+        with open_regular(src) as f:
+            return check_archive(f, where=name)
+    size = src.seek(0, io.SEEK_END)
     try:
         if not zipfile.is_zipfile(src):
             return
@@ -148,8 +152,7 @@ def check_archive(src: str | io.IOBase, where: str | None = None) -> None:
         except (zipfile.BadZipFile, OSError, ValueError) as e:
             raise FormatError(f"{name}: not a readable torch.save zip: {e}") from None
     finally:
-        if not isinstance(src, str):
-            src.seek(0)
+        src.seek(0)
     declared = sum(entry.file_size for entry in entries)
     if declared > size + ZIP_SLACK_BYTES:
         raise FormatError(f"{name}: its zip entries declare {declared} bytes, far more than its {size} bytes hold")

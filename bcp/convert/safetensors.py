@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -22,7 +23,7 @@ from typing import BinaryIO
 
 import torch
 
-from bcp.convert.files import publish, stale_files
+from bcp.convert.files import open_regular, publish, stale_files
 from bcp.convert.formats import INDEX_NAME
 from bcp.convert.selection import (
     Progress,
@@ -124,12 +125,9 @@ def to_safetensors(
         overwrite=overwrite,
         keep=set(files),
     )
-    if INDEX_NAME in stale:  # first: while shards are replaced, no index names a mix of old and new
-        os.remove(os.path.join(dst_dir, INDEX_NAME))
     os.makedirs(dst_dir, exist_ok=True)
     weight_map, total = {}, 0
-    published: list[str] = []
-    tmp = None
+    written: list[str] = []  # every shard is written beside the old export before any replaces a file of it
     try:
         for file, shard in zip(files, shards, strict=True):
             read = reader.read_tensors([key_of[name] for name in shard])  # one batch: contiguous runs coalesce
@@ -138,19 +136,20 @@ def to_safetensors(
             for name in shard:
                 total += tensors[name].numel() * tensors[name].element_size()
                 weight_map[name] = file
-            tmp = os.path.join(dst_dir, f".{file}.partial")
-            save_file(tensors, tmp, metadata={"format": "pt"})
-            publish(tmp, os.path.join(dst_dir, file))
-            published.append(file)
+            written.append(file)
+            save_file(tensors, os.path.join(dst_dir, f".{file}.partial"), metadata={"format": "pt"})
             if progress:
                 progress(sum(reader.meta(key_of[name]).nbytes for name in shard))  # stored bytes, as the total counts
             del tensors
-    except BaseException:  # the shards written so far, without their index, would look like a smaller model
-        for file in published:
-            os.remove(os.path.join(dst_dir, file))
-        if tmp is not None and os.path.exists(tmp):  # the shard being written (published ones were renamed)
-            os.remove(tmp)
+    except BaseException:  # nothing published: an export --overwrite replaces is as it was
+        for file in written:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(dst_dir, f".{file}.partial"))
         raise
+    if INDEX_NAME in stale:  # first: while shards are replaced, no index names a mix of old and new
+        os.remove(os.path.join(dst_dir, INDEX_NAME))
+    for file in written:
+        publish(os.path.join(dst_dir, f".{file}.partial"), os.path.join(dst_dir, file))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     if len(shards) > 1:
         tmp = os.path.join(dst_dir, f".{INDEX_NAME}.partial")
@@ -211,8 +210,8 @@ def index_weight_map(src: str) -> dict[str, str] | None:
     if not os.path.isdir(src) or not os.path.exists(index):
         return None
     try:
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
+        with open_regular(index) as f:  # a link (a hub cache's) followed; a FIFO refused, not waited on
+            weight_map = json.loads(f.read().decode("utf-8"))["weight_map"]
         files = set(weight_map.values())
     except (ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
         raise FormatError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
@@ -294,7 +293,7 @@ def map_safetensors(path: str) -> dict[str, torch.Tensor]:
     """The tensors of one safetensors file as views of a private memory map: nothing
     is read until used. (The format is an 8-byte header length, a JSON header of
     {name: {dtype, shape, data_offsets}}, then the data.)"""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         start, header = read_header(path, f, os.fstat(f.fileno()).st_size)
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     out = {}

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -45,13 +46,18 @@ def to_torch(
     scratch_dir: str | None = None,
     progress: Progress | None = None,
     per_rank: PerRankChoice = "all",
+    overwrite: bool = False,
 ) -> None:
     """One ``torch.save`` file with the checkpoint's nesting (or a flat dict of the
     selected keys when ``prefix`` is given) and its objects, loadable with
     ``torch.load(weights_only=True)``. An object saved per rank is written as
     ``{"__rank_0__": value of rank 0, "__rank_1__": ...}`` (``per_rank="all"``), or as
-    one saved rank's value (``per_rank=R``): see
-    :func:`~bcp.convert.per_rank.export_object`."""
+    one saved rank's value (``per_rank=R``): see :func:`~bcp.convert.per_rank.export_object`.
+    An existing ``dst_file`` is replaced only with ``overwrite`` (never a directory); a
+    failed write leaves nothing beside it."""
+    if os.path.isdir(dst_file) or (os.path.lexists(dst_file) and not overwrite):
+        what = "a directory" if os.path.isdir(dst_file) else "exists (pass overwrite=True, --overwrite, to replace it)"
+        raise FileExistsError(f"{dst_file}: {what}")
     check_per_rank_choice(per_rank)
     reader = src if isinstance(src, CheckpointReader) else open_checkpoint(src)
     scratch = tempfile.mkdtemp(prefix="bcp-convert-", dir=scratch_dir or os.path.dirname(os.path.abspath(dst_file)))
@@ -64,7 +70,12 @@ def to_torch(
             values = _read_file_backed(reader, reader.keys(), scratch, progress, per_rank)
             out = build_nested((reader.key_path(k), values[k]) for k in reader.keys())
         tmp = dst_file + ".partial"
-        torch.save(out, tmp)
+        try:
+            torch.save(out, tmp)
+        except Exception as e:  # torch's own message names no file ("enforce fail ... unexpected pos")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+            raise OSError(f"writing {dst_file}: {e}") from e
         publish(tmp, dst_file)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
