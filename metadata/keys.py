@@ -173,6 +173,10 @@ def step_name(step: int) -> str:
 
 
 def step_of(key: str) -> int | None:
-    """The step a key under a manager's root belongs to, or None."""
+    """The step a key under a manager's root belongs to, or None: only under a name the
+    manager writes (:func:`step_name`; a user's ``step_1000/`` is not one of its steps)."""
     m = _STEP_RE.match(key)
-    return int(m.group(1)) if m else None
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_name(step) == f"{STEP_PREFIX}{m.group(1)}" else None

@@ -182,6 +182,21 @@ def test_gc_leaves_a_save_in_progress_alone_unless_told_its_age(tmp_path):
     assert cli("gc", str(root), "--min-age", "-1").returncode == 2, "a negative --min-age is a usage error"
 
 
+def test_gc_leaves_checkpoints_under_names_the_manager_does_not_write(tmp_path):
+    """``step_1000/`` beside a manager's steps is a user's checkpoint, not step 1000
+    (whose directory is ``step_0000001000``): gc neither counts nor deletes it (it used
+    to announce it as an incomplete step)."""
+    root = tmp_path / "run"
+    for name in ("step_1000", "step_00002"):
+        bcp.save(model_state(), str(root / name))
+    manager = bcp.CheckpointManager(root, async_save=False)
+    manager.save(5, model_state())
+    manager.save(6, model_state())
+    proc = cli("gc", str(root), "--keep-last", "1", "--min-age", "0")
+    assert proc.returncode == 0 and "0 incomplete step(s) []" in proc.stdout and "[5]" in proc.stdout, proc.stdout
+    assert sorted(os.listdir(root)) == ["latest.json", step_name(6), "step_00002", "step_1000"]
+
+
 def test_bench_prints_rates(tmp_path):
     proc = cli("bench", str(tmp_path / "b"), "--gib", "0.02", "--repeats", "1")
     speeds = re.search(r"save \d+\.\d [KMG]iB/s, load \d+\.\d [KMG]iB/s", proc.stdout)
