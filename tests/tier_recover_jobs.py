@@ -387,6 +387,19 @@ class Records(logging.Handler):
         logging.getLogger("bcp").removeHandler(self)
 
 
+def _host_and_steps(rank: int, world: int, out: str) -> tuple[str, str, str]:
+    """2 ranks, each its own host (BCP_HOST_ID A, B): persistent step 5 saved under
+    ``out`` and step 10's checkpoint to lay out. (this rank's host, the persistent root,
+    step 10's checkpoint)."""
+    host = "AB"[rank]
+    os.environ["BCP_HOST_ID"] = host
+    persistent = os.path.join(out, "persistent")
+    bcp.CheckpointManager(persistent, async_save=False).save(PERSISTENT_STEP, rows_state(rank, world, PERSISTENT_STEP))
+    saved = os.path.join(out, "x")
+    bcp.save(rows_state(rank, world, LOCAL_STEP), saved)
+    return host, persistent, saved
+
+
 def corrupt_copy_job(rank: int, world: int, out: str) -> None:
     """2 ranks, each its own host (A, B): persistent step 5, local step 10 laid out
     with one replica and without, and one flipped byte in rank 0's own data file on
@@ -394,12 +407,7 @@ def corrupt_copy_job(rank: int, world: int, out: str) -> None:
     with the replica, step 10 exactly (rank 0's rows from B's copy); without, the
     persistent step 5. Host A's WARNING names the real bad file, which is moved
     aside; a second start loads the same step without tripping on it."""
-    host = "AB"[rank]
-    os.environ["BCP_HOST_ID"] = host
-    persistent = os.path.join(out, "persistent")
-    bcp.CheckpointManager(persistent, async_save=False).save(PERSISTENT_STEP, rows_state(rank, world, PERSISTENT_STEP))
-    saved = os.path.join(out, "x")
-    bcp.save(rows_state(rank, world, LOCAL_STEP), saved)
+    host, persistent, saved = _host_and_steps(rank, world, out)
     manifest = manifest_of(saved)
     own = files_of_ranks(manifest, [0])[0]
     for replicas, want in ((1, LOCAL_STEP), (0, PERSISTENT_STEP)):
@@ -415,43 +423,53 @@ def corrupt_copy_job(rank: int, world: int, out: str) -> None:
                 f.seek(at + 5)
                 f.write(bytes([data[at + 5] ^ 0x10]))
         dist.barrier()
-        tier = bcp.LocalTier(keep_free=0.0, dir=dirs[host], persist_every=None)
-        for start in ("first", "second"):
-            manager = bcp.CheckpointManager(persistent, async_save=False, tier=tier)
-            with Records() as records:
-                step, loaded = manager.load_latest(rows_state(rank, world, 0, empty=True))
-            where = f"replicas={replicas}, {start} start, rank {rank}"
-            assert step == want, f"{where}: loaded step {step}, expected {want}"
-            expected = rows_state(rank, world, want)
-            assert torch.equal(loaded["w"].local, expected["w"].local), f"{where}: wrong values"
-            assert loaded["step"] == want, where
-            text = records.text()
-            if start == "first" and rank == 0:  # host A's first rank, and the coordinator
-                assert bad in text and f"quarantined as {bad}.quarantined" in text, f"{where}: {text}"
-                assert "recover-" not in text, f"{where}: a message names the removed recovery directory: {text}"
-            if start == "second":
-                assert "quarantined" not in text and "checksum" not in text, f"{where}: tripped again: {text}"
-            dist.barrier()
+        where = f"replicas={replicas}, rank {rank}"
+        first, second = _two_starts(rank, world, persistent, dirs[host], want, where)
+        if rank == 0:  # host A's first rank, and the coordinator
+            assert bad in first and f"quarantined as {bad}.quarantined" in first, f"{where}: {first}"
+            assert "recover-" not in first, f"{where}: a message names the removed recovery directory: {first}"
+        assert "quarantined" not in second and "checksum" not in second, f"{where}: tripped again: {second}"
         assert not os.path.exists(bad) and os.path.exists(bad + ".quarantined"), where
 
 
-def unreadable_copy_job(rank: int, world: int, out: str) -> None:
-    """2 ranks, each its own host, no replicas: host A holds rank 1's data file and host
-    B rank 0's, so each rank's rows come from the other host in the exchange. Every open
-    of B's copy fails with EIO (a failing disk): B quarantines it and both ranks load
-    persistent step 5, on the first start and the next (which does not trip on it)."""
-    host = "AB"[rank]
-    os.environ["BCP_HOST_ID"] = host
-    persistent = os.path.join(out, "persistent")
-    bcp.CheckpointManager(persistent, async_save=False).save(PERSISTENT_STEP, rows_state(rank, world, PERSISTENT_STEP))
-    saved = os.path.join(out, "x")
-    bcp.save(rows_state(rank, world, LOCAL_STEP), saved)
+def _crosswise(rank: int, world: int, out: str) -> tuple[str, str, list[str], Manifest]:
+    """2 ranks, each its own host (BCP_HOST_ID A, B): persistent step 5 and local step 10
+    laid out with no replicas, host A holding rank 1's data file and host B rank 0's, so
+    each rank's rows come from the other host in the exchange. (persistent root, this
+    host's tier dir, the local roots, step 10's manifest)."""
+    host, persistent, saved = _host_and_steps(rank, world, out)
     dirs = {h: os.path.join(out, "shm", h) for h in "AB"}
     roots = [local_root(dirs[h], persistent) for h in "AB"]
     if rank == 0:
         lay_out(saved, roots, [[1], [0]], replicas=0, job=job_identity(backend_for(persistent)))
     dist.barrier()
-    bad = os.path.join(roots[1], step_name(LOCAL_STEP), files_of_ranks(manifest_of(saved), [0])[0])
+    return persistent, dirs[host], roots, manifest_of(saved)
+
+
+def _two_starts(rank: int, world: int, persistent: str, tier_dir: str, want: int, where: str = "") -> list[str]:
+    """Both ranks start twice with the tier of ``tier_dir``: each start loads step
+    ``want`` exactly. The WARNING text of each start."""
+    tier = bcp.LocalTier(keep_free=0.0, dir=tier_dir, persist_every=None)
+    texts = []
+    for start in ("first", "second"):
+        manager = bcp.CheckpointManager(persistent, async_save=False, tier=tier)
+        with Records() as records:
+            step, loaded = manager.load_latest(rows_state(rank, world, 0, empty=True))
+        at = f"{where} {start} start, rank {rank}"
+        assert step == want, f"{at}: loaded step {step}, expected {want}"
+        assert torch.equal(loaded["w"].local, rows_state(rank, world, want)["w"].local), f"{at}: wrong values"
+        assert loaded["step"] == want, at
+        texts.append(records.text())
+        dist.barrier()
+    return texts
+
+
+def unreadable_copy_job(rank: int, world: int, out: str) -> None:
+    """:func:`_crosswise`, and every open of B's copy of rank 0's file fails with EIO (a
+    failing disk): B quarantines it and both ranks load persistent step 5, on the first
+    start and the next (which does not trip on it)."""
+    persistent, tier_dir, roots, manifest = _crosswise(rank, world, out)
+    bad = os.path.join(roots[1], step_name(LOCAL_STEP), files_of_ranks(manifest, [0])[0])
     real_open = os.open
 
     def failing(path, *args, **kwargs):  # host B's disk, for the file it serves
@@ -462,19 +480,11 @@ def unreadable_copy_job(rank: int, world: int, out: str) -> None:
     if rank == 1:
         os.open = failing
     try:
-        tier = bcp.LocalTier(keep_free=0.0, dir=dirs[host], persist_every=None)
-        for start in ("first", "second"):
-            manager = bcp.CheckpointManager(persistent, async_save=False, tier=tier)
-            with Records() as records:
-                step, loaded = manager.load_latest(rows_state(rank, world, 0, empty=True))
-            where = f"{start} start, rank {rank}"
-            assert step == PERSISTENT_STEP, f"{where}: loaded step {step}"
-            assert torch.equal(loaded["w"].local, rows_state(rank, world, PERSISTENT_STEP)["w"].local), where
-            if start == "first" and rank == 1:
-                assert f"quarantined as {bad}.quarantined" in records.text(), f"{where}: {records.text()}"
-            dist.barrier()
+        first, _second = _two_starts(rank, world, persistent, tier_dir, PERSISTENT_STEP)
     finally:
         os.open = real_open
+    if rank == 1:
+        assert f"quarantined as {bad}.quarantined" in first, first
     assert not os.path.exists(bad) and os.path.exists(bad + ".quarantined")
 
 
@@ -502,21 +512,10 @@ def unchanged_incremental_job(rank: int, world: int, out: str) -> None:
 
 
 def full_host_job(rank: int, world: int, out: str) -> None:
-    """2 ranks, each its own host, no replicas (each rank's file on the other host):
-    host A's file system is full (every write of fetched bytes fails with ENOSPC).
-    Both ranks load persistent step 5 with a WARNING saying why, on both starts, and
-    nothing is quarantined: a full ``/dev/shm`` used to stop every start of the job."""
-    host = "AB"[rank]
-    os.environ["BCP_HOST_ID"] = host
-    persistent = os.path.join(out, "persistent")
-    bcp.CheckpointManager(persistent, async_save=False).save(PERSISTENT_STEP, rows_state(rank, world, PERSISTENT_STEP))
-    saved = os.path.join(out, "x")
-    bcp.save(rows_state(rank, world, LOCAL_STEP), saved)
-    dirs = {h: os.path.join(out, "shm", h) for h in "AB"}
-    roots = [local_root(dirs[h], persistent) for h in "AB"]
-    if rank == 0:
-        lay_out(saved, roots, [[1], [0]], replicas=0, job=job_identity(backend_for(persistent)))
-    dist.barrier()
+    """:func:`_crosswise`, and host A's file system is full (every write of fetched bytes
+    fails with ENOSPC). Both ranks load persistent step 5 with a WARNING saying why, on
+    both starts, and nothing is quarantined: a full ``/dev/shm`` used to stop every start."""
+    persistent, tier_dir, _roots, _manifest = _crosswise(rank, world, out)
     real_pwritev = os.pwritev
 
     def full(*args, **kwargs):
@@ -525,18 +524,9 @@ def full_host_job(rank: int, world: int, out: str) -> None:
     if rank == 0:
         os.pwritev = full
     try:
-        tier = bcp.LocalTier(keep_free=0.0, dir=dirs[host], persist_every=None)
-        for start in ("first", "second"):
-            manager = bcp.CheckpointManager(persistent, async_save=False, tier=tier)
-            with Records() as records:
-                step, loaded = manager.load_latest(rows_state(rank, world, 0, empty=True))
-            where = f"{start} start, rank {rank}"
-            assert step == PERSISTENT_STEP, f"{where}: loaded step {step}"
-            assert torch.equal(loaded["w"].local, rows_state(rank, world, PERSISTENT_STEP)["w"].local), where
-            if rank == 0:
-                assert "no room for the recovery directory" in records.text(), f"{where}: {records.text()}"
-                assert "quarantined" not in records.text(), f"{where}: {records.text()}"
-            dist.barrier()
+        texts = _two_starts(rank, world, persistent, tier_dir, PERSISTENT_STEP)
     finally:
         os.pwritev = real_pwritev
+    for text in texts if rank == 0 else []:
+        assert "no room for the recovery directory" in text and "quarantined" not in text, text
     assert not any(name.endswith(".quarantined") for _d, _s, files in os.walk(out) for name in files)
