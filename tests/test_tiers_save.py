@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import bcp
+import bcp.tiers.local_save
 import tier_jobs
 from bcp.metadata import Catalog, FileEntry, Manifest
 from bcp.tiers import LocalTier
@@ -195,6 +196,27 @@ def test_one_process_saves_locally_drains_every_m_and_keeps_k_local_steps(tmp_pa
     assert_same(out, tier_jobs.expected(8))
     with open(os.path.join(step_dir(local, 8), "manifest.json"), "rb") as f:
         assert f.read() == manager.backend.read("step_0000000008/manifest.json"), "the drain copies, byte for byte"
+
+
+def test_a_local_step_whose_own_file_fails_its_check_leaves_the_older_steps(tmp_path, caplog, monkeypatch):
+    """keep=1: step 2's own data file fails its check after the write (a bad disk; the
+    step is then not held): step 1 is kept, with a WARNING, and a restart recovers it;
+    it used to be deleted, leaving no local step to recover."""
+    root, shm = tmp_path / "ck", tmp_path / "shm"
+    tier = LocalTier(keep_free=0.0, dir=shm, every=1, persist_every=None, keep=1)
+    manager = bcp.CheckpointManager(root, tier=tier, async_save=False)
+    manager.save(1, tier_jobs.local_state(0, 1, 1))
+    monkeypatch.setattr(bcp.tiers.local_save, "verify", lambda *args: "its digest is 0x0 (injected)")
+    with caplog.at_level(logging.WARNING, logger="bcp"):
+        manager.save(2, tier_jobs.local_state(0, 1, 2))
+    monkeypatch.undo()
+    manager.close()
+    assert "older local steps kept" in caplog.text, caplog.text
+    assert local_steps(local_root(shm, str(root))) == [1, 2]
+    with bcp.CheckpointManager(root, tier=tier) as restarted:
+        step, loaded = restarted.load_latest(tier_jobs.template())
+    assert step == 1
+    assert_same(loaded, tier_jobs.expected(1))
 
 
 def test_room_keeps_the_margin_free_and_sums_the_ranks_of_a_host():

@@ -23,7 +23,7 @@ from bcp.coordination.collectives import Coordinator, decide, run_phase
 from bcp.metadata import Catalog, Manifest
 from bcp.metadata.keys import data_file_key, manifest_key, step_name
 from bcp.reader import fetch_metadata
-from bcp.tiers.holding import add_held, file_spans, verify
+from bcp.tiers.holding import add_held, file_spans, held_files, verify
 from bcp.tiers.hosts import HostMap
 from bcp.tiers.incremental_local import base_generations, carry_references, private_holds, write_holds
 from bcp.tiers.replicate import replicate
@@ -88,6 +88,17 @@ def record_own(rank: int, local: LocalStep, step_dir: str) -> bool:
         return False
     add_held(step_dir, m.save_id, [entry])
     return True
+
+
+def holds_own_files(hosts: HostMap, rank: int, local: LocalStep, step_dir: str) -> bool:
+    """(a host's first rank, after every rank of it ran :func:`record_own`) Whether the
+    host holds the data file of each of its ranks that wrote one: else local retention
+    keeps the older steps (a step this host cannot serve must not replace them)."""
+    m = local.manifest
+    written = {f.path for f in m.data_files}
+    ranks = hosts.ranks[hosts.host_of(rank)]
+    own = {key for r in ranks if (key := data_file_key(m.generation, r)) in written}
+    return own <= set(held_files(step_dir, m.save_id))
 
 
 def after_commit(

@@ -45,7 +45,7 @@ from bcp.tiers.fast_save import Verdict, save_fast
 from bcp.tiers.hosts import HostMap, warn_if_short
 from bcp.tiers.job import job_identity, make_step_dir, stamp
 from bcp.tiers.local_retention import apply_retention, remove_stale, remove_step
-from bcp.tiers.local_save import LocalStep, after_commit
+from bcp.tiers.local_save import LocalStep, after_commit, holds_own_files
 from bcp.tiers.paths import check_apart, local_root, make_private_root, step_backend, step_dir
 from bcp.tiers.room import Statvfs, check_room, own_record, state_bytes
 
@@ -276,7 +276,9 @@ class Tier:
         self.done_at = time.perf_counter()  # read after wait_local: the handle's event orders it
         if drain:
             self._start_drain(local, job.backend)
-        if self.is_host_first:
+        if self.is_host_first and not holds_own_files(self.hosts, job.coord.rank, local, step_dir(self.root, step)):
+            log.warning("local tier: this host does not hold step %d's own files (above): older local steps kept", step)
+        elif self.is_host_first:
             try:
                 with self._pin_lock:
                     apply_retention(self.root, step, cfg.keep, self._pinned, self.job)
