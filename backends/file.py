@@ -141,18 +141,20 @@ class FileBackend(Backend):
         self._refuse_links(key, path)
         return path
 
-    def _refuse_links(self, key: str, path: str, *, final: bool = True) -> None:
+    def _refuse_links(self, key: str, path: str, *, final: bool = True, cached: bool = False) -> None:
         """Never follow a symbolic link below the root: a checkpoint copied from
         elsewhere may hold links that point anywhere (a data file linked to a secret,
         a step directory linked to another tree that a delete would then empty). The
-        root itself may be a link; that is the user's choice. Directories already
-        checked are remembered (one ``lstat`` per new directory)."""
+        root itself may be a link; that is the user's choice. Only a read (``cached``:
+        its bytes are checked against the catalog) trusts the directories checked
+        before (one ``lstat`` per new directory): a write, a delete or a listing checks
+        every one again, since one may have been replaced by a link since."""
         parts = key.split("/")
         at = self.root
         for i, part in enumerate(parts):
             at = os.path.join(at, part)
             last = i == len(parts) - 1
-            if not last and at in self._checked_dirs:
+            if cached and not last and at in self._checked_dirs:
                 continue
             if last and not final:
                 return
@@ -234,7 +236,7 @@ class FileBackend(Backend):
         if not NOFOLLOW:
             return self._path(key)
         path = _key_path(self.root, key)
-        self._refuse_links(key, path, final=False)
+        self._refuse_links(key, path, final=False, cached=True)
         return path
 
     def _open_for_read(self, key: str, path: str) -> int:

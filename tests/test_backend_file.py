@@ -388,3 +388,28 @@ def test_write_parts_writes_the_concatenation_with_one_direct_request(tmp_path_f
     if direct_fd is not None and whole_pages:
         assert [fd for fd, _n in calls].count(direct_fd) == 1
     assert len(calls) <= 3
+
+
+def test_a_directory_replaced_by_a_link_after_its_check_is_still_refused(tmp_path):
+    """The same backend checked ``step/`` while writing into it; then it is replaced by a
+    link to a directory outside the root. A write, a delete, a size and a listing through
+    it are refused (the checked directory used to be trusted for good: the delete emptied
+    the outside directory, the write landed there)."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_bytes(b"theirs")
+    backend = backend_for(str(root))
+    backend.write("step/k", b"data")
+    assert backend.read("step/k") == b"data"
+    (root / "step" / "k").unlink()
+    (root / "step").rmdir()
+    (root / "step").symlink_to(outside)
+    for call in (
+        lambda: backend.write("step/new", b"x"),
+        lambda: backend.delete("step/victim"),
+        lambda: backend.size("step/victim"),
+        lambda: list(backend.list("step/")),
+    ):
+        with pytest.raises(StorageError, match="is a symbolic link"):
+            call()
+    assert sorted(os.listdir(outside)) == ["victim"] and (outside / "victim").read_bytes() == b"theirs"
