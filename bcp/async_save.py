@@ -283,7 +283,16 @@ def async_save(
     if job.trace is not None:  # what the caller waited for, on the timeline
         job.trace.add("blocking", int(started * 1e9), time.perf_counter_ns(), 0, threading.current_thread())
     launch(handle, slot, coord, background)
+    _raise_interrupt(handle, job.pipeline)
     return handle
+
+
+def _raise_interrupt(handle: AsyncSaveHandle, pipeline: WritePipeline) -> None:
+    """A Ctrl-C (or SystemExit) during the caller's staging fails the save in its thread, as any staging error, and
+    reaches the caller now too (so reported): parked only, it surfaced at ``wait()``, and training went on."""
+    if pipeline.error is not None and not isinstance(pipeline.error, Exception):
+        handle._reported = True
+        raise pipeline.error
 
 
 def _stage_for_caller(
@@ -337,6 +346,7 @@ def async_save_planned_later(
     background = _stage_for_caller(handle, pipeline, stage, overlap)
     handle.blocking_seconds = time.perf_counter() - started
     launch(handle, slot, coord, background)
+    _raise_interrupt(handle, pipeline)
     return handle
 
 

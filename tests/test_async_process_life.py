@@ -4,10 +4,12 @@ after later saves took its slot (docs/io.md, "Async saves")."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import bcp
@@ -86,3 +88,22 @@ def test_a_failed_save_nobody_waited_for_is_reported_at_exit_after_later_saves(t
     assert proc.returncode == 0, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "never waited for" in line]
     assert len(errors) == 1 and f"{tmp_path}/a" in errors[0] and "No space left" in errors[0], proc.stderr
+
+
+def test_a_ctrl_c_while_the_caller_stages_reaches_it_and_commits_nothing(tmp_path, monkeypatch):
+    """KeyboardInterrupt in the caller's staging: async_save raises it at once and the
+    save fails in its thread, nothing committed (it was parked for wait() only, and
+    training went on)."""
+    from bcp.io_scheduler.write_pipeline import WritePipeline
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(WritePipeline, "stage", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bcp.async_save({"w": torch.ones(8)}, tmp_path / "ckpt")
+    monkeypatch.undo()
+    importlib.import_module("bcp.async_save").wait_all()
+    assert not (tmp_path / "ckpt" / "manifest.json").exists()
+    bcp.async_save({"w": torch.ones(8)}, tmp_path / "after").wait()  # the next save is not held up
+    assert torch.equal(bcp.load({"w": torch.zeros(8)}, tmp_path / "after")["w"], torch.ones(8))
