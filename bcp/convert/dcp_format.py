@@ -26,7 +26,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import stat
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from bcp.convert.files import file_backed, publish_dir, stale_files
+from bcp.convert.files import file_backed, publish_dir, regular_fd, stale_files
 from bcp.convert.formats import DCP_METADATA_FILE
 from bcp.convert.per_rank import export_object, per_rank_keys
 from bcp.convert.pickle_check import FileSlice, check_archive
@@ -271,25 +270,12 @@ def _check_entries(metadata: Any, root: str) -> None:
                 continue
             name, offset, length = info.relative_path, info.offset, info.length
             if name not in files:
-                files[name] = _open_data_file(os.path.join(root, name))
+                files[name] = regular_fd(os.path.join(root, name), follow_links=False)  # no link out of it
             where = f"{os.path.join(root, name)}: bytes {offset}..{offset + length} ({index.fqn!r})"
             check_archive(FileSlice(files[name], offset, length), where=where)
     finally:
         for fd in files.values():
             os.close(fd)
-
-
-def _open_data_file(path: str) -> int:
-    """A descriptor of the data file ``path``: never through a link (out of the checkpoint)
-    and never blocking (a FIFO in its place); FormatError naming it otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:  # ELOOP: a link
-        raise FormatError(f"{path}: not a data file bcp reads ({e.strerror}; links are never followed)") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise FormatError(f"{path}: not a regular file")
-    return fd
 
 
 def _check_nesting(paths: dict[str, KeyPath], *, where: str) -> None:

@@ -20,22 +20,28 @@ from bcp.errors import FormatError
 log = logging.getLogger(__name__)
 
 
-def open_regular(path: str, *, follow_links: bool = True) -> BinaryIO:
-    """``path`` opened for reading when it is a regular file: a FIFO or a device in its
-    place is refused, never waited on (a plain ``open()`` of a FIFO blocks for good);
-    without ``follow_links`` a link is refused too (one inside a checkpoint). FormatError
-    naming it otherwise; other errors (missing, no permission) as ``open()`` raises them."""
+def regular_fd(path: str, *, follow_links: bool = True) -> int:
+    """A descriptor of ``path`` for reading when it is a regular file: a FIFO or a device
+    in its place is refused, never waited on (a plain ``open()`` of a FIFO blocks for
+    good); without ``follow_links`` a link is refused too (one inside a checkpoint).
+    FormatError naming it otherwise; other errors (missing, no permission) as ``open()``
+    raises them."""
     flags = os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, flags)  # link-ok: only an input the user named (follow_links), FIFOs refused below
     except OSError as e:  # ELOOP: a link, where none is followed
         if e.errno != errno.ELOOP or follow_links:
             raise
-        raise FormatError(f"{path}: a link, not a file bcp reads (links are never followed)") from None
+        raise FormatError(f"{path}: not a data file bcp reads ({e.strerror}; links are never followed)") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise FormatError(f"{path}: not a regular file")
-    return os.fdopen(fd, "rb")
+    return fd
+
+
+def open_regular(path: str, *, follow_links: bool = True) -> BinaryIO:
+    """:func:`regular_fd` as a binary file object."""
+    return os.fdopen(regular_fd(path, follow_links=follow_links), "rb")
 
 
 def current_umask() -> int:
