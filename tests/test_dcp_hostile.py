@@ -175,6 +175,35 @@ def test_a_tensor_declared_larger_than_its_stored_bytes_is_refused_before_alloca
     assert not any(scratch.rglob("*.bin")), "a scratch file was made before the check"
 
 
+def test_a_compressed_entry_is_refused_before_any_scratch_file_or_read(tmp_path):
+    """An entry marked as written through DCP's stream transforms (zstd) hides its size
+    until it inflates: refused by name, before a scratch file of its declared size is
+    made (from_dcp) or any byte is read (BcpStorageReader)."""
+    src = dcp_dir(tmp_path / "c")
+
+    def compress(md: Any) -> None:
+        entry = md.state_dict_metadata["w"]
+        entry.size = torch.Size([1 << 40, 8])
+        entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([1 << 40, 8]))]
+        for index, info in md.storage_data.items():
+            if index.fqn == "w":
+                info.transform_descriptors = ["zstandard/1"]
+
+    rewrite_metadata(src, compress)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    with pytest.raises(FormatError, match=r"'w' is stored through DCP's stream transforms \['zstandard/1'\]"):
+        from_dcp(str(src), str(tmp_path / "out"), scratch_dir=str(scratch))
+    assert not any(scratch.iterdir()), "a scratch directory was made before the check"
+    uri = bcp_dcp(tmp_path / "b")
+    rewrite_metadata(tmp_path / "b", compress)
+    out = {"w": torch.zeros(16, 8), "b": torch.zeros(6, dtype=torch.int64), "step": None}
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(out, storage_reader=BcpStorageReader(uri, verify=False))
+    err = failure(caught)
+    assert isinstance(err, FormatError) and "(compressed), which bcp does not read" in str(err), err
+
+
 def test_a_data_file_outside_the_checkpoint_is_refused(tmp_path):
     src = dcp_dir(tmp_path / "c")
     other = dcp_dir(tmp_path / "other", {"w": torch.full((16, 8), 7.0), "b": torch.arange(6), "step": 3})

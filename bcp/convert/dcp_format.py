@@ -261,13 +261,11 @@ def _check_entries(metadata: Any, root: str) -> None:
     """:func:`~bcp.convert.pickle_check.check_archive` of every entry of the data files
     under ``root`` (a tensor or a value, each a ``torch.save`` zip that torch's loader
     inflates in memory), from its zip directory alone; FormatError naming the file, the
-    bytes and the key. Run after ``check_storage``: every entry lies in its file. An
-    entry of DCP's stream transforms (compression) is the transform's to bound."""
+    bytes and the key. Run after ``check_storage``: every entry lies in its file, none
+    compressed."""
     files: dict[str, int] = {}
     try:
         for index, info in metadata.storage_data.items():
-            if getattr(info, "transform_descriptors", None):
-                continue
             name, offset, length = info.relative_path, info.offset, info.length
             if name not in files:
                 files[name] = regular_fd(os.path.join(root, name), follow_links=False)  # no link out of it

@@ -264,15 +264,15 @@ def check_storage(metadata: Metadata, *, size_of: Callable[[str], int], where: C
     allocated or read. A name that leaves the checkpoint (``../x``) or a field of the
     wrong type: FormatError; an item past the end of its file, a missing file or a
     tensor larger than its stored bytes: CorruptCheckpointError naming the file, the
-    key and the offset. ``where(name)`` is how a file is named in errors. Tensors
-    written through DCP's stream transforms (compression) skip the last check."""
+    key and the offset. ``where(name)`` is how a file is named in errors. An entry
+    written through DCP's stream transforms (compression) is a FormatError: its
+    declared size cannot be checked against compressed bytes before they inflate."""
     md = where(DCP_METADATA_FILE)
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
         raise FormatError(f"{md}: DCP metadata without a storage_data mapping")
     sizes: dict[str, int] = {}
     stored: dict[str, int] = {}
-    transformed: set[str] = set()
     for index, info in storage.items():
         fqn = getattr(index, "fqn", None)
         name, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
@@ -298,13 +298,17 @@ def check_storage(metadata: Metadata, *, size_of: Callable[[str], int], where: C
                 offset=offset,
             )
         stored[fqn] = stored.get(fqn, 0) + length
-        if getattr(info, "transform_descriptors", None):
-            transformed.add(fqn)
+        if transforms := getattr(info, "transform_descriptors", None):
+            raise FormatError(
+                f"{where(name)}: {fqn!r} is stored through DCP's stream transforms {reprlib.repr(transforms)} "
+                "(compressed), which bcp does not read: its declared size cannot be checked before it inflates; "
+                "load it with DCP and save it again without _extensions first"
+            )
     for fqn, meta in metadata.state_dict_metadata.items():
         if not isinstance(meta, TensorStorageMetadata):
             continue
         nbytes = tensor_nbytes(fqn, meta, where=md)
-        if fqn not in transformed and nbytes > stored.get(fqn, 0):
+        if nbytes > stored.get(fqn, 0):
             raise CorruptCheckpointError(
                 f"{md}: {fqn!r} is declared as {_count(nbytes)}, but the data files hold "
                 f"{_count(stored.get(fqn, 0))} of it",

@@ -361,12 +361,7 @@ class BcpStorageReader(StorageReader):
         info = self.storage_data.get(index)
         if info is None:
             raise FormatError(f"{self._where(METADATA_KEY)}: no storage_data for {index.fqn!r} at {index.offset}")
-        if getattr(info, "transform_descriptors", None):
-            raise FormatError(
-                f"{self._where(info.relative_path)}: {index.fqn!r} was written through DCP stream "
-                f"extensions {info.transform_descriptors}, which BcpStorageReader does not apply"
-            )
-        return info.relative_path, info.offset, info.length  # types checked by check_storage
+        return info.relative_path, info.offset, info.length  # types and transforms checked by check_storage
 
     def _read_exact(self, name: str, offset: int, buffer: memoryview) -> None:
         try:
