@@ -36,7 +36,7 @@ from types import TracebackType
 from typing import Self
 
 from bcp.backends.retry import is_transient
-from bcp.backends.storage_errors import ObjectExistsError, WriterClosedError, redact_uri
+from bcp.backends.storage_errors import ObjectExistsError, StorageError, WriterClosedError, redact_uri
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +142,15 @@ class ObjectWriter(abc.ABC):
 
     _state: _State
     _lifecycle: threading.RLock
+    #: the commit's error that aborted the writer, named by later calls
+    _failure: BaseException | None
 
     def __new__(cls, *args: object, **kwargs: object) -> Self:
         # Here, not in __init__: the lifecycle holds even for a writer that forgets super().__init__.
         self = super().__new__(cls)
         self._state = _State.OPEN
         self._lifecycle = threading.RLock()  # re-entrant: a failed commit aborts under it
+        self._failure = None
         return self
 
     def __init__(self, uri: str, key: str) -> None:
@@ -177,6 +180,7 @@ class ObjectWriter(abc.ABC):
             except BaseException as e:
                 retry = self.retryable_commit and is_transient(e)
                 if self._state is _State.OPEN and not retry:
+                    self._failure = e
                     self.abort_after_failure()
                 raise
             if self._state is _State.OPEN:
@@ -209,8 +213,13 @@ class ObjectWriter(abc.ABC):
             log.warning("could not clean up %r in %s after a failure: %s", self.key, self.uri, e)
 
     def _closed(self, action: str) -> WriterClosedError:
+        """Raised unchained, so a retry loop stops at it; its message names the failed
+        commit that aborted the writer (a retried commit otherwise hid the real error)."""
+        e = self._failure
+        why = e.reason if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"  # a StorageError names the key
+        after = f" after its commit failed ({why})" if e is not None else ""
         return WriterClosedError(
-            f"the writer was already {self._state.value}", uri=self.uri, key=self.key, action=action
+            f"the writer was already {self._state.value}{after}", uri=self.uri, key=self.key, action=action
         )
 
     # -- hooks for subclasses -----------------------------------------------------------

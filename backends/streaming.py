@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from bcp.backends.base import REQUEST_GAP_BYTES, Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
-from bcp.backends.storage_errors import annotate
+from bcp.backends.storage_errors import StorageError, annotate
 from bcp.backends.uri_options import as_int, as_size
 
 #: Temporary files start with this; backends hide them from ``list``.
@@ -49,7 +49,11 @@ class StreamingWriter(ObjectWriter):
     """Subclasses open, write to, close, rename and delete the temporary file.
 
     A commit after a successful one is a no-op (a retry whose first answer was lost);
-    a failed commit is not retryable: the stream is gone, so the writer is aborted."""
+    a failed commit is not retryable: the stream is gone, so the writer is aborted.
+    Nor is a failed write: the stream may hold part of its bytes (s3fs buffers them
+    before the upload that failed), so writing them again would duplicate them. Every
+    later write or commit raises a StorageError naming the first failure, one that
+    no retry loop repeats."""
 
     idempotent_commit = True
 
@@ -60,6 +64,7 @@ class StreamingWriter(ObjectWriter):
         self._position = 0
         self._early: dict[int, bytes] = {}  # offset -> bytes waiting for the gap before them
         self._stream: Stream | None = None
+        self._broken: BaseException | None = None  # the write that left the stream unknown
 
     # -- for subclasses ----------------------------------------------------------------------
 
@@ -85,6 +90,7 @@ class StreamingWriter(ObjectWriter):
 
     def _write_at(self, offset: int, data: Buffer) -> None:
         with self._lock:
+            self._check_stream("writing")
             stream = self._open()
             if offset < self._position or offset in self._early:
                 raise ValueError(f"overlapping write of {self.key!r} at offset {offset}")
@@ -96,8 +102,24 @@ class StreamingWriter(ObjectWriter):
 
     def _emit(self, stream: Stream, data: Buffer) -> None:
         if len(data):
-            stream.write(data)
+            try:
+                stream.write(data)
+            except BaseException as e:
+                self._broken = e
+                raise
             self._position += len(data)
+
+    def _check_stream(self, action: str) -> None:
+        """A StorageError, not transient and chained to nothing (a retry loop stops at it),
+        once a write to the stream failed. Call with the lock held."""
+        if (e := self._broken) is not None:
+            raise StorageError(
+                f"an earlier write to its stream failed ({type(e).__name__}: {e}); a stream cannot be written "
+                "again where it failed, so this object is abandoned",
+                uri=self.uri,
+                key=self.key,
+                action=action,
+            )
 
     def _drain(self, stream: Stream) -> None:
         while self._early:
@@ -108,6 +130,7 @@ class StreamingWriter(ObjectWriter):
 
     def _commit(self) -> None:
         with self._lock:
+            self._check_stream("committing")
             stream = self._open()
             # Gaps the caller never wrote (alignment padding) read back as zeros.
             while self._early:

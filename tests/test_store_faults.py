@@ -260,3 +260,35 @@ def test_a_request_is_allowed_more_time_the_more_it_moves(idle, rate, small, ext
     drops below the idle timeout."""
     timeouts = Timeouts(idle, rate)
     assert idle <= timeouts.limit(small) <= timeouts.limit(small + extra)
+
+
+# -- streamed-file backends (fsspec, HDFS): a stream cannot be rewound ------------------------------
+
+#: s3fs with no retries of its own: each throttled request reaches bcp's retry loop
+_S3FS_ONCE = {"default_block_size": 5 << 20, "config_kwargs": {"retries": {"total_max_attempts": 1}}}
+
+
+def test_a_failed_stream_write_is_not_written_again_and_nothing_commits(moto_server, tmp_path):
+    """fsspec+s3 buffers a write's bytes before the part upload that fails: bcp's retry
+    loop wrote them a second time, and a save whose data file held 32 MiB for 24 looked
+    complete. Now the stream's first failure ends the object, named in the error."""
+    bucket = new_bucket(moto_server)
+    state = _state()
+    with proxied(moto_server.endpoint, slowdown_first=5, path="partNumber", methods={"PUT"}) as endpoint:
+        uri = f"fsspec+s3://{bucket}/ckpt?endpoint_url={endpoint}&retry_base_delay=0.01"
+        with pytest.raises(bcp.StorageError, match=r"an earlier write to its stream failed \(.*reduce your request"):
+            bcp.save(state, uri, storage_options=_S3FS_ONCE)
+    direct = backend_for(f"fsspec+s3://{bucket}/ckpt?endpoint_url={moto_server.endpoint}")
+    assert not direct.exists("manifest.json"), "a failed save looks complete"
+    bcp.save(state, f"fsspec+s3://{bucket}/ckpt?endpoint_url={moto_server.endpoint}", storage_options=_S3FS_ONCE)
+    _assert_exact(bcp.load(_template(), f"fsspec+s3://{bucket}/ckpt?endpoint_url={moto_server.endpoint}"), state)
+
+
+def test_a_retried_commit_of_an_aborted_writer_names_the_failure_that_aborted_it(moto_server):
+    """A throttled rename (the commit) aborts the streamed writer; the retry loop's next
+    commit then said only "already aborted", the real error lost."""
+    bucket = new_bucket(moto_server)
+    with proxied(moto_server.endpoint, slowdown_first=5, path="data/rank00000-0.bin", methods={"PUT"}) as endpoint:
+        uri = f"fsspec+s3://{bucket}/ckpt?endpoint_url={endpoint}&retry_base_delay=0.01"
+        with pytest.raises(bcp.StorageError, match=r"already aborted after its commit failed \(.*reduce your request"):
+            bcp.save({"w": torch.ones(1000)}, uri, storage_options=_S3FS_ONCE)
