@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bcp.errors import FormatError, UnsupportedStateError
+from bcp.errors import FormatError, UnsupportedStateError, listed
 from bcp.shards import RankValues, is_tensor_like
 
 #: ("d", key) dict entry, ("l", i) list item, ("t", i) tuple item
@@ -391,13 +391,21 @@ def replace_at(root: Any, path: KeyPath, value: Any) -> Any:
 
 
 def build_nested(entries: Iterable[tuple[KeyPath, Any]]) -> dict:
-    """Rebuild a nested state from (key path, value) pairs, without a template."""
+    """Rebuild a nested state from (key path, value) pairs, without a template.
+    FormatError, naming the container, where two paths disagree on its kind (a list
+    item of one, a dict key of another) or a list's items are not 0, 1, 2, ..."""
     tree: dict = {}
-    kinds: dict[int, str] = {}
+    kinds: dict[int, tuple[str, KeyPath]] = {}  # a container's kind, and its path (for errors)
     for path, value in entries:
         node = tree
         for i, (kind, key) in enumerate(path):
-            kinds.setdefault(id(node), kind)
+            first, _where = kinds.setdefault(id(node), (kind, path[:i]))
+            if first != kind:
+                raise FormatError(
+                    f"key paths disagree on the container at {fqn_of(path[:i]) or 'the top'!r}: "
+                    f"{_KIND_NAMES.get(first, first)} in one, {_KIND_NAMES.get(kind, kind)} in "
+                    f"{fqn_of(path)!r}"
+                )
             if i == len(path) - 1:
                 node[key] = value
             else:
@@ -405,16 +413,22 @@ def build_nested(entries: Iterable[tuple[KeyPath, Any]]) -> dict:
     return _materialize(tree, kinds, root=True)
 
 
-def _materialize(node: Any, kinds: dict[int, str], root: bool = False) -> Any:
+_KIND_NAMES = {"d": "a dict", "l": "a list", "t": "a tuple"}
+
+
+def _materialize(node: Any, kinds: dict[int, tuple[str, KeyPath]], root: bool = False) -> Any:
     if not isinstance(node, dict) or (id(node) not in kinds and not root):
         return node
-    kind = kinds.get(id(node), "d")
+    kind, path = kinds.get(id(node), ("d", ()))
     items = {k: _materialize(v, kinds) for k, v in node.items()}
     if kind == "d":
         return items
     ordered = [items[i] for i in sorted(items)]
     if sorted(items) != list(range(len(items))):
-        raise FormatError(f"list entries with indices {sorted(items)} are not contiguous from 0")
+        indices = listed([str(i) for i in sorted(items)])
+        raise FormatError(
+            f"{fqn_of(path) or 'the top'!r}: list entries with indices {indices} are not contiguous from 0"
+        )
     return ordered if kind == "l" else tuple(ordered)
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from bcp.backends import Backend, backend_for, join_uri
+from bcp.backends import Backend, StorageError, backend_for, join_uri
 from bcp.discovery import FIND_MAX_DEPTH, find_checkpoints
 from bcp.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, PickleNotAllowedError
 from bcp.io_scheduler.read_exec import execute_reads
@@ -170,6 +170,8 @@ def verify_checkpoint(
                     problem = f"data file {named(entry.path)} has {size} bytes; the manifest says {entry.nbytes}"
             except FileNotFoundError:
                 problem = f"data file {named(entry.path)} is missing"
+            except StorageError as e:  # a link where the file should be, a denied read: a problem, not a raise
+                problem = f"data file {named(entry.path)}: {e.reason}"
             if shared is not None:
                 shared.files[known] = problem
         if problem is not None:

@@ -89,7 +89,12 @@ def check_tilings(
     dimensions; ``counts[i]`` rows each, tensor after tensor in ``offs``/``lens``) tile
     their shapes exactly; tensors not ``complete`` (not every row held) are skipped.
     The usual layouts in one vectorised pass, the rest one by one."""
-    if not codes or not len(tensors.shapes[codes[0]]):
+    if not codes:
+        return
+    if not len(tensors.shapes[codes[0]]):  # 0-d: its one element in a row (or replicas of it)
+        for i in np.flatnonzero(np.asarray(counts) == 0).tolist():
+            if complete(codes[i]):
+                raise FormatError(f"{where}: tensor {tensors.names[codes[i]]!r}: no row holds its one element")
         return
     simple = simple_tilings([tensors.shapes[t] for t in codes], offs, lens, counts)
     bounds = np.r_[0, np.cumsum(counts)].tolist()

@@ -73,9 +73,10 @@ def _frag(base: Fragment, data: bytes, off: tuple[int, ...], lens: tuple[int, ..
 
 @pytest.fixture
 def overlapping(tmp_path) -> str:
-    """'w' [8] stored as [0, 4) and [2, 6): 8 elements in all, [2, 4) twice, [6, 8) nowhere."""
+    """'w' [8] stored as [0, 4) and [2, 6): 8 elements in all, [2, 4) twice, [6, 8) nowhere
+    (in separate bytes: rows sharing bytes are refused at open)."""
     uri, frag, data = _saved(tmp_path)
-    frags = [_frag(frag, data, (0,), (4,), 0), _frag(frag, data, (2,), (4,), 8)]
+    frags = [_frag(frag, data, (0,), (4,), 0), _frag(frag, data, (2,), (4,), 16)]
     _replace_catalog(uri, Catalog(frags).to_arrow())
     return uri
 
@@ -358,6 +359,17 @@ def _row(**changes) -> Fragment:
         # offset + length wraps negative, which is below the size
         ({"global_shape": (1 << 62, 4), "offsets": ((1 << 63) - 2, 0), "lengths": (4, 4)}, "outside size"),
         ({"global_shape": (1 << 61, 4), "lengths": (1 << 61, 4), "nbytes": 0, "checksums": ()}, "larger"),
+        # no element, so every size looked small, but torch's strides overflow (a raw RuntimeError)
+        (
+            {
+                "global_shape": (0, 1 << 62, 1 << 62),
+                "offsets": (0,) * 3,
+                "lengths": (0,) * 3,
+                "nbytes": 0,
+                "checksums": (),
+            },
+            "larger",
+        ),
     ],
 )
 def test_int64_overflow_in_rows_is_refused(changes, message):
@@ -432,3 +444,114 @@ def test_has_nulls_sees_a_null_at_any_depth_of_a_slice(rows, start, stop):
     want = any(r is None or None in r for r in kept)
     assert catalog_mod.arrow.has_nulls(array) is want
     assert catalog_mod.arrow.has_nulls(pa.chunked_array([array, array], array.type)) is want
+
+
+@pytest.mark.parametrize(("dtype", "shape"), [("float64", ()), ("float32", (4,))])
+def test_a_tensor_the_head_lists_without_rows_fails_verify_and_load(tmp_path, dtype, shape):
+    """A v2 head naming a tensor no section holds a row of: a 0-d one passed verify (the
+    tiling check skipped 0-d tensors) while every read of it failed."""
+    from bcp.metadata.catalog.sections import encode
+
+    uri, _frag_w, _data = _saved(tmp_path)
+    cat = Catalog(list(bcp.open(uri).catalog.fragments))
+    cat._table_of_tensors.add("z", '[["d","z"]]', dtype, shape)
+    _replace_catalog(uri, encode(cat._table_of_tensors, cat._file_names, cat._rows))
+    report = verify_checkpoint(uri)
+    assert not report["ok"] and "'z'" in str(report["problems"]), report
+    with pytest.raises(FormatError, match=r"'z'.*(no row holds its one element|hold 0 elements of its 4)"):
+        bcp.load({"w": torch.zeros(8), "z": torch.zeros(shape, dtype=getattr(torch, dtype))}, uri)
+
+
+def test_verify_reports_a_data_file_replaced_by_a_link_instead_of_raising(tmp_path):
+    """verify_checkpoint raises only when the manifest or catalog cannot be opened: a
+    linked data file (refused by the backend with a StorageError) is one problem line."""
+    uri, frag, data = _saved(tmp_path)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(data)
+    path = tmp_path / "ck" / frag.file
+    path.unlink()
+    path.symlink_to(outside)
+    report = verify_checkpoint(uri)
+    assert not report["ok"], report
+    assert any(frag.file in p and "symbolic link" in p for p in report["problems"]), report["problems"]
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_key_paths_that_disagree_on_a_containers_kind_are_a_format_error_either_way(tmp_path, order):
+    """'x.0' a list item of x, 'x.1' a dict key of x: a raw TypeError from sorting mixed
+    keys in one order, a dict made silently in the other."""
+    uri = str(tmp_path / "ck")
+    bcp.save({"x": {"a": torch.ones(2), "b": torch.zeros(3)}}, uri)
+    a, b = bcp.open(uri).catalog.fragments
+    rows = [
+        dataclasses.replace(a, fqn="x.0", key_path='[["d","x"],["l",0]]'),
+        dataclasses.replace(b, fqn="x.1", key_path='[["d","x"],["d","1"]]'),
+    ][::order]
+    _replace_catalog(uri, Catalog(rows).to_arrow())
+    with pytest.raises(FormatError, match=r"key paths disagree on the container at 'x': a (list|dict) in one, a"):
+        bcp.open(uri).state()
+
+
+def test_a_gap_in_a_list_names_the_list(tmp_path):
+    uri = str(tmp_path / "ck")
+    bcp.save({"x": {"a": torch.ones(2)}}, uri)
+    (a,) = bcp.open(uri).catalog.fragments
+    _replace_catalog(uri, Catalog([dataclasses.replace(a, fqn="x.5", key_path='[["d","x"],["l",5]]')]).to_arrow())
+    with pytest.raises(FormatError, match=r"'x': list entries with indices 5 are not contiguous from 0"):
+        bcp.open(uri).state()
+
+
+def test_rows_of_one_tensor_aliasing_one_block_are_refused_before_allocating(tmp_path):
+    """Every row of a [4, 8] tensor over the same 32 bytes (checksums right, each row in
+    its file): a read allocated the whole declared tensor (8 GiB from a 1 MiB file at 8,192
+    rows). Refused at open, naming both rows; tied tensors (other keys) may share bytes."""
+    uri, frag, data = _saved(tmp_path)
+    rows = [dataclasses.replace(_frag(frag, data, (i, 0), (1, 8), 0), global_shape=(4, 8), fqn="w") for i in range(4)]
+    tied = dataclasses.replace(frag, fqn="v", key_path='[["d","v"]]')
+    _replace_catalog(uri, Catalog([*rows, tied]).to_arrow())
+    with pytest.raises(FormatError, match=r"rows \d and \d \('w'\): two boxes of one tensor stored in the same bytes"):
+        bcp.open(uri).read("w")
+    _replace_catalog(uri, Catalog([frag, tied]).to_arrow())
+    assert torch.equal(bcp.open(uri).read("v"), bcp.open(uri).read("w")), "tied keys sharing bytes still load"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 1), st.integers(0, 40), st.integers(0, 9), st.integers(0, 1)),
+        max_size=12,
+    )
+)
+def test_the_disjoint_rows_check_agrees_with_comparing_every_pair(rows):
+    """(tensor, file, offset, nbytes, box) rows: refused exactly when two non-empty rows of
+    one tensor in one file overlap, unless they are the same row again (a replica of one
+    box at the same bytes)."""
+    from bcp.metadata.catalog.validate import _check_rows_disjoint
+
+    cols = [np.array(c, np.int64) for c in zip(*rows, strict=True)] if rows else [np.zeros(0, np.int64)] * 5
+    fake = type(
+        "R",
+        (),
+        {
+            "tensor": cols[0],
+            "file": cols[1],
+            "byte_offset": cols[2],
+            "nbytes": cols[3],
+            "coord_starts": np.arange(len(rows) + 1, dtype=np.int64),
+            "offsets": cols[4],
+            "lengths": np.ones(len(rows), np.int64),
+        },
+    )()
+    names = type("T", (), {"names": ["a", "b", "c"]})()
+
+    def clash(a, b):
+        same = a[2:] == b[2:]
+        return a[:2] == b[:2] and a[3] and b[3] and a[2] < b[2] + b[3] and b[2] < a[2] + a[3] and not same
+
+    expect = any(clash(a, b) for i, a in enumerate(rows) for b in rows[i + 1 :])
+    try:
+        _check_rows_disjoint(fake, names, ["f0", "f1"], where="cat")  # type: ignore[arg-type]
+        refused = False
+    except FormatError:
+        refused = True
+    assert refused == expect

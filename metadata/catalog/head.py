@@ -18,7 +18,7 @@ from bcp.metadata.catalog.arrow import has_nulls, read_ipc_columns, string_codes
 from bcp.metadata.catalog.budget import check_ipc_budget
 from bcp.metadata.catalog.sections import HEAD_PREFIX, SECTIONS_SCHEMA, SPANS_SCHEMA, TENSORS_SCHEMA
 from bcp.metadata.catalog.spans import EMPTY_SPAN
-from bcp.metadata.catalog.tensors import MAX_TENSOR_BYTES, TensorArrays, TensorTable, first_seen
+from bcp.metadata.catalog.tensors import MAX_TENSOR_BYTES, TensorArrays, TensorTable, first_seen, suffix_products
 from bcp.metadata.catalog.validate import itemsize_or_zero
 from bcp.metadata.checksum import crc32c
 from bcp.metadata.format_errors import FormatError
@@ -164,11 +164,16 @@ def tensor_table(table: pa.Table, where: str) -> TensorTable:
         i = int(np.flatnonzero(sizes[dt_codes] == 0)[0])
         raise FormatError(f"{where}: tensor {names[i]!r}: unknown dtype {dt_values[dt_codes[i]]!r}")
     arrays = TensorArrays(np.diff(starts), flat, first_seen(kp_codes, kp_values), first_seen(dt_codes, dt_values))
-    # numel saturates at MAX_TENSOR_BYTES, exact below: as float, the product Python would round
-    too_big = arrays.numel.astype(np.float64) * sizes[dt_codes].astype(np.float64) >= MAX_TENSOR_BYTES
+    # numel saturates at MAX_TENSOR_BYTES, exact below: as float, the product Python would round;
+    # the empty dims counted as 1, as torch computes strides ([0, 2**62, 2**62] overflows them)
+    spans = suffix_products(arrays.ndim, arrays.starts, np.maximum(flat, 1))[1]
+    too_big = spans.astype(np.float64) * sizes[dt_codes].astype(np.float64) >= MAX_TENSOR_BYTES
     if too_big.any():
         i = int(np.flatnonzero(too_big)[0])
-        raise FormatError(f"{where}: tensor {names[i]!r} is larger than {MAX_TENSOR_BYTES} bytes")
+        raise FormatError(
+            f"{where}: tensor {names[i]!r} is larger than {MAX_TENSOR_BYTES} bytes, the most the format allows "
+            "(its dimensions' product, an empty one counted as 1, times its item size)"
+        )
     key_paths, dtypes = _take(kp_values, kp_codes), _take(dt_values, dt_codes)
     return TensorTable.from_columns(names, key_paths, dtypes, arrays, index=index, name_array=name_array)
 

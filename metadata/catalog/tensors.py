@@ -169,7 +169,7 @@ class TensorArrays:
         self.shape = shape
         #: row-major element strides (flat like ``shape``): suffix products of the shape,
         #: exact below 2**62 elements, else MAX_TENSOR_BYTES; ``numel`` likewise
-        self.strides, self.numel = _suffix_products(ndim, self.starts, shape)
+        self.strides, self.numel = suffix_products(ndim, self.starts, shape)
         self.kp, self.key_paths = key_paths if isinstance(key_paths, tuple) else codes_of_first_use(key_paths)
         self.dt, self.dtypes = dtypes if isinstance(dtypes, tuple) else codes_of_first_use(dtypes)
 
@@ -197,7 +197,7 @@ class TensorArrays:
         return out.tolist()
 
 
-def _suffix_products(ndim: np.ndarray, starts: np.ndarray, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def suffix_products(ndim: np.ndarray, starts: np.ndarray, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(strides, numel): every tensor's row-major strides and element count, products
     saturated at MAX_TENSOR_BYTES (exact below it), one numpy pass per dimension."""
     n = len(ndim)
