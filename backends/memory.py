@@ -11,7 +11,7 @@ from urllib.parse import unquote, urlsplit
 
 from bcp.backends.base import Backend, Buffer, Capability, IOHints, ObjectWriter, check_key
 from bcp.backends.storage_errors import ObjectExistsError, ObjectNotFoundError
-from bcp.backends.uri_options import reject_unknown
+from bcp.backends.uri_options import plain_root, reject_unknown
 
 _OBJECTS: dict[str, bytes] = {}
 _LOCK = threading.Lock()
@@ -39,7 +39,7 @@ class MemoryBackend(Backend):
     def from_uri(cls, uri: str, **options: object) -> Self:
         reject_unknown("memory", uri.partition("?")[0], options, known=())
         parts = urlsplit(uri)
-        root = "/".join(p for p in (parts.netloc, unquote(parts.path).strip("/")) if p)
+        root = plain_root("/".join(p for p in (parts.netloc, unquote(parts.path).strip("/")) if p), uri)
         if not root:
             raise ValueError(f"memory URI needs a store name: memory://NAME[/prefix], got {uri!r}")
         return cls(f"memory://{root}", root)

@@ -25,7 +25,7 @@ from bcp.backends.base import REQUEST_GAP_BYTES, Backend, Buffer, Capability, IO
 from bcp.backends.parts import PartWriter
 from bcp.backends.retry import is_transient
 from bcp.backends.storage_errors import ObjectExistsError, ObjectNotFoundError, annotate, redact_uri
-from bcp.backends.uri_options import as_bool, as_int, as_size, as_timeout, refuse_uri_credentials
+from bcp.backends.uri_options import as_bool, as_int, as_size, as_timeout, plain_root, refuse_uri_credentials
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,7 +85,7 @@ def split_bucket_uri(uri: str, *, store: str, scheme: str) -> tuple[str, str]:
         refuse_uri_credentials(uri, [], userinfo=True)
     if not parts.netloc:
         raise ValueError(f"{store} URI needs a bucket: {scheme}://BUCKET[/prefix], got {redact_uri(uri)!r}")
-    return parts.netloc, unquote(parts.path).strip("/")
+    return parts.netloc, plain_root(unquote(parts.path).strip("/"), uri)
 
 
 def check_credential(name: str, value: Any) -> str:

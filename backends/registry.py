@@ -235,6 +235,10 @@ def backend_for(uri: str | os.PathLike[str], **options: Any) -> Backend:
     base = uri
     if not plain:
         parts = urlsplit(uri)
+        if parts.fragment or "#" in uri:  # everything after it, options included, was dropped
+            raise ValueError(
+                f"{redact_uri(uri)!r}: a storage URI has no #fragment; a name that holds '#' is written %23"
+            )
         query = dict(parse_qsl(parts.query, keep_blank_values=True)) if parts.query else {}
         _refuse_credentials_in_uri(cls, uri, parts.netloc, query)
         if parts.query:

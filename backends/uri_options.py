@@ -6,6 +6,8 @@ import math
 import re
 from collections.abc import Iterable
 
+from bcp.backends.storage_errors import redact_uri
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 
@@ -124,3 +126,15 @@ def refuse_uri_credentials(uri: str, names: list[str], *, userinfo: bool = False
         "as s3fs and gcsfs name them), or use the store's standard sources (environment, config files, "
         "instance roles)"
     )
+
+
+def plain_root(root: str, uri: str) -> str:
+    """``root`` unless one of its segments is empty, ``.`` or ``..``: a store keeps those
+    as literal parts of its keys, so ``runs/a/../exp`` is not ``runs/exp``, and a
+    parent's listing would hold keys that its reads and deletes refuse."""
+    if root and any(part in ("", ".", "..") for part in root.split("/")):
+        raise ValueError(
+            f"{redact_uri(uri)!r}: the path {root!r} has an empty, '.' or '..' segment, which an object store "
+            "keeps as it is; write the plain path"
+        )
+    return root

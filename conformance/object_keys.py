@@ -3,6 +3,7 @@ names are valid, and how a missing object is reported."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import ClassVar
 
 import pytest
@@ -77,6 +78,16 @@ class ListingTests(ObjectContractBase):
         keys = [f"many/{i % 7}/k{i:03d}" for i in range(200)]
         self._write_all(backend, keys)
         assert sorted(backend.list("many/")) == sorted(keys), "list of 200 keys did not return exactly those keys"
+
+    @pytest.mark.slow
+    def test_list_past_a_page(self, backend: Backend) -> None:
+        """More keys than the 1,000 S3 and GCS return a page: a ``list`` that reads one
+        page passed every other check (a load would then miss files, gc keep them)."""
+        keys = [f"page/k{i:04d}" for i in range(1050)]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda k: self.seed(backend, k, b"x"), keys))
+        found = list(backend.list("page/"))
+        assert sorted(found) == keys, f"list of {len(keys)} keys returned {len(found)} (a page of them?)"
 
     def test_list_returns_each_key_once(self, backend: Backend) -> None:
         keys = [f"dup/{i % 5}/k{i}" for i in range(40)]

@@ -71,6 +71,16 @@ class FlatListBackend(MemoryBackend):
         return iter([k for k in super().list(prefix) if k.count("/") == depth])
 
 
+class OnePageListBackend(MemoryBackend):
+    """``list`` reads one page of 1,000 keys, as an S3 client that ignores the
+    continuation token does."""
+
+    scheme = "broken-onepage"
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        return iter(sorted(super().list(prefix))[:1000])
+
+
 #: Seconds a delete-first replace leaves the key missing (long enough for racing readers to see).
 REPLACE_WINDOW = 0.005
 
@@ -120,5 +130,12 @@ class DeclaredNonAtomicBackend(DeleteFirstBackend):
     capabilities = DeleteFirstBackend.capabilities | Capability.NON_ATOMIC_REPLACE
 
 
-for _cls in (VisibleEarlyBackend, OffByOneReadsBackend, FlatListBackend, DeleteFirstBackend, DeclaredNonAtomicBackend):
+for _cls in (
+    VisibleEarlyBackend,
+    OffByOneReadsBackend,
+    FlatListBackend,
+    OnePageListBackend,
+    DeleteFirstBackend,
+    DeclaredNonAtomicBackend,
+):
     register_backend(_cls.scheme, _cls, clobber=True)

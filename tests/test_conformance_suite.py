@@ -138,6 +138,9 @@ def local_runs(runs, tmp_path_factory) -> dict[str, Run]:
     run("memory", f"memory://conf-{uuid.uuid4().hex[:8]}/root", "--full", "--probe-mib", "16")
     for scheme, _group, _message in BROKEN:
         run(scheme, f"{scheme}://x{uuid.uuid4().hex[:6]}/root", "--quick", "--import", "broken_backends")
+    # the check past a page is a slow one (1,050 objects): run alone, at the full level
+    one_page = ("--full", "-k", "test_list_past_a_page", "--import", "broken_backends")
+    run("broken-onepage", f"broken-onepage://x{uuid.uuid4().hex[:6]}/root", *one_page)
 
     where = tmp_path_factory.mktemp("conf-pyargs")
     out["pyargs"] = Run("pyargs", str(where / "store"), where)
@@ -231,7 +234,9 @@ def test_example_plugin_is_found_by_scheme_and_passes(runs, local_runs):
     assert data["backend"]["class"] == "bcp_sqlite.SQLiteBackend", "the plugin was not found through its entry point"
 
 
-@pytest.mark.parametrize(("scheme", "group", "message"), BROKEN)
+@pytest.mark.parametrize(
+    ("scheme", "group", "message"), [*BROKEN, ("broken-onepage", "listing", "list of 1050 keys returned 1000")]
+)
 def test_broken_backends_fail_naming_the_guarantee(runs, local_runs, scheme, group, message):
     proc = runs.result(scheme)
     assert proc.returncode == 1, f"a broken backend passed the suite:\n{proc.stdout[-3000:]}"

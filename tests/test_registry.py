@@ -224,3 +224,26 @@ def test_entry_points_read_lazily_and_once(monkeypatch: pytest.MonkeyPatch) -> N
     assert calls == [], "entry points were read for a built-in scheme"
     assert get_backend_class("plug") is MemoryBackend and get_backend_class("plug") is MemoryBackend
     assert calls == ["bcp.backends"], f"entry points were read {len(calls)} times, expected once"
+
+
+@pytest.mark.parametrize(
+    "uri",
+    ["memory://st/run#1", "memory://st/run#", "s3://bkt/run#1?endpoint_url=http://127.0.0.1:9&part_size=5MiB"],
+)
+def test_a_fragment_is_refused_by_every_scheme(uri: str) -> None:
+    """Everything after '#' was dropped: memory://st/run#1 and run#2 were one location
+    (an overwrite of one replaced the other), an S3 URI lost its endpoint and options."""
+    with pytest.raises(ValueError, match=r"a storage URI has no #fragment; a name that holds '#' is written %23"):
+        backend_for(uri)
+    assert backend_for("memory://st/run%231").uri == "memory://st/run#1"
+
+
+@pytest.mark.parametrize("path", ["runs/a/../exp", "runs/./exp", "runs//exp", ".."])
+@pytest.mark.parametrize("scheme", ["memory", "s3", "gs"])
+def test_a_root_with_an_empty_dot_or_dotdot_segment_is_refused(scheme: str, path: str) -> None:
+    """An object store keeps such segments literally: runs/a/../exp was not runs/exp, and a
+    parent's listing held keys its reads and deletes refused."""
+    query = "" if scheme == "memory" else "?endpoint_url=http://127.0.0.1:9"
+    bucket = "st" if scheme == "memory" else "bkt"
+    with pytest.raises(ValueError, match=r"has an empty, '\.' or '\.\.' segment"):
+        backend_for(f"{scheme}://{bucket}/{path}{query}")
