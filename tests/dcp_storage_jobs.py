@@ -42,3 +42,17 @@ def round_trip_job(rank: int, world: int, uri: str, dcp_dir: str | None) -> None
     _load_and_check(world, rank, BcpStorageReader(uri), ref, state["big"], uri)
     if dcp_dir is not None:
         _load_and_check(world, rank, dcp.FileSystemReader(dcp_dir), ref, state["big"], f"FileSystemReader({dcp_dir})")
+
+
+def async_process_job(rank: int, world: int, uri: str) -> None:
+    """``dcp.async_save`` in process mode: DCP pickles the writer for its checkpointing
+    process (a lock and an open backend inside made that a TypeError)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    state = {"w": torch.arange(12.0).reshape(3, 4) + rank, "step": torch.tensor(7)}
+    writer = BcpStorageWriter(uri)
+    dcp.async_save(state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    loaded = {"w": torch.zeros(3, 4), "step": torch.tensor(0)}
+    dcp.load(loaded, storage_reader=BcpStorageReader(uri))  # verified against the sidecar's checksums
+    assert torch.equal(loaded["w"], torch.arange(12.0).reshape(3, 4)) and int(loaded["step"]) == 7, loaded

@@ -25,7 +25,7 @@ from bcp.integrations.dcp import CHECKSUMS_KEY, METADATA_KEY, BcpStorageReader, 
 from bcp.integrations.dcp_storage import ObjectStream
 from bcp.metadata.checksum import crc32c
 from conftest import new_bucket, store_uri
-from dcp_storage_jobs import round_trip_job
+from dcp_storage_jobs import async_process_job, round_trip_job
 from dist_jobs import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -262,3 +262,9 @@ def test_object_stream_cuts_parts_and_segments_wherever_writes_and_tells_fall(si
     assert all(offset % 8 == 0 and n == 8 for offset, n in calls[:-1]), calls
     assert sum(n for _, n in calls) == len(data)
     clear_memory_store(backend.root.split("/")[0])
+
+
+def test_async_save_in_process_mode_pickles_the_writer(tmp_path):
+    """The writer crosses to DCP's checkpointing process: what it holds open is made again there."""
+    spawn(async_process_job, 1, str(tmp_path / "c"))
+    assert (tmp_path / "c" / CHECKSUMS_KEY).exists()

@@ -155,8 +155,20 @@ class BackendFileSystem(FileSystemBase):
     def __init__(self, storage_options: dict[str, Any]) -> None:
         self.storage_options = storage_options
         self.backend: Backend | None = None
+        self.uri: str | None = None
         self.committed: dict[str, FileChecksums] = {}
         self.lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Without the lock and the open backend (``dcp.async_save`` in process mode
+        pickles the writer for its checkpointing process): both are made again there."""
+        return {**vars(self), "backend": None, "lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        self.lock = threading.Lock()
+        if self.uri is not None:
+            self.backend = backend_for(self.uri, **self.storage_options)
 
     def at(self) -> Backend:
         if self.backend is None:
@@ -168,6 +180,7 @@ class BackendFileSystem(FileSystemBase):
         if self.backend is not None:
             self.backend.close()
         self.backend = backend_for(uri, **self.storage_options)
+        self.uri = uri
         return uri
 
     def record(self, checksums: FileChecksums) -> None:
