@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Literal, TypedDict
 
-from bcp.io_scheduler.staging import StagingPool
+from bcp.io_scheduler.staging import DEFAULT_SLAB_BYTES, StagingPool
 from bcp.metadata import DEFAULT_BLOCK_BYTES
 from bcp.metadata.manifest import MAX_CHECKSUM_BLOCK_BYTES
 from bcp.trace import TraceOption
@@ -89,6 +89,12 @@ class SaveOptions:
             raise ValueError(
                 f"checksum_block_bytes must be from 1 to {MAX_CHECKSUM_BLOCK_BYTES} (readers refuse larger blocks), "
                 f"got {block}"
+            )
+        slab = self.pool.slab_bytes if self.pool is not None else DEFAULT_SLAB_BYTES  # the default pool's
+        if slab % block:  # each staging slab is checksummed in whole blocks
+            raise ValueError(
+                f"checksum_block_bytes must divide the staging slab size, {slab} bytes (a power of two up to it, "
+                f"for the default pool), got {block}"
             )
         object.__setattr__(self, "checksum_block_bytes", block)  # written to the manifest as a JSON integer
         if self.metadata is not None:

@@ -165,6 +165,7 @@ def _dtensor_box(value: Any, local: torch.Tensor, fqn: str) -> Box:
         raise UnsupportedStateError(
             f"DTensor at key {fqn!r} has a Partial placement (pending reduction); reduce it before saving"
         )
+    _check_strided(mesh, placements, fqn)
     chunks = value.__create_chunk_list__()  # public DTensor hook that DCP uses for the same purpose
     if len(chunks) != 1:
         raise UnsupportedStateError(f"DTensor at key {fqn!r} reports {len(chunks)} local chunks; expected 1")
@@ -174,6 +175,25 @@ def _dtensor_box(value: Any, local: torch.Tensor, fqn: str) -> Box:
             _DTENSOR_BOXES.clear()
         _DTENSOR_BOXES[key] = (mesh, placements, box, _replicated(mesh, placements))
     return box
+
+
+def _check_strided(mesh: Any, placements: Any, fqn: str) -> None:
+    """UnsupportedStateError for a strided shard (``_StridedShard``, matched by name: its
+    class is private) other than FSDP2's over tensor parallel: a later ``Shard`` of the same
+    dimension over mesh dimensions whose sizes multiply to its ``split_factor``. Any other
+    holds rows no one box describes, and DTensor reports one box for it anyway (loads
+    filled the wrong rows)."""
+    for i, p in enumerate(placements):
+        if type(p).__name__ != "_StridedShard":
+            continue
+        later = [j for j in range(i + 1, len(placements)) if type(placements[j]).__name__ == "Shard"]
+        later = [j for j in later if placements[j].dim == p.dim]
+        if not later or getattr(p, "split_factor", None) != math.prod(mesh.size(j) for j in later):
+            raise UnsupportedStateError(
+                f"DTensor at key {fqn!r} has placements {tuple(placements)}: a strided shard is supported as FSDP2 "
+                "makes it over tensor parallel (followed by a Shard of the same dimension over mesh dimensions "
+                "whose sizes multiply to its split_factor); its local rows are not one box otherwise"
+            )
 
 
 def local_pieces(value: Any, fqn: str) -> LocalTensor:

@@ -533,3 +533,33 @@ def malformed_share_part_job(rank: int, world: int, uri: str, ref_path: str) -> 
         raise AssertionError(f"rank {rank} loaded with a malformed share_reads part")
     finally:
         shared_read.SharePlan.parts = parts_of
+
+
+def strided_shard_job(rank: int, world: int, root: str) -> None:
+    """A strided shard alone (hand-made) holds rows no one box describes: refused by save
+    and load, naming the key; FSDP2's (a later Shard of the same dim) round-trips."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 makes these; no public name
+
+    full = torch.arange(24.0).reshape(8, 3)
+    alone = [_StridedShard(0, split_factor=2)]
+    mesh = init_device_mesh("cpu", (world,))
+    bcp.save({"w": full}, f"{root}/plain")
+    for call in (
+        lambda: bcp.save({"w": distribute_tensor(full, mesh, alone)}, f"{root}/alone"),
+        lambda: bcp.load({"w": distribute_tensor(torch.zeros(8, 3), mesh, alone)}, f"{root}/plain"),
+    ):
+        try:
+            call()
+        except bcp.UnsupportedStateError as e:
+            assert "'w'" in str(e) and "strided shard" in str(e), e
+        else:
+            raise AssertionError("a strided shard alone was taken as one box")
+    mesh2 = init_device_mesh("cpu", (1, world))  # FSDP2 over TP: (_StridedShard(0, tp), Shard(0))
+    fsdp_tp = [_StridedShard(0, split_factor=world), Shard(0)]
+    bcp.save({"w": distribute_tensor(full, mesh2, fsdp_tp)}, f"{root}/fsdp_tp")
+    assert torch.equal(bcp.open(f"{root}/fsdp_tp").read("w"), full)
+    t = distribute_tensor(torch.zeros(8, 3), mesh2, fsdp_tp)
+    bcp.load({"w": t}, f"{root}/plain")
+    assert torch.equal(t.full_tensor(), full)

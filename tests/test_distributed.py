@@ -115,3 +115,9 @@ def test_a_catalog_read_in_part_by_every_rank_loads_exactly(tmp_path):
     )
     assert head.sections == 2, f"expected a catalog of 2 sections, got {head.sections}"
     dist_jobs.spawn(dist_jobs.partial_catalog_load_job, 3, "fsdp", uri, ref)
+
+
+def test_a_strided_shard_is_taken_only_as_fsdp2_makes_it(tmp_path):
+    """A hand-made _StridedShard alone: DTensor reports rows 0:4 and 2:6 for rows
+    [0, 1, 4, 5] and [2, 3, 6, 7]; a load filled the wrong rows without an error."""
+    dist_jobs.spawn(dist_jobs.strided_shard_job, 2, str(tmp_path))

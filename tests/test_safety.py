@@ -14,6 +14,7 @@ import torch
 
 import bcp
 from bcp.backends import backend_for
+from bcp.io_scheduler.staging import StagingPool
 from bcp.metadata import MANIFEST_KEY
 from bcp.metadata.keys import GENERATION_PREFIX
 from bcp.metadata.manifest import reseal
@@ -346,12 +347,26 @@ def test_a_checksum_block_size_readers_refuse_is_refused_at_save(tmp_path, block
     assert not (tmp_path / "ck").exists()
 
 
+@pytest.mark.parametrize("block", [100, 3 << 20, 64 << 20])
+def test_a_block_that_does_not_divide_the_staging_slab_is_refused_up_front(tmp_path, block):
+    """Accepted by SaveOptions, the save then failed in its pipeline (a raw ValueError)."""
+    with pytest.raises(ValueError, match=r"checksum_block_bytes must divide the staging slab size, 33554432 bytes"):
+        bcp.SaveOptions(checksum_block_bytes=block)
+    with pytest.raises(ValueError, match=r"checksum_block_bytes must divide"):
+        bcp.save({"w": torch.ones(2)}, str(tmp_path / "ck"), checksum_block_bytes=block)
+    assert not (tmp_path / "ck").exists()
+    pool = StagingPool(1 << 30, slab_bytes=block * 4)
+    bcp.save({"w": torch.arange(5.0)}, str(tmp_path / "ok"), checksum_block_bytes=block, pool=pool)
+    assert torch.equal(bcp.open(str(tmp_path / "ok")).read("w"), torch.arange(5.0))
+
+
 def test_checksum_block_sizes_readers_accept_are_accepted(tmp_path):
     import numpy as np
 
     from bcp.metadata.manifest import MAX_CHECKSUM_BLOCK_BYTES
 
-    assert bcp.SaveOptions(checksum_block_bytes=MAX_CHECKSUM_BLOCK_BYTES).checksum_block_bytes == 1 << 32
+    pool = StagingPool(2 << 32, slab_bytes=1 << 32)  # slabs are made when a save takes them
+    assert bcp.SaveOptions(checksum_block_bytes=MAX_CHECKSUM_BLOCK_BYTES, pool=pool).checksum_block_bytes == 1 << 32
     uri = str(tmp_path / "ck")
     bcp.save({"w": torch.arange(5.0)}, uri, checksum_block_bytes=np.int64(1 << 20))  # an integer, not an int
     assert bcp.open(uri).manifest.checksum_block_bytes == 1 << 20
