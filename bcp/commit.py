@@ -324,16 +324,33 @@ def is_held(backend: Backend, generation: str) -> bool:
 
 
 def discard_generation(backend: Backend, generation: str, *, why: str = "the partial save") -> None:
-    """Delete one generation's objects, unless it is held (:func:`is_held`: an
-    overwrite's replaced generation that a newer checkpoint reads stays whole, retired);
-    failures are logged (the caller's error matters more)."""
+    """Delete one generation's objects, unless the manifest names it or cannot be read
+    (a Ctrl-C or ``sys.exit`` between the manifest landing and the save marking itself
+    committed: its data was deleted under a committed manifest) or it is held
+    (:func:`is_held`: an overwrite's replaced generation that a newer checkpoint reads
+    stays whole, retired); failures are logged (the caller's error matters more)."""
     try:
+        named = _landed_generation(backend)
+        if named is None or named == generation:
+            log.warning("kept %s %s at %s: the manifest there may name it", why, generation, backend.uri)
+            return
         if is_held(backend, generation):
             log.info("kept %s %s at %s whole: newer checkpoints hold its bytes", why, generation, backend.uri)
             return
         delete_generation(backend, generation)
     except Exception as e:  # noqa: BLE001 - leftovers are only space (under a manager root, gc removes them)
         log.warning("could not remove %s %s at %s: %s", why, generation, backend.uri, e)
+
+
+def _landed_generation(backend: Backend) -> str | None:
+    """The generation the manifest under the root names, "" when there is none, None
+    when it cannot be read (it may be this save's)."""
+    try:
+        found = read_manifest(backend)
+    except Exception as e:  # noqa: BLE001 - unreadable: it may name the generation
+        log.debug("reading back the manifest at %s failed: %s", backend.uri, e)
+        return None
+    return "" if found is None else found.generation
 
 
 def delete_checkpoint(backend: Backend, prefix: str = "", *, only_bcp: bool = False) -> None:

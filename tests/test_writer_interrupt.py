@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,3 +84,33 @@ def test_saves_after_an_interrupted_one_write_every_byte(cut, tmp_path):
         loaded = {k: torch.zeros_like(v) for k, v in state.items()}
         bcp.load(loaded, str(tmp_path / name))
         assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_ctrl_c_after_the_manifest_landed_keeps_the_data_it_names(tmp_path, monkeypatch, overwrite):
+    """A KeyboardInterrupt (or a SIGTERM handler's sys.exit) while the manifest's directory
+    is fsynced: the manifest is in place, the save had not marked itself committed, and the
+    partial-save cleanup deleted the generation under it (a step that looked committed
+    and could never load; with an overwrite, the last good checkpoint lost)."""
+    from bcp.backends import file_writes
+
+    uri = str(tmp_path / "ck")
+    bcp.save({"w": torch.zeros(1000)}, uri)
+    old = (tmp_path / "ck" / "manifest.json").read_bytes()
+    real = file_writes.fsync_dir
+
+    def interrupted(path: str) -> None:  # once the new manifest is in place
+        real(path)
+        manifest = Path(path) / "manifest.json"
+        if manifest.exists() and manifest.read_bytes() != old:
+            raise KeyboardInterrupt
+
+    target = uri if overwrite else str(tmp_path / "next")
+    monkeypatch.setattr(file_writes, "fsync_dir", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bcp.save({"w": torch.ones(1000)}, target, overwrite=overwrite)
+    monkeypatch.setattr(file_writes, "fsync_dir", real)
+    assert torch.equal(bcp.load({"w": torch.zeros(1000)}, target)["w"], torch.ones(1000))
+    from bcp.verify import verify_checkpoint
+
+    assert verify_checkpoint(target)["ok"]
