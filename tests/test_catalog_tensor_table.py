@@ -48,7 +48,7 @@ def _reference(names, key_paths, dtypes, shapes) -> TensorTable:
             raise FormatError("negative")
         if d not in DTYPE_ITEMSIZE:
             raise FormatError("dtype")
-        if float(math.prod(shape)) * DTYPE_ITEMSIZE[d] >= MAX_TENSOR_BYTES:
+        if float(math.prod(max(n, 1) for n in shape)) * DTYPE_ITEMSIZE[d] >= MAX_TENSOR_BYTES:  # torch's strides
             raise FormatError("large")
         table.add(f, k, d, tuple(shape))
     return table

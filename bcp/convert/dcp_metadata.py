@@ -264,9 +264,8 @@ def check_storage(metadata: Metadata, *, size_of: Callable[[str], int], where: C
     allocated or read. A name that leaves the checkpoint (``../x``) or a field of the
     wrong type: FormatError; an item past the end of its file, a missing file or a
     tensor larger than its stored bytes: CorruptCheckpointError naming the file, the
-    key and the offset. ``where(name)`` is how a file is named in errors. An entry
-    written through DCP's stream transforms (compression) is a FormatError: its
-    declared size cannot be checked against compressed bytes before they inflate."""
+    key and the offset. ``where(name)`` is how a file is named in errors. A compressed
+    entry (DCP's stream transforms): FormatError, its size unknown until it inflates."""
     md = where(DCP_METADATA_FILE)
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
