@@ -323,14 +323,17 @@ def is_held(backend: Backend, generation: str) -> bool:
     return next(iter(backend.list(f"{generation.rstrip('/')}/{HOLDS_DIR}/")), None) is not None
 
 
-def discard_generation(backend: Backend, generation: str, *, why: str = "the partial save") -> None:
+def discard_generation(
+    backend: Backend, generation: str, *, why: str = "the partial save", replaced: bool = False
+) -> None:
     """Delete one generation's objects, unless the manifest names it or cannot be read
     (a Ctrl-C or ``sys.exit`` between the manifest landing and the save marking itself
-    committed: its data was deleted under a committed manifest) or it is held
+    committed: its data was deleted under a committed manifest; not asked for a
+    ``replaced`` one, which the new manifest does not name) or it is held
     (:func:`is_held`: an overwrite's replaced generation that a newer checkpoint reads
     stays whole, retired); failures are logged (the caller's error matters more)."""
     try:
-        named = _landed_generation(backend)
+        named = "" if replaced else _landed_generation(backend)
         if named is None or named == generation:
             log.warning("kept %s %s at %s: the manifest there may name it", why, generation, backend.uri)
             return

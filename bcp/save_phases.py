@@ -491,7 +491,7 @@ class SaveJob:
         if existing is not None and existing.manifest is not None:
             old = existing.manifest.generation
             if old != self.generation:
-                discard_generation(backend, old, why="the replaced generation")
+                discard_generation(backend, old, why="the replaced generation", replaced=True)
             if coord.is_coordinator and existing.manifest.references:
                 release_replaced(backend.uri, existing.manifest, self.options.storage_options)
         if coord.is_coordinator and self.options.overwrite:  # killed overwrites' generations, once old
