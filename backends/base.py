@@ -215,8 +215,8 @@ class ObjectWriter(abc.ABC):
     def _closed(self, action: str) -> WriterClosedError:
         """Raised unchained, so a retry loop stops at it; its message names the failed
         commit that aborted the writer (a retried commit otherwise hid the real error)."""
-        e = self._failure
-        why = e.reason if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"  # a StorageError names the key
+        e = self._failure  # a StorageError's reason: its message less the key this one names again
+        why = "" if e is None else e.reason if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"
         after = f" after its commit failed ({why})" if e is not None else ""
         return WriterClosedError(
             f"the writer was already {self._state.value}{after}", uri=self.uri, key=self.key, action=action

@@ -190,12 +190,19 @@ def replaces_atomically(backend: Backend) -> bool:
 def _landed(backend: Backend, manifest: Manifest) -> bool | None:
     """Whether the manifest under the root is ``manifest`` (True), is not (False), or
     cannot be read to tell (None)."""
+    named = landed_generation(backend)
+    return None if named is None else named == manifest.generation
+
+
+def landed_generation(backend: Backend) -> str | None:
+    """The generation the manifest under the root names, "" when there is none, None
+    when it cannot be read back."""
     try:
         found = read_manifest(backend)
     except Exception as e:  # noqa: BLE001 - any failure to read back means "unknown"
         log.debug("reading back the manifest at %s failed: %s", backend.uri, e)
         return None
-    return found is not None and found.save_id == manifest.save_id
+    return "" if found is None else found.generation
 
 
 def commit(backend: Backend, manifest: Manifest, *, overwrite: bool) -> None:
@@ -323,37 +330,29 @@ def is_held(backend: Backend, generation: str) -> bool:
     return next(iter(backend.list(f"{generation.rstrip('/')}/{HOLDS_DIR}/")), None) is not None
 
 
-def discard_generation(
-    backend: Backend, generation: str, *, why: str = "the partial save", replaced: bool = False
-) -> None:
-    """Delete one generation's objects, unless the manifest names it or cannot be read
-    (a Ctrl-C or ``sys.exit`` between the manifest landing and the save marking itself
-    committed: its data was deleted under a committed manifest; not asked for a
-    ``replaced`` one, which the new manifest does not name) or it is held
-    (:func:`is_held`: an overwrite's replaced generation that a newer checkpoint reads
-    stays whole, retired); failures are logged (the caller's error matters more)."""
+def discard_partial(backend: Backend, generation: str, *, why: str) -> None:
+    """A failed save's generation discarded (:func:`discard_generation`), unless the
+    manifest names it or cannot be read back: a Ctrl-C or ``sys.exit`` between the
+    manifest landing and the save marking itself committed deleted the data under a
+    committed manifest."""
+    named = landed_generation(backend)
+    if named is None or named == generation:
+        log.warning("kept %s %s at %s: the manifest there may name it", why, generation, backend.uri)
+    else:
+        discard_generation(backend, generation, why=why)
+
+
+def discard_generation(backend: Backend, generation: str, *, why: str = "the partial save") -> None:
+    """Delete one generation's objects, unless it is held (:func:`is_held`: an
+    overwrite's replaced generation that a newer checkpoint reads stays whole, retired);
+    failures are logged (the caller's error matters more)."""
     try:
-        named = "" if replaced else _landed_generation(backend)
-        if named is None or named == generation:
-            log.warning("kept %s %s at %s: the manifest there may name it", why, generation, backend.uri)
-            return
         if is_held(backend, generation):
             log.info("kept %s %s at %s whole: newer checkpoints hold its bytes", why, generation, backend.uri)
             return
         delete_generation(backend, generation)
     except Exception as e:  # noqa: BLE001 - leftovers are only space (under a manager root, gc removes them)
         log.warning("could not remove %s %s at %s: %s", why, generation, backend.uri, e)
-
-
-def _landed_generation(backend: Backend) -> str | None:
-    """The generation the manifest under the root names, "" when there is none, None
-    when it cannot be read (it may be this save's)."""
-    try:
-        found = read_manifest(backend)
-    except Exception as e:  # noqa: BLE001 - unreadable: it may name the generation
-        log.debug("reading back the manifest at %s failed: %s", backend.uri, e)
-        return None
-    return "" if found is None else found.generation
 
 
 def delete_checkpoint(backend: Backend, prefix: str = "", *, only_bcp: bool = False) -> None:

@@ -45,6 +45,7 @@ from bcp.commit import (
     check_references_intact,
     commit,
     discard_generation,
+    discard_partial,
     find_existing,
     new_save_id,
     remove_leftovers,
@@ -153,10 +154,9 @@ def prepare_save(
 
 
 class Hello(NamedTuple):
-    """What each rank sends the coordinator first, at every save: O(1) about its
-    tensors (its layout's digests, and which cached plans it still holds), its
-    objects, and the checksums of the replicated boxes it checks (16 bytes each).
-    Box arrays follow only when the plan is not cached."""
+    """What each rank sends the coordinator first, at every save: O(1) about its tensors (its layout's digests,
+    and which cached plans it still holds), its objects, and the checksums of the replicated boxes it checks
+    (16 bytes each). Box arrays follow only when the plan is not cached."""
 
     digest: bytes
     meta_digest: bytes
@@ -360,8 +360,8 @@ def keep_or_discard(
     coord: Coordinator, backend: Backend, generation: str, committed: Callable[[], bool], note: str, why: str
 ) -> Iterator[None]:
     """A failure in the block removes ``generation`` (the coordinator), unless the
-    manifest may name it (CommitUncertainError) or it is committed and only telling
-    the other ranks failed (``note`` is added to the error)."""
+    manifest may name it (CommitUncertainError, or read back) or it is committed and only
+    telling the other ranks failed (``note`` is added to the error)."""
     try:
         yield
     except CommitUncertainError:
@@ -370,7 +370,7 @@ def keep_or_discard(
         if committed():
             e.add_note(note)
         elif coord.is_coordinator:
-            discard_generation(backend, generation, why=why)
+            discard_partial(backend, generation, why=why)
         raise
 
 
@@ -491,7 +491,7 @@ class SaveJob:
         if existing is not None and existing.manifest is not None:
             old = existing.manifest.generation
             if old != self.generation:
-                discard_generation(backend, old, why="the replaced generation", replaced=True)
+                discard_generation(backend, old, why="the replaced generation")
             if coord.is_coordinator and existing.manifest.references:
                 release_replaced(backend.uri, existing.manifest, self.options.storage_options)
         if coord.is_coordinator and self.options.overwrite:  # killed overwrites' generations, once old

@@ -186,8 +186,7 @@ def _check_strided(mesh: Any, placements: Any, fqn: str) -> None:
     for i, p in enumerate(placements):
         if type(p).__name__ != "_StridedShard":
             continue
-        later = [j for j in range(i + 1, len(placements)) if type(placements[j]).__name__ == "Shard"]
-        later = [j for j in later if placements[j].dim == p.dim]
+        later = [j for j, q in enumerate(placements) if j > i and type(q).__name__ == "Shard" and q.dim == p.dim]
         if not later or getattr(p, "split_factor", None) != math.prod(mesh.size(j) for j in later):
             raise UnsupportedStateError(
                 f"DTensor at key {fqn!r} has placements {tuple(placements)}: a strided shard is supported as FSDP2 "

@@ -399,7 +399,7 @@ def build_nested(entries: Iterable[tuple[KeyPath, Any]]) -> dict:
     for path, value in entries:
         node = tree
         for i, (kind, key) in enumerate(path):
-            first, _where = kinds.setdefault(id(node), (kind, path[:i]))
+            first = kinds.setdefault(id(node), (kind, path[:i]))[0]
             if first != kind:
                 raise FormatError(
                     f"key paths disagree on the container at {fqn_of(path[:i]) or 'the top'!r}: "
