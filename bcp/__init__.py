@@ -39,7 +39,7 @@ from bcp.reader import open_checkpoint as open  # noqa: A004 - the public name i
 from bcp.saver import SaveInfo, save
 from bcp.schedule.interval import IntervalPolicy, IntervalReport
 from bcp.schedule.preemption import Preemption
-from bcp.shards import FlatShard, PerRank, RankValues, TensorShard
+from bcp.shards import FlatShard, LowestRankCopy, PerRank, RankValues, TensorShard
 from bcp.tiers import LocalTier
 from bcp.training import TrainingState, reshard_per_rank
 
@@ -61,6 +61,7 @@ __all__ = [
     "LoadOptions",
     "LocalTier",
     "LoggingMetrics",
+    "LowestRankCopy",
     "MetricsRecord",
     "PerRank",
     "PickleNotAllowedError",

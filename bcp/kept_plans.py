@@ -52,7 +52,7 @@ from bcp.io_scheduler.write_pipeline import WriteItem
 from bcp.pieces import cut_pieces
 from bcp.planning.local_layout import LocalLayout, TensorPlan
 from bcp.replicas import ReplicaSummer, ReplicaSums
-from bcp.shards import LocalTensor, Piece, holds_replica, local_pieces
+from bcp.shards import LocalTensor, LowestRankCopy, Piece, holds_replica, local_pieces
 from bcp.state import path_to_str
 from bcp.tensor_io import check_saveable, storage_identity
 from bcp.torch_dtypes import dtype_name
@@ -489,6 +489,7 @@ def prepare_tensors(
             global_shape=tuple(shape),
             boxes=tuple(p.box for p in local),
             alias_of=None if alias == leaf.fqn else alias,
+            lowest_rank=type(leaf.value) is LowestRankCopy,
         )
         items.extend(WriteItem(tensor_plan, piece, len(tensors)) for piece in local)  # LocalLayout's flat order
         piece_of.extend([-1] if cuts is None and plain and len(local) == 1 else origin)

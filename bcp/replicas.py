@@ -195,8 +195,9 @@ def _message(found: dict[str, dict[int, list[int]]]) -> str:
         f"replicated tensors differ between ranks: {', '.join(parts)}{more}. A plain tensor (or a DTensor "
         "replicated over a mesh dimension) is stored once, so loading would give every rank one rank's copy. "
         "Wrap values that are meant to differ per rank in bcp.PerRank (RNG states, per-rank counters: saved "
-        "once per rank), save tensors that are split over ranks as a DTensor or bcp.TensorShard, or make the "
-        "copies equal; check_replicas='off' turns this check off"
+        "once per rank), wrap a tensor whose copies may differ in bcp.LowestRankCopy to store the lowest rank's "
+        "(BatchNorm statistics: bcp.TrainingState does), save tensors that are split over ranks as a DTensor or "
+        "bcp.TensorShard, or make the copies equal; check_replicas='off' turns this check off"
     )
 
 

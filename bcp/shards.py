@@ -5,7 +5,9 @@
   2-D meshes, uneven shards);
 * :class:`TensorShard`: an explicit box (Megatron-style TP/PP/EP layouts);
 * :class:`FlatShard`: a contiguous range of the row-major flattening (FSDP1 flat
-  parameters, ZeRO partitions), cut into at most 2*ndim-1 boxes.
+  parameters, ZeRO partitions), cut into at most 2*ndim-1 boxes;
+* :class:`LowestRankCopy`: a whole tensor every rank holds whose copies may differ
+  (BatchNorm statistics): stored from its lowest-ranked holder, never compared.
 
 Objects (non-tensors) wrapped in :class:`PerRank` are saved once per rank; reading
 one back without a template (``bcp.open(uri).state()``) gives a :class:`RankValues`.
@@ -69,6 +71,20 @@ class FlatShard:
 
 
 @dataclasses.dataclass
+class LowestRankCopy:
+    """Save ``local``, a whole tensor that several ranks hold, from the lowest-ranked of
+    them (rank 0 under plain data parallelism), without comparing the copies: for values
+    each rank updates on its own data, such as BatchNorm's running statistics under DDP
+    (which broadcasts rank 0's at the next forward) or FSDP2. A load fills ``local``."""
+
+    local: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.local, torch.Tensor) or is_dtensor(self.local):
+            raise TypeError(f"LowestRankCopy takes a plain torch.Tensor, not {type(self.local).__qualname__}")
+
+
+@dataclasses.dataclass
 class PerRank:
     """Save this object once per rank (dataloader position, RNG state). Loading at
     the same world size gives each rank its own; at another world size the caller's
@@ -111,7 +127,7 @@ def any_dtensor(values: Iterable[Any]) -> bool:
 
 
 def is_tensor_like(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, TensorShard, FlatShard))
+    return isinstance(value, (torch.Tensor, TensorShard, FlatShard, LowestRankCopy))
 
 
 class LocalTensor(NamedTuple):
@@ -200,6 +216,9 @@ def local_pieces(value: Any, fqn: str) -> LocalTensor:
     if isinstance(value, TensorShard):
         t = value.local
         return LocalTensor(value.global_shape, t.dtype, [Piece((value.offsets, tuple(t.shape)), t)], False)
+    if isinstance(value, LowestRankCopy):
+        t = value.local
+        return LocalTensor(tuple(t.shape), t.dtype, [Piece(((0,) * t.dim(), tuple(t.shape)), t)], True)
     if isinstance(value, FlatShard):
         t = value.local
         if not t.is_contiguous():

@@ -28,6 +28,7 @@ from typing import Any, Unpack, cast
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from bcp.dataloader import is_dataloader_state, is_sampler_state, reshard_dataloader_states
 from bcp.errors import UnsupportedStateError
@@ -35,7 +36,7 @@ from bcp.extras import missing_extra
 from bcp.loader import LoadInfo, load_with_info
 from bcp.options import LoadOptionsKwargs, SaveOptionsKwargs
 from bcp.saver import SaveInfo, save
-from bcp.shards import PerRank
+from bcp.shards import LowestRankCopy, PerRank, is_dtensor
 from bcp.state import taken_for_save, taking_for_save
 from bcp.target import Target
 
@@ -226,6 +227,8 @@ class TrainingState:
         ``model.state_dict()`` and ``optimizer.state_dict()``, at about their cost."""
         unstepped = [not optim.state for optim in self.optimizers]
         model_sd, optim_sd = self._model_and_optim(unstepped)
+        if taken_for_save():
+            model_sd = lowest_rank_buffers(self.model, model_sd)
         state: dict[str, Any] = {"model": model_sd}
         if self.optimizers:
             # marked only in what bcp saves: in a load's template the mark would be a key a
@@ -352,6 +355,24 @@ class TrainingState:
         # this object as the whole state: the load asks it for its template, fits that to the
         # checkpoint (fit_template) and hands it what was loaded, as for one anywhere in a state
         return load_with_info(cast(Mapping[str, Any], self), uri, **options)
+
+
+def lowest_rank_buffers(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (the model's state dict, any FQNs) with each of the model's buffers that
+    is a plain tensor wrapped in :class:`~bcp.shards.LowestRankCopy`, when several ranks
+    run: found by the memory they share. Ranks update BatchNorm's running statistics on
+    their own batches, so the copies differ at a save; DDP broadcasts rank 0's at the next
+    forward and FSDP2 never syncs them, so each is stored from its lowest-ranked holder
+    (rank 0 of its data-parallel group) instead of failing the replica check. Changed in
+    place (``state`` is the caller's own new dict) and returned."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return state
+    held = {(b.data_ptr(), b.dtype, b.shape) for b in model.buffers() if b.numel() and not is_dtensor(b)}
+    if held:
+        for key, value in state.items():
+            if type(value) is torch.Tensor and (value.data_ptr(), value.dtype, value.shape) in held:
+                state[key] = LowestRankCopy(value)
+    return state
 
 
 def _frozen_params(optimizers: Sequence[torch.optim.Optimizer], unstepped: Sequence[bool]) -> list[torch.Tensor]:

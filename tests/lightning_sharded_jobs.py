@@ -321,3 +321,52 @@ def fsdp1_reload(rank: int, world: int, root: str) -> None:
     expected = torch.load(f"{root}/expected.pt", weights_only=True, map_location=f"cuda:{rank}")
     restored = fsdp1_fit(f"{root}/again", 3, world, ckpt_path=f"{root}/saved/epoch=1.ckpt", when="train_start")
     assert_identical(expected, restored, f"restored on {world} GPUs")
+
+
+def batchnorm_fit(rank: int, world: int, root: str) -> None:
+    """A BatchNorm model under FSDP2 on ``world`` ranks: each rank's running statistics
+    come from its own batches, and the checkpoint holds rank 0's (not a refused save,
+    not a mix of ranks')."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.distributed.fsdp import fully_shard
+
+    from bcp.integrations.lightning import BcpModelParallelStrategy
+
+    _launched(rank, world)
+
+    class WithNorm(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+
+        def configure_model(self) -> None:
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    module = WithNorm()
+    strategy = BcpModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, process_group_backend="gloo")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_epochs=1,
+        callbacks=[ModelCheckpoint(dirpath=root, filename="{epoch}")],
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    trainer.fit(module, DataLoader(TensorDataset(DATA), batch_size=4))
+    copies: list[Any] = [None] * world
+    dist.all_gather_object(copies, module.net[1].running_mean.detach().clone())
+    assert not torch.equal(copies[0], copies[1]), "each rank's statistics are its own"
+    with bcp.open(f"{root}/epoch=0.ckpt") as reader:
+        key = "state_dict.net.1.running_mean"
+        assert torch.equal(reader.read_tensors([key])[key], copies[0]), "rank 0's statistics"

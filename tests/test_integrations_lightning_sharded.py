@@ -16,7 +16,7 @@ pytest.importorskip("lightning")
 from bcp.backends.memory import clear_memory_store
 from bcp.integrations.lightning import BcpFSDPStrategy, BcpModelParallelStrategy, checkpoint_uri
 from dist_jobs import spawn
-from lightning_sharded_jobs import sharded_details, sharded_reload, sharded_resume, sharded_save
+from lightning_sharded_jobs import batchnorm_fit, sharded_details, sharded_reload, sharded_resume, sharded_save
 
 
 def test_path_objects_become_the_uris_they_were_made_from():
@@ -63,6 +63,11 @@ def test_sharded_resume_on_another_number_of_ranks_is_exact(tmp_path, saved, res
 def test_tensor_parallel_checkpoint_resumes_fully_sharded_exactly(tmp_path):
     spawn(sharded_save, 2, str(tmp_path), "tp")
     spawn(sharded_reload, 2, str(tmp_path), "fsdp")
+
+
+@pytest.mark.slow
+def test_batchnorm_statistics_are_saved_from_rank_0(tmp_path):
+    spawn(batchnorm_fit, 2, str(tmp_path))
 
 
 def test_sharded_validate_and_errors(tmp_path):

@@ -51,6 +51,7 @@ from bcp.extras import needs_extra
 from bcp.loader import load_with_info
 from bcp.reader import CheckpointReader, open_checkpoint
 from bcp.saver import save
+from bcp.training import lowest_rank_buffers
 
 with needs_extra("lightning", "bcp.integrations.lightning"):
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -234,6 +235,8 @@ class _ShardedBcp(ParallelStrategy):
         # rank 0's, as Lightning saves it: a value that differs on another rank would be stored per rank
         rest, layout = self.broadcast((rest, layout_of(checkpoint)))
         state = {k: checkpoint[k] if k in SHARDED_KEYS else rest[k] for k in layout}
+        if isinstance(state.get("state_dict"), dict) and self.model is not None:  # BatchNorm's: rank 0's, not a mix
+            state["state_dict"] = lowest_rank_buffers(self.model, dict(state["state_dict"]))
         state[LAYOUT_KEY] = layout
         info = save(
             state,

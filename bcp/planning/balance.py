@@ -1,5 +1,6 @@
 """Who writes what: boxes held by one rank are that rank's; replicated boxes are
-balanced over their holders, largest first, each to its least-loaded holder (LPT);
+balanced over their holders, largest first, each to its least-loaded holder (LPT),
+but those of a ``bcp.LowestRankCopy`` tensor go to their lowest-ranked holder;
 zero-byte boxes go to the least-loaded holder at the end, and the boxes of tied
 tensors follow their target's."""
 
@@ -17,8 +18,10 @@ CHUNK = 512
 class Assignments:
     """What each rank writes and the bytes it carries, filled in by the paths."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, lowest: np.ndarray | None = None) -> None:
         self.world = world
+        #: (G,) tensors whose replicated boxes go to their lowest-ranked holder (None: none)
+        self.lowest = lowest
         self.load = np.zeros(world, dtype=np.int64)
         #: the matrix path's (rank x tensor) "writes its own box" mask and the tensors of its columns
         self.mask: np.ndarray | None = None
@@ -53,8 +56,12 @@ class Assignments:
         world = self.world
         heap: list[tuple[int, int]] | None = None
         out_r, out_i = [], []
-        for nbytes, _g, _o, hr, hi in self.replicated:
-            if len(hr) == world and world > 1 and hr[0] == 0 and hr[-1] == world - 1 and _distinct(hr):
+        lowest = self.lowest
+        for nbytes, g, _o, hr, hi in self.replicated:
+            if lowest is not None and lowest[g]:
+                j = int(np.argmin(hr))
+                r = int(hr[j])
+            elif len(hr) == world and world > 1 and hr[0] == 0 and hr[-1] == world - 1 and _distinct(hr):
                 if heap is None:
                     heap = [(v, r) for r, v in enumerate(load)]
                     heapq.heapify(heap)

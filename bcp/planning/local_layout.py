@@ -37,6 +37,8 @@ class TensorPlan:
     boxes: tuple[Box, ...]
     #: an earlier FQN whose local memory is this very tensor (tied weights), else None
     alias_of: str | None = None
+    #: stored from its lowest-ranked holder (``bcp.LowestRankCopy``), not balanced
+    lowest_rank: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,8 @@ class LayoutMeta:
     dtypes: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     aliases: tuple[str | None, ...]
+    #: the FQNs stored from their lowest-ranked holder (``TensorPlan.lowest_rank``)
+    lowest: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, tensors: Sequence[TensorPlan]) -> LayoutMeta:
@@ -57,11 +61,14 @@ class LayoutMeta:
             tuple(t.dtype for t in tensors),
             tuple(tuple(int(s) for s in t.global_shape) for t in tensors),
             tuple(t.alias_of for t in tensors),
+            frozenset(t.fqn for t in tensors if t.lowest_rank),
         )
 
     def encode(self) -> bytes:
+        """One row per tensor; a sixth field, 1, only on a lowest-rank one (the usual row
+        stays five fields)."""
         rows = [
-            [f, k, d, list(s), a]
+            [f, k, d, list(s), a, 1] if f in self.lowest else [f, k, d, list(s), a]
             for f, k, d, s, a in zip(self.fqns, self.key_paths, self.dtypes, self.shapes, self.aliases, strict=True)
         ]
         return json.dumps(rows, separators=(",", ":"), ensure_ascii=False).encode()
@@ -75,11 +82,11 @@ class LayoutMeta:
             raise ShardingError(f"a rank's layout metadata is not valid JSON: {e}") from None
         if not isinstance(rows, list):
             raise ShardingError("a rank's layout metadata is not a list of tensors")
-        fqns, paths, dtypes, shapes, aliases = [], [], [], [], []
+        fqns, paths, dtypes, shapes, aliases, lowest = [], [], [], [], [], []
         for row in rows:
-            if not (isinstance(row, list) and len(row) == 5):
+            if not (isinstance(row, list) and (len(row) == 5 or (len(row) == 6 and row[5] == 1))):
                 raise ShardingError(f"a rank's layout metadata has a malformed tensor entry {row!r:.200}")
-            fqn, path, dtype, shape, alias = row
+            fqn, path, dtype, shape, alias = row[:5]
             if not (isinstance(fqn, str) and isinstance(path, str) and isinstance(dtype, str)):
                 raise ShardingError(f"a rank's layout metadata has a malformed tensor entry {row!r:.200}")
             if not isinstance(shape, list) or not all(type(s) is int and 0 <= s < MAX_EXTENT for s in shape):
@@ -97,9 +104,11 @@ class LayoutMeta:
             dtypes.append(dtype)
             shapes.append(tuple(shape))
             aliases.append(alias)
+            if len(row) == 6:
+                lowest.append(fqn)
         if len(set(fqns)) != len(fqns):
             raise ShardingError("a rank's layout metadata names a tensor twice")
-        return cls(tuple(fqns), tuple(paths), tuple(dtypes), tuple(shapes), tuple(aliases))
+        return cls(tuple(fqns), tuple(paths), tuple(dtypes), tuple(shapes), tuple(aliases), frozenset(lowest))
 
     @functools.cached_property
     def ndims(self) -> np.ndarray:

@@ -58,7 +58,7 @@ def plan_save(
     metas = resolve_meta(layouts, meta)
     one_each = check_layouts(layouts, metas)
     table, local_gid = job_tensors(layouts, metas)
-    acc = Assignments(world)
+    acc = Assignments(world, table.lowest)
     m = metas[layouts[0].meta_digest] if world else None
     if matrix and m is not None and len(metas) == 1 and not table.has_alias and one_each:
         fallback = plan_matrix(layouts, m, table, acc)

@@ -86,6 +86,8 @@ class JobTensors:
     #: gid -> every alias_of its holders report (only when some tensor is tied)
     alias_seen: dict[int, set[str | None]]
     has_alias: bool
+    #: (G,) stored from the lowest-ranked holder (any holder's layout says so: ``LayoutMeta.lowest``)
+    lowest: np.ndarray | None = None
 
 
 def job_tensors(
@@ -129,6 +131,10 @@ def job_tensors(
     if sum(t * i for t, i in zip(total.tolist(), isz.tolist(), strict=True)) >= MAX_EXTENT:
         raise ShardingError("the tensors hold more bytes than a checkpoint can describe")
     table = JobTensors(list(index), [d for _p, d, _s, _r in info], shapes, isz, total, spad, alias_seen, has_alias)
+    named = set().union(*(metas[d].lowest for d in local_gid))
+    if named:
+        table.lowest = np.zeros(len(info), dtype=bool)
+        table.lowest[[index[fqn] for fqn in named]] = True
     return table, local_gid
 
 
