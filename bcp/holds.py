@@ -25,10 +25,11 @@ gone. So a hold the deleter did not see belongs to a save that will not use the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from bcp import commit
 from bcp.backends import Backend
@@ -45,6 +46,19 @@ from bcp.metadata.keys import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def place(backend: Backend, keys: Sequence[str]) -> None:
+    """Write the holds ``keys``; on a failure, delete those written (a stale hold is
+    harmless, but none is left behind) and raise it."""
+    for i, key in enumerate(keys):
+        try:
+            backend.write(key, b"")
+        except OSError:
+            for done in keys[:i]:
+                with contextlib.suppress(OSError):
+                    backend.delete(done)
+            raise
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,8 @@ checksum block size and digest equal a row of its base's catalog, writes nothing
 row's file, byte offset, size, checksums and digest (:func:`match`). The coordinator checks the base (a committed
 sibling), puts holds on every generation the base's manifest names and reads that manifest again (:func:`hold_base`),
 in that order, before any rank decides what to reuse; the commit lists the referenced files with ``"checkpoint":
-NAME`` (:func:`reference_entries`). A base that cannot be read (damaged, or a newer format) only costs the bytes.
+NAME`` (:func:`reference_entries`). A base that cannot be read (damaged, a newer format) or held (a read-only one)
+only costs the bytes.
 """
 
 from __future__ import annotations
@@ -136,12 +137,12 @@ def hold_base(
         return None
     parent_backend = resolve_backend(parent, opts)
     own_name = split_parent(os.fspath(uri))[1]  # type: ignore[arg-type]  # check_sibling took URIs
-    for owner, gen in referenced_generations(first, name):
-        parent_backend.write(f"{owner}/{hold_key(gen, own_name, save_id)}", b"")
+    keys = [f"{owner}/{hold_key(gen, own_name, save_id)}" for owner, gen in referenced_generations(first, name)]
     try:
+        holds.place(parent_backend, keys)
         again = read_manifest(base_backend)
-    except Exception as e:  # noqa: BLE001 - unreadable now: refer to nothing
-        log.warning("base %s: its manifest could not be read again (%s): saving every byte", base, e)
+    except Exception as e:  # noqa: BLE001 - a base this job cannot hold (read-only) or read again: refer to nothing
+        log.warning("base %s: cannot hold it or read it again (%s: %s): saving every byte", base, type(e).__name__, e)
         return None
     if again is None or again.save_id != first.save_id:
         log.warning("base %s changed or was deleted while this save held it: saving every byte", base)
@@ -151,8 +152,7 @@ def hold_base(
 
 def drop_unused_holds(uri: str, base: BaseRef, save_id: str, manifest: Manifest, options: object = None) -> None:
     """(coordinator, after the commit) Delete the holds :func:`hold_base` put on base generations the committed
-    ``manifest`` reads no byte of: its deletion releases only those it reads, so these kept their bytes retired
-    for gc's grace period. Never raises (a hold left is judged by age)."""
+    ``manifest`` reads no byte of (they would keep bytes retired for gc's grace period). Never raises."""
     used = {(f.checkpoint, generation_of(f.path)) for f in manifest.references}
     unused = [held for held in referenced_generations(base.manifest, base.name) if held not in used]
     try:

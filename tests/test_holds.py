@@ -340,3 +340,33 @@ def test_an_overwrite_releases_the_holds_of_the_checkpoint_it_replaced(tmp_path,
     bcp.save({"f": frozen, "x": torch.ones(64, 64)}, str(root / "s1"), overwrite=True)  # every byte its own
     assert not list(root.glob("s0/gen-*/holds/*"))
     assert cli_main(["ls", str(root)]) == 0 and "held by" not in capsys.readouterr().out
+
+
+def test_a_base_that_cannot_be_held_is_saved_in_full_and_leaves_no_hold(tmp_path, monkeypatch, caplog):
+    """A base this job may read but not write (another user's, a read-only directory):
+    the hold on its second generation fails, so the save writes every byte, refers to
+    nothing, and deletes the hold it had already put on the first; it loads exactly."""
+    import errno
+
+    from bcp.backends.file import FileBackend
+
+    root = tmp_path / "root"
+    frozen, x = torch.randn(64, 64), torch.full((64, 64), 2.0)
+    opts = {"piece_bytes": 4096}
+    bcp.save({"frozen": frozen, "x": torch.zeros(64, 64)}, str(root / "s0"), incremental=True, **opts)
+    bcp.save({"frozen": frozen, "x": torch.ones(64, 64)}, str(root / "s1"), base=str(root / "s0"), **opts)
+    real_write = FileBackend.write
+
+    def read_only_s0(self, key, data):
+        if key.startswith("s0/") and "/holds/" in key:
+            raise PermissionError(errno.EACCES, "Permission denied", key)
+        return real_write(self, key, data)
+
+    monkeypatch.setattr(FileBackend, "write", read_only_s0)
+    with caplog.at_level("WARNING", logger="bcp.incremental"):
+        bcp.save({"frozen": frozen, "x": x}, str(root / "s2"), base=str(root / "s1"), **opts)
+    assert "cannot hold it" in caplog.text and "PermissionError" in caplog.text, caplog.text
+    assert not list(root.glob("*/gen-*/holds/s2.*")), "the hold put before the failure is deleted"
+    assert not bcp.open(str(root / "s2")).manifest.references, "a base not held is not referred to"
+    state = bcp.load({"frozen": torch.zeros(64, 64), "x": torch.zeros(64, 64)}, str(root / "s2"))
+    assert torch.equal(state["frozen"], frozen) and torch.equal(state["x"], x)
