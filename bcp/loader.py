@@ -40,6 +40,7 @@ from bcp.errors import StateMismatchError, UnsupportedStateError, listed, prefix
 from bcp.gc_pause import gc_paused
 from bcp.io_scheduler.read_exec import ReadStats
 from bcp.metadata.geometry import Box
+from bcp.metadata.ties import first_of_each
 from bcp.options import LoadOptions, LoadOptionsKwargs, ReshardObjects
 from bcp.reader import CheckpointMetadata, CheckpointReader, fetch_metadata, open_reader
 from bcp.references import ParentFactory, parent_factory
@@ -486,12 +487,11 @@ def _match_subtree(
             return True
     _require_whole(reader, tensors)
     plan.subtree_loads.append(SubtreeLoad(leaf, below))
-    for f in tensors:
-        # reader.empty allocates only after the files holding the bytes are found in
-        # storage with their declared sizes: a catalog cannot make this allocate more
-        plan.subtree_tensors[f] = reader.empty(f)
-        shape = tuple(plan.subtree_tensors[f].shape)
-        plan.tensor_requests.append(TensorRequest(f, ((0,) * len(shape), shape), plan.subtree_tensors[f]))
+    # allocated only after the files holding the bytes are found in storage with their declared sizes, once for
+    # tied keys: a catalog cannot make this allocate more than is stored
+    plan.subtree_tensors.update(reader.empty_whole(list(tensors)))
+    for f, t in first_of_each({f: plan.subtree_tensors[f] for f in tensors}).items():
+        plan.tensor_requests.append(TensorRequest(f, ((0,) * t.dim(), tuple(t.shape)), t))
     return True
 
 

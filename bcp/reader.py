@@ -39,6 +39,7 @@ from bcp.metadata import Catalog, FormatError, Fragment, Manifest, ObjectEntry, 
 from bcp.metadata.catalog.sections import TRAILER, is_v2
 from bcp.metadata.geometry import Box, check_box_inside, intersect
 from bcp.metadata.keys import manifest_key
+from bcp.metadata.ties import first_of_each, tied_entries
 from bcp.references import ParentFactory, describe_file, parent_factory, references_backend
 from bcp.shards import RankValues
 from bcp.state import KeyPath, a_dot_prefix_is_a_key, build_nested, path_from_json
@@ -163,14 +164,8 @@ class CheckpointReader:
                     )
 
     def meta(self, fqn: str) -> TensorMeta:
-        entry = self._tensor_entry(fqn)
-        return TensorMeta(
-            fqn=fqn,
-            shape=torch.Size(entry.global_shape),
-            dtype=torch_dtype(entry.dtype, fqn=fqn),
-            nbytes=entry.nbytes,
-            entry=entry,
-        )
+        e = self._tensor_entry(fqn)
+        return TensorMeta(fqn, torch.Size(e.global_shape), torch_dtype(e.dtype, fqn=fqn), e.nbytes, entry=e)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -184,10 +179,9 @@ class CheckpointReader:
         return out
 
     def empty(self, fqn: str, box: Box | None = None) -> torch.Tensor:
-        """An uninitialised CPU tensor for the stored tensor, or its part ``box``, once
-        the data files holding those bytes have been found in storage with the sizes
-        the manifest declares: what a hostile catalog can make a reader allocate is
-        bounded by the bytes actually stored."""
+        """An uninitialised CPU tensor for the stored tensor, or its part ``box``, once the data
+        files holding those bytes are found in storage with their declared sizes: what a
+        hostile catalog can make a reader allocate is bounded by the bytes stored."""
         entry = self._tensor_entry(fqn)
         box = self._whole(entry) if box is None else box
         check_box_inside(fqn, entry.global_shape, box)
@@ -257,11 +251,10 @@ class CheckpointReader:
         return {fqn: self.read_object(fqn) for fqn in self.manifest.objects}
 
     def state(self, *, per_rank: PerRankChoice = "all") -> dict:
-        """The whole saved state rebuilt as nested dicts/lists/tuples (tensors on CPU).
-
-        An object saved per rank is, with ``per_rank="all"``, a :class:`~bcp.RankValues`
-        holding every saving rank's value; with ``per_rank=R``, saved rank ``R``'s value
-        (KeyError naming the key and the ranks that saved it when ``R`` did not)."""
+        """The whole saved state rebuilt as nested dicts/lists/tuples (tensors on CPU). An
+        object saved per rank is, with ``per_rank="all"``, a :class:`~bcp.RankValues` of
+        every saving rank's value; with ``per_rank=R``, saved rank ``R``'s value (KeyError
+        naming the key and the ranks that saved it when ``R`` did not)."""
         check_per_rank_choice(per_rank)
         tensors = self.read_tensors(self.tensor_keys())
         values = [
@@ -271,11 +264,18 @@ class CheckpointReader:
         return build_nested(zip([self.key_path(fqn) for fqn in self.keys()], values, strict=True))
 
     def read_tensors(self, fqns: list[str]) -> dict[str, torch.Tensor]:
-        """Whole stored tensors as new CPU tensors, read together: runs that follow each
-        other in a data file are fetched in large requests, not one per fragment."""
-        out = {fqn: self.empty(fqn) for fqn in fqns}
-        self.fill([(fqn, self._whole(self._tensor_entry(fqn)), t) for fqn, t in out.items()])
+        """Whole stored tensors as new CPU tensors, read together (runs that follow each other
+        in a file in large requests); tied FQNs as one tensor, as saved (``metadata.ties``)."""
+        out = self.empty_whole(fqns)
+        self.fill([(fqn, self._whole(self._tensor_entry(fqn)), t) for fqn, t in first_of_each(out).items()])
         return out
+
+    def empty_whole(self, fqns: list[str]) -> dict[str, torch.Tensor]:
+        """:meth:`empty` of each of ``fqns``, one tensor for tied FQNs: FormatError for FQNs
+        sharing bytes otherwise, which would allocate more than is stored (``metadata.ties``)."""
+        tied = {fqns[i]: fqns[j] for i, j in tied_entries(self._entries(fqns)).items()}
+        out = {fqn: self.empty(fqn) for fqn in fqns if fqn not in tied}
+        return {fqn: out[tied.get(fqn, fqn)] for fqn in fqns}
 
     def read_into(self, fqn: str, dest: torch.Tensor, *, box: Box | None = None) -> ReadStats:
         """Fill ``dest`` with the stored tensor, or with the part ``box`` = (offsets,
@@ -381,8 +381,7 @@ class CheckpointReader:
         return (0,) * len(entry.global_shape), entry.global_shape
 
     def _entries(self, fqns: list[str]) -> list[TensorEntry]:
-        """The entries of ``fqns`` in one catalog call (those not built yet built
-        together); a name not stored raises :meth:`_tensor_entry`'s KeyError."""
+        """The entries of ``fqns`` in one catalog call (:meth:`_tensor_entry`'s KeyError)."""
         try:
             return self.catalog.entries(fqns)
         except KeyError:

@@ -133,3 +133,17 @@ def test_allow_pickle_reaches_the_exports_that_hold_objects(tmp_path):
     assert "allow_pickle" in _one_line(refused).replace("-", "_")
     assert cli("convert", str(src), str(tmp_path / "out.pt"), "--to", "torch", "--allow-pickle").returncode == 0
     assert torch.load(tmp_path / "out.pt", weights_only=False)["opaque"] == datetime.timedelta(days=1)
+
+
+def test_tied_keys_export_to_safetensors_as_two_equal_tensors(tmp_path):
+    """A tie comes back from the checkpoint as one tensor; safetensors stores no shared
+    memory, so the export writes each key's own copy (as before ties were kept)."""
+
+    from bcp.convert import to_safetensors
+
+    w = torch.randn(4, 4)
+    bcp.save({"embed": w, "head": w}, str(tmp_path / "ck"))
+    to_safetensors(str(tmp_path / "ck"), str(tmp_path / "out"))
+    (file,) = (tmp_path / "out").glob("*.safetensors")
+    got = load_file(str(file))
+    assert torch.equal(got["embed"], w) and torch.equal(got["head"], w)

@@ -555,3 +555,91 @@ def test_the_disjoint_rows_check_agrees_with_comparing_every_pair(rows):
     except FormatError:
         refused = True
     assert refused == expect
+
+
+def test_tied_keys_read_without_a_template_come_back_as_one_tensor(tmp_path):
+    """A saved tie (two keys, one storage) is stored once and read back as one tensor, as
+    torch.load gives it: 10,000 tied keys allocate one tensor, not 10,000."""
+    uri = str(tmp_path / "ck")
+    w, other = torch.randn(4, 8), torch.randn(3)
+    bcp.save({"embed": w, "head": w, "other": other}, uri)
+    state = bcp.open(uri).state()
+    assert state["embed"] is state["head"] and torch.equal(state["embed"], w)
+    assert state["other"] is not state["embed"] and torch.equal(state["other"], other)
+    (frag,) = bcp.open(uri).meta("embed").fragments
+    many = [dataclasses.replace(frag, fqn=f"k{i}", key_path=f'[["d","k{i}"]]') for i in range(10_000)]
+    _replace_catalog(uri, Catalog(many).to_arrow())
+    got = bcp.open(uri).read_tensors([f"k{i}" for i in range(10_000)])
+    assert len({id(t) for t in got.values()}) == 1 and torch.equal(got["k9999"], w)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"global_shape": (32,), "offsets": (0,), "lengths": (32,)},  # the same bytes as another shape
+        {"dtype": "int32"},  # ... as another dtype
+        {"byte_offset": 4, "nbytes": 64, "global_shape": (16,), "offsets": (0,), "lengths": (16,)},  # shifted
+    ],
+)
+def test_keys_that_share_bytes_without_being_tied_are_refused_before_allocating(tmp_path, change):
+    """Rows of other keys over the same bytes (or over part of them) that are not one tied
+    tensor declare more memory than the files hold (10,000 keys over one tensor's bytes,
+    each shifted or reshaped): a read without a template refuses them, naming both keys."""
+    uri, frag, data = _saved(tmp_path)
+    w = torch.randn(4, 8)
+    bcp.save({"w": w}, uri, overwrite=True)
+    (frag,) = bcp.open(uri).meta("w").fragments
+    data = backend_for(uri).read(frag.file)
+    other = dataclasses.replace(frag, fqn="v", key_path='[["d","v"]]', **change)
+    other = dataclasses.replace(
+        other, checksums=tuple(block_checksums(data[other.byte_offset : other.byte_offset + other.nbytes], BLOCK))
+    )
+    _replace_catalog(uri, Catalog([frag, other]).to_arrow())
+    with pytest.raises(FormatError, match=r"'w' and 'v' share bytes of .* without being one tied tensor"):
+        bcp.open(uri).state()
+    assert torch.equal(bcp.open(uri).read_tensors(["w"])["w"], w), "either alone is still read"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 1), st.integers(0, 30), st.integers(0, 8)),
+        max_size=10,
+    )
+)
+def test_tied_entries_agree_with_comparing_every_pair(rows):
+    """(tensor, file, byte offset, nbytes) rows, box = its byte offset: two tensors are tied
+    exactly when their non-empty rows are the same set; refused when two distinct non-empty
+    ranges overlap (one tensor's too: refused at open anyway) or untied tensors share one."""
+    from bcp.metadata.rows import TensorEntry
+    from bcp.metadata.ties import tied_entries
+
+    def entry(t: int) -> TensorEntry:
+        mine = [r for r in rows if r[0] == t]
+        col = [np.array([r[k] for r in mine], np.int64) for k in range(4)]
+        return TensorEntry(
+            f"t{t}", f'[["d","t{t}"]]', "uint8", (64,),
+            offsets=col[2].reshape(-1, 1), lengths=col[3].reshape(-1, 1), byte_offsets=col[2], sizes=col[3],
+            files=col[1].astype(np.int32), file_names=("f0", "f1"), writer_ranks=np.zeros(len(mine), np.int32),
+            checksum_starts=np.zeros(len(mine) + 1, np.int64), checksum_values=np.zeros(0, np.uint32),
+        )  # fmt: skip
+
+    entries = [entry(t) for t in range(4)]
+    held = [{r[1:] for r in rows if r[0] == t and r[3]} for t in range(4)]
+
+    def overlap(x, y):
+        return x[0] == y[0] and x[1] < y[1] + y[2] and y[1] < x[1] + x[2]
+
+    ranges = set().union(*held)
+    crossing = any(overlap(x, y) for x in ranges for y in ranges if x != y)  # of any rows (one tensor's too)
+    untied = any(held[a] & held[b] and held[a] != held[b] for a in range(4) for b in range(a + 1, 4))
+    refused = crossing or untied
+    try:
+        tied = tied_entries(entries)
+    except FormatError:
+        assert refused
+        return
+    assert not refused
+    for b in range(4):
+        first = next((a for a in range(b) if held[a] and held[a] == held[b]), None)
+        assert tied.get(b) == first, (b, tied, held)

@@ -37,6 +37,7 @@ from bcp.convert.selection import (
 )
 from bcp.errors import FormatError
 from bcp.extras import needs_extra
+from bcp.metadata.ties import first_of_each
 from bcp.reader import CheckpointReader, open_checkpoint
 from bcp.saver import SaveInfo, save
 
@@ -132,6 +133,8 @@ def to_safetensors(
         for file, shard in zip(files, shards, strict=True):
             read = reader.read_tensors([key_of[name] for name in shard])  # one batch: contiguous runs coalesce
             tensors = {name: read.pop(key_of[name]).to(out_dtype[name]) for name in shard}
+            for name in tensors.keys() - first_of_each(tensors).keys():  # tied: safetensors stores no shared memory
+                tensors[name] = tensors[name].clone()
             del read
             for name in shard:
                 total += tensors[name].numel() * tensors[name].element_size()
