@@ -140,16 +140,29 @@ class FsspecBackend(StreamedFileBackend):
             raise FileNotFoundError(path)
         return int(info["size"])
 
+    def _info(self, path: str) -> dict[str, Any] | None:
+        """``fs.info``, None for a path that is not there. Not fsspec's isfile, isdir or
+        find: they answer False or nothing for any error, so an unreachable store looked
+        empty (a resume started from scratch)."""
+        try:
+            return dict(self.fs.info(path))
+        except FileNotFoundError:
+            return None
+
     def _is_file(self, path: str) -> bool:
-        return bool(self.fs.isfile(path))
+        info = self._info(path)
+        return info is not None and info.get("type") == "file"
 
     def _is_dir(self, path: str) -> bool:
-        return bool(self.fs.isdir(path))
+        info = self._info(path)
+        return info is not None and info.get("type") == "directory"
 
     def _remove_tree(self, path: str) -> None:
         self.fs.rm(path, recursive=True)
 
     def _find_files(self, directory: str) -> list[str]:
+        if directory and self._info(directory) is None:  # find() hides a failing store's errors
+            return []
         try:
             found = self.fs.find(directory, withdirs=False)
         except FileNotFoundError:

@@ -22,7 +22,7 @@ import s3fs
 import torch
 
 import bcp
-from bcp.backends import ObjectNotFoundError, StorageError
+from bcp.backends import ObjectNotFoundError, StorageError, backend_for
 from bcp.backends.retry import RetryPolicy
 from servers import free_port
 
@@ -174,3 +174,18 @@ def test_the_cli_prints_each_as_one_line(moto_server, gcs_server, tmp_path):
         lines = stderr.splitlines()
         assert len(lines) == 1, stderr
         assert lines[0].startswith("bcp inspect: ") and expect in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("scheme", ["webhdfs", "fsspec+webhdfs"])
+def test_an_unreachable_fsspec_store_is_an_error_not_an_empty_one(scheme, tmp_path):
+    """fsspec's isfile, isdir and find answer False or nothing for any error: an
+    unreachable WebHDFS looked like a store holding no checkpoint, so a manager's
+    load_latest started the job from scratch. Every lookup now raises StorageError."""
+    uri = f"{scheme}://127.0.0.1:{free_port()}/run?retry_deadline=1"  # nothing listens there
+    for call in (
+        lambda: bcp.exists(uri),
+        lambda: bcp.CheckpointManager(uri, async_save=False).load_latest({"w": torch.zeros(2)}),
+        lambda: list(backend_for(uri).list("")),
+    ):
+        with pytest.raises(StorageError, match=r"127\.0\.0\.1"):
+            call()
