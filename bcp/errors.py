@@ -18,7 +18,7 @@ from bcp.backends.storage_errors import (
     TransientError,
     WriterClosedError,
 )
-from bcp.metadata.format_errors import CheckpointError, FormatError
+from bcp.metadata.format_errors import CheckpointError, CorruptManifestError, FormatError
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -274,6 +274,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConversionError",
     "CorruptCheckpointError",
+    "CorruptManifestError",
     "FormatError",
     "GroupConnectError",
     "IncompleteCheckpointError",

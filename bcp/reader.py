@@ -32,7 +32,7 @@ from bcp.io_scheduler.device_load import DeviceFill
 from bcp.io_scheduler.read_exec import ReadStats, execute_reads
 from bcp.io_scheduler.read_plan import RunSet, plan_tensor_reads, touched_rows
 from bcp.io_scheduler.shard_reads import row_of, split_bulk
-from bcp.io_scheduler.shared_dest import Span, without_shared_destinations
+from bcp.io_scheduler.shared_dest import Span, check_destination, without_shared_destinations
 from bcp.io_scheduler.staging import StagingPool, default_pool
 from bcp.io_scheduler.whole_reads import execute_whole_reads
 from bcp.metadata import Catalog, FormatError, Fragment, Manifest, ObjectEntry, TensorEntry, crc32c
@@ -310,10 +310,7 @@ class CheckpointReader:
         check_box = check_box_inside
         for (fqn, box, dest), entry in zip(requests, entries, strict=True):  # everything checked before any allocation
             check_box(fqn, entry.global_shape, box)
-            if dest.is_meta:
-                raise ValueError(
-                    f"{fqn!r}: cannot load into a meta tensor; allocate it first (module.to_empty(device=...))"
-                )
+            check_destination(fqn, dest)
         wanted = [(fqn, box) for fqn, box, _dest in requests]
         if not self.catalog.is_whole:
             self.catalog.require(wanted)  # a catalog read in part fetches the rows these boxes need

@@ -153,6 +153,19 @@ USAGE_ERRORS = [
     (["convert", "{root}", "{out}", "--to", "bcp"], "bcp convert: the source is already a bcp checkpoint"),
     (["bench", "{out}", "--repeats", "0"], "bcp bench: --repeats must be >= 1, got 0"),
     (["bench", "{out}", "--gib", "0"], "bcp bench: --gib must be > 0, got 0"),
+    # a location or option no store takes (the docs' "wrong arguments"), in every command that takes one
+    (["ls", "s3:/bucket"], "bcp ls: 's3:/bucket' looks like a s3:// URI with a slash missing"),
+    (["verify", "file:relative"], "bcp verify: 'file:relative': a file URI names an absolute path"),
+    (["rm", "{root}?bogus=1"], "bcp rm: "),
+    (["gc", "file://{root}?fsync=maybe"], "bcp gc: option fsync='maybe' is not a boolean"),
+    (["inspect", "nosuch://x"], "bcp inspect: unknown storage scheme 'nosuch'"),
+    (["convert", "{root}", "nosuch://x", "--to", "dcp"], "bcp convert: unknown storage scheme 'nosuch'"),
+    (["bench", "file://{out}?bogus=1"], "bcp bench: unknown option(s) for the file backend"),
+    (["conformance", "nosuch://x", "--quick"], "bcp conformance: unknown storage scheme 'nosuch'"),
+    (["conformance", "memory://cf", "--quick", "-o", "bogus=1"], "bcp conformance: unknown option(s) for the memory"),
+    (["conformance", "memory://cf", "--quick", "-o", "nokv"], "bcp conformance: --option needs KEY=VALUE, got 'nokv'"),
+    (["inspect", "{root}", "--world", "2"], "bcp inspect: --world and --tensor go with --layout PNG"),
+    (["inspect", "{root}", "--tensor", "w"], "bcp inspect: --world and --tensor go with --layout PNG"),
 ]
 
 
@@ -165,9 +178,10 @@ def test_a_wrong_option_value_is_one_line_and_exit_2(saved, tmp_path, argv, mess
 
 
 @pytest.mark.parametrize("argv", [[], ["ls"], ["frobnicate"], ["ls", "x", "--no-such-option"]])
-def test_argparse_usage_errors_are_exit_2(argv):
+def test_argparse_usage_errors_are_exit_2_in_one_line(argv):
     code, out, err = run(*argv)
-    assert (code, out) == (2, "") and "usage: bcp" in err
+    assert (code, out) == (2, "") and err.startswith("bcp") and err.count("\n") == 1, err
+    assert "--help)" in err and "usage:" not in err, err
 
 
 # -- verify: each problem once ------------------------------------------------------------------
@@ -570,3 +584,10 @@ def test_exported_files_get_the_mode_open_gives(saved, tmp_path, umask):
     assert any(n.startswith("model-00003-of-") for n in names), names
     modes = {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777) for p in files}
     assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
+def test_conformance_with_no_check_selected_is_a_usage_error():
+    """pytest's own status 5 (nothing collected) used to be bcp's exit status, which the
+    CLI documents no meaning for."""
+    code, _out, err = run("conformance", f"memory://cf{uuid.uuid4().hex[:8]}", "--quick", "-k", "nothingmatches")
+    assert code == 2 and err.strip().endswith("no check matches -k 'nothingmatches'"), err

@@ -264,3 +264,15 @@ def test_a_cpu_destination_is_asked_six_things_and_never_its_device():
     assert _Asked.asked.count("is_conj") == 2 and len(_Asked.asked) == 2 * 7, _Asked.asked
     assert complex_spans == [(pair.data_ptr(), 16, torch.complex64), (pair.data_ptr() + 16, 16, None)]
     assert spans == [(memory.data_ptr(), 16, torch.float32), (memory.data_ptr() + 8, 16, torch.float32)]
+
+
+@pytest.mark.parametrize("dest", [torch.zeros(1).expand(4), torch.zeros(2, 1).expand(2, 2).t()])
+def test_a_destination_whose_elements_share_memory_is_refused_naming_it_before_any_write(tmp_path, dest):
+    """An expand()ed destination: the copy into it failed only after the reads, with
+    torch's message (no key) and every other key of the state already overwritten."""
+    uri = str(tmp_path / "ck")
+    bcp.save({"a": torch.arange(4.0), "b": torch.arange(4.0).view(dest.shape) + 10, "c": torch.ones(3)}, uri)
+    a, c = torch.zeros(4), torch.zeros(3)
+    with pytest.raises(ValueError, match=r"'b': its destination's elements share memory .*clone\(\) it"):
+        bcp.load({"a": a, "b": dest, "c": c}, uri)
+    assert not a.any() and not c.any(), "nothing was written"

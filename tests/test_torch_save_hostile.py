@@ -95,3 +95,22 @@ def test_a_data_pkl_that_makes_torch_raise_anything_is_a_format_error(tmp_path, 
     with pytest.raises(FormatError, match=r"bad\.pt: not a torch\.save file bcp can read: (TypeError|KeyError)"):
         from_torch(bad, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_an_exported_training_state_comes_back_only_with_allow_pickle(tmp_path):
+    """A TrainingState's torch export holds numpy RNG states, which torch's weights-only
+    loader refuses: the error names the cause (not torch's first line of advice), and the
+    caller's explicit --allow-pickle converts it back, RNG states included."""
+    import numpy as np
+
+    from bcp.cli.main import main as cli_main
+
+    model = torch.nn.Linear(3, 2)
+    bcp.TrainingState(model, torch.optim.SGD(model.parameters(), lr=0.1)).save(str(tmp_path / "ck"))
+    assert cli_main(["convert", str(tmp_path / "ck"), str(tmp_path / "m.pt"), "--to", "torch"]) == 0
+    with pytest.raises(FormatError, match=r"m\.pt: .*allow_pickle.*Unsupported global"):
+        from_torch(str(tmp_path / "m.pt"), str(tmp_path / "back"))
+    assert cli_main(["convert", str(tmp_path / "m.pt"), str(tmp_path / "back"), "--to", "bcp", "--allow-pickle"]) == 0
+    state = bcp.open(str(tmp_path / "back"), allow_pickle=True).state()
+    assert torch.equal(state["model"]["weight"], model.weight.detach())
+    assert np.array_equal(state["rng"]["numpy"][1], np.random.get_state()[1])

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from bcp.benchmark import save_load
-from bcp.cli.common import UsageError, one_line
+from bcp.cli.common import UsageError, backend_at, one_line
 from bcp.cli.render import human, rate, safe, show
 
 NAME = "bench"
@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--gib must be > 0, got {args.gib:g}")
     if args.repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
+    backend_at(args.uri).close()  # a URI or option no store takes: a usage error, before any work
     result = save_load(
         args.uri, gib=args.gib, repeats=args.repeats, on_run=_print_run, on_cleanup_error=_print_cleanup_error
     )

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from bcp.backends import Backend
 from bcp.backends.file import file_directory
-from bcp.backends.registry import check_not_empty
+from bcp.backends.registry import backend_for, check_not_empty
 from bcp.backends.storage_errors import redact
 from bcp.cli.render import safe, show
 from bcp.errors import CheckpointError
@@ -65,6 +65,16 @@ LOCATION_ARGS = (
     "config",
     "json",
 )
+
+
+def backend_at(uri: str, **options: str) -> Backend:
+    """``backend_for(uri, **options)``, where a URI or an option it cannot take (its
+    ValueError or TypeError: ``s3:/bucket``, ``file:relative``, ``?fsync=maybe``) is a
+    usage error (exit 2)."""
+    try:
+        return backend_for(uri, **options)
+    except (ValueError, TypeError) as e:
+        raise UsageError(one_line(e)) from e
 
 
 def refuse_empty_locations(args: argparse.Namespace) -> None:

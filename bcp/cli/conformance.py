@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from bcp.cli.common import imports
+from bcp.cli.common import UsageError, backend_at, imports
 
 NAME = "conformance"
 HELP = "check that a storage backend keeps bcp's contracts"
@@ -40,7 +40,14 @@ def run(args: argparse.Namespace) -> int:
     with needs_extra("conformance", "bcp conformance"):  # the suite is pytest tests
         from bcp.conformance.runner import run_suite
 
-    return run_suite(
+    options = {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--option needs KEY=VALUE, got {item!r}")
+        options[key] = value
+    backend_at(args.uri, **options).close()  # a URI or option the store refuses: one line, before the suite
+    status = run_suite(
         args.uri,
         level="quick" if args.quick else "full",
         options=args.option,
@@ -50,3 +57,8 @@ def run(args: argparse.Namespace) -> int:
         verbose=args.verbose,
         probe_mib=args.probe_mib,
     )
+    if status == 5:  # pytest: no test collected
+        raise UsageError(f"no check matches -k {args.k!r}" if args.k else "no check was collected")
+    if status == 2:  # pytest: interrupted
+        raise KeyboardInterrupt
+    return 0 if status == 0 else 2 if status == 4 else 1

@@ -9,7 +9,7 @@ import os
 
 from bcp import convert
 from bcp.backends.uri_options import as_size
-from bcp.cli.common import NotFound, UsageError, option
+from bcp.cli.common import NotFound, UsageError, backend_at, option
 from bcp.cli.render import human, progress, safe, show
 from bcp.reader import PerRankChoice, open_checkpoint
 
@@ -37,7 +37,9 @@ def configure(p: argparse.ArgumentParser) -> None:
         "removing the index and *.safetensors files the new export does not write (nothing else)",
     )
     p.add_argument(
-        "--allow-pickle", action="store_true", help="unpickle: DCP's non-tensor entries, a checkpoint's pickled objects"
+        "--allow-pickle",
+        action="store_true",
+        help="unpickle: DCP's non-tensor entries, a checkpoint's pickled objects, a whole torch.save file",
     )
     p.add_argument(
         "--dtype", help="--to safetensors: cast floating-point tensors (only those) to bf16, fp16, fp32, fp64"
@@ -131,6 +133,9 @@ def _run(args: argparse.Namespace) -> int:
     local = "://" not in args.src or args.src.startswith("file://")
     if local and not os.path.lexists(args.src.removeprefix("file://")):
         raise NotFound(f"{show(args.src)}: no such file or directory")
+    for location in (args.src, args.dst):  # a URI or option no store takes: a usage error, before any work
+        if ":" in location.partition("/")[0]:
+            backend_at(location).close()
     src_format = args.source_format if args.source_format != "auto" else convert.detect_format(args.src)
     if args.to == "bcp":
         return _into_bcp(args, src_format)
@@ -193,7 +198,7 @@ def _into_bcp(args: argparse.Namespace, src_format: str) -> int:
     if src_format == "safetensors":
         info = convert.from_safetensors(args.src, args.dst, overwrite=args.overwrite)
     elif src_format == "torch":
-        info = convert.from_torch(args.src, args.dst, overwrite=args.overwrite)
+        info = convert.from_torch(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle)
     elif src_format == "dcp":
         info, skipped = convert.from_dcp(
             args.src,

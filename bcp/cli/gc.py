@@ -7,9 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bcp.backends import backend_for
 from bcp.backends.storage_errors import redact
-from bcp.cli.common import UsageError, require_location
+from bcp.cli.common import UsageError, backend_at, require_location
 from bcp.cli.render import safe
 from bcp.retention import RetentionPolicy, plan_gc, run_gc
 
@@ -40,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"{name} must be >= 1, got {value}")
     if args.min_age < 0:
         raise UsageError(f"--min-age must be >= 0, got {args.min_age:g}")
-    backend = backend_for(args.root)
+    backend = backend_at(args.root)
     require_location(backend, args.root)
     plan = plan_gc(backend, grace_seconds=args.min_age, **policy)
     verb = "would delete" if args.dry_run else "deleting"

@@ -8,9 +8,8 @@ import json
 import sys
 from typing import Any
 
-from bcp.backends import backend_for
 from bcp.backends.storage_errors import redact
-from bcp.cli.common import CliError, UsageError, require_location
+from bcp.cli.common import CliError, UsageError, backend_at, require_location
 from bcp.cli.render import human, raw, safe, show
 from bcp.describe import describe
 from bcp.errors import listed
@@ -47,7 +46,9 @@ def _stats_as_expected(stats: dict[str, Any]) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    require_location(backend_for(args.uri), args.uri, list_objects=False)
+    if not args.layout and (args.world is not None or args.tensor is not None):
+        raise UsageError("--world and --tensor go with --layout PNG")
+    require_location(backend_at(args.uri), args.uri, list_objects=False)
     reader = open_checkpoint(args.uri, allow_pickle=False)
     if args.layout:
         return draw(reader, args)

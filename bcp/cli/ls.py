@@ -9,8 +9,8 @@ import json
 import sys
 from typing import Any
 
-from bcp.backends import Backend, backend_for
-from bcp.cli.common import one_line, require_location
+from bcp.backends import Backend
+from bcp.cli.common import backend_at, one_line, require_location
 from bcp.cli.render import age, human, safe, show
 from bcp.commit import read_manifest
 from bcp.discovery import FIND_MAX_DEPTH, ListedCheckpoint, list_checkpoints
@@ -65,7 +65,7 @@ def interval_of(backend: Backend, row: ListedCheckpoint) -> IntervalReport | Exc
 
 
 def run(args: argparse.Namespace) -> int:
-    backend = backend_for(args.root)
+    backend = backend_at(args.root)
     require_location(backend, args.root)
     listing = list_checkpoints(backend)
     rows = listing.checkpoints

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import traceback
+from typing import NoReturn
 
 from bcp.backends.registry import import_plugins
 from bcp.backends.storage_errors import redact
@@ -21,10 +22,18 @@ from bcp.errors import CheckpointNotFoundError
 COMMANDS = (conformance, ls, inspect, verify_command, convert_command, rm, gc, bench, trace_command)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, with a wrong command line as one line, exit 2 (the usage block is
+    ``--help``'s); subcommands' parsers are made of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from bcp import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="bcp",
         description="bcp checkpoints: storage checks and tools",
         epilog="exit status: 0 done; 1 the location or checkpoint is missing or bad, a check failed, "

@@ -7,8 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Collection
 
-from bcp.backends import backend_for
-from bcp.cli.common import CliError, NotFound, one_line, require_location
+from bcp.cli.common import CliError, NotFound, backend_at, one_line, require_location
 from bcp.cli.render import human, safe, show
 from bcp.deletion import deletable, delete_by_holds, parent_of, remove_emptied_root
 from bcp.errors import CheckpointError
@@ -35,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     """Delete one checkpoint: its manifest first, then its generations (``gen-*/``).
     Nothing else: not other files in the location, not a location without a
     manifest (unless --force), never through a symbolic link."""
-    backend = backend_for(args.uri)
+    backend = backend_at(args.uri)
     where = show(args.uri)
     require_location(backend, args.uri)
     try:

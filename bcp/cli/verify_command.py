@@ -8,9 +8,8 @@ import argparse
 import json
 
 from bcp import verify
-from bcp.backends import backend_for
 from bcp.backends.storage_errors import redact
-from bcp.cli.common import require_location
+from bcp.cli.common import backend_at, require_location
 from bcp.cli.render import human, progress, safe
 from bcp.discovery import find_checkpoints
 from bcp.metadata.keys import MANIFEST_KEY
@@ -37,7 +36,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def _is_root(uri: str) -> bool:
     """No checkpoint at ``uri`` but a committed one below it."""
-    backend = backend_for(uri)
+    backend = backend_at(uri)
     try:
         if backend.exists(MANIFEST_KEY):
             return False
@@ -47,7 +46,7 @@ def _is_root(uri: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    require_location(backend_for(args.uri), args.uri, list_objects=args.all)
+    require_location(backend_at(args.uri), args.uri, list_objects=args.all)
     if args.all or _is_root(args.uri):
         return _run_root(args)
     report = verify.verify_checkpoint(args.uri, progress=progress)

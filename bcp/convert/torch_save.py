@@ -116,14 +116,14 @@ def _read_file_backed(
     return out
 
 
-def _torch_load(src: str, **kwargs: Any) -> Any:
-    """``torch.load(src, weights_only=True)``; what it refuses, a FormatError naming the file."""
+def _torch_load(src: str, *, allow_pickle: bool = False, **kwargs: Any) -> Any:
+    """``torch.load(src, weights_only=not allow_pickle)``; what it refuses, a FormatError naming the file."""
     try:
-        return torch.load(src, map_location="cpu", weights_only=True, **kwargs)
+        return torch.load(src, map_location="cpu", weights_only=not allow_pickle, **kwargs)
     except pickle.UnpicklingError as e:
         raise FormatError(
-            f"{src}: holds what torch's weights-only loader refuses (bcp never unpickles a torch.save file "
-            f"fully: that runs code from it): {_first_line(e)}"
+            f"{src}: holds what torch's weights-only loader refuses (bcp unpickles a torch.save file fully only "
+            f"with allow_pickle / --allow-pickle: that runs code from it): {_first_line(e)}"
         ) from None
     # what a crafted data.pkl makes torch's allowed rebuild functions raise, too (TypeError: wrong arguments)
     except (RuntimeError, ValueError, EOFError, KeyError, TypeError, AttributeError, IndexError, OverflowError,
@@ -134,20 +134,26 @@ def _torch_load(src: str, **kwargs: Any) -> Any:
 
 
 def _first_line(error: BaseException) -> str:
-    """The first line of torch's message (its weights-only refusal runs to a page of advice)."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    """The line of torch's message that names the cause (its weights-only refusal runs to a
+    page of advice around ``WeightsUnpickler error: Unsupported global: ...``), else its first."""
+    lines = str(error).strip().splitlines()
+    named = [line.strip() for line in lines if "WeightsUnpickler error" in line or "Unsupported global" in line]
+    return named[0] if named else lines[0] if lines else type(error).__name__
 
 
-def from_torch(src: str, dst: str, *, overwrite: bool = False, storage_options: dict | None = None) -> SaveInfo:
+def from_torch(
+    src: str, dst: str, *, overwrite: bool = False, storage_options: dict | None = None, allow_pickle: bool = False
+) -> SaveInfo:
     """A ``torch.save`` file into bcp, memory-mapped; loaded with ``weights_only=True``
-    after its zip entries are checked (:func:`check_archive`)."""
+    after its zip entries are checked (:func:`check_archive`). ``allow_pickle``: loaded
+    fully (``weights_only=False``: runs code from the file; numpy arrays such as a
+    TrainingState's RNG states need it), and its objects stored by pickle where needed."""
     check_archive(src)
     try:
-        state = _torch_load(src, mmap=True)
+        state = _torch_load(src, allow_pickle=allow_pickle, mmap=True)
     except RuntimeError:  # only the legacy format's "cannot mmap" comes back as is
         log.warning("%s is in torch's legacy format and cannot be memory-mapped: loading it whole", src)
-        state = _torch_load(src)
+        state = _torch_load(src, allow_pickle=allow_pickle)
     if not isinstance(state, dict):
         state = {"state": state}
-    return save(state, dst, overwrite=overwrite, storage_options=storage_options)
+    return save(state, dst, overwrite=overwrite, storage_options=storage_options, allow_pickle=allow_pickle)

@@ -112,6 +112,20 @@ def destination_overlaps(dests: list[torch.Tensor], spans: list[Span] | None = N
     return pairs
 
 
+def check_destination(fqn: str, dest: torch.Tensor) -> None:
+    """ValueError naming ``fqn`` for a destination no load can fill: a meta tensor, or one
+    whose elements share memory (a stride of 0 on a dimension of more than one: what
+    ``expand`` makes), which the copy into it would refuse only after the other keys
+    were filled."""
+    if dest.is_meta:
+        raise ValueError(f"{fqn!r}: cannot load into a meta tensor; allocate it first (module.to_empty(device=...))")
+    if not dest.is_contiguous() and any(n > 1 and st == 0 for n, st in zip(dest.shape, dest.stride(), strict=True)):
+        raise ValueError(
+            f"{fqn!r}: its destination's elements share memory (shape {list(dest.shape)}, strides "
+            f"{list(dest.stride())}: an expand()ed tensor); load into a tensor of its own (clone() it)"
+        )
+
+
 def _same_destination_and_bytes(
     one: Request, two: Request, catalog: Catalog, entry: Callable[[str], TensorEntry]
 ) -> bool:
