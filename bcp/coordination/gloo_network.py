@@ -277,7 +277,7 @@ def create_group(
     with _environment(IFNAME_ENV, choice.interface):
         if not arrived:  # no bound of bcp's own: the group's timeout applies
             return _wrapped(create, rank, choice, None)
-        return _with_watchdog(create, rank, choice, limit)
+        return _with_watchdog(create, rank, choice, limit, subgroup=ranks is not None)
 
 
 def _wrapped(create: Callable[[], T], rank: int, choice: Choice, limit: float | None) -> T:
@@ -288,7 +288,7 @@ def _wrapped(create: Callable[[], T], rank: int, choice: Choice, limit: float | 
         raise _connect_error(rank, choice, time.monotonic() - started, limit, e) from e
 
 
-def _with_watchdog(create: Callable[[], T], rank: int, choice: Choice, limit: float) -> T:
+def _with_watchdog(create: Callable[[], T], rank: int, choice: Choice, limit: float, *, subgroup: bool = False) -> T:
     result: list[Any] = []
     done = threading.Event()
     started = time.monotonic()
@@ -305,7 +305,7 @@ def _with_watchdog(create: Callable[[], T], rank: int, choice: Choice, limit: fl
     thread = threading.Thread(target=run, name="bcp-gloo-group", daemon=True)
     thread.start()
     if not done.wait(limit):
-        error = _connect_error(rank, choice, time.monotonic() - started, limit, None)
+        error = _connect_error(rank, choice, time.monotonic() - started, limit, None, subgroup=subgroup)
         _STUCK.append((thread, error))
         raise error
     kind, value = result[0]
@@ -317,7 +317,13 @@ def _with_watchdog(create: Callable[[], T], rank: int, choice: Choice, limit: fl
 
 
 def _connect_error(
-    rank: int, choice: Choice, elapsed: float, limit: float | None, cause: BaseException | None
+    rank: int,
+    choice: Choice,
+    elapsed: float,
+    limit: float | None,
+    cause: BaseException | None,
+    *,
+    subgroup: bool = False,
 ) -> GroupConnectError:
     if cause is not None:
         first_line = (str(cause).splitlines() or [""])[0]
@@ -345,6 +351,12 @@ def _connect_error(
         f"{choice.address} ({choice.reason}). Every rank must reach every other rank's address: set "
         f"{IFNAME_ENV} to the network interface that reaches the other hosts{nccl_hint}, on every rank{bound}"
     )
+    if subgroup and cause is None:  # arrived, never met: most likely torch's names for a group of some ranks
+        message += (
+            ". Or, with process_group= a group of some ranks: torch names the gloo group bcp makes for it by how many "
+            "process groups each rank holds, so ranks holding different numbers (subgroups some created and others "
+            "did not) never meet"
+        )
     return GroupConnectError(message, rank=rank, address=choice.address)
 
 
