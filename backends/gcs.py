@@ -243,6 +243,14 @@ class GCSBackend(ObjectStoreBackend):
     def _list_names(self, full_prefix: str) -> Iterator[str]:
         return (item["name"] for item in self._list_items(full_prefix))
 
+    def _key(self, key: str) -> str:
+        """As every store's, but a key with a ``.bcp-uploads`` segment is refused: ``list``
+        hides those names (composite uploads' temporary parts), so it could never be found."""
+        name = super()._key(key)
+        if UPLOADS in key.split("/"):
+            raise ValueError(f"key {key!r}: {UPLOADS} is reserved for bcp's temporary upload parts")
+        return name
+
     def _hidden(self, name: str) -> bool:
         """A part of an unfinished upload, under this root's ``.bcp-uploads/`` or under that
         of any checkpoint below it (a step's backend keeps its parts in the step's prefix)."""

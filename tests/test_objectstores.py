@@ -723,3 +723,16 @@ def test_an_s3_object_needing_more_than_10000_parts_is_refused_before_any_reques
     assert b.open_writer("data/rank00000-0.bin", size=5 * MiB * 10_000) is not None
     with pytest.raises(ValueError, match=r"even parts of 32 MiB .* save from more ranks"):
         b.open_writer("data/rank00000-0.bin", size=(32 << 20) * 10_000 + 1)
+
+
+def test_gcs_refuses_keys_its_listing_would_hide(gcs_server, gcs_bucket):
+    """list() hides every name with a .bcp-uploads segment (composite uploads' parts): a
+    key with one was written, then never listed (and so never deleted by bcp.delete)."""
+    backend = backend_for(store_uri("gcs", gcs_server, gcs_bucket, uuid.uuid4().hex))
+    for key in ("a/.bcp-uploads/x", ".bcp-uploads/y"):
+        with pytest.raises(ValueError, match=r"\.bcp-uploads is reserved"):
+            backend.write(key, b"1")
+        with pytest.raises(ValueError, match=r"\.bcp-uploads is reserved"):
+            backend.read(key)
+    backend.write("a/.bcp-uploadsX/z", b"2")  # only the segment itself is reserved
+    assert list(backend.list("")) == ["a/.bcp-uploadsX/z"]
