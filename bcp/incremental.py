@@ -34,6 +34,7 @@ from bcp.io_scheduler.write_pipeline import WriteItem
 from bcp.metadata import FileEntry, FormatError, Manifest, crc32c, digest_of_checksums, itemsize
 from bcp.metadata.keys import generation_of, hold_key, is_sibling_name, split_parent
 from bcp.metadata.rows import Rows, TensorEntry
+from bcp.metadata.ties import reusable
 from bcp.options import SaveOptions
 from bcp.pieces import background
 from bcp.planning.writer_rows import REPORT_SCHEMA, WriterReport
@@ -55,11 +56,9 @@ _T = TypeVar("_T")
 class BaseRef:
     """The base a save refers to, as the coordinator checked and held it (sent to every rank)."""
 
-    #: the base's URI and its name (its last segment) under the common parent
-    uri: str
-    name: str
-    #: the base's manifest (bytes as read, parsed: every rank reads the same one)
-    manifest: Manifest
+    uri: str  #: the base's URI
+    name: str  #: its last segment, under the common parent
+    manifest: Manifest  #: its manifest as read (every rank reads the same one)
 
 
 def _parent_key(uri: str) -> str:
@@ -165,8 +164,7 @@ def drop_unused_holds(uri: str, base: BaseRef, save_id: str, manifest: Manifest,
 
 
 def release_replaced(uri: str, replaced: Manifest, options: object = None) -> None:
-    """(coordinator, after an overwrite's commit) Release the replaced checkpoint's holds on its siblings,
-    as its deletion would (:func:`bcp.holds.release`). Never raises."""
+    """(coordinator, after an overwrite's commit) Release the replaced one's holds as deleting it would. Never fails."""
     try:
         parent, name = split_parent(uri)
         backend = resolve_backend(parent, dict(options or {}))  # type: ignore[call-overload]
@@ -310,10 +308,9 @@ def _reader_of(
 def base_rows(
     base: BaseRef, items: Sequence[WriteItem], storage_options: object, prefetched: concurrent.futures.Future | None
 ) -> Looked | None:
-    """Per item, the rows of ``base``'s catalog holding its box (fqn, dtype, global
-    shape, box, size, a digest, a file the manifest lists): what depends on the base
-    and the items' structure only, not on their values. None when the base changed
-    after it was held. Reads only the catalog sections those boxes need."""
+    """Per item, the rows of ``base``'s catalog holding its box (fqn, dtype, global shape, box, size, a digest, a file
+    the manifest lists): from the base and the items' structure only. None when the base changed after it was held.
+    Reads only the catalog sections those boxes need."""
     none: Looked = [None] * len(items)
     reader = _reader_of(base, storage_options, prefetched)
     if reader is None:
@@ -324,7 +321,12 @@ def base_rows(
     if not wanted:
         return none
     catalog.require(wanted)
-    entries = {e.fqn: e for e in catalog.entries(sorted({f for f, _b in wanted}))}
+    entries = {e.fqn: e for e in catalog.entries(list(dict.fromkeys(f for f, _b in wanted)))}  # in save order
+    try:  # of a tie in the base, only its keys tied again may reuse its rows (metadata.ties.reusable)
+        entries = reusable(entries, {i.plan.fqn: i.plan.alias_of for i in items})
+    except FormatError as e:  # bytes shared otherwise (an older bcp's untie): reuse none of them
+        log.warning("base %s: %s: saving every byte", base.uri, e)
+        return none
     by_path = {f.path for f in base.manifest.data_files}
     names = catalog.file_names
     out = list(none)
@@ -355,14 +357,11 @@ def find_candidates(
     kept: OrderedDict[Any, Looked] | None = None,
     scope: object = None,
 ) -> Candidates:
-    """:class:`Candidates` of ``items`` in ``base``'s catalog (:func:`base_rows`;
-    ``prefetched``: a reader :func:`prefetch_base` started, used when it read the base
-    held). ``kept`` (a kept plan's ``lookups``, for items of its structure taken at
-    ``scope``): the lookup of the same base (URI and save id: a committed save's files
-    never change) taken there by an earlier save, else taken and kept. One CRC32C of at
-    most ``block`` bytes per item with a candidate row: dense training, where every
-    piece changes, then takes no digest before writing (the pipeline digests what it
-    writes, ``bcp.pieces``)."""
+    """:class:`Candidates` of ``items`` in ``base``'s catalog (:func:`base_rows`; ``prefetched``: a reader
+    :func:`prefetch_base` started, used when it read the base held). ``kept`` (a kept plan's ``lookups``, for items of
+    its structure taken at ``scope``): the lookup of the same base (URI and save id: its files never change) taken
+    there by an earlier save, else taken and kept. One CRC32C of at most ``block`` bytes per item with a candidate row:
+    dense training, where every piece changes, then takes no digest before writing (``bcp.pieces`` digests writes)."""
     none: list[list[BaseRow] | None] = [None] * len(items)
     if base is None or base.manifest.checksum_block_bytes != block or not items:
         return Candidates(None, none)

@@ -273,9 +273,10 @@ class CheckpointReader:
     def empty_whole(self, fqns: list[str]) -> dict[str, torch.Tensor]:
         """:meth:`empty` of each of ``fqns``, one tensor for tied FQNs: FormatError for FQNs
         sharing bytes otherwise, which would allocate more than is stored (``metadata.ties``)."""
-        tied = {fqns[i]: fqns[j] for i, j in tied_entries(self._entries(fqns)).items()}
-        out = {fqn: self.empty(fqn) for fqn in fqns if fqn not in tied}
-        return {fqn: out[tied.get(fqn, fqn)] for fqn in fqns}
+        names = list(dict.fromkeys(fqns))  # a key asked twice is one tensor
+        tied = {names[i]: names[j] for i, j in tied_entries(self._entries(names)).items()}
+        out = {fqn: self.empty(fqn) for fqn in names if fqn not in tied}
+        return {fqn: out[tied.get(fqn, fqn)] for fqn in names}
 
     def read_into(self, fqn: str, dest: torch.Tensor, *, box: Box | None = None) -> ReadStats:
         """Fill ``dest`` with the stored tensor, or with the part ``box`` = (offsets,

@@ -56,6 +56,18 @@ def tied_entries(entries: Sequence[TensorEntry]) -> dict[int, int]:
     return tied
 
 
+def reusable(entries: Mapping[str, TensorEntry], alias: Mapping[str, str | None]) -> dict[str, TensorEntry]:
+    """``entries`` (a base's, by FQN in a new save's order) less the keys that may not
+    reuse their rows there: of a tie in the base, a key other than its first unless the
+    new save ties it to that first key again (``alias``: each FQN's ``alias_of``).
+    Untied, two keys reusing one tie's bytes would share them. FormatError as
+    :func:`tied_entries`."""
+    order = list(entries)
+    ties = tied_entries(list(entries.values())).items()
+    drop = {order[i] for i, first in ties if alias.get(order[i]) != order[first]}
+    return {k: e for k, e in entries.items() if k not in drop}
+
+
 _V = TypeVar("_V")
 
 

@@ -643,3 +643,10 @@ def test_tied_entries_agree_with_comparing_every_pair(rows):
     for b in range(4):
         first = next((a for a in range(b) if held[a] and held[a] == held[b]), None)
         assert tied.get(b) == first, (b, tied, held)
+
+
+def test_read_tensors_of_a_key_asked_twice_gives_it_once(tmp_path):
+    uri = str(tmp_path / "ck")
+    bcp.save({"a": torch.arange(4.0), "b": torch.ones(2)}, uri)
+    got = bcp.open(uri).read_tensors(["a", "b", "a"])
+    assert list(got) == ["a", "b"] and torch.equal(got["a"], torch.arange(4.0))

@@ -352,3 +352,26 @@ def test_a_base_replaced_after_the_early_match_is_matched_again_as_held(tmp_path
     doc = json.loads((tmp_path / "b" / "manifest.json").read_text())
     referred = {f["path"] for f in doc["data_files"] if f.get("checkpoint") == "a"}
     assert referred and referred <= {f.path for f in bcp.open(a).manifest.data_files}
+
+
+@pytest.mark.parametrize("tied_again", [True, False])
+@pytest.mark.parametrize("head_changes", [True, False])
+def test_a_tie_of_the_base_is_reused_only_by_keys_tied_again(tmp_path, tied_again, head_changes):
+    """The base stored emb and head tied (one storage, bytes once). The next save ties
+    them again (both reuse those bytes: still one tensor when read) or not (then only
+    emb reuses them: head, changed or not, is written itself, so no two untied keys
+    share bytes, which a read without a template refuses or merges into one tensor)."""
+    w = torch.randn(64, 1024)
+    opts = {"piece_bytes": 16 << 10}
+    bcp.save({"emb": w, "head": w}, str(tmp_path / "s1"), incremental=True, **opts)
+    head = w if tied_again else w.clone()
+    if head_changes:
+        head[0] += 1  # tied again: emb changes with it
+    bcp.save({"emb": w, "head": head}, str(tmp_path / "s2"), base=str(tmp_path / "s1"), **opts)
+    state = bcp.open(str(tmp_path / "s2")).state()
+    assert torch.equal(state["emb"], w) and torch.equal(state["head"], head)
+    assert (state["emb"] is state["head"]) == tied_again
+    manifest = bcp.open(str(tmp_path / "s2")).manifest
+    own = sum(f.nbytes for f in manifest.data_files if not f.checkpoint)
+    piece = 16 << 10  # row 0's piece, of 4 rows
+    assert own == ((piece if head_changes else 0) if tied_again else head.nbytes), own
