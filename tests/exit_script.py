@@ -36,7 +36,10 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     real_commit = bcp.save_phases.SaveJob.commit_checkpoint
 
+    entered = os.path.join(os.path.dirname(uri), f"commit-entered-{os.path.basename(uri)}")
+
     def slow_commit(self, reports):
+        open(entered, "w").close()  # every rank's writes are done: "destroy_late" destroys now
         time.sleep(1.0)  # the save is surely still in flight when the script ends
         return real_commit(self, reports)
 
@@ -50,8 +53,10 @@ def main() -> None:
         mode = mode.removesuffix("_nostore")
     handle = bcp.async_save(state(rank, world), uri)
     if mode.startswith("destroy"):
-        if mode == "destroy_late":
-            time.sleep(0.5)  # the writes are done: the commit's collectives are under way
+        if mode == "destroy_late":  # once the coordinator is in the commit (not after a fixed time: under load the
+            deadline = time.monotonic() + 30  # writes were not done and the save was, rightly, not committed)
+            while not os.path.exists(entered) and time.monotonic() < deadline:
+                time.sleep(0.01)
         dist.destroy_process_group()
         print(f"rank {rank}: destroyed, save done={handle.done()}", flush=True)
     if mode in ("destroy_wait", "destroy_late"):

@@ -26,6 +26,7 @@ EXAMPLES = [
     bcp.errors.IncompleteCheckpointError("no manifest"),
     bcp.errors.CheckpointExistsError("exists"),
     bcp.errors.CorruptCheckpointError("bad crc", fqn="w", file="gen-1/data/rank00000-0.bin", offset=4096),
+    bcp.errors.CorruptManifestError("manifest.json: its CRC32C does not match"),
     bcp.errors.UnsupportedStateError("cannot save a lambda"),
     bcp.errors.PickleNotAllowedError("pickled", fqn="sched"),
     bcp.errors.ShardingError("shards overlap"),
