@@ -147,3 +147,15 @@ def test_tied_keys_export_to_safetensors_as_two_equal_tensors(tmp_path):
     (file,) = (tmp_path / "out").glob("*.safetensors")
     got = load_file(str(file))
     assert torch.equal(got["embed"], w) and torch.equal(got["head"], w)
+
+
+def test_a_file_uri_names_a_torch_or_safetensors_source_as_its_path(tmp_path):
+    """``bcp convert file:///abs/model.pt`` read the URI as a file name (no such file)."""
+    from bcp.cli.main import main as cli_main
+
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "m.pt")
+    save_file({"a": torch.ones(2)}, str(tmp_path / "s.safetensors"))
+    assert cli_main(["convert", f"file://{tmp_path}/m.pt", str(tmp_path / "from-torch"), "--to", "bcp"]) == 0
+    assert cli_main(["convert", f"file://{tmp_path}/s.safetensors", str(tmp_path / "from-st"), "--to", "bcp"]) == 0
+    assert torch.equal(bcp.open(str(tmp_path / "from-torch")).read("w"), torch.arange(3.0))
+    assert torch.equal(bcp.open(str(tmp_path / "from-st")).read("a"), torch.ones(2))

@@ -195,13 +195,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _into_bcp(args: argparse.Namespace, src_format: str) -> int:
+    src = _local_path(args.src) or args.src  # a file:// source of another format is a local path to it
     if src_format == "safetensors":
-        info = convert.from_safetensors(args.src, args.dst, overwrite=args.overwrite)
+        info = convert.from_safetensors(src, args.dst, overwrite=args.overwrite)
     elif src_format == "torch":
-        info = convert.from_torch(args.src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle)
+        info = convert.from_torch(src, args.dst, overwrite=args.overwrite, allow_pickle=args.allow_pickle)
     elif src_format == "dcp":
         info, skipped = convert.from_dcp(
-            args.src,
+            src,
             args.dst,
             overwrite=args.overwrite,
             allow_pickle=args.allow_pickle,
