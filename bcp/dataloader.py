@@ -91,6 +91,11 @@ class ShardedSampler(torch.utils.data.Sampler[int]):
         return len(range(self.rank, self.num_samples, self.world_size))
 
     def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning; the epoch this sampler is in, not yet run
+        to its end, keeps its position (DistributedSampler's idiom calls it at the top
+        of every epoch, which would repeat a resumed epoch from its start)."""
+        if epoch == self.epoch and not self.exhausted:
+            return
         self.epoch, self.consumed, self.order, self.exhausted = epoch, 0, None, False
 
     def state_dict(self) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from bcp.loader import LoadInfo, load_with_info
 from bcp.options import LoadOptionsKwargs, SaveOptionsKwargs
 from bcp.saver import SaveInfo, save
 from bcp.shards import LowestRankCopy, PerRank, is_dtensor
-from bcp.state import taken_for_save, taking_for_save
+from bcp.state import is_stateful, taken_for_save, taking_for_save
 from bcp.target import Target
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,8 @@ class TrainingState:
     (one or a sequence), ``scheduler`` (anything with state_dict/load_state_dict),
     ``dataloader`` (saved per rank: a torchdata ``StatefulDataLoader`` or anything
     with state_dict/load_state_dict), ``extra`` (a dict of your own values, updated
-    in place on load), ``rng`` (save and restore the RNG states, per rank)."""
+    in place on load; one with load_state_dict, a GradScaler, loads into itself),
+    ``rng`` (save and restore the RNG states, per rank)."""
 
     def __init__(
         self,
@@ -340,7 +341,12 @@ class TrainingState:
             self.dataloader.state_dict()
         if self.rng:
             set_rng_state(_unwrap(state["rng"]))
-        self.extra.update(state.get("extra", {}))
+        for key, value in state.get("extra", {}).items():  # a Stateful of yours (a GradScaler) loads in place
+            mine = self.extra.get(key)
+            if mine is not None and is_stateful(mine) and isinstance(value, Mapping):
+                mine.load_state_dict(value)
+            else:
+                self.extra[key] = value
 
     def save(self, uri: Target, **options: Unpack[SaveOptionsKwargs]) -> SaveInfo:
         """``bcp.save`` of this state (collective when torch.distributed is initialised)."""

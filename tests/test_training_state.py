@@ -639,3 +639,61 @@ def test_a_resume_with_a_stateful_dataloader_keeps_the_global_rng_in_step(tmp_pa
     bcp.TrainingState(model, optim, dataloader=loader).load(tmp_path / "ckpt")
     rest, _ = losses(model, optim, loader, 20 - cut, iter(loader))
     assert first + rest == whole
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_set_epoch_idiom_resumes_mid_epoch_without_repeating(tmp_path, workers):
+    """set_epoch(epoch) at the top of every epoch, as with DistributedSampler: after a
+    resume mid-epoch it is called with the epoch the sampler is in, which must keep the
+    resumed position (it restarted the epoch: 2 batches seen twice)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    uri, n, batch, epochs, cut = str(tmp_path / "ck"), 16, 4, 2, 2
+
+    def run(resume: bool) -> list[list[int]]:
+        sampler = ShardedSampler(n, rank=0, world_size=1, seed=3)
+        loader = StatefulDataLoader(torch.arange(n), batch_size=batch, sampler=sampler, num_workers=workers)
+        extra = {"epoch": 0, "step": 0}
+        job = bcp.TrainingState(torch.nn.Linear(1, 1), dataloader=loader, extra=extra, rng=False)
+        if resume:
+            job.load(uri)
+        seen = []
+        for epoch in range(extra["epoch"], epochs):
+            sampler.set_epoch(epoch)
+            extra["epoch"] = epoch
+            for ids in loader:
+                seen.append(ids.tolist())
+                extra["step"] += 1
+                if not resume and extra["step"] == cut:
+                    job.save(uri)
+                    return seen
+        return seen
+
+    reference = ShardedSampler(n, rank=0, world_size=1, seed=3)
+    expected = []
+    for epoch in range(epochs):
+        reference.set_epoch(epoch)
+        ids = list(reference)
+        expected += [ids[i : i + batch] for i in range(0, n, batch)]
+    assert run(False) + run(True) == expected
+    reference.set_epoch(1)  # the epoch it is in, run to its end: the next iteration starts it over
+    assert list(reference) == ids
+
+
+def test_a_grad_scaler_kept_in_extra_loads_into_itself(tmp_path):
+    """extra's values were replaced by what was loaded: a GradScaler became a dict, and
+    the job's own scaler kept its fresh scale."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    for _ in range(3):
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    bcp.TrainingState(model, opt, extra={"scaler": scaler, "step": 3}).save(str(tmp_path / "ck"))
+    fresh = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    extra = {"scaler": fresh, "step": 0}
+    bcp.TrainingState(torch.nn.Linear(2, 2), extra=extra).load(str(tmp_path / "ck"), strict=False)
+    assert extra["scaler"] is fresh and extra["step"] == 3
+    assert fresh.get_scale() == scaler.get_scale() == 8192.0
