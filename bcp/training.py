@@ -211,6 +211,8 @@ class TrainingState:
             self.optimizers = tuple(optimizer)
         self.extra: MutableMapping[str, Any] = {} if extra is None else extra
         self._cache: _StateDictCache | None = None
+        #: the optimizers' parameter groups (FQN sets) of the last load template (:func:`_group_names`)
+        self._groups: list[frozenset[str]] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """The job's state as bcp saves it; with a fresh optimizer, the template a load
@@ -236,6 +238,8 @@ class TrainingState:
             # strict load (DCP's) finds missing from a checkpoint of a stepped optimizer
             marked = taken_for_save() and any(unstepped)
             state["optim"] = _mark_unstepped_groups(optim_sd, self.optimizers, unstepped) if marked else optim_sd
+            if not taken_for_save():  # a load's template: the groups a load must find in the checkpoint
+                self._groups = _group_names(optim_sd)
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.dataloader is not None:
@@ -317,6 +321,7 @@ class TrainingState:
         )
 
         if self.optimizers:  # first, as set_state_dict does
+            _check_groups(_group_names(state["optim"]), self._groups)
             lenient = StateDictOptions(strict=False)
             # torch leaves out the state of a parameter not requiring a gradient: one frozen now may have some
             frozen = _frozen_params(self.optimizers, [True] * len(self.optimizers))
@@ -379,6 +384,28 @@ def lowest_rank_buffers(model: torch.nn.Module, state: dict[str, Any]) -> dict[s
             if type(value) is torch.Tensor and (value.data_ptr(), value.dtype, value.shape) in held:
                 state[key] = LowestRankCopy(value)
     return state
+
+
+def _group_names(optim_sd: Any) -> list[frozenset[str]] | None:
+    """Each parameter group's FQNs in ``get_state_dict``'s optimizer state (None: not one)."""
+    groups = optim_sd.get("param_groups") if isinstance(optim_sd, Mapping) else None
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and "params" in g for g in groups):
+        return None
+    return [frozenset(map(str, g["params"])) for g in groups]
+
+
+def _check_groups(saved: list[frozenset[str]] | None, live: list[frozenset[str]] | None) -> None:
+    """UnsupportedStateError when the checkpoint's optimizer holds the same parameters as
+    this one's in other groups (merged, split or moved): torch's set_optimizer_state_dict
+    takes them, giving parameters the other group's learning rate and weight decay. A
+    set of parameters that differs (a head added, loaded non-strictly) is not compared."""
+    if saved is None or live is None or saved == live or frozenset().union(*saved) != frozenset().union(*live):
+        return
+    raise UnsupportedStateError(
+        f"the optimizer's parameter groups differ from the checkpoint's: it saved {len(saved)} group(s) of "
+        f"{[len(g) for g in saved]} parameters, this one has {len(live)} of {[len(g) for g in live]}; loading would "
+        "give parameters another group's hyperparameters. Build the optimizer with the saved groups"
+    )
 
 
 def _frozen_params(optimizers: Sequence[torch.optim.Optimizer], unstepped: Sequence[bool]) -> list[torch.Tensor]:

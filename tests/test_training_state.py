@@ -697,3 +697,35 @@ def test_a_grad_scaler_kept_in_extra_loads_into_itself(tmp_path):
     bcp.TrainingState(torch.nn.Linear(2, 2), extra=extra).load(str(tmp_path / "ck"), strict=False)
     assert extra["scaler"] is fresh and extra["step"] == 3
     assert fresh.get_scale() == scaler.get_scale() == 8192.0
+
+
+@pytest.mark.parametrize("groups", ["merged", "split"])
+def test_a_load_into_other_parameter_groups_is_refused_not_given_other_hyperparameters(tmp_path, groups):
+    """The same parameters in other groups: torch's set_optimizer_state_dict took them,
+    and training went on with another group's lr and weight decay (or failed at the
+    first step). A different set of parameters (a head added, loaded non-strictly) is
+    not compared."""
+
+    def job(grouping: str, head: bool = False) -> bcp.TrainingState:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 4), torch.nn.Linear(4, 1), *([torch.nn.Linear(1, 1)] if head else [])
+        )
+        first, rest = list(model[0].parameters()), [p for m in list(model)[1:] for p in m.parameters()]
+        if grouping == "two":
+            param_groups = [{"params": first, "lr": 1e-3, "weight_decay": 0.1}, {"params": rest, "lr": 5e-3}]
+        elif grouping == "merged":
+            param_groups = [{"params": first + rest, "lr": 5e-3}]
+        else:
+            param_groups = [{"params": first[:1]}, {"params": first[1:]}, {"params": rest}]
+        opt = torch.optim.AdamW(param_groups, lr=1e-3)
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        return bcp.TrainingState(model, opt)
+
+    uri = str(tmp_path / "ck")
+    job("two").save(uri)
+    with pytest.raises(bcp.UnsupportedStateError, match=r"parameter groups differ from the checkpoint's: it saved 2"):
+        job(groups).load(uri)
+    job("two").load(uri)  # the saved groups: loads
+    job("two", head=True).load(uri, strict=False)  # other parameters: not compared
