@@ -487,10 +487,10 @@ def _match_subtree(
             return True
     _require_whole(reader, tensors)
     plan.subtree_loads.append(SubtreeLoad(leaf, below))
-    # allocated only after the files holding the bytes are found in storage with their declared sizes, once for
-    # tied keys: a catalog cannot make this allocate more than is stored
-    plan.subtree_tensors.update(reader.empty_whole(list(tensors)))
-    for f, t in first_of_each({f: plan.subtree_tensors[f] for f in tensors}).items():
+    # allocated once the files are found at their declared sizes, a tie once: no more than is stored
+    made = reader.empty_whole(list(tensors))
+    plan.subtree_tensors.update(made)
+    for f, t in first_of_each(made).items():
         plan.tensor_requests.append(TensorRequest(f, ((0,) * t.dim(), tuple(t.shape)), t))
     return True
 
